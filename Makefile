@@ -1,0 +1,42 @@
+# Two commands are the contract: `make run` and `make test`. Everything else is a helper.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+HOST   ?= 127.0.0.1
+PORT   ?= 50051
+PYTEST_ARGS ?=
+
+.PHONY: setup run test demo proto lint bench clean
+
+setup: $(STAMP)
+
+# CPU torch first (the pinned wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build),
+# then the package itself, editable, with the dev tools. Re-runs only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/mmserve serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(BIN)/mmserve demo --server $(HOST):$(PORT)
+
+proto: setup
+	$(BIN)/python -m mmserve.protogen
+
+lint: setup
+	$(BIN)/ruff check src tests bench scripts
+
+bench: setup
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -1,0 +1,223 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "messages", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    sampling: SamplingParams
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class Message(_message.Message):
+    __slots__ = ("role", "parts")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    parts: _containers.RepeatedCompositeFieldContainer[Part]
+    def __init__(self, role: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[Part, _Mapping]]] = ...) -> None: ...
+
+class Part(_message.Message):
+    __slots__ = ("text", "image", "video")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Image
+    video: Video
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., video: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
+
+class Image(_message.Message):
+    __slots__ = ("data", "mime_type")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mime_type: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+
+class Video(_message.Message):
+    __slots__ = ("data", "frames", "mime_type", "num_frames", "fps")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    frames: VideoFrames
+    mime_type: str
+    num_frames: int
+    fps: float
+    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., mime_type: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+
+class VideoFrames(_message.Message):
+    __slots__ = ("frames", "fps")
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[Image]
+    fps: float
+    def __init__(self, frames: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., fps: _Optional[float] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("request_id", "delta", "final")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    delta: Delta
+    final: Final
+    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Final(_message.Message):
+    __slots__ = ("finish_reason", "usage", "timings", "perf", "matched_stop")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PERF_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    usage: Usage
+    timings: Timings
+    perf: Perf
+    matched_stop: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., perf: _Optional[_Union[Perf, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "multimodal_tokens", "completion_tokens", "num_frames")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    multimodal_tokens: int
+    completion_tokens: int
+    num_frames: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., multimodal_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_s", "time_to_first_token_s", "end_to_end_s")
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    END_TO_END_S_FIELD_NUMBER: _ClassVar[int]
+    queue_s: float
+    time_to_first_token_s: float
+    end_to_end_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ...) -> None: ...
+
+class Perf(_message.Message):
+    __slots__ = ("flops", "read_bytes", "write_bytes", "mfu", "mbu", "attn_flops_sliding", "attn_flops_full")
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MFU_FIELD_NUMBER: _ClassVar[int]
+    MBU_FIELD_NUMBER: _ClassVar[int]
+    ATTN_FLOPS_SLIDING_FIELD_NUMBER: _ClassVar[int]
+    ATTN_FLOPS_FULL_FIELD_NUMBER: _ClassVar[int]
+    flops: float
+    read_bytes: float
+    write_bytes: float
+    mfu: float
+    mbu: float
+    attn_flops_sliding: float
+    attn_flops_full: float
+    def __init__(self, flops: _Optional[float] = ..., read_bytes: _Optional[float] = ..., write_bytes: _Optional[float] = ..., mfu: _Optional[float] = ..., mbu: _Optional[float] = ..., attn_flops_sliding: _Optional[float] = ..., attn_flops_full: _Optional[float] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    SUPPORTED_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    context_length: int
+    max_frames_per_video: int
+    max_frames_per_request: int
+    tokens_per_frame: int
+    supported_inputs: _containers.RepeatedScalarFieldContainer[str]
+    attention_backend: str
+    dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class GetServerLoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerLoad(_message.Message):
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "draining", "max_num_seqs")
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    running_requests: int
+    waiting_requests: int
+    kv_cache_usage: float
+    draining: bool
+    max_num_seqs: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,105 @@
+"""One EngineConfig that CLI flags and MMSERVE_* environment variables both map onto.
+
+Flag `--max-num-seqs` <-> env `MMSERVE_MAX_NUM_SEQS` <-> field `max_num_seqs`. A flag given on the
+command line wins over the environment, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+@dataclass
+class EngineConfig:
+    """What the engine needs to run a model. Server-only options live in ServerConfig."""
+
+    model: str = field(default=str(DEMO_MODEL_DIR), metadata={"help": "checkpoint directory (default: the embedded demo model)"})
+    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto | reference | sdpa | flex | fa4"})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
+    max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kv_blocks: int = field(default=0, metadata={"help": "KV blocks per pool; 0 = derive from kv_cache_bytes"})
+    kv_cache_bytes: int = field(default=256 * 2**20, metadata={"help": "KV cache memory for all pools"})
+    max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
+    seed: int = field(default=0, metadata={"help": "default sampling seed"})
+    # Multimodal limits (checked at the edge before any work starts).
+    max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most"})
+    max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})
+    default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none"})
+    max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload"})
+    max_video_duration_s: float = field(default=600.0, metadata={"help": "longest video accepted"})
+    max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels"})
+    video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video"})
+    max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask"})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
+    # Metrics.
+    perf_accounting: str = field(default="exact", metadata={"help": "exact | upper-bound attention accounting"})
+    step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced"})
+
+
+def _env_name(name: str) -> str:
+    return "MMSERVE_" + name.upper()
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """Add one flag per field of `cls`; defaults come from MMSERVE_* env vars, then the field default."""
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        env = os.environ.get(_env_name(f.name))
+        kind = type(default)
+        if kind is bool:
+            if env is not None:
+                default = env.lower() in ("1", "true", "yes", "on")
+            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{f.metadata.get('help', '')} [env {_env_name(f.name)}]")
+            continue
+        if env is not None:
+            default = kind(env)
+        parser.add_argument(_flag(f.name), type=kind, default=default, dest=f.name,
+                            help=f"{f.metadata.get('help', '')} (default {default!r}) [env {_env_name(f.name)}]")
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """Build a config dataclass from parsed args (ignores unrelated args)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def flag_names(cls: type) -> list[str]:
+    return [_flag(f.name) for f in dataclasses.fields(cls)]
+
+
+def env_names(cls: type) -> list[str]:
+    return [_env_name(f.name) for f in dataclasses.fields(cls)]
+
+
+@dataclass
+class ServerConfig:
+    """Options of the gRPC edge (`mmserve serve`)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=50051, metadata={"help": "port to bind; 0 = pick a free one"})
+    max_message_bytes: int = field(default=64 * 2**20, metadata={"help": "largest request message"})
+    worker_threads: int = field(default=4, metadata={"help": "threads decoding video and building prompts"})
+    drain_grace_s: float = field(default=30.0, metadata={"help": "how long in-flight streams may finish on SIGTERM"})
+    tls_cert: str = field(default="", metadata={"help": "server certificate (PEM); enables TLS"})
+    tls_key: str = field(default="", metadata={"help": "server private key (PEM)"})
+    tls_client_ca: str = field(default="", metadata={"help": "CA bundle for client certificates; enables mutual TLS"})
+    api_keys_file: str = field(default="", metadata={"help": "file with one API key per line; env MMSERVE_API_KEYS also works"})
+    auth_health: bool = field(default=False, metadata={"help": "require the API key for health and reflection too"})
+    otlp_traces_endpoint: str = field(default="", metadata={"help": "OTLP endpoint for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off"})
