@@ -1,0 +1,75 @@
+"""Plain data crossing the engine's edge: what the server submits and what it streams back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.scheduler.request import MultiModalInput
+
+
+@dataclass
+class EngineRequest:
+    """A fully prepared prompt: token ids with each image/frame's placeholder run as an inclusive
+    absolute [start, end] range and its pixels in `mm_inputs` (same order)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    trace_context: Any = None
+    num_frames: int = 0      # video frames in the prompt (images are not frames)
+    num_mm_tokens: int = 0   # placeholder tokens over all images and frames
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    multimodal_tokens: int
+    completion_tokens: int
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds: queue_s from arrival to first schedule, ttft_s from arrival to first token, e2e_s to now."""
+
+    queue_s: float | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One streamed delta. Exactly one output per request has finished=True, and it is the last."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None   # "length" | "eos" | "stop"; None while running
+    matched_stop: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    perf: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    running: int
+    waiting: int
+    kv_usage: float       # share of usable KV blocks in use, over all pools, in [0, 1]
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    context_length: int
+    tokens_per_frame: int
+    max_frames: int
+    backend: str
+    dtype: str

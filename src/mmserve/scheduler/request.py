@@ -1,0 +1,81 @@
+"""A request's state as the scheduler sees it. The scheduler owns the lifecycle; the engine reads it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # the engine owns sampling; the scheduler only carries the object
+    from mmserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class MultiModalInput:
+    """One image or video frame, patchified: the vision tower's input for one placeholder range."""
+
+    pixel_values: torch.Tensor   # [P, 3 * patch_size**2]
+    position_ids: torch.Tensor   # [P, 2]; padding patches at (-1, -1)
+
+
+@dataclass(eq=False)
+class Request:
+    """`mm_ranges` are inclusive absolute [start, end] placeholder runs, sorted and disjoint;
+    `mm_inputs[i]` is the pixel input of `mm_ranges[i]`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    trace_context: Any = None
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Observers (metrics, tracing) accumulate per-request numbers here; the engine never reads it.
+    perf: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.mm_inputs) not in (0, len(self.mm_ranges)):
+            raise ValueError(f"{self.request_id}: {len(self.mm_inputs)} mm inputs for {len(self.mm_ranges)} ranges")
+        # [K, 2] int64 so the metadata builder can clip ranges with numpy instead of Python loops.
+        self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_mm_tokens(self) -> int:
+        return int((self.mm_ranges_np[:, 1] - self.mm_ranges_np[:, 0] + 1).sum())
+
+    def token_id(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while the tokens left to compute are more than the one fresh decode token."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
