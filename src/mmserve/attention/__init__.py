@@ -1,1 +1,58 @@
+"""Attention: one mask semantics (mask.py) and interchangeable backends over a paged KV cache.
 
+`create_impl(name, spec)` returns the per-layer-type implementation; `resolve_backend("auto", device)`
+picks FA4 on GPUs it supports and otherwise the fastest correct CPU backend (measured in
+bench/attention.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+
+from mmserve.attention.backend import AttentionImpl, AttentionMetadata, LayerAttentionSpec
+
+log = logging.getLogger(__name__)
+
+# name -> (module, class); imported lazily so optional dependencies stay optional.
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "reference": ("mmserve.attention.reference", "ReferenceImpl"),
+}
+
+# Fastest correct CPU backend measured by bench/attention.py (see docs/benchmarks.md).
+CPU_AUTO_BACKEND = "reference"
+
+
+def available_backends() -> list[str]:
+    """Backends whose imports work in this environment."""
+    names = []
+    for name, (module, _) in _BACKENDS.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            continue
+        names.append(name)
+    return names
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Turn a --attention-backend value into a concrete backend name for `device`."""
+    if name != "auto":
+        if name not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
+        return name
+    return CPU_AUTO_BACKEND
+
+
+def create_impl(name: str, spec: LayerAttentionSpec) -> AttentionImpl:
+    """The implementation of backend `name` (already resolved, not "auto") for one layer type."""
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(spec)
+
+
+__all__ = ["AttentionImpl", "AttentionMetadata", "LayerAttentionSpec", "available_backends", "create_impl",
+           "resolve_backend"]

@@ -1,0 +1,60 @@
+"""The one definition of which keys a query attends to; every backend and test derives from it.
+
+    keep(q, k) = (k <= q and q - k < W) or (r_start(q) <= k <= r_end(q) and (not clamp or q - k < W))
+
+`keep` accepts Python ints or broadcastable tensors, so the naive per-pair check in tests and the
+vectorised batch builder below run the very same expression.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+
+
+def keep(q, k, r_start, r_end, *, window: int | None, bidirectional: bool, clamp: bool):
+    """keep(q, k) for absolute positions q, k and q's own inclusive range [r_start, r_end] ((-1, -1) = none)."""
+    in_window = True if window is None else (q - k) < window
+    causal = (k <= q) & in_window
+    if not bidirectional:
+        return causal
+    in_range = (r_start <= k) & (k <= r_end)
+    if clamp:
+        in_range = in_range & in_window
+    return causal | in_range
+
+
+def keep_for_spec(q, k, r_start, r_end, spec: LayerAttentionSpec):
+    return keep(q, k, r_start, r_end, window=spec.window, bidirectional=spec.bidirectional,
+                clamp=spec.clamp_bidirectional)
+
+
+def token_request_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Request index of each flattened query token, without a Python loop."""
+    tokens = torch.arange(num_tokens, device=query_start_loc.device)
+    return torch.searchsorted(query_start_loc[1:].to(torch.int64), tokens, right=True)
+
+
+def key_valid(metadata: AttentionMetadata, num_keys: int) -> torch.Tensor:
+    """[num_reqs, num_keys] bool: key position exists in the request and its block is not the null block 0."""
+    k = torch.arange(num_keys, device=metadata.block_table.device)
+    valid = k[None, :] < metadata.seq_lens[:, None].to(torch.int64)
+    block_idx = (k // metadata.block_size).clamp(max=metadata.block_table.shape[1] - 1)
+    return valid & (metadata.block_table[:, block_idx] != 0)
+
+
+def batch_dense_mask(metadata: AttentionMetadata, spec: LayerAttentionSpec, num_keys: int | None = None) -> torch.Tensor:
+    """[T, num_keys] bool: row i is query token i's mask over its own request's key positions 0..num_keys-1."""
+    num_keys = metadata.max_seq_len if num_keys is None else num_keys
+    T = metadata.num_actual_tokens
+    q = metadata.positions[:T].to(torch.int64)[:, None]
+    k = torch.arange(num_keys, device=q.device)[None, :]
+    if metadata.mm_ranges is not None and spec.bidirectional:
+        ranges = metadata.mm_ranges[:T].to(torch.int64)
+        r_start, r_end = ranges[:, 0:1], ranges[:, 1:2]
+    else:
+        r_start = r_end = torch.full_like(q, -1)
+    mask = keep_for_spec(q, k, r_start, r_end, spec)
+    req = token_request_ids(metadata.query_start_loc, T)
+    return mask & key_valid(metadata, num_keys)[req]

@@ -1,0 +1,28 @@
+"""Paged KV cache access shared by the Python-level backends (reference, sdpa).
+
+Cache layout: kv_cache[0] holds K and kv_cache[1] holds V, each [num_blocks, block_size, Hkv, D];
+slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store this step's K/V ([T, Hkv, D]) at their slots (in place)."""
+    num_tokens = k.shape[0]
+    slots = slot_mapping[:num_tokens]
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V for key positions 0..num_keys-1 of one request, each [num_keys, Hkv, D]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-num_keys // block_size)
+    blocks = block_table_row[:num_blocks].to(torch.int64)
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_keys]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_keys]
+    return k, v
