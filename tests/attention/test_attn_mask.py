@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_batches import SPECS, SLIDING_SPEC, Req, frames, make_batch, standard_batches
+from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
 from mmserve.attention.mask import batch_dense_mask, keep_for_spec
 

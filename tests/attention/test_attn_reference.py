@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from attn_batches import SPECS, SLIDING_SPEC, Req, frames, make_batch, standard_batches
+from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
 from mmserve.attention import create_impl
 from mmserve.attention.mask import keep_for_spec
