@@ -1,0 +1,36 @@
+"""Bounds on media work, so one hostile payload cannot take a worker's memory or time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmserve.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Limits checked before and during decoding. Each names the flag that raises it."""
+
+    max_video_bytes: int = 48 * 2**20
+    max_image_bytes: int = 48 * 2**20
+    max_frames_per_video: int = 32
+    default_num_frames: int = 8
+    max_video_duration_s: float = 600.0
+    max_image_pixels: int = 4096 * 4096
+    # Frames larger than this are downscaled while decoding (preprocessing shrinks them anyway);
+    # keeps 32 sampled 4K frames from holding gigabytes.
+    max_decoded_frame_pixels: int = 1024 * 1024
+    # Work bounds for the decoder itself: a tiny file may claim millions of empty frames.
+    max_packets: int = 100_000
+    max_decoded_frames: int = 100_000
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "MediaLimits":
+        return cls(
+            max_video_bytes=config.max_video_bytes,
+            max_image_bytes=config.max_video_bytes,
+            max_frames_per_video=config.max_frames_per_video,
+            default_num_frames=config.default_num_frames,
+            max_video_duration_s=config.max_video_duration_s,
+            max_image_pixels=config.max_image_pixels,
+        )
