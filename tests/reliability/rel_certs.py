@@ -33,7 +33,7 @@ def _pem(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KeyPair:
 
 def make_ca(common_name: str) -> KeyPair:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(_name(common_name))
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
@@ -49,7 +49,7 @@ def make_ca(common_name: str) -> KeyPair:
 def issue(ca: KeyPair, common_name: str, *, server: bool) -> KeyPair:
     """A leaf certificate signed by `ca`; server ones are valid for localhost and 127.0.0.1."""
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
     builder = (x509.CertificateBuilder().subject_name(_name(common_name)).issuer_name(ca.cert.subject)
                .public_key(key.public_key()).serial_number(x509.random_serial_number())
