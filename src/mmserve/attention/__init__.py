@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 # name -> (module, class); imported lazily so optional dependencies stay optional.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "reference": ("mmserve.attention.reference", "ReferenceImpl"),
+    "sdpa": ("mmserve.attention.sdpa", "SdpaImpl"),
 }
 
 # Fastest correct CPU backend measured by bench/attention.py (see docs/benchmarks.md).
