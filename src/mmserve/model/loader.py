@@ -1,0 +1,59 @@
+"""`load_model(path, ...)`: config -> spec -> modules on the meta device -> checkpoint tensors."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from mmserve.model.config import load_spec
+from mmserve.model.decoder import TextDecoder
+from mmserve.model.serving_model import Gemma4ServingModel
+from mmserve.model.vision import VisionEncoder
+from mmserve.model.weights import load_weights
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of float32, bfloat16, float16")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               attention_backend: str = "reference") -> Gemma4ServingModel:
+    """Load a Gemma 4 checkpoint directory for serving."""
+    from mmserve.attention import create_impl
+
+    start = time.perf_counter()
+    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    spec = load_spec(path)
+    impls = {t: create_impl(attention_backend, s) for t, s in spec.attention_specs.items()}
+    # The decoder is built without storage; the checkpoint's tensors are assigned into it.
+    with torch.device("meta"):
+        decoder = TextDecoder(spec, impls)
+    vision = None
+    if spec.has_vision:
+        with torch.device(torch_device):
+            vision = VisionEncoder(spec.hf_config)
+    model = Gemma4ServingModel(spec, decoder, vision)
+    load_weights(model, path, dtype=torch_dtype, device=torch_device, tied=spec.tie_word_embeddings)
+    model.eval()
+    logger.info("loaded %s: %d layers %s, %s on %s, %s attention in %.1fs", path, spec.num_layers,
+                "+vision" if vision else "text-only", torch_dtype, torch_device, attention_backend,
+                time.perf_counter() - start)
+    return model

@@ -1,0 +1,50 @@
+"""`Gemma4ServingModel`: the object the engine's model runner drives (contract in docs/architecture.md)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmserve.attention.backend import AttentionMetadata
+from mmserve.model.config import ModelSpec
+from mmserve.model.decoder import TextDecoder
+from mmserve.model.vision import VisionEncoder
+
+
+class Gemma4ServingModel(nn.Module):
+    """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
+
+    def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None):
+        super().__init__()
+        self.spec = spec
+        self.decoder = decoder
+        self.vision = vision
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: dict[str, AttentionMetadata], kv_caches: list[torch.Tensor],
+                mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """One step over T flattened tokens -> final-normed hidden states [T, hidden].
+
+        `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
+        """
+        return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> soft-capped float32 logits [N, vocab]."""
+        return self.decoder.compute_logits(hidden)
+
+    def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""
+        if self.vision is None:
+            raise ValueError("this checkpoint has no vision tower (vision_config is null)")
+        return self.vision(pixel_values, position_ids)

@@ -1,0 +1,47 @@
+"""Vision: transformers' Gemma 4 vision tower + multimodal embedder, used as they are.
+
+We do not rewrite the ViT: the modules come from transformers and load the checkpoint's
+`vision_tower.*` / `embed_vision.*` tensors. This wrapper only fixes the calling convention the
+engine needs: a batch of patchified images/frames in, one [soft_tokens_i, text_hidden] tensor out
+per image (padding patches have position (-1, -1) and produce no tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import Gemma4Config
+from transformers.initialization import no_init_weights
+from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, config: Gemma4Config, attn_implementation: str = "sdpa"):
+        super().__init__()
+        vision_config = config.vision_config
+        vision_config._attn_implementation = attn_implementation
+        # Parameters are overwritten by the checkpoint; skip the (slow) random init. Buffers such as
+        # the 2D-RoPE inverse frequencies stay float32, as transformers keeps them.
+        with no_init_weights():
+            self.vision_tower = Gemma4VisionModel(vision_config)
+            self.embed_vision = Gemma4MultimodalEmbedder(vision_config, config.get_text_config())
+        self.k_squared = vision_config.pooling_kernel_size ** 2
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_vision.embedding_projection.weight.dtype
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+        """pixel_values [n, P, 3*p*p] in [0, 1]; position_ids [n, P, 2] as (x, y), padding (-1, -1).
+        P must be a multiple of pooling_kernel_size**2."""
+        if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
+            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
+                             f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
+        device = self.embed_vision.embedding_projection.weight.device
+        pixel_values = pixel_values.to(device=device, dtype=self.dtype)
+        position_ids = position_ids.to(device=device, dtype=torch.long)
+        features = self.vision_tower(pixel_values=pixel_values, pixel_position_ids=position_ids).last_hidden_state
+        embeds = self.embed_vision(inputs_embeds=features)
+        tokens = ((position_ids != -1).all(dim=-1).sum(dim=-1) // self.k_squared).tolist()
+        return list(torch.split(embeds, tokens))

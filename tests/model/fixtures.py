@@ -1,0 +1,183 @@
+"""Shared fixtures for model tests (and anyone who needs a tiny Gemma 4 checkpoint).
+
+`make_checkpoint(dir, ...)` builds a tiny random `Gemma4ForConditionalGeneration` in transformers with
+EVERY parameter and buffer randomised (norm weights, layer scalars, vision std_bias/std_scale), so an
+identity initialisation hides nothing; saves it with `save_pretrained` (optionally rewriting the
+config to the hub's flat `global_head_dim` form) beside a `tokenizers`-made tokenizer.json and a
+generation_config.json whose eos list includes `<turn|>`.
+`PagedSequence` drives our model for one request over a paged cache with shuffled blocks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from mmserve.attention.backend import AttentionMetadata, kv_cache_shape
+
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
+            "<|video|>", "<|audio>", "<audio|>", "<|audio|>"]
+PAD, EOS, BOS = 0, 1, 2
+TURN_OPEN, TURN_CLOSE, BOI, EOI, IMAGE, VIDEO, BOA, EOA, AUDIO = range(4, 13)
+NUM_SPECIALS = 16          # byte tokens start here
+VOCAB = NUM_SPECIALS + 256 + 48   # bytes + a few merges
+
+
+def tiny_config(*, window: int = 6, vocab: int = VOCAB, **text_overrides) -> dict:
+    """Gemma4Config kwargs: dense 31B-like (K=V full layers, head dims 16/32, proportional RoPE, bidi vision)."""
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
+                layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                    "rope_theta": 1000000.0}},
+                use_bidirectional_attention="vision", final_logit_softcapping=30.0,
+                hidden_size_per_layer_input=0, num_kv_shared_layers=0, max_position_embeddings=1024,
+                pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    text.update(text_overrides)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
+                  position_embedding_size=64, standardize=True)
+    return dict(text_config=text, vision_config=vision, audio_config=None, boi_token_id=BOI, eoi_token_id=EOI,
+                image_token_id=IMAGE, video_token_id=VIDEO, audio_token_id=AUDIO, boa_token_id=BOA,
+                eoa_token_index=EOA)
+
+
+def make_tokenizer() -> Tokenizer:
+    """A byte-level BPE whose specials sit at fixed small ids (specials first, then 256 bytes)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"<reserved{i}>": i for i in range(len(SPECIALS), NUM_SPECIALS)})
+    vocab.update({ch: NUM_SPECIALS + i for i, ch in enumerate(sorted(alphabet))})
+    merges = []
+    for a, b in [("t", "h"), ("th", "e"), ("Ġ", "a"), ("i", "n"), ("Ġ", "the"), ("e", "r"), ("o", "n"),
+                 ("Ġ", "c"), ("a", "t"), ("Ġc", "at"), ("0", "0"), ("00", ":"), ("Ã", "©")]:
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    return tok
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter and floating buffer random (norms around 1, scalars around 0.9)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
+                continue
+            noise = torch.randn(t.shape, generator=gen)
+            if name.endswith("norm.weight") or "layer_scalar" in name or "std_scale" in name:
+                t.copy_(1.0 + 0.2 * noise if "layer_scalar" not in name else 0.9 + 0.05 * noise)
+            elif "std_bias" in name:
+                t.copy_(0.3 * noise)
+            else:
+                t.copy_(0.08 * noise)
+
+
+def make_checkpoint(root: Path, *, form: str = "per_layer", seed: int = 0, config: dict | None = None,
+                    attn: str = "eager"):
+    """Save a tiny random checkpoint to `root`; returns the transformers model (eval, fp32) for reference."""
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    cfg = Gemma4Config(**(config or tiny_config()))
+    cfg._attn_implementation = attn
+    torch.manual_seed(seed)
+    model = Gemma4ForConditionalGeneration(cfg).eval()
+    randomize_(model, seed)
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(root))
+    if form == "flat":
+        to_flat_form(root / "config.json")
+    make_tokenizer().save(str(root / "tokenizer.json"))
+    (root / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": [EOS, TURN_CLOSE],
+                                                             "pad_token_id": PAD}))
+    return model
+
+
+def to_flat_form(config_json: Path) -> None:
+    """Rewrite a 5.24-saved config (per_layer_config) into the hub's global_head_dim form."""
+    raw = json.loads(config_json.read_text())
+    text = raw["text_config"]
+    per_layer = text.pop("per_layer_config")
+    first = next(iter(per_layer.values()))
+    text["global_head_dim"] = first["head_dim"]
+    if "num_key_value_heads" in first:
+        text["num_global_key_value_heads"] = first["num_key_value_heads"]
+    config_json.write_text(json.dumps(raw, indent=2))
+
+
+def patchify(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(3, H, W) in [0, 1] -> patches [N, p*p*3] (row-major, (py, px, C) order) and positions [N, 2] as (x, y)."""
+    c, h, w = image.shape
+    x = image.reshape(c, h // patch, patch, w // patch, patch).permute(1, 3, 2, 4, 0).reshape(-1, patch * patch * c)
+    gx, gy = torch.meshgrid(torch.arange(w // patch), torch.arange(h // patch), indexing="xy")
+    return x, torch.stack([gx, gy], -1).reshape(-1, 2)
+
+
+def pad_batch(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack patchified images, padding to the longest with zero pixels at position (-1, -1)."""
+    n = max(p.shape[0] for p, _ in items)
+    pix = torch.zeros(len(items), n, items[0][0].shape[1])
+    pos = torch.full((len(items), n, 2), -1, dtype=torch.long)
+    for i, (p, q) in enumerate(items):
+        pix[i, : p.shape[0]] = p
+        pos[i, : q.shape[0]] = q
+    return pix, pos
+
+
+@dataclass
+class PagedSequence:
+    """One request over per-layer paged caches with shuffled physical blocks (block 0 = null block).
+
+    `step(ids, ranges)` schedules the next tokens and returns our model's final hidden states.
+    """
+
+    model: object
+    block_size: int = 4
+    num_blocks: int = 64
+    seed: int = 0
+    num_computed: int = 0
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        spec = self.model.spec
+        gen = torch.Generator().manual_seed(self.seed)
+        self.kv_caches = [torch.randn(kv_cache_shape(self.num_blocks, self.block_size, spec.attention_specs[t]),
+                                      generator=gen).to(self.model.dtype) for t in spec.layer_types]
+        self.blocks = (torch.randperm(self.num_blocks - 1, generator=gen) + 1).to(torch.int32)
+
+    def metadata(self, num_tokens: int) -> AttentionMetadata:
+        start, seq_len = self.num_computed, self.num_computed + num_tokens
+        positions = torch.arange(start, seq_len)
+        slots = self.blocks[positions // self.block_size].long() * self.block_size + positions % self.block_size
+        rows = [next(((s, e) for s, e in self.ranges if s <= p <= e), (-1, -1)) for p in positions.tolist()]
+        table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+        qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+        return AttentionMetadata(
+            num_actual_tokens=num_tokens, num_reqs=1, max_query_len=num_tokens, max_seq_len=seq_len,
+            query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=self.blocks[None].clone(),
+            slot_mapping=slots, block_size=self.block_size,
+            mm_ranges=table if bool((table[:, 0] >= 0).any()) else None,
+            query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens.clone())
+
+    def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order."""
+        spec = self.model.spec
+        md = self.metadata(len(ids))
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        index = None
+        if mm_embeds is not None:
+            index = torch.nonzero((input_ids == spec.image_token_id) | (input_ids == spec.video_token_id)).flatten()
+        hidden = self.model.forward(input_ids, md.positions, {t: md for t in spec.attention_specs}, self.kv_caches,
+                                    mm_embeds, index)
+        self.num_computed += len(ids)
+        return hidden
