@@ -16,8 +16,9 @@ from mmserve.server import tls
 
 
 @contextlib.asynccontextmanager
-async def serve(cfg: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AsyncIterator[int]:
-    server = grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
+async def serve(cfg: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                options: Sequence[tuple[str, int]] = ()) -> AsyncIterator[int]:
+    server = grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0), *options])
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     generation_pb2_grpc.add_GenerationServicer_to_server(generation_pb2_grpc.GenerationServicer(), server)
     names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,

@@ -76,9 +76,11 @@ def rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, mes
 
 
 def replace_behavior(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable]
+    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable],
+    request_deserializer: Callable[[bytes], object] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """`handler` with its behavior function replaced by `wrap(behavior)`, keeping (de)serializers."""
+    """`handler` with its behavior function replaced by `wrap(behavior)`, keeping the serializers
+    (or taking `request_deserializer` instead of the original)."""
     kinds = {
         (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
         (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
@@ -86,7 +88,7 @@ def replace_behavior(
         (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
     }
     make, behavior = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(wrap(behavior), request_deserializer=handler.request_deserializer,
+    return make(wrap(behavior), request_deserializer=request_deserializer or handler.request_deserializer,
                 response_serializer=handler.response_serializer)
 
 
