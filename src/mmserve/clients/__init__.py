@@ -1,1 +1,10 @@
+"""Python clients for mmserve: `Client` (blocking) and `AsyncClient` (asyncio)."""
 
+from mmserve.clients.client import AsyncClient, Client, build_request
+from mmserve.clients.messages import frames_part, image_part, message, text_part, user_message, video_part
+from mmserve.clients.types import ClientError, Delta, GenerateResult, Perf, Timings, Usage
+
+__all__ = [
+    "AsyncClient", "Client", "ClientError", "Delta", "GenerateResult", "Perf", "Timings", "Usage",
+    "build_request", "frames_part", "image_part", "message", "text_part", "user_message", "video_part",
+]

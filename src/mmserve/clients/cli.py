@@ -1,0 +1,72 @@
+"""`mmserve generate`: send a prompt (and a video/image file) to a server and stream the answer.
+
+Text goes to stdout as it arrives; `--json` prints one object with the whole result instead. On a
+failed call it prints the gRPC status code and message to stderr and exits non-zero (2 for a bad
+request, 1 otherwise), so scripts can tell the two apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+
+from mmserve.clients.client import Client
+from mmserve.clients.types import ClientError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="send a video/image + text prompt to a server, stream the answer",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", default="127.0.0.1:50051",
+                   help="HOST:PORT, or a gRPC target such as ipv4:a:p1,b:p2 or dns:///host:port")
+    p.add_argument("--prompt", required=True, help="the text of the user turn")
+    p.add_argument("--video", type=Path, help="a video file (mp4, webm, mkv, ...)")
+    p.add_argument("--image", type=Path, help="an image file (png, jpeg, ...)")
+    p.add_argument("--num-frames", type=int, default=0, help="frames to sample from the video; 0 = server default")
+    p.add_argument("--fps", type=float, default=0.0, help="sample frames at this rate instead")
+    p.add_argument("--max-tokens", type=int, default=0, help="0 = server default")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy; unset = 1.0")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle (PEM) to verify a TLS server")
+    p.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    api_key = args.api_key or os.environ.get("MMSERVE_API_KEY")
+    root = args.tls_ca.read_bytes() if args.tls_ca else None
+    try:
+        video = args.video.read_bytes() if args.video else None
+        image = args.image.read_bytes() if args.image else None
+    except OSError as e:
+        print(f"mmserve generate: {e}", file=sys.stderr)
+        return 2
+    with Client(args.server, api_key=api_key, root_certificates=root, timeout=args.timeout) as client:
+        try:
+            stream = client.stream(prompt=args.prompt, video=video, image=image, num_frames=args.num_frames,
+                                   fps=args.fps, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+            for delta in stream:
+                if not args.json:
+                    sys.stdout.write(delta.text)
+                    sys.stdout.flush()
+            result = stream.result
+        except ClientError as e:
+            print(f"mmserve generate: {e.code.name}: {e.message}", file=sys.stderr)
+            return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result)))
+    else:
+        sys.stdout.write("\n")
+    return 0

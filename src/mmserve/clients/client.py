@@ -1,0 +1,268 @@
+"""`Client` (blocking) and `AsyncClient` (asyncio) for the mmserve.v1 Generation API.
+
+Both speak the same protocol the same way: one server-streaming Generate per request, deltas
+then exactly one Final. `generate()` collects the stream into a `GenerateResult`; `stream()`
+yields `Delta`s and exposes the result once the stream ends. A target may name several servers
+(`ipv4:10.0.0.1:50051,10.0.0.2:50051` or `dns:///svc:50051`); calls are spread round-robin.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mmserve.api import pb, pb_grpc
+from mmserve.clients.messages import user_message
+from mmserve.clients.types import ClientError, Delta, GenerateResult, result_from
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+Metadata = tuple[tuple[str, str], ...]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
+    """Round-robin over every resolved address; message limits matching the server's default."""
+    service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
+    return [
+        ("grpc.service_config", json.dumps(service_config)),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+    ]
+
+
+def channel_credentials(root_certificates: bytes | None, private_key: bytes | None,
+                        certificate_chain: bytes | None) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str | None = None,
+                  video: bytes | None = None, image: bytes | None = None, max_tokens: int = 0,
+                  temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
+                  seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
+                  request_id: str = "", priority: int = 0, num_frames: int = 0,
+                  fps: float = 0.0) -> pb.GenerateRequest:
+    """Either explicit `messages`, or one user turn from prompt/video/image."""
+    if messages is None:
+        messages = [user_message(prompt, video=video, image=image, num_frames=num_frames, fps=fps)]
+    elif prompt is not None or video is not None or image is not None:
+        raise ValueError("pass either messages or prompt/video/image, not both")
+    sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos)
+    if temperature is not None:
+        sampling.temperature = temperature
+    if top_p is not None:
+        sampling.top_p = top_p
+    if seed is not None:
+        sampling.seed = seed
+    return pb.GenerateRequest(request_id=request_id, messages=list(messages), sampling=sampling, priority=priority)
+
+
+class _Collector:
+    """Turns GenerateResponse messages into deltas and remembers the Final."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.deltas: list[Delta] = []
+        self.result: GenerateResult | None = None
+
+    def feed(self, response: pb.GenerateResponse) -> Delta | None:
+        self.request_id = response.request_id or self.request_id
+        kind = response.WhichOneof("kind")
+        if kind == "delta":
+            delta = Delta(response.delta.text, tuple(response.delta.token_ids))
+            self.deltas.append(delta)
+            return delta
+        if kind == "final":
+            self.result = result_from(self.request_id, self.deltas, response.final)
+        return None
+
+    def finish(self) -> GenerateResult:
+        if self.result is None:
+            raise ClientError(grpc.StatusCode.UNKNOWN, "stream ended without a final message")
+        return self.result
+
+
+class _Base:
+    def __init__(self, api_key: str | None, metadata: Metadata) -> None:
+        extra = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._metadata: Metadata = tuple(metadata) + extra
+
+
+class GenerateStream:
+    """Iterate for deltas; `result` holds the GenerateResult after the stream ends."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self._collector = _Collector()
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for response in self._call:
+                delta = self._collector.feed(response)
+                if delta is not None:
+                    yield delta
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from None
+
+    @property
+    def result(self) -> GenerateResult:
+        return self._collector.finish()
+
+    @property
+    def request_id(self) -> str:
+        return self._collector.request_id
+
+    def cancel(self) -> None:
+        """Stop the request; the server aborts it in the engine and frees its cache."""
+        self._call.cancel()
+
+
+class Client(_Base):
+    """Blocking client. Use as a context manager or call close()."""
+
+    def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 timeout: float | None = None, metadata: Metadata = (),
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        super().__init__(api_key, metadata)
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None or certificate_chain is not None:
+            creds = channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout = timeout
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _unary(self, method, request, timeout: float | None):
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from None
+
+    def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
+               **kwargs) -> GenerateStream:
+        """Start a request; keyword arguments are those of `build_request`."""
+        request = build_request(messages, **kwargs)
+        return GenerateStream(self._stub.Generate(request, metadata=self._metadata, timeout=timeout or self.timeout))
+
+    def generate(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
+                 **kwargs) -> GenerateResult:
+        stream = self.stream(messages, timeout=timeout, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout).found
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    def server_load(self, timeout: float | None = None) -> pb.ServerLoad:
+        return self._unary(self._stub.GetServerLoad, pb.GetServerLoadRequest(), timeout)
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """"SERVING" / "NOT_SERVING" for `service` ("" = the process, "mmserve.v1.Generation" = ready)."""
+        response = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+
+class AsyncGenerateStream:
+    """`async for` the deltas; `result` holds the GenerateResult after the stream ends."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self._collector = _Collector()
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        try:
+            async for response in self._call:
+                delta = self._collector.feed(response)
+                if delta is not None:
+                    yield delta
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from None
+
+    @property
+    def result(self) -> GenerateResult:
+        return self._collector.finish()
+
+    @property
+    def request_id(self) -> str:
+        return self._collector.request_id
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class AsyncClient(_Base):
+    """asyncio client; create it inside the event loop that uses it."""
+
+    def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 timeout: float | None = None, metadata: Metadata = (),
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        super().__init__(api_key, metadata)
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None or certificate_chain is not None:
+            creds = channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout = timeout
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _unary(self, method, request, timeout: float | None):
+        try:
+            return await method(request, metadata=self._metadata, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from None
+
+    def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
+               **kwargs) -> AsyncGenerateStream:
+        request = build_request(messages, **kwargs)
+        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout or self.timeout)
+        return AsyncGenerateStream(call)
+
+    async def generate(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
+                       **kwargs) -> GenerateResult:
+        stream = self.stream(messages, timeout=timeout, **kwargs)
+        async for _ in stream:
+            pass
+        return stream.result
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> bool:
+        return (await self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout)).found
+
+    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)
+
+    async def server_load(self, timeout: float | None = None) -> pb.ServerLoad:
+        return await self._unary(self._stub.GetServerLoad, pb.GetServerLoadRequest(), timeout)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        response = await self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=service), timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)

@@ -1,0 +1,49 @@
+"""Builders for request messages, so callers never assemble protos by hand.
+
+Parts keep their order: `user_message("Describe the video.", video=clip)` puts the media first and
+the text after it, the layout the demo model was trained on; pass parts explicitly with
+`message("user", video_part(a), text_part("and"), video_part(b))` for anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mmserve.api import pb
+
+
+def text_part(text: str) -> pb.Part:
+    return pb.Part(text=text)
+
+
+def image_part(data: bytes, mime_type: str = "") -> pb.Part:
+    return pb.Part(image=pb.Image(data=data, mime_type=mime_type))
+
+
+def video_part(data: bytes, mime_type: str = "", *, num_frames: int = 0, fps: float = 0.0) -> pb.Part:
+    """A video as container bytes; num_frames/fps = 0 leave frame sampling to the server."""
+    return pb.Part(video=pb.Video(data=data, mime_type=mime_type, num_frames=num_frames, fps=fps))
+
+
+def frames_part(frames: Sequence[bytes], fps: float = 0.0, mime_type: str = "") -> pb.Part:
+    """A video given as already decoded frame images (PNG/JPEG bytes); fps sets their timestamps."""
+    images = [pb.Image(data=f, mime_type=mime_type) for f in frames]
+    return pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=images, fps=fps)))
+
+
+def message(role: str, *parts: pb.Part) -> pb.Message:
+    return pb.Message(role=role, parts=list(parts))
+
+
+def user_message(text: str | None = None, *, video: bytes | None = None, image: bytes | None = None,
+                 video_mime_type: str = "", image_mime_type: str = "", num_frames: int = 0,
+                 fps: float = 0.0) -> pb.Message:
+    """One user turn: image, then video, then text (each optional)."""
+    parts = []
+    if image is not None:
+        parts.append(image_part(image, image_mime_type))
+    if video is not None:
+        parts.append(video_part(video, video_mime_type, num_frames=num_frames, fps=fps))
+    if text is not None:
+        parts.append(text_part(text))
+    return message("user", *parts)

@@ -1,0 +1,110 @@
+"""Plain results the clients return, and the one exception type they raise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+from google.rpc import error_details_pb2, status_pb2
+
+from mmserve.api import pb
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS: "eos",
+    pb.FINISH_REASON_STOP_STRING: "stop",
+}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens and the text they decode to, as the stream produces them."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    multimodal_tokens: int = 0
+    completion_tokens: int = 0
+    num_frames: int = 0
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    end_to_end_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Perf:
+    flops: float = 0.0
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    mfu: float = 0.0
+    mbu: float = 0.0
+    attn_flops_sliding: float = 0.0
+    attn_flops_full: float = 0.0
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "length" | "eos" | "stop"
+    matched_stop: str = ""
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    perf: Perf = field(default_factory=Perf)
+
+
+def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> GenerateResult:
+    return GenerateResult(
+        request_id=request_id,
+        text="".join(d.text for d in deltas),
+        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        finish_reason=FINISH_REASONS.get(final.finish_reason, "unspecified"),
+        matched_stop=final.matched_stop,
+        usage=Usage(final.usage.prompt_tokens, final.usage.multimodal_tokens, final.usage.completion_tokens,
+                    final.usage.num_frames),
+        timings=Timings(final.timings.queue_s, final.timings.time_to_first_token_s, final.timings.end_to_end_s),
+        perf=Perf(final.perf.flops, final.perf.read_bytes, final.perf.write_bytes, final.perf.mfu, final.perf.mbu,
+                  final.perf.attn_flops_sliding, final.perf.attn_flops_full),
+    )
+
+
+class ClientError(Exception):
+    """A failed call: the gRPC status code and message, plus the server's structured hints."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, field: str = "",
+                 retry_delay_s: float | None = None):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+        self.field = field  # the offending request field for INVALID_ARGUMENT
+        self.retry_delay_s = retry_delay_s  # set when the server says retrying later may succeed
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> ClientError:
+        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+        message = error.details() if hasattr(error, "details") else str(error)
+        field_name, retry = "", None
+        trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        for key, value in trailers or ():
+            if key != "grpc-status-details-bin":
+                continue
+            status = status_pb2.Status.FromString(value)
+            for detail in status.details:
+                if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+                    bad = error_details_pb2.BadRequest()
+                    detail.Unpack(bad)
+                    field_name = bad.field_violations[0].field if bad.field_violations else ""
+                elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+                    info = error_details_pb2.RetryInfo()
+                    detail.Unpack(info)
+                    retry = info.retry_delay.ToTimedelta().total_seconds()
+        return cls(code or grpc.StatusCode.UNKNOWN, message or "", field=field_name, retry_delay_s=retry)

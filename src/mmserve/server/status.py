@@ -1,0 +1,93 @@
+"""The one place that maps mmserve.errors to gRPC status codes.
+
+Every handler funnels failures through `abort_with`, so a client sees the same code for the same
+cause whichever RPC raised it. Besides the code and message, the status carries standard
+`google.rpc` details (BadRequest.FieldViolation for bad input, RetryInfo for retryable limits)
+in `grpc-status-details-bin`, which grpc clients in every language know how to read.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from mmserve.errors import (
+    EngineInternalError,
+    EngineUnavailableError,
+    InvalidInputError,
+    LimitExceededError,
+    MMServeError,
+    RequestAbortedError,
+)
+
+logger = logging.getLogger(__name__)
+
+DETAILS_KEY = "grpc-status-details-bin"
+# How long a client should back off before retrying a request refused by a retryable limit.
+RETRY_DELAY_S = 1.0
+
+
+@dataclass(frozen=True)
+class MappedStatus:
+    """A gRPC status ready to send: code, message and the google.rpc details to attach."""
+
+    code: grpc.StatusCode
+    message: str
+    details: tuple[any_pb2.Any, ...] = ()
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        if not self.details:
+            return ()
+        status = status_pb2.Status(code=_rpc_code(self.code), message=self.message, details=list(self.details))
+        return ((DETAILS_KEY, status.SerializeToString()),)
+
+
+def _rpc_code(code: grpc.StatusCode) -> int:
+    return code_pb2.Code.Value(code.name)
+
+
+def _pack(message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
+def map_error(exc: BaseException, request_id: str = "") -> MappedStatus:
+    """Translate an exception into the status the client sees."""
+    if isinstance(exc, InvalidInputError):
+        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=str(exc))
+        return MappedStatus(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
+                            (_pack(error_details_pb2.BadRequest(field_violations=[violation])),))
+    if isinstance(exc, LimitExceededError):
+        if exc.retryable:
+            delay = duration_pb2.Duration()
+            delay.FromTimedelta(datetime.timedelta(seconds=RETRY_DELAY_S))
+            return MappedStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{exc}; retry after {RETRY_DELAY_S:g}s with backoff",
+                                (_pack(error_details_pb2.RetryInfo(retry_delay=delay)),))
+        return MappedStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+    if isinstance(exc, EngineUnavailableError):
+        return MappedStatus(grpc.StatusCode.UNAVAILABLE, str(exc) or "engine unavailable")
+    if isinstance(exc, RequestAbortedError):
+        return MappedStatus(grpc.StatusCode.CANCELLED, str(exc) or f"request {request_id} was aborted")
+    if isinstance(exc, EngineInternalError):
+        text = str(exc)
+        if request_id and request_id not in text:
+            text = f"{text} (request {request_id})"
+        return MappedStatus(grpc.StatusCode.INTERNAL, text)
+    if isinstance(exc, MMServeError):
+        return MappedStatus(grpc.StatusCode.INTERNAL, f"{exc} (request {request_id})")
+    logger.exception("unexpected error in request %s", request_id, exc_info=exc)
+    return MappedStatus(grpc.StatusCode.INTERNAL,
+                        f"internal error {type(exc).__name__} (request {request_id}); see the server log")
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> None:
+    """End the RPC with the status `exc` maps to (raises, as context.abort does)."""
+    status = map_error(exc, request_id)
+    await context.abort(status.code, status.message, status.trailing_metadata())

@@ -1,0 +1,59 @@
+"""status.map_error: each engine error gets its documented code and machine-readable details."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+from mmserve.errors import (
+    EngineInternalError,
+    EngineUnavailableError,
+    InvalidInputError,
+    LimitExceededError,
+    RequestAbortedError,
+)
+from mmserve.server.status import DETAILS_KEY, map_error
+
+
+def _details(mapped) -> status_pb2.Status:
+    (key, value), = mapped.trailing_metadata()
+    assert key == DETAILS_KEY
+    return status_pb2.Status.FromString(value)
+
+
+@pytest.mark.parametrize("exc, code", [
+    (InvalidInputError("sampling.top_k", "must be >= 0"), grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitExceededError("queue full", "--max-waiting-requests", retryable=True), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LimitExceededError("video too big", "--max-video-bytes"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (EngineUnavailableError("engine stopped"), grpc.StatusCode.UNAVAILABLE),
+    (RequestAbortedError("aborted"), grpc.StatusCode.CANCELLED),
+    (EngineInternalError("step failed"), grpc.StatusCode.INTERNAL),
+    (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+])
+def test_codes(exc, code):
+    assert map_error(exc, "req-7").code == code
+
+
+def test_invalid_input_carries_a_field_violation():
+    mapped = map_error(InvalidInputError("messages[0].parts[1].video.mime_type", "unsupported"))
+    status = _details(mapped)
+    assert status.code == code_pb2.INVALID_ARGUMENT and status.message == mapped.message
+    bad = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad)
+    assert bad.field_violations[0].field == "messages[0].parts[1].video.mime_type"
+
+
+def test_retryable_limit_carries_retry_info_and_the_flag():
+    mapped = map_error(LimitExceededError("waiting queue is full", "--max-waiting-requests", retryable=True))
+    assert "--max-waiting-requests" in mapped.message and "retry" in mapped.message
+    info = error_details_pb2.RetryInfo()
+    assert _details(mapped).details[0].Unpack(info)
+    assert info.retry_delay.ToTimedelta().total_seconds() > 0
+    assert map_error(LimitExceededError("video too big", "--max-video-bytes")).trailing_metadata() == ()
+
+
+def test_internal_names_the_request_but_not_the_exception_text():
+    assert "req-7" in map_error(EngineInternalError("step failed"), "req-7").message
+    secret = map_error(RuntimeError("/secret/path"), "req-8").message
+    assert "req-8" in secret and "/secret/path" not in secret
