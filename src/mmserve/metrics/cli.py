@@ -1,0 +1,84 @@
+"""`mmserve perf`: what one step of a model costs per GPU, from its Hugging Face config alone.
+
+Operators use it to sanity-check the MFU/MBU the server reports and to compare with other tools
+(`--accounting upper-bound` bills attention like estimators that ignore the mask).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mmserve.metrics.model_spec import model_shape
+from mmserve.metrics.peaks import lookup, utilization
+from mmserve.metrics.perf_model import ACCOUNTING_MODES, PerfModel, RequestWork, StepContext, VisionWork
+
+
+def parse_request(text: str) -> RequestWork:
+    """NUM_TOKENS:CONTEXT_LEN:prefill|decode -> RequestWork."""
+    try:
+        tokens, context, phase = text.split(":")
+        if phase not in ("prefill", "decode"):
+            raise ValueError(phase)
+        work = RequestWork(int(tokens), int(context), phase == "prefill")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--request {text!r}: expected NUM_TOKENS:CONTEXT_LEN:prefill|decode") from None
+    if not 0 < work.num_tokens <= work.context_len:
+        raise argparse.ArgumentTypeError(f"--request {text!r}: need 0 < NUM_TOKENS <= CONTEXT_LEN")
+    return work
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("perf", help="FLOPs and bytes of one step per GPU, from a HF config",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hf-config", required=True, help="model directory or config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--accounting", default="exact", choices=list(ACCOUNTING_MODES),
+                   help="attention core: pairs the mask keeps, or num_tokens * context_len")
+    p.add_argument("--request", action="append", type=parse_request, required=True,
+                   metavar="NUM_TOKENS:CONTEXT_LEN:prefill|decode", help="one request of the step (repeatable)")
+    p.add_argument("--frames", type=int, default=0, help="video frames the vision encoder runs this step")
+    p.add_argument("--patches-per-frame", type=int, default=0, help="patches per frame (default: the model's full budget)")
+    p.add_argument("--device", default="", help="GPU name for MFU/MBU, e.g. H100 (with --step-time-ms)")
+    p.add_argument("--step-time-ms", type=float, default=0.0, help="measured step time, to print MFU/MBU")
+    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = model_shape(args.hf_config)
+    model = PerfModel(shape, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting)
+    images: tuple[VisionWork, ...] = ()
+    if args.frames:
+        if shape.vision is None:
+            print(f"mmserve perf: {args.hf_config} has no vision encoder; drop --frames", file=sys.stderr)
+            return 2
+        images = (VisionWork(args.patches_per_frame or shape.vision.default_patches),) * args.frames
+    breakdown = model.step(StepContext(tuple(args.request), images), per_gpu=True)
+    if args.json:
+        json.dump(breakdown.as_dict(), sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+        return 0
+    out = sys.stdout
+    out.write(f"{shape.model_type}: {shape.num_layers} layers, tp={args.tp} pp={args.pp}, {args.dtype}, "
+              f"{args.accounting} attention; per GPU:\n")
+    for title, items in (("FLOPs", breakdown.flops), ("read bytes", breakdown.read_bytes),
+                         ("write bytes", breakdown.write_bytes)):
+        out.write(f"  {title}: {sum(items.values()):.4g}\n")
+        for key in sorted(items):
+            out.write(f"    {key:<28} {items[key]:.4g}\n")
+    out.write(f"  attention core FLOPs: sliding {breakdown.attn_flops_sliding:.4g}, full {breakdown.attn_flops_full:.4g}\n")
+    if args.step_time_ms and args.device:
+        peaks = lookup(args.device, args.dtype)
+        if peaks is None:
+            print(f"mmserve perf: no peak table entry for {args.device!r}", file=sys.stderr)
+            return 2
+        seconds = args.step_time_ms / 1e3
+        mfu = utilization(breakdown.total_flops, seconds, peaks.flops, "MFU")
+        mbu = utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU")
+        out.write(f"  MFU {100 * mfu:.1f}%  MBU {100 * mbu:.1f}%  (peaks {peaks.flops:.4g} FLOP/s, "
+                  f"{peaks.bandwidth:.4g} B/s)\n")
+    return 0

@@ -1,0 +1,273 @@
+"""Analytic FLOPs and bytes of one engine step, per component, globally and per GPU.
+
+Why analytic: measuring FLOPs on the GPU is not possible cheaply, and MFU/MBU need a numerator that
+is right for hybrid models. Known estimators bill sliding layers the whole context (8-30x too much at
+long context), floor layers per pipeline stage, use one head_dim for every layer, and forget the vision
+encoder. Here every layer kind keeps its own heads, head_dim, window and K=V flag; sliding layers clamp
+each request to its window; pipeline stages divide each kind's count as a fraction; the vision
+encoder is a component of its own.
+
+Conventions (documented in docs/tracing.md):
+- a matmul [m, k] x [k, n] costs 2*m*k*n FLOPs; norms, rotary, softmax and activations are not billed.
+- attention core per layer and head: attn_qk = attn_av = 2 * head_dim * pairs, pairs counted
+  `exact` (kept by the mask, frames' bidirectional pairs included) or `upper-bound`
+  (num_tokens * context_len, clamped to the window on sliding layers).
+- bytes: weights once per step, activations once per producer/consumer, K/V of the distinct keys a
+  request's queries touch, read from the cache at the cache dtype.
+- per GPU = one average GPU of tp * pp: heads, FFN width, experts' width and vocab divide by tp
+  (KV heads never below 1, they are replicated); layer counts, the vision encoder (first stage) and the
+  unembedding (last stage) divide by pp, so per-GPU figures times the stage count give the whole model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
+from mmserve.metrics.model_spec import AttentionShape, FfnShape, ModelShape, VisionShape
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+ACCOUNTING_MODES = ("exact", "upper-bound")
+LOGITS_BYTES = 4  # logits are produced in float32 (soft-capping and sampling need it)
+
+
+@dataclass(frozen=True)
+class RequestWork:
+    """One request's share of a step: `num_tokens` new tokens ending at context length `context_len`.
+
+    `mm_ranges` are the request's inclusive absolute [start, end] frame/image ranges (needed only for
+    exact bidirectional pair counts); `samples` says whether the step samples a token for it (every
+    decode token; a prefill chunk only when it is the prompt's last).
+    """
+
+    num_tokens: int
+    context_len: int
+    is_prefill: bool
+    mm_ranges: tuple[tuple[int, int], ...] = ()
+    samples: bool = True
+
+    @property
+    def num_logits(self) -> int:
+        if not self.samples:
+            return 0
+        return 1 if self.is_prefill else self.num_tokens
+
+
+@dataclass(frozen=True)
+class VisionWork:
+    """One image or video frame through the vision encoder: patches as run (padding included) and the
+    soft tokens it yields (0 = patches / pool_kernel**2)."""
+
+    num_patches: int
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepContext:
+    requests: tuple[RequestWork, ...] = ()
+    images: tuple[VisionWork, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+
+@dataclass
+class PerfBreakdown:
+    """FLOPs and bytes per "component.item"; attention core FLOPs also split by layer kind."""
+
+    flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    read_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    write_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    attn_flops_sliding: float = 0.0
+    attn_flops_full: float = 0.0
+
+    @property
+    def total_flops(self) -> float:
+        return sum(self.flops.values())
+
+    @property
+    def total_read_bytes(self) -> float:
+        return sum(self.read_bytes.values())
+
+    @property
+    def total_write_bytes(self) -> float:
+        return sum(self.write_bytes.values())
+
+    @property
+    def total_bytes(self) -> float:
+        return self.total_read_bytes + self.total_write_bytes
+
+    def component(self, name: str) -> PerfBreakdown:
+        """Only the items of one component ("attn", "ffn", "unembed", "vision")."""
+        out = PerfBreakdown()
+        for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes)):
+            dst.update({k: v for k, v in src.items() if k.split(".", 1)[0] == name})
+        if name == "attn":
+            out.attn_flops_sliding, out.attn_flops_full = self.attn_flops_sliding, self.attn_flops_full
+        return out
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {"flops": dict(self.flops), "read_bytes": dict(self.read_bytes), "write_bytes": dict(self.write_bytes)}
+
+
+class PerfModel:
+    """FLOPs/bytes of a step for one model under a dtype and a tp x pp layout."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        dtype: str = "bfloat16",
+        kv_cache_dtype: str | None = None,
+        tp: int = 1,
+        pp: int = 1,
+        accounting: str = "exact",
+    ):
+        if accounting not in ACCOUNTING_MODES:
+            raise ValueError(f"accounting must be one of {ACCOUNTING_MODES}, got {accounting!r}")
+        if tp < 1 or pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+        self.shape = shape
+        self.act_bytes = self.weight_bytes = DTYPE_BYTES[dtype]
+        self.cache_bytes = DTYPE_BYTES[kv_cache_dtype or dtype]
+        self.tp, self.pp, self.accounting = tp, pp, accounting
+
+    def step(self, ctx: StepContext, *, per_gpu: bool = False) -> PerfBreakdown:
+        """The step's breakdown: whole model, or one average GPU when `per_gpu`."""
+        out = PerfBreakdown()
+        tp, pp = (self.tp, self.pp) if per_gpu else (1, 1)
+        tokens = ctx.num_tokens
+        if tokens:
+            pair_cache: dict[tuple, tuple[int, int]] = {}
+            for layer, count in self.shape.layers:
+                layers = count / pp
+                self._attention(out, layer.attention, ctx.requests, layers, tp, pair_cache)
+                self._ffn(out, layer.ffn, tokens, layers, tp)
+            self._unembed(out, sum(r.num_logits for r in ctx.requests), tp, pp)
+        if ctx.images and self.shape.vision is not None:
+            self._vision(out, self.shape.vision, ctx.images, tp, pp)
+        return out
+
+    # -- attention ---------------------------------------------------------------------------------
+
+    def _pairs_and_keys(self, a: AttentionShape, requests: Sequence[RequestWork], cache: dict) -> tuple[int, int]:
+        """Σ kept pairs and Σ distinct keys over the step's requests, shared by layers of one kind."""
+        key = (a.window, a.bidirectional, a.clamp_bidirectional)
+        if key not in cache:
+            pairs = keys = 0
+            for r in requests:
+                if self.accounting == "exact":
+                    pairs += kept_pairs(r.num_tokens, r.context_len, a.window, r.mm_ranges,
+                                        bidirectional=a.bidirectional, clamp=a.clamp_bidirectional)
+                else:
+                    pairs += r.num_tokens * (r.context_len if a.window is None else min(r.context_len, a.window))
+                keys += keys_touched(r.num_tokens, r.context_len, a.window, r.mm_ranges,
+                                     bidirectional=a.bidirectional, clamp=a.clamp_bidirectional)
+            cache[key] = (pairs, keys)
+        return cache[key]
+
+    def _attention(self, out: PerfBreakdown, a: AttentionShape, requests: Sequence[RequestWork],
+                   layers: float, tp: int, cache: dict) -> None:
+        hidden, ba, bw, bc = self.shape.hidden, self.act_bytes, self.weight_bytes, self.cache_bytes
+        tokens = sum(r.num_tokens for r in requests)
+        q, d = a.num_heads / tp, a.head_dim
+        kv = max(1.0, a.num_kv_heads / tp)
+        kv_proj = (kv if a.k_eq_v else 2 * kv) if a.has_kv_proj else 0.0  # projected K/V widths (heads)
+        kv_out = 2 * kv if a.has_kv_proj else 0.0                        # K and V produced (V = norm(K) if K=V)
+        pairs, keys = self._pairs_and_keys(a, requests, cache)
+        core = 2 * q * d * pairs * layers
+        f, r, w = out.flops, out.read_bytes, out.write_bytes
+        f["attn.qkv_proj"] += 2 * tokens * hidden * (q + kv_proj) * d * layers
+        f["attn.attn_qk"] += core
+        f["attn.attn_av"] += core
+        f["attn.out_proj"] += 2 * tokens * q * d * hidden * layers
+        if a.is_sliding:
+            out.attn_flops_sliding += 2 * core
+        else:
+            out.attn_flops_full += 2 * core
+        r["attn.qkv_input"] += tokens * hidden * ba * layers
+        r["attn.qkv_weight"] += hidden * (q + kv_proj) * d * bw * layers
+        r["attn.attn_input"] += (tokens * q * d * ba + 2 * keys * kv * d * bc) * layers
+        r["attn.out_input"] += tokens * q * d * ba * layers
+        r["attn.out_weight"] += q * d * hidden * bw * layers
+        w["attn.qkv_output"] += tokens * (q + kv_out) * d * ba * layers
+        w["attn.kv_cache"] += tokens * kv_out * d * bc * layers
+        w["attn.out_output"] += tokens * hidden * ba * layers
+
+    # -- FFN ---------------------------------------------------------------------------------------
+
+    def _mlp(self, out: PerfBreakdown, prefix: str, tokens: float, width: float, matrices: int,
+             weight_copies: float, layers: float) -> None:
+        """One (gated) MLP over `tokens` rows; `weight_copies` = how many distinct weight sets are read."""
+        hidden, ba, bw = self.shape.hidden, self.act_bytes, self.weight_bytes
+        up = matrices - 1  # gate+up (gated) or up only
+        out.flops[f"ffn.{prefix}ffn"] += 2 * tokens * hidden * width * matrices * layers
+        r, w = out.read_bytes, out.write_bytes
+        r[f"ffn.{prefix}up_gate_input"] += tokens * hidden * ba * layers
+        r[f"ffn.{prefix}up_gate_weight"] += up * hidden * width * bw * weight_copies * layers
+        r[f"ffn.{prefix}act_input"] += up * tokens * width * ba * layers
+        r[f"ffn.{prefix}down_input"] += tokens * width * ba * layers
+        r[f"ffn.{prefix}down_weight"] += hidden * width * bw * weight_copies * layers
+        w[f"ffn.{prefix}up_gate_output"] += up * tokens * width * ba * layers
+        w[f"ffn.{prefix}act_output"] += tokens * width * ba * layers
+        w[f"ffn.{prefix}down_output"] += tokens * hidden * ba * layers
+
+    def _ffn(self, out: PerfBreakdown, ffn: FfnShape, tokens: int, layers: float, tp: int) -> None:
+        if ffn.intermediate:
+            self._mlp(out, "dense_", tokens, ffn.intermediate / tp, ffn.num_matrices, 1.0, layers)
+        moe = ffn.moe
+        if moe is None:
+            return
+        hidden = self.shape.hidden
+        out.flops["ffn.router"] += 2 * tokens * hidden * moe.num_experts * layers
+        out.read_bytes["ffn.router_weight"] += hidden * moe.num_experts * self.weight_bytes * layers
+        # Distinct experts a step touches, expected under uniform routing (not "perfectly balanced").
+        experts_hit = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+        self._mlp(out, "routed_", tokens * moe.top_k, moe.intermediate / tp, 3, experts_hit, layers)
+        if moe.shared_intermediate:
+            self._mlp(out, "shared_", tokens, moe.shared_intermediate / tp, 3, 1.0, layers)
+
+    # -- unembedding and vision --------------------------------------------------------------------
+
+    def _unembed(self, out: PerfBreakdown, logits: int, tp: int, pp: int) -> None:
+        if not logits:
+            return
+        hidden, vocab = self.shape.hidden, self.shape.vocab_size / tp
+        out.flops["unembed.unembed"] += 2 * logits * hidden * vocab / pp
+        out.read_bytes["unembed.input"] += logits * hidden * self.act_bytes / pp
+        out.read_bytes["unembed.weight"] += hidden * vocab * self.weight_bytes / pp
+        out.write_bytes["unembed.output"] += logits * vocab * LOGITS_BYTES / pp
+
+    def _vision(self, out: PerfBreakdown, v: VisionShape, images: Iterable[VisionWork], tp: int, pp: int) -> None:
+        ba, bw = self.act_bytes, self.weight_bytes
+        q, kv, d = v.num_heads / tp, max(1.0, v.num_kv_heads / tp), v.head_dim
+        width = v.intermediate / tp
+        f, r, w = out.flops, out.read_bytes, out.write_bytes
+        weights_read = False
+        for img in images:
+            p = img.num_patches
+            t = img.num_tokens or p // (v.pool_kernel ** 2)
+            n_layers = v.num_layers / pp
+            f["vision.patch_embed"] += 2 * p * v.patch_dim * v.hidden / pp
+            f["vision.qkv_proj"] += 2 * p * v.hidden * (q + 2 * kv) * d * n_layers
+            f["vision.attn_qk"] += 2 * q * d * p * p * n_layers  # bidirectional over every patch
+            f["vision.attn_av"] += 2 * q * d * p * p * n_layers
+            f["vision.out_proj"] += 2 * p * q * d * v.hidden * n_layers
+            f["vision.mlp"] += 2 * p * v.hidden * width * v.mlp_matrices * n_layers
+            if v.pool_matmul:
+                f["vision.pool"] += 2 * (p // (v.pool_kernel ** 2)) * p * v.hidden / pp
+            f["vision.projector"] += 2 * t * v.hidden * v.projector_out / tp / pp
+            r["vision.input"] += p * v.patch_dim * ba / pp
+            up = v.mlp_matrices - 1
+            # per layer: qkv/out/mlp inputs and the patches' own K/V for the core; outputs likewise
+            r["vision.activations"] += p * (2 * v.hidden + (q + 2 * kv) * d + q * d + (up + 1) * width) * ba * n_layers
+            w["vision.activations"] += p * (2 * v.hidden + (q + 2 * kv) * d + q * d + (up + 1) * width) * ba * n_layers
+            w["vision.output"] += t * v.projector_out * ba / pp
+            weights_read = True
+        if weights_read:  # the encoder's weights are read once per step, however many frames it encodes
+            per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * v.mlp_matrices
+            r["vision.weight"] += (per_layer * v.num_layers + v.patch_dim * v.hidden
+                                   + v.hidden * v.projector_out / tp) * bw / pp
