@@ -67,9 +67,14 @@ class Request:
     def num_mm_tokens(self) -> int:
         return int((self.mm_ranges_np[:, 1] - self.mm_ranges_np[:, 0] + 1).sum())
 
-    def token_id(self, position: int) -> int:
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt + output, without concatenating the whole sequence."""
         n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
     @property
     def is_prefill(self) -> bool:

@@ -1,0 +1,179 @@
+"""Paged KV blocks: one pool per layer type, per-request block tables, sliding-window reclamation.
+
+Layer types keep separate pools because their pages differ in size (Gemma 4: head_dim 256 on
+sliding layers, 512 on full ones). Every layer of a type shares that type's block ids, so a
+request's table for a pool serves all of its layers. Block 0 of every pool is the null block:
+never handed out, and the table entry of every reclaimed sliding-window block points at it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How many blocks a pool gets and what one block costs over all of the pool's layers."""
+
+    layer_type: str
+    num_blocks: int          # including the null block
+    num_layers: int
+    bytes_per_block: int
+    window: int | None       # blocks wholly older than this many tokens are reclaimed
+
+
+def plan_pools(
+    layer_types: list[str],
+    attention_specs: dict[str, LayerAttentionSpec],
+    *,
+    block_size: int,
+    dtype_bytes: int,
+    num_kv_blocks: int = 0,
+    kv_cache_bytes: int = 0,
+) -> dict[str, PoolPlan]:
+    """Size the pools. With `num_kv_blocks` every pool gets that many; otherwise `kv_cache_bytes`
+    buys the same number of blocks in every pool, so no pool runs out long before the others."""
+    counts = {t: layer_types.count(t) for t in attention_specs if t in layer_types}
+    per_block = {
+        t: 2 * block_size * attention_specs[t].num_kv_heads * attention_specs[t].head_dim * dtype_bytes * n
+        for t, n in counts.items()
+    }
+    if num_kv_blocks <= 0:
+        num_kv_blocks = kv_cache_bytes // max(1, sum(per_block.values()))
+    if num_kv_blocks < 2:
+        raise ValueError(f"KV cache too small: {num_kv_blocks} blocks per pool (need >= 2; block 0 is reserved)")
+    return {
+        t: PoolPlan(t, num_kv_blocks, counts[t], per_block[t], attention_specs[t].window) for t in counts
+    }
+
+
+class BlockPool:
+    """Free list of one pool's block ids (1..num_blocks-1)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(1, num_blocks))
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        return [self._free.popleft() for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self._free.extend(b for b in blocks if b != NULL_BLOCK)
+
+
+@dataclass
+class _Table:
+    blocks: list[int]
+    num_reclaimed: int = 0   # leading entries already returned to the pool (now NULL_BLOCK)
+
+
+class KVCacheManager:
+    """Allocates on demand, all pools or none; frees on finish, abort and preemption."""
+
+    def __init__(self, plans: dict[str, PoolPlan], block_size: int):
+        self.plans = plans
+        self.block_size = block_size
+        self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
+        self._tables: dict[str, dict[str, _Table]] = {}
+
+    # -- queries -------------------------------------------------------------------------------------------
+
+    def block_table(self, request_id: str, layer_type: str) -> list[int]:
+        tables = self._tables.get(request_id)
+        return tables[layer_type].blocks if tables else []
+
+    def num_held(self, request_id: str, layer_type: str) -> int:
+        """Real (non-null) blocks the request holds in a pool."""
+        tables = self._tables.get(request_id)
+        if not tables:
+            return 0
+        t = tables[layer_type]
+        return len(t.blocks) - t.num_reclaimed
+
+    def usage(self) -> float:
+        """Share of usable blocks in use in the fullest pool (the one that limits admission)."""
+        return max((1 - p.num_free / p.num_usable for p in self.pools.values()), default=0.0)
+
+    def usage_by_pool(self) -> dict[str, float]:
+        return {t: 1 - p.num_free / p.num_usable for t, p in self.pools.items()}
+
+    def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
+        """Most blocks one request of `num_tokens` ever holds per pool (sliding pools stay bounded)."""
+        full = math.ceil(num_tokens / self.block_size)
+        out = {}
+        for t, plan in self.plans.items():
+            if plan.window is None:
+                out[t] = full
+            else:
+                out[t] = min(full, math.ceil((plan.window + max_chunk) / self.block_size) + 1)
+        return out
+
+    # -- allocation ----------------------------------------------------------------------------------------
+
+    def _first_needed(self, request: Request, window: int | None) -> int:
+        """Oldest position a query at or after num_computed_tokens can still attend to in this pool."""
+        pos = request.num_computed_tokens
+        if window is None or pos == 0:
+            return 0
+        first = max(0, pos - window + 1)
+        ranges = request.mm_ranges_np
+        if len(ranges):
+            # A range still open at `pos` keeps its start (un-clamped bidirectional layers need it).
+            i = int(np.searchsorted(ranges[:, 0], pos, side="right")) - 1
+            if i >= 0 and ranges[i, 0] < pos <= ranges[i, 1]:
+                first = min(first, int(ranges[i, 0]))
+        return first
+
+    def allocate(self, request: Request, num_new_tokens: int) -> bool:
+        """Make room for positions up to num_computed_tokens + num_new_tokens; False (and no change)
+        if some pool lacks blocks. Sliding blocks that fell out of the window are reclaimed first."""
+        created = request.request_id not in self._tables
+        tables = self._tables.setdefault(request.request_id, {t: _Table([]) for t in self.pools})
+        needed_len = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size)
+        plan_reclaim: dict[str, int] = {}
+        for t, pool in self.pools.items():
+            table = tables[t]
+            keep_from = self._first_needed(request, self.plans[t].window) // self.block_size
+            reclaim_to = min(keep_from, len(table.blocks))
+            plan_reclaim[t] = reclaim_to
+            reclaimable = max(0, reclaim_to - table.num_reclaimed)
+            if max(0, needed_len - len(table.blocks)) > pool.num_free + reclaimable:
+                if created:
+                    del self._tables[request.request_id]
+                return False
+        for t, pool in self.pools.items():
+            table = tables[t]
+            if plan_reclaim[t] > table.num_reclaimed:
+                pool.give_back(table.blocks[table.num_reclaimed:plan_reclaim[t]])
+                table.blocks[table.num_reclaimed:plan_reclaim[t]] = [NULL_BLOCK] * (plan_reclaim[t] - table.num_reclaimed)
+                table.num_reclaimed = plan_reclaim[t]
+            missing = needed_len - len(table.blocks)
+            if missing > 0:
+                table.blocks.extend(pool.take(missing))
+        return True
+
+    def free(self, request_id: str) -> None:
+        tables = self._tables.pop(request_id, None)
+        if tables:
+            for t, table in tables.items():
+                self.pools[t].give_back(table.blocks)

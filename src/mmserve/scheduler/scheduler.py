@@ -1,0 +1,201 @@
+"""Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
+
+Each step spends a token budget: running requests first (decodes and unfinished prefills, in
+admission order), then waiting ones (FCFS, or by priority). When KV blocks run out, the request
+that would be served last is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+
+import numpy as np
+
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.scheduler.kv_cache_manager import KVCacheManager
+from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
+    """Shorten a chunk [start, start + num_tokens) so it never ends inside a range: a range the end
+    would cut is left whole for a later step. Returns the new length (possibly 0)."""
+    if num_tokens <= 0 or not len(ranges):
+        return num_tokens
+    last = start + num_tokens - 1
+    i = int(np.searchsorted(ranges[:, 0], last, side="right")) - 1
+    if i >= 0 and ranges[i, 0] <= last < ranges[i, 1]:
+        return max(0, int(ranges[i, 0]) - start)
+    return num_tokens
+
+
+def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
+    """Indices of ranges that begin inside [start, start + num_tokens)."""
+    if not len(ranges):
+        return []
+    lo = int(np.searchsorted(ranges[:, 0], start, side="left"))
+    hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
+    return list(range(lo, hi))
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_waiting_requests: int = 256,
+        policy: str = "fcfs",
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.max_waiting_requests = max_waiting_requests
+        self.policy = policy
+        self.waiting: list[Request] = []     # sorted by _order_key
+        self.running: list[Request] = []     # admission order
+        self._by_id: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+
+    # -- admission -----------------------------------------------------------------------------------------
+
+    def _order_key(self, r: Request) -> tuple:
+        return (r.priority, r.arrival_time) if self.policy == "priority" else (r.arrival_time,)
+
+    def check_admissible(self, request: Request) -> None:
+        """Raise (before any work starts) if the request can never run with this configuration."""
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise InvalidInputError("prompt", "the prompt is empty")
+        ranges = request.mm_ranges_np
+        if len(ranges):
+            if (ranges[:, 0] > ranges[:, 1]).any() or ranges[0, 0] < 0 or ranges[-1, 1] >= n:
+                raise InvalidInputError("mm_ranges", "a range is empty or lies outside the prompt")
+            if (ranges[1:, 0] <= ranges[:-1, 1]).any():
+                raise InvalidInputError("mm_ranges", "ranges must be sorted and disjoint")
+            longest = int((ranges[:, 1] - ranges[:, 0] + 1).max())
+            if longest > self.max_num_batched_tokens:
+                raise LimitExceededError(
+                    f"an image/frame of {longest} tokens cannot fit one step's budget of "
+                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens")
+        total = n + request.sampling_params.max_tokens
+        if total > self.max_model_len:
+            raise LimitExceededError(
+                f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
+                f"the context length {self.max_model_len}", "--max-model-len")
+        for t, blocks in self.kv.max_blocks_needed(total, self.max_num_batched_tokens).items():
+            usable = self.kv.pools[t].num_usable
+            if blocks > usable:
+                raise LimitExceededError(
+                    f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
+                    "--kv-cache-bytes or --num-kv-blocks")
+
+    def add_request(self, request: Request) -> None:
+        self.check_admissible(request)
+        if request.request_id in self._by_id:
+            raise InvalidInputError("request_id", f"{request.request_id!r} is already in flight")
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise LimitExceededError(
+                f"{len(self.waiting)} requests are already waiting", "--max-waiting-requests", retryable=True)
+        request.status = RequestStatus.WAITING
+        self._by_id[request.request_id] = request
+        bisect.insort(self.waiting, request, key=self._order_key)
+
+    def get(self, request_id: str) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, request_id: str) -> Request | None:
+        """Remove a request (finished or aborted) and free its blocks. None if it is not here."""
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status = RequestStatus.FINISHED
+        self._finished_since_step.append(request_id)
+        return request
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._by_id)
+
+    # -- one step ------------------------------------------------------------------------------------------
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        start = request.num_computed_tokens
+        return align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim.request_id)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        bisect.insort(self.waiting, victim, key=self._order_key)
+        logger.debug("preempted %s (KV blocks exhausted)", victim.request_id)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, ScheduledRequest] = {}
+        preempted: list[str] = []
+
+        for request in list(self.running):
+            if request.status != RequestStatus.RUNNING or budget == 0:
+                continue   # preempted earlier in this loop
+            n = self._chunk(request, budget)
+            if n == 0:
+                continue
+            while not self.kv.allocate(request, n):
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id).num_tokens
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            scheduled[request.request_id] = self._scheduled(request, n)
+            budget -= n
+
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            n = self._chunk(request, budget)
+            if n == 0 or not self.kv.allocate(request, n):
+                break
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = self._scheduled(request, n)
+            budget -= n
+
+        finished, self._finished_since_step = self._finished_since_step, []
+        return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+
+    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request=request, num_tokens=n, context_len=start, is_prefill=request.is_prefill,
+            frames=frames_in_chunk(request.mm_ranges_np, start, n))
+
+    def update(self, output: SchedulerOutput) -> None:
+        """Advance each scheduled request past the tokens the step just computed."""
+        for s in output.scheduled:
+            if s.request.status == RequestStatus.RUNNING:
+                s.request.num_computed_tokens = s.context_len + s.num_tokens

@@ -1,0 +1,63 @@
+"""Random requests and model-free stepping for the scheduler tests."""
+
+from __future__ import annotations
+
+import random
+
+from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
+from mmserve.scheduler.request import Request
+from mmserve.scheduler.scheduler import Scheduler
+
+SPECS = {
+    SLIDING: LayerAttentionSpec(SLIDING, 4, 2, 16, window=8, bidirectional=True),
+    FULL: LayerAttentionSpec(FULL, 4, 1, 32, window=None, bidirectional=False),
+}
+LAYER_TYPES = [SLIDING, SLIDING, FULL] * 2
+
+
+def random_ranges(rng: random.Random, length: int, max_len: int = 12, density: float = 0.2) -> list[tuple[int, int]]:
+    """Sorted disjoint inclusive ranges inside [0, length), some of them single tokens."""
+    ranges, pos = [], rng.randint(0, 4)
+    while pos < length:
+        if rng.random() < density:
+            end = min(length - 1, pos + rng.randint(0, max_len - 1))
+            ranges.append((pos, end))
+            pos = end + 1 + rng.randint(1, 3)
+        else:
+            pos += rng.randint(1, 6)
+    return ranges
+
+
+def make_request(rid: str, prompt_len: int, ranges=(), max_tokens: int = 4, **kw) -> Request:
+    return Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   mm_ranges=list(ranges), **kw)
+
+
+def make_kv(num_blocks: int, block_size: int = 4) -> KVCacheManager:
+    return KVCacheManager(plan_pools(LAYER_TYPES, SPECS, block_size=block_size, dtype_bytes=4,
+                                     num_kv_blocks=num_blocks), block_size)
+
+
+def make_scheduler(num_blocks: int = 256, block_size: int = 4, **kw) -> Scheduler:
+    opts = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=512)
+    opts.update(kw)
+    return Scheduler(make_kv(num_blocks, block_size), **opts)
+
+
+def run_to_completion(sched: Scheduler, on_step=None, max_steps: int = 10_000) -> int:
+    """Step without a model: every sampling chunk 'generates' token 7 until max_tokens. Returns steps."""
+    for step in range(max_steps):
+        if not sched.num_unfinished:
+            return step
+        out = sched.schedule()
+        if on_step:
+            on_step(out)
+        sched.update(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.output_token_ids.append(7)
+                if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
+                    sched.finish(s.request.request_id)
+    raise AssertionError("scheduler did not drain")

@@ -1,0 +1,113 @@
+"""Scheduler policy: budgets, frame-aligned chunking, admission errors, preemption, priority."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion
+
+from mmserve.errors import LimitExceededError
+from mmserve.scheduler.request import RequestStatus
+from mmserve.scheduler.scheduler import align_chunk
+
+
+def test_align_chunk_moves_boundary_before_the_frame():
+    import numpy as np
+    ranges = np.array([[5, 9], [12, 12]])
+    assert align_chunk(ranges, 0, 7) == 5      # would end at 6, inside [5, 9]
+    assert align_chunk(ranges, 0, 10) == 10    # ends exactly at 9
+    assert align_chunk(ranges, 5, 3) == 0      # starts at the frame and cannot hold it
+    assert align_chunk(ranges, 0, 13) == 13    # a single-token range is never cut
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_budget_and_chunks_never_split_a_frame(seed):
+    rng = random.Random(seed)
+    budget = rng.choice([16, 24, 32])
+    sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=5, num_blocks=64)
+    reqs = []
+    for i in range(12):
+        n = rng.randint(1, 90)
+        r = make_request(f"r{i}", n, random_ranges(rng, n, max_len=budget), max_tokens=rng.randint(1, 5))
+        sched.add_request(r)
+        reqs.append(r)
+    seen_tokens = {r.request_id: 0 for r in reqs}
+
+    def check(out):
+        assert out.num_batched_tokens <= budget
+        assert len(sched.running) <= 5
+        for s in out.scheduled:
+            assert s.context_len == s.request.num_computed_tokens
+            end = s.context_len + s.num_tokens - 1
+            for a, b in s.request.mm_ranges:
+                assert not a <= end < b, f"chunk ends at {end} inside {(a, b)}"
+            for f in s.frames:   # every frame to encode lies wholly inside this chunk
+                a, b = s.request.mm_ranges[f]
+                assert s.context_len <= a and b <= end
+            seen_tokens[s.request.request_id] += s.num_tokens
+
+    run_to_completion(sched, check)
+    for r in reqs:
+        assert r.status == RequestStatus.FINISHED
+        assert len(r.output_token_ids) == r.sampling_params.max_tokens
+        # every prompt token and every generated token but the last entered the model, plus recomputes
+        assert seen_tokens[r.request_id] >= r.num_tokens - 1
+    assert all(p.num_free == p.num_usable for p in sched.kv.pools.values())
+
+
+def test_frame_longer_than_budget_is_an_admission_error():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    with pytest.raises(LimitExceededError, match="--max-num-batched-tokens") as e:
+        sched.add_request(make_request("big", 40, [(3, 19)]))
+    assert not e.value.retryable
+    assert sched.num_unfinished == 0
+
+
+def test_context_and_kv_limits_are_admission_errors():
+    sched = make_scheduler(max_model_len=64)
+    with pytest.raises(LimitExceededError, match="--max-model-len"):
+        sched.add_request(make_request("long", 60, max_tokens=8))
+    tiny = make_scheduler(num_blocks=4, block_size=4)
+    with pytest.raises(LimitExceededError, match="--kv-cache-bytes"):
+        tiny.add_request(make_request("fat", 40))
+
+
+def test_waiting_queue_is_bounded_and_retryable():
+    sched = make_scheduler(max_waiting_requests=3)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 5))
+    with pytest.raises(LimitExceededError, match="--max-waiting-requests") as e:
+        sched.add_request(make_request("r3", 5))
+    assert e.value.retryable
+
+
+def test_preemption_frees_and_recomputes():
+    # 3 requests of 40 tokens need 10 blocks each in the full pool; 16 usable blocks fit one and a half.
+    sched = make_scheduler(num_blocks=17, block_size=4, max_num_batched_tokens=64)
+    reqs = [make_request(f"r{i}", 30, [(4, 9)], max_tokens=10) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    preempted = []
+    run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
+    assert preempted, "the tiny cache should force a preemption"
+    assert all(len(r.output_token_ids) == 10 for r in reqs)
+    assert all(p.num_free == p.num_usable for p in sched.kv.pools.values())
+
+
+def test_priority_policy_admits_lowest_value_first():
+    sched = make_scheduler(max_num_seqs=1, policy="priority")
+    for rid, prio in [("late", 5), ("urgent", -1), ("normal", 0)]:
+        sched.add_request(make_request(rid, 4, priority=prio))
+    order = []
+    run_to_completion(sched, lambda out: order.extend(
+        s.request.request_id for s in out.scheduled if s.context_len == 0))
+    assert order == ["urgent", "normal", "late"]
+
+
+def test_finish_of_waiting_request_and_unknown_id():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    assert sched.finish("a") is not None
+    assert sched.finish("a") is None
+    assert sched.schedule().finished_ids == ["a"]
