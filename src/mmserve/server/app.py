@@ -1,0 +1,138 @@
+"""Build and run the grpc.aio server around an AsyncEngine.
+
+`MMServer` owns the listener, the health states, the input worker pool and the engine's
+lifetime. It listens before the model loads, so liveness probes pass during a long load while
+readiness ("mmserve.v1.Generation") turns SERVING only once the engine has started and warmed up.
+Extra interceptors and credentials can be passed in; drain is a method so a signal handler, a
+test or an operator can call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from mmserve.api import pb_grpc
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.input_processor import InputProcessor
+from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
+from mmserve.server.auth import build_auth_interceptor
+from mmserve.server.drain import DrainGate, ShutdownSignals, drain
+from mmserve.server.health import Health, enable_reflection
+from mmserve.server.servicer import GenerationServicer
+from mmserve.server.tls import server_credentials
+
+logger = logging.getLogger(__name__)
+
+
+def server_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Message limits from the config and keepalive that survives idle-timeout proxies.
+
+    The server pings every 60 s so a long stream is not cut by a proxy's idle timer, and tolerates
+    client pings down to every 10 s (clients pinging faster get GOAWAY "too_many_pings").
+    """
+    return [
+        # Headroom above our limit so MessageSizeLimit can refuse with a message naming the flag.
+        ("grpc.max_receive_message_length", transport_receive_limit(config.max_message_bytes)),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 2),
+        # A second server on a busy port must fail, not silently share its traffic.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class MMServer:
+    """The serving process's gRPC side: `await start()`, then `drain()` or `stop()`."""
+
+    def __init__(self, engine, server_config: ServerConfig, engine_config: EngineConfig, *,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
+        self.engine = engine
+        self.server_config = server_config
+        self.engine_config = engine_config
+        self.health = Health()
+        self.gate = DrainGate()
+        auth = build_auth_interceptor(server_config)
+        chain = ([auth] if auth else []) + [MessageSizeLimit(server_config.max_message_bytes), self.gate,
+                                            *interceptors]
+        self._credentials = credentials if credentials is not None else server_credentials(server_config)
+        self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
+                                            thread_name_prefix="mmserve-input")
+        self._processor: InputProcessor | None = None
+        self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config))
+        servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining)
+        pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        self.health.add_to_server(self.server)
+        enable_reflection(self.server)
+        self.port = 0
+
+    @property
+    def address(self) -> str:
+        return f"{self.server_config.host}:{self.port}"
+
+    async def start(self) -> int:
+        """Listen, then load and warm the engine, then report ready. Returns the bound port."""
+        address = f"{self.server_config.host}:{self.server_config.port}"
+        try:
+            if self._credentials is not None:
+                self.port = self.server.add_secure_port(address, self._credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc only says "Failed to bind"
+            raise OSError(f"cannot listen on {address}: port in use or not a local address") from e
+        await self.health.set_live()
+        await self.server.start()
+        logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
+        await self.engine.start()
+        self._processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
+                                                         context_length=self.engine.model_info.context_length)
+        await self.health.set_ready()
+        logger.info("ready: serving %s on %s", self.engine_config.model, self.address)
+        return self.port
+
+    async def drain(self, grace_s: float | None = None, forced: asyncio.Event | None = None) -> bool:
+        """Readiness NOT_SERVING, refuse new Generate calls, let in-flight ones finish within the
+        grace period, then stop. True when no stream was cut off."""
+        grace = self.server_config.drain_grace_s if grace_s is None else grace_s
+        clean = await drain(self.server, self.gate, grace, set_not_serving=self.health.set_draining, forced=forced)
+        await self._close()
+        return clean
+
+    async def stop(self) -> None:
+        """Stop at once, cancelling in-flight streams (each is aborted in the engine)."""
+        await self.health.set_draining()
+        await self.server.stop(0)
+        await self._close()
+
+    async def _close(self) -> None:
+        await self.engine.shutdown()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+
+def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> MMServer:
+    return MMServer(engine, server_config, engine_config, interceptors=interceptors, credentials=credentials)
+
+
+async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
+    """Run until SIGTERM/SIGINT, then drain. True when the drain cut nothing off."""
+    from mmserve.engine.async_engine import AsyncEngine
+
+    signals = ShutdownSignals()
+    signals.install()
+    server = build_server(AsyncEngine(engine_config), server_config, engine_config)
+    await server.start()
+    await signals.requested.wait()
+    return await server.drain(forced=signals.forced)

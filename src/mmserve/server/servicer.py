@@ -1,0 +1,117 @@
+"""The mmserve.v1.Generation servicer: a thin translation between gRPC and the engine.
+
+Validation, input processing and generation all live below; this file only moves messages and
+makes sure every request ends exactly once: with a Final, with a status from `status.py`, or,
+when the client goes away (cancel, deadline), with an abort in the engine so nothing is leaked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from mmserve.api import pb, pb_grpc
+from mmserve.config import EngineConfig
+from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.types import RequestOutput
+from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError
+from mmserve.server.status import abort_with
+from mmserve.server.validation import validate_request
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP_STRING,
+}
+
+
+def final_message(out: RequestOutput) -> pb.Final:
+    final = pb.Final(finish_reason=FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+                     matched_stop=out.matched_stop or "")
+    if out.usage is not None:
+        final.usage.CopyFrom(pb.Usage(prompt_tokens=out.usage.prompt_tokens,
+                                      multimodal_tokens=out.usage.multimodal_tokens,
+                                      completion_tokens=out.usage.completion_tokens,
+                                      num_frames=out.usage.num_frames))
+    if out.timings is not None:
+        final.timings.CopyFrom(pb.Timings(queue_s=out.timings.queue_s or 0.0,
+                                          time_to_first_token_s=out.timings.ttft_s or 0.0,
+                                          end_to_end_s=out.timings.e2e_s or 0.0))
+    perf_fields = {f.name for f in pb.Perf.DESCRIPTOR.fields}
+    final.perf.CopyFrom(pb.Perf(**{k: float(v) for k, v in out.perf.items() if k in perf_fields and v is not None}))
+    return final
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """`processor()` returns the InputProcessor once the model is loaded (None before)."""
+
+    def __init__(self, engine, config: EngineConfig, processor: Callable[[], InputProcessor | None],
+                 draining: Callable[[], bool]) -> None:
+        self._engine = engine
+        self._config = config
+        self._processor = processor
+        self._draining = draining
+        self._in_flight: set[str] = set()
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        request_id = request.request_id
+        try:
+            validated = validate_request(request, self._config)
+            request_id = validated.request_id
+            processor = self._processor()
+            if processor is None:
+                raise EngineUnavailableError("the model is still loading; retry shortly")
+            if request_id in self._in_flight:
+                raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
+        except MMServeError as e:
+            await abort_with(context, e, request_id)
+        self._in_flight.add(request_id)
+        finished = False
+        try:
+            engine_request = await processor.process(validated.request_id, validated.messages,
+                                                     validated.sampling, priority=validated.priority)
+            async for out in self._engine.generate(engine_request):
+                if out.new_token_ids or out.new_text:
+                    yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
+                        token_ids=out.new_token_ids, text=out.new_text))
+                if out.finished:
+                    finished = True
+                    yield pb.GenerateResponse(request_id=request_id, final=final_message(out))
+        except MMServeError as e:
+            finished = True  # the engine ended it (or never admitted it)
+            await abort_with(context, e, request_id)
+        finally:
+            self._in_flight.discard(request_id)
+            if not finished:
+                # Client cancel, deadline or server stop: the task is being torn down mid-stream.
+                logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
+                self._engine.abort(request_id)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        return pb.AbortResponse(found=bool(self._engine.abort(request.request_id)))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        if self._processor() is None:
+            await abort_with(context, EngineUnavailableError("the model is still loading; retry shortly"))
+        info = self._engine.model_info
+        return pb.ModelInfo(
+            model_name=info.name, context_length=info.context_length,
+            max_frames_per_video=self._config.max_frames_per_video,
+            max_frames_per_request=self._config.max_frames_per_request,
+            tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
+            attention_backend=info.backend, dtype=info.dtype)
+
+    async def GetServerLoad(self, request: pb.GetServerLoadRequest,
+                            context: grpc.aio.ServicerContext) -> pb.ServerLoad:
+        draining = self._draining()
+        if self._processor() is None:
+            return pb.ServerLoad(draining=draining, max_num_seqs=self._config.max_num_seqs)
+        load = self._engine.load()
+        return pb.ServerLoad(running_requests=load.running, waiting_requests=load.waiting,
+                             kv_cache_usage=load.kv_usage, draining=draining, max_num_seqs=load.max_num_seqs)

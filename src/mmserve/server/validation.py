@@ -1,0 +1,169 @@
+"""Wire format -> engine-level inputs, refusing bad requests with the offending field's name.
+
+Everything checkable without decoding media is checked here, before any work is queued, so a
+client learns about a typo in microseconds instead of after a video decode. Field names follow
+the proto path (`messages[0].parts[1].video.mime_type`) so a client author can find the field.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+
+from mmserve.api import pb
+from mmserve.config import EngineConfig
+from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.errors import InvalidInputError
+
+ROLES = ("system", "user", "assistant")
+IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp",
+                              "image/tiff"})
+VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/webm", "video/x-matroska", "video/matroska", "video/quicktime",
+                              "video/x-msvideo", "video/avi", "video/mpeg", "video/ogg", "video/mp2t",
+                              "video/3gpp", "image/gif"})
+DEFAULT_MAX_TOKENS = 16
+MAX_REQUEST_ID_CHARS = 128
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    request_id: str
+    messages: tuple[InputMessage, ...]
+    sampling: SamplingParams
+    priority: int
+
+
+def validate_request(request: pb.GenerateRequest, config: EngineConfig) -> ValidatedRequest:
+    """Check a GenerateRequest and convert it; raises InvalidInputError naming the field."""
+    messages = _messages(request.messages, config)
+    return ValidatedRequest(
+        request_id=_request_id(request.request_id),
+        messages=messages,
+        sampling=validate_sampling(request.sampling, config),
+        priority=request.priority,
+    )
+
+
+def _request_id(value: str) -> str:
+    if not value:
+        return uuid.uuid4().hex
+    if len(value) > MAX_REQUEST_ID_CHARS:
+        raise InvalidInputError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(value)}")
+    if not value.isprintable():
+        raise InvalidInputError("request_id", "must be printable characters only")
+    return value
+
+
+def _messages(messages, config: EngineConfig) -> tuple[InputMessage, ...]:
+    if not messages:
+        raise InvalidInputError("messages", "at least one message is required")
+    out = []
+    requested_frames = 0
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if message.role not in ROLES:
+            raise InvalidInputError(f"{where}.role", f"unknown role {message.role!r}; use one of {', '.join(ROLES)}")
+        if not message.parts:
+            raise InvalidInputError(f"{where}.parts", "a message needs at least one part")
+        parts = tuple(_part(part, f"{where}.parts[{j}]", config) for j, part in enumerate(message.parts))
+        requested_frames += sum(p.num_frames or config.default_num_frames for p in parts
+                                if isinstance(p, VideoInput) and p.data)
+        requested_frames += sum(len(p.frames) for p in parts if isinstance(p, VideoInput))
+        out.append(InputMessage(role=message.role, parts=parts))
+    if not any(_has_content(p) for m in out for p in m.parts):
+        raise InvalidInputError("messages", "the prompt is empty: give some text, an image or a video")
+    if requested_frames > config.max_frames_per_request:
+        raise InvalidInputError("messages", f"{requested_frames} video frames requested, at most "
+                                f"{config.max_frames_per_request} per request (--max-frames-per-request)")
+    return tuple(out)
+
+
+def _has_content(part: InputPart) -> bool:
+    return not isinstance(part, TextInput) or bool(part.text.strip())
+
+
+def _part(part: pb.Part, where: str, config: EngineConfig) -> InputPart:
+    kind = part.WhichOneof("content")
+    if kind == "text":
+        return TextInput(part.text)
+    if kind == "image":
+        return _image(part.image, f"{where}.image")
+    if kind == "video":
+        return _video(part.video, f"{where}.video", config)
+    raise InvalidInputError(where, "empty part: set one of text, image or video")
+
+
+def _image(image: pb.Image, where: str) -> ImageInput:
+    if not image.data:
+        raise InvalidInputError(f"{where}.data", "empty image bytes")
+    _mime(image.mime_type, IMAGE_MIME_TYPES, f"{where}.mime_type")
+    return ImageInput(data=image.data, mime_type=image.mime_type)
+
+
+def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
+    _mime(video.mime_type, VIDEO_MIME_TYPES, f"{where}.mime_type")
+    if video.num_frames < 0:
+        raise InvalidInputError(f"{where}.num_frames", f"must be >= 0, got {video.num_frames}")
+    if video.num_frames > config.max_frames_per_video:
+        raise InvalidInputError(f"{where}.num_frames", f"{video.num_frames} frames asked, at most "
+                                f"{config.max_frames_per_video} per video (--max-frames-per-video)")
+    if not math.isfinite(video.fps) or video.fps < 0:
+        raise InvalidInputError(f"{where}.fps", f"must be a finite number >= 0, got {video.fps}")
+    source = video.WhichOneof("source")
+    if source == "data":
+        if not video.data:
+            raise InvalidInputError(f"{where}.data", "empty video bytes")
+        return VideoInput(data=video.data, mime_type=video.mime_type, num_frames=video.num_frames, fps=video.fps)
+    if source == "frames":
+        frames = video.frames
+        if not frames.frames:
+            raise InvalidInputError(f"{where}.frames.frames", "no frames given")
+        if len(frames.frames) > config.max_frames_per_video:
+            raise InvalidInputError(f"{where}.frames.frames", f"{len(frames.frames)} frames given, at most "
+                                    f"{config.max_frames_per_video} per video (--max-frames-per-video)")
+        if not math.isfinite(frames.fps) or frames.fps < 0:
+            raise InvalidInputError(f"{where}.frames.fps", f"must be a finite number >= 0, got {frames.fps}")
+        images = tuple(_image(f, f"{where}.frames.frames[{k}]").data for k, f in enumerate(frames.frames))
+        return VideoInput(frames=images, frames_fps=frames.fps, mime_type=video.mime_type)
+    raise InvalidInputError(f"{where}.source", "set either data (container bytes) or frames")
+
+
+def _mime(mime_type: str, allowed: frozenset[str], where: str) -> None:
+    if mime_type and mime_type.lower() not in allowed:
+        raise InvalidInputError(where, f"unsupported mime type {mime_type!r}; use one of "
+                                f"{', '.join(sorted(allowed))} or leave it empty to sniff")
+
+
+def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> SamplingParams:
+    """Proto sampling fields -> the engine's SamplingParams, with proto defaults applied."""
+    if sampling.max_tokens < 0:
+        raise InvalidInputError("sampling.max_tokens", f"must be > 0 (or 0 for the default), got {sampling.max_tokens}")
+    if sampling.max_tokens > config.max_tokens_limit:
+        raise InvalidInputError("sampling.max_tokens", f"{sampling.max_tokens} is above the server limit "
+                                f"{config.max_tokens_limit} (--max-tokens-limit)")
+    temperature = sampling.temperature if sampling.HasField("temperature") else 1.0
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidInputError("sampling.temperature", f"must be >= 0 (0 = greedy), got {temperature}")
+    top_p = sampling.top_p if sampling.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidInputError("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    if sampling.top_k < 0:
+        raise InvalidInputError("sampling.top_k", f"must be >= 0 (0 = disabled), got {sampling.top_k}")
+    if len(sampling.stop) > config.max_stop_strings:
+        raise InvalidInputError("sampling.stop", f"{len(sampling.stop)} stop strings, at most "
+                                f"{config.max_stop_strings} (--max-stop-strings)")
+    for i, stop in enumerate(sampling.stop):
+        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidInputError(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
+    return SamplingParams(
+        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=sampling.top_k,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        stop=tuple(sampling.stop),
+        ignore_eos=sampling.ignore_eos,
+    )

@@ -1,0 +1,158 @@
+"""Shared fixtures: real PyAV-encoded videos and a real mmserve server on 127.0.0.1:0.
+
+`mmserve_server` serves the embedded demo model when it is present (src/mmserve/demo_model/),
+else a tiny random Gemma 4 checkpoint; it runs the real AsyncEngine in a background thread with
+its own event loop, once per test session. The `start_server` fixture starts one with other options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
+
+TESTS = Path(__file__).parent
+
+
+def _make_video(seed: int = 0, *, num_frames: int = 8, size: int = 32, fps: float = 4.0,
+               container: str = "mp4") -> bytes:
+    """A real encoded clip (PyAV) of a coloured shape moving; same seed, same bytes."""
+    from mmserve.multimodal.synthetic import make_clip
+
+    return make_clip(seed, size=size, num_frames=num_frames, fps=fps, container=container).data
+
+
+@pytest.fixture(scope="session")
+def make_video():
+    """The clip factory: `make_video(seed, num_frames=8, size=32, fps=4.0, container="mp4") -> bytes`."""
+    return _make_video
+
+
+@pytest.fixture(scope="session")
+def video_bytes() -> bytes:
+    return _make_video(0)
+
+
+def _gemma4_fixtures():
+    """tests/model/gemma4_fixtures.py, importable from any test directory."""
+    if "gemma4_fixtures" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gemma4_fixtures", TESTS / "model" / "gemma4_fixtures.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["gemma4_fixtures"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["gemma4_fixtures"]
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A tiny random Gemma 4 checkpoint (text + vision, sliding and full layers)."""
+    path = tmp_path_factory.mktemp("tiny_gemma4")
+    _gemma4_fixtures().make_checkpoint(path, seed=0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def served_model(request) -> Path:
+    """The embedded demo model when it has landed, else a tiny random checkpoint."""
+    if (DEMO_MODEL_DIR / "config.json").exists():
+        return DEMO_MODEL_DIR
+    return request.getfixturevalue("tiny_checkpoint")
+
+
+@dataclass
+class RunningServer:
+    """A real MMServer on loopback, driven from its own thread and event loop."""
+
+    engine_config: EngineConfig
+    server_config: ServerConfig
+    port: int = 0
+    server: object = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+    _thread: threading.Thread | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> RunningServer:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="mmserve-test-server",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError("server failed to start") from self._error
+        return self
+
+    async def _main(self) -> None:
+        from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.server.app import build_server
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            self.server = build_server(AsyncEngine(self.engine_config), self.server_config, self.engine_config)
+            self.port = await self.server.start()
+        except BaseException as e:  # surfaced by start() in the test thread
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.server.stop()
+
+    def call(self, coro, timeout_s: float = 60.0):
+        """Run a coroutine on the server's loop (e.g. `server.engine` queries) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(60)
+
+
+def _engine_config(model: Path, **overrides) -> EngineConfig:
+    """Small, CPU-friendly engine options for tests."""
+    options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
+                   kv_cache_bytes=16 * 2**20, default_num_frames=4)
+    options.update(overrides)
+    return EngineConfig(**options)
+
+
+def _start_server(model: Path, *, server_overrides: dict | None = None, **engine_overrides) -> RunningServer:
+    engine_config = _engine_config(model, **engine_overrides)
+    server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0,
+                                 **(server_overrides or {}))
+    return RunningServer(engine_config, server_config).start()
+
+
+@pytest.fixture(scope="session")
+def mmserve_server(served_model) -> RunningServer:
+    server = _start_server(served_model)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def start_server():
+    """Factory for a server with other options: `start_server(model, server_overrides={...}, **engine_options)`;
+    every server it starts is stopped after the test."""
+    started: list[RunningServer] = []
+
+    def start(model: Path, **kwargs) -> RunningServer:
+        started.append(_start_server(model, **kwargs))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()

@@ -1,0 +1,121 @@
+"""InputProcessor: real encoded videos and images -> EngineRequest, checked against the layout rules."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmserve.config import EngineConfig
+from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.model.prompt import timestamp_text
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.preprocess import preprocess_images
+from mmserve.multimodal.video import decode_video
+
+
+@pytest.fixture(scope="module")
+def executor():
+    with ThreadPoolExecutor(2) as pool:
+        yield pool
+
+
+def _processor(checkpoint, executor, context_length: int = 1024, **options) -> InputProcessor:
+    config = EngineConfig(model=str(checkpoint), default_num_frames=4, **options)
+    return InputProcessor.from_checkpoint(config, executor, context_length=context_length)
+
+
+def _process(processor, *parts, sampling=SamplingParams(max_tokens=8)):
+    message = InputMessage("user", tuple(parts))
+    return asyncio.run(processor.process("r1", [message], sampling))
+
+
+def _png(rng: np.random.Generator, h: int, w: int) -> tuple[bytes, np.ndarray]:
+    pixels = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue(), pixels
+
+
+def test_video_and_text_become_frames_with_timestamps(tiny_checkpoint, executor, make_video):
+    processor = _processor(tiny_checkpoint, executor)
+    spec, tok = processor.spec, processor.tokenizer
+    num_frames = int(np.random.default_rng().integers(2, 6))
+    data = make_video(int(np.random.default_rng().integers(0, 1000)), num_frames=8)
+    request = _process(processor, VideoInput(data=data, num_frames=num_frames), TextInput("Describe the video."))
+
+    # Reference: decode and patchify directly, then lay the prompt out by the documented rule.
+    video = decode_video(data, num_frames=num_frames, limits=MediaLimits())
+    batch = preprocess_images(video.frames, patch_size=spec.patch_size, pooling_kernel_size=spec.pooling_kernel_size,
+                              max_soft_tokens=spec.video_max_soft_tokens)
+    ids = [spec.bos_token_id, tok.token_id("<|turn>")] + tok.encode("user\n")
+    ranges = []
+    for i, (n, t) in enumerate(zip(batch.num_soft_tokens, video.timestamps_s, strict=True)):
+        ids += tok.encode((" " if i else "") + timestamp_text(t) + " ") + [spec.boi_token_id]
+        ranges.append((len(ids), len(ids) + n - 1))
+        ids += [spec.video_token_id] * n + [spec.eoi_token_id]
+    ids += tok.encode("Describe the video.") + [tok.token_id("<turn|>")] + tok.encode("\n")
+    ids += [tok.token_id("<|turn>")] + tok.encode("model\n")
+
+    assert request.prompt_token_ids == ids
+    assert request.mm_ranges == ranges
+    assert request.num_frames == num_frames == len(request.mm_inputs)
+    assert request.num_mm_tokens == sum(batch.num_soft_tokens)
+    for k, item in enumerate(request.mm_inputs):
+        assert torch.equal(item.pixel_values, batch.pixel_values[k])
+        assert torch.equal(item.position_ids, batch.position_ids[k])
+
+
+def test_image_and_frames_parts(tiny_checkpoint, executor):
+    rng = np.random.default_rng()
+    processor = _processor(tiny_checkpoint, executor)
+    spec = processor.spec
+    image, image_pixels = _png(rng, 24, 40)
+    frames = [_png(rng, 16, 16) for _ in range(3)]
+    request = _process(processor, ImageInput(image, "image/png"),
+                       VideoInput(frames=tuple(f for f, _ in frames), frames_fps=0.5), TextInput("what?"))
+    image_batch = preprocess_images([image_pixels], patch_size=spec.patch_size,
+                                    pooling_kernel_size=spec.pooling_kernel_size,
+                                    max_soft_tokens=spec.image_max_soft_tokens)
+    assert request.num_frames == 3 and len(request.mm_ranges) == 4
+    start, end = request.mm_ranges[0]
+    assert end - start + 1 == image_batch.num_soft_tokens[0]
+    assert set(request.prompt_token_ids[start:end + 1]) == {spec.image_token_id}
+    assert torch.equal(request.mm_inputs[0].pixel_values, image_batch.pixel_values[0])
+    text = processor.tokenizer.decode(request.prompt_token_ids)
+    for k in range(3):  # frames at 0.5 fps are 2 s apart
+        assert timestamp_text(2.0 * k) in text
+
+
+def test_corrupt_video_names_the_part(tiny_checkpoint, executor, video_bytes):
+    processor = _processor(tiny_checkpoint, executor)
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, TextInput("hi"), VideoInput(data=video_bytes[: len(video_bytes) // 3] + b"\x00" * 64))
+    assert info.value.field == "messages[0].parts[1].video"
+
+
+def test_prompt_longer_than_the_context(tiny_checkpoint, executor, video_bytes):
+    short = _processor(tiny_checkpoint, executor, context_length=48)
+    with pytest.raises(InvalidInputError) as info:
+        _process(short, VideoInput(data=video_bytes, num_frames=4), TextInput("hi"))
+    assert info.value.field == "messages" and "48" in str(info.value)
+    request = _process(_processor(tiny_checkpoint, executor), TextInput("hi"))
+    fits = _processor(tiny_checkpoint, executor, context_length=len(request.prompt_token_ids) + 4)
+    with pytest.raises(InvalidInputError) as info:
+        _process(fits, TextInput("hi"), sampling=SamplingParams(max_tokens=5))
+    assert info.value.field == "sampling.max_tokens"
+    _process(fits, TextInput("hi"), sampling=SamplingParams(max_tokens=4))
+
+
+def test_decode_time_limit(tiny_checkpoint, executor, video_bytes):
+    processor = _processor(tiny_checkpoint, executor, video_decode_timeout_s=1e-6)
+    with pytest.raises(LimitExceededError) as info:
+        _process(processor, VideoInput(data=video_bytes))
+    assert "--video-decode-timeout-s" in str(info.value)

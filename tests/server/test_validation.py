@@ -1,0 +1,133 @@
+"""validate_request: bad requests name their field; good ones convert faithfully."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from mmserve.api import pb
+from mmserve.config import EngineConfig
+from mmserve.engine.input_processor import ImageInput, TextInput, VideoInput
+from mmserve.errors import InvalidInputError
+from mmserve.server.validation import DEFAULT_MAX_TOKENS, validate_request
+
+CONFIG = EngineConfig()
+
+
+def _request(**sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        messages=[pb.Message(role="user", parts=[pb.Part(video=pb.Video(data=b"\x00video", mime_type="video/mp4")),
+                                                 pb.Part(text="Describe the video.")])],
+        sampling=pb.SamplingParams(**sampling))
+
+
+def test_random_valid_requests_convert_field_by_field():
+    rng = random.Random()
+    for _ in range(50):
+        parts, expected = [], []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.choice(["text", "image", "video", "frames"])
+            data = rng.randbytes(rng.randint(1, 64))
+            if kind == "text":
+                text = "".join(rng.choice("ab c") for _ in range(rng.randint(1, 10))) + "x"
+                parts.append(pb.Part(text=text))
+                expected.append(TextInput(text))
+            elif kind == "image":
+                parts.append(pb.Part(image=pb.Image(data=data, mime_type="image/png")))
+                expected.append(ImageInput(data, "image/png"))
+            elif kind == "video":
+                n, fps = rng.randint(0, 4), rng.choice([0.0, 0.5, 2.0])
+                parts.append(pb.Part(video=pb.Video(data=data, num_frames=n, fps=fps)))
+                expected.append(VideoInput(data=data, num_frames=n, fps=fps))
+            else:
+                frames = [rng.randbytes(8) for _ in range(rng.randint(1, 3))]
+                parts.append(pb.Part(video=pb.Video(frames=pb.VideoFrames(
+                    frames=[pb.Image(data=f) for f in frames], fps=4.0))))
+                expected.append(VideoInput(frames=tuple(frames), frames_fps=4.0))
+        max_tokens, temperature, top_k = rng.randint(0, 100), rng.uniform(0, 2), rng.randint(0, 50)
+        seed = rng.randint(0, 2**40)
+        request = pb.GenerateRequest(request_id=f"r{rng.randint(0, 10**6)}", priority=rng.randint(-5, 5),
+                                     messages=[pb.Message(role="user", parts=parts)],
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                                                top_k=top_k, seed=seed, stop=["\n"]))
+        got = validate_request(request, CONFIG)
+        assert got.request_id == request.request_id and got.priority == request.priority
+        assert list(got.messages[0].parts) == expected
+        assert got.sampling.max_tokens == (max_tokens or DEFAULT_MAX_TOKENS)
+        assert got.sampling.temperature == pytest.approx(temperature, rel=1e-6)  # float32 on the wire
+        assert (got.sampling.top_k, got.sampling.seed, got.sampling.stop) == (top_k, seed, ("\n",))
+
+
+def test_proto_defaults_and_server_assigned_id():
+    got = validate_request(_request(), CONFIG)
+    assert got.sampling.temperature == 1.0 and got.sampling.top_p == 1.0 and got.sampling.seed is None
+    assert got.sampling.max_tokens == DEFAULT_MAX_TOKENS
+    other = validate_request(_request(), CONFIG)
+    assert got.request_id and other.request_id and got.request_id != other.request_id
+
+
+def _bad(request: pb.GenerateRequest, config: EngineConfig = CONFIG) -> InvalidInputError:
+    with pytest.raises(InvalidInputError) as info:
+        validate_request(request, config)
+    assert info.value.field in str(info.value)
+    return info.value
+
+
+@pytest.mark.parametrize("sampling, field", [
+    ({"max_tokens": -1}, "sampling.max_tokens"),
+    ({"max_tokens": CONFIG.max_tokens_limit + 1}, "sampling.max_tokens"),
+    ({"temperature": -0.5}, "sampling.temperature"),
+    ({"temperature": float("nan")}, "sampling.temperature"),
+    ({"top_p": 0.0}, "sampling.top_p"),
+    ({"top_p": 1.5}, "sampling.top_p"),
+    ({"top_k": -3}, "sampling.top_k"),
+    ({"stop": ["x"] * (CONFIG.max_stop_strings + 1)}, "sampling.stop"),
+    ({"stop": ["ok", ""]}, "sampling.stop[1]"),
+])
+def test_bad_sampling_names_the_field(sampling, field):
+    assert _bad(_request(**sampling)).field == field
+
+
+def test_limits_in_messages_mention_the_flag():
+    err = _bad(_request(max_tokens=CONFIG.max_tokens_limit + 1))
+    assert "--max-tokens-limit" in str(err)
+
+
+def _one(part: pb.Part, role: str = "user") -> pb.GenerateRequest:
+    return pb.GenerateRequest(messages=[pb.Message(role=role, parts=[part])])
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(), "messages"),
+    (pb.GenerateRequest(messages=[pb.Message(role="user")]), "messages[0].parts"),
+    (_one(pb.Part(text="hi"), role="robot"), "messages[0].role"),
+    (_one(pb.Part()), "messages[0].parts[0]"),
+    (_one(pb.Part(text="   ")), "messages"),
+    (_one(pb.Part(image=pb.Image(data=b"x", mime_type="image/x-nope"))), "messages[0].parts[0].image.mime_type"),
+    (_one(pb.Part(image=pb.Image())), "messages[0].parts[0].image.data"),
+    (_one(pb.Part(video=pb.Video(data=b"x", mime_type="text/html"))), "messages[0].parts[0].video.mime_type"),
+    (_one(pb.Part(video=pb.Video(mime_type="video/mp4"))), "messages[0].parts[0].video.source"),
+    (_one(pb.Part(video=pb.Video(data=b"x", num_frames=-2))), "messages[0].parts[0].video.num_frames"),
+    (_one(pb.Part(video=pb.Video(data=b"x", num_frames=CONFIG.max_frames_per_video + 1))),
+     "messages[0].parts[0].video.num_frames"),
+    (_one(pb.Part(video=pb.Video(data=b"x", fps=-1.0))), "messages[0].parts[0].video.fps"),
+    (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames()))), "messages[0].parts[0].video.frames.frames"),
+    (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f"), pb.Image()])))),
+     "messages[0].parts[0].video.frames.frames[1].data"),
+    (pb.GenerateRequest(request_id="x" * 1000, messages=[pb.Message(role="user", parts=[pb.Part(text="a")])]),
+     "request_id"),
+])
+def test_bad_messages_name_the_field(request_, field):
+    assert _bad(request_).field == field
+
+
+def test_total_frames_over_the_request_limit():
+    config = EngineConfig(max_frames_per_video=8, max_frames_per_request=10)
+    video = pb.Part(video=pb.Video(data=b"x", num_frames=6))
+    request = pb.GenerateRequest(messages=[pb.Message(role="user", parts=[video, video])])
+    err = _bad(request, config)
+    assert err.field == "messages" and "--max-frames-per-request" in str(err)
+    # one fewer frame each fits
+    fits = pb.Part(video=pb.Video(data=b"x", num_frames=5))
+    validate_request(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[fits, fits])]), config)
