@@ -1,0 +1,108 @@
+"""Chat messages -> prompt token ids + one bidirectional range per image / video frame.
+
+The layout (docs/architecture.md, and what the demo model was trained on):
+
+    <bos><|turn>user\n{parts}<turn|>\n<|turn>model\n
+
+Text parts are stripped and concatenated. An image is `<|image>` + `<|image|>` x n + `<image|>`; a
+video is its frames joined by single spaces, each `"mm:ss <|image>" + "<|video|>" x n + "<image|>"`.
+This is transformers' Gemma4Processor expansion with per-frame token counts. Each soft-token run
+is an inclusive absolute [start, end] range, in prompt order, paired with its pixels in `mm_items`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.model.config import ModelSpec
+from mmserve.model.messages import ChatMessage, ImagePart, Part, TextPart, VideoPart
+from mmserve.model.tokenizer import TextTokenizer
+
+TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"
+ROLES = {"system": "system", "user": "user", "assistant": "model", "model": "model"}
+
+
+@dataclass
+class MMItem:
+    """The pixels behind one range: one image or one video frame."""
+
+    kind: str                    # "image" | "video"
+    pixel_values: torch.Tensor   # [P, 3*p*p]
+    position_ids: torch.Tensor   # [P, 2]
+    num_soft_tokens: int
+
+
+@dataclass
+class PromptLayout:
+    token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)   # inclusive, absolute
+    mm_items: list[MMItem] = field(default_factory=list)
+
+
+def timestamp_text(seconds: float) -> str:
+    """mm:ss with truncated seconds, as the processor writes frame timestamps."""
+    return f"{int(seconds // 60):02d}:{int(seconds % 60):02d}"
+
+
+class _Builder:
+    def __init__(self, tokenizer: TextTokenizer, spec: ModelSpec):
+        self.tok, self.spec = tokenizer, spec
+        self.ids: list[int] = []
+        self.text = ""               # pending text; tokenized as one piece up to the next special id
+        self.layout = PromptLayout(self.ids)
+
+    def flush(self) -> None:
+        self.ids.extend(self.tok.encode(self.text))
+        self.text = ""
+
+    def special(self, *ids: int) -> None:
+        self.flush()
+        self.ids.extend(ids)
+
+    def soft_tokens(self, placeholder: int, item: MMItem) -> None:
+        if item.num_soft_tokens < 1:
+            raise ValueError(f"{item.kind} with {item.num_soft_tokens} soft tokens")
+        self.special(self.spec.boi_token_id)
+        start = len(self.ids)
+        self.ids.extend([placeholder] * item.num_soft_tokens)
+        self.layout.mm_ranges.append((start, len(self.ids) - 1))
+        self.layout.mm_items.append(item)
+        self.special(self.spec.eoi_token_id)
+
+    def part(self, part: Part) -> None:
+        if isinstance(part, str | TextPart):
+            self.text += (part if isinstance(part, str) else part.text).strip()
+        elif isinstance(part, ImagePart):
+            self.soft_tokens(self.spec.image_token_id,
+                             MMItem("image", part.pixel_values, part.position_ids, part.num_soft_tokens))
+        elif isinstance(part, VideoPart):
+            for i, (n, t) in enumerate(zip(part.num_soft_tokens, part.timestamps_s, strict=True)):
+                self.text += (" " if i else "") + timestamp_text(t) + " "
+                self.soft_tokens(self.spec.video_token_id,
+                                 MMItem("video", part.pixel_values[i], part.position_ids[i], n))
+        else:
+            raise TypeError(f"unknown message part {type(part).__name__}")
+
+
+def build_prompt(tokenizer: TextTokenizer, spec: ModelSpec, messages: list[ChatMessage]) -> PromptLayout:
+    """Render `messages` and the generation prompt (`<|turn>model\\n`) into ids and ranges."""
+    if not messages:
+        raise ValueError("no messages")
+    b = _Builder(tokenizer, spec)
+    turn_open, turn_close = tokenizer.token_id(TURN_OPEN), tokenizer.token_id(TURN_CLOSE)
+    b.special(spec.bos_token_id)
+    for message in messages:
+        if message.role not in ROLES:
+            raise ValueError(f"unknown role {message.role!r}; expected one of {sorted(ROLES)}")
+        b.special(turn_open)
+        b.text += ROLES[message.role] + "\n"
+        for part in message.parts:
+            b.part(part)
+        b.special(turn_close)
+        b.text += "\n"
+    b.special(turn_open)
+    b.text += "model\n"
+    b.flush()
+    return b.layout
