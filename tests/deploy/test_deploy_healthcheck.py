@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from deploy_dockerfile import Instruction, parse
+from deploy_loop import LoopThread
 
 from mmserve.server.health import GENERATION_SERVICE, OVERALL, Health
 
@@ -28,17 +27,15 @@ def load_script():
 
 
 class LoopbackHealthServer:
-    """A grpc.aio server with mmserve's Health on its own event-loop thread, so the sync check can call it."""
+    """A grpc.aio server with mmserve's Health on a loop thread, so the blocking check can call it."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.loop = LoopThread()
         self.health = Health()
-        self.server, self.port = self.call(self._start())
+        self.server, self.port = self.loop.call(self._start())
 
     def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=10)
+        return self.loop.call(coro)
 
     async def _start(self) -> tuple[grpc.aio.Server, int]:
         server = grpc.aio.server()
@@ -48,11 +45,9 @@ class LoopbackHealthServer:
         return server, port
 
     def close(self) -> None:
-        if not self.thread.is_alive():
-            return
-        self.call(self.server.stop(0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=5)
+        if self.loop.thread.is_alive():
+            self.call(self.server.stop(0))
+            self.loop.close()
 
 
 @pytest.fixture
