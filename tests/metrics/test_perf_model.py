@@ -1,0 +1,138 @@
+"""Attention accounting against the dense reference mask, window clamping, per-layer head dims,
+tensor/pipeline splits and the `mmserve perf --json` contract."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from mmserve.attention.mask import keep
+from mmserve.metrics.attention_pairs import keys_touched, kept_pairs
+from mmserve.metrics.model_spec import model_shape
+from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
+
+# A Gemma-4-31B-like text stack: sliding head_dim 256 with 16 KV heads, full head_dim 512 with 4, K=V.
+G4 = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, num_attention_heads=32,
+          num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
+          attention_k_eq_v=True, sliding_window=1024, intermediate_size=21504, vocab_size=262144,
+          hidden_size_per_layer_input=0, use_bidirectional_attention="vision")
+
+
+def random_ranges(rng: random.Random, context: int) -> list[tuple[int, int]]:
+    """Disjoint inclusive ranges inside [0, context)."""
+    ranges, pos = [], rng.randint(0, 4)
+    while pos < context - 1 and rng.random() < 0.8:
+        end = min(context - 1, pos + rng.randint(0, 12))
+        ranges.append((pos, end))
+        pos = end + 1 + rng.randint(1, 6)
+    return ranges
+
+
+def dense_mask(n: int, c: int, window, ranges, bidirectional: bool, clamp: bool) -> torch.Tensor:
+    q = torch.arange(c - n, c)[:, None]
+    k = torch.arange(c)[None, :]
+    r_start = torch.full_like(q, -1)
+    r_end = torch.full_like(q, -1)
+    for s, e in ranges:
+        inside = (q >= s) & (q <= e)
+        r_start[inside], r_end[inside] = s, e
+    return keep(q, k, r_start, r_end, window=window, bidirectional=bidirectional, clamp=clamp)
+
+
+def test_exact_pairs_equal_dense_mask_count():
+    rng = random.Random()
+    for _ in range(300):
+        c = rng.randint(1, 90)
+        n = rng.randint(1, c)
+        window = rng.choice([None, rng.randint(1, 20)])
+        ranges = random_ranges(rng, c)
+        bidirectional, clamp = rng.random() < 0.7, rng.random() < 0.5
+        mask = dense_mask(n, c, window, ranges, bidirectional, clamp)
+        case = (n, c, window, ranges, bidirectional, clamp)
+        assert kept_pairs(n, c, window, ranges, bidirectional=bidirectional, clamp=clamp) == int(mask.sum()), case
+        assert keys_touched(n, c, window, ranges, bidirectional=bidirectional, clamp=clamp) == int(mask.any(0).sum()), case
+
+
+def test_sliding_layers_clamp_to_the_window():
+    shape = model_shape(G4)
+    sliding = next(layer.attention for layer, _ in shape.layers if layer.attention.is_sliding)
+    exact = PerfModel(shape, accounting="exact")
+    upper = PerfModel(shape, accounting="upper-bound")
+    for context in (4096, 65536):
+        for model in (exact, upper):
+            got = model.step(StepContext((RequestWork(1, context, False),)))
+            n_sliding = sum(n for layer, n in shape.layers if layer.attention.is_sliding)
+            # one decode token sees exactly `window` keys on every sliding layer, however long the context
+            assert got.attn_flops_sliding == 2 * 2 * sliding.num_heads * sliding.head_dim * 1024 * n_sliding
+    long_ctx = exact.step(StepContext((RequestWork(1, 65536, False),)))
+    assert long_ctx.attn_flops_full == 2 * 2 * 32 * 512 * 65536 * 10  # full layers see all 65536 keys
+    # prefill: exact counts the causal triangle; upper-bound bills n * min(c, W) per request
+    n = 3000
+    assert upper.step(StepContext((RequestWork(n, n, True),))).attn_flops_sliding == pytest.approx(
+        exact.step(StepContext((RequestWork(n, n, True),))).attn_flops_sliding * n * 1024 / (n * 1024 - 1024 * 1023 / 2))
+
+
+def test_per_layer_head_dims_and_k_eq_v():
+    shape = model_shape(G4)
+    kinds = {layer.attention.layer_type: (layer.attention, n) for layer, n in shape.layers}
+    sliding, n_s = kinds["sliding_attention"]
+    full, n_f = kinds["full_attention"]
+    assert (sliding.head_dim, sliding.num_kv_heads, sliding.window, sliding.k_eq_v) == (256, 16, 1024, False)
+    assert (full.head_dim, full.num_kv_heads, full.window, full.k_eq_v) == (512, 4, None, True)
+    assert (n_s, n_f) == (50, 10)
+    assert sliding.bidirectional and not full.bidirectional
+    tokens = random.randint(1, 512)
+    got = PerfModel(shape).step(StepContext((RequestWork(tokens, tokens, True),)))
+    hidden = 5376
+    want = 2 * tokens * hidden * ((32 + 2 * 16) * 256 * n_s + (32 + 4) * 512 * n_f)  # full layers: no v_proj
+    assert got.flops["attn.qkv_proj"] == want
+    # the cache still holds K and V on K=V layers
+    assert got.write_bytes["attn.kv_cache"] == tokens * 2 * 2 * (16 * 256 * n_s + 4 * 512 * n_f)
+
+
+def test_pipeline_stages_sum_to_the_whole_model():
+    cfg = dict(G4, num_hidden_layers=7, layer_types=["sliding_attention"] * 6 + ["full_attention"])
+    shape = model_shape(cfg)
+    ctx = StepContext((RequestWork(300, 900, True, ((700, 760),)), RequestWork(1, 5000, False)))
+    whole = PerfModel(shape).step(ctx)
+    for pp in (2, 3, 4):
+        stage = PerfModel(shape, pp=pp).step(ctx, per_gpu=True)
+        for kind in ("flops", "read_bytes", "write_bytes"):
+            for key, value in getattr(whole, kind).items():
+                assert getattr(stage, kind)[key] * pp == pytest.approx(value), (pp, kind, key)
+        assert stage.attn_flops_full * pp == pytest.approx(whole.attn_flops_full)  # 1 full layer: 1/pp per stage
+
+
+def test_tensor_parallel_divides_heads_and_widths():
+    shape = model_shape(G4)
+    ctx = StepContext((RequestWork(64, 64, True),))
+    whole = PerfModel(shape).step(ctx)
+    for tp in (2, 4):
+        gpu = PerfModel(shape, tp=tp).step(ctx, per_gpu=True)
+        for key in ("attn.attn_qk", "attn.out_proj", "ffn.dense_ffn", "unembed.unembed"):
+            assert gpu.flops[key] * tp == pytest.approx(whole.flops[key]), key
+    # 4 full-layer KV heads on 8 GPUs: each GPU keeps (a replica of) one head, never half a head
+    gpu8 = PerfModel(shape, tp=8).step(ctx, per_gpu=True)
+    assert gpu8.write_bytes["attn.kv_cache"] == 64 * 2 * 2 * (2 * 256 * 50 + 1 * 512 * 10)
+
+
+def test_perf_cli_json_keys(tmp_path, capsys):
+    from mmserve.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(G4))
+    assert main(["perf", "--hf-config", str(path), "--tp", "2", "--request", "512:2048:prefill",
+                 "--request", "1:4096:decode", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"flops", "read_bytes", "write_bytes"}
+    assert {k for k in out["flops"] if k.startswith("attn.")} == {"attn.qkv_proj", "attn.attn_qk", "attn.attn_av", "attn.out_proj"}
+    assert {k for k in out["read_bytes"] if k.startswith("attn.")} == {
+        "attn.qkv_input", "attn.qkv_weight", "attn.attn_input", "attn.out_input", "attn.out_weight"}
+    assert {k for k in out["write_bytes"] if k.startswith("attn.")} == {"attn.qkv_output", "attn.kv_cache", "attn.out_output"}
+    assert {k.split(".")[0] for kind in out.values() for k in kind} == {"attn", "ffn", "unembed"}
+    want = PerfModel(model_shape(G4), tp=2).step(
+        StepContext((RequestWork(512, 2048, True), RequestWork(1, 4096, False))), per_gpu=True)
+    assert out == json.loads(json.dumps(want.as_dict()))
