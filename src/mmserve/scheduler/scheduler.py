@@ -105,6 +105,10 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting_requests:
             raise LimitExceededError(
                 f"{len(self.waiting)} requests are already waiting", "--max-waiting-requests", retryable=True)
+        self.enqueue(request)
+
+    def enqueue(self, request: Request) -> None:
+        """Queue an already admitted request (the engine checks admission on the caller's thread)."""
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order_key)

@@ -1,0 +1,255 @@
+"""EngineCore: the step loop. schedule -> execute -> sample -> update -> publish, on one thread.
+
+`add_request` and `abort` may be called from any thread: admission is checked on the caller's
+thread (so limit errors reach the caller at once) and the request is handed to the engine thread
+through a locked inbox. Everything else runs on the engine thread. A failing step fails only the
+requests it scheduled; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.model_runner import ModelRunner
+from mmserve.engine.observer import EngineObserver, NullObserver, ScheduledItem, StepRecord
+from mmserve.engine.request_state import RequestState
+from mmserve.engine.sampler import Sampler
+from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput
+from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, RequestAbortedError
+from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
+from mmserve.scheduler.output import SchedulerOutput
+from mmserve.scheduler.request import Request
+from mmserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Event = tuple[str, "RequestOutput | BaseException"]   # what the engine publishes per request
+
+
+def load_engine_model(config: EngineConfig):
+    """The model for `config` (device/backend resolved), and its tokenizer when the checkpoint has one."""
+    from mmserve.attention import resolve_backend
+    from mmserve.model import load_model
+    from mmserve.model.loader import resolve_device
+    from mmserve.model.tokenizer import load_tokenizer
+
+    device = resolve_device(config.device)
+    backend = resolve_backend(config.attention_backend, device)
+    model = load_model(config.model, dtype=config.dtype, device=device, attention_backend=backend)
+    model.backend_name = backend
+    tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+    return model, tokenizer
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, observer: EngineObserver | None = None):
+        if model is None:
+            model, tokenizer = load_engine_model(config)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.observer = observer or NullObserver()
+        spec = model.spec
+        self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
+        plans = plan_pools(list(spec.layer_types), spec.attention_specs, block_size=config.block_size,
+                           dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
+                           kv_cache_bytes=config.kv_cache_bytes)
+        self.kv = KVCacheManager(plans, config.block_size)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                   max_waiting_requests=config.max_waiting_requests,
+                                   policy=config.scheduling_policy)
+        self.runner = ModelRunner(model, plans, block_size=config.block_size,
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        self.states: dict[str, RequestState] = {}      # engine thread only
+        self.step_index = 0
+        self._cond = threading.Condition()
+        self._inbox: list[RequestState] = []
+        self._aborts: list[str] = []
+        self._live: set[str] = set()                    # admitted and not yet ended (guarded by _cond)
+        logger.info("engine: %s, KV pools %s, max_model_len %d",
+                    getattr(model, "backend_name", "?"),
+                    {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
+
+    # -- any thread -----------------------------------------------------------------------------------------
+
+    def add_request(self, req: EngineRequest) -> None:
+        """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
+        if req.sampling.stop and self.tokenizer is None:
+            raise InvalidInputError("stop", "this checkpoint has no tokenizer, so stop strings cannot match")
+        request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context)
+        if req.mm_ranges and len(req.mm_inputs) != len(req.mm_ranges):
+            raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
+        self.scheduler.check_admissible(request)
+        detok = None
+        if self.tokenizer is not None:
+            from mmserve.model.tokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(self.tokenizer)
+        state = RequestState(request, req.num_frames, detok)
+        with self._cond:
+            if req.request_id in self._live:
+                raise InvalidInputError("request_id", f"{req.request_id!r} is already in flight")
+            if len(self._inbox) + len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+                raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
+                                         "--max-waiting-requests", retryable=True)
+            self._live.add(req.request_id)
+            self._inbox.append(state)
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine thread to stop a request within one step. False if it is not in flight."""
+        with self._cond:
+            if request_id not in self._live:
+                return False
+            self._aborts.append(request_id)
+            self._cond.notify()
+            return True
+
+    def load(self) -> LoadInfo:
+        with self._cond:
+            inbox = len(self._inbox)
+        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + inbox,
+                        kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs)
+
+    def wait_for_work(self, stop: threading.Event, timeout: float = 0.5) -> None:
+        with self._cond:
+            if not (self._inbox or self._aborts or self.states or stop.is_set()):
+                self._cond.wait(timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    # -- engine thread ---------------------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.states or self._inbox or self._aborts)
+
+    def _end(self, rid: str, events: list[Event], item: RequestOutput | BaseException,
+             reason: str | None = None) -> None:
+        """The single exit of every admitted request: free everything, tell the observer and the stream."""
+        state = self.states.pop(rid)
+        self.scheduler.finish(rid)
+        self.runner.free(rid)
+        self.sampler.free(rid)
+        with self._cond:
+            self._live.discard(rid)
+        try:
+            self.observer.on_request_finished(state.request, reason,
+                                              item if isinstance(item, BaseException) else None)
+        except Exception:
+            logger.exception("observer.on_request_finished failed for %s", rid)
+        events.append((rid, item))
+
+    def _take_inbox(self, events: list[Event]) -> None:
+        with self._cond:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for state in inbox:
+            self.states[state.request.request_id] = state
+            self.scheduler.enqueue(state.request)
+            self.observer.on_request_queued(state.request)
+        for rid in aborts:
+            if rid in self.states:
+                self._end(rid, events, RequestAbortedError(f"request {rid} was aborted"))
+
+    def step(self) -> list[Event]:
+        """Run one step; returns what to publish (deltas, final outputs, errors) per request."""
+        events: list[Event] = []
+        self._take_inbox(events)
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return events
+        start_perf, start_ns = time.perf_counter(), time.time_ns()
+        now = time.monotonic()
+        for s in out.scheduled:
+            state = self.states[s.request.request_id]
+            if state.first_scheduled is None:
+                state.first_scheduled = now
+        try:
+            result = self.runner.execute(out, self.kv)
+            tokens = self.sampler.sample(result.logits, [s.request.request_id for s in result.sampled],
+                                         [s.request.sampling_params for s in result.sampled])
+        except Exception as exc:   # one bad step must not take the engine down
+            self._fail_step(out, exc, events)
+            return events
+        self.scheduler.update(out)
+        end_perf, end_ns = time.perf_counter(), time.time_ns()
+        self._publish_tokens(result.sampled, tokens, events)
+        self._record(out, start_perf, end_perf, start_ns, end_ns)
+        return events
+
+    def _publish_tokens(self, sampled, tokens: list[int], events: list[Event]) -> None:
+        now = time.monotonic()
+        for s, token in zip(sampled, tokens, strict=True):
+            rid = s.request.request_id
+            state = self.states[rid]
+            try:
+                s.request.output_token_ids.append(token)
+                if state.first_token is None:
+                    state.first_token = now
+                    self.observer.on_first_token(s.request)
+                delta = state.append(token, self.eos_token_ids)
+            except Exception as exc:
+                logger.exception("request %s: output processing failed", rid)
+                self._end(rid, events, EngineInternalError(f"request {rid}: output processing failed: {exc}"))
+                continue
+            if delta.finished:
+                self._end(rid, events, delta, delta.finish_reason)
+            elif delta.new_token_ids:
+                events.append((rid, delta))
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception, events: list[Event]) -> None:
+        ids = [s.request.request_id for s in out.scheduled]
+        logger.error("engine step %d failed for requests %s", self.step_index, ids, exc_info=exc)
+        self.step_index += 1
+        for rid in ids:
+            if rid in self.states:
+                self._end(rid, events, EngineInternalError(f"request {rid}: engine step failed: {exc!r}"))
+
+    def _record(self, out: SchedulerOutput, start_perf: float, end_perf: float, start_ns: int, end_ns: int) -> None:
+        items = [ScheduledItem(s.request.request_id, s.num_tokens, s.context_len + s.num_tokens, s.is_prefill,
+                               len(s.frames), s.request) for s in out.scheduled]
+        record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
+                            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage())
+        self.step_index += 1
+        try:
+            self.observer.on_step(record)
+        except Exception:
+            logger.exception("observer.on_step failed")
+
+    def shutdown_requests(self, error: BaseException) -> list[Event]:
+        """End every request still in flight (engine thread, after the loop stopped)."""
+        events: list[Event] = []
+        self._take_inbox(events)
+        for rid in list(self.states):
+            self._end(rid, events, error)
+        return events
+
+    def run(self, sink: Callable[[list[Event]], None], stop: threading.Event) -> None:
+        """The engine thread's loop: step while there is work, sleep on the inbox otherwise."""
+        while not stop.is_set():
+            self.wait_for_work(stop)
+            if stop.is_set():
+                break
+            try:
+                events = self.step()
+            except Exception:   # a bug outside the model step: log it and keep the loop alive
+                logger.exception("engine loop error")
+                continue
+            if events:
+                sink(events)

@@ -1,0 +1,73 @@
+"""Offline generation for scripts and tests: the same EngineCore, stepped on the caller's thread."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmserve.config import EngineConfig
+from mmserve.engine.core import EngineCore
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.types import EngineRequest, Timings, Usage
+
+
+@dataclass
+class Completion:
+    """A whole request's result (the streamed deltas joined)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    matched_stop: str | None
+    usage: Usage | None
+    timings: Timings | None
+
+
+class LLM:
+    """`LLM(model=path, max_num_batched_tokens=64, ...)`: engine options are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, *, loaded_model=None, tokenizer=None, observer=None,
+                 **engine_options):
+        if model is not None:
+            engine_options["model"] = model
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = set(engine_options) - names
+        if unknown:
+            raise TypeError(f"unknown engine options {sorted(unknown)}")
+        self.config = EngineConfig(**engine_options)
+        self.core = EngineCore(self.config, model=loaded_model, tokenizer=tokenizer, observer=observer)
+        self._ids = itertools.count()
+
+    def generate(self, requests: Sequence[EngineRequest | list[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
+        """Run all requests to completion together; results in input order. A plain token-id list
+        is a text-only prompt; `sampling` (one, or one per request) overrides each EngineRequest's own."""
+        if isinstance(sampling, SamplingParams) or sampling is None:
+            sampling = [sampling] * len(requests)
+        reqs = []
+        for r, sp in zip(requests, sampling, strict=True):
+            if not isinstance(r, EngineRequest):
+                r = EngineRequest(f"llm-{next(self._ids)}", list(r))
+            if sp is not None:
+                r = dataclasses.replace(r, sampling=sp)
+            reqs.append(r)
+        done: dict[str, Completion] = {r.request_id: Completion(r.request_id, [], "", None, None, None, None)
+                                       for r in reqs}
+        for r in reqs:
+            self.core.add_request(r)
+        remaining = len(reqs)
+        while remaining:
+            for rid, item in self.core.step():
+                if isinstance(item, BaseException):
+                    raise item
+                c = done[rid]
+                c.token_ids += item.new_token_ids
+                c.text += item.new_text
+                if item.finished:
+                    remaining -= 1
+                    c.finish_reason, c.matched_stop = item.finish_reason, item.matched_stop
+                    c.usage, c.timings = item.usage, item.timings
+        return [done[r.request_id] for r in reqs]

@@ -1,0 +1,90 @@
+"""Owns the model and its paged KV caches; turns one SchedulerOutput into logits.
+
+Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
+the largest frame) and kept in a per-request encoder cache until the request's prompt is fully in
+the KV cache; a preempted, finished or aborted request's entries are dropped at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.attention.backend import kv_cache_shape
+from mmserve.scheduler.kv_cache_manager import KVCacheManager, PoolPlan
+from mmserve.scheduler.metadata import MetadataBuilder
+from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.scheduler.request import MultiModalInput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor            # float32 [S, vocab]
+    sampled: list[ScheduledRequest]  # row i of logits belongs to sampled[i]
+
+
+def pad_frames(items: list[MultiModalInput], multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack frames of differing patch counts: zero pixels at position (-1, -1) produce no tokens."""
+    n = max(it.pixel_values.shape[0] for it in items)
+    n = -(-n // multiple) * multiple
+    pix = torch.zeros(len(items), n, items[0].pixel_values.shape[1], dtype=items[0].pixel_values.dtype)
+    pos = torch.full((len(items), n, 2), -1, dtype=torch.long)
+    for i, it in enumerate(items):
+        pix[i, :it.pixel_values.shape[0]] = it.pixel_values
+        pos[i, :it.position_ids.shape[0]] = it.position_ids
+    return pix, pos
+
+
+class ModelRunner:
+    def __init__(self, model, plans: dict[str, PoolPlan], *, block_size: int, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int):
+        self.model = model
+        spec = model.spec
+        device, dtype = model.device, model.dtype
+        self.kv_caches = [
+            torch.zeros(kv_cache_shape(plans[t].num_blocks, block_size, spec.attention_specs[t]),
+                        dtype=dtype, device=device)
+            for t in spec.layer_types
+        ]
+        self.builder = MetadataBuilder(spec.attention_specs, max_num_batched_tokens=max_num_batched_tokens,
+                                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                       block_size=block_size, device=device)
+        self._pool_multiple = spec.pooling_kernel_size ** 2
+        self.encoder_cache: dict[str, dict[int, torch.Tensor]] = {}
+
+    def free(self, request_id: str) -> None:
+        self.encoder_cache.pop(request_id, None)
+
+    def _encode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
+        """Embeddings of this step's frames in (request, frame) order, encoding those not cached."""
+        todo = [(s.request, f) for s in scheduled for f in s.frames
+                if f not in self.encoder_cache.get(s.request.request_id, {})]
+        if todo:
+            pix, pos = pad_frames([r.mm_inputs[f] for r, f in todo], self._pool_multiple)
+            embeds = self.model.encode_vision(pix, pos)
+            for (r, f), e in zip(todo, embeds, strict=True):
+                start, end = r.mm_ranges[f]
+                if e.shape[0] != end - start + 1:
+                    raise ValueError(f"request {r.request_id}: range {f} has {end - start + 1} placeholder tokens "
+                                     f"but its pixels give {e.shape[0]} embeddings")
+                self.encoder_cache.setdefault(r.request_id, {})[f] = e
+        parts = [self.encoder_cache[s.request.request_id][f] for s in scheduled for f in s.frames]
+        return torch.cat(parts) if parts else None
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+        for rid in out.preempted_ids + out.finished_ids:
+            self.free(rid)
+        inputs = self.builder.build(out.scheduled, kv)
+        mm_embeds = self._encode(out.scheduled)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
+                                    mm_embeds, inputs.mm_token_index)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        for s in out.scheduled:
+            if s.context_len + s.num_tokens >= s.request.num_prompt_tokens:
+                self.free(s.request.request_id)   # prompt fully cached: its frames are never needed again
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled])

@@ -1,0 +1,65 @@
+"""Hooks the metrics/tracing layer implements. The engine thread calls them; keep them cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mmserve.scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledItem:
+    request_id: str
+    num_tokens: int
+    context_len: int            # tokens in the KV cache after this step
+    is_prefill: bool
+    num_frames_encoded: int
+    request: Request = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step: both clocks, so spans (ns epoch) and durations (perf_counter) line up."""
+
+    step_index: int
+    start_perf: float
+    end_perf: float
+    start_ns: int
+    end_ns: int
+    items: list[ScheduledItem]
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_perf - self.start_perf
+
+
+class EngineObserver(Protocol):
+    def on_request_queued(self, request: Request) -> None: ...
+
+    def on_step(self, record: StepRecord) -> None: ...
+
+    def on_first_token(self, request: Request) -> None: ...
+
+    def on_request_finished(self, request: Request, finish_reason: str | None,
+                            error: BaseException | None) -> None: ...
+
+
+class NullObserver:
+    """The default: observes nothing."""
+
+    def on_request_queued(self, request: Request) -> None:
+        pass
+
+    def on_step(self, record: StepRecord) -> None:
+        pass
+
+    def on_first_token(self, request: Request) -> None:
+        pass
+
+    def on_request_finished(self, request: Request, finish_reason: str | None,
+                            error: BaseException | None) -> None:
+        pass
