@@ -1,0 +1,46 @@
+"""`mmserve generate` end to end against a real server, in a subprocess like a user would run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mmserve.clients import Client
+
+
+def mmserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_generate_streams_text_and_json(mmserve_server, tmp_path, video_bytes):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes)
+    common = ["generate", "--server", mmserve_server.address, "--video", str(clip), "--num-frames", "2",
+              "--prompt", "Describe the video.", "--max-tokens", "5", "--temperature", "0"]
+    as_json = mmserve(*common, "--json")
+    assert as_json.returncode == 0, as_json.stderr
+    result = json.loads(as_json.stdout)
+    with Client(mmserve_server.address, timeout=120) as client:
+        direct = client.generate(prompt="Describe the video.", video=video_bytes, num_frames=2, max_tokens=5,
+                                 temperature=0)
+    assert result["token_ids"] == list(direct.token_ids)
+    assert result["finish_reason"] == direct.finish_reason and result["usage"]["num_frames"] == 2
+    plain = mmserve(*common)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout == direct.text + "\n"
+
+
+def test_generate_reports_the_status_and_exits_nonzero(mmserve_server, tmp_path):
+    bad = mmserve("generate", "--server", mmserve_server.address, "--prompt", "hi", "--temperature", "-1")
+    assert bad.returncode == 2
+    assert "INVALID_ARGUMENT" in bad.stderr and "sampling.temperature" in bad.stderr
+    missing = mmserve("generate", "--server", mmserve_server.address, "--prompt", "hi",
+                      "--video", str(tmp_path / "missing.mp4"))
+    assert missing.returncode == 2 and "missing.mp4" in missing.stderr
+
+
+def test_unreachable_server_is_unavailable():
+    out = mmserve("generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--timeout", "5")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr

@@ -1,0 +1,24 @@
+"""`mmserve serve` exposes every EngineConfig and ServerConfig option as a flag."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mmserve.cli import build_parser
+from mmserve.config import EngineConfig, ServerConfig, flag_names, from_args
+
+
+def test_every_config_field_is_a_flag(monkeypatch):
+    monkeypatch.delenv("MMSERVE_MAX_NUM_SEQS", raising=False)
+    monkeypatch.setenv("MMSERVE_BLOCK_SIZE", "32")
+    argv = ["serve", "--port", "0", "--max-num-seqs", "3", "--auth-health", "--model", "/tmp/ckpt"]
+    parser = build_parser(argv)
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    options = {s for a in serve._actions for s in a.option_strings}
+    assert set(flag_names(EngineConfig)) | set(flag_names(ServerConfig)) <= options
+    args = parser.parse_args(argv)
+    engine, server = from_args(EngineConfig, args), from_args(ServerConfig, args)
+    assert (server.port, server.auth_health, engine.max_num_seqs, engine.model) == (0, True, 3, "/tmp/ckpt")
+    assert engine.block_size == 32  # from the environment
+    untouched = {f.name for f in dataclasses.fields(EngineConfig)} - {"max_num_seqs", "model", "block_size"}
+    assert all(getattr(engine, n) == getattr(EngineConfig(), n) for n in untouched)

@@ -1,0 +1,168 @@
+"""A real server on 127.0.0.1:0 with the real engine, driven by the Python client.
+
+The served tokens are checked against transformers' Gemma4ForConditionalGeneration run greedily on
+the same prompt (decoded and laid out independently of the server), so the whole path (gRPC,
+validation, input processing, engine, detokenisation) must be right, not merely consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from mmserve.clients import AsyncClient, Client, ClientError, message, text_part, user_message, video_part
+from mmserve.model.config import load_spec
+from mmserve.model.messages import ChatMessage, VideoPart
+from mmserve.model.prompt import build_prompt
+from mmserve.model.tokenizer import load_tokenizer
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.preprocess import preprocess_images
+from mmserve.multimodal.video import decode_video
+from mmserve.server.health import GENERATION_SERVICE
+
+
+@pytest.fixture(scope="module")
+def client(mmserve_server):
+    with Client(mmserve_server.address, timeout=120) as c:
+        yield c
+
+
+def reference_greedy(model_dir, video: bytes, num_frames: int, prompt: str, max_tokens: int):
+    """Prompt ids and greedy continuation from transformers, recomputing the whole sequence per token."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    spec, tok = load_spec(model_dir), load_tokenizer(model_dir)
+    decoded = decode_video(video, num_frames=num_frames, limits=MediaLimits())
+    batch = preprocess_images(decoded.frames, patch_size=spec.patch_size,
+                              pooling_kernel_size=spec.pooling_kernel_size, max_soft_tokens=spec.video_max_soft_tokens)
+    layout = build_prompt(tok, spec, [ChatMessage("user", [
+        VideoPart(batch.pixel_values, batch.position_ids, batch.num_soft_tokens, decoded.timestamps_s), prompt])])
+    hf = Gemma4ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = list(layout.token_ids)
+    for _ in range(max_tokens):
+        input_ids = torch.tensor([ids])
+        mm_types = 2 * (input_ids == spec.video_token_id).long()
+        with torch.no_grad():
+            logits = hf(input_ids=input_ids, pixel_values_videos=batch.pixel_values,
+                        video_position_ids=batch.position_ids, num_frames_per_video=torch.tensor([num_frames]),
+                        mm_token_type_ids=mm_types).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return layout, ids[len(layout.token_ids):], tok
+
+
+def test_health_and_model_info(client, mmserve_server):
+    assert client.health() == "SERVING"
+    assert client.health(GENERATION_SERVICE) == "SERVING"
+    info = client.model_info()
+    assert info.context_length > 0 and info.tokens_per_frame > 0
+    assert info.max_frames_per_video == mmserve_server.engine_config.max_frames_per_video
+    assert set(info.supported_inputs) == {"text", "image", "video"}
+    load = client.server_load()
+    assert load.max_num_seqs == mmserve_server.engine_config.max_num_seqs and not load.draining
+
+
+def test_video_generate_matches_transformers(client, served_model, make_video):
+    video = make_video(seed=int(torch.randint(0, 10_000, ())), num_frames=8)
+    num_frames, max_tokens = 3, 6
+    layout, expected, tok = reference_greedy(served_model, video, num_frames, "Describe the video.", max_tokens)
+    stream = client.stream(prompt="Describe the video.", video=video, num_frames=num_frames,
+                           max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    deltas = list(stream)
+    result = stream.result
+    assert list(result.token_ids) == expected
+    assert result.text == "".join(d.text for d in deltas) == tok.decode(expected)
+    assert result.finish_reason == "length"
+    assert result.usage.prompt_tokens == len(layout.token_ids)
+    assert result.usage.completion_tokens == max_tokens
+    assert result.usage.num_frames == num_frames
+    assert result.usage.multimodal_tokens == sum(e - s + 1 for s, e in layout.mm_ranges)
+    assert 0 < result.timings.time_to_first_token_s <= result.timings.end_to_end_s
+    assert result.request_id
+
+
+def _wait_idle(client: Client, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = client.server_load()
+        if load.running_requests == 0 and load.waiting_requests == 0 and load.kv_cache_usage == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"server still busy after {timeout_s}s: {client.server_load()}")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(messages=[message("user")]), "messages[0].parts"),
+    (dict(messages=[message("user", video_part(b"\x00\x01", mime_type="video/x-unknown"))]),
+     "messages[0].parts[0].video.mime_type"),
+    (dict(messages=[user_message("hi", video=b"\x00\x00\x00\x18ftypmp42" + b"\x13" * 500)]),
+     "messages[0].parts[0].video"),
+    (dict(prompt="hi", max_tokens=-1), "sampling.max_tokens"),
+    (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
+])
+def test_malformed_requests_are_invalid_argument(client, kwargs, field):
+    with pytest.raises(ClientError) as info:
+        client.generate(**kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.field == field and info.value.message.startswith(field)
+
+
+def test_cancel_and_deadline_abort_in_the_engine(client):
+    stream = client.stream(prompt="count", max_tokens=400, temperature=0, ignore_eos=True)
+    first = next(iter(stream))
+    assert first.token_ids
+    stream.cancel()
+    _wait_idle(client)
+    with pytest.raises(ClientError) as info:
+        client.generate(prompt="count", max_tokens=400, temperature=0, ignore_eos=True, timeout=0.5)
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_idle(client)
+
+
+def test_abort_by_id_and_duplicate_ids(client):
+    stream = client.stream(prompt="count", max_tokens=400, temperature=0, ignore_eos=True, request_id="job-1")
+    it = iter(stream)
+    next(it)
+    with pytest.raises(ClientError) as dup:
+        client.generate(prompt="again", request_id="job-1")
+    assert dup.value.code == grpc.StatusCode.INVALID_ARGUMENT and dup.value.field == "request_id"
+    assert client.abort("job-1") is True
+    with pytest.raises(ClientError) as ended:
+        for _ in it:
+            pass
+    assert ended.value.code == grpc.StatusCode.CANCELLED
+    assert client.abort("job-1") is False
+    _wait_idle(client)
+
+
+def test_async_client_streams_concurrently(mmserve_server, client):
+    """Several concurrent async streams: each gets deltas then one final, equal to its own sync run."""
+    import asyncio
+
+    prompts = [f"say {i}" for i in range(4)]
+    expected = [client.generate(prompt=p, max_tokens=5, temperature=0, ignore_eos=True).token_ids for p in prompts]
+
+    async def run():
+        async with AsyncClient(mmserve_server.address, timeout=120) as ac:
+            assert await ac.health(GENERATION_SERVICE) == "SERVING"
+            return await asyncio.gather(*(ac.generate(prompt=p, max_tokens=5, temperature=0, ignore_eos=True)
+                                          for p in prompts))
+
+    results = asyncio.run(run())
+    assert [r.token_ids for r in results] == expected
+    assert len({r.request_id for r in results}) == len(prompts)
+
+
+def test_client_threads_share_a_channel(client):
+    """The sync client is thread-safe: parallel calls from threads all complete."""
+    out: list = []
+    threads = [threading.Thread(target=lambda: out.append(client.generate(prompt="x", max_tokens=3, temperature=0)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(out) == 3 and all(r.usage.completion_tokens >= 1 for r in out)
