@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmserve.attention.mask import keep
-from mmserve.metrics.attention_pairs import keys_touched, kept_pairs
+from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
 from mmserve.metrics.model_spec import model_shape
 from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
 

@@ -1,0 +1,125 @@
+"""Serving metrics as OpenTelemetry instruments, exported as Prometheus text and/or over OTLP.
+
+One set of instruments feeds both exports, so a dashboard and the Kubernetes HPA (which scales on
+`mmserve_requests_waiting`) read the very same numbers. Each `EngineMetrics` owns its Prometheus
+registry (not prometheus_client's global one), so several engines or tests in one process never
+collide. The Prometheus names are listed in `PROMETHEUS_NAMES` and in docs/tracing.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                 1.0, 2.5)
+
+# OTel instrument name -> the name Prometheus scrapes (dots become underscores, seconds get the
+# `_seconds` unit suffix, counters `_total`).
+PROMETHEUS_NAMES = {
+    "mmserve.time_to_first_token": "mmserve_time_to_first_token_seconds",
+    "mmserve.time_per_output_token": "mmserve_time_per_output_token_seconds",
+    "mmserve.e2e_request_latency": "mmserve_e2e_request_latency_seconds",
+    "mmserve.request_queue_time": "mmserve_request_queue_time_seconds",
+    "mmserve.requests.running": "mmserve_requests_running",
+    "mmserve.requests.waiting": "mmserve_requests_waiting",
+    "mmserve.kv_cache.usage": "mmserve_kv_cache_usage",
+    "mmserve.perf.mfu": "mmserve_perf_mfu",
+    "mmserve.perf.mbu": "mmserve_perf_mbu",
+    "mmserve.prompt_tokens": "mmserve_prompt_tokens_total",
+    "mmserve.multimodal_tokens": "mmserve_multimodal_tokens_total",
+    "mmserve.generation_tokens": "mmserve_generation_tokens_total",
+    "mmserve.perf.flops": "mmserve_perf_flops_total",
+    "mmserve.requests.finished": "mmserve_requests_finished_total",
+}
+
+
+@dataclass
+class StepGauges:
+    running: int
+    waiting: int
+    kv_usage: float
+    mfu: float
+    mbu: float
+
+
+class EngineMetrics:
+    """The engine's instruments. `prometheus=True` exposes them to `start_metrics_server`;
+    `otlp_endpoint` (or OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT with `otlp=True`) exports them over OTLP."""
+
+    def __init__(self, *, prometheus: bool = True, otlp: bool = False, otlp_endpoint: str | None = None,
+                 export_interval_s: float = 10.0):
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+
+        readers = []
+        self.registry = None
+        if prometheus:
+            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry(auto_describe=True)
+            readers.append(PrometheusMetricReader(registry=self.registry, disable_target_info=True))
+        endpoint = otlp_endpoint or (otlp and (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+                                               or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")))
+        if endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+            exporter = OTLPMetricExporter(endpoint=endpoint, insecure=not endpoint.startswith("https://"))
+            readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=export_interval_s * 1e3))
+        name = os.environ.get("OTEL_SERVICE_NAME") or "mmserve"
+        self.provider = MeterProvider(metric_readers=readers, resource=Resource.create({SERVICE_NAME: name}))
+        meter = self.provider.get_meter("mmserve")
+        self.ttft = meter.create_histogram("mmserve.time_to_first_token", unit="s",
+                                           description="arrival to first generated token",
+                                           explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.tpot = meter.create_histogram("mmserve.time_per_output_token", unit="s",
+                                           description="decode time per generated token after the first",
+                                           explicit_bucket_boundaries_advisory=_TPOT_BUCKETS)
+        self.e2e = meter.create_histogram("mmserve.e2e_request_latency", unit="s",
+                                          description="arrival to the request's end",
+                                          explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.queue_time = meter.create_histogram("mmserve.request_queue_time", unit="s",
+                                                 description="arrival to first schedule",
+                                                 explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.running = meter.create_gauge("mmserve.requests.running", description="requests in the running batch")
+        self.waiting = meter.create_gauge("mmserve.requests.waiting",
+                                          description="requests queued for admission (the HPA scales on this)")
+        self.kv_usage = meter.create_gauge("mmserve.kv_cache.usage", description="share of KV cache blocks in use, 0..1")
+        self.mfu = meter.create_gauge("mmserve.perf.mfu", description="last step's model FLOPs utilisation per GPU, 0..1")
+        self.mbu = meter.create_gauge("mmserve.perf.mbu", description="last step's memory bandwidth utilisation per GPU, 0..1")
+        self.prompt_tokens = meter.create_counter("mmserve.prompt_tokens", description="prompt tokens admitted (frames included)")
+        self.mm_tokens = meter.create_counter("mmserve.multimodal_tokens", description="image/frame soft tokens admitted")
+        self.generation_tokens = meter.create_counter("mmserve.generation_tokens", description="tokens generated")
+        self.flops = meter.create_counter("mmserve.perf.flops", description="estimated model FLOPs per GPU")
+        self.finished = meter.create_counter("mmserve.requests.finished", description="requests ended, by finish reason")
+
+    def record_step(self, gauges: StepGauges, flops: float) -> None:
+        self.running.set(gauges.running)
+        self.waiting.set(gauges.waiting)
+        self.kv_usage.set(gauges.kv_usage)
+        self.mfu.set(gauges.mfu)
+        self.mbu.set(gauges.mbu)
+        self.flops.add(flops)
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+def start_metrics_server(port: int, metrics: EngineMetrics, addr: str = "0.0.0.0"):
+    """Serve `metrics` as Prometheus text at http://addr:port/metrics (port 0 = a free port).
+    Returns (server, port); `server.shutdown()` stops it."""
+    from prometheus_client import start_http_server
+
+    if metrics.registry is None:
+        raise ValueError("EngineMetrics was built with prometheus=False")
+    server, thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    bound = server.server_address[1]
+    logger.info("Prometheus metrics on http://%s:%d/metrics", addr, bound)
+    return server, bound

@@ -1,0 +1,267 @@
+"""TelemetryObserver: the engine's observer that turns steps into spans, metrics and `request.perf`.
+
+The engine thread calls it once per step with every scheduled request's (num_tokens, context_len,
+is_prefill). It prices the step with the perf model (per GPU), divides the text part among the
+requests by token share, bills each request's own frames to it exactly, and emits:
+
+- per request, children of the request's `mmserve.generate` span (`request.trace_context`):
+  `mmserve.vision.encode` for a step that encoded its frames, `mmserve.prefill` per prefill chunk,
+  and one `mmserve.decode` covering the decode phase. Each carries mmserve.perf.{flops, read_bytes,
+  write_bytes, mfu, mbu, attn_flops.sliding, attn_flops.full}; mfu/mbu there are the utilisation of
+  the steps the span covers (the request's share of work over the whole steps' time would
+  understate a batch).
+- `mmserve.engine.step`, for one step in `1 / step_trace_ratio`, with the step's totals and links to
+  the spans of the requests in the batch.
+- metrics (TTFT, TPOT, e2e, queue time, running/waiting/KV usage, MFU/MBU, token and FLOP counters).
+- `request.perf`: the request's running totals, so the final gRPC message can carry them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, Status, StatusCode, Tracer
+
+from mmserve.metrics.peaks import DevicePeaks, utilization
+from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.prometheus import EngineMetrics, StepGauges
+from mmserve.metrics.tracing import get_tracer
+
+logger = logging.getLogger(__name__)
+
+PREFILL_SPAN = "mmserve.prefill"
+DECODE_SPAN = "mmserve.decode"
+VISION_SPAN = "mmserve.vision.encode"
+STEP_SPAN = "mmserve.engine.step"
+ERROR_FINISH_REASONS = frozenset({"abort", "aborted", "cancelled", "error"})
+
+
+@dataclass
+class _Work:
+    """Work billed to a span or a request, plus the busy time of the steps it ran in."""
+
+    flops: float = 0.0
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    attn_flops_sliding: float = 0.0
+    attn_flops_full: float = 0.0
+    step_flops: float = 0.0     # totals of the steps involved, for utilisation
+    step_bytes: float = 0.0
+    step_seconds: float = 0.0
+
+    def add(self, part: PerfBreakdown, share: float, step: PerfBreakdown, seconds: float) -> None:
+        self.flops += share * part.total_flops
+        self.read_bytes += share * part.total_read_bytes
+        self.write_bytes += share * part.total_write_bytes
+        self.attn_flops_sliding += share * part.attn_flops_sliding
+        self.attn_flops_full += share * part.attn_flops_full
+        self.step_flops += step.total_flops
+        self.step_bytes += step.total_bytes
+        self.step_seconds += seconds
+
+    def summary(self, peaks: DevicePeaks) -> dict[str, float]:
+        return {
+            "flops": self.flops, "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+            "mfu": utilization(self.step_flops, self.step_seconds, peaks.flops, "MFU"),
+            "mbu": utilization(self.step_bytes, self.step_seconds, peaks.bandwidth, "MBU"),
+            "attn_flops_sliding": self.attn_flops_sliding, "attn_flops_full": self.attn_flops_full,
+        }
+
+
+def perf_attributes(summary: dict[str, float]) -> dict[str, float]:
+    """request.perf keys -> span attribute names (attn_flops_sliding -> mmserve.perf.attn_flops.sliding)."""
+    return {f"mmserve.perf.{k.replace('attn_flops_', 'attn_flops.')}": v for k, v in summary.items()}
+
+
+@dataclass
+class _RequestState:
+    queued_monotonic: float
+    prefill_chunks: int = 0
+    first_scheduled: bool = False
+    first_token_monotonic: float | None = None
+    decode_span: Span | None = None
+    decode_work: _Work = field(default_factory=_Work)
+    total: _Work = field(default_factory=_Work)
+
+
+class TelemetryObserver:
+    """Implements mmserve.engine.observer.EngineObserver. Called from the engine thread only."""
+
+    def __init__(self, perf_model: PerfModel, peaks: DevicePeaks, *, tracer: Tracer | None = None,
+                 metrics: EngineMetrics | None = None, step_trace_ratio: float = 0.01,
+                 patches_per_frame: int = 0):
+        self.perf = perf_model
+        self.peaks = peaks
+        self.tracer = tracer or get_tracer()
+        self.metrics = metrics
+        self.step_every = round(1 / step_trace_ratio) if step_trace_ratio > 0 else 0
+        vision = perf_model.shape.vision
+        self.patches_per_frame = patches_per_frame or (vision.default_patches if vision else 0)
+        self._requests: dict[str, _RequestState] = {}
+
+    # -- observer protocol -------------------------------------------------------------------------
+
+    def on_request_queued(self, request: Any) -> None:
+        self._requests[request.request_id] = _RequestState(queued_monotonic=getattr(request, "arrival_time", time.monotonic()))
+
+    def on_step(self, record: Any) -> None:
+        seconds = record.duration_s
+        requests = tuple(self._work(item) for item in record.items)
+        text = self.perf.step(StepContext(requests), per_gpu=True)
+        vision = [self.perf.step(StepContext(images=self._frames(item)), per_gpu=True) if item.num_frames_encoded
+                  else None for item in record.items]
+        step = PerfBreakdown()
+        for part in (text, *(v for v in vision if v is not None)):
+            _merge(step, part)
+        mfu = utilization(step.total_flops, seconds, self.peaks.flops, "MFU")
+        mbu = utilization(step.total_bytes, seconds, self.peaks.bandwidth, "MBU")
+        num_tokens = sum(r.num_tokens for r in requests) or 1
+        started = time.monotonic() - (time.perf_counter() - record.start_perf)
+        for item, frames in zip(record.items, vision, strict=True):
+            state = self._requests.setdefault(item.request_id, _RequestState(queued_monotonic=started))
+            if not state.first_scheduled:
+                state.first_scheduled = True
+                self._on_first_schedule(item.request, started - state.queued_monotonic)
+            share = item.num_tokens / num_tokens
+            state.total.add(text, share, step, seconds)
+            if frames is not None:
+                state.total.add(frames, 1.0, PerfBreakdown(), 0.0)
+                self._span(VISION_SPAN, item, record, frames, 1.0, step, seconds,
+                           {"mmserve.vision.num_frames": item.num_frames_encoded})
+            if item.is_prefill:
+                self._span(PREFILL_SPAN, item, record, text, share, step, seconds, {
+                    "mmserve.prefill.chunk_index": state.prefill_chunks,
+                    "mmserve.prefill.num_tokens": item.num_tokens,
+                    "mmserve.prefill.context_len": item.context_len,
+                })
+                state.prefill_chunks += 1
+            else:
+                self._decode_step(state, item, record, text, share, step, seconds)
+            item.request.perf.update(state.total.summary(self.peaks))
+        if self.step_every and record.step_index % self.step_every == 0:
+            self._step_span(record, step, mfu, mbu)
+        if self.metrics is not None:
+            self.metrics.record_step(StepGauges(record.num_running, record.num_waiting, record.kv_usage, mfu, mbu),
+                                     step.total_flops)
+
+    def on_first_token(self, request: Any) -> None:
+        state = self._requests.get(request.request_id)
+        now = time.monotonic()
+        if state is not None:
+            state.first_token_monotonic = now
+        if self.metrics is not None:
+            self.metrics.ttft.record(now - getattr(request, "arrival_time", now))
+
+    def on_request_finished(self, request: Any, finish_reason: str | None, error: BaseException | None) -> None:
+        state = self._requests.pop(request.request_id, None)
+        failed = error is not None or (finish_reason or "") in ERROR_FINISH_REASONS
+        if state is not None:
+            request.perf.update(state.total.summary(self.peaks))
+            span = state.decode_span
+            if span is not None:
+                span.set_attributes(perf_attributes(state.decode_work.summary(self.peaks)))
+                span.set_attribute("mmserve.decode.num_tokens", len(getattr(request, "output_token_ids", ())))
+                _end(span, error, failed, finish_reason)
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        self.metrics.e2e.record(now - getattr(request, "arrival_time", now))
+        outputs = len(getattr(request, "output_token_ids", ()))
+        self.metrics.generation_tokens.add(outputs)
+        if state is not None and state.first_token_monotonic is not None and outputs > 1:
+            self.metrics.tpot.record((now - state.first_token_monotonic) / (outputs - 1))
+        self.metrics.finished.add(1, {"finish_reason": "error" if error is not None else (finish_reason or "unknown")})
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _work(self, item: Any) -> RequestWork:
+        request = item.request
+        ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
+        prompt = getattr(request, "num_prompt_tokens", 0)
+        return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
+                           samples=not item.is_prefill or item.context_len >= prompt)
+
+    def _frames(self, item: Any) -> tuple[VisionWork, ...]:
+        """The frames whose ranges start inside this chunk, with their real patch counts when known."""
+        request = item.request
+        first = item.context_len - item.num_tokens
+        ranges = list(getattr(request, "mm_ranges", ()))
+        inputs = list(getattr(request, "mm_inputs", ()))
+        found = []
+        for i, (start, end) in enumerate(ranges):
+            if first <= start < item.context_len:
+                patches = int(inputs[i].pixel_values.shape[0]) if i < len(inputs) else self.patches_per_frame
+                found.append(VisionWork(patches, end - start + 1))
+        found = found[:item.num_frames_encoded]
+        missing = item.num_frames_encoded - len(found)
+        return tuple(found) + (VisionWork(self.patches_per_frame),) * missing
+
+    def _on_first_schedule(self, request: Any, queue_s: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.queue_time.record(max(0.0, queue_s))
+        self.metrics.prompt_tokens.add(getattr(request, "num_prompt_tokens", 0))
+        self.metrics.mm_tokens.add(getattr(request, "num_mm_tokens", 0))
+
+    def _span(self, name: str, item: Any, record: Any, part: PerfBreakdown, share: float, step: PerfBreakdown,
+              seconds: float, attributes: dict[str, Any]) -> None:
+        parent = getattr(item.request, "trace_context", None)
+        if parent is None:  # untraced request (offline use): no orphan root spans
+            return
+        work = _Work()
+        work.add(part, share, step, seconds)
+        span = self.tracer.start_span(name, context=parent, start_time=record.start_ns,
+                                      attributes={**attributes, **perf_attributes(work.summary(self.peaks))})
+        span.end(end_time=record.end_ns)
+
+    def _decode_step(self, state: _RequestState, item: Any, record: Any, text: PerfBreakdown, share: float,
+                     step: PerfBreakdown, seconds: float) -> None:
+        parent = getattr(item.request, "trace_context", None)
+        if state.decode_span is None and parent is not None:
+            state.decode_span = self.tracer.start_span(DECODE_SPAN, context=parent, start_time=record.start_ns)
+        state.decode_work.add(text, share, step, seconds)
+
+    def _step_span(self, record: Any, step: PerfBreakdown, mfu: float, mbu: float) -> None:
+        links = []
+        for item in record.items:
+            parent = getattr(item.request, "trace_context", None)
+            ctx = trace.get_current_span(parent).get_span_context() if parent is not None else None
+            if ctx is not None and ctx.is_valid:
+                links.append(Link(ctx, {"mmserve.request.id": item.request_id}))
+        prefill = sum(i.num_tokens for i in record.items if i.is_prefill)
+        decode = sum(i.num_tokens for i in record.items if not i.is_prefill)
+        span = self.tracer.start_span(STEP_SPAN, context=trace.set_span_in_context(trace.INVALID_SPAN),
+                                      start_time=record.start_ns, links=links, attributes={
+            "mmserve.step.index": record.step_index, "mmserve.step.num_requests": len(record.items),
+            "mmserve.step.prefill_tokens": prefill, "mmserve.step.decode_tokens": decode,
+            "mmserve.step.frames_encoded": sum(i.num_frames_encoded for i in record.items),
+            "mmserve.step.num_running": record.num_running, "mmserve.step.num_waiting": record.num_waiting,
+            "mmserve.step.kv_usage": record.kv_usage,
+            "mmserve.perf.flops": step.total_flops, "mmserve.perf.read_bytes": step.total_read_bytes,
+            "mmserve.perf.write_bytes": step.total_write_bytes, "mmserve.perf.mfu": mfu, "mmserve.perf.mbu": mbu,
+            "mmserve.perf.attn_flops.sliding": step.attn_flops_sliding,
+            "mmserve.perf.attn_flops.full": step.attn_flops_full,
+            "mmserve.perf.peak_flops": self.peaks.flops, "mmserve.perf.peak_bandwidth": self.peaks.bandwidth,
+        })
+        span.end(end_time=record.end_ns)
+
+
+def _merge(into: PerfBreakdown, part: PerfBreakdown) -> None:
+    for dst, src in ((into.flops, part.flops), (into.read_bytes, part.read_bytes), (into.write_bytes, part.write_bytes)):
+        for key, value in src.items():
+            dst[key] += value
+    into.attn_flops_sliding += part.attn_flops_sliding
+    into.attn_flops_full += part.attn_flops_full
+
+
+def _end(span: Span, error: BaseException | None, failed: bool, finish_reason: str | None) -> None:
+    if error is not None:
+        span.record_exception(error)
+        span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
+    elif failed:
+        span.set_status(Status(StatusCode.ERROR, finish_reason or "failed"))
+    span.end()

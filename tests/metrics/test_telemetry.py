@@ -1,0 +1,229 @@
+"""TelemetryObserver on a synthetic step sequence, exporting over real OTLP/gRPC to a loopback
+receiver: the request's span tree under the client's traceparent, perf attributes that add up,
+sampled engine-step spans with links, a cancelled request marked as an error, and the Prometheus
+endpoint serving every metric."""
+
+from __future__ import annotations
+
+import random
+import time
+import urllib.request
+
+import pytest
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+
+from mmserve.engine.observer import ScheduledItem, StepRecord
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.metrics.model_spec import model_shape
+from mmserve.metrics.peaks import DevicePeaks
+from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
+from mmserve.metrics.telemetry import TelemetryObserver
+from mmserve.metrics.tracing import (
+    configure_tracing,
+    end_request_span,
+    get_tracer,
+    inject_trace_context,
+    set_request_attributes,
+    start_request_span,
+)
+from mmserve.scheduler.request import MultiModalInput, Request
+
+CONFIG = dict(
+    model_type="gemma4",
+    text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                     num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+                     layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
+                     use_bidirectional_attention="vision", hidden_size_per_layer_input=0),
+    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2),
+)
+PEAKS = DevicePeaks("test", flops=1e9, bandwidth=1e9, source="test")
+
+
+class StepClock:
+    """Builds StepRecords with consistent perf_counter / epoch-ns clocks."""
+
+    def __init__(self):
+        self.index = 0
+
+    def step(self, items, *, running=1, waiting=0, kv=0.1) -> StepRecord:
+        start_perf, start_ns = time.perf_counter(), time.time_ns()
+        duration = random.uniform(0.001, 0.01)
+        self.index += 1
+        return StepRecord(self.index - 1, start_perf, start_perf + duration, start_ns, start_ns + int(duration * 1e9),
+                          items, running, waiting, kv)
+
+
+def frame_input(patches: int) -> MultiModalInput:
+    return MultiModalInput(torch.rand(patches, 48), torch.zeros(patches, 2, dtype=torch.long))
+
+
+@pytest.fixture
+def tracing(otlp_receiver):
+    provider = configure_tracing(otlp_receiver.endpoint, service_name="mmserve-test", set_global=False)
+    yield provider, otlp_receiver
+    provider.shutdown()
+
+
+def test_observer_builds_the_request_span_tree(tracing):
+    provider, receiver = tracing
+    tracer = get_tracer(provider)
+    perf = PerfModel(model_shape(CONFIG), dtype="float32")
+    observer = TelemetryObserver(perf, PEAKS, tracer=tracer, step_trace_ratio=1.0)
+
+    # The client's span, propagated as gRPC metadata the way the client library does it.
+    client = TracerProvider().get_tracer("client").start_span("client.call")
+    from opentelemetry import trace
+    metadata = inject_trace_context([("x-api-key", "k")], trace.set_span_in_context(client))
+    assert any(k == "traceparent" for k, _ in metadata)
+
+    # Request A: two frames of 4 soft tokens each at [3, 6] and [9, 12], prompt of 16 tokens.
+    patches = random.choice([16, 20])
+    a_span, a_ctx = start_request_span(metadata, request_id="a", model="demo", tracer=tracer)
+    a = Request("a", list(range(16)), SamplingParams(max_tokens=3), mm_ranges=[(3, 6), (9, 12)],
+                mm_inputs=[frame_input(patches), frame_input(patches)], trace_context=a_ctx)
+    b_span, b_ctx = start_request_span([], request_id="b", model="demo", tracer=tracer)
+    b = Request("b", list(range(5)), SamplingParams(max_tokens=8), trace_context=b_ctx)
+    observer.on_request_queued(a)
+    observer.on_request_queued(b)
+
+    clock = StepClock()
+    steps = [
+        clock.step([ScheduledItem("a", 8, 8, True, 1, a), ScheduledItem("b", 5, 5, True, 0, b)], running=2, waiting=0),
+        clock.step([ScheduledItem("a", 8, 16, True, 1, a), ScheduledItem("b", 1, 6, False, 0, b)], running=2),
+        clock.step([ScheduledItem("a", 1, 17, False, 0, a), ScheduledItem("b", 1, 7, False, 0, b)], running=2),
+        clock.step([ScheduledItem("a", 1, 18, False, 0, a)], running=1),
+    ]
+    observer.on_step(steps[0])
+    observer.on_first_token(b)
+    b.output_token_ids.append(1)
+    observer.on_step(steps[1])
+    observer.on_first_token(a)
+    a.output_token_ids.append(1)
+    b.output_token_ids.append(1)
+    observer.on_step(steps[2])
+    a.output_token_ids.append(1)
+    observer.on_request_finished(b, "abort", None)
+    end_request_span(b_span, cancelled=True)
+    observer.on_step(steps[3])
+    a.output_token_ids.append(1)
+    observer.on_request_finished(a, "length", None)
+    set_request_attributes(a_span, max_tokens=3, temperature=0.0, input_tokens=16, output_tokens=3,
+                           finish_reasons=["length"], time_in_queue=0.001, time_to_first_token=0.02,
+                           num_frames=2, num_mm_tokens=8, perf=a.perf)
+    end_request_span(a_span)
+    provider.force_flush()
+
+    spans = receiver.wait_for(lambda s: sum(x.name == "mmserve.generate" for x in s) == 2)
+    by_name = {}
+    for s in spans:
+        by_name.setdefault(s.name, []).append(s)
+    gen_a = next(s for s in by_name["mmserve.generate"] if s.attributes["mmserve.request.id"] == "a")
+    gen_b = next(s for s in by_name["mmserve.generate"] if s.attributes["mmserve.request.id"] == "b")
+    client_ctx = client.get_span_context()
+    assert gen_a.trace_id == format(client_ctx.trace_id, "032x")
+    assert gen_a.parent_span_id == format(client_ctx.span_id, "016x")
+    assert gen_a.resource["service.name"] == "mmserve-test"
+    assert gen_a.attributes["gen_ai.usage.output_tokens"] == 3
+    assert gen_a.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert gen_a.attributes["gen_ai.operation.name"] == "generate_content"
+    assert not gen_a.is_error and gen_b.is_error
+
+    children_a = [s for s in spans if s.parent_span_id == gen_a.span_id]
+    assert sorted(s.name for s in children_a) == sorted(
+        ["mmserve.vision.encode"] * 2 + ["mmserve.prefill"] * 2 + ["mmserve.decode"])
+    prefill = sorted((s for s in children_a if s.name == "mmserve.prefill"),
+                     key=lambda s: s.attributes["mmserve.prefill.chunk_index"])
+    assert [s.attributes["mmserve.prefill.context_len"] for s in prefill] == [8, 16]
+    keys = {"mmserve.perf.flops", "mmserve.perf.read_bytes", "mmserve.perf.write_bytes", "mmserve.perf.mfu",
+            "mmserve.perf.mbu", "mmserve.perf.attn_flops.sliding", "mmserve.perf.attn_flops.full"}
+    for s in children_a:
+        assert keys <= s.attributes.keys(), s.name
+
+    # The first prefill chunk: A's token share (8 of 13) of the text work of step 0, priced independently.
+    def text_step(works):
+        return perf.step(StepContext(tuple(works)), per_gpu=True)
+
+    step0_text = text_step([RequestWork(8, 8, True, ((3, 6), (9, 12)), samples=False), RequestWork(5, 5, True)])
+    assert prefill[0].attributes["mmserve.perf.flops"] == pytest.approx(step0_text.total_flops * 8 / 13)
+    assert prefill[0].attributes["mmserve.perf.attn_flops.sliding"] == pytest.approx(step0_text.attn_flops_sliding * 8 / 13)
+    frame = perf.step(StepContext(images=(VisionWork(patches, 4),)), per_gpu=True)
+    step0_total = step0_text.total_flops + frame.total_flops
+    assert prefill[0].attributes["mmserve.perf.mfu"] == pytest.approx(step0_total / (steps[0].duration_s * PEAKS.flops))
+    vision = [s for s in children_a if s.name == "mmserve.vision.encode"]
+    assert all(s.attributes["mmserve.perf.flops"] == pytest.approx(frame.total_flops) for s in vision)
+
+    # The request's perf is the sum of its spans' work.
+    assert sum(s.attributes["mmserve.perf.flops"] for s in children_a) == pytest.approx(a.perf["flops"])
+    assert set(a.perf) == {"flops", "read_bytes", "write_bytes", "mfu", "mbu", "attn_flops_sliding", "attn_flops_full"}
+    assert gen_a.attributes["mmserve.perf.flops"] == pytest.approx(a.perf["flops"])
+
+    # B was cancelled while decoding: its decode span is an error too.
+    decode_b = next(s for s in spans if s.parent_span_id == gen_b.span_id and s.name == "mmserve.decode")
+    assert decode_b.is_error
+
+    # Every step was sampled (ratio 1.0); each links to the generate spans of its batch.
+    step_spans = sorted(by_name["mmserve.engine.step"], key=lambda s: s.attributes["mmserve.step.index"])
+    assert len(step_spans) == 4
+    assert {sid for _, sid in step_spans[0].links} == {gen_a.span_id, gen_b.span_id}
+    assert step_spans[3].links == [(gen_a.trace_id, gen_a.span_id)]
+    assert step_spans[0].attributes["mmserve.step.frames_encoded"] == 1
+
+
+def test_step_spans_are_sampled(tracing):
+    provider, receiver = tracing
+    observer = TelemetryObserver(PerfModel(model_shape(CONFIG)), PEAKS, tracer=get_tracer(provider),
+                                 step_trace_ratio=0.25)
+    r = Request("r", list(range(4)), SamplingParams())
+    observer.on_request_queued(r)
+    clock = StepClock()
+    for i in range(12):
+        observer.on_step(clock.step([ScheduledItem("r", 1, 5 + i, False, 0, r)]))
+    observer.on_request_finished(r, "length", None)
+    provider.force_flush()
+    receiver.wait_for(lambda s: len(s) >= 3)
+    time.sleep(0.2)
+    assert sorted(s.attributes["mmserve.step.index"] for s in receiver.spans) == [0, 4, 8]
+
+
+def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
+    metrics = EngineMetrics(prometheus=True, otlp_endpoint=otlp_receiver.endpoint, export_interval_s=60)
+    observer = TelemetryObserver(PerfModel(model_shape(CONFIG)), PEAKS, metrics=metrics, step_trace_ratio=0)
+    r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
+    observer.on_request_queued(r)
+    clock = StepClock()
+    waiting = random.randint(1, 50)
+    observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 0, r)], waiting=waiting, kv=0.5))
+    observer.on_first_token(r)
+    r.output_token_ids += [1, 2]
+    observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, r)], waiting=waiting, kv=0.5))
+    observer.on_request_finished(r, "length", None)
+
+    server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
+            samples[name] = value
+    for name in PROMETHEUS_NAMES.values():
+        assert name in samples or f"{name}_count" in samples, name
+    assert samples["mmserve_requests_waiting"] == waiting
+    assert samples["mmserve_kv_cache_usage"] == 0.5
+    assert samples["mmserve_prompt_tokens_total"] == 6
+    assert samples["mmserve_multimodal_tokens_total"] == 4
+    assert samples["mmserve_generation_tokens_total"] == 2
+    assert samples["mmserve_time_per_output_token_seconds_count"] == 1
+    assert samples["mmserve_perf_flops_total"] > 0
+
+    metrics.provider.force_flush()
+    with otlp_receiver.cond:
+        otlp_receiver.cond.wait_for(lambda: "mmserve.requests.waiting" in otlp_receiver.metric_names, timeout=10)
+    assert set(PROMETHEUS_NAMES) <= otlp_receiver.metric_names
+    metrics.shutdown()
