@@ -63,8 +63,8 @@ def caption(motions: list[Motion]) -> str:
 def _motion(rng: np.random.Generator, shape: str, size: int, num_frames: int) -> Motion:
     colour = list(COLOURS)[rng.integers(len(COLOURS))]
     direction = list(DIRECTIONS)[rng.integers(len(DIRECTIONS))]
-    radius = float(rng.uniform(5.0, 7.0))
-    speed = float(rng.uniform(1.4, 2.0))
+    radius = float(rng.uniform(5.0, 6.5))
+    speed = float(rng.uniform(1.8, 2.3))
     travel = speed * (num_frames - 1)
     dx, dy = DIRECTIONS[direction]
     lo, hi = radius + 0.5, size - 1.5 - radius
@@ -115,7 +115,7 @@ def encode(frames: list[np.ndarray], *, fps: float, container: str = "mp4") -> b
     fmt, codec = CONTAINERS[container]
     out = io.BytesIO()
     rate = Fraction(fps).limit_denominator(1000)
-    with av.open(out, mode="w", format=fmt) as box:
+    with av.open(out, mode="w", format=fmt, container_options={"fflags": "+bitexact"}) as box:
         options = {"crf": "12", "preset": "fast"} if codec == "libx264" else {}
         stream = box.add_stream(codec, rate=rate, options=options)
         stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]

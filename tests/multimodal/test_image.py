@@ -1,0 +1,87 @@
+"""decode_image: real encoded images in, RGB out; header-level limits; bad payloads refused."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+from transformers.image_transforms import convert_to_rgb
+
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.multimodal.image import decode_image
+from mmserve.multimodal.limits import MediaLimits
+
+LIMITS = MediaLimits()
+
+
+def encoded(img: Image.Image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format=fmt)
+    return out.getvalue()
+
+
+def test_png_round_trip_is_exact() -> None:
+    pixels = np.random.default_rng(0).integers(0, 256, (23, 41, 3), dtype=np.uint8)
+    got = decode_image(encoded(Image.fromarray(pixels), "PNG"), LIMITS)
+    assert got.dtype == np.uint8 and np.array_equal(got, pixels)
+
+
+def test_jpeg_and_greyscale_become_rgb() -> None:
+    pixels = np.random.default_rng(1).integers(0, 256, (16, 16), dtype=np.uint8)
+    got = decode_image(encoded(Image.fromarray(pixels), "JPEG"), LIMITS)
+    assert got.shape == (16, 16, 3)
+    assert np.abs(got[..., 0].astype(int) - pixels.astype(int)).mean() < 40
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparency_matches_transformers(mode: str) -> None:
+    rng = np.random.default_rng(2)
+    img = Image.fromarray(rng.integers(0, 256, (12, 9, 4), dtype=np.uint8), "RGBA")
+    img = img.convert(mode) if mode != "P" else img.convert("RGB").convert("P")
+    if mode == "P":
+        img.info["transparency"] = 0
+    data = encoded(img, "PNG")
+    want = np.asarray(convert_to_rgb(Image.open(io.BytesIO(data))))
+    assert np.array_equal(decode_image(data, LIMITS), want)
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A valid-looking PNG whose header claims width x height; its data is one tiny deflate stream."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 1000)) + chunk(b"IEND", b"")
+
+
+def test_decompression_bomb_refused_from_header() -> None:
+    data = png_claiming(100_000, 100_000)
+    assert len(data) < 200
+    with pytest.raises(LimitExceededError) as e:
+        decode_image(data, LIMITS)
+    assert e.value.flag == "--max-image-pixels"
+
+
+def test_pixel_and_byte_limits() -> None:
+    data = encoded(Image.new("RGB", (40, 30)), "PNG")
+    with pytest.raises(LimitExceededError):
+        decode_image(data, MediaLimits(max_image_pixels=40 * 30 - 1))
+    with pytest.raises(LimitExceededError):
+        decode_image(data, MediaLimits(max_image_bytes=len(data) - 1))
+    assert decode_image(data, MediaLimits(max_image_pixels=40 * 30)).shape == (30, 40, 3)
+
+
+@pytest.mark.parametrize("name,data", [
+    ("empty", b""),
+    ("garbage", b"not an image at all" * 10),
+    ("truncated png", encoded(Image.new("RGB", (64, 64), (1, 2, 3)), "PNG")[:60]),
+    ("bad pixel data", png_claiming(64, 64)),
+])
+def test_bad_images_are_invalid_input(name: str, data: bytes) -> None:
+    with pytest.raises(InvalidInputError) as e:
+        decode_image(data, LIMITS)
+    assert e.value.field == "image"
