@@ -189,8 +189,10 @@ class EngineCore:
             return events
         self.scheduler.update(out)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        self._publish_tokens(result.sampled, tokens, events)
+        # Record before publishing: the observer must see a request's last step before its end, so
+        # request.perf (carried by the Final message) includes that step.
         self._record(out, start_perf, end_perf, start_ns, end_ns)
+        self._publish_tokens(result.sampled, tokens, events)
         return events
 
     def _publish_tokens(self, sampled, tokens: list[int], events: list[Event]) -> None:
