@@ -2,21 +2,38 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
-from gemma4_fixtures import make_checkpoint
 
-
-@pytest.fixture(scope="session", params=["per_layer", "flat"])
-def checkpoint(request, tmp_path_factory):
-    """(path, transformers reference model) for both config spellings of the same weights."""
-    path = tmp_path_factory.mktemp(f"gemma4_{request.param}")
-    hf = make_checkpoint(path, form=request.param, seed=1)
-    return path, hf
+from gemma4_fixtures import make_checkpoint, to_flat_form
 
 
 @pytest.fixture(scope="session")
-def loaded(checkpoint):
+def checkpoints(tmp_path_factory):
+    """{"per_layer": path, "flat": path} holding the same weights, plus the transformers reference model."""
+    root = tmp_path_factory.mktemp("gemma4")
+    hf = make_checkpoint(root / "per_layer", form="per_layer", seed=1)
+    shutil.copytree(root / "per_layer", root / "flat")
+    to_flat_form(root / "flat" / "config.json")
+    return {"per_layer": root / "per_layer", "flat": root / "flat"}, hf
+
+
+def _load(path):
     from mmserve.model import load_model
 
-    path, hf = checkpoint
-    return load_model(path, dtype="float32", device="cpu", attention_backend="reference"), hf
+    return load_model(path, dtype="float32", device="cpu", attention_backend="reference")
+
+
+@pytest.fixture(scope="session", params=["per_layer", "flat"])
+def loaded(request, checkpoints):
+    """(our model, transformers model) for both config spellings of the same weights."""
+    paths, hf = checkpoints
+    return _load(paths[request.param]), hf
+
+
+@pytest.fixture(scope="session")
+def loaded_hub(checkpoints):
+    """(our model from the hub's flat config form, transformers model)."""
+    paths, hf = checkpoints
+    return _load(paths["flat"]), hf
