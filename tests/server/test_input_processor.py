@@ -32,9 +32,9 @@ def _processor(checkpoint, executor, context_length: int = 1024, **options) -> I
     return InputProcessor.from_checkpoint(config, executor, context_length=context_length)
 
 
-def _process(processor, *parts, sampling=SamplingParams(max_tokens=8)):
+def _process(processor, *parts, sampling: SamplingParams | None = None):
     message = InputMessage("user", tuple(parts))
-    return asyncio.run(processor.process("r1", [message], sampling))
+    return asyncio.run(processor.process("r1", [message], sampling or SamplingParams(max_tokens=8)))
 
 
 def _png(rng: np.random.Generator, h: int, w: int) -> tuple[bytes, np.ndarray]:

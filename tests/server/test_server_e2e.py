@@ -14,7 +14,7 @@ import grpc
 import pytest
 import torch
 
-from mmserve.clients import AsyncClient, Client, ClientError, message, text_part, user_message, video_part
+from mmserve.clients import AsyncClient, Client, ClientError, message, user_message, video_part
 from mmserve.model.config import load_spec
 from mmserve.model.messages import ChatMessage, VideoPart
 from mmserve.model.prompt import build_prompt

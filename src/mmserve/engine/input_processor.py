@@ -21,6 +21,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
 from mmserve.model.config import ModelSpec, load_spec
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
@@ -94,7 +95,7 @@ class InputProcessor:
                       priority: int = 0, trace_context: Any = None) -> EngineRequest:
         jobs = [(f"messages[{i}].parts[{j}]", part) for i, m in enumerate(messages) for j, part in enumerate(m.parts)
                 if not isinstance(part, TextInput)]
-        decoded = await asyncio.gather(*(self._decode(where, part) for where, part in jobs))
+        decoded = await asyncio.gather(*(self._decode(where, part, trace_context) for where, part in jobs))
         media = {where: d for (where, _), d in zip(jobs, decoded, strict=True)}
         num_frames = sum(len(d.timestamps_s) for d in decoded if d.timestamps_s is not None)
         if num_frames > self.config.max_frames_per_request:
@@ -121,10 +122,10 @@ class InputProcessor:
                                     f"{sampling.max_tokens} exceeds the context length {self.max_model_len}; "
                                     f"ask for at most {self.max_model_len - prompt_tokens}")
 
-    async def _decode(self, where: str, part: ImageInput | VideoInput) -> DecodedMedia:
+    async def _decode(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
         """Decode in the worker pool; the time limit keeps one slow payload from holding a request."""
         loop = asyncio.get_running_loop()
-        work = functools.partial(self._decode_blocking, where, part)
+        work = functools.partial(self._decode_blocking, where, part, trace_context)
         limit = self.config.video_decode_timeout_s
         try:
             return await asyncio.wait_for(loop.run_in_executor(self.executor, work), timeout=limit)
@@ -132,7 +133,7 @@ class InputProcessor:
             raise LimitExceededError(f"{where}: decoding took longer than {limit:g}s",
                                      "--video-decode-timeout-s") from None
 
-    def _decode_blocking(self, where: str, part: ImageInput | VideoInput) -> DecodedMedia:
+    def _decode_blocking(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
         try:
             if isinstance(part, ImageInput):
                 image = decode_image(part.data, self.limits)
@@ -142,8 +143,11 @@ class InputProcessor:
                 rate = part.frames_fps or 1.0
                 return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens),
                                     [k / rate for k in range(len(frames))])
-            video = decode_video(part.data, num_frames=None if part.fps else (part.num_frames or None),
-                                 fps=part.fps or None, limits=self.limits)
+            with video_decode_span(trace_context, num_bytes=len(part.data)) as span:
+                video = decode_video(part.data, num_frames=None if part.fps else (part.num_frames or None),
+                                     fps=part.fps or None, limits=self.limits)
+                set_video_decode_result(span, num_frames=len(video.frames), duration_s=video.duration_s,
+                                        frame_bytes=sum(f.nbytes for f in video.frames), num_bytes=len(part.data))
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames

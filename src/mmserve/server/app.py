@@ -10,15 +10,20 @@ test or an operator can call it.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
+import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+from PIL import Image
 
 from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
+from mmserve.engine.sampling_params import SamplingParams
 from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import DrainGate, ShutdownSignals, drain
@@ -92,11 +97,28 @@ class MMServer:
         await self.server.start()
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
         await self.engine.start()
-        self._processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
-                                                         context_length=self.engine.model_info.context_length)
+        processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
+                                                   context_length=self.engine.model_info.context_length)
+        await self._warm_up(processor)
+        self._processor = processor
         await self.health.set_ready()
         logger.info("ready: serving %s on %s", self.engine_config.model, self.address)
         return self.port
+
+    async def _warm_up(self, processor: InputProcessor) -> None:
+        """One tiny request (an image when the model has vision) through the whole path, so lazy
+        initialisation and kernel compilation happen before readiness, not in a client's TTFT."""
+        parts: list = [TextInput("warm up")]
+        if processor.spec.has_vision:
+            image = io.BytesIO()
+            Image.new("RGB", (32, 32), (127, 127, 127)).save(image, format="PNG")
+            parts.insert(0, ImageInput(image.getvalue(), "image/png"))
+        request = await processor.process(f"warmup-{uuid.uuid4().hex}", [InputMessage("user", tuple(parts))],
+                                          SamplingParams(max_tokens=1))
+        started = time.perf_counter()
+        async for _ in self.engine.generate(request):
+            pass
+        logger.info("warm-up request done in %.2fs", time.perf_counter() - started)
 
     async def drain(self, grace_s: float | None = None, forced: asyncio.Event | None = None) -> bool:
         """Readiness NOT_SERVING, refuse new Generate calls, let in-flight ones finish within the

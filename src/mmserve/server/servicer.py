@@ -15,8 +15,10 @@ import grpc
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError
+from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.status import abort_with
 from mmserve.server.validation import validate_request
 
@@ -46,6 +48,17 @@ def final_message(out: RequestOutput) -> pb.Final:
     return final
 
 
+def _describe(span, sampling: SamplingParams, out: RequestOutput) -> None:
+    usage, timings = out.usage, out.timings
+    set_request_attributes(
+        span, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+        input_tokens=usage.prompt_tokens if usage else None, output_tokens=usage.completion_tokens if usage else None,
+        finish_reasons=[out.finish_reason] if out.finish_reason else [],
+        time_in_queue=timings.queue_s if timings else None, time_to_first_token=timings.ttft_s if timings else None,
+        num_frames=usage.num_frames if usage else None, num_mm_tokens=usage.multimodal_tokens if usage else None,
+        perf={k: float(v) for k, v in out.perf.items() if isinstance(v, int | float)})
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
@@ -71,26 +84,33 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except MMServeError as e:
             await abort_with(context, e, request_id)
         self._in_flight.add(request_id)
-        finished = False
+        span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
+                                                 model=self._config.model)
+        final: RequestOutput | None = None
+        error: MMServeError | None = None
         try:
-            engine_request = await processor.process(validated.request_id, validated.messages,
-                                                     validated.sampling, priority=validated.priority)
+            engine_request = await processor.process(request_id, validated.messages, validated.sampling,
+                                                     priority=validated.priority, trace_context=trace_context)
             async for out in self._engine.generate(engine_request):
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
                         token_ids=out.new_token_ids, text=out.new_text))
                 if out.finished:
-                    finished = True
+                    final = out
                     yield pb.GenerateResponse(request_id=request_id, final=final_message(out))
         except MMServeError as e:
-            finished = True  # the engine ended it (or never admitted it)
+            error = e  # the engine ended it, or never admitted it
             await abort_with(context, e, request_id)
         finally:
             self._in_flight.discard(request_id)
-            if not finished:
-                # Client cancel, deadline or server stop: the task is being torn down mid-stream.
+            if final is None and error is None:
+                # Client cancel, deadline or server stop: the task is torn down mid-stream. The
+                # engine's generator would abort too, but only when garbage-collected; do it now.
                 logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
                 self._engine.abort(request_id)
+            if final is not None:
+                _describe(span, validated.sampling, final)
+            end_request_span(span, error=error, cancelled=final is None and error is None)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         return pb.AbortResponse(found=bool(self._engine.abort(request.request_id)))
