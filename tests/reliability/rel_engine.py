@@ -1,0 +1,122 @@
+"""A real MMServer + AsyncEngine on loopback, in its own thread and event loop, with a recording
+observer, plus the "nothing leaked" check: every admitted request ended exactly once in the engine
+and every KV block, encoder-cache entry and stream is released."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.observer import StepRecord
+
+
+class RecordingObserver:
+    """Engine-thread hooks that remember every step and every request's end (lists append atomically)."""
+
+    def __init__(self) -> None:
+        self.queued: list[str] = []
+        self.steps: list[StepRecord] = []
+        self.finished: list[tuple[str, str | None, BaseException | None]] = []
+
+    def on_request_queued(self, request) -> None:
+        self.queued.append(request.request_id)
+
+    def on_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+    def on_first_token(self, request) -> None:
+        pass
+
+    def on_request_finished(self, request, finish_reason, error) -> None:
+        self.finished.append((request.request_id, finish_reason, error))
+
+    def end_counts(self) -> collections.Counter:
+        return collections.Counter(rid for rid, _, _ in self.finished)
+
+
+def engine_config(model: Path, **overrides) -> EngineConfig:
+    options = dict(model=str(model), device="cpu", dtype="float32", attention_backend="auto",
+                   max_num_batched_tokens=256, max_num_seqs=16, kv_cache_bytes=16 * 2**20, default_num_frames=2)
+    options.update(overrides)
+    return EngineConfig(**options)
+
+
+@dataclass
+class ServerThread:
+    engine_config: EngineConfig
+    server_config: ServerConfig = field(default_factory=lambda: ServerConfig(port=0, worker_threads=2))
+    observer: RecordingObserver = field(default_factory=RecordingObserver)
+    port: int = 0
+    app: object = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+    _thread: threading.Thread | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.app.engine
+
+    def start(self, timeout_s: float = 300.0) -> ServerThread:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="rel-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError("server failed to start") from self._error
+        return self
+
+    async def _main(self) -> None:
+        from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.server.app import build_server
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            engine = AsyncEngine(self.engine_config, observer=self.observer)
+            self.app = build_server(engine, self.server_config, self.engine_config)
+            self.port = await self.app.start()
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.app.stop()
+
+    def stop(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def wait_quiet(self, timeout_s: float = 30.0) -> None:
+        """Until the engine holds no request (every end has been processed by the engine thread)."""
+        core = self.engine.core
+        deadline = time.monotonic() + timeout_s
+        while core.states or core.has_work or self.engine._streams:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine still busy: {list(core.states)} {list(self.engine._streams)}")
+            time.sleep(0.02)
+
+    def assert_nothing_leaked(self) -> None:
+        """Every queued request ended exactly once; every pool, cache and stream is empty."""
+        self.wait_quiet()
+        core = self.engine.core
+        ends = self.observer.end_counts()
+        assert set(ends) == set(self.observer.queued), "a queued request never ended (or an unknown one did)"
+        assert max(ends.values(), default=1) == 1, [rid for rid, n in ends.items() if n > 1]
+        for name, pool in core.kv.pools.items():
+            assert pool.num_free == pool.num_usable, f"pool {name}: {pool.num_usable - pool.num_free} blocks leaked"
+        assert core.runner.encoder_cache == {}, f"encoder cache holds {list(core.runner.encoder_cache)}"
+        assert not core.scheduler.running and not core.scheduler.waiting
+        assert self.app.gate.inflight == 0
