@@ -1,0 +1,74 @@
+"""Prompts (text, image, video) as EngineRequests, and an engine run that records sampled logits."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from gemma4_fixtures import BOI, BOS, EOI, IMAGE, NUM_SPECIALS, VIDEO, VOCAB, patchify
+
+from mmserve.engine.llm import LLM
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.types import EngineRequest
+from mmserve.scheduler.request import MultiModalInput
+
+# (height, width) -> soft tokens with patch 4 and pooling 2: (h/8) * (w/8)
+FRAME_SHAPES = {1: (8, 8), 2: (8, 16), 4: (16, 16), 6: (16, 24), 8: (16, 32), 9: (24, 24)}
+
+
+def frame(gen: torch.Generator, tokens: int) -> MultiModalInput:
+    h, w = FRAME_SHAPES[tokens]
+    pix, pos = patchify(torch.rand(3, h, w, generator=gen), 4)
+    return MultiModalInput(pix, pos)
+
+
+def build_request(rid: str, parts: list, seed: int, max_tokens: int = 6, **kw) -> EngineRequest:
+    """parts: ints (that many random text tokens), ("image", n) or ("video", [n, n, ...])."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ids, ranges, inputs, frames = [BOS], [], [], 0
+    for p in parts:
+        if isinstance(p, int):
+            ids += [rng.randrange(NUM_SPECIALS, VOCAB) for _ in range(p)]
+            continue
+        kind, sizes = p
+        for n in sizes if isinstance(sizes, list) else [sizes]:
+            ids += [rng.randrange(NUM_SPECIALS, VOCAB)]          # a timestamp-like text token
+            ids.append(BOI)
+            ranges.append((len(ids), len(ids) + n - 1))
+            ids += [VIDEO if kind == "video" else IMAGE] * n
+            ids.append(EOI)
+            inputs.append(frame(gen, n))
+            frames += kind == "video"
+    return EngineRequest(rid, ids, ranges, inputs, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw),
+                         num_frames=frames, num_mm_tokens=sum(e - s + 1 for s, e in ranges))
+
+
+PROMPTS = {
+    "text": [40],
+    "image": [5, ("image", 9), 20],
+    "video": [3, ("video", [8, 8, 4, 8]), 6],
+}
+
+
+def make_llm(model_tok, **options) -> LLM:
+    model, tok = model_tok
+    opts = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
+    opts.update(options)
+    return LLM(loaded_model=model, tokenizer=tok, **opts)
+
+
+def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
+    """Generate, and record each request's sampled logits rows in order (the runner is wrapped, not replaced)."""
+    logits: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+    execute = llm.core.runner.execute
+
+    def recording_execute(out, kv):
+        result = execute(out, kv)
+        for row, s in zip(result.logits, result.sampled, strict=True):
+            logits[s.request.request_id].append(row.clone())
+        return result
+
+    llm.core.runner.execute = recording_execute
+    completions = llm.generate(requests)
+    return completions, {rid: torch.stack(rows) for rid, rows in logits.items()}

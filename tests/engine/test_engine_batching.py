@@ -1,0 +1,115 @@
+"""(d) 64 concurrent requests equal each run alone; (e) preemption keeps outputs; (f) sliding-layer
+blocks stay bounded by the window; every block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import torch
+from engine_helpers import build_request, make_llm
+
+from mmserve.attention.backend import FULL, SLIDING
+from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.observer import NullObserver
+
+
+def random_requests(n: int, seed: int, max_tokens=(1, 8)):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        parts = [rng.randint(1, 30)]
+        if rng.random() < 0.5:
+            parts.append(("video" if rng.random() < 0.7 else "image",
+                          [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 4))]))
+            parts.append(rng.randint(0, 10))
+        reqs.append(build_request(f"r{i}", parts, seed * 1000 + i, max_tokens=rng.randint(*max_tokens)))
+    return reqs
+
+
+def alone(model_tok, reqs, **options):
+    llm = make_llm(model_tok, **options)
+    return {r.request_id: llm.generate([r])[0].token_ids for r in reqs}
+
+
+def assert_pools_full(core):
+    assert all(p.num_free == p.num_usable for p in core.kv.pools.values())
+    assert not core.runner.encoder_cache and not core.sampler._generators and not core.states
+
+
+def test_64_concurrent_requests_match_running_alone(load_backend):
+    model_tok = load_backend("reference")
+    reqs = random_requests(64, seed=int(torch.randint(0, 1000, ())))
+    expected = alone(model_tok, reqs)
+    model, tok = model_tok
+    config = EngineConfig(device="cpu", block_size=4, num_kv_blocks=1024, max_num_seqs=64,
+                          max_num_batched_tokens=128)
+    engine = AsyncEngine(config, model=model, tokenizer=tok)
+
+    async def main():
+        await engine.start()
+
+        async def one(r):
+            outs = [o async for o in engine.generate(r)]
+            assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+            assert outs[-1].usage.completion_tokens == r.sampling.max_tokens
+            return r.request_id, [t for o in outs for t in o.new_token_ids]
+
+        try:
+            got = dict(await asyncio.gather(*(one(r) for r in reqs)))
+            peak = engine.load()
+        finally:
+            await engine.shutdown()
+        return got, peak
+
+    got, load = asyncio.run(main())
+    assert got == expected
+    assert_pools_full(engine.core)
+    assert load.kv_usage == 0.0 and load.running == 0
+
+
+class _Preemptions(NullObserver):
+    def __init__(self):
+        self.count = 0
+
+    def on_request_finished(self, request, finish_reason, error):
+        self.count += request.num_preemptions
+
+
+def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend):
+    model_tok = load_backend("reference")
+    reqs = random_requests(10, seed=int(torch.randint(0, 1000, ())), max_tokens=(6, 10))
+    expected = alone(model_tok, reqs)
+    observer = _Preemptions()
+    # 25 usable blocks of 4 tokens: the longest request fits alone, ten together do not.
+    llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32)
+    llm.core.observer = observer
+    got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
+    assert observer.count > 0, "the cache should have been too small to avoid preemption"
+    assert got == expected
+    assert_pools_full(llm.core)
+
+
+def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
+    model_tok = load_backend("reference")
+    model, _ = model_tok
+    window = model.spec.attention_specs[SLIDING].window
+    req = build_request("long", [30, ("video", [8] * 20), 40], seed=3, max_tokens=20)
+    budget, bs = 16, 4
+    llm = make_llm(model_tok, max_num_batched_tokens=budget, num_kv_blocks=256)
+    held = {SLIDING: [], FULL: []}
+
+    class Watch(NullObserver):
+        def on_step(self, record):
+            for t in held:
+                held[t].append(llm.core.kv.num_held("long", t))
+
+    llm.core.observer = Watch()
+    out = llm.generate([req])[0]
+    total = len(req.prompt_token_ids) + len(out.token_ids) - 1
+    assert total > 10 * window
+    assert max(held[FULL]) == -(-total // bs)              # full layers keep everything
+    assert max(held[SLIDING]) <= (window + budget) // bs + 2  # sliding layers: window + one chunk
+    assert held[SLIDING][-1] <= window // bs + 2              # decoding: just the window
+    assert_pools_full(llm.core)
