@@ -8,9 +8,10 @@ plain-Python attribute values, so tests read like the span tree they check.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ import pytest
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.sdk.trace import SpanProcessor
 
 STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 
@@ -127,6 +129,48 @@ class OtlpReceiver:
 
     def stop(self) -> None:
         self.server.stop(grace=None)
+
+
+class _Forwarder(SpanProcessor):
+    """A span processor installed once in the process-wide TracerProvider (OTel allows setting it only
+    once); it hands ended spans to whichever receiver's exporter is current, else drops them."""
+
+    def __init__(self) -> None:
+        self.target = None
+        self.installed = False
+
+    def on_end(self, span) -> None:
+        if self.target is not None:
+            self.target.on_end(span)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self.target.force_flush(timeout_millis) if self.target is not None else True
+
+
+_FORWARDER = _Forwarder()
+
+
+@contextlib.contextmanager
+def global_traces_to(receiver: OtlpReceiver) -> Iterator[None]:
+    """Route spans of the global tracer (what the server's request spans use) to `receiver`."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    if not _FORWARDER.installed:
+        provider.add_span_processor(_FORWARDER)
+        _FORWARDER.installed = True
+    _FORWARDER.target = SimpleSpanProcessor(OTLPSpanExporter(endpoint=receiver.endpoint, insecure=True))
+    try:
+        yield
+    finally:
+        target, _FORWARDER.target = _FORWARDER.target, None
+        target.shutdown()
 
 
 @pytest.fixture

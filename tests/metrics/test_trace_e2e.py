@@ -1,0 +1,163 @@
+"""A real server (real engine, real model) with the TelemetryObserver, exporting spans over OTLP/gRPC
+to a loopback receiver: one video request yields the span tree under the client's traceparent with
+its perf attributes, the Final message carries the same perf, and a cancelled request's span is an
+error. The Prometheus endpoint of the same run serves the queue gauge the HPA scales on."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+import uuid
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from otlp_receiver import global_traces_to
+
+from mmserve.clients import Client
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.metrics.model_spec import model_shape
+from mmserve.metrics.peaks import DevicePeaks
+from mmserve.metrics.perf_model import PerfModel
+from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
+from mmserve.metrics.telemetry import TelemetryObserver
+from mmserve.metrics.tracing import get_tracer, inject_trace_context
+
+PEAKS = DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test")
+
+
+class TracedServer:
+    """MMServer + AsyncEngine wired with a TelemetryObserver, on its own thread and event loop."""
+
+    def __init__(self, model, observer: TelemetryObserver):
+        self.engine_config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256,
+                                          max_num_seqs=8, kv_cache_bytes=16 * 2**20, default_num_frames=2,
+                                          step_trace_ratio=1.0)
+        self.server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0)
+        self.observer = observer
+        self.port = 0
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.server.app import build_server
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            server = build_server(AsyncEngine(self.engine_config, observer=self.observer), self.server_config,
+                                  self.engine_config)
+            self.port = await server.start()
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await server.stop()
+
+    def start(self) -> TracedServer:
+        self._thread.start()
+        assert self._ready.wait(300), "server did not start"
+        if self._error is not None:
+            raise RuntimeError("server failed to start") from self._error
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def traced(served_model):
+    from otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver()
+    with global_traces_to(receiver):
+        metrics = EngineMetrics(prometheus=True)
+        perf = PerfModel(model_shape(served_model), dtype="float32")
+        observer = TelemetryObserver(perf, PEAKS, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
+        server = TracedServer(served_model, observer).start()
+        try:
+            yield server, receiver, metrics
+        finally:
+            server.stop()
+            metrics.shutdown()
+    receiver.stop()
+
+
+def test_video_request_span_tree(traced, make_video):
+    server, receiver, _ = traced
+    client_span = TracerProvider().get_tracer("client").start_span("client.generate")
+    metadata = inject_trace_context(context=trace.set_span_in_context(client_span))
+    request_id = f"traced-{uuid.uuid4().hex[:8]}"
+    with Client(f"127.0.0.1:{server.port}", timeout=120, metadata=metadata) as client:
+        result = client.generate(prompt="What happens?", video=make_video(seed=3, num_frames=6), num_frames=2,
+                                 max_tokens=4, ignore_eos=True, temperature=0, request_id=request_id)
+    assert len(result.token_ids) == 4
+
+    def generate_span(spans):
+        return next((s for s in spans if s.name == "mmserve.generate"
+                     and s.attributes.get("mmserve.request.id") == request_id), None)
+
+    spans = receiver.wait_for(lambda s: generate_span(s) is not None)
+    root = generate_span(spans)
+    ctx = client_span.get_span_context()
+    assert (root.trace_id, root.parent_span_id) == (format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"))
+    assert not root.is_error
+    attrs = root.attributes
+    assert attrs["gen_ai.operation.name"] and attrs["gen_ai.request.model"]
+    assert attrs["gen_ai.request.max_tokens"] == 4
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    assert attrs["gen_ai.usage.input_tokens"] == result.usage.prompt_tokens
+    assert attrs["gen_ai.response.finish_reasons"] == ["length"]
+    assert attrs["mmserve.mm.num_frames"] == 2 and attrs["mmserve.mm.num_tokens"] == result.usage.multimodal_tokens
+    assert attrs["mmserve.latency.time_to_first_token"] > 0 and "mmserve.latency.time_in_queue" in attrs
+
+    children = [s for s in spans if s.parent_span_id == root.span_id]
+    names = [s.name for s in children]
+    assert names.count("mmserve.video.decode") == 1
+    assert names.count("mmserve.decode") == 1
+    assert names.count("mmserve.prefill") >= 1 and names.count("mmserve.vision.encode") >= 1
+    for s in children:
+        if s.name != "mmserve.video.decode":
+            assert s.attributes["mmserve.perf.flops"] > 0 and s.attributes["mmserve.perf.mfu"] > 0, s.name
+            assert "mmserve.perf.attn_flops.sliding" in s.attributes and "mmserve.perf.attn_flops.full" in s.attributes
+    assert sum(s.attributes["mmserve.perf.flops"] for s in children) == pytest.approx(result.perf.flops)
+    assert attrs["mmserve.perf.flops"] == pytest.approx(result.perf.flops)
+    assert result.perf.mfu > 0 and result.perf.attn_flops_sliding > 0 and result.perf.attn_flops_full > 0
+
+    steps = [s for s in receiver.spans if s.name == "mmserve.engine.step"]
+    assert any((root.trace_id, root.span_id) in s.links for s in steps)
+
+
+def test_cancelled_request_span_is_an_error(traced):
+    server, receiver, _ = traced
+    request_id = f"cancel-{uuid.uuid4().hex[:8]}"
+    with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+        stream = client.stream(prompt="Count forever.", max_tokens=200, ignore_eos=True, request_id=request_id)
+        for _ in stream:
+            break  # first delta seen: the request is running
+        stream.cancel()
+    spans = receiver.wait_for(lambda s: any(x.name == "mmserve.generate" and x.attributes.get("mmserve.request.id")
+                                            == request_id for x in s), timeout=30)
+    root = next(s for s in spans if s.name == "mmserve.generate" and s.attributes["mmserve.request.id"] == request_id)
+    assert root.is_error
+    time.sleep(0.5)  # the engine ends the request's decode span when it processes the abort
+    decode = [s for s in receiver.spans if s.parent_span_id == root.span_id and s.name == "mmserve.decode"]
+    assert decode and all(s.is_error for s in decode)
+
+
+def test_prometheus_serves_the_server_metrics(traced):
+    _, _, metrics = traced
+    http, port = start_metrics_server(0, metrics, addr="127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        http.shutdown()
+    for name in ("mmserve_requests_waiting", "mmserve_requests_running", "mmserve_time_to_first_token_seconds_count",
+                 "mmserve_generation_tokens_total", "mmserve_perf_mfu"):
+        assert f"\n{name}" in text, name
