@@ -12,6 +12,8 @@ import yaml
 from deploy_k8s import OVERLAYS, SERVER_OVERLAYS, config_env, container, find
 
 from mmserve import cli, config
+from mmserve.metrics.prometheus import PROMETHEUS_NAMES
+from mmserve.metrics.tracing import traces_endpoint
 from mmserve.server.health import GENERATION_SERVICE, OVERALL
 
 CONFIG_CLASSES = (config.EngineConfig, config.ServerConfig)
@@ -136,7 +138,7 @@ def test_pdb_and_hpa_govern_the_server(rendered, overlay):
     assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
     assert hpa["spec"]["minReplicas"] > pdb["spec"]["maxUnavailable"], "an eviction must leave a replica serving"
     (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "mmserve_requests_waiting"
+    assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == PROMETHEUS_NAMES["mmserve.requests.waiting"]
 
 
 @pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
@@ -164,12 +166,16 @@ def test_gpu_overlay_requests_one_gpu_and_cpu_none(rendered):
 
 
 @pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
-def test_pods_export_traces_to_the_collector_of_the_observability_overlay(rendered, overlay):
+def test_pods_export_traces_to_the_collector_of_the_observability_overlay(rendered, overlay, monkeypatch):
     deployment, _ = server(rendered[overlay])
-    endpoint = urlsplit(config_env(rendered[overlay], deployment, "mmserve")["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    for name, value in config_env(rendered[overlay], deployment, "mmserve").items():
+        if name.startswith("OTEL_"):
+            monkeypatch.setenv(name, value)
+    protocol, url = traces_endpoint(config.ServerConfig.otlp_traces_endpoint or None)  # what the server dials
+    endpoint = urlsplit(url)
     collector = find(rendered["observability"], "Service", endpoint.hostname)
-    grpc = next(p for p in collector["spec"]["ports"] if p["port"] == endpoint.port)
-    assert grpc["appProtocol"] == "grpc"
+    port = next(p for p in collector["spec"]["ports"] if p["port"] == endpoint.port)
+    assert protocol == port["appProtocol"] == "grpc"
 
 
 def test_collector_forwards_to_jaeger(rendered):

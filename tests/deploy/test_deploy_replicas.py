@@ -9,9 +9,8 @@ from deploy_loop import LoopThread
 
 from mmserve.clients import Client
 from mmserve.config import EngineConfig, ServerConfig
-
-engine_module = pytest.importorskip("mmserve.engine.async_engine", reason="the engine (AsyncEngine) has not landed yet")
-from mmserve.server.app import build_server  # noqa: E402
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.server.app import build_server
 
 REQUESTS = 20
 
@@ -29,13 +28,14 @@ class CountGenerate(grpc.aio.ServerInterceptor):
 
 
 @pytest.fixture(scope="module")
-def replicas():
+def replicas(served_model):
     loop = LoopThread()
-    engine_config = EngineConfig(device="cpu", max_num_seqs=4, kv_cache_bytes=16 * 2**20)
+    engine_config = EngineConfig(model=str(served_model), device="cpu", max_num_seqs=4,
+                                 kv_cache_bytes=16 * 2**20)
     counters, servers = [CountGenerate(), CountGenerate()], []
 
     async def start(counter: CountGenerate):
-        server = build_server(engine_module.AsyncEngine(engine_config),
+        server = build_server(AsyncEngine(engine_config),
                               ServerConfig(host="127.0.0.1", port=0, worker_threads=1), engine_config,
                               interceptors=[counter])
         await server.start()
