@@ -120,3 +120,36 @@ class ServerThread:
         assert core.runner.encoder_cache == {}, f"encoder cache holds {list(core.runner.encoder_cache)}"
         assert not core.scheduler.running and not core.scheduler.waiting
         assert self.app.gate.inflight == 0
+
+
+@dataclass
+class StreamResult:
+    """What a client saw on one Generate stream."""
+
+    token_ids: list[int] = field(default_factory=list)
+    final: object = None
+    code: object = None      # grpc.StatusCode when it ended with an error status
+    details: str = ""
+    trailers: tuple = ()
+
+
+async def read_stream(call, result: StreamResult | None = None) -> StreamResult:
+    """Read `call` to its end (continuing `result` if given) without raising."""
+    import grpc
+
+    result = result or StreamResult()
+    try:
+        async for response in call:
+            if response.HasField("final"):
+                result.final = response.final
+            else:
+                result.token_ids += list(response.delta.token_ids)
+    except grpc.aio.AioRpcError as e:
+        result.code, result.details, result.trailers = e.code(), e.details() or "", tuple(e.trailing_metadata() or ())
+    return result
+
+
+def steps_with(observer: RecordingObserver, request_id: str, after_perf: float) -> int:
+    """How many engine steps that started after `after_perf` (time.perf_counter) ran `request_id`."""
+    return sum(1 for step in list(observer.steps) if step.start_perf > after_perf
+               and any(item.request_id == request_id for item in step.items))
