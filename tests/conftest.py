@@ -97,10 +97,14 @@ class RunningServer:
     async def _main(self) -> None:
         from mmserve.engine.async_engine import AsyncEngine
         from mmserve.server.app import build_server
+        from mmserve.server.observability import setup_observability
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
-            self.server = build_server(AsyncEngine(self.engine_config), self.server_config, self.engine_config)
+            observer = setup_observability(self.engine_config, self.server_config,
+                                           configure_global_tracing=False).observer
+            engine = AsyncEngine(self.engine_config, observer=observer)
+            self.server = build_server(engine, self.server_config, self.engine_config)
             self.port = await self.server.start()
         except BaseException as e:  # surfaced by start() in the test thread
             self._error = e

@@ -81,6 +81,7 @@ def test_video_generate_matches_transformers(client, served_model, make_video):
     assert result.usage.num_frames == num_frames
     assert result.usage.multimodal_tokens == sum(e - s + 1 for s, e in layout.mm_ranges)
     assert 0 < result.timings.time_to_first_token_s <= result.timings.end_to_end_s
+    assert result.perf.flops > 0 and result.perf.read_bytes > 0 and 0 < result.perf.mfu
     assert result.request_id
 
 

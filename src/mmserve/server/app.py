@@ -137,6 +137,7 @@ class MMServer:
     async def _close(self) -> None:
         await self.engine.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        logger.info("stopped")
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -151,10 +152,18 @@ def build_server(engine, server_config: ServerConfig, engine_config: EngineConfi
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
     """Run until SIGTERM/SIGINT, then drain. True when the drain cut nothing off."""
     from mmserve.engine.async_engine import AsyncEngine
+    from mmserve.server.observability import setup_observability
 
     signals = ShutdownSignals()
     signals.install()
-    server = build_server(AsyncEngine(engine_config), server_config, engine_config)
-    await server.start()
-    await signals.requested.wait()
-    return await server.drain(forced=signals.forced)
+    observability = setup_observability(engine_config, server_config)
+    server = build_server(AsyncEngine(engine_config, observer=observability.observer), server_config, engine_config)
+    try:
+        await server.start()
+        await signals.requested.wait()
+        return await server.drain(forced=signals.forced)
+    except BaseException:
+        await server.stop()
+        raise
+    finally:
+        observability.close()

@@ -1,0 +1,50 @@
+"""Wire the metrics package into a serving process: traces, Prometheus/OTLP metrics, per-request perf.
+
+The engine reports steps to one observer; this builds that observer from the configs so that
+`Final.perf` carries each request's FLOPs/bytes/MFU/MBU and spans reach the configured collector.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.metrics.model_spec import model_shape
+from mmserve.metrics.peaks import detect
+from mmserve.metrics.perf_model import PerfModel
+from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
+from mmserve.metrics.telemetry import TelemetryObserver
+from mmserve.metrics.tracing import configure_tracing, get_tracer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Observability:
+    observer: TelemetryObserver
+    tracer_provider: Any = None  # None when tracing is off
+    metrics_http: Any = None  # the Prometheus HTTP server, when --metrics-port is set
+    metrics_port: int = 0
+
+    def close(self) -> None:
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+        if self.tracer_provider is not None:
+            self.tracer_provider.shutdown()  # flushes the spans still batched
+
+
+def setup_observability(engine_config: EngineConfig, server_config: ServerConfig, *,
+                        configure_global_tracing: bool = True) -> Observability:
+    provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
+    metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
+    perf = PerfModel(model_shape(engine_config.model), dtype=engine_config.dtype,
+                     accounting=engine_config.perf_accounting)
+    observer = TelemetryObserver(perf, detect(engine_config.device, engine_config.dtype), tracer=get_tracer(provider),
+                                 metrics=metrics, step_trace_ratio=engine_config.step_trace_ratio)
+    result = Observability(observer, provider)
+    if server_config.metrics_port:
+        result.metrics_http, result.metrics_port = start_metrics_server(server_config.metrics_port, metrics,
+                                                                        addr=server_config.host)
+    return result
