@@ -85,9 +85,20 @@ class _Collector:
 
 
 class _Base:
-    def __init__(self, api_key: str | None, metadata: Metadata) -> None:
+    def __init__(self, api_key: str | None, metadata: Metadata, trace: bool) -> None:
         extra = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._metadata: Metadata = tuple(metadata) + extra
+        self._static_metadata: Metadata = tuple(metadata) + extra
+        self._trace = trace
+
+    @property
+    def _metadata(self) -> Metadata:
+        """Per call: with `trace=True`, the current OpenTelemetry span travels as W3C traceparent,
+        so the server's `mmserve.generate` span joins the caller's trace."""
+        if not self._trace:
+            return self._static_metadata
+        from mmserve.metrics.tracing import inject_trace_context
+
+        return tuple(inject_trace_context(self._static_metadata))
 
 
 class GenerateStream:
@@ -124,9 +135,9 @@ class Client(_Base):
 
     def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
                  private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                 timeout: float | None = None, metadata: Metadata = (),
+                 timeout: float | None = None, metadata: Metadata = (), trace: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(api_key, metadata)
+        super().__init__(api_key, metadata, trace)
         options = channel_options(max_message_bytes)
         if root_certificates is not None or certificate_chain is not None:
             creds = channel_credentials(root_certificates, private_key, certificate_chain)
@@ -213,9 +224,9 @@ class AsyncClient(_Base):
 
     def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
                  private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                 timeout: float | None = None, metadata: Metadata = (),
+                 timeout: float | None = None, metadata: Metadata = (), trace: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(api_key, metadata)
+        super().__init__(api_key, metadata, trace)
         options = channel_options(max_message_bytes)
         if root_certificates is not None or certificate_chain is not None:
             creds = channel_credentials(root_certificates, private_key, certificate_chain)
