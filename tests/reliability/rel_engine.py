@@ -134,12 +134,12 @@ class StreamResult:
 
 
 async def read_stream(call, result: StreamResult | None = None) -> StreamResult:
-    """Read `call` to its end (continuing `result` if given) without raising."""
+    """Read `call` to its end with `read()` (continuing `result` if given) without raising."""
     import grpc
 
     result = result or StreamResult()
     try:
-        async for response in call:
+        while (response := await call.read()) is not grpc.aio.EOF:
             if response.HasField("final"):
                 result.final = response.final
             else:
@@ -153,3 +153,24 @@ def steps_with(observer: RecordingObserver, request_id: str, after_perf: float) 
     """How many engine steps that started after `after_perf` (time.perf_counter) ran `request_id`."""
     return sum(1 for step in list(observer.steps) if step.start_perf > after_perf
                and any(item.request_id == request_id for item in step.items))
+
+
+def text_request(request_id: str, max_tokens: int, text: str = "go on"):
+    """A text-only GenerateRequest that runs exactly `max_tokens` steps of decode (EOS ignored)."""
+    from mmserve.api.mmserve.v1 import generation_pb2 as pb
+
+    return pb.GenerateRequest(request_id=request_id, messages=[pb.Message(role="user", parts=[pb.Part(text=text)])],
+                              sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+async def wait_load(stub, *, running: int, waiting: int, timeout_s: float = 20) -> None:
+    """Poll GetServerLoad until the engine has exactly `running` running and `waiting` waiting requests."""
+    from mmserve.api.mmserve.v1 import generation_pb2 as pb
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        load = await stub.GetServerLoad(pb.GetServerLoadRequest())
+        if (load.running_requests, load.waiting_requests) == (running, waiting):
+            return
+        assert time.monotonic() < deadline, f"load stuck at {load}"
+        await asyncio.sleep(0.01)

@@ -25,7 +25,7 @@ def _long_request(request_id: str, video: bytes | None = None, max_tokens: int =
 
 async def _first_tokens(call, n: int = 2) -> int:
     seen = 0
-    async for response in call:
+    while (response := await call.read()) is not grpc.aio.EOF:
         seen += len(response.delta.token_ids)
         if seen >= n:
             return seen
