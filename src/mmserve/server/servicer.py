@@ -17,7 +17,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import RequestOutput
-from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError
+from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.status import abort_with
 from mmserve.server.validation import validate_request
@@ -69,6 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._processor = processor
         self._draining = draining
         self._in_flight: set[str] = set()
+        self._aborted_early: set[str] = set()  # aborted while still decoding, before the engine had them
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -87,10 +88,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._config.model)
         final: RequestOutput | None = None
-        error: MMServeError | None = None
+        error: Exception | None = None
         try:
             engine_request = await processor.process(request_id, validated.messages, validated.sampling,
                                                      priority=validated.priority, trace_context=trace_context)
+            if request_id in self._aborted_early:
+                raise RequestAbortedError(f"request {request_id} was aborted")
             async for out in self._engine.generate(engine_request):
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
@@ -98,11 +101,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if out.finished:
                     final = out
                     yield pb.GenerateResponse(request_id=request_id, final=final_message(out))
-        except MMServeError as e:
-            error = e  # the engine ended it, or never admitted it
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status, never a bare UNKNOWN
+            error = e  # the engine ended it, never admitted it, or input processing failed
             await abort_with(context, e, request_id)
         finally:
             self._in_flight.discard(request_id)
+            self._aborted_early.discard(request_id)
             if final is None and error is None:
                 # Client cancel, deadline or server stop: the task is torn down mid-stream. The
                 # engine's generator would abort too, but only when garbage-collected; do it now.
@@ -113,7 +117,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             end_request_span(span, error=error, cancelled=final is None and error is None)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        return pb.AbortResponse(found=bool(self._engine.abort(request.request_id)))
+        if self._engine.abort(request.request_id):
+            return pb.AbortResponse(found=True)
+        if request.request_id in self._in_flight:  # still decoding its media: stop it before the engine
+            self._aborted_early.add(request.request_id)
+            return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=False)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
