@@ -11,9 +11,9 @@ from mmserve.attention.backend import FULL, SLIDING, AttentionMetadata, LayerAtt
 SLIDING_SPEC = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=8,
                                   bidirectional=True, clamp_bidirectional=True, scale=1.0)
 SLIDING_UNCLAMPED = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=8,
-                                       bidirectional=True, clamp_bidirectional=False, scale=0.3)
+                                       bidirectional=True, clamp_bidirectional=False, scale=1.0)
 FULL_SPEC = LayerAttentionSpec(FULL, num_heads=4, num_kv_heads=1, head_dim=64, window=None,
-                               bidirectional=False, scale=1.0)
+                               bidirectional=False, scale=0.125)
 FULL_BIDI = LayerAttentionSpec(FULL, num_heads=4, num_kv_heads=1, head_dim=64, window=None,
                                bidirectional=True, scale=0.125)
 SPECS = [SLIDING_SPEC, SLIDING_UNCLAMPED, FULL_SPEC, FULL_BIDI]
@@ -42,6 +42,11 @@ class Batch:
     reqs: list[Req]
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute error relative to the reference's largest magnitude (fp32: 1e-5, bf16: 2e-2)."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
 def frames(start: int, count: int, length: int, gap: int) -> list[tuple[int, int]]:
     """`count` frame ranges of `length` tokens, `gap` text tokens apart, the first at `start`."""
     return [(start + i * (length + gap), start + i * (length + gap) + length - 1) for i in range(count)]
@@ -58,7 +63,7 @@ def query_ranges(reqs: list[Req]) -> torch.Tensor | None:
 
 
 def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype = torch.float32,
-               block_size: int = 16, extra_blocks: int = 7, gen: torch.Generator | None = None,
+               block_size: int = 16, num_blocks: int = 128, gen: torch.Generator | None = None,
                free_outside_window: bool = False) -> Batch:
     """A step over a random paged cache: blocks shuffled, garbage in unused blocks and in the null block 0.
 
@@ -68,7 +73,7 @@ def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype 
     gen = gen or torch.Generator().manual_seed(0)
     H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     blocks_per_req = [-(-r.seq_len // block_size) for r in reqs]
-    num_blocks = 1 + sum(blocks_per_req) + extra_blocks
+    assert num_blocks > sum(blocks_per_req), "cache too small for the batch"
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = max(blocks_per_req) + 2
     block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)

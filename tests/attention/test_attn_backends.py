@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attn_batches import SPECS, make_batch, standard_batches
+from attn_batches import SPECS, make_batch, rel_err, standard_batches
 
 from mmserve.attention import create_impl
 
-CPU_BACKENDS = ["sdpa", "flex"]
+CPU_BACKENDS = ["sdpa", "flex"]  # flex: every spec of a head dim shares one compiled graph (per dtype)
 SPEC_IDS = [f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}" for s in SPECS]
 
 
@@ -25,12 +25,13 @@ def test_backend_matches_reference_fp32(backend, spec, name):
                        free_outside_window=True)
     expected, ref_cache = run("reference", batch, spec)
     got, cache = run(backend, batch, spec)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert rel_err(got, expected) < 1e-5
     assert torch.equal(cache, ref_cache)  # this step's K/V landed at the same slots
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("spec", SPECS[:3], ids=SPEC_IDS[:3])
+# flex in bf16 is checked by test_attn_flex_compile.py (its own graphs, counted there).
+@pytest.mark.parametrize("backend", ["sdpa"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("name", ["chunked_prefill", "mixed", "decode"])
 def test_backend_matches_reference_bf16(backend, spec, name):
     batch = make_batch(standard_batches()[name], spec, dtype=torch.bfloat16,
@@ -38,5 +39,4 @@ def test_backend_matches_reference_bf16(backend, spec, name):
     expected, _ = run("reference", batch, spec)
     got, _ = run(backend, batch, spec)
     assert got.dtype == torch.bfloat16
-    err = (got.float() - expected.float()).abs().max() / expected.float().abs().max()
-    assert err < 2e-2
+    assert rel_err(got, expected) < 2e-2

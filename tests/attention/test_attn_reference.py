@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
@@ -34,11 +32,9 @@ def naive_attention(batch, spec) -> torch.Tensor:
             slots = [table[k // md.block_size] * md.block_size + k % md.block_size for k in kept]
             for h in range(spec.num_heads):
                 keys, values = flat[0, slots, h // group], flat[1, slots, h // group]
-                scores = [float(batch.q[i, h].double() @ key) * spec.scale for key in keys]
-                top = max(scores)
-                weights = [math.exp(s - top) for s in scores]
-                total = sum(weights)
-                out[i, h] = sum(w / total * val for w, val in zip(weights, values, strict=True))
+                scores = (keys @ batch.q[i, h].double()) * spec.scale
+                weights = torch.exp(scores - scores.max())
+                out[i, h] = (weights / weights.sum()) @ values
     return out
 
 

@@ -16,10 +16,11 @@ from mmserve.attention.backend import AttentionImpl, AttentionMetadata, LayerAtt
 
 log = logging.getLogger(__name__)
 
-# name -> (module, class); imported lazily so optional dependencies stay optional.
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "reference": ("mmserve.attention.reference", "ReferenceImpl"),
-    "sdpa": ("mmserve.attention.sdpa", "SdpaImpl"),
+# name -> (module, class, takes the step capacity); imported lazily so optional dependencies stay optional.
+_BACKENDS: dict[str, tuple[str, str, bool]] = {
+    "reference": ("mmserve.attention.reference", "ReferenceImpl", False),
+    "sdpa": ("mmserve.attention.sdpa", "SdpaImpl", False),
+    "flex": ("mmserve.attention.flex", "FlexImpl", True),
 }
 
 # Fastest correct CPU backend measured by bench/attention.py (see docs/benchmarks.md).
@@ -29,7 +30,7 @@ CPU_AUTO_BACKEND = "reference"
 def available_backends() -> list[str]:
     """Backends whose imports work in this environment."""
     names = []
-    for name, (module, _) in _BACKENDS.items():
+    for name, (module, _, _) in _BACKENDS.items():
         try:
             importlib.import_module(module)
         except ImportError:
@@ -47,12 +48,20 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return CPU_AUTO_BACKEND
 
 
-def create_impl(name: str, spec: LayerAttentionSpec) -> AttentionImpl:
-    """The implementation of backend `name` (already resolved, not "auto") for one layer type."""
+def create_impl(name: str, spec: LayerAttentionSpec, *, max_num_tokens: int = 512,
+                max_num_reqs: int = 64) -> AttentionImpl:
+    """The implementation of backend `name` (already resolved, not "auto") for one layer type.
+
+    Compiled backends pad every step to `max_num_tokens` query rows and size their tables for
+    `max_num_reqs` requests, so passing the engine's budget here means they compile exactly once.
+    """
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKENDS)}")
-    module, cls = _BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(spec)
+    module, cls, sized = _BACKENDS[name]
+    impl_cls = getattr(importlib.import_module(module), cls)
+    if sized:
+        return impl_cls(spec, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
+    return impl_cls(spec)
 
 
 __all__ = ["AttentionImpl", "AttentionMetadata", "LayerAttentionSpec", "available_backends", "create_impl",

@@ -13,14 +13,20 @@ import torch
 from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
 
 
-def keep(q, k, r_start, r_end, *, window: int | None, bidirectional: bool, clamp: bool):
-    """keep(q, k) for absolute positions q, k and q's own inclusive range [r_start, r_end] ((-1, -1) = none)."""
+def keep(q, k, r_start, r_end, *, window, bidirectional: bool, clamp):
+    """keep(q, k) for absolute positions q, k and q's own inclusive range [r_start, r_end] ((-1, -1) = none).
+
+    window: int, None (infinite) or a 0-d tensor; clamp: bool or a 0-d bool tensor. Compiled
+    backends pass tensors so one graph serves every window and clamp setting.
+    """
     in_window = True if window is None else (q - k) < window
     causal = (k <= q) & in_window
     if not bidirectional:
         return causal
     in_range = (r_start <= k) & (k <= r_end)
-    if clamp:
+    if isinstance(clamp, torch.Tensor):
+        in_range = in_range & (in_window | ~clamp)
+    elif clamp:
         in_range = in_range & in_window
     return causal | in_range
 

@@ -1,0 +1,185 @@
+"""FlexAttention over the whole paged cache, compiled once per layer type.
+
+The key sequence is the cache itself (every physical slot); the mask_mod maps a physical slot to
+its logical position through per-step tables and applies mask.keep. All per-step data (positions,
+ranges, block tables) lives in fixed-capacity tensors that are refilled in place, so new frame
+counts or batch compositions never change what dynamo guards on. Query rows are padded to a fixed
+token capacity for the same reason. The block mask lists, per 16-row query block, only the
+physical blocks some row can keep (its window plus its frame), so fully masked blocks are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.mask import keep, token_request_ids
+from mmserve.attention.paged import write_kv
+
+log = logging.getLogger(__name__)
+
+Q_BLOCK = 16
+MIN_BLOCKS_PER_REQ = 64
+NO_WINDOW = 2**30
+# One graph per (layer type, dtype, head dim, capacity) shares flex_attention's frame; leave room.
+torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+_compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+
+def _pow2_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(0, n - 1).bit_length())
+
+
+@dataclass
+class StepTables:
+    """Fixed-capacity per-step tensors the mask_mod reads; refilled in place every step."""
+
+    q_pos: torch.Tensor        # int32 [Q]; -1 on padded rows
+    q_req: torch.Tensor        # int32 [Q]
+    r_start: torch.Tensor      # int32 [Q]; -1 outside a range
+    r_end: torch.Tensor        # int32 [Q]
+    seq_lens: torch.Tensor     # int32 [R]
+    block_table: torch.Tensor  # int32 [R, MB]
+    logical_block: torch.Tensor  # int32 [num_cache_blocks]; -1 where no request of the step uses it
+    window: torch.Tensor       # int32 0-d; the layer's window (2**30 on full layers)
+    clamp: torch.Tensor        # bool 0-d; the range term also obeys the window
+
+    @classmethod
+    def allocate(cls, spec: LayerAttentionSpec, tokens: int, reqs: int, blocks_per_req: int, cache_blocks: int,
+                 device) -> StepTables:
+        def buf(*shape):
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+        window = torch.tensor(spec.window if spec.window is not None else NO_WINDOW, dtype=torch.int32, device=device)
+        clamp = torch.tensor(spec.clamp_bidirectional, device=device)
+        return cls(buf(tokens), buf(tokens), buf(tokens), buf(tokens), buf(reqs), buf(reqs, blocks_per_req),
+                   buf(cache_blocks), window, clamp)
+
+    def fits(self, tokens: int, reqs: int, blocks_per_req: int, cache_blocks: int, device) -> bool:
+        return (self.q_pos.shape[0] >= tokens and self.seq_lens.shape[0] >= reqs
+                and self.block_table.shape[1] >= blocks_per_req and self.logical_block.shape[0] == cache_blocks
+                and self.q_pos.device == torch.device(device))
+
+
+def make_mask_mod(t: StepTables, block_size: int):
+    """mask.keep on physical cache slots; reads per-step data only from `t`'s tensors.
+
+    The range term is always on: layers without bidirectional attention get (-1, -1) rows, so one
+    graph serves every window, clamp and bidirectional setting of a head dim and dtype.
+    """
+
+    def paged_keep(b, h, q_idx, kv_idx):
+        phys = kv_idx // block_size
+        lb = t.logical_block[phys]
+        req = t.q_req[q_idx]
+        k = lb * block_size + kv_idx % block_size
+        owned = (lb >= 0) & (t.block_table[req, lb.clamp(min=0)] == phys) & (k < t.seq_lens[req])
+        return owned & keep(t.q_pos[q_idx], k, t.r_start[q_idx], t.r_end[q_idx],
+                            window=t.window, bidirectional=True, clamp=t.clamp)
+
+    return paged_keep
+
+
+class FlexImpl:
+    """AttentionImpl on compiled flex_attention; `max_num_tokens` fixes the padded query length."""
+
+    def __init__(self, spec: LayerAttentionSpec, max_num_tokens: int = 512, max_num_reqs: int = 64) -> None:
+        self.spec = spec
+        self.max_num_tokens = _pow2_at_least(max_num_tokens, Q_BLOCK)
+        self.max_num_reqs = max_num_reqs
+        self._tables: StepTables | None = None
+        self._mask_mod = None
+        self._step: tuple[AttentionMetadata, BlockMask] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        T = metadata.num_actual_tokens
+        write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
+        block_mask = self._block_mask(metadata, kv_cache)
+        H, D = q.shape[1], q.shape[2]
+        num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+        q_pad = q.new_zeros(1, H, self.max_num_tokens, D)
+        q_pad[0, :, :T] = q[:T].transpose(0, 1)
+        keys = kv_cache[0].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
+        values = kv_cache[1].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
+        out = _compiled_flex(q_pad, keys, values, block_mask=block_mask, scale=self.spec.scale, enable_gqa=True)
+        result = torch.zeros_like(q)
+        result[:T] = out[0, :, :T].transpose(0, 1)
+        return result
+
+    def _block_mask(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> BlockMask:
+        """Built once per step (all layers of this type reuse it while `metadata` is the same object)."""
+        if self._step is not None and self._step[0] is metadata:
+            return self._step[1]
+        self._fill_tables(metadata, kv_cache)
+        block_mask = self._build_block_mask(metadata, kv_cache.shape[1])
+        self._step = (metadata, block_mask)
+        return block_mask
+
+    def _fill_tables(self, md: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+        T, R = md.num_actual_tokens, md.num_reqs
+        cache_blocks, device = kv_cache.shape[1], kv_cache.device
+        if T > self.max_num_tokens:
+            self.max_num_tokens = _pow2_at_least(T, Q_BLOCK)
+            log.warning("flex: %d tokens exceed the padded query length; growing to %d (recompiles once)",
+                        T, self.max_num_tokens)
+        shape = (self.max_num_tokens, max(R, self.max_num_reqs),
+                 _pow2_at_least(md.block_table.shape[1], MIN_BLOCKS_PER_REQ), cache_blocks, device)
+        if self._tables is None or not self._tables.fits(*shape):
+            if self._tables is not None:
+                log.warning("flex: step tables grow to %s (recompiles once)", shape[:4])
+            self._tables = StepTables.allocate(self.spec, *shape)
+            self._mask_mod = make_mask_mod(self._tables, md.block_size)
+            self.max_num_reqs = shape[1]
+        t = self._tables
+        t.q_pos.fill_(-1)
+        t.q_pos[:T] = md.positions[:T]
+        t.q_req.zero_()
+        t.q_req[:T] = token_request_ids(md.query_start_loc, T).to(torch.int32)
+        t.r_start.fill_(-1)
+        t.r_end.fill_(-1)
+        if md.mm_ranges is not None and self.spec.bidirectional:
+            t.r_start[:T] = md.mm_ranges[:T, 0]
+            t.r_end[:T] = md.mm_ranges[:T, 1]
+        t.seq_lens.zero_()
+        t.seq_lens[:R] = md.seq_lens[:R]
+        t.block_table.zero_()
+        t.block_table[:R, : md.block_table.shape[1]] = md.block_table[:R]
+        # Physical -> logical block; unused table entries point at the null block 0, forced to -1 after.
+        t.logical_block.fill_(-1)
+        logical = torch.arange(md.block_table.shape[1], dtype=torch.int32, device=device).expand(R, -1)
+        t.logical_block.index_put_((md.block_table[:R].long(),), logical)
+        t.logical_block[0] = -1
+
+    def _build_block_mask(self, md: AttentionMetadata, cache_blocks: int) -> BlockMask:
+        """Per query block, the physical blocks holding keys some row may keep: its window and its frame."""
+        T, bs, spec = md.num_actual_tokens, md.block_size, self.spec
+        device = md.positions.device
+        req = token_request_ids(md.query_start_loc, T)
+        q = md.positions[:T].long()
+        last = md.seq_lens.long()[req] - 1
+        hi = q.clone()
+        lo = q - spec.window + 1 if spec.window is not None else torch.zeros_like(q)
+        if md.mm_ranges is not None and spec.bidirectional:
+            rs, re = md.mm_ranges[:T, 0].long(), md.mm_ranges[:T, 1].long()
+            inside = rs >= 0
+            hi = torch.where(inside, torch.maximum(hi, re), hi)
+            if not spec.clamp_bidirectional:
+                lo = torch.where(inside, torch.minimum(lo, rs), lo)
+        lo, hi = lo.clamp(min=0) // bs, torch.minimum(hi, last) // bs
+        logical = torch.arange(md.block_table.shape[1], device=device)
+        phys = md.block_table[: md.num_reqs].long()[req]                     # [T, MB]
+        used = (logical >= lo[:, None]) & (logical <= hi[:, None]) & (phys != 0)
+        num_q_blocks = self.max_num_tokens // Q_BLOCK
+        needed = torch.zeros(num_q_blocks, cache_blocks + 1, dtype=torch.bool, device=device)
+        q_block = (torch.arange(T, device=device) // Q_BLOCK)[:, None].expand_as(phys)
+        needed[q_block, torch.where(used, phys, cache_blocks)] = True
+        needed = needed[:, :cache_blocks]
+        kv_num_blocks = needed.sum(-1, dtype=torch.int32)
+        kv_indices = torch.argsort(needed.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return BlockMask.from_kv_blocks(kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=(Q_BLOCK, bs),
+                                        mask_mod=self._mask_mod, seq_lengths=(self.max_num_tokens, cache_blocks * bs),
+                                        compute_q_blocks=False)
