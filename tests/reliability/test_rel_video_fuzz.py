@@ -42,7 +42,8 @@ def _decode_or_refuse(data: bytes, num_frames: int | None = None) -> None:
         assert 1 <= len(video.frames) == len(video.timestamps_s) <= LIMITS.max_frames_per_video
         for frame in video.frames:
             assert frame.dtype == np.uint8 and frame.ndim == 3 and frame.shape[2] == 3
-        assert all(np.diff(video.timestamps_s) >= 0)
+        # Order is not promised for damaged clips (corrupt pts can reorder frames); sanity is.
+        assert all(0 <= t <= video.duration_s + 1 for t in video.timestamps_s)
     assert time.monotonic() - started < MAX_DECODE_S
 
 
