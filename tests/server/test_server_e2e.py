@@ -31,6 +31,12 @@ def client(mmserve_server):
         yield c
 
 
+@pytest.fixture(scope="module")
+def long_tokens(client) -> int:
+    """A generation long enough to still be running when the test acts on it, within the context."""
+    return min(400, client.model_info().context_length - 32)
+
+
 def reference_greedy(model_dir, video: bytes, num_frames: int, prompt: str, max_tokens: int):
     """Prompt ids and greedy continuation from transformers, recomputing the whole sequence per token."""
     from transformers import Gemma4ForConditionalGeneration
@@ -111,20 +117,20 @@ def test_malformed_requests_are_invalid_argument(client, kwargs, field):
     assert info.value.field == field and info.value.message.startswith(field)
 
 
-def test_cancel_and_deadline_abort_in_the_engine(client):
-    stream = client.stream(prompt="count", max_tokens=400, temperature=0, ignore_eos=True)
+def test_cancel_and_deadline_abort_in_the_engine(client, long_tokens):
+    stream = client.stream(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True)
     first = next(iter(stream))
     assert first.token_ids
     stream.cancel()
     _wait_idle(client)
     with pytest.raises(ClientError) as info:
-        client.generate(prompt="count", max_tokens=400, temperature=0, ignore_eos=True, timeout=0.5)
+        client.generate(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True, timeout=0.5)
     assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_idle(client)
 
 
-def test_abort_by_id_and_duplicate_ids(client):
-    stream = client.stream(prompt="count", max_tokens=400, temperature=0, ignore_eos=True, request_id="job-1")
+def test_abort_by_id_and_duplicate_ids(client, long_tokens):
+    stream = client.stream(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True, request_id="job-1")
     it = iter(stream)
     next(it)
     with pytest.raises(ClientError) as dup:
