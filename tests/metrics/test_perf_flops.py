@@ -120,3 +120,34 @@ def test_causal_lm_flops_match_flop_counter(model_type: str, rng: random.Random)
     assert got.flops["attn.out_proj"] == total(counts, layers + r"self_attn\.o_proj$")
     assert got.component("ffn").total_flops == total(counts, layers + r"mlp$")
     assert got.flops["unembed.unembed"] == total(counts, r"lm_head$")
+
+
+def test_gemma3_siglip_flops_match_flop_counter(rng: random.Random):
+    from transformers import Gemma3ForConditionalGeneration
+
+    cfg_dict = dict(
+        model_type="gemma3", mm_tokens_per_image=4, boi_token_index=250, eoi_token_index=251, image_token_index=IMAGE_ID,
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                         sliding_window=4, layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=8, vision_use_head=False))
+    cfg = load_hf_config(cfg_dict)
+    cfg._attn_implementation = "eager"
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    images = rng.randint(1, 2)
+    ids = torch.randint(0, 200, (1, 4 + 5 * images + rng.randint(0, 6)))
+    ranges = tuple((2 + 5 * i, 5 + 5 * i) for i in range(images))
+    for start, end in ranges:
+        ids[0, start:end + 1] = IMAGE_ID
+    seq = ids.shape[1]
+    counts = counted(model, input_ids=ids, pixel_values=torch.rand(images, 3, 32, 32),
+                     token_type_ids=(ids == IMAGE_ID).long(), logits_to_keep=1)
+
+    got = PerfModel(model_shape(cfg_dict), dtype="float32").step(
+        StepContext((RequestWork(seq, seq, True, ranges),), (VisionWork(16),) * images))
+    lm = r"language_model\.layers\.\d+\."
+    assert got.flops["attn.qkv_proj"] == total(counts, lm + r"self_attn\.[qkv]_proj$")
+    assert got.component("ffn").total_flops == total(counts, lm + r"mlp$")
+    assert got.flops["unembed.unembed"] == total(counts, r"lm_head$")
+    assert got.component("vision").total_flops == total(counts, r"model\.(vision_tower|multi_modal_projector)$")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import urllib.request
 import uuid
 
@@ -139,15 +138,20 @@ def test_cancelled_request_span_is_an_error(traced):
     request_id = f"cancel-{uuid.uuid4().hex[:8]}"
     with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
         stream = client.stream(prompt="Count forever.", max_tokens=200, ignore_eos=True, request_id=request_id)
-        for _ in stream:
-            break  # first delta seen: the request is running
+        for seen, _ in enumerate(stream, 1):
+            if seen == 3:  # a few decode steps ran: the request is in its decode phase
+                break
         stream.cancel()
-    spans = receiver.wait_for(lambda s: any(x.name == "mmserve.generate" and x.attributes.get("mmserve.request.id")
-                                            == request_id for x in s), timeout=30)
-    root = next(s for s in spans if s.name == "mmserve.generate" and s.attributes["mmserve.request.id"] == request_id)
+
+    def ended(spans, name):
+        roots = [s for s in spans if s.name == "mmserve.generate" and s.attributes.get("mmserve.request.id") == request_id]
+        return [s for s in spans if roots and s.parent_span_id == roots[0].span_id and s.name == name] if name else roots
+
+    # The server ends the request span; the engine ends the decode span when it processes the abort.
+    spans = receiver.wait_for(lambda s: ended(s, None) and ended(s, "mmserve.decode"), timeout=30)
+    (root,) = ended(spans, None)
     assert root.is_error
-    time.sleep(0.5)  # the engine ends the request's decode span when it processes the abort
-    decode = [s for s in receiver.spans if s.parent_span_id == root.span_id and s.name == "mmserve.decode"]
+    decode = ended(spans, "mmserve.decode")
     assert decode and all(s.is_error for s in decode)
 
 

@@ -153,11 +153,9 @@ def _text_layers(cfg: Any, tc: Any) -> list[LayerShape]:
     n = int(tc.num_hidden_layers)
     types = _layer_types(tc, n)
     heads = int(tc.num_attention_heads)
-    # Heterogeneous configs (Gemma 4) refuse global reads of per-layer fields; ask each layer instead.
-    per_layer = getattr(tc, "per_layer_config", None)
-    if per_layer is None:
-        default_kv = int(_first(tc, "num_key_value_heads", default=heads))
-        default_hd = int(_first(tc, "head_dim", default=tc.hidden_size // heads))
+    # Heterogeneous configs (Gemma 4) refuse global reads of per-layer fields; ask each layer's view.
+    # Configs without a head_dim field (Qwen2) mean hidden / heads.
+    views = getattr(tc, "per_layer_config", None) or [tc] * n
     sharing = list(getattr(tc, "kv_sharing_modes", None) or [None] * n)
     k_eq_v_full = bool(getattr(tc, "attention_k_eq_v", False))
     window = getattr(tc, "sliding_window", None)
@@ -169,10 +167,8 @@ def _text_layers(cfg: Any, tc: Any) -> list[LayerShape]:
     double_wide = bool(getattr(tc, "use_double_wide_mlp", False))
     layers = []
     for i, layer_type in enumerate(types):
-        if per_layer is not None:
-            hd, kv = int(per_layer[i].head_dim), int(per_layer[i].num_key_value_heads)
-        else:
-            hd, kv = default_hd, default_kv
+        hd = int(getattr(views[i], "head_dim", None) or tc.hidden_size // heads)
+        kv = int(getattr(views[i], "num_key_value_heads", None) or heads)
         sliding = layer_type == SLIDING
         if model_type == "gemma3":
             bidirectional = True
