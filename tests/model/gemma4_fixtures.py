@@ -28,8 +28,10 @@ VOCAB = NUM_SPECIALS + 256 + 48   # bytes + a few merges
 
 
 def tiny_config(*, window: int = 6, vocab: int = VOCAB, **text_overrides) -> dict:
-    """Gemma4Config kwargs: dense 31B-like (K=V full layers, head dims 16/32, proportional RoPE, bidi vision)."""
-    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+    """Gemma4Config kwargs: dense 31B-like (K=V full layers, head dims 16/32, proportional RoPE, bidi vision).
+
+    hidden 72 is not a square, so the embedding scale sqrt(72) rounds differently per dtype."""
+    text = dict(vocab_size=vocab, hidden_size=72, intermediate_size=96, num_hidden_layers=6,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
                 num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=window,
                 layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,

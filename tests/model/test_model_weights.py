@@ -1,0 +1,78 @@
+"""Checkpoint loading: sharded files with an index, legacy tensor names, strict missing/unexpected checks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence
+from mmserve.model import load_model
+from mmserve.model.weights import WeightLoadError, checkpoint_files
+
+SMALL_FILES = ("config.json", "tokenizer.json", "generation_config.json")
+
+
+def logits(model, ids):
+    return model.compute_logits(PagedSequence(model).step(ids))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return [BOS] + torch.randint(NUM_SPECIALS, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+
+
+def copy_with_tensors(src, dst, tensors: dict[str, torch.Tensor]):
+    dst.mkdir(exist_ok=True)
+    for name in SMALL_FILES:
+        shutil.copy(src / name, dst / name)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_sharded_checkpoint_with_index_loads_identically(checkpoints, loaded_hub, ids, tmp_path):
+    paths, hf = checkpoints
+    hf.save_pretrained(str(tmp_path), max_shard_size="40KB")
+    for name in SMALL_FILES[1:]:
+        shutil.copy(paths["per_layer"] / name, tmp_path / name)
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(set(checkpoint_files(tmp_path).values())) > 2
+    model, _ = loaded_hub
+    torch.testing.assert_close(logits(load_model(tmp_path), ids), logits(model, ids), rtol=0, atol=0)
+
+
+def test_legacy_names_and_ignored_tensors(checkpoints, loaded_hub, ids, tmp_path):
+    paths, _ = checkpoints
+    renames = {"model.language_model.": "language_model.model.", "model.vision_tower.": "vision_tower.",
+               "model.embed_vision.": "embed_vision."}
+    tensors = {}
+    for name, t in load_file(str(paths["per_layer"] / "model.safetensors")).items():
+        for old, new in renames.items():
+            if name.startswith(old):
+                name = new + name[len(old):]
+        tensors[name] = t
+    tensors["lm_head.weight"] = torch.randn(VOCAB, 72)          # tied: the embedding wins
+    tensors["model.embed_vision.embedding.weight"] = torch.randn(4, 4)  # vestigial in some checkpoints
+    model, _ = loaded_hub
+    ours = load_model(copy_with_tensors(paths["per_layer"], tmp_path / "legacy", tensors))
+    torch.testing.assert_close(logits(ours, ids), logits(model, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mutation,message", [
+    ("drop", "missing 1 \\['decoder.layers.3.self_attn.q_norm.weight'\\]"),
+    ("extra", "unexpected 1 \\['model.language_model.layers.2.self_attn.v_proj.weight'\\]"),
+    ("shape", "decoder.norm.weight has shape \\(63,\\)"),
+])
+def test_mismatched_checkpoints_fail_clearly(checkpoints, tmp_path, mutation, message):
+    paths, _ = checkpoints
+    tensors = load_file(str(paths["per_layer"] / "model.safetensors"))
+    if mutation == "drop":
+        del tensors["model.language_model.layers.3.self_attn.q_norm.weight"]
+    elif mutation == "extra":  # layer 2 is a K=V full layer: it has no v_proj
+        tensors["model.language_model.layers.2.self_attn.v_proj.weight"] = torch.zeros(32, 72)
+    else:
+        tensors["model.language_model.norm.weight"] = torch.ones(63)
+    with pytest.raises(WeightLoadError, match=message):
+        load_model(copy_with_tensors(paths["per_layer"], tmp_path / mutation, tensors))
