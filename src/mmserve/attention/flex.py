@@ -19,6 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
 from mmserve.attention.mask import keep, token_request_ids
 from mmserve.attention.paged import write_kv
+from mmserve.attention.tiles import row_key_bounds
 
 log = logging.getLogger(__name__)
 
@@ -156,20 +157,11 @@ class FlexImpl:
 
     def _build_block_mask(self, md: AttentionMetadata, cache_blocks: int) -> BlockMask:
         """Per query block, the physical blocks holding keys some row may keep: its window and its frame."""
-        T, bs, spec = md.num_actual_tokens, md.block_size, self.spec
+        T, bs = md.num_actual_tokens, md.block_size
         device = md.positions.device
         req = token_request_ids(md.query_start_loc, T)
-        q = md.positions[:T].long()
-        last = md.seq_lens.long()[req] - 1
-        hi = q.clone()
-        lo = q - spec.window + 1 if spec.window is not None else torch.zeros_like(q)
-        if md.mm_ranges is not None and spec.bidirectional:
-            rs, re = md.mm_ranges[:T, 0].long(), md.mm_ranges[:T, 1].long()
-            inside = rs >= 0
-            hi = torch.where(inside, torch.maximum(hi, re), hi)
-            if not spec.clamp_bidirectional:
-                lo = torch.where(inside, torch.minimum(lo, rs), lo)
-        lo, hi = lo.clamp(min=0) // bs, torch.minimum(hi, last) // bs
+        lo, hi = row_key_bounds(md, self.spec)
+        lo, hi = lo // bs, hi // bs
         logical = torch.arange(md.block_table.shape[1], device=device)
         phys = md.block_table[: md.num_reqs].long()[req]                     # [T, MB]
         used = (logical >= lo[:, None]) & (logical <= hi[:, None]) & (phys != 0)
