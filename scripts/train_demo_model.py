@@ -170,10 +170,12 @@ def save(model: Gemma4ForConditionalGeneration, tok: Tokenizer, out: Path) -> No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("src/mmserve/demo_model"))
-    p.add_argument("--train-clips", type=int, default=6000)
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--train-clips", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--target-loss", type=float, default=0.01,
+                   help="stop early once the smoothed answer loss is below this")
     p.add_argument("--eval-clips", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -207,6 +209,7 @@ def main() -> None:
     pad_id = config.pad_token_id
     model.train()
     t0 = time.time()
+    smoothed = None
     for step in range(args.steps):
         idx = torch.randint(len(data), (args.batch,), generator=gen).tolist()
         loss = loss_of(model, collate([data[i] for i in idx], pad_id))
@@ -215,8 +218,13 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == args.steps - 1:
-            logger.info("step %d loss %.4f lr %.2e (%.0f s)", step, loss.item(), sched.get_last_lr()[0], time.time() - t0)
+        smoothed = loss.item() if smoothed is None else 0.9 * smoothed + 0.1 * loss.item()
+        if step % 10 == 0 or step == args.steps - 1:
+            logger.info("step %d loss %.4f (smoothed %.4f) lr %.2e (%.0f s)", step, loss.item(), smoothed,
+                        sched.get_last_lr()[0], time.time() - t0)
+        if step >= 50 and smoothed < args.target_loss:
+            logger.info("smoothed loss %.4f < %.4f at step %d: done", smoothed, args.target_loss, step)
+            break
 
     save(model, tok, args.out)
     model = Gemma4ForConditionalGeneration.from_pretrained(args.out).eval()  # check what was saved

@@ -39,7 +39,7 @@ def test_decodes_every_frame_with_real_timestamps(container: str) -> None:
     assert len(video.frames) == 6
     assert video.timestamps_s == pytest.approx([i / 5 for i in range(6)], abs=1e-3)
     assert video.duration_s == pytest.approx(1.2, abs=0.21)
-    for got, want in zip(video.frames, frames):
+    for got, want in zip(video.frames, frames, strict=True):
         assert got.shape == (32, 48, 3) and got.dtype == np.uint8
         assert np.abs(got.astype(int) - want.astype(int)).mean() < 25  # lossy codec, 4x4 random blocks
 

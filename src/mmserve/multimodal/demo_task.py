@@ -21,7 +21,7 @@ from mmserve.multimodal.video import decode_video
 
 PROMPT = "Describe the video."
 HELDOUT_SEED_BASE = 1_000_000  # training uses seeds below this; evaluation seeds start here
-NUM_FRAMES = 8
+NUM_FRAMES = 4  # frames per demo clip; requests ask for all of them
 
 BOS, EOS, TURN_OPEN, TURN_CLOSE = "<bos>", "<eos>", "<|turn>", "<turn|>"
 BOI, EOI, IMAGE, VIDEO = "<|image>", "<image|>", "<|image|>", "<|video|>"
@@ -34,7 +34,7 @@ def timestamp(seconds: float) -> str:
 
 def video_text(timestamps_s: list[float], tokens_per_frame: list[int]) -> str:
     """Frames joined by single spaces, each `mm:ss <|image>` + `<|video|>` x n + `<image|>`."""
-    return " ".join(f"{timestamp(t)} {BOI}{VIDEO * n}{EOI}" for t, n in zip(timestamps_s, tokens_per_frame))
+    return " ".join(f"{timestamp(t)} {BOI}{VIDEO * n}{EOI}" for t, n in zip(timestamps_s, tokens_per_frame, strict=True))
 
 
 def user_turn(parts: list[str]) -> str:

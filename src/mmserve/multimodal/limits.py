@@ -25,7 +25,7 @@ class MediaLimits:
     max_decoded_frames: int = 100_000
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "MediaLimits":
+    def from_config(cls, config: EngineConfig) -> MediaLimits:
         return cls(
             max_video_bytes=config.max_video_bytes,
             max_image_bytes=config.max_video_bytes,

@@ -64,8 +64,8 @@ def _motion(rng: np.random.Generator, shape: str, size: int, num_frames: int) ->
     colour = list(COLOURS)[rng.integers(len(COLOURS))]
     direction = list(DIRECTIONS)[rng.integers(len(DIRECTIONS))]
     radius = float(rng.uniform(5.0, 6.5))
-    speed = float(rng.uniform(1.8, 2.3))
-    travel = speed * (num_frames - 1)
+    travel = float(rng.uniform(10.0, 14.0))  # over the whole clip, whatever its frame count
+    speed = travel / max(1, num_frames - 1)
     dx, dy = DIRECTIONS[direction]
     lo, hi = radius + 0.5, size - 1.5 - radius
 
@@ -79,7 +79,7 @@ def _motion(rng: np.random.Generator, shape: str, size: int, num_frames: int) ->
     return Motion(shape, colour, direction, radius, (start_on(dx), start_on(dy)), speed)
 
 
-def plan(seed: int, *, num_shapes: int = 1, size: int = 32, num_frames: int = 8) -> list[Motion]:
+def plan(seed: int, *, num_shapes: int = 1, size: int = 32, num_frames: int = 4) -> list[Motion]:
     """The motions a seed draws; distinct shapes when there are two."""
     rng = np.random.default_rng(seed)
     shapes = [SHAPES[i] for i in rng.permutation(len(SHAPES))[:num_shapes]]
@@ -97,7 +97,7 @@ def _draw(draw: ImageDraw.ImageDraw, m: Motion, cx: float, cy: float) -> None:
         draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)], fill=fill)
 
 
-def render(motions: list[Motion], *, size: int = 32, num_frames: int = 8,
+def render(motions: list[Motion], *, size: int = 32, num_frames: int = 4,
            background: tuple[int, int, int] = (16, 16, 16)) -> list[np.ndarray]:
     frames = []
     for t in range(num_frames):
@@ -132,9 +132,9 @@ def encode(frames: list[np.ndarray], *, fps: float, container: str = "mp4") -> b
     return out.getvalue()
 
 
-def make_clip(seed: int, *, num_shapes: int = 1, size: int = 32, num_frames: int = 8, fps: float = 4.0,
+def make_clip(seed: int, *, num_shapes: int = 1, size: int = 32, num_frames: int = 4, fps: float = 2.0,
               container: str = "mp4") -> SyntheticClip:
-    """The clip and caption for `seed` (same seed, same bytes)."""
+    """The clip and caption for `seed` (same seed, same bytes). The defaults are the demo task's clips."""
     motions = plan(seed, num_shapes=num_shapes, size=size, num_frames=num_frames)
     frames = render(motions, size=size, num_frames=num_frames)
     return SyntheticClip(encode(frames, fps=fps, container=container), caption(motions), container, fps, frames)
