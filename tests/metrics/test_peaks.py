@@ -57,3 +57,16 @@ def test_utilization_above_one_is_reported_and_logged(caplog):
         assert utilization(over, seconds, peak, "MFU-test-b") == pytest.approx(2.5)
     assert any("exceeds 100%" in r.getMessage() and "MFU-test-b" in r.getMessage() for r in caplog.records)
     assert utilization(1.0, 0.0, peak, "MFU-test-c") == 0.0
+
+
+@pytest.mark.gpu
+def test_cuda_device_is_in_the_table(monkeypatch):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: checks that the device's name maps to a table entry")
+    monkeypatch.delenv(peaks.ENV_PEAK_FLOPS, raising=False)
+    monkeypatch.delenv(peaks.ENV_PEAK_BANDWIDTH, raising=False)
+    got = detect("cuda", "bfloat16")
+    assert got.source == "table", f"{torch.cuda.get_device_name()} has no peak table entry"
+    assert got.name == torch.cuda.get_device_name()

@@ -181,9 +181,11 @@ class TelemetryObserver:
     def _work(self, item: Any) -> RequestWork:
         request = item.request
         ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
-        prompt = getattr(request, "num_prompt_tokens", 0)
+        # A prefill chunk samples when it reaches the request's last known token (the engine calls
+        # on_step before appending this step's token; after preemption that includes earlier outputs).
+        known = getattr(request, "num_tokens", 0)
         return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
-                           samples=not item.is_prefill or item.context_len >= prompt)
+                           samples=not item.is_prefill or item.context_len >= known)
 
     def _frames(self, item: Any) -> tuple[VisionWork, ...]:
         """The frames whose ranges start inside this chunk, with their real patch counts when known."""
