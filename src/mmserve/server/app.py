@@ -85,6 +85,12 @@ class MMServer:
 
     async def start(self) -> int:
         """Listen, then load and warm the engine, then report ready. Returns the bound port."""
+        await self.listen()
+        await self.load()
+        return self.port
+
+    async def listen(self) -> int:
+        """Bind and serve health/reflection (live, not yet ready); Generate answers UNAVAILABLE."""
         address = f"{self.server_config.host}:{self.server_config.port}"
         try:
             if self._credentials is not None:
@@ -96,6 +102,10 @@ class MMServer:
         await self.health.set_live()
         await self.server.start()
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
+        return self.port
+
+    async def load(self) -> None:
+        """Start the engine (loads the model), warm it up, then turn readiness SERVING."""
         await self.engine.start()
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
                                                    context_length=self.engine.model_info.context_length)
@@ -103,7 +113,6 @@ class MMServer:
         self._processor = processor
         await self.health.set_ready()
         logger.info("ready: serving %s on %s", self.engine_config.model, self.address)
-        return self.port
 
     async def _warm_up(self, processor: InputProcessor) -> None:
         """One tiny request (an image when the model has vision) through the whole path, so lazy

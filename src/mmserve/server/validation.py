@@ -20,9 +20,9 @@ from mmserve.errors import InvalidInputError
 ROLES = ("system", "user", "assistant")
 IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp",
                               "image/tiff"})
-VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/webm", "video/x-matroska", "video/matroska", "video/quicktime",
-                              "video/x-msvideo", "video/avi", "video/mpeg", "video/ogg", "video/mp2t",
-                              "video/3gpp", "image/gif"})
+# The containers the decoder accepts (it sniffs the real format from the bytes; the type is a hint).
+VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/quicktime", "video/3gpp", "video/webm", "video/x-matroska",
+                              "video/matroska", "video/x-msvideo", "video/avi", "video/msvideo", "video/mp2t"})
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRING_CHARS = 256
