@@ -16,7 +16,7 @@ CONFIG = EngineConfig()
 FIELD_PATH = re.compile(r"^(request_id|messages(\[\d+\](\.[a-z_]+(\[\d+\])?)*)?|sampling\.[a-z_]+(\[\d+\])?)$")
 
 
-@settings(max_examples=300, deadline=None, derandomize=True)
+@settings(max_examples=100, deadline=None, derandomize=True)
 @given(request=generate_requests())
 def test_validation_accepts_or_names_the_field(request):
     try:
