@@ -1,0 +1,99 @@
+"""`mmserve serve` as a real process: SIGTERM mid-stream drains gracefully. The in-flight stream
+completes, readiness turns NOT_SERVING, new requests get UNAVAILABLE, and the process exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rel_engine import read_stream, text_request
+
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+from mmserve.server.drain import DRAINING_MESSAGE
+from mmserve.server.health import GENERATION_SERVICE
+
+LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
+MAX_TOKENS = 120
+
+
+class ServeProcess:
+    """`python -m mmserve.cli serve` with its log collected on a thread (so the pipe never fills)."""
+
+    def __init__(self, *args: str) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        self._port_seen = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.port is None and (m := LISTENING.search(line)):
+                self.port = int(m.group(1))
+                self._port_seen.set()
+
+    def wait_port(self, timeout_s: float) -> int:
+        if not self._port_seen.wait(timeout_s):
+            raise AssertionError("no 'listening on' line:\n" + "".join(self.lines[-30:]))
+        return self.port
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+async def _health(channel, service: str) -> int:
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--drain-grace-s", "30", "--max-num-seqs", "4", "--worker-threads", "1")
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                deadline = time.monotonic() + 180
+                while await _health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.SERVING:
+                    assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+                    await asyncio.sleep(0.1)
+                stub = pb_grpc.GenerationStub(ch)
+                call = stub.Generate(text_request("in-flight", MAX_TOKENS))
+                first = await call.read()
+                assert first.delta.token_ids
+                server.proc.send_signal(signal.SIGTERM)
+                # Readiness drops while liveness stays up, and new work is turned away as retryable.
+                deadline = time.monotonic() + 10
+                while await _health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() < deadline, "readiness never went NOT_SERVING"
+                    await asyncio.sleep(0.02)
+                assert await _health(ch, "") == health_pb2.HealthCheckResponse.SERVING
+                refused = await read_stream(stub.Generate(text_request("too-late", 4)))
+                assert (refused.code, refused.details) == (grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
+                # The in-flight stream runs to its end.
+                rest = await read_stream(call)
+                assert rest.code is None, rest
+                assert rest.final.usage.completion_tokens == MAX_TOKENS
+                assert len(first.delta.token_ids) + len(rest.token_ids) == MAX_TOKENS
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) == 0, server.log
+        assert "draining" in server.log
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
