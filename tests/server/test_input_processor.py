@@ -28,7 +28,7 @@ def executor():
 
 
 def _processor(checkpoint, executor, context_length: int = 1024, **options) -> InputProcessor:
-    config = EngineConfig(model=str(checkpoint), default_num_frames=4, **options)
+    config = EngineConfig(model=str(checkpoint), **{"default_num_frames": 4, **options})
     return InputProcessor.from_checkpoint(config, executor, context_length=context_length)
 
 
@@ -119,3 +119,14 @@ def test_decode_time_limit(tiny_checkpoint, executor, video_bytes):
     with pytest.raises(LimitExceededError) as info:
         _process(processor, VideoInput(data=video_bytes))
     assert "--video-decode-timeout-s" in str(info.value)
+
+
+def test_decoded_frames_over_the_request_limit(tiny_checkpoint, executor, make_video):
+    """Defaults and fps sampling are only countable after decoding: 2 (default) + 1 (0.5 fps of a 1.5 s
+    clip) frames fit a limit of 3; one more default video does not."""
+    processor = _processor(tiny_checkpoint, executor, default_num_frames=2, max_frames_per_request=3)
+    clip = make_video(1, num_frames=6, fps=4.0)
+    assert _process(processor, VideoInput(data=clip), VideoInput(data=clip, fps=0.5)).num_frames == 3
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, VideoInput(data=clip), VideoInput(data=clip, fps=0.5), VideoInput(data=clip))
+    assert info.value.field == "messages" and "--max-frames-per-request" in str(info.value)

@@ -128,6 +128,10 @@ def test_total_frames_over_the_request_limit():
     request = pb.GenerateRequest(messages=[pb.Message(role="user", parts=[video, video])])
     err = _bad(request, config)
     assert err.field == "messages" and "--max-frames-per-request" in str(err)
-    # one fewer frame each fits
-    fits = pb.Part(video=pb.Video(data=b"x", num_frames=5))
-    validate_request(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[fits, fits])]), config)
+    # one fewer frame each fits; so do defaults and fps sampling, which only decoding can count
+    for fits in (pb.Part(video=pb.Video(data=b"x", num_frames=5)), pb.Part(video=pb.Video(data=b"x")),
+                 pb.Part(video=pb.Video(data=b"x", fps=2.0, num_frames=8))):
+        validate_request(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[fits, fits])]), config)
+    frames = pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")] * 6)))
+    assert _bad(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[frames, frames])]), config).field == \
+        "messages"

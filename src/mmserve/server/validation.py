@@ -69,9 +69,10 @@ def _messages(messages, config: EngineConfig) -> tuple[InputMessage, ...]:
         if not message.parts:
             raise InvalidInputError(f"{where}.parts", "a message needs at least one part")
         parts = tuple(_part(part, f"{where}.parts[{j}]", config) for j, part in enumerate(message.parts))
-        requested_frames += sum(p.num_frames or config.default_num_frames for p in parts
-                                if isinstance(p, VideoInput) and p.data)
-        requested_frames += sum(len(p.frames) for p in parts if isinstance(p, VideoInput))
+        # Frames known before decoding: explicit counts and given frames. Defaults and fps sampling
+        # depend on the clip, so the input processor checks the decoded total again.
+        requested_frames += sum(len(p.frames) or (0 if p.fps else p.num_frames) for p in parts
+                                if isinstance(p, VideoInput))
         out.append(InputMessage(role=message.role, parts=parts))
     if not any(_has_content(p) for m in out for p in m.parts):
         raise InvalidInputError("messages", "the prompt is empty: give some text, an image or a video")
