@@ -150,13 +150,14 @@ class PagedSequence:
     ranges: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        spec = self.model.spec
+        spec, dev = self.model.spec, self.model.device
         gen = torch.Generator().manual_seed(self.seed)
         self.kv_caches = [torch.randn(kv_cache_shape(self.num_blocks, self.block_size, spec.attention_specs[t]),
-                                      generator=gen).to(self.model.dtype) for t in spec.layer_types]
+                                      generator=gen).to(device=dev, dtype=self.model.dtype) for t in spec.layer_types]
         self.blocks = (torch.randperm(self.num_blocks - 1, generator=gen) + 1).to(torch.int32)
 
     def metadata(self, num_tokens: int) -> AttentionMetadata:
+        dev = self.model.device
         start, seq_len = self.num_computed, self.num_computed + num_tokens
         positions = torch.arange(start, seq_len)
         slots = self.blocks[positions // self.block_size].long() * self.block_size + positions % self.block_size
@@ -166,16 +167,16 @@ class PagedSequence:
         seq_lens = torch.tensor([seq_len], dtype=torch.int32)
         return AttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=1, max_query_len=num_tokens, max_seq_len=seq_len,
-            query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=self.blocks[None].clone(),
-            slot_mapping=slots, block_size=self.block_size,
-            mm_ranges=table if bool((table[:, 0] >= 0).any()) else None,
-            query_start_loc_cpu=qsl.clone(), seq_lens_cpu=seq_lens.clone())
+            query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev), positions=positions.to(dev),
+            block_table=self.blocks[None].to(dev), slot_mapping=slots.to(dev), block_size=self.block_size,
+            mm_ranges=table.to(dev) if bool((table[:, 0] >= 0).any()) else None,
+            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
 
     def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order."""
         spec = self.model.spec
         md = self.metadata(len(ids))
-        input_ids = torch.tensor(ids, dtype=torch.long)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.model.device)
         index = None
         if mm_embeds is not None:
             index = torch.nonzero((input_ids == spec.image_token_id) | (input_ids == spec.video_token_id)).flatten()
