@@ -1,0 +1,175 @@
+"""AsyncEngine lifecycle: abort within a step, early exit, failing steps, admission errors,
+observer hooks, shutdown. Every admitted request ends exactly once and returns its blocks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+from engine_helpers import build_request
+
+from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.observer import NullObserver
+from mmserve.errors import (
+    EngineInternalError,
+    EngineUnavailableError,
+    LimitExceededError,
+    RequestAbortedError,
+)
+from mmserve.scheduler.request import MultiModalInput
+
+
+class Recorder(NullObserver):
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+        self.steps = []
+
+    def on_request_queued(self, request):
+        self.events.append(("queued", request.request_id))
+
+    def on_first_token(self, request):
+        self.events.append(("first", request.request_id))
+
+    def on_request_finished(self, request, finish_reason, error):
+        self.events.append(("finished", request.request_id, finish_reason, type(error).__name__ if error else None))
+
+    def on_step(self, record):
+        self.steps.append(record)
+
+
+def run_engine(load_backend, body, **options):
+    model, tok = load_backend("reference")
+    opts = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32)
+    opts.update(options)
+    recorder = Recorder()
+    engine = AsyncEngine(EngineConfig(**opts), model=model, tokenizer=tok, observer=recorder)
+
+    async def main():
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    result = asyncio.run(main())
+    assert all(p.num_free == p.num_usable for p in engine.core.kv.pools.values())
+    assert not engine.core.runner.encoder_cache and not engine.core.states
+    ends = Counter(e[1] for e in recorder.events if e[0] == "finished")
+    assert all(n == 1 for n in ends.values()), ends
+    assert set(ends) == {e[1] for e in recorder.events if e[0] == "queued"}
+    return result, recorder
+
+
+async def wait_idle(engine, timeout=10.0):
+    for _ in range(int(timeout / 0.01)):
+        if engine.load().running == 0 and engine.load().waiting == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine did not go idle")
+
+
+def test_abort_stops_the_request_and_others_finish(load_backend):
+    async def body(engine):
+        long = build_request("long", [10, ("video", [8, 8])], seed=1, max_tokens=300)
+        short = build_request("short", [12], seed=2, max_tokens=5)
+        got_first = asyncio.Event()
+
+        async def consume_long():
+            async for _ in engine.generate(long):
+                got_first.set()
+
+        task = asyncio.create_task(consume_long())
+        short_outs = asyncio.create_task(_collect(engine, short))
+        await asyncio.wait([asyncio.create_task(got_first.wait()), task], return_when=asyncio.FIRST_COMPLETED)
+        assert engine.abort("long") is True
+        with pytest.raises(RequestAbortedError):
+            await task
+        assert engine.abort("long") is False
+        outs = await short_outs
+        assert outs[-1].finish_reason == "length" and len(outs[-1].usage.__dict__) == 4
+        await wait_idle(engine)
+
+    _, rec = run_engine(load_backend, body)
+    assert ("finished", "long", None, "RequestAbortedError") in rec.events
+
+
+async def _collect(engine, req):
+    return [o async for o in engine.generate(req)]
+
+
+def test_leaving_the_stream_early_aborts(load_backend):
+    async def body(engine):
+        req = build_request("gone", [20], seed=3, max_tokens=300)
+        stream = engine.generate(req)
+        await stream.__anext__()
+        await stream.aclose()        # the client went away
+        await wait_idle(engine)
+
+    _, rec = run_engine(load_backend, body)
+    assert ("finished", "gone", None, "RequestAbortedError") in rec.events
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(load_backend):
+    async def body(engine):
+        bad = build_request("bad", [5, ("image", 4), 5], seed=4)
+        good = build_request("good", [5, ("image", 4), 5], seed=5)
+        # pixels of an 8-token frame behind a 4-token range: the vision step cannot line them up
+        bad.mm_inputs[0] = MultiModalInput(good.mm_inputs[0].pixel_values.repeat(2, 1),
+                                           good.mm_inputs[0].position_ids.repeat(2, 1))
+        with pytest.raises(EngineInternalError, match="request bad"):
+            await _collect(engine, bad)
+        outs = await _collect(engine, good)
+        assert outs[-1].finished and outs[-1].usage.completion_tokens == 6
+
+    run_engine(load_backend, body)
+
+
+def test_admission_errors_reach_the_caller_before_queueing(load_backend):
+    async def body(engine):
+        with pytest.raises(LimitExceededError, match="--max-num-batched-tokens"):
+            await _collect(engine, build_request("wide", [3, ("image", 9)], seed=6))
+        with pytest.raises(LimitExceededError, match="--max-model-len"):
+            await _collect(engine, build_request("long", [60], seed=6, max_tokens=100))
+        assert engine.load().waiting == 0
+
+    _, rec = run_engine(load_backend, body, max_num_batched_tokens=8, max_model_len=128)
+    assert rec.events == []
+
+
+def test_observer_sees_each_request_in_order_and_steps(load_backend):
+    async def body(engine):
+        reqs = [build_request(f"o{i}", [8 + i, ("video", [4])], seed=i, max_tokens=3) for i in range(3)]
+        return await asyncio.gather(*(_collect(engine, r) for r in reqs))
+
+    results, rec = run_engine(load_backend, body)
+    for i in range(3):
+        mine = [e[0] for e in rec.events if e[1] == f"o{i}"]
+        assert mine == ["queued", "first", "finished"]
+    assert [s.step_index for s in rec.steps] == list(range(len(rec.steps)))
+    frames = sum(item.num_frames_encoded for s in rec.steps for item in s.items)
+    assert frames == 3
+    for s in rec.steps:
+        assert s.end_perf >= s.start_perf and s.end_ns >= s.start_ns
+        assert sum(i.num_tokens for i in s.items) <= 32
+    for outs in results:
+        t = outs[-1].timings
+        assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
+
+
+def test_shutdown_ends_requests_in_flight(load_backend):
+    model, tok = load_backend("reference")
+    engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=128), model=model, tokenizer=tok)
+
+    async def main():
+        await engine.start()
+        task = asyncio.create_task(_collect(engine, build_request("x", [10], seed=7, max_tokens=300)))
+        await asyncio.sleep(0.05)
+        await engine.shutdown()
+        with pytest.raises(EngineUnavailableError):
+            await task
+        with pytest.raises(EngineUnavailableError):
+            await _collect(engine, build_request("y", [10], seed=7))
+
+    asyncio.run(main())
