@@ -21,6 +21,7 @@ _BACKENDS: dict[str, tuple[str, str, bool]] = {
     "reference": ("mmserve.attention.reference", "ReferenceImpl", False),
     "sdpa": ("mmserve.attention.sdpa", "SdpaImpl", False),
     "flex": ("mmserve.attention.flex", "FlexImpl", True),
+    "fa4": ("mmserve.attention.fa4", "Fa4Impl", False),
 }
 
 # Fastest correct CPU backend measured by bench/attention.py (see docs/benchmarks.md).
@@ -28,15 +29,10 @@ CPU_AUTO_BACKEND = "reference"
 
 
 def available_backends() -> list[str]:
-    """Backends whose imports work in this environment."""
-    names = []
-    for name, (module, _, _) in _BACKENDS.items():
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            continue
-        names.append(name)
-    return names
+    """Backends that can run here (fa4 needs the `gpu` extra; it still falls back per layer type)."""
+    from mmserve.attention.fa4 import fa4_installed
+
+    return [name for name in _BACKENDS if name != "fa4" or fa4_installed()]
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
@@ -45,6 +41,12 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
         return name
+    from mmserve.attention.fa4 import fa4_arch, fa4_installed
+
+    if torch.device(device).type == "cuda":
+        if fa4_installed() and fa4_arch(device) in (90, 100, 110):
+            return "fa4"
+        return "sdpa"
     return CPU_AUTO_BACKEND
 
 
