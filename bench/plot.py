@@ -61,9 +61,11 @@ def plot_serving(report: dict, out_dir: Path) -> list[Path]:
                    label=f"mmserve p99 ({name})")
         ax_tt.plot(n, [lv["hf_batch_ttft_s"] for lv in levels], "s--", color=color,
                    label=f"transformers padded batch ({name})")
+    levels = sorted({lv["concurrency"] for model in report["models"] for lv in model["levels"]})
     for ax, ylabel, title in ((ax_tp, "output tokens/s", "Throughput vs concurrency"),
                               (ax_tt, "time to first token (s)", "TTFT vs concurrency")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(n) for n in levels])
         ax.set_yscale("log")
         ax.set_xlabel("concurrent requests (N)")
         ax.set_ylabel(ylabel)
