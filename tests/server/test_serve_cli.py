@@ -22,3 +22,13 @@ def test_every_config_field_is_a_flag(monkeypatch):
     assert engine.block_size == 32  # from the environment
     untouched = {f.name for f in dataclasses.fields(EngineConfig)} - {"max_num_seqs", "model", "block_size"}
     assert all(getattr(engine, n) == getattr(EngineConfig(), n) for n in untouched)
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mmserve.cli", "serve", "--port", "0", "--model", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert f"no checkpoint at {tmp_path}" in out.stderr and "Traceback" not in out.stderr

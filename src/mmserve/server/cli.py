@@ -1,15 +1,21 @@
 """`mmserve serve`: run the gRPC server (the embedded demo model unless --model names another).
 
 Every EngineConfig and ServerConfig field is a flag and an MMSERVE_* environment variable.
-Exits 0 after a clean drain on SIGTERM/SIGINT, 1 when the drain had to cut streams off.
+Exits 0 after a clean drain on SIGTERM/SIGINT, 1 when the drain had to cut streams off or the server
+could not start (bad TLS/key files, port in use), 2 when the checkpoint directory is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
+from mmserve.errors import MMServeError
+
+logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,5 +31,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mmserve.server.app import serve
 
-    clean = asyncio.run(serve(from_args(EngineConfig, args), from_args(ServerConfig, args)))
+    engine_config, server_config = from_args(EngineConfig, args), from_args(ServerConfig, args)
+    if not (Path(engine_config.model) / "config.json").is_file():
+        logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", engine_config.model)
+        return 2
+    try:
+        clean = asyncio.run(serve(engine_config, server_config))
+    except (OSError, ValueError, MMServeError) as e:  # bad flags, files or ports: a message, not a traceback
+        logger.error("mmserve serve: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
+        return 1
     return 0 if clean else 1
