@@ -87,3 +87,25 @@ def generate_requests(draw) -> pb.GenerateRequest:
                 for _ in range(draw(st.integers(0, 3)))]
     return pb.GenerateRequest(request_id=draw(st.just("") | st.text(max_size=20)), messages=messages,
                               sampling=draw(sampling()), priority=draw(INT32))
+
+
+@st.composite
+def plausible_requests(draw) -> pb.GenerateRequest:
+    """Well-formed requests whose media are real, truncated or bit-flipped: they get past validation
+    and into decoding, the prompt builder and the engine."""
+    parts = [pb.Part(text=draw(texts))]
+    for _ in range(draw(st.integers(1, 2))):
+        if draw(st.booleans()):
+            parts.append(pb.Part(image=pb.Image(data=draw(_mangled(REAL_PNG)))))
+        elif draw(st.booleans()):
+            parts.append(pb.Part(video=pb.Video(data=draw(_mangled(REAL_MP4)), num_frames=draw(st.integers(0, 3)))))
+        else:
+            frames = [pb.Image(data=draw(_mangled(REAL_PNG))) for _ in range(draw(st.integers(1, 2)))]
+            parts.append(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=frames, fps=draw(st.floats(0, 30))))))
+    draw(st.randoms()).shuffle(parts)
+    params = pb.SamplingParams(max_tokens=draw(st.integers(1, 6)), top_k=draw(st.integers(0, 50)),
+                               stop=draw(st.lists(st.text(min_size=1, max_size=4), max_size=2)),
+                               ignore_eos=draw(st.booleans()))
+    params.temperature = draw(st.floats(0, 2))
+    params.top_p = draw(st.floats(0.05, 1))
+    return pb.GenerateRequest(messages=[pb.Message(role="user", parts=parts)], sampling=params)
