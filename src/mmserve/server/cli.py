@@ -29,12 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mmserve.server.app import serve
-
     engine_config, server_config = from_args(EngineConfig, args), from_args(ServerConfig, args)
     if not (Path(engine_config.model) / "config.json").is_file():
         logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", engine_config.model)
         return 2
+    from mmserve.server.app import serve  # torch and the model stack load only when really serving
+
     try:
         clean = asyncio.run(serve(engine_config, server_config))
     except (OSError, ValueError, MMServeError) as e:  # bad flags, files or ports: a message, not a traceback
