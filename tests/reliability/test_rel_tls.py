@@ -9,8 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_certs import Pki, make_pki
+from rel_engine import ServerThread, engine_config, read_stream, text_request
 from rel_server import serve
 
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.config import ServerConfig
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.tls import TLSConfigError, server_credentials
@@ -98,3 +100,31 @@ def test_tls_config_errors(pki, tmp_path):
             server_credentials(cfg)
     assert server_credentials(ServerConfig()) is None
     assert server_credentials(ServerConfig(tls_cert=cert, tls_key=key, tls_client_ca=ca)) is not None
+
+
+def test_real_server_over_mtls_with_api_key(pki, tmp_path, monkeypatch, tiny_checkpoint):
+    """The whole app (engine included) behind mutual TLS and an API key."""
+    monkeypatch.delenv("MMSERVE_API_KEYS", raising=False)
+    key = secrets.token_urlsafe(16)
+    (tmp_path / "keys").write_text(f"# ops\n{key}\n")
+    cfg = ServerConfig(port=0, worker_threads=1, tls_cert=str(pki.server_cert_file), tls_key=str(pki.server_key_file),
+                       tls_client_ca=str(pki.client_ca_file), api_keys_file=str(tmp_path / "keys"))
+    server = ServerThread(engine_config(tiny_checkpoint), cfg).start()
+    creds = grpc.ssl_channel_credentials(pki.ca.cert_pem, pki.client.key_pem, pki.client.cert_pem)
+
+    async def scenario():
+        async with grpc.aio.secure_channel(f"localhost:{server.port}", creds) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            ok = await read_stream(stub.Generate(text_request("tls-1", 3), metadata=(("authorization", f"Bearer {key}"),)))
+            assert ok.code is None and len(ok.token_ids) == 3
+            denied = await read_stream(stub.Generate(text_request("tls-2", 3)))
+            assert denied.code == grpc.StatusCode.UNAUTHENTICATED and not denied.token_ids
+        target = f"localhost:{server.port}"
+        assert await _check(target, creds) == grpc.StatusCode.OK  # probes need no key
+        assert await _check(target, grpc.ssl_channel_credentials(pki.ca.cert_pem)) == grpc.StatusCode.UNAVAILABLE
+
+    try:
+        asyncio.run(scenario())
+        server.assert_nothing_leaked()
+    finally:
+        server.stop()
