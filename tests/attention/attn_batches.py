@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from mmserve.attention.backend import FULL, SLIDING, AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.attention.synthetic import Batch, Req, frames, make_batch, query_ranges
 
 SLIDING_SPEC = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=8,
                                   bidirectional=True, clamp_bidirectional=True, scale=1.0)
@@ -19,96 +18,9 @@ FULL_BIDI = LayerAttentionSpec(FULL, num_heads=4, num_kv_heads=1, head_dim=64, w
 SPECS = [SLIDING_SPEC, SLIDING_UNCLAMPED, FULL_SPEC, FULL_BIDI]
 
 
-@dataclass
-class Req:
-    """One request of a step: `context` tokens cached before, `query` scheduled now, frame ranges (absolute, inclusive)."""
-
-    context: int
-    query: int
-    ranges: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def seq_len(self) -> int:
-        return self.context + self.query
-
-
-@dataclass
-class Batch:
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    kv_cache: torch.Tensor
-    metadata: AttentionMetadata
-    reqs: list[Req]
-
-
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute error relative to the reference's largest magnitude (fp32: 1e-5, bf16: 2e-2)."""
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
-
-
-def frames(start: int, count: int, length: int, gap: int) -> list[tuple[int, int]]:
-    """`count` frame ranges of `length` tokens, `gap` text tokens apart, the first at `start`."""
-    return [(start + i * (length + gap), start + i * (length + gap) + length - 1) for i in range(count)]
-
-
-def query_ranges(reqs: list[Req]) -> torch.Tensor | None:
-    """The per-token [start, end] table of the contract, or None when no scheduled token is in a range."""
-    rows = []
-    for r in reqs:
-        for p in range(r.context, r.seq_len):
-            rows.append(next(((s, e) for s, e in r.ranges if s <= p <= e), (-1, -1)))
-    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
-    return table if bool((table[:, 0] >= 0).any()) else None
-
-
-def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype = torch.float32,
-               block_size: int = 16, num_blocks: int = 128, gen: torch.Generator | None = None,
-               free_outside_window: bool = False) -> Batch:
-    """A step over a random paged cache: blocks shuffled, garbage in unused blocks and in the null block 0.
-
-    free_outside_window points blocks that no query of this step can keep at the null block, as the
-    scheduler does for sliding layers.
-    """
-    gen = gen or torch.Generator().manual_seed(0)
-    H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    blocks_per_req = [-(-r.seq_len // block_size) for r in reqs]
-    assert num_blocks > sum(blocks_per_req), "cache too small for the batch"
-    physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    max_blocks = max(blocks_per_req) + 2
-    block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
-    kv_cache = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
-    kv_cache[:, 0] = 1e3  # the null block must never be attended
-    positions, slots, qsl = [], [], [0]
-    for i, r in enumerate(reqs):
-        ids = [physical.pop() for _ in range(blocks_per_req[i])]
-        block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        for p in range(r.context, r.seq_len):
-            positions.append(p)
-            slots.append(ids[p // block_size] * block_size + p % block_size)
-        qsl.append(qsl[-1] + r.query)
-        if free_outside_window and spec.window is not None:
-            first_q = r.context
-            for b in range(len(ids)):
-                keys = range(b * block_size, (b + 1) * block_size)
-                needed = any(first_q - key < spec.window for key in keys) or (
-                    spec.bidirectional and not spec.clamp_bidirectional
-                    and any(s <= key <= e for s, e in r.ranges for key in keys if e >= r.context))
-                if not needed:
-                    block_table[i, b] = 0
-    T = qsl[-1]
-    q = torch.randn(T, H, D, generator=gen).to(dtype)
-    k = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
-    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
-    query_start_loc = torch.tensor(qsl, dtype=torch.int32)
-    metadata = AttentionMetadata(
-        num_actual_tokens=T, num_reqs=len(reqs), max_query_len=max(r.query for r in reqs),
-        max_seq_len=max(r.seq_len for r in reqs), query_start_loc=query_start_loc, seq_lens=seq_lens,
-        positions=torch.tensor(positions, dtype=torch.int64), block_table=block_table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size,
-        mm_ranges=query_ranges(reqs), query_start_loc_cpu=query_start_loc.clone(), seq_lens_cpu=seq_lens.clone())
-    return Batch(q, k, v, kv_cache, metadata, reqs)
 
 
 def standard_batches(window: int = 8) -> dict[str, list[Req]]:
@@ -121,3 +33,6 @@ def standard_batches(window: int = 8) -> dict[str, list[Req]]:
         "mixed": [Req(33, 1), Req(0, 45, frames(4, 3, w + 2, 3)), Req(12, 20, frames(14, 1, 10, 0)), Req(70, 1)],
         "text_only": [Req(0, 23), Req(10, 14), Req(30, 1)],
     }
+
+
+__all__ = ["Batch", "Req", "SPECS", "frames", "make_batch", "query_ranges", "rel_err", "standard_batches"]
