@@ -86,7 +86,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await abort_with(context, e, request_id)
         self._in_flight.add(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
-                                                 model=self._config.model)
+                                                 model=self._engine.model_info.name)
         final: RequestOutput | None = None
         error: Exception | None = None
         try:
