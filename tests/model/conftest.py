@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from gemma4_fixtures import make_checkpoint, to_flat_form
 
 

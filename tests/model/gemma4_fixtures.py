@@ -124,17 +124,6 @@ def patchify(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tenso
     return x, torch.stack([gx, gy], -1).reshape(-1, 2)
 
 
-def pad_batch(items: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack patchified images, padding to the longest with zero pixels at position (-1, -1)."""
-    n = max(p.shape[0] for p, _ in items)
-    pix = torch.zeros(len(items), n, items[0][0].shape[1])
-    pos = torch.full((len(items), n, 2), -1, dtype=torch.long)
-    for i, (p, q) in enumerate(items):
-        pix[i, : p.shape[0]] = p
-        pos[i, : q.shape[0]] = q
-    return pix, pos
-
-
 @dataclass
 class PagedSequence:
     """One request over per-layer paged caches with shuffled physical blocks (block 0 = null block).

@@ -7,8 +7,8 @@ import json
 import shutil
 
 import pytest
-
 from gemma4_fixtures import EOS, TURN_CLOSE
+
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.model.config import UnsupportedModelError, load_spec
 

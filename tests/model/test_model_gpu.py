@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from gemma4_fixtures import PagedSequence, make_tokenizer
+from test_model_parity import hf_logits, video_prompt
+
 from mmserve.model import load_model
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import TextTokenizer
-from test_model_parity import hf_logits, pad_batch, video_prompt
+from mmserve.model.vision import pad_patches
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -23,7 +24,7 @@ def test_cuda_model_matches_transformers(checkpoints, dtype, tol):
     layout = build_prompt(TextTokenizer(make_tokenizer()), model.spec,
                           video_prompt(model.spec, torch.Generator().manual_seed(5)))
     seq = PagedSequence(model, ranges=layout.mm_ranges)
-    pix, pos = pad_batch([(it.pixel_values, it.position_ids) for it in layout.mm_items])
+    pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in layout.mm_items])
     embeds = torch.cat(model.encode_vision(pix, pos))
     assert embeds.device.type == "cuda" and embeds.dtype == dtype
     ours = model.compute_logits(seq.step(layout.token_ids, embeds)).cpu()

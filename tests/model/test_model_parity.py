@@ -8,11 +8,12 @@ ranges outgrow the window.
 from __future__ import annotations
 
 import torch
+from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence, make_tokenizer, patchify
 
-from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence, make_tokenizer, pad_batch, patchify
 from mmserve.model.messages import ChatMessage, ImagePart, VideoPart
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import TextTokenizer
+from mmserve.model.vision import pad_patches
 
 RTOL = 1e-4
 
@@ -31,10 +32,10 @@ def hf_logits(hf, ids: list[int], layout=None, return_cache: bool = False):
         images = [it for it in layout.mm_items if it.kind == "image"]
         frames = [it for it in layout.mm_items if it.kind == "video"]
         if images:
-            kwargs["pixel_values"], kwargs["image_position_ids"] = pad_batch(
+            kwargs["pixel_values"], kwargs["image_position_ids"] = pad_patches(
                 [(it.pixel_values, it.position_ids) for it in images])
         if frames:
-            kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_batch(
+            kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_patches(
                 [(it.pixel_values, it.position_ids) for it in frames])
             kwargs["num_frames_per_video"] = torch.tensor([len(frames)])
         kwargs["mm_token_type_ids"] = ((input_ids == cfg.image_token_id).long()
@@ -62,7 +63,7 @@ def run_ours(model, layout, chunk_ends: list[int]) -> torch.Tensor:
         items = [it for (s, _), it in zip(layout.mm_ranges, layout.mm_items, strict=True) if start <= s < end]
         embeds = None
         if items:
-            pix, pos = pad_batch([(it.pixel_values, it.position_ids) for it in items])
+            pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in items])
             embeds = torch.cat(model.encode_vision(pix, pos))
         outs.append(seq.step(layout.token_ids[start:end], embeds))
         start = end
@@ -94,7 +95,7 @@ def test_vision_embeddings_match_transformers(loaded):
     model, hf = loaded
     gen = torch.Generator().manual_seed(9)
     items = [patchify(torch.rand(3, h, w, generator=gen), model.spec.patch_size) for h, w in [(8, 8), (16, 24)]]
-    pix, pos = pad_batch(items)
+    pix, pos = pad_patches(items)
     ours = model.encode_vision(pix, pos)
     with torch.no_grad():
         ref = hf.model.get_image_features(pix, pos, return_dict=True).pooler_output
@@ -111,7 +112,7 @@ def test_greedy_generation_is_token_identical(loaded_hub):
     layout = build_prompt(tok, model.spec, video_prompt(model.spec, torch.Generator().manual_seed(6)))
     seq = PagedSequence(model, ranges=layout.mm_ranges, seed=4, num_blocks=48)
     items = layout.mm_items
-    pix, pos = pad_batch([(it.pixel_values, it.position_ids) for it in items])
+    pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in items])
     hidden = seq.step(layout.token_ids, torch.cat(model.encode_vision(pix, pos)))
     ours = []
     for _ in range(32):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gemma4_fixtures import make_tokenizer
 from transformers import Gemma4ImageProcessorPil, Gemma4Processor, PreTrainedTokenizerFast
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 from transformers.video_utils import VideoMetadata
 
-from gemma4_fixtures import make_tokenizer
 from mmserve.model.config import load_spec
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt, timestamp_text

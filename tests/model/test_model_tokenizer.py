@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from gemma4_fixtures import make_tokenizer
+
 from mmserve.model.tokenizer import IncrementalDetokenizer, TextTokenizer, load_tokenizer
 
 SAMPLES = ["the cat sat", "café — naïve 東京 🐈‍⬛ ok", "a  b\n\tc", "thethe the  the", "é" * 7 + "🙂x"]

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
-
 from gemma4_fixtures import make_checkpoint, make_tokenizer, tiny_config
+from test_model_parity import assert_close, hf_logits, run_ours, video_prompt
+
 from mmserve.model import load_model
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import TextTokenizer
-from test_model_parity import assert_close, hf_logits, run_ours, video_prompt
 
 
 @pytest.fixture(scope="module")

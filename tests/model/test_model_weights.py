@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 import torch
+from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence
 from safetensors.torch import load_file, save_file
 
-from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence
 from mmserve.model import load_model
 from mmserve.model.weights import WeightLoadError, checkpoint_files
 

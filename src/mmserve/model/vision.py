@@ -8,11 +8,26 @@ per image (padding patches have position (-1, -1) and produce no tokens).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from transformers import Gemma4Config
 from transformers.initialization import no_init_weights
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
+
+
+def pad_patches(items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch per-image (pixel_values [P_i, C], position_ids [P_i, 2]) for `encode_vision`: pad to the
+    longest with zero pixels at position (-1, -1), which the tower ignores."""
+    longest = max(p.shape[0] for p, _ in items)
+    first = items[0][0]
+    pixels = first.new_zeros(len(items), longest, first.shape[1])
+    positions = torch.full((len(items), longest, 2), -1, dtype=torch.long, device=first.device)
+    for i, (p, q) in enumerate(items):
+        pixels[i, : p.shape[0]] = p
+        positions[i, : q.shape[0]] = q
+    return pixels, positions
 
 
 class VisionEncoder(nn.Module):
