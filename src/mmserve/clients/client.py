@@ -23,13 +23,15 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
-    """Round-robin over every resolved address; message limits matching the server's default."""
+    """Round-robin over every resolved address; message limits matching the server's default; a
+    keepalive ping each minute (the server allows one every 10 s) so a dead peer is noticed mid-stream."""
     service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
     return [
         ("grpc.service_config", json.dumps(service_config)),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.enable_retries", 0),
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
     ]
 
 
