@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, make_llm, run_recording_logits
 
-from mmserve.engine.model_runner import pad_frames
+from mmserve.model.vision import pad_patches
 
 CPU_BACKENDS = [pytest.param("reference"), pytest.param("sdpa"), pytest.param("flex", marks=pytest.mark.slow)]
 
@@ -17,14 +17,14 @@ def hf_last_logits(hf, req) -> torch.Tensor:
     cfg = hf.config
     ids = torch.tensor([req.prompt_token_ids])
     kwargs = {"mm_token_type_ids": (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()}
-    images = [m for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
+    images = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
               if req.prompt_token_ids[s] == cfg.image_token_id]
-    frames = [m for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
+    frames = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
               if req.prompt_token_ids[s] == cfg.video_token_id]
     if images:
-        kwargs["pixel_values"], kwargs["image_position_ids"] = pad_frames(images, 4)
+        kwargs["pixel_values"], kwargs["image_position_ids"] = pad_patches(images)
     if frames:
-        kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_frames(frames, 4)
+        kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_patches(frames)
         kwargs["num_frames_per_video"] = torch.tensor([len(frames)])
     with torch.no_grad():
         return hf(input_ids=ids, **kwargs).logits[0, -1]

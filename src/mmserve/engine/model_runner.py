@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.attention.backend import kv_cache_shape
+from mmserve.model.vision import pad_patches
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, PoolPlan
 from mmserve.scheduler.metadata import MetadataBuilder
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import MultiModalInput
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +25,6 @@ logger = logging.getLogger(__name__)
 class StepResult:
     logits: torch.Tensor            # float32 [S, vocab]
     sampled: list[ScheduledRequest]  # row i of logits belongs to sampled[i]
-
-
-def pad_frames(items: list[MultiModalInput], multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack frames of differing patch counts: zero pixels at position (-1, -1) produce no tokens."""
-    n = max(it.pixel_values.shape[0] for it in items)
-    n = -(-n // multiple) * multiple
-    pix = torch.zeros(len(items), n, items[0].pixel_values.shape[1], dtype=items[0].pixel_values.dtype)
-    pos = torch.full((len(items), n, 2), -1, dtype=torch.long)
-    for i, it in enumerate(items):
-        pix[i, :it.pixel_values.shape[0]] = it.pixel_values
-        pos[i, :it.position_ids.shape[0]] = it.position_ids
-    return pix, pos
 
 
 class ModelRunner:
@@ -53,7 +41,6 @@ class ModelRunner:
         self.builder = MetadataBuilder(spec.attention_specs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                        block_size=block_size, device=device)
-        self._pool_multiple = spec.pooling_kernel_size ** 2
         self.encoder_cache: dict[str, dict[int, torch.Tensor]] = {}
 
     def free(self, request_id: str) -> None:
@@ -64,7 +51,7 @@ class ModelRunner:
         todo = [(s.request, f) for s in scheduled for f in s.frames
                 if f not in self.encoder_cache.get(s.request.request_id, {})]
         if todo:
-            pix, pos = pad_frames([r.mm_inputs[f] for r, f in todo], self._pool_multiple)
+            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f in todo])
             embeds = self.model.encode_vision(pix, pos)
             for (r, f), e in zip(todo, embeds, strict=True):
                 start, end = r.mm_ranges[f]
