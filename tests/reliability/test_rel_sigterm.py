@@ -1,5 +1,6 @@
-"""`mmserve serve` as a real process: SIGTERM mid-stream drains gracefully. The in-flight stream
-completes, readiness turns NOT_SERVING, new requests get UNAVAILABLE, and the process exits 0."""
+"""Drain. `mmserve serve` as a real process: SIGTERM mid-stream drains gracefully; the in-flight
+stream completes, readiness turns NOT_SERVING, new requests get UNAVAILABLE, and the process exits 0.
+In process: a stream outliving the grace period is cut off and still ends exactly once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rel_engine import read_stream, text_request
+from rel_engine import ServerThread, engine_config, read_stream, text_request
 
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.server.drain import DRAINING_MESSAGE
@@ -97,3 +98,25 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+def test_drain_grace_expiry_cuts_off_and_ends_every_request_once(tiny_checkpoint):
+    """A stream longer than the grace period is cut off visibly, and still ends exactly once in the engine."""
+    server = ServerThread(engine_config(tiny_checkpoint)).start()
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            call = pb_grpc.GenerationStub(ch).Generate(text_request("too-long", 900))
+            assert (await call.read()).delta.token_ids
+            clean = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(server.app.drain(grace_s=0.3), server._loop))
+            result = await read_stream(call)
+            assert result.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), result
+            assert result.final is None and len(result.token_ids) < 900
+            return await clean
+
+    try:
+        assert asyncio.run(scenario()) is False
+        ends = server.observer.end_counts()
+        assert ends["too-long"] == 1 and set(ends) == set(server.observer.queued)
+    finally:
+        server.stop()
