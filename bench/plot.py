@@ -75,6 +75,28 @@ def plot_serving(report: dict, out_dir: Path) -> list[Path]:
     return [_save(fig_tp, out_dir / "serving_throughput.png"), _save(fig_tt, out_dir / "serving_ttft.png")]
 
 
+def plot_metadata(report: dict, out_dir: Path) -> list[Path]:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for color, requests in zip(colors, sorted({r["requests"] for r in rows}), strict=False):
+        mine = sorted((r for r in rows if r["requests"] == requests), key=lambda r: r["frames"])
+        frames = [r["frames"] for r in mine]
+        ax.plot(frames, [r["fill_us"] for r in mine], "o-", color=color, label=f"table fill, {requests} req")
+        ax.plot(frames, [r["scan_us"] for r in mine], "x--", color=color, alpha=0.6,
+                label=f"Python range scan, {requests} req")
+    frames = sorted({r["frames"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(frames, [str(f) for f in frames])
+    ax.set_yscale("log")
+    ax.set_xlabel("video frames per request")
+    ax.set_ylabel("time per step (µs)")
+    ax.set_title(f"Query-range table fill ({report['budget_tokens']}-token step)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    return [_save(fig, out_dir / "metadata_fill.png")]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     written: list[Path] = []
     if (serving := _load(args.results, "serving.json")) is not None:
         written += plot_serving(serving, args.out)
+    if (metadata := _load(args.results, "metadata.json")) is not None:
+        written += plot_metadata(metadata, args.out)
     sys.stdout.write("".join(f"{path}\n" for path in written))
     return 0
 
