@@ -32,35 +32,28 @@ def fill_query_ranges(
     clipped to the scheduled chunk; single-token ranges are skipped (their mask is causal anyway).
     Returns the number of rows written, or 0 without touching `out` when no scheduled token lies
     in a range, so the caller attaches no mask at all."""
-    row_starts, row_ends, values = [], [], []
-    for r, rg in enumerate(ranges):
-        if not len(rg):
-            continue
-        q0, q1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
-        ctx = int(context_lens[r])
-        last = ctx + (q1 - q0) - 1
-        if last < ctx:
-            continue
-        lo = int(np.searchsorted(rg[:, 1], ctx, side="left"))
-        hi = int(np.searchsorted(rg[:, 0], last, side="right"))
-        if lo >= hi:
-            continue
-        sel = rg[lo:hi]
-        sel = sel[sel[:, 0] < sel[:, 1]]
-        if not len(sel):
-            continue
-        row_starts.append(np.maximum(sel[:, 0], ctx) - ctx + q0)
-        row_ends.append(np.minimum(sel[:, 1], last) - ctx + q0)
-        values.append(sel)
-    if not values:
+    num_reqs = len(ranges)
+    counts = [len(rg) for rg in ranges]
+    if not any(counts):
         return 0
-    num_tokens = int(query_start_loc[len(ranges)])
-    starts = np.concatenate(row_starts)
-    lengths = np.concatenate(row_ends) - starts + 1
+    # Every range of the batch at once: clip it to its request's scheduled chunk.
+    all_ranges = np.concatenate(ranges)
+    req = np.repeat(np.arange(num_reqs), counts)
+    q0 = query_start_loc[:num_reqs].astype(np.int64)[req]
+    ctx = context_lens[req]
+    last = ctx + (query_start_loc[1:num_reqs + 1].astype(np.int64)[req] - q0) - 1
+    first_pos = np.maximum(all_ranges[:, 0], ctx)
+    last_pos = np.minimum(all_ranges[:, 1], last)
+    hit = (all_ranges[:, 0] < all_ranges[:, 1]) & (first_pos <= last_pos)
+    if not hit.any():
+        return 0
+    starts = (first_pos - ctx + q0)[hit]
+    lengths = (last_pos - first_pos + 1)[hit]
     offsets = np.cumsum(lengths) - lengths
     rows = np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)
+    num_tokens = int(query_start_loc[num_reqs])
     out[:num_tokens] = -1
-    out[rows] = np.repeat(np.concatenate(values), lengths, axis=0)
+    out[rows] = np.repeat(all_ranges[hit], lengths, axis=0)
     return num_tokens
 
 
