@@ -173,3 +173,17 @@ def test_client_threads_share_a_channel(client):
     for t in threads:
         t.join(120)
     assert len(out) == 3 and all(r.usage.completion_tokens >= 1 for r in out)
+
+
+def test_stop_string_ends_the_stream_and_is_not_in_the_output(client):
+    full = client.generate(prompt="tell me", max_tokens=24, temperature=0, ignore_eos=True)
+    text = full.text
+    # a stop string cut from the middle of the greedy answer, starting at its first occurrence
+    candidates = [i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text.find(text[i:i + 2]) == i]
+    if not candidates:
+        pytest.skip(f"the served model's answer {text!r} has no clean substring to stop on")
+    start = candidates[len(candidates) // 2]
+    stop = text[start:start + 2]
+    result = client.generate(prompt="tell me", max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "\x00never"])
+    assert result.finish_reason == "stop" and result.matched_stop == stop
+    assert result.text == text[:start]
