@@ -135,7 +135,9 @@ def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Pat
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             address = f"127.0.0.1:{port}"
+            start = time.perf_counter()
             asyncio.run(wait_ready(address, proc, timeout_s=600))
+            logger.info("server for %s ready in %.1f s (log: %s)", model, time.perf_counter() - start, log_path)
             yield address
         finally:
             proc.terminate()
