@@ -187,3 +187,12 @@ def test_stop_string_ends_the_stream_and_is_not_in_the_output(client):
     result = client.generate(prompt="tell me", max_tokens=24, temperature=0, ignore_eos=True, stop=[stop, "\x00never"])
     assert result.finish_reason == "stop" and result.matched_stop == stop
     assert result.text == text[:start]
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int):
+        return client.generate(prompt="sample", max_tokens=8, temperature=1.0, top_k=50, seed=seed,
+                               ignore_eos=True).token_ids
+
+    assert sample(11) == sample(11)
+    assert len({sample(11), sample(12), sample(13)}) > 1
