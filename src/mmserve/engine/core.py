@@ -42,7 +42,9 @@ def load_engine_model(config: EngineConfig):
 
     device = resolve_device(config.device)
     backend = resolve_backend(config.attention_backend, device)
-    model = load_model(config.model, dtype=config.dtype, device=device, attention_backend=backend)
+    # Compiled backends size their padded tables once, from the engine's own limits.
+    model = load_model(config.model, dtype=config.dtype, device=device, attention_backend=backend,
+                       max_num_tokens=config.max_num_batched_tokens, max_num_reqs=config.max_num_seqs)
     model.backend_name = backend
     tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
     return model, tokenizer
