@@ -130,7 +130,8 @@ class InputProcessor:
         try:
             return await asyncio.wait_for(loop.run_in_executor(self.executor, work), timeout=limit)
         except TimeoutError:
-            raise LimitExceededError(f"{where}: decoding took longer than {limit:g}s",
+            raise LimitExceededError(f"{where}: decoding (with any wait for a free decode worker) took longer "
+                                     f"than {limit:g}s",
                                      "--video-decode-timeout-s") from None
 
     def _decode_blocking(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
