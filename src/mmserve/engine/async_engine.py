@@ -47,7 +47,10 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def _publish(self, events: list[Event]) -> None:   # engine thread
-        self._loop.call_soon_threadsafe(self._dispatch, events)
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, events)
+        except RuntimeError:   # the event loop is gone: nobody is left to read these streams
+            logger.warning("event loop closed; dropped %d engine events", len(events))
 
     def _dispatch(self, events: list[Event]) -> None:  # event loop
         for rid, item in events:
