@@ -91,6 +91,16 @@ def test_image_and_video_logits_match_transformers(loaded):
     assert_close(run_ours(model, layout, cuts), ref)
 
 
+def test_sdpa_backend_matches_transformers(checkpoints):
+    from mmserve.model import load_model
+
+    paths, hf = checkpoints
+    model = load_model(paths["per_layer"], attention_backend="sdpa")
+    layout = build_prompt(TextTokenizer(make_tokenizer()), model.spec,
+                          video_prompt(model.spec, torch.Generator().manual_seed(7)))
+    assert_close(run_ours(model, layout, [layout.mm_ranges[1][1] + 1]), hf_logits(hf, layout.token_ids, layout))
+
+
 def test_vision_embeddings_match_transformers(loaded):
     model, hf = loaded
     gen = torch.Generator().manual_seed(9)

@@ -107,8 +107,9 @@ class TextDecoder(nn.Module):
         trained; vision embeddings are not scaled.
         """
         weight = self.embed_tokens.weight
+        scale = float(torch.tensor(math.sqrt(self.spec.hidden_size), dtype=weight.dtype))
         ids = torch.where(input_ids < self.spec.vocab_size, input_ids, self.spec.pad_token_id)
-        h = F.embedding(ids, weight) * torch.tensor(math.sqrt(self.spec.hidden_size), dtype=weight.dtype)
+        h = F.embedding(ids, weight) * scale
         if mm_embeds is not None and mm_token_index is not None and mm_token_index.numel():
             h = h.index_copy(0, mm_token_index.to(h.device), mm_embeds.to(h.dtype))
         return h

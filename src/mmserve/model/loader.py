@@ -35,14 +35,21 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               attention_backend: str = "reference") -> Gemma4ServingModel:
-    """Load a Gemma 4 checkpoint directory for serving."""
-    from mmserve.attention import create_impl
+               attention_backend: str = "reference", max_num_tokens: int = 512,
+               max_num_reqs: int = 64) -> Gemma4ServingModel:
+    """Load a Gemma 4 checkpoint directory for serving.
+
+    `attention_backend` may be "auto"; `max_num_tokens` / `max_num_reqs` (the engine's step budget)
+    size compiled backends so they compile once.
+    """
+    from mmserve.attention import create_impl, resolve_backend
 
     start = time.perf_counter()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     spec = load_spec(path)
-    impls = {t: create_impl(attention_backend, s) for t, s in spec.attention_specs.items()}
+    attention_backend = resolve_backend(attention_backend, torch_device)
+    impls = {t: create_impl(attention_backend, s, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
+             for t, s in spec.attention_specs.items()}
     # The decoder is built without storage; the checkpoint's tensors are assigned into it.
     with torch.device("meta"):
         decoder = TextDecoder(spec, impls)
