@@ -111,6 +111,11 @@ class FlexImpl:
         result[:T] = out[0, :, :T].transpose(0, 1)
         return result
 
+    @property
+    def last_block_mask(self) -> BlockMask | None:
+        """The block mask of the latest step (benchmarks read how much work it lists)."""
+        return None if self._step is None else self._step[1]
+
     def _block_mask(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> BlockMask:
         """Built once per step (all layers of this type reuse it while `metadata` is the same object)."""
         if self._step is not None and self._step[0] is metadata:

@@ -1,0 +1,202 @@
+"""Attention backends on CPU: chunked video prefill (1..64 frames) and decode, sliding and full layers.
+
+For each step it times reference, sdpa and compiled flex, plus flex on the same step without
+frame ranges (plain causal/sliding: the floor the frames are measured against), checks every
+backend against the reference, and counts work: the exact kept (q, k) pairs against the pairs
+flex's block mask visits, an ideal 128x128 tile list, and FA4 b36 with a mask_mod (which visits
+every key tile, see attention/fa4.py).
+
+    python bench/attention.py            # full run (a few minutes on 2 cores)
+    python bench/attention.py --smoke    # seconds: tiny shapes; JSON to a temp file
+
+Prints a table and writes JSON (default bench/results/attention.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from mmserve.attention import create_impl
+from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.attention.synthetic import Batch, Req, frames, make_batch
+from mmserve.attention.tiles import kept_pairs, varlen_tiles
+
+log = logging.getLogger("bench.attention")
+RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"
+BACKENDS = ("reference", "sdpa", "flex")
+
+
+@dataclass
+class Shape:
+    sliding: LayerAttentionSpec
+    full: LayerAttentionSpec | None
+    frame_tokens: int       # soft tokens per frame
+    frame_gap: int          # timestamp/boi/eoi text between frames
+    budget: int             # max_num_batched_tokens: the chunk size
+    frame_counts: list[int]
+    decode_reqs: int
+    repeats: int
+
+
+FULL_SHAPE = Shape(
+    sliding=LayerAttentionSpec(SLIDING, 8, 4, 256, window=1024, bidirectional=True),
+    full=LayerAttentionSpec(FULL, 8, 4, 512, window=None, bidirectional=False),
+    frame_tokens=70, frame_gap=8, budget=512, frame_counts=[1, 8, 16, 32, 64], decode_reqs=16, repeats=3)
+# One layer type and one frame count: a single flex compile keeps it to seconds.
+SMOKE_SHAPE = Shape(
+    sliding=LayerAttentionSpec(SLIDING, 2, 1, 32, window=24, bidirectional=True),
+    full=None,
+    frame_tokens=10, frame_gap=2, budget=64, frame_counts=[4], decode_reqs=4, repeats=1)
+
+
+@dataclass
+class Row:
+    layer: str
+    scenario: str
+    frames: int
+    tokens: int
+    context: int
+    ms: dict[str, float]
+    max_rel_err: dict[str, float]
+    flex_vs_causal: float | None
+    exact_pairs: int
+    work_ratio: dict[str, float]
+
+
+def video_chunk(shape: Shape, num_frames: int) -> list[Req]:
+    """The last chunk (<= budget tokens, ending between frames) of a video prompt with `num_frames` frames."""
+    ranges = frames(20, num_frames, shape.frame_tokens, shape.frame_gap)
+    prompt = ranges[-1][1] + 1 + 12
+    starts = [s - shape.frame_gap for s, _ in ranges if prompt - (s - shape.frame_gap) <= shape.budget]
+    context = min(starts) if starts and prompt > shape.budget else 0
+    return [Req(context, prompt - context, ranges)]
+
+
+def decode_step(shape: Shape, num_frames: int, gen: torch.Generator) -> list[Req]:
+    per_frame = shape.frame_tokens + shape.frame_gap
+    lens = torch.randint(20 + per_frame, 20 + per_frame * max(num_frames, 2), (shape.decode_reqs,), generator=gen)
+    return [Req(int(n), 1) for n in lens]
+
+
+def timed(fn, repeats: int) -> float:
+    """Median wall time in ms after one warm-up call (which absorbs compilation)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def measure(batch: Batch, spec: LayerAttentionSpec, shape: Shape, dtype: torch.dtype) -> tuple[dict, dict, object]:
+    impls = {name: create_impl(name, spec, max_num_tokens=shape.budget) for name in BACKENDS}
+    outs, ms = {}, {}
+    for name, impl in impls.items():
+        def call(impl=impl):
+            return impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
+        outs[name] = call()
+        ms[name] = timed(call, 1 if name == "reference" else shape.repeats)
+    ref = outs["reference"].float()
+    errs = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items() if n != "reference"}
+    return ms, errs, impls["flex"]
+
+
+def work(batch: Batch, spec: LayerAttentionSpec, flex_impl) -> tuple[int, dict[str, float]]:
+    md = batch.metadata
+    exact = kept_pairs(md, spec)
+    block_mask = flex_impl.last_block_mask
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    flex_pairs = int(block_mask.kv_num_blocks.sum()) * q_block * kv_block
+    ideal = varlen_tiles(md, spec, 128, 128).visited_pairs()
+    q_lens = (md.query_start_loc[1:] - md.query_start_loc[:-1]).tolist()
+    all_tiles = sum(math.ceil(ql / 128) * math.ceil(sl / 128) for ql, sl in zip(q_lens, md.seq_lens.tolist(), strict=True))
+    return exact, {"flex_blocks": flex_pairs / exact, "tiles_128": ideal / exact,
+                   "fa4_b36_mask_mod": all_tiles * 128 * 128 / exact}
+
+
+def run(shape: Shape, dtype: torch.dtype) -> list[Row]:
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for spec in (s for s in (shape.sliding, shape.full) if s is not None):
+        for n in shape.frame_counts:
+            for scenario, reqs in (("prefill", video_chunk(shape, n)), ("decode", decode_step(shape, n, gen))):
+                num_blocks = sum(-(-r.seq_len // 16) for r in reqs) + 8
+                batch = make_batch(reqs, spec, dtype=dtype, num_blocks=num_blocks, gen=gen, free_outside_window=True)
+                ms, errs, flex_impl = measure(batch, spec, shape, dtype)
+                exact, ratios = work(batch, spec, flex_impl)
+                causal_ms = None
+                if batch.metadata.mm_ranges is not None and spec.bidirectional:
+                    plain = replace(batch.metadata, mm_ranges=None)
+                    causal = Batch(batch.q, batch.k, batch.v, batch.kv_cache, plain, batch.reqs)
+                    causal_ms = timed(lambda b=causal, f=flex_impl: f.forward(b.q, b.k, b.v, b.kv_cache.clone(), b.metadata),
+                                      shape.repeats)
+                    ms["flex_causal"] = causal_ms
+                md = batch.metadata
+                rows.append(Row(spec.layer_type, scenario, n, md.num_actual_tokens, md.max_seq_len, ms, errs,
+                                ms["flex"] / causal_ms if causal_ms else None, exact, ratios))
+                log.info("%s %s %d frames: %s", spec.layer_type, scenario, n, {k: round(v, 2) for k, v in ms.items()})
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    head = (f"{'layer':<8} {'step':<8} {'frames':>6} {'tokens':>6} {'ctx':>6} {'ref ms':>8} {'sdpa ms':>8} "
+            f"{'flex ms':>8} {'causal ms':>9} {'flex/causal':>11} {'err sdpa':>9} {'err flex':>9} "
+            f"{'work flex':>9} {'tiles128':>8} {'fa4 b36':>8}")
+    print(head)
+    for r in rows:
+        ratio = f"{r.flex_vs_causal:.2f}" if r.flex_vs_causal else "-"
+        causal = f"{r.ms['flex_causal']:.1f}" if "flex_causal" in r.ms else "-"
+        print(f"{r.layer.split('_')[0]:<8} {r.scenario:<8} {r.frames:>6} {r.tokens:>6} {r.context:>6} "
+              f"{r.ms['reference']:>8.1f} {r.ms['sdpa']:>8.1f} {r.ms['flex']:>8.1f} {causal:>9} {ratio:>11} "
+              f"{r.max_rel_err['sdpa']:>9.1e} {r.max_rel_err['flex']:>9.1e} {r.work_ratio['flex_blocks']:>9.2f} "
+              f"{r.work_ratio['tiles_128']:>8.2f} {r.work_ratio['fa4_b36_mask_mod']:>8.2f}")
+
+
+def fastest_cpu_backend(rows: list[Row], tolerance: float) -> dict[str, float]:
+    """Total time per correct backend over every step (the number `auto` is chosen from)."""
+    totals = {}
+    for name in ("sdpa", "flex"):
+        if all(r.max_rel_err[name] < tolerance for r in rows):
+            totals[name] = sum(r.ms[name] for r in rows)
+    return totals
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, one repeat, JSON to a temp file")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    shape = SMOKE_SHAPE if args.smoke else FULL_SHAPE
+    rows = run(shape, dtype)
+    print_table(rows)
+    totals = fastest_cpu_backend(rows, 1e-4 if dtype == torch.float32 else 2e-2)
+    print("total ms per correct backend:", {k: round(v, 1) for k, v in totals.items()},
+          "-> fastest:", min(totals, key=totals.get) if totals else None)
+    out = args.out or (Path(tempfile.gettempdir()) / "attention_smoke.json" if args.smoke else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": platform.processor(),
+                               "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "shape": asdict(shape),
+                               "rows": [asdict(r) for r in rows], "total_ms": totals}, indent=1, default=str))
+    log.info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
