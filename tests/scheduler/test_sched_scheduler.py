@@ -111,3 +111,29 @@ def test_finish_of_waiting_request_and_unknown_id():
     assert sched.finish("a") is not None
     assert sched.finish("a") is None
     assert sched.schedule().finished_ids == ["a"]
+
+
+def test_a_frame_blocked_by_decodes_is_not_starved():
+    # Seven decoders take 7 of 16 tokens every step; a 14-token frame needs a step of its own.
+    sched = make_scheduler(max_num_batched_tokens=16, max_num_seqs=8)
+    for i in range(7):
+        sched.add_request(make_request(f"d{i}", 2, max_tokens=200))
+    while any(r.is_prefill for r in sched.running) or sched.waiting:
+        out = sched.schedule()
+        sched.update(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.output_token_ids.append(7)
+    frame = make_request("f", 20, [(3, 16)], max_tokens=1)
+    sched.add_request(frame)
+    steps = 0
+    while frame.num_computed_tokens <= 16 and steps < 4:
+        steps += 1
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 16
+        sched.update(out)
+        for s in out.scheduled:
+            if s.samples:
+                s.request.output_token_ids.append(7)
+    assert frame.num_computed_tokens > 16, "the frame never got a step"
+    assert steps <= 3   # one step for the text before it, one skipped, then the frame first

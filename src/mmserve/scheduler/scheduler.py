@@ -64,6 +64,7 @@ class Scheduler:
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
+        self._frame_blocked: set[str] = set()
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -159,11 +160,16 @@ class Scheduler:
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 
-        for request in list(self.running):
+        # A request whose next frame did not fit last step's leftover budget goes first now, so a
+        # steady stream of decodes can never starve it.
+        blocked, self._frame_blocked = self._frame_blocked, set()
+        order = sorted(self.running, key=lambda r: r.request_id not in blocked)
+        for request in order:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue   # preempted earlier in this loop
             n = self._chunk(request, budget)
             if n == 0:
+                self._frame_blocked.add(request.request_id)
                 continue
             while not self.kv.allocate(request, n):
                 victim = self._pick_victim()
