@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))   # gemma4_fixtures lives with the model tests
+sys.path.insert(0, str(Path(__file__).parents[1] / "scheduler"))   # sched_helpers
 
 
 @pytest.fixture(scope="session")
