@@ -17,7 +17,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore, Event
 from mmserve.engine.observer import EngineObserver
 from mmserve.engine.types import EngineRequest, LoadInfo, ModelInfo, RequestOutput
-from mmserve.errors import EngineUnavailableError
+from mmserve.errors import EngineUnavailableError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,13 @@ class AsyncEngine:
             raise EngineUnavailableError("the engine is not running")
         rid = request.request_id
         if rid in self._streams:
-            from mmserve.errors import InvalidInputError
-
             raise InvalidInputError("request_id", f"{rid!r} is already in flight")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = queue
-        finished = False
+        admitted = finished = False
         try:
             self.core.add_request(request)
+            admitted = True
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -84,7 +83,7 @@ class AsyncEngine:
                     return
         finally:
             del self._streams[rid]
-            if not finished:
+            if admitted and not finished:
                 self.core.abort(rid)
 
     def abort(self, request_id: str) -> bool:
