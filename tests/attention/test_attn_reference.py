@@ -72,3 +72,15 @@ def test_frame_query_sees_future_frame_key_and_not_beyond():
         out = impl.forward(batch.q, batch.k, v2, batch.kv_cache.clone(), batch.metadata)
         changed = {p for p in range(16) if not torch.allclose(out[p], base[p])}
         assert changed == {p for p in affected if p < 16}
+
+
+def test_gather_kv_reads_any_key_span_through_the_block_table():
+    from mmserve.attention.paged import gather_kv
+    batch = make_batch([Req(50, 20), Req(0, 7)], SLIDING_SPEC)
+    create_impl("reference", SLIDING_SPEC).forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    table, bs = batch.metadata.block_table[0].tolist(), batch.metadata.block_size
+    for first, last in ((0, 70), (17, 70), (33, 48), (69, 70)):
+        keys, values = gather_kv(batch.kv_cache, batch.metadata.block_table[0], last, first_key=first)
+        slots = [table[p // bs] * bs + p % bs for p in range(first, last)]
+        flat = batch.kv_cache.view(2, -1, SLIDING_SPEC.num_kv_heads, SLIDING_SPEC.head_dim)
+        assert torch.equal(keys, flat[0, slots]) and torch.equal(values, flat[1, slots])

@@ -18,11 +18,17 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V for key positions 0..num_keys-1 of one request, each [num_keys, Hkv, D]."""
+def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int,
+              first_key: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V for key positions first_key..num_keys-1 of one request, each [num_keys - first_key, Hkv, D].
+
+    Only the blocks holding those keys are read (a decode row of a sliding layer reads its window).
+    """
     block_size = kv_cache.shape[2]
-    num_blocks = -(-num_keys // block_size)
-    blocks = block_table_row[:num_blocks].to(torch.int64)
-    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:num_keys]
-    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:num_keys]
+    first_block = first_key // block_size
+    blocks = block_table_row[first_block: -(-num_keys // block_size)].to(torch.int64)
+    offset = first_key - first_block * block_size
+    count = num_keys - first_key
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[offset: offset + count]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[offset: offset + count]
     return k, v

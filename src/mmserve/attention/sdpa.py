@@ -46,8 +46,7 @@ class SdpaImpl:
                 continue
             seq_len = seq_lens[r]
             lo = key_span(self.spec, seq_len - (end - start), seq_len, range_starts[r])
-            keys, values = gather_kv(kv_cache, metadata.block_table[r], seq_len)
-            keys, values = keys[lo:], values[lo:]
+            keys, values = gather_kv(kv_cache, metadata.block_table[r], seq_len, first_key=lo)
             row_mask = None
             if end - start > 1 or range_starts[r] is not None:
                 row_mask = mask[start:end, lo:seq_len][None]
