@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
 from transformers import Gemma4Config, Gemma4TextConfig
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
@@ -146,15 +147,11 @@ def _as_ids(value: Any) -> list[int]:
 
 def _end_of_turn_id(path: Path) -> int | None:
     tok = path / "tokenizer.json"
-    if not tok.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(tok)).token_to_id(END_OF_TURN)
+    return Tokenizer.from_file(str(tok)).token_to_id(END_OF_TURN) if tok.is_file() else None
 
 
-def spec_from_hf_config(config: Gemma4Config, path: Path | None = None) -> ModelSpec:
-    """Build the spec from a parsed config; `path` (the checkpoint dir) adds generation/processor files."""
+def spec_from_hf_config(config: Gemma4Config, root: Path) -> ModelSpec:
+    """Build the spec from a parsed config and the generation/processor/tokenizer files in `root`."""
     text = config.get_text_config()
     _reject_unsupported(text)
     bidirectional = text.use_bidirectional_attention == "vision"
@@ -178,16 +175,15 @@ def spec_from_hf_config(config: Gemma4Config, path: Path | None = None) -> Model
         rope[layer_type] = _rope_spec(text.rope_parameters[layer_type], head_dim)
         k_eq_v[layer_type] = bool(text.attention_k_eq_v) and not sliding
 
-    root = Path(path) if path is not None else None
-    generation = _read_json(root / "generation_config.json") if root else {}
+    generation = _read_json(root / "generation_config.json")
     eos = _as_ids(generation.get("eos_token_id")) or _as_ids(text.eos_token_id)
-    end_of_turn = _end_of_turn_id(root) if root else None
+    end_of_turn = _end_of_turn_id(root)
     if end_of_turn is not None and end_of_turn not in eos:
         eos.append(end_of_turn)
 
     vision = config.vision_config
-    image_proc = _processor_settings(root, "image_processor", "preprocessor_config.json") if root else {}
-    video_proc = _processor_settings(root, "video_processor", "video_preprocessor_config.json") if root else {}
+    image_proc = _processor_settings(root, "image_processor", "preprocessor_config.json")
+    video_proc = _processor_settings(root, "video_processor", "video_preprocessor_config.json")
     patch_size = int(image_proc.get("patch_size") or (vision.patch_size if vision else 16))
     pooling = int(image_proc.get("pooling_kernel_size") or (vision.pooling_kernel_size if vision else 3))
     if vision is not None and (patch_size, pooling) != (vision.patch_size, vision.pooling_kernel_size):

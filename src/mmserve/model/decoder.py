@@ -90,13 +90,12 @@ class TextDecoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(spec, t, impls[t]) for t in spec.layer_types)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self._rope_specs = dict(spec.rope)
         self._rope: dict[tuple[str, torch.device], RotaryEmbedding] = {}
 
     def _cos_sin(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype):
         key = (layer_type, positions.device)
         if key not in self._rope:
-            self._rope[key] = RotaryEmbedding(self._rope_specs[layer_type], positions.device)
+            self._rope[key] = RotaryEmbedding(self.spec.rope[layer_type], positions.device)
         return self._rope[key].cos_sin(positions, dtype)
 
     def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None,
