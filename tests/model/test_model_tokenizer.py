@@ -57,3 +57,31 @@ def test_load_tokenizer_from_checkpoint_dir(tmp_path, tok):
     assert loaded.token_id("<|video|>") == tok.token_id("<|video|>")
     with pytest.raises(Exception, match="no tokenizer.json"):
         load_tokenizer(tmp_path / "missing")
+
+
+def sentencepiece_style_tokenizer() -> TextTokenizer:
+    """Gemma's real tokenizer kind: "▁" for spaces, byte fallback for unknown characters, and a
+    decoder that strips the leading space."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<turn|>": 4}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + i for i, b in enumerate(range(256))})
+    for piece in ["▁", "t", "h", "e", "c", "a", "é", "▁t", "th", "▁th", "▁the", "at", "▁c", "▁cat"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "t"), ("t", "h"), ("▁t", "h"), ("▁th", "e"), ("a", "t"), ("▁", "c"), ("▁c", "at")]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<turn|>"])
+    return TextTokenizer(tok)
+
+
+@pytest.mark.parametrize("text", ["the cat", "the 🐈 cat é", "é🐈é the"])
+def test_streaming_with_byte_fallback_and_leading_space_strip(text):
+    tok = sentencepiece_style_tokenizer()
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push([t]) for t in ids] + [detok.flush()]
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
