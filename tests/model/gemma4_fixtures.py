@@ -105,8 +105,10 @@ def make_checkpoint(root: Path, *, form: str = "per_layer", seed: int = 0, confi
 
 
 def to_flat_form(config_json: Path) -> None:
-    """Rewrite a 5.24-saved config (per_layer_config) into the hub's global_head_dim form."""
+    """Rewrite a 5.24-saved config (per_layer_config) into the hub's global_head_dim form (which also
+    carries vision keys transformers 5.24 does not define, such as default_output_length)."""
     raw = json.loads(config_json.read_text())
+    raw["vision_config"]["default_output_length"] = 280
     text = raw["text_config"]
     per_layer = text.pop("per_layer_config")
     first = next(iter(per_layer.values()))
