@@ -35,15 +35,15 @@ def make_request(rid: str, prompt_len: int, ranges=(), max_tokens: int = 4, **kw
                    mm_ranges=list(ranges), **kw)
 
 
-def make_kv(num_blocks: int, block_size: int = 4) -> KVCacheManager:
+def make_kv(num_blocks: int, block_size: int = 4, max_model_len: int = 512) -> KVCacheManager:
     return KVCacheManager(plan_pools(LAYER_TYPES, SPECS, block_size=block_size, dtype_bytes=4,
-                                     num_kv_blocks=num_blocks), block_size)
+                                     num_kv_blocks=num_blocks), block_size, max_model_len=max_model_len)
 
 
 def make_scheduler(num_blocks: int = 256, block_size: int = 4, **kw) -> Scheduler:
     opts = dict(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=512)
     opts.update(kw)
-    return Scheduler(make_kv(num_blocks, block_size), **opts)
+    return Scheduler(make_kv(num_blocks, block_size, opts["max_model_len"]), **opts)
 
 
 def run_to_completion(sched: Scheduler, on_step=None, max_steps: int = 10_000) -> int:

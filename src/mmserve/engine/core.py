@@ -64,7 +64,7 @@ class EngineCore:
         plans = plan_pools(list(spec.layer_types), spec.attention_specs, block_size=config.block_size,
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
                            kv_cache_bytes=config.kv_cache_bytes)
-        self.kv = KVCacheManager(plans, config.block_size)
+        self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    max_waiting_requests=config.max_waiting_requests,

@@ -88,13 +88,33 @@ class _Table:
 
 
 class KVCacheManager:
-    """Allocates on demand, all pools or none; frees on finish, abort and preemption."""
+    """Allocates on demand, all pools or none; frees on finish, abort and preemption.
 
-    def __init__(self, plans: dict[str, PoolPlan], block_size: int):
+    Besides the lists, every request's tables live as one row of a persistent int32 array per pool
+    (`table_rows[t][row_of(id)]`, width ceil(max_model_len / block_size), unused entries 0), kept in
+    step with each change, so the metadata builder copies a whole batch's tables in one gather.
+    """
+
+    def __init__(self, plans: dict[str, PoolPlan], block_size: int, *, max_model_len: int):
         self.plans = plans
         self.block_size = block_size
+        self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
         self._tables: dict[str, dict[str, _Table]] = {}
+        self.table_rows = {t: np.zeros((16, self.max_blocks_per_req), dtype=np.int32) for t in plans}
+        self._rows: dict[str, int] = {}
+        self._free_rows: list[int] = list(range(15, -1, -1))
+
+    def row_of(self, request_id: str) -> int:
+        return self._rows[request_id]
+
+    def _take_row(self, request_id: str) -> None:
+        if not self._free_rows:   # more requests hold blocks than ever before: double the rows
+            n = len(self._rows)
+            for t, rows in self.table_rows.items():
+                self.table_rows[t] = np.concatenate([rows, np.zeros_like(rows)])
+            self._free_rows = list(range(2 * n - 1, n - 1, -1))
+        self._rows[request_id] = self._free_rows.pop()
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -147,9 +167,11 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for positions up to num_computed_tokens + num_new_tokens; False (and no change)
         if some pool lacks blocks. Sliding blocks that fell out of the window are reclaimed first."""
+        needed_len = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size)
+        if needed_len > self.max_blocks_per_req:
+            raise ValueError(f"{request.request_id}: {needed_len} blocks exceed max_model_len")
         created = request.request_id not in self._tables
         tables = self._tables.setdefault(request.request_id, {t: _Table([]) for t in self.pools})
-        needed_len = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size)
         plan_reclaim: dict[str, int] = {}
         for t, pool in self.pools.items():
             table = tables[t]
@@ -161,19 +183,29 @@ class KVCacheManager:
                 if created:
                     del self._tables[request.request_id]
                 return False
+        if created:
+            self._take_row(request.request_id)
+        row = self._rows[request.request_id]
         for t, pool in self.pools.items():
-            table = tables[t]
-            if plan_reclaim[t] > table.num_reclaimed:
-                pool.give_back(table.blocks[table.num_reclaimed:plan_reclaim[t]])
-                table.blocks[table.num_reclaimed:plan_reclaim[t]] = [NULL_BLOCK] * (plan_reclaim[t] - table.num_reclaimed)
-                table.num_reclaimed = plan_reclaim[t]
-            missing = needed_len - len(table.blocks)
-            if missing > 0:
-                table.blocks.extend(pool.take(missing))
+            table, rows = tables[t], self.table_rows[t]
+            a, b = table.num_reclaimed, plan_reclaim[t]
+            if b > a:
+                pool.give_back(table.blocks[a:b])
+                table.blocks[a:b] = [NULL_BLOCK] * (b - a)
+                rows[row, a:b] = NULL_BLOCK
+                table.num_reclaimed = b
+            have = len(table.blocks)
+            if needed_len > have:
+                new = pool.take(needed_len - have)
+                table.blocks.extend(new)
+                rows[row, have:needed_len] = new
         return True
 
     def free(self, request_id: str) -> None:
         tables = self._tables.pop(request_id, None)
         if tables:
+            row = self._rows.pop(request_id)
             for t, table in tables.items():
                 self.pools[t].give_back(table.blocks)
+                self.table_rows[t][row, :len(table.blocks)] = NULL_BLOCK
+            self._free_rows.append(row)

@@ -143,14 +143,14 @@ class MetadataBuilder:
                 sampled.append(i)
         self.logits_indices.np[:len(sampled)] = qsl[1:num_reqs + 1][sampled] - 1
 
+        if kv.max_blocks_per_req != self.max_blocks:
+            raise ValueError(f"KV tables are {kv.max_blocks_per_req} blocks wide, the builder's {self.max_blocks}")
+        rows = np.fromiter((kv.row_of(s.request.request_id) for s in scheduled), dtype=np.int64, count=num_reqs)
         block_of_pos = positions // bs
         offset_in_block = positions % bs
         for t in self.specs:
             table = self.block_table[t].np
-            table[:num_reqs] = 0
-            for i, s in enumerate(scheduled):
-                blocks = kv.block_table(s.request.request_id, t)
-                table[i, :len(blocks)] = blocks
+            np.take(kv.table_rows[t], rows, axis=0, out=table[:num_reqs])
             self.slot_mapping[t].np[:num_tokens] = table[req_of_token, block_of_pos] * bs + offset_in_block
 
         ranges_rows = fill_query_ranges(
