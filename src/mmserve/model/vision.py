@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Gemma4Config
 from transformers.initialization import no_init_weights
@@ -48,14 +49,17 @@ class VisionEncoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
-        """pixel_values [n, P, 3*p*p] in [0, 1]; position_ids [n, P, 2] as (x, y), padding (-1, -1).
-        P must be a multiple of pooling_kernel_size**2."""
+        """pixel_values [n, P, 3*p*p] in [0, 1]; position_ids [n, P, 2] as (x, y), padding (-1, -1)."""
         if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
                              f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
         device = self.embed_vision.embedding_projection.weight.device
         pixel_values = pixel_values.to(device=device, dtype=self.dtype)
         position_ids = position_ids.to(device=device, dtype=torch.long)
+        extra = -pixel_values.shape[1] % self.k_squared   # the pooler needs P = k^2 * slots
+        if extra:
+            pixel_values = F.pad(pixel_values, (0, 0, 0, extra))
+            position_ids = F.pad(position_ids, (0, 0, 0, extra), value=-1)
         features = self.vision_tower(pixel_values=pixel_values, pixel_position_ids=position_ids).last_hidden_state
         embeds = self.embed_vision(inputs_embeds=features)
         tokens = ((position_ids != -1).all(dim=-1).sum(dim=-1) // self.k_squared).tolist()
