@@ -53,7 +53,7 @@ class Shape:
 FULL_SHAPE = Shape(
     sliding=LayerAttentionSpec(SLIDING, 8, 4, 256, window=1024, bidirectional=True),
     full=LayerAttentionSpec(FULL, 8, 4, 512, window=None, bidirectional=False),
-    frame_tokens=70, frame_gap=8, budget=512, frame_counts=[1, 8, 16, 32, 64], decode_reqs=16, repeats=3)
+    frame_tokens=70, frame_gap=8, budget=512, frame_counts=[1, 8, 16, 32, 64], decode_reqs=8, repeats=3)
 # One layer type and one frame count: a single flex compile keeps it to seconds.
 SMOKE_SHAPE = Shape(
     sliding=LayerAttentionSpec(SLIDING, 2, 1, 32, window=24, bidirectional=True),
@@ -105,8 +105,9 @@ def measure(batch: Batch, spec: LayerAttentionSpec, shape: Shape, dtype: torch.d
     impls = {name: create_impl(name, spec, max_num_tokens=shape.budget) for name in BACKENDS}
     outs, ms = {}, {}
     for name, impl in impls.items():
+        # Rewriting this step's K/V at the same slots is idempotent, so every call shares one cache.
         def call(impl=impl):
-            return impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
+            return impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
         outs[name] = call()
         ms[name] = timed(call, 1 if name == "reference" else shape.repeats)
     ref = outs["reference"].float()
@@ -141,7 +142,7 @@ def run(shape: Shape, dtype: torch.dtype) -> list[Row]:
                 if batch.metadata.mm_ranges is not None and spec.bidirectional:
                     plain = replace(batch.metadata, mm_ranges=None)
                     causal = Batch(batch.q, batch.k, batch.v, batch.kv_cache, plain, batch.reqs)
-                    causal_ms = timed(lambda b=causal, f=flex_impl: f.forward(b.q, b.k, b.v, b.kv_cache.clone(), b.metadata),
+                    causal_ms = timed(lambda b=causal, f=flex_impl: f.forward(b.q, b.k, b.v, b.kv_cache, b.metadata),
                                       shape.repeats)
                     ms["flex_causal"] = causal_ms
                 md = batch.metadata

@@ -57,13 +57,14 @@ def test_reference_writes_this_steps_kv_into_the_cache():
     assert torch.equal(flat[1, batch.metadata.slot_mapping], batch.v)
 
 
-def test_frame_query_sees_future_frame_key_and_not_beyond():
-    """Change one future key's value: only queries inside that key's frame may change."""
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "flex"])
+def test_frame_query_sees_future_frame_key_and_not_beyond(backend):
+    """Change one key's value: exactly the queries of its frame (and the window after it) change."""
     spec = SLIDING_SPEC
     (s, e), = frames(4, 1, 6, 0)
     reqs = [Req(0, 16, [(s, e)])]
     batch = make_batch(reqs, spec)
-    impl = create_impl("reference", spec)
+    impl = create_impl(backend, spec)
     base = impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
     for key, affected in ((e, set(range(s, e + 1)) | set(range(e, e + spec.window))),
                           (e + 1, set(range(e + 1, e + 1 + spec.window)))):
