@@ -167,28 +167,33 @@ class KVCacheManager:
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Make room for positions up to num_computed_tokens + num_new_tokens; False (and no change)
         if some pool lacks blocks. Sliding blocks that fell out of the window are reclaimed first."""
-        needed_len = math.ceil((request.num_computed_tokens + num_new_tokens) / self.block_size)
+        rid = request.request_id
+        needed_len = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         if needed_len > self.max_blocks_per_req:
-            raise ValueError(f"{request.request_id}: {needed_len} blocks exceed max_model_len")
-        created = request.request_id not in self._tables
-        tables = self._tables.setdefault(request.request_id, {t: _Table([]) for t in self.pools})
-        plan_reclaim: dict[str, int] = {}
+            raise ValueError(f"{rid}: {needed_len} blocks exceed max_model_len")
+        tables = self._tables.get(rid)
+        created = tables is None
+        if created:
+            tables = {t: _Table([]) for t in self.pools}
+        reclaim_to: list[int] = []
         for t, pool in self.pools.items():
             table = tables[t]
-            keep_from = self._first_needed(request, self.plans[t].window) // self.block_size
-            reclaim_to = min(keep_from, len(table.blocks))
-            plan_reclaim[t] = reclaim_to
-            reclaimable = max(0, reclaim_to - table.num_reclaimed)
-            if max(0, needed_len - len(table.blocks)) > pool.num_free + reclaimable:
-                if created:
-                    del self._tables[request.request_id]
+            have = len(table.blocks)
+            window = self.plans[t].window
+            upto = table.num_reclaimed
+            if window is not None and have:
+                upto = max(upto, min(self._first_needed(request, window) // self.block_size, have))
+            missing = needed_len - have
+            if missing > 0 and missing > pool.num_free + upto - table.num_reclaimed:
                 return False
+            reclaim_to.append(upto)
         if created:
-            self._take_row(request.request_id)
-        row = self._rows[request.request_id]
-        for t, pool in self.pools.items():
+            self._tables[rid] = tables
+            self._take_row(rid)
+        row = self._rows[rid]
+        for (t, pool), b in zip(self.pools.items(), reclaim_to, strict=True):
             table, rows = tables[t], self.table_rows[t]
-            a, b = table.num_reclaimed, plan_reclaim[t]
+            a = table.num_reclaimed
             if b > a:
                 pool.give_back(table.blocks[a:b])
                 table.blocks[a:b] = [NULL_BLOCK] * (b - a)
