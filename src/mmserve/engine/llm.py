@@ -43,7 +43,8 @@ class LLM:
 
     def generate(self, requests: Sequence[EngineRequest | list[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Completion]:
-        """Run all requests to completion together; results in input order. A plain token-id list
+        """Run all requests to completion together; results in input order. If any request fails,
+        the others still run to the end, then the first error is raised. A plain token-id list
         is a text-only prompt; `sampling` (one, or one per request) overrides each EngineRequest's own."""
         if isinstance(sampling, SamplingParams) or sampling is None:
             sampling = [sampling] * len(requests)
@@ -58,11 +59,13 @@ class LLM:
                                        for r in reqs}
         for r in reqs:
             self.core.add_request(r)
-        remaining = len(reqs)
+        remaining, errors = len(reqs), []
         while remaining:
             for rid, item in self.core.step():
-                if isinstance(item, BaseException):
-                    raise item
+                if isinstance(item, BaseException):   # finish the others first, so the engine ends clean
+                    errors.append(item)
+                    remaining -= 1
+                    continue
                 c = done[rid]
                 c.token_ids += item.new_token_ids
                 c.text += item.new_text
@@ -70,4 +73,6 @@ class LLM:
                     remaining -= 1
                     c.finish_reason, c.matched_stop = item.finish_reason, item.matched_stop
                     c.usage, c.timings = item.usage, item.timings
+        if errors:
+            raise errors[0]
         return [done[r.request_id] for r in reqs]
