@@ -173,3 +173,18 @@ def test_shutdown_ends_requests_in_flight(load_backend):
             await _collect(engine, build_request("y", [10], seed=7))
 
     asyncio.run(main())
+
+
+def test_offline_llm_raises_after_draining_and_stays_usable(load_backend):
+    from engine_helpers import make_llm
+
+    llm = make_llm(load_backend("reference"))
+    bad = build_request("bad", [5, ("image", 4)], seed=8)
+    bad.mm_inputs[0] = MultiModalInput(bad.mm_inputs[0].pixel_values[:0], bad.mm_inputs[0].position_ids[:0])
+    good = build_request("good", [30], seed=9, max_tokens=3)
+    with pytest.raises(EngineInternalError, match="engine step failed"):   # both shared the failing step
+        llm.generate([good, bad])
+    assert not llm.core.has_work
+    assert all(p.num_free == p.num_usable for p in llm.core.kv.pools.values())
+    again = llm.generate([build_request("good2", [30], seed=9, max_tokens=3)])
+    assert again[0].finish_reason == "length"
