@@ -76,6 +76,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         self.states: dict[str, RequestState] = {}      # engine thread only
         self.step_index = 0
+        self._idle_step = False                          # the last step scheduled nothing
         self._cond = threading.Condition()
         self._inbox: list[RequestState] = []
         self._aborts: list[str] = []
@@ -127,9 +128,14 @@ class EngineCore:
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs)
 
     def wait_for_work(self, stop: threading.Event, timeout: float = 0.5) -> None:
+        """Sleep until a request or abort arrives; never spin while requests wait for nothing."""
         with self._cond:
-            if not (self._inbox or self._aborts or self.states or stop.is_set()):
+            if self._inbox or self._aborts or stop.is_set():
+                return
+            if not self.states:
                 self._cond.wait(timeout)
+            elif self._idle_step:   # in flight but nothing could be scheduled: don't busy-loop
+                self._cond.wait(0.001)
 
     def wake(self) -> None:
         with self._cond:
@@ -174,6 +180,7 @@ class EngineCore:
         events: list[Event] = []
         self._take_inbox(events)
         out = self.scheduler.schedule()
+        self._idle_step = out.is_empty
         if out.is_empty:
             return events
         start_perf, start_ns = time.perf_counter(), time.time_ns()
