@@ -114,6 +114,7 @@ class MetadataBuilder:
         self.slot_mapping = {t: _Buf((n,), torch.int64, device) for t in specs}
         self.block_table = {t: _Buf((s, self.max_blocks), torch.int32, device) for t in specs}
         self.mm_ranges.np.fill(-1)
+        self._any_bidirectional = any(spec.bidirectional for spec in specs.values())
         self._high_water = 0     # token rows the last step used; rows past this step's are reset
 
     def build(self, scheduled: Sequence[ScheduledRequest], kv: KVCacheManager) -> StepInputs:
@@ -153,8 +154,10 @@ class MetadataBuilder:
             np.take(kv.table_rows[t], rows, axis=0, out=table[:num_reqs])
             self.slot_mapping[t].np[:num_tokens] = table[req_of_token, block_of_pos] * bs + offset_in_block
 
-        ranges_rows = fill_query_ranges(
-            self.mm_ranges.np, qsl, ctx, [s.request.mm_ranges_np for s in scheduled])
+        ranges_rows = 0
+        if self._any_bidirectional:   # models without bidirectional layers never need the table
+            ranges_rows = fill_query_ranges(
+                self.mm_ranges.np, qsl, ctx, [s.request.mm_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
             self.mm_ranges.np[:self._high_water] = -1
         elif num_tokens < self._high_water:
