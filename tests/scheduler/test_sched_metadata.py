@@ -153,3 +153,16 @@ def test_poisoned_device_rows_are_never_visible():
         assert (md.slot_mapping >= 0).all() and (md.block_table >= 0).all()
     assert (inp.positions >= 0).all()
     assert np.array_equal(inp.positions.numpy(), builder.positions.np[:inp.num_tokens])
+
+
+def test_causal_only_models_get_no_range_table():
+    import dataclasses
+
+    specs = {t: dataclasses.replace(s, bidirectional=False) for t, s in SPECS.items()}
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(make_request("v", 30, [(2, 9), (12, 20)]))
+    builder = MetadataBuilder(specs, max_num_batched_tokens=32, max_num_seqs=sched.max_num_seqs,
+                              max_model_len=sched.max_model_len, block_size=4, device="cpu")
+    inp = builder.build(sched.schedule().scheduled, sched.kv)
+    assert all(md.mm_ranges is None for md in inp.attn_metadata.values())
+    assert inp.mm_token_index is not None   # the frames still take their vision embeddings
