@@ -20,7 +20,8 @@ class ScheduledItem:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step: both clocks, so spans (ns epoch) and durations (perf_counter) line up."""
+    """One engine step: both clocks, so spans (ns epoch) and durations (perf_counter) line up.
+    The interval covers the runner (vision, forward, logits) and sampling, not scheduling."""
 
     step_index: int
     start_perf: float
