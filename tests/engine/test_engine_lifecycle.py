@@ -188,3 +188,20 @@ def test_offline_llm_raises_after_draining_and_stays_usable(load_backend):
     assert all(p.num_free == p.num_usable for p in llm.core.kv.pools.values())
     again = llm.generate([build_request("good2", [30], seed=9, max_tokens=3)])
     assert again[0].finish_reason == "length"
+
+
+def test_model_info_and_load_describe_the_engine(load_backend):
+    async def body(engine):
+        info = engine.model_info
+        spec = engine.core.model.spec
+        assert info.context_length == min(128, spec.max_model_len)
+        assert info.tokens_per_frame == spec.video_max_soft_tokens and info.backend == "reference"
+        stream = engine.generate(build_request("busy", [20], seed=10, max_tokens=50))
+        await stream.__anext__()
+        load = engine.load()
+        assert load.running == 1 and 0 < load.kv_usage < 1 and load.max_num_seqs == 8
+        await stream.aclose()
+        await wait_idle(engine)
+        assert engine.load().kv_usage == 0
+
+    run_engine(load_backend, body, max_model_len=128)
