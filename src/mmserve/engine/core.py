@@ -91,10 +91,10 @@ class EngineCore:
         """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
         if req.sampling.stop and self.tokenizer is None:
             raise InvalidInputError("stop", "this checkpoint has no tokenizer, so stop strings cannot match")
+        if len(req.mm_inputs) != len(req.mm_ranges):
+            raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
                           mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context)
-        if req.mm_ranges and len(req.mm_inputs) != len(req.mm_ranges):
-            raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
         self.scheduler.check_admissible(request)
         detok = None
         if self.tokenizer is not None:
