@@ -161,22 +161,52 @@ class FlexImpl:
         t.logical_block[0] = -1
 
     def _build_block_mask(self, md: AttentionMetadata, cache_blocks: int) -> BlockMask:
-        """Per query block, the physical blocks holding keys some row may keep: its window and its frame."""
+        """Per query block, the physical blocks some row may keep (its window and its frame).
+
+        Each row keeps exactly the keys [lo, hi] of row_key_bounds (an interval: both the window
+        and the row's own range contain q), so a key block inside every row's interval, of the one
+        request all rows belong to, is listed as full and the kernel skips the mask_mod there.
+        """
         T, bs = md.num_actual_tokens, md.block_size
         device = md.positions.device
         req = token_request_ids(md.query_start_loc, T)
-        lo, hi = row_key_bounds(md, self.spec)
-        lo, hi = lo // bs, hi // bs
+        lo_key, hi_key = row_key_bounds(md, self.spec)
         logical = torch.arange(md.block_table.shape[1], device=device)
-        phys = md.block_table[: md.num_reqs].long()[req]                     # [T, MB]
-        used = (logical >= lo[:, None]) & (logical <= hi[:, None]) & (phys != 0)
+        tables = md.block_table[: md.num_reqs].long()
+        phys = tables[req]                                                    # [T, MB]
+        used = (logical >= (lo_key // bs)[:, None]) & (logical <= (hi_key // bs)[:, None]) & (phys != 0)
         num_q_blocks = self.max_num_tokens // Q_BLOCK
-        needed = torch.zeros(num_q_blocks, cache_blocks + 1, dtype=torch.bool, device=device)
-        q_block = (torch.arange(T, device=device) // Q_BLOCK)[:, None].expand_as(phys)
-        needed[q_block, torch.where(used, phys, cache_blocks)] = True
-        needed = needed[:, :cache_blocks]
-        kv_num_blocks = needed.sum(-1, dtype=torch.int32)
-        kv_indices = torch.argsort(needed.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return BlockMask.from_kv_blocks(kv_num_blocks[None, None], kv_indices[None, None], BLOCK_SIZE=(Q_BLOCK, bs),
-                                        mask_mod=self._mask_mod, seq_lengths=(self.max_num_tokens, cache_blocks * bs),
-                                        compute_q_blocks=False)
+        q_block = torch.arange(T, device=device) // Q_BLOCK
+        needed = self._block_matrix(q_block[:, None].expand_as(phys), phys, used, num_q_blocks, cache_blocks)
+
+        def per_q_block(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
+            start = torch.full((num_q_blocks,), fill, dtype=torch.long, device=device)
+            return start.scatter_reduce(0, q_block, values, reduce)
+        big = 2**62
+        block_lo, block_hi = per_q_block(lo_key, -1, "amax"), per_q_block(hi_key, big, "amin")
+        owner = per_q_block(req, big, "amin")
+        single = owner == per_q_block(req, -1, "amax")
+        owner_phys = tables[owner.clamp(0, md.num_reqs - 1)]                  # [num_q_blocks, MB]
+        full = (single[:, None] & (logical >= ((block_lo + bs - 1) // bs)[:, None])
+                & (logical <= ((block_hi + 1) // bs - 1)[:, None]) & (owner_phys != 0))
+        rows = torch.arange(num_q_blocks, device=device)[:, None].expand_as(owner_phys)
+        full_blocks = self._block_matrix(rows, owner_phys, full, num_q_blocks, cache_blocks)
+        partial_blocks = needed & ~full_blocks
+        return BlockMask.from_kv_blocks(*self._lists(partial_blocks), *self._lists(full_blocks),
+                                        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self._mask_mod,
+                                        seq_lengths=(self.max_num_tokens, cache_blocks * bs), compute_q_blocks=False)
+
+    @staticmethod
+    def _block_matrix(rows: torch.Tensor, phys: torch.Tensor, use: torch.Tensor, num_rows: int,
+                      cache_blocks: int) -> torch.Tensor:
+        """[num_rows, cache_blocks] bool with True at (rows, phys) where `use` (scatter, no sync)."""
+        out = torch.zeros(num_rows, cache_blocks + 1, dtype=torch.bool, device=phys.device)
+        out[rows, torch.where(use, phys, cache_blocks)] = True
+        return out[:, :cache_blocks]
+
+    @staticmethod
+    def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(count [1, 1, rows], indices [1, 1, rows, cache_blocks]) with the listed blocks first."""
+        count = blocks.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count[None, None], indices[None, None]
