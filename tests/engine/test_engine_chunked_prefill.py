@@ -41,11 +41,13 @@ def test_chunked_prefill_equals_one_shot(backend, load_backend, engine_checkpoin
     seeds = torch.randint(0, 10_000, (len(PROMPTS),)).tolist()   # fresh prompts every run
     requests = {kind: build_request(kind, parts, seed) for (kind, parts), seed in zip(PROMPTS.items(), seeds, strict=True)}
     results = {}
-    for budget in (16, 64, 1024):
+    # 512 is "unlimited" here (every prompt is far shorter) and equals the capacity the model's
+    # compiled backends were built with, so flex compiles once per layer type, not once per budget.
+    for budget in (16, 64, 512):
         llm = make_llm(model_tok, max_num_batched_tokens=budget, attention_backend=backend)
         completions, logits = run_recording_logits(llm, list(requests.values()))
         results[budget] = ({c.request_id: c.token_ids for c in completions}, logits)
-    one_shot_tokens, one_shot_logits = results[1024]
+    one_shot_tokens, one_shot_logits = results[512]
     for kind, req in requests.items():
         assert len(one_shot_tokens[kind]) == 6
         assert rel_err(one_shot_logits[kind][0], hf_last_logits(hf, req)) < 1e-4, kind
@@ -62,5 +64,5 @@ def test_prompts_really_chunk_and_outgrow_the_window(load_backend):
     window = model.spec.attention_specs["sliding_attention"].window
     for kind, parts in PROMPTS.items():
         req = build_request(kind, parts, 0)
-        assert len(req.prompt_token_ids) > 2 * 16, kind
+        assert 2 * 16 < len(req.prompt_token_ids) < 512, kind   # several chunks at 16, one at 512
     assert any(e - s + 1 > window for s, e in build_request("v", PROMPTS["video"], 0).mm_ranges)
