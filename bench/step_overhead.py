@@ -1,11 +1,12 @@
 """Engine time per decode step outside the model: scheduling, metadata, sampling, output handling.
 
-    python bench/step_overhead.py            # 1..256 running requests; JSON to bench/results/step_overhead.json
+    python bench/step_overhead.py            # tiny: 1..256 requests, larger: 1..64; JSON to bench/results/
     python bench/step_overhead.py --smoke    # seconds; JSON to a temp file
 
-R requests decode together on a tiny random Gemma 4 (so the model's own time is small and the
-engine's share shows). Each phase is timed by wrapping the engine's own methods; overhead = the
-whole step minus model.forward and compute_logits.
+R requests decode together on a random Gemma 4: "tiny" (the model's own time is small, so the
+engine's share shows) and "larger" (real head dims, compute dominates). Each phase is timed by
+wrapping the engine's own methods; overhead = the whole step minus model.forward and
+compute_logits, and its share of the step is reported.
 """
 
 from __future__ import annotations
@@ -30,19 +31,27 @@ logger = logging.getLogger("bench.step_overhead")
 RESULTS = Path(__file__).resolve().parent / "results" / "step_overhead.json"
 
 
-def tiny_checkpoint(root: Path) -> Path:
-    """A random text-only Gemma 4 with the real layer pattern's shape, small enough for CPU."""
+SIZES = {
+    # tiny: the model's own time is small, so the engine's share shows
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 global_head_dim=32, vocab_size=512),
+    # larger: Gemma 4's real head dims (256 sliding / 512 full), so compute dominates Python overhead
+    "larger": dict(hidden_size=512, intermediate_size=2048, num_attention_heads=8, num_key_value_heads=4,
+                   head_dim=256, global_head_dim=512, vocab_size=8192),
+}
+
+
+def random_checkpoint(root: Path, size: str) -> Path:
+    """A random text-only Gemma 4 (6 layers, sliding/full pattern, K=V full layers)."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    text = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
-                attention_k_eq_v=True, sliding_window=64,
+    text = dict(num_hidden_layers=6, num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=64,
                 layer_types=(["sliding_attention"] * 2 + ["full_attention"]) * 2,
                 rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                  "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                     "rope_theta": 1000000.0}},
                 use_bidirectional_attention="vision", hidden_size_per_layer_input=0, num_kv_shared_layers=0,
-                max_position_embeddings=4096)
+                max_position_embeddings=4096, **SIZES[size])
     cfg = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
     Gemma4ForConditionalGeneration(cfg).save_pretrained(str(root))
     return root
@@ -65,7 +74,7 @@ class Timer:
         setattr(obj, name, timed)
 
 
-def measure(model_dir: Path, num_reqs: int, steps: int, backend: str) -> dict:
+def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str) -> dict:
     config = EngineConfig(model=str(model_dir), device="cpu", attention_backend=backend,
                           max_num_seqs=num_reqs, max_num_batched_tokens=max(512, num_reqs), block_size=16,
                           num_kv_blocks=num_reqs * 4 + 8)
@@ -80,7 +89,7 @@ def measure(model_dir: Path, num_reqs: int, steps: int, backend: str) -> dict:
     timers = {name: Timer(obj, attr) for name, (obj, attr) in {
         "schedule": (core.scheduler, "schedule"), "build_metadata": (core.runner.builder, "build"),
         "forward": (core.model, "forward"), "logits": (core.model, "compute_logits"),
-        "sample": (core.sampler, "sample")}.items()}
+        "sample": (core.sampler, "sample"), "outputs": (core, "_publish_tokens")}.items()}
     per_step = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -90,33 +99,38 @@ def measure(model_dir: Path, num_reqs: int, steps: int, backend: str) -> dict:
     model = timers["forward"].total + timers["logits"].total
     ms = {k: round(t.total / steps * 1e3, 3) for k, t in timers.items()}
     overhead = (total - model) / steps
-    return dict(requests=num_reqs, step_ms=round(total / steps * 1e3, 3),
+    return dict(size=size, requests=num_reqs, step_ms=round(total / steps * 1e3, 3),
+                overhead_share=round((total - model) / total, 3),
                 step_ms_median=round(statistics.median(per_step) * 1e3, 3), model_ms=round(model / steps * 1e3, 3),
                 overhead_ms=round(overhead * 1e3, 3), overhead_us_per_request=round(overhead / num_reqs * 1e6, 1),
                 **{f"{k}_ms": v for k, v in ms.items() if k not in ("forward", "logits")},
-                other_ms=round(overhead * 1e3 - ms["schedule"] - ms["build_metadata"] - ms["sample"], 3))
+                other_ms=round(overhead * 1e3 - ms["schedule"] - ms["build_metadata"] - ms["sample"] - ms["outputs"], 3))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="two sizes, few steps; JSON to a temp file")
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: a tiny random one)")
+    p.add_argument("--smoke", action="store_true", help="tiny model at 1 and 16 requests, few steps; JSON to a temp file")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: random tiny and larger ones)")
     p.add_argument("--backend", default="reference")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    sizes = [1, 16] if args.smoke else [1, 4, 16, 64, 128, 256]
-    steps = 5 if args.smoke else 30
+    steps = 5 if args.smoke else 20
+    plan = {"tiny": [1, 16]} if args.smoke else {"tiny": [1, 4, 16, 64, 128, 256], "larger": [1, 16, 64]}
+    if args.model is not None:
+        plan = {"given": plan["tiny"]}
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or tiny_checkpoint(Path(tmp) / "tiny")
-        rows = [measure(model_dir, n, steps, args.backend) for n in sizes]
-    cols = ["requests", "step_ms", "model_ms", "overhead_ms", "overhead_us_per_request", "schedule_ms",
-            "build_metadata_ms", "sample_ms", "other_ms"]
-    print(" ".join(f"{c:>12}" for c in ["reqs", "step ms", "model ms", "overhead ms", "us/req", "schedule",
-                                          "metadata", "sample", "other"]))
+        for size, counts in plan.items():
+            model_dir = args.model or random_checkpoint(Path(tmp) / size, size)
+            rows += [measure(model_dir, n, steps, args.backend, size) for n in counts]
+    cols = ["size", "requests", "step_ms", "model_ms", "overhead_ms", "overhead_share", "overhead_us_per_request",
+            "schedule_ms", "build_metadata_ms", "sample_ms", "outputs_ms", "other_ms"]
+    print(" ".join(f"{c:>10}" for c in ["size", "reqs", "step ms", "model ms", "ovh ms", "ovh share", "us/req",
+                                         "schedule", "metadata", "sample", "outputs", "other"]))
     for row in rows:
-        print(" ".join(f"{row[c]:>12}" for c in cols))
+        print(" ".join(f"{row[c]:>10}" for c in cols))
     out = args.out or (Path(tempfile.mkdtemp()) / "step_overhead.json" if args.smoke else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"backend": args.backend, "torch": torch.__version__, "rows": rows}, indent=2))
