@@ -205,3 +205,22 @@ def test_model_info_and_load_describe_the_engine(load_backend):
         assert engine.load().kv_usage == 0
 
     run_engine(load_backend, body, max_model_len=128)
+
+
+def test_a_failing_observer_never_fails_a_request(load_backend):
+    from engine_helpers import make_llm
+
+    class Broken(NullObserver):
+        def on_request_queued(self, request):
+            raise RuntimeError("observer bug")
+
+        on_first_token = on_step = on_request_queued
+
+        def on_request_finished(self, request, finish_reason, error):
+            raise RuntimeError("observer bug")
+
+    llm = make_llm(load_backend("reference"))
+    llm.core.observer = Broken()
+    out = llm.generate([build_request("ok", [12, ("video", [4])], seed=13, max_tokens=4)])
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
+    assert not llm.core.has_work

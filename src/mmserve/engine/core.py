@@ -147,6 +147,13 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.states or self._inbox or self._aborts)
 
+    def _notify(self, hook: str, *args) -> None:
+        """Call an observer hook; a failing observer is logged and never fails a request."""
+        try:
+            getattr(self.observer, hook)(*args)
+        except Exception:
+            logger.exception("observer.%s failed", hook)
+
     def _end(self, rid: str, events: list[Event], item: RequestOutput | BaseException,
              reason: str | None = None) -> None:
         """The single exit of every admitted request: free everything, tell the observer and the stream."""
@@ -156,11 +163,8 @@ class EngineCore:
         self.sampler.free(rid)
         with self._cond:
             self._live.discard(rid)
-        try:
-            self.observer.on_request_finished(state.request, reason,
-                                              item if isinstance(item, BaseException) else None)
-        except Exception:
-            logger.exception("observer.on_request_finished failed for %s", rid)
+        self._notify("on_request_finished", state.request, reason,
+                     item if isinstance(item, BaseException) else None)
         events.append((rid, item))
 
     def _take_inbox(self, events: list[Event]) -> None:
@@ -170,7 +174,7 @@ class EngineCore:
         for state in inbox:
             self.states[state.request.request_id] = state
             self.scheduler.enqueue(state.request)
-            self.observer.on_request_queued(state.request)
+            self._notify("on_request_queued", state.request)
         for rid in aborts:
             if rid in self.states:
                 self._end(rid, events, RequestAbortedError(f"request {rid} was aborted"))
@@ -213,7 +217,7 @@ class EngineCore:
                 s.request.output_token_ids.append(token)
                 if state.first_token is None:
                     state.first_token = now
-                    self.observer.on_first_token(s.request)
+                    self._notify("on_first_token", s.request)
                 delta = state.append(token, self.eos_token_ids)
             except Exception as exc:
                 logger.exception("request %s: output processing failed", rid)
@@ -238,10 +242,7 @@ class EngineCore:
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
                             len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage())
         self.step_index += 1
-        try:
-            self.observer.on_step(record)
-        except Exception:
-            logger.exception("observer.on_step failed")
+        self._notify("on_step", record)
 
     def shutdown_requests(self, error: BaseException) -> list[Event]:
         """End every request still in flight (engine thread, after the loop stopped)."""
