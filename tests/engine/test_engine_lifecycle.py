@@ -224,3 +224,23 @@ def test_a_failing_observer_never_fails_a_request(load_backend):
     out = llm.generate([build_request("ok", [12, ("video", [4])], seed=13, max_tokens=4)])
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
     assert not llm.core.has_work
+
+
+def test_a_scheduler_bug_ends_requests_instead_of_looping(load_backend):
+    async def body(engine):
+        schedule = engine.core.scheduler.schedule
+        calls = []
+
+        def failing_once():   # fault injection: the first schedule() after admission raises
+            if not calls:
+                calls.append(1)
+                raise RuntimeError("scheduler bug")
+            return schedule()
+
+        engine.core.scheduler.schedule = failing_once
+        with pytest.raises(EngineInternalError, match="request first: engine error"):
+            await _collect(engine, build_request("first", [10], seed=14, max_tokens=3))
+        outs = await _collect(engine, build_request("second", [10], seed=15, max_tokens=3))
+        assert outs[-1].finish_reason == "length"
+
+    run_engine(load_backend, body)

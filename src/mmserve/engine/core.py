@@ -252,6 +252,18 @@ class EngineCore:
             self._end(rid, events, error)
         return events
 
+    def _fail_everything(self, exc: Exception) -> list[Event]:
+        """After a bug outside the model step (scheduling, bookkeeping) the engine's state is suspect:
+        end everything in flight visibly rather than retry the same failure forever."""
+        events: list[Event] = []
+        try:
+            self._take_inbox(events)
+            for rid in list(self.states):
+                self._end(rid, events, EngineInternalError(f"request {rid}: engine error: {exc!r}"))
+        except Exception:
+            logger.exception("could not fail the requests in flight cleanly")
+        return events
+
     def run(self, sink: Callable[[list[Event]], None], stop: threading.Event) -> None:
         """The engine thread's loop: step while there is work, sleep on the inbox otherwise."""
         while not stop.is_set():
@@ -260,8 +272,8 @@ class EngineCore:
                 break
             try:
                 events = self.step()
-            except Exception:   # a bug outside the model step: log it and keep the loop alive
-                logger.exception("engine loop error")
-                continue
+            except Exception as exc:
+                logger.exception("engine loop error; failing every request in flight")
+                events = self._fail_everything(exc)
             if events:
                 sink(events)
