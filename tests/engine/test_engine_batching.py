@@ -106,8 +106,7 @@ def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
         def on_step(self, record):
             for t in held:
                 held[t].append(llm.core.kv.num_held("long", t))
-            prompt_done = record.items[0].context_len >= len(req.prompt_token_ids)
-            cached.append(("long" in llm.core.runner.encoder_cache, prompt_done))
+            cached.append(("long" in llm.core.runner.encoder_cache, record.items[0].num_frames_encoded))
 
     llm.core.observer = Watch()
     out = llm.generate([req])[0]
@@ -116,6 +115,6 @@ def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
     assert max(held[FULL]) == -(-total // bs)              # full layers keep everything
     assert max(held[SLIDING]) <= (window + budget) // bs + 2  # sliding layers: window + one chunk
     assert held[SLIDING][-1] <= window // bs + 2              # decoding: just the window
-    # frames are encoded as their tokens enter and dropped once the prompt is in the KV cache
-    assert any(c for c, _ in cached) and not any(c for c, done in cached if done)
+    # every frame is encoded exactly once, in the step its tokens enter, and dropped by that step's end
+    assert sum(n for _, n in cached) == 20 and not any(c for c, _ in cached)
     assert_pools_full(llm.core)

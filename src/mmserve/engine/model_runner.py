@@ -1,8 +1,9 @@
 """Owns the model and its paged KV caches; turns one SchedulerOutput into logits.
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame) and kept in a per-request encoder cache until the request's prompt is fully in
-the KV cache; a preempted, finished or aborted request's entries are dropped at once.
+the largest frame) into a per-request encoder cache. An entry lives until its frame's range is in
+the KV cache (the end of that step, since chunks never split a frame), and never past the prompt;
+a preempted, finished or aborted request's entries are dropped at once.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class ModelRunner:
                                     mm_embeds, inputs.mm_token_index)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         for s in out.scheduled:
-            if s.context_len + s.num_tokens >= s.request.num_prompt_tokens:
-                self.free(s.request.request_id)   # prompt fully cached: its frames are never needed again
+            # A frame's embeddings are needed until its whole range is in the KV cache, which (chunks
+            # never split a frame) is the end of the step that encoded it.
+            cache = self.encoder_cache.get(s.request.request_id)
+            if cache is not None:
+                for f in s.frames:
+                    cache.pop(f, None)
+                if not cache or s.context_len + s.num_tokens >= s.request.num_prompt_tokens:
+                    self.free(s.request.request_id)
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampled])
