@@ -24,8 +24,9 @@ _BACKENDS: dict[str, tuple[str, str, bool]] = {
     "fa4": ("mmserve.attention.fa4", "Fa4Impl", False),
 }
 
-# Fastest correct CPU backend measured by bench/attention.py (see docs/benchmarks.md).
-CPU_AUTO_BACKEND = "reference"
+# Fastest correct CPU backend over bench/attention.py's steps (bench/results/attention.json): sdpa
+# in total; flex wins sliding layers and decode but loses full-layer prefill, and compiles first.
+CPU_AUTO_BACKEND = "sdpa"
 
 
 def available_backends() -> list[str]:
