@@ -90,3 +90,30 @@ def test_persistent_rows_mirror_the_tables_through_growth_and_reuse():
     for t in (SLIDING, FULL):
         free_rows = [i for i in range(kv.table_rows[t].shape[0]) if i not in used_rows]
         assert not kv.table_rows[t][free_rows].any()
+
+
+def test_windowed_pool_is_capped_and_its_bytes_go_to_the_full_pool():
+    import random
+
+    from sched_helpers import random_ranges, run_to_completion
+
+    from mmserve.scheduler.kv_cache_manager import KVCacheManager
+    from mmserve.scheduler.scheduler import Scheduler
+
+    per_block = {SLIDING: 4 * 2 * 4 * 2 * 16 * 4, FULL: 2 * 2 * 4 * 1 * 32 * 4}
+    budget = 400 * sum(per_block.values())
+    plans = plan_pools(LAYER_TYPES, SPECS, block_size=4, dtype_bytes=4, kv_cache_bytes=budget,
+                       max_num_seqs=4, max_chunk=32)
+    cap = 4 * (-(-(8 + 32) // 4) + 1) + 1
+    assert plans[SLIDING].num_blocks == cap < 400 < plans[FULL].num_blocks
+    assert sum(p.num_blocks * per_block[t] for t, p in plans.items()) <= budget
+    # four requests at a time with full-budget chunks never run the capped pool dry
+    sched = Scheduler(KVCacheManager(plans, 4, max_model_len=512), max_num_batched_tokens=32, max_num_seqs=4,
+                      max_model_len=512)
+    rng = random.Random(1)
+    for i in range(12):
+        sched.add_request(make_request(f"r{i}", 150, random_ranges(rng, 150, max_len=10), max_tokens=20))
+    preempted = []
+    run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
+    assert preempted == []
+    assert all(p.num_free == p.num_usable for p in sched.kv.pools.values())

@@ -63,7 +63,8 @@ class EngineCore:
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
         plans = plan_pools(list(spec.layer_types), spec.attention_specs, block_size=config.block_size,
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
-                           kv_cache_bytes=config.kv_cache_bytes)
+                           kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+                           max_chunk=config.max_num_batched_tokens)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
