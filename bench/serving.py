@@ -106,9 +106,9 @@ class ModelResult:
 
 # --- workload -----------------------------------------------------------------------------------
 
-def clips(count: int) -> list[bytes]:
+def clips(count: int, num_frames: int) -> list[bytes]:
     """Distinct synthetic clips of one size (so a padded batch needs no patch padding)."""
-    return [make_clip(seed).data for seed in range(count)]
+    return [make_clip(seed, num_frames=num_frames).data for seed in range(count)]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -343,7 +343,7 @@ def parameter_count(model_dir: Path) -> int:
 
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path) -> ModelResult:
     levels = args.concurrency
-    videos = clips(max(max(levels), args.min_requests))
+    videos = clips(max(max(levels), args.min_requests), args.num_frames)
     result = ModelResult(name=name, path=str(model_dir), parameters=parameter_count(model_dir), prompt_tokens=0,
                          max_tokens=args.max_tokens, num_frames=args.num_frames)
     engine_tokens: list[tuple[int, ...]] = []
