@@ -6,7 +6,7 @@ import pytest
 import torch
 from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
-from mmserve.attention.mask import batch_dense_mask, keep_for_spec
+from mmserve.attention.mask import batch_dense_mask, keep_for_spec, request_mask
 
 
 def naive_row(spec, q: int, r_start: int, r_end: int, seq_len: int, block_row: list[int], block_size: int):
@@ -61,3 +61,15 @@ def test_batch_mask_rows_follow_each_requests_own_ranges():
     batch = make_batch(reqs, SLIDING_SPEC)
     mask = batch_dense_mask(batch.metadata, SLIDING_SPEC)
     assert mask[2, 7] and not mask[12 + 2, 7]  # same positions, only the first request has the frame
+
+
+@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: f"{s.layer_type}-clamp{s.clamp_bidirectional}")
+def test_request_mask_is_the_batch_mask_slice(spec):
+    for reqs in standard_batches().values():
+        md = make_batch(reqs, spec, free_outside_window=True).metadata
+        full = batch_dense_mask(md, spec)
+        qsl = md.query_start_loc.tolist()
+        for r, req in enumerate(reqs):
+            for first in (0, req.seq_len // 3, req.seq_len - 1):
+                got = request_mask(md, spec, r, slice(qsl[r], qsl[r + 1]), first, req.seq_len)
+                assert torch.equal(got, full[qsl[r]: qsl[r + 1], first: req.seq_len])

@@ -64,3 +64,21 @@ def batch_dense_mask(metadata: AttentionMetadata, spec: LayerAttentionSpec, num_
     mask = keep_for_spec(q, k, r_start, r_end, spec)
     req = token_request_ids(metadata.query_start_loc, T)
     return mask & key_valid(metadata, num_keys)[req]
+
+
+def request_mask(metadata: AttentionMetadata, spec: LayerAttentionSpec, req: int, rows: slice, first_key: int,
+                 num_keys: int) -> torch.Tensor:
+    """[len(rows), num_keys - first_key] bool: one request's query rows over its keys first_key..num_keys-1.
+
+    What per-request backends attend over; equal to the matching slice of batch_dense_mask without
+    building the whole [T, max_seq_len] matrix.
+    """
+    q = metadata.positions[rows].to(torch.int64)[:, None]
+    k = torch.arange(first_key, num_keys, device=q.device)[None, :]
+    if metadata.mm_ranges is not None and spec.bidirectional:
+        ranges = metadata.mm_ranges[rows].to(torch.int64)
+        r_start, r_end = ranges[:, 0:1], ranges[:, 1:2]
+    else:
+        r_start = r_end = torch.full_like(q, -1)
+    valid = metadata.block_table[req, k // metadata.block_size] != 0
+    return keep_for_spec(q, k, r_start, r_end, spec) & valid

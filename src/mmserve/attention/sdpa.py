@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
-from mmserve.attention.mask import batch_dense_mask
+from mmserve.attention.mask import request_mask
 from mmserve.attention.paged import gather_kv, write_kv
 
 
@@ -38,7 +38,6 @@ class SdpaImpl:
         seq_lens = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens).tolist()
         use_ranges = metadata.mm_ranges is not None and self.spec.bidirectional
         range_starts = self._range_starts(metadata, qsl) if use_ranges else [None] * metadata.num_reqs
-        mask = batch_dense_mask(metadata, self.spec) if metadata.max_query_len > 1 or use_ranges else None
         out = torch.empty_like(q)
         for r in range(metadata.num_reqs):
             start, end = qsl[r], qsl[r + 1]
@@ -49,7 +48,7 @@ class SdpaImpl:
             keys, values = gather_kv(kv_cache, metadata.block_table[r], seq_len, first_key=lo)
             row_mask = None
             if end - start > 1 or range_starts[r] is not None:
-                row_mask = mask[start:end, lo:seq_len][None]
+                row_mask = request_mask(metadata, self.spec, r, slice(start, end), lo, seq_len)[None]
             out[start:end] = self._attend(q[start:end], keys, values, row_mask)
         return out
 
