@@ -1,7 +1,7 @@
 """Shared fixtures: real PyAV-encoded videos and a real mmserve server on 127.0.0.1:0.
 
-`mmserve_server` serves the embedded demo model when it is present (src/mmserve/demo_model/),
-else a tiny random Gemma 4 checkpoint; it runs the real AsyncEngine in a background thread with
+`mmserve_server` serves $MMSERVE_TEST_MODEL, else the embedded demo model when it is present
+(src/mmserve/demo_model/), else a tiny random Gemma 4 checkpoint; it runs the real AsyncEngine in a background thread with
 its own event loop, once per test session. The `start_server` fixture starts one with other options.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -60,7 +61,10 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def served_model(request) -> Path:
-    """The embedded demo model when it has landed, else a tiny random checkpoint."""
+    """$MMSERVE_TEST_MODEL if set, else the embedded demo model when it has landed, else a tiny
+    random checkpoint."""
+    if given := os.environ.get("MMSERVE_TEST_MODEL"):
+        return Path(given)
     if (DEMO_MODEL_DIR / "config.json").exists():
         return DEMO_MODEL_DIR
     return request.getfixturevalue("tiny_checkpoint")
