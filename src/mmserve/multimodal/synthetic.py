@@ -26,6 +26,7 @@ COLOURS = {
     "purple": (160, 40, 220),
     "white": (240, 240, 240),
 }
+SHAPE_RADIUS = 6.0
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 CONTAINERS = {"mp4": ("mp4", "libx264"), "webm": ("webm", "libvpx"), "avi": ("avi", "mpeg4"), "mkv": ("matroska", "libx264")}
 
@@ -63,7 +64,9 @@ def caption(motions: list[Motion]) -> str:
 def _motion(rng: np.random.Generator, shape: str, size: int, num_frames: int) -> Motion:
     colour = list(COLOURS)[rng.integers(len(COLOURS))]
     direction = list(DIRECTIONS)[rng.integers(len(DIRECTIONS))]
-    radius = float(rng.uniform(5.0, 6.5))
+    # One size for every shape: then a square (12x12) covers clearly more pixels than a circle
+    # (d=12), which covers more than a triangle; at 32x32 the outline alone is a few pixels.
+    radius = SHAPE_RADIUS
     travel = float(rng.uniform(10.0, 14.0))  # over the whole clip, whatever its frame count
     speed = travel / max(1, num_frames - 1)
     dx, dy = DIRECTIONS[direction]
@@ -91,8 +94,7 @@ def _draw(draw: ImageDraw.ImageDraw, m: Motion, cx: float, cy: float) -> None:
     if m.shape == "circle":
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=fill)
     elif m.shape == "square":
-        s = r * 0.85
-        draw.rectangle([cx - s, cy - s, cx + s, cy + s], fill=fill)
+        draw.rectangle([cx - r, cy - r, cx + r, cy + r], fill=fill)
     else:
         draw.polygon([(cx, cy - r), (cx + r, cy + r * 0.8), (cx - r, cy + r * 0.8)], fill=fill)
 
