@@ -24,8 +24,9 @@ _BACKENDS: dict[str, tuple[str, str, bool]] = {
     "fa4": ("mmserve.attention.fa4", "Fa4Impl", False),
 }
 
-# Fastest correct CPU backend over bench/attention.py's steps (bench/results/attention.json): sdpa
-# in total; flex wins sliding layers and decode but loses full-layer prefill, and compiles first.
+# CPU choice from bench/attention.py (bench/results/attention.json): sdpa and flex tie in steady
+# state over all steps (flex wins sliding layers and decode, loses long full-layer prefill), and
+# flex first spends seconds compiling per layer type, so auto takes sdpa.
 CPU_AUTO_BACKEND = "sdpa"
 
 
