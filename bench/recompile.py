@@ -60,8 +60,8 @@ def count_torch(backend: str, spec: LayerAttentionSpec, frame_counts: list[int],
     times = []
     for n in frame_counts:
         reqs = video_step(n, frame_tokens, budget)
-        batch = make_batch(reqs, spec, num_blocks=512,
-                           gen=torch.Generator().manual_seed(n))
+        # Block tables as wide as the engine's (max_model_len 8192 / 16), as in serving.
+        batch = make_batch(reqs, spec, num_blocks=512, table_width=512, gen=torch.Generator().manual_seed(n))
         start = time.perf_counter()
         impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
         times.append(time.perf_counter() - start)

@@ -53,18 +53,19 @@ def query_ranges(reqs: list[Req]) -> torch.Tensor | None:
 
 def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype = torch.float32,
                block_size: int = 16, num_blocks: int = 128, gen: torch.Generator | None = None,
-               free_outside_window: bool = False) -> Batch:
+               free_outside_window: bool = False, table_width: int | None = None) -> Batch:
     """A step over a random paged cache: blocks shuffled, garbage in unused blocks and in the null block 0.
 
     free_outside_window points blocks that no query of this step can keep at the null block, as the
-    scheduler does for sliding layers.
+    scheduler does for sliding layers. table_width fixes the block table's width the way the engine
+    does (ceil(max_model_len / block_size)); by default it just fits the batch.
     """
     gen = gen or torch.Generator().manual_seed(0)
     H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
     blocks_per_req = [-(-r.seq_len // block_size) for r in reqs]
     assert num_blocks > sum(blocks_per_req), "cache too small for the batch"
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
-    max_blocks = max(blocks_per_req) + 2
+    max_blocks = table_width or max(blocks_per_req) + 2
     block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
     kv_cache = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
     kv_cache[:, 0] = 1e3  # the null block must never be attended
