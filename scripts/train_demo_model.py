@@ -192,7 +192,7 @@ def save(model: Gemma4ForConditionalGeneration, tok: Tokenizer, out: Path) -> No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("src/mmserve/demo_model"))
-    p.add_argument("--train-clips", type=int, default=3000)
+    p.add_argument("--train-clips", type=int, default=6000)
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -200,8 +200,7 @@ def main() -> None:
                    help="stop early once the smoothed answer loss is below this")
     p.add_argument("--eval-clips", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--init-from", type=Path, default=None, help="start from this checkpoint's weights")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared machine (no spin-waiting)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
@@ -213,11 +212,7 @@ def main() -> None:
     tok = build_tokenizer()
     config = build_config(tok)
     config.text_config._attn_implementation = "sdpa"
-    if args.init_from:  # continue a previous run (its weights; fresh optimizer and schedule)
-        model = Gemma4ForConditionalGeneration.from_pretrained(args.init_from, dtype=torch.float32)
-        model.config.text_config._attn_implementation = "sdpa"
-    else:
-        model = Gemma4ForConditionalGeneration(config)
+    model = Gemma4ForConditionalGeneration(config)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id, eos_token_id=config.eos_token_id,
         do_sample=False, max_new_tokens=24)
@@ -228,8 +223,7 @@ def main() -> None:
     logger.info("built %d examples in %.0f s (prompt lengths %s)", len(data), time.time() - t0,
                 sorted({int((e["labels"] == -100).sum()) for e in data}))
 
-    if not args.init_from:
-        calibrate_standardization(model, data[:128])
+    calibrate_standardization(model, data[:128])
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
