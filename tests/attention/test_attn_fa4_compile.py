@@ -64,6 +64,7 @@ def call(spec: LayerAttentionSpec, md: AttentionMetadata, no_ranges: bool = Fals
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+@pytest.mark.filterwarnings("ignore:Argument aux_data")  # FA4-internal, upstream noise
 def test_mask_mod_kernel_compiles_once_across_frame_counts_and_windows(sm90_fake):
     before = compiled_kernels()
     with sm90_fake():
@@ -74,6 +75,8 @@ def test_mask_mod_kernel_compiles_once_across_frame_counts_and_windows(sm90_fake
         narrower = LayerAttentionSpec(SLIDING, 8, 4, 256, window=512, bidirectional=True)
         call(narrower, fake_step(8))  # the window is an aux scalar, not part of the key
         assert compiled_kernels() - before == 1
+        call(GEMMA_SLIDING, fake_step(8), no_ranges=True)  # frame-free steps: FA4's own sliding path
+        assert compiled_kernels() - before == 2
     assert fa4.mm_prefix_mask_mod(True) is fa4.mm_prefix_mask_mod(True)
     assert fa4.mm_prefix_mask_mod(True).__cute_hash__ != fa4.mm_prefix_mask_mod(False).__cute_hash__
 
