@@ -196,3 +196,28 @@ def test_seeded_sampling_is_reproducible(client):
 
     assert sample(11) == sample(11)
     assert len({sample(11), sample(12), sample(13)}) > 1
+
+
+def test_frames_part_equals_the_container(client, make_video):
+    """The same pixels sent as decoded PNG frames (at the clip's rate) or as the mp4 give the same prompt
+    and the same greedy tokens."""
+    import io
+
+    from PIL import Image
+
+    from mmserve.clients import frames_part, text_part
+
+    data = make_video(seed=int(torch.randint(0, 10_000, ())), num_frames=8, fps=4.0)
+    decoded = decode_video(data, num_frames=8, limits=MediaLimits())
+    pngs = []
+    for frame in decoded.frames:
+        out = io.BytesIO()
+        Image.fromarray(frame).save(out, format="PNG")
+        pngs.append(out.getvalue())
+    options = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    as_frames = client.generate([message("user", frames_part(pngs, fps=4.0), text_part("Describe the video."))],
+                                **options)
+    as_video = client.generate(prompt="Describe the video.", video=data, num_frames=8, **options)
+    assert as_frames.usage.num_frames == as_video.usage.num_frames == 8
+    assert as_frames.usage.prompt_tokens == as_video.usage.prompt_tokens
+    assert as_frames.token_ids == as_video.token_ids
