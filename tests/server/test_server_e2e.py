@@ -7,14 +7,26 @@ validation, input processing, engine, detokenisation) must be right, not merely 
 
 from __future__ import annotations
 
+import asyncio
+import io
 import threading
 import time
 
 import grpc
 import pytest
 import torch
+from PIL import Image
 
-from mmserve.clients import AsyncClient, Client, ClientError, message, user_message, video_part
+from mmserve.clients import (
+    AsyncClient,
+    Client,
+    ClientError,
+    frames_part,
+    message,
+    text_part,
+    user_message,
+    video_part,
+)
 from mmserve.model.config import load_spec
 from mmserve.model.messages import ChatMessage, VideoPart
 from mmserve.model.prompt import build_prompt
@@ -147,8 +159,6 @@ def test_abort_by_id_and_duplicate_ids(client, long_tokens):
 
 def test_async_client_streams_concurrently(mmserve_server, client):
     """Several concurrent async streams: each gets deltas then one final, equal to its own sync run."""
-    import asyncio
-
     prompts = [f"say {i}" for i in range(4)]
     expected = [client.generate(prompt=p, max_tokens=5, temperature=0, ignore_eos=True).token_ids for p in prompts]
 
@@ -201,12 +211,6 @@ def test_seeded_sampling_is_reproducible(client):
 def test_frames_part_equals_the_container(client, make_video):
     """The same pixels sent as decoded PNG frames (at the clip's rate) or as the mp4 give the same prompt
     and the same greedy tokens."""
-    import io
-
-    from PIL import Image
-
-    from mmserve.clients import frames_part, text_part
-
     data = make_video(seed=int(torch.randint(0, 10_000, ())), num_frames=8, fps=4.0)
     decoded = decode_video(data, num_frames=8, limits=MediaLimits())
     pngs = []
