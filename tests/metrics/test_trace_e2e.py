@@ -165,3 +165,36 @@ def test_prometheus_serves_the_server_metrics(traced):
     for name in ("mmserve_requests_waiting", "mmserve_requests_running", "mmserve_time_to_first_token_seconds_count",
                  "mmserve_generation_tokens_total", "mmserve_perf_mfu"):
         assert f"\n{name}" in text, name
+
+
+def test_generate_cli_trace_prints_the_id_of_the_servers_trace(traced, tmp_path, make_video):
+    """`mmserve generate --trace` (a separate process exporting its own span to the same receiver)
+    prints a trace id under which both its client span and the server's request tree arrive."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    server, receiver, _ = traced
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(make_video(seed=5, num_frames=4))
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "generate", "--server",
+         f"127.0.0.1:{server.port}", "--video", str(clip), "--num-frames", "2", "--prompt", "Describe the video.",
+         "--max-tokens", "3", "--temperature", "0", "--trace"],
+        capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"trace id: ([0-9a-f]{32})", proc.stderr)
+    assert match, proc.stderr
+    trace_id = match.group(1)
+
+    def both_arrived(_spans):
+        names = {s.name for s in receiver.trace(trace_id)}
+        return {"mmserve.client.generate", "mmserve.generate", "mmserve.decode"} <= names
+
+    receiver.wait_for(both_arrived, timeout=20)
+    spans = receiver.trace(trace_id)
+    client = next(s for s in spans if s.name == "mmserve.client.generate")
+    root = next(s for s in spans if s.name == "mmserve.generate")
+    assert root.parent_span_id == client.span_id

@@ -8,10 +8,12 @@ request, 1 otherwise), so scripts can tell the two apart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -40,7 +42,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
     p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle (PEM) to verify a TLS server")
     p.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
+    p.add_argument("--trace", action="store_true",
+                   help="run the call inside a client span sent as W3C traceparent and print its trace id to "
+                        "stderr (the span is exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     p.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _client_span(enabled: bool) -> Iterator[None]:
+    """With --trace: a span of our own, so the server's request span joins a trace whose id we know."""
+    if not enabled:
+        yield
+        return
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from mmserve.metrics.tracing import configure_tracing
+
+    provider = configure_tracing(service_name="mmserve-client") or TracerProvider()
+    try:
+        with provider.get_tracer("mmserve.clients").start_as_current_span("mmserve.client.generate") as span:
+            print(f"trace id: {span.get_span_context().trace_id:032x}", file=sys.stderr)
+            yield
+    finally:
+        provider.shutdown()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"mmserve generate: {e}", file=sys.stderr)
         return 2
-    with Client(args.server, api_key=api_key, root_certificates=root, timeout=args.timeout) as client:
+    with (_client_span(args.trace),
+          Client(args.server, api_key=api_key, root_certificates=root, timeout=args.timeout, trace=args.trace) as client):
         try:
             stream = client.stream(prompt=args.prompt, video=video, image=image, num_frames=args.num_frames,
                                    fps=args.fps, max_tokens=args.max_tokens, temperature=args.temperature,
