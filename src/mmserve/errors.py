@@ -16,13 +16,20 @@ class InvalidInputError(MMServeError):
 
 
 class LimitExceededError(MMServeError):
-    """A configured limit was hit (-> RESOURCE_EXHAUSTED for size/queue limits, INVALID_ARGUMENT
-    when the request can never fit). `flag` names the option that raises the limit."""
+    """A configured limit was hit. `flag` names the option that raises the limit.
 
-    def __init__(self, message: str, flag: str = "", *, retryable: bool = False):
+    -> RESOURCE_EXHAUSTED for size limits, and for a full queue when `retryable` (the same request
+    may succeed later). -> INVALID_ARGUMENT when `can_never_fit`: the request needs more than this
+    configuration can ever give it (a frame above the step budget, more tokens than the context,
+    more KV than the whole cache), so only a smaller request or a bigger server helps."""
+
+    def __init__(self, message: str, flag: str = "", *, retryable: bool = False, can_never_fit: bool = False):
+        if retryable and can_never_fit:
+            raise ValueError("a limit cannot be both retryable and never fit")
         super().__init__(message + (f" (raise it with {flag})" if flag else ""))
         self.flag = flag
         self.retryable = retryable
+        self.can_never_fit = can_never_fit
 
 
 class EngineUnavailableError(MMServeError):

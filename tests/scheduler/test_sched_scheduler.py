@@ -60,17 +60,18 @@ def test_frame_longer_than_budget_is_an_admission_error():
     sched = make_scheduler(max_num_batched_tokens=16)
     with pytest.raises(LimitExceededError, match="--max-num-batched-tokens") as e:
         sched.add_request(make_request("big", 40, [(3, 19)]))
-    assert not e.value.retryable
+    assert not e.value.retryable and e.value.can_never_fit
     assert sched.num_unfinished == 0
 
 
 def test_context_and_kv_limits_are_admission_errors():
     sched = make_scheduler(max_model_len=64)
-    with pytest.raises(LimitExceededError, match="--max-model-len"):
+    with pytest.raises(LimitExceededError, match="--max-model-len") as too_long:
         sched.add_request(make_request("long", 60, max_tokens=8))
     tiny = make_scheduler(num_blocks=4, block_size=4)
-    with pytest.raises(LimitExceededError, match="--kv-cache-bytes"):
+    with pytest.raises(LimitExceededError, match="--kv-cache-bytes") as too_fat:
         tiny.add_request(make_request("fat", 40))
+    assert too_long.value.can_never_fit and too_fat.value.can_never_fit
 
 
 def test_waiting_queue_is_bounded_and_retryable():
@@ -79,7 +80,7 @@ def test_waiting_queue_is_bounded_and_retryable():
         sched.add_request(make_request(f"r{i}", 5))
     with pytest.raises(LimitExceededError, match="--max-waiting-requests") as e:
         sched.add_request(make_request("r3", 5))
-    assert e.value.retryable
+    assert e.value.retryable and not e.value.can_never_fit
 
 
 def test_preemption_frees_and_recomputes():
@@ -95,14 +96,14 @@ def test_preemption_frees_and_recomputes():
     assert all(p.num_free == p.num_usable for p in sched.kv.pools.values())
 
 
-def test_priority_policy_admits_lowest_value_first():
+def test_priority_policy_admits_highest_value_first():
     sched = make_scheduler(max_num_seqs=1, policy="priority")
-    for rid, prio in [("late", 5), ("urgent", -1), ("normal", 0)]:
+    for rid, prio in [("late", -5), ("urgent", 1), ("normal", 0), ("normal2", 0)]:
         sched.add_request(make_request(rid, 4, priority=prio))
     order = []
     run_to_completion(sched, lambda out: order.extend(
         s.request.request_id for s in out.scheduled if s.context_len == 0))
-    assert order == ["urgent", "normal", "late"]
+    assert order == ["urgent", "normal", "normal2", "late"]  # equal priorities stay FCFS
 
 
 def test_finish_of_waiting_request_and_unknown_id():

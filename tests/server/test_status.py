@@ -26,6 +26,8 @@ def _details(mapped) -> status_pb2.Status:
     (InvalidInputError("sampling.top_k", "must be >= 0"), grpc.StatusCode.INVALID_ARGUMENT),
     (LimitExceededError("queue full", "--max-waiting-requests", retryable=True), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (LimitExceededError("video too big", "--max-video-bytes"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (LimitExceededError("frame above the step budget", "--max-num-batched-tokens", can_never_fit=True),
+     grpc.StatusCode.INVALID_ARGUMENT),
     (EngineUnavailableError("engine stopped"), grpc.StatusCode.UNAVAILABLE),
     (RequestAbortedError("aborted"), grpc.StatusCode.CANCELLED),
     (EngineInternalError("step failed"), grpc.StatusCode.INTERNAL),

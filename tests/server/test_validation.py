@@ -52,7 +52,7 @@ def test_random_valid_requests_convert_field_by_field():
                                      sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                                                 top_k=top_k, seed=seed, stop=["\n"]))
         got = validate_request(request, CONFIG)
-        assert got.request_id == request.request_id and got.priority == -request.priority
+        assert got.request_id == request.request_id and got.priority == request.priority
         assert list(got.messages[0].parts) == expected
         assert got.sampling.max_tokens == (max_tokens or DEFAULT_MAX_TOKENS)
         assert got.sampling.temperature == pytest.approx(temperature, rel=1e-6)  # float32 on the wire

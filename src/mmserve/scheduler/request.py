@@ -32,7 +32,7 @@ class MultiModalInput:
 @dataclass(eq=False)
 class Request:
     """`mm_ranges` are inclusive absolute [start, end] placeholder runs, sorted and disjoint;
-    `mm_inputs[i]` is the pixel input of `mm_ranges[i]`. A lower `priority` runs first."""
+    `mm_inputs[i]` is the pixel input of `mm_ranges[i]`. A higher `priority` runs first."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -1,7 +1,7 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
-admission order), then waiting ones (FCFS, or by priority). When KV blocks run out, the request
+admission order), then waiting ones (FCFS, or higher priority first). When KV blocks run out, the request
 that would be served last is preempted: its blocks are freed and it is recomputed later.
 """
 
@@ -69,7 +69,8 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------------------
 
     def _order_key(self, r: Request) -> tuple:
-        return (r.priority, r.arrival_time) if self.policy == "priority" else (r.arrival_time,)
+        """Sort key of the waiting queue: smallest is served first (higher priority, then earlier)."""
+        return (-r.priority, r.arrival_time) if self.policy == "priority" else (r.arrival_time,)
 
     def check_admissible(self, request: Request) -> None:
         """Raise (before any work starts) if the request can never run with this configuration."""
@@ -86,18 +87,18 @@ class Scheduler:
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
-                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens")
+                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens", can_never_fit=True)
         total = n + request.sampling_params.max_tokens
         if total > self.max_model_len:
             raise LimitExceededError(
                 f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
-                f"the context length {self.max_model_len}", "--max-model-len")
+                f"the context length {self.max_model_len}", "--max-model-len", can_never_fit=True)
         for t, blocks in self.kv.max_blocks_needed(total, self.max_num_batched_tokens).items():
             usable = self.kv.pools[t].num_usable
             if blocks > usable:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
-                    "--kv-cache-bytes or --num-kv-blocks")
+                    "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request)
@@ -151,8 +152,9 @@ class Scheduler:
         logger.debug("preempted %s (KV blocks exhausted)", victim.request_id)
 
     def _pick_victim(self) -> Request:
+        """The running request that would be served last: lowest priority, latest arrival."""
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+            return max(self.running, key=self._order_key)
         return self.running[-1]
 
     def schedule(self) -> SchedulerOutput:

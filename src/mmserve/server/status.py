@@ -70,7 +70,8 @@ def map_error(exc: BaseException, request_id: str = "") -> MappedStatus:
             return MappedStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{exc}; retry after {RETRY_DELAY_S:g}s with backoff",
                                 (_pack(error_details_pb2.RetryInfo(retry_delay=delay)),))
-        return MappedStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        code = grpc.StatusCode.INVALID_ARGUMENT if exc.can_never_fit else grpc.StatusCode.RESOURCE_EXHAUSTED
+        return MappedStatus(code, str(exc))
     if isinstance(exc, EngineUnavailableError):
         return MappedStatus(grpc.StatusCode.UNAVAILABLE, str(exc) or "engine unavailable")
     if isinstance(exc, RequestAbortedError):

@@ -33,7 +33,7 @@ class ValidatedRequest:
     request_id: str
     messages: tuple[InputMessage, ...]
     sampling: SamplingParams
-    priority: int  # engine order: lower runs first (the wire says higher runs first)
+    priority: int  # higher runs first, on the wire and in the scheduler
 
 
 def validate_request(request: pb.GenerateRequest, config: EngineConfig) -> ValidatedRequest:
@@ -43,7 +43,7 @@ def validate_request(request: pb.GenerateRequest, config: EngineConfig) -> Valid
         request_id=_request_id(request.request_id),
         messages=messages,
         sampling=validate_sampling(request.sampling, config),
-        priority=-request.priority,
+        priority=request.priority,
     )
 
 
