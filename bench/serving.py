@@ -6,7 +6,7 @@ video+text requests from an AsyncClient (N = 1, 4, 16, 64; at most N in flight),
 output tokens/s, requests/s, TTFT and TPOT percentiles (seen by the client) and the mean MFU/MBU
 the server reports in each Final. With the server stopped, the same requests then go through
 transformers' `generate` one at a time and as one left-padded batch per N. All requests use greedy
-decoding with a fixed output length (ignore_eos / min_new_tokens) so both sides emit the same
+decoding with a fixed output length (ignore_eos; no EOS in transformers) so both sides emit the same
 number of tokens; the share of requests whose tokens agree is reported as a sanity check.
 
     python bench/serving.py                 # full run (minutes on a 2-core CPU)
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -258,10 +259,15 @@ def pad_left(inputs: list, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def hf_generate(model, kwargs: dict[str, torch.Tensor], max_tokens: int) -> tuple[torch.Tensor, TokenClock]:
+    """Greedy, exactly `max_tokens` new tokens, like the server's ignore_eos: EOS may be chosen but does
+    not stop. (`min_new_tokens` would ban EOS from the argmax instead; an unset eos_token_id falls back
+    to the model's, so the stop id is one past the vocabulary, which argmax never picks.)"""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = model.config.get_text_config().vocab_size
+    config.max_new_tokens, config.do_sample = max_tokens, False
     clock = TokenClock()
     with torch.inference_mode():
-        out = model.generate(**kwargs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                             streamer=clock)
+        out = model.generate(**kwargs, generation_config=config, streamer=clock)
     return out[:, kwargs["input_ids"].shape[1]:], clock
 
 
