@@ -87,10 +87,27 @@ class _Collector:
 
 
 class _Base:
-    def __init__(self, api_key: str | None, metadata: Metadata, trace: bool) -> None:
+    """What the blocking and asyncio clients share: the channel, stubs, credentials and metadata.
+    `_channels` is the grpc module whose channels the subclass uses (grpc or grpc.aio)."""
+
+    _channels = grpc
+
+    def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
+                 timeout: float | None = None, metadata: Metadata = (), trace: bool = False,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         extra = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._static_metadata: Metadata = tuple(metadata) + extra
         self._trace = trace
+        options = channel_options(max_message_bytes)
+        if root_certificates is not None or certificate_chain is not None:
+            creds = channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = self._channels.secure_channel(target, creds, options=options)
+        else:
+            self._channel = self._channels.insecure_channel(target, options=options)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self.timeout = timeout
 
     @property
     def _metadata(self) -> Metadata:
@@ -103,21 +120,12 @@ class _Base:
         return tuple(inject_trace_context(self._static_metadata))
 
 
-class GenerateStream:
-    """Iterate for deltas; `result` holds the GenerateResult after the stream ends."""
+class _StreamBase:
+    """A Generate call and what it has received so far."""
 
     def __init__(self, call) -> None:
         self._call = call
         self._collector = _Collector()
-
-    def __iter__(self) -> Iterator[Delta]:
-        try:
-            for response in self._call:
-                delta = self._collector.feed(response)
-                if delta is not None:
-                    yield delta
-        except grpc.RpcError as e:
-            raise ClientError.from_rpc_error(e) from None
 
     @property
     def result(self) -> GenerateResult:
@@ -132,23 +140,21 @@ class GenerateStream:
         self._call.cancel()
 
 
+class GenerateStream(_StreamBase):
+    """Iterate for deltas; `result` holds the GenerateResult after the stream ends."""
+
+    def __iter__(self) -> Iterator[Delta]:
+        try:
+            for response in self._call:
+                delta = self._collector.feed(response)
+                if delta is not None:
+                    yield delta
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from None
+
+
 class Client(_Base):
     """Blocking client. Use as a context manager or call close()."""
-
-    def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                 timeout: float | None = None, metadata: Metadata = (), trace: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(api_key, metadata, trace)
-        options = channel_options(max_message_bytes)
-        if root_certificates is not None or certificate_chain is not None:
-            creds = channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self.timeout = timeout
 
     def __enter__(self) -> Client:
         return self
@@ -193,12 +199,8 @@ class Client(_Base):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
 
-class AsyncGenerateStream:
+class AsyncGenerateStream(_StreamBase):
     """`async for` the deltas; `result` holds the GenerateResult after the stream ends."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-        self._collector = _Collector()
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         try:
@@ -209,35 +211,11 @@ class AsyncGenerateStream:
         except grpc.RpcError as e:
             raise ClientError.from_rpc_error(e) from None
 
-    @property
-    def result(self) -> GenerateResult:
-        return self._collector.finish()
-
-    @property
-    def request_id(self) -> str:
-        return self._collector.request_id
-
-    def cancel(self) -> None:
-        self._call.cancel()
-
 
 class AsyncClient(_Base):
     """asyncio client; create it inside the event loop that uses it."""
 
-    def __init__(self, target: str, *, api_key: str | None = None, root_certificates: bytes | None = None,
-                 private_key: bytes | None = None, certificate_chain: bytes | None = None,
-                 timeout: float | None = None, metadata: Metadata = (), trace: bool = False,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-        super().__init__(api_key, metadata, trace)
-        options = channel_options(max_message_bytes)
-        if root_certificates is not None or certificate_chain is not None:
-            creds = channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self.timeout = timeout
+    _channels = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self
