@@ -9,14 +9,13 @@ the flag. Only payloads beyond twice the limit still get grpc's own (also RESOUR
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
-from mmserve.server.auth import replace_behavior
+from mmserve.server.handlers import around, replace_behavior
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +54,13 @@ class MessageSizeLimit(grpc.aio.ServerInterceptor):
         return deserialize
 
     def _guarded(self, behavior: Callable) -> Callable:
-        """`behavior`, preceded by the size check (async generator or coroutine, as the original)."""
-        limit = self.limit
+        """`behavior`, preceded by the size check."""
+        return around(behavior, self._refuse_too_large)
 
-        async def refuse(request: _TooLarge, context: grpc.aio.ServicerContext) -> None:
-            log.info("refused a %d-byte request message (limit %d)", request.size, limit)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(request.size, limit))
-
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request, context):
-                if isinstance(request, _TooLarge):
-                    await refuse(request, context)
-                async for item in behavior(request, context):
-                    yield item
-            return stream
-
-        async def call(request, context):
-            if isinstance(request, _TooLarge):
-                await refuse(request, context)
-            return await behavior(request, context)
-        return call
+    async def _refuse_too_large(self, request, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, _TooLarge):
+            log.info("refused a %d-byte request message (limit %d)", request.size, self.limit)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(request.size, self.limit))
 
     async def intercept_service(
         self,

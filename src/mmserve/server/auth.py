@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from mmserve.config import ServerConfig
+from mmserve.server.handlers import rejecting_handler
 
 log = logging.getLogger(__name__)
 
@@ -64,32 +65,6 @@ def load_api_keys(path: str = "", env: str | None = None) -> list[str]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
-
-
-def rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind (unary/streaming) as `handler` that aborts with `code`."""
-
-    async def abort(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, message)
-
-    return replace_behavior(handler, lambda _inner: abort)
-
-
-def replace_behavior(
-    handler: grpc.RpcMethodHandler, wrap: Callable[[Callable], Callable],
-    request_deserializer: Callable[[bytes], object] | None = None,
-) -> grpc.RpcMethodHandler:
-    """`handler` with its behavior function replaced by `wrap(behavior)`, keeping the serializers
-    (or taking `request_deserializer` instead of the original)."""
-    kinds = {
-        (False, False): (grpc.unary_unary_rpc_method_handler, handler.unary_unary),
-        (False, True): (grpc.unary_stream_rpc_method_handler, handler.unary_stream),
-        (True, False): (grpc.stream_unary_rpc_method_handler, handler.stream_unary),
-        (True, True): (grpc.stream_stream_rpc_method_handler, handler.stream_stream),
-    }
-    make, behavior = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(wrap(behavior), request_deserializer=request_deserializer or handler.request_deserializer,
-                response_serializer=handler.response_serializer)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -9,7 +9,6 @@ the grace period is over does `server.stop()` close the listener and cancel what
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import signal
 import time
@@ -17,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import grpc
 
-from mmserve.server.auth import rejecting_handler, replace_behavior
+from mmserve.server.handlers import around, rejecting_handler, replace_behavior
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +59,12 @@ class DrainGate(grpc.aio.ServerInterceptor):
         if self._inflight == 0:
             self._idle.set()
 
-    def _counted(self, behavior: Callable) -> Callable:
-        """`behavior` wrapped so the gate counts it from start to end (async generator or coroutine)."""
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request, context):
-                self._enter()
-                try:
-                    async for item in behavior(request, context):
-                        yield item
-                finally:
-                    self._exit()
-            return stream
+    async def _enter_call(self, request, context: grpc.aio.ServicerContext) -> None:
+        self._enter()
 
-        async def call(request, context):
-            self._enter()
-            try:
-                return await behavior(request, context)
-            finally:
-                self._exit()
-        return call
+    def _counted(self, behavior: Callable) -> Callable:
+        """`behavior` wrapped so the gate counts it from start to end."""
+        return around(behavior, self._enter_call, self._exit)
 
     async def intercept_service(
         self,
