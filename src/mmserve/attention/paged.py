@@ -8,6 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.attention.backend import AttentionMetadata
+
+
+def host_offsets(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """query_start_loc and seq_lens as Python lists, from the host copies when the runner made them
+    (so a GPU step pays no device sync for the per-request loop)."""
+    qsl = metadata.query_start_loc_cpu if metadata.query_start_loc_cpu is not None else metadata.query_start_loc
+    seq_lens = metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens
+    return qsl.tolist(), seq_lens.tolist()
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V ([T, Hkv, D]) at their slots (in place)."""

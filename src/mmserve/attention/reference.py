@@ -9,7 +9,7 @@ import torch
 
 from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
 from mmserve.attention.mask import batch_dense_mask
-from mmserve.attention.paged import gather_kv, write_kv
+from mmserve.attention.paged import gather_kv, host_offsets, write_kv
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -35,9 +35,7 @@ class ReferenceImpl:
         T = metadata.num_actual_tokens
         write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
         mask = batch_dense_mask(metadata, self.spec)
-        qsl = (metadata.query_start_loc_cpu if metadata.query_start_loc_cpu is not None
-               else metadata.query_start_loc).tolist()
-        seq_lens = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens).tolist()
+        qsl, seq_lens = host_offsets(metadata)
         out = torch.zeros_like(q)
         for r in range(metadata.num_reqs):
             start, end = qsl[r], qsl[r + 1]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
 from mmserve.attention.mask import request_mask
-from mmserve.attention.paged import gather_kv, write_kv
+from mmserve.attention.paged import gather_kv, host_offsets, write_kv
 
 
 def key_span(spec: LayerAttentionSpec, first_q: int, seq_len: int, min_range_start: int | None) -> int:
@@ -33,9 +33,7 @@ class SdpaImpl:
                 metadata: AttentionMetadata) -> torch.Tensor:
         T = metadata.num_actual_tokens
         write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
-        qsl = (metadata.query_start_loc_cpu if metadata.query_start_loc_cpu is not None
-               else metadata.query_start_loc).tolist()
-        seq_lens = (metadata.seq_lens_cpu if metadata.seq_lens_cpu is not None else metadata.seq_lens).tolist()
+        qsl, seq_lens = host_offsets(metadata)
         use_ranges = metadata.mm_ranges is not None and self.spec.bidirectional
         range_starts = self._range_starts(metadata, qsl) if use_ranges else [None] * metadata.num_reqs
         out = torch.empty_like(q)
