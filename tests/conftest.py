@@ -7,15 +7,13 @@ its own event loop, once per test session. The `start_server` fixture starts one
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import os
 import sys
-import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from loopback_server import LoopbackServer
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
 
@@ -70,65 +68,6 @@ def served_model(request) -> Path:
     return request.getfixturevalue("tiny_checkpoint")
 
 
-@dataclass
-class RunningServer:
-    """A real MMServer on loopback, driven from its own thread and event loop."""
-
-    engine_config: EngineConfig
-    server_config: ServerConfig
-    port: int = 0
-    server: object = None
-    _loop: asyncio.AbstractEventLoop | None = None
-    _stop: asyncio.Event | None = None
-    _thread: threading.Thread | None = None
-    _ready: threading.Event = field(default_factory=threading.Event)
-    _error: BaseException | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 300.0) -> RunningServer:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="mmserve-test-server",
-                                        daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"server did not start within {timeout_s}s")
-        if self._error is not None:
-            raise RuntimeError("server failed to start") from self._error
-        return self
-
-    async def _main(self) -> None:
-        from mmserve.engine.async_engine import AsyncEngine
-        from mmserve.server.app import build_server
-        from mmserve.server.observability import setup_observability
-
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            observer = setup_observability(self.engine_config, self.server_config,
-                                           configure_global_tracing=False).observer
-            engine = AsyncEngine(self.engine_config, observer=observer)
-            self.server = build_server(engine, self.server_config, self.engine_config)
-            self.port = await self.server.start()
-        except BaseException as e:  # surfaced by start() in the test thread
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stop.wait()
-        await self.server.stop()
-
-    def call(self, coro, timeout_s: float = 60.0):
-        """Run a coroutine on the server's loop (e.g. `server.engine` queries) and return its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
-
-    def stop(self) -> None:
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(60)
-
-
 def _engine_config(model: Path, **overrides) -> EngineConfig:
     """Small, CPU-friendly engine options for tests."""
     options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
@@ -137,15 +76,15 @@ def _engine_config(model: Path, **overrides) -> EngineConfig:
     return EngineConfig(**options)
 
 
-def _start_server(model: Path, *, server_overrides: dict | None = None, **engine_overrides) -> RunningServer:
+def _start_server(model: Path, *, server_overrides: dict | None = None, **engine_overrides) -> LoopbackServer:
     engine_config = _engine_config(model, **engine_overrides)
     server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0,
                                  **(server_overrides or {}))
-    return RunningServer(engine_config, server_config).start()
+    return LoopbackServer(engine_config, server_config).start()
 
 
 @pytest.fixture(scope="session")
-def mmserve_server(served_model) -> RunningServer:
+def mmserve_server(served_model) -> LoopbackServer:
     server = _start_server(served_model)
     yield server
     server.stop()
@@ -155,9 +94,9 @@ def mmserve_server(served_model) -> RunningServer:
 def start_server():
     """Factory for a server with other options: `start_server(model, server_overrides={...}, **engine_options)`;
     every server it starts is stopped after the test."""
-    started: list[RunningServer] = []
+    started: list[LoopbackServer] = []
 
-    def start(model: Path, **kwargs) -> RunningServer:
+    def start(model: Path, **kwargs) -> LoopbackServer:
         started.append(_start_server(model, **kwargs))
         return started[-1]
 

@@ -5,12 +5,11 @@ error. The Prometheus endpoint of the same run serves the queue gauge the HPA sc
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import urllib.request
 import uuid
 
 import pytest
+from loopback_server import LoopbackServer
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import global_traces_to
@@ -27,49 +26,6 @@ from mmserve.metrics.tracing import get_tracer, inject_trace_context
 PEAKS = DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test")
 
 
-class TracedServer:
-    """MMServer + AsyncEngine wired with a TelemetryObserver, on its own thread and event loop."""
-
-    def __init__(self, model, observer: TelemetryObserver):
-        self.engine_config = EngineConfig(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256,
-                                          max_num_seqs=8, kv_cache_bytes=16 * 2**20, default_num_frames=2,
-                                          step_trace_ratio=1.0)
-        self.server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0)
-        self.observer = observer
-        self.port = 0
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        from mmserve.engine.async_engine import AsyncEngine
-        from mmserve.server.app import build_server
-
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            server = build_server(AsyncEngine(self.engine_config, observer=self.observer), self.server_config,
-                                  self.engine_config)
-            self.port = await server.start()
-        except BaseException as e:
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stop.wait()
-        await server.stop()
-
-    def start(self) -> TracedServer:
-        self._thread.start()
-        assert self._ready.wait(300), "server did not start"
-        if self._error is not None:
-            raise RuntimeError("server failed to start") from self._error
-        return self
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(60)
-
-
 @pytest.fixture(scope="module")
 def traced(served_model):
     from otlp_receiver import OtlpReceiver
@@ -79,7 +35,11 @@ def traced(served_model):
         metrics = EngineMetrics(prometheus=True)
         perf = PerfModel(model_shape(served_model), dtype="float32")
         observer = TelemetryObserver(perf, PEAKS, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
-        server = TracedServer(served_model, observer).start()
+        engine_config = EngineConfig(model=str(served_model), device="cpu", dtype="float32",
+                                     max_num_batched_tokens=256, max_num_seqs=8, kv_cache_bytes=16 * 2**20,
+                                     default_num_frames=2, step_trace_ratio=1.0)
+        server = LoopbackServer(engine_config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
+                                observer=observer).start()
         try:
             yield server, receiver, metrics
         finally:

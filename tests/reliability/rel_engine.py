@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmserve.config import EngineConfig, ServerConfig
+from loopback_server import LoopbackServer
+
+from mmserve.config import EngineConfig
 from mmserve.engine.observer import StepRecord
 
 
@@ -47,57 +48,10 @@ def engine_config(model: Path, **overrides) -> EngineConfig:
 
 
 @dataclass
-class ServerThread:
-    engine_config: EngineConfig
-    server_config: ServerConfig = field(default_factory=lambda: ServerConfig(port=0, worker_threads=2))
+class ServerThread(LoopbackServer):
+    """A loopback server whose engine reports to a RecordingObserver, with the leak checks."""
+
     observer: RecordingObserver = field(default_factory=RecordingObserver)
-    port: int = 0
-    app: object = None
-    _loop: asyncio.AbstractEventLoop | None = None
-    _stop: asyncio.Event | None = None
-    _thread: threading.Thread | None = None
-    _ready: threading.Event = field(default_factory=threading.Event)
-    _error: BaseException | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def engine(self):
-        return self.app.engine
-
-    def start(self, timeout_s: float = 300.0) -> ServerThread:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="rel-server", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"server did not start within {timeout_s}s")
-        if self._error is not None:
-            raise RuntimeError("server failed to start") from self._error
-        return self
-
-    async def _main(self) -> None:
-        from mmserve.engine.async_engine import AsyncEngine
-        from mmserve.server.app import build_server
-
-        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-        try:
-            engine = AsyncEngine(self.engine_config, observer=self.observer)
-            self.app = build_server(engine, self.server_config, self.engine_config)
-            self.port = await self.app.start()
-        except BaseException as e:  # surfaced by start()
-            self._error = e
-            self._ready.set()
-            return
-        self._ready.set()
-        await self._stop.wait()
-        await self.app.stop()
-
-    def stop(self) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._stop.set)
-        if self._thread is not None:
-            self._thread.join(60)
 
     def leaks(self) -> list[str]:
         """What is still held: requests, KV blocks, encoder-cache entries, streams, gated calls."""

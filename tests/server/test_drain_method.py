@@ -17,7 +17,7 @@ def test_drain_lets_in_flight_streams_finish(start_server, served_model):
     stream = client.stream(prompt="count", max_tokens=80, temperature=0, ignore_eos=True)
     deltas = iter(stream)
     next(deltas)
-    drained = asyncio.run_coroutine_threadsafe(server.server.drain(grace_s=60), server._loop)
+    drained = asyncio.run_coroutine_threadsafe(server.app.drain(grace_s=60), server._loop)
     with Client(server.address, timeout=10) as other:
         for _ in range(200):  # readiness flips first thing in drain()
             if other.health(GENERATION_SERVICE) == "NOT_SERVING":

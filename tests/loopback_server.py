@@ -1,0 +1,77 @@
+"""A real MMServer + AsyncEngine on 127.0.0.1 (port 0), driven from its own thread and event loop.
+
+Shared by the session server fixtures in tests/conftest.py and the reliability suite's
+`ServerThread`, which adds a recording observer and leak checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+from mmserve.config import EngineConfig, ServerConfig
+
+
+@dataclass
+class LoopbackServer:
+    engine_config: EngineConfig
+    server_config: ServerConfig = field(default_factory=lambda: ServerConfig(port=0, worker_threads=2))
+    observer: object = None  # engine hooks; None: the ones setup_observability builds from the configs
+    port: int = 0
+    app: object = None
+    _loop: asyncio.AbstractEventLoop | None = None
+    _stop: asyncio.Event | None = None
+    _thread: threading.Thread | None = None
+    _ready: threading.Event = field(default_factory=threading.Event)
+    _error: BaseException | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def engine(self):
+        return self.app.engine
+
+    def start(self, timeout_s: float = 300.0) -> LoopbackServer:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="mmserve-test-server",
+                                        daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"server did not start within {timeout_s}s")
+        if self._error is not None:
+            raise RuntimeError("server failed to start") from self._error
+        return self
+
+    async def _main(self) -> None:
+        from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.server.app import build_server
+        from mmserve.server.observability import setup_observability
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        try:
+            observer = self.observer
+            if observer is None:
+                observer = setup_observability(self.engine_config, self.server_config,
+                                               configure_global_tracing=False).observer
+            engine = AsyncEngine(self.engine_config, observer=observer)
+            self.app = build_server(engine, self.server_config, self.engine_config)
+            self.port = await self.app.start()
+        except BaseException as e:  # surfaced by start() in the test thread
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        await self._stop.wait()
+        await self.app.stop()
+
+    def call(self, coro, timeout_s: float = 60.0):
+        """Run a coroutine on the server's loop (e.g. `server.engine` queries) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(60)
