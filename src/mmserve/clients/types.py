@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -62,6 +62,11 @@ class GenerateResult:
     perf: Perf = field(default_factory=Perf)
 
 
+def _copy_fields(cls, message):
+    """`cls` filled from the proto `message` fields of the same names (each dataclass mirrors one)."""
+    return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
+
+
 def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> GenerateResult:
     return GenerateResult(
         request_id=request_id,
@@ -69,11 +74,9 @@ def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> Genera
         token_ids=tuple(t for d in deltas for t in d.token_ids),
         finish_reason=FINISH_REASONS.get(final.finish_reason, "unspecified"),
         matched_stop=final.matched_stop,
-        usage=Usage(final.usage.prompt_tokens, final.usage.multimodal_tokens, final.usage.completion_tokens,
-                    final.usage.num_frames),
-        timings=Timings(final.timings.queue_s, final.timings.time_to_first_token_s, final.timings.end_to_end_s),
-        perf=Perf(final.perf.flops, final.perf.read_bytes, final.perf.write_bytes, final.perf.mfu, final.perf.mbu,
-                  final.perf.attn_flops_sliding, final.perf.attn_flops_full),
+        usage=_copy_fields(Usage, final.usage),
+        timings=_copy_fields(Timings, final.timings),
+        perf=_copy_fields(Perf, final.perf),
     )
 
 
