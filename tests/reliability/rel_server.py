@@ -24,7 +24,7 @@ async def serve(cfg: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterce
     names = (generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    port = tls.bind(server, cfg)
+    port = tls.bind(server, f"{cfg.host}:{cfg.port}", tls.server_credentials(cfg))
     await server.start()
     try:
         yield port

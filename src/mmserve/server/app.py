@@ -29,7 +29,7 @@ from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.servicer import GenerationServicer
-from mmserve.server.tls import server_credentials
+from mmserve.server.tls import bind, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +91,7 @@ class MMServer:
 
     async def listen(self) -> int:
         """Bind and serve health/reflection (live, not yet ready); Generate answers UNAVAILABLE."""
-        address = f"{self.server_config.host}:{self.server_config.port}"
-        try:
-            if self._credentials is not None:
-                self.port = self.server.add_secure_port(address, self._credentials)
-            else:
-                self.port = self.server.add_insecure_port(address)
-        except RuntimeError as e:  # grpc only says "Failed to bind"
-            raise OSError(f"cannot listen on {address}: port in use or not a local address") from e
+        self.port = bind(self.server, f"{self.server_config.host}:{self.server_config.port}", self._credentials)
         await self.health.set_live()
         await self.server.start()
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")

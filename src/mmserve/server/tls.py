@@ -49,14 +49,12 @@ def server_credentials(cfg: ServerConfig) -> grpc.ServerCredentials | None:
                                        require_client_auth=client_ca is not None)
 
 
-def bind(server: grpc.aio.Server, cfg: ServerConfig) -> int:
-    """Listen on cfg.host:cfg.port (TLS if configured) and return the bound port (port 0 = any free).
+def bind(server: grpc.aio.Server, address: str, creds: grpc.ServerCredentials | None) -> int:
+    """Listen on `address` (TLS when `creds` is given) and return the bound port (port 0 = any free).
 
     Create the server with option ("grpc.so_reuseport", 0): grpc enables SO_REUSEPORT by default,
     so a second server on a busy port would silently share its traffic instead of failing here.
     """
-    address = f"{cfg.host}:{cfg.port}"
-    creds = server_credentials(cfg)
     try:
         return server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError as e:  # grpc says only "Failed to bind"; the cause is nearly always one of these
