@@ -62,10 +62,6 @@ class AttentionMetadata:
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
-
 
 class AttentionImpl(Protocol):
     """Per-layer-type attention. q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, blocks, block_size, Hkv, D]."""

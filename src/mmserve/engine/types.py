@@ -70,6 +70,5 @@ class ModelInfo:
     name: str
     context_length: int
     tokens_per_frame: int
-    max_frames: int
     backend: str
     dtype: str

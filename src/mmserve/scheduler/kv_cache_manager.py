@@ -152,9 +152,6 @@ class KVCacheManager:
         """Share of usable blocks in use in the fullest pool (the one that limits admission)."""
         return max((1 - p.num_free / p.num_usable for p in self.pools.values()), default=0.0)
 
-    def usage_by_pool(self) -> dict[str, float]:
-        return {t: 1 - p.num_free / p.num_usable for t, p in self.pools.items()}
-
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
         """Most blocks one request of `num_tokens` ever holds per pool (sliding pools stay bounded)."""
         full = math.ceil(num_tokens / self.block_size)

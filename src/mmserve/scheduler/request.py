@@ -80,7 +80,3 @@ class Request:
     def is_prefill(self) -> bool:
         """True while the tokens left to compute are more than the one fresh decode token."""
         return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
