@@ -30,3 +30,13 @@ async def serve(cfg: ServerConfig, interceptors: Sequence[grpc.aio.ServerInterce
         yield port
     finally:
         await server.stop(0)
+
+
+async def stream_status(call) -> tuple[grpc.StatusCode, str]:
+    """Read a streaming call to its end: its status code (OK if none was raised) and details."""
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""

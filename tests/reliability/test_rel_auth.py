@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from rel_server import serve
+from rel_server import serve, stream_status
 
 from mmserve.api.mmserve.v1 import generation_pb2, generation_pb2_grpc
 from mmserve.config import ServerConfig
@@ -57,15 +57,6 @@ async def _code(coro) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-async def _stream_code(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        async for _ in call:
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code(), e.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def test_api_keys_on_real_server(keys):
     path, file_keys, env_key = keys
     cfg = ServerConfig(port=0, api_keys_file=path)
@@ -79,7 +70,7 @@ def test_api_keys_on_real_server(keys):
             # Unary and server-streaming methods are both guarded.
             code, msg = await _code(gen.GetModelInfo(info))
             assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer <key>" in msg
-            code, msg = await _stream_code(gen.Generate(generation_pb2.GenerateRequest()))
+            code, msg = await stream_status(gen.Generate(generation_pb2.GenerateRequest()))
             assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in msg
             code, msg = await _code(gen.GetModelInfo(info, metadata=_bearer(wrong)))
             assert (code, msg) == (grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
@@ -93,7 +84,7 @@ def test_api_keys_on_real_server(keys):
                 assert code == grpc.StatusCode.UNIMPLEMENTED
             code, _ = await _code(gen.GetModelInfo(info, metadata=(("authorization", f"bearer  {env_key}"),)))
             assert code == grpc.StatusCode.UNIMPLEMENTED
-            code, _ = await _stream_code(gen.Generate(generation_pb2.GenerateRequest(), metadata=_bearer(env_key)))
+            code, _ = await stream_status(gen.Generate(generation_pb2.GenerateRequest(), metadata=_bearer(env_key)))
             assert code == grpc.StatusCode.UNIMPLEMENTED
             # Probes and grpcurl need no key by default.
             reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
@@ -120,7 +111,7 @@ def test_auth_health_protects_probes(keys):
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
             refl = reflection_pb2_grpc.ServerReflectionStub(ch)
             call = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-            code, _ = await _stream_code(call)
+            code, _ = await stream_status(call)
             assert code == grpc.StatusCode.UNAUTHENTICATED
 
     asyncio.run(scenario())

@@ -6,7 +6,7 @@ import asyncio
 import secrets
 
 import grpc
-from rel_server import serve
+from rel_server import serve, stream_status
 
 from mmserve.api.mmserve.v1 import generation_pb2, generation_pb2_grpc
 from mmserve.config import ServerConfig
@@ -21,15 +21,6 @@ def _request(video_bytes: int) -> generation_pb2.GenerateRequest:
         role="user", parts=[generation_pb2.Part(text="describe"), generation_pb2.Part(video=video)])])
 
 
-async def _status(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        async for _ in call:
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code(), e.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def test_message_size_limit():
     options = [("grpc.max_receive_message_length", transport_receive_limit(LIMIT))]
 
@@ -40,9 +31,9 @@ def test_message_size_limit():
             small = _request(LIMIT // 2)
             assert small.ByteSize() <= LIMIT
             # Under the limit the request reaches the servicer (the generated base: UNIMPLEMENTED).
-            assert (await _status(stub.Generate(small)))[0] == grpc.StatusCode.UNIMPLEMENTED
+            assert (await stream_status(stub.Generate(small)))[0] == grpc.StatusCode.UNIMPLEMENTED
             over = _request(LIMIT + 100)
-            code, message = await _status(stub.Generate(over))
+            code, message = await stream_status(stub.Generate(over))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"{over.ByteSize()} bytes" in message and f"limit of {LIMIT} bytes" in message
             assert "--max-message-bytes" in message
@@ -52,7 +43,7 @@ def test_message_size_limit():
                 raise AssertionError("an oversize Abort was accepted")
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-message-bytes" in e.details()
-            code, message = await _status(stub.Generate(_request(3 * LIMIT)))
+            code, message = await stream_status(stub.Generate(_request(3 * LIMIT)))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message
 
     asyncio.run(scenario())
