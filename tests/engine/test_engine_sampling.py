@@ -42,6 +42,18 @@ def test_seeded_draws_do_not_depend_on_the_batch():
     assert len(set(draws)) > 1
 
 
+def test_mixed_greedy_and_seeded_rows_each_match_their_row_sampled_alone():
+    logits = torch.randn(5, 50)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=11),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=12),
+              SamplingParams(temperature=0.9, top_p=0.8, seed=13)]
+    ids = [f"m{i}" for i in range(5)]
+    batch = Sampler().sample(logits, ids, params)
+    alone = [Sampler().sample(logits[i:i + 1], [ids[i]], [params[i]])[0] for i in range(5)]
+    assert batch == alone
+    assert batch[0] == int(logits[0].argmax()) and batch[2] == int(logits[2].argmax())
+
+
 def test_invalid_sampling_params_are_rejected():
     for kw in [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
         with pytest.raises(InvalidInputError):

@@ -42,11 +42,13 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
         """logits float32 [N, V] (row i for request_ids[i]) -> one token id per row."""
         tokens = logits.argmax(dim=-1).tolist()
-        for i, p in enumerate(params):
-            if p.greedy:
-                continue
-            row = filter_logits(logits[i].float().cpu() / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not random_rows:
+            return tokens
+        host = logits[random_rows].float().cpu()  # one device-to-host copy for all random rows
+        for row, i in zip(host, random_rows, strict=True):
+            p = params[i]
+            probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
             tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(request_ids[i], p)))
         return tokens
 
