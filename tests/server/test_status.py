@@ -1,4 +1,5 @@
-"""status.map_error: each engine error gets its documented code and machine-readable details."""
+"""status.map_error: each engine error gets its documented code and machine-readable details; a
+request this server can never fit is INVALID_ARGUMENT on a real server."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import grpc
 import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
+from mmserve.clients import Client, ClientError
 from mmserve.errors import (
     EngineInternalError,
     EngineUnavailableError,
@@ -59,3 +61,17 @@ def test_internal_names_the_request_but_not_the_exception_text():
     assert "req-7" in map_error(EngineInternalError("step failed"), "req-7").message
     secret = map_error(RuntimeError("/secret/path"), "req-8").message
     assert "req-8" in secret and "/secret/path" not in secret
+
+
+def test_a_request_larger_than_the_whole_kv_cache_is_invalid_argument(start_server, tiny_checkpoint):
+    # 24 usable blocks of 16 tokens per pool: the warm-up (an image, ~280 tokens) fits, 400 + a few never can.
+    server = start_server(tiny_checkpoint, num_kv_blocks=25)
+    with Client(server.address, timeout=60) as client:
+        assert client.model_info().context_length > 400 + 10
+        with pytest.raises(ClientError) as refused:
+            client.generate(prompt="hello", max_tokens=400, ignore_eos=True)
+        fits = client.generate(prompt="hello", max_tokens=8, ignore_eos=True)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--kv-cache-bytes or --num-kv-blocks" in refused.value.message
+    assert refused.value.retry_delay_s is None
+    assert len(fits.token_ids) == 8
