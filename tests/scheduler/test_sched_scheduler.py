@@ -106,6 +106,26 @@ def test_priority_policy_admits_highest_value_first():
     assert order == ["urgent", "normal", "normal2", "late"]  # equal priorities stay FCFS
 
 
+def test_priority_policy_preempts_the_lowest_priority_latest_arrival():
+    # 16 usable blocks of 4 tokens; three requests growing to 28 tokens (7 blocks) each cannot all stay.
+    sched = make_scheduler(num_blocks=17, block_size=4, max_num_batched_tokens=64, max_num_seqs=3, policy="priority")
+    for rid in ("low1", "low2"):
+        sched.add_request(make_request(rid, 8, max_tokens=20, priority=-1))
+    preempted: list[str] = []
+
+    def step(out):
+        preempted.extend(out.preempted_ids)
+
+    first = sched.schedule()                  # both low requests run before the urgent one arrives
+    sched.update(first)
+    for s in first.scheduled:
+        s.request.output_token_ids.append(7)
+    sched.add_request(make_request("high", 8, max_tokens=20, priority=5))   # admitted last
+    run_to_completion(sched, step)
+    assert preempted and preempted[0] == "low2"
+    assert "high" not in preempted
+
+
 def test_finish_of_waiting_request_and_unknown_id():
     sched = make_scheduler()
     sched.add_request(make_request("a", 4))
