@@ -8,6 +8,7 @@ from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.request import Request
+from mmserve.scheduler.output import SchedulerOutput
 from mmserve.scheduler.scheduler import Scheduler
 
 SPECS = {
@@ -46,18 +47,25 @@ def make_scheduler(num_blocks: int = 256, block_size: int = 4, **kw) -> Schedule
     return Scheduler(make_kv(num_blocks, block_size, opts["max_model_len"]), **opts)
 
 
+def step(sched: Scheduler, on_step=None) -> SchedulerOutput:
+    """One step without a model: every sampling chunk 'generates' token 7. `on_step(out)` sees the
+    output before the scheduler is updated."""
+    out = sched.schedule()
+    if on_step:
+        on_step(out)
+    sched.update(out)
+    for s in out.scheduled:
+        if s.samples:
+            s.request.output_token_ids.append(7)
+    return out
+
+
 def run_to_completion(sched: Scheduler, on_step=None, max_steps: int = 10_000) -> int:
-    """Step without a model: every sampling chunk 'generates' token 7 until max_tokens. Returns steps."""
-    for step in range(max_steps):
+    """Step without a model until every request has its max_tokens. Returns the number of steps."""
+    for n in range(max_steps):
         if not sched.num_unfinished:
-            return step
-        out = sched.schedule()
-        if on_step:
-            on_step(out)
-        sched.update(out)
-        for s in out.scheduled:
-            if s.samples:
-                s.request.output_token_ids.append(7)
-                if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
-                    sched.finish(s.request.request_id)
+            return n
+        for s in step(sched, on_step).scheduled:   # only a sampled request's output grew
+            if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
+                sched.finish(s.request.request_id)
     raise AssertionError("scheduler did not drain")

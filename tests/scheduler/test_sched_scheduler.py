@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion
+from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion, step
 
 from mmserve.errors import LimitExceededError
 from mmserve.scheduler.request import RequestStatus
@@ -112,16 +112,9 @@ def test_priority_policy_preempts_the_lowest_priority_latest_arrival():
     for rid in ("low1", "low2"):
         sched.add_request(make_request(rid, 8, max_tokens=20, priority=-1))
     preempted: list[str] = []
-
-    def step(out):
-        preempted.extend(out.preempted_ids)
-
-    first = sched.schedule()                  # both low requests run before the urgent one arrives
-    sched.update(first)
-    for s in first.scheduled:
-        s.request.output_token_ids.append(7)
+    step(sched)                               # both low requests run before the urgent one arrives
     sched.add_request(make_request("high", 8, max_tokens=20, priority=5))   # admitted last
-    run_to_completion(sched, step)
+    run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
     assert preempted and preempted[0] == "low2"
     assert "high" not in preempted
 
@@ -140,21 +133,12 @@ def test_a_frame_blocked_by_decodes_is_not_starved():
     for i in range(7):
         sched.add_request(make_request(f"d{i}", 2, max_tokens=200))
     while any(r.is_prefill for r in sched.running) or sched.waiting:
-        out = sched.schedule()
-        sched.update(out)
-        for s in out.scheduled:
-            if s.samples:
-                s.request.output_token_ids.append(7)
+        step(sched)
     frame = make_request("f", 20, [(3, 16)], max_tokens=1)
     sched.add_request(frame)
     steps = 0
     while frame.num_computed_tokens <= 16 and steps < 4:
         steps += 1
-        out = sched.schedule()
-        assert out.num_batched_tokens <= 16
-        sched.update(out)
-        for s in out.scheduled:
-            if s.samples:
-                s.request.output_token_ids.append(7)
+        assert step(sched).num_batched_tokens <= 16
     assert frame.num_computed_tokens > 16, "the frame never got a step"
     assert steps <= 3   # one step for the text before it, one skipped, then the frame first
