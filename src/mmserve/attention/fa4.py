@@ -133,7 +133,7 @@ class Fa4Impl:
         if not self.use_fa4 or q.dtype not in FA4_DTYPES:
             return self.fallback.forward(q, k, v, kv_cache, metadata)
         T = metadata.num_actual_tokens
-        write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata)
         out = run_fa4(q[:T], kv_cache[0], kv_cache[1], metadata, self.spec)
         result = torch.zeros_like(q)
         result[:T] = out

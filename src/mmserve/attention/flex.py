@@ -98,7 +98,7 @@ class FlexImpl:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         T = metadata.num_actual_tokens
-        write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata)
         block_mask = self._block_mask(metadata, kv_cache)
         H, D = q.shape[1], q.shape[2]
         num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]

@@ -19,13 +19,14 @@ def host_offsets(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
     return qsl.tolist(), seq_lens.tolist()
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store this step's K/V ([T, Hkv, D]) at their slots (in place)."""
-    num_tokens = k.shape[0]
-    slots = slot_mapping[:num_tokens]
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Store this step's K/V ([>= T, Hkv, D]; rows past num_actual_tokens are padding) at their
+    slots, in place: the first thing every backend's forward does."""
+    num_tokens = metadata.num_actual_tokens
+    slots = metadata.slot_mapping[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+    flat[0].index_copy_(0, slots, k[:num_tokens].to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v[:num_tokens].to(kv_cache.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table_row: torch.Tensor, num_keys: int,

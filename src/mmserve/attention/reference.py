@@ -32,8 +32,7 @@ class ReferenceImpl:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        T = metadata.num_actual_tokens
-        write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata)
         mask = batch_dense_mask(metadata, self.spec)
         qsl, seq_lens = host_offsets(metadata)
         out = torch.zeros_like(q)

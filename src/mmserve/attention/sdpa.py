@@ -31,8 +31,7 @@ class SdpaImpl:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        T = metadata.num_actual_tokens
-        write_kv(kv_cache, k[:T], v[:T], metadata.slot_mapping)
+        write_kv(kv_cache, k, v, metadata)
         qsl, seq_lens = host_offsets(metadata)
         use_ranges = metadata.mm_ranges is not None and self.spec.bidirectional
         range_starts = self._range_starts(metadata, qsl) if use_ranges else [None] * metadata.num_reqs
