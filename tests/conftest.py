@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from loopback_server import LoopbackServer
+from loopback_server import LoopbackServer, engine_config
 
-from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
+from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 
 TESTS = Path(__file__).parent
 
@@ -68,19 +68,10 @@ def served_model(request) -> Path:
     return request.getfixturevalue("tiny_checkpoint")
 
 
-def _engine_config(model: Path, **overrides) -> EngineConfig:
-    """Small, CPU-friendly engine options for tests."""
-    options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
-                   kv_cache_bytes=16 * 2**20, default_num_frames=4)
-    options.update(overrides)
-    return EngineConfig(**options)
-
-
 def _start_server(model: Path, *, server_overrides: dict | None = None, **engine_overrides) -> LoopbackServer:
-    engine_config = _engine_config(model, **engine_overrides)
     server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0,
                                  **(server_overrides or {}))
-    return LoopbackServer(engine_config, server_config).start()
+    return LoopbackServer(engine_config(model, **engine_overrides), server_config).start()
 
 
 @pytest.fixture(scope="session")

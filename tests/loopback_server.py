@@ -9,8 +9,17 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig
+
+
+def engine_config(model: str | Path, **overrides) -> EngineConfig:
+    """Small, CPU-friendly engine options for tests; `overrides` are EngineConfig fields."""
+    options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
+                   kv_cache_bytes=16 * 2**20, default_num_frames=4)
+    options.update(overrides)
+    return EngineConfig(**options)
 
 
 @dataclass

@@ -9,13 +9,13 @@ import urllib.request
 import uuid
 
 import pytest
-from loopback_server import LoopbackServer
+from loopback_server import LoopbackServer, engine_config
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import global_traces_to
 
 from mmserve.clients import Client
-from mmserve.config import EngineConfig, ServerConfig
+from mmserve.config import ServerConfig
 from mmserve.metrics.model_spec import model_shape
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfModel
@@ -35,10 +35,8 @@ def traced(served_model):
         metrics = EngineMetrics(prometheus=True)
         perf = PerfModel(model_shape(served_model), dtype="float32")
         observer = TelemetryObserver(perf, PEAKS, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
-        engine_config = EngineConfig(model=str(served_model), device="cpu", dtype="float32",
-                                     max_num_batched_tokens=256, max_num_seqs=8, kv_cache_bytes=16 * 2**20,
-                                     default_num_frames=2, step_trace_ratio=1.0)
-        server = LoopbackServer(engine_config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
+        config = engine_config(served_model, default_num_frames=2, step_trace_ratio=1.0)
+        server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
                                 observer=observer).start()
         try:
             yield server, receiver, metrics

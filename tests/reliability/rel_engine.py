@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import loopback_server
 from loopback_server import LoopbackServer
 
 from mmserve.config import EngineConfig
@@ -41,10 +42,8 @@ class RecordingObserver:
 
 
 def engine_config(model: Path, **overrides) -> EngineConfig:
-    options = dict(model=str(model), device="cpu", dtype="float32", attention_backend="auto",
-                   max_num_batched_tokens=256, max_num_seqs=16, kv_cache_bytes=16 * 2**20, default_num_frames=2)
-    options.update(overrides)
-    return EngineConfig(**options)
+    """The shared test options with room for this suite's concurrency and cheap 2-frame videos."""
+    return loopback_server.engine_config(model, **{"max_num_seqs": 16, "default_num_frames": 2, **overrides})
 
 
 @dataclass
