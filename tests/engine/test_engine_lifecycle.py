@@ -155,7 +155,7 @@ def test_observer_sees_each_request_in_order_and_steps(load_backend):
         assert sum(i.num_tokens for i in s.items) <= 32
     for outs in results:
         t = outs[-1].timings
-        assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s
+        assert 0 <= t.queue_s <= t.time_to_first_token_s <= t.end_to_end_s
 
 
 def test_shutdown_ends_requests_in_flight(load_backend):

@@ -25,8 +25,8 @@ class RequestState:
         arrival = self.request.arrival_time
         return Timings(
             queue_s=None if self.first_scheduled is None else self.first_scheduled - arrival,
-            ttft_s=None if self.first_token is None else self.first_token - arrival,
-            e2e_s=now - arrival)
+            time_to_first_token_s=None if self.first_token is None else self.first_token - arrival,
+            end_to_end_s=now - arrival)
 
     def usage(self) -> Usage:
         r = self.request

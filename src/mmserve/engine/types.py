@@ -35,11 +35,11 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Seconds: queue_s from arrival to first schedule, ttft_s from arrival to first token, e2e_s to now."""
+    """Seconds from arrival: to the first schedule, to the first token, to now (the wire's names)."""
 
     queue_s: float | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
+    time_to_first_token_s: float | None = None
+    end_to_end_s: float | None = None
 
 
 @dataclass

@@ -7,6 +7,7 @@ when the client goes away (cancel, deadline), with an abort in the engine so not
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 
@@ -35,14 +36,9 @@ def final_message(out: RequestOutput) -> pb.Final:
     final = pb.Final(finish_reason=FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
                      matched_stop=out.matched_stop or "")
     if out.usage is not None:
-        final.usage.CopyFrom(pb.Usage(prompt_tokens=out.usage.prompt_tokens,
-                                      multimodal_tokens=out.usage.multimodal_tokens,
-                                      completion_tokens=out.usage.completion_tokens,
-                                      num_frames=out.usage.num_frames))
+        final.usage.CopyFrom(pb.Usage(**dataclasses.asdict(out.usage)))   # engine and wire share field names
     if out.timings is not None:
-        final.timings.CopyFrom(pb.Timings(queue_s=out.timings.queue_s or 0.0,
-                                          time_to_first_token_s=out.timings.ttft_s or 0.0,
-                                          end_to_end_s=out.timings.e2e_s or 0.0))
+        final.timings.CopyFrom(pb.Timings(**{k: v or 0.0 for k, v in dataclasses.asdict(out.timings).items()}))
     perf_fields = {f.name for f in pb.Perf.DESCRIPTOR.fields}
     final.perf.CopyFrom(pb.Perf(**{k: float(v) for k, v in out.perf.items() if k in perf_fields and v is not None}))
     return final
@@ -54,7 +50,8 @@ def _describe(span, sampling: SamplingParams, out: RequestOutput) -> None:
         span, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
         input_tokens=usage.prompt_tokens if usage else None, output_tokens=usage.completion_tokens if usage else None,
         finish_reasons=[out.finish_reason] if out.finish_reason else [],
-        time_in_queue=timings.queue_s if timings else None, time_to_first_token=timings.ttft_s if timings else None,
+        time_in_queue=timings.queue_s if timings else None,
+        time_to_first_token=timings.time_to_first_token_s if timings else None,
         num_frames=usage.num_frames if usage else None, num_mm_tokens=usage.multimodal_tokens if usage else None,
         perf={k: float(v) for k, v in out.perf.items() if isinstance(v, int | float)})
 
