@@ -173,7 +173,7 @@ def decode_video(data: bytes, *, num_frames: int | None = None, fps: float | Non
     if num_frames is not None and num_frames > limits.max_frames_per_video:
         raise LimitExceededError(
             f"asked for {num_frames} frames, more than the limit of {limits.max_frames_per_video} per video",
-            "--max-frames-per-video")
+            "--max-frames-per-video", can_never_fit=True)
     if not data:
         raise InvalidInputError(FIELD, "the video payload is empty")
     if len(data) > limits.max_video_bytes:
