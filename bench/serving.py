@@ -352,10 +352,18 @@ def parameter_count(model_dir: Path) -> int:
 
 # --- one model, end to end ----------------------------------------------------------------------
 
+def _portable(path: Path) -> str:
+    """Paths inside the repository are recorded relative to it, so committed results name no machine."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return path.name
+
 def bench_model(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path) -> ModelResult:
     levels = args.concurrency
     videos = clips(max(max(levels), args.min_requests), args.num_frames)
-    result = ModelResult(name=name, path=str(model_dir), parameters=parameter_count(model_dir), prompt_tokens=0,
+    result = ModelResult(name=name, path=_portable(model_dir), parameters=parameter_count(model_dir), prompt_tokens=0,
                          max_tokens=args.max_tokens, num_frames=args.num_frames)
     engine_tokens: list[tuple[int, ...]] = []
     with server_process(str(model_dir), threads=args.threads, max_num_seqs=max(levels),
