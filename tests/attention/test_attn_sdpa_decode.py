@@ -1,0 +1,49 @@
+"""Decode-only steps (one query per request, no ranges) at many very different lengths, against the reference."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from attn_batches import SPECS, Req, frames, make_batch, rel_err
+
+from mmserve.attention import create_impl
+
+
+def decode_reqs(gen: torch.Generator, count: int = 24) -> list[Req]:
+    """Lengths from 1 to ~300 tokens: some below the window and a block, most far beyond both."""
+    lens = torch.randint(1, 300, (count,), generator=gen).tolist() + [1, 2, 17, 40, 41]
+    return [Req(n - 1, 1, frames(0, 2, 5, 1) if n > 20 else []) for n in lens]
+
+
+@pytest.mark.parametrize("spec", [replace(SPECS[0], window=40), replace(SPECS[1], window=40), SPECS[2], SPECS[3]],
+                         ids=["sliding40", "sliding40-unclamped", "full", "full-bidi"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("free_outside_window", [True, False])
+def test_decode_many_lengths_matches_reference(spec, dtype, tol, free_outside_window):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    batch = make_batch(decode_reqs(gen), spec, dtype=dtype, num_blocks=600, gen=gen,
+                       free_outside_window=free_outside_window, table_width=24)
+    assert batch.metadata.max_query_len == 1 and batch.metadata.mm_ranges is None  # a decode-only step
+    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
+    expected = create_impl("reference", spec).forward(batch.q, batch.k, batch.v, ref_cache, batch.metadata)
+    got = create_impl("sdpa", spec).forward(batch.q, batch.k, batch.v, cache, batch.metadata)
+    assert got.dtype == dtype
+    assert rel_err(got, expected) < tol
+    assert torch.equal(cache, ref_cache)
+
+
+def test_decode_ignores_padded_query_rows():
+    """The runner pads q/k/v past num_actual_tokens; those rows must not change the real ones."""
+    spec = replace(SPECS[0], window=40)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    batch = make_batch(decode_reqs(gen, 8), spec, num_blocks=300, gen=gen, free_outside_window=True)
+    T = batch.metadata.num_actual_tokens
+    pad = lambda x: torch.cat([x, torch.randn(5, *x.shape[1:], generator=gen)])  # noqa: E731
+    expected = create_impl("reference", spec).forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(),
+                                                       batch.metadata)
+    got = create_impl("sdpa", spec).forward(pad(batch.q), pad(batch.k), pad(batch.v), batch.kv_cache.clone(),
+                                            batch.metadata)
+    assert got.shape[0] == T + 5
+    assert rel_err(got[:T], expected) < 1e-5
