@@ -26,12 +26,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, module in SUBCOMMANDS.items():
         if wanted is None or name == wanted:
-            try:
-                importlib.import_module(module).register(sub)
-            except ModuleNotFoundError as e:  # a subcommand whose module is not built yet
-                if not e.name or not e.name.startswith("mmserve"):
-                    raise
-                sub.add_parser(name, help="(not available in this build)")
+            importlib.import_module(module).register(sub)
     return parser
 
 
@@ -39,9 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not hasattr(args, "func"):
-        print(f"mmserve {args.command}: not available in this build", file=sys.stderr)
-        return 2
     return int(args.func(args) or 0)
 
 
