@@ -42,7 +42,7 @@ from tokenizers import Tokenizer
 
 from mmserve.clients import AsyncClient, ClientError, user_message
 from mmserve.config import DEMO_MODEL_DIR
-from mmserve.model.config import load_spec
+from mmserve.model.spec import load_spec
 from mmserve.multimodal.demo_task import PROMPT, VisionParams, reference_inputs
 from mmserve.multimodal.synthetic import make_clip
 from mmserve.server.health import GENERATION_SERVICE

@@ -11,8 +11,8 @@ import torch
 
 from mmserve.attention.mask import keep
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
-from mmserve.metrics.model_spec import model_shape
 from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
+from mmserve.model.spec import load_spec
 
 # A Gemma-4-31B-like text stack: sliding head_dim 256 with 16 KV heads, full head_dim 512 with 4, K=V.
 G4 = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, num_attention_heads=32,
@@ -57,14 +57,14 @@ def test_exact_pairs_equal_dense_mask_count():
 
 
 def test_sliding_layers_clamp_to_the_window():
-    shape = model_shape(G4)
-    sliding = next(layer.attention for layer, _ in shape.layers if layer.attention.is_sliding)
+    shape = load_spec(G4)
+    sliding = shape.attention_specs["sliding_attention"]
     exact = PerfModel(shape, accounting="exact")
     upper = PerfModel(shape, accounting="upper-bound")
     for context in (4096, 65536):
         for model in (exact, upper):
             got = model.step(StepContext((RequestWork(1, context, False),)))
-            n_sliding = sum(n for layer, n in shape.layers if layer.attention.is_sliding)
+            n_sliding = shape.layer_types.count("sliding_attention")
             # one decode token sees exactly `window` keys on every sliding layer, however long the context
             assert got.attn_flops_sliding == 2 * 2 * sliding.num_heads * sliding.head_dim * 1024 * n_sliding
     long_ctx = exact.step(StepContext((RequestWork(1, 65536, False),)))
@@ -76,12 +76,12 @@ def test_sliding_layers_clamp_to_the_window():
 
 
 def test_per_layer_head_dims_and_k_eq_v():
-    shape = model_shape(G4)
-    kinds = {layer.attention.layer_type: (layer.attention, n) for layer, n in shape.layers}
-    sliding, n_s = kinds["sliding_attention"]
-    full, n_f = kinds["full_attention"]
-    assert (sliding.head_dim, sliding.num_kv_heads, sliding.window, sliding.k_eq_v) == (256, 16, 1024, False)
-    assert (full.head_dim, full.num_kv_heads, full.window, full.k_eq_v) == (512, 4, None, True)
+    shape = load_spec(G4)
+    sliding, full = shape.attention_specs["sliding_attention"], shape.attention_specs["full_attention"]
+    n_s, n_f = shape.layer_types.count("sliding_attention"), shape.layer_types.count("full_attention")
+    assert (sliding.head_dim, sliding.num_kv_heads, sliding.window) == (256, 16, 1024)
+    assert (full.head_dim, full.num_kv_heads, full.window) == (512, 4, None)
+    assert {layer.layer_type for layer in shape.layers if layer.k_eq_v} == {"full_attention"}
     assert (n_s, n_f) == (50, 10)
     assert sliding.bidirectional and not full.bidirectional
     tokens = random.randint(1, 512)
@@ -95,7 +95,7 @@ def test_per_layer_head_dims_and_k_eq_v():
 
 def test_pipeline_stages_sum_to_the_whole_model():
     cfg = dict(G4, num_hidden_layers=7, layer_types=["sliding_attention"] * 6 + ["full_attention"])
-    shape = model_shape(cfg)
+    shape = load_spec(cfg)
     ctx = StepContext((RequestWork(300, 900, True, ((700, 760),)), RequestWork(1, 5000, False)))
     whole = PerfModel(shape).step(ctx)
     for pp in (2, 3, 4):
@@ -107,7 +107,7 @@ def test_pipeline_stages_sum_to_the_whole_model():
 
 
 def test_tensor_parallel_divides_heads_and_widths():
-    shape = model_shape(G4)
+    shape = load_spec(G4)
     ctx = StepContext((RequestWork(64, 64, True),))
     whole = PerfModel(shape).step(ctx)
     for tp in (2, 4):
@@ -133,6 +133,6 @@ def test_perf_cli_json_keys(tmp_path, capsys):
         "attn.qkv_input", "attn.qkv_weight", "attn.attn_input", "attn.out_input", "attn.out_weight"}
     assert {k for k in out["write_bytes"] if k.startswith("attn.")} == {"attn.qkv_output", "attn.kv_cache", "attn.out_output"}
     assert {k.split(".")[0] for kind in out.values() for k in kind} == {"attn", "ffn", "unembed"}
-    want = PerfModel(model_shape(G4), tp=2).step(
+    want = PerfModel(load_spec(G4), tp=2).step(
         StepContext((RequestWork(512, 2048, True), RequestWork(1, 4096, False))), per_gpu=True)
     assert out == json.loads(json.dumps(want.as_dict()))

@@ -15,7 +15,6 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.metrics.model_spec import model_shape
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -28,6 +27,7 @@ from mmserve.metrics.tracing import (
     set_request_attributes,
     start_request_span,
 )
+from mmserve.model.spec import load_spec
 from mmserve.scheduler.request import MultiModalInput, Request
 
 CONFIG = dict(
@@ -71,7 +71,7 @@ def tracing(otlp_receiver):
 def test_observer_builds_the_request_span_tree(tracing):
     provider, receiver = tracing
     tracer = get_tracer(provider)
-    perf = PerfModel(model_shape(CONFIG), dtype="float32")
+    perf = PerfModel(load_spec(CONFIG), dtype="float32")
     observer = TelemetryObserver(perf, PEAKS, tracer=tracer, step_trace_ratio=1.0)
 
     # The client's span, propagated as gRPC metadata the way the client library does it.
@@ -175,7 +175,7 @@ def test_observer_builds_the_request_span_tree(tracing):
 
 def test_step_spans_are_sampled(tracing):
     provider, receiver = tracing
-    observer = TelemetryObserver(PerfModel(model_shape(CONFIG)), PEAKS, tracer=get_tracer(provider),
+    observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), PEAKS, tracer=get_tracer(provider),
                                  step_trace_ratio=0.25)
     r = Request("r", list(range(4)), SamplingParams())
     observer.on_request_queued(r)
@@ -191,7 +191,7 @@ def test_step_spans_are_sampled(tracing):
 
 def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics = EngineMetrics(prometheus=True, otlp_endpoint=otlp_receiver.endpoint, export_interval_s=60)
-    observer = TelemetryObserver(PerfModel(model_shape(CONFIG)), PEAKS, metrics=metrics, step_trace_ratio=0)
+    observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), PEAKS, metrics=metrics, step_trace_ratio=0)
     r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
     observer.on_request_queued(r)
     clock = StepClock()

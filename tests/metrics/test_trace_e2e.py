@@ -16,12 +16,12 @@ from otlp_receiver import global_traces_to
 
 from mmserve.clients import Client
 from mmserve.config import ServerConfig
-from mmserve.metrics.model_spec import model_shape
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import get_tracer, inject_trace_context
+from mmserve.model.spec import load_spec
 
 PEAKS = DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test")
 
@@ -33,7 +33,7 @@ def traced(served_model):
     receiver = OtlpReceiver()
     with global_traces_to(receiver):
         metrics = EngineMetrics(prometheus=True)
-        perf = PerfModel(model_shape(served_model), dtype="float32")
+        perf = PerfModel(load_spec(served_model), dtype="float32")
         observer = TelemetryObserver(perf, PEAKS, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
         config = engine_config(served_model, default_num_frames=2, step_trace_ratio=1.0)
         server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),

@@ -27,7 +27,7 @@ from mmserve.clients import (
     user_message,
     video_part,
 )
-from mmserve.model.config import load_spec
+from mmserve.model.spec import load_spec
 from mmserve.model.messages import ChatMessage, VideoPart
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import load_tokenizer

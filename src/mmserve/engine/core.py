@@ -61,7 +61,7 @@ class EngineCore:
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
-        plans = plan_pools(list(spec.layer_types), spec.attention_specs, block_size=config.block_size,
+        plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=config.block_size,
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
                            kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                            max_chunk=config.max_num_batched_tokens)

@@ -34,11 +34,12 @@ class ModelRunner:
         self.model = model
         spec = model.spec
         device, dtype = model.device, model.dtype
-        self.kv_caches = [
-            torch.zeros(kv_cache_shape(plans[t].num_blocks, block_size, spec.attention_specs[t]),
-                        dtype=dtype, device=device)
-            for t in spec.layer_types
-        ]
+        # One cache per layer that holds KV; a KV-sharing consumer's entry is its producer's tensor.
+        self.kv_caches: list[torch.Tensor] = []
+        for layer in spec.layers:
+            t = layer.layer_type
+            self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
+                kv_cache_shape(plans[t].num_blocks, block_size, spec.attention_specs[t]), dtype=dtype, device=device))
         self.builder = MetadataBuilder(spec.attention_specs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                        block_size=block_size, device=device)

@@ -10,9 +10,10 @@ import argparse
 import json
 import sys
 
-from mmserve.metrics.model_spec import model_shape
+from mmserve.errors import MMServeError
 from mmserve.metrics.peaks import lookup, utilization
 from mmserve.metrics.perf_model import ACCOUNTING_MODES, PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.model.spec import load_spec
 
 
 def parse_request(text: str) -> RequestWork:
@@ -32,7 +33,7 @@ def parse_request(text: str) -> RequestWork:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("perf", help="FLOPs and bytes of one step per GPU, from a HF config",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hf-config", required=True, help="model directory or config.json")
+    p.add_argument("--hf-config", required=True, help="Gemma 4 family checkpoint directory or config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -49,21 +50,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    shape = model_shape(args.hf_config)
-    model = PerfModel(shape, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting)
+    try:
+        spec = load_spec(args.hf_config)
+    except MMServeError as exc:
+        print(f"mmserve perf: {exc}", file=sys.stderr)
+        return 2
+    model = PerfModel(spec, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting)
     images: tuple[VisionWork, ...] = ()
     if args.frames:
-        if shape.vision is None:
+        if spec.vision is None:
             print(f"mmserve perf: {args.hf_config} has no vision encoder; drop --frames", file=sys.stderr)
             return 2
-        images = (VisionWork(args.patches_per_frame or shape.vision.default_patches),) * args.frames
+        images = (VisionWork(args.patches_per_frame or spec.vision.default_patches),) * args.frames
     breakdown = model.step(StepContext(tuple(args.request), images), per_gpu=True)
     if args.json:
         json.dump(breakdown.as_dict(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
-    out.write(f"{shape.model_type}: {shape.num_layers} layers, tp={args.tp} pp={args.pp}, {args.dtype}, "
+    out.write(f"{spec.model_type}: {spec.num_layers} layers, tp={args.tp} pp={args.pp}, {args.dtype}, "
               f"{args.accounting} attention; per GPU:\n")
     for title, items in (("FLOPs", breakdown.flops), ("read bytes", breakdown.read_bytes),
                          ("write bytes", breakdown.write_bytes)):

@@ -14,6 +14,13 @@ Conventions (documented in docs/tracing.md):
   (num_tokens * context_len, clamped to the window on sliding layers).
 - bytes: weights once per step, activations once per producer/consumer, K/V of the distinct keys a
   request's queries touch, read from the cache at the cache dtype.
+- KV-sharing layers (Gemma 4 E-models) project only Q and write no cache; they read the
+  producer's cache like any layer reads its own.
+- MoE (Gemma 4 26B-A4B): the router, each token's top_k expert MLPs and the dense MLP beside them;
+  expert weights are read once per distinct expert the step touches: the count the model
+  reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
+- per-layer embeddings (E2B/E4B): the model-level projection (first stage) and each layer's gate
+  and projection; the token table is a gather (bytes of the rows read, no FLOPs). Not split by tp.
 - per GPU = one average GPU of tp * pp: heads, FFN width, experts' width and vocab divide by tp
   (KV heads never below 1, they are replicated); layer counts, the vision encoder (first stage) and the
   unembedding (last stage) divide by pp, so per-GPU figures times the stage count give the whole model.
@@ -21,12 +28,13 @@ Conventions (documented in docs/tracing.md):
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
-from mmserve.metrics.model_spec import AttentionShape, FfnShape, ModelShape, VisionShape
+from mmserve.model.spec import ModelSpec, MoeSpec, VisionSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 ACCOUNTING_MODES = ("exact", "upper-bound")
@@ -66,8 +74,12 @@ class VisionWork:
 
 @dataclass(frozen=True)
 class StepContext:
+    """A step's requests and encoded images; `experts_touched`: distinct experts per MoE layer the
+    step routed to (mean over layers), when the model reported it."""
+
     requests: tuple[RequestWork, ...] = ()
     images: tuple[VisionWork, ...] = ()
+    experts_touched: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +113,7 @@ class PerfBreakdown:
         return self.total_read_bytes + self.total_write_bytes
 
     def component(self, name: str) -> PerfBreakdown:
-        """Only the items of one component ("attn", "ffn", "unembed", "vision")."""
+        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision")."""
         out = PerfBreakdown()
         for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes)):
             dst.update({k: v for k, v in src.items() if k.split(".", 1)[0] == name})
@@ -118,7 +130,7 @@ class PerfModel:
 
     def __init__(
         self,
-        shape: ModelShape,
+        spec: ModelSpec,
         *,
         dtype: str = "bfloat16",
         kv_cache_dtype: str | None = None,
@@ -130,7 +142,10 @@ class PerfModel:
             raise ValueError(f"accounting must be one of {ACCOUNTING_MODES}, got {accounting!r}")
         if tp < 1 or pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
-        self.shape = shape
+        self.spec = spec
+        # Layers that cost the same are billed together: (attention, K=V, shares KV, MLP width, experts).
+        self.groups = Counter((spec.attention_specs[layer.layer_type], layer.k_eq_v, layer.shares_kv,
+                               layer.mlp_width, layer.moe) for layer in spec.layers)
         self.act_bytes = self.weight_bytes = DTYPE_BYTES[dtype]
         self.cache_bytes = DTYPE_BYTES[kv_cache_dtype or dtype]
         self.tp, self.pp, self.accounting = tp, pp, accounting
@@ -142,18 +157,20 @@ class PerfModel:
         tokens = ctx.num_tokens
         if tokens:
             pair_cache: dict[tuple, tuple[int, int]] = {}
-            for layer, count in self.shape.layers:
+            for (attn, k_eq_v, shares_kv, width, moe), count in self.groups.items():
                 layers = count / pp
-                self._attention(out, layer.attention, ctx.requests, layers, tp, pair_cache)
-                self._ffn(out, layer.ffn, tokens, layers, tp)
+                self._attention(out, attn, k_eq_v, shares_kv, ctx.requests, layers, tp, pair_cache)
+                self._ffn(out, width, moe, tokens, ctx.experts_touched, layers, tp)
+            if self.spec.ple is not None:
+                self._ple(out, tokens, pp)
             self._unembed(out, sum(r.num_logits for r in ctx.requests), tp, pp)
-        if ctx.images and self.shape.vision is not None:
-            self._vision(out, self.shape.vision, ctx.images, tp, pp)
+        if ctx.images and self.spec.vision is not None:
+            self._vision(out, self.spec.vision, ctx.images, tp, pp)
         return out
 
     # -- attention ---------------------------------------------------------------------------------
 
-    def _pairs_and_keys(self, a: AttentionShape, requests: Sequence[RequestWork], cache: dict) -> tuple[int, int]:
+    def _pairs_and_keys(self, a: LayerAttentionSpec, requests: Sequence[RequestWork], cache: dict) -> tuple[int, int]:
         """Σ kept pairs and Σ distinct keys over the step's requests, shared by layers of one kind."""
         key = (a.window, a.bidirectional, a.clamp_bidirectional)
         if key not in cache:
@@ -169,14 +186,14 @@ class PerfModel:
             cache[key] = (pairs, keys)
         return cache[key]
 
-    def _attention(self, out: PerfBreakdown, a: AttentionShape, requests: Sequence[RequestWork],
-                   layers: float, tp: int, cache: dict) -> None:
-        hidden, ba, bw, bc = self.shape.hidden, self.act_bytes, self.weight_bytes, self.cache_bytes
+    def _attention(self, out: PerfBreakdown, a: LayerAttentionSpec, k_eq_v: bool, shares_kv: bool,
+                   requests: Sequence[RequestWork], layers: float, tp: int, cache: dict) -> None:
+        hidden, ba, bw, bc = self.spec.hidden_size, self.act_bytes, self.weight_bytes, self.cache_bytes
         tokens = sum(r.num_tokens for r in requests)
         q, d = a.num_heads / tp, a.head_dim
         kv = max(1.0, a.num_kv_heads / tp)
-        kv_proj = (kv if a.k_eq_v else 2 * kv) if a.has_kv_proj else 0.0  # projected K/V widths (heads)
-        kv_out = 2 * kv if a.has_kv_proj else 0.0                        # K and V produced (V = norm(K) if K=V)
+        kv_proj = 0.0 if shares_kv else (kv if k_eq_v else 2 * kv)  # projected K/V widths (heads)
+        kv_out = 0.0 if shares_kv else 2 * kv                       # K and V produced (V = norm(K) if K=V)
         pairs, keys = self._pairs_and_keys(a, requests, cache)
         core = 2 * q * d * pairs * layers
         f, r, w = out.flops, out.read_bytes, out.write_bytes
@@ -184,7 +201,7 @@ class PerfModel:
         f["attn.attn_qk"] += core
         f["attn.attn_av"] += core
         f["attn.out_proj"] += 2 * tokens * q * d * hidden * layers
-        if a.is_sliding:
+        if a.window is not None:
             out.attn_flops_sliding += 2 * core
         else:
             out.attn_flops_full += 2 * core
@@ -202,7 +219,7 @@ class PerfModel:
     def _mlp(self, out: PerfBreakdown, prefix: str, tokens: float, width: float, matrices: int,
              weight_copies: float, layers: float) -> None:
         """One (gated) MLP over `tokens` rows; `weight_copies` = how many distinct weight sets are read."""
-        hidden, ba, bw = self.shape.hidden, self.act_bytes, self.weight_bytes
+        hidden, ba, bw = self.spec.hidden_size, self.act_bytes, self.weight_bytes
         up = matrices - 1  # gate+up (gated) or up only
         out.flops[f"ffn.{prefix}ffn"] += 2 * tokens * hidden * width * matrices * layers
         r, w = out.read_bytes, out.write_bytes
@@ -215,33 +232,49 @@ class PerfModel:
         w[f"ffn.{prefix}act_output"] += tokens * width * ba * layers
         w[f"ffn.{prefix}down_output"] += tokens * hidden * ba * layers
 
-    def _ffn(self, out: PerfBreakdown, ffn: FfnShape, tokens: int, layers: float, tp: int) -> None:
-        if ffn.intermediate:
-            self._mlp(out, "dense_", tokens, ffn.intermediate / tp, ffn.num_matrices, 1.0, layers)
-        moe = ffn.moe
+    def _ffn(self, out: PerfBreakdown, width: int, moe: MoeSpec | None, tokens: int,
+             experts_touched: float | None, layers: float, tp: int) -> None:
+        self._mlp(out, "dense_", tokens, width / tp, 3, 1.0, layers)
         if moe is None:
             return
-        hidden = self.shape.hidden
+        hidden = self.spec.hidden_size
         out.flops["ffn.router"] += 2 * tokens * hidden * moe.num_experts * layers
-        out.read_bytes["ffn.router_weight"] += hidden * moe.num_experts * self.weight_bytes * layers
-        # Distinct experts a step touches, expected under uniform routing (not "perfectly balanced").
-        experts_hit = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+        out.read_bytes["ffn.router_weight"] += hidden * (moe.num_experts + 1) * self.weight_bytes * layers
+        experts_hit = experts_touched if experts_touched is not None else min(moe.num_experts, tokens * moe.top_k)
         self._mlp(out, "routed_", tokens * moe.top_k, moe.intermediate / tp, 3, experts_hit, layers)
-        if moe.shared_intermediate:
-            self._mlp(out, "shared_", tokens, moe.shared_intermediate / tp, 3, 1.0, layers)
+
+    # -- per-layer embeddings ----------------------------------------------------------------------
+
+    def _ple(self, out: PerfBreakdown, tokens: int, pp: int) -> None:
+        ple, hidden, ba, bw = self.spec.ple, self.spec.hidden_size, self.act_bytes, self.weight_bytes
+        n = self.spec.num_layers
+        f, r, w = out.flops, out.read_bytes, out.write_bytes
+        # model level (first stage): token table rows (a gather) + projection of the main embeddings
+        f["ple.model_projection"] += 2 * tokens * hidden * n * ple.dim / pp
+        r["ple.token_rows"] += tokens * n * ple.dim * bw / pp
+        r["ple.model_projection_weight"] += hidden * n * ple.dim * bw / pp
+        r["ple.model_projection_input"] += tokens * hidden * ba / pp
+        w["ple.layer_inputs"] += tokens * n * ple.dim * ba / pp
+        # per layer: gate (hidden -> dim) and projection (dim -> hidden)
+        layers = n / pp
+        f["ple.gate"] += 2 * tokens * hidden * ple.dim * layers
+        f["ple.projection"] += 2 * tokens * ple.dim * hidden * layers
+        r["ple.layer_weight"] += 2 * hidden * ple.dim * bw * layers
+        r["ple.layer_activations"] += tokens * (hidden + 2 * ple.dim) * ba * layers
+        w["ple.layer_activations"] += tokens * (ple.dim + hidden) * ba * layers
 
     # -- unembedding and vision --------------------------------------------------------------------
 
     def _unembed(self, out: PerfBreakdown, logits: int, tp: int, pp: int) -> None:
         if not logits:
             return
-        hidden, vocab = self.shape.hidden, self.shape.vocab_size / tp
+        hidden, vocab = self.spec.hidden_size, self.spec.vocab_size / tp
         out.flops["unembed.unembed"] += 2 * logits * hidden * vocab / pp
         out.read_bytes["unembed.input"] += logits * hidden * self.act_bytes / pp
         out.read_bytes["unembed.weight"] += hidden * vocab * self.weight_bytes / pp
         out.write_bytes["unembed.output"] += logits * vocab * LOGITS_BYTES / pp
 
-    def _vision(self, out: PerfBreakdown, v: VisionShape, images: Iterable[VisionWork], tp: int, pp: int) -> None:
+    def _vision(self, out: PerfBreakdown, v: VisionSpec, images: Iterable[VisionWork], tp: int, pp: int) -> None:
         ba, bw = self.act_bytes, self.weight_bytes
         q, kv, d = v.num_heads / tp, max(1.0, v.num_kv_heads / tp), v.head_dim
         width = v.intermediate / tp
@@ -252,22 +285,23 @@ class PerfModel:
             t = img.num_tokens or p // (v.pool_kernel ** 2)
             n_layers = v.num_layers / pp
             f["vision.patch_embed"] += 2 * p * v.patch_dim * v.hidden / pp
-            f["vision.qkv_proj"] += 2 * p * v.hidden * (q + 2 * kv) * d * n_layers
-            f["vision.attn_qk"] += 2 * q * d * p * p * n_layers  # bidirectional over every patch
-            f["vision.attn_av"] += 2 * q * d * p * p * n_layers
-            f["vision.out_proj"] += 2 * p * q * d * v.hidden * n_layers
-            f["vision.mlp"] += 2 * p * v.hidden * width * v.mlp_matrices * n_layers
-            if v.pool_matmul:
+            if v.num_layers:
+                f["vision.qkv_proj"] += 2 * p * v.hidden * (q + 2 * kv) * d * n_layers
+                f["vision.attn_qk"] += 2 * q * d * p * p * n_layers  # bidirectional over every patch
+                f["vision.attn_av"] += 2 * q * d * p * p * n_layers
+                f["vision.out_proj"] += 2 * p * q * d * v.hidden * n_layers
+                f["vision.mlp"] += 2 * p * v.hidden * width * 3 * n_layers
+                # per layer: qkv/out/mlp inputs and the patches' own K/V for the core; outputs likewise
+                act = p * (2 * v.hidden + (q + 2 * kv) * d + q * d + 3 * width) * ba * n_layers
+                r["vision.activations"] += act
+                w["vision.activations"] += act
+            if v.pool_kernel > 1:
                 f["vision.pool"] += 2 * (p // (v.pool_kernel ** 2)) * p * v.hidden / pp
             f["vision.projector"] += 2 * t * v.hidden * v.projector_out / tp / pp
             r["vision.input"] += p * v.patch_dim * ba / pp
-            up = v.mlp_matrices - 1
-            # per layer: qkv/out/mlp inputs and the patches' own K/V for the core; outputs likewise
-            r["vision.activations"] += p * (2 * v.hidden + (q + 2 * kv) * d + q * d + (up + 1) * width) * ba * n_layers
-            w["vision.activations"] += p * (2 * v.hidden + (q + 2 * kv) * d + q * d + (up + 1) * width) * ba * n_layers
             w["vision.output"] += t * v.projector_out * ba / pp
             weights_read = True
         if weights_read:  # the encoder's weights are read once per step, however many frames it encodes
-            per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * v.mlp_matrices
+            per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * 3
             r["vision.weight"] += (per_layer * v.num_layers + v.patch_dim * v.hidden
                                    + v.hidden * v.projector_out / tp) * bw / pp

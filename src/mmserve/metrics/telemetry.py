@@ -99,7 +99,7 @@ class TelemetryObserver:
         self.tracer = tracer or get_tracer()
         self.metrics = metrics
         self.step_every = round(1 / step_trace_ratio) if step_trace_ratio > 0 else 0
-        vision = perf_model.shape.vision
+        vision = perf_model.spec.vision
         self.patches_per_frame = patches_per_frame or (vision.default_patches if vision else 0)
         self._requests: dict[str, _RequestState] = {}
 

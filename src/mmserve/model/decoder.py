@@ -16,22 +16,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl, AttentionMetadata
-from mmserve.model.config import ModelSpec
 from mmserve.model.norm import RMSNorm
 from mmserve.model.rope import RotaryEmbedding, apply_rope
+from mmserve.model.spec import LayerSpec, ModelSpec
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_type: str, impl: AttentionImpl):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl):
         super().__init__()
-        attn = spec.attention_specs[layer_type]
+        attn = spec.attention_specs[layer.layer_type]
         self.impl = impl
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         # K=V layers (full layers of the big models) take V from k_proj's raw output.
-        self.v_proj = None if spec.k_eq_v[layer_type] else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
@@ -61,12 +61,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_type: str, impl: AttentionImpl):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl):
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.layer_type = layer_type
-        self.self_attn = Attention(spec, layer_type, impl)
-        self.mlp = MLP(hidden, spec.intermediate_size)
+        self.layer_type = layer.layer_type
+        self.self_attn = Attention(spec, layer, impl)
+        self.mlp = MLP(hidden, layer.mlp_width)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
@@ -87,7 +87,7 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, t, impls[t]) for t in spec.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer, impls[layer.layer_type]) for layer in spec.layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._rope: dict[tuple[str, torch.device], RotaryEmbedding] = {}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from mmserve.model.config import load_spec
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.serving_model import Gemma4ServingModel
+from mmserve.model.spec import ModelSpec, UnsupportedModelError, load_spec
 from mmserve.model.vision import VisionEncoder
 from mmserve.model.weights import load_weights
 
@@ -34,6 +34,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
+def _reject_unbuilt(spec: ModelSpec) -> None:
+    if spec.ple is not None:
+        raise UnsupportedModelError("per-layer embeddings (hidden_size_per_layer_input) are not supported yet")
+    if any(layer.shares_kv for layer in spec.layers):
+        raise UnsupportedModelError("KV sharing (num_kv_shared_layers) is not supported yet")
+    if any(layer.moe for layer in spec.layers):
+        raise UnsupportedModelError("mixture-of-experts (enable_moe_block) is not supported yet")
+    if spec.model_type != "gemma4":
+        raise UnsupportedModelError(f"model_type={spec.model_type!r} is not supported yet")
+
+
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                attention_backend: str = "reference", max_num_tokens: int = 512,
                max_num_reqs: int = 64) -> Gemma4ServingModel:
@@ -47,6 +58,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     start = time.perf_counter()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     spec = load_spec(path)
+    _reject_unbuilt(spec)
     attention_backend = resolve_backend(attention_backend, torch_device)
     impls = {t: create_impl(attention_backend, s, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
              for t, s in spec.attention_specs.items()}

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.model.config import ModelSpec
 from mmserve.model.messages import ChatMessage, ImagePart, Part, TextPart, VideoPart
+from mmserve.model.spec import ModelSpec
 from mmserve.model.tokenizer import TextTokenizer
 
 TURN_OPEN, TURN_CLOSE = "<|turn>", "<turn|>"

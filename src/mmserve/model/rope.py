@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.model.config import RopeSpec
+from mmserve.model.spec import RopeSpec
 
 
 class RotaryEmbedding:

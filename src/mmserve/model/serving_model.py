@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from mmserve.attention.backend import AttentionMetadata
-from mmserve.model.config import ModelSpec
 from mmserve.model.decoder import TextDecoder
+from mmserve.model.spec import ModelSpec
 from mmserve.model.vision import VisionEncoder
 
 

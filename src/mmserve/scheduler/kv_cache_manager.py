@@ -2,7 +2,8 @@
 
 Layer types keep separate pools because their pages differ in size (Gemma 4: head_dim 256 on
 sliding layers, 512 on full ones). Every layer of a type shares that type's block ids, so a
-request's table for a pool serves all of its layers. Block 0 of every pool is the null block:
+request's table for a pool serves all of its layers, KV-sharing consumers included (they read their
+producer's cache and hold none of their own, so they cost the pool nothing). Block 0 of every pool is the null block:
 never handed out, and the table entry of every reclaimed sliding-window block points at it.
 """
 
@@ -40,7 +41,7 @@ def sliding_blocks_per_request(window: int, max_chunk: int, block_size: int) -> 
 
 
 def plan_pools(
-    layer_types: list[str],
+    kv_layer_types: list[str] | tuple[str, ...],
     attention_specs: dict[str, LayerAttentionSpec],
     *,
     block_size: int,
@@ -53,8 +54,10 @@ def plan_pools(
     """Size the pools. With `num_kv_blocks` every pool gets that many. Otherwise `kv_cache_bytes`
     buys the same number of blocks in every pool, except that a windowed pool never gets more than
     `max_num_seqs` requests can hold at once (given `max_chunk` tokens per step): the bytes it
-    does not need go to the unwindowed pools, which are the ones long videos fill."""
-    counts = {t: layer_types.count(t) for t in attention_specs if t in layer_types}
+    does not need go to the unwindowed pools, which are the ones long videos fill. Only layers that
+    hold KV are listed in `kv_layer_types` (`ModelSpec.kv_layer_types`): KV-sharing consumers
+    get no blocks."""
+    counts = {t: kv_layer_types.count(t) for t in attention_specs if t in kv_layer_types}
     per_block = {
         t: 2 * block_size * attention_specs[t].num_kv_heads * attention_specs[t].head_dim * dtype_bytes * n
         for t, n in counts.items()
@@ -74,7 +77,11 @@ def plan_pools(
                 blocks[t] = left // sum(per_block[f] for f in full)
     if min(blocks.values(), default=0) < 2:
         raise ValueError(f"KV cache too small: {blocks} blocks per pool (need >= 2; block 0 is reserved)")
-    return {t: PoolPlan(t, blocks[t], counts[t], per_block[t], attention_specs[t].window) for t in counts}
+    plans = {t: PoolPlan(t, blocks[t], counts[t], per_block[t], attention_specs[t].window) for t in counts}
+    logger.info("KV cache: %s", ", ".join(
+        f"{t} {p.num_blocks} blocks x {p.num_layers} layers = {p.num_blocks * p.bytes_per_block / 2**20:.1f} MiB"
+        for t, p in plans.items()))
+    return plans
 
 
 class BlockPool:

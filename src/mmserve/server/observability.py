@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.metrics.model_spec import model_shape
+from mmserve.model.spec import load_spec
 from mmserve.metrics.peaks import detect
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
@@ -39,7 +39,7 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
                         configure_global_tracing: bool = True) -> Observability:
     provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
     metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
-    perf = PerfModel(model_shape(engine_config.model), dtype=engine_config.dtype,
+    perf = PerfModel(load_spec(engine_config.model), dtype=engine_config.dtype,
                      accounting=engine_config.perf_accounting)
     observer = TelemetryObserver(perf, detect(engine_config.device, engine_config.dtype), tracer=get_tracer(provider),
                                  metrics=metrics, step_trace_ratio=engine_config.step_trace_ratio)

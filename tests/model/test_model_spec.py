@@ -1,5 +1,6 @@
-"""ModelSpec from config.json (both head-dim spellings), generation/processor files, and the
-variants we refuse with a message naming the feature."""
+"""ModelSpec from config.json (both head-dim spellings, any source: directory, file, dict, config
+object), generation/processor files, per-layer roles (KV sharing, double-wide MLP, experts, PLE), and
+the settings we refuse with a message naming them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from gemma4_fixtures import EOS, TURN_CLOSE
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.model.config import UnsupportedModelError, load_spec
+from mmserve.model.spec import MoeSpec, PleSpec, UnsupportedModelError, load_spec
 
 
 @pytest.fixture
@@ -37,7 +38,9 @@ def test_spec_describes_layer_types(checkpoints):
     assert (sliding.head_dim, sliding.num_kv_heads, sliding.window, sliding.bidirectional) == (16, 2, 6, True)
     assert (full.head_dim, full.num_kv_heads, full.window, full.bidirectional) == (32, 1, None, False)
     assert sliding.clamp_bidirectional and full.scale == sliding.scale == 1.0
-    assert spec.k_eq_v == {SLIDING: False, FULL: True}
+    assert {layer.layer_type: layer.k_eq_v for layer in spec.layers} == {SLIDING: False, FULL: True}
+    assert all(not layer.shares_kv and layer.moe is None and layer.mlp_width == 96 for layer in spec.layers)
+    assert spec.ple is None and spec.kv_layer_types == spec.layer_types
     assert spec.rope[FULL].rotary_dim == int(0.25 * 32) and spec.rope[SLIDING].rotary_dim == 16
     assert spec.eos_token_ids == (EOS, TURN_CLOSE)
     assert (spec.patch_size, spec.pooling_kernel_size) == (4, 2)
@@ -59,7 +62,7 @@ def test_k_eq_v_off_keeps_sliding_kv_heads_on_full_layers(ckpt):
     (ckpt / "config.json").write_text(json.dumps(raw))
     spec = load_spec(ckpt)
     assert spec.attention_specs[FULL].num_kv_heads == 2 and spec.attention_specs[FULL].head_dim == 64
-    assert spec.k_eq_v[FULL] is False
+    assert not any(layer.k_eq_v for layer in spec.layers)
     assert not any(s.bidirectional for s in spec.attention_specs.values())
 
 
@@ -86,12 +89,43 @@ def test_processor_settings_in_separate_files(ckpt):
     assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens, spec.video_num_frames) == (560, 140, 16)
 
 
+def test_any_source_gives_the_same_spec(checkpoints):
+    from transformers import AutoConfig
+
+    paths, hf = checkpoints
+    from_dir = load_spec(paths["per_layer"])
+    raw = json.loads((paths["per_layer"] / "config.json").read_text())
+    assert load_spec(paths["per_layer"] / "config.json") == from_dir
+    no_files = load_spec(raw)   # no tokenizer/generation files: eos from the config alone
+    assert no_files.layers == from_dir.layers and no_files.eos_token_ids == (EOS,)
+    assert load_spec(AutoConfig.for_model(**raw)).layers == from_dir.layers
+    text_only = load_spec(dict(raw["text_config"], model_type="gemma4_text"))
+    assert text_only.layers == from_dir.layers and text_only.vision is None
+
+
+def test_kv_sharing_roles_and_double_wide_mlp(ckpt):
+    """E2B-like: the last 3 of 6 layers reuse the last earlier layer of their type; only they are wide."""
+    edit_text_config(ckpt, num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=False,
+                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+    spec = load_spec(ckpt)
+    types = spec.layer_types       # (S, S, F) * 2: layers 3..5 share; producers 1 (sliding) and 2 (full)
+    assert [layer.kv_source for layer in spec.layers] == [0, 1, 2, 1, 1, 2]
+    assert [layer.mlp_width for layer in spec.layers] == [96, 96, 96, 192, 192, 192]
+    assert all(types[layer.kv_source] == layer.layer_type for layer in spec.layers)
+    assert spec.kv_layer_types == types[:3]
+    assert spec.ple == PleSpec(8, 64)
+
+
+def test_experts(ckpt):
+    edit_text_config(ckpt, enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    assert {layer.moe for layer in load_spec(ckpt).layers} == {MoeSpec(4, 2, 32)}
+
+
 @pytest.mark.parametrize("changes,feature", [
-    ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 64}, "PLE"),
-    ({"num_kv_shared_layers": 2}, "KV sharing"),
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32},
-     "mixture-of-experts"),
+    ({"num_kv_shared_layers": 6}, "num_kv_shared_layers=6"),
+    ({"enable_moe_block": True, "num_experts": 4}, "enable_moe_block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
+    ({"hidden_activation": "silu"}, "hidden_activation"),
 ])
 def test_unsupported_variants_fail_naming_the_feature(ckpt, changes, feature):
     edit_text_config(ckpt, **changes)
