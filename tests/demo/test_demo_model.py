@@ -72,9 +72,9 @@ def test_transformers_captions_held_out_clips(hf_answers, tokenizer) -> None:
 
 def test_server_prompt_equals_training_prompt(tokenizer, vision) -> None:
     """model.prompt (what the server feeds the model) builds the very ids the model was trained on."""
-    from mmserve.model.spec import load_spec
     from mmserve.model.messages import ChatMessage, TextPart, VideoPart
     from mmserve.model.prompt import build_prompt
+    from mmserve.model.spec import load_spec
     from mmserve.model.tokenizer import load_tokenizer
     from mmserve.multimodal.limits import MediaLimits
     from mmserve.multimodal.preprocess import preprocess_images

@@ -15,9 +15,9 @@ from transformers import Gemma4ImageProcessorPil, Gemma4Processor, PreTrainedTok
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 from transformers.video_utils import VideoMetadata
 
-from mmserve.model.spec import load_spec
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt, timestamp_text
+from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import TextTokenizer
 
 

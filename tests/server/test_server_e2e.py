@@ -27,9 +27,9 @@ from mmserve.clients import (
     user_message,
     video_part,
 )
-from mmserve.model.spec import load_spec
 from mmserve.model.messages import ChatMessage, VideoPart
 from mmserve.model.prompt import build_prompt
+from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images

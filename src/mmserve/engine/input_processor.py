@@ -22,9 +22,9 @@ from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
-from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
+from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.image import decode_image
 from mmserve.multimodal.limits import MediaLimits

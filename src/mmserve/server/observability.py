@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.model.spec import load_spec
 from mmserve.metrics.peaks import detect
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import configure_tracing, get_tracer
+from mmserve.model.spec import load_spec
 
 logger = logging.getLogger(__name__)
 
