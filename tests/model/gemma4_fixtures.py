@@ -50,6 +50,31 @@ def tiny_config(*, window: int = 6, vocab: int = VOCAB, **text_overrides) -> dic
                 eoa_token_index=EOA)
 
 
+def e_model_config(**text_overrides) -> dict:
+    """E2B-like: per-layer embeddings, the last 3 of 6 layers share KV (double-wide MLPs there),
+    separate V projections, causal frames (E-models ship use_bidirectional_attention=None)."""
+    return tiny_config(window=5, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                       num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=False,
+                       use_bidirectional_attention=None, **text_overrides)
+
+
+def moe_config(**text_overrides) -> dict:
+    """26B-A4B-like: 6 experts, top-3, beside the dense MLP on every layer; K=V full layers, bidi frames."""
+    return tiny_config(window=5, enable_moe_block=True, num_experts=6, top_k_experts=3, moe_intermediate_size=20,
+                       **text_overrides)
+
+
+def unified_config(**text_overrides) -> dict:
+    """12B-like gemma4_unified: the dense text stack and the encoder-free vision embedder (8-px model
+    patches: patch 4 merged 2 x 2, the same soft-token counts as the tiny tower)."""
+    cfg = tiny_config(**text_overrides)
+    for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+        cfg["text_config"].pop(key, None)
+    cfg["vision_config"] = dict(patch_size=4, pooling_kernel_size=2, mm_embed_dim=24, mm_posemb_size=16,
+                                output_proj_dims=24)
+    return cfg
+
+
 def make_tokenizer() -> Tokenizer:
     """A byte-level BPE whose specials sit at fixed small ids (specials first, then 256 bytes)."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -76,7 +101,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
                 continue
             noise = torch.randn(t.shape, generator=gen)
-            if name.endswith("norm.weight") or "layer_scalar" in name or "std_scale" in name:
+            if name.endswith(("norm.weight", "ln1.weight", "ln2.weight")) or "layer_scalar" in name \
+                    or "std_scale" in name:
                 t.copy_(1.0 + 0.2 * noise if "layer_scalar" not in name else 0.9 + 0.05 * noise)
             elif "std_bias" in name:
                 t.copy_(0.3 * noise)
@@ -85,14 +111,23 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_checkpoint(root: Path, *, form: str = "per_layer", seed: int = 0, config: dict | None = None,
-                    attn: str = "eager"):
-    """Save a tiny random checkpoint to `root`; returns the transformers model (eval, fp32) for reference."""
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+                    attn: str = "eager", unified: bool = False):
+    """Save a tiny random checkpoint to `root` (`unified`: a gemma4_unified one); returns the
+    transformers model (eval, fp32) for reference."""
+    from transformers import (
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4UnifiedConfig,
+        Gemma4UnifiedForConditionalGeneration,
+    )
 
-    cfg = Gemma4Config(**(config or tiny_config()))
+    config_cls, model_cls = ((Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration) if unified
+                             else (Gemma4Config, Gemma4ForConditionalGeneration))
+    cfg = config_cls(**(config or tiny_config()))
     cfg._attn_implementation = attn
+    cfg.get_text_config()._experts_implementation = "eager"
     torch.manual_seed(seed)
-    model = Gemma4ForConditionalGeneration(cfg).eval()
+    model = model_cls(cfg).eval()
     randomize_(model, seed)
     root.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(root))

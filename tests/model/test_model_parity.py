@@ -23,11 +23,10 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err < RTOL, f"max relative error {err:.2e}"
 
 
-def hf_logits(hf, ids: list[int], layout=None, return_cache: bool = False):
+def hf_logits(hf, ids: list[int], layout=None, return_cache: bool = False, **kwargs):
     """transformers' logits for a whole prompt; images/frames from `layout` in prompt order."""
     cfg = hf.config
     input_ids = torch.tensor([ids])
-    kwargs = {}
     if layout is not None and layout.mm_items:
         images = [it for it in layout.mm_items if it.kind == "image"]
         frames = [it for it in layout.mm_items if it.kind == "video"]

@@ -19,9 +19,13 @@ def host_offsets(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
     return qsl.tolist(), seq_lens.tolist()
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> None:
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+             metadata: AttentionMetadata) -> None:
     """Store this step's K/V ([>= T, Hkv, D]; rows past num_actual_tokens are padding) at their
-    slots, in place: the first thing every backend's forward does."""
+    slots, in place: the first thing every backend's forward does. k = v = None is a KV-sharing
+    layer's attend-only call: it reads another layer's cache and writes nothing."""
+    if k is None or v is None:
+        return
     num_tokens = metadata.num_actual_tokens
     slots = metadata.slot_mapping[:num_tokens]
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])

@@ -1,10 +1,14 @@
-"""Our Gemma 4 text decoder (dense variants) over a paged KV cache.
+"""Our Gemma 4 text decoder over a paged KV cache, for every variant of the family.
 
-Reads like the architecture: scaled embeddings -> layers of (sandwich-normed attention, sandwich-
-normed gated-GELU MLP, per-layer scalar) -> final norm -> tied head with a logit soft-cap. Tokens
-are flattened ([T, hidden], no batch dim); attention goes through `mmserve.attention` backends,
-which write this step's K/V into the layer's paged cache and attend over it.
-Parameter names mirror transformers' `language_model.*` so checkpoints map one to one.
+Reads like the architecture: scaled embeddings (plus per-layer embeddings on E2B/E4B) -> layers of
+(sandwich-normed attention, sandwich-normed gated-GELU MLP with routed experts beside it on 26B-A4B,
+the per-layer input gate, a per-layer scalar) -> final norm -> tied head with a logit soft-cap.
+Tokens are flattened ([T, hidden], no batch dim); attention goes through `mmserve.attention`
+backends, which write this step's K/V into the layer's paged cache and attend over it. A
+KV-sharing layer (E2B/E4B's last layers) projects only Q and attends over its producer's cache
+without writing (`impl.forward(q, None, None, ...)`).
+Parameter names mirror transformers' `language_model.*`; `weights.py` maps the few we group under a
+submodule (`ple.*`, `moe.*`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl, AttentionMetadata
+from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
+from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
 from mmserve.model.rope import RotaryEmbedding, apply_rope
 from mmserve.model.spec import LayerSpec, ModelSpec
 
@@ -29,22 +35,27 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        # K=V layers (full layers of the big models) take V from k_proj's raw output.
-        self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
         self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
-        self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
+        if not layer.shares_kv:
+            kv_width = self.num_kv_heads * self.head_dim
+            self.k_proj = nn.Linear(hidden, kv_width, bias=False)
+            # K=V layers (full layers of the big models) take V from k_proj's raw output.
+            self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, kv_width, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+            self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
-        k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        k = apply_rope(self.k_norm(k_raw), cos, sin)
-        v = self.v_norm(v_raw)
+        k = v = None
+        if self.k_proj is not None:
+            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = self.v_norm(v_raw)
         out = self.impl.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -65,18 +76,26 @@ class DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.layer_type = layer.layer_type
+        self.kv_source = layer.kv_source
         self.self_attn = Attention(spec, layer, impl)
         self.mlp = MLP(hidden, layer.mlp_width)
+        self.moe = MoeBlock(hidden, layer.moe, eps) if layer.moe is not None else None
+        self.ple = LayerInputGate(hidden, spec.ple.dim, eps) if spec.ple is not None else None
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata))
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        ffn = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.moe is not None:
+            ffn = self.moe(h, ffn)
+        h = h + self.post_feedforward_layernorm(ffn)
+        if self.ple is not None:
+            h = self.ple(h, layer_input)
         return h * self.layer_scalar
 
 
@@ -87,6 +106,7 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.ple = PerLayerEmbeddings(spec) if spec.ple is not None else None
         self.layers = nn.ModuleList(DecoderLayer(spec, layer, impls[layer.layer_type]) for layer in spec.layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -98,6 +118,13 @@ class TextDecoder(nn.Module):
             self._rope[key] = RotaryEmbedding(self.spec.rope[layer_type], positions.device)
         return self._rope[key].cos_sin(positions, dtype)
 
+    def _text_ids(self, input_ids: torch.Tensor, mm_token_index: torch.Tensor | None) -> torch.Tensor:
+        """Ids for the embedding tables: out-of-vocabulary ids and vision placeholders become the pad id."""
+        ids = torch.where(input_ids < self.spec.vocab_size, input_ids, self.spec.pad_token_id)
+        if mm_token_index is not None and mm_token_index.numel():
+            ids = ids.index_fill(0, mm_token_index.to(ids.device), self.spec.pad_token_id)
+        return ids
+
     def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None,
               mm_token_index: torch.Tensor | None) -> torch.Tensor:
         """Scaled token embeddings with vision embeddings written over their placeholder rows.
@@ -107,8 +134,7 @@ class TextDecoder(nn.Module):
         """
         weight = self.embed_tokens.weight
         scale = float(torch.tensor(math.sqrt(self.spec.hidden_size), dtype=weight.dtype))
-        ids = torch.where(input_ids < self.spec.vocab_size, input_ids, self.spec.pad_token_id)
-        h = F.embedding(ids, weight) * scale
+        h = F.embedding(self._text_ids(input_ids, mm_token_index), weight) * scale
         if mm_embeds is not None and mm_token_index is not None and mm_token_index.numel():
             h = h.index_copy(0, mm_token_index.to(h.device), mm_embeds.to(h.dtype))
         return h
@@ -117,10 +143,14 @@ class TextDecoder(nn.Module):
                 attn_metadata: dict[str, AttentionMetadata], kv_caches: list[torch.Tensor],
                 mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids, mm_embeds, mm_token_index)
+        layer_inputs = None
+        if self.ple is not None:
+            layer_inputs = self.ple(self._text_ids(input_ids, mm_token_index), h)
         rope = {t: self._cos_sin(t, positions, h.dtype) for t in attn_metadata}
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, kv_cache, attn_metadata[layer.layer_type])
+            h = layer(h, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
+                      None if layer_inputs is None else layer_inputs[:, i])
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

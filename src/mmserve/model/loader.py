@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -10,8 +11,9 @@ import torch
 
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.serving_model import Gemma4ServingModel
-from mmserve.model.spec import ModelSpec, UnsupportedModelError, load_spec
+from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.vision import VisionEncoder
+from mmserve.model.vision_embedder import UnifiedVisionEncoder
 from mmserve.model.weights import load_weights
 
 logger = logging.getLogger(__name__)
@@ -34,15 +36,13 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def _reject_unbuilt(spec: ModelSpec) -> None:
-    if spec.ple is not None:
-        raise UnsupportedModelError("per-layer embeddings (hidden_size_per_layer_input) are not supported yet")
-    if any(layer.shares_kv for layer in spec.layers):
-        raise UnsupportedModelError("KV sharing (num_kv_shared_layers) is not supported yet")
-    if any(layer.moe for layer in spec.layers):
-        raise UnsupportedModelError("mixture-of-experts (enable_moe_block) is not supported yet")
-    if spec.model_type != "gemma4":
-        raise UnsupportedModelError(f"model_type={spec.model_type!r} is not supported yet")
+def _consumer_kv_weights(spec: ModelSpec) -> re.Pattern | None:
+    """KV-sharing layers' K/V projections and norms, which some checkpoints still ship (E2B's does;
+    transformers ignores them, and copies it saves drop them): accepted and skipped."""
+    consumers = [str(layer.index) for layer in spec.layers if layer.shares_kv]
+    if not consumers:
+        return None
+    return re.compile(rf"^decoder\.layers\.({'|'.join(consumers)})\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
@@ -58,7 +58,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     start = time.perf_counter()
     torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
     spec = load_spec(path)
-    _reject_unbuilt(spec)
     attention_backend = resolve_backend(attention_backend, torch_device)
     impls = {t: create_impl(attention_backend, s, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
              for t, s in spec.attention_specs.items()}
@@ -66,13 +65,21 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     with torch.device("meta"):
         decoder = TextDecoder(spec, impls)
     vision = None
-    if spec.has_vision:
+    if spec.vision is not None and spec.vision.kind == "embedder":
+        with torch.device("meta"):
+            vision = UnifiedVisionEncoder(spec.hf_config)
+    elif spec.vision is not None:
         with torch.device(torch_device):
             vision = VisionEncoder(spec.hf_config)
     model = Gemma4ServingModel(spec, decoder, vision)
-    load_weights(model, path, dtype=torch_dtype, device=torch_device, tied=spec.tie_word_embeddings)
+    load_weights(model, path, dtype=torch_dtype, device=torch_device, tied=spec.tie_word_embeddings,
+                 ignore=_consumer_kv_weights(spec))
     model.eval()
-    logger.info("loaded %s: %d layers %s, %s on %s, %s attention in %.1fs", path, spec.num_layers,
+    consumers = spec.num_layers - len(spec.kv_layer_types)
+    logger.info("loaded %s (%s): %d layers%s%s%s %s, %s on %s, %s attention in %.1fs", path, spec.model_type,
+                spec.num_layers, f", {consumers} sharing KV (no cache)" if consumers else "",
+                ", per-layer embeddings" if spec.ple else "",
+                f", {spec.layers[0].moe.num_experts} experts top-{spec.layers[0].moe.top_k}" if spec.layers[0].moe else "",
                 "+vision" if vision else "text-only", torch_dtype, torch_device, attention_backend,
                 time.perf_counter() - start)
     return model

@@ -3,8 +3,12 @@
 Tensors are read one at a time from the memory-mapped files (single file or sharded with
 `model.safetensors.index.json`) and converted to the target dtype/device, so peak host memory is
 one tensor, not the model. Names are accepted in the hub / transformers-5.x layout
-(`model.language_model.*`, `model.vision_tower.*`, `model.embed_vision.*`) and the legacy
-llava/vLLM layout (`language_model.model.*`, `vision_tower.*`, `embed_vision.*`).
+(`model.language_model.*`, `model.vision_tower.*`, `model.embed_vision.*`, gemma4_unified's
+`model.vision_embedder.*`) and the legacy llava/vLLM layout (`language_model.model.*`,
+`vision_tower.*`, `embed_vision.*`). Experts load packed (`experts.gate_up_proj` [E, 2I, H],
+`experts.down_proj` [E, H, I], transformers' layout) or per expert (`experts.{e}.gate_proj` /
+`up_proj` / `down_proj`), which are copied into their slice of one packed tensor as they stream,
+so no second copy of the experts is ever held.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,8 +38,21 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("vision_tower.", "vision.vision_tower."),
     ("model.embed_vision.", "vision.embed_vision."),
     ("embed_vision.", "vision.embed_vision."),
+    ("model.vision_embedder.", "vision.vision_embedder."),
+    ("vision_embedder.", "vision.vision_embedder."),
 )
-# Tensors that exist in some checkpoints but that we never use.
+# Our modules group a concept's tensors under one submodule (decoder.ple.*, layers.N.moe.*).
+_REGROUP: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"^decoder\.(embed_tokens_per_layer|per_layer_model_projection|per_layer_projection_norm)\."),
+     r"decoder.ple.\1."),
+    (re.compile(r"^(decoder\.layers\.\d+)\.(per_layer_input_gate|per_layer_projection|post_per_layer_input_norm)\."),
+     r"\1.ple.\2."),
+    (re.compile(r"^(decoder\.layers\.\d+)\.(router|experts|pre_feedforward_layernorm_2|post_feedforward_layernorm_[12])\."),
+     r"\1.moe.\2."),
+)
+# One expert's matrix in a per-expert checkpoint -> (packed tensor, expert, which rows of it).
+_PER_EXPERT = re.compile(r"^(?P<layer>.*\.moe\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+# Tensors that exist in some checkpoints but that we never use (the audio tower: audio input is refused).
 _IGNORED = re.compile(r"(^|\.)(audio_tower|embed_audio)\.|embed_vision\.embedding\.")
 
 
@@ -63,14 +81,50 @@ def our_name(checkpoint_name: str, *, tied: bool) -> str | None:
     """Our parameter name for a checkpoint tensor, or None when we ignore it."""
     if _IGNORED.search(checkpoint_name) or (tied and checkpoint_name.endswith("lm_head.weight")):
         return None
+    name = checkpoint_name
     for src, dst in _PREFIXES:
-        if checkpoint_name.startswith(src):
-            return dst + checkpoint_name[len(src):]
-    return checkpoint_name
+        if name.startswith(src):
+            name = dst + name[len(src):]
+            break
+    for pattern, replacement in _REGROUP:
+        name = pattern.sub(replacement, name)
+    return name
 
 
-def iter_tensors(path: str | Path, wanted: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (our_name, tensor) for `wanted` = {checkpoint_name: our_name}, one file open at a time."""
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where one per-expert matrix goes inside its packed tensor."""
+
+    packed: str           # our name of the packed tensor
+    expert: int
+    kind: str             # gate_proj (rows [0, I)), up_proj (rows [I, 2I)) or down_proj
+
+
+def expert_slice(name: str) -> ExpertSlice | None:
+    match = _PER_EXPERT.match(name)
+    if match is None:
+        return None
+    kind = match["kind"]
+    packed = f"{match['layer']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+    return ExpertSlice(packed, int(match["e"]), kind)
+
+
+def _copy_expert(packed: torch.Tensor, part: ExpertSlice, tensor: torch.Tensor) -> None:
+    rows = packed.shape[1] // 2
+    target = packed[part.expert]
+    if part.kind == "gate_proj":
+        target = target[:rows]
+    elif part.kind == "up_proj":
+        target = target[rows:]
+    if tensor.shape != target.shape:
+        raise WeightLoadError(f"expert {part.expert} {part.kind} of {part.packed} has shape "
+                              f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
+def iter_tensors(path: str | Path, wanted: dict[str, str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Yield (checkpoint_name, our_name, tensor) for `wanted` = {checkpoint_name: our_name}, one file
+    open at a time."""
     files = checkpoint_files(path)
     by_file: dict[Path, list[str]] = {}
     for ckpt_name in wanted:
@@ -78,35 +132,51 @@ def iter_tensors(path: str | Path, wanted: dict[str, str]) -> Iterator[tuple[str
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as handle:
             for ckpt_name in names:
-                yield wanted[ckpt_name], handle.get_tensor(ckpt_name)
+                yield ckpt_name, wanted[ckpt_name], handle.get_tensor(ckpt_name)
 
 
 def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, device: torch.device,
-                 tied: bool) -> None:
+                 tied: bool, ignore: re.Pattern | None = None) -> None:
     """Fill every parameter and persistent buffer of `model` from the checkpoint, strictly.
 
     Floating tensors are cast to `dtype`; missing or unexpected tensors raise `WeightLoadError`
-    naming them (first few), before anything is loaded.
+    naming them (first few), before anything is loaded. `ignore` matches our names of tensors a
+    checkpoint may carry that the model does not use (KV-sharing layers' K/V projections).
     """
     expected = set(model.state_dict().keys())
     wanted: dict[str, str] = {}
+    parts: dict[str, ExpertSlice] = {}
     unexpected: list[str] = []
     for ckpt_name in checkpoint_files(path):
         name = our_name(ckpt_name, tied=tied)
-        if name is None:
+        if name is None or (ignore is not None and ignore.search(name)):
             continue
-        if name in expected:
+        part = expert_slice(name)
+        if part is not None and part.packed in expected:
+            parts[ckpt_name] = part
+            wanted[ckpt_name] = part.packed
+        elif name in expected:
             wanted[ckpt_name] = name
         else:
             unexpected.append(ckpt_name)
     missing = sorted(expected - set(wanted.values()))
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    for packed in {part.packed for part in parts.values()}:
+        need = shapes[packed][0] * (1 if packed.endswith("down_proj") else 2)
+        have = {(p.expert, p.kind) for p in parts.values() if p.packed == packed}
+        if len(have) != need:
+            missing.append(f"{packed} ({need - len(have)} per-expert matrices)")
     if missing or unexpected:
         raise WeightLoadError(
             f"{path}: checkpoint does not match the config: "
             f"missing {len(missing)} {missing[:8]}, unexpected {len(unexpected)} {sorted(unexpected)[:8]}")
     state: dict[str, torch.Tensor] = {}
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    for name, tensor in iter_tensors(path, wanted):
+    for part in parts.values():   # packed tensors that per-expert matrices are copied into
+        state.setdefault(part.packed, torch.empty(shapes[part.packed], dtype=dtype, device=device))
+    for ckpt_name, name, tensor in iter_tensors(path, wanted):
+        if ckpt_name in parts:
+            _copy_expert(state[name], parts[ckpt_name], tensor)
+            continue
         if tensor.shape != shapes[name]:
             raise WeightLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
         target_dtype = dtype if tensor.is_floating_point() else tensor.dtype

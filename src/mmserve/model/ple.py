@@ -1,0 +1,54 @@
+"""Per-layer embeddings (PLE, Gemma 4 E2B/E4B): a small extra input for every decoder layer.
+
+Model level, once per step: a token part (a row of one packed [vocab, L*D] table, x sqrt(D)) and a
+context part (the scaled, vision-merged main embeddings projected H -> L*D, x H^-0.5, RMS-normed per
+layer), summed and x 2^-0.5 into [T, L, D]. Image/video placeholders look up the pad row (the
+context part still sees their vision features).
+Layer level, after the MLP residual: h += norm(proj(gelu_tanh(gate(h)) * input_i)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmserve.model.norm import RMSNorm
+from mmserve.model.spec import ModelSpec
+
+
+class PerLayerEmbeddings(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        assert spec.ple is not None
+        self.num_layers, self.dim = spec.num_layers, spec.ple.dim
+        hidden = spec.hidden_size
+        self.embed_tokens_per_layer = nn.Embedding(spec.ple.vocab_size, self.num_layers * self.dim)
+        self.per_layer_model_projection = nn.Linear(hidden, self.num_layers * self.dim, bias=False)
+        self.per_layer_projection_norm = RMSNorm(self.dim, spec.rms_norm_eps)
+        self.projection_scale = hidden ** -0.5
+
+    def forward(self, token_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """token_ids [T] (placeholders already the pad id), embeds [T, H] -> per-layer inputs [T, L, D]."""
+        weight = self.embed_tokens_per_layer.weight
+        scale = float(torch.tensor(math.sqrt(self.dim), dtype=weight.dtype))   # rounded like the main scale
+        tokens = (F.embedding(token_ids, weight) * scale).view(-1, self.num_layers, self.dim)
+        context = self.per_layer_model_projection(embeds) * self.projection_scale
+        context = self.per_layer_projection_norm(context.view(-1, self.num_layers, self.dim))
+        return (context + tokens) * 2 ** -0.5
+
+
+class LayerInputGate(nn.Module):
+    """One layer's use of its per-layer input, added to the residual stream."""
+
+    def __init__(self, hidden: int, dim: int, eps: float):
+        super().__init__()
+        self.per_layer_input_gate = nn.Linear(hidden, dim, bias=False)
+        self.per_layer_projection = nn.Linear(dim, hidden, bias=False)
+        self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+
+    def forward(self, h: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
+        gated = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * layer_input
+        return h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
