@@ -50,6 +50,12 @@ def _gemma4_fixtures():
 
 
 @pytest.fixture(scope="session")
+def gemma4_fixtures():
+    """The tiny-checkpoint builders of tests/model/gemma4_fixtures.py (configs of every variant)."""
+    return _gemma4_fixtures()
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A tiny random Gemma 4 checkpoint (text + vision, sliding and full layers)."""
     path = tmp_path_factory.mktemp("tiny_gemma4")

@@ -1,14 +1,14 @@
 """The Gemma 4 family against transformers: E2B-like (per-layer embeddings, KV sharing, double-wide
 MLPs), 26B-A4B-like (experts beside the dense MLP, top-k > 1) and 12B-like gemma4_unified (encoder-free
 vision). Fresh random video+text prompts whose frames outgrow the sliding window, prefilled in chunks
-through our paged cache, then greedy decoding; fp32, max relative error 1e-4."""
+through our paged cache; fp32, max relative error 1e-4. Greedy decoding of each variant through a real
+server: tests/server/test_server_family.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from gemma4_fixtures import (
-    PagedSequence,
     e_model_config,
     make_checkpoint,
     make_tokenizer,
@@ -20,7 +20,6 @@ from test_model_parity import assert_close, hf_logits, run_ours, video_prompt
 from mmserve.model import load_model
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import TextTokenizer
-from mmserve.model.vision import pad_patches
 
 VARIANTS = {"e_model": (e_model_config, False), "moe": (moe_config, False), "unified": (unified_config, True)}
 
@@ -71,24 +70,3 @@ def test_video_logits_match_transformers(variant):
     assert any(e - s + 1 > window for s, e in layout.mm_ranges)
     cuts = [layout.mm_ranges[0][1] + 2, layout.mm_ranges[2][1] + 1]
     assert_close(run_ours(model, layout, cuts), reference(hf, layout))
-
-
-def test_greedy_decode_matches_transformers(variant):
-    model, hf = variant
-    layout = build_prompt(TextTokenizer(make_tokenizer()), model.spec,
-                          video_prompt(model.spec, torch.Generator().manual_seed(32)))
-    seq = PagedSequence(model, ranges=layout.mm_ranges, seed=5, num_blocks=48)
-    pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in layout.mm_items])
-    hidden = seq.step(layout.token_ids, torch.cat(model.encode_vision(pix, pos)))
-    ours = []
-    for _ in range(12):
-        ours.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
-        hidden = seq.step([ours[-1]])
-    logits, cache = reference(hf, layout, return_cache=True)
-    ref = []
-    with torch.no_grad():
-        for _ in range(12):
-            ref.append(int(logits[-1].argmax()))
-            out = hf(input_ids=torch.tensor([[ref[-1]]]), cache=cache, use_cache=True)
-            logits, cache = out.logits[0], out.past_key_values
-    assert ours == ref

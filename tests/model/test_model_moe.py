@@ -1,0 +1,100 @@
+"""Experts: our router and dispatch against transformers' modules on the same weights, at most one
+matmul per projection per distinct selected expert (counted on the real forward), and checkpoints
+whose experts are stored packed or one tensor per expert load to the same weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gemma4_fixtures import e_model_config, make_checkpoint, moe_config
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mmserve.model import load_model
+from mmserve.model.moe import Experts, Router
+from mmserve.model.spec import MoeSpec
+
+MATMULS = {"mm", "addmm", "bmm", "_grouped_mm"}
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.__name__.split(".")[0] in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+def hf_modules(hidden: int, moe: MoeSpec):
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts, Gemma4TextRouter
+
+    cfg = Gemma4TextConfig(hidden_size=hidden, num_experts=moe.num_experts, top_k_experts=moe.top_k,
+                           moe_intermediate_size=moe.intermediate, enable_moe_block=True, num_hidden_layers=1,
+                           layer_types=["full_attention"])
+    cfg._experts_implementation = "eager"
+    return Gemma4TextRouter(cfg), Gemma4TextExperts(cfg)
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 100])
+def test_router_and_experts_match_transformers(tokens):
+    rng = random.Random()
+    hidden, moe = 24, MoeSpec(num_experts=rng.randint(4, 9), top_k=rng.randint(2, 3), intermediate=rng.randint(8, 20))
+    hf_router, hf_experts = hf_modules(hidden, moe)
+    router, experts = Router(hidden, moe, 1e-6), Experts(hidden, moe)
+    with torch.no_grad():
+        for module in (hf_router, hf_experts):
+            for p in module.parameters():
+                p.normal_(0, 0.3)
+        router.load_state_dict(hf_router.state_dict())
+        experts.load_state_dict(hf_experts.state_dict())
+        x = torch.randn(tokens, hidden)
+        _, ref_weights, ref_index = hf_router(x)
+        weights, index = router(x)
+        torch.testing.assert_close(index, ref_index, rtol=0, atol=0)
+        torch.testing.assert_close(weights, ref_weights)
+        with CountMatmuls() as counter:
+            out = experts(x, weights, index)
+        torch.testing.assert_close(out, hf_experts(x, ref_index, ref_weights), rtol=1e-5, atol=1e-6)
+    distinct = len(set(index.flatten().tolist()))
+    assert experts.touched == distinct
+    assert counter.calls <= 2 * distinct   # gate_up and down, once per expert that has tokens
+
+
+def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
+    make_checkpoint(tmp_path / "packed", config=moe_config(), seed=4)
+    packed = load_model(tmp_path / "packed")
+    # rewrite the experts as one tensor per expert and matrix (gate / up / down)
+    split = tmp_path / "split"
+    split.mkdir()
+    for f in (tmp_path / "packed").iterdir():
+        if f.suffix != ".safetensors":
+            (split / f.name).write_bytes(f.read_bytes())
+    tensors = {}
+    for name, t in load_file(str(tmp_path / "packed" / "model.safetensors")).items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                tensors[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate[e].contiguous()
+                tensors[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up[e].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
+        else:
+            tensors[name] = t
+    save_file(tensors, str(split / "model.safetensors"))
+    ours = load_model(split)
+    for (name, a), (_, b) in zip(packed.state_dict().items(), ours.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+    # E2B's official checkpoint still ships K/V projections for its KV-sharing layers: accepted, unused
+    make_checkpoint(tmp_path / "e", config=e_model_config(), seed=5)
+    weights = load_file(str(tmp_path / "e" / "model.safetensors"))
+    weights["model.language_model.layers.4.self_attn.k_proj.weight"] = torch.zeros(32, 72)
+    weights["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.zeros(16)
+    save_file(weights, str(tmp_path / "e" / "model.safetensors"))
+    assert load_model(tmp_path / "e").decoder.layers[4].self_attn.k_proj is None
