@@ -70,3 +70,29 @@ def test_video_logits_match_transformers(variant):
     assert any(e - s + 1 > window for s, e in layout.mm_ranges)
     cuts = [layout.mm_ranges[0][1] + 2, layout.mm_ranges[2][1] + 1]
     assert_close(run_ours(model, layout, cuts), reference(hf, layout))
+
+
+def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
+    """The planner counts only KV-holding layers; the runner allocates their caches alone and hands
+    each KV-sharing layer its producer's tensor."""
+    from mmserve.engine.model_runner import ModelRunner
+    from mmserve.scheduler.kv_cache_manager import plan_pools
+
+    model, _ = variant
+    spec = model.spec
+    budget = 2**20
+    plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=4, dtype_bytes=4,
+                       kv_cache_bytes=budget)
+    holders = [layer for layer in spec.layers if not layer.shares_kv]
+    for t, plan in plans.items():
+        a = spec.attention_specs[t]
+        assert plan.num_layers == sum(layer.layer_type == t for layer in holders)
+        assert plan.bytes_per_block == plan.num_layers * 2 * 4 * a.num_kv_heads * a.head_dim * 4
+    assert sum(p.num_blocks * p.bytes_per_block for p in plans.values()) <= budget
+    runner = ModelRunner(model, plans, block_size=4, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256)
+    assert len({id(c) for c in runner.kv_caches}) == len(holders)
+    for layer in spec.layers:
+        assert runner.kv_caches[layer.index] is runner.kv_caches[layer.kv_source]
+    if any(layer.shares_kv for layer in spec.layers):   # the E-model: 3 of 6 layers hold KV
+        assert len(holders) == 3 and {t: p.num_layers for t, p in plans.items()} == {
+            "sliding_attention": 2, "full_attention": 1}
