@@ -65,6 +65,19 @@ def test_router_and_experts_match_transformers(tokens):
     assert counter.calls <= 2 * distinct   # gate_up and down, once per expert that has tokens
 
 
+def test_grouped_gemm_path_equals_the_per_expert_loop():
+    """The CUDA path (`torch._grouped_mm`, which this torch also runs on CPU) against the CPU loop,
+    with experts that get no tokens in between."""
+    moe = MoeSpec(num_experts=7, top_k=2, intermediate=16)
+    experts = Experts(24, moe)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+        rows = torch.randn(11, 24)
+        counts = torch.tensor([3, 0, 4, 0, 0, 2, 2])
+        torch.testing.assert_close(experts._grouped(rows, counts), experts._per_expert(rows, counts.tolist()))
+
+
 def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
     make_checkpoint(tmp_path / "packed", config=moe_config(), seed=4)
     packed = load_model(tmp_path / "packed")
