@@ -136,3 +136,21 @@ def test_perf_cli_json_keys(tmp_path, capsys):
     want = PerfModel(load_spec(G4), tp=2).step(
         StepContext((RequestWork(512, 2048, True), RequestWork(1, 4096, False))), per_gpu=True)
     assert out == json.loads(json.dumps(want.as_dict()))
+
+
+def test_expert_weights_are_read_once_per_distinct_expert():
+    """26B-A4B at its published dimensions: a step reads the weights of the experts it touched (as the
+    model reports them), else at most min(experts, tokens * top_k) of them; routing FLOPs follow top_k."""
+    from pathlib import Path
+
+    spec = load_spec(Path(__file__).parents[1] / "fixtures" / "gemma4_family" / "26b_a4b.json")
+    moe, hidden, layers = spec.layers[0].moe, spec.hidden_size, spec.num_layers
+    model = PerfModel(spec)
+    one_expert = 3 * hidden * moe.intermediate * 2 * layers   # gate, up, down in bf16, every layer
+    for tokens, reported in ((1, None), (3, None), (64, None), (64, 37.5)):
+        got = model.step(StepContext((RequestWork(tokens, 4096, False),), experts_touched=reported))
+        weights = got.read_bytes["ffn.routed_up_gate_weight"] + got.read_bytes["ffn.routed_down_weight"]
+        expected = reported if reported is not None else min(moe.num_experts, tokens * moe.top_k)
+        assert weights == pytest.approx(expected * one_expert)
+        assert got.flops["ffn.routed_ffn"] == 2 * tokens * moe.top_k * hidden * moe.intermediate * 3 * layers
+        assert got.flops["ffn.router"] == 2 * tokens * hidden * moe.num_experts * layers

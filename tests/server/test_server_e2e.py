@@ -17,6 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmserve.api import pb
 from mmserve.clients import (
     AsyncClient,
     Client,
@@ -121,6 +122,8 @@ def _wait_idle(client: Client, timeout_s: float = 30.0) -> None:
      "messages[0].parts[0].video"),
     (dict(prompt="hi", max_tokens=-1), "sampling.max_tokens"),
     (dict(prompt="hi", temperature=-0.5), "sampling.temperature"),
+    (dict(messages=[message("user", text_part("Transcribe:"), pb.Part(audio=pb.Audio(data=b"RIFF")))]),
+     "messages[0].parts[1].audio"),
 ])
 def test_malformed_requests_are_invalid_argument(client, kwargs, field):
     with pytest.raises(ClientError) as info:

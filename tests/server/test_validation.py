@@ -115,6 +115,7 @@ def _one(part: pb.Part, role: str = "user") -> pb.GenerateRequest:
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames()))), "messages[0].parts[0].video.frames.frames"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f"), pb.Image()])))),
      "messages[0].parts[0].video.frames.frames[1].data"),
+    (_one(pb.Part(audio=pb.Audio(data=b"RIFF", mime_type="audio/wav"))), "messages[0].parts[0].audio"),
     (pb.GenerateRequest(request_id="x" * 1000, messages=[pb.Message(role="user", parts=[pb.Part(text="a")])]),
      "request_id"),
 ])

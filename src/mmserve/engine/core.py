@@ -241,7 +241,8 @@ class EngineCore:
         items = [ScheduledItem(s.request.request_id, s.num_tokens, s.context_len + s.num_tokens, s.is_prefill,
                                len(s.frames), s.request) for s in out.scheduled]
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
-                            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage())
+                            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
+                            self.model.experts_touched())
         self.step_index += 1
         self._notify("on_step", record)
 

@@ -32,6 +32,7 @@ class StepRecord:
     num_running: int
     num_waiting: int
     kv_usage: float
+    experts_touched: float | None = None   # distinct experts per MoE layer this step (mean); None: no MoE
 
     @property
     def duration_s(self) -> float:

@@ -111,7 +111,8 @@ class TelemetryObserver:
     def on_step(self, record: Any) -> None:
         seconds = record.duration_s
         requests = tuple(self._work(item) for item in record.items)
-        text = self.perf.step(StepContext(requests), per_gpu=True)
+        text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
+                              per_gpu=True)
         vision = [self.perf.step(StepContext(images=self._frames(item)), per_gpu=True) if item.num_frames_encoded
                   else None for item in record.items]
         step = PerfBreakdown()

@@ -43,6 +43,12 @@ class Gemma4ServingModel(nn.Module):
         """[N, hidden] -> soft-capped float32 logits [N, vocab]."""
         return self.decoder.compute_logits(hidden)
 
+    def experts_touched(self) -> float | None:
+        """Distinct experts each MoE layer ran in the last forward (mean over layers), for the perf
+        model's expert weight bytes; None without experts."""
+        counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
+        return sum(counts) / len(counts) if counts else None
+
     def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""
         if self.vision is None:

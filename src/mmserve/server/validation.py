@@ -94,6 +94,9 @@ def _part(part: pb.Part, where: str, config: EngineConfig) -> InputPart:
         return _image(part.image, f"{where}.image")
     if kind == "video":
         return _video(part.video, f"{where}.video", config)
+    if kind == "audio":
+        raise InvalidInputError(f"{where}.audio", "audio input is not supported: this server serves text, images "
+                                                  "and video (send the audio's transcript as text)")
     raise InvalidInputError(where, "empty part: set one of text, image or video")
 
 
