@@ -154,3 +154,33 @@ def test_expert_weights_are_read_once_per_distinct_expert():
         assert weights == pytest.approx(expected * one_expert)
         assert got.flops["ffn.routed_ffn"] == 2 * tokens * moe.top_k * hidden * moe.intermediate * 3 * layers
         assert got.flops["ffn.router"] == 2 * tokens * hidden * moe.num_experts * layers
+
+
+@pytest.mark.parametrize("name", ["e2b", "26b_a4b", "12b_unified"])
+def test_perf_cli_reads_every_variant(name, capsys):
+    """`mmserve perf` on published-dimension configs: E2B bills its per-layer embeddings and writes K/V
+    for its 15 KV-holding layers only; the MoE bills routing; the 12B's encoder-free frames cost no
+    encoder layers."""
+    from pathlib import Path
+
+    from mmserve.cli import main
+
+    path = Path(__file__).parents[1] / "fixtures" / "gemma4_family" / f"{name}.json"
+    assert main(["perf", "--hf-config", str(path), "--request", "1:8192:decode", "--frames", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    components = {k.split(".")[0] for kind in out.values() for k in kind}
+    assert components == {"attn", "ffn", "unembed", "vision"} | ({"ple"} if name == "e2b" else set())
+    if name == "e2b":   # bf16, one token: 12 sliding layers x 1 KV head x 256 + 3 full x 1 x 512, K and V
+        assert out["write_bytes"]["attn.kv_cache"] == 2 * 2 * (12 * 256 + 3 * 512)
+    if name == "26b_a4b":
+        assert out["flops"]["ffn.router"] > 0
+    if name == "12b_unified":
+        assert "vision.qkv_proj" not in out["flops"] and out["flops"]["vision.patch_embed"] > 0
+
+
+def test_perf_cli_refuses_other_architectures(tmp_path, capsys):
+    from mmserve.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    assert main(["perf", "--hf-config", str(tmp_path), "--request", "1:8:decode"]) == 2
+    assert "model_type='llama'" in capsys.readouterr().err
