@@ -20,7 +20,7 @@ class EngineConfig:
     """What the engine needs to run a model. Server-only options live in ServerConfig."""
 
     model: str = field(default=str(DEMO_MODEL_DIR), metadata={"help": "checkpoint directory (default: the embedded demo model)"})
-    dtype: str = field(default="float32", metadata={"help": "float32 | bfloat16 | float16"})
+    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | reference | sdpa | flex | fa4"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
@@ -45,6 +45,22 @@ class EngineConfig:
     # Metrics.
     perf_accounting: str = field(default="exact", metadata={"help": "exact | upper-bound attention accounting"})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced"})
+
+    def __post_init__(self) -> None:
+        # Resolved once here, so every reader (model loader, perf model, peaks, model info) sees a real dtype.
+        if self.dtype == "auto":
+            self.dtype = default_dtype(self.device)
+
+
+def default_dtype(device: str) -> str:
+    """What `--dtype auto` means on `device`: bfloat16 on CUDA (what FA4 runs), float32 on CPU."""
+    if device == "cpu":
+        return "float32"
+    if device == "auto":
+        import torch
+
+        return "bfloat16" if torch.cuda.is_available() else "float32"
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 def _env_name(name: str) -> str:

@@ -32,3 +32,20 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert f"no checkpoint at {tmp_path}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu(monkeypatch):
+    import torch
+
+    from mmserve.config import default_dtype
+    from mmserve.model.loader import resolve_dtype
+
+    assert EngineConfig(device="cpu").dtype == "float32"          # resolved when the config is built
+    assert EngineConfig(device="cuda:1").dtype == "bfloat16"
+    assert EngineConfig(device="cuda", dtype="float32").dtype == "float32"   # an explicit choice stays
+    assert resolve_dtype("auto", torch.device("cuda", 0)) is torch.bfloat16
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert default_dtype("auto") == "bfloat16" and EngineConfig().dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert EngineConfig().dtype == "float32"

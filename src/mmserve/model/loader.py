@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from mmserve.config import default_dtype
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.serving_model import Gemma4ServingModel
 from mmserve.model.spec import ModelSpec, load_spec
@@ -22,11 +23,14 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A torch dtype from a --dtype value; "auto" depends on `device` (config.default_dtype)."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        dtype = default_dtype(str(device))
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected one of float32, bfloat16, float16")
+        raise ValueError(f"dtype {dtype!r}: expected one of auto, float32, bfloat16, float16")
     return _DTYPES[dtype]
 
 
@@ -56,7 +60,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     from mmserve.attention import create_impl, resolve_backend
 
     start = time.perf_counter()
-    torch_dtype, torch_device = resolve_dtype(dtype), resolve_device(device)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
     spec = load_spec(path)
     attention_backend = resolve_backend(attention_backend, torch_device)
     impls = {t: create_impl(attention_backend, s, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
