@@ -108,6 +108,14 @@ def test_demo_cli(mmserve_server, capsys) -> None:
     assert "\nMATCH" in out
 
 
+def test_demo_cli_json_answers_in_the_caption_schema(mmserve_server, capsys) -> None:
+    assert cli.main(["demo", "--server", mmserve_server.address, "--seed", str(SEEDS[3]), "--json"]) == 0
+    out = capsys.readouterr().out
+    answer = out.split("model  ", 1)[1].split("\n", 1)[0]
+    assert set(json.loads(answer)) == {"shape", "color", "direction"}
+    assert "valid against the schema" in out and "INVALID" not in out
+
+
 @pytest.mark.slow
 def test_broken_pipelines_score_lower() -> None:
     """The accuracy check has teeth: each deliberate bug costs clearly more than noise on 60 clips.

@@ -10,6 +10,7 @@ from gemma4_fixtures import BOI, BOS, EOI, IMAGE, NUM_SPECIALS, VIDEO, VOCAB, pa
 from mmserve.engine.llm import LLM
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
+from mmserve.model.vision import pad_patches
 from mmserve.scheduler.request import MultiModalInput
 
 # (height, width) -> soft tokens with patch 4 and pooling 2: (h/8) * (w/8)
@@ -72,3 +73,21 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
     llm.core.runner.execute = recording_execute
     completions = llm.generate(requests)
     return completions, {rid: torch.stack(rows) for rid, rows in logits.items()}
+
+
+def hf_logits(hf, req: EngineRequest, output_ids: list[int] = ()) -> torch.Tensor:
+    """transformers' logits [L, V] at every position of the prompt followed by `output_ids`."""
+    cfg = hf.config
+    ids = torch.tensor([req.prompt_token_ids + list(output_ids)])
+    kwargs = {"mm_token_type_ids": (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()}
+    images = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
+              if req.prompt_token_ids[s] == cfg.image_token_id]
+    frames = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
+              if req.prompt_token_ids[s] == cfg.video_token_id]
+    if images:
+        kwargs["pixel_values"], kwargs["image_position_ids"] = pad_patches(images)
+    if frames:
+        kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_patches(frames)
+        kwargs["num_frames_per_video"] = torch.tensor([len(frames)])
+    with torch.no_grad():
+        return hf(input_ids=ids, **kwargs).logits[0]

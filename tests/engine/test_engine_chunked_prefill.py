@@ -6,28 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, build_request, make_llm, run_recording_logits
-
-from mmserve.model.vision import pad_patches
+from engine_helpers import PROMPTS, build_request, hf_logits, make_llm, run_recording_logits
 
 CPU_BACKENDS = [pytest.param("reference"), pytest.param("sdpa"), pytest.param("flex", marks=pytest.mark.slow)]
-
-
-def hf_last_logits(hf, req) -> torch.Tensor:
-    cfg = hf.config
-    ids = torch.tensor([req.prompt_token_ids])
-    kwargs = {"mm_token_type_ids": (ids == cfg.image_token_id).long() + 2 * (ids == cfg.video_token_id).long()}
-    images = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
-              if req.prompt_token_ids[s] == cfg.image_token_id]
-    frames = [(m.pixel_values, m.position_ids) for m, (s, _) in zip(req.mm_inputs, req.mm_ranges, strict=True)
-              if req.prompt_token_ids[s] == cfg.video_token_id]
-    if images:
-        kwargs["pixel_values"], kwargs["image_position_ids"] = pad_patches(images)
-    if frames:
-        kwargs["pixel_values_videos"], kwargs["video_position_ids"] = pad_patches(frames)
-        kwargs["num_frames_per_video"] = torch.tensor([len(frames)])
-    with torch.no_grad():
-        return hf(input_ids=ids, **kwargs).logits[0, -1]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -50,7 +31,7 @@ def test_chunked_prefill_equals_one_shot(backend, load_backend, engine_checkpoin
     one_shot_tokens, one_shot_logits = results[512]
     for kind, req in requests.items():
         assert len(one_shot_tokens[kind]) == 6
-        assert rel_err(one_shot_logits[kind][0], hf_last_logits(hf, req)) < 1e-4, kind
+        assert rel_err(one_shot_logits[kind][0], hf_logits(hf, req)[-1]) < 1e-4, kind
         for budget in (16, 64):
             tokens, logits = results[budget]
             assert tokens[kind] == one_shot_tokens[kind], (kind, budget)

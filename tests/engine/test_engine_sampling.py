@@ -10,12 +10,24 @@ from engine_helpers import build_request, make_llm
 from mmserve.engine.sampler import Sampler, filter_logits
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
+from mmserve.scheduler.request import Request
+
+
+def rows(ids: list[str], params: list[SamplingParams]) -> list[Request]:
+    return [Request(i, [1], p) for i, p in zip(ids, params, strict=True)]
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, ids: list[str], params: list[SamplingParams]) -> list[int]:
+    return sampler.sample(logits, rows(ids, params)).token_ids
 
 
 def test_top_k_and_top_p_keep_the_hand_derived_sets():
     logits = torch.randn(50)
     order = torch.argsort(logits, descending=True)
-    kept = torch.isfinite(filter_logits(logits, top_k=7, top_p=1.0))
+    def keep(top_k, top_p):
+        return torch.isfinite(filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p])))[0]
+
+    kept = keep(7, 1.0)
     assert set(torch.nonzero(kept).flatten().tolist()) == set(order[:7].tolist())
     probs = torch.softmax(logits, -1)
     top_p = 0.6
@@ -24,20 +36,20 @@ def test_top_k_and_top_p_keep_the_hand_derived_sets():
     while mass < top_p:
         mass += probs[order[n]].item()
         n += 1
-    kept = torch.isfinite(filter_logits(logits, top_k=0, top_p=top_p))
+    kept = keep(0, top_p)
     assert set(torch.nonzero(kept).flatten().tolist()) == set(order[:n].tolist())
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():
     logits = torch.randn(6, 40)
     p = SamplingParams(temperature=0.8, top_p=0.9, seed=123)
-    alone = Sampler().sample(logits[:1], ["a"], [p])[0]
-    batch_a = Sampler(seed=1).sample(logits[:3], ["a", "x", "y"], [p, SamplingParams(temperature=1.0), p])
-    batch_b = Sampler(seed=2).sample(logits[[0, 4]], ["a", "z"], [p, SamplingParams(temperature=2.0)])
+    alone = draw(Sampler(), logits[:1], ["a"], [p])[0]
+    batch_a = draw(Sampler(seed=1), logits[:3], ["a", "x", "y"], [p, SamplingParams(temperature=1.0), p])
+    batch_b = draw(Sampler(seed=2), logits[[0, 4]], ["a", "z"], [p, SamplingParams(temperature=2.0)])
     assert batch_a[0] == batch_b[0] == alone
     # a draw follows the distribution: tokens far outside the nucleus never come out
     s = Sampler(seed=5)
-    draws = [s.sample(logits[:1], [f"r{i}"], [SamplingParams(temperature=1.0, top_k=3)])[0] for i in range(200)]
+    draws = [draw(s, logits[:1], [f"r{i}"], [SamplingParams(temperature=1.0, top_k=3)])[0] for i in range(200)]
     assert set(draws) <= set(torch.topk(logits[0], 3).indices.tolist())
     assert len(set(draws)) > 1
 
@@ -48,8 +60,8 @@ def test_mixed_greedy_and_seeded_rows_each_match_their_row_sampled_alone():
               SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=5, seed=12),
               SamplingParams(temperature=0.9, top_p=0.8, seed=13)]
     ids = [f"m{i}" for i in range(5)]
-    batch = Sampler().sample(logits, ids, params)
-    alone = [Sampler().sample(logits[i:i + 1], [ids[i]], [params[i]])[0] for i in range(5)]
+    batch = draw(Sampler(), logits, ids, params)
+    alone = [draw(Sampler(), logits[i:i + 1], [ids[i]], [params[i]])[0] for i in range(5)]
     assert batch == alone
     assert batch[0] == int(logits[0].argmax()) and batch[2] == int(logits[2].argmax())
 

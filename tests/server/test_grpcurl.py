@@ -77,6 +77,40 @@ def test_generate_with_a_video(mmserve_server, video_bytes):
     assert messages[-1]["final"]["finish_reason"] == "FINISH_REASON_LENGTH"
 
 
+def _messages(stdout: str) -> list[dict]:
+    decoder, text, messages = json.JSONDecoder(), stdout.strip(), []
+    while text:
+        obj, end = decoder.raw_decode(text)
+        messages.append(obj)
+        text = text[end:].strip()
+    return messages
+
+
+def test_every_sampling_extra_from_json(mmserve_server):
+    """Logprobs, penalties, min_tokens, logit_bias and a JSON schema, written as grpcurl's JSON."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    request = {"messages": [{"role": "user", "parts": [{"text": "Describe the video."}]}],
+               "sampling": {"max_tokens": 24, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+                            "prompt_logprobs": True, "presence_penalty": 0.5, "frequency_penalty": 0.1,
+                            "repetition_penalty": 1.1, "logit_bias": {"20": -3.5},
+                            "response_format": {"json_schema": json.dumps(schema)}}}
+    out = grpcurl(mmserve_server, f"{GENERATION_SERVICE}/Generate", data=json.dumps(request))
+    assert out.returncode == 0, out.stderr
+    messages = _messages(out.stdout)
+    final = messages[-1]["final"]
+    deltas = [m["delta"] for m in messages[:-1]]
+    text = "".join(d.get("text", "") for d in deltas)
+    assert json.loads(text)["ok"] in (True, False) and final["finish_reason"] == "FINISH_REASON_EOS"
+    logprobs = [lp for d in deltas for lp in d["logprobs"]]
+    assert [lp["token_id"] for lp in logprobs] == [int(t) for d in deltas for t in d["token_ids"]]
+    assert all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in logprobs)
+    assert len(final["prompt_logprobs"]) == final["usage"]["prompt_tokens"] - 1
+    min_tokens = dict(request, sampling={"max_tokens": 6, "min_tokens": 6, "temperature": 0})
+    held = _messages(grpcurl(mmserve_server, f"{GENERATION_SERVICE}/Generate", data=json.dumps(min_tokens)).stdout)
+    assert sum(len(m["delta"]["token_ids"]) for m in held[:-1]) == 6
+
+
 def test_bad_request_status(mmserve_server):
     request = {"messages": [{"role": "user", "parts": [{"image": {"data": "AAAA", "mime_type": "image/nope"}}]}]}
     out = grpcurl(mmserve_server, f"{GENERATION_SERVICE}/Generate", data=json.dumps(request))

@@ -84,9 +84,35 @@ def _bad(request: pb.GenerateRequest, config: EngineConfig = CONFIG) -> InvalidI
     ({"top_k": -3}, "sampling.top_k"),
     ({"stop": ["x"] * (CONFIG.max_stop_strings + 1)}, "sampling.stop"),
     ({"stop": ["ok", ""]}, "sampling.stop[1]"),
+    ({"top_logprobs": 21, "logprobs": True}, "sampling.top_logprobs"),
+    ({"top_logprobs": 3}, "sampling.top_logprobs"),
+    ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
+    ({"frequency_penalty": float("inf")}, "sampling.frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+    ({"min_tokens": 17}, "sampling.min_tokens"),
+    ({"logit_bias": {5: 100.5}}, "sampling.logit_bias[5]"),
+    ({"logit_bias": {-2: 1.0}}, "sampling.logit_bias[-2]"),
+    ({"logit_bias": {i: 1.0 for i in range(301)}}, "sampling.logit_bias"),
+    ({"response_format": {}}, "sampling.response_format"),
+    ({"response_format": {"regex": ""}}, "sampling.response_format.regex"),
+    ({"response_format": {"regex": "a+"}, "ignore_eos": True}, "sampling.ignore_eos"),
+    ({"response_format": {"regex": "a+"}, "min_tokens": 2}, "sampling.min_tokens"),
 ])
 def test_bad_sampling_names_the_field(sampling, field):
     assert _bad(_request(**sampling)).field == field
+
+
+def test_new_sampling_fields_convert():
+    got = validate_request(_request(max_tokens=20, logprobs=True, top_logprobs=4, prompt_logprobs=True,
+                                    presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.25,
+                                    min_tokens=3, logit_bias={7: -100.0, 3: 2.5}), CONFIG).sampling
+    assert (got.logprobs, got.top_logprobs, got.prompt_logprobs, got.min_tokens) == (True, 4, True, 3)
+    assert (got.presence_penalty, got.frequency_penalty, got.repetition_penalty) == (0.5, -1.0, 1.25)
+    assert got.logit_bias == ((3, 2.5), (7, -100.0))
+    constrained = validate_request(_request(response_format=pb.ResponseFormat(regex="[ab]+")), CONFIG).sampling
+    assert (constrained.response_format.kind, constrained.response_format.spec) == ("regex", "[ab]+")
+    plain = validate_request(_request(), CONFIG).sampling
+    assert plain.repetition_penalty == 1.0 and plain.response_format is None and plain.num_logprobs is None
 
 
 def test_limits_in_messages_mention_the_flag():

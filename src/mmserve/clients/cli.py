@@ -38,6 +38,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--min-tokens", type=int, default=0, help="hold back end-of-sequence and stop strings until this many")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="(0, 10]; 1 = off")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_bias,
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable)")
+    p.add_argument("--logprobs", action="store_true", help="return each token's logprob (printed to stderr)")
+    p.add_argument("--top-logprobs", type=int, default=0, help="alternatives per token (0..20)")
+    p.add_argument("--prompt-logprobs", action="store_true", help="return the prompt tokens' logprobs (--json)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", type=_text_or_file, help="constrain the output to this JSON schema "
+                     "(inline JSON or a file)")
+    fmt.add_argument("--regex", help="constrain the output to this regular expression")
+    fmt.add_argument("--grammar", type=_text_or_file, help="constrain the output to this EBNF grammar "
+                     "(inline or a file; the start rule is `root`)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
     p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle (PEM) to verify a TLS server")
@@ -46,6 +61,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="run the call inside a client span sent as W3C traceparent and print its trace id to "
                         "stderr (the span is exported over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT is set)")
     p.set_defaults(func=run)
+
+
+def _bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS, got {value!r}") from None
+
+
+def _text_or_file(value: str) -> str:
+    """A path to a file holding the text, or the text itself."""
+    path = Path(value)
+    try:
+        return path.read_text() if len(value) < 4096 and path.is_file() else value
+    except OSError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _print_logprobs(result) -> None:
+    for lp in result.logprobs:
+        alts = "  ".join(f"{t.text!r} {t.logprob:.3f}" for t in lp.top)
+        print(f"{lp.text!r}\t{lp.logprob:.4f}\trank {lp.rank}" + (f"\t| {alts}" if alts else ""), file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -81,7 +121,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             stream = client.stream(prompt=args.prompt, video=video, image=image, num_frames=args.num_frames,
                                    fps=args.fps, max_tokens=args.max_tokens, temperature=args.temperature,
-                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop)
+                                   top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
+                                   min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
+                                   frequency_penalty=args.frequency_penalty,
+                                   repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias),
+                                   logprobs=args.logprobs, top_logprobs=args.top_logprobs,
+                                   prompt_logprobs=args.prompt_logprobs, json_schema=args.json_schema,
+                                   regex=args.regex, grammar=args.grammar)
             for delta in stream:
                 if not args.json:
                     sys.stdout.write(delta.text)
@@ -94,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(dataclasses.asdict(result)))
     else:
         sys.stdout.write("\n")
+        if args.logprobs:
+            _print_logprobs(result)
     return 0

@@ -9,14 +9,14 @@ yields `Delta`s and exposes the result once the stream ends. A target may name s
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients.messages import user_message
-from mmserve.clients.types import ClientError, Delta, GenerateResult, result_from
+from mmserve.clients.types import ClientError, Delta, GenerateResult, logprobs_from, result_from
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 Metadata = tuple[tuple[str, str], ...]
@@ -45,13 +45,28 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
                   temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                   seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
                   request_id: str = "", priority: int = 0, num_frames: int = 0,
-                  fps: float = 0.0) -> pb.GenerateRequest:
-    """Either explicit `messages`, or one user turn from prompt/video/image."""
+                  fps: float = 0.0, logprobs: bool = False, top_logprobs: int = 0, prompt_logprobs: bool = False,
+                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  repetition_penalty: float | None = None, min_tokens: int = 0,
+                  logit_bias: Mapping[int, float] | None = None, json_schema: str | Mapping | None = None,
+                  regex: str | None = None, grammar: str | None = None) -> pb.GenerateRequest:
+    """Either explicit `messages`, or one user turn from prompt/video/image. At most one of
+    `json_schema` (a dict or JSON text), `regex` and `grammar` (EBNF) constrains the output."""
     if messages is None:
         messages = [user_message(prompt, video=video, image=image, num_frames=num_frames, fps=fps)]
     elif prompt is not None or video is not None or image is not None:
         raise ValueError("pass either messages or prompt/video/image, not both")
-    sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos)
+    sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
+                                 logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 min_tokens=min_tokens, logit_bias=dict(logit_bias or {}))
+    formats = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
+    if len(formats) > 1:
+        raise ValueError(f"pass at most one of json_schema, regex and grammar, not {sorted(formats)}")
+    for kind, spec in formats.items():
+        setattr(sampling.response_format, kind, spec if isinstance(spec, str) else json.dumps(spec))
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     if temperature is not None:
         sampling.temperature = temperature
     if top_p is not None:
@@ -73,7 +88,7 @@ class _Collector:
         self.request_id = response.request_id or self.request_id
         kind = response.WhichOneof("kind")
         if kind == "delta":
-            delta = Delta(response.delta.text, tuple(response.delta.token_ids))
+            delta = Delta(response.delta.text, tuple(response.delta.token_ids), logprobs_from(response.delta.logprobs))
             self.deltas.append(delta)
             return delta
         if kind == "final":

@@ -17,11 +17,36 @@ FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability, its rank (1 = most likely) and the most likely alternatives."""
+
+    token_id: int
+    text: str
+    logprob: float
+    rank: int
+    top: tuple[TopLogprob, ...] = ()
+
+
+def logprobs_from(messages) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob(m.token_id, m.text, m.logprob, m.rank,
+                              tuple(TopLogprob(t.token_id, t.text, t.logprob) for t in m.top)) for m in messages)
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New tokens and the text they decode to, as the stream produces them."""
+    """New tokens and the text they decode to, as the stream produces them (and their logprobs
+    when the request asked for them)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,9 @@ class GenerateResult:
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     perf: Perf = field(default_factory=Perf)
+    logprobs: tuple[TokenLogprob, ...] = ()         # one per token, with sampling logprobs
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., with prompt_logprobs
+    finish_detail: str = ""
 
 
 def _copy_fields(cls, message):
@@ -77,6 +105,9 @@ def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> Genera
         usage=_copy_fields(Usage, final.usage),
         timings=_copy_fields(Timings, final.timings),
         perf=_copy_fields(Perf, final.perf),
+        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        prompt_logprobs=logprobs_from(final.prompt_logprobs),
+        finish_detail=final.finish_detail,
     )
 
 

@@ -20,7 +20,9 @@ from mmserve.config import EngineConfig
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.observer import EngineObserver, NullObserver, ScheduledItem, StepRecord
 from mmserve.engine.request_state import RequestState
-from mmserve.engine.sampler import Sampler
+from mmserve.engine.sampler import Sampler, SamplerOutput
+from mmserve.engine.sampling_params import check_vocab
+from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, RequestAbortedError
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
@@ -73,8 +75,10 @@ class EngineCore:
         self.runner = ModelRunner(model, plans, block_size=config.block_size,
                                   max_num_batched_tokens=config.max_num_batched_tokens,
                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
+        grammar = (StructuredOutput(tokenizer, spec.vocab_size, sorted(self.eos_token_ids))
+                   if tokenizer is not None else None)
+        self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
         self.states: dict[str, RequestState] = {}      # engine thread only
         self.step_index = 0
         self._idle_step = False                          # the last step scheduled nothing
@@ -94,6 +98,12 @@ class EngineCore:
             raise InvalidInputError("stop", "this checkpoint has no tokenizer, so stop strings cannot match")
         if len(req.mm_inputs) != len(req.mm_ranges):
             raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
+        check_vocab(req.sampling, self.model.spec.vocab_size)
+        matcher = None
+        if req.sampling.response_format is not None:
+            if self.sampler.grammar is None:
+                raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
+            matcher = self.sampler.grammar.matcher(req.sampling.response_format)   # compiles on a cache miss
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
                           mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context)
         self.scheduler.check_admissible(request)
@@ -110,6 +120,8 @@ class EngineCore:
                 raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                          "--max-waiting-requests", retryable=True)
             self._live.add(req.request_id)
+            if matcher is not None:
+                self.sampler.grammar.add(req.request_id, matcher)
             self._inbox.append(state)
             self._cond.notify()
 
@@ -196,8 +208,11 @@ class EngineCore:
                 state.first_scheduled = now
         try:
             result = self.runner.execute(out, self.kv)
-            tokens = self.sampler.sample(result.logits, [s.request.request_id for s in result.sampled],
-                                         [s.request.sampling_params for s in result.sampled])
+            sampled = self.sampler.sample(result.logits, [s.request for s in result.sampled])
+            for s in out.scheduled:
+                if s.request.request_id in result.prompt_logprobs:   # stored by position: a recompute overwrites
+                    state = self.states[s.request.request_id]
+                    state.prompt_logprobs[s.context_len:] = result.prompt_logprobs[s.request.request_id]
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, events)
             return events
@@ -206,12 +221,12 @@ class EngineCore:
         # Record before publishing: the observer must see a request's last step before its end, so
         # request.perf (carried by the Final message) includes that step.
         self._record(out, start_perf, end_perf, start_ns, end_ns)
-        self._publish_tokens(result.sampled, tokens, events)
+        self._publish_tokens(result.sampled, sampled, events)
         return events
 
-    def _publish_tokens(self, sampled, tokens: list[int], events: list[Event]) -> None:
+    def _publish_tokens(self, sampled, out: SamplerOutput, events: list[Event]) -> None:
         now = time.monotonic()
-        for s, token in zip(sampled, tokens, strict=True):
+        for s, token, logprobs in zip(sampled, out.token_ids, out.logprobs, strict=True):
             rid = s.request.request_id
             state = self.states[rid]
             try:
@@ -219,12 +234,14 @@ class EngineCore:
                 if state.first_token is None:
                     state.first_token = now
                     self._notify("on_first_token", s.request)
-                delta = state.append(token, self.eos_token_ids)
+                delta = state.append(token, self.eos_token_ids, logprobs)
             except Exception as exc:
                 logger.exception("request %s: output processing failed", rid)
                 self._end(rid, events, EngineInternalError(f"request {rid}: output processing failed: {exc}"))
                 continue
             if delta.finished:
+                if delta.finish_reason == "length" and not self.sampler.grammar_complete(rid):
+                    delta.finish_detail = "max_tokens reached before the output completed its response_format"
                 self._end(rid, events, delta, delta.finish_reason)
             elif delta.new_token_ids:
                 events.append((rid, delta))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
+from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, Timings, Usage
 
@@ -24,6 +25,9 @@ class Completion:
     matched_stop: str | None
     usage: Usage | None
     timings: Timings | None
+    logprobs: list[TokenLogprobs] | None = None   # per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None   # entry j: prompt token j + 1, when asked
+    finish_detail: str | None = None
 
 
 class LLM:
@@ -69,10 +73,13 @@ class LLM:
                 c = done[rid]
                 c.token_ids += item.new_token_ids
                 c.text += item.new_text
+                if item.new_logprobs is not None:
+                    c.logprobs = (c.logprobs or []) + item.new_logprobs
                 if item.finished:
                     remaining -= 1
                     c.finish_reason, c.matched_stop = item.finish_reason, item.matched_stop
                     c.usage, c.timings = item.usage, item.timings
+                    c.prompt_logprobs, c.finish_detail = item.prompt_logprobs, item.finish_detail
         if errors:
             raise errors[0]
         return [done[r.request_id] for r in reqs]

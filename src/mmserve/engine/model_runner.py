@@ -9,11 +9,12 @@ a preempted, finished or aborted request's entries are dropped at once.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.attention.backend import kv_cache_shape
+from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.model.vision import pad_patches
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, PoolPlan
 from mmserve.scheduler.metadata import MetadataBuilder
@@ -26,6 +27,8 @@ logger = logging.getLogger(__name__)
 class StepResult:
     logits: torch.Tensor            # float32 [S, vocab]
     sampled: list[ScheduledRequest]  # row i of logits belongs to sampled[i]
+    # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -73,6 +76,7 @@ class ModelRunner:
         hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
                                     mm_embeds, inputs.mm_token_index)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.builder.query_start_loc.np)
         for s in out.scheduled:
             # A frame's embeddings are needed until its whole range is in the KV cache, which (chunks
             # never split a frame) is the end of the step that encoded it.
@@ -82,4 +86,4 @@ class ModelRunner:
                     cache.pop(f, None)
                 if not cache or s.context_len + s.num_tokens >= s.request.num_prompt_tokens:
                     self.free(s.request.request_id)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled])
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp)

@@ -1,56 +1,120 @@
-"""Token sampling: greedy, temperature, top-k, top-p, each request with its own seeded generator.
+"""Token sampling for one step's rows: logit adjustments, grammar masks, greedy/temperature/top-k/top-p,
+and logprobs, batched on the logits' device.
 
-Greedy rows are one batched argmax. Random rows draw from their request's `torch.Generator`, so a
-seeded request samples the same tokens whatever else shares its batch (and after preemption).
+Grammar masks (structured output) are filled on the host first, before anything waits on the
+device, so on a GPU that work overlaps the step's forward pass.
+Random rows draw exponential noise from their request's own `torch.Generator` and take
+argmax(probs / noise) (an exact draw from probs), so a seeded request samples the same tokens
+whatever else shares its batch, and after preemption. The noise is the only per-row work.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
+from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.structured_output import StructuredOutput, apply_bitmask
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits [V] -> logits with everything outside the top-k / nucleus set to -inf."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V], top_k [N] (0 = off), top_p [N] (1 = off) -> logits with everything outside each
+    row's top-k / nucleus set to -inf. Ties with the k-th logit stay; the top token always stays."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(torch.int64)
+    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # drop a token when the mass before it already reaches top_p
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)   # per row; None where not asked
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
         self._seeds = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.grammar = grammar
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+    def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            gen = self._generators[request_id] = torch.Generator().manual_seed(seed)
+            gen = self._generators[request_id] = torch.Generator(device=device).manual_seed(seed % 2**64)
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits float32 [N, V] (row i for request_ids[i]) -> one token id per row."""
-        tokens = logits.argmax(dim=-1).tolist()
+    def sample(self, logits: torch.Tensor, requests: Sequence) -> SamplerOutput:
+        """logits float32 [N, V] (row i for requests[i], scheduler Requests) -> one token per row."""
+        masks = self.grammar.fill(requests) if self.grammar is not None else None
+        params = [r.sampling_params for r in requests]
+        want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+        raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
+        adjusted = self._adjust(logits, requests, params)
+        if masks is not None:
+            adjusted = logits.clone() if adjusted is logits else adjusted
+            apply_bitmask(adjusted, torch.tensor(masks[0]), masks[1])
+        logits = adjusted
+        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not random_rows:
-            return tokens
-        host = logits[random_rows].float().cpu()  # one device-to-host copy for all random rows
-        for row, i in zip(host, random_rows, strict=True):
-            p = params[i]
-            probs = torch.softmax(filter_logits(row / p.temperature, p.top_k, p.top_p), dim=-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=self._generator(request_ids[i], p)))
-        return tokens
+        if random_rows:
+            tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
+        out = SamplerOutput(tokens.tolist(), [None] * len(params))
+        if masks is not None:
+            self.grammar.accept([requests[i] for i in masks[0]], [out.token_ids[i] for i in masks[0]])
+        if want_lp:
+            for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
+                             strict=True):
+                out.logprobs[i] = lp
+        return out
+
+    def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:
+        """Bias, min_tokens and penalties, on a copy only when some row needs one."""
+        if not self._adjusts(params):
+            return logits
+        logits = logits.clone()
+        apply_logit_bias(logits, params)
+        apply_min_tokens(logits, params, [len(r.output_token_ids) for r in requests], self.eos_token_ids)
+        apply_penalties(logits, params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+        return logits
+
+    @staticmethod
+    def _adjusts(params: list[SamplingParams]) -> bool:
+        return any(p.logit_bias or p.min_tokens or p.has_penalties for p in params)
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
+        """One draw per row from softmax(filter(logits / temperature)), each with its request's generator."""
+        dev = logits.device
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+        scaled = logits / temps.unsqueeze(1)
+        if any(p.top_k or p.top_p < 1.0 for p in params):
+            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=dev),
+                                   torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
+        probs = torch.softmax(scaled, dim=-1)
+        noise = torch.empty_like(probs)
+        for row, r in zip(noise, requests, strict=True):
+            row.exponential_(generator=self._generator(r.request_id, r.sampling_params, dev))
+        return (probs / noise).argmax(dim=-1)
+
+    def grammar_complete(self, request_id: str) -> bool:
+        """False when the request has a response_format that its output does not complete yet."""
+        return self.grammar is None or self.grammar.is_complete(request_id)
 
     def free(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        if self.grammar is not None:
+            self.grammar.free(request_id)

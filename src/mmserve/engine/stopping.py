@@ -21,8 +21,9 @@ class StopDecision:
 def check_stop(params: SamplingParams, token_id: int, num_output_tokens: int, text: str, searched_from: int,
                eos_token_ids: frozenset[int]) -> StopDecision:
     """`text` is everything detokenized so far; stop strings are searched from `searched_from` on
-    (a little before the newest delta, so a string split over two deltas is found)."""
-    if params.stop:
+    (a little before the newest delta, so a string split over two deltas is found), and only once
+    the output has `min_tokens` tokens."""
+    if params.stop and num_output_tokens >= params.min_tokens:
         hits = [(idx, s) for s in params.stop if (idx := text.find(s, searched_from)) >= 0]
         if hits:
             idx, s = min(hits)

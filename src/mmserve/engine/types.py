@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.scheduler.request import MultiModalInput
 
@@ -49,9 +50,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
+    new_logprobs: list[TokenLogprobs] | None = None   # one per new token, when the request asked
     finished: bool = False
     finish_reason: str | None = None   # "length" | "eos" | "stop"; None while running
     matched_stop: str | None = None
+    finish_detail: str | None = None   # why it finished, in words, when finish_reason says too little
+    prompt_logprobs: list[TokenLogprobs] | None = None   # on the last output, when the request asked
     usage: Usage | None = None
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)

@@ -20,6 +20,11 @@ class TextTokenizer:
         self._plain.encode_special_tokens = True
 
     @property
+    def backend(self) -> Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (for libraries that build their own token tables)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images
-from mmserve.multimodal.synthetic import make_clip
+from mmserve.multimodal.synthetic import COLOURS, DIRECTIONS, SHAPES, make_clip
 from mmserve.multimodal.video import decode_video
 
 PROMPT = "Describe the video."
@@ -88,3 +88,17 @@ def clip_for(seed: int, *, container: str = "mp4") -> tuple[bytes, str]:
     """The demo task's clip (bytes) and true caption for `seed`."""
     clip = make_clip(seed, container=container)
     return clip.data, clip.caption
+
+
+# The demo task as structured output: the first shape of a caption as a JSON object. The demo model
+# was never trained on JSON; constrained decoding still makes every answer parse and validate.
+CAPTION_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "shape": {"enum": list(SHAPES)},
+        "color": {"enum": list(COLOURS)},
+        "direction": {"enum": list(DIRECTIONS)},
+    },
+    "required": ["shape", "color", "direction"],
+    "additionalProperties": False,
+}

@@ -8,14 +8,16 @@ when the client goes away (cancel, deadline), with an abort in the engine so not
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
@@ -32,9 +34,21 @@ FINISH_REASONS = {
 }
 
 
-def final_message(out: RequestOutput) -> pb.Final:
+TokenText = Callable[[int], str]
+
+
+def logprobs_messages(entries: Sequence[TokenLogprobs], text: TokenText) -> list[pb.TokenLogprobs]:
+    """Engine logprobs (ids and floats) -> wire messages with each token's text."""
+    return [pb.TokenLogprobs(token_id=e.token_id, text=text(e.token_id), logprob=e.logprob, rank=e.rank,
+                             top=[pb.TopLogprob(token_id=t, text=text(t), logprob=v)
+                                  for t, v in zip(e.top_ids, e.top_logprobs, strict=True)])
+            for e in entries]
+
+
+def final_message(out: RequestOutput, text: TokenText = str) -> pb.Final:
     final = pb.Final(finish_reason=FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
-                     matched_stop=out.matched_stop or "")
+                     matched_stop=out.matched_stop or "", finish_detail=out.finish_detail or "",
+                     prompt_logprobs=logprobs_messages(out.prompt_logprobs or (), text))
     if out.usage is not None:
         final.usage.CopyFrom(pb.Usage(**dataclasses.asdict(out.usage)))   # engine and wire share field names
     if out.timings is not None:
@@ -54,6 +68,14 @@ def _describe(span, sampling: SamplingParams, out: RequestOutput) -> None:
         time_to_first_token=timings.time_to_first_token_s if timings else None,
         num_frames=usage.num_frames if usage else None, num_mm_tokens=usage.multimodal_tokens if usage else None,
         perf={k: float(v) for k, v in out.perf.items() if isinstance(v, int | float)})
+
+
+@functools.cache
+def _token_texts(tokenizer) -> TokenText:
+    """A cached id -> text lookup for logprobs (special tokens shown by name), one per tokenizer."""
+    if tokenizer is None:
+        return str
+    return functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -91,13 +113,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                      priority=validated.priority, trace_context=trace_context)
             if request_id in self._aborted_early:
                 raise RequestAbortedError(f"request {request_id} was aborted")
+            text = _token_texts(processor.tokenizer)
             async for out in self._engine.generate(engine_request):
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
-                        token_ids=out.new_token_ids, text=out.new_text))
+                        token_ids=out.new_token_ids, text=out.new_text,
+                        logprobs=logprobs_messages(out.new_logprobs or (), text)))
                 if out.finished:
                     final = out
-                    yield pb.GenerateResponse(request_id=request_id, final=final_message(out))
+                    yield pb.GenerateResponse(request_id=request_id, final=final_message(out, text))
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status, never a bare UNKNOWN
             error = e  # the engine ended it, never admitted it, or input processing failed
             await abort_with(context, e, request_id)

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from mmserve.api import pb
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.sampling_params import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_TOP_LOGPROBS,
+    ResponseFormat,
+    SamplingParams,
+)
+from mmserve.engine.structured_output import check_format
 from mmserve.errors import InvalidInputError
 
 ROLES = ("system", "user", "assistant")
@@ -26,6 +33,7 @@ VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/quicktime", "video/3gpp", "vid
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRING_CHARS = 256
+MAX_RESPONSE_FORMAT_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -162,12 +170,69 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
     for i, stop in enumerate(sampling.stop):
         if not stop or len(stop) > MAX_STOP_STRING_CHARS:
             raise InvalidInputError(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
+    max_tokens = sampling.max_tokens or DEFAULT_MAX_TOKENS
+    _check_extras(sampling, max_tokens)
     return SamplingParams(
-        max_tokens=sampling.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=sampling.top_k,
         seed=sampling.seed if sampling.HasField("seed") else None,
         stop=tuple(sampling.stop),
         ignore_eos=sampling.ignore_eos,
+        logprobs=sampling.logprobs,
+        top_logprobs=sampling.top_logprobs,
+        prompt_logprobs=sampling.prompt_logprobs,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        min_tokens=sampling.min_tokens,
+        logit_bias=tuple(sampling.logit_bias.items()),
+        response_format=_response_format(sampling),
     )
+
+
+def _check_extras(sampling: pb.SamplingParams, max_tokens: int) -> None:
+    """Logprobs, penalties, min_tokens and logit_bias: ranges, with the proto path in every message."""
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidInputError("sampling.top_logprobs", f"must be in 0..{MAX_TOP_LOGPROBS}, got {sampling.top_logprobs}")
+    if sampling.top_logprobs and not (sampling.logprobs or sampling.prompt_logprobs):
+        raise InvalidInputError("sampling.top_logprobs", "needs logprobs or prompt_logprobs set")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise InvalidInputError(f"sampling.{name}", f"must be in [-2, 2] (0 = off), got {value}")
+    if sampling.HasField("repetition_penalty"):
+        rp = sampling.repetition_penalty
+        if not (math.isfinite(rp) and 0.0 < rp <= 10.0):
+            raise InvalidInputError("sampling.repetition_penalty", f"must be in (0, 10] (1 = off), got {rp}")
+    if not 0 <= sampling.min_tokens <= max_tokens:
+        raise InvalidInputError("sampling.min_tokens", f"must be in 0..max_tokens ({max_tokens}), got {sampling.min_tokens}")
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidInputError("sampling.logit_bias", f"{len(sampling.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+    for token, bias in sampling.logit_bias.items():
+        if token < 0:
+            raise InvalidInputError(f"sampling.logit_bias[{token}]", "token ids are >= 0")
+        if not (math.isfinite(bias) and abs(bias) <= MAX_BIAS):
+            raise InvalidInputError(f"sampling.logit_bias[{token}]", f"bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+
+
+def _response_format(sampling: pb.SamplingParams) -> ResponseFormat | None:
+    if not sampling.HasField("response_format"):
+        return None
+    kind = sampling.response_format.WhichOneof("format")
+    where = "sampling.response_format"
+    if kind is None:
+        raise InvalidInputError(where, "set one of json_schema, regex or grammar")
+    if sampling.ignore_eos:
+        raise InvalidInputError("sampling.ignore_eos", "cannot be combined with response_format (the grammar decides the end)")
+    if sampling.min_tokens:
+        raise InvalidInputError("sampling.min_tokens", "cannot be combined with response_format (the grammar decides the length)")
+    spec = getattr(sampling.response_format, kind)
+    if not spec:
+        raise InvalidInputError(f"{where}.{kind}", "must not be empty")
+    if len(spec) > MAX_RESPONSE_FORMAT_CHARS:
+        raise InvalidInputError(f"{where}.{kind}", f"{len(spec)} characters, at most {MAX_RESPONSE_FORMAT_CHARS}")
+    fmt = ResponseFormat(kind, spec)
+    check_format(fmt)
+    return fmt

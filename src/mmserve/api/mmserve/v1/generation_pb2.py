@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmmserve/v1/generation.proto\x12\nmmserve.v1\"\x8c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.mmserve.v1.Message\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"8\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1f\n\x05parts\x18\x02 \x03(\x0b\x32\x10.mmserve.v1.Part\"\x8d\x01\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x12\"\n\x05video\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x12\"\n\x05\x61udio\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.AudioH\x00\x42\t\n\x07\x63ontent\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"(\n\x05\x41udio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"\x80\x01\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12)\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x17.mmserve.v1.VideoFramesH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x02\x42\x08\n\x06source\"=\n\x0bVideoFrames\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.mmserve.v1.Image\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"\xb9\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.DeltaH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.FinalH\x00\x42\x06\n\x04kind\"(\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xb6\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.mmserve.v1.Timings\x12\x1e\n\x04perf\x18\x04 \x01(\x0b\x32\x10.mmserve.v1.Perf\x12\x14\n\x0cmatched_stop\x18\x05 \x01(\t\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11multimodal_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\"O\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x03 \x01(\x01\"\x8d\x01\n\x04Perf\x12\r\n\x05\x66lops\x18\x01 \x01(\x01\x12\x12\n\nread_bytes\x18\x02 \x01(\x01\x12\x13\n\x0bwrite_bytes\x18\x03 \x01(\x01\x12\x0b\n\x03mfu\x18\x04 \x01(\x01\x12\x0b\n\x03mbu\x18\x05 \x01(\x01\x12\x1a\n\x12\x61ttn_flops_sliding\x18\x06 \x01(\x01\x12\x17\n\x0f\x61ttn_flops_full\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x1c\n\x14max_frames_per_video\x18\x03 \x01(\x05\x12\x1e\n\x16max_frames_per_request\x18\x04 \x01(\x05\x12\x18\n\x10tokens_per_frame\x18\x05 \x01(\x05\x12\x18\n\x10supported_inputs\x18\x06 \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x16\n\x14GetServerLoadRequest\"\x80\x01\n\nServerLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.mmserve.v1.AbortRequest\x1a\x19.mmserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.mmserve.v1.GetModelInfoRequest\x1a\x15.mmserve.v1.ModelInfo\x12I\n\rGetServerLoad\x12 .mmserve.v1.GetServerLoadRequest\x1a\x16.mmserve.v1.ServerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmmserve/v1/generation.proto\x12\nmmserve.v1\"\x8c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.mmserve.v1.Message\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\"8\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x1f\n\x05parts\x18\x02 \x03(\x0b\x32\x10.mmserve.v1.Part\"\x8d\x01\n\x04Part\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\"\n\x05image\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.ImageH\x00\x12\"\n\x05video\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x12\"\n\x05\x61udio\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.AudioH\x00\x42\t\n\x07\x63ontent\"(\n\x05Image\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"(\n\x05\x41udio\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x11\n\tmime_type\x18\x02 \x01(\t\"\x80\x01\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12)\n\x06\x66rames\x18\x02 \x01(\x0b\x32\x17.mmserve.v1.VideoFramesH\x00\x12\x11\n\tmime_type\x18\x03 \x01(\t\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\x12\x0b\n\x03\x66ps\x18\x05 \x01(\x02\x42\x08\n\x06source\"=\n\x0bVideoFrames\x12!\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x11.mmserve.v1.Image\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x02\"\xa1\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\x05\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).mmserve.v1.SamplingParams.LogitBiasEntry\x12\x33\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x1a.mmserve.v1.ResponseFormat\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"U\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x03 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"v\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.DeltaH\x00\x12\"\n\x05\x66inal\x18\x03 \x01(\x0b\x32\x11.mmserve.v1.FinalH\x00\x42\x06\n\x04kind\"U\n\x05\x44\x65lta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.mmserve.v1.TokenLogprobs\"s\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12#\n\x03top\x18\x05 \x03(\x0b\x32\x16.mmserve.v1.TopLogprob\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\x81\x02\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.mmserve.v1.FinishReason\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.mmserve.v1.Timings\x12\x1e\n\x04perf\x18\x04 \x01(\x0b\x32\x10.mmserve.v1.Perf\x12\x14\n\x0cmatched_stop\x18\x05 \x01(\t\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.mmserve.v1.TokenLogprobs\x12\x15\n\rfinish_detail\x18\x07 \x01(\t\"h\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11multimodal_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_frames\x18\x04 \x01(\x05\"O\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x65nd_to_end_s\x18\x03 \x01(\x01\"\x8d\x01\n\x04Perf\x12\r\n\x05\x66lops\x18\x01 \x01(\x01\x12\x12\n\nread_bytes\x18\x02 \x01(\x01\x12\x13\n\x0bwrite_bytes\x18\x03 \x01(\x01\x12\x0b\n\x03mfu\x18\x04 \x01(\x01\x12\x0b\n\x03mbu\x18\x05 \x01(\x01\x12\x1a\n\x12\x61ttn_flops_sliding\x18\x06 \x01(\x01\x12\x17\n\x0f\x61ttn_flops_full\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xd3\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x1c\n\x14max_frames_per_video\x18\x03 \x01(\x05\x12\x1e\n\x16max_frames_per_request\x18\x04 \x01(\x05\x12\x18\n\x10tokens_per_frame\x18\x05 \x01(\x05\x12\x18\n\x10supported_inputs\x18\x06 \x03(\t\x12\x19\n\x11\x61ttention_backend\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\"\x16\n\x14GetServerLoadRequest\"\x80\x01\n\nServerLoad\x12\x18\n\x10running_requests\x18\x01 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x02 \x01(\x05\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x10\n\x08\x64raining\x18\x04 \x01(\x08\x12\x14\n\x0cmax_num_seqs\x18\x05 \x01(\x05*}\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x32\xa6\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.mmserve.v1.AbortRequest\x1a\x19.mmserve.v1.AbortResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.mmserve.v1.GetModelInfoRequest\x1a\x15.mmserve.v1.ModelInfo\x12I\n\rGetServerLoad\x12 .mmserve.v1.GetServerLoadRequest\x1a\x16.mmserve.v1.ServerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1992
-  _globals['_FINISHREASON']._serialized_end=2117
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2739
+  _globals['_FINISHREASON']._serialized_end=2864
   _globals['_GENERATEREQUEST']._serialized_start=44
   _globals['_GENERATEREQUEST']._serialized_end=184
   _globals['_MESSAGE']._serialized_start=186
@@ -48,31 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VIDEOFRAMES']._serialized_start=603
   _globals['_VIDEOFRAMES']._serialized_end=664
   _globals['_SAMPLINGPARAMS']._serialized_start=667
-  _globals['_SAMPLINGPARAMS']._serialized_end=852
-  _globals['_GENERATERESPONSE']._serialized_start=854
-  _globals['_GENERATERESPONSE']._serialized_end=972
-  _globals['_DELTA']._serialized_start=974
-  _globals['_DELTA']._serialized_end=1014
-  _globals['_FINAL']._serialized_start=1017
-  _globals['_FINAL']._serialized_end=1199
-  _globals['_USAGE']._serialized_start=1201
-  _globals['_USAGE']._serialized_end=1305
-  _globals['_TIMINGS']._serialized_start=1307
-  _globals['_TIMINGS']._serialized_end=1386
-  _globals['_PERF']._serialized_start=1389
-  _globals['_PERF']._serialized_end=1530
-  _globals['_ABORTREQUEST']._serialized_start=1532
-  _globals['_ABORTREQUEST']._serialized_end=1566
-  _globals['_ABORTRESPONSE']._serialized_start=1568
-  _globals['_ABORTRESPONSE']._serialized_end=1598
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1600
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1621
-  _globals['_MODELINFO']._serialized_start=1624
-  _globals['_MODELINFO']._serialized_end=1835
-  _globals['_GETSERVERLOADREQUEST']._serialized_start=1837
-  _globals['_GETSERVERLOADREQUEST']._serialized_end=1859
-  _globals['_SERVERLOAD']._serialized_start=1862
-  _globals['_SERVERLOAD']._serialized_end=1990
-  _globals['_GENERATION']._serialized_start=2120
-  _globals['_GENERATION']._serialized_end=2414
+  _globals['_SAMPLINGPARAMS']._serialized_end=1212
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1106
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1154
+  _globals['_RESPONSEFORMAT']._serialized_start=1214
+  _globals['_RESPONSEFORMAT']._serialized_end=1299
+  _globals['_GENERATERESPONSE']._serialized_start=1301
+  _globals['_GENERATERESPONSE']._serialized_end=1419
+  _globals['_DELTA']._serialized_start=1421
+  _globals['_DELTA']._serialized_end=1506
+  _globals['_TOKENLOGPROBS']._serialized_start=1508
+  _globals['_TOKENLOGPROBS']._serialized_end=1623
+  _globals['_TOPLOGPROB']._serialized_start=1625
+  _globals['_TOPLOGPROB']._serialized_end=1686
+  _globals['_FINAL']._serialized_start=1689
+  _globals['_FINAL']._serialized_end=1946
+  _globals['_USAGE']._serialized_start=1948
+  _globals['_USAGE']._serialized_end=2052
+  _globals['_TIMINGS']._serialized_start=2054
+  _globals['_TIMINGS']._serialized_end=2133
+  _globals['_PERF']._serialized_start=2136
+  _globals['_PERF']._serialized_end=2277
+  _globals['_ABORTREQUEST']._serialized_start=2279
+  _globals['_ABORTREQUEST']._serialized_end=2313
+  _globals['_ABORTRESPONSE']._serialized_start=2315
+  _globals['_ABORTRESPONSE']._serialized_end=2345
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2347
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2368
+  _globals['_MODELINFO']._serialized_start=2371
+  _globals['_MODELINFO']._serialized_end=2582
+  _globals['_GETSERVERLOADREQUEST']._serialized_start=2584
+  _globals['_GETSERVERLOADREQUEST']._serialized_end=2606
+  _globals['_SERVERLOAD']._serialized_start=2609
+  _globals['_SERVERLOAD']._serialized_end=2737
+  _globals['_GENERATION']._serialized_start=2867
+  _globals['_GENERATION']._serialized_end=3161
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,108 @@
+"""Penalties, logit bias and min_tokens: the batched adjustments against a plain per-row reference
+written here on random logits and token histories; min_tokens and logit_bias end to end."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from engine_helpers import PROMPTS, build_request, make_llm
+
+from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.errors import InvalidInputError
+
+
+def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tensor:
+    """vLLM's documented semantics, one row and one token at a time."""
+    out = logits.clone()
+    for r, p in enumerate(params):
+        row = out[r]
+        for t, b in p.logit_bias:
+            row[t] += b
+        if len(outputs[r]) < p.min_tokens:
+            for t in eos:
+                row[t] = float("-inf")
+        for t in range(row.shape[0]):
+            count = outputs[r].count(t)
+            if p.repetition_penalty != 1.0 and (count or t in prompts[r]):
+                row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
+            row[t] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
+    return out
+
+
+def test_batched_adjustments_equal_the_per_row_reference():
+    rng = random.Random()
+    vocab, eos = 64, [1, 5]
+    params, prompts, outputs = [], [], []
+    for _ in range(12):
+        use = rng.random
+        params.append(SamplingParams(
+            max_tokens=30,
+            repetition_penalty=rng.uniform(0.5, 2.0) if use() < 0.6 else 1.0,
+            frequency_penalty=rng.uniform(-2, 2) if use() < 0.6 else 0.0,
+            presence_penalty=rng.uniform(-2, 2) if use() < 0.6 else 0.0,
+            min_tokens=rng.randrange(0, 12) if use() < 0.5 else 0,
+            logit_bias=tuple((rng.randrange(vocab), rng.uniform(-100, 100)) for _ in range(rng.randrange(0, 5)))))
+        prompts.append([rng.randrange(vocab) for _ in range(rng.randrange(1, 40))])
+        outputs.append([rng.randrange(vocab) for _ in range(rng.randrange(0, 20))])
+    logits = torch.randn(12, vocab) * 5
+    got = logits.clone()
+    apply_logit_bias(got, params)
+    apply_min_tokens(got, params, [len(o) for o in outputs], eos)
+    apply_penalties(got, params, prompts, outputs)
+    want = reference(logits, params, prompts, outputs, eos)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-4)
+
+
+def test_repeated_bias_entries_for_one_token_keep_the_last():
+    assert SamplingParams(logit_bias=((3, 1.0), (3, -2.0))).logit_bias == ((3, -2.0),)
+
+
+@pytest.mark.parametrize("kw", [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
+                                dict(repetition_penalty=0.0), dict(min_tokens=65), dict(top_logprobs=21),
+                                dict(logit_bias=((1, 101.0),)), dict(logit_bias=((-1, 1.0),))])
+def test_out_of_range_values_are_rejected(kw):
+    with pytest.raises(InvalidInputError):
+        SamplingParams(**kw)
+
+
+def test_min_tokens_and_logit_bias_end_to_end(load_backend):
+    model_tok = load_backend("reference")
+    base = build_request("m", PROMPTS["text"], random.randrange(10_000), max_tokens=12)
+    llm = make_llm(model_tok)
+    free = llm.generate([base])[0]
+    # the 3rd greedy token becomes end-of-sequence: without min_tokens the run stops there
+    llm.core.eos_token_ids = frozenset({free.token_ids[2]})
+    llm.core.sampler.eos_token_ids = (free.token_ids[2],)
+    sp = dataclasses.replace(base.sampling, ignore_eos=False)
+    stopped = llm.generate([base], sp)[0]
+    assert stopped.finish_reason == "eos" and len(stopped.token_ids) <= 3
+    held = llm.generate([base], dataclasses.replace(sp, min_tokens=8))[0]
+    assert free.token_ids[2] not in held.token_ids[:8] and len(held.token_ids) >= 8
+    # a +100 bias makes a token the greedy choice at every step; -100 on the greedy token removes it
+    favourite = 40
+    biased = llm.generate([base], dataclasses.replace(sp, logit_bias=((favourite, 100.0),), ignore_eos=True))[0]
+    assert biased.token_ids == [favourite] * 12
+    banned = llm.generate([base], dataclasses.replace(base.sampling, logit_bias=((free.token_ids[0], -100.0),)))[0]
+    assert free.token_ids[0] not in banned.token_ids
+
+
+def test_min_tokens_hold_back_stop_strings(load_backend):
+    model_tok = load_backend("reference")
+    llm = make_llm(model_tok)
+    for _ in range(20):   # a random prompt whose greedy text shows a visible character early
+        base = build_request("s", PROMPTS["text"], random.randrange(10_000), max_tokens=16)
+        full = llm.generate([base])[0]
+        visible = [i for i, c in enumerate(full.text[:8]) if c.strip() and c != "\ufffd"]
+        if visible:
+            break
+    stop = full.text[visible[0]]
+    early = llm.generate([base], dataclasses.replace(base.sampling, stop=(stop,)))[0]
+    assert early.finish_reason == "stop" and early.token_ids == full.token_ids[:len(early.token_ids)]
+    hold = min(16, len(early.token_ids) + 4)
+    late = llm.generate([base], dataclasses.replace(base.sampling, stop=(stop,), min_tokens=hold))[0]
+    assert len(late.token_ids) >= hold and late.token_ids[:hold] == full.token_ids[:hold]

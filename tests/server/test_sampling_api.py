@@ -1,0 +1,93 @@
+"""The generation API's sampling extras through a real server: structured output that always parses
+and validates on the demo task at temperature 1, logprobs with token texts, penalties and bias on
+the wire (penalties are checked against a reference in tests/engine), and bad values refused with INVALID_ARGUMENT naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+
+import grpc
+import jsonschema
+import pytest
+
+from mmserve.clients import AsyncClient, Client, ClientError
+from mmserve.multimodal.demo_task import CAPTION_SCHEMA, NUM_FRAMES, PROMPT, clip_for
+from mmserve.multimodal.synthetic import COLOURS, DIRECTIONS, SHAPES
+
+SCHEMAS = [
+    CAPTION_SCHEMA,
+    {"type": "object", "properties": {"shape": {"enum": list(SHAPES)}}, "required": ["shape"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": list(COLOURS)}, "moving": {"type": "boolean"}},
+     "required": ["color", "moving"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": list(COLOURS)}, "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {"direction": {"enum": list(DIRECTIONS)},
+                                      "frames": {"type": "integer", "minimum": 1, "maximum": 8}},
+     "required": ["direction", "frames"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def client(mmserve_server):
+    with Client(mmserve_server.address, timeout=120) as c:
+        yield c
+
+
+def test_sampled_outputs_parse_and_validate_against_five_schemas(start_server, served_model):
+    server = start_server(served_model, max_num_seqs=32)
+    clips = [clip_for(1_000_000 + random.randrange(10_000))[0] for _ in range(10)]
+
+    async def run():
+        async with AsyncClient(server.address, timeout=300) as client:
+            calls = [client.generate(prompt=PROMPT, video=clips[i % len(clips)], num_frames=NUM_FRAMES,
+                                     max_tokens=96, temperature=1.0, json_schema=SCHEMAS[i % len(SCHEMAS)])
+                     for i in range(100)]
+            return await asyncio.gather(*calls)
+
+    results = asyncio.run(run())
+    for i, result in enumerate(results):
+        assert result.finish_reason == "eos", (i, result.text, result.finish_detail)
+        jsonschema.validate(json.loads(result.text), SCHEMAS[i % len(SCHEMAS)])
+    assert len({r.text for r in results}) > len(SCHEMAS)   # sampled, not one answer per schema
+
+
+def test_logprobs_and_token_texts_on_the_wire(client):
+    video = clip_for(1_000_001)[0]
+    result = client.generate(prompt=PROMPT, video=video, num_frames=NUM_FRAMES, max_tokens=8, temperature=0,
+                             logprobs=True, top_logprobs=3, prompt_logprobs=True)
+    assert len(result.logprobs) == len(result.token_ids) and result.prompt_logprobs
+    assert result.usage.prompt_tokens == len(result.prompt_logprobs) + 1
+    for token, lp in zip(result.token_ids, result.logprobs, strict=True):
+        assert lp.token_id == token and lp.rank == 1 and lp.logprob <= 0
+        assert [t.token_id for t in lp.top][0] == token and len(lp.top) == 3
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        assert math.isclose(lp.top[0].logprob, lp.logprob, rel_tol=1e-6)
+    assert "".join(lp.text for lp in result.logprobs if lp.token_id not in (1, 5)) == result.text
+
+
+def test_bias_and_a_cut_constraint_on_the_wire(client):
+    video = clip_for(1_000_002)[0]
+    base = dict(prompt=PROMPT, video=video, num_frames=NUM_FRAMES, max_tokens=6, temperature=0)
+    favourite = client.generate(**base).token_ids[0] + 1
+    biased = client.generate(**base, logit_bias={favourite: 100.0}, ignore_eos=True)
+    assert biased.token_ids == (favourite,) * 6
+    cut = client.generate(**base, json_schema=CAPTION_SCHEMA)
+    assert cut.finish_reason == "length" and "response_format" in cut.finish_detail
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(json_schema='{"type": "objekt"}'), "sampling.response_format.json_schema"),
+    (dict(regex="(unclosed"), "sampling.response_format.regex"),
+    (dict(grammar="root ::= nothing"), "sampling.response_format.grammar"),
+    (dict(logit_bias={10**6: 1.0}), "sampling.logit_bias"),
+    (dict(top_logprobs=30, logprobs=True), "sampling.top_logprobs"),
+    (dict(min_tokens=99, max_tokens=4), "sampling.min_tokens"),
+    (dict(presence_penalty=-3.0), "sampling.presence_penalty"),
+])
+def test_bad_values_are_invalid_argument_naming_the_field(client, kwargs, field):
+    with pytest.raises(ClientError) as info:
+        client.generate(prompt="hi", **kwargs)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
