@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,11 +28,15 @@ from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
 from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
+from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.image import decode_image
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import VisionBatch, preprocess_images
 from mmserve.multimodal.video import decode_video, sample_indices
 from mmserve.scheduler.request import MultiModalInput
+
+# How long past the time limit the event loop still waits for a worker stuck inside one packet.
+DECODE_GRACE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -40,13 +46,19 @@ class TextInput:
 
 @dataclass(frozen=True)
 class ImageInput:
-    data: bytes
+    """An image as encoded bytes (`data`), or uploaded media: `media_id` (the sha256 of its bytes)
+    and, once the server has leased it, the spooled file's `path`."""
+
+    data: bytes = b""
     mime_type: str = ""
+    media_id: str = ""
+    path: str = ""
 
 
 @dataclass(frozen=True)
 class VideoInput:
-    """A video as container bytes (`data`) or as already decoded frame images (`frames`)."""
+    """A video as container bytes (`data`), as already decoded frame images (`frames`), or as
+    uploaded media (`media_id`, the sha256 of the container's bytes, and its spooled `path`)."""
 
     data: bytes = b""
     frames: tuple[bytes, ...] = ()
@@ -54,6 +66,8 @@ class VideoInput:
     mime_type: str = ""
     num_frames: int = 0  # 0 = the server default
     fps: float = 0.0  # 0 = sample num_frames uniformly
+    media_id: str = ""
+    path: str = ""
 
 
 InputPart = TextInput | ImageInput | VideoInput
@@ -71,6 +85,17 @@ class DecodedMedia:
 
     batch: VisionBatch
     timestamps_s: list[float] | None  # None for an image
+
+
+async def _all_or_none(coroutines: list) -> list:
+    """Run concurrently; when one fails, cancel the others (so their decodes stop) and raise."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise
 
 
 class InputProcessor:
@@ -95,7 +120,7 @@ class InputProcessor:
                       priority: int = 0, trace_context: Any = None) -> EngineRequest:
         jobs = [(f"messages[{i}].parts[{j}]", part) for i, m in enumerate(messages) for j, part in enumerate(m.parts)
                 if not isinstance(part, TextInput)]
-        decoded = await asyncio.gather(*(self._decode(where, part, trace_context) for where, part in jobs))
+        decoded = await _all_or_none([self._decode(where, part, trace_context) for where, part in jobs])
         media = {where: d for (where, _), d in zip(jobs, decoded, strict=True)}
         num_frames = sum(len(d.timestamps_s) for d in decoded if d.timestamps_s is not None)
         if num_frames > self.config.max_frames_per_request:
@@ -123,32 +148,44 @@ class InputProcessor:
                                     f"ask for at most {self.max_model_len - prompt_tokens}")
 
     async def _decode(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
-        """Decode in the worker pool; the time limit keeps one slow payload from holding a request."""
-        loop = asyncio.get_running_loop()
-        work = functools.partial(self._decode_blocking, where, part, trace_context)
-        limit = self.config.video_decode_timeout_s
-        try:
-            return await asyncio.wait_for(loop.run_in_executor(self.executor, work), timeout=limit)
-        except TimeoutError:
-            raise LimitExceededError(f"{where}: decoding (with any wait for a free decode worker) took longer "
-                                     f"than {limit:g}s",
-                                     "--video-decode-timeout-s") from None
+        """Decode in the worker pool under the time limit, which counts any wait for a free worker.
 
-    def _decode_blocking(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
+        The worker checks `control` between packets, so the limit, a client cancel or an Abort (both
+        cancel this coroutine) really stop the work; the wait here gives up a little after the limit
+        even if one packet takes longer."""
+        loop = asyncio.get_running_loop()
+        limit = self.config.video_decode_timeout_s
+        control = DecodeControl(limit, label=where)
+        work = functools.partial(self._decode_blocking, where, part, trace_context, control)
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self.executor, work), timeout=limit + DECODE_GRACE_S)
+        except TimeoutError:
+            raise control.timeout_error() from None
+        finally:
+            control.cancel()  # no-op once the worker returned; stops it when we stopped waiting
+
+    def _decode_blocking(self, where: str, part: ImageInput | VideoInput, trace_context: Any,
+                         control: DecodeControl) -> DecodedMedia:
+        control.check()  # the limit may have passed while this job waited for a worker
         try:
             if isinstance(part, ImageInput):
-                image = decode_image(part.data, self.limits)
+                image = decode_image(self._image_bytes(part), self.limits)
                 return DecodedMedia(self._patchify([image], self.spec.image_max_soft_tokens), None)
             if part.frames:
-                frames = [decode_image(f, self.limits) for f in part.frames]
+                frames = []
+                for f in part.frames:
+                    control.check()
+                    frames.append(decode_image(f, self.limits))
                 rate = part.frames_fps or 1.0
                 return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens),
                                     [k / rate for k in range(len(frames))])
-            with video_decode_span(trace_context, num_bytes=len(part.data)) as span:
-                video = decode_video(part.data, num_frames=None if part.fps else (part.num_frames or None),
-                                     fps=part.fps or None, limits=self.limits)
+            source = Path(part.path) if part.path else part.data
+            num_bytes = source.stat().st_size if part.path else len(part.data)
+            with video_decode_span(trace_context, num_bytes=num_bytes) as span:
+                video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
+                                     fps=part.fps or None, limits=self.limits, control=control)
                 set_video_decode_result(span, num_frames=len(video.frames), duration_s=video.duration_s,
-                                        frame_bytes=sum(f.nbytes for f in video.frames), num_bytes=len(part.data))
+                                        frame_bytes=sum(f.nbytes for f in video.frames), num_bytes=num_bytes)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames
@@ -158,6 +195,16 @@ class InputProcessor:
             # Re-anchor the decoder's error at the request field, keeping its explanation.
             kind = "image" if isinstance(part, ImageInput) else "video"
             raise InvalidInputError(f"{where}.{kind}", str(e).removeprefix(f"{e.field}: ")) from e
+
+    def _image_bytes(self, part: ImageInput) -> bytes:
+        """The image's bytes; an uploaded one is read only after its size passed the image limit."""
+        if not part.path:
+            return part.data
+        size = os.path.getsize(part.path)
+        if size > self.limits.max_image_bytes:
+            raise LimitExceededError(f"image is {size} bytes, more than the limit of {self.limits.max_image_bytes}",
+                                     "--max-video-bytes")
+        return Path(part.path).read_bytes()
 
     def _patchify(self, images: list[np.ndarray], max_soft_tokens: int) -> VisionBatch:
         return preprocess_images(images, patch_size=self.spec.patch_size,

@@ -15,7 +15,7 @@ class MediaLimits:
     max_image_bytes: int = 48 * 2**20
     max_frames_per_video: int = 32
     default_num_frames: int = 8
-    max_video_duration_s: float = 600.0
+    max_video_duration_s: float = 4 * 3600.0
     max_image_pixels: int = 4096 * 4096
     # Frames larger than this are downscaled while decoding (preprocessing shrinks them anyway);
     # keeps 32 sampled 4K frames from holding gigabytes.

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -112,25 +114,37 @@ def render(motions: list[Motion], *, size: int = 32, num_frames: int = 4,
     return frames
 
 
-def encode(frames: list[np.ndarray], *, fps: float, container: str = "mp4") -> bytes:
-    """Encode RGB frames to a real container with PyAV at high quality."""
+def write_video(out, frames: Iterable[np.ndarray], *, fps: float, container: str = "mp4",
+                keyframe_interval: int | None = None, codec_options: dict[str, str] | None = None) -> None:
+    """Encode RGB frames into `out` (a path or a writable binary file) with PyAV, one frame at a
+    time, so an hour-long or 200 MB clip never sits in memory. High quality unless `codec_options`
+    (e.g. `{"qp": "0"}`: lossless x264) say otherwise; `keyframe_interval` frames per GOP."""
     fmt, codec = CONTAINERS[container]
-    out = io.BytesIO()
     rate = Fraction(fps).limit_denominator(1000)
     with av.open(out, mode="w", format=fmt, container_options={"fflags": "+bitexact"}) as box:
         options = {"crf": "12", "preset": "fast"} if codec == "libx264" else {}
-        stream = box.add_stream(codec, rate=rate, options=options)
-        stream.width, stream.height = frames[0].shape[1], frames[0].shape[0]
+        stream = box.add_stream(codec, rate=rate, options={**options, **(codec_options or {})})
         stream.pix_fmt = "yuv420p"
         if codec == "libvpx":
             stream.bit_rate = 2_000_000
         elif codec == "mpeg4":
             stream.codec_context.qscale = 2
-        for arr in frames:
+        if keyframe_interval is not None:
+            stream.codec_context.gop_size = keyframe_interval
+        frames = iter(frames)
+        first = next(frames)
+        stream.width, stream.height = first.shape[1], first.shape[0]
+        for arr in itertools.chain([first], frames):
             for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
                 box.mux(packet)
         for packet in stream.encode():
             box.mux(packet)
+
+
+def encode(frames: list[np.ndarray], *, fps: float, container: str = "mp4", **options) -> bytes:
+    """Encode RGB frames to a real container in memory (options: those of `write_video`)."""
+    out = io.BytesIO()
+    write_video(out, frames, fps=fps, container=container, **options)
     return out.getvalue()
 
 
