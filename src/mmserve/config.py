@@ -37,7 +37,7 @@ class EngineConfig:
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})
     default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none"})
     max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload"})
-    max_video_duration_s: float = field(default=600.0, metadata={"help": "longest video accepted"})
+    max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted"})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels"})
     video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask"})
@@ -119,3 +119,8 @@ class ServerConfig:
     auth_health: bool = field(default=False, metadata={"help": "require the API key for health and reflection too"})
     otlp_traces_endpoint: str = field(default="", metadata={"help": "OTLP endpoint for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off"})
+    # Uploaded media (UploadMedia): a content-addressed spool on local disk.
+    media_dir: str = field(default="", metadata={"help": "directory for uploaded media; empty = a temporary directory removed at exit"})
+    media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first"})
+    media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted"})
+    max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload"})

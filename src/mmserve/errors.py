@@ -42,3 +42,13 @@ class RequestAbortedError(MMServeError):
 
 class EngineInternalError(MMServeError):
     """A step failed; the request id is in the message for grepping logs (-> INTERNAL)."""
+
+
+class NotFoundError(MMServeError):
+    """Something the request names does not exist here, e.g. an expired or unknown media id
+    (-> NOT_FOUND). `resource_type` and `resource_name` say what was looked for."""
+
+    def __init__(self, message: str, *, resource_type: str, resource_name: str):
+        super().__init__(message)
+        self.resource_type = resource_type
+        self.resource_name = resource_name

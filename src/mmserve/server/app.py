@@ -28,6 +28,7 @@ from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
+from mmserve.server.media import MediaService
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
 
@@ -72,8 +73,11 @@ class MMServer:
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")
         self._processor: InputProcessor | None = None
+        self.media = MediaService.from_config(server_config, engine_config)
+        self._media_sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config))
-        servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining)
+        servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
+                                      self.media)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health.add_to_server(self.server)
         enable_reflection(self.server)
@@ -94,6 +98,7 @@ class MMServer:
         self.port = bind(self.server, f"{self.server_config.host}:{self.server_config.port}", self._credentials)
         await self.health.set_live()
         await self.server.start()
+        self._media_sweeper = asyncio.ensure_future(self.media.sweep_forever())
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
         return self.port
 
@@ -139,6 +144,9 @@ class MMServer:
     async def _close(self) -> None:
         await self.engine.shutdown()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._media_sweeper is not None:
+            self._media_sweeper.cancel()
+        self.media.close()
         logger.info("stopped")
 
     async def wait_for_termination(self) -> None:

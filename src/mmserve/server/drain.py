@@ -1,9 +1,10 @@
 """Graceful drain on SIGTERM/SIGINT: go NOT_SERVING, refuse new work, let in-flight streams finish.
 
 Order matters for rolling updates: readiness drops first so load balancers stop routing here,
-new `Generate` calls get UNAVAILABLE (retryable: another replica will take them) while health,
-reflection, Abort and load queries keep working, and only when the in-flight streams are done or
-the grace period is over does `server.stop()` close the listener and cancel what is left.
+new `Generate` and `UploadMedia` calls get UNAVAILABLE (retryable: another replica will take
+them) while health, reflection, Abort and load queries keep working, and only when the in-flight
+calls are done or the grace period is over does `server.stop()` close the listener and cancel what
+is left.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mmserve.server.handlers import around, rejecting_handler, replace_behavior
 log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/mmserve.v1.Generation/Generate"
+UPLOAD_METHOD = "/mmserve.v1.Generation/UploadMedia"
 UNGATED_GRACE_S = 1.0
 DRAINING_MESSAGE = "server is draining (shutting down); retry on another replica"
 
@@ -28,7 +30,7 @@ DRAINING_MESSAGE = "server is draining (shutting down); retry on another replica
 class DrainGate(grpc.aio.ServerInterceptor):
     """Counts in-flight calls of the gated methods; once draining, refuses new ones with UNAVAILABLE."""
 
-    def __init__(self, gated_methods: Iterable[str] = (GENERATE_METHOD,)):
+    def __init__(self, gated_methods: Iterable[str] = (GENERATE_METHOD, UPLOAD_METHOD)):
         self._gated = frozenset(gated_methods)
         self._inflight = 0
         self._idle = asyncio.Event()

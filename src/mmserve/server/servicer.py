@@ -7,10 +7,11 @@ when the client goes away (cancel, deadline), with an abort in the engine so not
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 
 import grpc
 
@@ -19,9 +20,10 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.engine.types import RequestOutput
+from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
+from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with
 from mmserve.server.validation import validate_request
 
@@ -82,13 +84,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
     def __init__(self, engine, config: EngineConfig, processor: Callable[[], InputProcessor | None],
-                 draining: Callable[[], bool]) -> None:
+                 draining: Callable[[], bool], media: MediaService) -> None:
         self._engine = engine
         self._config = config
         self._processor = processor
         self._draining = draining
+        self._media = media
         self._in_flight: set[str] = set()
         self._aborted_early: set[str] = set()  # aborted while still decoding, before the engine had them
+        self._preprocessing: dict[str, asyncio.Task] = {}  # decoding media: Abort cancels the task
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -101,6 +105,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 raise EngineUnavailableError("the model is still loading; retry shortly")
             if request_id in self._in_flight:
                 raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
+            media = self._media.lease(validated.messages)  # held until the request ends
         except MMServeError as e:
             await abort_with(context, e, request_id)
         self._in_flight.add(request_id)
@@ -109,10 +114,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         final: RequestOutput | None = None
         error: Exception | None = None
         try:
-            engine_request = await processor.process(request_id, validated.messages, validated.sampling,
-                                                     priority=validated.priority, trace_context=trace_context)
-            if request_id in self._aborted_early:
-                raise RequestAbortedError(f"request {request_id} was aborted")
+            engine_request = await self._preprocess(request_id, processor.process(
+                request_id, media.messages, validated.sampling, priority=validated.priority,
+                trace_context=trace_context))
             text = _token_texts(processor.tokenizer)
             async for out in self._engine.generate(engine_request):
                 if out.new_token_ids or out.new_text:
@@ -126,6 +130,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             error = e  # the engine ended it, never admitted it, or input processing failed
             await abort_with(context, e, request_id)
         finally:
+            media.release()
             self._in_flight.discard(request_id)
             self._aborted_early.discard(request_id)
             if final is None and error is None:
@@ -137,25 +142,48 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 _describe(span, validated.sampling, final)
             end_request_span(span, error=error, cancelled=final is None and error is None)
 
+    async def _preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
+        """Run input processing as a task Abort can cancel, which stops its decodes at once."""
+        task = self._preprocessing[request_id] = asyncio.ensure_future(processing)
+        try:
+            engine_request = await task
+        except asyncio.CancelledError:
+            if request_id in self._aborted_early and not asyncio.current_task().cancelling():
+                raise RequestAbortedError(f"request {request_id} was aborted") from None
+            raise
+        finally:
+            del self._preprocessing[request_id]
+        if request_id in self._aborted_early:
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        return engine_request
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if self._engine.abort(request.request_id):
             return pb.AbortResponse(found=True)
         if request.request_id in self._in_flight:  # still decoding its media: stop it before the engine
             self._aborted_early.add(request.request_id)
+            if (task := self._preprocessing.get(request.request_id)) is not None:
+                task.cancel()
             return pb.AbortResponse(found=True)
         return pb.AbortResponse(found=False)
+
+    async def UploadMedia(self, request_iterator: AsyncIterator[pb.UploadMediaRequest],
+                          context: grpc.aio.ServicerContext) -> pb.MediaRef:
+        return await self._media.upload(request_iterator, context)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> pb.ModelInfo:
         if self._processor() is None:
             await abort_with(context, EngineUnavailableError("the model is still loading; retry shortly"))
         info = self._engine.model_info
-        return pb.ModelInfo(
+        model_info = pb.ModelInfo(
             model_name=info.name, context_length=info.context_length,
             max_frames_per_video=self._config.max_frames_per_video,
             max_frames_per_request=self._config.max_frames_per_request,
             tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
             attention_backend=info.backend, dtype=info.dtype)
+        self._media.describe(model_info)
+        return model_info
 
     async def GetServerLoad(self, request: pb.GetServerLoadRequest,
                             context: grpc.aio.ServicerContext) -> pb.ServerLoad:

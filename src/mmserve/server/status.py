@@ -2,8 +2,9 @@
 
 Every handler funnels failures through `abort_with`, so a client sees the same code for the same
 cause whichever RPC raised it. Besides the code and message, the status carries standard
-`google.rpc` details (BadRequest.FieldViolation for bad input, RetryInfo for retryable limits)
-in `grpc-status-details-bin`, which grpc clients in every language know how to read.
+`google.rpc` details (BadRequest.FieldViolation for bad input, RetryInfo for retryable limits,
+ResourceInfo for what was not found) in `grpc-status-details-bin`, which grpc clients in every
+language know how to read.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mmserve.errors import (
     InvalidInputError,
     LimitExceededError,
     MMServeError,
+    NotFoundError,
     RequestAbortedError,
 )
 
@@ -72,6 +74,10 @@ def map_error(exc: BaseException, request_id: str = "") -> MappedStatus:
                                 (_pack(error_details_pb2.RetryInfo(retry_delay=delay)),))
         code = grpc.StatusCode.INVALID_ARGUMENT if exc.can_never_fit else grpc.StatusCode.RESOURCE_EXHAUSTED
         return MappedStatus(code, str(exc))
+    if isinstance(exc, NotFoundError):
+        info = error_details_pb2.ResourceInfo(resource_type=exc.resource_type, resource_name=exc.resource_name,
+                                              description=str(exc))
+        return MappedStatus(grpc.StatusCode.NOT_FOUND, str(exc), (_pack(info),))
     if isinstance(exc, EngineUnavailableError):
         return MappedStatus(grpc.StatusCode.UNAVAILABLE, str(exc) or "engine unavailable")
     if isinstance(exc, RequestAbortedError):

@@ -23,6 +23,7 @@ from mmserve.engine.sampling_params import (
 )
 from mmserve.engine.structured_output import check_format
 from mmserve.errors import InvalidInputError
+from mmserve.server.media_store import MEDIA_ID
 
 ROLES = ("system", "user", "assistant")
 IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp",
@@ -109,10 +110,22 @@ def _part(part: pb.Part, where: str, config: EngineConfig) -> InputPart:
 
 
 def _image(image: pb.Image, where: str) -> ImageInput:
+    _mime(image.mime_type, IMAGE_MIME_TYPES, f"{where}.mime_type")
+    if image.media_id:
+        if image.data:
+            raise InvalidInputError(f"{where}.media_id", "set data or media_id, not both")
+        return ImageInput(mime_type=image.mime_type, media_id=_media_id(image.media_id, f"{where}.media_id"))
     if not image.data:
         raise InvalidInputError(f"{where}.data", "empty image bytes")
-    _mime(image.mime_type, IMAGE_MIME_TYPES, f"{where}.mime_type")
     return ImageInput(data=image.data, mime_type=image.mime_type)
+
+
+def _media_id(value: str, where: str) -> str:
+    """An UploadMedia id: the sha256 of the bytes, 64 hex digits."""
+    media_id = value.lower()
+    if not MEDIA_ID.fullmatch(media_id):
+        raise InvalidInputError(where, f"{value[:80]!r} is not a media id (the 64 hex digits UploadMedia returned)")
+    return media_id
 
 
 def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
@@ -129,6 +142,9 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
         if not video.data:
             raise InvalidInputError(f"{where}.data", "empty video bytes")
         return VideoInput(data=video.data, mime_type=video.mime_type, num_frames=video.num_frames, fps=video.fps)
+    if source == "media_id":
+        return VideoInput(media_id=_media_id(video.media_id, f"{where}.media_id"), mime_type=video.mime_type,
+                          num_frames=video.num_frames, fps=video.fps)
     if source == "frames":
         frames = video.frames
         if not frames.frames:
@@ -140,7 +156,7 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
             raise InvalidInputError(f"{where}.frames.fps", f"must be a finite number >= 0, got {frames.fps}")
         images = tuple(_image(f, f"{where}.frames.frames[{k}]").data for k, f in enumerate(frames.frames))
         return VideoInput(frames=images, frames_fps=frames.fps, mime_type=video.mime_type)
-    raise InvalidInputError(f"{where}.source", "set either data (container bytes) or frames")
+    raise InvalidInputError(f"{where}.source", "set one of data (container bytes), frames or media_id")
 
 
 def _mime(mime_type: str, allowed: frozenset[str], where: str) -> None:

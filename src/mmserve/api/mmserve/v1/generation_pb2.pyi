@@ -51,12 +51,14 @@ class Part(_message.Message):
     def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., video: _Optional[_Union[Video, _Mapping]] = ..., audio: _Optional[_Union[Audio, _Mapping]] = ...) -> None: ...
 
 class Image(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "mime_type", "media_id")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    media_id: str
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., media_id: _Optional[str] = ...) -> None: ...
 
 class Audio(_message.Message):
     __slots__ = ("data", "mime_type")
@@ -67,18 +69,20 @@ class Audio(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
 
 class Video(_message.Message):
-    __slots__ = ("data", "frames", "mime_type", "num_frames", "fps")
+    __slots__ = ("data", "frames", "media_id", "mime_type", "num_frames", "fps")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     frames: VideoFrames
+    media_id: str
     mime_type: str
     num_frames: int
     fps: float
-    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., mime_type: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., media_id: _Optional[str] = ..., mime_type: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class VideoFrames(_message.Message):
     __slots__ = ("frames", "fps")
@@ -260,7 +264,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype")
+    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +273,9 @@ class ModelInfo(_message.Message):
     SUPPORTED_INPUTS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_INLINE_MEDIA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_UPLOAD_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     max_frames_per_video: int
@@ -277,7 +284,10 @@ class ModelInfo(_message.Message):
     supported_inputs: _containers.RepeatedScalarFieldContainer[str]
     attention_backend: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    max_inline_media_bytes: int
+    max_upload_bytes: int
+    max_upload_chunk_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetServerLoadRequest(_message.Message):
     __slots__ = ()
@@ -296,3 +306,33 @@ class ServerLoad(_message.Message):
     draining: bool
     max_num_seqs: int
     def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+
+class UploadMediaRequest(_message.Message):
+    __slots__ = ("metadata", "chunk")
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    metadata: UploadMetadata
+    chunk: bytes
+    def __init__(self, metadata: _Optional[_Union[UploadMetadata, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class UploadMetadata(_message.Message):
+    __slots__ = ("mime_type", "size_bytes", "sha256")
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    mime_type: str
+    size_bytes: int
+    sha256: str
+    def __init__(self, mime_type: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class MediaRef(_message.Message):
+    __slots__ = ("id", "size_bytes", "mime_type", "ttl_s")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    size_bytes: int
+    mime_type: str
+    ttl_s: float
+    def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., mime_type: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...

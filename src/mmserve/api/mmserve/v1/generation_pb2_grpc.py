@@ -57,6 +57,11 @@ class GenerationStub:
                 request_serializer=mmserve_dot_v1_dot_generation__pb2.GetServerLoadRequest.SerializeToString,
                 response_deserializer=mmserve_dot_v1_dot_generation__pb2.ServerLoad.FromString,
                 _registered_method=True)
+        self.UploadMedia = channel.stream_unary(
+                '/mmserve.v1.Generation/UploadMedia',
+                request_serializer=mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.SerializeToString,
+                response_deserializer=mmserve_dot_v1_dot_generation__pb2.MediaRef.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -91,6 +96,17 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadMedia(self, request_iterator, context):
+        """Upload a video or image too large for one Generate message: the first message carries
+        UploadMetadata, the following ones the bytes in order (1 MiB chunks recommended; at most
+        ModelInfo.max_upload_chunk_bytes each). Returns the content's id (its sha256), to use as
+        Video.media_id or Image.media_id on this server; the same bytes give the same id and are
+        stored once. Media expire when unused for a while (MediaRef.ttl_s); then NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +129,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerLoad,
                     request_deserializer=mmserve_dot_v1_dot_generation__pb2.GetServerLoadRequest.FromString,
                     response_serializer=mmserve_dot_v1_dot_generation__pb2.ServerLoad.SerializeToString,
+            ),
+            'UploadMedia': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadMedia,
+                    request_deserializer=mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.FromString,
+                    response_serializer=mmserve_dot_v1_dot_generation__pb2.MediaRef.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +247,33 @@ class Generation:
             '/mmserve.v1.Generation/GetServerLoad',
             mmserve_dot_v1_dot_generation__pb2.GetServerLoadRequest.SerializeToString,
             mmserve_dot_v1_dot_generation__pb2.ServerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadMedia(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/mmserve.v1.Generation/UploadMedia',
+            mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.SerializeToString,
+            mmserve_dot_v1_dot_generation__pb2.MediaRef.FromString,
             options,
             channel_credentials,
             insecure,

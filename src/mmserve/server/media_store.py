@@ -1,0 +1,258 @@
+"""Content-addressed spool of uploaded media: one file per content, named by the sha256 of its bytes.
+
+An upload streams into a temporary file under `<root>/.incoming/` while its hash and size are
+computed; committing checks what the client declared and renames the file to `<root>/<sha256>`
+(atomic on one filesystem), so a reader never sees a partial file and the same bytes uploaded twice,
+even at the same time, are stored once. Requests lease the media they use; media without leases
+expire `ttl_s` after their last use and are evicted least recently used first when the spool would
+outgrow `max_bytes`. Bookkeeping is under one lock: uploads write from worker threads while the
+event loop leases and sweeps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmserve.errors import InvalidInputError, LimitExceededError, NotFoundError
+
+logger = logging.getLogger(__name__)
+
+MEDIA_ID = re.compile(r"[0-9a-f]{64}")
+INCOMING = ".incoming"
+RESOURCE_TYPE = "mmserve.v1.Media"
+
+
+@dataclass
+class MediaEntry:
+    """One stored content: `id` is the sha256 of the file's bytes."""
+
+    id: str
+    size: int
+    mime_type: str
+    path: Path
+    last_used: float
+    leases: int = 0
+
+
+class MediaStore:
+    """The spool under `root` (None or "": a fresh temporary directory, removed by `close()`; a
+    given directory is kept, and its media are adopted again by the next store opened on it)."""
+
+    def __init__(self, root: str | Path | None, *, max_bytes: int, ttl_s: float, max_upload_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_upload_bytes > max_bytes:
+            raise ValueError(f"--max-upload-bytes ({max_upload_bytes}) must not exceed --media-dir-max-bytes "
+                             f"({max_bytes}): such an upload could never be stored")
+        self._owned = not root
+        self.root = Path(tempfile.mkdtemp(prefix="mmserve-media-")) if self._owned else Path(root)
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        self.max_upload_bytes = max_upload_bytes
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: dict[str, MediaEntry] = {}
+        self._reserved = 0  # bytes of uploads still arriving
+        self._incoming = self.root / INCOMING
+        self._incoming.mkdir(parents=True, exist_ok=True)
+        self._adopt()
+
+    def _adopt(self) -> None:
+        """Forget half-received uploads of an earlier run; keep its committed media."""
+        for leftover in self._incoming.iterdir():
+            leftover.unlink(missing_ok=True)
+        now = self._clock()
+        for path in self.root.iterdir():
+            if path.is_file() and MEDIA_ID.fullmatch(path.name):
+                self._entries[path.name] = MediaEntry(path.name, path.stat().st_size, "", path, now)
+        if self._entries:
+            logger.info("media store %s: adopted %d media (%d bytes)", self.root, len(self._entries), self.used_bytes)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of committed media plus uploads in progress."""
+        return sum(e.size for e in self._entries.values()) + self._reserved
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ---- uploads -------------------------------------------------------------------------------
+
+    def begin(self, *, mime_type: str = "", declared_size: int | None = None,
+              declared_sha256: str | None = None) -> Upload:
+        """Start receiving an upload (its declared size, if any, is reserved at once)."""
+        if declared_size is not None and declared_size > self.max_upload_bytes:
+            raise LimitExceededError(f"the upload declares {declared_size} bytes, more than the limit of "
+                                     f"{self.max_upload_bytes}", "--max-upload-bytes")
+        return Upload(self, mime_type, declared_size, declared_sha256)
+
+    def _reserve(self, num_bytes: int) -> None:
+        """Make room for `num_bytes` more, evicting unleased media least recently used first."""
+        with self._lock:
+            self._sweep_locked()
+            while self.used_bytes + num_bytes > self.max_bytes:
+                idle = [e for e in self._entries.values() if e.leases == 0]
+                if not idle:
+                    raise LimitExceededError(
+                        f"the media store is full: {self.used_bytes} of {self.max_bytes} bytes hold media in use "
+                        f"by running requests or uploads in progress", "--media-dir-max-bytes", retryable=True)
+                self._remove_locked(min(idle, key=lambda e: e.last_used), "evicted (least recently used)")
+            self._reserved += num_bytes
+
+    def _unreserve(self, num_bytes: int) -> None:
+        with self._lock:
+            self._reserved -= num_bytes
+
+    def _commit(self, temp: Path, digest: str, size: int, mime_type: str) -> tuple[MediaEntry, bool]:
+        """Store the verified file under its digest; (entry, False) when that content was already here."""
+        with self._lock:
+            entry = self._entries.get(digest)
+            if entry is not None:
+                entry.last_used = self._clock()
+                temp.unlink(missing_ok=True)
+                return entry, False
+            path = self.root / digest
+            os.replace(temp, path)
+            entry = self._entries[digest] = MediaEntry(digest, size, mime_type, path, self._clock())
+            return entry, True
+
+    # ---- use -------------------------------------------------------------------------------------
+
+    def lookup(self, media_id: str) -> MediaEntry | None:
+        """The live entry for `media_id` (its TTL restarts), or None when unknown or expired."""
+        with self._lock:
+            self._sweep_locked()
+            entry = self._entries.get(media_id)
+            if entry is not None:
+                entry.last_used = self._clock()
+            return entry
+
+    def acquire(self, media_id: str) -> MediaEntry:
+        """Lease `media_id` for a request: it is neither evicted nor expired until `release`."""
+        with self._lock:
+            self._sweep_locked()
+            entry = self._entries.get(media_id)
+            if entry is None:
+                raise NotFoundError(
+                    f"no media with id {media_id} on this server: it expired (--media-ttl-s {self.ttl_s:g}), was "
+                    f"evicted, or was uploaded to another replica; upload it again", resource_type=RESOURCE_TYPE,
+                    resource_name=media_id)
+            entry.leases += 1
+            entry.last_used = self._clock()
+            return entry
+
+    def release(self, media_id: str) -> None:
+        with self._lock:
+            entry = self._entries[media_id]
+            entry.leases -= 1
+            entry.last_used = self._clock()
+
+    def sweep(self) -> int:
+        """Delete expired, unleased media. Returns how many went."""
+        with self._lock:
+            return self._sweep_locked()
+
+    def _sweep_locked(self) -> int:
+        cutoff = self._clock() - self.ttl_s
+        expired = [e for e in self._entries.values() if e.leases == 0 and e.last_used < cutoff]
+        for entry in expired:
+            self._remove_locked(entry, "expired")
+        return len(expired)
+
+    def _remove_locked(self, entry: MediaEntry, why: str) -> None:
+        del self._entries[entry.id]
+        entry.path.unlink(missing_ok=True)
+        logger.info("media %s (%d bytes) %s", entry.id, entry.size, why)
+
+    def close(self) -> None:
+        """Remove the spool if this store created it."""
+        if self._owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class Upload:
+    """One upload being received: `write` chunks (from any thread), then `commit` or `abort`.
+
+    Limits are checked as bytes arrive, so an oversize upload fails at the chunk that crosses the
+    limit, not after everything was received; `abort` (idempotent) leaves no file behind."""
+
+    def __init__(self, store: MediaStore, mime_type: str, declared_size: int | None,
+                 declared_sha256: str | None) -> None:
+        self._store = store
+        self.mime_type = mime_type
+        self.declared_size = declared_size
+        self.declared_sha256 = declared_sha256
+        self.size = 0
+        self._reserved = 0
+        self._hash = hashlib.sha256()
+        self._lock = threading.Lock()
+        self._done = False
+        self.path = store._incoming / f"{uuid.uuid4().hex}.part"
+        self._file = open(self.path, "xb")  # closed by commit or abort
+        if declared_size:
+            try:
+                self._reserve(declared_size)
+            except BaseException:
+                self.abort()
+                raise
+
+    def _reserve(self, num_bytes: int) -> None:
+        self._store._reserve(num_bytes)
+        self._reserved += num_bytes
+
+    def write(self, chunk: bytes) -> None:
+        with self._lock:
+            if self._done:
+                raise RuntimeError("write after the upload ended")
+            size = self.size + len(chunk)
+            if size > self._store.max_upload_bytes:
+                raise LimitExceededError(f"the upload is more than {self._store.max_upload_bytes} bytes",
+                                         "--max-upload-bytes")
+            if self.declared_size is not None and size > self.declared_size:
+                raise InvalidInputError("metadata.size_bytes", f"more bytes arrived than the {self.declared_size} "
+                                        f"declared")
+            if size > self._reserved:
+                self._reserve(size - self._reserved)
+            self._file.write(chunk)
+            self._hash.update(chunk)
+            self.size = size
+
+    def commit(self) -> tuple[MediaEntry, bool]:
+        """Verify the declared size and hash, then store. Returns (entry, whether it is new)."""
+        with self._lock:
+            self._file.close()
+            if self.size == 0:
+                raise InvalidInputError("chunk", "the upload holds no bytes")
+            if self.declared_size is not None and self.size != self.declared_size:
+                raise InvalidInputError("metadata.size_bytes", f"{self.declared_size} bytes declared, "
+                                        f"{self.size} received")
+            digest = self._hash.hexdigest()
+            if self.declared_sha256 and digest != self.declared_sha256:
+                raise InvalidInputError("metadata.sha256", f"the bytes received hash to {digest}, not to the "
+                                        f"declared {self.declared_sha256}")
+            result = self._store._commit(self.path, digest, self.size, self.mime_type)
+            self._finish()
+            return result
+
+    def abort(self) -> None:
+        """Drop what arrived (safe to call after commit, and more than once)."""
+        with self._lock:
+            if not self._done:
+                self._file.close()
+                self.path.unlink(missing_ok=True)
+                self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._store._unreserve(self._reserved)
+        self._reserved = 0

@@ -1,0 +1,194 @@
+"""MediaStore on a real directory: content addressing, verification, limits as bytes arrive, TTL,
+LRU eviction, leases, concurrent uploads of the same bytes, and nothing left behind on failure."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import threading
+
+import pytest
+
+from mmserve.errors import InvalidInputError, LimitExceededError, NotFoundError
+from mmserve.server.media_store import INCOMING, MediaStore
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+def make_store(tmp_path, clock, **kw) -> MediaStore:
+    options = dict(max_bytes=10_000, ttl_s=60.0, max_upload_bytes=5_000)
+    options.update(kw)
+    return MediaStore(tmp_path / "media", clock=clock, **options)
+
+
+def put(store: MediaStore, data: bytes, chunk: int = 700, **declared):
+    upload = store.begin(**declared)
+    try:
+        for i in range(0, len(data), chunk):
+            upload.write(data[i:i + chunk])
+        return upload.commit()
+    finally:
+        upload.abort()
+
+
+def files(store: MediaStore) -> list[str]:
+    return sorted(os.listdir(store.root)) + sorted(os.listdir(store.root / INCOMING))
+
+
+def test_id_is_the_sha256_and_the_file_holds_the_bytes(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    data = secrets.token_bytes(3000)
+    entry, created = put(store, data, declared_size=3000, declared_sha256=hashlib.sha256(data).hexdigest())
+    assert created and entry.id == hashlib.sha256(data).hexdigest()
+    assert entry.path.read_bytes() == data and entry.size == 3000
+    assert files(store) == [INCOMING, entry.id]
+
+
+def test_the_same_bytes_twice_are_stored_once(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    data = secrets.token_bytes(2000)
+    first, created = put(store, data)
+    again, created_again = put(store, data, chunk=333)
+    assert created and not created_again and again.id == first.id
+    assert files(store) == [INCOMING, first.id] and store.used_bytes == 2000
+
+
+def test_concurrent_uploads_of_the_same_bytes_are_safe(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=100_000, max_upload_bytes=50_000)
+    data = secrets.token_bytes(40_000)
+    results, barrier = [], threading.Barrier(6)
+
+    def upload():
+        barrier.wait()
+        results.append(put(store, data, chunk=1000))
+
+    threads = [threading.Thread(target=upload) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {entry.id for entry, _ in results} == {hashlib.sha256(data).hexdigest()}
+    assert sum(created for _, created in results) == 1
+    assert files(store) == [INCOMING, results[0][0].id] and store.used_bytes == 40_000
+    assert (store.root / results[0][0].id).read_bytes() == data
+
+
+@pytest.mark.parametrize("declared,field", [
+    ({"declared_size": 2999}, "metadata.size_bytes"),   # more bytes arrive than declared
+    ({"declared_size": 3001}, "metadata.size_bytes"),   # fewer
+    ({"declared_sha256": "0" * 64}, "metadata.sha256"),
+])
+def test_a_mismatch_with_what_was_declared_is_refused_and_leaves_nothing(tmp_path, clock, declared, field):
+    store = make_store(tmp_path, clock)
+    with pytest.raises(InvalidInputError) as e:
+        put(store, secrets.token_bytes(3000), **declared)
+    assert e.value.field == field
+    assert files(store) == [INCOMING] and store.used_bytes == 0
+
+
+def test_the_upload_limit_fails_at_the_chunk_that_crosses_it(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    upload = store.begin()
+    for _ in range(5):
+        upload.write(bytes(1000))
+    with pytest.raises(LimitExceededError) as e:
+        upload.write(b"x")
+    assert e.value.flag == "--max-upload-bytes" and not e.value.retryable
+    upload.abort()
+    assert files(store) == [INCOMING] and store.used_bytes == 0
+    with pytest.raises(LimitExceededError, match="declares 5001 bytes"):
+        store.begin(declared_size=5001)
+
+
+def test_an_empty_upload_is_refused(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    with pytest.raises(InvalidInputError, match="no bytes"):
+        put(store, b"")
+    assert files(store) == [INCOMING]
+
+
+def test_unused_media_expire_and_leased_ones_do_not(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    kept, _ = put(store, b"kept" * 100)
+    gone, _ = put(store, b"gone" * 100)
+    store.acquire(kept.id)
+    clock.now += 61
+    assert store.sweep() == 1 and files(store) == [INCOMING, kept.id]
+    with pytest.raises(NotFoundError) as e:
+        store.acquire(gone.id)
+    assert e.value.resource_name == gone.id and "--media-ttl-s" in str(e.value)
+    store.release(kept.id)  # its TTL starts again at the release
+    clock.now += 59
+    assert store.lookup(kept.id) is not None  # a lookup (an upload of the same bytes) restarts it too
+    clock.now += 59
+    assert store.sweep() == 0
+    clock.now += 2
+    assert store.sweep() == 1 and len(store) == 0
+
+
+def test_a_full_store_evicts_the_least_recently_used_unleased_media(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=10_000)
+    a, _ = put(store, secrets.token_bytes(4000))
+    clock.now += 1
+    b, _ = put(store, secrets.token_bytes(4000))
+    clock.now += 1
+    store.lookup(a.id)  # a is now more recent than b
+    c, _ = put(store, secrets.token_bytes(4000))
+    assert files(store) == sorted([INCOMING, a.id, c.id]) and store.used_bytes == 8000
+    store.acquire(a.id)
+    store.acquire(c.id)
+    with pytest.raises(LimitExceededError) as e:  # only media in use left: come back later
+        put(store, secrets.token_bytes(4000))
+    assert e.value.retryable and e.value.flag == "--media-dir-max-bytes"
+    assert files(store) == sorted([INCOMING, a.id, c.id])
+
+
+def test_uploads_in_progress_count_against_the_limit(tmp_path, clock):
+    store = make_store(tmp_path, clock, max_bytes=8000)
+    first = store.begin(declared_size=5000)  # reserved at once
+    with pytest.raises(LimitExceededError, match="full"):
+        store.begin(declared_size=5000)
+    first.abort()
+    assert store.used_bytes == 0
+    second = store.begin()
+    second.write(bytes(5000))
+    with pytest.raises(LimitExceededError, match="full"):
+        put(store, bytes(3001))
+    second.abort()
+    assert files(store) == [INCOMING]
+
+
+def test_a_given_directory_is_kept_and_adopted_by_the_next_store(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    entry, _ = put(store, b"survives a restart")
+    (store.root / INCOMING / "crashed.part").write_bytes(b"half")
+    (store.root / "notes.txt").write_text("not ours")
+    store.close()
+    again = make_store(tmp_path, clock)
+    assert again.acquire(entry.id).path.read_bytes() == b"survives a restart"
+    assert files(again) == sorted([INCOMING, entry.id, "notes.txt"]) and again.used_bytes == len(b"survives a restart")
+
+
+def test_a_temporary_store_is_removed_at_close(clock):
+    store = MediaStore(None, max_bytes=1000, ttl_s=1.0, max_upload_bytes=1000, clock=clock)
+    put(store, b"x" * 10)
+    root = store.root
+    store.close()
+    assert not root.exists()
+
+
+def test_an_upload_limit_above_the_store_size_is_a_configuration_error(tmp_path, clock):
+    with pytest.raises(ValueError, match="--max-upload-bytes"):
+        make_store(tmp_path, clock, max_bytes=100, max_upload_bytes=101)
