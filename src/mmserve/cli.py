@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS = {
     "serve": "mmserve.server.cli",
     "generate": "mmserve.clients.cli",
+    "upload": "mmserve.clients.upload_cli",
     "demo": "mmserve.clients.demo",
     "perf": "mmserve.metrics.cli",
     "demo-video": "mmserve.multimodal.synthetic",

@@ -6,6 +6,7 @@ from mmserve.clients.types import (
     ClientError,
     Delta,
     GenerateResult,
+    MediaRef,
     Perf,
     Timings,
     TokenLogprob,
@@ -14,7 +15,7 @@ from mmserve.clients.types import (
 )
 
 __all__ = [
-    "AsyncClient", "Client", "ClientError", "Delta", "GenerateResult", "Perf", "Timings", "TokenLogprob",
-    "TopLogprob", "Usage",
+    "AsyncClient", "Client", "ClientError", "Delta", "GenerateResult", "MediaRef", "Perf", "Timings",
+    "TokenLogprob", "TopLogprob", "Usage",
     "build_request", "frames_part", "image_part", "message", "text_part", "user_message", "video_part",
 ]

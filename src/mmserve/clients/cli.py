@@ -1,5 +1,8 @@
 """`mmserve generate`: send a prompt (and a video/image file) to a server and stream the answer.
 
+A file larger than the server takes in one message (GetModelInfo.max_inline_media_bytes) is
+uploaded first, with a progress bar on a terminal, and the request names it by its id.
+
 Text goes to stdout as it arrives; `--json` prints one object with the whole result instead. On a
 failed call it prints the gRPC status code and message to stderr and exits non-zero (2 for a bad
 request, 1 otherwise), so scripts can tell the two apart.
@@ -19,17 +22,32 @@ from pathlib import Path
 import grpc
 
 from mmserve.clients.client import Client
-from mmserve.clients.types import ClientError
+from mmserve.clients.types import ClientError, MediaRef
+
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    """--server, --timeout, --api-key and --tls-ca: how a subcommand reaches the server."""
+    p.add_argument("--server", default="127.0.0.1:50051",
+                   help="HOST:PORT, or a gRPC target such as ipv4:a:p1,b:p2 or dns:///host:port")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
+    p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle (PEM) to verify a TLS server")
+
+
+def connect(args: argparse.Namespace, *, trace: bool = False) -> Client:
+    root = args.tls_ca.read_bytes() if args.tls_ca else None
+    return Client(args.server, api_key=args.api_key or os.environ.get("MMSERVE_API_KEY"), root_certificates=root,
+                  timeout=args.timeout, trace=trace)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("generate", help="send a video/image + text prompt to a server, stream the answer",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", default="127.0.0.1:50051",
-                   help="HOST:PORT, or a gRPC target such as ipv4:a:p1,b:p2 or dns:///host:port")
+    add_connection_args(p)
     p.add_argument("--prompt", required=True, help="the text of the user turn")
-    p.add_argument("--video", type=Path, help="a video file (mp4, webm, mkv, ...)")
-    p.add_argument("--image", type=Path, help="an image file (png, jpeg, ...)")
+    p.add_argument("--video", type=Path, help="a video file (mp4, webm, mkv, ...); uploaded first (with a progress "
+                                              "bar) when larger than the server takes inline")
+    p.add_argument("--image", type=Path, help="an image file (png, jpeg, ...); uploaded first when too large inline")
     p.add_argument("--num-frames", type=int, default=0, help="frames to sample from the video; 0 = server default")
     p.add_argument("--fps", type=float, default=0.0, help="sample frames at this rate instead")
     p.add_argument("--max-tokens", type=int, default=0, help="0 = server default")
@@ -53,9 +71,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fmt.add_argument("--regex", help="constrain the output to this regular expression")
     fmt.add_argument("--grammar", type=_text_or_file, help="constrain the output to this EBNF grammar "
                      "(inline or a file; the start rule is `root`)")
-    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
-    p.add_argument("--tls-ca", type=Path, default=None, help="CA bundle (PEM) to verify a TLS server")
     p.add_argument("--json", action="store_true", help="print the whole result as one JSON object")
     p.add_argument("--trace", action="store_true",
                    help="run the call inside a client span sent as W3C traceparent and print its trace id to "
@@ -107,18 +122,24 @@ def _client_span(enabled: bool) -> Iterator[None]:
         provider.shutdown()
 
 
+def _media(client: Client, path: Path | None, inline_limit: int) -> bytes | MediaRef | None:
+    """The file's bytes, or its upload when it is larger than the server takes inline."""
+    if path is None:
+        return None
+    if inline_limit and path.stat().st_size > inline_limit:
+        return client.upload(path)
+    return path.read_bytes()
+
+
 def run(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get("MMSERVE_API_KEY")
-    root = args.tls_ca.read_bytes() if args.tls_ca else None
-    try:
-        video = args.video.read_bytes() if args.video else None
-        image = args.image.read_bytes() if args.image else None
-    except OSError as e:
-        print(f"mmserve generate: {e}", file=sys.stderr)
+    missing = [path for path in (args.video, args.image) if path is not None and not path.is_file()]
+    if missing:
+        print(f"mmserve generate: no such file: {missing[0]}", file=sys.stderr)
         return 2
-    with (_client_span(args.trace),
-          Client(args.server, api_key=api_key, root_certificates=root, timeout=args.timeout, trace=args.trace) as client):
+    with _client_span(args.trace), connect(args, trace=args.trace) as client:
         try:
+            inline_limit = client.model_info().max_inline_media_bytes if args.video or args.image else 0
+            video, image = _media(client, args.video, inline_limit), _media(client, args.image, inline_limit)
             stream = client.stream(prompt=args.prompt, video=video, image=image, num_frames=args.num_frames,
                                    fps=args.fps, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -136,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
         except ClientError as e:
             print(f"mmserve generate: {e.code.name}: {e.message}", file=sys.stderr)
             return 2 if e.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+        except OSError as e:
+            print(f"mmserve generate: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
     else:

@@ -3,29 +3,50 @@
 Both speak the same protocol the same way: one server-streaming Generate per request, deltas
 then exactly one Final. `generate()` collects the stream into a `GenerateResult`; `stream()`
 yields `Delta`s and exposes the result once the stream ends. A target may name several servers
-(`ipv4:10.0.0.1:50051,10.0.0.2:50051` or `dns:///svc:50051`); calls are spread round-robin.
+(`ipv4:10.0.0.1:50051,10.0.0.2:50051` or `dns:///svc:50051`); calls are spread round-robin,
+except uploads (`upload()`) and the requests naming uploaded media, which stay on one replica,
+where the media are.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients.messages import user_message
-from mmserve.clients.types import ClientError, Delta, GenerateResult, logprobs_from, result_from
+from mmserve.clients.types import ClientError, Delta, GenerateResult, MediaRef, logprobs_from, result_from
+from mmserve.clients.upload import (
+    CHUNK_BYTES,
+    UploadSource,
+    lost_media,
+    media_ref,
+    names_uploaded_media,
+    opened,
+    progress_bar,
+    upload_requests,
+    upload_requests_async,
+)
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
 Metadata = tuple[tuple[str, str], ...]
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, object]]:
-    """Round-robin over every resolved address; message limits matching the server's default; a
-    keepalive ping each minute (the server allows one every 10 s) so a dead peer is noticed mid-stream."""
-    service_config = {"loadBalancingConfig": [{"round_robin": {}}]}
+ROUND_ROBIN = {"round_robin": {}}
+# One replica per client, picked at random among the resolved addresses: uploaded media live on
+# the replica that received them, so an upload and the requests naming it must meet there.
+STICKY = {"pick_first": {"shuffleAddressList": True}}
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                    balancing: dict = ROUND_ROBIN) -> list[tuple[str, object]]:
+    """Round-robin over every resolved address (unless `balancing` says otherwise); message limits
+    matching the server's default; a keepalive ping each minute (the server allows one every 10 s) so
+    a dead peer is noticed mid-stream."""
+    service_config = {"loadBalancingConfig": [balancing]}
     return [
         ("grpc.service_config", json.dumps(service_config)),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -41,7 +62,8 @@ def channel_credentials(root_certificates: bytes | None, private_key: bytes | No
 
 
 def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str | None = None,
-                  video: bytes | None = None, image: bytes | None = None, max_tokens: int = 0,
+                  video: bytes | MediaRef | None = None, image: bytes | MediaRef | None = None,
+                  max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                   seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
                   request_id: str = "", priority: int = 0, num_frames: int = 0,
@@ -114,15 +136,27 @@ class _Base:
         extra = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._static_metadata: Metadata = tuple(metadata) + extra
         self._trace = trace
-        options = channel_options(max_message_bytes)
+        creds = None
         if root_certificates is not None or certificate_chain is not None:
             creds = channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = self._channels.secure_channel(target, creds, options=options)
-        else:
-            self._channel = self._channels.insecure_channel(target, options=options)
+
+        def open_channel(balancing: dict):
+            options = channel_options(max_message_bytes, balancing)
+            if creds is not None:
+                return self._channels.secure_channel(target, creds, options=options)
+            return self._channels.insecure_channel(target, options=options)
+
+        self._channel = open_channel(ROUND_ROBIN)
+        # Uploads and the requests that name uploaded media go over a channel that sticks to one replica.
+        self._media_channel = open_channel(STICKY)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        self._media_stub = pb_grpc.GenerationStub(self._media_channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout = timeout
+
+    def _start_generate(self, request: pb.GenerateRequest, timeout: float | None):
+        stub = self._media_stub if names_uploaded_media(request) else self._stub
+        return stub.Generate(request, metadata=self._metadata, timeout=timeout or self.timeout)
 
     @property
     def _metadata(self) -> Metadata:
@@ -136,10 +170,13 @@ class _Base:
 
 
 class _StreamBase:
-    """A Generate call and what it has received so far."""
+    """A Generate call and what it has received so far. `restart` starts the call again, after
+    `recover(error)` said it repaired the cause (uploaded lost media again), before any delta."""
 
-    def __init__(self, call) -> None:
-        self._call = call
+    def __init__(self, start: Callable[[], object], recover: Callable[[ClientError], object]) -> None:
+        self._start = start
+        self._recover = recover
+        self._call = start()
         self._collector = _Collector()
 
     @property
@@ -159,13 +196,18 @@ class GenerateStream(_StreamBase):
     """Iterate for deltas; `result` holds the GenerateResult after the stream ends."""
 
     def __iter__(self) -> Iterator[Delta]:
-        try:
-            for response in self._call:
-                delta = self._collector.feed(response)
-                if delta is not None:
-                    yield delta
-        except grpc.RpcError as e:
-            raise ClientError.from_rpc_error(e) from None
+        while True:
+            try:
+                for response in self._call:
+                    delta = self._collector.feed(response)
+                    if delta is not None:
+                        yield delta
+                return
+            except grpc.RpcError as e:
+                error = ClientError.from_rpc_error(e)
+                if self._collector.deltas or not self._recover(error):
+                    raise error from None
+                self._call = self._start()
 
 
 class Client(_Base):
@@ -179,6 +221,7 @@ class Client(_Base):
 
     def close(self) -> None:
         self._channel.close()
+        self._media_channel.close()
 
     def _unary(self, method, request, timeout: float | None):
         try:
@@ -188,9 +231,30 @@ class Client(_Base):
 
     def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                **kwargs) -> GenerateStream:
-        """Start a request; keyword arguments are those of `build_request`."""
-        request = build_request(messages, **kwargs)
-        return GenerateStream(self._stub.Generate(request, metadata=self._metadata, timeout=timeout or self.timeout))
+        """Start a request; keyword arguments are those of `build_request`. A `video=`/`image=`
+        MediaRef the server no longer has is uploaded again from its file, once."""
+        kwargs = dict(kwargs)
+        retried = False
+
+        def recover(error: ClientError) -> bool:
+            nonlocal retried
+            key = None if retried else lost_media(error, kwargs)
+            if key is not None:
+                retried = True
+                kwargs[key] = self.upload(kwargs[key].source, mime_type=kwargs[key].mime_type, timeout=timeout)
+            return key is not None
+
+        return GenerateStream(lambda: self._start_generate(build_request(messages, **kwargs), timeout), recover)
+
+    def upload(self, source: UploadSource, *, mime_type: str = "", progress: bool = True,
+               chunk_bytes: int = CHUNK_BYTES, timeout: float | None = None) -> MediaRef:
+        """Upload a video or image (a path, or a binary file from its current position) in chunks,
+        with a progress bar on a terminal; returns its MediaRef (`.id` is the bytes' sha256), to pass
+        as `video=` / `image=`. Bytes the server already holds are not sent again."""
+        with opened(source) as src, progress_bar(src, progress) as bar:
+            response = self._unary(self._media_stub.UploadMedia, upload_requests(src, mime_type, chunk_bytes, bar),
+                                   timeout)
+            return media_ref(response, src, bar)
 
     def generate(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                  **kwargs) -> GenerateResult:
@@ -218,13 +282,18 @@ class AsyncGenerateStream(_StreamBase):
     """`async for` the deltas; `result` holds the GenerateResult after the stream ends."""
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
-        try:
-            async for response in self._call:
-                delta = self._collector.feed(response)
-                if delta is not None:
-                    yield delta
-        except grpc.RpcError as e:
-            raise ClientError.from_rpc_error(e) from None
+        while True:
+            try:
+                async for response in self._call:
+                    delta = self._collector.feed(response)
+                    if delta is not None:
+                        yield delta
+                return
+            except grpc.RpcError as e:
+                error = ClientError.from_rpc_error(e)
+                if self._collector.deltas or not await self._recover(error):
+                    raise error from None
+                self._call = self._start()
 
 
 class AsyncClient(_Base):
@@ -240,6 +309,7 @@ class AsyncClient(_Base):
 
     async def close(self) -> None:
         await self._channel.close()
+        await self._media_channel.close()
 
     async def _unary(self, method, request, timeout: float | None):
         try:
@@ -249,9 +319,25 @@ class AsyncClient(_Base):
 
     def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                **kwargs) -> AsyncGenerateStream:
-        request = build_request(messages, **kwargs)
-        call = self._stub.Generate(request, metadata=self._metadata, timeout=timeout or self.timeout)
-        return AsyncGenerateStream(call)
+        kwargs = dict(kwargs)
+        retried = False
+
+        async def recover(error: ClientError) -> bool:
+            nonlocal retried
+            key = None if retried else lost_media(error, kwargs)
+            if key is not None:
+                retried = True
+                kwargs[key] = await self.upload(kwargs[key].source, mime_type=kwargs[key].mime_type, timeout=timeout)
+            return key is not None
+
+        return AsyncGenerateStream(lambda: self._start_generate(build_request(messages, **kwargs), timeout), recover)
+
+    async def upload(self, source: UploadSource, *, mime_type: str = "", progress: bool = True,
+                     chunk_bytes: int = CHUNK_BYTES, timeout: float | None = None) -> MediaRef:
+        """As `Client.upload`; the file is read off the event loop."""
+        with opened(source) as src, progress_bar(src, progress) as bar:
+            requests = upload_requests_async(src, mime_type, chunk_bytes, bar)
+            return media_ref(await self._unary(self._media_stub.UploadMedia, requests, timeout), src, bar)
 
     async def generate(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                        **kwargs) -> GenerateResult:

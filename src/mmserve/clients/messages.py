@@ -10,19 +10,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mmserve.api import pb
+from mmserve.clients.types import MediaRef
 
 
 def text_part(text: str) -> pb.Part:
     return pb.Part(text=text)
 
 
-def image_part(data: bytes, mime_type: str = "") -> pb.Part:
+def image_part(data: bytes | MediaRef, mime_type: str = "") -> pb.Part:
+    """An image as encoded bytes, or uploaded (`Client.upload`)."""
+    if isinstance(data, MediaRef):
+        return pb.Part(image=pb.Image(media_id=data.id, mime_type=mime_type))
     return pb.Part(image=pb.Image(data=data, mime_type=mime_type))
 
 
-def video_part(data: bytes, mime_type: str = "", *, num_frames: int = 0, fps: float = 0.0) -> pb.Part:
-    """A video as container bytes; num_frames/fps = 0 leave frame sampling to the server."""
-    return pb.Part(video=pb.Video(data=data, mime_type=mime_type, num_frames=num_frames, fps=fps))
+def video_part(data: bytes | MediaRef, mime_type: str = "", *, num_frames: int = 0, fps: float = 0.0) -> pb.Part:
+    """A video as container bytes, or uploaded (`Client.upload`); num_frames/fps = 0 leave frame
+    sampling to the server."""
+    video = pb.Video(mime_type=mime_type, num_frames=num_frames, fps=fps)
+    if isinstance(data, MediaRef):
+        video.media_id = data.id
+    else:
+        video.data = data
+    return pb.Part(video=video)
 
 
 def frames_part(frames: Sequence[bytes], fps: float = 0.0, mime_type: str = "") -> pb.Part:
@@ -35,9 +45,9 @@ def message(role: str, *parts: pb.Part) -> pb.Message:
     return pb.Message(role=role, parts=list(parts))
 
 
-def user_message(text: str | None = None, *, video: bytes | None = None, image: bytes | None = None,
-                 video_mime_type: str = "", image_mime_type: str = "", num_frames: int = 0,
-                 fps: float = 0.0) -> pb.Message:
+def user_message(text: str | None = None, *, video: bytes | MediaRef | None = None,
+                 image: bytes | MediaRef | None = None, video_mime_type: str = "", image_mime_type: str = "",
+                 num_frames: int = 0, fps: float = 0.0) -> pb.Message:
     """One user turn: image, then video, then text (each optional)."""
     parts = []
     if image is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
@@ -37,6 +38,22 @@ class TokenLogprob:
 def logprobs_from(messages) -> tuple[TokenLogprob, ...]:
     return tuple(TokenLogprob(m.token_id, m.text, m.logprob, m.rank,
                               tuple(TopLogprob(t.token_id, t.text, t.logprob) for t in m.top)) for m in messages)
+
+
+@dataclass(frozen=True)
+class MediaRef:
+    """Media uploaded to a server (`Client.upload`): pass it as `video=` or `image=`. `id` is the
+    sha256 of the bytes; `source` is the file it came from, so the client can upload it again
+    when the server no longer has it (None for an uploaded file object)."""
+
+    id: str
+    size_bytes: int = 0
+    mime_type: str = ""
+    ttl_s: float = 0.0
+    source: Path | None = None
+
+    def __str__(self) -> str:
+        return self.id
 
 
 @dataclass(frozen=True)
@@ -115,18 +132,19 @@ class ClientError(Exception):
     """A failed call: the gRPC status code and message, plus the server's structured hints."""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, field: str = "",
-                 retry_delay_s: float | None = None):
+                 retry_delay_s: float | None = None, resource_name: str = ""):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.field = field  # the offending request field for INVALID_ARGUMENT
         self.retry_delay_s = retry_delay_s  # set when the server says retrying later may succeed
+        self.resource_name = resource_name  # what was missing for NOT_FOUND (e.g. a media id)
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> ClientError:
         code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
         message = error.details() if hasattr(error, "details") else str(error)
-        field_name, retry = "", None
+        field_name, retry, resource = "", None, ""
         trailers = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
         for key, value in trailers or ():
             if key != "grpc-status-details-bin":
@@ -141,4 +159,9 @@ class ClientError(Exception):
                     info = error_details_pb2.RetryInfo()
                     detail.Unpack(info)
                     retry = info.retry_delay.ToTimedelta().total_seconds()
-        return cls(code or grpc.StatusCode.UNKNOWN, message or "", field=field_name, retry_delay_s=retry)
+                elif detail.Is(error_details_pb2.ResourceInfo.DESCRIPTOR):
+                    found = error_details_pb2.ResourceInfo()
+                    detail.Unpack(found)
+                    resource = found.resource_name
+        return cls(code or grpc.StatusCode.UNKNOWN, message or "", field=field_name, retry_delay_s=retry,
+                   resource_name=resource)
