@@ -8,10 +8,13 @@ its own event loop, once per test session. The `start_server` fixture starts one
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from loopback_server import LoopbackServer, engine_config
 
@@ -37,6 +40,30 @@ def make_video():
 @pytest.fixture(scope="session")
 def video_bytes() -> bytes:
     return _make_video(0)
+
+
+@dataclass(frozen=True)
+class BigVideo:
+    """A ~200 MB lossless mp4 (`path`) whose 4 sampled frames are those of the small `twin` (same
+    pixels, same timestamps 0/17/34/51 s): asking about either must give the same answer."""
+
+    path: Path
+    twin: bytes
+    num_frames: int = 4
+
+
+@pytest.fixture(scope="session")
+def big_video(tmp_path_factory) -> BigVideo:
+    """Made once per session (about 10 s): noise between the content frames, 25 fps, a keyframe
+    every 2 s as phones write them; the twin has black frames between them at 1 fps."""
+    from media_clips import content_frames, noise, write_padded
+
+    folder = tmp_path_factory.mktemp("big_video")
+    content = content_frames(seed=7, count=4, size=256)
+    path = write_padded(folder / "big.mp4", content, spacing=425, fps=25, filler=noise(256), keyframe_interval=50)
+    twin = write_padded(folder / "twin.mp4", content, spacing=17, fps=1,
+                        filler=itertools.repeat(np.zeros((256, 256, 3), dtype=np.uint8)))
+    return BigVideo(path, twin.read_bytes())
 
 
 def _gemma4_fixtures():

@@ -16,14 +16,17 @@ REQUESTS = 20
 
 
 class CountGenerate(grpc.aio.ServerInterceptor):
-    """Counts the Generate calls a replica receives."""
+    """Counts the Generate (`count`) and UploadMedia (`uploads`) calls a replica receives."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.uploads = 0
 
     async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.endswith("/Generate"):
             self.count += 1
+        elif handler_call_details.method.endswith("/UploadMedia"):
+            self.uploads += 1
         return await continuation(handler_call_details)
 
 
@@ -70,3 +73,19 @@ def test_each_replica_reports_its_own_load(replicas):
         with Client(f"127.0.0.1:{server.port}", timeout=10) as client:
             load = client.server_load()
             assert load.max_num_seqs == 4 and not load.draining
+
+
+def test_an_upload_and_the_requests_naming_it_meet_on_one_replica(replicas, video_bytes, tmp_path):
+    """Media live on the replica that received them: the client keeps those calls on one replica
+    while its other calls still spread."""
+    servers, counters = replicas
+    target = "ipv4:" + ",".join(f"127.0.0.1:{s.port}" for s in servers)
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(video_bytes)
+    before = [(c.count, c.uploads) for c in counters]
+    with Client(target, timeout=60) as client:
+        ref = client.upload(clip, progress=False)
+        for _ in range(6):
+            assert client.generate(prompt="Describe the video.", video=ref, max_tokens=2).token_ids
+    calls = [(c.count - n, c.uploads - u) for c, (n, u) in zip(counters, before, strict=True)]
+    assert sorted(calls) == [(0, 0), (6, 1)], f"media calls spread over replicas: {calls}"

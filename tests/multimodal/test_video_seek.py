@@ -7,9 +7,9 @@ from __future__ import annotations
 import io
 import logging
 
-import av
 import numpy as np
 import pytest
+from media_clips import remux
 
 from mmserve.errors import LimitExceededError, RequestAbortedError
 from mmserve.multimodal.decode_control import TIMEOUT_FLAG, DecodeControl
@@ -80,14 +80,8 @@ def test_sparse_keyframes_never_cost_a_scan_per_frame():
 
 
 def test_mpegts_has_no_index_so_it_is_scanned_and_the_log_says_so(caplog):
-    data = encode(list(block_frames(30, seed=6)), fps=10, container="mp4")
-    out = io.BytesIO()  # the same packets, remuxed into MPEG-TS
-    with av.open(io.BytesIO(data)) as src, av.open(out, mode="w", format="mpegts") as dst:
-        stream = dst.add_stream_from_template(src.streams.video[0])
-        for packet in src.demux(src.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                dst.mux(packet)
+    out = io.BytesIO()
+    remux(io.BytesIO(encode(list(block_frames(30, seed=6)), fps=10, container="mp4")), out, "mpegts")
     with caplog.at_level(logging.INFO, logger="mmserve.multimodal.video"):
         video = decode_video(out.getvalue(), num_frames=4, limits=LIMITS)
     assert video.method == "scan" and len(video.frames) == 4

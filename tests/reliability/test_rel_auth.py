@@ -72,6 +72,8 @@ def test_api_keys_on_real_server(keys):
             assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer <key>" in msg
             code, msg = await stream_status(gen.Generate(generation_pb2.GenerateRequest()))
             assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in msg
+            code, msg = await _code(gen.UploadMedia(iter([generation_pb2.UploadMediaRequest()])))
+            assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in msg
             code, msg = await _code(gen.GetModelInfo(info, metadata=_bearer(wrong)))
             assert (code, msg) == (grpc.StatusCode.UNAUTHENTICATED, "invalid API key")
             code, msg = await _code(gen.GetModelInfo(info, metadata=_bearer(file_keys[0][:-1])))
@@ -85,6 +87,8 @@ def test_api_keys_on_real_server(keys):
             code, _ = await _code(gen.GetModelInfo(info, metadata=(("authorization", f"bearer  {env_key}"),)))
             assert code == grpc.StatusCode.UNIMPLEMENTED
             code, _ = await stream_status(gen.Generate(generation_pb2.GenerateRequest(), metadata=_bearer(env_key)))
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+            code, _ = await _code(gen.UploadMedia(iter([generation_pb2.UploadMediaRequest()]), metadata=_bearer(env_key)))
             assert code == grpc.StatusCode.UNIMPLEMENTED
             # Probes and grpcurl need no key by default.
             reply = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())

@@ -5,55 +5,20 @@ In process: a stream outliving the grace period is cut off and still ends exactl
 from __future__ import annotations
 
 import asyncio
-import os
-import re
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_engine import ServerThread, engine_config, read_stream, text_request
+from rel_process import ServeProcess
 
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.server.drain import DRAINING_MESSAGE
 from mmserve.server.health import GENERATION_SERVICE
 
-LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 MAX_TOKENS = 120
-
-
-class ServeProcess:
-    """`python -m mmserve.cli serve` with its log collected on a thread (so the pipe never fills)."""
-
-    def __init__(self, *args: str) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.lines: list[str] = []
-        self.port: int | None = None
-        self._port_seen = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if self.port is None and (m := LISTENING.search(line)):
-                self.port = int(m.group(1))
-                self._port_seen.set()
-
-    def wait_port(self, timeout_s: float) -> int:
-        if not self._port_seen.wait(timeout_s):
-            raise AssertionError("no 'listening on' line:\n" + "".join(self.lines[-30:]))
-        return self.port
-
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
-
 
 async def _health(channel, service: str) -> int:
     return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status

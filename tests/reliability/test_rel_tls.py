@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 
 import grpc
@@ -12,6 +13,7 @@ from rel_certs import Pki, make_pki
 from rel_engine import ServerThread, engine_config, read_stream, text_request
 from rel_server import serve
 
+from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.config import ServerConfig
 from mmserve.server.auth import build_auth_interceptor
@@ -119,6 +121,13 @@ def test_real_server_over_mtls_with_api_key(pki, tmp_path, monkeypatch, tiny_che
             assert ok.code is None and len(ok.token_ids) == 3
             denied = await read_stream(stub.Generate(text_request("tls-2", 3)))
             assert denied.code == grpc.StatusCode.UNAUTHENTICATED and not denied.token_ids
+            # Uploads go through the same credentials and key check.
+            upload = [pb.UploadMediaRequest(metadata=pb.UploadMetadata()), pb.UploadMediaRequest(chunk=b"bytes")]
+            ref = await stub.UploadMedia(iter(upload), metadata=(("authorization", f"Bearer {key}"),))
+            assert ref.id == hashlib.sha256(b"bytes").hexdigest()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.UploadMedia(iter(upload))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
         target = f"localhost:{server.port}"
         assert await _check(target, creds) == grpc.StatusCode.OK  # probes need no key
         assert await _check(target, grpc.ssl_channel_credentials(pki.ca.cert_pem)) == grpc.StatusCode.UNAVAILABLE

@@ -4,6 +4,7 @@ reflection list/describe, health, and a Generate call with a real encoded video 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import subprocess
@@ -40,7 +41,7 @@ def test_list_and_describe(mmserve_server):
     assert set(listed.stdout.split()) >= {GENERATION_SERVICE, "grpc.health.v1.Health"}
     described = grpcurl(mmserve_server, "describe", GENERATION_SERVICE)
     assert described.returncode == 0, described.stderr
-    for rpc in ("Generate", "Abort", "GetModelInfo", "GetServerLoad"):
+    for rpc in ("Generate", "Abort", "GetModelInfo", "GetServerLoad", "UploadMedia"):
         assert f"rpc {rpc}" in described.stdout
     message = grpcurl(mmserve_server, "describe", "mmserve.v1.Video")
     assert "num_frames" in message.stdout and "bytes data" in message.stdout
@@ -116,3 +117,21 @@ def test_bad_request_status(mmserve_server):
     out = grpcurl(mmserve_server, f"{GENERATION_SERVICE}/Generate", data=json.dumps(request))
     assert out.returncode != 0
     assert "InvalidArgument" in out.stderr and "messages[0].parts[0].image.mime_type" in out.stderr
+
+
+def test_upload_in_chunks_then_generate_by_id(mmserve_server, make_video):
+    """docs/api.md's recipe: one JSON message for the metadata, one per chunk."""
+    video = make_video(seed=41, num_frames=6)
+    chunks = [video[i:i + 700] for i in range(0, len(video), 700)]
+    messages = [{"metadata": {"mime_type": "video/mp4", "size_bytes": str(len(video))}},
+                *({"chunk": base64.b64encode(c).decode()} for c in chunks)]
+    out = grpcurl(mmserve_server, f"{GENERATION_SERVICE}/UploadMedia", data="\n".join(map(json.dumps, messages)))
+    assert out.returncode == 0, out.stderr
+    ref = json.loads(out.stdout)
+    assert ref["id"] == hashlib.sha256(video).hexdigest() and int(ref["size_bytes"]) == len(video)
+    request = {"messages": [{"role": "user", "parts": [{"video": {"media_id": ref["id"], "num_frames": 2}},
+                                                       {"text": "Describe the video."}]}],
+               "sampling": {"max_tokens": 3, "temperature": 0}}
+    generated = grpcurl(mmserve_server, f"{GENERATION_SERVICE}/Generate", data=json.dumps(request))
+    assert generated.returncode == 0, generated.stderr
+    assert '"final"' in generated.stdout and '"num_frames": 2' in generated.stdout

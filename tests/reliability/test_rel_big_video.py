@@ -1,0 +1,167 @@
+"""The big-video guarantees, on real servers with a ~200 MB video made at test time.
+
+A chunked upload of 200 MB and the decode of its sampled frames keep the serving process's peak
+RSS within 150 MB of its idle RSS, and the answer equals the one for the same frames sent inline.
+Stopping a request (client cancel, Abort) or the decode time limit frees the decode worker within
+a second, even mid-way through a long decode."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loopback_server import LoopbackServer, engine_config
+from media_clips import remux
+from rel_process import ServeProcess
+
+from mmserve.clients import Client, ClientError, MediaRef
+from mmserve.config import ServerConfig
+from mmserve.server.health import GENERATION_SERVICE
+
+RSS_BUDGET = 150 * 2**20
+ASK = dict(prompt="Describe the video.", max_tokens=8, temperature=0)
+
+
+def status_kib(pid: int, field: str) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def wait_ready(port: int, server: ServeProcess, timeout_s: float = 300) -> None:
+    async def poll():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub, deadline = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout_s
+            request = health_pb2.HealthCheckRequest(service=GENERATION_SERVICE)
+            while (await stub.Check(request)).status != health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+                await asyncio.sleep(0.1)
+
+    asyncio.run(poll())
+
+
+@pytest.mark.slow
+def test_a_200mb_upload_and_its_decode_stay_within_150mb_of_idle_rss(big_video, served_model, tmp_path):
+    size = big_video.path.stat().st_size
+    assert size > 200e6
+    server = ServeProcess("--port", "0", "--model", str(served_model), "--device", "cpu", "--worker-threads", "1",
+                          "--media-dir", str(tmp_path / "media"), "--kv-cache-bytes", str(16 * 2**20))
+    try:
+        port = server.wait_port(300)
+        wait_ready(port, server)
+        asked = dict(ASK, num_frames=big_video.num_frames)
+        with Client(f"127.0.0.1:{port}", timeout=300) as client:
+            inline = client.generate(video=big_video.twin, **asked)  # also warms every path once
+            twin = tmp_path / "twin.mp4"
+            twin.write_bytes(big_video.twin)
+            client.generate(video=client.upload(twin, progress=False), **asked)
+            pid = server.proc.pid
+            idle = status_kib(pid, "VmRSS")
+            with open(f"/proc/{pid}/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS: the peak from here on
+            ref = client.upload(big_video.path, progress=False)
+            uploaded = client.generate(video=ref, **asked)
+            peak = status_kib(pid, "VmHWM")
+        assert ref.id == _sha256(big_video.path) and ref.size_bytes == size
+        assert (tmp_path / "media" / ref.id).stat().st_size == size
+        growth = peak - idle
+        print(f"idle RSS {idle / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB, growth {growth / 2**20:.1f} MiB "
+              f"for a {size / 1e6:.0f} MB upload + decode")
+        assert growth < RSS_BUDGET, f"peak RSS grew by {growth / 2**20:.0f} MiB over idle"
+        assert uploaded.token_ids == inline.token_ids and uploaded.usage == inline.usage
+        assert uploaded.usage.num_frames == big_video.num_frames
+    finally:
+        server.stop()
+
+
+def _sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def slow_decode(big_video, tmp_path_factory):
+    """The big video as MPEG-TS (no index: decoded from the start, seconds of work), already in a
+    media directory under its id, as a server that restarted would find it."""
+    media = tmp_path_factory.mktemp("ts_media")
+    ts = media / "incoming.ts"
+    remux(str(big_video.path), str(ts), "mpegts")
+    media_id = _sha256(ts)
+    os.replace(ts, media / media_id)
+    return media, media_id
+
+
+def start(served_model, media, **engine) -> LoopbackServer:
+    config = ServerConfig(host="127.0.0.1", port=0, worker_threads=1, media_dir=str(media))
+    return LoopbackServer(engine_config(served_model, **engine), config).start()
+
+
+def probe_after(server: LoopbackServer):
+    """A job queued behind the decode on the one decode worker: it runs once the worker is free."""
+    return server.app._executor.submit(time.perf_counter)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["client cancel", "Abort"])
+def test_stopping_a_request_stops_its_decode_within_a_second(served_model, slow_decode, stop):
+    media, media_id = slow_decode
+    server = start(served_model, media, video_decode_timeout_s=120.0)
+    try:
+        with Client(server.address, timeout=120) as client:
+            stream = client.stream(video=MediaRef(media_id), request_id=f"big-{stop}", **ASK)
+            errors = []
+            reader = threading.Thread(target=lambda: errors.append(_drain(stream)))
+            reader.start()
+            time.sleep(1.0)
+            probe = probe_after(server)
+            time.sleep(0.3)
+            assert not probe.done(), "the decode was not running"
+            stopped = time.perf_counter()
+            if stop == "Abort":
+                assert client.abort(f"big-{stop}")
+            else:
+                stream.cancel()
+            freed = probe.result(timeout=30)
+            reader.join(30)
+        print(f"{stop}: decode worker free {freed - stopped:.3f} s after the stop")
+        assert freed - stopped < 1.0
+        if stop == "Abort":
+            assert errors[0].code == grpc.StatusCode.CANCELLED
+    finally:
+        server.stop()
+
+
+def _drain(stream) -> ClientError | None:
+    try:
+        for _ in stream:
+            pass
+    except ClientError as e:
+        return e
+    return None
+
+
+@pytest.mark.slow
+def test_the_decode_time_limit_stops_the_work(served_model, slow_decode):
+    media, media_id = slow_decode
+    server = start(served_model, media, video_decode_timeout_s=1.0)
+    try:
+        with Client(server.address, timeout=120) as client, pytest.raises(ClientError) as e:
+            client.generate(video=MediaRef(media_id), **ASK)
+        refused = time.perf_counter()
+        freed = probe_after(server).result(timeout=30)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "took longer than 1s" in e.value.message and "--video-decode-timeout-s" in e.value.message
+        print(f"decode worker free {freed - refused:.3f} s after the time-limit error")
+        assert freed - refused < 1.0
+    finally:
+        server.stop()
