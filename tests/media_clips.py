@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-import av
 import numpy as np
 
 from mmserve.multimodal.synthetic import make_clip, write_video
@@ -42,12 +41,3 @@ def write_padded(path: Path, content: list[np.ndarray], *, spacing: int, fps: fl
     write_video(path, frames(), fps=fps, codec_options=LOSSLESS, keyframe_interval=keyframe_interval)
     return path
 
-
-def remux(source, out, fmt: str) -> None:
-    """The same video packets in another container (`source`, `out`: paths or binary files)."""
-    with av.open(source) as src, av.open(out, mode="w", format=fmt) as dst:
-        stream = dst.add_stream_from_template(src.streams.video[0])
-        for packet in src.demux(src.streams.video[0]):
-            if packet.dts is not None:
-                packet.stream = stream
-                dst.mux(packet)

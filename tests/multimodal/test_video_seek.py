@@ -9,12 +9,11 @@ import logging
 
 import numpy as np
 import pytest
-from media_clips import remux
 
 from mmserve.errors import LimitExceededError, RequestAbortedError
 from mmserve.multimodal.decode_control import TIMEOUT_FLAG, DecodeControl
 from mmserve.multimodal.limits import MediaLimits
-from mmserve.multimodal.synthetic import encode, write_video
+from mmserve.multimodal.synthetic import encode, remux, write_video
 from mmserve.multimodal.video import decode_video
 
 LIMITS = MediaLimits(max_frames_per_video=64)

@@ -17,11 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loopback_server import LoopbackServer, engine_config
-from media_clips import remux
 from rel_process import ServeProcess
 
 from mmserve.clients import Client, ClientError, MediaRef
 from mmserve.config import ServerConfig
+from mmserve.multimodal.synthetic import remux
 from mmserve.server.health import GENERATION_SERVICE
 
 RSS_BUDGET = 150 * 2**20

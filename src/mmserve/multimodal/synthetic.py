@@ -141,6 +141,17 @@ def write_video(out, frames: Iterable[np.ndarray], *, fps: float, container: str
             box.mux(packet)
 
 
+def remux(source, out, fmt: str) -> None:
+    """The same video packets in another container (`source`, `out`: paths or binary files), e.g.
+    MPEG-TS, which has no seek index."""
+    with av.open(source) as src, av.open(out, mode="w", format=fmt) as dst:
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(src.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                dst.mux(packet)
+
+
 def encode(frames: list[np.ndarray], *, fps: float, container: str = "mp4", **options) -> bytes:
     """Encode RGB frames to a real container in memory (options: those of `write_video`)."""
     out = io.BytesIO()

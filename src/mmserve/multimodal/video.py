@@ -37,7 +37,7 @@ FIELD = "video"
 VideoSource = bytes | str | os.PathLike
 SNIFF_BYTES = 3 * 188  # enough for three MPEG-TS sync bytes
 SEEKABLE = frozenset({"mov", "matroska", "avi"})  # demuxers with a seek index
-FILE_BUFFER_BYTES = 256 * 1024
+FILE_BUFFER_BYTES = 64 * 1024  # larger buffers cost more per seek (each refills it)
 # A seek landing after its target (pts/dts skew at a GOP boundary) is retried this much earlier,
 # doubling each time, before the stream is scanned instead.
 SEEK_BACKOFF_FRAMES = 16
