@@ -208,3 +208,31 @@ def test_pods_run_as_non_root_with_resources(rendered, overlay):
         for c in spec["containers"]:
             assert c["securityContext"]["allowPrivilegeEscalation"] is False
             assert {"cpu", "memory"} <= set(c["resources"]["requests"])
+
+
+QUANTITY_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def quantity_bytes(value: str) -> int:
+    """A Kubernetes quantity ("20Gi", "500M", "1024") in bytes."""
+    for unit, factor in QUANTITY_UNITS.items():
+        if value.endswith(unit) and value[: -len(unit)].isdigit():
+            return int(value[: -len(unit)]) * factor
+    return int(value)
+
+
+@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def test_uploaded_media_have_a_writable_volume_larger_than_the_server_fills(rendered, overlay):
+    """--media-dir is a mounted, writable volume (the root filesystem is read-only), and the server's
+    own bound stays under the emptyDir's sizeLimit, past which the kubelet would evict the pod."""
+    deployment, c = server(rendered[overlay])
+    env = config_env(rendered[overlay], deployment, "mmserve")
+    media_dir = env["MMSERVE_MEDIA_DIR"]
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == media_dir)
+    assert not mount.get("readOnly")
+    volume = next(v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    max_bytes = int(env.get("MMSERVE_MEDIA_DIR_MAX_BYTES", config.ServerConfig.media_dir_max_bytes))
+    max_upload = int(env.get("MMSERVE_MAX_UPLOAD_BYTES", config.ServerConfig.max_upload_bytes))
+    assert max_upload <= max_bytes, "an upload larger than the spool could never be stored"
+    if "persistentVolumeClaim" not in volume:
+        assert max_bytes < quantity_bytes(volume["emptyDir"]["sizeLimit"]), "the spool could outgrow its volume"
