@@ -62,7 +62,7 @@ class Experts(nn.Module):
         else:
             hidden = self._per_expert(rows, counts.tolist())
         self.touched = int((counts > 0).sum())
-        hidden = hidden * weights.flatten()[order, None].to(hidden.dtype)
+        hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
         return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
