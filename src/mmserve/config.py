@@ -42,6 +42,7 @@ class EngineConfig:
     video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video"})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask"})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
+    max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request"})
     # Metrics.
     perf_accounting: str = field(default="exact", metadata={"help": "exact | upper-bound attention accounting"})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced"})

@@ -44,3 +44,25 @@ def test_generate_reports_the_status_and_exits_nonzero(mmserve_server, tmp_path)
 def test_unreachable_server_is_unavailable():
     out = mmserve("generate", "--server", "127.0.0.1:1", "--prompt", "hi", "--timeout", "5")
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+
+
+def test_sampling_flags_reach_the_server(mmserve_server, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    common = ["generate", "--server", mmserve_server.address, "--prompt", "Describe the video.", "--max-tokens", "24",
+              "--temperature", "0"]
+    constrained = mmserve(*common, "--json-schema", str(schema), "--logprobs", "--top-logprobs", "2",
+                          "--presence-penalty", "0.3", "--logit-bias", "20=-2.5", "--json")
+    assert constrained.returncode == 0, constrained.stderr
+    result = json.loads(constrained.stdout)
+    assert set(json.loads(result["text"])) == {"ok"}
+    assert len(result["logprobs"]) == len(result["token_ids"]) and len(result["logprobs"][0]["top"]) == 2
+    table = mmserve(*common, "--regex", "(yes|no)", "--logprobs")
+    assert table.returncode == 0 and table.stdout.strip() in ("yes", "no")
+    assert "rank" in table.stderr
+    samples = mmserve(*common[:-1], "1", "--max-tokens", "6", "--n", "2", "--seed", "5")
+    assert samples.returncode == 0, samples.stderr
+    assert [line[:3] for line in samples.stdout.splitlines()] == ["[0]", "[1]"]
+    bad = mmserve(*common, "--logit-bias", "nope")
+    assert bad.returncode == 2 and "TOKEN_ID=BIAS" in bad.stderr

@@ -91,3 +91,18 @@ def test_bad_values_are_invalid_argument_naming_the_field(client, kwargs, field)
     with pytest.raises(ClientError) as info:
         client.generate(prompt="hi", **kwargs)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == field
+
+
+def test_n_samples_stream_with_indices_and_one_final(client):
+    video = clip_for(1_000_003)[0]
+    result = client.generate(prompt=PROMPT, video=video, num_frames=NUM_FRAMES, max_tokens=12, temperature=1.0,
+                             seed=random.randrange(2**32), n=3, logprobs=True)
+    assert [s.index for s in result.samples] == [0, 1, 2]
+    assert result.text == result.samples[0].text and result.token_ids == result.samples[0].token_ids
+    assert result.usage.completion_tokens == sum(s.completion_tokens for s in result.samples)
+    for sample in result.samples:
+        assert len(sample.token_ids) == sample.completion_tokens == len(sample.logprobs) > 0
+        assert sample.finish_reason in ("eos", "length")
+    with pytest.raises(ClientError) as info:
+        client.generate(prompt="hi", n=client.model_info().context_length)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == "sampling.n"

@@ -8,6 +8,7 @@ from mmserve.clients.types import (
     GenerateResult,
     MediaRef,
     Perf,
+    Sample,
     Timings,
     TokenLogprob,
     TopLogprob,
@@ -15,7 +16,7 @@ from mmserve.clients.types import (
 )
 
 __all__ = [
-    "AsyncClient", "Client", "ClientError", "Delta", "GenerateResult", "MediaRef", "Perf", "Timings",
+    "AsyncClient", "Client", "ClientError", "Delta", "GenerateResult", "MediaRef", "Perf", "Sample", "Timings",
     "TokenLogprob", "TopLogprob", "Usage",
     "build_request", "frames_part", "image_part", "message", "text_part", "user_message", "video_part",
 ]

@@ -56,6 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--n", type=int, default=0, help="independent samples of the prompt (printed one per line)")
     p.add_argument("--min-tokens", type=int, default=0, help="hold back end-of-sequence and stop strings until this many")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]")
@@ -148,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
                                    repetition_penalty=args.repetition_penalty, logit_bias=dict(args.logit_bias),
                                    logprobs=args.logprobs, top_logprobs=args.top_logprobs,
                                    prompt_logprobs=args.prompt_logprobs, json_schema=args.json_schema,
-                                   regex=args.regex, grammar=args.grammar)
+                                   regex=args.regex, grammar=args.grammar, n=args.n)
             for delta in stream:
-                if not args.json:
+                if not args.json and args.n <= 1:
                     sys.stdout.write(delta.text)
                     sys.stdout.flush()
             result = stream.result
@@ -162,6 +163,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
     if args.json:
         print(json.dumps(dataclasses.asdict(result)))
+    elif result.samples:
+        for sample in result.samples:
+            print(f"[{sample.index}] {sample.text!r} ({sample.finish_reason})")
     else:
         sys.stdout.write("\n")
         if args.logprobs:

@@ -64,6 +64,7 @@ class Delta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0          # the sample (sampling n > 1)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,20 @@ class Perf:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """One of a request's n samples: its tokens and how it ended."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    matched_stop: str = ""
+    completion_tokens: int = 0
+    finish_detail: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateResult:
     request_id: str
     text: str
@@ -105,6 +120,7 @@ class GenerateResult:
     logprobs: tuple[TokenLogprob, ...] = ()         # one per token, with sampling logprobs
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., with prompt_logprobs
     finish_detail: str = ""
+    samples: tuple[Sample, ...] = ()    # with n > 1 every sample (the fields above are sample 0's)
 
 
 def _copy_fields(cls, message):
@@ -112,19 +128,28 @@ def _copy_fields(cls, message):
     return cls(**{f.name: getattr(message, f.name) for f in fields(cls)})
 
 
+def _sample(index: int, deltas: list[Delta], end: pb.SampleFinal) -> Sample:
+    mine = [d for d in deltas if d.index == index]
+    return Sample(index, "".join(d.text for d in mine), tuple(t for d in mine for t in d.token_ids),
+                  FINISH_REASONS.get(end.finish_reason, "unspecified"), end.matched_stop, end.completion_tokens,
+                  end.finish_detail, tuple(lp for d in mine for lp in d.logprobs))
+
+
 def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> GenerateResult:
+    first = [d for d in deltas if d.index == 0]
     return GenerateResult(
         request_id=request_id,
-        text="".join(d.text for d in deltas),
-        token_ids=tuple(t for d in deltas for t in d.token_ids),
+        text="".join(d.text for d in first),
+        token_ids=tuple(t for d in first for t in d.token_ids),
         finish_reason=FINISH_REASONS.get(final.finish_reason, "unspecified"),
         matched_stop=final.matched_stop,
         usage=_copy_fields(Usage, final.usage),
         timings=_copy_fields(Timings, final.timings),
         perf=_copy_fields(Perf, final.perf),
-        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        logprobs=tuple(lp for d in first for lp in d.logprobs),
         prompt_logprobs=logprobs_from(final.prompt_logprobs),
         finish_detail=final.finish_detail,
+        samples=tuple(_sample(end.index, deltas, end) for end in final.samples),
     )
 
 

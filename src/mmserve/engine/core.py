@@ -19,6 +19,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.engine.observer import EngineObserver, NullObserver, ScheduledItem, StepRecord
+from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.request_state import RequestState
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
@@ -86,6 +87,7 @@ class EngineCore:
         self._inbox: list[RequestState] = []
         self._aborts: list[str] = []
         self._live: set[str] = set()                    # admitted and not yet ended (guarded by _cond)
+        self._forks: dict[str, list[Request]] = {}      # parent id -> samples waiting for its prompt's KV
         logger.info("engine: %s, KV pools %s, max_model_len %d",
                     getattr(model, "backend_name", "?"),
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
@@ -105,8 +107,12 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             matcher = self.sampler.grammar.matcher(req.sampling.response_format)   # compiles on a cache miss
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context,
+                          fork_of=req.fork_of)
         self.scheduler.check_admissible(request)
+        if req.sampling.n > 1 and req.fork_of is None:
+            check_samples_fit(self.kv, request.num_prompt_tokens, req.sampling.max_tokens, req.sampling.n,
+                              self.config.max_num_batched_tokens)
         detok = None
         if self.tokenizer is not None:
             from mmserve.model.tokenizer import IncrementalDetokenizer
@@ -137,7 +143,8 @@ class EngineCore:
     def load(self) -> LoadInfo:
         with self._cond:
             inbox = len(self._inbox)
-        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + inbox,
+        forks = sum(len(f) for f in list(self._forks.values()))
+        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + inbox + forks,
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs)
 
     def wait_for_work(self, stop: threading.Event, timeout: float = 0.5) -> None:
@@ -171,9 +178,12 @@ class EngineCore:
              reason: str | None = None) -> None:
         """The single exit of every admitted request: free everything, tell the observer and the stream."""
         state = self.states.pop(rid)
+        if state.request.fork_of in self._forks and state.request in self._forks[state.request.fork_of]:
+            self._forks[state.request.fork_of].remove(state.request)
         self.scheduler.finish(rid)
         self.runner.free(rid)
         self.sampler.free(rid)
+        self._release_forks()
         with self._cond:
             self._live.discard(rid)
         self._notify("on_request_finished", state.request, reason,
@@ -185,9 +195,14 @@ class EngineCore:
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for state in inbox:
-            self.states[state.request.request_id] = state
-            self.scheduler.enqueue(state.request)
-            self._notify("on_request_queued", state.request)
+            request = state.request
+            self.states[request.request_id] = state
+            parent = self.states.get(request.fork_of) if request.fork_of else None
+            if parent is not None and parent.request.num_computed_tokens < parent.request.num_prompt_tokens:
+                self._forks.setdefault(request.fork_of, []).append(request)   # until its prompt is computed
+            else:
+                self.scheduler.enqueue(request)
+            self._notify("on_request_queued", request)
         for rid in aborts:
             if rid in self.states:
                 self._end(rid, events, RequestAbortedError(f"request {rid} was aborted"))
@@ -217,12 +232,21 @@ class EngineCore:
             self._fail_step(out, exc, events)
             return events
         self.scheduler.update(out)
+        self._release_forks()
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         # Record before publishing: the observer must see a request's last step before its end, so
         # request.perf (carried by the Final message) includes that step.
         self._record(out, start_perf, end_perf, start_ns, end_ns)
         self._publish_tokens(result.sampled, sampled, events)
         return events
+
+    def _release_forks(self) -> None:
+        """Queue the samples whose parent has computed its prompt (or has ended)."""
+        for parent_id in [p for p, forks in self._forks.items() if forks or p not in self.states]:
+            parent = self.states.get(parent_id)
+            if parent is None or parent.request.num_computed_tokens >= parent.request.num_prompt_tokens:
+                for request in self._forks.pop(parent_id):
+                    self.scheduler.enqueue(request)
 
     def _publish_tokens(self, sampled, out: SamplerOutput, events: list[Event]) -> None:
         now = time.monotonic()

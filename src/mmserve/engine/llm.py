@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from mmserve.config import EngineConfig
 from mmserve.engine.core import EngineCore
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.parallel_sampling import fan_out
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, Timings, Usage
 
@@ -28,6 +29,7 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None   # per token, when the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None   # entry j: prompt token j + 1, when asked
     finish_detail: str | None = None
+    samples: list[Completion] | None = None   # with sampling n > 1: every sample, this one first
 
 
 class LLM:
@@ -59,11 +61,12 @@ class LLM:
             if sp is not None:
                 r = dataclasses.replace(r, sampling=sp)
             reqs.append(r)
+        expanded = [sub for r in reqs for sub in fan_out(r)]
         done: dict[str, Completion] = {r.request_id: Completion(r.request_id, [], "", None, None, None, None)
-                                       for r in reqs}
-        for r in reqs:
+                                       for r in expanded}
+        for r in expanded:
             self.core.add_request(r)
-        remaining, errors = len(reqs), []
+        remaining, errors = len(expanded), []
         while remaining:
             for rid, item in self.core.step():
                 if isinstance(item, BaseException):   # finish the others first, so the engine ends clean
@@ -82,4 +85,7 @@ class LLM:
                     c.prompt_logprobs, c.finish_detail = item.prompt_logprobs, item.finish_detail
         if errors:
             raise errors[0]
+        for r in reqs:
+            if r.sampling.n > 1:
+                done[r.request_id].samples = [done[sub.request_id] for sub in fan_out(r)]
         return [done[r.request_id] for r in reqs]

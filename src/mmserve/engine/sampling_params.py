@@ -56,6 +56,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     response_format: ResponseFormat | None = None
+    n: int = 1                    # samples of the prompt (engine/parallel_sampling.py)
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -86,6 +87,8 @@ class SamplingParams:
                 raise InvalidInputError("logit_bias", f"token id {token} is negative")
             if not (math.isfinite(b) and abs(b) <= MAX_BIAS):
                 raise InvalidInputError("logit_bias", f"bias {b} for token {token} is outside [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+        if self.n < 1:
+            raise InvalidInputError("n", f"must be >= 1, got {self.n}")
         if self.response_format is not None and self.ignore_eos:
             raise InvalidInputError("ignore_eos", "cannot be combined with response_format (the grammar decides the end)")
         if self.response_format is not None and self.min_tokens:

@@ -24,6 +24,7 @@ class EngineRequest:
     trace_context: Any = None
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
+    fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
 
 
 @dataclass(frozen=True)

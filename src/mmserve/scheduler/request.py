@@ -42,6 +42,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Any = None
+    fork_of: str | None = None   # another sample of this request's prompt: admit on its KV blocks
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)

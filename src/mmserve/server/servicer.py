@@ -19,6 +19,7 @@ from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
@@ -47,12 +48,20 @@ def logprobs_messages(entries: Sequence[TokenLogprobs], text: TokenText) -> list
             for e in entries]
 
 
-def final_message(out: RequestOutput, text: TokenText = str) -> pb.Final:
+def final_message(out: RequestOutput, text: TokenText = str, samples: Sequence[RequestOutput] = ()) -> pb.Final:
+    """The Final of a request: `out` is sample 0's last output; with n > 1, `samples` are every
+    sample's (index order): usage then counts the prompt once and all samples' completion tokens."""
     final = pb.Final(finish_reason=FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
                      matched_stop=out.matched_stop or "", finish_detail=out.finish_detail or "",
                      prompt_logprobs=logprobs_messages(out.prompt_logprobs or (), text))
     if out.usage is not None:
         final.usage.CopyFrom(pb.Usage(**dataclasses.asdict(out.usage)))   # engine and wire share field names
+    if len(samples) > 1:
+        final.usage.completion_tokens = sum(s.usage.completion_tokens for s in samples if s.usage)
+        final.samples.extend(pb.SampleFinal(
+            index=i, finish_reason=FINISH_REASONS.get(s.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
+            matched_stop=s.matched_stop or "", completion_tokens=s.usage.completion_tokens if s.usage else 0,
+            finish_detail=s.finish_detail or "") for i, s in enumerate(samples))
     if out.timings is not None:
         final.timings.CopyFrom(pb.Timings(**{k: v or 0.0 for k, v in dataclasses.asdict(out.timings).items()}))
     perf_fields = {f.name for f in pb.Perf.DESCRIPTOR.fields}
@@ -118,14 +127,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 request_id, media.messages, validated.sampling, priority=validated.priority,
                 trace_context=trace_context))
             text = _token_texts(processor.tokenizer)
-            async for out in self._engine.generate(engine_request):
+            ends: dict[int, RequestOutput] = {}
+            async for index, out in generate_samples(self._engine, engine_request):
                 if out.new_token_ids or out.new_text:
                     yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
-                        token_ids=out.new_token_ids, text=out.new_text,
+                        token_ids=out.new_token_ids, text=out.new_text, index=index,
                         logprobs=logprobs_messages(out.new_logprobs or (), text)))
                 if out.finished:
-                    final = out
-                    yield pb.GenerateResponse(request_id=request_id, final=final_message(out, text))
+                    ends[index] = out
+                    if len(ends) == validated.sampling.n:
+                        final = ends[0]
+                        samples = [ends[i] for i in range(len(ends))]
+                        yield pb.GenerateResponse(request_id=request_id, final=final_message(final, text, samples))
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status, never a bare UNKNOWN
             error = e  # the engine ended it, never admitted it, or input processing failed
             await abort_with(context, e, request_id)

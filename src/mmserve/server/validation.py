@@ -188,6 +188,8 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
             raise InvalidInputError(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
     max_tokens = sampling.max_tokens or DEFAULT_MAX_TOKENS
     _check_extras(sampling, max_tokens)
+    if not 0 <= sampling.n <= config.max_n:
+        raise InvalidInputError("sampling.n", f"must be in 1..{config.max_n} (0 = 1), got {sampling.n} (--max-n)")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -205,6 +207,7 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
         min_tokens=sampling.min_tokens,
         logit_bias=tuple(sampling.logit_bias.items()),
         response_format=_response_format(sampling),
+        n=sampling.n or 1,
     )
 
 

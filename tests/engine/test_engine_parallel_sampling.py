@@ -1,0 +1,78 @@
+"""n samples of one prompt: each equals a separate request with its derived seed, the prompt's KV is
+computed once (only the partial last block again per extra sample), and every block is free after
+the run and after a cancel mid-stream."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from engine_helpers import PROMPTS, build_request, make_llm
+
+from mmserve.engine.parallel_sampling import fan_out, sample_seed
+from mmserve.errors import InvalidInputError
+
+
+def with_sampling(req, **kw):
+    return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, **kw))
+
+
+def count_prefill_tokens(llm) -> list[int]:
+    """Wrap the runner: the prompt tokens each step computes, summed into the returned list's one entry."""
+    counted = [0]
+    execute = llm.core.runner.execute
+
+    def counting(out, kv):
+        counted[0] += sum(max(0, min(s.context_len + s.num_tokens, s.request.num_prompt_tokens) - s.context_len)
+                          for s in out.scheduled)
+        return execute(out, kv)
+
+    llm.core.runner.execute = counting
+    return counted
+
+
+def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt(load_backend):
+    model_tok = load_backend("sdpa")
+    seed = random.randrange(2**63)
+    req = with_sampling(build_request("p", PROMPTS["video"], random.randrange(10_000), max_tokens=6),
+                        temperature=1.0, top_k=20, seed=seed, n=4)
+    llm = make_llm(model_tok, attention_backend="sdpa")
+    prefill = count_prefill_tokens(llm)
+    got = llm.generate([req])[0]
+    assert [s.request_id for s in got.samples] == ["p", "p#1", "p#2", "p#3"]
+    num_prompt = len(req.prompt_token_ids)
+    block = llm.config.block_size
+    assert prefill[0] <= num_prompt + 3 * block, (prefill[0], num_prompt)   # the prompt once, tails again
+    alone = make_llm(model_tok, attention_backend="sdpa").generate(
+        [with_sampling(dataclasses.replace(req, request_id=f"s{i}"), n=1, seed=sample_seed(seed, i))
+         for i in range(4)])
+    assert [s.token_ids for s in got.samples] == [a.token_ids for a in alone]
+    assert len({tuple(s.token_ids) for s in got.samples}) > 1
+    assert llm.core.kv.usage() == 0 and not llm.core.states and not llm.core._forks
+
+
+def test_cancel_mid_stream_frees_every_block(load_backend):
+    model_tok = load_backend("sdpa")
+    req = with_sampling(build_request("c", PROMPTS["image"], random.randrange(10_000), max_tokens=20),
+                        temperature=1.0, n=3)
+    llm = make_llm(model_tok, attention_backend="sdpa")
+    core = llm.core
+    for sub in fan_out(req):
+        core.add_request(sub)
+    for _ in range(4):   # prompt computed, the forks admitted, a few tokens each
+        core.step()
+    assert core.kv.usage() > 0 and len(core.scheduler.running) == 3
+    for sub in fan_out(req):
+        core.abort(sub.request_id)
+    events = core.step()
+    assert sorted(rid for rid, _ in events) == ["c", "c#1", "c#2"]
+    assert core.kv.usage() == 0 and not core.states and not core._forks and not core.scheduler.num_unfinished
+
+
+def test_samples_that_cannot_fit_the_cache_are_refused(load_backend):
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", num_kv_blocks=40)
+    req = with_sampling(build_request("big", [20], 1, max_tokens=60), n=8)
+    with pytest.raises(InvalidInputError) as info:
+        llm.core.add_request(req)
+    assert info.value.field == "sampling.n" and "--kv-cache-bytes" in str(info.value)
