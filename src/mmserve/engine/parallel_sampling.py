@@ -1,8 +1,9 @@
 """`n` samples of one prompt: one engine request per sample, sharing the prompt's KV.
 
 Sample 0 is the request itself (its id, its seed); sample i > 0 is `"{id}#{i}"` with `fork_of` set,
-which the engine holds back until sample 0 has computed the prompt, then admits on sample 0's
-full KV blocks (reference-counted; only the partial last block is recomputed). With a `seed`,
+which the engine holds back until sample 0 has computed the prompt; admitted then, it starts on the
+prompt's cached KV blocks (prefix caching: shared by reference count; only the partial last block
+is computed again). With a `seed`,
 sample i draws from seed + i (mod 2**64), so each sample equals a separate request with that seed,
 whatever else shares the batch.
 """
