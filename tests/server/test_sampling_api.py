@@ -8,6 +8,7 @@ import asyncio
 import json
 import math
 import random
+import time
 
 import grpc
 import jsonschema
@@ -106,3 +107,18 @@ def test_n_samples_stream_with_indices_and_one_final(client):
     with pytest.raises(ClientError) as info:
         client.generate(prompt="hi", n=client.model_info().context_length)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and info.value.field == "sampling.n"
+
+
+def test_abort_by_id_stops_every_sample(client):
+    stream = client.stream(prompt="hi", max_tokens=300, ignore_eos=True, temperature=1.0, n=3, request_id="n-abort")
+    deltas = iter(stream)
+    next(deltas)
+    assert client.abort("n-abort")
+    with pytest.raises(ClientError) as info:
+        for _ in deltas:
+            pass
+    assert info.value.code == grpc.StatusCode.CANCELLED
+    deadline = time.monotonic() + 30
+    while client.server_load().running_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert client.server_load().running_requests == 0

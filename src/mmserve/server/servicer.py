@@ -19,7 +19,7 @@ from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.parallel_sampling import generate_samples
+from mmserve.engine.parallel_sampling import generate_samples, sample_id
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
@@ -171,7 +171,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return engine_request
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
-        if self._engine.abort(request.request_id):
+        # every sample of an n > 1 request (sample 0 may have ended while the others run)
+        found = [self._engine.abort(sample_id(request.request_id, i)) for i in range(self._config.max_n)]
+        if any(found):
             return pb.AbortResponse(found=True)
         if request.request_id in self._in_flight:  # still decoding its media: stop it before the engine
             self._aborted_early.add(request.request_id)
