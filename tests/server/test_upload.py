@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -124,6 +125,26 @@ def test_the_same_bytes_uploaded_twice_get_the_same_id_and_one_copy(server, stub
     assert first.id == second.id == hashlib.sha256(data).hexdigest()
     assert store(server).used_bytes == used and first.id in stored(server)
     assert wait_until(lambda: not incoming(server))
+
+
+def test_concurrent_uploads_of_the_same_bytes_store_one_copy(server, stub):
+    data = secrets.token_bytes(90_000)
+    together = threading.Barrier(4)
+
+    def upload(_):
+        def requests():
+            yield metadata(size_bytes=len(data))
+            yield pb.UploadMediaRequest(chunk=data[:1000])
+            together.wait(20)  # all four are mid-upload before any of them finishes
+            yield pb.UploadMediaRequest(chunk=data[1000:])
+        return stub.UploadMedia(requests(), timeout=30).id
+
+    used = store(server).used_bytes
+    with ThreadPoolExecutor(4) as pool:
+        ids = set(pool.map(upload, range(4)))
+    assert ids == {hashlib.sha256(data).hexdigest()}
+    assert (store(server).root / ids.pop()).read_bytes() == data
+    assert store(server).used_bytes <= used + len(data) and wait_until(lambda: not incoming(server))
 
 
 def test_declared_content_already_stored_is_answered_without_its_bytes(server, stub):
