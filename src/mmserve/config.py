@@ -121,7 +121,7 @@ class ServerConfig:
     otlp_traces_endpoint: str = field(default="", metadata={"help": "OTLP endpoint for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off"})
     # Uploaded media (UploadMedia): a content-addressed spool on local disk.
-    media_dir: str = field(default="", metadata={"help": "directory for uploaded media; empty = a temporary directory removed at exit"})
+    media_dir: str = field(default="", metadata={"help": "directory for uploaded media, one server each; empty = a temporary directory removed at exit"})
     media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first"})
     media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted"})
     max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload"})

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from mmserve.errors import InvalidInputError, LimitExceededError, NotFoundError
-from mmserve.server.media_store import INCOMING, MediaStore
+from mmserve.server.media_store import INCOMING, LOCK, MediaStore
 
 
 class Clock:
@@ -44,7 +44,8 @@ def put(store: MediaStore, data: bytes, chunk: int = 700, **declared):
 
 
 def files(store: MediaStore) -> list[str]:
-    return sorted(os.listdir(store.root)) + sorted(os.listdir(store.root / INCOMING))
+    """The spool's media and uploads in progress (the lock file aside)."""
+    return sorted(set(os.listdir(store.root)) - {LOCK}) + sorted(os.listdir(store.root / INCOMING))
 
 
 def test_id_is_the_sha256_and_the_file_holds_the_bytes(tmp_path, clock):
@@ -168,6 +169,14 @@ def test_uploads_in_progress_count_against_the_limit(tmp_path, clock):
         put(store, bytes(3001))
     second.abort()
     assert files(store) == [INCOMING]
+
+
+def test_a_directory_serves_one_store_at_a_time(tmp_path, clock):
+    store = make_store(tmp_path, clock)
+    with pytest.raises(ValueError, match="in use by another mmserve server"):
+        make_store(tmp_path, clock)
+    store.close()
+    make_store(tmp_path, clock).close()
 
 
 def test_a_given_directory_is_kept_and_adopted_by_the_next_store(tmp_path, clock):

@@ -23,7 +23,7 @@ from PIL import Image
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client, ClientError, MediaRef
 from mmserve.config import ServerConfig
-from mmserve.server.media_store import INCOMING
+from mmserve.server.media_store import INCOMING, LOCK
 
 MAX_UPLOAD = 300_000
 STORE_BYTES = 600_000
@@ -85,7 +85,7 @@ def incoming(server) -> list[str]:
 
 
 def stored(server) -> set[str]:
-    return {name for name in os.listdir(store(server).root) if name != INCOMING}
+    return set(os.listdir(store(server).root)) - {INCOMING, LOCK}
 
 
 def test_model_info_advertises_the_inline_and_upload_limits(client):

@@ -11,6 +11,7 @@ event loop leases and sweeps.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 MEDIA_ID = re.compile(r"[0-9a-f]{64}")
 INCOMING = ".incoming"
+LOCK = ".lock"
 RESOURCE_TYPE = "mmserve.v1.Media"
 
 
@@ -65,7 +67,20 @@ class MediaStore:
         self._reserved = 0  # bytes of uploads still arriving
         self._incoming = self.root / INCOMING
         self._incoming.mkdir(parents=True, exist_ok=True)
+        self._lock_file = self._claim()
         self._adopt()
+
+    def _claim(self):
+        """One server per directory: a second would delete the first's uploads in progress and
+        evict its media behind its back (e.g. replicas sharing a ReadWriteMany volume)."""
+        lock_file = open(self.root / LOCK, "a")  # noqa: SIM115 - held until close()
+        try:
+            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock_file.close()
+            raise ValueError(f"--media-dir {self.root} is in use by another mmserve server; give each server "
+                             f"its own directory") from None
+        return lock_file
 
     def _adopt(self) -> None:
         """Forget half-received uploads of an earlier run; keep its committed media."""
@@ -175,7 +190,8 @@ class MediaStore:
         logger.info("media %s (%d bytes) %s", entry.id, entry.size, why)
 
     def close(self) -> None:
-        """Remove the spool if this store created it."""
+        """Let another server have the directory; remove it if this store created it."""
+        self._lock_file.close()
         if self._owned:
             shutil.rmtree(self.root, ignore_errors=True)
 
