@@ -7,6 +7,7 @@ import hashlib
 import os
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -67,19 +68,16 @@ def test_the_same_bytes_twice_are_stored_once(tmp_path, clock):
 
 
 def test_concurrent_uploads_of_the_same_bytes_are_safe(tmp_path, clock):
-    store = make_store(tmp_path, clock, max_bytes=100_000, max_upload_bytes=50_000)
+    store = make_store(tmp_path, clock, max_bytes=300_000, max_upload_bytes=50_000)  # room for all six
     data = secrets.token_bytes(40_000)
-    results, barrier = [], threading.Barrier(6)
+    barrier = threading.Barrier(6)
 
-    def upload():
+    def upload(_):
         barrier.wait()
-        results.append(put(store, data, chunk=1000))
+        return put(store, data, chunk=1000)
 
-    threads = [threading.Thread(target=upload) for _ in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(upload, range(6)))
     assert {entry.id for entry, _ in results} == {hashlib.sha256(data).hexdigest()}
     assert sum(created for _, created in results) == 1
     assert files(store) == [INCOMING, results[0][0].id] and store.used_bytes == 40_000
