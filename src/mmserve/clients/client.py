@@ -171,8 +171,8 @@ class _Base:
 
 
 class _StreamBase:
-    """A Generate call and what it has received so far. `restart` starts the call again, after
-    `recover(error)` said it repaired the cause (uploaded lost media again), before any delta."""
+    """A Generate call and what it has received so far. `start()` makes the call; it is made again
+    when it failed before any delta and `recover(error)` repaired the cause (uploaded lost media again)."""
 
     def __init__(self, start: Callable[[], object], recover: Callable[[ClientError], object]) -> None:
         self._start = start
