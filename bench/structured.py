@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     libs = bench_libraries(runs=2 if args.smoke else 40)
-    engine = bench_engine([1, 2] if args.smoke else [1, 16], steps=6 if args.smoke else 40,
+    engine = bench_engine([2] if args.smoke else [1, 16], steps=4 if args.smoke else 40,
                           repeats=1 if args.smoke else 3)
     print(f"{'schema':10} {'library':11} {'tokens':>6} {'median us':>10} {'mean us':>8} {'p99 us':>8} {'compile ms':>10}")
     for r in libs:

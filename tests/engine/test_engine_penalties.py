@@ -71,9 +71,8 @@ def test_out_of_range_values_are_rejected(kw):
 
 
 def test_min_tokens_and_logit_bias_end_to_end(load_backend):
-    model_tok = load_backend("reference")
-    base = build_request("m", PROMPTS["text"], random.randrange(10_000), max_tokens=12)
-    llm = make_llm(model_tok)
+    base = build_request("m", PROMPTS["text"], random.randrange(10_000), max_tokens=10)
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
     free = llm.generate([base])[0]
     # the 3rd greedy token becomes end-of-sequence: without min_tokens the run stops there
     llm.core.eos_token_ids = frozenset({free.token_ids[2]})
@@ -81,21 +80,20 @@ def test_min_tokens_and_logit_bias_end_to_end(load_backend):
     sp = dataclasses.replace(base.sampling, ignore_eos=False)
     stopped = llm.generate([base], sp)[0]
     assert stopped.finish_reason == "eos" and len(stopped.token_ids) <= 3
-    held = llm.generate([base], dataclasses.replace(sp, min_tokens=8))[0]
-    assert free.token_ids[2] not in held.token_ids[:8] and len(held.token_ids) >= 8
+    held = llm.generate([base], dataclasses.replace(sp, min_tokens=7))[0]
+    assert free.token_ids[2] not in held.token_ids[:7] and len(held.token_ids) >= 7
     # a +100 bias makes a token the greedy choice at every step; -100 on the greedy token removes it
     favourite = 40
     biased = llm.generate([base], dataclasses.replace(sp, logit_bias=((favourite, 100.0),), ignore_eos=True))[0]
-    assert biased.token_ids == [favourite] * 12
+    assert biased.token_ids == [favourite] * 10
     banned = llm.generate([base], dataclasses.replace(base.sampling, logit_bias=((free.token_ids[0], -100.0),)))[0]
     assert free.token_ids[0] not in banned.token_ids
 
 
 def test_min_tokens_hold_back_stop_strings(load_backend):
-    model_tok = load_backend("reference")
-    llm = make_llm(model_tok)
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
     for _ in range(20):   # a random prompt whose greedy text shows a visible character early
-        base = build_request("s", PROMPTS["text"], random.randrange(10_000), max_tokens=16)
+        base = build_request("s", PROMPTS["text"], random.randrange(10_000), max_tokens=12)
         full = llm.generate([base])[0]
         visible = [i for i, c in enumerate(full.text[:8]) if c.strip() and c != "\ufffd"]
         if visible:
@@ -103,6 +101,6 @@ def test_min_tokens_hold_back_stop_strings(load_backend):
     stop = full.text[visible[0]]
     early = llm.generate([base], dataclasses.replace(base.sampling, stop=(stop,)))[0]
     assert early.finish_reason == "stop" and early.token_ids == full.token_ids[:len(early.token_ids)]
-    hold = min(16, len(early.token_ids) + 4)
+    hold = min(12, len(early.token_ids) + 4)
     late = llm.generate([base], dataclasses.replace(base.sampling, stop=(stop,), min_tokens=hold))[0]
     assert len(late.token_ids) >= hold and late.token_ids[:hold] == full.token_ids[:hold]
