@@ -101,6 +101,8 @@ def test_n_samples_stream_with_indices_and_one_final(client):
     assert [s.index for s in result.samples] == [0, 1, 2]
     assert result.text == result.samples[0].text and result.token_ids == result.samples[0].token_ids
     assert result.usage.completion_tokens == sum(s.completion_tokens for s in result.samples)
+    one = client.generate(prompt=PROMPT, video=video, num_frames=NUM_FRAMES, max_tokens=1, temperature=1.0)
+    assert result.perf.flops > one.perf.flops > 0   # the samples' shares of the work, summed
     for sample in result.samples:
         assert len(sample.token_ids) == sample.completion_tokens == len(sample.logprobs) > 0
         assert sample.finish_reason in ("eos", "length")

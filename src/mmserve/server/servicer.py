@@ -50,7 +50,8 @@ def logprobs_messages(entries: Sequence[TokenLogprobs], text: TokenText) -> list
 
 def final_message(out: RequestOutput, text: TokenText = str, samples: Sequence[RequestOutput] = ()) -> pb.Final:
     """The Final of a request: `out` is sample 0's last output; with n > 1, `samples` are every
-    sample's (index order): usage then counts the prompt once and all samples' completion tokens."""
+    sample's (index order): usage then counts the prompt once and all samples' completion tokens,
+    perf sums the samples' shares of the work, and end_to_end_s is the last sample's."""
     final = pb.Final(finish_reason=FINISH_REASONS.get(out.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED),
                      matched_stop=out.matched_stop or "", finish_detail=out.finish_detail or "",
                      prompt_logprobs=logprobs_messages(out.prompt_logprobs or (), text))
@@ -64,8 +65,15 @@ def final_message(out: RequestOutput, text: TokenText = str, samples: Sequence[R
             finish_detail=s.finish_detail or "") for i, s in enumerate(samples))
     if out.timings is not None:
         final.timings.CopyFrom(pb.Timings(**{k: v or 0.0 for k, v in dataclasses.asdict(out.timings).items()}))
+        final.timings.end_to_end_s = max((s.timings.end_to_end_s or 0.0 for s in samples if s.timings),
+                                         default=final.timings.end_to_end_s)
     perf_fields = {f.name for f in pb.Perf.DESCRIPTOR.fields}
-    final.perf.CopyFrom(pb.Perf(**{k: float(v) for k, v in out.perf.items() if k in perf_fields and v is not None}))
+    perf: dict[str, float] = {}
+    for s in samples or (out,):
+        for k, v in s.perf.items():
+            if k in perf_fields and v is not None:
+                perf[k] = perf.get(k, 0.0) + float(v)
+    final.perf.CopyFrom(pb.Perf(**perf))
     return final
 
 
