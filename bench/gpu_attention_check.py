@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from mmserve.attention import create_impl
+from mmserve.attention import create_builder, create_impl
 from mmserve.attention.backend import SLIDING, LayerAttentionSpec
 from mmserve.attention.fa4 import fa4_arch, fa4_installed, fa4_supports
-from mmserve.attention.synthetic import Batch, Req, frames, make_batch
+from mmserve.attention.synthetic import Batch, Req, frames, make_batch, pool_for, run_backend
 
 log = logging.getLogger("bench.gpu_attention_check")
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_attention.json"
-METADATA_TENSORS = ("query_start_loc", "seq_lens", "positions", "block_table", "slot_mapping", "mm_ranges")
+METADATA_TENSORS = ("query_start_loc", "seq_lens", "positions", "block_table", "slot_mapping", "query_ranges")
 
 
 def to_device(batch: Batch, device: str) -> Batch:
@@ -55,7 +55,7 @@ def parity_steps(window: int) -> dict[str, list[Req]]:
 
 
 def run_impl(name: str, spec: LayerAttentionSpec, b: Batch) -> torch.Tensor:
-    return create_impl(name, spec, max_num_tokens=1024).forward(b.q, b.k, b.v, b.kv_cache.clone(), b.metadata)
+    return run_backend(name, b, spec, max_num_tokens=1024)[0]
 
 
 def parity(device: str, specs: list[LayerAttentionSpec]) -> list[dict]:
@@ -77,11 +77,11 @@ def parity(device: str, specs: list[LayerAttentionSpec]) -> list[dict]:
                     err, ok = float("nan"), False
                     got = None
                 row = {"head_dim": spec.head_dim, "step": name, "backend": backend, "rel_err": err, "ok": ok}
-                if backend == "fa4" and got is not None and batch.metadata.mm_ranges is not None:
+                if backend == "fa4" and got is not None and batch.metadata.query_ranges is not None:
                     # The frames must change exactly the rows the reference says they change.
                     plain = Batch(batch.q, batch.k, batch.v, batch.kv_cache,
-                                  replace(batch.metadata, mm_ranges=None), batch.reqs)
-                    in_frame = batch.metadata.mm_ranges[:, 0] >= 0
+                                  replace(batch.metadata, query_ranges=None, query_ranges_cpu=None), batch.reqs)
+                    in_frame = batch.metadata.query_ranges[:, 0] >= 0
                     fa4_moved = (run_impl("fa4", spec, plain).float() - got)[in_frame].abs().max() > 1e-2
                     ref_moved = (run_impl("reference", spec, plain).float() - want)[in_frame].abs().max() > 1e-2
                     row["mask_mod_active"] = bool(fa4_moved) == bool(ref_moved)
@@ -127,13 +127,15 @@ def timings(device: str, spec: LayerAttentionSpec, smoke: bool) -> list[dict]:
         batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=num_blocks, table_width=width),
                           device)
         variants = [("fa4", batch), ("sdpa", batch), ("flex", batch)]
-        if batch.metadata.mm_ranges is not None:
-            plain = replace(batch.metadata, mm_ranges=None)
+        if batch.metadata.query_ranges is not None:
+            plain = replace(batch.metadata, query_ranges=None, query_ranges_cpu=None)
             variants.insert(1, ("fa4 plain sliding (floor)", Batch(batch.q, batch.k, batch.v, batch.kv_cache, plain, reqs)))
         for label, b in variants:
-            impl = create_impl(label.split()[0], spec, max_num_tokens=max(chunk, n_decode))
+            name = label.split()[0]
+            impl = create_impl(name, spec)
             try:
-                first, ms = cuda_ms(lambda impl=impl, b=b: impl.forward(b.q, b.k, b.v, b.kv_cache, b.metadata),
+                md = create_builder(name, pool_for(b, spec, max_num_tokens=max(chunk, n_decode))).build(b.metadata)
+                first, ms = cuda_ms(lambda impl=impl, b=b, md=md: impl.forward(b.q, b.k, b.v, b.kv_cache, md),
                                     2 if smoke else 20)
             except Exception:
                 log.exception("%s failed on %s", label, step)

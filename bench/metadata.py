@@ -27,9 +27,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.engine.block_table import BlockTables
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.step_inputs import StepInputBuilder, fill_query_ranges
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
-from mmserve.scheduler.metadata import MetadataBuilder, fill_query_ranges
 from mmserve.scheduler.output import ScheduledRequest
 from mmserve.scheduler.request import Request
 
@@ -101,9 +102,10 @@ def bench_config(frames: int, num_reqs: int, reps: int, seed: int) -> dict:
         n = min(chunk, r.num_prompt_tokens)
         r.num_computed_tokens = rng.randrange(0, r.num_prompt_tokens - n + 1)
         kv.allocate(r, n)
-        scheduled.append(ScheduledRequest(r, n, r.num_computed_tokens, True))
+        scheduled.append(ScheduledRequest(r, n, r.num_computed_tokens, True,
+                                          block_updates=kv.take_block_updates(r.request_id)))
     qsl = np.concatenate([[0], np.cumsum([s.num_tokens for s in scheduled])]).astype(np.int32)
-    ctx = np.array([s.context_len for s in scheduled], dtype=np.int64)
+    ctx = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)
     ranges_np = [r.mm_ranges_np for r in reqs]
     ranges_py = [list(r.mm_ranges) for r in reqs]
     T = int(qsl[-1])
@@ -115,15 +117,16 @@ def bench_config(frames: int, num_reqs: int, reps: int, seed: int) -> dict:
     fill_us = time_us(lambda: fill_query_ranges(fast, qsl, ctx, ranges_np), reps)
     scan_us = time_us(lambda: python_scan(slow, qsl.tolist(), ctx.tolist(), ranges_py), max(1, reps // 10))
 
-    builder = MetadataBuilder(SPECS, max_num_batched_tokens=BUDGET, max_num_seqs=max(num_reqs, 1),
-                              max_model_len=max_len + BLOCK, block_size=BLOCK, device="cpu")
-    builder.build(scheduled, kv)   # warm-up
-    bufs = [builder.input_ids, builder.positions, builder.query_start_loc, builder.seq_lens, builder.logits_indices,
-            builder.mm_token_index, builder.mm_ranges, *builder.slot_mapping.values(), *builder.block_table.values()]
-    counter = _NewStorages({b.dev.untyped_storage().data_ptr() for b in bufs})
+    width = -(-(max_len + BLOCK) // BLOCK)
+    builder = StepInputBuilder(SPECS, max_num_tokens=BUDGET, max_num_seqs=max(num_reqs, 1),
+                               max_blocks_per_req=width, block_size=BLOCK, device="cpu")
+    tables = BlockTables(SPECS, width)
+    rows = tables.apply(scheduled)
+    builder.build(scheduled, tables.rows, rows)   # warm-up
+    counter = _NewStorages({b.dev.untyped_storage().data_ptr() for b in builder.buffers()})
     with counter:
-        builder.build(scheduled, kv)
-    build_us = time_us(lambda: builder.build(scheduled, kv), reps)
+        builder.build(scheduled, tables.rows, rows)
+    build_us = time_us(lambda: builder.build(scheduled, tables.rows, rows), reps)
     return dict(frames=frames, requests=num_reqs, tokens=T, fill_us=round(fill_us, 1), scan_us=round(scan_us, 1),
                 speedup=round(scan_us / fill_us, 1), build_us=round(build_us, 1), new_tensors_per_build=counter.new)
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from torch._dynamo.utils import counters
 
-from mmserve.attention import create_impl
-from mmserve.attention.backend import FULL, SLIDING, AttentionMetadata, LayerAttentionSpec
-from mmserve.attention.synthetic import Req, frames, make_batch
+from mmserve.attention import create_builder, create_impl
+from mmserve.attention.backend import FULL, SLIDING, CommonAttentionMetadata, LayerAttentionSpec
+from mmserve.attention.synthetic import Req, frames, make_batch, pool_for
 
 log = logging.getLogger("bench.recompile")
 RESULTS = Path(__file__).resolve().parent / "results" / "recompile.json"
@@ -55,15 +55,16 @@ def video_step(num_frames: int, frame_tokens: int, budget: int) -> list[Req]:
 
 def count_torch(backend: str, spec: LayerAttentionSpec, frame_counts: list[int], frame_tokens: int,
                 budget: int) -> Count:
-    impl = create_impl(backend, spec, max_num_tokens=budget)
+    impl, builder = create_impl(backend, spec), None
     before = counters["stats"]["unique_graphs"]
     times = []
     for n in frame_counts:
         reqs = video_step(n, frame_tokens, budget)
         # Block tables as wide as the engine's (max_model_len 8192 / 16), as in serving.
         batch = make_batch(reqs, spec, num_blocks=512, table_width=512, gen=torch.Generator().manual_seed(n))
+        builder = builder or create_builder(backend, pool_for(batch, spec, max_num_tokens=budget))
         start = time.perf_counter()
-        impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+        impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, builder.build(batch.metadata))
         times.append(time.perf_counter() - start)
     return Count(backend, spec.layer_type, frame_counts, counters["stats"]["unique_graphs"] - before,
                  times[0], max(times[1:], default=0.0))
@@ -84,8 +85,9 @@ def count_fa4(spec: LayerAttentionSpec, frame_counts: list[int], frame_tokens: i
 
             def e(*shape, dtype=torch.int32):
                 return torch.empty(shape, dtype=dtype, device="cuda")
-            md = AttentionMetadata(T, R, T, T + 4096, e(R + 1), e(R), e(T, dtype=torch.int64), e(R, (T + 4096) // 16 + 1),
-                                   e(T, dtype=torch.int64), 16, e(T, 2))
+            md = CommonAttentionMetadata(T, R, T, T + 4096, e(R + 1), e(R), e(T, dtype=torch.int64),
+                                         e(R, (T + 4096) // 16 + 1), e(T, dtype=torch.int64), 16, e(T, 2),
+                                         None, None, None, None, None)
             q = torch.empty(T, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
             cache = torch.empty(4096, 16, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
             start = time.perf_counter()

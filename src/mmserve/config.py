@@ -23,6 +23,9 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | reference | sdpa | flex | fa4"})
+    sdpa_batching: str = field(default="auto", metadata={
+        "help": "sdpa backend: auto (one padded call per layer type unless padding costs more) | batched | loop "
+                "(one call per request)"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's"})

@@ -7,11 +7,12 @@ Numerics need a GPU: test_fa4_matches_reference runs only where CUDA and FA4 are
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from mmserve.attention.backend import FULL, SLIDING, AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import FULL, SLIDING, CommonAttentionMetadata, LayerAttentionSpec
 
 fa4 = pytest.importorskip("mmserve.attention.fa4")
 if not fa4.fa4_installed():
@@ -22,16 +23,18 @@ GEMMA_FULL = LayerAttentionSpec(FULL, num_heads=8, num_kv_heads=4, head_dim=512,
 FRAME_COUNTS = [1, 8, 16, 32, 46, 64]
 
 
-def fake_step(num_frames: int, num_reqs: int = 3, frame_tokens: int = 70) -> AttentionMetadata:
+def fake_step(num_frames: int, num_reqs: int = 3, frame_tokens: int = 70) -> CommonAttentionMetadata:
     """Shapes of a step whose video request carries `num_frames` frames (values are irrelevant to compile)."""
     T = num_frames * (frame_tokens + 8) + 40 * (num_reqs - 1)
 
     def e(*shape, dtype=torch.int32):
         return torch.empty(shape, dtype=dtype, device="cuda")
-    return AttentionMetadata(num_actual_tokens=T, num_reqs=num_reqs, max_query_len=T, max_seq_len=T + 4096,
-                             query_start_loc=e(num_reqs + 1), seq_lens=e(num_reqs), positions=e(T, dtype=torch.int64),
-                             block_table=e(num_reqs, (T + 4096) // 16 + 1), slot_mapping=e(T, dtype=torch.int64),
-                             block_size=16, mm_ranges=e(T, 2))
+    return CommonAttentionMetadata(
+        num_actual_tokens=T, num_reqs=num_reqs, max_query_len=T, max_seq_len=T + 4096,
+        query_start_loc=e(num_reqs + 1), seq_lens=e(num_reqs), positions=e(T, dtype=torch.int64),
+        block_table=e(num_reqs, (T + 4096) // 16 + 1), slot_mapping=e(T, dtype=torch.int64), block_size=16,
+        query_ranges=e(T, 2), query_start_loc_cpu=None, seq_lens_cpu=None, positions_cpu=None,
+        block_table_cpu=None, query_ranges_cpu=None)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +57,11 @@ def compiled_kernels() -> int:
     return len(_flash_attn_fwd.compile_cache.cache)
 
 
-def call(spec: LayerAttentionSpec, md: AttentionMetadata, no_ranges: bool = False):
+def call(spec: LayerAttentionSpec, md: CommonAttentionMetadata, no_ranges: bool = False):
     q = torch.empty(md.num_actual_tokens, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
     cache = torch.empty(4096, 16, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
     if no_ranges:
-        md.mm_ranges = None
+        md.query_ranges = None
     return fa4.run_fa4(q, cache, cache, md, spec)
 
 
@@ -92,15 +95,15 @@ def test_layer_support_follows_fa4_head_dims():
 def test_fa4_matches_reference():
     from attn_batches import SLIDING_SPEC, make_batch, rel_err, standard_batches
 
-    from mmserve.attention import create_impl
+    from mmserve.attention.synthetic import run_backend
     spec = LayerAttentionSpec(SLIDING, 4, 2, 128, window=SLIDING_SPEC.window, bidirectional=True)
     for name, reqs in standard_batches().items():
         batch = make_batch(reqs, spec, dtype=torch.bfloat16, free_outside_window=True)
-        cuda = [t.cuda() for t in (batch.q, batch.k, batch.v, batch.kv_cache)]
         md = batch.metadata
-        for field in ("query_start_loc", "seq_lens", "positions", "block_table", "slot_mapping", "mm_ranges"):
+        for field in ("query_start_loc", "seq_lens", "positions", "block_table", "slot_mapping", "query_ranges"):
             if getattr(md, field) is not None:
                 setattr(md, field, getattr(md, field).cuda())
-        got = create_impl("fa4", spec).forward(*cuda, md)
-        want = create_impl("reference", spec).forward(*cuda[:3], cuda[3].clone(), md)
+        cuda = replace(batch, q=batch.q.cuda(), k=batch.k.cuda(), v=batch.v.cuda(), kv_cache=batch.kv_cache.cuda())
+        got, _ = run_backend("fa4", cuda, spec)
+        want, _ = run_backend("reference", cuda, spec)
         assert rel_err(got, want) < 2e-2, name

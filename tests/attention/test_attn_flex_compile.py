@@ -11,8 +11,9 @@ import torch
 from attn_batches import Req, frames, make_batch, rel_err
 from torch._dynamo.utils import counters
 
-from mmserve.attention import create_impl
+from mmserve.attention import create_builder, create_impl
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.attention.synthetic import pool_for, run_backend
 
 SLIDING_48 = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=48, window=12, bidirectional=True)
 FULL_80 = LayerAttentionSpec(FULL, num_heads=2, num_kv_heads=1, head_dim=80, window=None, bidirectional=False)
@@ -31,14 +32,15 @@ def video_batch_requests(num_frames: int) -> list[Req]:
 def test_flex_compiles_once_per_layer_type_across_frame_counts():
     compiled = {}
     for spec in (SLIDING_48, FULL_80):
-        impl = create_impl("flex", spec, max_num_tokens=512)
-        reference = create_impl("reference", spec)
+        impl, builder = create_impl("flex", spec), None
         before = counters["stats"]["unique_graphs"]
         for n in FRAME_COUNTS:
             batch = make_batch(video_batch_requests(n), spec, dtype=torch.bfloat16,
-                               gen=torch.Generator().manual_seed(torch.seed() % 2**31))
-            got = impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
-            want = reference.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
+                               gen=torch.Generator().manual_seed(torch.seed() % 2**31), table_width=64)
+            # One builder for every step, sized like the engine's (budget 512, 64-block tables).
+            builder = builder or create_builder("flex", pool_for(batch, spec, max_num_tokens=512))
+            got = impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), builder.build(batch.metadata))
+            want, _ = run_backend("reference", batch, spec)
             assert rel_err(got, want) < 2e-2, f"{spec.layer_type}, {n} frames"
         compiled[spec.layer_type] = counters["stats"]["unique_graphs"] - before
     assert compiled == {SLIDING: 1, FULL: 1}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
-from mmserve.attention.mask import batch_dense_mask, keep_for_spec, request_mask
+from mmserve.attention.mask import batch_dense_mask, keep_for_spec, keep_into
 
 
 def naive_row(spec, q: int, r_start: int, r_end: int, seq_len: int, block_row: list[int], block_size: int):
@@ -27,7 +27,7 @@ def test_batch_mask_matches_pairwise_formula(spec, name):
     batch = make_batch(standard_batches()[name], spec, free_outside_window=True)
     md = batch.metadata
     mask = batch_dense_mask(md, spec)
-    ranges = md.mm_ranges if md.mm_ranges is not None else torch.full((md.num_actual_tokens, 2), -1)
+    ranges = md.query_ranges if md.query_ranges is not None else torch.full((md.num_actual_tokens, 2), -1)
     qsl = md.query_start_loc.tolist()
     for r, req in enumerate(batch.reqs):
         for i in range(qsl[r], qsl[r + 1]):
@@ -63,13 +63,18 @@ def test_batch_mask_rows_follow_each_requests_own_ranges():
     assert mask[2, 7] and not mask[12 + 2, 7]  # same positions, only the first request has the frame
 
 
-@pytest.mark.parametrize("spec", SPECS[:3], ids=lambda s: f"{s.layer_type}-clamp{s.clamp_bidirectional}")
-def test_request_mask_is_the_batch_mask_slice(spec):
-    for reqs in standard_batches().values():
-        md = make_batch(reqs, spec, free_outside_window=True).metadata
-        full = batch_dense_mask(md, spec)
-        qsl = md.query_start_loc.tolist()
-        for r, req in enumerate(reqs):
-            for first in (0, req.seq_len // 3, req.seq_len - 1):
-                got = request_mask(md, spec, r, slice(qsl[r], qsl[r + 1]), first, req.seq_len)
-                assert torch.equal(got, full[qsl[r]: qsl[r + 1], first: req.seq_len])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}")
+def test_keep_into_is_keep_without_allocating(spec):
+    """The builders' in-place form equals keep() on random positions, ranges and keys."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q = torch.randint(0, 60, (5, 7, 1), generator=gen)
+    k = torch.randint(0, 60, (5, 1, 40), generator=gen)
+    r_start = torch.randint(-1, 50, (5, 7, 1), generator=gen)
+    r_end = torch.where(r_start >= 0, r_start + torch.randint(0, 20, (5, 7, 1), generator=gen), -1)
+    shape = (5, 7, 40)
+    out = torch.empty(shape, dtype=torch.bool)
+    scratch = [torch.empty(shape, dtype=torch.int64)] + [torch.empty(shape, dtype=torch.bool) for _ in range(3)]
+    for ranges in ((r_start, r_end), (None, None)):
+        want = keep_for_spec(q, k, *(ranges if ranges[0] is not None else (torch.full_like(q, -1),) * 2), spec)
+        got = keep_into(out, q, k, *ranges, spec, scratch)
+        assert got is out and torch.equal(got, want.expand(shape))

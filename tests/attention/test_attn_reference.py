@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
-from mmserve.attention import create_impl
 from mmserve.attention.mask import keep_for_spec
+from mmserve.attention.synthetic import run_backend
 
 
 def naive_attention(batch, spec) -> torch.Tensor:
@@ -24,7 +26,7 @@ def naive_attention(batch, spec) -> torch.Tensor:
         table = md.block_table[r].tolist()
         for i in range(qsl[r], qsl[r + 1]):
             q = int(md.positions[i])
-            rs, re = (md.mm_ranges[i].tolist() if md.mm_ranges is not None else (-1, -1))
+            rs, re = (md.query_ranges[i].tolist() if md.query_ranges is not None else (-1, -1))
             kept = [k for k in range(req.seq_len)
                     if table[k // md.block_size] != 0 and bool(keep_for_spec(q, k, rs, re, spec))]
             if not kept:
@@ -44,14 +46,13 @@ def test_reference_matches_naive_loop(spec, name):
     gen = torch.Generator().manual_seed(hash((name, spec.layer_type, spec.clamp_bidirectional)) % 2**31)
     batch = make_batch(standard_batches()[name], spec, gen=gen, free_outside_window=True)
     expected = naive_attention(batch, spec)
-    impl = create_impl("reference", spec)
-    got = impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    got, _ = run_backend("reference", batch, spec)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_writes_this_steps_kv_into_the_cache():
     batch = make_batch([Req(3, 5), Req(0, 4)], SLIDING_SPEC)
-    create_impl("reference", SLIDING_SPEC).forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    run_backend("reference", batch, SLIDING_SPEC, kv_cache=batch.kv_cache)
     flat = batch.kv_cache.view(2, -1, SLIDING_SPEC.num_kv_heads, SLIDING_SPEC.head_dim)
     assert torch.equal(flat[0, batch.metadata.slot_mapping], batch.k)
     assert torch.equal(flat[1, batch.metadata.slot_mapping], batch.v)
@@ -64,24 +65,23 @@ def test_frame_query_sees_future_frame_key_and_not_beyond(backend):
     (s, e), = frames(4, 1, 6, 0)
     reqs = [Req(0, 16, [(s, e)])]
     batch = make_batch(reqs, spec)
-    impl = create_impl(backend, spec)
-    base = impl.forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(), batch.metadata)
+    base, _ = run_backend(backend, batch, spec)
     for key, affected in ((e, set(range(s, e + 1)) | set(range(e, e + spec.window))),
                           (e + 1, set(range(e + 1, e + 1 + spec.window)))):
         v2 = batch.v.clone()
         v2[key] += 10.0
-        out = impl.forward(batch.q, batch.k, v2, batch.kv_cache.clone(), batch.metadata)
+        out, _ = run_backend(backend, replace(batch, v=v2), spec)
         changed = {p for p in range(16) if not torch.allclose(out[p], base[p])}
         assert changed == {p for p in affected if p < 16}
 
 
-def test_gather_kv_reads_any_key_span_through_the_block_table():
+def test_gather_kv_reads_a_requests_keys_through_the_block_table():
     from mmserve.attention.paged import gather_kv
     batch = make_batch([Req(50, 20), Req(0, 7)], SLIDING_SPEC)
-    create_impl("reference", SLIDING_SPEC).forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    run_backend("reference", batch, SLIDING_SPEC, kv_cache=batch.kv_cache)
     table, bs = batch.metadata.block_table[0].tolist(), batch.metadata.block_size
-    for first, last in ((0, 70), (17, 70), (33, 48), (69, 70)):
-        keys, values = gather_kv(batch.kv_cache, batch.metadata.block_table[0], last, first_key=first)
-        slots = [table[p // bs] * bs + p % bs for p in range(first, last)]
+    for last in (70, 48, 17, 1):
+        keys, values = gather_kv(batch.kv_cache, batch.metadata.block_table[0], last)
+        slots = [table[p // bs] * bs + p % bs for p in range(last)]
         flat = batch.kv_cache.view(2, -1, SLIDING_SPEC.num_kv_heads, SLIDING_SPEC.head_dim)
         assert torch.equal(keys, flat[0, slots]) and torch.equal(values, flat[1, slots])

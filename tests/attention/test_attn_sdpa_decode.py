@@ -8,7 +8,7 @@ import pytest
 import torch
 from attn_batches import SPECS, Req, frames, make_batch, rel_err
 
-from mmserve.attention import create_impl
+from mmserve.attention.synthetic import run_backend
 
 
 def decode_reqs(gen: torch.Generator, count: int = 24) -> list[Req]:
@@ -25,13 +25,13 @@ def test_decode_many_lengths_matches_reference(spec, dtype, tol, free_outside_wi
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     batch = make_batch(decode_reqs(gen), spec, dtype=dtype, num_blocks=600, gen=gen,
                        free_outside_window=free_outside_window, table_width=24)
-    assert batch.metadata.max_query_len == 1 and batch.metadata.mm_ranges is None  # a decode-only step
-    ref_cache, cache = batch.kv_cache.clone(), batch.kv_cache.clone()
-    expected = create_impl("reference", spec).forward(batch.q, batch.k, batch.v, ref_cache, batch.metadata)
-    got = create_impl("sdpa", spec).forward(batch.q, batch.k, batch.v, cache, batch.metadata)
-    assert got.dtype == dtype
-    assert rel_err(got, expected) < tol
-    assert torch.equal(cache, ref_cache)
+    assert batch.metadata.max_query_len == 1 and batch.metadata.query_ranges is None  # a decode-only step
+    expected, ref_cache = run_backend("reference", batch, spec)
+    for mode in ("auto", "batched", "loop"):
+        got, cache = run_backend("sdpa", batch, spec, sdpa_batching=mode)
+        assert got.dtype == dtype
+        assert rel_err(got, expected) < tol, mode
+        assert torch.equal(cache, ref_cache)
 
 
 def test_decode_ignores_padded_query_rows():
@@ -41,9 +41,9 @@ def test_decode_ignores_padded_query_rows():
     batch = make_batch(decode_reqs(gen, 8), spec, num_blocks=300, gen=gen, free_outside_window=True)
     T = batch.metadata.num_actual_tokens
     pad = lambda x: torch.cat([x, torch.randn(5, *x.shape[1:], generator=gen)])  # noqa: E731
-    expected = create_impl("reference", spec).forward(batch.q, batch.k, batch.v, batch.kv_cache.clone(),
-                                                       batch.metadata)
-    got = create_impl("sdpa", spec).forward(pad(batch.q), pad(batch.k), pad(batch.v), batch.kv_cache.clone(),
-                                            batch.metadata)
-    assert got.shape[0] == T + 5
-    assert rel_err(got[:T], expected) < 1e-5
+    expected, _ = run_backend("reference", batch, spec)
+    for mode in ("batched", "loop"):
+        got, _ = run_backend("sdpa", replace(batch, q=pad(batch.q), k=pad(batch.k), v=pad(batch.v)), spec,
+                             sdpa_batching=mode)
+        assert got.shape[0] == T + 5
+        assert rel_err(got[:T], expected) < 1e-5

@@ -6,7 +6,15 @@ import pytest
 import torch
 from attn_batches import SLIDING_SPEC
 
-from mmserve.attention import CPU_AUTO_BACKEND, available_backends, create_impl, resolve_backend
+from mmserve.attention import (
+    CPU_AUTO_BACKEND,
+    PoolConfig,
+    available_backends,
+    create_builder,
+    create_impl,
+    get_backend,
+    resolve_backend,
+)
 
 
 def test_auto_on_cpu_is_the_measured_cpu_backend():
@@ -29,5 +37,15 @@ def test_unknown_backend_is_refused_with_the_choices():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback of the fa4 backend")
 def test_fa4_without_a_gpu_falls_back_per_layer_type():
-    impl = create_impl("fa4", SLIDING_SPEC)
-    assert not impl.use_fa4
+    pool = PoolConfig(SLIDING_SPEC, num_blocks=8, block_size=16, max_num_tokens=32, max_num_reqs=2,
+                      max_blocks_per_req=4, device=torch.device("cpu"), dtype=torch.bfloat16)
+    builder = create_builder("fa4", pool)
+    assert not builder.use_fa4 and builder.fallback is not None
+
+
+@pytest.mark.parametrize("name", ["reference", "sdpa", "flex", "fa4"])
+def test_every_backend_is_a_bundle_of_impl_builder_and_cache_shape(name):
+    backend = get_backend(name)
+    assert backend.name == name
+    assert backend.impl_cls(SLIDING_SPEC).spec == SLIDING_SPEC
+    assert backend.kv_cache_shape(10, 16, SLIDING_SPEC) == (2, 10, 16, SLIDING_SPEC.num_kv_heads, SLIDING_SPEC.head_dim)

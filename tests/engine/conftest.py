@@ -35,7 +35,6 @@ def load_backend(engine_checkpoint):
     def load(name: str):
         if name not in _models:
             _models[name] = load_model(path, dtype="float32", device="cpu", attention_backend=name)
-            _models[name].backend_name = name
         return _models[name], load_tokenizer(path)
 
     return load

@@ -64,8 +64,8 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
     logits: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
     execute = llm.core.runner.execute
 
-    def recording_execute(out, kv):
-        result = execute(out, kv)
+    def recording_execute(out):
+        result = execute(out)
         for row, s in zip(result.logits, result.sampled, strict=True):
             logits[s.request.request_id].append(row.clone())
         return result

@@ -11,30 +11,34 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_cuda_builder_matches_cpu_builder():
+def test_cuda_step_inputs_match_cpu():
     from sched_helpers import SPECS, make_request, make_scheduler
 
-    from mmserve.scheduler.metadata import MetadataBuilder
+    from mmserve.engine.block_table import BlockTables
+    from mmserve.engine.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=48)
     for i in range(5):
         sched.add_request(make_request(f"r{i}", 20 + 7 * i, [(3, 9), (12, 19)], max_tokens=3))
-    opts = dict(max_num_batched_tokens=48, max_num_seqs=sched.max_num_seqs, max_model_len=sched.max_model_len,
+    width = sched.kv.max_blocks_per_req
+    opts = dict(max_num_tokens=48, max_num_seqs=sched.max_num_seqs, max_blocks_per_req=width,
                 block_size=sched.kv.block_size)
-    cpu, gpu = MetadataBuilder(SPECS, device="cpu", **opts), MetadataBuilder(SPECS, device="cuda", **opts)
+    cpu, gpu = StepInputBuilder(SPECS, device="cpu", **opts), StepInputBuilder(SPECS, device="cuda", **opts)
+    tables = BlockTables(SPECS, width)
     assert gpu.input_ids.cpu.is_pinned() and gpu.input_ids.dev.is_cuda
     for _ in range(4):
         out = sched.schedule()
-        a, b = cpu.build(out.scheduled, sched.kv), gpu.build(out.scheduled, sched.kv)
+        rows = tables.apply(out.scheduled)
+        a, b = cpu.build(out.scheduled, tables.rows, rows), gpu.build(out.scheduled, tables.rows, rows)
         torch.cuda.synchronize()
         assert torch.equal(a.input_ids, b.input_ids.cpu()) and torch.equal(a.positions, b.positions.cpu())
         for t in SPECS:
-            ma, mb = a.attn_metadata[t], b.attn_metadata[t]
+            ma, mb = a.common[t], b.common[t]
             for name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):
                 assert torch.equal(getattr(ma, name), getattr(mb, name).cpu()), name
-            assert (ma.mm_ranges is None) == (mb.mm_ranges is None)
-            if ma.mm_ranges is not None:
-                assert torch.equal(ma.mm_ranges, mb.mm_ranges.cpu())
+            assert (ma.query_ranges is None) == (mb.query_ranges is None)
+            if ma.query_ranges is not None:
+                assert torch.equal(ma.query_ranges, mb.query_ranges.cpu())
         sched.update(out)
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from mmserve.attention.backend import AttentionMetadata, kv_cache_shape
+from mmserve.attention import PoolConfig, create_builder
+from mmserve.attention.backend import CommonAttentionMetadata, kv_cache_shape
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
             "<|video|>", "<|audio>", "<audio|>", "<|audio|>"]
@@ -182,21 +183,31 @@ class PagedSequence:
                                       generator=gen).to(device=dev, dtype=self.model.dtype) for t in spec.layer_types]
         self.blocks = (torch.randperm(self.num_blocks - 1, generator=gen) + 1).to(torch.int32)
 
-    def metadata(self, num_tokens: int) -> AttentionMetadata:
+    def metadata(self, num_tokens: int) -> CommonAttentionMetadata:
         dev = self.model.device
         start, seq_len = self.num_computed, self.num_computed + num_tokens
         positions = torch.arange(start, seq_len)
         slots = self.blocks[positions // self.block_size].long() * self.block_size + positions % self.block_size
         rows = [next(((s, e) for s, e in self.ranges if s <= p <= e), (-1, -1)) for p in positions.tolist()]
         table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+        table = table if bool((table[:, 0] >= 0).any()) else None
         qsl = torch.tensor([0, num_tokens], dtype=torch.int32)
         seq_lens = torch.tensor([seq_len], dtype=torch.int32)
-        return AttentionMetadata(
+        return CommonAttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=1, max_query_len=num_tokens, max_seq_len=seq_len,
             query_start_loc=qsl.to(dev), seq_lens=seq_lens.to(dev), positions=positions.to(dev),
             block_table=self.blocks[None].to(dev), slot_mapping=slots.to(dev), block_size=self.block_size,
-            mm_ranges=table.to(dev) if bool((table[:, 0] >= 0).any()) else None,
-            query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+            query_ranges=None if table is None else table.to(dev), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+            positions_cpu=positions, block_table_cpu=self.blocks[None], query_ranges_cpu=table)
+
+    def backend_metadata(self, common: CommonAttentionMetadata) -> dict:
+        """Each layer type's backend metadata, from that backend's builder (as the runner does)."""
+        spec, model = self.model.spec, self.model
+        pools = {t: PoolConfig(a, num_blocks=self.num_blocks, block_size=self.block_size,
+                               max_num_tokens=max(common.num_actual_tokens, 64), max_num_reqs=1,
+                               max_blocks_per_req=len(self.blocks), device=model.device, dtype=model.dtype)
+                 for t, a in spec.attention_specs.items()}
+        return {t: create_builder(model.attention_backend, pool).build(common) for t, pool in pools.items()}
 
     def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order."""
@@ -206,7 +217,7 @@ class PagedSequence:
         index = None
         if mm_embeds is not None:
             index = torch.nonzero((input_ids == spec.image_token_id) | (input_ids == spec.video_token_id)).flatten()
-        hidden = self.model.forward(input_ids, md.positions, {t: md for t in spec.attention_specs}, self.kv_caches,
+        hidden = self.model.forward(input_ids, md.positions, self.backend_metadata(md), self.kv_caches,
                                     mm_embeds, index)
         self.num_computed += len(ids)
         return hidden

@@ -59,39 +59,6 @@ def test_open_range_keeps_its_start_for_unclamped_layers():
     assert all(b != NULL_BLOCK for b in table[10 // 4:])
 
 
-def test_persistent_rows_mirror_the_tables_through_growth_and_reuse():
-    import random
-
-    rng = random.Random(0)
-    kv = make_kv(num_blocks=2000)
-    live = {}
-    for step in range(300):
-        if step > 60 and live and rng.random() < 0.3:
-            rid = rng.choice(sorted(live))
-            kv.free(rid)
-            del live[rid]
-        else:
-            rid = live and rng.random() < 0.6 and rng.choice(sorted(live)) or f"q{step}"
-            r = live.setdefault(rid, make_request(rid, 500, max_tokens=1))
-            n = rng.randint(1, 12)
-            if r.num_computed_tokens + n <= 500 and kv.allocate(r, n):
-                r.num_computed_tokens += n
-    assert len(kv._rows) == len(live)
-    assert kv.table_rows[SLIDING].shape[0] > 16, "the test should have made the row array grow"
-    width = kv.max_blocks_per_req
-    used_rows = set()
-    for rid in live:
-        row = kv.row_of(rid)
-        used_rows.add(row)
-        for t in (SLIDING, FULL):
-            table = kv.block_table(rid, t)
-            assert kv.table_rows[t][row, :len(table)].tolist() == table
-            assert not kv.table_rows[t][row, len(table):width].any()
-    for t in (SLIDING, FULL):
-        free_rows = [i for i in range(kv.table_rows[t].shape[0]) if i not in used_rows]
-        assert not kv.table_rows[t][free_rows].any()
-
-
 def test_windowed_pool_is_capped_and_its_bytes_go_to_the_full_pool():
     import random
 

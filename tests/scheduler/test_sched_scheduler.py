@@ -38,13 +38,13 @@ def test_budget_and_chunks_never_split_a_frame(seed):
         assert out.num_batched_tokens <= budget
         assert len(sched.running) <= 5
         for s in out.scheduled:
-            assert s.context_len == s.request.num_computed_tokens
-            end = s.context_len + s.num_tokens - 1
+            assert s.num_computed_tokens == s.request.num_computed_tokens
+            end = s.num_computed_tokens + s.num_tokens - 1
             for a, b in s.request.mm_ranges:
                 assert not a <= end < b, f"chunk ends at {end} inside {(a, b)}"
             for f in s.frames:   # every frame to encode lies wholly inside this chunk
                 a, b = s.request.mm_ranges[f]
-                assert s.context_len <= a and b <= end
+                assert s.num_computed_tokens <= a and b <= end
             seen_tokens[s.request.request_id] += s.num_tokens
 
     run_to_completion(sched, check)
@@ -102,7 +102,7 @@ def test_priority_policy_admits_highest_value_first():
         sched.add_request(make_request(rid, 4, priority=prio))
     order = []
     run_to_completion(sched, lambda out: order.extend(
-        s.request.request_id for s in out.scheduled if s.context_len == 0))
+        s.request.request_id for s in out.scheduled if s.num_computed_tokens == 0))
     assert order == ["urgent", "normal", "normal2", "late"]  # equal priorities stay FCFS
 
 

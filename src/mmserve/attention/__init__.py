@@ -1,6 +1,7 @@
 """Attention: one mask semantics (mask.py) and interchangeable backends over a paged KV cache.
 
-`create_impl(name, spec)` returns the per-layer-type implementation; `resolve_backend("auto", device)`
+A backend bundles an implementation (`create_impl(name, spec)`, per layer type), a metadata builder
+(`create_builder(name, pool)`, per KV pool, run once per step) and the KV cache shape; `resolve_backend("auto", device)`
 picks FA4 on GPUs it supports and otherwise the fastest correct CPU backend (measured in
 bench/attention.py).
 """
@@ -12,16 +13,23 @@ import logging
 
 import torch
 
-from mmserve.attention.backend import AttentionImpl, AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    LayerAttentionSpec,
+    PoolConfig,
+)
 
 log = logging.getLogger(__name__)
 
-# name -> (module, class, takes the step capacity); imported lazily so optional dependencies stay optional.
-_BACKENDS: dict[str, tuple[str, str, bool]] = {
-    "reference": ("mmserve.attention.reference", "ReferenceImpl", False),
-    "sdpa": ("mmserve.attention.sdpa", "SdpaImpl", False),
-    "flex": ("mmserve.attention.flex", "FlexImpl", True),
-    "fa4": ("mmserve.attention.fa4", "Fa4Impl", False),
+# name -> module holding its BACKEND bundle; imported lazily so optional dependencies stay optional.
+_BACKENDS: dict[str, str] = {
+    "reference": "mmserve.attention.reference",
+    "sdpa": "mmserve.attention.sdpa",
+    "flex": "mmserve.attention.flex",
+    "fa4": "mmserve.attention.fa4",
 }
 
 # CPU choice from bench/attention.py (bench/results/attention.json): sdpa and flex tie in steady
@@ -52,21 +60,23 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return CPU_AUTO_BACKEND
 
 
-def create_impl(name: str, spec: LayerAttentionSpec, *, max_num_tokens: int = 512,
-                max_num_reqs: int = 64) -> AttentionImpl:
-    """The implementation of backend `name` (already resolved, not "auto") for one layer type.
-
-    Compiled backends pad every step to `max_num_tokens` query rows and size their tables for
-    `max_num_reqs` requests, so passing the engine's budget here means they compile exactly once.
-    """
+def get_backend(name: str) -> AttentionBackend:
+    """The bundle (impl, metadata builder, KV cache shape) of backend `name` (resolved, not "auto")."""
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(_BACKENDS)}")
-    module, cls, sized = _BACKENDS[name]
-    impl_cls = getattr(importlib.import_module(module), cls)
-    if sized:
-        return impl_cls(spec, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
-    return impl_cls(spec)
+    return importlib.import_module(_BACKENDS[name]).BACKEND
 
 
-__all__ = ["AttentionImpl", "AttentionMetadata", "LayerAttentionSpec", "available_backends", "create_impl",
+def create_impl(name: str, spec: LayerAttentionSpec) -> AttentionImpl:
+    """The implementation of backend `name` for one layer type (every layer of the type shares it)."""
+    return get_backend(name).impl_cls(spec)
+
+
+def create_builder(name: str, pool: PoolConfig) -> AttentionMetadataBuilder:
+    """The metadata builder of backend `name` for one KV pool: run once per step, before the layers."""
+    return get_backend(name).builder_cls(pool)
+
+
+__all__ = ["AttentionBackend", "AttentionImpl", "AttentionMetadataBuilder", "CommonAttentionMetadata",
+           "LayerAttentionSpec", "PoolConfig", "available_backends", "create_builder", "create_impl", "get_backend",
            "resolve_backend"]

@@ -7,7 +7,7 @@ helpers live at module level, per-step data arrives through aux_tensors (the [T,
 and the window through a CuTe-typed aux scalar, so one kernel serves every window and frame count.
 With a mask_mod, `causal=False` and no window argument: the builtin causal path would otherwise
 skip the mask_mod (SM90) or clip the frames' future keys (SM100). Head dims or dtypes FA4 cannot
-run fall back to SDPA.
+run fall back to SDPA (decided once, by the builder).
 
 Known cost: FA4 b36 rejects block sparsity together with paged KV ("Block sparsity + paged KV not
 supported on SM100"; the SM90 path has no paged loader for it), so a mask_mod step visits every key
@@ -22,12 +22,18 @@ import importlib.util
 import inspect
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    LayerAttentionSpec,
+    PoolConfig,
+)
 from mmserve.attention.paged import write_kv
-from mmserve.attention.sdpa import SdpaImpl
+from mmserve.attention.sdpa import SdpaImpl, SdpaMetadata, SdpaMetadataBuilder
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +104,7 @@ def _keep_ssa(q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp: bool)
     return causal | in_range
 
 
-def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: AttentionMetadata,
+def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CommonAttentionMetadata,
             spec: LayerAttentionSpec) -> torch.Tensor:
     """One FA4 varlen call over the paged cache; the mask_mod path iff the step has ranges on this layer."""
     import cutlass
@@ -106,35 +112,55 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: A
 
     common = dict(cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, max_seqlen_q=md.max_query_len,
                   max_seqlen_k=md.max_seq_len, page_table=md.block_table, softmax_scale=spec.scale)
-    if md.mm_ranges is None or not spec.bidirectional:
+    if md.query_ranges is None or not spec.bidirectional:
         window = (spec.window - 1, 0) if spec.window is not None else (None, None)
         out, _ = flash_attn_varlen_func(q, k_cache, v_cache, causal=True, window_size=window, **common)
         return out
     window = spec.window if spec.window is not None else NO_WINDOW
     out, _ = flash_attn_varlen_func(
         q, k_cache, v_cache, causal=False, mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
-        aux_tensors=[md.mm_ranges], aux_scalars=(cutlass.Int32(window),), **common)
+        aux_tensors=[md.query_ranges], aux_scalars=(cutlass.Int32(window),), **common)
     return out
 
 
-class Fa4Impl:
-    """AttentionImpl on FA4; layer types or dtypes it cannot run go through SDPA."""
+@dataclass
+class Fa4Metadata:
+    common: CommonAttentionMetadata
+    fallback: SdpaMetadata | None     # set when this layer type runs on SDPA instead (shape or dtype)
 
-    def __init__(self, spec: LayerAttentionSpec, device: torch.device | str = "cuda") -> None:
-        self.spec = spec
-        self.use_fa4 = fa4_supports(spec, fa4_arch(device))
-        self.fallback = SdpaImpl(spec)
+
+class Fa4MetadataBuilder:
+    """FA4 takes the common metadata as is; layer types it cannot run get SDPA's plan."""
+
+    def __init__(self, pool: PoolConfig) -> None:
+        self.use_fa4 = fa4_supports(pool.spec, fa4_arch(pool.device)) and pool.dtype in FA4_DTYPES
+        self.fallback = None if self.use_fa4 else SdpaMetadataBuilder(pool)
         if not self.use_fa4:
-            log.info("fa4: %s (head_dim %d) not supported here; this layer type uses sdpa",
-                     spec.layer_type, spec.head_dim)
+            log.info("fa4: %s (head_dim %d, %s) not supported here; this layer type uses sdpa",
+                     pool.spec.layer_type, pool.spec.head_dim, pool.dtype)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        if not self.use_fa4 or q.dtype not in FA4_DTYPES:
-            return self.fallback.forward(q, k, v, kv_cache, metadata)
-        T = metadata.num_actual_tokens
-        write_kv(kv_cache, k, v, metadata)
-        out = run_fa4(q[:T], kv_cache[0], kv_cache[1], metadata, self.spec)
+    def build(self, common: CommonAttentionMetadata) -> Fa4Metadata:
+        return Fa4Metadata(common, None if self.fallback is None else self.fallback.build(common))
+
+
+class Fa4Impl:
+    """AttentionImpl on FA4; layer types its builder sent to SDPA run there."""
+
+    def __init__(self, spec: LayerAttentionSpec) -> None:
+        self.spec = spec
+        self.fallback = SdpaImpl(spec)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: Fa4Metadata) -> torch.Tensor:
+        if metadata.fallback is not None:
+            return self.fallback.forward(q, k, v, kv_cache, metadata.fallback)
+        md = metadata.common
+        T = md.num_actual_tokens
+        write_kv(kv_cache, k, v, md)
+        out = run_fa4(q[:T], kv_cache[0], kv_cache[1], md, self.spec)
         result = torch.zeros_like(q)
         result[:T] = out
         return result
+
+
+BACKEND = AttentionBackend("fa4", Fa4Impl, Fa4MetadataBuilder)

@@ -10,18 +10,20 @@ physical blocks some row can keep (its window plus its frame), so fully masked b
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    LayerAttentionSpec,
+    PoolConfig,
+)
 from mmserve.attention.mask import keep, token_request_ids
 from mmserve.attention.paged import write_kv
 from mmserve.attention.tiles import row_key_bounds
-
-log = logging.getLogger(__name__)
 
 Q_BLOCK = 16
 MIN_BLOCKS_PER_REQ = 64
@@ -59,11 +61,6 @@ class StepTables:
         return cls(buf(tokens), buf(tokens), buf(tokens), buf(tokens), buf(reqs), buf(reqs, blocks_per_req),
                    buf(cache_blocks), window, clamp)
 
-    def fits(self, tokens: int, reqs: int, blocks_per_req: int, cache_blocks: int, device) -> bool:
-        return (self.q_pos.shape[0] >= tokens and self.seq_lens.shape[0] >= reqs
-                and self.block_table.shape[1] >= blocks_per_req and self.logical_block.shape[0] == cache_blocks
-                and self.q_pos.device == torch.device(device))
-
 
 def make_mask_mod(t: StepTables, block_size: int):
     """mask.keep on physical cache slots; reads per-step data only from `t`'s tensors.
@@ -84,83 +81,57 @@ def make_mask_mod(t: StepTables, block_size: int):
     return paged_keep
 
 
-class FlexImpl:
-    """AttentionImpl on compiled flex_attention; `max_num_tokens` fixes the padded query length."""
+@dataclass
+class FlexMetadata:
+    common: CommonAttentionMetadata
+    block_mask: BlockMask
+    num_padded_tokens: int        # query rows every call is padded to (fixed, so flex compiles once)
 
-    def __init__(self, spec: LayerAttentionSpec, max_num_tokens: int = 512, max_num_reqs: int = 64) -> None:
-        self.spec = spec
-        self.max_num_tokens = _pow2_at_least(max_num_tokens, Q_BLOCK)
-        self.max_num_reqs = max_num_reqs
-        self._tables: StepTables | None = None
-        self._mask_mod = None
-        self._step: tuple[AttentionMetadata, BlockMask] | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        T = metadata.num_actual_tokens
-        write_kv(kv_cache, k, v, metadata)
-        block_mask = self._block_mask(metadata, kv_cache)
-        H, D = q.shape[1], q.shape[2]
-        num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
-        q_pad = q.new_zeros(1, H, self.max_num_tokens, D)
-        q_pad[0, :, :T] = q[:T].transpose(0, 1)
-        keys = kv_cache[0].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
-        values = kv_cache[1].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
-        out = _compiled_flex(q_pad, keys, values, block_mask=block_mask, scale=self.spec.scale, enable_gqa=True)
-        result = torch.zeros_like(q)
-        result[:T] = out[0, :, :T].transpose(0, 1)
-        return result
+class FlexMetadataBuilder:
+    """Refills the fixed-capacity tables and builds the step's block mask, once per step per layer type."""
 
-    @property
-    def last_block_mask(self) -> BlockMask | None:
-        """The block mask of the latest step (benchmarks read how much work it lists)."""
-        return None if self._step is None else self._step[1]
+    def __init__(self, pool: PoolConfig) -> None:
+        self.spec = pool.spec
+        self.block_size = pool.block_size
+        self.num_padded_tokens = _pow2_at_least(pool.max_num_tokens, Q_BLOCK)
+        self.tables = StepTables.allocate(pool.spec, self.num_padded_tokens, pool.max_num_reqs,
+                                          _pow2_at_least(pool.max_blocks_per_req, MIN_BLOCKS_PER_REQ),
+                                          pool.num_blocks, pool.device)
+        self.mask_mod = make_mask_mod(self.tables, pool.block_size)
 
-    def _block_mask(self, metadata: AttentionMetadata, kv_cache: torch.Tensor) -> BlockMask:
-        """Built once per step (all layers of this type reuse it while `metadata` is the same object)."""
-        if self._step is not None and self._step[0] is metadata:
-            return self._step[1]
-        self._fill_tables(metadata, kv_cache)
-        block_mask = self._build_block_mask(metadata, kv_cache.shape[1])
-        self._step = (metadata, block_mask)
-        return block_mask
+    def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
+        t = self.tables
+        if (common.num_actual_tokens > t.q_pos.shape[0] or common.num_reqs > t.seq_lens.shape[0]
+                or common.block_table.shape[1] > t.block_table.shape[1]):
+            raise ValueError(f"flex: a step of {common.num_actual_tokens} tokens, {common.num_reqs} requests and "
+                             f"{common.block_table.shape[1]} blocks per request exceeds the builder's capacity")
+        self._fill_tables(common)
+        return FlexMetadata(common, self._build_block_mask(common), self.num_padded_tokens)
 
-    def _fill_tables(self, md: AttentionMetadata, kv_cache: torch.Tensor) -> None:
+    def _fill_tables(self, md: CommonAttentionMetadata) -> None:
         T, R = md.num_actual_tokens, md.num_reqs
-        cache_blocks, device = kv_cache.shape[1], kv_cache.device
-        if T > self.max_num_tokens:
-            self.max_num_tokens = _pow2_at_least(T, Q_BLOCK)
-            log.warning("flex: %d tokens exceed the padded query length; growing to %d (recompiles once)",
-                        T, self.max_num_tokens)
-        shape = (self.max_num_tokens, max(R, self.max_num_reqs),
-                 _pow2_at_least(md.block_table.shape[1], MIN_BLOCKS_PER_REQ), cache_blocks, device)
-        if self._tables is None or not self._tables.fits(*shape):
-            if self._tables is not None:
-                log.warning("flex: step tables grow to %s (recompiles once)", shape[:4])
-            self._tables = StepTables.allocate(self.spec, *shape)
-            self._mask_mod = make_mask_mod(self._tables, md.block_size)
-            self.max_num_reqs = shape[1]
-        t = self._tables
+        t = self.tables
         t.q_pos.fill_(-1)
         t.q_pos[:T] = md.positions[:T]
         t.q_req.zero_()
         t.q_req[:T] = token_request_ids(md.query_start_loc, T).to(torch.int32)
         t.r_start.fill_(-1)
         t.r_end.fill_(-1)
-        if md.mm_ranges is not None and self.spec.bidirectional:
-            t.r_start[:T] = md.mm_ranges[:T, 0]
-            t.r_end[:T] = md.mm_ranges[:T, 1]
+        if md.query_ranges is not None and self.spec.bidirectional:
+            t.r_start[:T] = md.query_ranges[:T, 0]
+            t.r_end[:T] = md.query_ranges[:T, 1]
         t.seq_lens.zero_()
         t.seq_lens[:R] = md.seq_lens[:R]
         t.block_table.zero_()
         t.block_table[:R, : md.block_table.shape[1]] = md.block_table[:R]
         # Physical -> logical block; unused table entries point at the null block 0, forced to -1 after.
         t.logical_block.fill_(-1)
-        logical = torch.arange(md.block_table.shape[1], dtype=torch.int32, device=device).expand(R, -1)
-        t.logical_block.index_put_((md.block_table[:R].long(),), logical)
+        logical = torch.arange(md.block_table.shape[1], dtype=torch.int32, device=t.logical_block.device)
+        t.logical_block.index_put_((md.block_table[:R].long(),), logical.expand(R, -1))
         t.logical_block[0] = -1
 
-    def _build_block_mask(self, md: AttentionMetadata, cache_blocks: int) -> BlockMask:
+    def _build_block_mask(self, md: CommonAttentionMetadata) -> BlockMask:
         """Per query block, the physical blocks some row may keep (its window and its frame).
 
         Each row keeps exactly the keys [lo, hi] of row_key_bounds (an interval: both the window
@@ -168,6 +139,7 @@ class FlexImpl:
         request all rows belong to, is listed as full and the kernel skips the mask_mod there.
         """
         T, bs = md.num_actual_tokens, md.block_size
+        cache_blocks = self.tables.logical_block.shape[0]
         device = md.positions.device
         req = token_request_ids(md.query_start_loc, T)
         lo_key, hi_key = row_key_bounds(md, self.spec)
@@ -175,9 +147,9 @@ class FlexImpl:
         tables = md.block_table[: md.num_reqs].long()
         phys = tables[req]                                                    # [T, MB]
         used = (logical >= (lo_key // bs)[:, None]) & (logical <= (hi_key // bs)[:, None]) & (phys != 0)
-        num_q_blocks = self.max_num_tokens // Q_BLOCK
+        num_q_blocks = self.num_padded_tokens // Q_BLOCK
         q_block = torch.arange(T, device=device) // Q_BLOCK
-        needed = self._block_matrix(q_block[:, None].expand_as(phys), phys, used, num_q_blocks, cache_blocks)
+        needed = _block_matrix(q_block[:, None].expand_as(phys), phys, used, num_q_blocks, cache_blocks)
 
         def per_q_block(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
             start = torch.full((num_q_blocks,), fill, dtype=torch.long, device=device)
@@ -190,23 +162,50 @@ class FlexImpl:
         full = (single[:, None] & (logical >= ((block_lo + bs - 1) // bs)[:, None])
                 & (logical <= ((block_hi + 1) // bs - 1)[:, None]) & (owner_phys != 0))
         rows = torch.arange(num_q_blocks, device=device)[:, None].expand_as(owner_phys)
-        full_blocks = self._block_matrix(rows, owner_phys, full, num_q_blocks, cache_blocks)
+        full_blocks = _block_matrix(rows, owner_phys, full, num_q_blocks, cache_blocks)
         partial_blocks = needed & ~full_blocks
-        return BlockMask.from_kv_blocks(*self._lists(partial_blocks), *self._lists(full_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self._mask_mod,
-                                        seq_lengths=(self.max_num_tokens, cache_blocks * bs), compute_q_blocks=False)
+        return BlockMask.from_kv_blocks(*_lists(partial_blocks), *_lists(full_blocks),
+                                        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self.mask_mod,
+                                        seq_lengths=(self.num_padded_tokens, cache_blocks * bs),
+                                        compute_q_blocks=False)
 
-    @staticmethod
-    def _block_matrix(rows: torch.Tensor, phys: torch.Tensor, use: torch.Tensor, num_rows: int,
-                      cache_blocks: int) -> torch.Tensor:
-        """[num_rows, cache_blocks] bool with True at (rows, phys) where `use` (scatter, no sync)."""
-        out = torch.zeros(num_rows, cache_blocks + 1, dtype=torch.bool, device=phys.device)
-        out[rows, torch.where(use, phys, cache_blocks)] = True
-        return out[:, :cache_blocks]
 
-    @staticmethod
-    def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(count [1, 1, rows], indices [1, 1, rows, cache_blocks]) with the listed blocks first."""
-        count = blocks.sum(-1, dtype=torch.int32)
-        indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None], indices[None, None]
+def _block_matrix(rows: torch.Tensor, phys: torch.Tensor, use: torch.Tensor, num_rows: int,
+                  cache_blocks: int) -> torch.Tensor:
+    """[num_rows, cache_blocks] bool with True at (rows, phys) where `use` (scatter, no sync)."""
+    out = torch.zeros(num_rows, cache_blocks + 1, dtype=torch.bool, device=phys.device)
+    out[rows, torch.where(use, phys, cache_blocks)] = True
+    return out[:, :cache_blocks]
+
+
+def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count [1, 1, rows], indices [1, 1, rows, cache_blocks]) with the listed blocks first."""
+    count = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return count[None, None], indices[None, None]
+
+
+class FlexImpl:
+    """AttentionImpl on compiled flex_attention over the whole paged cache."""
+
+    def __init__(self, spec: LayerAttentionSpec) -> None:
+        self.spec = spec
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: FlexMetadata) -> torch.Tensor:
+        T = metadata.common.num_actual_tokens
+        write_kv(kv_cache, k, v, metadata.common)
+        H, D = q.shape[1], q.shape[2]
+        num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
+        q_pad = q.new_zeros(1, H, metadata.num_padded_tokens, D)
+        q_pad[0, :, :T] = q[:T].transpose(0, 1)
+        keys = kv_cache[0].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
+        values = kv_cache[1].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
+        out = _compiled_flex(q_pad, keys, values, block_mask=metadata.block_mask, scale=self.spec.scale,
+                             enable_gqa=True)
+        result = torch.zeros_like(q)
+        result[:T] = out[0, :, :T].transpose(0, 1)
+        return result
+
+
+BACKEND = AttentionBackend("flex", FlexImpl, FlexMetadataBuilder)

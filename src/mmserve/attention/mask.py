@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 
 
 def keep(q, k, r_start, r_end, *, window, bidirectional: bool, clamp):
@@ -36,13 +36,33 @@ def keep_for_spec(q, k, r_start, r_end, spec: LayerAttentionSpec):
                 clamp=spec.clamp_bidirectional)
 
 
+def keep_into(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, r_start: torch.Tensor | None,
+              r_end: torch.Tensor | None, spec: LayerAttentionSpec, scratch: list[torch.Tensor]) -> torch.Tensor:
+    """keep_for_spec written into `out` (bool, the broadcast shape of q - k) without allocating: the
+    metadata builders' form of the same rule. `scratch` is one int64 and three bool tensors of out's
+    shape; r_start/r_end None means no query row lies in a range."""
+    diff, in_window, in_range, tmp = scratch
+    torch.sub(q, k, out=diff)                       # q - k
+    torch.ge(diff, 0, out=out)                      # k <= q
+    if spec.window is not None:
+        torch.lt(diff, spec.window, out=in_window)  # q - k < W
+        out &= in_window
+    if spec.bidirectional and r_start is not None:
+        torch.ge(k, r_start, out=in_range)
+        in_range &= torch.le(k, r_end, out=tmp)
+        if spec.window is not None and spec.clamp_bidirectional:
+            in_range &= in_window
+        out |= in_range
+    return out
+
+
 def token_request_ids(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Request index of each flattened query token, without a Python loop."""
     tokens = torch.arange(num_tokens, device=query_start_loc.device)
     return torch.searchsorted(query_start_loc[1:].to(torch.int64), tokens, right=True)
 
 
-def key_valid(metadata: AttentionMetadata, num_keys: int) -> torch.Tensor:
+def key_valid(metadata: CommonAttentionMetadata, num_keys: int) -> torch.Tensor:
     """[num_reqs, num_keys] bool: key position exists in the request and its block is not the null block 0."""
     k = torch.arange(num_keys, device=metadata.block_table.device)
     valid = k[None, :] < metadata.seq_lens[:, None].to(torch.int64)
@@ -50,35 +70,17 @@ def key_valid(metadata: AttentionMetadata, num_keys: int) -> torch.Tensor:
     return valid & (metadata.block_table[:, block_idx] != 0)
 
 
-def batch_dense_mask(metadata: AttentionMetadata, spec: LayerAttentionSpec, num_keys: int | None = None) -> torch.Tensor:
+def batch_dense_mask(metadata: CommonAttentionMetadata, spec: LayerAttentionSpec, num_keys: int | None = None) -> torch.Tensor:
     """[T, num_keys] bool: row i is query token i's mask over its own request's key positions 0..num_keys-1."""
     num_keys = metadata.max_seq_len if num_keys is None else num_keys
     T = metadata.num_actual_tokens
     q = metadata.positions[:T].to(torch.int64)[:, None]
     k = torch.arange(num_keys, device=q.device)[None, :]
-    if metadata.mm_ranges is not None and spec.bidirectional:
-        ranges = metadata.mm_ranges[:T].to(torch.int64)
+    if metadata.query_ranges is not None and spec.bidirectional:
+        ranges = metadata.query_ranges[:T].to(torch.int64)
         r_start, r_end = ranges[:, 0:1], ranges[:, 1:2]
     else:
         r_start = r_end = torch.full_like(q, -1)
     mask = keep_for_spec(q, k, r_start, r_end, spec)
     req = token_request_ids(metadata.query_start_loc, T)
     return mask & key_valid(metadata, num_keys)[req]
-
-
-def request_mask(metadata: AttentionMetadata, spec: LayerAttentionSpec, req: int, rows: slice, first_key: int,
-                 num_keys: int) -> torch.Tensor:
-    """[len(rows), num_keys - first_key] bool: one request's query rows over its keys first_key..num_keys-1.
-
-    What per-request backends attend over; equal to the matching slice of batch_dense_mask without
-    building the whole [T, max_seq_len] matrix.
-    """
-    q = metadata.positions[rows].to(torch.int64)[:, None]
-    k = torch.arange(first_key, num_keys, device=q.device)[None, :]
-    if metadata.mm_ranges is not None and spec.bidirectional:
-        ranges = metadata.mm_ranges[rows].to(torch.int64)
-        r_start, r_end = ranges[:, 0:1], ranges[:, 1:2]
-    else:
-        r_start = r_end = torch.full_like(q, -1)
-    valid = metadata.block_table[req, k // metadata.block_size] != 0
-    return keep_for_spec(q, k, r_start, r_end, spec) & valid

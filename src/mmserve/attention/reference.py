@@ -1,15 +1,23 @@
-"""Dense float32 oracle: gathers each request's keys, builds the mask from mask.py, softmax in fp32.
+"""Dense float32 oracle: gathers each request's keys, masks them with mask.py, softmax in fp32.
 
-Slow on purpose and free of tricks, so every faster backend can be compared against it.
+Slow on purpose and free of tricks, so every faster backend can be compared against it. Its
+builder only turns the step's offsets into Python ints and builds the dense mask, once per step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    LayerAttentionSpec,
+    PoolConfig,
+)
 from mmserve.attention.mask import batch_dense_mask
-from mmserve.attention.paged import gather_kv, host_offsets, write_kv
+from mmserve.attention.paged import gather_kv, write_kv
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -24,23 +32,44 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     return (probs @ vf).transpose(0, 1)
 
 
+@dataclass
+class ReferenceMetadata:
+    common: CommonAttentionMetadata
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    mask: torch.Tensor               # bool [T, max_seq_len] (mask.batch_dense_mask)
+
+
+class ReferenceMetadataBuilder:
+    def __init__(self, pool: PoolConfig) -> None:
+        self.spec = pool.spec
+
+    def build(self, common: CommonAttentionMetadata) -> ReferenceMetadata:
+        return ReferenceMetadata(common, common.query_start_loc_cpu[: common.num_reqs + 1].tolist(),
+                                 common.seq_lens_cpu[: common.num_reqs].tolist(), batch_dense_mask(common, self.spec))
+
+
 class ReferenceImpl:
     """The oracle backend (AttentionImpl)."""
 
     def __init__(self, spec: LayerAttentionSpec) -> None:
         self.spec = spec
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata)
-        mask = batch_dense_mask(metadata, self.spec)
-        qsl, seq_lens = host_offsets(metadata)
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: ReferenceMetadata) -> torch.Tensor:
+        md = metadata.common
+        write_kv(kv_cache, k, v, md)
+        qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
         out = torch.zeros_like(q)
-        for r in range(metadata.num_reqs):
+        for r in range(md.num_reqs):
             start, end = qsl[r], qsl[r + 1]
             if end == start:
                 continue
-            keys, values = gather_kv(kv_cache, metadata.block_table[r], seq_lens[r])
-            rows = dense_attention(q[start:end], keys, values, mask[start:end, : seq_lens[r]], self.spec.scale)
+            keys, values = gather_kv(kv_cache, md.block_table[r], seq_lens[r])
+            rows = dense_attention(q[start:end], keys, values, metadata.mask[start:end, : seq_lens[r]],
+                                   self.spec.scale)
             out[start:end] = rows.to(q.dtype)
         return out
+
+
+BACKEND = AttentionBackend("reference", ReferenceImpl, ReferenceMetadataBuilder)

@@ -1,65 +1,233 @@
-"""torch SDPA per request over gathered pages.
+"""torch SDPA over gathered windowed page tables: one padded call per group of requests, or one per request.
 
-Prefill rows get the explicit bool mask from mask.py (never `is_causal`: on CPU it aligns top-left
-when query and key lengths differ, which is wrong for chunked prefill). A decode row outside any
-range needs no mask at all: its keys are exactly the last W positions, so we slice them.
+The builder (once per step per layer type) computes the windowed page tables (page_tables.py),
+splits the requests into decode rows (one query each) and prefill chunks, and for each group
+chooses one padded call ("batched") or a call per request ("loop"), whichever costs less work:
+padding every request to the group's longest query and key span against a fixed overhead per
+call. Very long mixed contexts are where the loop wins. It then prepares the gather indices and an
+additive float mask built vectorised from mask.keep over the range table, in persistent buffers.
+
+The impl (per layer) writes this step's K/V, gathers each group's blocks from the cache and makes
+one SDPA call per group. GQA is packed: the g query heads that share a KV head become g query rows
+of one head, so K/V are never repeated and the CPU flash kernel runs (a 3-D mask would send SDPA to
+its math fallback; enable_gqa re-reads K/V per query head). A decode row outside any range needs
+no mask in the per-request form: its keys are exactly the sliced window.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
-from mmserve.attention.mask import request_mask
-from mmserve.attention.paged import gather_kv, host_offsets, write_kv
+from mmserve.attention.backend import (
+    AttentionBackend,
+    CommonAttentionMetadata,
+    LayerAttentionSpec,
+    PoolConfig,
+)
+from mmserve.attention.buffers import StagedWorkspace
+from mmserve.attention.mask import keep_into
+from mmserve.attention.page_tables import WindowedTables, first_kept_keys, windowed_tables
+from mmserve.attention.paged import write_kv
+
+# Fixed cost of one more SDPA call (gathers, views, dispatch), in units of the padded work it
+# competes with: query rows x keys x heads x head_dim. Measured on CPU by bench/attention.py
+# ("loop" vs "batched" rows); the crossover is flat, so the value need not be exact.
+CALL_OVERHEAD = 400_000
+NO_KEY = 2**62   # absolute position given to padding keys, so mask.keep drops them by its own rule
+MODES = ("auto", "batched", "loop")
 
 
-def key_span(spec: LayerAttentionSpec, first_q: int, seq_len: int, min_range_start: int | None) -> int:
-    """First key position any of a request's query rows can keep (query rows start at `first_q`)."""
-    lo = 0 if spec.window is None else max(0, first_q - spec.window + 1)
-    if min_range_start is not None and spec.bidirectional and not spec.clamp_bidirectional:
-        lo = min(lo, min_range_start)
-    return min(lo, seq_len)
+@dataclass
+class SdpaGroup:
+    """Requests attended by one SDPA call: num_reqs requests padded to q_len rows and num_blocks blocks."""
+
+    num_reqs: int
+    q_len: int
+    num_blocks: int
+    token_rows: slice | torch.Tensor     # the step's rows this group computes (int64 [T_g] or a slice)
+    q_index: torch.Tensor | None         # int64 [R * q_len]: row of q per padded row; None: token_rows in order
+    out_index: torch.Tensor | None       # int64 [T_g]: padded row of each token row; None: the identity
+    kv_blocks: torch.Tensor              # int64 [R * num_blocks]: physical blocks gathered
+    key_slice: slice                     # gathered keys attended (a lone decode row drops the window's head)
+    mask: torch.Tensor | None            # additive [R, 1, g * q_len (1 for decode), keys]; None: keep all
+    k_buf: torch.Tensor                  # gather destinations [R * num_blocks, block_size, Hkv, D]
+    v_buf: torch.Tensor
+
+
+@dataclass
+class SdpaMetadata:
+    common: CommonAttentionMetadata
+    groups: list[SdpaGroup]
+
+
+class SdpaMetadataBuilder:
+    """Plans each step's SDPA calls for one layer type; `mode` forces "batched" or "loop" (tests, bench)."""
+
+    def __init__(self, pool: PoolConfig, mode: str | None = None) -> None:
+        mode = mode or pool.sdpa_batching
+        if mode not in MODES:
+            raise ValueError(f"sdpa batching {mode!r}: choose from {', '.join(MODES)}")
+        self.pool, self.spec, self.mode = pool, pool.spec, mode
+        self.group_size = pool.spec.num_heads // pool.spec.num_kv_heads
+        self.ws = StagedWorkspace(pool.device)
+        self.tables = np.zeros((pool.max_num_reqs, pool.max_blocks_per_req), dtype=np.int32)
+
+    def build(self, common: CommonAttentionMetadata) -> SdpaMetadata:
+        R, T = common.num_reqs, common.num_actual_tokens
+        qsl = common.query_start_loc_cpu.numpy()[: R + 1].astype(np.int64)
+        seq_lens = common.seq_lens_cpu.numpy()[:R].astype(np.int64)
+        ranges = None
+        if common.query_ranges_cpu is not None and self.spec.bidirectional:
+            ranges = common.query_ranges_cpu.numpy()[:T].astype(np.int64)
+        starts = None if ranges is None else ranges[:, 0]
+        tables = windowed_tables(self.spec, common.block_size, qsl, seq_lens, common.block_table_cpu.numpy(),
+                                 starts, self.tables)
+        step = _HostStep(qsl, np.diff(qsl), common.positions_cpu.numpy()[:T], ranges, tables,
+                         first_kept_keys(self.spec, qsl, seq_lens, starts))
+        calls: list[np.ndarray] = []
+        for members in (np.flatnonzero(step.q_lens == 1), np.flatnonzero(step.q_lens > 1)):
+            if len(members) and self._batch(members, step):
+                calls.append(members)
+            else:
+                calls.extend(members[i: i + 1] for i in range(len(members)))
+        # Groups run one after another in each layer, so they share one gather buffer.
+        most = max(len(m) * int(tables.num_blocks[m].max()) for m in calls)
+        shape = (most, common.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        k_buf, v_buf = (self.ws.dev.get(n, shape, self.pool.dtype) for n in ("k", "v"))
+        return SdpaMetadata(common, [self._group(f"c{i}", m, step, k_buf, v_buf) for i, m in enumerate(calls)])
+
+    def _batch(self, members: np.ndarray, step: _HostStep) -> bool:
+        """One padded call for these requests, or one call each: the smaller estimated work."""
+        if self.mode != "auto" or len(members) == 1:
+            return self.mode == "batched"
+        exact = int((step.q_lens[members] * step.tables.num_keys[members]).sum())
+        padded = len(members) * int(step.q_lens[members].max()) * int(step.tables.num_blocks[members].max()) \
+            * self.pool.block_size
+        per_pair = self.spec.num_heads * self.spec.head_dim
+        return (padded - exact) * per_pair < (len(members) - 1) * CALL_OVERHEAD
+
+    def _group(self, name: str, members: np.ndarray, step: _HostStep, k_buf: torch.Tensor,
+               v_buf: torch.Tensor) -> SdpaGroup:
+        """Indices and mask of one call over `members` (request indices, in step order)."""
+        R, bs, i64 = len(members), self.pool.block_size, torch.int64
+        q_lens = step.q_lens[members]
+        Q, NB = int(q_lens.max()), int(step.tables.num_blocks[members].max())
+        starts, total = step.qsl[members], int(q_lens.sum())
+        offsets = np.cumsum(q_lens) - q_lens
+        token_rows = np.repeat(starts - offsets, q_lens) + np.arange(total)
+        padded_row = np.repeat(np.arange(R) * Q - offsets, q_lens) + np.arange(total)
+
+        self.ws.array(f"{name}.blocks", (R, NB), i64)[:] = step.tables.block_table[members, :NB]
+        blocks = self.ws.push(f"{name}.blocks", (R, NB), i64).view(-1)
+        size = R * NB
+        num_keys = step.tables.num_keys[members]
+        if R == 1:   # unpadded: attend from the first kept key to the last
+            first = int(step.first_kept[members[0]] - step.tables.key_start[members[0]])
+            key_slice = slice(first, int(num_keys[0]))
+        else:
+            key_slice = slice(0, NB * bs)
+        lone_decode = R == 1 and Q == 1 and (step.ranges is None or step.ranges[token_rows[0], 0] < 0)
+        mask = None if lone_decode else self._mask(name, members, Q, NB, key_slice, token_rows, padded_row, step)
+        if R * Q == total and bool(np.all(np.diff(starts) == q_lens[:-1])):   # rows already in padded order
+            rows: slice | torch.Tensor = slice(int(starts[0]), int(starts[0]) + total)
+            q_index = out_index = None
+        else:
+            self.ws.array(f"{name}.rows", (total,), i64)[:] = token_rows
+            rows = self.ws.push(f"{name}.rows", (total,), i64)
+            q_index_np = self.ws.array(f"{name}.q_index", (R * Q,), i64)
+            q_index_np.fill(int(token_rows[0]))      # padded rows read any real row; their mask drops them
+            q_index_np[padded_row] = token_rows
+            q_index = self.ws.push(f"{name}.q_index", (R * Q,), i64)
+            self.ws.array(f"{name}.out_index", (total,), i64)[:] = padded_row
+            out_index = self.ws.push(f"{name}.out_index", (total,), i64)
+        return SdpaGroup(R, Q, NB, rows, q_index, out_index, blocks, key_slice, mask, k_buf[:size], v_buf[:size])
+
+    def _mask(self, name: str, members: np.ndarray, Q: int, NB: int, key_slice: slice, token_rows: np.ndarray,
+              padded_row: np.ndarray, step: _HostStep) -> torch.Tensor:
+        """Additive mask [R, 1, g*Q (1 when Q == 1), L]: mask.keep over padded rows and gathered keys."""
+        R, L, bs, i64 = len(members), key_slice.stop - key_slice.start, self.pool.block_size, torch.int64
+        q_pos = self.ws.array(f"{name}.q_pos", (R, Q), i64)
+        q_pos.fill(-1)   # padded rows keep nothing: no key lies at or before -1, and their range is (-1, -1)
+        q_pos.reshape(-1)[padded_row] = step.positions[token_rows]
+        local = np.arange(key_slice.start, key_slice.stop)
+        k_abs = self.ws.array(f"{name}.k_abs", (R, L), i64)
+        np.add(step.tables.key_start[members, None], local, out=k_abs)
+        missing = (local >= step.tables.num_keys[members, None]) | (step.tables.block_table[members][:, local // bs] == 0)
+        k_abs[missing] = NO_KEY      # past the request's context, or in a freed (null) block
+        q_dev = self.ws.push(f"{name}.q_pos", (R, Q), i64)[:, :, None]
+        k_dev = self.ws.push(f"{name}.k_abs", (R, L), i64)[:, None, :]
+        r_start = r_end = None
+        if step.ranges is not None:
+            bounds = self.ws.array(f"{name}.ranges", (2, R, Q), i64)
+            bounds.fill(-1)
+            bounds.reshape(2, -1)[:, padded_row] = step.ranges[token_rows].T
+            bounds_dev = self.ws.push(f"{name}.ranges", (2, R, Q), i64)
+            r_start, r_end = bounds_dev[0][:, :, None], bounds_dev[1][:, :, None]
+        shape = (R, Q, L)
+        keep = self.ws.dev.get("keep", shape, torch.bool)
+        scratch = [self.ws.dev.get("diff", shape, i64)] + [self.ws.dev.get(f"s{i}", shape, torch.bool) for i in range(3)]
+        keep_into(keep, q_dev, k_dev, r_start, r_end, self.spec, scratch)
+        g = self.group_size if Q > 1 else 1
+        mask = self.ws.dev.get(f"{name}.mask", (R, g, Q, L), self.pool.dtype)
+        mask.fill_(float("-inf")).masked_fill_(keep[:, None], 0.0)
+        return mask.view(R, 1, g * Q, L)
+
+
+@dataclass
+class _HostStep:
+    """The step's host arrays every call is planned from."""
+
+    qsl: np.ndarray
+    q_lens: np.ndarray
+    positions: np.ndarray
+    ranges: np.ndarray | None     # int64 [T, 2], or None (no range on this layer type this step)
+    tables: WindowedTables
+    first_kept: np.ndarray
 
 
 class SdpaImpl:
-    """AttentionImpl on F.scaled_dot_product_attention."""
+    """AttentionImpl on F.scaled_dot_product_attention, one call per planned group."""
 
     def __init__(self, spec: LayerAttentionSpec) -> None:
         self.spec = spec
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata)
-        qsl, seq_lens = host_offsets(metadata)
-        use_ranges = metadata.mm_ranges is not None and self.spec.bidirectional
-        range_starts = self._range_starts(metadata, qsl) if use_ranges else [None] * metadata.num_reqs
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
+                metadata: SdpaMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.common)
         out = torch.empty_like(q)
-        for r in range(metadata.num_reqs):
-            start, end = qsl[r], qsl[r + 1]
-            if end == start:
-                continue
-            seq_len = seq_lens[r]
-            lo = key_span(self.spec, seq_len - (end - start), seq_len, range_starts[r])
-            keys, values = gather_kv(kv_cache, metadata.block_table[r], seq_len, first_key=lo)
-            row_mask = None
-            if end - start > 1 or range_starts[r] is not None:
-                row_mask = request_mask(metadata, self.spec, r, slice(start, end), lo, seq_len)[None]
-            out[start:end] = self._attend(q[start:end], keys, values, row_mask)
+        out[metadata.common.num_actual_tokens:].zero_()
+        for group in metadata.groups:
+            rows = self._attend(q, kv_cache, group)
+            if isinstance(group.token_rows, slice):
+                out[group.token_rows] = rows
+            else:
+                out.index_copy_(0, group.token_rows, rows)
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                           attn_mask=mask, scale=self.spec.scale, enable_gqa=True)
-        return o[0].transpose(0, 1)
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, grp: SdpaGroup) -> torch.Tensor:
+        R, Q = grp.num_reqs, grp.q_len
+        H, D = q.shape[1], q.shape[2]
+        Hkv = kv_cache.shape[3]
+        g = H // Hkv
+        torch.index_select(kv_cache[0], 0, grp.kv_blocks, out=grp.k_buf)
+        torch.index_select(kv_cache[1], 0, grp.kv_blocks, out=grp.v_buf)
+        keys = grp.k_buf.view(R, -1, Hkv, D)[:, grp.key_slice].transpose(1, 2)      # [R, Hkv, L, D]
+        values = grp.v_buf.view(R, -1, Hkv, D)[:, grp.key_slice].transpose(1, 2)
+        rows = q[grp.token_rows] if grp.q_index is None else q.index_select(0, grp.q_index)
+        if Q == 1:
+            packed = rows.view(R, Hkv, g, D)
+        else:
+            packed = rows.view(R, Q, Hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, g * Q, D)
+        o = F.scaled_dot_product_attention(packed, keys, values, attn_mask=grp.mask, scale=self.spec.scale)
+        if Q == 1:
+            o = o.reshape(R, H, D)
+        else:
+            o = o.view(R, Hkv, g, Q, D).permute(0, 3, 1, 2, 4).reshape(R * Q, H, D)
+        return o if grp.out_index is None else o.index_select(0, grp.out_index)
 
-    @staticmethod
-    def _range_starts(metadata: AttentionMetadata, qsl: list[int]) -> list[int | None]:
-        """Smallest range start among each request's scheduled rows, or None when none of them is in a range."""
-        starts = metadata.mm_ranges[: metadata.num_actual_tokens, 0].tolist()
-        result: list[int | None] = []
-        for r in range(metadata.num_reqs):
-            inside = [s for s in starts[qsl[r]: qsl[r + 1]] if s >= 0]
-            result.append(min(inside) if inside else None)
-        return result
+
+BACKEND = AttentionBackend("sdpa", SdpaImpl, SdpaMetadataBuilder)

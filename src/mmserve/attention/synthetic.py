@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec, PoolConfig
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Batch:
     k: torch.Tensor
     v: torch.Tensor
     kv_cache: torch.Tensor
-    metadata: AttentionMetadata
+    metadata: CommonAttentionMetadata
     reqs: list[Req]
 
 
@@ -92,10 +92,33 @@ def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype 
     v = torch.randn(T, Hkv, D, generator=gen).to(dtype)
     seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
     query_start_loc = torch.tensor(qsl, dtype=torch.int32)
-    metadata = AttentionMetadata(
+    positions_t = torch.tensor(positions, dtype=torch.int64)
+    ranges = query_ranges(reqs)
+    metadata = CommonAttentionMetadata(
         num_actual_tokens=T, num_reqs=len(reqs), max_query_len=max(r.query for r in reqs),
         max_seq_len=max(r.seq_len for r in reqs), query_start_loc=query_start_loc, seq_lens=seq_lens,
-        positions=torch.tensor(positions, dtype=torch.int64), block_table=block_table,
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), block_size=block_size,
-        mm_ranges=query_ranges(reqs), query_start_loc_cpu=query_start_loc.clone(), seq_lens_cpu=seq_lens.clone())
+        positions=positions_t, block_table=block_table, slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_size=block_size, query_ranges=ranges, query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens_cpu=seq_lens.clone(), positions_cpu=positions_t.clone(), block_table_cpu=block_table.clone(),
+        query_ranges_cpu=None if ranges is None else ranges.clone())
     return Batch(q, k, v, kv_cache, metadata, reqs)
+
+
+def pool_for(batch: Batch, spec: LayerAttentionSpec, *, max_num_tokens: int | None = None,
+             sdpa_batching: str = "auto") -> PoolConfig:
+    """A pool sized like the engine's defaults (512 tokens, 64 requests) unless `batch` needs more,
+    so compiled backends see the same capacities, hence one graph, across batches."""
+    md = batch.metadata
+    return PoolConfig(spec, num_blocks=batch.kv_cache.shape[1], block_size=md.block_size,
+                      max_num_tokens=max(max_num_tokens or 512, md.num_actual_tokens),
+                      max_num_reqs=max(64, md.num_reqs), max_blocks_per_req=max(64, md.block_table.shape[1]),
+                      device=batch.q.device, dtype=batch.q.dtype, sdpa_batching=sdpa_batching)
+
+
+def run_backend(name: str, batch: Batch, spec: LayerAttentionSpec, kv_cache=None, **pool_options):
+    """Build backend `name`'s metadata for `batch` and run one layer; returns (output, the cache written)."""
+    from mmserve.attention import create_builder, create_impl
+
+    cache = batch.kv_cache.clone() if kv_cache is None else kv_cache
+    metadata = create_builder(name, pool_for(batch, spec, **pool_options)).build(batch.metadata)
+    return create_impl(name, spec).forward(batch.q, batch.k, batch.v, cache, metadata), cache

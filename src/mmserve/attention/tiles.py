@@ -13,19 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.attention.backend import AttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 from mmserve.attention.mask import batch_dense_mask, token_request_ids
 
 
-def row_key_bounds(md: AttentionMetadata, spec: LayerAttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def row_key_bounds(md: CommonAttentionMetadata, spec: LayerAttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """Inclusive [lo, hi] key positions each query row may keep (int64 [T] each)."""
     T = md.num_actual_tokens
     q = md.positions[:T].long()
     req = token_request_ids(md.query_start_loc, T)
     hi = q.clone()
     lo = (q - spec.window + 1).clamp(min=0) if spec.window is not None else torch.zeros_like(q)
-    if md.mm_ranges is not None and spec.bidirectional:
-        rs, re = md.mm_ranges[:T, 0].long(), md.mm_ranges[:T, 1].long()
+    if md.query_ranges is not None and spec.bidirectional:
+        rs, re = md.query_ranges[:T, 0].long(), md.query_ranges[:T, 1].long()
         inside = rs >= 0
         hi = torch.where(inside, torch.maximum(hi, re), hi)
         if not spec.clamp_bidirectional:
@@ -49,7 +49,7 @@ class VarlenTiles:
         return int(self.block_cnt.sum()) * self.tile_q * self.tile_k
 
 
-def varlen_tiles(md: AttentionMetadata, spec: LayerAttentionSpec, tile_q: int, tile_k: int) -> VarlenTiles:
+def varlen_tiles(md: CommonAttentionMetadata, spec: LayerAttentionSpec, tile_q: int, tile_k: int) -> VarlenTiles:
     """Tile lists for a step; tiles count from each request's first scheduled row and from key 0."""
     qsl = (md.query_start_loc_cpu if md.query_start_loc_cpu is not None else md.query_start_loc).cpu().long()
     seq = (md.seq_lens_cpu if md.seq_lens_cpu is not None else md.seq_lens).cpu().long()
@@ -81,6 +81,6 @@ def varlen_tiles(md: AttentionMetadata, spec: LayerAttentionSpec, tile_q: int, t
                        cnt.to(torch.int32)[None], idx.to(torch.int32)[None], tile_q, tile_k)
 
 
-def kept_pairs(md: AttentionMetadata, spec: LayerAttentionSpec) -> int:
+def kept_pairs(md: CommonAttentionMetadata, spec: LayerAttentionSpec) -> int:
     """Exact number of (query, key) pairs the mask keeps in a step (per head)."""
     return int(batch_dense_mask(md, spec).sum())

@@ -65,7 +65,7 @@ def _broken_model(model, how: str) -> Callable[[list], list]:
     from mmserve.attention import create_impl
 
     spec = model.spec
-    backend = getattr(model, "backend_name", "reference")
+    backend = model.attention_backend
     if how in ("causal-frames", "hide-earlier-frames"):
         window = spec.attention_specs["sliding_attention"].window
         for layer_type, layer in zip(spec.layer_types, model.decoder.layers, strict=True):

@@ -101,7 +101,7 @@ class AsyncEngine:
         spec = self.core.model.spec
         return ModelInfo(name=Path(self.config.model).name, context_length=self.core.max_model_len,
                          tokens_per_frame=spec.video_max_soft_tokens,
-                         backend=getattr(self.core.model, "backend_name", self.config.attention_backend),
+                         backend=self.core.model.attention_backend,
                          dtype=self.config.dtype)
 
     async def shutdown(self) -> None:

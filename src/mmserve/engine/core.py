@@ -45,10 +45,7 @@ def load_engine_model(config: EngineConfig):
 
     device = resolve_device(config.device)
     backend = resolve_backend(config.attention_backend, device)
-    # Compiled backends size their padded tables once, from the engine's own limits.
-    model = load_model(config.model, dtype=config.dtype, device=device, attention_backend=backend,
-                       max_num_tokens=config.max_num_batched_tokens, max_num_reqs=config.max_num_seqs)
-    model.backend_name = backend
+    model = load_model(config.model, dtype=config.dtype, device=device, attention_backend=backend)
     tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
     return model, tokenizer
 
@@ -73,9 +70,7 @@ class EngineCore:
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    max_waiting_requests=config.max_waiting_requests,
                                    policy=config.scheduling_policy)
-        self.runner = ModelRunner(model, plans, block_size=config.block_size,
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len)
+        self.runner = ModelRunner(model, plans, config, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         grammar = (StructuredOutput(tokenizer, spec.vocab_size, sorted(self.eos_token_ids))
                    if tokenizer is not None else None)
@@ -89,7 +84,7 @@ class EngineCore:
         self._live: set[str] = set()                    # admitted and not yet ended (guarded by _cond)
         self._forks: dict[str, list[Request]] = {}      # parent id -> samples waiting for its prompt's KV
         logger.info("engine: %s, KV pools %s, max_model_len %d",
-                    getattr(model, "backend_name", "?"),
+                    model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
 
     # -- any thread -----------------------------------------------------------------------------------------
@@ -222,12 +217,12 @@ class EngineCore:
             if state.first_scheduled is None:
                 state.first_scheduled = now
         try:
-            result = self.runner.execute(out, self.kv)
+            result = self.runner.execute(out)
             sampled = self.sampler.sample(result.logits, [s.request for s in result.sampled])
             for s in out.scheduled:
                 if s.request.request_id in result.prompt_logprobs:   # stored by position: a recompute overwrites
                     state = self.states[s.request.request_id]
-                    state.prompt_logprobs[s.context_len:] = result.prompt_logprobs[s.request.request_id]
+                    state.prompt_logprobs[s.num_computed_tokens:] = result.prompt_logprobs[s.request.request_id]
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, events)
             return events
@@ -279,7 +274,7 @@ class EngineCore:
                 self._end(rid, events, EngineInternalError(f"request {rid}: engine step failed: {exc!r}"))
 
     def _record(self, out: SchedulerOutput, start_perf: float, end_perf: float, start_ns: int, end_ns: int) -> None:
-        items = [ScheduledItem(s.request.request_id, s.num_tokens, s.context_len + s.num_tokens, s.is_prefill,
+        items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
                                len(s.frames), s.request) for s in out.scheduled]
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
                             len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),

@@ -58,11 +58,11 @@ def prompt_logprobs(model, hidden: torch.Tensor, scheduled, query_start_loc) -> 
     out: dict[str, list[TokenLogprobs]] = {}
     for i, s in enumerate(scheduled):
         params = s.request.sampling_params
-        end = min(s.context_len + s.num_tokens, s.request.num_prompt_tokens - 1)
-        if not params.prompt_logprobs or s.context_len >= end:
+        end = min(s.seq_len, s.request.num_prompt_tokens - 1)
+        if not params.prompt_logprobs or s.num_computed_tokens >= end:
             continue
         first = int(query_start_loc[i])
-        targets = s.request.prompt_token_ids[s.context_len + 1:end + 1]
+        targets = s.request.prompt_token_ids[s.num_computed_tokens + 1:end + 1]
         entries: list[TokenLogprobs] = []
         for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
             chunk = targets[lo:lo + PROMPT_LOGITS_ROWS]

@@ -1,4 +1,8 @@
-"""Owns the model and its paged KV caches; turns one SchedulerOutput into logits.
+"""Owns the model, its paged KV caches and every per-step input; turns one SchedulerOutput into logits.
+
+Per step: apply the scheduler's block-table changes (block_table.py), fill the step inputs once
+(step_inputs.py: ids, positions, slots, one CommonAttentionMetadata per KV pool), let each pool's
+attention metadata builder prepare its backend's state once, then run the model.
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
 the largest frame) into a per-request encoder cache. An entry lives until its frame's range is in
@@ -9,15 +13,18 @@ a preempted, finished or aborted request's entries are dropped at once.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.attention.backend import kv_cache_shape
+from mmserve.attention import PoolConfig, get_backend
+from mmserve.config import EngineConfig
+from mmserve.engine.block_table import BlockTables
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
+from mmserve.engine.step_inputs import StepInputBuilder
 from mmserve.model.vision import pad_patches
-from mmserve.scheduler.kv_cache_manager import KVCacheManager, PoolPlan
-from mmserve.scheduler.metadata import MetadataBuilder
+from mmserve.scheduler.kv_cache_manager import PoolPlan
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -32,24 +39,38 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, plans: dict[str, PoolPlan], *, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, max_model_len: int):
+    def __init__(self, model, plans: dict[str, PoolPlan], config: EngineConfig, *, max_model_len: int,
+                 max_num_tokens: int | None = None):
+        """`max_num_tokens`: the largest step the scheduler may send (default: the token budget)."""
         self.model = model
         spec = model.spec
         device, dtype = model.device, model.dtype
+        backend = get_backend(model.attention_backend)
         # One cache per layer that holds KV; a KV-sharing consumer's entry is its producer's tensor.
         self.kv_caches: list[torch.Tensor] = []
         for layer in spec.layers:
             t = layer.layer_type
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
-                kv_cache_shape(plans[t].num_blocks, block_size, spec.attention_specs[t]), dtype=dtype, device=device))
-        self.builder = MetadataBuilder(spec.attention_specs, max_num_batched_tokens=max_num_batched_tokens,
-                                       max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                       block_size=block_size, device=device)
+                backend.kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
+                dtype=dtype, device=device))
+        max_tokens = max_num_tokens or config.max_num_batched_tokens
+        max_blocks = math.ceil(max_model_len / config.block_size)
+        self.block_tables = BlockTables(plans, max_blocks)
+        self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_tokens,
+                                       max_num_seqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
+                                       block_size=config.block_size, device=device)
+        self.attn_builders = {
+            t: backend.builder_cls(PoolConfig(
+                spec.attention_specs[t], num_blocks=plans[t].num_blocks, block_size=config.block_size,
+                max_num_tokens=max_tokens, max_num_reqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
+                device=device, dtype=dtype, sdpa_batching=config.sdpa_batching))
+            for t in spec.attention_specs if t in plans
+        }
         self.encoder_cache: dict[str, dict[int, torch.Tensor]] = {}
 
     def free(self, request_id: str) -> None:
         self.encoder_cache.pop(request_id, None)
+        self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
         """Embeddings of this step's frames in (request, frame) order, encoding those not cached."""
@@ -68,15 +89,17 @@ class ModelRunner:
         return torch.cat(parts) if parts else None
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> StepResult:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
-        inputs = self.builder.build(out.scheduled, kv)
+        rows = self.block_tables.apply(out.scheduled)
+        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
+        attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
         mm_embeds = self._encode(out.scheduled)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches,
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
                                     mm_embeds, inputs.mm_token_index)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.builder.query_start_loc.np)
+        prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
         for s in out.scheduled:
             # A frame's embeddings are needed until its whole range is in the KV cache, which (chunks
             # never split a frame) is the end of the step that encoded it.
@@ -84,6 +107,6 @@ class ModelRunner:
             if cache is not None:
                 for f in s.frames:
                     cache.pop(f, None)
-                if not cache or s.context_len + s.num_tokens >= s.request.num_prompt_tokens:
-                    self.free(s.request.request_id)
+                if not cache or s.seq_len >= s.request.num_prompt_tokens:
+                    self.encoder_cache.pop(s.request.request_id, None)
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp)

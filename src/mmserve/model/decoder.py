@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.attention.backend import AttentionImpl, AttentionMetadata
+from mmserve.attention.backend import AttentionImpl
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
@@ -47,7 +47,7 @@ class Attention(nn.Module):
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         t = x.shape[0]
         q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
         k = v = None
@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
+                metadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata))
         ffn = self.mlp(self.pre_feedforward_layernorm(h))
         if self.moe is not None:
@@ -140,7 +140,7 @@ class TextDecoder(nn.Module):
         return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: dict[str, AttentionMetadata], kv_caches: list[torch.Tensor],
+                attn_metadata: dict, kv_caches: list[torch.Tensor],
                 mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed(input_ids, mm_embeds, mm_token_index)
         layer_inputs = None

@@ -50,13 +50,9 @@ def _consumer_kv_weights(spec: ModelSpec) -> re.Pattern | None:
 
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-               attention_backend: str = "reference", max_num_tokens: int = 512,
-               max_num_reqs: int = 64) -> Gemma4ServingModel:
-    """Load a Gemma 4 checkpoint directory for serving.
-
-    `attention_backend` may be "auto"; `max_num_tokens` / `max_num_reqs` (the engine's step budget)
-    size compiled backends so they compile once.
-    """
+               attention_backend: str = "reference") -> Gemma4ServingModel:
+    """Load a Gemma 4 checkpoint directory for serving. `attention_backend` may be "auto"; the
+    resolved name is `model.attention_backend` (the runner builds that backend's metadata)."""
     from mmserve.attention import create_impl, resolve_backend
 
     start = time.perf_counter()
@@ -64,8 +60,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     torch_dtype = resolve_dtype(dtype, torch_device)
     spec = load_spec(path)
     attention_backend = resolve_backend(attention_backend, torch_device)
-    impls = {t: create_impl(attention_backend, s, max_num_tokens=max_num_tokens, max_num_reqs=max_num_reqs)
-             for t, s in spec.attention_specs.items()}
+    impls = {t: create_impl(attention_backend, s) for t, s in spec.attention_specs.items()}
     # The decoder is built without storage; the checkpoint's tensors are assigned into it.
     with torch.device("meta"):
         decoder = TextDecoder(spec, impls)
@@ -76,7 +71,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     elif spec.vision is not None:
         with torch.device(torch_device):
             vision = VisionEncoder(spec.hf_config)
-    model = Gemma4ServingModel(spec, decoder, vision)
+    model = Gemma4ServingModel(spec, decoder, vision, attention_backend)
     load_weights(model, path, dtype=torch_dtype, device=torch_device, tied=spec.tie_word_embeddings,
                  ignore=_consumer_kv_weights(spec))
     model.eval()

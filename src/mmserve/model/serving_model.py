@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.attention.backend import AttentionMetadata
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.spec import ModelSpec
 from mmserve.model.vision import VisionEncoder
@@ -14,9 +13,11 @@ from mmserve.model.vision import VisionEncoder
 class Gemma4ServingModel(nn.Module):
     """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
 
-    def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None):
+    def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None,
+                 attention_backend: str = "reference"):
         super().__init__()
         self.spec = spec
+        self.attention_backend = attention_backend   # the backend its layers' impls belong to
         self.decoder = decoder
         self.vision = vision
 
@@ -30,10 +31,11 @@ class Gemma4ServingModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: dict[str, AttentionMetadata], kv_caches: list[torch.Tensor],
+                attn_metadata: dict, kv_caches: list[torch.Tensor],
                 mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
         """One step over T flattened tokens -> final-normed hidden states [T, hidden].
 
+        `attn_metadata[layer_type]` is what that layer type's backend builder made for this step.
         `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
         """
         return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.scheduler.output import BlockUpdate
 from mmserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -110,15 +111,13 @@ class BlockPool:
 class _Table:
     blocks: list[int]
     num_reclaimed: int = 0   # leading entries already returned to the pool (now NULL_BLOCK)
+    num_reported: int = 0    # entries the runner already knows (take_block_updates)
+    reclaimed_reported: int = 0
 
 
 class KVCacheManager:
-    """Allocates on demand, all pools or none; frees on finish, abort and preemption.
-
-    Besides the lists, every request's tables live as one row of a persistent int32 array per pool
-    (`table_rows[t][row_of(id)]`, width ceil(max_model_len / block_size), unused entries 0), kept in
-    step with each change, so the metadata builder copies a whole batch's tables in one gather.
-    """
+    """Allocates on demand, all pools or none; frees on finish, abort and preemption. The runner
+    keeps its own copy of the tables from the changes `take_block_updates` reports."""
 
     def __init__(self, plans: dict[str, PoolPlan], block_size: int, *, max_model_len: int):
         self.plans = plans
@@ -126,20 +125,6 @@ class KVCacheManager:
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
         self._tables: dict[str, dict[str, _Table]] = {}
-        self.table_rows = {t: np.zeros((16, self.max_blocks_per_req), dtype=np.int32) for t in plans}
-        self._rows: dict[str, int] = {}
-        self._free_rows: list[int] = list(range(15, -1, -1))
-
-    def row_of(self, request_id: str) -> int:
-        return self._rows[request_id]
-
-    def _take_row(self, request_id: str) -> None:
-        if not self._free_rows:   # more requests hold blocks than ever before: double the rows
-            n = len(self._rows)
-            for t, rows in self.table_rows.items():
-                self.table_rows[t] = np.concatenate([rows, np.zeros_like(rows)])
-            self._free_rows = list(range(2 * n - 1, n - 1, -1))
-        self._rows[request_id] = self._free_rows.pop()
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -211,28 +196,29 @@ class KVCacheManager:
             reclaim_to.append(upto)
         if created:
             self._tables[rid] = tables
-            self._take_row(rid)
-        row = self._rows[rid]
         for (t, pool), b in zip(self.pools.items(), reclaim_to, strict=True):
-            table, rows = tables[t], self.table_rows[t]
+            table = tables[t]
             a = table.num_reclaimed
             if b > a:
                 pool.give_back(table.blocks[a:b])
                 table.blocks[a:b] = [NULL_BLOCK] * (b - a)
-                rows[row, a:b] = NULL_BLOCK
                 table.num_reclaimed = b
             have = len(table.blocks)
             if needed_len > have:
-                new = pool.take(needed_len - have)
-                table.blocks.extend(new)
-                rows[row, have:needed_len] = new
+                table.blocks.extend(pool.take(needed_len - have))
         return True
+
+    def take_block_updates(self, request_id: str) -> dict[str, BlockUpdate]:
+        """The changes to the request's tables since the last call, per pool that changed."""
+        updates = {}
+        for t, table in self._tables.get(request_id, {}).items():
+            if table.num_reported < len(table.blocks) or table.reclaimed_reported < table.num_reclaimed:
+                updates[t] = BlockUpdate(table.num_reported, table.blocks[table.num_reported:], table.num_reclaimed)
+                table.num_reported, table.reclaimed_reported = len(table.blocks), table.num_reclaimed
+        return updates
 
     def free(self, request_id: str) -> None:
         tables = self._tables.pop(request_id, None)
         if tables:
-            row = self._rows.pop(request_id)
             for t, table in tables.items():
                 self.pools[t].give_back(table.blocks)
-                self.table_rows[t][row, :len(table.blocks)] = NULL_BLOCK
-            self._free_rows.append(row)

@@ -1,4 +1,4 @@
-"""What the scheduler decided for one step: the typed hand-off to the model runner."""
+"""What the scheduler decided for one step: the plain-data hand-off to the model runner."""
 
 from __future__ import annotations
 
@@ -8,20 +8,36 @@ from mmserve.scheduler.request import Request
 
 
 @dataclass
+class BlockUpdate:
+    """How one request's block table in one pool changed since it was last scheduled: entries from
+    `start` on are `new_block_ids`, and the first `num_reclaimed` entries now point at the null block."""
+
+    start: int
+    new_block_ids: list[int]
+    num_reclaimed: int
+
+
+@dataclass
 class ScheduledRequest:
-    """`num_tokens` positions starting at `context_len` enter the model this step; the frames listed
-    (indices into request.mm_ranges) have all their tokens inside that chunk and are encoded now."""
+    """`num_tokens` positions starting at `num_computed_tokens` enter the model this step; the frames
+    listed (indices into request.mm_ranges) have all their tokens inside that chunk and are encoded now."""
 
     request: Request
     num_tokens: int
-    context_len: int              # tokens already in the KV cache before this step
+    num_computed_tokens: int      # tokens already in the KV cache before this step
     is_prefill: bool
     frames: list[int] = field(default_factory=list)
+    block_updates: dict[str, BlockUpdate] = field(default_factory=dict)   # per pool; only pools that changed
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in the KV cache after this step."""
+        return self.num_computed_tokens + self.num_tokens
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.context_len + self.num_tokens == self.request.num_tokens
+        return self.seq_len == self.request.num_tokens
 
 
 @dataclass

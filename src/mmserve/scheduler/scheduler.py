@@ -203,11 +203,12 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
-            request=request, num_tokens=n, context_len=start, is_prefill=request.is_prefill,
-            frames=frames_in_chunk(request.mm_ranges_np, start, n))
+            request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill,
+            frames=frames_in_chunk(request.mm_ranges_np, start, n),
+            block_updates=self.kv.take_block_updates(request.request_id))
 
     def update(self, output: SchedulerOutput) -> None:
         """Advance each scheduled request past the tokens the step just computed."""
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.context_len + s.num_tokens
+                s.request.num_computed_tokens = s.seq_len

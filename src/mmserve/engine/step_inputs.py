@@ -1,0 +1,192 @@
+"""Per-step model inputs in persistent buffers, owned by the model runner: the zero-allocation hot path.
+
+Every buffer is allocated once, sized by the largest token budget (token rows) and max_num_seqs
+(request rows): pinned CPU staging tensors written through numpy views, and device tensors that
+receive one non-blocking copy per step (attention/buffers.py). A step's
+`CommonAttentionMetadata` objects (one per KV pool) are views of them; each attention backend's
+metadata builder then prepares its own per-step state from those.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
+from mmserve.attention.buffers import StagedBuffer
+from mmserve.scheduler.output import ScheduledRequest
+
+
+def fill_query_ranges(
+    out: np.ndarray,
+    query_start_loc: np.ndarray,
+    num_computed: np.ndarray,
+    ranges: Sequence[np.ndarray],
+) -> int:
+    """Write the per-token range table: row i = inclusive absolute [start, end] of the range holding
+    scheduled query token i, (-1, -1) outside. `ranges[r]` is request r's sorted [K, 2] ranges;
+    `num_computed[r]` the absolute position of its first scheduled token. Ranges are clipped to the
+    scheduled chunk; single-token ranges are skipped (their mask is causal anyway). Returns the
+    number of rows written, or 0 without touching `out` when no scheduled token lies in a range,
+    so the caller attaches no table at all."""
+    num_reqs = len(ranges)
+    counts = [len(rg) for rg in ranges]
+    if not any(counts):
+        return 0
+    # Every range of the batch at once: clip it to its request's scheduled chunk.
+    all_ranges = np.concatenate(ranges)
+    req = np.repeat(np.arange(num_reqs), counts)
+    q0 = query_start_loc[:num_reqs].astype(np.int64)[req]
+    first_q = num_computed[req]
+    last = first_q + (query_start_loc[1:num_reqs + 1].astype(np.int64)[req] - q0) - 1
+    first_pos = np.maximum(all_ranges[:, 0], first_q)
+    last_pos = np.minimum(all_ranges[:, 1], last)
+    hit = (all_ranges[:, 0] < all_ranges[:, 1]) & (first_pos <= last_pos)
+    if not hit.any():
+        return 0
+    starts = (first_pos - first_q + q0)[hit]
+    lengths = (last_pos - first_pos + 1)[hit]
+    offsets = np.cumsum(lengths) - lengths
+    rows = np.arange(int(lengths.sum())) + np.repeat(starts - offsets, lengths)
+    num_tokens = int(query_start_loc[num_reqs])
+    out[:num_tokens] = -1
+    out[rows] = np.repeat(all_ranges[hit], lengths, axis=0)
+    return num_tokens
+
+
+@dataclass
+class StepInputs:
+    """Everything the model runner feeds the model for one step (views of persistent buffers)."""
+
+    num_tokens: int
+    input_ids: torch.Tensor            # int64 [T]
+    positions: torch.Tensor            # int64 [T]
+    common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
+    logits_indices: torch.Tensor       # int64 [S]: flat rows whose logits are sampled
+    sampled: np.ndarray                # int64 [S]: which scheduled requests those rows belong to (index into the step)
+    mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
+
+
+class StepInputBuilder:
+    def __init__(
+        self,
+        specs: dict[str, LayerAttentionSpec],
+        *,
+        max_num_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        device: torch.device | str,
+    ):
+        device = torch.device(device)
+        self.specs = specs
+        self.block_size = block_size
+        self.max_tokens = max_num_tokens
+        self.max_seqs = max_num_seqs
+        self.max_blocks = max_blocks_per_req
+        n, s = max_num_tokens, max_num_seqs
+        self.input_ids = StagedBuffer((n,), torch.int64, device)
+        self.positions = StagedBuffer((n,), torch.int64, device)
+        self.query_start_loc = StagedBuffer((s + 1,), torch.int32, device)
+        self.seq_lens = StagedBuffer((s,), torch.int32, device)
+        self.logits_indices = StagedBuffer((s,), torch.int64, device)
+        self.mm_token_index = StagedBuffer((n,), torch.int64, device)
+        self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
+        self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
+        self.block_table = {t: StagedBuffer((s, self.max_blocks), torch.int32, device) for t in specs}
+        self.query_ranges.np.fill(-1)
+        self._any_bidirectional = any(spec.bidirectional for spec in specs.values())
+        self._high_water = 0     # token rows the last step used; rows past this step's are reset
+
+    def buffers(self) -> list[StagedBuffer]:
+        return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.logits_indices,
+                self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
+
+    def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
+              rows: np.ndarray) -> StepInputs:
+        """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables)."""
+        num_reqs = len(scheduled)
+        if not 0 < num_reqs <= self.max_seqs:
+            raise ValueError(f"{num_reqs} scheduled requests (1..{self.max_seqs} allowed)")
+        bs = self.block_size
+        lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(lens, out=qsl[1:num_reqs + 1])
+        num_tokens = int(qsl[num_reqs])
+        if num_tokens > self.max_tokens:
+            raise ValueError(f"{num_tokens} scheduled tokens exceed the buffers ({self.max_tokens})")
+        seq_lens = computed + lens
+        self.seq_lens.np[:num_reqs] = seq_lens
+
+        req_of_token = np.repeat(np.arange(num_reqs), lens)
+        positions = self.positions.np[:num_tokens]
+        np.subtract(np.arange(num_tokens), qsl[req_of_token] - computed[req_of_token], out=positions)
+
+        ids = self.input_ids.np
+        for i, s in enumerate(scheduled):
+            ids[qsl[i]:qsl[i + 1]] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len)
+        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        sampled = np.flatnonzero(seq_lens == totals)
+        self.logits_indices.np[:len(sampled)] = qsl[1:num_reqs + 1][sampled] - 1
+
+        block_of_pos = positions // bs
+        offset_in_block = positions % bs
+        for t in self.specs:
+            table = self.block_table[t].np
+            np.take(block_tables[t], rows, axis=0, out=table[:num_reqs])
+            self.slot_mapping[t].np[:num_tokens] = table[req_of_token, block_of_pos] * bs + offset_in_block
+
+        ranges_rows = 0
+        if self._any_bidirectional:   # models without bidirectional layers never need the table
+            ranges_rows = fill_query_ranges(
+                self.query_ranges.np, qsl, computed, [s.request.mm_ranges_np for s in scheduled])
+        if ranges_rows == 0 and self._high_water:
+            self.query_ranges.np[:self._high_water] = -1
+        elif num_tokens < self._high_water:
+            self.query_ranges.np[num_tokens:self._high_water] = -1
+        self._high_water = ranges_rows
+
+        mm_rows = self._fill_mm_token_index(scheduled, qsl)
+
+        input_ids = self.input_ids.push(num_tokens)
+        pos_dev = self.positions.push(num_tokens)
+        qsl_dev = self.query_start_loc.push(num_reqs + 1)
+        seq_lens_dev = self.seq_lens.push(num_reqs)
+        logits_indices = self.logits_indices.push(len(sampled))
+        query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
+        mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
+        max_query_len, max_seq_len = int(lens.max()), int(seq_lens.max())
+        common = {}
+        for t, spec in self.specs.items():
+            with_ranges = query_ranges is not None and spec.bidirectional
+            common[t] = CommonAttentionMetadata(
+                num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
+                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev,
+                block_table=self.block_table[t].push(num_reqs), slot_mapping=self.slot_mapping[t].push(num_tokens),
+                block_size=bs, query_ranges=query_ranges if with_ranges else None,
+                query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
+                positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
+                query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
+        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampled, mm_token_index)
+
+    def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
+        """Flat rows of the frames encoded this step, in (request, frame) order: the order the
+        runner concatenates their embeddings in."""
+        starts, lengths = [], []
+        for i, s in enumerate(scheduled):
+            if s.frames:
+                sel = s.request.mm_ranges_np[s.frames]
+                starts.append(sel[:, 0] - s.num_computed_tokens + qsl[i])
+                lengths.append(sel[:, 1] - sel[:, 0] + 1)
+        if not starts:
+            return 0
+        st, ln = np.concatenate(starts), np.concatenate(lengths)
+        total = int(ln.sum())
+        offsets = np.cumsum(ln) - ln
+        self.mm_token_index.np[:total] = np.arange(total) + np.repeat(st - offsets, ln)
+        return total

@@ -1,0 +1,47 @@
+"""The runner's block tables follow the KV manager's through the deltas alone (growth, sliding
+reclamation, frees and row reuse), so the runner never reads scheduler internals."""
+
+from __future__ import annotations
+
+import random
+
+from sched_helpers import make_kv, make_request
+
+from mmserve.attention.backend import FULL, SLIDING
+from mmserve.engine.block_table import BlockTables
+from mmserve.scheduler.output import ScheduledRequest
+
+
+def test_runner_rows_mirror_the_tables_through_growth_and_reuse():
+    rng = random.Random(torch_free_seed())
+    kv = make_kv(num_blocks=2000)
+    runner = BlockTables([SLIDING, FULL], kv.max_blocks_per_req)
+    live = {}
+    for step in range(300):
+        if step > 60 and live and rng.random() < 0.3:
+            rid = rng.choice(sorted(live))
+            kv.free(rid)
+            runner.free(rid)
+            del live[rid]
+            continue
+        rid = live and rng.random() < 0.6 and rng.choice(sorted(live)) or f"q{step}"
+        r = live.setdefault(rid, make_request(rid, 500, max_tokens=1))
+        n = rng.randint(1, 12)
+        if r.num_computed_tokens + n <= 500 and kv.allocate(r, n):
+            s = ScheduledRequest(r, n, r.num_computed_tokens, True, block_updates=kv.take_block_updates(rid))
+            (row,) = runner.apply([s])
+            r.num_computed_tokens += n
+            for t in (SLIDING, FULL):
+                table = kv.block_table(rid, t)
+                assert runner.rows[t][row, :len(table)].tolist() == table
+                assert not runner.rows[t][row, len(table):].any()
+            assert kv.take_block_updates(rid) == {}   # reported once
+    assert runner.rows[SLIDING].shape[0] > 16, "the test should have made the row array grow"
+    for rid in list(live):
+        runner.free(rid)
+    for t in (SLIDING, FULL):
+        assert not runner.rows[t].any()
+
+
+def torch_free_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
