@@ -87,7 +87,7 @@ def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str)
         core.step()
     core.step()
     timers = {name: Timer(obj, attr) for name, (obj, attr) in {
-        "schedule": (core.scheduler, "schedule"), "build_metadata": (core.runner.builder, "build"),
+        "schedule": (core.scheduler, "schedule"), "build_metadata": (core.runner.inputs, "build"),
         "forward": (core.model, "forward"), "logits": (core.model, "compute_logits"),
         "sample": (core.sampler, "sample"), "outputs": (core, "_publish_tokens")}.items()}
     per_step = []

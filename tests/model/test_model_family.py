@@ -79,6 +79,7 @@ def test_video_logits_match_transformers(variant):
 def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
     """The planner counts only KV-holding layers; the runner allocates their caches alone and hands
     each KV-sharing layer its producer's tensor."""
+    from mmserve.config import EngineConfig
     from mmserve.engine.model_runner import ModelRunner
     from mmserve.scheduler.kv_cache_manager import plan_pools
 
@@ -93,7 +94,8 @@ def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
         assert plan.num_layers == sum(layer.layer_type == t for layer in holders)
         assert plan.bytes_per_block == plan.num_layers * 2 * 4 * a.num_kv_heads * a.head_dim * 4
     assert sum(p.num_blocks * p.bytes_per_block for p in plans.values()) <= budget
-    runner = ModelRunner(model, plans, block_size=4, max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256)
+    config = EngineConfig(block_size=4, max_num_batched_tokens=64, max_num_seqs=2)
+    runner = ModelRunner(model, plans, config, max_model_len=256)
     assert len({id(c) for c in runner.kv_caches}) == len(holders)
     for layer in spec.layers:
         assert runner.kv_caches[layer.index] is runner.kv_caches[layer.kv_source]

@@ -61,19 +61,23 @@ def eval_server(target: str, seeds: list[int], *, concurrency: int = 8, api_key:
 
 
 def _broken_model(model, how: str) -> Callable[[list], list]:
-    """Rewire `model` for `how`; returns the request transform that goes with it."""
+    """Rewire `model` for `how`; returns the request transform that goes with it. Attention breaks
+    change the layer type's spec, which its backend's metadata builder (the mask) and impl both read."""
     from mmserve.attention import create_impl
 
     spec = model.spec
-    backend = model.attention_backend
     if how in ("causal-frames", "hide-earlier-frames"):
         window = spec.attention_specs["sliding_attention"].window
-        for layer_type, layer in zip(spec.layer_types, model.decoder.layers, strict=True):
-            attn = spec.attention_specs[layer_type]
+        broken = {}
+        for layer_type, attn in spec.attention_specs.items():
             if how == "causal-frames" and attn.bidirectional:
-                layer.self_attn.impl = create_impl(backend, dataclasses.replace(attn, bidirectional=False))
+                attn = dataclasses.replace(attn, bidirectional=False)
             if how == "hide-earlier-frames" and attn.window is None:
-                layer.self_attn.impl = create_impl(backend, dataclasses.replace(attn, window=window))
+                attn = dataclasses.replace(attn, window=window)
+            broken[layer_type] = attn
+        model.spec = dataclasses.replace(spec, attention_specs=broken)
+        for layer_type, layer in zip(spec.layer_types, model.decoder.layers, strict=True):
+            layer.self_attn.impl = create_impl(model.attention_backend, broken[layer_type])
     if how == "reversed-frames":
         def reverse(requests: list) -> list:
             return [dataclasses.replace(r, mm_inputs=r.mm_inputs[::-1]) for r in requests]
