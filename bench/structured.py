@@ -135,9 +135,9 @@ def bench_engine(batches: list[int], steps: int, repeats: int) -> list[dict]:
     state = {"decode": False}
     execute, sample, step = core.runner.execute, core.sampler.sample, core.step
 
-    def timed_execute(out, kv):
+    def timed_execute(out):
         state["decode"] = all(not s.is_prefill for s in out.scheduled)
-        return execute(out, kv)
+        return execute(out)
 
     def timed_sample(logits, requests):
         t = time.perf_counter()
