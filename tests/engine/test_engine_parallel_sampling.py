@@ -23,10 +23,10 @@ def count_prefill_tokens(llm) -> list[int]:
     counted = [0]
     execute = llm.core.runner.execute
 
-    def counting(out, kv):
-        counted[0] += sum(max(0, min(s.context_len + s.num_tokens, s.request.num_prompt_tokens) - s.context_len)
+    def counting(out):
+        counted[0] += sum(max(0, min(s.seq_len, s.request.num_prompt_tokens) - s.num_computed_tokens)
                           for s in out.scheduled)
-        return execute(out, kv)
+        return execute(out)
 
     llm.core.runner.execute = counting
     return counted
