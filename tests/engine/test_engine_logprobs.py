@@ -64,3 +64,15 @@ def test_prompt_logprobs_over_chunks_equal_transformers(load_backend, engine_che
         assert lp.token_id == ids[j + 1]
         assert abs(lp.logprob - ref[j, ids[j + 1]].item()) < 1e-4, j
         assert list(lp.top_ids) == torch.topk(ref[j], 2).indices.tolist()
+
+
+def test_prompt_logprobs_are_whole_when_the_prompt_was_seen_before(load_backend):
+    """A prefix-cache hit would skip prompt tokens; a prompt_logprobs request must never read the cache."""
+    req = with_sampling(build_request("a", PROMPTS["text"], int(torch.randint(0, 10_000, ())), max_tokens=2),
+                        prompt_logprobs=True)
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+    first = llm.generate([req])[0]
+    again = llm.generate([dataclasses.replace(req, request_id="b")])[0]   # its prompt may be cached now
+    assert len(again.prompt_logprobs) == len(req.prompt_token_ids) - 1
+    assert torch.allclose(torch.tensor([lp.logprob for lp in again.prompt_logprobs]),
+                          torch.tensor([lp.logprob for lp in first.prompt_logprobs]), atol=1e-5)
