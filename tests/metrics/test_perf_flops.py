@@ -92,9 +92,9 @@ def test_gemma4_flops_match_flop_counter(variant: str, rng: random.Random):
     seq = before + soft_tokens + after
     ids = torch.randint(0, 200, (1, seq))
     ids[0, before:before + soft_tokens] = IMAGE_ID
-    # output_hidden_states keeps transformers from running KV-sharing layers on the sampled row only
+    # with logits_to_keep=1 transformers runs the KV-sharing layers on the sampled row only, as we do
     counts = counted(model, input_ids=ids, pixel_values=pixels, image_position_ids=pos,
-                     mm_token_type_ids=(ids == IMAGE_ID).long(), logits_to_keep=1, output_hidden_states=True)
+                     mm_token_type_ids=(ids == IMAGE_ID).long(), logits_to_keep=1)
 
     perf = PerfModel(load_spec(cfg_dict), dtype="float32")
     ranges = ((before, before + soft_tokens - 1),)

@@ -183,9 +183,11 @@ class PagedSequence:
                                       generator=gen).to(device=dev, dtype=self.model.dtype) for t in spec.layer_types]
         self.blocks = (torch.randperm(self.num_blocks - 1, generator=gen) + 1).to(torch.int32)
 
-    def metadata(self, num_tokens: int) -> CommonAttentionMetadata:
+    def metadata(self, num_tokens: int, start: int | None = None) -> CommonAttentionMetadata:
+        """The next `num_tokens` (or, with `start`, positions start.. of the same step's context)."""
         dev = self.model.device
-        start, seq_len = self.num_computed, self.num_computed + num_tokens
+        start = self.num_computed if start is None else start
+        seq_len = start + num_tokens
         positions = torch.arange(start, seq_len)
         slots = self.blocks[positions // self.block_size].long() * self.block_size + positions % self.block_size
         rows = [next(((s, e) for s, e in self.ranges if s <= p <= e), (-1, -1)) for p in positions.tolist()]
@@ -209,15 +211,22 @@ class PagedSequence:
                  for t, a in spec.attention_specs.items()}
         return {t: create_builder(model.attention_backend, pool).build(common) for t, pool in pools.items()}
 
-    def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order."""
+    def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None, last_row_only: bool = False) -> torch.Tensor:
+        """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order.
+        `last_row_only`: return the last row alone, KV-sharing layers running on it alone (SampledRows)."""
+        from mmserve.model.decoder import SampledRows
+
         spec = self.model.spec
+        sampled = None
+        if last_row_only:
+            last = self.metadata(1, start=self.num_computed + len(ids) - 1)
+            sampled = SampledRows(torch.tensor([len(ids) - 1], device=self.model.device), self.backend_metadata(last))
         md = self.metadata(len(ids))
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.model.device)
         index = None
         if mm_embeds is not None:
             index = torch.nonzero((input_ids == spec.image_token_id) | (input_ids == spec.video_token_id)).flatten()
         hidden = self.model.forward(input_ids, md.positions, self.backend_metadata(md), self.kv_caches,
-                                    mm_embeds, index)
+                                    mm_embeds, index, sampled)
         self.num_computed += len(ids)
         return hidden

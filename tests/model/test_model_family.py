@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gemma4_fixtures import (
+    PagedSequence,
     e_model_config,
     make_checkpoint,
     make_tokenizer,
@@ -20,6 +21,7 @@ from test_model_parity import assert_close, hf_logits, run_ours, video_prompt
 from mmserve.model import load_model
 from mmserve.model.prompt import build_prompt
 from mmserve.model.tokenizer import TextTokenizer
+from mmserve.model.vision import pad_patches
 
 VARIANTS = {"e_model": (e_model_config, False), "moe": (moe_config, False), "unified": (unified_config, True)}
 
@@ -102,3 +104,24 @@ def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
     if any(layer.shares_kv for layer in spec.layers):   # the E-model: 3 of 6 layers hold KV
         assert len(holders) == 3 and {t: p.num_layers for t, p in plans.items()} == {
             "sliding_attention": 2, "full_attention": 1}
+
+
+def test_kv_sharing_layers_on_the_sampled_rows_alone(variant):
+    """Running the KV-sharing layers on a chunk's last row only (what the runner does for rows it
+    samples) gives that row's full-path hidden state, chunk after chunk, and the caches stay equal."""
+    model, _ = variant
+    layout = build_prompt(TextTokenizer(make_tokenizer()), model.spec,
+                          video_prompt(model.spec, torch.Generator().manual_seed(33)))
+    full, fast = (PagedSequence(model, ranges=layout.mm_ranges, seed=9) for _ in range(2))
+    start = 0
+    for end in (layout.mm_ranges[1][1] + 1, len(layout.token_ids)):
+        items = [it for (s, _), it in zip(layout.mm_ranges, layout.mm_items, strict=True) if start <= s < end]
+        pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in items])
+        embeds = torch.cat(model.encode_vision(pix, pos))
+        want = full.step(layout.token_ids[start:end], embeds)[-1:]
+        got = fast.step(layout.token_ids[start:end], embeds, last_row_only=True)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start = end
+    for a, b in zip(full.kv_caches, fast.kv_caches, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

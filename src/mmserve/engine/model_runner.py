@@ -22,6 +22,7 @@ from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.block_table import BlockTables
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
+from mmserve.engine.sampled_rows import SampledRowsBuilder
 from mmserve.engine.step_inputs import StepInputBuilder
 from mmserve.model.vision import pad_patches
 from mmserve.scheduler.kv_cache_manager import PoolPlan
@@ -59,13 +60,17 @@ class ModelRunner:
         self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_tokens,
                                        max_num_seqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
                                        block_size=config.block_size, device=device)
-        self.attn_builders = {
-            t: backend.builder_cls(PoolConfig(
-                spec.attention_specs[t], num_blocks=plans[t].num_blocks, block_size=config.block_size,
-                max_num_tokens=max_tokens, max_num_reqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
-                device=device, dtype=dtype, sdpa_batching=config.sdpa_batching))
-            for t in spec.attention_specs if t in plans
-        }
+        pools = {t: PoolConfig(spec.attention_specs[t], num_blocks=plans[t].num_blocks, block_size=config.block_size,
+                               max_num_tokens=max_tokens, max_num_reqs=config.max_num_seqs,
+                               max_blocks_per_req=max_blocks, device=device, dtype=dtype,
+                               sdpa_batching=config.sdpa_batching)
+                 for t in spec.attention_specs if t in plans}
+        self.attn_builders = {t: backend.builder_cls(pool) for t, pool in pools.items()}
+        # KV-sharing layers run only the rows that sample (engine/sampled_rows.py)
+        self.sampled_rows = None
+        if any(layer.shares_kv for layer in spec.layers):
+            self.sampled_rows = SampledRowsBuilder(spec, backend, pools, max_num_seqs=config.max_num_seqs,
+                                                   max_blocks=max_blocks, block_size=config.block_size, device=device)
         self.encoder_cache: dict[str, dict[int, torch.Tensor]] = {}
 
     def free(self, request_id: str) -> None:
@@ -96,10 +101,15 @@ class ModelRunner:
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
         mm_embeds = self._encode(out.scheduled)
+        sampled = (self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
+                   if self.sampled_rows is not None else None)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
-                                    mm_embeds, inputs.mm_token_index)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
+                                    mm_embeds, inputs.mm_token_index, sampled)
+        prompt_lp = {}   # a step with prompt-logprobs requests always takes the full path (sampled is None)
+        if sampled is None:   # every row's hidden state came back; keep the sampled ones
+            prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
+            hidden = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(hidden)
         for s in out.scheduled:
             # A frame's embeddings are needed until its whole range is in the KV cache, which (chunks
             # never split a frame) is the end of the step that encoded it.

@@ -15,7 +15,8 @@ Conventions (documented in docs/tracing.md):
 - bytes: weights once per step, activations once per producer/consumer, K/V of the distinct keys a
   request's queries touch, read from the cache at the cache dtype.
 - KV-sharing layers (Gemma 4 E-models) project only Q and write no cache; they read the
-  producer's cache like any layer reads its own.
+  producer's cache like any layer reads its own, and run only the rows that sample (a prefill
+  chunk's rows that sample nothing feed nothing after the last layer that writes KV).
 - MoE (Gemma 4 26B-A4B): the router, each token's top_k expert MLPs and the dense MLP beside them;
   expert weights are read once per distinct expert the step touches: the count the model
   reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
@@ -61,6 +62,14 @@ class RequestWork:
         if not self.samples:
             return 0
         return 1 if self.is_prefill else self.num_tokens
+
+
+def _sampled_rows(r: RequestWork) -> RequestWork:
+    """The rows of a request's chunk that a KV-sharing layer runs: every decode token, a prefill
+    chunk's last token (the one that samples)."""
+    if not r.is_prefill:
+        return r
+    return RequestWork(1, r.context_len, True, r.mm_ranges, r.samples)
 
 
 @dataclass(frozen=True)
@@ -156,13 +165,19 @@ class PerfModel:
         tp, pp = (self.tp, self.pp) if per_gpu else (1, 1)
         tokens = ctx.num_tokens
         if tokens:
-            pair_cache: dict[tuple, tuple[int, int]] = {}
+            # KV-sharing layers run only the rows that sample (see decoder.SampledRows)
+            sampled = tuple(_sampled_rows(r) for r in ctx.requests if r.num_logits)
+            caches: dict[bool, dict[tuple, tuple[int, int]]] = {False: {}, True: {}}
             for (attn, k_eq_v, shares_kv, width, moe), count in self.groups.items():
+                if shares_kv and not sampled:
+                    continue   # no row samples: the KV-sharing layers do not run at all
                 layers = count / pp
-                self._attention(out, attn, k_eq_v, shares_kv, ctx.requests, layers, tp, pair_cache)
-                self._ffn(out, width, moe, tokens, ctx.experts_touched, layers, tp)
+                rows = sampled if shares_kv else ctx.requests
+                self._attention(out, attn, k_eq_v, shares_kv, rows, layers, tp, caches[shares_kv])
+                self._ffn(out, width, moe, sum(r.num_tokens for r in rows), ctx.experts_touched, layers, tp)
             if self.spec.ple is not None:
-                self._ple(out, tokens, pp)
+                consumers = sum(layer.shares_kv for layer in self.spec.layers)
+                self._ple(out, tokens, sum(r.num_tokens for r in sampled), consumers, pp)
             self._unembed(out, sum(r.num_logits for r in ctx.requests), tp, pp)
         if ctx.images and self.spec.vision is not None:
             self._vision(out, self.spec.vision, ctx.images, tp, pp)
@@ -245,7 +260,7 @@ class PerfModel:
 
     # -- per-layer embeddings ----------------------------------------------------------------------
 
-    def _ple(self, out: PerfBreakdown, tokens: int, pp: int) -> None:
+    def _ple(self, out: PerfBreakdown, tokens: int, sampled: int, consumers: int, pp: int) -> None:
         ple, hidden, ba, bw = self.spec.ple, self.spec.hidden_size, self.act_bytes, self.weight_bytes
         n = self.spec.num_layers
         f, r, w = out.flops, out.read_bytes, out.write_bytes
@@ -255,13 +270,13 @@ class PerfModel:
         r["ple.model_projection_weight"] += hidden * n * ple.dim * bw / pp
         r["ple.model_projection_input"] += tokens * hidden * ba / pp
         w["ple.layer_inputs"] += tokens * n * ple.dim * ba / pp
-        # per layer: gate (hidden -> dim) and projection (dim -> hidden)
-        layers = n / pp
-        f["ple.gate"] += 2 * tokens * hidden * ple.dim * layers
-        f["ple.projection"] += 2 * tokens * ple.dim * hidden * layers
-        r["ple.layer_weight"] += 2 * hidden * ple.dim * bw * layers
-        r["ple.layer_activations"] += tokens * (hidden + 2 * ple.dim) * ba * layers
-        w["ple.layer_activations"] += tokens * (ple.dim + hidden) * ba * layers
+        # per layer: gate (hidden -> dim) and projection (dim -> hidden); KV-sharing layers' rows only
+        rows = (tokens * (n - consumers) + sampled * consumers) / pp   # Σ over layers of the rows each runs
+        f["ple.gate"] += 2 * rows * hidden * ple.dim
+        f["ple.projection"] += 2 * rows * ple.dim * hidden
+        r["ple.layer_weight"] += 2 * hidden * ple.dim * bw * (n if sampled else n - consumers) / pp
+        r["ple.layer_activations"] += rows * (hidden + 2 * ple.dim) * ba
+        w["ple.layer_activations"] += rows * (ple.dim + hidden) * ba
 
     # -- unembedding and vision --------------------------------------------------------------------
 

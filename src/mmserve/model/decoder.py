@@ -6,7 +6,9 @@ the per-layer input gate, a per-layer scalar) -> final norm -> tied head with a 
 Tokens are flattened ([T, hidden], no batch dim); attention goes through `mmserve.attention`
 backends, which write this step's K/V into the layer's paged cache and attend over it. A
 KV-sharing layer (E2B/E4B's last layers) projects only Q and attends over its producer's cache
-without writing (`impl.forward(q, None, None, ...)`).
+without writing (`impl.forward(q, None, None, ...)`); since it writes nothing, rows whose logits the
+step does not sample feed nothing after the last KV-writing layer, so given `SampledRows` the
+KV-sharing layers run on the sampled rows alone (a prefill chunk's last row instead of all of them).
 Parameter names mirror transformers' `language_model.*`; `weights.py` maps the few we group under a
 submodule (`ple.*`, `moe.*`).
 """
@@ -14,6 +16,8 @@ submodule (`ple.*`, `moe.*`).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,16 @@ from mmserve.model.norm import RMSNorm
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
 from mmserve.model.rope import RotaryEmbedding, apply_rope
 from mmserve.model.spec import LayerSpec, ModelSpec
+
+
+@dataclass
+class SampledRows:
+    """The rows of a step whose hidden states the caller needs (`index` into its T tokens, in order)
+    and the attention metadata of a step made of those rows alone ({layer_type: metadata}, built
+    like the step's own). KV-sharing layers then run on these rows only."""
+
+    index: torch.Tensor
+    attn_metadata: dict[str, Any]
 
 
 class Attention(nn.Module):
@@ -141,16 +155,27 @@ class TextDecoder(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: dict, kv_caches: list[torch.Tensor],
-                mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
+                mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None,
+                sampled: SampledRows | None = None) -> torch.Tensor:
+        """Final-normed hidden states of every row, or with `sampled` of those rows only."""
         h = self.embed(input_ids, mm_embeds, mm_token_index)
         layer_inputs = None
         if self.ple is not None:
             layer_inputs = self.ple(self._text_ids(input_ids, mm_token_index), h)
         rope = {t: self._cos_sin(t, positions, h.dtype) for t in attn_metadata}
         for i, layer in enumerate(self.layers):
+            if sampled is not None and layer.kv_source != i:   # the first KV-sharing layer: keep sampled rows
+                if not sampled.index.numel():
+                    return self.norm(h[:0])
+                h, positions, attn_metadata = h[sampled.index], positions[sampled.index], sampled.attn_metadata
+                layer_inputs = None if layer_inputs is None else layer_inputs[sampled.index]
+                rope = {t: (cos[sampled.index], sin[sampled.index]) for t, (cos, sin) in rope.items()}
+                sampled = None
             cos, sin = rope[layer.layer_type]
             h = layer(h, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
                       None if layer_inputs is None else layer_inputs[:, i])
+        if sampled is not None:   # no KV-sharing layer: every row ran
+            h = h[sampled.index]
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

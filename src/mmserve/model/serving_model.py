@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmserve.model.decoder import TextDecoder
+from mmserve.model.decoder import SampledRows, TextDecoder
 from mmserve.model.spec import ModelSpec
 from mmserve.model.vision import VisionEncoder
 
@@ -32,13 +32,15 @@ class Gemma4ServingModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: dict, kv_caches: list[torch.Tensor],
-                mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
-        """One step over T flattened tokens -> final-normed hidden states [T, hidden].
+                mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None,
+                sampled: SampledRows | None = None) -> torch.Tensor:
+        """One step over T flattened tokens -> final-normed hidden states [T, hidden], or with
+        `sampled` those rows' only [S, hidden] (KV-sharing layers then run on them alone).
 
         `attn_metadata[layer_type]` is what that layer type's backend builder made for this step.
         `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
         """
-        return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index)
+        return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
