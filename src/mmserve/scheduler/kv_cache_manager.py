@@ -1,28 +1,36 @@
-"""Paged KV blocks: one pool per layer type, per-request block tables, sliding-window reclamation.
+"""Paged KV blocks: one pool per layer type, per-request block tables, sliding-window reclamation,
+automatic prefix caching.
 
 Layer types keep separate pools because their pages differ in size (Gemma 4: head_dim 256 on
 sliding layers, 512 on full ones). Every layer of a type shares that type's block ids, so a
 request's table for a pool serves all of its layers, KV-sharing consumers included (they read their
 producer's cache and hold none of their own, so they cost the pool nothing). Block 0 of every pool is the null block:
 never handed out, and the table entry of every reclaimed sliding-window block points at it.
+
+Prefix caching: once a step has computed a full block, the block is keyed (`block_hash`) in every
+pool that still holds it; blocks are reference-counted, and a block nobody holds stays keyed in
+its pool's free list until the pool runs out of empty blocks (`block_pool`). A new request reuses
+the longest prefix that every pool can serve (`find_cached_prefix`): full-attention pools need all
+of its blocks, a windowed pool only those holding the last `window - 1` keys before the hit's end;
+a hit never ends inside an image/frame (its tokens attend to each other both ways) and never
+covers the last known token (its logits are needed).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.scheduler.block_hash import block_hashes
+from mmserve.scheduler.block_pool import NULL_BLOCK, BlockPool
 from mmserve.scheduler.output import BlockUpdate
 from mmserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-NULL_BLOCK = 0
 
 
 @dataclass(frozen=True)
@@ -85,26 +93,16 @@ def plan_pools(
     return plans
 
 
-class BlockPool:
-    """Free list of one pool's block ids (1..num_blocks-1)."""
+@dataclass(frozen=True)
+class PrefixHit:
+    """The K/V of a request's first `num_tokens` tokens (whole blocks) found already computed:
+    `blocks[t]` is the start of its table in pool t, NULL_BLOCK where a windowed pool needs nothing."""
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(1, num_blocks))
+    num_tokens: int = 0
+    blocks: dict[str, list[int]] = field(default_factory=dict)
 
-    @property
-    def num_usable(self) -> int:
-        return self.num_blocks - 1
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def take(self, n: int) -> list[int]:
-        return [self._free.popleft() for _ in range(n)]
-
-    def give_back(self, blocks: list[int]) -> None:
-        self._free.extend(b for b in blocks if b != NULL_BLOCK)
+NO_HIT = PrefixHit()
 
 
 @dataclass
@@ -115,34 +113,49 @@ class _Table:
     reclaimed_reported: int = 0
 
 
+@dataclass
+class _Held:
+    """One request's blocks: a table per pool, and how many of its blocks are keyed."""
+
+    tables: dict[str, _Table]
+    num_keyed: int = 0
+
+
 class KVCacheManager:
-    """Allocates on demand, all pools or none; frees on finish, abort and preemption. The runner
+    """Allocates on demand, all pools or none; releases on finish, abort and preemption. The runner
     keeps its own copy of the tables from the changes `take_block_updates` reports."""
 
-    def __init__(self, plans: dict[str, PoolPlan], block_size: int, *, max_model_len: int):
+    def __init__(self, plans: dict[str, PoolPlan], block_size: int, *, max_model_len: int,
+                 enable_prefix_caching: bool = True):
         self.plans = plans
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
-        self._tables: dict[str, dict[str, _Table]] = {}
+        self._held: dict[str, _Held] = {}
 
     # -- queries -------------------------------------------------------------------------------------------
 
     def block_table(self, request_id: str, layer_type: str) -> list[int]:
-        tables = self._tables.get(request_id)
-        return tables[layer_type].blocks if tables else []
+        held = self._held.get(request_id)
+        return held.tables[layer_type].blocks if held else []
 
     def num_held(self, request_id: str, layer_type: str) -> int:
         """Real (non-null) blocks the request holds in a pool."""
-        tables = self._tables.get(request_id)
-        if not tables:
+        held = self._held.get(request_id)
+        if not held:
             return 0
-        t = tables[layer_type]
+        t = held.tables[layer_type]
         return len(t.blocks) - t.num_reclaimed
 
     def usage(self) -> float:
-        """Share of usable blocks in use in the fullest pool (the one that limits admission)."""
+        """Share of usable blocks in use in the fullest pool (the one that limits admission). Cached
+        blocks nobody holds are free: they are reused only when nothing else is left."""
         return max((1 - p.num_free / p.num_usable for p in self.pools.values()), default=0.0)
+
+    def cached_usage(self) -> float:
+        """Share of usable blocks that are free but still hold a reusable prefix (the pool with the most)."""
+        return max((p.num_cached_free / p.num_usable for p in self.pools.values()), default=0.0)
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
         """Most blocks one request of `num_tokens` ever holds per pool (sliding pools stay bounded)."""
@@ -155,11 +168,83 @@ class KVCacheManager:
                 out[t] = min(full, sliding_blocks_per_request(plan.window, max_chunk, self.block_size))
         return out
 
+    # -- prefix reuse --------------------------------------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> PrefixHit:
+        """The longest prefix of a request that holds no blocks whose K/V every pool still has cached.
+        Nothing changes until `allocate` takes the hit."""
+        if not self.enable_prefix_caching or request.request_id in self._held:
+            return NO_HIT
+        keys = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
+        found: dict[str, list[int | None]] = {}
+        for t, pool in self.pools.items():   # unwindowed pools first: they bound the hit
+            if self.plans[t].window is None:
+                found[t] = _leading_hits([pool.lookup(k) for k in keys])
+                keys = keys[:len(found[t])]
+        for t, pool in self.pools.items():
+            if self.plans[t].window is not None:
+                found[t] = [pool.lookup(k) for k in keys]
+        return self._usable_prefix(request, found)
+
+    def share_prefix(self, parent: Request, child: Request) -> PrefixHit:
+        """A hit for `child` (holding no blocks, same prompt and media as `parent`) on the parent's
+        full computed blocks, shared by reference once `allocate(child, n, hit)` takes it: how `n`
+        parallel samples of one prompt share its K/V, with or without prefix caching."""
+        if child.request_id in self._held:
+            raise ValueError(f"{child.request_id} already holds blocks")
+        held = self._held[parent.request_id]
+        bs = self.block_size
+        k = min(parent.num_computed_tokens // bs, (child.num_tokens - 1) // bs)
+        if parent.token_ids_slice(0, k * bs) != child.token_ids_slice(0, k * bs):
+            raise ValueError(f"{child.request_id} does not share {parent.request_id}'s first {k * bs} tokens")
+        found = {t: [None if b == NULL_BLOCK else b for b in table.blocks[:k]] for t, table in held.tables.items()}
+        return self._usable_prefix(child, found)
+
+    def _usable_prefix(self, request: Request, found: dict[str, list[int | None]]) -> PrefixHit:
+        """The longest k such that blocks [0, k) can serve `request`: every unwindowed pool has all
+        of them, every windowed pool those its window still reaches from position k * block_size,
+        and that position is not inside an image/frame range."""
+        bs = self.block_size
+        k = min((len(_leading_hits(f)) if self.plans[t].window is None else len(f)) for t, f in found.items())
+        runs = {t: _hit_runs(f) for t, f in found.items() if self.plans[t].window is not None}
+        while k > 0:
+            k = _outside_ranges(request.mm_ranges_np, k, bs)
+            if k == 0 or all(runs[t][k - 1] >= k - self._first_kept(t, k * bs) // bs for t in runs):
+                break
+            k -= 1
+        if k == 0:
+            return NO_HIT
+        blocks = {}
+        for t, f in found.items():
+            first = self._first_kept(t, k * bs) // bs
+            blocks[t] = [NULL_BLOCK] * first + list(f[first:k])
+        return PrefixHit(k * bs, blocks)
+
+    def _first_kept(self, layer_type: str, pos: int) -> int:
+        """Oldest key a query at `pos` (not inside a range) attends to in this pool."""
+        window = self.plans[layer_type].window
+        return 0 if window is None else max(0, pos - window + 1)
+
+    def cache_blocks(self, request: Request) -> None:
+        """Key the full blocks the request's computed tokens now cover. Call after the step that
+        computed them ran, so a key always names K/V that is really there."""
+        held = self._held.get(request.request_id)
+        if not self.enable_prefix_caching or held is None:
+            return
+        full = request.num_computed_tokens // self.block_size
+        if full <= held.num_keyed:
+            return
+        keys = block_hashes(request, self.block_size, full)[:full]   # it may already reach further
+        for j in range(held.num_keyed, len(keys)):
+            for t, table in held.tables.items():
+                if table.blocks[j] != NULL_BLOCK:
+                    self.pools[t].cache(table.blocks[j], keys[j])
+        held.num_keyed = max(held.num_keyed, len(keys))
+
     # -- allocation ----------------------------------------------------------------------------------------
 
-    def _first_needed(self, request: Request, window: int | None) -> int:
-        """Oldest position a query at or after num_computed_tokens can still attend to in this pool."""
-        pos = request.num_computed_tokens
+    def _first_needed(self, request: Request, pos: int, window: int | None) -> int:
+        """Oldest position a query at or after `pos` can still attend to in this pool."""
         if window is None or pos == 0:
             return 0
         first = max(0, pos - window + 1)
@@ -171,36 +256,50 @@ class KVCacheManager:
                 first = min(first, int(ranges[i, 0]))
         return first
 
-    def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for positions up to num_computed_tokens + num_new_tokens; False (and no change)
-        if some pool lacks blocks. Sliding blocks that fell out of the window are reclaimed first."""
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> bool:
+        """Make room for positions up to num_computed_tokens + num_new_tokens (for a request that
+        holds no blocks yet: hit.num_tokens + num_new_tokens, taking the hit's blocks); False, and no
+        change, if some pool lacks blocks. Sliding blocks that fell out of the window are released first."""
         rid = request.request_id
-        needed_len = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        held = self._held.get(rid)
+        if held is None:
+            start = hit.num_tokens
+            tables = {t: _Table(list(hit.blocks.get(t, ()))) for t in self.pools}
+            for table in tables.values():   # a windowed pool's hit starts with the blocks it needs no more
+                table.num_reclaimed = next((i for i, b in enumerate(table.blocks) if b != NULL_BLOCK),
+                                           len(table.blocks))
+        elif hit.num_tokens:
+            raise ValueError(f"{rid} already holds blocks; a prefix hit is only taken at admission")
+        else:
+            start, tables = request.num_computed_tokens, held.tables
+        needed_len = -(-(start + num_new_tokens) // self.block_size)
         if needed_len > self.max_blocks_per_req:
             raise ValueError(f"{rid}: {needed_len} blocks exceed max_model_len")
-        tables = self._tables.get(rid)
-        created = tables is None
-        if created:
-            tables = {t: _Table([]) for t in self.pools}
-        reclaim_to: list[int] = []
+        reclaim_to: dict[str, int] = {}
         for t, pool in self.pools.items():
             table = tables[t]
             have = len(table.blocks)
-            window = self.plans[t].window
             upto = table.num_reclaimed
+            window = self.plans[t].window
             if window is not None and have:
-                upto = max(upto, min(self._first_needed(request, window) // self.block_size, have))
+                upto = max(upto, min(self._first_needed(request, start, window) // self.block_size, have))
             missing = needed_len - have
-            if missing > 0 and missing > pool.num_free + upto - table.num_reclaimed:
-                return False
-            reclaim_to.append(upto)
-        if created:
-            self._tables[rid] = tables
-        for (t, pool), b in zip(self.pools.items(), reclaim_to, strict=True):
+            if missing > 0:
+                available = pool.num_free + pool.num_freed_by_release(table.blocks[table.num_reclaimed:upto])
+                if held is None:
+                    available -= pool.num_taken_by_touch(table.blocks)
+                if missing > available:
+                    return False
+            reclaim_to[t] = upto
+        if held is None:
+            self._held[rid] = _Held(tables, num_keyed=start // self.block_size)
+            for t, table in tables.items():
+                self.pools[t].touch(table.blocks)
+        for t, pool in self.pools.items():
             table = tables[t]
-            a = table.num_reclaimed
+            a, b = table.num_reclaimed, reclaim_to[t]
             if b > a:
-                pool.give_back(table.blocks[a:b])
+                pool.release(table.blocks[a:b])
                 table.blocks[a:b] = [NULL_BLOCK] * (b - a)
                 table.num_reclaimed = b
             have = len(table.blocks)
@@ -209,16 +308,48 @@ class KVCacheManager:
         return True
 
     def take_block_updates(self, request_id: str) -> dict[str, BlockUpdate]:
-        """The changes to the request's tables since the last call, per pool that changed."""
+        """The changes to the request's tables since the last call, per pool that changed (a hit's
+        blocks arrive with the first update, a windowed pool's leading nulls as reclaimed entries)."""
         updates = {}
-        for t, table in self._tables.get(request_id, {}).items():
+        held = self._held.get(request_id)
+        for t, table in (held.tables if held else {}).items():
             if table.num_reported < len(table.blocks) or table.reclaimed_reported < table.num_reclaimed:
                 updates[t] = BlockUpdate(table.num_reported, table.blocks[table.num_reported:], table.num_reclaimed)
                 table.num_reported, table.reclaimed_reported = len(table.blocks), table.num_reclaimed
         return updates
 
     def free(self, request_id: str) -> None:
-        tables = self._tables.pop(request_id, None)
-        if tables:
-            for t, table in tables.items():
-                self.pools[t].give_back(table.blocks)
+        """Release a request's blocks, tail first: the LRU then evicts a chain's tail before its head."""
+        held = self._held.pop(request_id, None)
+        if held:
+            for t, table in held.tables.items():
+                self.pools[t].release(reversed(table.blocks))
+
+
+def _leading_hits(found: list) -> list:
+    """`found` up to its first None."""
+    for i, b in enumerate(found):
+        if b is None:
+            return found[:i]
+    return found
+
+
+def _hit_runs(found: list) -> list[int]:
+    """runs[j] = how many consecutive entries ending at j are hits."""
+    runs, run = [], 0
+    for b in found:
+        run = run + 1 if b is not None else 0
+        runs.append(run)
+    return runs
+
+
+def _outside_ranges(ranges: np.ndarray, k: int, block_size: int) -> int:
+    """The largest k' <= k whose boundary k' * block_size lies inside no range (a range starting
+    exactly there is fine: all of it is computed after the boundary)."""
+    while k > 0 and len(ranges):
+        pos = k * block_size
+        i = int(np.searchsorted(ranges[:, 0], pos, side="left")) - 1   # last range starting before pos
+        if i < 0 or ranges[i, 1] < pos:
+            break
+        k = int(ranges[i, 0]) // block_size
+    return k

@@ -28,6 +28,9 @@ class ScheduledRequest:
     is_prefill: bool
     frames: list[int] = field(default_factory=list)
     block_updates: dict[str, BlockUpdate] = field(default_factory=dict)   # per pool; only pools that changed
+    # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
+    # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
+    num_cached_tokens: int | None = None
 
     @property
     def seq_len(self) -> int:

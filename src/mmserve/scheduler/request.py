@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from mmserve.multimodal.content_hash import content_hash
+
 if TYPE_CHECKING:  # the engine owns sampling; the scheduler only carries the object
     from mmserve.engine.sampling_params import SamplingParams
 
@@ -23,10 +25,17 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class MultiModalInput:
-    """One image or video frame, patchified: the vision tower's input for one placeholder range."""
+    """One image or video frame, patchified: the vision tower's input for one placeholder range.
+    `content_hash` names it for the prefix and encoder caches; computed here when not given, so
+    the input processor makes these in its worker pool and hashing never runs on the event loop."""
 
     pixel_values: torch.Tensor   # [P, 3 * patch_size**2]
     position_ids: torch.Tensor   # [P, 2]; padding patches at (-1, -1)
+    content_hash: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.content_hash:
+            self.content_hash = content_hash(self.pixel_values, self.position_ids)
 
 
 @dataclass(eq=False)
@@ -47,6 +56,8 @@ class Request:
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache at first admission
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)   # prefix-cache key per full block
     # Observers (metrics, tracing) accumulate per-request numbers here; the engine never reads it.
     perf: dict[str, Any] = field(default_factory=dict)
 

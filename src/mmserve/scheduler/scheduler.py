@@ -188,13 +188,20 @@ class Scheduler:
 
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            n = self._chunk(request, budget)
-            if n == 0 or not self.kv.allocate(request, n):
+            hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
+            start = hit.num_tokens
+            n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+            if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.pop(0)
+            if request.status == RequestStatus.WAITING:   # first admission, not a preempted request's return
+                request.num_cached_tokens = min(start, request.num_prompt_tokens)
+            request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled[request.request_id] = self._scheduled(request, n)
+            if self.kv.enable_prefix_caching:
+                scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
         finished, self._finished_since_step = self._finished_since_step, []
@@ -208,7 +215,9 @@ class Scheduler:
             block_updates=self.kv.take_block_updates(request.request_id))
 
     def update(self, output: SchedulerOutput) -> None:
-        """Advance each scheduled request past the tokens the step just computed."""
+        """Advance each scheduled request past the tokens the step just computed, and offer the
+        blocks it filled to the prefix cache (only now is their K/V written)."""
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
                 s.request.num_computed_tokens = s.seq_len
+                self.kv.cache_blocks(s.request)

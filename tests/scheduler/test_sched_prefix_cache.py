@@ -1,0 +1,233 @@
+"""Prefix caching without a model: block pool LRU and reference counts, chained keys, the hit rules
+(last token, frames, sliding windows), sharing for parallel samples, and a random load whose every
+hit is checked against what was really written into the blocks it reuses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, step
+
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.scheduler.block_hash import block_hashes
+from mmserve.scheduler.block_pool import BlockPool
+from mmserve.scheduler.kv_cache_manager import NULL_BLOCK
+from mmserve.scheduler.request import MultiModalInput, Request
+
+
+def item(seed: int, patches: int = 4) -> MultiModalInput:
+    gen = torch.Generator().manual_seed(seed)
+    return MultiModalInput(torch.rand(patches, 48, generator=gen), torch.zeros(patches, 2, dtype=torch.long))
+
+
+def request(rid: str, tokens: list[int], ranges=(), items=(), max_tokens: int = 4) -> Request:
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens), mm_ranges=list(ranges),
+                   mm_inputs=list(items))
+
+
+def compute(kv, r: Request, n: int) -> None:
+    """Pretend a step computed the request's next n tokens."""
+    assert kv.allocate(r, n)
+    r.num_computed_tokens += n
+    kv.cache_blocks(r)
+
+
+def admit(kv, r: Request) -> int:
+    """Admit with the longest hit and compute the rest of the prompt; returns the hit length."""
+    hit = kv.find_cached_prefix(r)
+    assert kv.allocate(r, r.num_tokens - hit.num_tokens, hit)
+    r.num_computed_tokens = r.num_tokens
+    kv.cache_blocks(r)
+    return hit.num_tokens
+
+
+def test_pool_reuses_empty_blocks_first_then_evicts_the_least_recently_freed():
+    pool = BlockPool(6)
+    a = pool.take(3)
+    for b in a:
+        pool.cache(b, bytes([b]))
+    pool.release(reversed(a))                    # tail first: a[2] is the least recently freed
+    assert pool.num_free == 5 and pool.num_cached_free == 3
+    assert sorted(pool.take(2)) == [4, 5]        # empty blocks before any cached one
+    assert pool.take(1) == [a[2]] and pool.lookup(bytes([a[2]])) is None
+    pool.touch([a[0]])                           # a hit takes a cached block off the free list
+    assert pool.num_free == 1 and pool.ref_cnt[a[0]] == 1
+    pool.release([a[0]])
+    assert pool.lookup(bytes([a[0]])) == a[0] and pool.num_free == 2
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release([a[0]])
+    with pytest.raises(RuntimeError, match="3 blocks asked"):
+        pool.take(3)
+
+
+def test_keys_name_the_whole_prefix_and_each_items_content_and_place():
+    bs, tokens = 4, list(range(20, 44))
+    tokens[6:14] = [9] * 8
+    keys = block_hashes(request("a", tokens, [(6, 13)], [item(1)]), bs, 6)
+    assert len(set(keys)) == 6
+    assert block_hashes(request("b", tokens, [(6, 13)], [item(1)]), bs, 6) == keys    # same bytes, same keys
+    other = block_hashes(request("c", tokens, [(6, 13)], [item(2)]), bs, 6)           # other pixels
+    assert other[0] == keys[0] and all(o != k for o, k in zip(other[1:], keys[1:], strict=True))
+    moved = list(tokens)
+    moved[6:15] = [9] * 9
+    shifted = block_hashes(request("d", moved, [(7, 14)], [item(1)]), bs, 6)          # same item one later
+    assert shifted[0] == keys[0] and shifted[1] != keys[1]
+    changed = [tokens[0] + 1] + tokens[1:]
+    assert all(c != k for c, k in zip(block_hashes(request("e", changed, [(6, 13)], [item(1)]), bs, 6), keys,
+                                      strict=True))
+    assert block_hashes(request("f", tokens, [(6, 13)]), bs, 6) == keys[:1]           # unnamed item: no key
+
+
+def test_hit_leaves_the_last_token_to_compute_and_is_whole_blocks():
+    kv = make_kv(num_blocks=64)
+    a = request("a", list(range(3, 23)))          # 20 tokens: 5 full blocks
+    assert admit(kv, a) == 0
+    assert admit(kv, request("b", list(range(3, 23)))) == 16          # the 20th token's logits are needed
+    assert admit(kv, request("c", list(range(3, 24)))) == 20
+    assert admit(kv, request("d", list(range(3, 14)) + [99] * 9)) == 8  # differs inside block 2
+
+
+@pytest.mark.parametrize("frame, shared, expected", [
+    ((6, 13), 14, 4),     # the 12-token boundary is inside the frame: back to its start, down to a block
+    ((8, 13), 14, 8),     # the frame starts on a block boundary: everything before it
+    ((8, 11), 14, 12),    # the frame ends before the boundary: untouched
+])
+def test_hit_never_ends_inside_a_frame(frame, shared, expected):
+    kv = make_kv(num_blocks=64)
+    tokens = list(range(3, 27))
+    admit(kv, request("a", tokens, [frame], [item(5)]))
+    b = request("b", tokens[:shared] + [99] * (24 - shared), [frame], [item(5)])
+    hit = kv.find_cached_prefix(b)
+    assert hit.num_tokens == expected
+    s, e = frame
+    assert not s < hit.num_tokens <= e
+
+
+def test_windowed_pool_needs_only_the_blocks_its_window_reaches():
+    kv = make_kv(num_blocks=64)                   # window 8, block size 4
+    a = request("a", list(range(3, 43)))          # 40 tokens in one chunk: all 10 sliding blocks held
+    compute(kv, a, 40)
+    sliding = kv.block_table("a", SLIDING)
+    kv.free("a")                                  # tail first: sliding block 9 is now the LRU victim
+    pool = kv.pools[SLIDING]
+    hit = kv.find_cached_prefix(request("b", list(range(3, 44))))
+    assert hit.num_tokens == 40
+    assert hit.blocks[SLIDING] == [NULL_BLOCK] * 8 + sliding[8:10]   # keys 33..39 only
+    assert len(hit.blocks[FULL]) == 10 and NULL_BLOCK not in hit.blocks[FULL]
+    pool.take(pool.num_free - pool.num_cached_free + 1)   # the empty blocks, then exactly sliding block 9
+    assert pool.lookup(block_hashes(a, 4, 10)[9]) is None
+    b = request("b2", list(range(3, 44)))
+    hit = kv.find_cached_prefix(b)
+    # The full pool still has all 10 blocks, but at 40 the window needs block 9: the longest usable
+    # hit is 36, whose window (keys 29..35) lies in blocks 7 and 8.
+    assert hit.num_tokens == 36 and hit.blocks[SLIDING] == [NULL_BLOCK] * 7 + sliding[7:9]
+
+
+def test_a_hit_shares_blocks_by_reference_and_frees_exactly():
+    kv = make_kv(num_blocks=64)
+    a = request("a", list(range(3, 23)), max_tokens=8)
+    compute(kv, a, 20)                            # a keeps running
+    b = request("b", list(range(3, 25)))
+    assert admit(kv, b) == 20
+    shared = kv.block_table("a", FULL)
+    assert kv.block_table("b", FULL)[:5] == shared
+    assert all(kv.pools[FULL].ref_cnt[x] == 2 for x in shared)
+    kv.free("a")
+    assert all(kv.pools[FULL].ref_cnt[x] == 1 for x in shared)
+    kv.free("b")
+    for p in kv.pools.values():
+        assert p.num_free == p.num_usable and not any(p.ref_cnt)
+    assert kv.pools[FULL].num_cached_free == 5    # b's partial sixth block is not keyed
+    assert kv.usage() == 0.0 and kv.cached_usage() == 5 / 63
+
+
+def test_share_prefix_forks_a_running_requests_blocks_for_parallel_samples():
+    kv = make_kv(num_blocks=64)
+    kv.enable_prefix_caching = False              # sharing does not need the cache
+    parent = request("p", list(range(3, 22)))     # 19 tokens
+    compute(kv, parent, 19)
+    child = request("p#1", list(range(3, 22)))
+    hit = kv.share_prefix(parent, child)
+    assert hit.num_tokens == 16
+    assert kv.allocate(child, 3, hit)
+    assert kv.block_table("p#1", FULL)[:4] == kv.block_table("p", FULL)[:4]
+    assert kv.block_table("p#1", FULL)[4] != kv.block_table("p", FULL)[4]   # the partial block is its own
+    assert all(kv.pools[FULL].ref_cnt[x] == 2 for x in kv.block_table("p", FULL)[:4])
+    with pytest.raises(ValueError, match="does not share"):
+        kv.share_prefix(parent, request("q", [1] + list(range(4, 22))))
+    kv.free("p")
+    kv.free("p#1")
+    assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in kv.pools.values())
+
+
+def _identity(r: Request, j: int, bs: int) -> tuple:
+    """What block j of a request holds: every token up to its end and every item that began before it."""
+    end = (j + 1) * bs
+    items = tuple((s, e, r.mm_inputs[i].content_hash) for i, (s, e) in enumerate(r.mm_ranges) if s < end)
+    return tuple(r.token_ids_slice(0, end)), items
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_load_only_ever_reuses_blocks_holding_the_same_prefix(seed):
+    """Shared documents with frames, random suffixes, a pool small enough to evict and preempt: each
+    reused block must hold exactly the prefix the hitting request would have computed there."""
+    rng = random.Random(seed)
+    bs = 4
+    docs = []
+    for d in range(3):
+        tokens, ranges, items = [], [], []
+        while len(tokens) < 40:
+            tokens += [rng.randrange(20, 60) for _ in range(rng.randint(1, 6))]
+            n = rng.randint(2, 8)
+            ranges.append((len(tokens), len(tokens) + n - 1))
+            items.append(item(100 * seed + 10 * d + len(items)))
+            tokens += [9] * n
+        docs.append((tokens, ranges, items))
+    sched = make_scheduler(num_blocks=26, block_size=bs, max_num_batched_tokens=24, max_num_seqs=4)
+    for i in range(24):
+        tokens, ranges, items = docs[rng.randrange(3)]
+        cut = rng.randint(1, len(tokens))        # a random prefix of a document, frames kept whole ...
+        for s, e in ranges:
+            if s < cut <= e:
+                cut = s
+        kept = [k for k, (_, e) in enumerate(ranges) if e < cut]
+        suffix = [rng.randrange(20, 60) for _ in range(rng.randint(1, 12))]   # ... and a question of its own
+        sched.add_request(request(f"r{i}", tokens[:cut] + suffix, [ranges[k] for k in kept],
+                                  [items[k] for k in kept], max_tokens=rng.randint(1, 6)))
+    written = {FULL: {}, SLIDING: {}}
+    reused = preempted = 0
+
+    def check(out):
+        nonlocal reused, preempted
+        preempted += len(out.preempted_ids)
+        for s in out.scheduled:
+            for j in range((s.num_cached_tokens or 0) // bs):
+                for t in written:
+                    block = sched.kv.block_table(s.request.request_id, t)[j]
+                    if block != NULL_BLOCK:
+                        assert written[t][block] == _identity(s.request, j, bs)
+                        reused += 1
+
+    def record(out):
+        for s in out.scheduled:
+            r = s.request
+            for j in range(s.context_len // bs, r.num_computed_tokens // bs):
+                for t in written:
+                    block = sched.kv.block_table(r.request_id, t)[j]
+                    if block != NULL_BLOCK:
+                        written[t][block] = _identity(r, j, bs)
+
+    for _ in range(10_000):
+        if not sched.num_unfinished:
+            break
+        out = step(sched, check)
+        record(out)
+        for s in out.scheduled:
+            if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
+                sched.finish(s.request.request_id)
+    assert not sched.num_unfinished
+    assert reused > 0 and preempted > 0, (reused, preempted)
+    for p in sched.kv.pools.values():
+        assert p.num_free == p.num_usable and not any(p.ref_cnt)
