@@ -35,6 +35,11 @@ class EngineConfig:
     max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
     seed: int = field(default=0, metadata={"help": "default sampling seed"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content)"})
+    encoder_cache_bytes: int = field(default=0, metadata={
+        "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
+                "0 = room for 256 video frames of the served model"})
     # Multimodal limits (checked at the edge before any work starts).
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most"})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})

@@ -196,7 +196,7 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     observer.on_request_queued(r)
     clock = StepClock()
     waiting = random.randint(1, 50)
-    observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 0, r)], waiting=waiting, kv=0.5))
+    observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 1, r, prefix_queried=6)], waiting=waiting, kv=0.5))
     observer.on_first_token(r)
     r.output_token_ids += [1, 2]
     observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, r)], waiting=waiting, kv=0.5))

@@ -53,7 +53,7 @@ class ServerThread(LoopbackServer):
     observer: RecordingObserver = field(default_factory=RecordingObserver)
 
     def leaks(self) -> list[str]:
-        """What is still held: requests, KV blocks, encoder-cache entries, streams, gated calls."""
+        """What is still held: requests, KV blocks, streams, gated calls; an encoder cache over its bound."""
         core, found = self.engine.core, []
         ends = self.observer.end_counts()
         if set(ends) != set(self.observer.queued):
@@ -64,10 +64,12 @@ class ServerThread(LoopbackServer):
         if core.scheduler.running or core.scheduler.waiting:
             found.append(f"scheduler still holds {len(core.scheduler.running)} running, "
                          f"{len(core.scheduler.waiting)} waiting")
+        # Free means empty or cached-unreferenced: the prefix and encoder caches outlive requests.
         found += [f"pool {name}: {pool.num_usable - pool.num_free} blocks held"
-                  for name, pool in core.kv.pools.items() if pool.num_free != pool.num_usable]
-        if core.runner.encoder_cache:
-            found.append(f"encoder cache holds {list(core.runner.encoder_cache)}")
+                  for name, pool in core.kv.pools.items() if pool.num_free != pool.num_usable or any(pool.ref_cnt)]
+        cache = core.runner.encoder_cache
+        if cache.num_bytes > cache.max_bytes:
+            found.append(f"encoder cache holds {cache.num_bytes} bytes, over its bound {cache.max_bytes}")
         if self.engine._streams:
             found.append(f"open engine streams {list(self.engine._streams)}")
         if self.app.gate.inflight:

@@ -73,6 +73,7 @@ class Usage:
     multimodal_tokens: int = 0
     completion_tokens: int = 0
     num_frames: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the server's prefix cache
 
 
 @dataclass(frozen=True)

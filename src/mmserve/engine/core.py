@@ -65,7 +65,8 @@ class EngineCore:
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
                            kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                            max_chunk=config.max_num_batched_tokens)
-        self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len)
+        self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
+                                 enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    max_waiting_requests=config.max_waiting_requests,
@@ -140,7 +141,8 @@ class EngineCore:
             inbox = len(self._inbox)
         forks = sum(len(f) for f in list(self._forks.values()))
         return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + inbox + forks,
-                        kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs)
+                        kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs,
+                        kv_cached_usage=self.kv.cached_usage())
 
     def wait_for_work(self, stop: threading.Event, timeout: float = 0.5) -> None:
         """Sleep until a request or abort arrives; never spin while requests wait for nothing."""
@@ -176,7 +178,6 @@ class EngineCore:
         if state.request.fork_of in self._forks and state.request in self._forks[state.request.fork_of]:
             self._forks[state.request.fork_of].remove(state.request)
         self.scheduler.finish(rid)
-        self.runner.free(rid)
         self.sampler.free(rid)
         self._release_forks()
         with self._cond:
@@ -231,7 +232,7 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         # Record before publishing: the observer must see a request's last step before its end, so
         # request.perf (carried by the Final message) includes that step.
-        self._record(out, start_perf, end_perf, start_ns, end_ns)
+        self._record(out, result.frames_encoded, start_perf, end_perf, start_ns, end_ns)
         self._publish_tokens(result.sampled, sampled, events)
         return events
 
@@ -273,9 +274,13 @@ class EngineCore:
             if rid in self.states:
                 self._end(rid, events, EngineInternalError(f"request {rid}: engine step failed: {exc!r}"))
 
-    def _record(self, out: SchedulerOutput, start_perf: float, end_perf: float, start_ns: int, end_ns: int) -> None:
+    def _record(self, out: SchedulerOutput, frames_encoded: dict[str, int], start_perf: float, end_perf: float,
+                start_ns: int, end_ns: int) -> None:
         items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
-                               len(s.frames), s.request) for s in out.scheduled]
+                               frames_encoded.get(s.request.request_id, 0), s.request,
+                               prefix_queried=0 if s.num_cached_tokens is None else s.request.num_tokens,
+                               prefix_hit=s.num_cached_tokens or 0)
+                 for s in out.scheduled]
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
                             len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
                             self.model.experts_touched())

@@ -25,7 +25,7 @@ from mmserve.engine.types import EngineRequest
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
-from mmserve.model.prompt import build_prompt
+from mmserve.model.prompt import PromptLayout, build_prompt
 from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.decode_control import DecodeControl
@@ -129,14 +129,19 @@ class InputProcessor:
         chat = [ChatMessage(m.role, [self._model_part(f"messages[{i}].parts[{j}]", p, media)
                                      for j, p in enumerate(m.parts)]) for i, m in enumerate(messages)]
         loop = asyncio.get_running_loop()
-        layout = await loop.run_in_executor(self.executor, build_prompt, self.tokenizer, self.spec, chat)
+        layout, mm_inputs = await loop.run_in_executor(self.executor, self._layout_blocking, chat)
         self._check_length(len(layout.token_ids), sampling)
-        mm_inputs = [MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
-                     for item in layout.mm_items]
         return EngineRequest(
             request_id=request_id, prompt_token_ids=list(layout.token_ids), mm_ranges=list(layout.mm_ranges),
             mm_inputs=mm_inputs, sampling=sampling, priority=priority, trace_context=trace_context,
             num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges))
+
+    def _layout_blocking(self, chat: list[ChatMessage]) -> tuple[PromptLayout, list[MultiModalInput]]:
+        """Render the prompt, and name every image/frame by its content hash (the prefix and
+        encoder caches' key), in the worker pool: hashing megabytes of pixels must not block the loop."""
+        layout = build_prompt(self.tokenizer, self.spec, chat)
+        return layout, [MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
+                        for item in layout.mm_items]
 
     def _check_length(self, prompt_tokens: int, sampling: SamplingParams) -> None:
         if prompt_tokens >= self.max_model_len:

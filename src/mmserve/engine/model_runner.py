@@ -5,9 +5,9 @@ Per step: apply the scheduler's block-table changes (block_table.py), fill the s
 attention metadata builder prepare its backend's state once, then run the model.
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame) into a per-request encoder cache. An entry lives until its frame's range is in
-the KV cache (the end of that step, since chunks never split a frame), and never past the prompt;
-a preempted, finished or aborted request's entries are dropped at once.
+the largest frame), except those whose content the cross-request encoder cache still holds; new
+embeddings go into that cache (LRU in bytes, keyed by content hash), so a video seen before costs no
+vision work even when its K/V blocks were evicted.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.block_table import BlockTables
+from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.engine.sampled_rows import SampledRowsBuilder
 from mmserve.engine.step_inputs import StepInputBuilder
@@ -37,6 +38,7 @@ class StepResult:
     sampled: list[ScheduledRequest]  # row i of logits belongs to sampled[i]
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
 
 
 class ModelRunner:
@@ -71,27 +73,39 @@ class ModelRunner:
         if any(layer.shares_kv for layer in spec.layers):
             self.sampled_rows = SampledRowsBuilder(spec, backend, pools, max_num_seqs=config.max_num_seqs,
                                                    max_blocks=max_blocks, block_size=config.block_size, device=device)
-        self.encoder_cache: dict[str, dict[int, torch.Tensor]] = {}
+        self.encoder_cache = EncoderCache(config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
 
     def free(self, request_id: str) -> None:
-        self.encoder_cache.pop(request_id, None)
         self.block_tables.free(request_id)
 
-    def _encode(self, scheduled: list[ScheduledRequest]) -> torch.Tensor | None:
-        """Embeddings of this step's frames in (request, frame) order, encoding those not cached."""
-        todo = [(s.request, f) for s in scheduled for f in s.frames
-                if f not in self.encoder_cache.get(s.request.request_id, {})]
+    def _encode(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, dict[str, int]]:
+        """Embeddings of this step's frames in (request, frame) order, encoding only those whose
+        content is neither cached nor repeated in this step; and how many frames each request encoded."""
+        step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
+        todo, encoded = [], {}
+        for s in scheduled:
+            for f in s.frames:
+                key = s.request.mm_inputs[f].content_hash
+                if key not in step:
+                    step[key] = self.encoder_cache.get(key)
+                    if step[key] is None:
+                        todo.append((s.request, f, key))
+                        encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
         if todo:
-            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f in todo])
-            embeds = self.model.encode_vision(pix, pos)
-            for (r, f), e in zip(todo, embeds, strict=True):
-                start, end = r.mm_ranges[f]
+            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
+            for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
+                step[key] = e
+                self.encoder_cache.put(key, e)
+        parts = []
+        for s in scheduled:
+            for f in s.frames:
+                e = step[s.request.mm_inputs[f].content_hash]
+                start, end = s.request.mm_ranges[f]
                 if e.shape[0] != end - start + 1:
-                    raise ValueError(f"request {r.request_id}: range {f} has {end - start + 1} placeholder tokens "
-                                     f"but its pixels give {e.shape[0]} embeddings")
-                self.encoder_cache.setdefault(r.request_id, {})[f] = e
-        parts = [self.encoder_cache[s.request.request_id][f] for s in scheduled for f in s.frames]
-        return torch.cat(parts) if parts else None
+                    raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
+                                     f"tokens but its pixels give {e.shape[0]} embeddings")
+                parts.append(e)
+        return (torch.cat(parts) if parts else None), encoded
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -100,7 +114,7 @@ class ModelRunner:
         rows = self.block_tables.apply(out.scheduled)
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds = self._encode(out.scheduled)
+        mm_embeds, encoded = self._encode(out.scheduled)
         sampled = (self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
                    if self.sampled_rows is not None else None)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
@@ -110,13 +124,4 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        for s in out.scheduled:
-            # A frame's embeddings are needed until its whole range is in the KV cache, which (chunks
-            # never split a frame) is the end of the step that encoded it.
-            cache = self.encoder_cache.get(s.request.request_id)
-            if cache is not None:
-                for f in s.frames:
-                    cache.pop(f, None)
-                if not cache or s.seq_len >= s.request.num_prompt_tokens:
-                    self.encoder_cache.pop(s.request.request_id, None)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded)

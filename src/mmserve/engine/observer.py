@@ -14,8 +14,10 @@ class ScheduledItem:
     num_tokens: int
     context_len: int            # tokens in the KV cache after this step
     is_prefill: bool
-    num_frames_encoded: int
+    num_frames_encoded: int     # frames the vision tower ran on (encoder-cache hits excluded)
     request: Request = field(repr=False, compare=False)
+    prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
+    prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,8 @@ class RequestState:
     def usage(self) -> Usage:
         r = self.request
         return Usage(prompt_tokens=r.num_prompt_tokens, multimodal_tokens=r.num_mm_tokens,
-                     completion_tokens=len(r.output_token_ids), num_frames=self.num_frames)
+                     completion_tokens=len(r.output_token_ids), num_frames=self.num_frames,
+                     cached_tokens=r.num_cached_tokens)
 
     def append(self, token_id: int, eos_token_ids: frozenset[int],
                logprobs: TokenLogprobs | None = None) -> RequestOutput:

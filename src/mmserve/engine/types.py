@@ -33,6 +33,7 @@ class Usage:
     multimodal_tokens: int
     completion_tokens: int
     num_frames: int
+    cached_tokens: int = 0   # prompt tokens whose K/V came from the prefix cache (not computed)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LoadInfo:
     waiting: int
     kv_usage: float       # share of usable KV blocks in use, over all pools, in [0, 1]
     max_num_seqs: int
+    kv_cached_usage: float = 0.0   # share of usable blocks free but holding cached prefixes (fullest pool)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,10 @@ PROMETHEUS_NAMES = {
     "mmserve.generation_tokens": "mmserve_generation_tokens_total",
     "mmserve.perf.flops": "mmserve_perf_flops_total",
     "mmserve.requests.finished": "mmserve_requests_finished_total",
+    "mmserve.prefix_cache.queries": "mmserve_prefix_cache_queries_total",
+    "mmserve.prefix_cache.hits": "mmserve_prefix_cache_hits_total",
+    "mmserve.prefix_cache.hit_rate": "mmserve_prefix_cache_hit_rate",
+    "mmserve.vision.frames_encoded": "mmserve_vision_frames_encoded_total",
 }
 
 
@@ -99,6 +103,16 @@ class EngineMetrics:
         self.generation_tokens = meter.create_counter("mmserve.generation_tokens", description="tokens generated")
         self.flops = meter.create_counter("mmserve.perf.flops", description="estimated model FLOPs per GPU")
         self.finished = meter.create_counter("mmserve.requests.finished", description="requests ended, by finish reason")
+        self.prefix_queries = meter.create_counter("mmserve.prefix_cache.queries",
+                                                   description="tokens of admitted requests looked up in the prefix cache")
+        self.prefix_hits = meter.create_counter("mmserve.prefix_cache.hits",
+                                                description="of those, tokens whose KV came from the cache")
+        self.prefix_hit_rate = meter.create_gauge("mmserve.prefix_cache.hit_rate",
+                                                  description="prefix-cache hits / queries since start, 0..1")
+        self.frames_encoded = meter.create_counter("mmserve.vision.frames_encoded",
+                                                   description="images/frames run through the vision tower "
+                                                               "(encoder-cache and prefix-cache hits excluded)")
+        self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
 
     def record_step(self, gauges: StepGauges, flops: float) -> None:
         self.running.set(gauges.running)
@@ -107,6 +121,15 @@ class EngineMetrics:
         self.mfu.set(gauges.mfu)
         self.mbu.set(gauges.mbu)
         self.flops.add(flops)
+
+    def record_prefix_cache(self, queries: int, hits: int) -> None:
+        """One step's prefix-cache lookups (tokens), at the admission of each request."""
+        if queries:
+            self.prefix_queries.add(queries)
+            self.prefix_hits.add(hits)
+            self._prefix_totals[0] += queries
+            self._prefix_totals[1] += hits
+            self.prefix_hit_rate.set(self._prefix_totals[1] / self._prefix_totals[0])
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -134,11 +134,14 @@ class TelemetryObserver:
                 self._span(VISION_SPAN, item, record, frames, 1.0, step, seconds,
                            {"mmserve.vision.num_frames": item.num_frames_encoded})
             if item.is_prefill:
-                self._span(PREFILL_SPAN, item, record, text, share, step, seconds, {
+                attributes = {
                     "mmserve.prefill.chunk_index": state.prefill_chunks,
                     "mmserve.prefill.num_tokens": item.num_tokens,
                     "mmserve.prefill.context_len": item.context_len,
-                })
+                }
+                if item.prefix_queried:   # the admitting chunk: it starts after the tokens the cache served
+                    attributes["mmserve.prefill.cached_tokens"] = item.prefix_hit
+                self._span(PREFILL_SPAN, item, record, text, share, step, seconds, attributes)
                 state.prefill_chunks += 1
             else:
                 self._decode_step(state, item, record, text, share, step, seconds)
@@ -148,6 +151,9 @@ class TelemetryObserver:
         if self.metrics is not None:
             self.metrics.record_step(StepGauges(record.num_running, record.num_waiting, record.kv_usage, mfu, mbu),
                                      step.total_flops)
+            self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
+                                             sum(i.prefix_hit for i in record.items))
+            self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
 
     def on_first_token(self, request: Any) -> None:
         state = self._requests.get(request.request_id)

@@ -215,4 +215,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return pb.ServerLoad(draining=draining, max_num_seqs=self._config.max_num_seqs)
         load = self._engine.load()
         return pb.ServerLoad(running_requests=load.running, waiting_requests=load.waiting,
-                             kv_cache_usage=load.kv_usage, draining=draining, max_num_seqs=load.max_num_seqs)
+                             kv_cache_usage=load.kv_usage, draining=draining, max_num_seqs=load.max_num_seqs,
+                             kv_cache_cached_usage=load.kv_cached_usage)

@@ -228,16 +228,18 @@ class SampleFinal(_message.Message):
     def __init__(self, index: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., matched_stop: _Optional[str] = ..., completion_tokens: _Optional[int] = ..., finish_detail: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "multimodal_tokens", "completion_tokens", "num_frames")
+    __slots__ = ("prompt_tokens", "multimodal_tokens", "completion_tokens", "num_frames", "cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     multimodal_tokens: int
     completion_tokens: int
     num_frames: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., multimodal_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., multimodal_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_s", "time_to_first_token_s", "end_to_end_s")
@@ -314,18 +316,20 @@ class GetServerLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerLoad(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "draining", "max_num_seqs")
+    __slots__ = ("running_requests", "waiting_requests", "kv_cache_usage", "draining", "max_num_seqs", "kv_cache_cached_usage")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_CACHED_USAGE_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_cache_usage: float
     draining: bool
     max_num_seqs: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ...) -> None: ...
+    kv_cache_cached_usage: float
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., kv_cache_cached_usage: _Optional[float] = ...) -> None: ...
 
 class UploadMediaRequest(_message.Message):
     __slots__ = ("metadata", "chunk")
