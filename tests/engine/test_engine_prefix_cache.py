@@ -1,0 +1,255 @@
+"""Prefix caching changes what is computed, never what is generated: every case runs the same
+requests through an engine with the cache and one without (the oracle) on a fresh random tiny
+Gemma 4 (sliding window 6, far shorter than the prefixes reused), and compares greedy tokens and the
+sampled logits; then checks what the cache served (Usage.cached_tokens) and what the vision tower
+had to encode."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import random
+import shutil
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from engine_helpers import build_request, make_llm
+from gemma4_fixtures import NUM_SPECIALS, VOCAB
+from test_engine_batching import assert_pools_full
+
+from mmserve.attention.backend import FULL, SLIDING
+from mmserve.config import EngineConfig
+from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.observer import NullObserver
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.scheduler.block_hash import block_hashes
+from mmserve.scheduler.kv_cache_manager import NULL_BLOCK
+from mmserve.scheduler.request import Request
+
+BS = 4
+
+
+class Watch(NullObserver):
+    """Frames encoded and preemptions per request id."""
+
+    def __init__(self):
+        self.encoded, self.preempted = Counter(), Counter()
+
+    def on_step(self, record):
+        for item in record.items:
+            self.encoded[item.request_id] += item.num_frames_encoded
+
+    def on_request_finished(self, request, finish_reason, error):
+        self.preempted[request.request_id] = request.num_preemptions
+
+
+def engine(model_tok, **options):
+    """An LLM whose sampled logits rows are recorded per request id, with a Watch observer."""
+    llm = make_llm(model_tok, block_size=BS, **options)
+    llm.core.observer = watch = Watch()
+    llm.logits = {}
+    execute = llm.core.runner.execute
+
+    def recording(out, kv):
+        result = execute(out, kv)
+        for row, s in zip(result.logits, result.sampled, strict=True):
+            llm.logits.setdefault(s.request.request_id, []).append(row.clone())
+        return result
+
+    llm.core.runner.execute = recording
+    return llm, watch
+
+
+def compare(model_tok, batches, **options):
+    """Run `batches` (each a list of requests generated together, one batch after another) with and
+    without prefix caching; tokens must be equal and logits close. Returns the cached run's
+    completions by id and its Watch."""
+    results = {}
+    for caching in (True, False):
+        llm, watch = engine(model_tok, enable_prefix_caching=caching, **options)
+        done = {}
+        for batch in batches:
+            done.update({c.request_id: c for c in llm.generate(batch)})
+        results[caching] = (llm, watch, done)
+        assert_pools_full(llm.core)
+    (on, watch, got), (off, _, want) = results[True], results[False]
+    for rid, c in want.items():
+        assert got[rid].token_ids == c.token_ids, rid
+        torch.testing.assert_close(torch.stack(on.logits[rid]), torch.stack(off.logits[rid]), rtol=1e-4, atol=1e-4)
+        assert want[rid].usage.cached_tokens == 0
+    return got, watch, on
+
+
+def with_tail(req, rid: str, keep: int, tail: list[int], **kw):
+    """`req`'s first `keep` prompt tokens (and the frames inside them) followed by `tail`."""
+    ranges = [(s, e) for s, e in req.mm_ranges if e < keep]
+    return dataclasses.replace(req, request_id=rid, prompt_token_ids=req.prompt_token_ids[:keep] + tail,
+                               mm_ranges=ranges, mm_inputs=req.mm_inputs[:len(ranges)], **kw)
+
+
+def text(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(NUM_SPECIALS, VOCAB) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def processor(engine_checkpoint, tmp_path_factory):
+    """The real input path (PyAV decode, sampling, resize, hashing) for the engine checkpoint, with
+    9 soft tokens per frame so that prompts stay short."""
+    path, _ = engine_checkpoint
+    root = tmp_path_factory.mktemp("prefix_processor")
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        shutil.copy(path / name, root / name)
+    (root / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 9}))
+    with ThreadPoolExecutor(2) as pool:
+        yield InputProcessor.from_checkpoint(EngineConfig(model=str(root)), pool, context_length=1024)
+
+
+def process(processor, rid: str, *parts, max_tokens: int = 4):
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return asyncio.run(processor.process(rid, [InputMessage("user", tuple(parts))], sampling))
+
+
+def test_follow_up_questions_about_one_video_reuse_its_frames(load_backend, processor, make_video):
+    video = make_video(random.randrange(1000), num_frames=4, size=16)
+    q1 = process(processor, "q1", VideoInput(data=video, num_frames=3), TextInput("Question: what moves?"))
+    q2 = process(processor, "q2", VideoInput(data=video, num_frames=3), TextInput("Question: which colour?"))
+    assert [m.content_hash for m in q1.mm_inputs] == [m.content_hash for m in q2.mm_inputs]
+    got, watch, _ = compare(load_backend("reference"), [[q1], [q2]])
+    assert got["q1"].usage.cached_tokens == 0 and watch.encoded["q1"] == 3
+    assert got["q2"].usage.cached_tokens > q2.mm_ranges[-1][1]   # every frame came from the cache
+    assert watch.encoded["q2"] == 0
+
+
+def test_three_turn_conversation_reuses_earlier_turns_and_answers(load_backend):
+    model_tok = load_backend("reference")
+    rng = random.Random(random.randrange(10**6))
+    t1 = build_request("t1", [5, ("video", [8, 8, 4]), 7], seed=rng.randrange(10**6), max_tokens=5)
+    llm, _ = engine(model_tok)                     # the answers the later turns repeat
+    a1 = llm.generate([t1])[0].token_ids
+    t2 = with_tail(t1, "t2", len(t1.prompt_token_ids), a1 + text(rng, 9))
+    a2 = llm.generate([t2])[0].token_ids
+    # Turn 3 shows the same video again, after the conversation so far.
+    p2 = t2.prompt_token_ids + a2 + text(rng, 3)
+    again = [(s + len(p2) - t1.mm_ranges[0][0] + 2, e + len(p2) - t1.mm_ranges[0][0] + 2) for s, e in t1.mm_ranges]
+    video = t1.prompt_token_ids[t1.mm_ranges[0][0] - 2:t1.mm_ranges[-1][1] + 2]
+    t3 = dataclasses.replace(t1, request_id="t3", prompt_token_ids=p2 + video + text(rng, 5),
+                             mm_ranges=t1.mm_ranges + again, mm_inputs=t1.mm_inputs * 2)
+    got, watch, _ = compare(model_tok, [[t1], [t2], [t3]])
+    assert got["t1"].token_ids == a1 and got["t2"].token_ids == a2
+    # Everything turn 1 computed (its last answer token never entered the model) is reused.
+    for turn, before in (("t2", t1.prompt_token_ids + a1), ("t3", t2.prompt_token_ids + a2)):
+        assert got[turn].usage.cached_tokens == (len(before) - 1) // BS * BS, turn
+    assert +watch.encoded == {"t1": 3}             # the repeated video's frames: encoder cache
+    for _, e in t3.mm_ranges[3:]:
+        assert e >= got["t3"].usage.cached_tokens  # ... while its K/V at the new place was computed
+
+
+def test_different_videos_with_the_same_tokens_never_share_frames(load_backend):
+    seed = random.randrange(10**6)
+    a = build_request("a", [6, ("video", [8, 8]), 5], seed=seed)
+    b = dataclasses.replace(build_request("b", [6, ("video", [8, 8]), 5], seed=seed + 1),
+                            prompt_token_ids=a.prompt_token_ids)   # same ids, other pixels
+    assert a.mm_ranges == b.mm_ranges
+    got, watch, _ = compare(load_backend("reference"), [[a], [b]])
+    assert got["b"].usage.cached_tokens == a.mm_ranges[0][0] // BS * BS
+    assert watch.encoded["b"] == 2
+
+
+def test_other_num_frames_reuses_only_the_frames_that_are_the_same(load_backend, processor, make_video):
+    video = make_video(random.randrange(1000), num_frames=8, size=16)
+    a = process(processor, "a", VideoInput(data=video, num_frames=4), TextInput("What happens?"))
+    b = process(processor, "b", VideoInput(data=video, num_frames=8), TextInput("What happens?"))
+    same = 0
+    while (same < len(a.mm_ranges) and a.mm_ranges[same] == b.mm_ranges[same]
+           and a.mm_inputs[same].content_hash == b.mm_inputs[same].content_hash
+           and a.prompt_token_ids[:a.mm_ranges[same][1] + 1] == b.prompt_token_ids[:b.mm_ranges[same][1] + 1]):
+        same += 1
+    assert same < 4, "the sampling should differ somewhere"
+    got, watch, _ = compare(load_backend("reference"), [[a], [b]])
+    cached = got["b"].usage.cached_tokens
+    assert cached <= b.mm_ranges[same][0]          # never into the first frame that differs
+    if same:
+        assert cached >= b.mm_ranges[same - 1][1] // BS * BS
+    # Frames b shares with a at other places (4 of 8 sample times agree) come from the encoder cache.
+    seen = {m.content_hash for m in a.mm_inputs}
+    assert watch.encoded["b"] == sum(m.content_hash not in seen for m in b.mm_inputs) < 8
+
+
+def test_a_hit_that_would_end_inside_a_frame_restarts_at_the_frame(load_backend):
+    # <bos> + 5 text, a timestamp token and <boi>: the 9-token image is [8, 16], <eoi> at 17.
+    a = build_request("a", [5, ("image", 9), 6], seed=random.randrange(10**6))
+    assert a.mm_ranges == [(8, 16)]
+    b = with_tail(a, "b", 18, [a.prompt_token_ids[18] + 1])   # 19 tokens: the hit may cover at most 16
+    got, watch, on = compare(load_backend("reference"), [[a], [b]])
+    assert got["b"].usage.cached_tokens == 8       # 16 lies inside the image: back to its start
+    assert watch.encoded["b"] == 0                 # recomputed K/V, cached embeddings
+
+
+def test_budget_of_16_tokens_with_hits_in_flight(load_backend):
+    rng = random.Random(random.randrange(10**6))
+    doc = build_request("doc", [5, ("video", [8, 8, 8]), 4], seed=rng.randrange(10**6), max_tokens=4)
+    n = len(doc.prompt_token_ids)
+    first = [with_tail(doc, f"a{i}", n, text(rng, rng.randint(1, 9))) for i in range(3)]
+    later = [with_tail(doc, f"b{i}", rng.randint(4, n), text(rng, rng.randint(1, 9))) for i in range(4)]
+    got, watch, _ = compare(load_backend("reference"), [first, later], max_num_batched_tokens=16)
+    assert sum(got[r.request_id].usage.cached_tokens > 0 for r in first + later) >= 4
+
+
+def test_a_small_kv_cache_evicts_and_preempts_while_requests_run(load_backend):
+    rng = random.Random(random.randrange(10**6))
+    docs = [build_request(f"d{k}", [4, ("image", 9), 20], seed=rng.randrange(10**6)) for k in range(2)]
+    reqs = []
+    for i in range(10):
+        doc = docs[i % 2]
+        reqs.append(with_tail(doc, f"r{i}", rng.randint(10, len(doc.prompt_token_ids)), text(rng, rng.randint(2, 12)),
+                              sampling=SamplingParams(max_tokens=rng.randint(4, 8), ignore_eos=True)))
+    # 29 usable blocks of 4 tokens: one request fits, ten at once do not; the cache keeps churning.
+    got, watch, on = compare(load_backend("reference"), [reqs[:6], reqs[6:]], num_kv_blocks=30, max_num_seqs=6,
+                             max_num_batched_tokens=32)
+    assert sum(watch.preempted.values()) > 0
+    assert any(got[r.request_id].usage.cached_tokens for r in reqs)
+
+
+def test_evicted_sliding_blocks_limit_the_hit_though_full_blocks_remain(load_backend):
+    model_tok = load_backend("reference")
+    rng = random.Random(random.randrange(10**6))
+    a = build_request("a", [60], seed=rng.randrange(10**6))
+    c = build_request("c", [60], seed=rng.randrange(10**6))
+    b = with_tail(a, "b", len(a.prompt_token_ids), text(rng, 3))
+    # One request at a time and 16-token chunks: the sliding pool is capped at what one request can
+    # hold (window 6 + one chunk), so running c evicts what a left there; the full pool keeps a.
+    options = dict(num_kv_blocks=0, kv_cache_bytes=2**20, max_num_seqs=1, max_num_batched_tokens=16)
+    got, _, on = compare(model_tok, [[a], [c], [b]], **options)
+    kv = on.core.kv
+    assert kv.plans[SLIDING].num_blocks < 16 < kv.plans[FULL].num_blocks
+    reusable = (len(b.prompt_token_ids) - 1) // BS
+    keys = block_hashes(Request("x", b.prompt_token_ids, b.sampling), BS, reusable)
+    assert all(kv.pools[FULL].lookup(k) is not None for k in keys)   # the full pool alone: 60 tokens
+    assert got["b"].usage.cached_tokens < reusable * BS
+
+
+def test_a_hits_sliding_table_starts_with_null_blocks(load_backend):
+    a = build_request("a", [40], seed=random.randrange(10**6))
+    b = with_tail(a, "b", 41, [a.prompt_token_ids[-1] + 1])
+    tables = {}
+
+    class FirstTable(Watch):
+        def on_step(self, record):
+            for item in record.items:
+                tables.setdefault(item.request_id, list(llm.core.kv.block_table(item.request_id, SLIDING)))
+
+    got = {}
+    for caching in (False, True):                  # the cached run last: its tables are checked
+        llm, _ = engine(load_backend("reference"), enable_prefix_caching=caching)
+        llm.core.observer = FirstTable()
+        tables.clear()
+        got[caching] = [c.token_ids for c in (llm.generate([a])[0], llm.generate([b])[0])]
+        assert_pools_full(llm.core)
+    assert got[True] == got[False]
+    cached = 40                                    # 41 prompt tokens: all but the last
+    first = (cached - 6 + 1) // BS                 # the window (6) reaches back to key 35
+    assert tables["b"][:first] == [NULL_BLOCK] * first
+    assert NULL_BLOCK not in tables["b"][first:]
