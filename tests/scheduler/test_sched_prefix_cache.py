@@ -89,6 +89,16 @@ def test_hit_leaves_the_last_token_to_compute_and_is_whole_blocks():
     assert admit(kv, request("d", list(range(3, 14)) + [99] * 9)) == 8  # differs inside block 2
 
 
+def test_prompt_logprobs_read_nothing_from_the_cache_but_fill_it():
+    kv = make_kv(num_blocks=64)
+    admit(kv, request("a", list(range(3, 23))))
+    b = Request("b", list(range(3, 23)), SamplingParams(max_tokens=4, prompt_logprobs=True))
+    assert admit(kv, b) == 0                      # every prompt token's logits are needed
+    kv.free("a")
+    kv.free("b")
+    assert admit(kv, request("c", list(range(3, 23)))) == 16
+
+
 @pytest.mark.parametrize("frame, shared, expected", [
     ((6, 13), 14, 4),     # the 12-token boundary is inside the frame: back to its start, down to a block
     ((8, 13), 14, 8),     # the frame starts on a block boundary: everything before it

@@ -172,8 +172,10 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> PrefixHit:
         """The longest prefix of a request that holds no blocks whose K/V every pool still has cached.
-        Nothing changes until `allocate` takes the hit."""
-        if not self.enable_prefix_caching or request.request_id in self._held:
+        Nothing changes until `allocate` takes the hit. A request that needs the logits of every
+        prompt token (prompt logprobs) reads nothing from the cache; its blocks are still cached."""
+        if (not self.enable_prefix_caching or request.request_id in self._held
+                or request.sampling_params.needs_whole_prompt):
             return NO_HIT
         keys = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
         found: dict[str, list[int | None]] = {}
