@@ -47,8 +47,6 @@ def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt
     assert [s.token_ids for s in got.samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in got.samples}) > 1
     assert llm.core.kv.usage() == 0 and not llm.core.states and not llm.core._forks
-    if not hasattr(llm.core.kv, "find_cached_prefix"):
-        pytest.skip("the forks share the prompt through the prefix cache (issue 14), not on this branch yet")
     # the prompt once; each further sample recomputes at most the partial last block
     assert prefill[0] <= len(req.prompt_token_ids) + 3 * llm.config.block_size, prefill[0]
 

@@ -53,8 +53,8 @@ def engine(model_tok, **options):
     llm.logits = {}
     execute = llm.core.runner.execute
 
-    def recording(out, kv):
-        result = execute(out, kv)
+    def recording(out):
+        result = execute(out)
         for row, s in zip(result.logits, result.sampled, strict=True):
             llm.logits.setdefault(s.request.request_id, []).append(row.clone())
         return result

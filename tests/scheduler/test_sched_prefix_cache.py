@@ -223,7 +223,7 @@ def test_random_load_only_ever_reuses_blocks_holding_the_same_prefix(seed):
     def record(out):
         for s in out.scheduled:
             r = s.request
-            for j in range(s.context_len // bs, r.num_computed_tokens // bs):
+            for j in range(s.num_computed_tokens // bs, r.num_computed_tokens // bs):
                 for t in written:
                     block = sched.kv.block_table(r.request_id, t)[j]
                     if block != NULL_BLOCK:
