@@ -1,0 +1,61 @@
+"""Windowed pieces (what FA4 is given with frames) hold every key their rows keep and map local keys
+to the request's blocks; on fresh random steps against the dense mask of mask.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from attn_batches import SPECS, Req, frames, make_batch
+
+from mmserve.attention.mask import batch_dense_mask
+from mmserve.attention.page_tables import windowed_pieces, windowed_tables
+
+
+def random_step(gen: torch.Generator) -> list[Req]:
+    def r(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+    return [Req(r(0, 60), r(1, 50), frames(r(0, 10), r(0, 5), r(2, 20), r(0, 4))) for _ in range(r(1, 5))]
+
+
+def pieces_of(batch, spec, piece_len: int):
+    md = batch.metadata
+    ranges = None if md.query_ranges_cpu is None or not spec.bidirectional else md.query_ranges_cpu.numpy()
+    out = np.zeros((64, 64), dtype=np.int32)
+    return windowed_pieces(spec, md.block_size, md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy(),
+                           md.positions_cpu.numpy(), ranges, md.block_table_cpu.numpy(), piece_len, out)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layer_type}-clamp{s.clamp_bidirectional}-bidi{s.bidirectional}")
+def test_pieces_hold_every_kept_key_and_map_to_the_requests_blocks(spec):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    for _ in range(20):
+        batch = make_batch(random_step(gen), spec, num_blocks=160, block_size=4, gen=gen)
+        md = batch.metadata
+        mask = batch_dense_mask(md, spec).numpy()
+        table = md.block_table_cpu.numpy()
+        for piece_len in (3, 16, 1000):
+            p = pieces_of(batch, spec, piece_len)
+            qsl = p.query_start_loc
+            assert qsl[0] == 0 and qsl[-1] == md.num_actual_tokens and (np.diff(qsl) <= piece_len).all()
+            for i in range(p.num_pieces):
+                r, start = p.request[i], p.key_start[i]
+                kept = np.flatnonzero(mask[qsl[i]: qsl[i + 1]].any(0))
+                assert kept.size == 0 or (kept.min() >= start and kept.max() < start + p.num_keys[i])
+                assert start % 4 == 0 and start + p.num_keys[i] <= md.seq_lens_cpu[r]
+                blocks = -(-(start + p.num_keys[i]) // 4) - start // 4
+                assert (p.block_table[i, :blocks] == table[r, start // 4: start // 4 + blocks]).all()
+                assert (p.block_table[i, blocks:] == 0).all()
+                assert p.first_query[i] == md.positions_cpu[qsl[i]]
+
+
+def test_whole_request_pieces_are_the_windowed_tables():
+    spec = SPECS[1]   # sliding, unclamped: the window's start or the earliest frame start in reach
+    gen = torch.Generator().manual_seed(5)
+    batch = make_batch([Req(30, 20, [(20, 40)]), Req(3, 4), Req(50, 1)], spec, num_blocks=64, block_size=4, gen=gen)
+    md = batch.metadata
+    p = pieces_of(batch, spec, 1000)
+    t = windowed_tables(spec, 4, md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy(), md.block_table_cpu.numpy(),
+                        md.query_ranges_cpu.numpy()[:, 0], np.zeros((8, 32), dtype=np.int32))
+    assert (p.key_start == t.key_start).all() and (p.num_keys == t.num_keys).all()
+    assert (p.block_table == t.block_table).all()
