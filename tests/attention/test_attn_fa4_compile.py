@@ -1,55 +1,76 @@
-"""FA4 without a GPU: the mask_mod path compiles to a real sm_90a kernel under FakeTensorMode, and
-one compiled kernel serves every frame count and window (the compile key must not move).
+"""FA4 without a GPU: our calls compile to real sm_90a and sm_100a kernels under FakeTensorMode.
 
-Numerics need a GPU: test_fa4_matches_reference runs only where CUDA and FA4 are present.
+Per architecture: the windowed-pieces mask_mod path (steps with frames) compiles once and then
+serves every frame count, batch and window (the compile key must not move); the frame-free sliding
+path is one more kernel. Gemma 4's full layers (head dim 512) are refused by FA4 b36 itself on both
+architectures (test_attn_layer_choice.py checks FA4's kernel constructors), so they take flex.
+Numerics need a GPU: the tests marked gpu run only where CUDA and FA4 are present.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
 import torch
 
-from mmserve.attention.backend import FULL, SLIDING, CommonAttentionMetadata, LayerAttentionSpec
+from mmserve.attention.backend import SLIDING, CommonAttentionMetadata, LayerAttentionSpec
 
 fa4 = pytest.importorskip("mmserve.attention.fa4")
 if not fa4.fa4_installed():
     pytest.skip("flash-attn-4 not installed (the `gpu` extra)", allow_module_level=True)
 
-GEMMA_SLIDING = LayerAttentionSpec(SLIDING, num_heads=8, num_kv_heads=4, head_dim=256, window=1024, bidirectional=True)
-GEMMA_FULL = LayerAttentionSpec(FULL, num_heads=8, num_kv_heads=4, head_dim=512, window=None, bidirectional=False)
+GEMMA_SLIDING = LayerAttentionSpec(SLIDING, num_heads=16, num_kv_heads=8, head_dim=256, window=1024,
+                                   bidirectional=True)
 FRAME_COUNTS = [1, 8, 16, 32, 46, 64]
+BLOCKS_PER_REQ = 1024
 
 
-def fake_step(num_frames: int, num_reqs: int = 3, frame_tokens: int = 70) -> CommonAttentionMetadata:
-    """Shapes of a step whose video request carries `num_frames` frames (values are irrelevant to compile)."""
+def e(*shape, dtype=torch.int32):
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+def fake_step(spec: LayerAttentionSpec, num_frames: int, num_reqs: int = 3, frame_tokens: int = 70,
+              frames: bool = True) -> fa4.Fa4Metadata:
+    """Shapes of a step whose video request carries `num_frames` frames (values do not matter to a compile)."""
     T = num_frames * (frame_tokens + 8) + 40 * (num_reqs - 1)
-
-    def e(*shape, dtype=torch.int32):
-        return torch.empty(shape, dtype=dtype, device="cuda")
-    return CommonAttentionMetadata(
+    common = CommonAttentionMetadata(
         num_actual_tokens=T, num_reqs=num_reqs, max_query_len=T, max_seq_len=T + 4096,
         query_start_loc=e(num_reqs + 1), seq_lens=e(num_reqs), positions=e(T, dtype=torch.int64),
-        block_table=e(num_reqs, (T + 4096) // 16 + 1), slot_mapping=e(T, dtype=torch.int64), block_size=16,
-        query_ranges=e(T, 2), query_start_loc_cpu=None, seq_lens_cpu=None, positions_cpu=None,
+        block_table=e(num_reqs, BLOCKS_PER_REQ), slot_mapping=e(T, dtype=torch.int64), block_size=16,
+        query_ranges=e(T, 2) if frames else None, query_start_loc_cpu=None, seq_lens_cpu=None, positions_cpu=None,
         block_table_cpu=None, query_ranges_cpu=None)
+    out = torch.empty(T, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
+    if not frames:
+        return fa4.Fa4Metadata(common, out, None)
+    P = -(-T // fa4.piece_len(spec)) + num_reqs
+    pieces = fa4.Pieces(e(P + 1), e(P), e(P, 80), e(P, 2), fa4.piece_len(spec))
+    return fa4.Fa4Metadata(common, out, pieces)
 
 
-@pytest.fixture(scope="module")
-def sm90_fake(request):
-    """FA4 compiles for sm_90a on this CPU (its arch choice is cached per process, so one arch here)."""
-    env = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a", "FLASH_ATTENTION_NUM_SMS": "132"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+class TargetSMs:
+    """cutlass.utils.HardwareInfo for the compile target: persistent schedulers size their grid from the
+    SM count, which FA4 otherwise asks the CUDA driver for (there is none here)."""
+
+    def get_device_multiprocessor_count(self) -> int:
+        return 132
+
+
+@pytest.fixture(params=["sm_90", "sm_100"])
+def fake_arch(request, monkeypatch):
+    """FA4 compiling for `arch` on this CPU: its arch lookup is cached, and its kernels check the DSL's target."""
+    import cutlass.utils
+    from flash_attn.cute import interface
+    from flash_attn.cute.flash_fwd import BaseDSL
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", request.param)
+    monkeypatch.setenv("FLASH_ATTENTION_NUM_SMS", "132")
+    monkeypatch.setattr(BaseDSL._get_dsl().envar, "arch", request.param + "a")
+    monkeypatch.setattr(cutlass.utils, "HardwareInfo", TargetSMs)
+    interface._get_device_arch.cache_clear()
     yield FakeTensorMode
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    interface._get_device_arch.cache_clear()
 
 
 def compiled_kernels() -> int:
@@ -57,53 +78,53 @@ def compiled_kernels() -> int:
     return len(_flash_attn_fwd.compile_cache.cache)
 
 
-def call(spec: LayerAttentionSpec, md: CommonAttentionMetadata, no_ranges: bool = False):
-    q = torch.empty(md.num_actual_tokens, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
-    cache = torch.empty(4096, 16, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
-    if no_ranges:
-        md.query_ranges = None
-    return fa4.run_fa4(q, cache, cache, md, spec)
+def call(spec: LayerAttentionSpec, md: fa4.Fa4Metadata):
+    q = torch.empty(md.common.num_actual_tokens, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
+    k_cache, v_cache = (torch.empty(4096, 16, spec.num_kv_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
+                        for _ in range(2))   # distinct tensors, as the impl's kv_cache[0] and kv_cache[1] are
+    return fa4.run_fa4(q, k_cache, v_cache, md, spec)
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 @pytest.mark.filterwarnings("ignore:Argument aux_data")  # FA4-internal, upstream noise
-def test_mask_mod_kernel_compiles_once_across_frame_counts_and_windows(sm90_fake):
+def test_pieces_kernel_compiles_once_across_frame_counts_and_windows(fake_arch):
     before = compiled_kernels()
-    with sm90_fake():
+    with fake_arch():
         for n in FRAME_COUNTS:
-            out = call(GEMMA_SLIDING, fake_step(n))
-            assert out.shape == (fake_step(n).num_actual_tokens, 8, 256)
+            md = fake_step(GEMMA_SLIDING, n, num_reqs=1 + n % 4)
+            out = call(GEMMA_SLIDING, md)
+            assert out.shape == (md.common.num_actual_tokens, 16, 256) and out.data_ptr() == md.out.data_ptr()
         assert compiled_kernels() - before == 1
-        narrower = LayerAttentionSpec(SLIDING, 8, 4, 256, window=512, bidirectional=True)
-        call(narrower, fake_step(8))  # the window is an aux scalar, not part of the key
+        narrower = replace(GEMMA_SLIDING, window=512)
+        call(narrower, fake_step(narrower, 8))   # the window is an aux scalar, not part of the key
         assert compiled_kernels() - before == 1
-        call(GEMMA_SLIDING, fake_step(8), no_ranges=True)  # frame-free steps: FA4's own sliding path
+        call(GEMMA_SLIDING, fake_step(GEMMA_SLIDING, 8, frames=False))   # frame-free steps: FA4's own sliding path
         assert compiled_kernels() - before == 2
     assert fa4.mm_prefix_mask_mod(True) is fa4.mm_prefix_mask_mod(True)
     assert fa4.mm_prefix_mask_mod(True).__cute_hash__ != fa4.mm_prefix_mask_mod(False).__cute_hash__
 
 
-def test_layer_support_follows_fa4_head_dims():
-    assert fa4.fa4_supports(GEMMA_SLIDING, 90) and fa4.fa4_supports(GEMMA_SLIDING, 100)
-    assert not fa4.fa4_supports(GEMMA_FULL, 90) and not fa4.fa4_supports(GEMMA_FULL, 100)
-    assert not fa4.fa4_supports(GEMMA_SLIDING, None)
+def test_pieces_are_one_query_tile_of_packed_rows():
+    assert fa4.piece_len(GEMMA_SLIDING) * 2 == fa4.QUERY_TILE          # 16 query heads on 8 KV heads
+    assert fa4.piece_len(replace(GEMMA_SLIDING, num_heads=8, num_kv_heads=1)) == 16
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FA4 numerics need a CUDA GPU (SM90/SM100)")
-def test_fa4_matches_reference():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fa4_matches_reference(head_dim):
     from attn_batches import SLIDING_SPEC, make_batch, rel_err, standard_batches
 
     from mmserve.attention.synthetic import run_backend
-    spec = LayerAttentionSpec(SLIDING, 4, 2, 128, window=SLIDING_SPEC.window, bidirectional=True)
+    spec = LayerAttentionSpec(SLIDING, 4, 2, head_dim, window=SLIDING_SPEC.window, bidirectional=True)
     for name, reqs in standard_batches().items():
         batch = make_batch(reqs, spec, dtype=torch.bfloat16, free_outside_window=True)
         md = batch.metadata
-        for field in ("query_start_loc", "seq_lens", "positions", "block_table", "slot_mapping", "query_ranges"):
-            if getattr(md, field) is not None:
-                setattr(md, field, getattr(md, field).cuda())
-        cuda = replace(batch, q=batch.q.cuda(), k=batch.k.cuda(), v=batch.v.cuda(), kv_cache=batch.kv_cache.cuda())
+        moved = {f: getattr(md, f).cuda() for f in ("query_start_loc", "seq_lens", "positions", "block_table",
+                                                   "slot_mapping", "query_ranges") if getattr(md, f) is not None}
+        cuda = replace(batch, q=batch.q.cuda(), k=batch.k.cuda(), v=batch.v.cuda(), kv_cache=batch.kv_cache.cuda(),
+                       metadata=replace(md, **moved))
         got, _ = run_backend("fa4", cuda, spec)
         want, _ = run_backend("reference", cuda, spec)
         assert rel_err(got, want) < 2e-2, name

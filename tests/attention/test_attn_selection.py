@@ -35,12 +35,18 @@ def test_unknown_backend_is_refused_with_the_choices():
         create_impl("auto", SLIDING_SPEC)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only fallback of the fa4 backend")
-def test_fa4_without_a_gpu_falls_back_per_layer_type():
+def test_fa4_is_never_built_for_a_layer_type_it_cannot_run():
+    """The loader gives such layer types the fallback (selection.choose_backends); the builder refuses them."""
     pool = PoolConfig(SLIDING_SPEC, num_blocks=8, block_size=16, max_num_tokens=32, max_num_reqs=2,
                       max_blocks_per_req=4, device=torch.device("cpu"), dtype=torch.bfloat16)
-    builder = create_builder("fa4", pool)
-    assert not builder.use_fa4 and builder.fallback is not None
+    with pytest.raises(ValueError, match="batched fallback"):
+        create_builder("fa4", pool)
+    from mmserve.config import DEMO_MODEL_DIR
+    from mmserve.model import load_model
+
+    model = load_model(DEMO_MODEL_DIR, attention_backend="fa4")
+    assert set(model.attention_backends.values()) == {CPU_AUTO_BACKEND}   # no GPU here: every type falls back
+    assert model.attention_backend == CPU_AUTO_BACKEND
 
 
 @pytest.mark.parametrize("name", ["reference", "sdpa", "flex", "fa4"])

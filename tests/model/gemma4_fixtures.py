@@ -209,7 +209,7 @@ class PagedSequence:
                                max_num_tokens=max(common.num_actual_tokens, 64), max_num_reqs=1,
                                max_blocks_per_req=len(self.blocks), device=model.device, dtype=model.dtype)
                  for t, a in spec.attention_specs.items()}
-        return {t: create_builder(model.attention_backend, pool).build(common) for t, pool in pools.items()}
+        return {t: create_builder(model.attention_backends[t], pool).build(common) for t, pool in pools.items()}
 
     def step(self, ids: list[int], mm_embeds: torch.Tensor | None = None, last_row_only: bool = False) -> torch.Tensor:
         """Run `ids` (the next tokens); `mm_embeds` rows go to this chunk's placeholder tokens in order.

@@ -1,9 +1,10 @@
 """Attention: one mask semantics (mask.py) and interchangeable backends over a paged KV cache.
 
 A backend bundles an implementation (`create_impl(name, spec)`, per layer type), a metadata builder
-(`create_builder(name, pool)`, per KV pool, run once per step) and the KV cache shape; `resolve_backend("auto", device)`
-picks FA4 on GPUs it supports and otherwise the fastest correct CPU backend (measured in
-bench/attention.py).
+(`create_builder(name, pool)`, per KV pool, run once per step) and the KV cache shape.
+`resolve_backend("auto", device)` names what a device runs (FA4 on GPUs it supports, else compiled
+FlexAttention; on CPU the fastest correct CPU backend, measured in bench/attention.py), and
+`selection.choose_backends` turns that into one backend per layer type (FA4 cannot run every head dim).
 """
 
 from __future__ import annotations
@@ -51,12 +52,12 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
         if name not in _BACKENDS:
             raise ValueError(f"unknown attention backend {name!r}; choose from auto, {', '.join(_BACKENDS)}")
         return name
-    from mmserve.attention.fa4 import fa4_arch, fa4_installed
+    from mmserve.attention.fa4 import fa4_installed
+    from mmserve.attention.selection import GPU_FALLBACK, device_arch
 
     if torch.device(device).type == "cuda":
-        if fa4_installed() and fa4_arch(device) in (90, 100, 110):
-            return "fa4"
-        return "sdpa"
+        arch = device_arch(device)
+        return "fa4" if fa4_installed() and arch is not None and arch // 10 in (9, 10, 11) else GPU_FALLBACK
     return CPU_AUTO_BACKEND
 
 

@@ -117,6 +117,7 @@ class AttentionBackend:
     name: str
     impl_cls: type
     builder_cls: type
+    cuda_graphs: bool = False       # every tensor its forward reads is a persistent buffer (decode graphs)
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, spec: LayerAttentionSpec) -> tuple[int, ...]:

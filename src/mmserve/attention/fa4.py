@@ -1,17 +1,27 @@
-"""FlashAttention 4 (`flash_attn.cute`, the `gpu` extra): varlen queries over the paged cache.
+"""FlashAttention 4 (`flash_attn.cute`, pinned 4.0.0b36): varlen queries over the paged cache.
 
-Steps whose scheduled tokens touch no frame take FA4's builtin causal / sliding path (tile
-skipping and all). Steps with frames attach the mm_prefix mask_mod: FA4 hashes a mask_mod's source
-and closure cells into its compile key, so the factory is cached, its closure holds only a bool,
-helpers live at module level, per-step data arrives through aux_tensors (the [T, 2] range table)
-and the window through a CuTe-typed aux scalar, so one kernel serves every window and frame count.
-With a mask_mod, `causal=False` and no window argument: the builtin causal path would otherwise
-skip the mask_mod (SM90) or clip the frames' future keys (SM100). Head dims or dtypes FA4 cannot
-run fall back to SDPA (decided once, by the builder).
+Which layer types run here is decided once, at load time (attention/selection.py: `fa4_runs`);
+the others take the batched fallback. All FA4 inputs are views of persistent buffers (the runner's
+step inputs, this builder's), and FA4 writes into the builder's preallocated output, so a decode
+step can be replayed as a CUDA graph.
 
-Known cost: FA4 b36 rejects block sparsity together with paged KV ("Block sparsity + paged KV not
-supported on SM100"; the SM90 path has no paged loader for it), so a mask_mod step visits every key
-tile of [0, seq_len) instead of the window's; tiles.py computes the lists a future FA4 could take.
+Frame-free steps take FA4's builtin causal / sliding path over the runner's block tables (FA4
+narrows each query tile's key range itself there).
+
+Steps with frames attach the mm_prefix mask_mod. FA4 b36 turns causal/local off whenever a
+mask_mod is given and refuses block sparsity with a paged cache, so it visits every key tile of
+each sequence it is given. The builder therefore cuts each request's rows into pieces of one query
+tile (`QUERY_TILE` packed rows: 128 / g queries with g query heads per KV head) and gives each piece
+a windowed page table of just the keys its rows may keep (page_tables.windowed_pieces). The
+mask_mod adds the piece's offsets (absolute position of its first query and of its key 0: aux
+tensor 1) to FA4's local indices and applies mask.keep with each row's range from the step's range
+table (aux tensor 0).
+
+Compile key: FA4 hashes a mask_mod's source and closure cells, so the factory is cached, its
+closure holds only a bool, the helper's source is named in __cute_hash__, per-step data arrives
+through aux tensors and the window through a CuTe-typed aux scalar: one kernel serves every window,
+frame count and batch. With a mask_mod, `causal=False` and no window: the builtin path would
+otherwise skip the mask_mod (SM90) or clip the frames' future keys (SM100).
 """
 
 from __future__ import annotations
@@ -20,10 +30,9 @@ import functools
 import hashlib
 import importlib.util
 import inspect
-import logging
-import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mmserve.attention.backend import (
@@ -32,40 +41,22 @@ from mmserve.attention.backend import (
     LayerAttentionSpec,
     PoolConfig,
 )
+from mmserve.attention.buffers import StagedBuffer
+from mmserve.attention.page_tables import windowed_pieces
 from mmserve.attention.paged import write_kv
-from mmserve.attention.sdpa import SdpaImpl, SdpaMetadata, SdpaMetadataBuilder
-
-log = logging.getLogger(__name__)
+from mmserve.attention.selection import device_arch, fa4_runs
 
 NO_WINDOW = 2**30
-FA4_DTYPES = (torch.float16, torch.bfloat16)
+QUERY_TILE = 128   # packed query rows of FA4's query tile at head dim 256 on SM90 and SM100
 
 
 def fa4_installed() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
 
 
-def fa4_arch(device: torch.device | str) -> int | None:
-    """SM major*10 FA4 would compile for (honours FLASH_ATTENTION_ARCH, e.g. sm_90), or None without CUDA."""
-    forced = os.environ.get("FLASH_ATTENTION_ARCH")
-    if forced:
-        return int(forced.removeprefix("sm_").rstrip("af")) // 10 * 10
-    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
-        return None
-    major, _ = torch.cuda.get_device_capability(device)
-    return major * 10
-
-
-def fa4_supports(spec: LayerAttentionSpec, arch: int | None) -> bool:
-    """Paged KV needs SM90 or SM100/110; head dims per FA4 b36 (SM90: <= 256; SM100: <= 128 or 256)."""
-    if arch is None or not fa4_installed():
-        return False
-    d = spec.head_dim
-    if arch == 90:
-        return 8 <= d <= 256 and d % 8 == 0
-    if arch in (100, 110):
-        return (d <= 128 and d % 8 == 0) or d == 256
-    return False
+def piece_len(spec: LayerAttentionSpec) -> int:
+    """Query rows per piece: one FA4 query tile once GQA packs the heads sharing a KV head into rows."""
+    return max(1, QUERY_TILE // (spec.num_heads // spec.num_kv_heads))
 
 
 @functools.cache
@@ -75,7 +66,7 @@ def mm_prefix_mask_mod(clamp: bool):
 
     @cute.jit
     def mm_prefix_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
-        return _keep_ssa(q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp)
+        return _keep_ssa(batch, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp)
 
     # The default hash reads only this wrapper's source; name the helper's source too, so an edit
     # there cannot reuse a stale kernel from FA4's disk cache.
@@ -84,83 +75,123 @@ def mm_prefix_mask_mod(clamp: bool):
     return mm_prefix_mask
 
 
-def _keep_ssa(q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp: bool):
-    """keep(q, k) on FA4's SSA values: q_idx is local to the request's rows, kv_idx its absolute key."""
+def _keep_ssa(batch, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp: bool):
+    """keep(q, k) on FA4's SSA values: q_idx and kv_idx are local to piece `batch`, whose offsets
+    (absolute first query, absolute key 0) are row `batch` of aux tensor 1."""
     import cutlass
     from cutlass import Int32
     from flash_attn.cute.utils import scalar_to_ssa
 
-    q_abs = q_idx + scalar_to_ssa(seqlen_info.seqlen_k - seqlen_info.seqlen_q, Int32)
+    ranges, offsets = aux_tensors[0], aux_tensors[1]   # [T, 2] range of each packed row; [P, 2] per piece
+    piece = batch[0]
+    q_abs = q_idx + scalar_to_ssa(offsets[piece, 0], Int32)
+    k_abs = kv_idx + scalar_to_ssa(offsets[piece, 1], Int32)
     window = scalar_to_ssa(Int32(aux_scalars[0]), Int32)
-    ranges = aux_tensors[0]  # [T, 2]: start, end of the range each packed query row lies in
     row = cutlass.max(seqlen_info.offset_q + cutlass.min(q_idx[0], seqlen_info.seqlen_q - 1), 0)
     r_start = scalar_to_ssa(ranges[row, 0], Int32)
     r_end = scalar_to_ssa(ranges[row, 1], Int32)
-    in_window = (q_abs - kv_idx) < window
-    causal = (kv_idx <= q_abs) & in_window
-    in_range = (r_start <= kv_idx) & (kv_idx <= r_end)
+    in_window = (q_abs - k_abs) < window
+    causal = (k_abs <= q_abs) & in_window
+    in_range = (r_start <= k_abs) & (k_abs <= r_end)
     if clamp:
         in_range = in_range & in_window
     return causal | in_range
 
 
-def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: CommonAttentionMetadata,
-            spec: LayerAttentionSpec) -> torch.Tensor:
-    """One FA4 varlen call over the paged cache; the mask_mod path iff the step has ranges on this layer."""
-    import cutlass
-    from flash_attn.cute import flash_attn_varlen_func
+@dataclass
+class Pieces:
+    """A step with frames as FA4 sees it (device views of the builder's buffers)."""
 
-    common = dict(cu_seqlens_q=md.query_start_loc, seqused_k=md.seq_lens, max_seqlen_q=md.max_query_len,
-                  max_seqlen_k=md.max_seq_len, page_table=md.block_table, softmax_scale=spec.scale)
-    if md.query_ranges is None or not spec.bidirectional:
-        window = (spec.window - 1, 0) if spec.window is not None else (None, None)
-        out, _ = flash_attn_varlen_func(q, k_cache, v_cache, causal=True, window_size=window, **common)
-        return out
-    window = spec.window if spec.window is not None else NO_WINDOW
-    out, _ = flash_attn_varlen_func(
-        q, k_cache, v_cache, causal=False, mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
-        aux_tensors=[md.query_ranges], aux_scalars=(cutlass.Int32(window),), **common)
-    return out
+    query_start_loc: torch.Tensor   # int32 [P + 1]
+    num_keys: torch.Tensor          # int32 [P]: FA4's seqused_k
+    block_table: torch.Tensor       # int32 [P, width]: windowed page tables
+    offsets: torch.Tensor           # int32 [P, 2]: absolute position of each piece's first query and key 0
+    max_query_len: int
 
 
 @dataclass
 class Fa4Metadata:
     common: CommonAttentionMetadata
-    fallback: SdpaMetadata | None     # set when this layer type runs on SDPA instead (shape or dtype)
+    out: torch.Tensor               # [max_num_tokens, H, D] preallocated output; FA4 writes the step's rows
+    pieces: Pieces | None           # set when the step has frames on this layer type (the mask_mod path)
+
+
+def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: Fa4Metadata,
+            spec: LayerAttentionSpec) -> torch.Tensor:
+    """One FA4 varlen call over the paged cache into md.out; the mask_mod path iff the step has pieces.
+
+    FA4's internal entry point takes the output buffer (the public wrapper allocates its own); the
+    pinned b36 is the version this is written against."""
+    import cutlass
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out = md.out if md.out.shape[0] == q.shape[0] else md.out[: q.shape[0]]
+    if md.pieces is None:
+        c = md.common
+        left = spec.window - 1 if spec.window is not None else None
+        _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
+                        max_seqlen_q=c.max_query_len, page_table=c.block_table, softmax_scale=spec.scale,
+                        causal=True, window_size_left=left, window_size_right=0 if left is not None else None,
+                        out=out)
+        return out
+    p = md.pieces
+    window = spec.window if spec.window is not None else NO_WINDOW
+    _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=p.query_start_loc, seqused_k=p.num_keys,
+                    max_seqlen_q=p.max_query_len, page_table=p.block_table, softmax_scale=spec.scale, causal=False,
+                    mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
+                    aux_tensors=[md.common.query_ranges, p.offsets], aux_scalars=(cutlass.Int32(window),), out=out)
+    return out
 
 
 class Fa4MetadataBuilder:
-    """FA4 takes the common metadata as is; layer types it cannot run get SDPA's plan."""
+    """Per step: nothing for frame-free steps; the windowed pieces for steps with frames."""
 
     def __init__(self, pool: PoolConfig) -> None:
-        self.use_fa4 = fa4_supports(pool.spec, fa4_arch(pool.device)) and pool.dtype in FA4_DTYPES
-        self.fallback = None if self.use_fa4 else SdpaMetadataBuilder(pool)
-        if not self.use_fa4:
-            log.info("fa4: %s (head_dim %d, %s) not supported here; this layer type uses sdpa",
-                     pool.spec.layer_type, pool.spec.head_dim, pool.dtype)
+        spec = pool.spec
+        if not fa4_runs(device_arch(pool.device), spec.head_dim, spec.head_dim, pool.dtype):
+            raise ValueError(f"FA4 cannot run {spec.layer_type} (head dim {spec.head_dim}, {pool.dtype}) on "
+                             f"{pool.device}; --attention-backend auto or fa4 gives such layer types to the "
+                             f"batched fallback (attention/selection.py)")
+        self.spec, self.block_size = spec, pool.block_size
+        self.piece_len = piece_len(spec)
+        most = pool.max_num_reqs + pool.max_num_tokens // self.piece_len
+        self.query_start_loc = StagedBuffer((most + 1,), torch.int32, pool.device)
+        self.num_keys = StagedBuffer((most,), torch.int32, pool.device)
+        self.block_table = StagedBuffer((most, pool.max_blocks_per_req), torch.int32, pool.device)
+        self.offsets = StagedBuffer((most, 2), torch.int32, pool.device)
+        self.out = torch.empty(pool.max_num_tokens, spec.num_heads, spec.head_dim, dtype=pool.dtype,
+                               device=pool.device)
 
     def build(self, common: CommonAttentionMetadata) -> Fa4Metadata:
-        return Fa4Metadata(common, None if self.fallback is None else self.fallback.build(common))
+        if common.query_ranges_cpu is None or not self.spec.bidirectional:
+            return Fa4Metadata(common, self.out, None)
+        T, R = common.num_actual_tokens, common.num_reqs
+        pieces = windowed_pieces(self.spec, self.block_size, common.query_start_loc_cpu.numpy(),
+                                 common.seq_lens_cpu.numpy()[:R], common.positions_cpu.numpy(),
+                                 common.query_ranges_cpu.numpy()[:T], common.block_table_cpu.numpy(),
+                                 self.piece_len, self.block_table.np)
+        P, width = pieces.num_pieces, pieces.block_table.shape[1]
+        self.query_start_loc.np[: P + 1] = pieces.query_start_loc
+        self.num_keys.np[:P] = pieces.num_keys
+        self.offsets.np[:P, 0] = pieces.first_query
+        self.offsets.np[:P, 1] = pieces.key_start
+        table = self.block_table.dev[:P, :width]
+        if self.block_table.dev is not self.block_table.cpu:   # only this step's columns cross to the device
+            table.copy_(self.block_table.cpu[:P, :width], non_blocking=True)
+        return Fa4Metadata(common, self.out, Pieces(self.query_start_loc.push(P + 1), self.num_keys.push(P), table,
+                                                    self.offsets.push(P), int(np.diff(pieces.query_start_loc).max())))
 
 
 class Fa4Impl:
-    """AttentionImpl on FA4; layer types its builder sent to SDPA run there."""
+    """AttentionImpl on FA4 (writes K/V, then attends into the builder's output buffer)."""
 
     def __init__(self, spec: LayerAttentionSpec) -> None:
         self.spec = spec
-        self.fallback = SdpaImpl(spec)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 metadata: Fa4Metadata) -> torch.Tensor:
-        if metadata.fallback is not None:
-            return self.fallback.forward(q, k, v, kv_cache, metadata.fallback)
-        md = metadata.common
-        T = md.num_actual_tokens
-        write_kv(kv_cache, k, v, md)
-        out = run_fa4(q[:T], kv_cache[0], kv_cache[1], md, self.spec)
-        result = torch.zeros_like(q)
-        result[:T] = out
-        return result
+        write_kv(kv_cache, k, v, metadata.common)
+        return run_fa4(q, kv_cache[0], kv_cache[1], metadata, self.spec)
 
 
-BACKEND = AttentionBackend("fa4", Fa4Impl, Fa4MetadataBuilder)
+BACKEND = AttentionBackend("fa4", Fa4Impl, Fa4MetadataBuilder, cuda_graphs=True)

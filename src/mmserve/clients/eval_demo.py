@@ -77,7 +77,7 @@ def _broken_model(model, how: str) -> Callable[[list], list]:
             broken[layer_type] = attn
         model.spec = dataclasses.replace(spec, attention_specs=broken)
         for layer_type, layer in zip(spec.layer_types, model.decoder.layers, strict=True):
-            layer.self_attn.impl = create_impl(model.attention_backend, broken[layer_type])
+            layer.self_attn.impl = create_impl(model.attention_backends[layer_type], broken[layer_type])
     if how == "reversed-frames":
         def reverse(requests: list) -> list:
             return [dataclasses.replace(r, mm_inputs=r.mm_inputs[::-1]) for r in requests]

@@ -2,7 +2,10 @@
 
 Per step: apply the scheduler's block-table changes (block_table.py), fill the step inputs once
 (step_inputs.py: ids, positions, slots, one CommonAttentionMetadata per KV pool), let each pool's
-attention metadata builder prepare its backend's state once, then run the model.
+attention metadata builder prepare its backend's state once, then run the model: eagerly, or on
+CUDA as the captured graph of a decode-only step's padded size (cuda_graphs.py; --enforce-eager
+turns graphs off). The host staging buffers are rewritten only once the previous step's copies
+out of them have run (a CUDA event, not a device-wide sync).
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
 the largest frame), except those whose content the cross-request encoder cache still holds; new
@@ -16,11 +19,13 @@ import logging
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
 from mmserve.engine.block_table import BlockTables
+from mmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_enabled, is_decode_only
 from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.engine.sampled_rows import SampledRowsBuilder
@@ -48,13 +53,13 @@ class ModelRunner:
         self.model = model
         spec = model.spec
         device, dtype = model.device, model.dtype
-        backend = get_backend(model.attention_backend)
+        backends = {t: get_backend(name) for t, name in model.attention_backends.items()}
         # One cache per layer that holds KV; a KV-sharing consumer's entry is its producer's tensor.
         self.kv_caches: list[torch.Tensor] = []
         for layer in spec.layers:
             t = layer.layer_type
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
-                backend.kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
+                backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
         max_tokens = max_num_tokens or config.max_num_batched_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
@@ -67,13 +72,31 @@ class ModelRunner:
                                max_blocks_per_req=max_blocks, device=device, dtype=dtype,
                                sdpa_batching=config.sdpa_batching)
                  for t in spec.attention_specs if t in plans}
-        self.attn_builders = {t: backend.builder_cls(pool) for t, pool in pools.items()}
+        self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
         # KV-sharing layers run only the rows that sample (engine/sampled_rows.py)
         self.sampled_rows = None
         if any(layer.shares_kv for layer in spec.layers):
-            self.sampled_rows = SampledRowsBuilder(spec, backend, pools, max_num_seqs=config.max_num_seqs,
+            self.sampled_rows = SampledRowsBuilder(spec, backends, pools, max_num_seqs=config.max_num_seqs,
                                                    max_blocks=max_blocks, block_size=config.block_size, device=device)
         self.encoder_cache = EncoderCache(config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
+        self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self.graphs = DecodeGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
+            device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]))
+        if self.graphs.enabled:
+            self._capture_graphs()
+
+    @torch.inference_mode()
+    def _capture_graphs(self) -> None:
+        """One graph per capture size over an all-padding decode step (its contents do not matter)."""
+        def forward_for(size: int):
+            inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size)
+            metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
+            return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+        try:
+            self.graphs.capture_all(forward_for)
+        except Exception:   # e.g. a host sync in some layer: such a model simply runs eagerly
+            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            self.graphs = DecodeGraphs((), enabled=False)
 
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
@@ -112,13 +135,23 @@ class ModelRunner:
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)
-        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
+        decode = is_decode_only([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled))
+        graph_size = self.graphs.size_for(len(out.scheduled)) if decode else None
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
+        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded = self._encode(out.scheduled)
-        sampled = (self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
-                   if self.sampled_rows is not None else None)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
-                                    mm_embeds, inputs.mm_token_index, sampled)
+        mm_embeds, encoded = self._encode(out.scheduled)   # decode steps encode nothing
+        sampled = None   # graph steps are decode steps: every row samples, the full path
+        if self.sampled_rows is not None and graph_size is None:
+            sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        if graph_size is not None:
+            hidden = self.graphs.replay(graph_size)   # reads the buffers just refilled, at their captured addresses
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
+                                        mm_embeds, inputs.mm_token_index, sampled)
         prompt_lp = {}   # a step with prompt-logprobs requests always takes the full path (sampled is None)
         if sampled is None:   # every row's hidden state came back; keep the sampled ones
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)

@@ -22,11 +22,11 @@ from mmserve.scheduler.output import ScheduledRequest
 
 
 class SampledRowsBuilder:
-    def __init__(self, spec, backend, pools: dict[str, PoolConfig], *, max_num_seqs: int, max_blocks: int,
+    def __init__(self, spec, backends: dict, pools: dict[str, PoolConfig], *, max_num_seqs: int, max_blocks: int,
                  block_size: int, device):
         self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_num_seqs, max_num_seqs=max_num_seqs,
                                        max_blocks_per_req=max_blocks, block_size=block_size, device=device)
-        self.builders = {t: backend.builder_cls(dataclasses.replace(pool, max_num_tokens=max_num_seqs))
+        self.builders = {t: backends[t].builder_cls(dataclasses.replace(pool, max_num_tokens=max_num_seqs))
                          for t, pool in pools.items()}
 
     def build(self, scheduled: list[ScheduledRequest], step: StepInputs, block_tables: dict[str, np.ndarray],

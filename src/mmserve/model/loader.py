@@ -51,16 +51,21 @@ def _consumer_kv_weights(spec: ModelSpec) -> re.Pattern | None:
 
 def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                attention_backend: str = "reference") -> Gemma4ServingModel:
-    """Load a Gemma 4 checkpoint directory for serving. `attention_backend` may be "auto"; the
-    resolved name is `model.attention_backend` (the runner builds that backend's metadata)."""
+    """Load a Gemma 4 checkpoint directory for serving. `attention_backend` may be "auto"; each layer
+    type's backend is `model.attention_backends[layer_type]` (the runner builds that backend's metadata):
+    FA4 where it runs the layer type, the batched fallback elsewhere (attention/selection.py)."""
     from mmserve.attention import create_impl, resolve_backend
+    from mmserve.attention.fa4 import fa4_installed
+    from mmserve.attention.selection import choose_backends, device_arch
 
     start = time.perf_counter()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     spec = load_spec(path)
-    attention_backend = resolve_backend(attention_backend, torch_device)
-    impls = {t: create_impl(attention_backend, s) for t, s in spec.attention_specs.items()}
+    backends = choose_backends(spec.attention_specs, device_type=torch_device.type, arch=device_arch(torch_device),
+                               dtype=torch_dtype, fa4_installed=fa4_installed(),
+                               requested=resolve_backend(attention_backend, torch_device))
+    impls = {t: create_impl(backends[t], s) for t, s in spec.attention_specs.items()}
     # The decoder is built without storage; the checkpoint's tensors are assigned into it.
     with torch.device("meta"):
         decoder = TextDecoder(spec, impls)
@@ -71,7 +76,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     elif spec.vision is not None:
         with torch.device(torch_device):
             vision = VisionEncoder(spec.hf_config)
-    model = Gemma4ServingModel(spec, decoder, vision, attention_backend)
+    model = Gemma4ServingModel(spec, decoder, vision, backends)
     load_weights(model, path, dtype=torch_dtype, device=torch_device, tied=spec.tie_word_embeddings,
                  ignore=_consumer_kv_weights(spec))
     model.eval()
@@ -80,6 +85,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                 spec.num_layers, f", {consumers} sharing KV (no cache)" if consumers else "",
                 ", per-layer embeddings" if spec.ple else "",
                 f", {spec.layers[0].moe.num_experts} experts top-{spec.layers[0].moe.top_k}" if spec.layers[0].moe else "",
-                "+vision" if vision else "text-only", torch_dtype, torch_device, attention_backend,
+                "+vision" if vision else "text-only", torch_dtype, torch_device, backends,
                 time.perf_counter() - start)
     return model

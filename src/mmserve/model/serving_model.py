@@ -14,12 +14,19 @@ class Gemma4ServingModel(nn.Module):
     """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
 
     def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None,
-                 attention_backend: str = "reference"):
+                 attention_backends: dict[str, str] | str = "reference"):
         super().__init__()
         self.spec = spec
-        self.attention_backend = attention_backend   # the backend its layers' impls belong to
+        if isinstance(attention_backends, str):
+            attention_backends = dict.fromkeys(spec.attention_specs, attention_backends)
+        self.attention_backends = attention_backends   # layer type -> the backend its layers' impls belong to
         self.decoder = decoder
         self.vision = vision
+
+    @property
+    def attention_backend(self) -> str:
+        """The backends in use, for people: "fa4+flex" when layer types differ."""
+        return "+".join(dict.fromkeys(self.attention_backends.values()))
 
     @property
     def dtype(self) -> torch.dtype:
