@@ -6,6 +6,12 @@ ranges, block tables) lives in fixed-capacity tensors that are refilled in place
 counts or batch compositions never change what dynamo guards on. Query rows are padded to a fixed
 token capacity for the same reason. The block mask lists, per 16-row query block, only the
 physical blocks some row can keep (its window plus its frame), so fully masked blocks are skipped.
+
+On CUDA this is the batched path for layer types FA4 cannot run (Gemma 4's head-dim-512 full
+layers; attention/selection.py): it reads K/V in place, and every tensor it reads (padded query,
+block mask, tables) is a persistent buffer refilled each step, so decode steps can be CUDA graphs.
+Triton's kernel tile must divide the block mask's blocks, so it runs 16x16 tiles (one query block
+by one 16-token page); with head dim 512 that is 16 KiB of K and of V per pipeline stage.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from mmserve.attention.paged import write_kv
 from mmserve.attention.tiles import row_key_bounds
 
 Q_BLOCK = 16
+KV_TILE = 16        # Triton's key tile on CUDA: must divide the cache block size
 MIN_BLOCKS_PER_REQ = 64
 NO_WINDOW = 2**30
 # One graph per (layer type, dtype, head dim, capacity) shares flex_attention's frame; leave room.
@@ -84,8 +91,16 @@ def make_mask_mod(t: StepTables, block_size: int):
 @dataclass
 class FlexMetadata:
     common: CommonAttentionMetadata
-    block_mask: BlockMask
-    num_padded_tokens: int        # query rows every call is padded to (fixed, so flex compiles once)
+    block_mask: BlockMask         # over the builder's persistent block lists
+    q_pad: torch.Tensor           # [1, H, padded rows, D]: every call's query, padded (fixed, so flex compiles once)
+
+
+def cuda_kernel_options(head_dim: int) -> dict:
+    """Triton tiles of one query block by KV_TILE keys; two pipeline stages keep head dim 512 in shared memory."""
+    options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": KV_TILE, "FORCE_USE_FLEX_ATTENTION": True}
+    if head_dim > 256:
+        options["num_stages"] = 2
+    return options
 
 
 class FlexMetadataBuilder:
@@ -99,6 +114,16 @@ class FlexMetadataBuilder:
                                           _pow2_at_least(pool.max_blocks_per_req, MIN_BLOCKS_PER_REQ),
                                           pool.num_blocks, pool.device)
         self.mask_mod = make_mask_mod(self.tables, pool.block_size)
+        if pool.device.type == "cuda" and pool.block_size % KV_TILE:
+            raise ValueError(f"flex on CUDA needs a block size that is a multiple of {KV_TILE} (got {pool.block_size})")
+        spec, rows = pool.spec, self.num_padded_tokens // Q_BLOCK
+        self.q_pad = torch.zeros(1, spec.num_heads, self.num_padded_tokens, spec.head_dim, dtype=pool.dtype,
+                                 device=pool.device)
+        lists = [torch.zeros(shape, dtype=torch.int32, device=pool.device)
+                 for shape in ((1, 1, rows), (1, 1, rows, pool.num_blocks)) * 2]
+        self.block_mask = BlockMask.from_kv_blocks(*lists, BLOCK_SIZE=(Q_BLOCK, pool.block_size), mask_mod=self.mask_mod,
+                                                   seq_lengths=(self.num_padded_tokens, pool.num_blocks * pool.block_size),
+                                                   compute_q_blocks=False)
 
     def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
         t = self.tables
@@ -107,7 +132,8 @@ class FlexMetadataBuilder:
             raise ValueError(f"flex: a step of {common.num_actual_tokens} tokens, {common.num_reqs} requests and "
                              f"{common.block_table.shape[1]} blocks per request exceeds the builder's capacity")
         self._fill_tables(common)
-        return FlexMetadata(common, self._build_block_mask(common), self.num_padded_tokens)
+        self._fill_block_mask(common)
+        return FlexMetadata(common, self.block_mask, self.q_pad)
 
     def _fill_tables(self, md: CommonAttentionMetadata) -> None:
         T, R = md.num_actual_tokens, md.num_reqs
@@ -131,8 +157,9 @@ class FlexMetadataBuilder:
         t.logical_block.index_put_((md.block_table[:R].long(),), logical.expand(R, -1))
         t.logical_block[0] = -1
 
-    def _build_block_mask(self, md: CommonAttentionMetadata) -> BlockMask:
-        """Per query block, the physical blocks some row may keep (its window and its frame).
+    def _fill_block_mask(self, md: CommonAttentionMetadata) -> None:
+        """Per query block, the physical blocks some row may keep (its window and its frame), written
+        into the block mask's persistent lists.
 
         Each row keeps exactly the keys [lo, hi] of row_key_bounds (an interval: both the window
         and the row's own range contain q), so a key block inside every row's interval, of the one
@@ -164,10 +191,12 @@ class FlexMetadataBuilder:
         rows = torch.arange(num_q_blocks, device=device)[:, None].expand_as(owner_phys)
         full_blocks = _block_matrix(rows, owner_phys, full, num_q_blocks, cache_blocks)
         partial_blocks = needed & ~full_blocks
-        return BlockMask.from_kv_blocks(*_lists(partial_blocks), *_lists(full_blocks),
-                                        BLOCK_SIZE=(Q_BLOCK, bs), mask_mod=self.mask_mod,
-                                        seq_lengths=(self.num_padded_tokens, cache_blocks * bs),
-                                        compute_q_blocks=False)
+        mask = self.block_mask
+        for (count, indices), blocks in (((mask.kv_num_blocks, mask.kv_indices), partial_blocks),
+                                         ((mask.full_kv_num_blocks, mask.full_kv_indices), full_blocks)):
+            new_count, new_indices = _lists(blocks)
+            count.copy_(new_count)
+            indices.copy_(new_indices)
 
 
 def _block_matrix(rows: torch.Tensor, phys: torch.Tensor, use: torch.Tensor, num_rows: int,
@@ -195,17 +224,15 @@ class FlexImpl:
                 metadata: FlexMetadata) -> torch.Tensor:
         T = metadata.common.num_actual_tokens
         write_kv(kv_cache, k, v, metadata.common)
-        H, D = q.shape[1], q.shape[2]
+        D = q.shape[2]
         num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
-        q_pad = q.new_zeros(1, H, metadata.num_padded_tokens, D)
+        q_pad = metadata.q_pad   # rows past T hold old queries; the block mask lists nothing for them
         q_pad[0, :, :T] = q[:T].transpose(0, 1)
         keys = kv_cache[0].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
         values = kv_cache[1].view(num_blocks * block_size, Hkv, D).transpose(0, 1)[None]
         out = _compiled_flex(q_pad, keys, values, block_mask=metadata.block_mask, scale=self.spec.scale,
-                             enable_gqa=True)
-        result = torch.zeros_like(q)
-        result[:T] = out[0, :, :T].transpose(0, 1)
-        return result
+                             enable_gqa=True, kernel_options=cuda_kernel_options(D) if q.is_cuda else None)
+        return out[0, :, : q.shape[0]].transpose(0, 1)
 
 
-BACKEND = AttentionBackend("flex", FlexImpl, FlexMetadataBuilder)
+BACKEND = AttentionBackend("flex", FlexImpl, FlexMetadataBuilder, cuda_graphs=True)
