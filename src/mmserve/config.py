@@ -40,6 +40,7 @@ class EngineConfig:
     encoder_cache_bytes: int = field(default=0, metadata={
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model"})
+    enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
     # Multimodal limits (checked at the edge before any work starts).
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most"})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})

@@ -53,3 +53,40 @@ def test_cuda_engine_tokens_match_cpu(load_backend, engine_checkpoint):
     got = [c.token_ids for c in make_llm((cuda_model, cpu_model_tok[1]), device="cuda",
                                          max_num_batched_tokens=16).generate(reqs)]
     assert got == want
+
+
+def gpu_model(engine_checkpoint, backend: str = "auto"):
+    """The engine checkpoint in bf16 on CUDA with `--attention-backend backend` (FA4 where it runs, flex elsewhere)."""
+    from mmserve.model import load_model
+
+    path, _ = engine_checkpoint
+    return load_model(path, dtype="bfloat16", device="cuda", attention_backend=backend)
+
+
+def test_decode_graphs_give_the_eager_tokens(load_backend, engine_checkpoint):
+    """The same bf16 kernels replayed as decode graphs and run eagerly: identical greedy tokens."""
+    tok = load_backend("reference")[1]
+    model = gpu_model(engine_checkpoint)
+    reqs = [build_request(kind, parts, 11, max_tokens=12) for kind, parts in PROMPTS.items()]
+    eager = make_llm((model, tok), device="cuda", block_size=16, enforce_eager=True)
+    graphs = make_llm((model, tok), device="cuda", block_size=16)
+    assert not eager.core.runner.graphs.enabled and graphs.core.runner.graphs.enabled
+    assert [c.token_ids for c in graphs.generate(reqs)] == [c.token_ids for c in eager.generate(reqs)]
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_a_step_syncs_with_the_host_only_in_the_sampler(load_backend, engine_checkpoint, enforce_eager):
+    """CUDA sync debug mode raises on any device->host sync inside the runner's step (prefill with frames,
+    decode); the sampler's one copy of the sampled tokens is outside it."""
+    tok = load_backend("reference")[1]
+    llm = make_llm((gpu_model(engine_checkpoint), tok), device="cuda", block_size=16, enforce_eager=enforce_eager)
+    execute = llm.core.runner.execute
+
+    def strict_execute(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    llm.core.runner.execute = strict_execute
+    llm.generate([build_request(kind, parts, 3, max_tokens=6) for kind, parts in PROMPTS.items()])

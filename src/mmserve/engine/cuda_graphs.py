@@ -8,7 +8,8 @@ The design (vLLM v1's full graphs for uniform decode batches):
   R requests (every request schedules one token, no frames) runs the graph of the smallest size
   >= R (`DecodeGraphs.size_for`), padded: rows past R are requests with no keys whose one token
   writes its K/V into the null block 0, so they change nothing. Prefill, mixed and larger steps
-  run eagerly, and so does everything with `--enforce-eager` or on a CPU.
+  run eagerly, and so does everything with `--enforce-eager`, on a CPU, or with a backend whose
+  inputs change shape per step (SDPA's padded gathers).
 - Inputs: a graph reads device memory at the addresses it was captured with, so every tensor the
   forward reads is a view of a persistent buffer at a fixed offset: the step-input builder's
   device buffers (ids, positions, query_start_loc, seq_lens, slot mapping) and the attention
@@ -17,14 +18,15 @@ The design (vLLM v1's full graphs for uniform decode batches):
 - Output: the hidden states [size, hidden] each graph wrote at capture live in the graph's
   memory pool; replay overwrites them. Logits and sampling run eagerly on the first R rows.
 - Capture runs largest size first so every later (smaller) graph fits in the first one's memory
-  pool, after warm-up forwards that compile kernels (FA4, torch.compile) outside the graph.
+  pool, after warm-up forwards that compile kernels (FA4, torch.compile) outside the graph. If a
+  capture fails (a layer that syncs with the host), the runner logs it and runs eagerly.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -37,6 +39,12 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes decode graphs are captured for: 1, 2, 4, then every 8, and max_num_seqs itself."""
     sizes = {s for s in (1, 2, 4) if s <= max_num_seqs} | set(range(8, max_num_seqs + 1, 8)) | {max_num_seqs}
     return tuple(sorted(sizes))
+
+
+def graphs_enabled(device_type: str, enforce_eager: bool, capturable: Iterable[bool]) -> bool:
+    """Decode graphs run on CUDA, unless --enforce-eager, when every layer type's backend can be
+    captured (its inputs are persistent buffers: FA4, flex; SDPA's padded gathers change shape)."""
+    return device_type == "cuda" and not enforce_eager and all(capturable)
 
 
 def is_decode_only(num_scheduled_tokens: list[int], has_frames: bool) -> bool:

@@ -106,11 +106,15 @@ class StepInputBuilder:
                 self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
-              rows: np.ndarray) -> StepInputs:
-        """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables)."""
+              rows: np.ndarray, *, pad_to: int | None = None) -> StepInputs:
+        """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
+
+        `pad_to` (decode-only steps run as a CUDA graph of that many requests): the step is padded
+        with requests of one token at position 0 whose table is all null block, so their K/V land
+        in block 0 slot 0 and they change nothing."""
         num_reqs = len(scheduled)
-        if not 0 < num_reqs <= self.max_seqs:
-            raise ValueError(f"{num_reqs} scheduled requests (1..{self.max_seqs} allowed)")
+        if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
+            raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
         bs = self.block_size
         lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
@@ -152,6 +156,10 @@ class StepInputBuilder:
         self._high_water = ranges_rows
 
         mm_rows = self._fill_mm_token_index(scheduled, qsl)
+        max_query_len, max_seq_len = int(lens.max(initial=1)), int(seq_lens.max(initial=1))
+        if pad_to is not None:
+            self._pad(num_reqs, num_tokens, pad_to)
+            num_reqs = num_tokens = pad_to
 
         input_ids = self.input_ids.push(num_tokens)
         pos_dev = self.positions.push(num_tokens)
@@ -160,7 +168,6 @@ class StepInputBuilder:
         logits_indices = self.logits_indices.push(len(sampled))
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
-        max_query_len, max_seq_len = int(lens.max()), int(seq_lens.max())
         common = {}
         for t, spec in self.specs.items():
             with_ranges = query_ranges is not None and spec.bidirectional
@@ -173,6 +180,18 @@ class StepInputBuilder:
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampled, mm_token_index)
+
+    def _pad(self, num_reqs: int, num_tokens: int, size: int) -> None:
+        """Rows num_reqs..size-1 become one-token requests in the null block (decode steps only)."""
+        if num_tokens != num_reqs:
+            raise ValueError("only decode steps (one token per request) are padded")
+        self.query_start_loc.np[num_reqs + 1: size + 1] = np.arange(num_tokens + 1, num_tokens + 1 + size - num_reqs)
+        self.seq_lens.np[num_reqs:size] = 1
+        self.positions.np[num_tokens:size] = 0
+        self.input_ids.np[num_tokens:size] = 0
+        for t in self.specs:
+            self.block_table[t].np[num_reqs:size] = 0
+            self.slot_mapping[t].np[num_tokens:size] = 0
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
