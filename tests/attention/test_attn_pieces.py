@@ -59,3 +59,23 @@ def test_whole_request_pieces_are_the_windowed_tables():
                         md.query_ranges_cpu.numpy()[:, 0], np.zeros((8, 32), dtype=np.int32))
     assert (p.key_start == t.key_start).all() and (p.num_keys == t.num_keys).all()
     assert (p.block_table == t.block_table).all()
+
+
+@pytest.mark.parametrize("budget", [512, 2048])
+def test_fa4_visits_at_most_1_3x_the_minimum_tile_work_at_64_frames(budget):
+    """The last chunk of a 64-frame video (Gemma 4: 70 soft tokens a frame, window 1024, 2 query heads per
+    KV head): FA4's tiles over the windowed pieces against the block-sparse minimum, SM90 and SM100 tiles."""
+    from dataclasses import replace
+
+    from mmserve.attention.tiles import fa4_visited_pairs, varlen_tiles
+
+    spec = replace(SPECS[0], num_heads=2, num_kv_heads=1, head_dim=8, window=1024)   # tiles ignore head dim
+    ranges = frames(20, 64, 70, 8)
+    prompt = ranges[-1][1] + 13
+    batch = make_batch([Req(prompt - budget, budget, ranges)], spec, num_blocks=-(-prompt // 16) + 8)
+    md = batch.metadata
+    for tile_q, tile_k in ((64, 80), (64, 128)):   # FA4 b36 at head dim 256: SM90, SM100 (128 packed rows)
+        minimum = varlen_tiles(md, spec, tile_q, tile_k).visited_pairs()
+        assert fa4_visited_pairs(md, spec, tile_q, tile_k) <= 1.3 * minimum
+    whole_keys = budget * prompt     # what FA4 visited before: every key of [0, seq_len) for every row
+    assert fa4_visited_pairs(md, spec, 64, 128) < whole_keys / 3

@@ -3,8 +3,10 @@
 Every query row keeps only keys in [lo, hi]: lo = q - W + 1 (or its range start when the range
 term is unclamped), hi = max(q, range end). Each interval contains q itself and a tile's rows are
 consecutive positions, so the union over a tile's rows is one interval: a tile needs key tiles
-min(lo) // tile_k .. max(hi) // tile_k. Kernels visit only those (FA4 block sparsity, the bench's
-work ratio); the element mask still decides inside each visited tile.
+min(lo) // tile_k .. max(hi) // tile_k. A block-sparse kernel visits only those (the minimum tile
+work); the element mask still decides inside each visited tile. FA4 with frames visits every tile
+of the windowed pieces it is given (`fa4_visited_pairs`), which bench/gpu_check.py and the tests
+hold against that minimum.
 """
 
 from __future__ import annotations
@@ -84,3 +86,19 @@ def varlen_tiles(md: CommonAttentionMetadata, spec: LayerAttentionSpec, tile_q: 
 def kept_pairs(md: CommonAttentionMetadata, spec: LayerAttentionSpec) -> int:
     """Exact number of (query, key) pairs the mask keeps in a step (per head)."""
     return int(batch_dense_mask(md, spec).sum())
+
+
+def fa4_visited_pairs(md: CommonAttentionMetadata, spec: LayerAttentionSpec, tile_q: int, tile_k: int) -> int:
+    """(query, key) pairs FA4 computes for a step with frames: every tile of each windowed piece fa4.py
+    hands it (tile_q queries, i.e. FA4's packed rows / g, by tile_k keys)."""
+    import numpy as np
+
+    from mmserve.attention.fa4 import piece_len
+    from mmserve.attention.page_tables import windowed_pieces
+
+    ranges = None if md.query_ranges_cpu is None or not spec.bidirectional else md.query_ranges_cpu.numpy()
+    out = np.zeros((md.num_reqs + md.num_actual_tokens, md.block_table_cpu.shape[1]), dtype=np.int32)
+    p = windowed_pieces(spec, md.block_size, md.query_start_loc_cpu.numpy(), md.seq_lens_cpu.numpy(),
+                        md.positions_cpu.numpy(), ranges, md.block_table_cpu.numpy(), piece_len(spec), out)
+    q_tiles = -(-np.diff(p.query_start_loc).astype(np.int64) // tile_q)
+    return int((q_tiles * -(-p.num_keys // tile_k)).sum()) * tile_q * tile_k
