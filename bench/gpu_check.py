@@ -1,0 +1,546 @@
+"""The GPU path's one check (issue 19): run it on one H100, H200 or B200; it takes under 8 minutes.
+
+1. parity    FA4 (sliding layers, head dim 256) and the batched fallback (full layers, head dim 512)
+             against the dense float32 reference on random paged steps with frames shorter and
+             longer than the window: varlen prefill, chunked prefill, decode, mixed, text only
+             (bf16, max error relative to the output's largest value < 2e-2); FA4's mask_mod must
+             change exactly the rows the reference says the frames change.
+2. tokens    the demo checkpoint end to end on video requests, greedy: FA4 and SDPA in bf16, each
+             compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
+             points), and CUDA graphs against --enforce-eager (identical tokens).
+3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
+             new kernel after the first step of each kind).
+4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
+             work, at 1..64 frames (target: <= 1.3x the minimum at 64 frames); FA4 time with frames
+             against its plain sliding path on the same step.
+5. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
+             prompts, random weights at Gemma 4 12B (default) or E4B dimensions.
+
+    python bench/gpu_check.py            # on the GPU machine: bench/results/gpu_check.json
+    python bench/gpu_check.py --smoke    # CPU: the same plumbing on tiny shapes, JSON to a temp file
+
+Without CUDA the full run prints that it needs a GPU and exits 0, writing nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
+from mmserve.attention.selection import choose_backends, device_arch
+from mmserve.config import DEMO_MODEL_DIR
+
+log = logging.getLogger("bench.gpu_check")
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "gpu_check.json"
+FAMILY = ROOT / "tests" / "fixtures" / "gemma4_family"
+FRAME_COUNTS = (1, 8, 16, 32, 46, 64)
+BF16_TOL = 2e-2
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Everything that differs between the GPU run and the CPU smoke run."""
+
+    sliding: LayerAttentionSpec
+    full: LayerAttentionSpec
+    frame_tokens: int            # soft tokens per frame
+    chunk: int                   # the prefill chunk (token budget) of the tile and timing steps
+    frame_counts: tuple[int, ...]
+    token_requests: int          # video requests in the tokens section
+    token_frames: int
+    max_tokens: int
+    serving_model: str | None    # a tests/fixtures/gemma4_family config, or None: the demo-sized one
+    serving_prompt: int
+    serving_batch: int
+    serving_tokens: int
+    repeats: int
+
+
+GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirectional=True),
+            full=LayerAttentionSpec(FULL, 16, 1, 512, window=None, bidirectional=False),
+            frame_tokens=70, chunk=2048, frame_counts=FRAME_COUNTS, token_requests=8, token_frames=8,
+            max_tokens=24, serving_model="12b_unified", serving_prompt=1024, serving_batch=16, serving_tokens=64,
+            repeats=20)
+SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirectional=True),
+              full=LayerAttentionSpec(FULL, 4, 1, 64, window=None, bidirectional=False),
+              frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
+              serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4, repeats=1)
+
+
+# --- shared helpers -----------------------------------------------------------------------------
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """Median ms of `repeats` calls after one warm-up (CUDA events on a GPU)."""
+    fn()
+    synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - begin) * 1e3)
+    return sorted(samples)[len(samples) // 2]
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))
+
+
+def layer_backends(sizes: Sizes, device: str) -> dict[str, str]:
+    """What `--attention-backend auto` runs for each of the two layer types on this machine."""
+    from mmserve.attention.fa4 import fa4_installed
+
+    specs = {SLIDING: sizes.sliding, FULL: sizes.full}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return choose_backends(specs, device_type=device, arch=device_arch(device), dtype=dtype,
+                           fa4_installed=fa4_installed())
+
+
+# --- 1. parity: each layer type's GPU kernel against the dense float32 reference -----------------------
+
+def to_device(batch, device: str):
+    """The batch with its tensors (host mirrors stay on the host) on `device`."""
+    from mmserve.attention.synthetic import Batch
+
+    md = batch.metadata
+    moved = {f: getattr(md, f).to(device) for f in ("query_start_loc", "seq_lens", "positions", "block_table",
+                                                     "slot_mapping", "query_ranges") if getattr(md, f) is not None}
+    return Batch(*(t.to(device) for t in (batch.q, batch.k, batch.v, batch.kv_cache)), replace(md, **moved),
+                 batch.reqs)
+
+
+def without_frames(batch):
+    """The same step with no range table: the layer's plain causal / sliding mask."""
+    from mmserve.attention.synthetic import Batch
+
+    md = replace(batch.metadata, query_ranges=None, query_ranges_cpu=None)
+    return Batch(batch.q, batch.k, batch.v, batch.kv_cache, md, batch.reqs)
+
+
+def parity_steps(window: int, frame: int):
+    """Steps of every kind; frames longer than the window (w + 30) and shorter ones."""
+    from mmserve.attention.synthetic import Req, frames
+
+    w = window
+    return {
+        "varlen_prefill": [Req(0, 300, frames(5, 3, w + 30, 7)), Req(0, 57), Req(0, 400, frames(30, 6, frame, 9))],
+        "chunked_prefill": [Req(256, 384, frames(270, 4, w + 10, 5)), Req(1000, 129, frames(600, 8, frame, 4))],
+        "decode": [Req(n, 1, frames(3, 2, frame, 4)) for n in (130, 700, 1500, 33)],
+        "mixed": [Req(900, 1), Req(0, 500, frames(4, 5, w + 20, 3)), Req(120, 200, frames(140, 1, 150, 0)),
+                  Req(64, 1)],
+        "text_only": [Req(0, 230), Req(300, 140), Req(2000, 1)],
+    }
+
+
+def parity(sizes: Sizes, device: str) -> dict:
+    from mmserve.attention.synthetic import make_batch, run_backend
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    chosen = layer_backends(sizes, device)
+    gen = torch.Generator().manual_seed(1234)
+    rows = []
+    for spec in (sizes.sliding, sizes.full):
+        window = spec.window or sizes.sliding.window
+        for step, reqs in parity_steps(window, sizes.frame_tokens).items():
+            if device == "cpu":   # the smoke run: the same steps, scaled to the tiny window
+                reqs = [replace(r, context=r.context // 20, query=max(1, r.query // 20),
+                                ranges=[(s // 20, e // 20) for s, e in r.ranges if e // 20 > s // 20]) for r in reqs]
+            batch = to_device(make_batch(reqs, spec, dtype=dtype, num_blocks=512, table_width=256, gen=gen,
+                                         free_outside_window=True), device)
+            want, _ = run_backend("reference", batch, spec)
+            for backend in dict.fromkeys((chosen[spec.layer_type], "sdpa")):
+                row = {"layer": spec.layer_type, "step": step, "backend": backend}
+                got, _ = run_backend(backend, batch, spec)
+                row["rel_err"] = rel_err(got, want)
+                row["ok"] = row["rel_err"] < BF16_TOL
+                if backend == "fa4" and batch.metadata.query_ranges is not None and spec.bidirectional:
+                    # The frames must change exactly the rows the reference says they change.
+                    plain = without_frames(batch)
+                    in_frame = batch.metadata.query_ranges[:, 0] >= 0
+                    moved = (run_backend(backend, plain, spec)[0].float() - got.float())[in_frame].abs().max()
+                    ref_moved = (run_backend("reference", plain, spec)[0].float() - want.float())[in_frame].abs().max()
+                    row["mask_mod_active"] = bool(moved > 1e-2) == bool(ref_moved > 1e-2)
+                    row["ok"] = row["ok"] and row["mask_mod_active"]
+                rows.append(row)
+    return {"backends": chosen, "tolerance": BF16_TOL, "rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
+# --- 3. compiles: one FA4 kernel per kind of step ----------------------------------------------------
+
+def fa4_kernels() -> int:
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    return len(_flash_attn_fwd.compile_cache.cache)
+
+
+def compiles(sizes: Sizes, device: str) -> dict:
+    from mmserve.attention.synthetic import Req, make_batch, run_backend
+
+    if device != "cuda":
+        return {"skipped": "FA4 runs on CUDA only; tests/attention/test_attn_fa4_compile.py checks the same "
+                           "under FakeTensorMode on CPU"}
+    spec = sizes.sliding
+    gen = torch.Generator().manual_seed(7)
+    counts = []
+    for n in sizes.frame_counts:
+        for kind, reqs in (("prefill", video_chunk(sizes, n)),
+                           ("decode", [Req(300 * n + 7 * i, 1) for i in range(1 + n % 5)])):
+            before = fa4_kernels()
+            batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=4096, table_width=2048,
+                                         gen=gen), device)
+            run_backend("fa4", batch, spec)
+            counts.append({"frames": n, "step": kind, "new_kernels": fa4_kernels() - before})
+    later = [c["new_kernels"] for c in counts[2:]]   # the first prefill and decode steps compile
+    return {"rows": counts, "total_kernels": fa4_kernels(), "ok": sum(later) == 0}
+
+
+# --- 4. tiles: FA4's visited key tiles with windowed page tables ------------------------------------
+
+def video_chunk(sizes: Sizes, num_frames: int):
+    """The last prefill chunk (<= sizes.chunk tokens) of a prompt of `num_frames` frames, 8 text tokens apart."""
+    from mmserve.attention.synthetic import Req, frames
+
+    ranges = frames(16, num_frames, sizes.frame_tokens, 8)
+    prompt = ranges[-1][1] + 1 + 12
+    context = max(0, prompt - sizes.chunk)
+    return [Req(context, prompt - context, ranges)]
+
+
+def fa4_tile(spec: LayerAttentionSpec, arch: int) -> tuple[int, int]:
+    """(queries, keys) per FA4 b36 tile with the mask_mod (never causal/local): 128 packed rows
+    (128 / g queries); 80 keys at head dim > 192 on SM90 (`_tile_size_fwd_sm90`), else 128."""
+    keys = 80 if arch // 10 == 9 and spec.head_dim > 192 else 128
+    return max(1, 128 // (spec.num_heads // spec.num_kv_heads)), keys
+
+
+def prepared(name: str, batch, spec: LayerAttentionSpec):
+    """Backend `name`'s forward on `batch` with its metadata built once (what a layer costs)."""
+    from mmserve.attention import create_builder, create_impl
+    from mmserve.attention.synthetic import pool_for
+
+    metadata = create_builder(name, pool_for(batch, spec)).build(batch.metadata)
+    impl = create_impl(name, spec)
+    return lambda: impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, metadata)
+
+
+def tiles(sizes: Sizes, device: str) -> dict:
+    """Visited tile work / minimum tile work / kept pairs, FA4's tiles on each architecture; plus
+    on a GPU the time of the step with frames against the same step without (FA4's plain path)."""
+    from mmserve.attention.synthetic import make_batch
+    from mmserve.attention.tiles import fa4_visited_pairs, kept_pairs, varlen_tiles
+
+    spec = sizes.sliding
+    rows = []
+    for n in sizes.frame_counts:
+        reqs = video_chunk(sizes, n)
+        batch = make_batch(reqs, spec, num_blocks=sum(-(-r.seq_len // 16) for r in reqs) + 8,
+                           free_outside_window=True)
+        md = batch.metadata
+        kept = kept_pairs(md, spec)
+        row = {"frames": n, "tokens": md.num_actual_tokens, "context": md.max_seq_len}
+        for arch in (90, 100):
+            tile_q, tile_k = fa4_tile(spec, arch)
+            minimum = varlen_tiles(md, spec, tile_q, tile_k).visited_pairs()
+            row[f"sm{arch}_min_over_kept"] = minimum / kept
+            row[f"sm{arch}_visited_over_min"] = fa4_visited_pairs(md, spec, tile_q, tile_k) / minimum
+        if device == "cuda":
+            step = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=md.block_table.shape[1] * 2 + 8,
+                                        free_outside_window=True), device)
+            row["fa4_ms"] = timed_ms(prepared("fa4", step, spec), device, sizes.repeats)
+            row["fa4_plain_ms"] = timed_ms(prepared("fa4", without_frames(step), spec), device, sizes.repeats)
+        rows.append(row)
+    worst = max(r["sm90_visited_over_min"] for r in rows if r["frames"] == max(sizes.frame_counts))
+    return {"rows": rows, "target": "visited <= 1.3x the minimum tile work at 64 frames",
+            "ok": worst <= 1.3}
+
+
+# --- the batched fallback for head dim 512: flex against SDPA over a padded gather ------------------
+
+def fallback(sizes: Sizes, device: str) -> dict:
+    """Full-layer (head dim 512) decode and prefill steps: bytes each path moves and pairs it computes
+    (from the step's shapes, the same on any machine), and on a GPU their times."""
+    from mmserve.attention.synthetic import Req, make_batch
+
+    spec = sizes.full
+    elem = 2
+    kv_row = 2 * spec.num_kv_heads * spec.head_dim * elem          # K and V of one key position
+    context = 4096 if device == "cuda" else 96
+    steps = {"decode_64": [Req(context // 2 + 37 * i, 1) for i in range(64 if device == "cuda" else 4)],
+             "prefill_chunk": [Req(context, sizes.chunk)]}
+    rows = []
+    for name, reqs in steps.items():
+        lens = [r.seq_len for r in reqs]
+        paged = sum(-(-n // 16) * 16 for n in lens) * kv_row          # flex reads each request's blocks once
+        padded = len(reqs) * -(-max(lens) // 16) * 16 * kv_row         # the gather's padded copy
+        row = {"step": name, "requests": len(reqs), "max_context": max(lens),
+               "flex_kv_bytes": paged, "gather_sdpa_kv_bytes": paged + 2 * padded,
+               "flex_pairs": sum(r.query * r.seq_len for r in reqs),
+               "gather_sdpa_pairs": len(reqs) * max(r.query for r in reqs) * max(lens)}
+        if device == "cuda":
+            batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16,
+                                         num_blocks=sum(-(-n // 16) for n in lens) + 8), device)
+            for backend in ("flex", "sdpa"):
+                row[f"{backend}_ms"] = timed_ms(prepared(backend, batch, spec), device, sizes.repeats)
+        rows.append(row)
+    return {"rows": rows}
+
+
+# --- 2. tokens: the demo checkpoint end to end ----------------------------------------------------
+
+def video_requests(sizes: Sizes, device: str) -> list:
+    """Video + text prompts for the demo checkpoint, built by the server's own input processor."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.multimodal.synthetic import make_clip
+
+    sampling = SamplingParams(max_tokens=sizes.max_tokens, ignore_eos=True)
+    with ThreadPoolExecutor(2) as pool:
+        processor = InputProcessor.from_checkpoint(EngineConfig(device=device), pool, context_length=1024)
+
+        async def build():
+            return [await processor.process(f"video-{i}", [InputMessage("user", (
+                VideoInput(make_clip(i, num_frames=sizes.token_frames).data, num_frames=sizes.token_frames),
+                TextInput("Describe the video.")))], sampling) for i in range(sizes.token_requests)]
+        return asyncio.run(build())
+
+
+def greedy_tokens(requests: list, device: str, **options) -> list[list[int]]:
+    from mmserve.engine.llm import LLM
+
+    llm = LLM(model=str(DEMO_MODEL_DIR), device=device, max_num_seqs=len(requests), **options)
+    tokens = [c.token_ids for c in llm.generate(requests)]
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return tokens
+
+
+def prefix_agreement(runs: list[list[int]], reference: list[list[int]]) -> float:
+    """Mean share of each request's tokens before its first difference from the reference."""
+    shares = []
+    for got, want in zip(runs, reference, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        shares.append(same / max(len(want), 1))
+    return sum(shares) / len(shares)
+
+
+def tokens(sizes: Sizes, device: str) -> dict:
+    requests = video_requests(sizes, device)
+    # On the CPU the same comparisons run with CPU stand-ins (reference for fp32, sdpa for fa4).
+    fast = "fa4" if device == "cuda" else "sdpa"
+    low = "bfloat16" if device == "cuda" else "float32"
+    runs = {"reference": dict(dtype="float32", attention_backend="sdpa" if device == "cuda" else "reference",
+                              enforce_eager=True),
+            "sdpa": dict(dtype=low, attention_backend="sdpa"),
+            fast + " graphs": dict(dtype=low, attention_backend=fast),
+            fast + " eager": dict(dtype=low, attention_backend=fast, enforce_eager=True)}
+    out = {name: greedy_tokens(requests, device, **opts) for name, opts in runs.items()}
+    agree = {name: prefix_agreement(out[name], out["reference"]) for name in runs if name != "reference"}
+    graphs_equal = out[fast + " graphs"] == out[fast + " eager"]
+    return {"requests": len(requests), "frames": sizes.token_frames, "max_tokens": sizes.max_tokens,
+            "agreement_with_fp32": agree, "graphs_equal_eager": graphs_equal,
+            "ok": graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10}
+
+
+# --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
+
+def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
+    """Random bf16 weights at a family member's published dimensions (tests/fixtures/gemma4_family)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(**json.loads((FAMILY / f"{name}.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(str(out_dir), max_shard_size="4GB")
+    del model
+    return out_dir
+
+
+def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str) -> tuple[float, list]:
+    """transformers' generate over the whole batch (identical prompts need no padding): (seconds, tokens)."""
+    from transformers import AutoModelForImageTextToText
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = model.to(device).eval()
+    config = copy.deepcopy(model.generation_config)
+    # Exactly max_tokens new tokens, like ignore_eos: an EOS id past the vocabulary is never chosen.
+    config.eos_token_id = model.config.get_text_config().vocab_size
+    config.max_new_tokens, config.do_sample = max_tokens, False
+    ids = prompts.to(device)
+    with torch.inference_mode():
+        warm = copy.deepcopy(config)
+        warm.max_new_tokens = 2
+        model.generate(input_ids=ids[:1], attention_mask=torch.ones_like(ids[:1]), generation_config=warm)
+        synchronize(device)
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+    tokens = out[:, ids.shape[1]:].tolist()
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return seconds, tokens
+
+
+def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str) -> tuple[float, list]:
+    from mmserve.engine.llm import LLM
+    from mmserve.engine.sampling_params import SamplingParams
+
+    batch, prompt = prompts.shape
+    options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
+                   max_model_len=prompt + max_tokens + 16)
+    if device == "cuda":
+        options["kv_cache_bytes"] = 16 * 2**30
+    llm = LLM(model=str(model_dir), **options)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    done = llm.generate([p.tolist() for p in prompts], sampling)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return seconds, [c.token_ids for c in done]
+
+
+def serving(sizes: Sizes, device: str) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
+    try:
+        start = time.perf_counter()
+        # The smoke run serves the demo checkpoint itself.
+        model_dir = DEMO_MODEL_DIR if sizes.serving_model is None else random_checkpoint(sizes.serving_model,
+                                                                                          workdir, device)
+        build_s = time.perf_counter() - start
+        from mmserve.model.spec import load_spec
+
+        spec = load_spec(model_dir)
+        gen = torch.Generator().manual_seed(1)
+        prompt = torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size, (sizes.serving_prompt,), generator=gen)
+        prompt[0] = spec.bos_token_id
+        prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
+        hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
+        ours_s, our_tokens = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
+        total = sizes.serving_batch * sizes.serving_tokens
+        agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
+        return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
+                "prompt_tokens": sizes.serving_prompt, "output_tokens": sizes.serving_tokens,
+                "checkpoint_build_s": build_s, "hf_tok_s": total / hf_s, "mmserve_tok_s": total / ours_s,
+                "speedup": hf_s / ours_s, "greedy_agreement": agree / total}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
+    "parity": parity, "tokens": tokens, "compiles": compiles, "tiles": tiles, "fallback": fallback,
+    "serving": serving}
+
+
+def machine(device: str) -> dict:
+    info = {"python": platform.python_version(), "torch": torch.__version__, "device": device}
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), arch=device_arch("cuda"),
+                    memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        info["flash_attn_4"] = version("flash-attn-4")
+    return info
+
+
+def run_sections(sizes: Sizes, device: str, only: list[str] | None) -> dict:
+    results = {}
+    for name, section in SECTIONS.items():
+        if only and name not in only:
+            continue
+        start = time.perf_counter()
+        try:
+            results[name] = section(sizes, device)
+        except Exception as exc:   # one broken section must not hide the others' numbers
+            log.exception("section %s failed", name)
+            results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+        results[name]["seconds"] = time.perf_counter() - start
+        log.info("%s done in %.1f s", name, results[name]["seconds"])
+    return results
+
+
+def print_summary(results: dict) -> None:
+    for name, r in results.items():
+        keys = [k for k in r if k not in ("rows", "traceback", "seconds")]
+        print(f"{name:<9} {r['seconds']:6.1f}s  " + ", ".join(f"{k}={_fmt(r[k])}" for k in keys))
+        for row in r.get("rows", []):
+            print("    " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+
+
+def _fmt(value) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="CPU plumbing on tiny shapes; JSON to a temp file")
+    p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run just these sections")
+    p.add_argument("--serving-model", default=GPU.serving_model, choices=["12b_unified", "e4b"],
+                   help="family member whose dimensions the serving section's random checkpoint has")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench/gpu_check.py measures the GPU path and needs a CUDA GPU (H100/H200/B200); none here, "
+              "so nothing was run or written. Use --smoke for the CPU plumbing check.")
+        return 0
+    device = "cpu" if args.smoke else "cuda"
+    sizes = SMOKE if args.smoke else replace(GPU, serving_model=args.serving_model)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    results = run_sections(sizes, device, args.only)
+    report = {"machine": machine(device), "smoke": args.smoke, "wall_s": time.perf_counter() - start,
+              "command": "python bench/gpu_check.py" + (" --smoke" if args.smoke else ""), "sections": results}
+    print_summary(results)
+    out = args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.json" if args.smoke else RESULTS)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str))
+    failed = [n for n, r in results.items() if "error" in r or r.get("ok") is False]
+    print(f"wall {report['wall_s']:.0f}s; " + (f"FAILED: {', '.join(failed)}" if failed else "all sections ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
