@@ -128,3 +128,4 @@ def test_fa4_matches_reference(head_dim):
         got, _ = run_backend("fa4", cuda, spec)
         want, _ = run_backend("reference", cuda, spec)
         assert rel_err(got, want) < 2e-2, name
+

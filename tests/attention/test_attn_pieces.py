@@ -1,13 +1,17 @@
 """Windowed pieces (what FA4 is given with frames) hold every key their rows keep and map local keys
-to the request's blocks; on fresh random steps against the dense mask of mask.py."""
+to the request's blocks (fresh random steps against the dense mask of mask.py); FA4's arithmetic on
+the builder's pieces, emulated in torch, gives the reference output; and the tile work it costs."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 from attn_batches import SPECS, Req, frames, make_batch
 
+from mmserve.attention.backend import SLIDING, LayerAttentionSpec
 from mmserve.attention.mask import batch_dense_mask
 from mmserve.attention.page_tables import windowed_pieces, windowed_tables
 
@@ -65,8 +69,6 @@ def test_whole_request_pieces_are_the_windowed_tables():
 def test_fa4_visits_at_most_1_3x_the_minimum_tile_work_at_64_frames(budget):
     """The last chunk of a 64-frame video (Gemma 4: 70 soft tokens a frame, window 1024, 2 query heads per
     KV head): FA4's tiles over the windowed pieces against the block-sparse minimum, SM90 and SM100 tiles."""
-    from dataclasses import replace
-
     from mmserve.attention.tiles import fa4_visited_pairs, varlen_tiles
 
     spec = replace(SPECS[0], num_heads=2, num_kv_heads=1, head_dim=8, window=1024)   # tiles ignore head dim
@@ -79,3 +81,49 @@ def test_fa4_visits_at_most_1_3x_the_minimum_tile_work_at_64_frames(budget):
         assert fa4_visited_pairs(md, spec, tile_q, tile_k) <= 1.3 * minimum
     whole_keys = budget * prompt     # what FA4 visited before: every key of [0, seq_len) for every row
     assert fa4_visited_pairs(md, spec, 64, 128) < whole_keys / 3
+
+
+def emulate_fa4(q: torch.Tensor, kv_cache: torch.Tensor, md, spec: LayerAttentionSpec) -> torch.Tensor:
+    """What FA4 computes from our metadata, in plain torch: for each piece, local query i and local key j
+    (page j // bs of its table) with the offsets mask_mod's arithmetic and mask.keep. Checks the
+    builder's tables and offsets on CPU; the CuTe mask_mod itself is checked on a GPU (gpu tests)."""
+    from mmserve.attention.mask import keep_for_spec
+    from mmserve.attention.reference import dense_attention
+
+    p, ranges = md.pieces, md.common.query_ranges
+    bs = kv_cache.shape[2]
+    out = torch.zeros_like(q)
+    for i in range(len(p.num_keys)):
+        rows = slice(int(p.query_start_loc[i]), int(p.query_start_loc[i + 1]))
+        j = torch.arange(int(p.num_keys[i]))
+        blocks = p.block_table[i, j // bs].long()
+        keys, values = kv_cache[0][blocks, j % bs], kv_cache[1][blocks, j % bs]
+        q_abs = p.offsets[i, 0] + torch.arange(rows.stop - rows.start)
+        k_abs = p.offsets[i, 1] + j
+        r = ranges[rows].long()
+        mask = keep_for_spec(q_abs[:, None], k_abs[None], r[:, :1], r[:, 1:], spec)
+        out[rows] = dense_attention(q[rows], keys, values, mask, spec.scale).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+def test_pieces_metadata_gives_the_reference_output(monkeypatch, clamp):
+    from attn_batches import standard_batches
+
+    from mmserve.attention.fa4 import Fa4MetadataBuilder, piece_len
+    from mmserve.attention.synthetic import pool_for, run_backend
+
+    monkeypatch.setenv("FLASH_ATTENTION_ARCH", "sm_90")    # the builder plans as on an H100; nothing runs FA4
+    # 16 query heads per KV head: pieces of 8 rows, so requests span several pieces
+    spec = LayerAttentionSpec(SLIDING, 32, 2, 16, window=8, bidirectional=True, clamp_bidirectional=clamp)
+    gen = torch.Generator().manual_seed(3)
+    for name, reqs in standard_batches().items():
+        batch = make_batch(reqs, spec, gen=gen, free_outside_window=True)
+        if batch.metadata.query_ranges is None:
+            continue
+        pool = replace(pool_for(batch, spec), dtype=torch.bfloat16)
+        md = Fa4MetadataBuilder(pool).build(batch.metadata)
+        assert md.pieces is not None and md.pieces.max_query_len <= piece_len(spec) == 8
+        want, cache = run_backend("reference", batch, spec)
+        got = emulate_fa4(batch.q, cache, md, spec)
+        assert (got - want).abs().max() < 1e-5, name
