@@ -31,6 +31,16 @@ def _make_video(seed: int = 0, *, num_frames: int = 8, size: int = 32, fps: floa
     return make_clip(seed, size=size, num_frames=num_frames, fps=fps, container=container).data
 
 
+@pytest.fixture(scope="session", autouse=True)
+def peaks_cache(tmp_path_factory):
+    """One device-peak calibration per test session, in a file of its own (never the user's cache);
+    servers started as subprocesses inherit it through the environment."""
+    path = tmp_path_factory.mktemp("peaks") / "peaks.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MMSERVE_PEAKS_CACHE", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def make_video():
     """The clip factory: `make_video(seed, num_frames=8, size=32, fps=4.0, container="mp4") -> bytes`."""

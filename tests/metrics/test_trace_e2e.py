@@ -13,17 +13,15 @@ from loopback_server import LoopbackServer, engine_config
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import global_traces_to
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.clients import Client
 from mmserve.config import ServerConfig
-from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import get_tracer, inject_trace_context
 from mmserve.model.spec import load_spec
-
-PEAKS = DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test")
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +32,7 @@ def traced(served_model):
     with global_traces_to(receiver):
         metrics = EngineMetrics(prometheus=True)
         perf = PerfModel(load_spec(served_model), dtype="float32")
-        observer = TelemetryObserver(perf, PEAKS, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
+        observer = TelemetryObserver(perf, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
         config = engine_config(served_model, default_num_frames=2, step_trace_ratio=1.0)
         server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
                                 observer=observer).start()
@@ -123,6 +121,30 @@ def test_prometheus_serves_the_server_metrics(traced):
     for name in ("mmserve_requests_waiting", "mmserve_requests_running", "mmserve_time_to_first_token_seconds_count",
                  "mmserve_generation_tokens_total", "mmserve_perf_mfu"):
         assert f"\n{name}" in text, name
+
+
+def test_denominators_are_exported(traced):
+    """GetModelInfo and /metrics (an info metric and two gauges) say what MFU/MBU divide by: the
+    peaks the engine detected."""
+    server, _, metrics = traced
+    peaks = server.engine.core.peaks
+    with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
+        info = client.model_info().peaks
+    assert (info.device, info.flops, info.bandwidth, info.source) == (peaks.name, peaks.flops, peaks.bandwidth,
+                                                                      peaks.source)
+    http, port = start_metrics_server(0, metrics, addr="127.0.0.1")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        http.shutdown()
+    samples = {s.name: s for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["mmserve_perf_peak_flops"].value == pytest.approx(peaks.flops)
+    assert samples["mmserve_perf_peak_bandwidth"].value == pytest.approx(peaks.bandwidth)
+    info_sample = samples["mmserve_device_peaks_info"]
+    assert info_sample.value == 1
+    assert {k: info_sample.labels[k] for k in ("device", "source", "dtype")} == {
+        "device": peaks.name, "source": peaks.source, "dtype": peaks.dtype}
+    assert float(info_sample.labels["peak_flops"]) == pytest.approx(peaks.flops, rel=1e-5)
 
 
 def test_generate_cli_trace_prints_the_id_of_the_servers_trace(traced, tmp_path, make_video):

@@ -25,6 +25,9 @@ class RecordingObserver:
         self.steps: list[StepRecord] = []
         self.finished: list[tuple[str, str | None, BaseException | None]] = []
 
+    def on_engine_started(self, peaks) -> None:
+        pass
+
     def on_request_queued(self, request) -> None:
         self.queued.append(request.request_id)
 

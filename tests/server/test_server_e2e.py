@@ -80,6 +80,10 @@ def test_health_and_model_info(client, mmserve_server):
     assert info.context_length > 0 and info.tokens_per_frame > 0
     assert info.max_frames_per_video == mmserve_server.engine_config.max_frames_per_video
     assert set(info.supported_inputs) == {"text", "image", "video"}
+    # The MFU/MBU denominators: what the engine measured (or read from this machine's cache) where it runs.
+    engine_peaks = mmserve_server.engine.core.peaks
+    assert info.peaks.flops == engine_peaks.flops > 0 and info.peaks.bandwidth == engine_peaks.bandwidth > 0
+    assert info.peaks.source in ("calibrated", "cached") and info.peaks.device.startswith("cpu")
     load = client.server_load()
     assert load.max_num_seqs == mmserve_server.engine_config.max_num_seqs and not load.draining
 

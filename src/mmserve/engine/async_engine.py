@@ -102,7 +102,7 @@ class AsyncEngine:
         return ModelInfo(name=Path(self.config.model).name, context_length=self.core.max_model_len,
                          tokens_per_frame=spec.video_max_soft_tokens,
                          backend=self.core.model.attention_backend,
-                         dtype=self.config.dtype)
+                         dtype=self.config.dtype, peaks=self.core.peaks)
 
     async def shutdown(self) -> None:
         """Stop the engine thread; requests still in flight end with EngineUnavailableError."""

@@ -26,6 +26,7 @@ from mmserve.engine.sampling_params import check_vocab
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, RequestAbortedError
+from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import SchedulerOutput
 from mmserve.scheduler.request import Request
@@ -87,6 +88,9 @@ class EngineCore:
         logger.info("engine: %s, KV pools %s, max_model_len %d",
                     model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
+        # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs.
+        self.peaks = detect_peaks(str(model.device), config.dtype)
+        self._notify("on_engine_started", self.peaks)
 
     # -- any thread -----------------------------------------------------------------------------------------
 

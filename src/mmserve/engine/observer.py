@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import Request
 
 
@@ -42,6 +43,8 @@ class StepRecord:
 
 
 class EngineObserver(Protocol):
+    def on_engine_started(self, peaks: DevicePeaks) -> None: ...
+
     def on_request_queued(self, request: Request) -> None: ...
 
     def on_step(self, record: StepRecord) -> None: ...
@@ -54,6 +57,9 @@ class EngineObserver(Protocol):
 
 class NullObserver:
     """The default: observes nothing."""
+
+    def on_engine_started(self, peaks: DevicePeaks) -> None:
+        pass
 
     def on_request_queued(self, request: Request) -> None:
         pass

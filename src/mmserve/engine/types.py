@@ -7,6 +7,7 @@ from typing import Any
 
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import MultiModalInput
 
 
@@ -79,3 +80,4 @@ class ModelInfo:
     tokens_per_frame: int
     backend: str
     dtype: str
+    peaks: DevicePeaks | None = None   # what MFU/MBU divide by

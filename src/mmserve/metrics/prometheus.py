@@ -12,6 +12,8 @@ import logging
 import os
 from dataclasses import dataclass
 
+from mmserve.metrics.peaks import DevicePeaks
+
 logger = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -40,6 +42,9 @@ PROMETHEUS_NAMES = {
     "mmserve.prefix_cache.hits": "mmserve_prefix_cache_hits_total",
     "mmserve.prefix_cache.hit_rate": "mmserve_prefix_cache_hit_rate",
     "mmserve.vision.frames_encoded": "mmserve_vision_frames_encoded_total",
+    "mmserve.perf.peak_flops": "mmserve_perf_peak_flops",
+    "mmserve.perf.peak_bandwidth": "mmserve_perf_peak_bandwidth",
+    "mmserve.device_peaks_info": "mmserve_device_peaks_info",
 }
 
 
@@ -113,6 +118,16 @@ class EngineMetrics:
                                                    description="images/frames run through the vision tower "
                                                                "(encoder-cache and prefix-cache hits excluded)")
         self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
+        self.peak_flops = meter.create_gauge("mmserve.perf.peak_flops", description="the FLOP/s MFU divides by")
+        self.peak_bandwidth = meter.create_gauge("mmserve.perf.peak_bandwidth", description="the bytes/s MBU divides by")
+        self.peaks_info = meter.create_gauge("mmserve.device_peaks_info",
+                                             description="1, labelled with the MFU/MBU denominators and their source")
+
+    def set_peaks(self, peaks: DevicePeaks) -> None:
+        self.peak_flops.set(peaks.flops)
+        self.peak_bandwidth.set(peaks.bandwidth)
+        self.peaks_info.set(1, {"device": peaks.name, "dtype": peaks.dtype, "source": peaks.source,
+                                "peak_flops": f"{peaks.flops:.6g}", "peak_bandwidth": f"{peaks.bandwidth:.6g}"})
 
     def record_step(self, gauges: StepGauges, flops: float) -> None:
         self.running.set(gauges.running)

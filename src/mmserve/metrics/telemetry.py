@@ -38,6 +38,7 @@ DECODE_SPAN = "mmserve.decode"
 VISION_SPAN = "mmserve.vision.encode"
 STEP_SPAN = "mmserve.engine.step"
 ERROR_FINISH_REASONS = frozenset({"abort", "aborted", "cancelled", "error"})
+UNKNOWN_PEAKS = DevicePeaks("unknown", 0.0, 0.0, "none")  # utilization() reports 0 against a 0 peak
 
 
 @dataclass
@@ -91,11 +92,11 @@ class _RequestState:
 class TelemetryObserver:
     """Implements mmserve.engine.observer.EngineObserver. Called from the engine thread only."""
 
-    def __init__(self, perf_model: PerfModel, peaks: DevicePeaks, *, tracer: Tracer | None = None,
+    def __init__(self, perf_model: PerfModel, peaks: DevicePeaks | None = None, *, tracer: Tracer | None = None,
                  metrics: EngineMetrics | None = None, step_trace_ratio: float = 0.01,
                  patches_per_frame: int = 0):
         self.perf = perf_model
-        self.peaks = peaks
+        self.peaks = peaks or UNKNOWN_PEAKS  # the engine's own arrive with on_engine_started
         self.tracer = tracer or get_tracer()
         self.metrics = metrics
         self.step_every = round(1 / step_trace_ratio) if step_trace_ratio > 0 else 0
@@ -104,6 +105,12 @@ class TelemetryObserver:
         self._requests: dict[str, _RequestState] = {}
 
     # -- observer protocol -------------------------------------------------------------------------
+
+    def on_engine_started(self, peaks: DevicePeaks) -> None:
+        """The denominators the engine measured or looked up where it runs; exported as metrics too."""
+        self.peaks = peaks
+        if self.metrics is not None:
+            self.metrics.set_peaks(peaks)
 
     def on_request_queued(self, request: Any) -> None:
         self._requests[request.request_id] = _RequestState(queued_monotonic=getattr(request, "arrival_time", time.monotonic()))

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.metrics.peaks import detect
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
@@ -41,8 +40,9 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
     metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
     perf = PerfModel(load_spec(engine_config.model), dtype=engine_config.dtype,
                      accounting=engine_config.perf_accounting)
-    observer = TelemetryObserver(perf, detect(engine_config.device, engine_config.dtype), tracer=get_tracer(provider),
-                                 metrics=metrics, step_trace_ratio=engine_config.step_trace_ratio)
+    # The peaks arrive from the engine (on_engine_started): they are measured where the model runs.
+    observer = TelemetryObserver(perf, tracer=get_tracer(provider), metrics=metrics,
+                                 step_trace_ratio=engine_config.step_trace_ratio)
     result = Observability(observer, provider)
     if server_config.metrics_port:
         result.metrics_http, result.metrics_port = start_metrics_server(server_config.metrics_port, metrics,

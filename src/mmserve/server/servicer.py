@@ -199,12 +199,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if self._processor() is None:
             await abort_with(context, EngineUnavailableError("the model is still loading; retry shortly"))
         info = self._engine.model_info
+        peaks = info.peaks
         model_info = pb.ModelInfo(
             model_name=info.name, context_length=info.context_length,
             max_frames_per_video=self._config.max_frames_per_video,
             max_frames_per_request=self._config.max_frames_per_request,
             tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
-            attention_backend=info.backend, dtype=info.dtype)
+            attention_backend=info.backend, dtype=info.dtype,
+            peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
+                                 source=peaks.source, spread=peaks.spread) if peaks else None)
         self._media.describe(model_info)
         return model_info
 

@@ -286,7 +286,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes")
+    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes", "peaks")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class ModelInfo(_message.Message):
     MAX_INLINE_MEDIA_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_UPLOAD_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAKS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     max_frames_per_video: int
@@ -309,7 +310,22 @@ class ModelInfo(_message.Message):
     max_inline_media_bytes: int
     max_upload_bytes: int
     max_upload_chunk_bytes: int
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ...) -> None: ...
+    peaks: DevicePeaks
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ..., peaks: _Optional[_Union[DevicePeaks, _Mapping]] = ...) -> None: ...
+
+class DevicePeaks(_message.Message):
+    __slots__ = ("device", "flops", "bandwidth", "source", "spread")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SPREAD_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    flops: float
+    bandwidth: float
+    source: str
+    spread: float
+    def __init__(self, device: _Optional[str] = ..., flops: _Optional[float] = ..., bandwidth: _Optional[float] = ..., source: _Optional[str] = ..., spread: _Optional[float] = ...) -> None: ...
 
 class GetServerLoadRequest(_message.Message):
     __slots__ = ()
