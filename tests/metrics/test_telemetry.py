@@ -191,7 +191,8 @@ def test_step_spans_are_sampled(tracing):
 
 def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics = EngineMetrics(prometheus=True, otlp_endpoint=otlp_receiver.endpoint, export_interval_s=60)
-    observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), PEAKS, metrics=metrics, step_trace_ratio=0)
+    observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), metrics=metrics, step_trace_ratio=0)
+    observer.on_engine_started(PEAKS)
     r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
     observer.on_request_queued(r)
     clock = StepClock()
