@@ -27,6 +27,8 @@ class LoopbackServer:
     engine_config: EngineConfig
     server_config: ServerConfig = field(default_factory=lambda: ServerConfig(port=0, worker_threads=2))
     observer: object = None  # engine hooks; None: the ones setup_observability builds from the configs
+    metrics: object = None   # EngineMetrics for the per-RPC counter; None: setup_observability's (with observer=None)
+    observability: object = None
     port: int = 0
     app: object = None
     _loop: asyncio.AbstractEventLoop | None = None
@@ -60,12 +62,13 @@ class LoopbackServer:
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
-            observer = self.observer
+            observer, metrics = self.observer, self.metrics
             if observer is None:
-                observer = setup_observability(self.engine_config, self.server_config,
-                                               configure_global_tracing=False).observer
+                self.observability = setup_observability(self.engine_config, self.server_config,
+                                                         configure_global_tracing=False)
+                observer, metrics = self.observability.observer, self.observability.metrics
             engine = AsyncEngine(self.engine_config, observer=observer)
-            self.app = build_server(engine, self.server_config, self.engine_config)
+            self.app = build_server(engine, self.server_config, self.engine_config, metrics=metrics)
             self.port = await self.app.start()
         except BaseException as e:  # surfaced by start() in the test thread
             self._error = e
@@ -74,6 +77,8 @@ class LoopbackServer:
         self._ready.set()
         await self._stop.wait()
         await self.app.stop()
+        if self.observability is not None:
+            self.observability.close()
 
     def call(self, coro, timeout_s: float = 60.0):
         """Run a coroutine on the server's loop (e.g. `server.engine` queries) and return its result."""

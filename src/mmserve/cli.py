@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
+
+from mmserve.logs import LOG_FORMATS, configure_logging
 
 # subcommand -> module that defines `register(subparsers)`; imported lazily so `mmserve generate`
 # never pays for torch.
@@ -23,6 +24,8 @@ SUBCOMMANDS = {
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text, or json: one JSON object per line with trace_id/span_id/request_id in requests")
     sub = parser.add_subparsers(dest="command", required=True)
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, module in SUBCOMMANDS.items():
@@ -34,7 +37,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(argv).parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     return int(args.func(args) or 0)
 
 

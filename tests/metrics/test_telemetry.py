@@ -54,7 +54,7 @@ class StepClock:
         duration = random.uniform(0.001, 0.01)
         self.index += 1
         return StepRecord(self.index - 1, start_perf, start_perf + duration, start_ns, start_ns + int(duration * 1e9),
-                          items, running, waiting, kv)
+                          items, running, waiting, kv, {"sliding_attention": kv / 2, "full_attention": kv})
 
 
 def frame_input(patches: int) -> MultiModalInput:
@@ -150,11 +150,16 @@ def test_observer_builds_the_request_span_tree(tracing):
     step0_text = text_step([RequestWork(8, 8, True, ((3, 6), (9, 12)), samples=False), RequestWork(5, 5, True)])
     assert prefill[0].attributes["mmserve.perf.flops"] == pytest.approx(step0_text.total_flops * 8 / 13)
     assert prefill[0].attributes["mmserve.perf.attn_flops.sliding"] == pytest.approx(step0_text.attn_flops_sliding * 8 / 13)
-    frame = perf.step(StepContext(images=(VisionWork(patches, 4),)), per_gpu=True)
+    # Each step encodes one frame of `patches` rows (a multiple of the 2x2 pooling window): executed
+    # work is the frame as run (its rows, rows / 4 pooled slots); useful work its 4 soft tokens.
+    frame = perf.step(StepContext(images=(VisionWork(patches, patches // 4),)), per_gpu=True)
+    useful = perf.step(StepContext(images=(VisionWork(patches, 4),)), per_gpu=True)
     step0_total = step0_text.total_flops + frame.total_flops
     assert prefill[0].attributes["mmserve.perf.mfu"] == pytest.approx(step0_total / (steps[0].duration_s * PEAKS.flops))
     vision = [s for s in children_a if s.name == "mmserve.vision.encode"]
     assert all(s.attributes["mmserve.perf.flops"] == pytest.approx(frame.total_flops) for s in vision)
+    assert all(s.attributes["mmserve.vision.useful_flops"] == pytest.approx(useful.total_flops) for s in vision)
+    assert all(s.attributes["mmserve.vision.padded_patches"] == patches for s in vision)
 
     # The request's perf is the sum of its spans' work.
     assert sum(s.attributes["mmserve.perf.flops"] for s in children_a) == pytest.approx(a.perf["flops"])
@@ -202,6 +207,7 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     r.output_token_ids += [1, 2]
     observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, r)], waiting=waiting, kv=0.5))
     observer.on_request_finished(r, "length", None)
+    metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})  # the server's interceptor counts RPCs
 
     server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
     try:
@@ -216,12 +222,13 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     for name in PROMETHEUS_NAMES.values():
         assert name in samples or f"{name}_count" in samples, name
     assert samples["mmserve_requests_waiting"] == waiting
-    assert samples["mmserve_kv_cache_usage"] == 0.5
+    assert samples["mmserve_kv_cache_usage"] in (0.25, 0.5)  # one sample per pool (the last one wins here)
     assert samples["mmserve_prompt_tokens_total"] == 6
     assert samples["mmserve_multimodal_tokens_total"] == 4
     assert samples["mmserve_generation_tokens_total"] == 2
     assert samples["mmserve_time_per_output_token_seconds_count"] == 1
-    assert samples["mmserve_perf_flops_total"] > 0
+    assert samples["mmserve_perf_flops_total"] > 0 and samples["mmserve_perf_bytes_total"] > 0
+    assert samples["mmserve_engine_step_duration_seconds_total"] > 0
 
     metrics.provider.force_flush()
     with otlp_receiver.cond:

@@ -8,14 +8,17 @@ from __future__ import annotations
 import urllib.request
 import uuid
 
+import grpc
 import pytest
 from loopback_server import LoopbackServer, engine_config
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from otlp_receiver import global_traces_to
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.clients import Client
+from mmserve.clients.types import ClientError
 from mmserve.config import ServerConfig
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
@@ -35,7 +38,7 @@ def traced(served_model):
         observer = TelemetryObserver(perf, tracer=get_tracer(), metrics=metrics, step_trace_ratio=1.0)
         config = engine_config(served_model, default_num_frames=2, step_trace_ratio=1.0)
         server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
-                                observer=observer).start()
+                                observer=observer, metrics=metrics).start()
         try:
             yield server, receiver, metrics
         finally:
@@ -178,3 +181,58 @@ def test_generate_cli_trace_prints_the_id_of_the_servers_trace(traced, tmp_path,
     client = next(s for s in spans if s.name == "mmserve.client.generate")
     root = next(s for s in spans if s.name == "mmserve.generate")
     assert root.parent_span_id == client.span_id
+
+
+def _scrape(metrics, accept: str | None = None) -> str:
+    http, port = start_metrics_server(0, metrics, addr="127.0.0.1")
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept} if accept else {})
+        return urllib.request.urlopen(request, timeout=10).read().decode()
+    finally:
+        http.shutdown()
+
+
+def test_latency_exemplars_name_traces_the_receiver_has(traced, make_video):
+    """OpenMetrics exposition: the latency histograms' buckets carry exemplars whose trace_id is the
+    trace of a real request, and that trace is in the OTLP receiver (Grafana's jump to Jaeger works)."""
+    server, receiver, metrics = traced
+    request_id = f"exemplar-{uuid.uuid4().hex[:8]}"
+    with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+        client.generate(prompt="What happens?", video=make_video(seed=11, num_frames=4), num_frames=2, max_tokens=3,
+                        ignore_eos=True, temperature=0, request_id=request_id)
+    root = receiver.wait_for(lambda spans: any(s.attributes.get("mmserve.request.id") == request_id for s in spans))
+    trace_id = next(s.trace_id for s in root if s.attributes.get("mmserve.request.id") == request_id)
+    text = _scrape(metrics, "application/openmetrics-text; version=1.0.0")
+    exemplars = {}
+    for family in openmetrics_families(text):
+        for sample in family.samples:
+            if sample.exemplar is not None:
+                exemplars.setdefault(family.name, []).append(sample.exemplar.labels["trace_id"])
+    for name in ("mmserve_time_to_first_token_seconds", "mmserve_e2e_request_latency_seconds",
+                 "mmserve_request_queue_time_seconds", "mmserve_time_per_output_token_seconds"):
+        assert trace_id in exemplars.get(name, []), (name, exemplars.get(name))
+    assert "# {trace_id=" not in _scrape(metrics), "the classic text format has no exemplars"
+
+
+def test_rpcs_are_counted_by_status_code(traced):
+    """`mmserve_rpc_requests_total{rpc, code}` counts calls the edge refused too (INVALID_ARGUMENT)."""
+    server, _, metrics = traced
+
+    def counts() -> dict[tuple[str, str], float]:
+        return {(s.labels["rpc"], s.labels["code"]): s.value for family in text_string_to_metric_families(_scrape(metrics))
+                for s in family.samples if s.name == "mmserve_rpc_requests_total"}
+
+    before = counts()
+    with Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        client.generate(prompt="Hi", max_tokens=1)
+        with pytest.raises(ClientError) as bad:
+            client.generate(prompt="Hi", max_tokens=10**6)
+        client.model_info()
+    assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    after = counts()
+
+    def grew(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew(("Generate", "OK")) == 1 and grew(("Generate", "INVALID_ARGUMENT")) == 1
+    assert grew(("GetModelInfo", "OK")) == 1

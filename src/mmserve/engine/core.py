@@ -285,9 +285,10 @@ class EngineCore:
                                prefix_queried=0 if s.num_cached_tokens is None else s.request.num_tokens,
                                prefix_hit=s.num_cached_tokens or 0)
                  for s in out.scheduled]
+        by_pool = self.kv.usage_by_pool()
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
-                            len(self.scheduler.running), len(self.scheduler.waiting), self.kv.usage(),
-                            self.model.experts_touched())
+                            len(self.scheduler.running), len(self.scheduler.waiting), max(by_pool.values(), default=0.0),
+                            experts_touched=self.model.experts_touched(), kv_usage_by_pool=by_pool)
         self.step_index += 1
         self._notify("on_step", record)
 

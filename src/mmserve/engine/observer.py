@@ -36,6 +36,7 @@ class StepRecord:
     num_waiting: int
     kv_usage: float
     experts_touched: float | None = None   # distinct experts per MoE layer this step (mean); None: no MoE
+    kv_usage_by_pool: dict[str, float] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:

@@ -1,9 +1,12 @@
-"""Serving metrics as OpenTelemetry instruments, exported as Prometheus text and/or over OTLP.
+"""Serving metrics as OpenTelemetry instruments, exported as Prometheus/OpenMetrics text and/or over OTLP.
 
 One set of instruments feeds both exports, so a dashboard and the Kubernetes HPA (which scales on
 `mmserve_requests_waiting`) read the very same numbers. Each `EngineMetrics` owns its Prometheus
 registry (not prometheus_client's global one), so several engines or tests in one process never
-collide. The Prometheus names are listed in `PROMETHEUS_NAMES` and in docs/tracing.md.
+collide. The Prometheus names are listed in `PROMETHEUS_NAMES` and in docs/tracing.md; the latency
+histograms carry exemplars (the trace id of a request that landed in the bucket) when they are
+recorded with that request's trace context. To add a metric: one instrument in `__init__` and its
+Prometheus name in `PROMETHEUS_NAMES` (the tests check both exports serve every name there).
 """
 
 from __future__ import annotations
@@ -37,11 +40,14 @@ PROMETHEUS_NAMES = {
     "mmserve.multimodal_tokens": "mmserve_multimodal_tokens_total",
     "mmserve.generation_tokens": "mmserve_generation_tokens_total",
     "mmserve.perf.flops": "mmserve_perf_flops_total",
+    "mmserve.perf.bytes": "mmserve_perf_bytes_total",
+    "mmserve.engine.step_duration": "mmserve_engine_step_duration_seconds_total",
     "mmserve.requests.finished": "mmserve_requests_finished_total",
     "mmserve.prefix_cache.queries": "mmserve_prefix_cache_queries_total",
     "mmserve.prefix_cache.hits": "mmserve_prefix_cache_hits_total",
     "mmserve.prefix_cache.hit_rate": "mmserve_prefix_cache_hit_rate",
     "mmserve.vision.frames_encoded": "mmserve_vision_frames_encoded_total",
+    "mmserve.rpc.requests": "mmserve_rpc_requests_total",
     "mmserve.perf.peak_flops": "mmserve_perf_peak_flops",
     "mmserve.perf.peak_bandwidth": "mmserve_perf_peak_bandwidth",
     "mmserve.device_peaks_info": "mmserve_device_peaks_info",
@@ -49,12 +55,19 @@ PROMETHEUS_NAMES = {
 
 
 @dataclass
-class StepGauges:
+class StepMetrics:
+    """What one engine step contributes: gauges of its state and its work by phase (`prefill` when it
+    ran only prompt tokens, `decode` only generated ones, `mixed` both)."""
+
     running: int
     waiting: int
-    kv_usage: float
+    kv_usage_by_pool: dict[str, float]
     mfu: float
     mbu: float
+    phase: str
+    flops: float
+    bytes: float
+    seconds: float
 
 
 class EngineMetrics:
@@ -69,11 +82,15 @@ class EngineMetrics:
         readers = []
         self.registry = None
         if prometheus:
-            from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            from opentelemetry.sdk.metrics.export import InMemoryMetricReader
             from prometheus_client import CollectorRegistry
 
-            self.registry = CollectorRegistry(auto_describe=True)
-            readers.append(PrometheusMetricReader(registry=self.registry, disable_target_info=True))
+            from mmserve.metrics.openmetrics import OpenMetricsBridge
+
+            reader = InMemoryMetricReader()
+            readers.append(reader)
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(OpenMetricsBridge(reader, PROMETHEUS_NAMES))
         endpoint = otlp_endpoint or (otlp and (os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
                                                or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")))
         if endpoint:
@@ -100,13 +117,20 @@ class EngineMetrics:
         self.running = meter.create_gauge("mmserve.requests.running", description="requests in the running batch")
         self.waiting = meter.create_gauge("mmserve.requests.waiting",
                                           description="requests queued for admission (the HPA scales on this)")
-        self.kv_usage = meter.create_gauge("mmserve.kv_cache.usage", description="share of KV cache blocks in use, 0..1")
+        self.kv_usage = meter.create_gauge("mmserve.kv_cache.usage",
+                                           description="share of a KV pool's blocks in use, 0..1, by pool")
         self.mfu = meter.create_gauge("mmserve.perf.mfu", description="last step's model FLOPs utilisation per GPU, 0..1")
         self.mbu = meter.create_gauge("mmserve.perf.mbu", description="last step's memory bandwidth utilisation per GPU, 0..1")
         self.prompt_tokens = meter.create_counter("mmserve.prompt_tokens", description="prompt tokens admitted (frames included)")
         self.mm_tokens = meter.create_counter("mmserve.multimodal_tokens", description="image/frame soft tokens admitted")
         self.generation_tokens = meter.create_counter("mmserve.generation_tokens", description="tokens generated")
-        self.flops = meter.create_counter("mmserve.perf.flops", description="estimated model FLOPs per GPU")
+        self.flops = meter.create_counter("mmserve.perf.flops", description="estimated model FLOPs per GPU, by step phase")
+        self.bytes = meter.create_counter("mmserve.perf.bytes",
+                                          description="estimated bytes read and written per GPU, by step phase")
+        self.step_duration = meter.create_counter("mmserve.engine.step_duration", unit="s",
+                                                  description="time spent in engine steps, by step phase")
+        self.rpc_requests = meter.create_counter("mmserve.rpc.requests",
+                                                 description="RPCs ended, by method and gRPC status code")
         self.finished = meter.create_counter("mmserve.requests.finished", description="requests ended, by finish reason")
         self.prefix_queries = meter.create_counter("mmserve.prefix_cache.queries",
                                                    description="tokens of admitted requests looked up in the prefix cache")
@@ -123,19 +147,26 @@ class EngineMetrics:
         self.peaks_info = meter.create_gauge("mmserve.device_peaks_info",
                                              description="1, labelled with the MFU/MBU denominators and their source")
 
+    def count_rpc(self, rpc: str, code: str) -> None:
+        self.rpc_requests.add(1, {"rpc": rpc, "code": code})
+
     def set_peaks(self, peaks: DevicePeaks) -> None:
         self.peak_flops.set(peaks.flops)
         self.peak_bandwidth.set(peaks.bandwidth)
         self.peaks_info.set(1, {"device": peaks.name, "dtype": peaks.dtype, "source": peaks.source,
                                 "peak_flops": f"{peaks.flops:.6g}", "peak_bandwidth": f"{peaks.bandwidth:.6g}"})
 
-    def record_step(self, gauges: StepGauges, flops: float) -> None:
-        self.running.set(gauges.running)
-        self.waiting.set(gauges.waiting)
-        self.kv_usage.set(gauges.kv_usage)
-        self.mfu.set(gauges.mfu)
-        self.mbu.set(gauges.mbu)
-        self.flops.add(flops)
+    def record_step(self, step: StepMetrics) -> None:
+        self.running.set(step.running)
+        self.waiting.set(step.waiting)
+        for pool, usage in step.kv_usage_by_pool.items():
+            self.kv_usage.set(usage, {"pool": pool})
+        self.mfu.set(step.mfu)
+        self.mbu.set(step.mbu)
+        phase = {"phase": step.phase}
+        self.flops.add(step.flops, phase)
+        self.bytes.add(step.bytes, phase)
+        self.step_duration.add(step.seconds, phase)
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """One step's prefix-cache lookups (tokens), at the admission of each request."""

@@ -2,7 +2,8 @@
 
 The engine thread calls it once per step with every scheduled request's (num_tokens, context_len,
 is_prefill). It prices the step with the perf model (per GPU), divides the text part among the
-requests by token share, bills each request's own frames to it exactly, and emits:
+requests by token share, prices the step's one encoder call as it ran (frames padded to the longest,
+weights read once) and bills each request its own frames, and emits:
 
 - per request, children of the request's `mmserve.generate` span (`request.trace_context`):
   `mmserve.vision.encode` for a step that encoded its frames, `mmserve.prefill` per prefill chunk,
@@ -12,7 +13,9 @@ requests by token share, bills each request's own frames to it exactly, and emit
   understate a batch).
 - `mmserve.engine.step`, for one step in `1 / step_trace_ratio`, with the step's totals and links to
   the spans of the requests in the batch.
-- metrics (TTFT, TPOT, e2e, queue time, running/waiting/KV usage, MFU/MBU, token and FLOP counters).
+- metrics (TTFT, TPOT, e2e, queue time, running/waiting/KV usage per pool, MFU/MBU, token counters,
+  FLOPs/bytes/step time by step phase); the latency histograms are recorded in the request's trace
+  context, so their exemplars name its trace.
 - `request.perf`: the request's running totals, so the final gRPC message can carry them.
 """
 
@@ -28,7 +31,7 @@ from opentelemetry.trace import Link, Span, Status, StatusCode, Tracer
 
 from mmserve.metrics.peaks import DevicePeaks, utilization
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
-from mmserve.metrics.prometheus import EngineMetrics, StepGauges
+from mmserve.metrics.prometheus import EngineMetrics, StepMetrics
 from mmserve.metrics.tracing import get_tracer
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,20 @@ def perf_attributes(summary: dict[str, float]) -> dict[str, float]:
 
 
 @dataclass
+class _VisionShare:
+    executed: PerfBreakdown   # this request's frames as run, with its share of the weights' read
+    useful_flops: float       # the same frames without padding patches
+    num_frames: int
+
+
+@dataclass
+class _VisionStep:
+    executed: PerfBreakdown   # the whole encoder call of the step
+    padded_patches: int       # patches per frame as run
+    by_request: dict[str, _VisionShare]
+
+
+@dataclass
 class _RequestState:
     queued_monotonic: float
     prefill_chunks: int = 0
@@ -120,26 +137,30 @@ class TelemetryObserver:
         requests = tuple(self._work(item) for item in record.items)
         text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
                               per_gpu=True)
-        vision = [self.perf.step(StepContext(images=self._frames(item)), per_gpu=True) if item.num_frames_encoded
-                  else None for item in record.items]
+        vision = self._vision(record)
         step = PerfBreakdown()
-        for part in (text, *(v for v in vision if v is not None)):
-            _merge(step, part)
+        _merge(step, text)
+        if vision is not None:
+            _merge(step, vision.executed)
         mfu = utilization(step.total_flops, seconds, self.peaks.flops, "MFU")
         mbu = utilization(step.total_bytes, seconds, self.peaks.bandwidth, "MBU")
         num_tokens = sum(r.num_tokens for r in requests) or 1
         started = time.monotonic() - (time.perf_counter() - record.start_perf)
-        for item, frames in zip(record.items, vision, strict=True):
+        for item in record.items:
             state = self._requests.setdefault(item.request_id, _RequestState(queued_monotonic=started))
             if not state.first_scheduled:
                 state.first_scheduled = True
                 self._on_first_schedule(item.request, started - state.queued_monotonic)
             share = item.num_tokens / num_tokens
             state.total.add(text, share, step, seconds)
+            frames = vision.by_request.get(item.request_id) if vision is not None else None
             if frames is not None:
-                state.total.add(frames, 1.0, PerfBreakdown(), 0.0)
-                self._span(VISION_SPAN, item, record, frames, 1.0, step, seconds,
-                           {"mmserve.vision.num_frames": item.num_frames_encoded})
+                state.total.add(frames.executed, 1.0, PerfBreakdown(), 0.0)
+                self._span(VISION_SPAN, item, record, frames.executed, 1.0, step, seconds, {
+                    "mmserve.vision.num_frames": frames.num_frames,
+                    "mmserve.vision.padded_patches": vision.padded_patches,
+                    "mmserve.vision.useful_flops": frames.useful_flops,
+                })
             if item.is_prefill:
                 attributes = {
                     "mmserve.prefill.chunk_index": state.prefill_chunks,
@@ -156,8 +177,12 @@ class TelemetryObserver:
         if self.step_every and record.step_index % self.step_every == 0:
             self._step_span(record, step, mfu, mbu)
         if self.metrics is not None:
-            self.metrics.record_step(StepGauges(record.num_running, record.num_waiting, record.kv_usage, mfu, mbu),
-                                     step.total_flops)
+            prefill = any(i.is_prefill for i in record.items)
+            decode = any(not i.is_prefill for i in record.items)
+            self.metrics.record_step(StepMetrics(
+                record.num_running, record.num_waiting, dict(getattr(record, "kv_usage_by_pool", None) or {}),
+                mfu, mbu, "mixed" if prefill and decode else "prefill" if prefill else "decode",
+                step.total_flops, step.total_bytes, seconds))
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
@@ -168,7 +193,7 @@ class TelemetryObserver:
         if state is not None:
             state.first_token_monotonic = now
         if self.metrics is not None:
-            self.metrics.ttft.record(now - getattr(request, "arrival_time", now))
+            self.metrics.ttft.record(now - getattr(request, "arrival_time", now), context=_context(request))
 
     def on_request_finished(self, request: Any, finish_reason: str | None, error: BaseException | None) -> None:
         state = self._requests.pop(request.request_id, None)
@@ -183,11 +208,11 @@ class TelemetryObserver:
         if self.metrics is None:
             return
         now = time.monotonic()
-        self.metrics.e2e.record(now - getattr(request, "arrival_time", now))
+        self.metrics.e2e.record(now - getattr(request, "arrival_time", now), context=_context(request))
         outputs = len(getattr(request, "output_token_ids", ()))
         self.metrics.generation_tokens.add(outputs)
         if state is not None and state.first_token_monotonic is not None and outputs > 1:
-            self.metrics.tpot.record((now - state.first_token_monotonic) / (outputs - 1))
+            self.metrics.tpot.record((now - state.first_token_monotonic) / (outputs - 1), context=_context(request))
         self.metrics.finished.add(1, {"finish_reason": "error" if error is not None else (finish_reason or "unknown")})
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -201,25 +226,53 @@ class TelemetryObserver:
         return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
                            samples=not item.is_prefill or item.context_len >= known)
 
-    def _frames(self, item: Any) -> tuple[VisionWork, ...]:
-        """The frames whose ranges start inside this chunk, with their real patch counts when known."""
+    def _frames(self, item: Any) -> list[tuple[int, VisionWork]]:
+        """(rows as batched, useful work) of the frames whose ranges start inside this chunk: the rows
+        include the preprocessor's padding patches, the useful work counts only real patches."""
         request = item.request
         first = item.context_len - item.num_tokens
-        ranges = list(getattr(request, "mm_ranges", ()))
         inputs = list(getattr(request, "mm_inputs", ()))
         found = []
-        for i, (start, end) in enumerate(ranges):
+        for i, (start, end) in enumerate(getattr(request, "mm_ranges", ())):
             if first <= start < item.context_len:
-                patches = int(inputs[i].pixel_values.shape[0]) if i < len(inputs) else self.patches_per_frame
-                found.append(VisionWork(patches, end - start + 1))
+                if i < len(inputs):
+                    rows = int(inputs[i].pixel_values.shape[0])
+                    real = int((inputs[i].position_ids[:, 0] >= 0).sum())
+                else:
+                    rows = real = self.patches_per_frame
+                found.append((rows, VisionWork(real, end - start + 1)))
         found = found[:item.num_frames_encoded]
         missing = item.num_frames_encoded - len(found)
-        return tuple(found) + (VisionWork(self.patches_per_frame),) * missing
+        return found + [(self.patches_per_frame, VisionWork(self.patches_per_frame))] * missing
+
+    def _vision(self, record: Any) -> _VisionStep | None:
+        """The step's encoder call priced as executed (every frame padded to the longest, then to the
+        pooling window: the runner batches them so), the encoder's weights read once for the call and
+        shared among requests by frame count, and each request's useful (unpadded) FLOPs beside it."""
+        frames = {item.request_id: self._frames(item) for item in record.items if item.num_frames_encoded}
+        vision = self.perf.shape.vision
+        if not frames or vision is None:
+            return None
+        window = vision.pool_kernel ** 2
+        padded = -(-max(rows for fs in frames.values() for rows, _ in fs) // window) * window
+
+        def executed(count: int) -> PerfBreakdown:
+            return self.perf.step(StepContext(images=(VisionWork(padded, padded // window),) * count), per_gpu=True)
+
+        total = sum(len(fs) for fs in frames.values())
+        whole = executed(total)
+        by_request = {}
+        for request_id, fs in frames.items():
+            part = executed(len(fs))
+            part.read_bytes["vision.weight"] = whole.read_bytes["vision.weight"] * len(fs) / total
+            useful = self.perf.step(StepContext(images=tuple(w for _, w in fs)), per_gpu=True).total_flops
+            by_request[request_id] = _VisionShare(part, useful, len(fs))
+        return _VisionStep(whole, padded, by_request)
 
     def _on_first_schedule(self, request: Any, queue_s: float) -> None:
         if self.metrics is None:
             return
-        self.metrics.queue_time.record(max(0.0, queue_s))
+        self.metrics.queue_time.record(max(0.0, queue_s), context=_context(request))
         self.metrics.prompt_tokens.add(getattr(request, "num_prompt_tokens", 0))
         self.metrics.mm_tokens.add(getattr(request, "num_mm_tokens", 0))
 
@@ -264,6 +317,12 @@ class TelemetryObserver:
             "mmserve.perf.peak_flops": self.peaks.flops, "mmserve.perf.peak_bandwidth": self.peaks.bandwidth,
         })
         span.end(end_time=record.end_ns)
+
+
+def _context(request: Any) -> Any:
+    """The request's trace context (its `mmserve.generate` span): histograms recorded in it carry the
+    trace id as an exemplar when the trace is sampled."""
+    return getattr(request, "trace_context", None)
 
 
 def _merge(into: PerfBreakdown, part: PerfBreakdown) -> None:

@@ -151,7 +151,11 @@ class KVCacheManager:
     def usage(self) -> float:
         """Share of usable blocks in use in the fullest pool (the one that limits admission). Cached
         blocks nobody holds are free: they are reused only when nothing else is left."""
-        return max((1 - p.num_free / p.num_usable for p in self.pools.values()), default=0.0)
+        return max(self.usage_by_pool().values(), default=0.0)
+
+    def usage_by_pool(self) -> dict[str, float]:
+        """Share of usable blocks in use per pool (layer type), for the per-pool KV metric."""
+        return {t: 1 - p.num_free / p.num_usable for t, p in self.pools.items()}
 
     def cached_usage(self) -> float:
         """Share of usable blocks that are free but still hold a reusable prefix (the pool with the most)."""

@@ -29,6 +29,7 @@ from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.media import MediaService
+from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
 
@@ -60,7 +61,7 @@ class MMServer:
 
     def __init__(self, engine, server_config: ServerConfig, engine_config: EngineConfig, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None) -> None:
+                 credentials: grpc.ServerCredentials | None = None, metrics=None) -> None:
         self.engine = engine
         self.server_config = server_config
         self.engine_config = engine_config
@@ -69,6 +70,8 @@ class MMServer:
         auth = build_auth_interceptor(server_config)
         chain = ([auth] if auth else []) + [MessageSizeLimit(server_config.max_message_bytes), self.gate,
                                             *interceptors]
+        if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
+            chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")
@@ -155,8 +158,10 @@ class MMServer:
 
 def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None) -> MMServer:
-    return MMServer(engine, server_config, engine_config, interceptors=interceptors, credentials=credentials)
+                 credentials: grpc.ServerCredentials | None = None, metrics=None) -> MMServer:
+    """`metrics` (an EngineMetrics) adds the per-RPC status counter."""
+    return MMServer(engine, server_config, engine_config, interceptors=interceptors, credentials=credentials,
+                    metrics=metrics)
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
@@ -167,7 +172,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     signals = ShutdownSignals()
     signals.install()
     observability = setup_observability(engine_config, server_config)
-    server = build_server(AsyncEngine(engine_config, observer=observability.observer), server_config, engine_config)
+    server = build_server(AsyncEngine(engine_config, observer=observability.observer), server_config, engine_config,
+                          metrics=observability.metrics)
     try:
         await server.start()
         await signals.requested.wait()

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Observability:
     observer: TelemetryObserver
+    metrics: EngineMetrics
     tracer_provider: Any = None  # None when tracing is off
     metrics_http: Any = None  # the Prometheus HTTP server, when --metrics-port is set
     metrics_port: int = 0
@@ -32,6 +33,7 @@ class Observability:
             self.metrics_http.shutdown()
         if self.tracer_provider is not None:
             self.tracer_provider.shutdown()  # flushes the spans still batched
+        self.metrics.shutdown()
 
 
 def setup_observability(engine_config: EngineConfig, server_config: ServerConfig, *,
@@ -43,7 +45,7 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
     # The peaks arrive from the engine (on_engine_started): they are measured where the model runs.
     observer = TelemetryObserver(perf, tracer=get_tracer(provider), metrics=metrics,
                                  step_trace_ratio=engine_config.step_trace_ratio)
-    result = Observability(observer, provider)
+    result = Observability(observer, metrics, provider)
     if server_config.metrics_port:
         result.metrics_http, result.metrics_port = start_metrics_server(server_config.metrics_port, metrics,
                                                                         addr=server_config.host)

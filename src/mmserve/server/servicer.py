@@ -23,6 +23,7 @@ from mmserve.engine.parallel_sampling import generate_samples, sample_id
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
+from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with
@@ -97,6 +98,15 @@ def _token_texts(tokenizer) -> TokenText:
     return functools.lru_cache(maxsize=1 << 16)(lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False))
 
 
+def _log_finished(request_id: str, out: RequestOutput) -> None:
+    """The access-log line of a finished request (with --log-format json it carries the trace id)."""
+    usage, timings = out.usage, out.timings
+    logger.info("request %s finished (%s): %d prompt tokens (%d frames), %d generated, TTFT %.3fs, e2e %.3fs",
+                request_id, out.finish_reason, usage.prompt_tokens if usage else 0, usage.num_frames if usage else 0,
+                usage.completion_tokens if usage else 0, (timings and timings.time_to_first_token_s) or 0.0,
+                (timings and timings.end_to_end_s) or 0.0)
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
@@ -128,6 +138,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._in_flight.add(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
+        log_ids = bind_request(request_id, span)  # this request's log lines carry its ids
         final: RequestOutput | None = None
         error: Exception | None = None
         try:
@@ -161,7 +172,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 self._engine.abort(request_id)
             if final is not None:
                 _describe(span, validated.sampling, final)
+                _log_finished(request_id, final)
             end_request_span(span, error=error, cancelled=final is None and error is None)
+            unbind_request(log_ids)
 
     async def _preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
         """Run input processing as a task Abort can cancel, which stops its decodes at once."""
