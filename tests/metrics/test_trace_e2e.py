@@ -5,8 +5,11 @@ error. The Prometheus endpoint of the same run serves the queue gauge the HPA sc
 
 from __future__ import annotations
 
+import json
+import re
 import urllib.request
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -236,3 +239,44 @@ def test_rpcs_are_counted_by_status_code(traced):
 
     assert grew(("Generate", "OK")) == 1 and grew(("Generate", "INVALID_ARGUMENT")) == 1
     assert grew(("GetModelInfo", "OK")) == 1
+
+
+_PROMQL_STRIP = (
+    re.compile(r'"(?:[^"\\]|\\.)*"'),                                      # string literals
+    re.compile(r"\{[^}]*\}"),                                               # label matchers
+    re.compile(r"\[[^\]]*\]"),                                              # range selectors
+    re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"),  # label lists
+)
+_PROMQL_WORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring", "group_left",
+                 "group_right", "inf", "nan"}
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers that are not functions (followed by
+    '('), keywords, label names or numbers."""
+    for pattern in _PROMQL_STRIP:
+        expr = pattern.sub(" ", expr)
+    names = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", expr)
+    return {n for n in names if n.lower() not in _PROMQL_WORDS}
+
+
+def test_promql_metric_names_reads_only_metrics():
+    expr = ('histogram_quantile(0.99, sum by (le) (rate(a_seconds_bucket{rpc="Generate",code!="OK"}[5m]))) / '
+            'ignoring(x) group_left sum(rate(b_total[$__rate_interval])) / scalar(max(c))')
+    assert promql_metric_names(expr) == {"a_seconds_bucket", "b_total", "c"}
+
+
+def test_grafana_dashboard_reads_metrics_a_real_server_exports(traced, make_video):
+    """Every metric name in deploy/grafana/mmserve.json's PromQL is in this server's /metrics after a
+    video request: the dashboard cannot silently point at renamed or removed metrics."""
+    server, _, metrics = traced
+    with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+        client.generate(prompt="What happens?", video=make_video(seed=21, num_frames=4), num_frames=2, max_tokens=3,
+                        ignore_eos=True, temperature=0)
+    exported = {s.name for family in text_string_to_metric_families(_scrape(metrics)) for s in family.samples}
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "mmserve.json").read_text())
+    wanted = {name: panel["title"] for panel in dashboard["panels"] for target in panel["targets"]
+              for name in promql_metric_names(target["expr"])}
+    assert len(wanted) >= 10
+    missing = {name: title for name, title in wanted.items() if name not in exported}
+    assert not missing, f"dashboard panels read metrics the server does not export: {missing}"
