@@ -250,7 +250,7 @@ class TelemetryObserver:
         pooling window: the runner batches them so), the encoder's weights read once for the call and
         shared among requests by frame count, and each request's useful (unpadded) FLOPs beside it."""
         frames = {item.request_id: self._frames(item) for item in record.items if item.num_frames_encoded}
-        vision = self.perf.shape.vision
+        vision = self.perf.spec.vision
         if not frames or vision is None:
             return None
         window = vision.pool_kernel ** 2
