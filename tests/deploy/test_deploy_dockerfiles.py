@@ -12,6 +12,7 @@ import yaml
 from deploy_dockerfile import Dockerfile, Instruction, parse
 
 from mmserve import config
+from mmserve.metrics import peaks
 from mmserve.server.health import GENERATION_SERVICE
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +82,7 @@ def test_ports_env_and_health_check_match_server_and_manifests(image):
     exposed = {int(p.split("/")[0]) for e in final.all("EXPOSE") for p in e.value.split()}
     assert {port, int(env["MMSERVE_METRICS_PORT"])} <= exposed
     known = {n for cls in (config.EngineConfig, config.ServerConfig) for n in config.env_names(cls)}
+    known |= {peaks.ENV_PEAK_FLOPS, peaks.ENV_PEAK_BANDWIDTH, peaks.ENV_PEAKS_CACHE}  # read by metrics/peaks.py
     assert sorted(k for k in env if k.startswith("MMSERVE_") and k not in known) == []
 
     (hc,) = final.all("HEALTHCHECK")
