@@ -280,3 +280,52 @@ def test_grafana_dashboard_reads_metrics_a_real_server_exports(traced, make_vide
     assert len(wanted) >= 10
     missing = {name: title for name, title in wanted.items() if name not in exported}
     assert not missing, f"dashboard panels read metrics the server does not export: {missing}"
+
+
+DOCS_TRACING = Path(__file__).parents[2] / "docs" / "tracing.md"
+_DOC_ROW = re.compile(r"^\| `(mmserve\.[a-z_.]+)` \| `([a-z_.]+)` \| (always|admitting|finished|failed) \|")
+_DOC_TREE = {"mmserve.video.decode": "mmserve.generate", "mmserve.vision.encode": "mmserve.generate",
+             "mmserve.prefill": "mmserve.generate", "mmserve.decode": "mmserve.generate"}
+
+
+def documented_spans() -> dict[str, dict[str, str]]:
+    """docs/tracing.md's span table: span -> {attribute: when present}."""
+    table: dict[str, dict[str, str]] = {}
+    for line in DOCS_TRACING.read_text().splitlines():
+        if match := _DOC_ROW.match(line):
+            table.setdefault(match.group(1), {})[match.group(2)] = match.group(3)
+    return table
+
+
+def test_span_tree_and_attributes_equal_the_docs_table(traced, make_video):
+    """A video request's spans in the OTLP receiver: the span names, their parents and every
+    attribute name equal docs/tracing.md's table (rows `always`/`finished` all present, nothing
+    undocumented; `failed` rows only on errors)."""
+    server, receiver, _ = traced
+    request_id = f"doc-table-{uuid.uuid4().hex[:8]}"
+    with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
+        client.generate(prompt="What happens?", video=make_video(seed=31, num_frames=4), num_frames=2, max_tokens=3,
+                        ignore_eos=True, temperature=0, request_id=request_id)
+
+    def tree(spans):
+        roots = [s for s in spans if s.name == "mmserve.generate" and s.attributes.get("mmserve.request.id") == request_id]
+        if not roots:
+            return None
+        children = [s for s in spans if s.parent_span_id == roots[0].span_id]
+        steps = [s for s in spans if s.name == "mmserve.engine.step"
+                 and (roots[0].trace_id, roots[0].span_id) in s.links]
+        return roots[0], children, steps
+
+    spans = receiver.wait_for(lambda s: (t := tree(s)) is not None and any(c.name == "mmserve.decode" for c in t[1]))
+    root, children, steps = tree(spans)
+    assert steps, "a step span links to the request (step_trace_ratio=1)"
+    doc = documented_spans()
+    seen: dict[str, set[str]] = {}
+    for span in [root, *children, *steps]:
+        seen.setdefault(span.name, set()).update(span.attributes)
+    assert set(seen) == set(doc), "span names differ from docs/tracing.md"
+    assert {c.name: "mmserve.generate" for c in children} == _DOC_TREE
+    assert root.parent_span_id == "" and all(s.parent_span_id == "" for s in steps)
+    for name, attributes in doc.items():
+        expected = {a for a, when in attributes.items() if when != "failed"}
+        assert seen[name] == expected, (name, "undocumented:", seen[name] - expected, "missing:", expected - seen[name])

@@ -189,8 +189,7 @@ class InputProcessor:
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
                 video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
                                      fps=part.fps or None, limits=self.limits, control=control)
-                set_video_decode_result(span, num_frames=len(video.frames), duration_s=video.duration_s,
-                                        frame_bytes=sum(f.nbytes for f in video.frames), num_bytes=num_bytes)
+                set_video_decode_result(span, video)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames

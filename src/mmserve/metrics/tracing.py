@@ -175,11 +175,19 @@ def video_decode_span(parent: Context | None, *, num_bytes: int, tracer: Tracer 
         yield span
 
 
-def set_video_decode_result(span: Span, *, num_frames: int, frame_bytes: int, duration_s: float, num_bytes: int) -> None:
-    """Decoding is CPU work outside the model: no model FLOPs; bytes are the container read and the
-    RGB frames written. MFU/MBU are 0 because no accelerator work happens here."""
-    span.set_attributes({
-        "mmserve.video.num_frames": num_frames, "mmserve.video.duration_s": duration_s,
-        "mmserve.perf.flops": 0, "mmserve.perf.read_bytes": num_bytes, "mmserve.perf.write_bytes": frame_bytes,
-        "mmserve.perf.mfu": 0.0, "mmserve.perf.mbu": 0.0,
-    })
+def set_video_decode_result(span: Span, video: Any) -> None:
+    """What one video's decode produced (a `multimodal.video.DecodedVideo`): how frames were reached
+    (seek or scan) and how many the decoder produced, the sampled frames, their size, the clip's
+    duration and the RGB bytes written. Decoding is CPU work outside the model, so
+    the span carries no FLOPs or MFU (there is nothing honest to divide)."""
+    frames = video.frames
+    attributes = {
+        "mmserve.video.method": video.method,
+        "mmserve.video.frames_decoded": int(video.frames_decoded),
+        "mmserve.video.num_frames": len(frames),
+        "mmserve.video.duration_s": float(video.duration_s),
+        "mmserve.video.frame_bytes": int(sum(f.nbytes for f in frames)),
+    }
+    if frames:
+        attributes["mmserve.video.height"], attributes["mmserve.video.width"] = map(int, frames[0].shape[:2])
+    span.set_attributes(attributes)
