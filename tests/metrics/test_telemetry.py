@@ -54,7 +54,7 @@ class StepClock:
         duration = random.uniform(0.001, 0.01)
         self.index += 1
         return StepRecord(self.index - 1, start_perf, start_perf + duration, start_ns, start_ns + int(duration * 1e9),
-                          items, running, waiting, kv, {"sliding_attention": kv / 2, "full_attention": kv})
+                          items, running, waiting, kv, kv_usage_by_pool={"sliding_attention": kv / 2, "full_attention": kv})
 
 
 def frame_input(patches: int) -> MultiModalInput:
