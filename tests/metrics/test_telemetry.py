@@ -11,12 +11,13 @@ import urllib.request
 
 import pytest
 import torch
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
-from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import (
@@ -76,7 +77,6 @@ def test_observer_builds_the_request_span_tree(tracing):
 
     # The client's span, propagated as gRPC metadata the way the client library does it.
     client = TracerProvider().get_tracer("client").start_span("client.call")
-    from opentelemetry import trace
     metadata = inject_trace_context([("x-api-key", "k")], trace.set_span_in_context(client))
     assert any(k == "traceparent" for k, _ in metadata)
 
@@ -235,3 +235,52 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
         otlp_receiver.cond.wait_for(lambda: "mmserve.requests.waiting" in otlp_receiver.metric_names, timeout=10)
     assert set(PROMETHEUS_NAMES) <= otlp_receiver.metric_names
     metrics.shutdown()
+
+
+def test_vision_span_covers_the_encoder_call_and_bills_weights_once_per_step():
+    """Two requests' frames encoded in one call: each vision span spans exactly the call the engine
+    timed, its MFU is the call's (all frames over the call's time), each is billed its frames as run
+    (padded to the longest) and a per-frame share of the encoder weights, read once for the step."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    perf = PerfModel(load_spec(CONFIG), dtype="float32")
+    observer = TelemetryObserver(perf, PEAKS, tracer=provider.get_tracer("t"), step_trace_ratio=0)
+    small, large = random.choice([8, 12]), random.choice([20, 24])
+    parent = trace.set_span_in_context(provider.get_tracer("t").start_span("mmserve.generate"))
+    a = Request("a", list(range(12)), SamplingParams(), mm_ranges=[(2, 3)], mm_inputs=[frame_input(small)],
+                trace_context=parent)
+    b = Request("b", list(range(12)), SamplingParams(), mm_ranges=[(1, 2), (5, 6)],
+                mm_inputs=[frame_input(large), frame_input(small)], trace_context=parent)
+    start_perf, start_ns = time.perf_counter(), time.time_ns()
+    encode = (start_perf + 0.001, start_perf + 0.004)
+    record = StepRecord(0, start_perf, start_perf + 0.01, start_ns, start_ns + 10_000_000,
+                        [ScheduledItem("a", 12, 12, True, 1, a), ScheduledItem("b", 12, 12, True, 2, b)], 2, 0, 0.1,
+                        encode_start_perf=encode[0], encode_end_perf=encode[1])
+    observer.on_step(record)
+    vision = {s.attributes["mmserve.vision.num_frames"]: s for s in exporter.get_finished_spans()
+              if s.name == "mmserve.vision.encode"}
+    assert set(vision) == {1, 2}
+    for span in vision.values():
+        assert span.start_time == start_ns + 1_000_000 and span.end_time == start_ns + 4_000_000
+        assert span.attributes["mmserve.vision.padded_patches"] == large
+
+    def frames(n: int, patches: int, tokens: int) -> PerfBreakdown:
+        return perf.step(StepContext(images=(VisionWork(patches, tokens),) * n), per_gpu=True)
+
+    call = frames(3, large, large // 4)
+    weights = call.read_bytes["vision.weight"]
+    for n, span in vision.items():
+        own = frames(n, large, large // 4)
+        assert span.attributes["mmserve.perf.flops"] == pytest.approx(own.total_flops)
+        assert span.attributes["mmserve.perf.read_bytes"] == pytest.approx(
+            own.total_read_bytes - own.read_bytes["vision.weight"] + weights * n / 3)
+        assert span.attributes["mmserve.perf.mfu"] == pytest.approx(call.total_flops / (0.003 * PEAKS.flops), rel=1e-3)
+    assert vision[1].attributes["mmserve.vision.useful_flops"] == pytest.approx(frames(1, small, 2).total_flops)
+    useful_b = perf.step(StepContext(images=(VisionWork(large, 2), VisionWork(small, 2))), per_gpu=True)
+    assert vision[2].attributes["mmserve.vision.useful_flops"] == pytest.approx(useful_b.total_flops)
+    # Over the step the encoder's bytes add up to one call: weights read once, not once per request.
+    assert sum(s.attributes["mmserve.perf.read_bytes"] for s in vision.values()) == pytest.approx(call.total_read_bytes)

@@ -37,6 +37,8 @@ class StepRecord:
     kv_usage: float
     experts_touched: float | None = None   # distinct experts per MoE layer this step (mean); None: no MoE
     kv_usage_by_pool: dict[str, float] = field(default_factory=dict)
+    encode_start_perf: float | None = None   # the step's vision encoder call (perf_counter), None: none ran
+    encode_end_perf: float | None = None
 
     @property
     def duration_s(self) -> float:

@@ -156,11 +156,15 @@ class TelemetryObserver:
             frames = vision.by_request.get(item.request_id) if vision is not None else None
             if frames is not None:
                 state.total.add(frames.executed, 1.0, PerfBreakdown(), 0.0)
-                self._span(VISION_SPAN, item, record, frames.executed, 1.0, step, seconds, {
-                    "mmserve.vision.num_frames": frames.num_frames,
-                    "mmserve.vision.padded_patches": vision.padded_patches,
-                    "mmserve.vision.useful_flops": frames.useful_flops,
-                })
+                # The span covers the encoder call itself when the engine timed it (else the step), and its
+                # MFU/MBU are that call's: all of its frames' work over its time.
+                start_ns, end_ns, call_s = _encode_interval(record)
+                self._span(VISION_SPAN, item, record, frames.executed, 1.0, vision.executed if call_s else step,
+                           call_s or seconds, {
+                               "mmserve.vision.num_frames": frames.num_frames,
+                               "mmserve.vision.padded_patches": vision.padded_patches,
+                               "mmserve.vision.useful_flops": frames.useful_flops,
+                           }, interval=(start_ns, end_ns) if call_s else None)
             if item.is_prefill:
                 attributes = {
                     "mmserve.prefill.chunk_index": state.prefill_chunks,
@@ -277,15 +281,17 @@ class TelemetryObserver:
         self.metrics.mm_tokens.add(getattr(request, "num_mm_tokens", 0))
 
     def _span(self, name: str, item: Any, record: Any, part: PerfBreakdown, share: float, step: PerfBreakdown,
-              seconds: float, attributes: dict[str, Any]) -> None:
+              seconds: float, attributes: dict[str, Any], interval: tuple[int, int] | None = None) -> None:
+        """A finished child span of the request over the step (or `interval`, epoch ns)."""
         parent = getattr(item.request, "trace_context", None)
         if parent is None:  # untraced request (offline use): no orphan root spans
             return
         work = _Work()
         work.add(part, share, step, seconds)
-        span = self.tracer.start_span(name, context=parent, start_time=record.start_ns,
+        start_ns, end_ns = interval or (record.start_ns, record.end_ns)
+        span = self.tracer.start_span(name, context=parent, start_time=start_ns,
                                       attributes={**attributes, **perf_attributes(work.summary(self.peaks))})
-        span.end(end_time=record.end_ns)
+        span.end(end_time=end_ns)
 
     def _decode_step(self, state: _RequestState, item: Any, record: Any, text: PerfBreakdown, share: float,
                      step: PerfBreakdown, seconds: float) -> None:
@@ -317,6 +323,16 @@ class TelemetryObserver:
             "mmserve.perf.peak_flops": self.peaks.flops, "mmserve.perf.peak_bandwidth": self.peaks.bandwidth,
         })
         span.end(end_time=record.end_ns)
+
+
+def _encode_interval(record: Any) -> tuple[int, int, float]:
+    """(start ns, end ns, seconds) of the step's vision encoder call, or (0, 0, 0.0) when not timed.
+    The engine times it with perf_counter; the step's (start_perf, start_ns) pair maps it to epoch ns."""
+    start, end = record.encode_start_perf, record.encode_end_perf
+    if start is None or end is None or end <= start:
+        return 0, 0, 0.0
+    offset = record.start_ns - round(record.start_perf * 1e9)
+    return offset + round(start * 1e9), offset + round(end * 1e9), end - start
 
 
 def _context(request: Any) -> Any:
