@@ -176,6 +176,11 @@ def test_observer_builds_the_request_span_tree(tracing):
     assert {sid for _, sid in step_spans[0].links} == {gen_a.span_id, gen_b.span_id}
     assert step_spans[3].links == [(gen_a.trace_id, gen_a.span_id)]
     assert step_spans[0].attributes["mmserve.step.frames_encoded"] == 1
+    # Kept pairs of step 0 (window 8): B's 5 causal queries keep 1+...+5 = 15; A's 8 keep 1+...+8 = 36 and,
+    # on sliding layers (bidirectional for frames), frame [3, 6] adds its future keys 3+2+1 (frame [9, 12]
+    # is not in this chunk).
+    assert step_spans[0].attributes["mmserve.attention.kept_pairs.sliding"] == 15 + 36 + 6
+    assert step_spans[0].attributes["mmserve.attention.kept_pairs.full"] == 15 + 36
 
 
 def test_step_spans_are_sampled(tracing):

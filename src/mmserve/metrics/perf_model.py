@@ -104,6 +104,10 @@ class PerfBreakdown:
     write_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     attn_flops_sliding: float = 0.0
     attn_flops_full: float = 0.0
+    # (query, key) pairs the mask keeps in one layer of each kind, per head ("exact" accounting only):
+    # the least work an attention kernel can do, to compare with what a backend executes.
+    kept_pairs_sliding: float = 0.0
+    kept_pairs_full: float = 0.0
 
     @property
     def total_flops(self) -> float:
@@ -220,6 +224,11 @@ class PerfModel:
             out.attn_flops_sliding += 2 * core
         else:
             out.attn_flops_full += 2 * core
+        if self.accounting == "exact":  # one layer's count: every layer of a kind keeps the same pairs
+            if a.window is not None:
+                out.kept_pairs_sliding = pairs
+            else:
+                out.kept_pairs_full = pairs
         r["attn.qkv_input"] += tokens * hidden * ba * layers
         r["attn.qkv_weight"] += hidden * (q + kv_proj) * d * bw * layers
         r["attn.attn_input"] += (tokens * q * d * ba + 2 * keys * kv * d * bc) * layers

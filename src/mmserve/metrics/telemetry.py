@@ -321,6 +321,8 @@ class TelemetryObserver:
             "mmserve.perf.attn_flops.sliding": step.attn_flops_sliding,
             "mmserve.perf.attn_flops.full": step.attn_flops_full,
             "mmserve.perf.peak_flops": self.peaks.flops, "mmserve.perf.peak_bandwidth": self.peaks.bandwidth,
+            "mmserve.attention.kept_pairs.sliding": step.kept_pairs_sliding,
+            "mmserve.attention.kept_pairs.full": step.kept_pairs_full,
         })
         span.end(end_time=record.end_ns)
 
@@ -347,6 +349,8 @@ def _merge(into: PerfBreakdown, part: PerfBreakdown) -> None:
             dst[key] += value
     into.attn_flops_sliding += part.attn_flops_sliding
     into.attn_flops_full += part.attn_flops_full
+    into.kept_pairs_sliding += part.kept_pairs_sliding
+    into.kept_pairs_full += part.kept_pairs_full
 
 
 def _end(span: Span, error: BaseException | None, failed: bool, finish_reason: str | None) -> None:
