@@ -9,6 +9,7 @@ Numerics need a GPU: the tests marked gpu run only where CUDA and FA4 are presen
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 import pytest
