@@ -12,7 +12,15 @@ number of tokens; the share of requests whose tokens agree is reported as a sani
     python bench/serving.py                 # full run (minutes on a 2-core CPU)
     python bench/serving.py --smoke         # seconds: demo model, N = 1, 2; JSON to a temp file
 
-Prints a table and writes JSON (default bench/results/serving.json).
+A second mode, `--modes mixed` (bench/mixed_traffic.py), sends unlike requests (1-16 frames, 4-128
+tokens) at Poisson arrival times and compares the server with transformers' static batching of N
+(`--static-batch`) on a virtual clock of measured batch times: useful tokens/s, wasted tokens,
+TTFT/TPOT/e2e p50/p99.
+
+`--compare-src DIR` also runs every server measurement against the mmserve source in DIR (e.g. a
+checkout of an older commit) in the same run, so before/after ratios share the machine's state.
+
+Prints tables and writes JSON (default bench/results/serving.json).
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ from mmserve.model.spec import load_spec
 from mmserve.multimodal.demo_task import PROMPT, VisionParams, reference_inputs
 from mmserve.multimodal.synthetic import make_clip
 from mmserve.server.health import GENERATION_SERVICE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mixed_traffic  # noqa: E402  (bench/ is not a package)
 
 logger = logging.getLogger("bench.serving")
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -103,6 +114,8 @@ class ModelResult:
     levels: list[LevelResult] = field(default_factory=list)
     hf_sequential: dict = field(default_factory=dict)
     tokens_match_hf: float = 0.0
+    server: str = "this tree"      # or the --compare-src tree the server ran from
+    mixed: list[dict] = field(default_factory=list)   # mixed-traffic summaries: server, static batching
 
 
 # --- workload -----------------------------------------------------------------------------------
@@ -125,13 +138,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Path) -> Iterator[str]:
-    """`mmserve serve` on a free loopback port; yields its address once readiness is SERVING."""
+def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Path,
+                   src: Path | None = None) -> Iterator[str]:
+    """`mmserve serve` on a free loopback port (from the mmserve source in `src` when given); yields
+    its address once readiness is SERVING."""
     port = free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs),
            "--max-waiting-requests", str(4 * max_num_seqs)]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if src is not None:
+        env["PYTHONPATH"] = str(src)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
@@ -360,37 +377,88 @@ def _portable(path: Path) -> str:
     except ValueError:
         return path.name
 
-def bench_model(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path) -> ModelResult:
-    levels = args.concurrency
-    videos = clips(max(max(levels), args.min_requests), args.num_frames)
+def bench_server(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path, videos: list[bytes],
+                 mixed: tuple[list, dict] | None, src: Path | None) -> tuple[ModelResult, list[tuple[int, ...]]]:
+    """Every server measurement of one model, against one server (this tree's, or `src`'s)."""
+    levels = args.concurrency if "identical" in args.modes else []
     result = ModelResult(name=name, path=_portable(model_dir), parameters=parameter_count(model_dir), prompt_tokens=0,
-                         max_tokens=args.max_tokens, num_frames=args.num_frames)
+                         max_tokens=args.max_tokens, num_frames=args.num_frames,
+                         server=src.name if src is not None else "this tree")
     engine_tokens: list[tuple[int, ...]] = []
-    with server_process(str(model_dir), threads=args.threads, max_num_seqs=max(levels),
-                        log_path=log_dir / f"server-{name}.log") as address:
+    tag = f"{name}-{src.name}" if src is not None else name
+    with server_process(str(model_dir), threads=args.threads, max_num_seqs=max([*levels, args.static_batch, 16]),
+                        log_path=log_dir / f"server-{tag}.log", src=src) as address:
         asyncio.run(run_level(address, videos[:1], concurrency=1, max_tokens=2, num_frames=args.num_frames))
         for n in levels:
             level, samples = asyncio.run(run_level(address, videos[: max(n, args.min_requests)], concurrency=n,
                                                    max_tokens=args.max_tokens, num_frames=args.num_frames))
-            logger.info("%s N=%d: %.1f tok/s", name, n, level.output_tokens_per_s)
+            logger.info("%s (%s) N=%d: %.1f tok/s", name, result.server, n, level.output_tokens_per_s)
             result.levels.append(level)
             if not engine_tokens:
                 engine_tokens = [s.token_ids for s in samples]
+        if mixed is not None:
+            requests, mixed_videos = mixed
+            timings = asyncio.run(mixed_traffic.run_server(address, requests, mixed_videos, PROMPT))
+            result.mixed.append(mixed_traffic.summary(f"mmserve ({result.server})", requests, timings))
+    return result, engine_tokens
+
+
+def bench_model(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path) -> list[ModelResult]:
+    levels = args.concurrency if "identical" in args.modes else []
+    videos = clips(max([*levels, args.min_requests]), args.num_frames)
+    mixed = None
+    if "mixed" in args.modes:
+        requests = mixed_traffic.workload(args.mixed_requests, args.mixed_rate[name], seed=args.seed,
+                                          max_frames=args.mixed_max_frames, max_tokens=args.mixed_max_tokens)
+        mixed = (requests, {r.index: make_clip(r.seed, num_frames=r.num_frames).data for r in requests})
+    results = []
+    engine_tokens: list[tuple[int, ...]] = []
+    for src in [None, *args.compare_src]:
+        result, tokens = bench_server(name, model_dir, args, log_dir, videos, mixed, src)
+        results.append(result)
+        engine_tokens = engine_tokens or tokens
     torch.set_num_threads(args.threads)
-    sequential, batches, hf_tokens = run_hf(model_dir, videos, levels, max_tokens=args.max_tokens,
-                                            num_frames=args.num_frames, sequential_requests=args.hf_sequential)
-    result.prompt_tokens = int(hf_inputs(model_dir, videos[:1], args.num_frames)[0].input_ids.shape[1])
-    result.hf_sequential = sequential
-    pairs = list(zip(engine_tokens, hf_tokens, strict=False))
-    result.tokens_match_hf = sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
-    for level in result.levels:
-        batch = batches[level.concurrency]
-        level.hf_batch_output_tokens_per_s = batch["output_tokens_per_s"]
-        level.hf_batch_wall_s = batch["wall_s"]
-        level.hf_batch_ttft_s = batch["ttft_s"]
-        level.speedup_vs_hf_sequential = level.output_tokens_per_s / sequential["output_tokens_per_s"]
-        level.speedup_vs_hf_batch = level.output_tokens_per_s / batch["output_tokens_per_s"]
-    return result
+    if levels:
+        sequential, batches, hf_tokens = run_hf(model_dir, videos, levels, max_tokens=args.max_tokens,
+                                                num_frames=args.num_frames, sequential_requests=args.hf_sequential)
+    if mixed is not None:
+        static = run_hf_static(model_dir, *mixed, batch_size=args.static_batch)
+    for result in results:
+        if mixed is not None:
+            result.mixed.append(static)
+        if not levels:
+            continue
+        result.prompt_tokens = int(hf_inputs(model_dir, videos[:1], args.num_frames)[0].input_ids.shape[1])
+        result.hf_sequential = sequential
+        pairs = list(zip(engine_tokens, hf_tokens, strict=False))
+        result.tokens_match_hf = sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
+        for level in result.levels:
+            batch = batches[level.concurrency]
+            level.hf_batch_output_tokens_per_s = batch["output_tokens_per_s"]
+            level.hf_batch_wall_s = batch["wall_s"]
+            level.hf_batch_ttft_s = batch["ttft_s"]
+            level.speedup_vs_hf_sequential = level.output_tokens_per_s / sequential["output_tokens_per_s"]
+            level.speedup_vs_hf_batch = level.output_tokens_per_s / batch["output_tokens_per_s"]
+    return results
+
+
+def run_hf_static(model_dir: Path, requests: list, videos: dict[int, bytes], *, batch_size: int) -> dict:
+    """transformers' static batching of the mixed workload (bench/mixed_traffic.py) on a virtual clock."""
+    from transformers import Gemma4ForConditionalGeneration
+
+    model = Gemma4ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                           attn_implementation="sdpa").eval()
+    spec = load_spec(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    vision = VisionParams(spec.patch_size, spec.pooling_kernel_size, spec.video_max_soft_tokens)
+
+    def make_batch(batch: list) -> dict[str, torch.Tensor]:
+        inputs = [reference_inputs(tokenizer, videos[r.index], vision, num_frames=r.num_frames) for r in batch]
+        return pad_left(inputs, spec.pad_token_id)
+
+    hf_generate(model, make_batch(requests[:1]), 2)   # warm-up
+    timings, wasted = mixed_traffic.run_static(model, make_batch, requests, batch_size, hf_generate)
+    return mixed_traffic.summary(f"static batch {batch_size}", requests, timings, wasted)
 
 
 def machine() -> dict:
@@ -404,17 +472,35 @@ def machine() -> dict:
                 platform=platform.platform())
 
 
+def mixed_table(results: list[ModelResult]) -> str:
+    head = (f"{'model':<7}{'system':<24}{'useful tok/s':>13}{'wasted':>8}{'TTFT p50':>9}{'p99':>7}"
+            f"{'TPOT p50':>9}{'p99':>7}{'e2e p50':>8}{'p99':>7}{'x static':>9}")
+    lines, seen = [head, "-" * len(head)], set()
+    for r in results:
+        for m in r.mixed:
+            if (r.name, m["system"]) in seen:   # the static baseline is shared by every server of a model
+                continue
+            seen.add((r.name, m["system"]))
+            ratio = m["useful_tokens_per_s"] / r.mixed[-1]["useful_tokens_per_s"]
+            lines.append(f"{r.name:<7}{m['system']:<24}{m['useful_tokens_per_s']:>13.1f}{m['wasted_tokens']:>8}"
+                         f"{m['ttft_p50_s']:>9.2f}{m['ttft_p99_s']:>7.2f}{m['tpot_p50_s']:>9.3f}{m['tpot_p99_s']:>7.3f}"
+                         f"{m['e2e_p50_s']:>8.2f}{m['e2e_p99_s']:>7.2f}{ratio:>9.2f}")
+    return "\n".join(lines)
+
+
 def table(results: list[ModelResult]) -> str:
-    head = (f"{'model':<7}{'N':>4}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+    head = (f"{'model':<7}{'server':<11}{'N':>4}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
             f"{'MFU':>8}{'MBU':>8}{'HF batch':>10}{'x seq':>7}{'x batch':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         for lv in r.levels:
-            lines.append(f"{r.name:<7}{lv.concurrency:>4}{lv.output_tokens_per_s:>9.1f}{lv.requests_per_s:>8.2f}"
+            lines.append(f"{r.name:<7}{r.server[:10]:<11}{lv.concurrency:>4}{lv.output_tokens_per_s:>9.1f}{lv.requests_per_s:>8.2f}"
                          f"{lv.ttft_p50_s:>10.3f}{lv.ttft_p99_s:>8.3f}{lv.tpot_p50_s:>10.4f}{lv.tpot_p99_s:>8.4f}"
                          f"{lv.mfu_mean:>8.2%}{lv.mbu_mean:>8.2%}{lv.hf_batch_output_tokens_per_s:>10.1f}"
                          f"{lv.speedup_vs_hf_sequential:>7.2f}{lv.speedup_vs_hf_batch:>8.2f}")
         seq = r.hf_sequential
+        if not seq:
+            continue
         lines.append(f"{r.name:<7} HF sequential: {seq['output_tokens_per_s']:.1f} tok/s, TTFT p50 "
                      f"{seq['ttft_p50_s']:.3f} s; tokens equal to HF greedy on {r.tokens_match_hf:.0%} of requests; "
                      f"{r.parameters / 1e6:.1f} M params, {r.prompt_tokens} prompt tokens")
@@ -436,10 +522,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--large-dir", type=Path, default=Path(tempfile.gettempdir()) / "mmserve-bench-large",
                    help="where the random-weight larger checkpoint is made (reused when present)")
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT}; smoke: a temp file)")
+    p.add_argument("--modes", default="identical,mixed", help="comma-separated: identical, mixed")
+    p.add_argument("--compare-src", type=Path, action="append", default=[],
+                   help="also run the server from this mmserve src/ directory (before/after in one run)")
+    p.add_argument("--mixed-requests", type=int, default=48, help="requests in the mixed-traffic run")
+    p.add_argument("--mixed-rate", type=lambda s: dict(kv.split("=") for kv in s.split(",")),
+                   default="demo=4,large=1", help="Poisson arrival rate (requests/s) per model")
+    p.add_argument("--mixed-max-frames", type=int, default=16)
+    p.add_argument("--mixed-max-tokens", type=int, default=128)
+    p.add_argument("--static-batch", type=int, default=8, help="transformers' static batch size N (mixed mode)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the mixed workload")
     args = p.parse_args(argv)
+    args.mixed_rate = {k: float(v) for k, v in args.mixed_rate.items()}
+    args.modes = set(args.modes.split(","))
+    args.compare_src = [src.resolve() for src in args.compare_src]
     if args.smoke:
         args.models, args.concurrency, args.min_requests = "demo", [1, 2], 2
         args.max_tokens, args.num_frames, args.hf_sequential = 4, 2, 1
+        args.mixed_requests, args.mixed_max_frames, args.mixed_max_tokens, args.static_batch = 3, 2, 6, 2
     return args
 
 
@@ -452,13 +552,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         model_dir = args.demo_model if name == "demo" else make_large_checkpoint(args.demo_model, args.large_dir)
-        results.append(bench_model(name, model_dir, args, log_dir))
+        results += bench_model(name, model_dir, args, log_dir)
     report = dict(benchmark="serving", command=" ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
                   machine=machine(), smoke=args.smoke, server_logs=str(log_dir),
                   models=[asdict(r) for r in results])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
-    sys.stdout.write(table(results) + f"\n\nJSON: {out}\n")
+    if "identical" in args.modes:
+        sys.stdout.write(table(results) + "\n\n")
+    if "mixed" in args.modes:
+        sys.stdout.write(mixed_table(results) + "\n\n")
+    sys.stdout.write(f"JSON: {out}\n")
     return 0
 
 

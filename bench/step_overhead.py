@@ -1,17 +1,24 @@
-"""Engine time per decode step outside the model: scheduling, metadata, sampling, output handling.
+"""Engine time per decode step outside the model, and the step as the server runs it.
 
     python bench/step_overhead.py            # tiny: 1..256 requests, larger: 1..64; JSON to bench/results/
     python bench/step_overhead.py --smoke    # seconds; JSON to a temp file
 
 R requests decode together on a random Gemma 4: "tiny" (the model's own time is small, so the
 engine's share shows) and "larger" (real head dims, compute dominates). Each phase is timed by
-wrapping the engine's own methods; overhead = the whole step minus model.forward and
-compute_logits, and its share of the step is reported.
+wrapping the engine core's own methods on the main thread (offline, as mmserve.LLM runs it);
+overhead = the whole step minus model.forward and compute_logits, and its share is reported.
+
+Then the same requests run through AsyncEngine as the server runs it, with the same torch threads:
+the core in its own process (the default) and on a thread of this process (--no-engine-process).
+From the step records: the step's own time inside the engine, and the cycle the front end sees
+(step + IPC + output processing, record to record). A threading regression (torch work on a thread
+that is not its process's first OpenMP user) shows as "thread" steps slower than "offline" ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import statistics
@@ -23,7 +30,9 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.core import EngineCore
+from mmserve.engine.observer import NullObserver
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 
@@ -74,22 +83,28 @@ class Timer:
         setattr(obj, name, timed)
 
 
-def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str) -> dict:
-    config = EngineConfig(model=str(model_dir), device="cpu", attention_backend=backend,
-                          max_num_seqs=num_reqs, max_num_batched_tokens=max(512, num_reqs), block_size=16,
-                          num_kv_blocks=num_reqs * 4 + 8)
-    core = EngineCore(config)
-    for i in range(num_reqs):
-        core.add_request(EngineRequest(f"r{i}", [2] + [10 + (i + j) % 400 for j in range(7)],
-                                       sampling=SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
-    core.step()   # admits everything from the inbox
+def engine_config(model_dir: Path, num_reqs: int, backend: str, threads: int, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), device="cpu", attention_backend=backend,
+                        max_num_seqs=num_reqs, max_num_batched_tokens=max(512, num_reqs), block_size=16,
+                        num_kv_blocks=num_reqs * 4 + 8, engine_threads=threads, **overrides)
+
+
+def requests(num_reqs: int, max_tokens: int) -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", [2] + [10 + (i + j) % 400 for j in range(7)],
+                          sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(num_reqs)]
+
+
+def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str, threads: int) -> dict:
+    core = EngineCore(engine_config(model_dir, num_reqs, backend, threads))
+    for req in requests(num_reqs, steps + 8):
+        core.add_request(req)
     while core.scheduler.waiting or any(r.is_prefill for r in core.scheduler.running):
         core.step()
     core.step()
     timers = {name: Timer(obj, attr) for name, (obj, attr) in {
         "schedule": (core.scheduler, "schedule"), "build_metadata": (core.runner.inputs, "build"),
         "forward": (core.model, "forward"), "logits": (core.model, "compute_logits"),
-        "sample": (core.sampler, "sample"), "outputs": (core, "_publish_tokens")}.items()}
+        "sample": (core.sampler, "sample"), "outputs": (core, "_append_tokens")}.items()}
     per_step = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -107,6 +122,43 @@ def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str)
                 other_ms=round(overhead * 1e3 - ms["schedule"] - ms["build_metadata"] - ms["sample"] - ms["outputs"], 3))
 
 
+class StepClock(NullObserver):
+    """Keeps each decode step's time in the engine and when the front end got its record."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []   # (duration in the engine, front-end arrival)
+
+    def on_step(self, record) -> None:
+        if record.items and not any(item.is_prefill for item in record.items):
+            self.steps.append((record.duration_s, time.perf_counter()))
+
+
+def measure_served(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str, threads: int,
+                   engine_process: bool) -> dict:
+    """The same decode through AsyncEngine: the core in its own process, or on a thread of this one."""
+    clock = StepClock()
+    config = engine_config(model_dir, num_reqs, backend, threads, engine_process=engine_process)
+
+    async def run() -> None:
+        engine = AsyncEngine(config, observer=clock)
+        await engine.start()
+        try:
+            async def drain(req):
+                async for _ in engine.generate(req):
+                    pass
+
+            await asyncio.gather(*(drain(r) for r in requests(num_reqs, steps + 8)))
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())
+    last = clock.steps[-steps:]
+    cycles = [b[1] - a[1] for a, b in zip(last, last[1:], strict=False)]
+    return dict(size=size, requests=num_reqs, mode="process" if engine_process else "thread",
+                step_ms=round(statistics.median(d for d, _ in last) * 1e3, 3),
+                cycle_ms=round(statistics.median(cycles) * 1e3, 3) if cycles else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,26 +166,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: random tiny and larger ones)")
     p.add_argument("--backend", default="reference")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--threads", type=int, default=2, help="torch threads, the same in every mode")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     steps = 5 if args.smoke else 20
     plan = {"tiny": [1, 16]} if args.smoke else {"tiny": [1, 4, 16, 64, 128, 256], "larger": [1, 16, 64]}
     if args.model is not None:
         plan = {"given": plan["tiny"]}
-    rows = []
+    served_plan = {"tiny": [16]} if args.smoke else {"tiny": [1, 16, 64], "larger": [16]}
+    rows, served = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for size, counts in plan.items():
             model_dir = args.model or random_checkpoint(Path(tmp) / size, size)
-            rows += [measure(model_dir, n, steps, args.backend, size) for n in counts]
+            rows += [measure(model_dir, n, steps, args.backend, size, args.threads) for n in counts]
+            for n in served_plan.get(size, counts[:1]):
+                offline = next(r for r in rows if r["size"] == size and r["requests"] == n)
+                served.append(dict(size=size, requests=n, mode="offline", step_ms=offline["step_ms_median"],
+                                   cycle_ms=None))
+                served += [measure_served(model_dir, n, steps, args.backend, size, args.threads, proc)
+                           for proc in (True, False)]
     cols = ["size", "requests", "step_ms", "model_ms", "overhead_ms", "overhead_share", "overhead_us_per_request",
             "schedule_ms", "build_metadata_ms", "sample_ms", "outputs_ms", "other_ms"]
     print(" ".join(f"{c:>10}" for c in ["size", "reqs", "step ms", "model ms", "ovh ms", "ovh share", "us/req",
                                          "schedule", "metadata", "sample", "outputs", "other"]))
     for row in rows:
         print(" ".join(f"{row[c]:>10}" for c in cols))
+    print()
+    print(" ".join(f"{c:>10}" for c in ["size", "reqs", "mode", "step ms", "cycle ms"]))
+    for row in served:
+        print(" ".join(f"{row[c] if row[c] is not None else '-':>10}" for c in ["size", "requests", "mode", "step_ms",
+                                                                                  "cycle_ms"]))
     out = args.out or (Path(tempfile.mkdtemp()) / "step_overhead.json" if args.smoke else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"backend": args.backend, "torch": torch.__version__, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"backend": args.backend, "torch": torch.__version__, "threads": args.threads,
+                               "rows": rows, "served": served}, indent=2))
     logger.warning("wrote %s", out)
     return 0
 

@@ -1,7 +1,9 @@
 """A real MMServer + AsyncEngine on 127.0.0.1 (port 0), driven from its own thread and event loop.
 
-Shared by the session server fixtures in tests/conftest.py and the reliability suite's
-`ServerThread`, which adds a recording observer and leak checks.
+The engine core runs in its own spawned process, as `mmserve serve` runs it (unless the config says
+`engine_process=False`: then on a thread, where a test can reach `server.engine.core`). Shared by the
+session server fixtures in tests/conftest.py and the reliability suite's `ServerThread`, which adds
+a recording observer and leak checks.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from mmserve.config import EngineConfig, ServerConfig
 
 
 def engine_config(model: str | Path, **overrides) -> EngineConfig:
-    """Small, CPU-friendly engine options for tests; `overrides` are EngineConfig fields."""
+    """Small, CPU-friendly engine options for tests; `overrides` are EngineConfig fields. One torch
+    thread: tiny models gain nothing from more on this shared 2-core machine."""
     options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
-                   kv_cache_bytes=16 * 2**20, default_num_frames=4)
+                   kv_cache_bytes=16 * 2**20, default_num_frames=4, engine_threads=1)
     options.update(overrides)
     return EngineConfig(**options)
 

@@ -41,6 +41,13 @@ class EngineConfig:
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
+    # Process layout (docs/deploy.md: threads, crash and restart).
+    engine_process: bool = field(default=True, metadata={
+        "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})
+    engine_threads: int = field(default=0, metadata={
+        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)"})
+    engine_ready_timeout_s: float = field(default=900.0, metadata={
+        "help": "how long the engine may take to load and report ready"})
     # Multimodal limits (checked at the edge before any work starts).
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most"})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})

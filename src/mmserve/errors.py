@@ -36,6 +36,11 @@ class EngineUnavailableError(MMServeError):
     """The engine is not ready or is draining (-> UNAVAILABLE)."""
 
 
+class EngineDeadError(EngineUnavailableError):
+    """The engine process died (killed, out of memory, crashed): requests in flight end with this
+    (-> UNAVAILABLE: another replica can serve them) and the server exits so it gets restarted."""
+
+
 class RequestAbortedError(MMServeError):
     """The request was aborted (-> CANCELLED)."""
 

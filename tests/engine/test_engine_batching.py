@@ -38,7 +38,7 @@ def assert_pools_full(core):
     assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in core.kv.pools.values())
     cache = core.runner.encoder_cache
     assert cache.num_bytes <= cache.max_bytes
-    assert not core.sampler._generators and not core.states
+    assert not core.sampler._generators and not core.requests
 
 
 def test_64_concurrent_requests_match_running_alone(load_backend):
@@ -76,8 +76,8 @@ class _Preemptions(NullObserver):
     def __init__(self):
         self.count = 0
 
-    def on_request_finished(self, request, finish_reason, error):
-        self.count += request.num_preemptions
+    def on_step(self, record):
+        self.count += record.num_preempted
 
 
 def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend):
@@ -87,7 +87,7 @@ def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend):
     observer = _Preemptions()
     # 25 usable blocks of 4 tokens: the longest request fits alone, ten together do not.
     llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32)
-    llm.core.observer = observer
+    llm.observer = observer
     got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
     assert observer.count > 0, "the cache should have been too small to avoid preemption"
     assert got == expected
@@ -105,13 +105,16 @@ def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
 
     cached = []
 
-    class Watch(NullObserver):
-        def on_step(self, record):
-            for t in held:
-                held[t].append(llm.core.kv.num_held("long", t))
-            cached.append(record.items[0].num_frames_encoded)
+    execute = llm.core.runner.execute
 
-    llm.core.observer = Watch()
+    def watched(out):   # the KV held while the step runs (the request's end frees it before the observer runs)
+        result = execute(out)
+        for t in held:
+            held[t].append(llm.core.kv.num_held("long", t))
+        cached.append(result.frames_encoded.get("long", 0))
+        return result
+
+    llm.core.runner.execute = watched
     out = llm.generate([req])[0]
     total = len(req.prompt_token_ids) + len(out.token_ids) - 1
     assert total > 10 * window

@@ -56,7 +56,7 @@ def run_engine(load_backend, body, **options):
     result = asyncio.run(main())
     assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in engine.core.kv.pools.values())
     assert engine.core.runner.encoder_cache.num_bytes <= engine.core.runner.encoder_cache.max_bytes
-    assert not engine.core.states
+    assert not engine.core.requests
     ends = Counter(e[1] for e in recorder.events if e[0] == "finished")
     assert all(n == 1 for n in ends.values()), ends
     assert set(ends) == {e[1] for e in recorder.events if e[0] == "queued"}
@@ -185,7 +185,7 @@ def test_offline_llm_raises_after_draining_and_stays_usable(load_backend):
     good = build_request("good", [30], seed=9, max_tokens=3)
     with pytest.raises(EngineInternalError, match="engine step failed"):   # both shared the failing step
         llm.generate([good, bad])
-    assert not llm.core.has_work
+    assert not llm.has_work
     assert all(p.num_free == p.num_usable for p in llm.core.kv.pools.values())
     again = llm.generate([build_request("good2", [30], seed=9, max_tokens=3)])
     assert again[0].finish_reason == "length"
@@ -221,10 +221,10 @@ def test_a_failing_observer_never_fails_a_request(load_backend):
             raise RuntimeError("observer bug")
 
     llm = make_llm(load_backend("reference"))
-    llm.core.observer = Broken()
+    llm.observer = Broken()
     out = llm.generate([build_request("ok", [12, ("video", [4])], seed=13, max_tokens=4)])
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
-    assert not llm.core.has_work
+    assert not llm.has_work
 
 
 def test_a_scheduler_bug_ends_requests_instead_of_looping(load_backend):

@@ -105,8 +105,8 @@ def test_streamed_text_never_shows_a_stop_string(load_backend):
     start = next(i for i in range(len(text) // 2, len(text) - 3) if "\ufffd" not in text[i:i + 3])
     stop = text[start:start + 3]
     llm = make_llm(model_tok)
-    llm.core.add_request(build_request("t", [30], seed=12, max_tokens=30, stop=(stop,)))
+    llm.add_request(build_request("t", [30], seed=12, max_tokens=30, stop=(stop,)))
     deltas = []
-    while llm.core.has_work:
-        deltas += [o.new_text for _, o in llm.core.step()]
+    while llm.has_work:
+        deltas += [o.new_text for _, o in llm.step()]
     assert stop not in "".join(deltas) and "".join(deltas) == text[:text.index(stop)]

@@ -22,7 +22,9 @@ def rel_server(tiny_checkpoint) -> ServerThread:
 
 @pytest.fixture(scope="session")
 def small_server(tiny_checkpoint) -> ServerThread:
-    """Two running requests at most and three waiting: queues and step membership are easy to steer."""
-    server = ServerThread(engine_config(tiny_checkpoint, max_num_seqs=2, max_waiting_requests=3)).start()
+    """Two running requests at most and three waiting: queues and step membership are easy to steer.
+    Its core runs on a thread of the test process, so a test can inject a fault into the runner."""
+    server = ServerThread(engine_config(tiny_checkpoint, max_num_seqs=2, max_waiting_requests=3,
+                                        engine_process=False)).start()
     yield server
     server.stop()

@@ -18,7 +18,7 @@ from mmserve.engine.observer import StepRecord
 
 
 class RecordingObserver:
-    """Engine-thread hooks that remember every step and every request's end (lists append atomically)."""
+    """Observer hooks (run by the front end) that remember every step and every request's end."""
 
     def __init__(self) -> None:
         self.queued: list[str] = []
@@ -56,25 +56,24 @@ class ServerThread(LoopbackServer):
     observer: RecordingObserver = field(default_factory=RecordingObserver)
 
     def leaks(self) -> list[str]:
-        """What is still held: requests, KV blocks, streams, gated calls; an encoder cache over its bound."""
-        core, found = self.engine.core, []
+        """What is still held, on both sides of the engine process boundary: requests, KV blocks,
+        streams, gated calls; an encoder cache over its bound."""
+        found = []
         ends = self.observer.end_counts()
         if set(ends) != set(self.observer.queued):
             found.append(f"queued but never ended: {sorted(set(self.observer.queued) - set(ends))}")
         found += [f"ended {n} times: {rid}" for rid, n in ends.items() if n > 1]
-        if core.states or core.has_work:
-            found.append(f"engine still holds {list(core.states)}")
-        if core.scheduler.running or core.scheduler.waiting:
-            found.append(f"scheduler still holds {len(core.scheduler.running)} running, "
-                         f"{len(core.scheduler.waiting)} waiting")
+        held = self.call(self.engine.held_resources())
+        if held["requests"] or held["front_end_requests"]:
+            found.append(f"engine still holds {held['requests']}, front end {held['front_end_requests']}")
+        if held["running"] or held["waiting"]:
+            found.append(f"scheduler still holds {held['running']} running, {held['waiting']} waiting")
         # Free means empty or cached-unreferenced: the prefix and encoder caches outlive requests.
-        found += [f"pool {name}: {pool.num_usable - pool.num_free} blocks held"
-                  for name, pool in core.kv.pools.items() if pool.num_free != pool.num_usable or any(pool.ref_cnt)]
-        cache = core.runner.encoder_cache
-        if cache.num_bytes > cache.max_bytes:
-            found.append(f"encoder cache holds {cache.num_bytes} bytes, over its bound {cache.max_bytes}")
-        if self.engine._streams:
-            found.append(f"open engine streams {list(self.engine._streams)}")
+        found += [f"pool {name}: {n} blocks held" for name, n in held["kv_blocks_held"].items()]
+        if held["encoder_cache_over_bytes"]:
+            found.append(f"encoder cache is {held['encoder_cache_over_bytes']} bytes over its bound")
+        if held["streams"]:
+            found.append(f"open engine streams {held['streams']}")
         if self.app.gate.inflight:
             found.append(f"{self.app.gate.inflight} Generate calls still in flight")
         return found

@@ -1,14 +1,23 @@
-"""`mmserve serve` as a real process, for tests that need its own pid (signals, RSS)."""
+"""`mmserve serve` as a real process (front end + its spawned engine process), for the tests that
+need what only a whole server process shows: its own pid (signals, RSS), exit codes, the engine
+process's death."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 import threading
+import time
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mmserve.server.health import GENERATION_SERVICE
 
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
+ENGINE_PID = re.compile(r"engine process (\d+) started")
 
 
 class ServeProcess:
@@ -20,12 +29,15 @@ class ServeProcess:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.port: int | None = None
+        self.engine_pid: int | None = None
         self._port_seen = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
+            if self.engine_pid is None and (m := ENGINE_PID.search(line)):
+                self.engine_pid = int(m.group(1))
             if self.port is None and (m := LISTENING.search(line)):
                 self.port = int(m.group(1))
                 self._port_seen.set()
@@ -35,11 +47,34 @@ class ServeProcess:
             raise AssertionError("no 'listening on' line:\n" + "".join(self.lines[-30:]))
         return self.port
 
-    @property
-    def log(self) -> str:
-        return "".join(self.lines)
+    async def wait_serving(self, channel, timeout_s: float = 180) -> None:
+        """Poll readiness until the engine has loaded and warmed up."""
+        deadline = time.monotonic() + timeout_s
+        while await health(channel, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline and self.proc.poll() is None, self.log
+            await asyncio.sleep(0.1)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+async def health(channel, service: str) -> int:
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+def process_exists(pid: int, timeout_s: float = 10.0) -> bool:
+    """True while `pid` is still running after `timeout_s` (an exited child is reaped by its parent or init)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        time.sleep(0.05)
+    return True

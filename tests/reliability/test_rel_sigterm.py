@@ -1,5 +1,6 @@
-"""Drain. `mmserve serve` as a real process: SIGTERM mid-stream drains gracefully; the in-flight
-stream completes, readiness turns NOT_SERVING, new requests get UNAVAILABLE, and the process exits 0.
+"""Drain. `mmserve serve` as a real process (front end + engine process): SIGTERM mid-stream drains
+gracefully; the in-flight stream completes, readiness turns NOT_SERVING, new requests get
+UNAVAILABLE, and the process exits 0 (its engine process too).
 In process: a stream outliving the grace period is cut off and still ends exactly once."""
 
 from __future__ import annotations
@@ -10,18 +11,15 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from rel_engine import ServerThread, engine_config, read_stream, text_request
-from rel_process import ServeProcess
+from rel_process import ServeProcess, health, process_exists
 
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.server.drain import DRAINING_MESSAGE
 from mmserve.server.health import GENERATION_SERVICE
 
 MAX_TOKENS = 120
-
-async def _health(channel, service: str) -> int:
-    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
 
 
 @pytest.mark.slow
@@ -33,10 +31,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
 
         async def scenario():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                deadline = time.monotonic() + 180
-                while await _health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.SERVING:
-                    assert time.monotonic() < deadline and server.proc.poll() is None, server.log
-                    await asyncio.sleep(0.1)
+                await server.wait_serving(ch)
                 stub = pb_grpc.GenerationStub(ch)
                 call = stub.Generate(text_request("in-flight", MAX_TOKENS))
                 first = await call.read()
@@ -44,10 +39,10 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
                 server.proc.send_signal(signal.SIGTERM)
                 # Readiness drops while liveness stays up, and new work is turned away as retryable.
                 deadline = time.monotonic() + 10
-                while await _health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                while await health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:
                     assert time.monotonic() < deadline, "readiness never went NOT_SERVING"
                     await asyncio.sleep(0.02)
-                assert await _health(ch, "") == health_pb2.HealthCheckResponse.SERVING
+                assert await health(ch, "") == health_pb2.HealthCheckResponse.SERVING
                 refused = await read_stream(stub.Generate(text_request("too-late", 4)))
                 assert (refused.code, refused.details) == (grpc.StatusCode.UNAVAILABLE, DRAINING_MESSAGE)
                 # The in-flight stream runs to its end.
@@ -59,10 +54,9 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
         asyncio.run(scenario())
         assert server.proc.wait(60) == 0, server.log
         assert "draining" in server.log
+        assert server.engine_pid is not None and not process_exists(server.engine_pid), server.log
     finally:
-        if server.proc.poll() is None:
-            server.proc.kill()
-            server.proc.wait()
+        server.stop()
 
 
 def test_drain_grace_expiry_cuts_off_and_ends_every_request_once(tiny_checkpoint):

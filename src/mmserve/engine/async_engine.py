@@ -1,115 +1,194 @@
-"""AsyncEngine: the asyncio face of EngineCore. The event loop never waits on compute.
+"""AsyncEngine: the front end's engine. The event loop never waits on compute.
 
-The core's thread publishes each step's events with one `call_soon_threadsafe`; every request has
-an asyncio.Queue that `generate()` drains. Leaving `generate()` early (the client went away)
-aborts the request, so its blocks and encoder cache are freed within one step.
+The engine core runs in its own process (core_client.py); this side tracks every request
+(output_processor.py: detokenise, stop strings, timings, the observer) and gives each one a stream
+that `generate()` drains. A stream coalesces: a reader that falls behind gets one merged delta, not a
+backlog. Leaving `generate()` early (the client went away) aborts the request in the core, so its
+blocks and encoder cache are freed within one step. If the core dies, every request in flight ends
+with EngineDeadError and `wait_dead()` returns.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from mmserve.config import EngineConfig
-from mmserve.engine.core import EngineCore, Event
+from mmserve.engine.core_client import CoreClient
 from mmserve.engine.observer import EngineObserver
+from mmserve.engine.output_processor import Event, OutputProcessor
+from mmserve.engine.protocol import EngineCoreOutputs, EngineReady
 from mmserve.engine.types import EngineRequest, LoadInfo, ModelInfo, RequestOutput
-from mmserve.errors import EngineUnavailableError, InvalidInputError
+from mmserve.errors import EngineDeadError, EngineUnavailableError, InvalidInputError
 
 logger = logging.getLogger(__name__)
 
 
+class RequestStream:
+    """One request's outputs as the reader sees them: deltas merge while unread; an error comes last."""
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        else:
+            self._output = item if self._output is None else self._output.merged(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        if self._output is not None:
+            out, self._output = self._output, None
+            if self._error is None:
+                self._ready.clear()
+            return out
+        raise self._error
+
+
 class AsyncEngine:
+    """`observer` watches requests and steps (in this process); it gets the device peaks the engine
+    measured (`on_engine_started`) once the engine is ready. `model`/`tokenizer`: preloaded objects,
+    which keep the core on a thread of this process."""
+
     def __init__(self, config: EngineConfig, *, observer: EngineObserver | None = None, model=None, tokenizer=None):
         self.config = config
         self._observer = observer
         self._model, self._tokenizer = model, tokenizer
-        self.core: EngineCore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._streams: dict[str, asyncio.Queue] = {}
+        self.client: CoreClient | None = None
+        self.processor: OutputProcessor | None = None
+        self.ready: EngineReady | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._load: LoadInfo | None = None
+        self._dead: asyncio.Event | None = None
+        self.dead_error: EngineDeadError | None = None
 
     async def start(self) -> None:
-        """Load the model (off the event loop) and start the engine thread."""
-        self._loop = asyncio.get_running_loop()
-        self.core = await asyncio.to_thread(EngineCore, self.config, model=self._model, tokenizer=self._tokenizer,
-                                            observer=self._observer)
-        self._thread = threading.Thread(target=self.core.run, args=(self._publish, self._stop),
-                                        name="mmserve-engine", daemon=True)
-        self._thread.start()
+        """Start the engine core (it loads the model) and wait until it is ready."""
+        self._dead = asyncio.Event()
+        self.client = CoreClient(self.config, model=self._model, on_outputs=self._on_outputs, on_exit=self._on_exit)
+        try:
+            self.ready = await self.client.start()
+        except BaseException:
+            await self.client.shutdown()
+            raise
+        tokenizer = self._tokenizer
+        if tokenizer is None and (Path(self.config.model) / "tokenizer.json").is_file():
+            from mmserve.model.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(self.config.model)
+        self.processor = OutputProcessor(tokenizer, self._observer)
+        self.processor.engine_started(self.ready.peaks)
+        logger.info("engine ready: %s (%s, %s), %d torch threads, KV pools %s", self.ready.model_name,
+                    self.ready.backend, "own process" if not self.client.in_process else "in-process thread",
+                    self.ready.torch_threads, self.ready.kv_pool_blocks)
+
+    @property
+    def core(self):
+        """The EngineCore object when it runs in this process (tests, debugging); None otherwise."""
+        return self.client.core if self.client is not None else None
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+        return self.processor is not None and not self.client.stopping
 
-    def _publish(self, events: list[Event]) -> None:   # engine thread
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, events)
-        except RuntimeError:   # the event loop is gone: nobody is left to read these streams
-            logger.warning("event loop closed; dropped %d engine events", len(events))
+    async def wait_dead(self) -> EngineDeadError:
+        """Returns (with the error) once the engine core has died unexpectedly."""
+        await self._dead.wait()
+        return self.dead_error
 
-    def _dispatch(self, events: list[Event]) -> None:  # event loop
+    # -- from the core ------------------------------------------------------------------------------
+
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        self._load = outputs.load
+        done = self.processor.process(outputs)
+        self._dispatch(done.events)
+        if done.stopped:
+            self.client.abort(done.stopped)
+
+    def _on_exit(self, error: EngineDeadError | None) -> None:
+        if self.processor is not None:
+            self._dispatch(self.processor.fail_all(error or EngineUnavailableError("the engine shut down")))
+        if error is not None:
+            self.dead_error = error
+            self._dead.set()
+
+    def _dispatch(self, events: list[Event]) -> None:
         for rid, item in events:
-            queue = self._streams.get(rid)
-            if queue is not None:
-                queue.put_nowait(item)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put(item)
+
+    # -- requests -----------------------------------------------------------------------------------
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Deltas, then exactly one output with finished=True; or raises the request's error
-        (admission errors before anything is queued)."""
+        (admission errors before anything is streamed)."""
         if not self.is_running:
-            raise EngineUnavailableError("the engine is not running")
+            raise self.dead_error or EngineUnavailableError("the engine is not running")
         rid = request.request_id
         if rid in self._streams:
             raise InvalidInputError("request_id", f"{rid!r} is already in flight")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[rid] = queue
-        admitted = finished = False
+        self.processor.add(request)
+        stream = self._streams[rid] = RequestStream()
+        finished = False
         try:
-            self.core.add_request(request)
-            admitted = True
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
+            try:
+                self.client.add(request)
+            except BaseException:
+                self.processor.forget(rid)
+                finished = True
+                raise
+            while not finished:
+                try:
+                    out = await stream.get()
+                except BaseException:
                     finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+                    raise
+                finished = out.finished
+                yield out
         finally:
             del self._streams[rid]
-            if admitted and not finished:
-                self.core.abort(rid)
+            if not finished:
+                self.abort(rid)
 
     def abort(self, request_id: str) -> bool:
-        return self.core is not None and self.core.abort(request_id)
+        """Stop a request within one step. False if it is not in flight."""
+        if self.processor is None or request_id not in self.processor.states:
+            return False
+        self._dispatch(self.processor.abort(request_id))
+        self.client.abort([request_id])
+        return True
 
     def load(self) -> LoadInfo:
-        if self.core is None:
+        if self._load is None:
             return LoadInfo(0, 0, 0.0, self.config.max_num_seqs)
-        return self.core.load()
+        in_transit = sum(not s.admitted for s in self.processor.states.values())
+        return dataclasses.replace(self._load, waiting=self._load.waiting + in_transit)
+
+    async def held_resources(self) -> dict:
+        """What the engine still holds, both sides: empty values when nothing is in flight (leak checks)."""
+        held = await self.client.utility("held_resources")
+        held["front_end_requests"] = sorted(self.processor.states)
+        held["streams"] = sorted(self._streams)
+        return held
 
     @property
     def model_info(self) -> ModelInfo:
-        if self.core is None:
+        if self.ready is None:
             raise EngineUnavailableError("the engine has not started")
-        spec = self.core.model.spec
-        return ModelInfo(name=Path(self.config.model).name, context_length=self.core.max_model_len,
-                         tokens_per_frame=spec.video_max_soft_tokens,
-                         backend=self.core.model.attention_backend,
-                         dtype=self.config.dtype, peaks=self.core.peaks)
+        r = self.ready
+        return ModelInfo(name=r.model_name, context_length=r.max_model_len, tokens_per_frame=r.tokens_per_frame,
+                         backend=r.backend, dtype=r.dtype, peaks=r.peaks)
 
     async def shutdown(self) -> None:
-        """Stop the engine thread; requests still in flight end with EngineUnavailableError."""
-        if self._thread is None:
+        """Stop the engine core; requests still in flight end with EngineUnavailableError."""
+        if self.client is None:
             return
-        self._stop.set()
-        self.core.wake()
-        await asyncio.to_thread(self._thread.join)
-        self._dispatch(self.core.shutdown_requests(EngineUnavailableError("the engine shut down")))
-        self._thread = None
+        await self.client.shutdown()

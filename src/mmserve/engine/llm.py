@@ -1,4 +1,5 @@
-"""Offline generation for scripts and tests: the same EngineCore, stepped on the caller's thread."""
+"""Offline generation for scripts and tests: the same EngineCore and OutputProcessor as the server,
+with the core stepped in-process on the caller's thread (no engine process, no IPC)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
-from mmserve.engine.core import EngineCore
+from mmserve.engine.core import EngineCore, load_engine_model
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, Timings, Usage
@@ -44,7 +46,11 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}")
         self.config = EngineConfig(**engine_options)
-        self.core = EngineCore(self.config, model=loaded_model, tokenizer=tokenizer, observer=observer)
+        if loaded_model is None:
+            loaded_model, tokenizer = load_engine_model(self.config)
+        self.core = EngineCore(self.config, model=loaded_model, tokenizer=tokenizer)
+        self.processor = OutputProcessor(tokenizer, observer)
+        self.processor.engine_started(self.core.peaks)
         self._ids = itertools.count()
 
     def generate(self, requests: Sequence[EngineRequest | list[int]],
@@ -65,10 +71,10 @@ class LLM:
         done: dict[str, Completion] = {r.request_id: Completion(r.request_id, [], "", None, None, None, None)
                                        for r in expanded}
         for r in expanded:
-            self.core.add_request(r)
+            self.add_request(r)
         remaining, errors = len(expanded), []
         while remaining:
-            for rid, item in self.core.step():
+            for rid, item in self.step():
                 if isinstance(item, BaseException):   # finish the others first, so the engine ends clean
                     errors.append(item)
                     remaining -= 1
@@ -89,3 +95,32 @@ class LLM:
             if r.sampling.n > 1:
                 done[r.request_id].samples = [done[sub.request_id] for sub in fan_out(r)]
         return [done[r.request_id] for r in reqs]
+
+    @property
+    def observer(self):
+        return self.processor.observer
+
+    @observer.setter
+    def observer(self, observer) -> None:
+        self.processor.observer = observer
+        self.processor.engine_started(self.core.peaks)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue one request (raises admission errors at once, before anything is queued)."""
+        self.processor.add(request)
+        try:
+            self.core.add_request(request)
+        except BaseException:
+            self.processor.forget(request.request_id)
+            raise
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.processor.states) or self.core.has_work
+
+    def step(self) -> list:
+        """One engine step; returns (request_id, RequestOutput | error) per request that moved."""
+        done = self.processor.process(self.core.step())
+        for rid in done.stopped:
+            self.core.abort(rid)
+        return done.events

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,7 @@ class StepResult:
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
+    encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
 
 
 class ModelRunner:
@@ -101,11 +103,13 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
 
-    def _encode(self, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor | None, dict[str, int]]:
+    def _encode(self, scheduled: list[ScheduledRequest]
+                ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
         """Embeddings of this step's frames in (request, frame) order, encoding only those whose
-        content is neither cached nor repeated in this step; and how many frames each request encoded."""
+        content is neither cached nor repeated in this step; how many frames each request encoded;
+        and when the vision tower ran (perf_counter start, end), if it did."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo, encoded = [], {}
+        todo, encoded, encode_perf = [], {}, None
         for s in scheduled:
             for f in s.frames:
                 key = s.request.mm_inputs[f].content_hash
@@ -115,10 +119,12 @@ class ModelRunner:
                         todo.append((s.request, f, key))
                         encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
         if todo:
+            began = time.perf_counter()
             pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
             for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
                 step[key] = e
                 self.encoder_cache.put(key, e)
+            encode_perf = (began, time.perf_counter())
         parts = []
         for s in scheduled:
             for f in s.frames:
@@ -128,7 +134,7 @@ class ModelRunner:
                     raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
                                      f"tokens but its pixels give {e.shape[0]} embeddings")
                 parts.append(e)
-        return (torch.cat(parts) if parts else None), encoded
+        return (torch.cat(parts) if parts else None), encoded, encode_perf
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -141,7 +147,7 @@ class ModelRunner:
             self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded = self._encode(out.scheduled)   # decode steps encode nothing
+        mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are decode steps: every row samples, the full path
         if self.sampled_rows is not None and graph_size is None:
             sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
@@ -157,4 +163,4 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded, encode_perf)

@@ -1,9 +1,13 @@
-"""Hooks the metrics/tracing layer implements. The engine thread calls them; keep them cheap."""
+"""Hooks the metrics/tracing layer implements, and the per-step record they get.
+
+The front end calls them (mmserve.engine.output_processor), from the plain-data records the engine
+core sends with each step's outputs; the engine process itself never runs an observer.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import Request
@@ -16,7 +20,8 @@ class ScheduledItem:
     context_len: int            # tokens in the KV cache after this step
     is_prefill: bool
     num_frames_encoded: int     # frames the vision tower ran on (encoder-cache hits excluded)
-    request: Request = field(repr=False, compare=False)
+    # The front end's view of the request (None while the record crosses from the engine process).
+    request: Any = field(default=None, repr=False, compare=False)
     prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
     prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
 
@@ -24,7 +29,8 @@ class ScheduledItem:
 @dataclass(frozen=True)
 class StepRecord:
     """One engine step: both clocks, so spans (ns epoch) and durations (perf_counter) line up.
-    The interval covers the runner (vision, forward, logits) and sampling, not scheduling."""
+    The interval covers the runner (vision, forward, logits) and sampling, not scheduling; the
+    vision encoder's own call is [encode_start_perf, encode_end_perf] when the step encoded frames."""
 
     step_index: int
     start_perf: float
@@ -37,6 +43,7 @@ class StepRecord:
     kv_usage: float
     experts_touched: float | None = None   # distinct experts per MoE layer this step (mean); None: no MoE
     kv_usage_by_pool: dict[str, float] = field(default_factory=dict)
+    num_preempted: int = 0
     encode_start_perf: float | None = None   # the step's vision encoder call (perf_counter), None: none ran
     encode_end_perf: float | None = None
 

@@ -1,4 +1,8 @@
-"""The engine's per-request bookkeeping: detokenized text, stop handling, timings, stream deltas."""
+"""The front end's per-request bookkeeping: detokenized text, stop strings, timings, stream deltas.
+
+`request` is the front end's own `Request` (prompt, ranges, pixels, output ids, perf): what the
+observer reads, mirrored from the core's outputs, so observing never needs the engine process.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import time
 from dataclasses import dataclass, field
 
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.protocol import CoreOutput
 from mmserve.engine.stopping import check_stop
 from mmserve.engine.types import RequestOutput, Timings, Usage
 from mmserve.scheduler.request import Request
+
+NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
 
 
 @dataclass
@@ -16,13 +23,13 @@ class RequestState:
     request: Request
     num_frames: int
     detokenizer: object | None       # IncrementalDetokenizer, or None for a checkpoint without tokenizer
+    admitted: bool = False           # the core queued it (observer hooks run only for admitted requests)
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
     first_scheduled: float | None = None
     first_token: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)   # per output token, when asked for
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)   # entry j: prompt token j + 1
 
     def timings(self, now: float) -> Timings:
         arrival = self.request.arrival_time
@@ -37,37 +44,45 @@ class RequestState:
                      completion_tokens=len(r.output_token_ids), num_frames=self.num_frames,
                      cached_tokens=r.num_cached_tokens)
 
-    def append(self, token_id: int, eos_token_ids: frozenset[int],
-               logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        """Record a sampled token (already in request.output_token_ids) and its logprobs when the
-        request asked for them; return the delta to stream."""
+    def append(self, out: CoreOutput) -> RequestOutput:
+        """Record the core's new tokens (and logprobs); return the delta to stream. The core decides
+        "eos" and "length" (`out.finish_reason`); stop strings are found here and take precedence."""
         r = self.request
-        if logprobs is not None:
-            self.logprobs.append(logprobs)
-        before = len(self.text)
-        if self.detokenizer is not None:
-            self.text += self.detokenizer.push([token_id])
-        longest_stop = max((len(s) for s in r.sampling_params.stop), default=0)
-        decision = check_stop(r.sampling_params, token_id, len(r.output_token_ids), self.text,
-                              max(0, before - longest_stop + 1), eos_token_ids)
-        finished = decision.finish_reason is not None
-        if finished and decision.finish_reason != "stop" and self.detokenizer is not None:
-            self.text += self.detokenizer.flush()
-            decision_len = len(self.text)
-        else:
-            decision_len = decision.visible_len
-        if decision.finish_reason == "stop":
-            self.text = self.text[:decision_len]
-        new_text = self.text[self.emitted_chars:max(self.emitted_chars, decision_len)]
+        token_ids, engine_finish = out.new_token_ids, out.finish_reason
+        r.num_cached_tokens = out.num_cached_tokens   # only the core sees the prefix cache
+        if out.logprobs:
+            self.logprobs += out.logprobs
+        params = r.sampling_params
+        longest_stop = max((len(s) for s in params.stop), default=0)
+        decision = None
+        for token_id in token_ids:
+            r.output_token_ids.append(token_id)
+            before = len(self.text)
+            if self.detokenizer is not None:
+                self.text += self.detokenizer.push([token_id])
+            decision = check_stop(params, token_id, len(r.output_token_ids), self.text,
+                                  max(0, before - longest_stop + 1), NO_EOS)
+            if decision.finish_reason is not None:
+                break
+        reason = decision.finish_reason if decision and decision.finish_reason else engine_finish
+        visible = decision.visible_len if decision else len(self.text)
+        if reason is not None and reason != "stop":
+            if self.detokenizer is not None:
+                self.text += self.detokenizer.flush()
+            visible = len(self.text)
+        if reason == "stop":
+            self.text = self.text[:visible]
+        new_text = self.text[self.emitted_chars:max(self.emitted_chars, visible)]
         self.emitted_chars += len(new_text)
         new_tokens = r.output_token_ids[self.emitted_tokens:]
         new_logprobs = self.logprobs[self.emitted_tokens:] if r.sampling_params.logprobs else None
         self.emitted_tokens = len(r.output_token_ids)
-        now = time.monotonic()
+        finished = reason is not None
         return RequestOutput(
             request_id=r.request_id, new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs,
-            finished=finished,
-            finish_reason=decision.finish_reason, matched_stop=decision.matched_stop,
-            usage=self.usage() if finished else None, timings=self.timings(now) if finished else None,
+            finished=finished, finish_reason=reason,
+            matched_stop=decision.matched_stop if reason == "stop" else None,
+            finish_detail=out.finish_detail if finished and reason == engine_finish else None,
+            usage=self.usage() if finished else None, timings=self.timings(time.monotonic()) if finished else None,
             perf=r.perf if finished else {},
-            prompt_logprobs=self.prompt_logprobs if finished and r.sampling_params.prompt_logprobs else None)
+            prompt_logprobs=(out.prompt_logprobs or []) if finished and r.sampling_params.prompt_logprobs else None)

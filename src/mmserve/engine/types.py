@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ class EngineRequest:
     mm_inputs: list[MultiModalInput] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
-    trace_context: Any = None
+    trace_context: Any = field(default=None, metadata={"local": True})   # front end only: never crosses
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
@@ -62,6 +63,15 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This delta followed by `later`, as one (a reader that lagged gets one message): list
+        fields and `new_text` concatenate, every other field is the later output's."""
+        values = {}
+        for f in dataclasses.fields(self):
+            a, b = getattr(self, f.name), getattr(later, f.name)
+            values[f.name] = a + b if (isinstance(a, list) and isinstance(b, list)) or f.name == "new_text" else b
+        return RequestOutput(**values)
 
 
 @dataclass(frozen=True)

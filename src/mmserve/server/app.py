@@ -1,10 +1,12 @@
-"""Build and run the grpc.aio server around an AsyncEngine.
+"""Build and run the grpc.aio server (the front-end process) around an AsyncEngine.
 
 `MMServer` owns the listener, the health states, the input worker pool and the engine's
 lifetime. It listens before the model loads, so liveness probes pass during a long load while
-readiness ("mmserve.v1.Generation") turns SERVING only once the engine has started and warmed up.
-Extra interceptors and credentials can be passed in; drain is a method so a signal handler, a
-test or an operator can call it.
+readiness ("mmserve.v1.Generation") turns SERVING only once the engine process has reported ready
+and warmed up. Extra interceptors and credentials can be passed in; drain is a method so a signal
+handler, a test or an operator can call it. If the engine process dies, every request in flight
+ends with UNAVAILABLE, health turns NOT_SERVING and `serve` raises, so the process exits non-zero
+and its orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mmserve.engine.input_processor import ImageInput, InputMessage, InputProces
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
-from mmserve.server.drain import DrainGate, ShutdownSignals, drain
+from mmserve.server.drain import UNGATED_GRACE_S, DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.media import MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
@@ -155,6 +157,30 @@ class MMServer:
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
 
+    async def run_until_stopped(self, signals: ShutdownSignals) -> bool:
+        """Serve until SIGTERM/SIGINT (then drain; True when the drain cut nothing off) or until the
+        engine process dies (then raise its EngineDeadError)."""
+        asked = asyncio.ensure_future(signals.requested.wait())
+        died = asyncio.ensure_future(self.engine.wait_dead())
+        await asyncio.wait({asked, died}, return_when=asyncio.FIRST_COMPLETED)
+        if died.done():
+            asked.cancel()
+            await self.engine_died(died.result())
+        died.cancel()
+        clean = await self.drain(forced=signals.forced)
+        if self.engine.dead_error is not None:
+            raise self.engine.dead_error
+        return clean
+
+    async def engine_died(self, error: BaseException) -> None:
+        """The engine process is gone: not live, not ready; let the failed streams get their status out, stop."""
+        logger.error("engine died: %s; stopping the server", error)
+        await self.health.set_dead()
+        self.gate.start_draining()
+        await self.server.stop(UNGATED_GRACE_S)
+        await self._close()
+        raise error
+
 
 def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
@@ -166,18 +192,20 @@ def build_server(engine, server_config: ServerConfig, engine_config: EngineConfi
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
     """Run until SIGTERM/SIGINT, then drain. True when the drain cut nothing off."""
+    import torch
+
     from mmserve.engine.async_engine import AsyncEngine
     from mmserve.server.observability import setup_observability
 
+    torch.set_num_threads(1)   # the front end does no torch parallel work; the engine process owns the cores
     signals = ShutdownSignals()
     signals.install()
     observability = setup_observability(engine_config, server_config)
-    server = build_server(AsyncEngine(engine_config, observer=observability.observer), server_config, engine_config,
-                          metrics=observability.metrics)
+    engine = AsyncEngine(engine_config, observer=observability.observer)
+    server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
     try:
         await server.start()
-        await signals.requested.wait()
-        return await server.drain(forced=signals.forced)
+        return await server.run_until_stopped(signals)
     except BaseException:
         await server.stop()
         raise

@@ -37,6 +37,11 @@ class Health:
     async def set_ready(self) -> None:
         await self.servicer.set(GENERATION_SERVICE, _SERVING)
 
+    async def set_dead(self) -> None:
+        """The engine process died: neither live nor ready, so the orchestrator restarts this server."""
+        await self.servicer.set(OVERALL, _NOT_SERVING)
+        await self.servicer.set(GENERATION_SERVICE, _NOT_SERVING)
+
     async def set_draining(self) -> None:
         """Readiness drops first so load balancers stop sending work before the listener closes."""
         await self.servicer.set(GENERATION_SERVICE, _NOT_SERVING)

@@ -1,7 +1,8 @@
 """Wire the metrics package into a serving process: traces, Prometheus/OTLP metrics, per-request perf.
 
-The engine reports steps to one observer; this builds that observer from the configs so that
-`Final.perf` carries each request's FLOPs/bytes/MFU/MBU and spans reach the configured collector.
+The front end reports the engine's steps to one observer (from the step records the engine process
+sends); this builds that observer from the configs so that `Final.perf` carries each request's
+FLOPs/bytes/MFU/MBU and spans reach the configured collector.
 """
 
 from __future__ import annotations

@@ -1,0 +1,257 @@
+"""The front end's end of the process boundary: start the engine core, talk to it, notice its death.
+
+The core runs in a spawned process (CUDA-safe: the front end never initialises CUDA before it, and
+spawn starts a fresh interpreter), or, with a preloaded model or --no-engine-process, on a thread of
+this process; both speak the same zmq protocol. The sockets live in a private 0700 directory made
+here (`tempfile.mkdtemp`), so no other user can connect to them.
+
+Receiving runs on the event loop: one task reads `EngineCoreOutputs` and hands each to
+`on_outputs`. When no message arrives for `LIVENESS_POLL_MS` it checks that the core is alive; once
+it is gone and its last messages are read, `on_exit` gets an EngineDeadError naming the exit code or
+signal (or the reason the core sent), or None after a requested shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from mmserve.config import EngineConfig
+from mmserve.engine import serial
+from mmserve.engine.core_proc import CoreAddresses, run_core, run_engine_process
+from mmserve.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    EngineCoreOutputs,
+    EngineDead,
+    EngineReady,
+    Shutdown,
+    UtilityCall,
+)
+from mmserve.engine.types import EngineRequest
+from mmserve.errors import EngineDeadError, EngineInternalError
+
+logger = logging.getLogger(__name__)
+
+LIVENESS_POLL_MS = 100
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, *, model=None,
+                 on_outputs: Callable[[EngineCoreOutputs], None],
+                 on_exit: Callable[[EngineDeadError | None], None]):
+        self.config = config
+        self.in_process = model is not None or not config.engine_process
+        self._model = model
+        self._on_outputs = on_outputs
+        self._on_exit = on_exit
+        self._dir = Path(tempfile.mkdtemp(prefix="mmserve-engine-"))   # 0700
+        self.addresses = CoreAddresses(f"ipc://{self._dir}/inputs", f"ipc://{self._dir}/outputs")
+        self._ctx = zmq.asyncio.Context()
+        self._recv = self._ctx.socket(zmq.PULL)
+        self._send_sock = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUSH)
+        for sock in (self._recv, self._send_sock):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._recv.bind(self.addresses.outputs)
+        # Connecting (not binding) the sending side: a connecting PUSH queues from the first send,
+        # even before the core has bound its end, so no request can race the handshake.
+        self._send_sock.connect(self.addresses.inputs)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        self.core = None             # the EngineCore object, only when it runs in this process
+        self.ready: EngineReady | None = None
+        self._calls = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future] = {}
+        self._receiver: asyncio.Task | None = None
+        self._shutting_down = False
+        self._dead_reason: str | None = None   # what the core said before it exited, if anything
+        self.exited = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> EngineReady:
+        """Start the core and wait for READY; raises EngineDeadError if it fails or dies first."""
+        if self.in_process:
+            def started(core) -> None:
+                self.core = core
+
+            self.thread = threading.Thread(target=run_core, args=(self.config, self.addresses),
+                                           kwargs=dict(model=self._model, started=started),
+                                           name="mmserve-engine", daemon=True)
+            self.thread.start()
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            self.process = ctx.Process(target=run_engine_process, name="mmserve-engine",
+                                       args=(self.config, self.addresses, logging.getLogger("mmserve").getEffectiveLevel()))
+            self.process.start()
+            logger.info("engine process %d started; waiting for it to load %s", self.process.pid, self.config.model)
+        deadline = time.monotonic() + self.config.engine_ready_timeout_s
+        while True:
+            if await self._recv.poll(LIVENESS_POLL_MS):
+                message = serial.decode(await self._recv.recv_multipart(copy=False))
+                if isinstance(message, EngineReady):
+                    self.ready = message
+                    break
+                if isinstance(message, EngineDead):
+                    await self._reap()
+                    raise EngineDeadError(message.reason)
+                logger.error("unexpected %s before READY", type(message).__name__)
+            elif not self.alive:
+                raise EngineDeadError(f"{self._describe_exit()} while starting")
+            elif time.monotonic() > deadline:
+                self._kill()
+                raise EngineDeadError(f"the engine did not report ready within {self.config.engine_ready_timeout_s:g}s "
+                                      f"(--engine-ready-timeout-s)")
+        self._receiver = asyncio.get_running_loop().create_task(self._receive(), name="mmserve-engine-outputs")
+        return self.ready
+
+    @property
+    def stopping(self) -> bool:
+        """shutdown() was called, or the core is gone."""
+        return self._shutting_down or self.exited.is_set()
+
+    @property
+    def alive(self) -> bool:
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Ask the core to end what is in flight and exit; its last outputs are still delivered."""
+        if self._shutting_down:
+            await self.exited.wait()
+            return
+        self._shutting_down = True
+        if self._receiver is None:        # never started (or failed to)
+            self._kill()
+            self._close()
+            return
+        if self.alive:
+            self._post(Shutdown())
+        try:
+            await asyncio.wait_for(self.exited.wait(), timeout_s)
+        except TimeoutError:
+            logger.error("the engine did not exit within %.0fs; killing it", timeout_s)
+            self._kill()
+            await self.exited.wait()
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        self._post(AddRequest(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.alive and not self.exited.is_set():
+            self._post(AbortRequests(request_ids))
+
+    async def utility(self, method: str, *args):
+        """Call one of the core's utility methods (core_proc.UTILITIES) and return its result."""
+        call_id = next(self._calls)
+        future = asyncio.get_running_loop().create_future()
+        self._pending_calls[call_id] = future
+        try:
+            self._post(UtilityCall(call_id, method, args))
+            return await future
+        finally:
+            self._pending_calls.pop(call_id, None)
+
+    def _post(self, message) -> None:
+        if self.exited.is_set():
+            raise EngineDeadError("the engine is not running")
+        try:
+            self._send_sock.send_multipart(serial.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            raise EngineDeadError(f"the engine is not reachable: {exc}") from None
+
+    # -- receiving ---------------------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        try:
+            while True:
+                if await self._recv.poll(LIVENESS_POLL_MS):
+                    self._dispatch(serial.decode(await self._recv.recv_multipart(copy=False)))
+                elif not self.alive:   # gone, and everything it sent has been read
+                    break
+            await self._reap()
+            error = None if self._shutting_down and self._exit_was_clean() else EngineDeadError(
+                f"{self._describe_exit()}; requests in flight were lost, retry them")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:   # a bug here must still end every request, never hang them
+            logger.exception("engine output handler failed")
+            self._kill()
+            error = EngineDeadError(f"the engine connection failed: {exc!r}")
+        if error is not None:
+            logger.error("%s", error)
+        self._fail_calls(error or EngineDeadError("the engine shut down"))
+        self._close()
+        self.exited.set()
+        self._on_exit(error)
+
+    def _dispatch(self, message) -> None:
+        if isinstance(message, EngineCoreOutputs):
+            for result in message.utility:
+                future = self._pending_calls.get(result.call_id)
+                if future is not None and not future.done():
+                    if result.error is None:
+                        future.set_result(result.result)
+                    else:
+                        future.set_exception(EngineInternalError(result.error))
+            self._on_outputs(message)
+        elif isinstance(message, EngineDead):
+            self._dead_reason = message.reason
+        else:
+            logger.error("ignoring an unexpected %s from the engine", type(message).__name__)
+
+    # -- helpers -----------------------------------------------------------------------------------
+
+    def _exit_was_clean(self) -> bool:
+        return self.process is None or self.process.exitcode == 0
+
+    def _describe_exit(self) -> str:
+        if self.process is None:
+            what = "the engine thread stopped"
+        else:
+            code = self.process.exitcode
+            if code is not None and code < 0:
+                name = signal.Signals(-code).name
+                hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+                what = f"the engine process {self.process.pid} was killed by {name}{hint}"
+            else:
+                what = f"the engine process {self.process.pid} exited with code {code}"
+        return f"{what}: {self._dead_reason}" if self._dead_reason else what
+
+    async def _reap(self) -> None:
+        if self.process is not None:
+            await asyncio.to_thread(self.process.join, 10)
+        elif self.thread is not None:
+            await asyncio.to_thread(self.thread.join, 10)
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+
+    def _fail_calls(self, error: BaseException) -> None:
+        for future in self._pending_calls.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _close(self) -> None:
+        self._recv.close()
+        self._send_sock.close()
+        self._ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

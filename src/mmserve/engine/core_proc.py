@@ -1,0 +1,200 @@
+"""The engine side of the process boundary: EngineCore's step loop behind two zmq sockets.
+
+`run_engine_process` is the spawned process's entry (importable, so spawn needs no `__main__`
+tricks): it sets the one torch pool, loads the model, measures the device peaks, sends `EngineReady`
+and runs `CoreLoop` on its main thread, the only thread that ever runs torch here. The same loop can
+run on a thread of the server process instead (`run_core`; --no-engine-process, or a preloaded model).
+
+Each iteration drains every queued message (adds, aborts, utility calls), runs one step and sends
+one `EngineCoreOutputs`. Nothing here is per-request Python beyond the core itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from mmserve.config import EngineConfig
+from mmserve.engine import serial
+from mmserve.engine.protocol import (
+    AbortRequests,
+    AddRequest,
+    CoreOutput,
+    EngineDead,
+    EngineReady,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from mmserve.errors import EngineInternalError, EngineUnavailableError, MMServeError
+
+logger = logging.getLogger(__name__)
+
+UTILITIES = frozenset({"held_resources"})   # core methods the front end may call by name
+IDLE_POLL_MS = 500    # how long an idle core sleeps between liveness checks of its parent
+BLOCKED_POLL_MS = 1   # requests in flight but nothing schedulable: do not busy-loop
+LINGER_MS = 4000      # let the last outputs (or the death message) reach the front end on exit
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ipc endpoints in the front end's private (0700) directory. Each sending side connects (its
+    messages queue until the peer is there); each receiving side binds."""
+
+    inputs: str    # front end PUSH (connects) -> core PULL (binds)
+    outputs: str   # core PUSH (connects) -> front end PULL (binds)
+
+
+def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int) -> None:
+    """The spawned engine process's main."""
+    # Ctrl-C reaches the whole process group; the front end decides when the engine stops (after a drain).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
+    from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
+
+    threads = configure_torch_threads(engine_threads(config.engine_threads))
+    parent = os.getppid()
+    code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent)
+    sys.exit(code)
+
+
+def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torch_threads: int = 0,
+             parent_alive: Callable[[], bool] = lambda: True, started: Callable | None = None) -> int:
+    """Connect, build the core, send READY (or why not), serve until Shutdown. Returns the exit code."""
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    outputs = ctx.socket(zmq.PUSH)
+    for sock in (inputs, outputs):
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.SNDHWM, 0)   # never drop; back-pressure is memory
+        sock.setsockopt(zmq.RCVHWM, 0)
+    inputs.bind(addresses.inputs)
+    outputs.connect(addresses.outputs)
+    try:
+        try:
+            core, ready = _start(config, model, torch_threads)
+        except BaseException as exc:
+            logger.exception("engine failed to start")
+            outputs.send_multipart(serial.encode(EngineDead(f"the engine failed to start: {exc!r}")))
+            return 1
+        if started is not None:
+            started(core)
+        outputs.send_multipart(serial.encode(ready))
+        try:
+            CoreLoop(core, inputs, outputs, parent_alive).run()
+        except BaseException as exc:
+            logger.exception("engine loop died")
+            outputs.send_multipart(serial.encode(EngineDead(f"the engine loop failed: {exc!r}")))
+            return 1
+        return 0
+    finally:
+        inputs.close()
+        outputs.close()
+        ctx.term()
+
+
+def _start(config: EngineConfig, model, torch_threads: int):
+    from pathlib import Path
+
+    import torch
+
+    from mmserve.engine.core import EngineCore
+
+    core = EngineCore(config, model=model)
+    spec = core.model.spec
+    ready = EngineReady(
+        model_name=Path(config.model).name, backend=core.model.attention_backend,
+        dtype=config.dtype, max_model_len=core.max_model_len, tokens_per_frame=spec.video_max_soft_tokens,
+        eos_token_ids=tuple(sorted(core.eos_token_ids)),
+        kv_pool_blocks={name: pool.num_usable for name, pool in core.kv.pools.items()},
+        max_num_seqs=config.max_num_seqs, peaks=core.peaks,
+        torch_threads=torch_threads or torch.get_num_threads(), pid=os.getpid())
+    return core, ready
+
+
+class CoreLoop:
+    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool]):
+        self.core = core
+        self.inputs = inputs
+        self.outputs = outputs
+        self.parent_alive = parent_alive
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self._refused: list[CoreOutput] = []
+        self._utility: list[UtilityResult] = []
+        self._stopping = False
+
+    def run(self) -> None:
+        core = self.core
+        while True:
+            if not self.parent_alive():   # one getppid() per iteration: an orphaned core stops even mid-work
+                logger.error("the front end process is gone; the engine exits")
+                return
+            if not core.has_work:
+                timeout = IDLE_POLL_MS
+            else:
+                timeout = BLOCKED_POLL_MS if core.idle_step else 0
+            if self.poller.poll(timeout):
+                self._drain()
+            if self._stopping:
+                self._send_shutdown()
+                return
+            if not (core.has_work or self._refused or self._utility):
+                continue
+            result = core.step()
+            result.outputs[:0], self._refused = self._refused, []
+            result.utility, self._utility = self._utility, []
+            if not result.is_empty:
+                self._send(result)
+
+    def _send(self, message) -> None:
+        self.outputs.send_multipart(serial.encode(message), copy=False)
+
+    def _drain(self) -> None:
+        """Handle every message already queued (several adds and aborts per step, in order)."""
+        while True:
+            try:
+                frames = self.inputs.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(serial.decode(frames))
+
+    def _handle(self, message) -> None:
+        if isinstance(message, AddRequest):
+            rid = message.request.request_id
+            try:
+                self.core.add_request(message.request)
+            except MMServeError as exc:      # admission refused: it goes back as this request's error
+                self._refused.append(CoreOutput(rid, error=exc))
+            except Exception as exc:
+                logger.exception("request %s: admission failed", rid)
+                self._refused.append(CoreOutput(rid, error=EngineInternalError(f"request {rid}: admission failed: {exc!r}")))
+        elif isinstance(message, AbortRequests):
+            for rid in message.request_ids:
+                self.core.abort(rid)
+        elif isinstance(message, UtilityCall):
+            self._utility.append(self._call(message))
+        elif isinstance(message, Shutdown):
+            self._stopping = True
+        else:
+            logger.error("ignoring an unknown message %r", type(message).__name__)
+
+    def _call(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in UTILITIES:
+            return UtilityResult(call.call_id, error=f"{call.method!r} is not a utility of the engine core")
+        try:
+            return UtilityResult(call.call_id, getattr(self.core, call.method)(*call.args))
+        except Exception as exc:
+            return UtilityResult(call.call_id, error=repr(exc))
+
+    def _send_shutdown(self) -> None:
+        result = self.core.shutdown(EngineUnavailableError("the engine shut down"))
+        result.outputs[:0], self._refused = self._refused, []
+        result.utility, self._utility = self._utility, []
+        self._send(result)

@@ -1,0 +1,117 @@
+"""What crosses between the front end and the engine core, in both directions. Plain data only.
+
+Front end -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
+iteration that changed anything (admissions, tokens, ends, a step record, utility results).
+`mmserve.engine.serial` serialises all of these generically: a field added to any of them (or to
+EngineRequest, SamplingParams, StepRecord ...) crosses with no change here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.observer import StepRecord
+from mmserve.engine.types import EngineRequest, LoadInfo
+
+
+@dataclass
+class AddRequest:
+    request: EngineRequest
+
+
+@dataclass
+class AbortRequests:
+    """The front end has already ended these requests; the core frees them and acknowledges each
+    (`EngineCoreOutputs.aborted`), so their id may be reused safely."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class UtilityCall:
+    """Ask the core for something outside the step loop (`core_proc.UTILITIES` names what is allowed)."""
+
+    call_id: int
+    method: str
+    args: tuple = ()
+
+
+@dataclass
+class Shutdown:
+    """End every request still in flight (EngineUnavailableError) and exit."""
+
+
+@dataclass
+class CoreOutput:
+    """One request's result of one engine iteration: new tokens, and how it ended if it did.
+
+    `finish_reason` is "eos" or "length" (stop strings are the front end's business); `error` ends
+    the request with that exception (admission refused, aborted, a failed step). `logprobs`: one per
+    new token when the request asked; `prompt_logprobs` and `finish_detail` come with the end.
+    `num_cached_tokens` (prompt tokens the prefix cache served at admission, -> Usage.cached_tokens)
+    comes with every output that has tokens: the front end may end the request on any of them."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    finish_detail: str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class UtilityResult:
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one engine iteration produced, in the order it happened: `aborted` acknowledges
+    every requested abort (known or not), `admitted` lists requests queued (a refused one comes as an
+    output with an error instead), then the step and its outputs. `load` is the state after it."""
+
+    load: LoadInfo
+    aborted: list[str] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    step: StepRecord | None = None
+    outputs: list[CoreOutput] = field(default_factory=list)
+    utility: list[UtilityResult] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.aborted or self.admitted or self.step or self.outputs or self.utility)
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """The handshake: what the front end needs before it can take requests."""
+
+    model_name: str
+    backend: str
+    dtype: str
+    max_model_len: int
+    tokens_per_frame: int
+    eos_token_ids: tuple[int, ...]
+    kv_pool_blocks: dict[str, int]
+    max_num_seqs: int
+    peaks: Any              # metrics.peaks.DevicePeaks, measured in the engine process
+    torch_threads: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class EngineDead:
+    """Sent by a core that is about to exit abnormally (startup failure, a bug in its loop)."""
+
+    reason: str

@@ -1,0 +1,58 @@
+"""The engine process dies (kill -9, as the OOM killer does) under a real `mmserve serve`: the stream
+in flight ends with UNAVAILABLE naming what happened, liveness and readiness turn NOT_SERVING, and
+the server process exits non-zero so its orchestrator restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rel_engine import read_stream, text_request
+from rel_process import ServeProcess
+
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+from mmserve.server.health import GENERATION_SERVICE
+
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def _first_not_serving(channel, service: str) -> int:
+    """Watch `service` until it reports NOT_SERVING (the Watch stream sees it before the server stops)."""
+    async for update in health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=service)):
+        if update.status == NOT_SERVING:
+            return update.status
+    raise AssertionError(f"{service!r} never reported NOT_SERVING")
+
+
+@pytest.mark.slow
+def test_killed_engine_fails_in_flight_requests_and_the_server_exits_nonzero(tiny_checkpoint):
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--max-num-seqs", "4", "--worker-threads", "1")
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+                watches = [asyncio.ensure_future(_first_not_serving(ch, s)) for s in ("", GENERATION_SERVICE)]
+                stub = pb_grpc.GenerationStub(ch)
+                calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
+                for call in calls:
+                    assert (await call.read()).delta.token_ids
+                assert server.engine_pid is not None, server.log
+                os.kill(server.engine_pid, signal.SIGKILL)
+                for call in calls:
+                    result = await read_stream(call)
+                    assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                    assert "killed by SIGKILL" in result.details and result.final is None, result.details
+                assert await asyncio.wait_for(asyncio.gather(*watches), 30) == [NOT_SERVING, NOT_SERVING]
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) != 0, server.log
+        assert "engine died" in server.log
+    finally:
+        server.stop()
