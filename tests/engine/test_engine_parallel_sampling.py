@@ -46,7 +46,7 @@ def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt
          for i in range(4)])
     assert [s.token_ids for s in got.samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in got.samples}) > 1
-    assert llm.core.kv.usage() == 0 and not llm.core.states and not llm.core._forks
+    assert llm.core.kv.usage() == 0 and not llm.core.requests and not llm.core._forks
     # the prompt once; each further sample recomputes at most the partial last block
     assert prefill[0] <= len(req.prompt_token_ids) + 3 * llm.config.block_size, prefill[0]
 
@@ -58,15 +58,16 @@ def test_cancel_mid_stream_frees_every_block(load_backend):
     llm = make_llm(model_tok, attention_backend="sdpa")
     core = llm.core
     for sub in fan_out(req):
-        core.add_request(sub)
+        llm.add_request(sub)
     for _ in range(4):   # prompt computed, the forks admitted, a few tokens each
-        core.step()
+        llm.step()
     assert core.kv.usage() > 0 and len(core.scheduler.running) == 3
+    assert sorted(rid for sub in fan_out(req) for rid, _ in llm.processor.abort(sub.request_id)) == ["c", "c#1", "c#2"]
     for sub in fan_out(req):
         core.abort(sub.request_id)
-    events = core.step()
-    assert sorted(rid for rid, _ in events) == ["c", "c#1", "c#2"]
-    assert core.kv.usage() == 0 and not core.states and not core._forks and not core.scheduler.num_unfinished
+    llm.step()
+    assert core.kv.usage() == 0 and not core.requests and not core._forks and not core.scheduler.num_unfinished
+    assert not llm.processor.states and not llm.processor.aborting
 
 
 def test_samples_that_cannot_fit_the_cache_are_refused(load_backend):
