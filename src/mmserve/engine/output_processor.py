@@ -52,7 +52,8 @@ class OutputProcessor:
         if len(req.mm_inputs) != len(req.mm_ranges):
             raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context,
+                          fork_of=req.fork_of)
         detok = None
         if self.tokenizer is not None:
             from mmserve.model.tokenizer import IncrementalDetokenizer
