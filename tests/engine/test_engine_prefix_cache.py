@@ -251,3 +251,20 @@ def test_a_hits_sliding_table_starts_with_null_blocks(load_backend):
     first = (cached - 6 + 1) // BS                 # the window (6) reaches back to key 35
     assert tables["b"][:first] == [NULL_BLOCK] * first
     assert NULL_BLOCK not in tables["b"][first:]
+
+
+def test_a_request_ended_on_a_stop_string_reports_its_cached_tokens(load_backend):
+    # Stop strings end a request in the front end, whose copy of the request never sees the cache:
+    # the cached-token count must have crossed with the core's outputs before the stop.
+    model_tok = load_backend("reference")
+    seed = random.randrange(10**6)
+    llm, _ = engine(model_tok)
+    full = llm.generate([build_request("a", [25], seed=seed, max_tokens=24)])[0]
+    start = next(i for i in range(len(full.text) // 3, len(full.text) - 2)
+                 if "\ufffd" not in full.text[i:i + 2] and full.text[i:i + 2].strip())
+    stop = full.text[start:start + 2]
+    got = llm.generate([build_request("b", [25], seed=seed, max_tokens=24, stop=(stop,))])[0]
+    assert got.finish_reason == "stop" and got.matched_stop == stop
+    assert got.usage.cached_tokens == 25 // BS * BS   # 26 prompt tokens: every whole block but the last token's
+    assert got.token_ids == full.token_ids[:len(got.token_ids)]
+    assert_pools_full(llm.core)
