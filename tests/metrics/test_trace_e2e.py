@@ -133,7 +133,7 @@ def test_denominators_are_exported(traced):
     """GetModelInfo and /metrics (an info metric and two gauges) say what MFU/MBU divide by: the
     peaks the engine detected."""
     server, _, metrics = traced
-    peaks = server.engine.core.peaks
+    peaks = server.engine.ready.peaks   # measured in the engine process, reported in READY
     with Client(f"127.0.0.1:{server.port}", timeout=30) as client:
         info = client.model_info().peaks
     assert (info.device, info.flops, info.bandwidth, info.source) == (peaks.name, peaks.flops, peaks.bandwidth,

@@ -81,7 +81,7 @@ def test_health_and_model_info(client, mmserve_server):
     assert info.max_frames_per_video == mmserve_server.engine_config.max_frames_per_video
     assert set(info.supported_inputs) == {"text", "image", "video"}
     # The MFU/MBU denominators: what the engine measured (or read from this machine's cache) where it runs.
-    engine_peaks = mmserve_server.engine.core.peaks
+    engine_peaks = mmserve_server.engine.ready.peaks   # measured in the engine process, reported in READY
     assert info.peaks.flops == engine_peaks.flops > 0 and info.peaks.bandwidth == engine_peaks.bandwidth > 0
     assert info.peaks.source in ("calibrated", "cached") and info.peaks.device.startswith("cpu")
     load = client.server_load()

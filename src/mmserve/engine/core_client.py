@@ -48,6 +48,13 @@ logger = logging.getLogger(__name__)
 LIVENESS_POLL_MS = 100
 
 
+def _log_format() -> str:
+    """This process's `--log-format` ("json" when the root logger formats JSON), for the engine process."""
+    from mmserve.logs import JsonFormatter
+
+    return "json" if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers) else "text"
+
+
 class CoreClient:
     def __init__(self, config: EngineConfig, *, model=None,
                  on_outputs: Callable[[EngineCoreOutputs], None],
@@ -96,7 +103,8 @@ class CoreClient:
         else:
             ctx = multiprocessing.get_context("spawn")
             self.process = ctx.Process(target=run_engine_process, name="mmserve-engine",
-                                       args=(self.config, self.addresses, logging.getLogger("mmserve").getEffectiveLevel()))
+                                       args=(self.config, self.addresses, logging.getLogger("mmserve").getEffectiveLevel(),
+                                             _log_format()))
             self.process.start()
             logger.info("engine process %d started; waiting for it to load %s", self.process.pid, self.config.model)
         deadline = time.monotonic() + self.config.engine_ready_timeout_s

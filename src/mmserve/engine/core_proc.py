@@ -51,11 +51,17 @@ class CoreAddresses:
     outputs: str   # core PUSH (connects) -> front end PULL (binds)
 
 
-def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int) -> None:
-    """The spawned engine process's main."""
+def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int, log_format: str = "text") -> None:
+    """The spawned engine process's main. It logs to the stderr it shares with the front end, in the
+    front end's format (`--log-format`), so a JSON log stream stays one JSON object per line."""
     # Ctrl-C reaches the whole process group; the front end decides when the engine stops (after a drain).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
+    if log_format == "json":
+        from mmserve.logs import configure_logging
+
+        configure_logging(logging.getLevelName(log_level), "json")
+    else:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
 
     threads = configure_torch_threads(engine_threads(config.engine_threads))
