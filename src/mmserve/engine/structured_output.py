@@ -114,7 +114,7 @@ class StructuredOutput:
     def add(self, request_id: str, matcher: xgr.GrammarMatcher) -> None:
         self._matchers[request_id] = matcher
 
-    # -- engine thread -------------------------------------------------------------------------------
+    # -- engine core, once per step --------------------------------------------------------------
 
     def fill(self, requests: Sequence) -> tuple[list[int], torch.Tensor] | None:
         """Host side of a step: the rows that are constrained and their bitmasks (None if none are)."""

@@ -1,8 +1,8 @@
 """TelemetryObserver: the engine's observer that turns steps into spans, metrics and `request.perf`.
 
-The engine thread calls it once per step with every scheduled request's (num_tokens, context_len,
-is_prefill). It prices the step with the perf model (per GPU), divides the text part among the
-requests by token share, prices the step's one encoder call as it ran (frames padded to the longest,
+The front end's output processor calls it once per step, from the step record the engine core sends
+with its outputs (every scheduled request's num_tokens, context_len, is_prefill). It prices the step
+with the perf model (per GPU), divides the text part among the requests by token share, prices the step's one encoder call as it ran (frames padded to the longest,
 weights read once) and bills each request its own frames, and emits:
 
 - per request, children of the request's `mmserve.generate` span (`request.trace_context`):
@@ -107,7 +107,7 @@ class _RequestState:
 
 
 class TelemetryObserver:
-    """Implements mmserve.engine.observer.EngineObserver. Called from the engine thread only."""
+    """Implements mmserve.engine.observer.EngineObserver. Called from the one thread that reads engine outputs."""
 
     def __init__(self, perf_model: PerfModel, peaks: DevicePeaks | None = None, *, tracer: Tracer | None = None,
                  metrics: EngineMetrics | None = None, step_trace_ratio: float = 0.01,
