@@ -3,7 +3,8 @@
 The front end's output processor calls it once per step, from the step record the engine core sends
 with its outputs (every scheduled request's num_tokens, context_len, is_prefill). It prices the step
 with the perf model (per GPU), divides the text part among the requests by token share, prices the
-step's one encoder call as it ran (frames padded to the longest, weights read once) and bills each request its own frames, and emits:
+step's one encoder call as it ran (frames padded to the longest, weights read once) and bills each
+request its own frames, and emits:
 
 - per request, children of the request's `mmserve.generate` span (`request.trace_context`):
   `mmserve.vision.encode` for a step that encoded its frames, `mmserve.prefill` per prefill chunk,
