@@ -97,10 +97,22 @@ def test_ports_env_and_health_check_match_server_and_manifests(image):
     assert {"interval", "timeout", "start-period"} <= set(flags)
 
 
-def test_models_volume(image):
+def test_models_and_media_volumes(image):
+    """Checkpoints mount at /models; uploads go where MMSERVE_MEDIA_DIR points, a volume the server's
+    user owns (gigabytes of video must not land on the container's writable layer)."""
     _, df = image
-    volumes = [v for i in df.stages[-1].all("VOLUME") for v in (i.exec_form() or i.value.split())]
-    assert "/models" in volumes
+    final = df.stages[-1]
+    volumes = [v for i in final.all("VOLUME") for v in (i.exec_form() or i.value.split())]
+    media_dir = final.env()["MMSERVE_MEDIA_DIR"]
+    assert "/models" in volumes and media_dir in volumes
+    chowns = [r.value for r in final.all("RUN") if "chown" in r.value]
+    assert any(media_dir in r for r in chowns), "the non-root user can write the media volume"
+
+
+def test_torch_threads_follow_the_container_limit(image):
+    """No OMP_NUM_THREADS baked in: it would override the cgroup quota the engine sizes its pool from."""
+    _, df = image
+    assert "OMP_NUM_THREADS" not in df.stages[-1].env()
 
 
 def test_copy_sources_exist_and_pass_the_dockerignore(image):
