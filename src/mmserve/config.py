@@ -23,10 +23,15 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     attention_backend: str = field(default="auto", metadata={"help": "auto | reference | sdpa | flex | fa4"})
+    compile_dense: bool = field(default=False, metadata={
+        "help": "torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per process)"})
     sdpa_batching: str = field(default="auto", metadata={
         "help": "sdpa backend: auto (one padded call per layer type unless padding costs more) | batched | loop "
                 "(one call per request)"})
     max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
+    prefill_batched_tokens: int = field(default=2048, metadata={
+        "help": "token budget of a step while no request is decoding (only prefill runs, so no TPOT pays "
+                "for a longer step); 0 = max_num_batched_tokens"})
     max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
     max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
@@ -62,6 +67,11 @@ class EngineConfig:
     # Metrics.
     perf_accounting: str = field(default="exact", metadata={"help": "exact | upper-bound attention accounting"})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced"})
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step may schedule (either budget): what step buffers and KV plans size for."""
+        return max(self.max_num_batched_tokens, self.prefill_batched_tokens)
 
     def __post_init__(self) -> None:
         # Resolved once here, so every reader (model loader, perf model, peaks, model info) sees a real dtype.

@@ -143,3 +143,30 @@ def test_a_frame_blocked_by_decodes_is_not_starved():
         assert step(sched).num_batched_tokens <= 16
     assert frame.num_computed_tokens > 16, "the frame never got a step"
     assert steps <= 3   # one step for the text before it, one skipped, then the frame first
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_step_carrying_a_decode_stays_within_the_base_budget(seed):
+    """The larger prefill budget is spent only while nobody decodes, so no decode waits on a long step."""
+    rng = random.Random(seed)
+    sched = make_scheduler(max_num_batched_tokens=16, prefill_batched_tokens=96, max_num_seqs=6, num_blocks=512)
+    for i in range(10):
+        n = rng.randint(5, 70)
+        sched.add_request(make_request(f"r{i}", n, random_ranges(rng, n, max_len=8), max_tokens=rng.randint(1, 8)))
+    sizes = []
+
+    def check(out):
+        decodes = [s for s in out.scheduled if not s.is_prefill]
+        assert out.num_batched_tokens <= (16 if decodes else 96)
+        sizes.append(out.num_batched_tokens)
+    run_to_completion(sched, check)
+    assert max(sizes) > 16   # the prefill-only steps did use the larger budget
+
+
+def test_prefill_budget_shrinks_once_the_first_request_decodes():
+    sched = make_scheduler(max_num_batched_tokens=16, prefill_batched_tokens=64)
+    for i in range(3):
+        sched.add_request(make_request(f"r{i}", 30, max_tokens=4))
+    assert step(sched).num_batched_tokens == 64      # 30 + 30 + 4, nobody decodes yet
+    out = step(sched)                                 # r0 and r1 now decode
+    assert out.num_batched_tokens == 16 and sum(not s.is_prefill for s in out.scheduled) == 2

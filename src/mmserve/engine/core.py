@@ -67,10 +67,11 @@ class EngineCore:
         plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=config.block_size,
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
                            kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                           max_chunk=config.max_num_batched_tokens)
+                           max_chunk=config.max_step_tokens)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    max_waiting_requests=config.max_waiting_requests,
                                    policy=config.scheduling_policy)
@@ -113,7 +114,7 @@ class EngineCore:
         self.scheduler.check_admissible(request)
         if req.sampling.n > 1 and req.fork_of is None:
             check_samples_fit(self.kv, request.num_prompt_tokens, req.sampling.max_tokens, req.sampling.n,
-                              self.config.max_num_batched_tokens)
+                              self.config.max_step_tokens)
         if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)

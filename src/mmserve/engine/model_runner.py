@@ -31,6 +31,7 @@ from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_byt
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.engine.sampled_rows import SampledRowsBuilder
 from mmserve.engine.step_inputs import StepInputBuilder
+from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
 from mmserve.scheduler.kv_cache_manager import PoolPlan
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
@@ -49,9 +50,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model, plans: dict[str, PoolPlan], config: EngineConfig, *, max_model_len: int,
-                 max_num_tokens: int | None = None):
-        """`max_num_tokens`: the largest step the scheduler may send (default: the token budget)."""
+    def __init__(self, model, plans: dict[str, PoolPlan], config: EngineConfig, *, max_model_len: int):
         self.model = model
         spec = model.spec
         device, dtype = model.device, model.dtype
@@ -63,7 +62,8 @@ class ModelRunner:
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
                 backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
-        max_tokens = max_num_tokens or config.max_num_batched_tokens
+        set_compiled(config.compile_dense)
+        max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
         self.block_tables = BlockTables(plans, max_blocks)
         self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_tokens,

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl
+from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
-from mmserve.model.rope import RotaryEmbedding, apply_rope
+from mmserve.model.rope import RotaryEmbedding, norm_rope
 from mmserve.model.spec import LayerSpec, ModelSpec
 
 
@@ -63,12 +64,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim)), cos, sin)
+        q_raw = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        q = norm_rope(q_raw, self.q_norm.weight, self.q_norm.eps, cos, sin)
         k = v = None
         if self.k_proj is not None:
             k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
             v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            k = norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin)
             v = self.v_norm(v_raw)
         out = self.impl.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -82,7 +84,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

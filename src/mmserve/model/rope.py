@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from mmserve.model.compiled import dense_kernel
+from mmserve.model.norm import rms_norm
 from mmserve.model.spec import RopeSpec
 
 
@@ -34,3 +36,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+@dense_kernel
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of the RMS-normed q or k heads ([T, heads, head_dim]): one fused kernel when compiled."""
+    return apply_rope(rms_norm.eager(x, weight, eps), cos, sin)

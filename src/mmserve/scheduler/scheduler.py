@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
-admission order), then waiting ones (FCFS, or higher priority first). When KV blocks run out, the request
+admission order), then waiting ones (FCFS, or higher priority first). The budget is
+max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes. When KV blocks run out, the request
 that would be served last is preempted: its blocks are freed and it is recomputed later.
 """
 
@@ -48,6 +49,7 @@ class Scheduler:
         *,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        prefill_batched_tokens: int = 0,
         max_model_len: int,
         max_waiting_requests: int = 256,
         policy: str = "fcfs",
@@ -56,6 +58,7 @@ class Scheduler:
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_batched_tokens = max(prefill_batched_tokens, max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_waiting_requests = max_waiting_requests
@@ -93,7 +96,7 @@ class Scheduler:
             raise LimitExceededError(
                 f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
                 f"the context length {self.max_model_len}", "--max-model-len", can_never_fit=True)
-        for t, blocks in self.kv.max_blocks_needed(total, self.max_num_batched_tokens).items():
+        for t, blocks in self.kv.max_blocks_needed(total, self.prefill_batched_tokens).items():
             usable = self.kv.pools[t].num_usable
             if blocks > usable:
                 raise LimitExceededError(
@@ -157,8 +160,16 @@ class Scheduler:
             return max(self.running, key=self._order_key)
         return self.running[-1]
 
+    def token_budget(self) -> int:
+        """The larger prefill budget while no running request decodes: a longer step then delays
+        nobody's next token. Once one decodes, steps shrink back so its TPOT stays bounded."""
+        if self.prefill_batched_tokens == self.max_num_batched_tokens or any(
+                not r.is_prefill for r in self.running):
+            return self.max_num_batched_tokens
+        return self.prefill_batched_tokens
+
     def schedule(self) -> SchedulerOutput:
-        budget = self.max_num_batched_tokens
+        budget = self.token_budget()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
 

@@ -1,0 +1,103 @@
+"""The sdpa backend's batched plan: random mixed steps against the dense fp32 reference, the
+windowed page tables it gathers, the kernel SDPA really runs, and the batched/loop choice."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from attn_batches import SPECS, Req, frames, make_batch, rel_err
+
+from mmserve.attention.mask import batch_dense_mask
+from mmserve.attention.page_tables import windowed_tables
+from mmserve.attention.sdpa import SdpaMetadataBuilder
+from mmserve.attention.synthetic import pool_for, run_backend
+
+SPEC_IDS = [f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}" for s in SPECS]
+
+
+def random_step(rng: random.Random, window: int) -> list[Req]:
+    """Decodes, chunked prefills and whole prompts, with frames shorter and longer than the window."""
+    reqs = []
+    for _ in range(rng.randint(2, 9)):
+        ranges = frames(rng.randint(0, 6), rng.randint(0, 5), rng.choice([3, 6, window + rng.randint(1, 9)]),
+                        rng.randint(1, 4))
+        prompt = (ranges[-1][1] if ranges else 10) + rng.randint(1, 12)
+        kind = rng.random()
+        if kind < 0.4:       # decode past the prompt
+            context, query = prompt + rng.randint(0, 30), 1
+        elif kind < 0.7:     # a chunk starting between frames
+            starts = [0] + [e + 1 for _, e in ranges if e + 1 < prompt]
+            context = rng.choice(starts)
+            query = prompt - context
+        else:                # a whole prompt
+            context, query = 0, prompt
+        reqs.append(Req(context, query, ranges))
+    return reqs
+
+
+@pytest.mark.parametrize("mode", ["auto", "batched"])
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+def test_random_mixed_steps_match_the_dense_reference(mode, spec, dtype, tol):
+    seed = torch.seed() % 2**31
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    for _ in range(4):
+        reqs = random_step(rng, spec.window or 8)
+        batch = make_batch(reqs, spec, dtype=dtype, gen=gen, num_blocks=sum(r.seq_len // 16 + 2 for r in reqs) + 8,
+                           free_outside_window=rng.random() < 0.5)
+        want, want_cache = run_backend("reference", batch, spec)
+        got, cache = run_backend("sdpa", batch, spec, sdpa_batching=mode)
+        assert got.dtype == dtype
+        assert rel_err(got, want) < tol, (seed, reqs)
+        assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_windowed_tables_hold_every_kept_key_and_start_at_the_first(spec):
+    rng = random.Random(torch.seed() % 2**31)
+    for _ in range(5):
+        batch = make_batch(random_step(rng, spec.window or 8), spec, free_outside_window=True, num_blocks=400)
+        md = batch.metadata
+        qsl, seq = md.query_start_loc.numpy().astype(np.int64), md.seq_lens.numpy().astype(np.int64)
+        starts = None if md.query_ranges is None or not spec.bidirectional else md.query_ranges[:, 0].numpy()
+        out = np.zeros((md.num_reqs, md.block_table.shape[1]), dtype=np.int32)
+        tables = windowed_tables(spec, md.block_size, qsl, seq, md.block_table.numpy(), starts, out)
+        kept = batch_dense_mask(md, spec)
+        bs = md.block_size
+        for r in range(md.num_reqs):
+            keys = torch.nonzero(kept[qsl[r]:qsl[r + 1]].any(0)).flatten().tolist()
+            start = int(tables.key_start[r])
+            assert start % bs == 0 and tables.num_keys[r] == seq[r] - start
+            assert not keys or start <= keys[0] < start + bs    # starts at the first kept key's block
+            n = int(tables.num_blocks[r])
+            assert tables.block_table[r, :n].tolist() == md.block_table[r, start // bs: start // bs + n].tolist()
+            assert not tables.block_table[r, n:].any()
+
+
+def test_sdpa_runs_the_flash_kernel_never_its_math_fallback():
+    """GQA with a mask and frames, prefill and decode in one step, both plans: the CPU flash kernel only."""
+    from torch.profiler import profile
+
+    spec = SPECS[0]
+    batch = make_batch([Req(0, 40, frames(3, 3, 6, 2)), Req(30, 1), Req(12, 20, frames(14, 1, 10, 0)), Req(50, 1)],
+                       spec)
+    for mode in ("batched", "loop"):
+        with profile() as prof:
+            run_backend("sdpa", batch, spec, sdpa_batching=mode)
+        ops = {e.key for e in prof.key_averages()}
+        assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops, mode
+        assert not {op for op in ops if "math" in op or "softmax" in op}, (mode, ops)
+
+
+def test_auto_batches_alike_requests_and_loops_over_very_uneven_contexts():
+    spec = replace(SPECS[2], head_dim=64)
+    alike = make_batch([Req(200 + i, 1) for i in range(8)], spec, num_blocks=200)
+    uneven = make_batch([Req(3000, 1)] + [Req(5, 1) for _ in range(3)], spec, num_blocks=260)
+    plan = SdpaMetadataBuilder(pool_for(alike, spec)).build(alike.metadata)
+    assert [g.num_reqs for g in plan.groups] == [8]
+    plan = SdpaMetadataBuilder(pool_for(uneven, spec)).build(uneven.metadata)
+    assert [g.num_reqs for g in plan.groups] == [1, 1, 1, 1]
