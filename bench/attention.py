@@ -7,6 +7,10 @@ flex's block mask visits (and the share of its blocks that are full, i.e. mask-f
 128x128 tile list, and FA4 with a mask_mod on the windowed pieces fa4.py gives it (every tile of each
 piece, SM100's 128-key tiles: tiles.fa4_visited_pairs).
 
+A second table ("batching") times sdpa's two plans on multi-request steps: one padded call per
+group of requests ("batched") against one call per request ("loop"), and what the auto plan
+picks, for the demo, the serving benchmark's 55M model and Gemma 4 head shapes.
+
     python bench/attention.py            # full run (a few minutes on 2 cores)
     python bench/attention.py --smoke    # seconds: tiny shapes; JSON to a temp file
 
@@ -165,6 +169,85 @@ def run(shape: Shape, dtype: torch.dtype) -> list[Row]:
     return rows
 
 
+# --- sdpa: one padded call per group against one call per request ------------------------------
+
+BATCH_SPECS = {   # (sliding, full) per model shape; windows as in the checkpoints
+    "demo": (LayerAttentionSpec(SLIDING, 4, 2, 16, window=24, bidirectional=True),
+             LayerAttentionSpec(FULL, 4, 2, 16, window=None, bidirectional=False)),
+    "large": (LayerAttentionSpec(SLIDING, 8, 4, 96, window=24, bidirectional=True),
+              LayerAttentionSpec(FULL, 8, 2, 192, window=None, bidirectional=False)),
+    "gemma4": (FULL_SHAPE.sliding, FULL_SHAPE.full),
+}
+
+
+def batch_steps(gen: torch.Generator, smoke: bool) -> dict[str, list[Req]]:
+    """Multi-request steps: alike decodes (identical requests), a chunk beside decodes, uneven contexts."""
+    def lens(lo: int, hi: int, n: int) -> list[int]:
+        return torch.randint(lo, hi, (n,), generator=gen).tolist()
+    video = frames(20, 8, 22, 4)
+    if smoke:
+        return {"decode x4": [Req(c, 1) for c in lens(200, 260, 4)]}
+    return {
+        "decode x16": [Req(c, 1) for c in lens(212, 244, 16)],
+        "decode x64": [Req(c, 1) for c in lens(212, 244, 64)],
+        "prefill 4x212": [Req(0, 212, video) for _ in range(4)],
+        "chunk+decode x15": [Req(0, 480, video)] + [Req(c, 1) for c in lens(212, 244, 15)],
+        "decode uneven x16": [Req(c, 1) for c in lens(50, 4000, 16)],
+    }
+
+
+@dataclass
+class BatchRow:
+    model: str
+    layer: str
+    step: str
+    requests: int
+    tokens: int
+    ms: dict[str, float]          # loop, batched, auto (per layer call); build_auto: once per step
+    auto_calls: int
+    max_rel_err: float
+
+
+def run_batching(smoke: bool, dtype: torch.dtype, repeats: int) -> list[BatchRow]:
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    models = {"demo": BATCH_SPECS["demo"]} if smoke else BATCH_SPECS
+    for model, specs in models.items():
+        for spec in specs:
+            for step, reqs in batch_steps(gen, smoke).items():
+                num_blocks = sum(-(-r.seq_len // 16) for r in reqs) + 8
+                batch = make_batch(reqs, spec, dtype=dtype, num_blocks=num_blocks, gen=gen, free_outside_window=True)
+                ms, outs = {}, {}
+                impl = create_impl("sdpa", spec)
+                for mode in ("loop", "batched", "auto"):
+                    builder = create_builder("sdpa", pool_for(batch, spec, sdpa_batching=mode))
+                    md = builder.build(batch.metadata)
+                    if mode == "auto":
+                        ms["build_auto"] = timed(lambda b=builder, m=batch.metadata: b.build(m), repeats)
+                        calls = len(md.groups)
+
+                    def call(md=md, impl=impl, b=batch):
+                        return impl.forward(b.q, b.k, b.v, b.kv_cache, md)
+                    outs[mode] = call()
+                    ms[mode] = timed(call, repeats)
+                want = outs["loop"].float()
+                err = max(float((o.float() - want).abs().max() / want.abs().max()) for o in outs.values())
+                rows.append(BatchRow(model, spec.layer_type, step, len(reqs), batch.metadata.num_actual_tokens, ms,
+                                     calls, err))
+                log.info("%s %s %s: %s (auto: %d calls)", model, spec.layer_type, step,
+                         {k: round(v, 3) for k, v in ms.items()}, calls)
+    return rows
+
+
+def print_batching(rows: list[BatchRow]) -> None:
+    print(f"\n{'model':<7} {'layer':<8} {'step':<18} {'reqs':>4} {'loop ms':>8} {'batched':>8} {'auto':>8} "
+          f"{'calls':>5} {'plan ms':>8} {'loop/auto':>9} {'err':>8}")
+    for r in rows:
+        print(f"{r.model:<7} {r.layer.split('_')[0]:<8} {r.step:<18} {r.requests:>4} {r.ms['loop']:>8.3f} "
+              f"{r.ms['batched']:>8.3f} {r.ms['auto']:>8.3f} {r.auto_calls:>5} {r.ms['build_auto']:>8.3f} "
+              f"{r.ms['loop'] / r.ms['auto']:>9.2f} {r.max_rel_err:>8.1e}")
+
+
 def print_table(rows: list[Row]) -> None:
     head = (f"{'layer':<8} {'step':<8} {'frames':>6} {'tokens':>6} {'ctx':>6} {'ref ms':>8} {'sdpa ms':>8} "
             f"{'flex ms':>8} {'causal ms':>9} {'flex/causal':>11} {'err sdpa':>9} {'err flex':>9} "
@@ -202,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = SMOKE_SHAPE if args.smoke else FULL_SHAPE
     rows = run(shape, dtype)
     print_table(rows)
+    batching = run_batching(args.smoke, dtype, shape.repeats)
+    print_batching(batching)
     totals = fastest_cpu_backend(rows, 1e-4 if dtype == torch.float32 else 2e-2)
     for name, t in totals.items():
         print(f"{name}: steady state {t['steady_ms']:.0f} ms over all steps; first calls {t['first_calls_s']:.1f} s")
@@ -209,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "cpu": platform.processor(),
                                "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "shape": asdict(shape),
-                               "rows": [asdict(r) for r in rows], "total_ms": totals}, indent=1, default=str))
+                               "rows": [asdict(r) for r in rows], "total_ms": totals,
+                               "batching": [asdict(r) for r in batching]}, indent=1, default=str))
     log.info("wrote %s", out)
     return 0
 

@@ -93,11 +93,17 @@ def test_sdpa_runs_the_flash_kernel_never_its_math_fallback():
         assert not {op for op in ops if "math" in op or "softmax" in op}, (mode, ops)
 
 
-def test_auto_batches_alike_requests_and_loops_over_very_uneven_contexts():
+def test_auto_pads_alike_requests_together_and_leaves_outliers_alone():
     spec = replace(SPECS[2], head_dim=64)
-    alike = make_batch([Req(200 + i, 1) for i in range(8)], spec, num_blocks=200)
-    uneven = make_batch([Req(3000, 1)] + [Req(5, 1) for _ in range(3)], spec, num_blocks=260)
-    plan = SdpaMetadataBuilder(pool_for(alike, spec)).build(alike.metadata)
-    assert [g.num_reqs for g in plan.groups] == [8]
-    plan = SdpaMetadataBuilder(pool_for(uneven, spec)).build(uneven.metadata)
-    assert [g.num_reqs for g in plan.groups] == [1, 1, 1, 1]
+
+    def plan(reqs) -> list[tuple[int, int, int]]:
+        """(requests, padded query rows, padded blocks) of each call."""
+        batch = make_batch(reqs, spec, num_blocks=260)
+        groups = SdpaMetadataBuilder(pool_for(batch, spec)).build(batch.metadata).groups
+        return sorted((g.num_reqs, g.q_len, g.num_blocks) for g in groups)
+
+    assert plan([Req(200 + i, 1) for i in range(8)]) == [(8, 1, 13)]          # alike decodes: one call
+    # A very long context among short ones gets its own call; the short ones share one.
+    assert plan([Req(3000, 1)] + [Req(5, 1) for _ in range(3)]) == [(1, 1, 188), (3, 1, 1)]
+    # Equal prompt chunks share a call; a much shorter chunk does not pad them.
+    assert plan([Req(0, 200), Req(0, 9), Req(0, 200), Req(0, 200)]) == [(1, 9, 1), (3, 200, 13)]

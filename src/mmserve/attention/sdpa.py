@@ -33,10 +33,13 @@ from mmserve.attention.mask import keep_into
 from mmserve.attention.page_tables import WindowedTables, first_kept_keys, windowed_tables
 from mmserve.attention.paged import write_kv
 
-# Fixed cost of one more SDPA call (gathers, views, dispatch), in units of the padded work it
-# competes with: query rows x keys x heads x head_dim. Measured on CPU by bench/attention.py
-# ("loop" vs "batched" rows); the crossover is flat, so the value need not be exact.
-CALL_OVERHEAD = 400_000
+# The plan's cost model, in units of work: query rows x gathered keys x heads x head_dim. One more
+# SDPA call (gathers, views, dispatch) costs about CALL_OVERHEAD units. A padded call of decode rows
+# does each unit about DECODE_BATCH_FACTOR times slower than per-request calls (one large gather
+# leaves the cache before the kernel reads it); padded prefill work costs what it is. Fitted to
+# bench/attention.py's "batching" table on CPU (demo, 55M and Gemma 4 head shapes).
+CALL_OVERHEAD = 100_000
+DECODE_BATCH_FACTOR = 1.5
 NO_KEY = 2**62   # absolute position given to padding keys, so mask.keep drops them by its own rule
 MODES = ("auto", "batched", "loop")
 
@@ -89,26 +92,68 @@ class SdpaMetadataBuilder:
         step = _HostStep(qsl, np.diff(qsl), common.positions_cpu.numpy()[:T], ranges, tables,
                          first_kept_keys(self.spec, qsl, seq_lens, starts))
         calls: list[np.ndarray] = []
+        lone: np.ndarray = np.zeros(0, dtype=np.int64)   # decode rows in no range, attended one by one
         for members in (np.flatnonzero(step.q_lens == 1), np.flatnonzero(step.q_lens > 1)):
-            if len(members) and self._batch(members, step):
-                calls.append(members)
-            else:
-                calls.extend(members[i: i + 1] for i in range(len(members)))
-        # Groups run one after another in each layer, so they share one gather buffer.
-        most = max(len(m) * int(tables.num_blocks[m].max()) for m in calls)
+            if not len(members):
+                continue
+            groups = self._partition(members, step)
+            calls += [g for g in groups if len(g) > 1]
+            single = np.array([g[0] for g in groups if len(g) == 1], dtype=np.int64)
+            if step.q_lens[members[0]] == 1 and len(single):
+                in_range = np.zeros(len(single), dtype=bool) if ranges is None else ranges[qsl[single], 0] >= 0
+                lone, single = single[~in_range], single[in_range]
+            calls += [single[i: i + 1] for i in range(len(single))]
+        # Calls run one after another in each layer, so they share one gather buffer.
+        most = max([len(m) * int(tables.num_blocks[m].max()) for m in calls] + [int(tables.num_blocks[lone].max(initial=0))])
         shape = (most, common.block_size, self.spec.num_kv_heads, self.spec.head_dim)
         k_buf, v_buf = (self.ws.dev.get(n, shape, self.pool.dtype) for n in ("k", "v"))
-        return SdpaMetadata(common, [self._group(f"c{i}", m, step, k_buf, v_buf) for i, m in enumerate(calls)])
+        groups = [self._group(f"c{i}", m, step, k_buf, v_buf) for i, m in enumerate(calls)]
+        return SdpaMetadata(common, groups + self._lone_decodes(lone, step, k_buf, v_buf))
 
-    def _batch(self, members: np.ndarray, step: _HostStep) -> bool:
-        """One padded call for these requests, or one call each: the smaller estimated work."""
-        if self.mode != "auto" or len(members) == 1:
-            return self.mode == "batched"
-        exact = int((step.q_lens[members] * step.tables.num_keys[members]).sum())
-        padded = len(members) * int(step.q_lens[members].max()) * int(step.tables.num_blocks[members].max()) \
-            * self.pool.block_size
-        per_pair = self.spec.num_heads * self.spec.head_dim
-        return (padded - exact) * per_pair < (len(members) - 1) * CALL_OVERHEAD
+    def _lone_decodes(self, members: np.ndarray, step: _HostStep, k_buf: torch.Tensor,
+                      v_buf: torch.Tensor) -> list[SdpaGroup]:
+        """One unmasked call per decode row outside any range: its keys are exactly the sliced window.
+        Built in one vectorised pass (the many-request loop must not cost a numpy round per request)."""
+        if not len(members):
+            return []
+        counts = step.tables.num_blocks[members]
+        used = np.arange(step.tables.width) < counts[:, None]
+        total = int(counts.sum())
+        self.ws.array("lone.blocks", (total,), torch.int64)[:] = step.tables.block_table[members][used]
+        blocks = self.ws.push("lone.blocks", (total,), torch.int64)
+        ends = np.cumsum(counts).tolist()
+        firsts = (step.first_kept[members] - step.tables.key_start[members]).tolist()
+        groups = []
+        for r, n, end, first, num_keys in zip(members.tolist(), counts.tolist(), ends, firsts,
+                                              step.tables.num_keys[members].tolist(), strict=True):
+            row = int(step.qsl[r])
+            groups.append(SdpaGroup(1, 1, n, slice(row, row + 1), None, None, blocks[end - n: end],
+                                    slice(first, num_keys), None, k_buf[:n], v_buf[:n]))
+        return groups
+
+    def _partition(self, members: np.ndarray, step: _HostStep) -> list[np.ndarray]:
+        """Requests of one kind (decode rows or prefill chunks) split into padded calls: longest first,
+        a request joins the current call while padding it costs less than a call of its own."""
+        if self.mode != "auto":
+            return [members] if self.mode == "batched" else [members[i: i + 1] for i in range(len(members))]
+        q, blocks = step.q_lens[members], step.tables.num_blocks[members]
+        order = members[np.lexsort((-blocks, -q))]
+        factor = DECODE_BATCH_FACTOR if q[0] == 1 else 1.0
+        unit = self.spec.num_heads * self.spec.head_dim * self.pool.block_size
+        groups, current = [], [order[0]]
+        q_max, nb_max = int(step.q_lens[order[0]]), int(step.tables.num_blocks[order[0]])
+        for r in order[1:]:
+            qr, nbr = int(step.q_lens[r]), int(step.tables.num_blocks[r])
+            grown = (len(current) + 1) * q_max * max(nb_max, nbr) * unit * factor
+            kept = len(current) * q_max * nb_max * unit * factor + qr * nbr * unit + CALL_OVERHEAD
+            if grown <= kept:
+                current.append(r)
+                nb_max = max(nb_max, nbr)
+            else:
+                groups.append(np.array(current))
+                current, q_max, nb_max = [r], qr, nbr
+        groups.append(np.array(current))
+        return [np.sort(g) for g in groups]
 
     def _group(self, name: str, members: np.ndarray, step: _HostStep, k_buf: torch.Tensor,
                v_buf: torch.Tensor) -> SdpaGroup:

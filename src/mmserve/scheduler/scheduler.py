@@ -143,7 +143,10 @@ class Scheduler:
 
     def _chunk(self, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
-        return align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+        n = min(request.num_tokens - start, budget)
+        if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
+            return n
+        return align_chunk(request.mm_ranges_np, start, n)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -220,9 +223,9 @@ class Scheduler:
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
         return ScheduledRequest(
-            request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill,
-            frames=frames_in_chunk(request.mm_ranges_np, start, n),
+            request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill, frames=frames,
             block_updates=self.kv.take_block_updates(request.request_id))
 
     def update(self, output: SchedulerOutput) -> None:
