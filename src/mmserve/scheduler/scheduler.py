@@ -2,8 +2,9 @@
 
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
-max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes. When KV blocks run out, the request
-that would be served last is preempted: its blocks are freed and it is recomputed later.
+max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
+When KV blocks run out, the request that would be served last is preempted: its blocks are freed
+and it is recomputed later.
 """
 
 from __future__ import annotations
