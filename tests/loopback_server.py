@@ -20,7 +20,7 @@ def engine_config(model: str | Path, **overrides) -> EngineConfig:
     """Small, CPU-friendly engine options for tests; `overrides` are EngineConfig fields. One torch
     thread: tiny models gain nothing from more on this shared 2-core machine."""
     options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
-                   kv_cache_bytes=16 * 2**20, default_num_frames=4, engine_threads=1)
+                   prefill_batched_tokens=0, kv_cache_bytes=16 * 2**20, default_num_frames=4, engine_threads=1)
     options.update(overrides)
     return EngineConfig(**options)
 

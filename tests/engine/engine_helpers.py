@@ -54,7 +54,10 @@ PROMPTS = {
 
 def make_llm(model_tok, **options) -> LLM:
     model, tok = model_tok
-    opts = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64)
+    # One budget for every step unless a test asks for the larger prefill budget: small budgets are
+    # how these tests force chunked prefill.
+    opts = dict(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=16, max_num_batched_tokens=64,
+                prefill_batched_tokens=0)
     opts.update(options)
     return LLM(loaded_model=model, tokenizer=tok, **opts)
 

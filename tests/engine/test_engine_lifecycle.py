@@ -41,7 +41,8 @@ class Recorder(NullObserver):
 
 def run_engine(load_backend, body, **options):
     model, tok = load_backend("reference")
-    opts = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32)
+    opts = dict(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8, max_num_batched_tokens=32,
+                prefill_batched_tokens=0)
     opts.update(options)
     recorder = Recorder()
     engine = AsyncEngine(EngineConfig(**opts), model=model, tokenizer=tok, observer=recorder)
