@@ -18,7 +18,9 @@ tokens) at Poisson arrival times and compares the server with transformers' stat
 TTFT/TPOT/e2e p50/p99.
 
 `--compare-src DIR` also runs every server measurement against the mmserve source in DIR (e.g. a
-checkout of an older commit) in the same run, so before/after ratios share the machine's state.
+checkout of an older commit), and `--variant LABEL=FLAGS` against this tree's server started with
+extra `mmserve serve` flags (e.g. `--variant "compiled=--compile-dense"`), in the same run, so
+before/after ratios share the machine's state.
 
 Prints tables and writes JSON (default bench/results/serving.json).
 """
@@ -34,13 +36,14 @@ import logging
 import math
 import os
 import platform
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -114,7 +117,7 @@ class ModelResult:
     levels: list[LevelResult] = field(default_factory=list)
     hf_sequential: dict = field(default_factory=dict)
     tokens_match_hf: float = 0.0
-    server: str = "this tree"      # or the --compare-src tree the server ran from
+    server: str = "this tree"      # or the --compare-src tree / --variant label the server ran as
     mixed: list[dict] = field(default_factory=list)   # mixed-traffic summaries: server, static batching
 
 
@@ -139,13 +142,13 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Path,
-                   src: Path | None = None) -> Iterator[str]:
+                   src: Path | None = None, flags: Sequence[str] = ()) -> Iterator[str]:
     """`mmserve serve` on a free loopback port (from the mmserve source in `src` when given); yields
     its address once readiness is SERVING."""
     port = free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs),
-           "--max-waiting-requests", str(4 * max_num_seqs)]
+           "--max-waiting-requests", str(4 * max_num_seqs), *flags]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if src is not None:
         env["PYTHONPATH"] = str(src)
@@ -377,17 +380,31 @@ def _portable(path: Path) -> str:
     except ValueError:
         return path.name
 
+@dataclass(frozen=True)
+class ServerUnderTest:
+    """One server the run measures: this tree's, a --compare-src tree's, or this tree's with extra flags."""
+    label: str
+    src: Path | None = None
+    flags: tuple[str, ...] = ()
+
+
+def servers_under_test(args: argparse.Namespace) -> list[ServerUnderTest]:
+    variants = [ServerUnderTest(label, None, tuple(shlex.split(flags)))
+                for label, _, flags in (v.partition("=") for v in args.variant)]
+    return [ServerUnderTest("this tree"), *(ServerUnderTest(src.name, src) for src in args.compare_src), *variants]
+
+
 def bench_server(name: str, model_dir: Path, args: argparse.Namespace, log_dir: Path, videos: list[bytes],
-                 mixed: tuple[list, dict] | None, src: Path | None) -> tuple[ModelResult, list[tuple[int, ...]]]:
-    """Every server measurement of one model, against one server (this tree's, or `src`'s)."""
+                 mixed: tuple[list, dict] | None, server: ServerUnderTest) -> tuple[ModelResult, list[tuple[int, ...]]]:
+    """Every server measurement of one model, against one server."""
     levels = args.concurrency if "identical" in args.modes else []
     result = ModelResult(name=name, path=_portable(model_dir), parameters=parameter_count(model_dir), prompt_tokens=0,
                          max_tokens=args.max_tokens, num_frames=args.num_frames,
-                         server=src.name if src is not None else "this tree")
+                         server=server.label)
     engine_tokens: list[tuple[int, ...]] = []
-    tag = f"{name}-{src.name}" if src is not None else name
+    tag = name if server.label == "this tree" else f"{name}-{server.label}"
     with server_process(str(model_dir), threads=args.threads, max_num_seqs=max([*levels, args.static_batch, 16]),
-                        log_path=log_dir / f"server-{tag}.log", src=src) as address:
+                        log_path=log_dir / f"server-{tag}.log", src=server.src, flags=server.flags) as address:
         asyncio.run(run_level(address, videos[:1], concurrency=1, max_tokens=2, num_frames=args.num_frames))
         for n in levels:
             level, samples = asyncio.run(run_level(address, videos[: max(n, args.min_requests)], concurrency=n,
@@ -413,8 +430,8 @@ def bench_model(name: str, model_dir: Path, args: argparse.Namespace, log_dir: P
         mixed = (requests, {r.index: make_clip(r.seed, num_frames=r.num_frames).data for r in requests})
     results = []
     engine_tokens: list[tuple[int, ...]] = []
-    for src in [None, *args.compare_src]:
-        result, tokens = bench_server(name, model_dir, args, log_dir, videos, mixed, src)
+    for server in servers_under_test(args):
+        result, tokens = bench_server(name, model_dir, args, log_dir, videos, mixed, server)
         results.append(result)
         engine_tokens = engine_tokens or tokens
     torch.set_num_threads(args.threads)
@@ -525,9 +542,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", default="identical,mixed", help="comma-separated: identical, mixed")
     p.add_argument("--compare-src", type=Path, action="append", default=[],
                    help="also run the server from this mmserve src/ directory (before/after in one run)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="also run this tree's server with these extra `mmserve serve` flags, e.g. 'compiled=--compile-dense'")
     p.add_argument("--mixed-requests", type=int, default=48, help="requests in the mixed-traffic run")
     p.add_argument("--mixed-rate", type=lambda s: dict(kv.split("=") for kv in s.split(",")),
-                   default="demo=4,large=1", help="Poisson arrival rate (requests/s) per model")
+                   default="demo=40,large=4",
+                   help="Poisson arrival rate (requests/s) per model; above what either system serves, so useful "
+                        "tokens/s measures capacity, not the arrival rate")
     p.add_argument("--mixed-max-frames", type=int, default=16)
     p.add_argument("--mixed-max-tokens", type=int, default=128)
     p.add_argument("--static-batch", type=int, default=8, help="transformers' static batch size N (mixed mode)")
