@@ -41,10 +41,11 @@ class EngineConfig:
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
     seed: int = field(default=0, metadata={"help": "default sampling seed"})
     enable_prefix_caching: bool = field(default=True, metadata={
-        "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content)"})
+        "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content) "
+                "and the vision embeddings of frames seen before; off = nothing is reused across requests"})
     encoder_cache_bytes: int = field(default=0, metadata={
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
-                "0 = room for 256 video frames of the served model"})
+                "0 = room for 256 video frames of the served model (none with prefix caching off)"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
     # Process layout (docs/deploy.md: threads, crash and restart).
     engine_process: bool = field(default=True, metadata={

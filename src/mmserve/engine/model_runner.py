@@ -80,7 +80,9 @@ class ModelRunner:
         if any(layer.shares_kv for layer in spec.layers):
             self.sampled_rows = SampledRowsBuilder(spec, backends, pools, max_num_seqs=config.max_num_seqs,
                                                    max_blocks=max_blocks, block_size=config.block_size, device=device)
-        self.encoder_cache = EncoderCache(config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
+        # Prefix caching off means no reuse across requests at all: no vision embeddings kept either.
+        self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
+                                          else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.graphs = DecodeGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
             device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]))
