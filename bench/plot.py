@@ -50,7 +50,8 @@ def plot_serving(report: dict, out_dir: Path) -> list[Path]:
     for color, model in zip(colors, report["models"], strict=False):
         levels = model["levels"]
         n = [lv["concurrency"] for lv in levels]
-        name = model["name"]
+        server = model.get("server", "this tree")
+        name = model["name"] if server == "this tree" else f"{model['name']}, {server}"
         ax_tp.plot(n, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=f"mmserve ({name})")
         ax_tp.plot(n, [lv["hf_batch_output_tokens_per_s"] for lv in levels], "s--", color=color,
                    label=f"transformers padded batch ({name})")

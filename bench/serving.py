@@ -149,7 +149,9 @@ def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Pat
     cmd = [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs),
            "--max-waiting-requests", str(4 * max_num_seqs), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # Prefix caching off: the levels reuse clips (level 64's first 16 are level 16's), so a cache would
+    # skip work transformers does; bench/prefix_cache.py measures the cache. (Older trees ignore it.)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MMSERVE_ENABLE_PREFIX_CACHING="0")
     if src is not None:
         env["PYTHONPATH"] = str(src)
     with open(log_path, "w") as log:
