@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, step
+from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_completion, step
 
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.block_pool import BlockPool
-from mmserve.scheduler.kv_cache_manager import NULL_BLOCK
+from mmserve.scheduler.kv_cache_manager import NULL_BLOCK, KVCacheManager, PoolPlan
 from mmserve.scheduler.request import MultiModalInput, Request
 
 
@@ -133,6 +133,42 @@ def test_windowed_pool_needs_only_the_blocks_its_window_reaches():
     # The full pool still has all 10 blocks, but at 40 the window needs block 9: the longest usable
     # hit is 36, whose window (keys 29..35) lies in blocks 7 and 8.
     assert hit.num_tokens == 36 and hit.blocks[SLIDING] == [NULL_BLOCK] * 7 + sliding[7:9]
+
+
+def test_a_long_prefill_recycles_its_own_window_instead_of_flushing_the_cache():
+    # A sliding pool as small as plan_pools makes it (room for what running requests hold), and a
+    # full pool with room to spare.
+    plans = {SLIDING: PoolPlan(SLIDING, 12, 4, 1, 8), FULL: PoolPlan(FULL, 128, 2, 1, None)}
+    kv = KVCacheManager(plans, 4, max_model_len=512)
+    a = request("a", list(range(3, 43)))
+    for _ in range(5):
+        compute(kv, a, 8)
+    kv.free("a")                                  # a's window tail (keys 33..39) stays cached
+    c = request("c", list(range(100, 260)))       # then a long unrelated prompt streams through
+    for _ in range(20):
+        compute(kv, c, 8)
+    kv.free("c")
+    assert kv.find_cached_prefix(request("b", list(range(3, 44)))).num_tokens == 40
+
+
+def test_a_request_waits_for_the_prefix_a_running_one_is_computing():
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=24, max_num_seqs=4)
+    doc = list(range(3, 63))                      # 60 shared tokens: three steps for the first request
+    for r in (request("a", doc + [70], max_tokens=2), request("b", doc + [71], max_tokens=2),
+              request("c", list(range(100, 110)), max_tokens=2)):
+        sched.add_request(r)
+    admitted, steps = {}, [0]
+
+    def note(out):
+        steps[0] += 1
+        for s in out.scheduled:
+            if s.num_cached_tokens is not None:
+                admitted[s.request.request_id] = (steps[0], s.num_cached_tokens)
+
+    run_to_completion(sched, note)
+    # a fills the budget for two steps; in the third, b (next in line) would compute a's blocks
+    # beside a, so it waits and the rest of the budget goes to c; b then starts after the 60 tokens.
+    assert admitted["a"] == (1, 0) and admitted["c"] == (3, 0) and admitted["b"] == (4, 60)
 
 
 def test_a_hit_shares_blocks_by_reference_and_frees_exactly():

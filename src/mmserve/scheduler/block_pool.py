@@ -3,8 +3,10 @@
 A block is in use (its reference count > 0), free and cached (count 0 but still keyed, so a later
 request with the same prefix takes it back instead of recomputing it), or free and empty. New
 blocks come from the empty ones first; only when none is left is a cached one evicted, the least
-recently freed first, and its key dropped with it. Block 0 is the null block: never handed out,
-counted, keyed or freed.
+recently freed first, and its key dropped with it. A block released as `evict_first` (a sliding
+window block a running request has just left behind: rarely what a later prompt needs) goes to
+the eviction end instead, so a long prefill recycles its own window instead of flushing the cache.
+Block 0 is the null block: never handed out, counted, keyed or freed.
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ class BlockPool:
                 del self._cached_free[block]
             self.ref_cnt[block] += 1
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int], *, evict_first: bool = False) -> None:
         """Drop one reference on each block, in the order given: a block nobody holds any more becomes
-        free, and keeps its key (most recently freed last) if it has one."""
+        free, and keeps its key if it has one (evicted last, or first with `evict_first`)."""
         for block in blocks:
             if block == NULL_BLOCK:
                 continue
@@ -80,6 +82,8 @@ class BlockPool:
                     self._empty.append(block)
                 else:
                     self._cached_free[block] = None
+                    if evict_first:
+                        self._cached_free.move_to_end(block, last=False)
 
     def cache(self, block: int, key: bytes) -> None:
         """Key a full, computed block so later requests can reuse it. A key already held by another

@@ -18,8 +18,10 @@ covers the last known token (its logits are needed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +102,9 @@ class PrefixHit:
 
     num_tokens: int = 0
     blocks: dict[str, list[int]] = field(default_factory=dict)
+    # The block after the hit is being computed by a running request: admitted a little later, the
+    # request would reuse it instead of computing the same prefix beside it.
+    next_in_flight: bool = False
 
 
 NO_HIT = PrefixHit()
@@ -115,10 +120,14 @@ class _Table:
 
 @dataclass
 class _Held:
-    """One request's blocks: a table per pool, and how many of its blocks are keyed."""
+    """One request's blocks: a table per pool, how many of them are keyed, how many came from a hit,
+    and the keys of the known blocks it is still to compute ([num_keyed, in_flight_end) of `keys`)."""
 
     tables: dict[str, _Table]
     num_keyed: int = 0
+    num_hit: int = 0
+    keys: list[bytes] = field(default_factory=list)
+    in_flight_end: int = 0
 
 
 class KVCacheManager:
@@ -133,6 +142,7 @@ class KVCacheManager:
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
         self._held: dict[str, _Held] = {}
+        self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -181,7 +191,7 @@ class KVCacheManager:
         if (not self.enable_prefix_caching or request.request_id in self._held
                 or request.sampling_params.needs_whole_prompt):
             return NO_HIT
-        keys = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
+        keys = wanted = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
         found: dict[str, list[int | None]] = {}
         for t, pool in self.pools.items():   # unwindowed pools first: they bound the hit
             if self.plans[t].window is None:
@@ -190,7 +200,15 @@ class KVCacheManager:
         for t, pool in self.pools.items():
             if self.plans[t].window is not None:
                 found[t] = [pool.lookup(k) for k in keys]
-        return self._usable_prefix(request, found)
+        hit = self._usable_prefix(request, found)
+        # Past the hit (blocks cached but unusable yet: a frame or a window cut them off), the first
+        # block some pool lacks: if a running request is computing it, waiting lengthens the hit.
+        j = hit.num_tokens // self.block_size
+        while j < len(wanted) and all(pool.lookup(wanted[j]) is not None for pool in self.pools.values()):
+            j += 1
+        if j < len(wanted) and wanted[j] in self._in_flight:
+            return dataclasses.replace(hit, next_in_flight=True)
+        return hit
 
     def share_prefix(self, parent: Request, child: Request) -> PrefixHit:
         """A hit for `child` (holding no blocks, same prompt and media as `parent`) on the parent's
@@ -245,7 +263,15 @@ class KVCacheManager:
             for t, table in held.tables.items():
                 if table.blocks[j] != NULL_BLOCK:
                     self.pools[t].cache(table.blocks[j], keys[j])
+        self._done_in_flight(held, len(keys))
         held.num_keyed = max(held.num_keyed, len(keys))
+
+    def _done_in_flight(self, held: _Held, upto: int) -> None:
+        """The request no longer computes blocks [num_keyed, upto): they are cached, or it ended."""
+        for key in held.keys[held.num_keyed:min(upto, held.in_flight_end)]:
+            self._in_flight[key] -= 1
+            if not self._in_flight[key]:
+                del self._in_flight[key]
 
     # -- allocation ----------------------------------------------------------------------------------------
 
@@ -298,14 +324,23 @@ class KVCacheManager:
                     return False
             reclaim_to[t] = upto
         if held is None:
-            self._held[rid] = _Held(tables, num_keyed=start // self.block_size)
+            k = start // self.block_size
+            self._held[rid] = held = _Held(tables, num_keyed=k, num_hit=k)
             for t, table in tables.items():
                 self.pools[t].touch(table.blocks)
+            if self.enable_prefix_caching:
+                held.keys = block_hashes(request, self.block_size, request.num_tokens // self.block_size)
+                held.in_flight_end = len(held.keys)
+                self._in_flight.update(held.keys[k:])
         for t, pool in self.pools.items():
             table = tables[t]
             a, b = table.num_reclaimed, reclaim_to[t]
             if b > a:
-                pool.release(table.blocks[a:b])
+                # Blocks the window left behind: a later prompt seldom ends right after them, unless
+                # they came from a hit (a shared prefix ends there), so they are evicted first.
+                hit = held.num_hit
+                pool.release(table.blocks[a:min(b, hit)])
+                pool.release(table.blocks[max(a, hit):b], evict_first=True)
                 table.blocks[a:b] = [NULL_BLOCK] * (b - a)
                 table.num_reclaimed = b
             have = len(table.blocks)
@@ -328,6 +363,7 @@ class KVCacheManager:
         """Release a request's blocks, tail first: the LRU then evicts a chain's tail before its head."""
         held = self._held.pop(request_id, None)
         if held:
+            self._done_in_flight(held, held.in_flight_end)
             for t, table in held.tables.items():
                 self.pools[t].release(reversed(table.blocks))
 

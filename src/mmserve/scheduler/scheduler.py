@@ -3,6 +3,9 @@
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
+A waiting request starts after the longest prefix the KV cache already holds; one whose next block
+a running request is computing right now waits for it (the budget goes to the next in line)
+instead of computing it a second time.
 When KV blocks run out, the request that would be served last is preempted: its blocks are freed
 and it is recomputed later.
 """
@@ -201,14 +204,18 @@ class Scheduler:
             scheduled[request.request_id] = self._scheduled(request, n)
             budget -= n
 
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+        i = 0
+        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[i]
             hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
+            if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
+                i += 1
+                continue
             start = hit.num_tokens
             n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             if request.status == RequestStatus.WAITING:   # first admission, not a preempted request's return
                 request.num_cached_tokens = min(start, request.num_prompt_tokens)
             request.num_computed_tokens = start
