@@ -197,18 +197,44 @@ def test_budget_of_16_tokens_with_hits_in_flight(load_backend):
 
 
 def test_a_small_kv_cache_evicts_and_preempts_while_requests_run(load_backend):
+    # Two documents run first (all their full blocks stay cached), then six follow-ups about them
+    # arrive together. The pool is sized from these prompts so that the six are admitted in one step
+    # without evicting anything (each reuses its document's cached prefix and takes empty blocks
+    # for the rest of its prompt, which uses up the empty ones), and so that decoding in lockstep
+    # must outgrow it: growth evicts the document blocks no follow-up reuses, then preempts.
+    # The seed changes the prompts and sizes, never that outcome.
     rng = random.Random(random.randrange(10**6))
-    docs = [build_request(f"d{k}", [4, ("image", 9), 20], seed=rng.randrange(10**6)) for k in range(2)]
-    reqs = []
-    for i in range(10):
-        doc = docs[i % 2]
-        reqs.append(with_tail(doc, f"r{i}", rng.randint(10, len(doc.prompt_token_ids)), text(rng, rng.randint(2, 12)),
-                              sampling=SamplingParams(max_tokens=rng.randint(4, 8), ignore_eos=True)))
-    # 29 usable blocks of 4 tokens: one request fits, ten at once do not; the cache keeps churning.
-    got, watch, on = compare(load_backend("reference"), [reqs[:6], reqs[6:]], num_kv_blocks=30, max_num_seqs=6,
-                             max_num_batched_tokens=32)
+    docs = [build_request(f"d{k}", [4, ("image", 9), 20], seed=rng.randrange(10**6), max_tokens=1)
+            for k in range(2)]
+    doc_blocks = len(docs[0].prompt_token_ids) // BS      # full blocks each document's run caches
+    lo = (docs[0].mm_ranges[-1][1] // BS + 1) * BS         # a reused prefix never ends inside the frame
+    fresh = sorted(set(range(NUM_SPECIALS, VOCAB)) - {t for d in docs for t in d.prompt_token_ids})
+    firsts = rng.sample(fresh, 6)   # so no follow-up shares a block past its reused prefix with another
+    max_tokens, follow, hit = 12, [], {}
+    for i in range(6):
+        keep = rng.randint(lo, doc_blocks * BS - 1)      # reuses fewer blocks than its document cached
+        follow.append(with_tail(docs[i % 2], f"f{i}", keep, [firsts[i]] + text(rng, rng.randint(1, 11)),
+                                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        hit[f"f{i}"] = keep // BS * BS
+
+    def blocks(n):
+        return -(-n // BS)
+
+    prompt = {r.request_id: len(r.prompt_token_ids) for r in follow}
+    reused = [max(hit[r.request_id] for r in follow[k::2]) // BS for k in range(2)]   # blocks, per document
+    cached = 2 * doc_blocks
+    own = sum(blocks(prompt[r]) - hit[r] // BS for r in hit)   # empty blocks the six take at admission
+    growth = sum(blocks(prompt[r] + max_tokens - 1) - blocks(prompt[r]) for r in hit)
+    # The pool holds `cached + own`; the six end up needing sum(reused) + own + growth of it.
+    assert 0 < cached - sum(reused) < growth     # evictions first, then more than the pool holds
+    got, watch, on = compare(load_backend("reference"), [docs, follow], num_kv_blocks=cached + own + 1,
+                             max_num_seqs=6, max_num_batched_tokens=sum(prompt[r] - hit[r] for r in hit))
     assert watch.preempted > 0
-    assert any(got[r.request_id].usage.cached_tokens for r in reqs)
+    assert {r: got[r].usage.cached_tokens for r in hit} == hit
+    unreused = [key for d, n in zip(docs, reused, strict=True)
+                for key in block_hashes(Request("x", d.prompt_token_ids, d.sampling, d.mm_ranges, d.mm_inputs),
+                                        BS, doc_blocks)[n:]]
+    assert any(on.core.kv.pools[FULL].lookup(key) is None for key in unreused)   # evicted, never recomputed
 
 
 def test_evicted_sliding_blocks_limit_the_hit_though_full_blocks_remain(load_backend):
