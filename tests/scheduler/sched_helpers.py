@@ -31,8 +31,10 @@ def random_ranges(rng: random.Random, length: int, max_len: int = 12, density: f
     return ranges
 
 
-def make_request(rid: str, prompt_len: int, ranges=(), max_tokens: int = 4, **kw) -> Request:
-    return Request(rid, list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+def make_request(rid: str, prompt_len: int, ranges=(), max_tokens: int = 4, first: int = 3, **kw) -> Request:
+    """Prompt tokens first, first + 1, ...: requests made with the same `first` share their prefix
+    (a waiting one then waits for the blocks a running one is computing)."""
+    return Request(rid, list(range(first, first + prompt_len)), SamplingParams(max_tokens=max_tokens),
                    mm_ranges=list(ranges), **kw)
 
 

@@ -165,8 +165,8 @@ def test_a_step_carrying_a_decode_stays_within_the_base_budget(seed):
 
 def test_prefill_budget_shrinks_once_the_first_request_decodes():
     sched = make_scheduler(max_num_batched_tokens=16, prefill_batched_tokens=64)
-    for i in range(3):
-        sched.add_request(make_request(f"r{i}", 30, max_tokens=4))
+    for i in range(3):   # prompts that share no block, so nobody waits for another's prefix
+        sched.add_request(make_request(f"r{i}", 30, max_tokens=4, first=3 + 100 * i))
     assert step(sched).num_batched_tokens == 64      # 30 + 30 + 4, nobody decodes yet
     out = step(sched)                                 # r0 and r1 now decode
     assert out.num_batched_tokens == 16 and sum(not s.is_prefill for s in out.scheduled) == 2
