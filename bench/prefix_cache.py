@@ -2,7 +2,7 @@
 shared videos gains, on the real server (`mmserve serve`) with the prefix cache on and off, in one run.
 
 For each server (cache on, then off; same model and options otherwise; "off" is the behaviour
-before caching: no prefix cache and an encoder cache too small to keep a frame):
+before caching: --no-enable-prefix-caching keeps neither K/V nor vision embeddings across requests):
 
 1. Follow-ups: for 8, 16 and 32 frames, a new video is asked one question, then 9 more questions
    (different text) one after another. Reported: TTFT of the first, median TTFT of the follow-ups,
@@ -180,7 +180,6 @@ def bench_server(model: Path, caching: bool, args: argparse.Namespace, log_dir: 
     """One server process: the follow-up series per frame count, then the shared-video load."""
     metrics_port = free_port()
     os.environ["MMSERVE_ENABLE_PREFIX_CACHING"] = "1" if caching else "0"   # the server reads its flags from env too
-    os.environ["MMSERVE_ENCODER_CACHE_BYTES"] = "0" if caching else "1"    # 0: the default size; 1: keeps nothing
     os.environ["MMSERVE_METRICS_PORT"] = str(metrics_port)
     os.environ["MMSERVE_MAX_FRAMES_PER_VIDEO"] = str(max(args.frames + [args.shared_frames]))
     result = ServerResult(caching)
