@@ -52,6 +52,9 @@ class EngineConfig:
         "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})
     engine_threads: int = field(default=0, metadata={
         "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)"})
+    adaptive_threads: bool = field(default=True, metadata={
+        "help": "on a CPU, run each step size on one thread or the whole torch pool, whichever its steps "
+                "measured faster (two threads must be 1.25x faster: they take a core the front end could use)"})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load and report ready"})
     # Multimodal limits (checked at the edge before any work starts).

@@ -25,6 +25,7 @@ from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
+from mmserve.engine.step_threads import StepThreads
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError
@@ -80,6 +81,7 @@ class EngineCore:
         grammar = (StructuredOutput(tokenizer, spec.vocab_size, sorted(self.eos_token_ids))
                    if tokenizer is not None else None)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
+        self.threads = StepThreads(torch.get_num_threads(), adaptive=config.adaptive_threads and model.device.type == "cpu")
         self.requests: dict[str, Request] = {}   # admitted and not yet ended
         self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}   # entry j: prompt token j + 1, when asked
         self.step_index = 0
@@ -189,9 +191,12 @@ class EngineCore:
         if out.is_empty:
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
+        threads = self.threads.threads_for(out)
         try:
-            step = self.runner.execute(out)
-            sampled = self.sampler.sample(step.logits, [s.request for s in step.sampled])
+            with self.threads.running_on(threads):
+                step = self.runner.execute(out)
+                sampled = self.sampler.sample(step.logits, [s.request for s in step.sampled])
+            self.threads.record(out, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs

@@ -1,0 +1,118 @@
+"""How many torch threads each engine step runs on, chosen by measuring steps of its size class.
+
+On a CPU the engine shares the machine's cores with the front end (video decode, gRPC,
+detokenisation) and with clients on the same host. An OpenMP team as large as the machine occupies
+every core at each parallel region, and when another thread takes one of them the whole team waits
+at the region's barrier. A step whose time is Python, dispatch and small ops (a tiny model, a small
+decode batch) runs no faster on the whole pool than on one thread, so there the pool only slows the
+front end and, through it, the engine's next inputs. A step dominated by large matmuls runs nearly
+twice as fast on two threads.
+
+So the core times every step by size class (decode or prefill, with or without frames, tokens rounded
+to a power of two) and runs each class on one thread or on the whole pool, whichever measured
+faster; the pool must win by `MIN_THREAD_GAIN` per extra thread, since it takes cores the front end
+could use. A class is
+measured on the pool first; only classes whose pool steps are short (`PROBE_BELOW_S`) try one thread,
+so a long prefill step is never slowed to find out. Every `REPROBE_EVERY` steps a class measures
+again, as the load around the engine changes.
+
+The thread count changes results only by float rounding (some CPU kernels split a reduction across
+threads; tests/engine/test_step_threads.py bounds the difference), as which requests share a step
+already does in a continuously batched server. The offline `LLM` keeps a fixed pool (nothing shares
+its cores, and a script's reruns stay bit-reproducible).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.scheduler.output import SchedulerOutput
+
+PROBES = 3              # steps measured per candidate before a class chooses
+MIN_THREAD_GAIN = 0.25  # each thread past the first must add a quarter core of work: 2 threads, 1.25x
+PROBE_BELOW_S = 0.05    # classes whose pool steps take longer never try one thread
+REPROBE_EVERY = 512     # steps of a class between two rounds of measurement
+
+logger = logging.getLogger(__name__)
+
+SizeClass = tuple[bool, bool, int]   # (any prefill, any frame encoded, token count's bit length)
+
+
+def size_class(out: SchedulerOutput) -> SizeClass:
+    prefill = any(s.is_prefill for s in out.scheduled)
+    frames = any(s.frames for s in out.scheduled)
+    return prefill, frames, out.num_batched_tokens.bit_length()
+
+
+@dataclass
+class _ClassState:
+    samples: dict[int, deque] = field(default_factory=lambda: defaultdict(lambda: deque(maxlen=PROBES)))
+    chosen: int | None = None
+    steps_since_choice: int = 0
+
+
+class StepThreads:
+    """Per size class: `threads_for(out)` before a step, `record(out, threads, seconds)` after it.
+    Not adaptive (or a pool of one): every step runs on the whole pool."""
+
+    def __init__(self, pool_size: int, *, adaptive: bool = True):
+        self.pool_size = pool_size
+        self.enabled = adaptive and pool_size > 1
+        self._classes: dict[SizeClass, _ClassState] = defaultdict(_ClassState)
+
+    def threads_for(self, out: SchedulerOutput) -> int:
+        if not self.enabled:
+            return self.pool_size
+        state = self._classes[size_class(out)]
+        if state.chosen is not None:
+            return state.chosen
+        pool = state.samples[self.pool_size]
+        if len(pool) < PROBES or statistics.median(pool) >= PROBE_BELOW_S:
+            return self.pool_size
+        return 1
+
+    @contextlib.contextmanager
+    def running_on(self, threads: int) -> Iterator[None]:
+        """torch's pool narrowed to `threads` for one step and restored after it, so whoever else runs
+        torch in this process (the offline LLM's caller) keeps the pool it configured."""
+        if threads == self.pool_size:
+            yield
+            return
+        torch.set_num_threads(threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self.pool_size)
+
+    def record(self, out: SchedulerOutput, threads: int, seconds: float) -> None:
+        if not self.enabled:
+            return
+        state = self._classes[size_class(out)]
+        if state.chosen is not None:
+            state.steps_since_choice += 1
+            if state.steps_since_choice >= REPROBE_EVERY:
+                self._classes[size_class(out)] = _ClassState()
+            return
+        state.samples[threads].append(seconds)
+        pool, one = state.samples[self.pool_size], state.samples[1]
+        if len(pool) < PROBES:
+            return
+        pool_s = statistics.median(pool)
+        if pool_s >= PROBE_BELOW_S:
+            state.chosen = self.pool_size
+        elif len(one) >= PROBES:
+            one_s = statistics.median(one)
+            state.chosen = self.pool_size if one_s >= pool_s * (1 + MIN_THREAD_GAIN * (self.pool_size - 1)) else 1
+            logger.debug("steps %s: %d thread(s) (median %.1f ms on %d, %.1f ms on 1)", size_class(out),
+                         state.chosen, pool_s * 1e3, self.pool_size, one_s * 1e3)
+
+    def choices(self) -> dict[SizeClass, int]:
+        """The classes decided so far and their thread counts (for logs and tests)."""
+        return {key: s.chosen for key, s in self._classes.items() if s.chosen is not None}
