@@ -53,8 +53,9 @@ class EngineConfig:
     engine_threads: int = field(default=0, metadata={
         "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)"})
     adaptive_threads: bool = field(default=True, metadata={
-        "help": "on a CPU, run each step size on one thread or the whole torch pool, whichever its steps "
-                "measured faster (two threads must be 1.25x faster: they take a core the front end could use)"})
+        "help": "on a CPU, run each step size on the whole torch pool or one thread fewer (a core left to the "
+                "front end), whichever its steps measured faster; the last core must make steps 1 + 0.25/(cores - 1) "
+                "times faster (1.25x on 2 cores)"})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load and report ready"})
     # Multimodal limits (checked at the edge before any work starts).

@@ -1,20 +1,20 @@
-"""How many torch threads each engine step runs on, chosen by measuring steps of its size class.
+"""How many torch threads each engine step runs on: the whole pool, or one core fewer, by measurement.
 
 On a CPU the engine shares the machine's cores with the front end (video decode, gRPC,
 detokenisation) and with clients on the same host. An OpenMP team as large as the machine occupies
 every core at each parallel region, and when another thread takes one of them the whole team waits
 at the region's barrier. A step whose time is Python, dispatch and small ops (a tiny model, a small
-decode batch) runs no faster on the whole pool than on one thread, so there the pool only slows the
-front end and, through it, the engine's next inputs. A step dominated by large matmuls runs nearly
-twice as fast on two threads.
+decode batch) runs hardly faster on the whole pool than on one core fewer, so there the last core
+only slows the front end and, through it, the engine's next inputs. A step dominated by large
+matmuls gains about what the extra core adds.
 
 So the core times every step by size class (decode or prefill, with or without frames, tokens rounded
-to a power of two) and runs each class on one thread or on the whole pool, whichever measured
-faster; the pool must win by `MIN_THREAD_GAIN` per extra thread, since it takes cores the front end
-could use. A class is
-measured on the pool first; only classes whose pool steps are short (`PROBE_BELOW_S`) try one thread,
-so a long prefill step is never slowed to find out. Every `REPROBE_EVERY` steps a class measures
-again, as the load around the engine changes.
+to a power of two) and runs each class on the whole pool or on one thread fewer ("narrow", the core
+left to the front end), whichever measured faster; the pool must be faster by at least
+`MIN_THREAD_GAIN` of one narrow thread's share (1.25x on 2 cores, 1.008x on 32), since it takes a
+core the front end could use. A class is measured on the pool first; only classes whose pool steps
+are short (`PROBE_BELOW_S`) try the narrow team, so a long prefill step is never slowed to find out.
+Every `REPROBE_EVERY` steps a class measures again, as the load around the engine changes.
 
 The thread count changes results only by float rounding (some CPU kernels split a reduction across
 threads; tests/engine/test_step_threads.py bounds the difference), as which requests share a step
@@ -35,12 +35,12 @@ import torch
 
 from mmserve.scheduler.output import SchedulerOutput
 
-PROBES = 3              # steps measured per candidate before a class chooses
-MIN_THREAD_GAIN = 0.25  # each thread past the first must add a quarter core of work: 2 threads, 1.25x
-PROBE_BELOW_S = 0.05    # classes whose pool steps take longer never try one thread
-REPROBE_EVERY = 512     # steps of a class between two rounds of measurement
-
 logger = logging.getLogger(__name__)
+
+PROBES = 3              # steps measured per candidate before a class chooses
+MIN_THREAD_GAIN = 0.25  # the pool's last thread must add a quarter of a narrow thread's work
+PROBE_BELOW_S = 0.05    # classes whose pool steps take longer never try the narrow team
+REPROBE_EVERY = 512     # steps of a class between two rounds of measurement
 
 SizeClass = tuple[bool, bool, int]   # (any prefill, any frame encoded, token count's bit length)
 
@@ -64,6 +64,7 @@ class StepThreads:
 
     def __init__(self, pool_size: int, *, adaptive: bool = True):
         self.pool_size = pool_size
+        self.narrow = pool_size - 1
         self.enabled = adaptive and pool_size > 1
         self._classes: dict[SizeClass, _ClassState] = defaultdict(_ClassState)
 
@@ -76,7 +77,7 @@ class StepThreads:
         pool = state.samples[self.pool_size]
         if len(pool) < PROBES or statistics.median(pool) >= PROBE_BELOW_S:
             return self.pool_size
-        return 1
+        return self.narrow
 
     @contextlib.contextmanager
     def running_on(self, threads: int) -> Iterator[None]:
@@ -94,24 +95,25 @@ class StepThreads:
     def record(self, out: SchedulerOutput, threads: int, seconds: float) -> None:
         if not self.enabled:
             return
-        state = self._classes[size_class(out)]
+        key = size_class(out)
+        state = self._classes[key]
         if state.chosen is not None:
             state.steps_since_choice += 1
             if state.steps_since_choice >= REPROBE_EVERY:
-                self._classes[size_class(out)] = _ClassState()
+                self._classes[key] = _ClassState()
             return
         state.samples[threads].append(seconds)
-        pool, one = state.samples[self.pool_size], state.samples[1]
+        pool, narrow = state.samples[self.pool_size], state.samples[self.narrow]
         if len(pool) < PROBES:
             return
         pool_s = statistics.median(pool)
         if pool_s >= PROBE_BELOW_S:
             state.chosen = self.pool_size
-        elif len(one) >= PROBES:
-            one_s = statistics.median(one)
-            state.chosen = self.pool_size if one_s >= pool_s * (1 + MIN_THREAD_GAIN * (self.pool_size - 1)) else 1
-            logger.debug("steps %s: %d thread(s) (median %.1f ms on %d, %.1f ms on 1)", size_class(out),
-                         state.chosen, pool_s * 1e3, self.pool_size, one_s * 1e3)
+        elif len(narrow) >= PROBES:
+            narrow_s = statistics.median(narrow)
+            state.chosen = self.pool_size if narrow_s >= pool_s * (1 + MIN_THREAD_GAIN / self.narrow) else self.narrow
+            logger.debug("steps %s: %d thread(s) (median %.1f ms on %d, %.1f ms on %d)", key, state.chosen,
+                         pool_s * 1e3, self.pool_size, narrow_s * 1e3, self.narrow)
 
     def choices(self) -> dict[SizeClass, int]:
         """The classes decided so far and their thread counts (for logs and tests)."""
