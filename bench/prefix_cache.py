@@ -179,12 +179,11 @@ async def shared_load(address: str, metrics_port: int, videos: list[bytes], *, u
 def bench_server(model: Path, caching: bool, args: argparse.Namespace, log_dir: Path) -> ServerResult:
     """One server process: the follow-up series per frame count, then the shared-video load."""
     metrics_port = free_port()
-    os.environ["MMSERVE_ENABLE_PREFIX_CACHING"] = "1" if caching else "0"   # the server reads its flags from env too
     os.environ["MMSERVE_METRICS_PORT"] = str(metrics_port)
     os.environ["MMSERVE_MAX_FRAMES_PER_VIDEO"] = str(max(args.frames + [args.shared_frames]))
     result = ServerResult(caching)
     name = "on" if caching else "off"
-    with server_process(str(model), threads=args.threads, max_num_seqs=args.users,
+    with server_process(str(model), threads=args.threads, max_num_seqs=args.users, prefix_caching=caching,
                         log_path=log_dir / f"server-cache-{name}.log") as address:
         for k, n in enumerate(args.frames):
             video = make_clip(100 + k, num_frames=n, fps=4.0).data
@@ -196,6 +195,10 @@ def bench_server(model: Path, caching: bool, args: argparse.Namespace, log_dir: 
                                                 questions=args.questions, num_frames=args.shared_frames,
                                                 max_tokens=args.max_tokens))
         logger.info("cache %s, shared load: %s", name, result.shared)
+    if caching and not any(f.cached_tokens_p50 for f in result.follow_ups):
+        # A measurement of nothing: the server did not cache (a flag or env var lost on the way).
+        raise RuntimeError(f"prefix caching was on but no follow-up reused a cached token (server log: "
+                           f"{log_dir / f'server-cache-{name}.log'})")
     return result
 
 

@@ -154,16 +154,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Path,
-                   src: Path | None = None, flags: Sequence[str] = ()) -> Iterator[str]:
+                   src: Path | None = None, flags: Sequence[str] = (), prefix_caching: bool = False) -> Iterator[str]:
     """`mmserve serve` on a free loopback port (from the mmserve source in `src` when given); yields
-    its address once readiness is SERVING."""
+    its address once readiness is SERVING. Prefix caching is off unless asked for: this bench's levels
+    reuse clips (level 64's first 16 are level 16's), so a cache would skip work transformers does;
+    bench/prefix_cache.py measures the cache. (Older trees ignore the setting.)"""
     port = free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs),
            "--max-waiting-requests", str(4 * max_num_seqs), *flags]
-    # Prefix caching off: the levels reuse clips (level 64's first 16 are level 16's), so a cache would
-    # skip work transformers does; bench/prefix_cache.py measures the cache. (Older trees ignore it.)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MMSERVE_ENABLE_PREFIX_CACHING="0")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MMSERVE_ENABLE_PREFIX_CACHING=str(int(prefix_caching)))
     if src is not None:
         env["PYTHONPATH"] = str(src)
     with open(log_path, "w") as log:
