@@ -47,21 +47,25 @@ def plot_serving(report: dict, out_dir: Path) -> list[Path]:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig_tp, ax_tp = plt.subplots(figsize=(6.4, 4.2))
     fig_tt, ax_tt = plt.subplots(figsize=(6.4, 4.2))
+    baselines_drawn = set()   # transformers ran once per model; every server of that model shares its numbers
     for color, model in zip(colors, report["models"], strict=False):
         levels = model["levels"]
         n = [lv["concurrency"] for lv in levels]
         server = model.get("server", "this tree")
         name = model["name"] if server == "this tree" else f"{model['name']}, {server}"
         ax_tp.plot(n, [lv["output_tokens_per_s"] for lv in levels], "o-", color=color, label=f"mmserve ({name})")
-        ax_tp.plot(n, [lv["hf_batch_output_tokens_per_s"] for lv in levels], "s--", color=color,
-                   label=f"transformers padded batch ({name})")
-        ax_tp.axhline(model["hf_sequential"]["output_tokens_per_s"], color=color, linestyle=":",
-                      label=f"transformers one at a time ({name})")
         ax_tt.plot(n, [lv["ttft_p50_s"] for lv in levels], "o-", color=color, label=f"mmserve p50 ({name})")
         ax_tt.plot(n, [lv["ttft_p99_s"] for lv in levels], "^-", color=color, alpha=0.5,
                    label=f"mmserve p99 ({name})")
+        if model["name"] in baselines_drawn:
+            continue
+        baselines_drawn.add(model["name"])
+        ax_tp.plot(n, [lv["hf_batch_output_tokens_per_s"] for lv in levels], "s--", color=color,
+                   label=f"transformers padded batch ({model['name']})")
+        ax_tp.axhline(model["hf_sequential"]["output_tokens_per_s"], color=color, linestyle=":",
+                      label=f"transformers one at a time ({model['name']})")
         ax_tt.plot(n, [lv["hf_batch_ttft_s"] for lv in levels], "s--", color=color,
-                   label=f"transformers padded batch ({name})")
+                   label=f"transformers padded batch ({model['name']})")
     levels = sorted({lv["concurrency"] for model in report["models"] for lv in model["levels"]})
     for ax, ylabel, title in ((ax_tp, "output tokens/s", "Throughput vs concurrency"),
                               (ax_tt, "time to first token (s)", "TTFT vs concurrency")):
