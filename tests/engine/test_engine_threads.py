@@ -1,13 +1,15 @@
 """The engine's torch pool follows the container's real CPU limit: cgroup v2 `cpu.max`, v1 CFS quota,
-capped by the affinity mask; an explicit --engine-threads or OMP_NUM_THREADS wins."""
+capped by the affinity mask; an explicit --engine-threads or OMP_NUM_THREADS wins. A step may run on
+a narrower pool for a while (`torch_threads`), which is restored after it."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 
-from mmserve.engine.cpu_threads import available_cores, cgroup_cpu_limit, engine_threads
+from mmserve.engine.cpu_threads import available_cores, cgroup_cpu_limit, engine_threads, torch_threads
 
 
 def test_cgroup_v2_quota(tmp_path):
@@ -37,3 +39,13 @@ def test_explicit_settings_win(monkeypatch: pytest.MonkeyPatch):
     assert engine_threads(5) == 5 and engine_threads(0) == 3
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert engine_threads(0) == available_cores()
+
+
+def test_torch_threads_narrows_the_pool_for_a_block_and_restores_it_even_on_error():
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_threads(1):
+        raise RuntimeError("a failing step")
+    assert torch.get_num_threads() == before

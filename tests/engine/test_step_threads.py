@@ -12,6 +12,7 @@ from engine_helpers import PROMPTS, build_request, make_llm, run_recording_logit
 from gemma4_fixtures import make_checkpoint, tiny_config
 
 from mmserve.engine import step_threads
+from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import Request
@@ -26,11 +27,11 @@ def step(num_requests: int, tokens_each: int = 1, *, prefill: bool = False, fram
 def run(threads: StepThreads, out: SchedulerOutput, seconds_on: dict[int, float], steps: int,
         rng: random.Random) -> list[int]:
     """`steps` steps of one class whose time on n threads is seconds_on[n] (+-1% noise); the counts used."""
-    used = []
+    used, size = [], size_class(out)
     for _ in range(steps):
-        n = threads.threads_for(out)
+        n = threads.threads_for(size)
         used.append(n)
-        threads.record(out, n, seconds_on[n] * rng.uniform(0.99, 1.01))
+        threads.record(size, n, seconds_on[n] * rng.uniform(0.99, 1.01))
     return used
 
 
@@ -91,14 +92,6 @@ def test_not_adaptive_or_one_thread_means_the_whole_pool():
     assert run(StepThreads(1), step(16), {1: 0.01}, 10, rng) == [1] * 10
 
 
-def test_running_on_narrows_the_pool_for_one_step_and_restores_it():
-    before = torch.get_num_threads()
-    threads = StepThreads(before)
-    with threads.running_on(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == before
-
-
 @pytest.fixture(scope="module")
 def wide_model(tmp_path_factory):
     """A checkpoint wide enough that torch's CPU matmuls really split across threads (hidden 256,
@@ -117,14 +110,10 @@ def test_the_thread_count_changes_logits_only_by_rounding(wide_model):
     seed = random.randrange(2**16)
     requests = [build_request(f"{kind}-{seed}", parts, seed + i, max_tokens=4) for i, (kind, parts) in enumerate(PROMPTS.items())]
     results = []
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
+    for n in (1, 2):
+        with torch_threads(n):
             llm = make_llm(wide_model, enable_prefix_caching=False)
             results.append(run_recording_logits(llm, requests))
-    finally:
-        torch.set_num_threads(before)
     (done_1, logits_1), (done_2, logits_2) = results
     assert [c.token_ids for c in done_1] == [c.token_ids for c in done_2]
     for rid in logits_1:
@@ -134,9 +123,7 @@ def test_the_thread_count_changes_logits_only_by_rounding(wide_model):
 def test_the_core_measures_its_steps_and_leaves_the_pool_as_it_was(wide_model):
     """A real engine: decode steps of one class get decided by their own timings, and the torch pool is
     the configured one again after every step."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         llm = make_llm(wide_model, adaptive_threads=True, enable_prefix_caching=False)
         seed = random.randrange(2**16)
         requests = [build_request(f"t{i}-{seed}", [random.randrange(5, 30)], seed + i, max_tokens=16) for i in range(6)]
@@ -144,8 +131,6 @@ def test_the_core_measures_its_steps_and_leaves_the_pool_as_it_was(wide_model):
         decode_class = (False, False, len(requests).bit_length())
         assert llm.core.threads.enabled and decode_class in llm.core.threads.choices()
         assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_the_offline_llm_keeps_a_fixed_pool(wide_model):

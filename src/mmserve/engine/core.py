@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
@@ -25,7 +26,7 @@ from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
-from mmserve.engine.step_threads import StepThreads
+from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError
@@ -191,12 +192,13 @@ class EngineCore:
         if out.is_empty:
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
-        threads = self.threads.threads_for(out)
+        size = size_class(out)
+        threads = self.threads.threads_for(size)
         try:
-            with self.threads.running_on(threads):
+            with torch_threads(threads):
                 step = self.runner.execute(out)
                 sampled = self.sampler.sample(step.logits, [s.request for s in step.sampled])
-            self.threads.record(out, threads, time.perf_counter() - start_perf)
+            self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs

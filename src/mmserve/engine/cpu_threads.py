@@ -8,9 +8,11 @@ the smaller wins.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -67,3 +69,20 @@ def configure_torch_threads(num_threads: int) -> int:
         pass
     logger.info("torch: %d intra-op threads", torch.get_num_threads())
     return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch's intra-op pool set to `num_threads` inside the block and restored after it, so whoever
+    else runs torch in this process keeps the pool it configured (a no-op when it is that size already)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if num_threads == before:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -24,14 +24,10 @@ its cores, and a script's reruns stay bit-reproducible).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import torch
 
 from mmserve.scheduler.output import SchedulerOutput
 
@@ -59,8 +55,9 @@ class _ClassState:
 
 
 class StepThreads:
-    """Per size class: `threads_for(out)` before a step, `record(out, threads, seconds)` after it.
-    Not adaptive (or a pool of one): every step runs on the whole pool."""
+    """Per size class (`size_class(out)`, once per step): `threads_for(size)` before the step,
+    `record(size, threads, seconds)` after it. Not adaptive (or a pool of one): every step runs on
+    the whole pool. Policy only: the core sets torch's pool (`cpu_threads.torch_threads`)."""
 
     def __init__(self, pool_size: int, *, adaptive: bool = True):
         self.pool_size = pool_size
@@ -68,10 +65,10 @@ class StepThreads:
         self.enabled = adaptive and pool_size > 1
         self._classes: dict[SizeClass, _ClassState] = defaultdict(_ClassState)
 
-    def threads_for(self, out: SchedulerOutput) -> int:
+    def threads_for(self, size: SizeClass) -> int:
         if not self.enabled:
             return self.pool_size
-        state = self._classes[size_class(out)]
+        state = self._classes[size]
         if state.chosen is not None:
             return state.chosen
         pool = state.samples[self.pool_size]
@@ -79,28 +76,14 @@ class StepThreads:
             return self.pool_size
         return self.narrow
 
-    @contextlib.contextmanager
-    def running_on(self, threads: int) -> Iterator[None]:
-        """torch's pool narrowed to `threads` for one step and restored after it, so whoever else runs
-        torch in this process (the offline LLM's caller) keeps the pool it configured."""
-        if threads == self.pool_size:
-            yield
-            return
-        torch.set_num_threads(threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(self.pool_size)
-
-    def record(self, out: SchedulerOutput, threads: int, seconds: float) -> None:
+    def record(self, size: SizeClass, threads: int, seconds: float) -> None:
         if not self.enabled:
             return
-        key = size_class(out)
-        state = self._classes[key]
+        state = self._classes[size]
         if state.chosen is not None:
             state.steps_since_choice += 1
             if state.steps_since_choice >= REPROBE_EVERY:
-                self._classes[key] = _ClassState()
+                self._classes[size] = _ClassState()
             return
         state.samples[threads].append(seconds)
         pool, narrow = state.samples[self.pool_size], state.samples[self.narrow]
@@ -112,7 +95,7 @@ class StepThreads:
         elif len(narrow) >= PROBES:
             narrow_s = statistics.median(narrow)
             state.chosen = self.pool_size if narrow_s >= pool_s * (1 + MIN_THREAD_GAIN / self.narrow) else self.narrow
-            logger.debug("steps %s: %d thread(s) (median %.1f ms on %d, %.1f ms on %d)", key, state.chosen,
+            logger.debug("steps %s: %d thread(s) (median %.1f ms on %d, %.1f ms on %d)", size, state.chosen,
                          pool_s * 1e3, self.pool_size, narrow_s * 1e3, self.narrow)
 
     def choices(self) -> dict[SizeClass, int]:

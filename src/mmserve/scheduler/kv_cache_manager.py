@@ -191,6 +191,7 @@ class KVCacheManager:
         if (not self.enable_prefix_caching or request.request_id in self._held
                 or request.sampling_params.needs_whole_prompt):
             return NO_HIT
+        # wanted: the key of every whole block before the last token; keys: narrowed to what the unwindowed pools hold
         keys = wanted = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
         found: dict[str, list[int | None]] = {}
         for t, pool in self.pools.items():   # unwindowed pools first: they bound the hit
