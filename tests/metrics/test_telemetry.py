@@ -204,7 +204,9 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), metrics=metrics, step_trace_ratio=0)
     observer.on_engine_started(PEAKS)
     r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
+    queued = Request("queued", list(range(3)), SamplingParams())   # still waiting when r ends
     observer.on_request_queued(r)
+    observer.on_request_queued(queued)
     clock = StepClock()
     waiting = random.randint(1, 50)
     observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 1, r, prefix_queried=6)], waiting=waiting, kv=0.5))
@@ -215,15 +217,21 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})  # the server's interceptor counts RPCs
 
     server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
-    try:
+
+    def scrape() -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line and not line.startswith("#")}
+
+    try:
+        samples = scrape()
+        # The last request in flight ends: no step follows, yet the gauges must read idle (the HPA and the
+        # dashboard would otherwise see the last step's load forever).
+        observer.on_request_finished(queued, "abort", None)
+        idle = scrape()
     finally:
         server.shutdown()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.split("{")[0].split(" ")[0], float(line.rsplit(" ", 1)[1])
-            samples[name] = value
+    assert (idle["mmserve_requests_running"], idle["mmserve_requests_waiting"], idle["mmserve_kv_cache_usage"]) == (0, 0, 0)
     for name in PROMETHEUS_NAMES.values():
         assert name in samples or f"{name}_count" in samples, name
     assert samples["mmserve_requests_waiting"] == waiting

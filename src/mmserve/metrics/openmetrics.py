@@ -6,7 +6,8 @@ records an exemplar (trace id, span id, value) when a histogram is recorded insi
 context and hands it over once; this collector keeps the latest one per bucket, so every scrape
 shows one. Names are the explicit `PROMETHEUS_NAMES` of `metrics/prometheus.py`, not derived.
 Exemplars appear only in the OpenMetrics format (`Accept: application/openmetrics-text`, what
-Prometheus asks for with exemplar storage on); the classic text format omits them.
+Prometheus asks for with exemplar storage on); the classic text format omits them. `exposition`
+picks the format from the scraper's Accept header (and works around a prometheus_client bug there).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from collections.abc import Iterator, Mapping
 from itertools import accumulate
 
 from opentelemetry.sdk.metrics.export import Gauge, Histogram, InMemoryMetricReader, Sum
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.openmetrics import exposition as openmetrics_text
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Exemplar
 
@@ -74,3 +78,17 @@ class OpenMetricsBridge(Collector):
             exemplar = self._exemplars.get((metric, tuple(label_values), i))
             buckets.append((le, count, exemplar) if exemplar else (le, count))
         return buckets
+
+
+def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """(body, content type) of a scrape, in the format the Accept header asks for.
+
+    prometheus_client (0.26, client_python#1177) writes OpenMetrics sample names with label-name
+    escaping, so `vllm:num_requests_running` goes out as `vllm_num_requests_running` under its TYPE
+    line and Prometheus stores the wrong name. Every name served here is a valid classic name, and for
+    those the `allow-utf-8` writer's output is exactly the correct OpenMetrics 1.0 text: use it."""
+    encoder, content_type = choose_encoder(accept)
+    if content_type.startswith("application/openmetrics-text"):
+        return (openmetrics_text.generate_latest(registry, escaping=openmetrics_text.ALLOWUTF8),
+                openmetrics_text.CONTENT_TYPE_LATEST)
+    return encoder(registry), content_type

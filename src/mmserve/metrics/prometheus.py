@@ -7,6 +7,8 @@ collide. The Prometheus names are listed in `PROMETHEUS_NAMES` and in docs/traci
 histograms carry exemplars (the trace id of a request that landed in the bucket) when they are
 recorded with that request's trace context. To add a metric: one instrument in `__init__` and its
 Prometheus name in `PROMETHEUS_NAMES` (the tests check both exports serve every name there).
+`watch_engine` adds the vLLM-named compatibility set (`vllm:*`, metrics/vllm_compat.py) that gateways
+and endpoint pickers read.
 """
 
 from __future__ import annotations
@@ -142,10 +144,21 @@ class EngineMetrics:
                                                    description="images/frames run through the vision tower "
                                                                "(encoder-cache and prefix-cache hits excluded)")
         self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
+        self._pools: set[str] = set()   # KV pools seen, for record_idle
         self.peak_flops = meter.create_gauge("mmserve.perf.peak_flops", description="the FLOP/s MFU divides by")
         self.peak_bandwidth = meter.create_gauge("mmserve.perf.peak_bandwidth", description="the bytes/s MBU divides by")
         self.peaks_info = meter.create_gauge("mmserve.device_peaks_info",
                                              description="1, labelled with the MFU/MBU denominators and their source")
+
+    def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool) -> None:
+        """Also serve the vLLM-named compatibility set (metrics/vllm_compat.py) of `engine`, an AsyncEngine,
+        read at scrape time. Prometheus exposition only; a no-op without it."""
+        from mmserve.metrics.vllm_compat import VllmCompatCollector
+
+        if self.registry is not None:
+            self.registry.register(VllmCompatCollector(engine, block_size=block_size,
+                                                       enable_prefix_caching=enable_prefix_caching,
+                                                       prefix_totals=lambda: tuple(self._prefix_totals)))
 
     def count_rpc(self, rpc: str, code: str) -> None:
         self.rpc_requests.add(1, {"rpc": rpc, "code": code})
@@ -161,12 +174,21 @@ class EngineMetrics:
         self.waiting.set(step.waiting)
         for pool, usage in step.kv_usage_by_pool.items():
             self.kv_usage.set(usage, {"pool": pool})
+            self._pools.add(pool)
         self.mfu.set(step.mfu)
         self.mbu.set(step.mbu)
         phase = {"phase": step.phase}
         self.flops.add(step.flops, phase)
         self.bytes.add(step.bytes, phase)
         self.step_duration.add(step.seconds, phase)
+
+    def record_idle(self) -> None:
+        """The last request in flight ended: no step follows to update the gauges, so set them to what
+        an idle engine has (nothing running or waiting, no KV block held; cached ones count as free)."""
+        self.running.set(0)
+        self.waiting.set(0)
+        for pool in self._pools:
+            self.kv_usage.set(0.0, {"pool": pool})
 
     def record_prefix_cache(self, queries: int, hits: int) -> None:
         """One step's prefix-cache lookups (tokens), at the admission of each request."""
@@ -182,13 +204,45 @@ class EngineMetrics:
 
 
 def start_metrics_server(port: int, metrics: EngineMetrics, addr: str = "0.0.0.0"):
-    """Serve `metrics` as Prometheus text at http://addr:port/metrics (port 0 = a free port).
-    Returns (server, port); `server.shutdown()` stops it."""
-    from prometheus_client import start_http_server
+    """Serve `metrics` as Prometheus text (or OpenMetrics, with exemplars, when the scraper asks) at
+    http://addr:port/metrics (port 0 = a free port), from a daemon thread. Returns (server, port);
+    `server.shutdown()` stops it."""
+    import gzip
+    import socket
+    import threading
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client.exposition import ThreadingWSGIServer, gzip_accepted
+
+    from mmserve.metrics.openmetrics import exposition
 
     if metrics.registry is None:
         raise ValueError("EngineMetrics was built with prometheus=False")
-    server, thread = start_http_server(port, addr=addr, registry=metrics.registry)
+    registry = metrics.registry
+
+    def app(environ, start_response):
+        body, content_type = exposition(registry, environ.get("HTTP_ACCEPT", ""))
+        headers = [("Content-Type", content_type)]
+        if gzip_accepted(environ.get("HTTP_ACCEPT_ENCODING", "")):
+            body = gzip.compress(body)
+            headers.append(("Content-Encoding", "gzip"))
+        start_response("200 OK", headers)
+        return [body]
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format, *args):   # a scrape every few seconds is not news
+            pass
+
+    class MetricsHTTPServer(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+        def shutdown(self) -> None:   # stop serving and release the port
+            super().shutdown()
+            self.server_close()
+
+    server = make_server(addr, port, app, server_class=MetricsHTTPServer, handler_class=QuietHandler)
+    threading.Thread(target=server.serve_forever, name="mmserve-metrics-http", daemon=True).start()
     bound = server.server_address[1]
     logger.info("Prometheus metrics on http://%s:%d/metrics", addr, bound)
     return server, bound
+

@@ -219,6 +219,8 @@ class TelemetryObserver:
         if state is not None and state.first_token_monotonic is not None and outputs > 1:
             self.metrics.tpot.record((now - state.first_token_monotonic) / (outputs - 1), context=_context(request))
         self.metrics.finished.add(1, {"finish_reason": "error" if error is not None else (finish_reason or "unknown")})
+        if not self._requests:   # the engine runs no further step to report its (idle) state
+            self.metrics.record_idle()
 
     # -- helpers -----------------------------------------------------------------------------------
 

@@ -74,6 +74,8 @@ class MMServer:
                                             *interceptors]
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
+            metrics.watch_engine(engine, block_size=engine_config.block_size,
+                                 enable_prefix_caching=engine_config.enable_prefix_caching)
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")
