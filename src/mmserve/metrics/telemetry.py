@@ -191,6 +191,8 @@ class TelemetryObserver:
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
+            if not self._requests:   # the core counted requests the front end has ended (an abort in flight)
+                self.metrics.record_idle()
 
     def on_first_token(self, request: Any) -> None:
         state = self._requests.get(request.request_id)

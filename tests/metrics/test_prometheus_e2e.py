@@ -1,0 +1,300 @@
+"""A real Prometheus (Debian's `prometheus`, exemplar storage on, 1 s scrapes) scraping a real
+`mmserve serve` process under a mixed load, then asked through its HTTP API:
+
+- every panel query of the shipped Grafana dashboard returns data, finite, over the last minute, and
+  the labels its `by (...)` groups on carry values;
+- the latency histograms' exemplars name the traces of the requests just sent;
+- the `vllm:*` compatibility gauges rose with the load and read idle after it;
+- the shipped alert rules (a copy with `for: 1s` and 10 s windows) evaluate without error, and
+  "error rate" and "not serving" fire and resolve against the real server.
+
+Name matching cannot see a broken PromQL expression, a label that never carries a value or an
+exemplar Prometheus refuses; only Prometheus itself can. Skips with the install command where
+Prometheus is absent, unless CI is set (.ci/run installs it through `make setup-prometheus`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from mmserve.clients import Client
+from mmserve.clients.types import ClientError
+from mmserve.metrics.tracing import inject_trace_context
+from mmserve.server.health import GENERATION_SERVICE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from local_prometheus import ALERT_RULES, INSTALL_HINT, LocalPrometheus, binary, dashboard_queries, free_port  # noqa: E402
+
+LATENCY_HISTOGRAMS = ("mmserve_time_to_first_token_seconds", "mmserve_time_per_output_token_seconds",
+                      "mmserve_e2e_request_latency_seconds", "mmserve_request_queue_time_seconds")
+MAX_NUM_SEQS = 2   # with more long requests than this, some wait: the waiting gauges must show it
+
+
+def _require_prometheus() -> None:
+    if binary("prometheus") is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI is set but prometheus is not installed (make setup-prometheus: {INSTALL_HINT})")
+        pytest.skip(f"prometheus is not installed: {INSTALL_HINT}")
+
+
+def _quick_rules(tmp_path: Path) -> Path:
+    """The shipped rules with durations a test can wait for: every `for:` 1 s, 5 m windows 10 s."""
+    rules = yaml.safe_load(ALERT_RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule["for"] = "1s"
+            rule["expr"] = rule["expr"].replace("[5m]", "[10s]")
+    path = tmp_path / "alerts.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    return path
+
+
+class ServeProcess:
+    """`python -m mmserve.cli serve` with its log kept (read on a thread so the pipe never fills)."""
+
+    def __init__(self, *args: str):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", *args], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.port: int | None = None
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if self.port is None and (m := re.search(r"listening on [\d.]+:(\d+)", line)):
+                self.port = int(m.group(1))
+
+    def wait_serving(self, timeout_s: float = 180) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None and time.monotonic() < deadline, "".join(self.lines[-30:])
+            if self.port is not None:
+                try:
+                    with Client(f"127.0.0.1:{self.port}", timeout=2) as client:
+                        if client.health(GENERATION_SERVICE) == "SERVING":
+                            return f"127.0.0.1:{self.port}"
+                except ClientError:
+                    pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)   # in case a test left it stopped
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+@dataclass
+class Run:
+    prometheus: LocalPrometheus
+    server: ServeProcess
+    address: str
+    metrics_target: str
+    traced: set[str] = field(default_factory=set)   # trace ids of the requests the engine ran
+    load_end: float = 0.0
+
+
+def _traced_client(address: str) -> tuple[Client, str]:
+    """A client whose calls continue a fresh trace (W3C traceparent, as an instrumented caller sends)."""
+    span = TracerProvider().get_tracer("test").start_span("client.generate")
+    metadata = inject_trace_context(context=trace.set_span_in_context(span))
+    return Client(address, timeout=120, metadata=metadata), format(span.get_span_context().trace_id, "032x")
+
+
+def _mixed_load(run: Run, video: bytes) -> None:
+    """Long text streams (more than MAX_NUM_SEQS at once), a video asked twice (the second hits the
+    prefix cache), a stream cancelled while decoding and two refused requests, concurrently."""
+
+    def text(i: int) -> None:
+        client, trace_id = _traced_client(run.address)
+        with client:
+            result = client.generate(prompt=f"Count to a thousand, {i}.", max_tokens=300, ignore_eos=True, temperature=0)
+        assert len(result.token_ids) == 300
+        run.traced.add(trace_id)
+
+    def video_twice() -> None:
+        for _ in range(2):
+            client, trace_id = _traced_client(run.address)
+            with client:
+                result = client.generate(prompt="What happens?", video=video, num_frames=4, max_tokens=8, temperature=0)
+            run.traced.add(trace_id)
+        assert result.usage.cached_tokens > 0
+
+    def cancelled() -> None:
+        client, trace_id = _traced_client(run.address)
+        with client:
+            stream = client.stream(prompt="Count forever.", max_tokens=500, ignore_eos=True)
+            for seen, _ in enumerate(stream, 1):
+                if seen == 3:
+                    break
+            stream.cancel()
+        run.traced.add(trace_id)
+
+    def refused() -> None:
+        client, _ = _traced_client(run.address)
+        with client, pytest.raises(ClientError) as info:
+            client.generate(prompt="hi", max_tokens=-1)
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
+
+
+def _poll(what: str, check, timeout_s: float = 30.0, every_s: float = 0.25):
+    """check() until it returns something truthy; fails with `what` and the last value at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: still {value!r} after {timeout_s}s"
+        time.sleep(every_s)
+
+
+def _value(prometheus: LocalPrometheus, expr: str) -> float | None:
+    result = prometheus.query(expr)
+    return float(result[0]["value"][1]) if result else None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, make_video):
+    _require_prometheus()
+    from otlp_receiver import OtlpReceiver
+
+    receiver = OtlpReceiver()   # tracing on: only sampled requests' histograms carry exemplars
+    metrics_port = free_port()
+    target = f"127.0.0.1:{metrics_port}"
+    server = ServeProcess("--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
+                          "--otlp-traces-endpoint", receiver.endpoint, "--max-num-seqs", str(MAX_NUM_SEQS),
+                          "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1")
+    prometheus = LocalPrometheus([target], rule_files=[_quick_rules(tmp_path_factory.mktemp("rules"))],
+                                 interval_s=1.0)
+    try:
+        prometheus.start()   # while the model loads
+        address = server.wait_serving()
+        _poll("the server's target is up", lambda: prometheus.target_health() == ["up"])
+        state = Run(prometheus, server, address, target)
+        _mixed_load(state, make_video(seed=11, num_frames=8))
+        state.load_end = time.time()
+        yield state
+    finally:
+        server.stop()
+        prometheus.stop()
+        receiver.stop()
+
+
+def _grouped_labels(expr: str) -> set[str]:
+    """Labels the expression's `by (...)` clauses keep (histogram_quantile consumes `le`)."""
+    return {label.strip() for group in re.findall(r"\bby\s*\(([^)]*)\)", expr) for label in group.split(",")} - {"le", ""}
+
+
+def test_every_dashboard_query_returns_finite_data(run):
+    # Two scrapes after the load's end: a series born in its last moments (the cancelled request's
+    # finish reason) needs two samples for rate().
+    _poll("two scrapes after the load", lambda: _value(run.prometheus, "timestamp(up)") >= run.load_end + 1.0)
+    failures = []
+    queries = dashboard_queries(rate_interval="1m")
+    assert len(queries) >= 20
+    for title, expr in queries:
+        try:
+            result = run.prometheus.query(expr)
+        except ValueError as e:   # Prometheus refused the expression: its message says why
+            failures.append(f"{title}: {e}")
+            continue
+        values = [float(series["value"][1]) for series in result]
+        if not values or not all(math.isfinite(v) for v in values):
+            failures.append(f"{title}: {expr}\n    -> {values or 'no data'}")
+        for label in _grouped_labels(expr):
+            if not all(series["metric"].get(label) for series in result):
+                failures.append(f"{title}: a series without a value for `{label}`: {result}")
+    assert not failures, "\n".join(failures)
+
+
+def test_latency_exemplars_name_the_traces_just_sent(run):
+    """Every latency histogram has exemplars; each names one of our requests' traces and lies in its bucket."""
+    for histogram in LATENCY_HISTOGRAMS:
+        found = run.prometheus.exemplars(f"{histogram}_bucket", seconds=120)
+        exemplars = [(series["seriesLabels"], e) for series in found for e in series["exemplars"]]
+        assert exemplars, f"no exemplars stored for {histogram}"
+        for series, exemplar in exemplars:
+            assert exemplar["labels"].get("trace_id") in run.traced, (histogram, exemplar, sorted(run.traced))
+            assert re.fullmatch(r"[0-9a-f]{16}", exemplar["labels"].get("span_id", "")), exemplar
+            assert float(exemplar["value"]) <= float(series["le"]), (histogram, series, exemplar)
+
+
+def test_vllm_gauges_follow_the_load_and_return_to_idle(run):
+    p = run.prometheus
+    assert _value(p, "max_over_time(vllm:num_requests_running[2m])") >= MAX_NUM_SEQS
+    assert _value(p, "max_over_time(vllm:num_requests_waiting[2m])") >= 1
+    assert _value(p, "max_over_time(vllm:kv_cache_usage_perc[2m])") > 0
+    idle = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+            "mmserve_requests_running", "mmserve_requests_waiting", "max(mmserve_kv_cache_usage)")
+    _poll("idle gauges after the load", lambda: all(_value(p, name) == 0 for name in idle))
+    (info,) = p.query("vllm:cache_config_info")
+    assert int(info["metric"]["block_size"]) > 0 and int(info["metric"]["num_gpu_blocks"]) > 0
+    # Same semantics as ours: tokens looked up at admission, and those found in the cache.
+    for name in ("queries", "hits"):
+        vllm = _value(p, f"sum(vllm:prefix_cache_{name}_total)")
+        assert vllm == _value(p, f"sum(mmserve_prefix_cache_{name}_total)") and vllm > 0, name
+    (series,) = p.query("vllm:num_requests_running")
+    assert set(series["metric"]) >= {"model_name", "engine"}
+
+
+def test_every_shipped_rule_evaluates(run):
+    def evaluated():
+        rules = [r for g in run.prometheus.api("rules")["groups"] for r in g["rules"]]
+        return rules if all(not r["lastEvaluation"].startswith("0001") for r in rules) else None
+
+    rules = _poll("every rule evaluated once", evaluated)
+    assert {r["name"] for r in rules} == {r["alert"] for g in yaml.safe_load(ALERT_RULES.read_text())["groups"]
+                                          for r in g["rules"]}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+
+
+def test_error_rate_alert_fires_by_code_and_resolves(run):
+    p = run.prometheus
+    with Client(run.address, timeout=30) as client:
+        def refuse_and_check():
+            with pytest.raises(ClientError):
+                client.generate(prompt="hi", temperature=-0.5)
+            alerts = p.api("alerts")["alerts"]
+            return [a for a in alerts if a["labels"]["alertname"] == "MMServeHighErrorRate" and a["state"] == "firing"]
+
+        (alert,) = _poll("MMServeHighErrorRate firing", refuse_and_check, timeout_s=40, every_s=0.5)
+    assert alert["labels"]["code"] == "INVALID_ARGUMENT"
+    _poll("MMServeHighErrorRate resolved", lambda: "MMServeHighErrorRate" not in p.alerts(), timeout_s=40)
+
+
+def test_not_serving_alert_fires_and_resolves(run):
+    """A stopped (hung) server: its scrapes time out, `up` is 0, the alert fires; it resolves once it runs."""
+    p = run.prometheus
+    assert "MMServeNotServing" not in p.alerts()
+    os.kill(run.server.proc.pid, signal.SIGSTOP)
+    try:
+        _poll("MMServeNotServing firing", lambda: p.alerts().get("MMServeNotServing") == "firing", timeout_s=40)
+        assert _value(p, f'up{{instance="{run.metrics_target}"}}') == 0
+    finally:
+        os.kill(run.server.proc.pid, signal.SIGCONT)
+    _poll("MMServeNotServing resolved", lambda: "MMServeNotServing" not in p.alerts(), timeout_s=40)
+    with Client(run.address, timeout=60) as client:   # and it serves again
+        assert len(client.generate(prompt="Still there?", max_tokens=3, ignore_eos=True).token_ids) == 3
