@@ -6,8 +6,10 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 PYTEST_ARGS ?=
+METRICS_PORT    ?= 9464
+PROMETHEUS_PORT ?= 9095
 
-.PHONY: setup run test demo proto lint bench clean
+.PHONY: setup run test demo proto lint bench clean setup-prometheus prometheus
 
 setup: $(STAMP)
 
@@ -46,6 +48,18 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+# Debian's prometheus + promtool: the dashboard/alert tests need them (they skip without, except under CI,
+# where .ci/run installs them through this target) and `make prometheus` runs them.
+setup-prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends prometheus
+
+# A Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) scraping a server started with MMSERVE_METRICS_PORT=$(METRICS_PORT),
+# with the alert rules loaded; prints the dashboard's queries as links into its UI (docs/operations.md).
+prometheus: setup setup-prometheus
+	$(BIN)/python scripts/local_prometheus.py --target $(HOST):$(METRICS_PORT) --port $(PROMETHEUS_PORT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -29,6 +32,11 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "mmserve.json"
 ALERT_RULES = ROOT / "deploy" / "prometheus" / "alerts.yaml"
 INSTALL_HINT = "apt-get update && apt-get install -y prometheus"
 JOB = "mmserve"   # the job name the alert rules select (the observability overlay's too)
+
+
+def in_ci() -> bool:
+    """CI is set (as CI systems set it, and .ci/run): a missing Prometheus fails the tests there."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false")
 
 
 def binary(name: str = "prometheus") -> str | None:
@@ -166,6 +174,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9090, help="Prometheus' own port on 127.0.0.1")
     parser.add_argument("--interval", type=float, default=5.0, help="scrape and rule evaluation interval, s")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # leave through the `with`: Prometheus stops too
     with LocalPrometheus(args.target or ["127.0.0.1:9464"], rule_files=[ALERT_RULES], interval_s=args.interval,
                          port=args.port) as prometheus:
         print(f"Prometheus on {prometheus.url}, scraping {', '.join(prometheus.targets)}\n")

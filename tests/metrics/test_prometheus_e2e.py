@@ -39,7 +39,15 @@ from mmserve.metrics.tracing import inject_trace_context
 from mmserve.server.health import GENERATION_SERVICE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from local_prometheus import ALERT_RULES, INSTALL_HINT, LocalPrometheus, binary, dashboard_queries, free_port  # noqa: E402
+from local_prometheus import (  # noqa: E402
+    ALERT_RULES,
+    INSTALL_HINT,
+    LocalPrometheus,
+    binary,
+    dashboard_queries,
+    free_port,
+    in_ci,
+)
 
 LATENCY_HISTOGRAMS = ("mmserve_time_to_first_token_seconds", "mmserve_time_per_output_token_seconds",
                       "mmserve_e2e_request_latency_seconds", "mmserve_request_queue_time_seconds")
@@ -48,7 +56,7 @@ MAX_NUM_SEQS = 2   # with more long requests than this, some wait: the waiting g
 
 def _require_prometheus() -> None:
     if binary("prometheus") is None:
-        if os.environ.get("CI"):
+        if in_ci():
             pytest.fail(f"CI is set but prometheus is not installed (make setup-prometheus: {INSTALL_HINT})")
         pytest.skip(f"prometheus is not installed: {INSTALL_HINT}")
 
