@@ -217,6 +217,24 @@ def test_latency_exemplars_name_traces_the_receiver_has(traced, make_video):
     assert "# {trace_id=" not in _scrape(metrics), "the classic text format has no exemplars"
 
 
+def test_vllm_compatibility_metrics_keep_their_names(traced):
+    """The vllm:* set from the real engine, in both formats, with the colon intact in OpenMetrics
+    sample lines (prometheus_client alone writes `vllm_...` there: client_python#1177)."""
+    server, _, metrics = traced
+    ready = server.engine.ready
+    for accept in (None, "application/openmetrics-text; version=1.0.0"):
+        parse = openmetrics_families if accept else text_string_to_metric_families
+        samples = {s.name: s for family in parse(_scrape(metrics, accept)) for s in family.samples}
+        running = samples["vllm:num_requests_running"]
+        assert running.labels == {"model_name": ready.model_name, "engine": "0"} and running.value == 0
+        assert samples["vllm:num_requests_waiting"].value == 0
+        info = samples["vllm:cache_config_info"].labels
+        assert int(info["block_size"]) == server.engine_config.block_size
+        assert int(info["num_gpu_blocks"]) == ready.kv_pool_blocks["full_attention"]
+        assert samples["vllm:prefix_cache_queries_total"].value > 0   # the warm-up request at least
+        assert "vllm_num_requests_running" not in samples
+
+
 def test_rpcs_are_counted_by_status_code(traced):
     """`mmserve_rpc_requests_total{rpc, code}` counts calls the edge refused too (INVALID_ARGUMENT)."""
     server, _, metrics = traced
