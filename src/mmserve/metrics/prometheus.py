@@ -145,6 +145,7 @@ class EngineMetrics:
                                                                "(encoder-cache and prefix-cache hits excluded)")
         self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
         self._pools: set[str] = set()   # KV pools seen, for record_idle
+        self._vllm_compat = None        # the watched engine's collector (watch_engine)
         self.peak_flops = meter.create_gauge("mmserve.perf.peak_flops", description="the FLOP/s MFU divides by")
         self.peak_bandwidth = meter.create_gauge("mmserve.perf.peak_bandwidth", description="the bytes/s MBU divides by")
         self.peaks_info = meter.create_gauge("mmserve.device_peaks_info",
@@ -155,10 +156,14 @@ class EngineMetrics:
         read at scrape time. Prometheus exposition only; a no-op without it."""
         from mmserve.metrics.vllm_compat import VllmCompatCollector
 
-        if self.registry is not None:
-            self.registry.register(VllmCompatCollector(engine, block_size=block_size,
-                                                       enable_prefix_caching=enable_prefix_caching,
-                                                       prefix_totals=lambda: tuple(self._prefix_totals)))
+        if self.registry is None:
+            return
+        if self._vllm_compat is not None:   # a server restarted on these metrics: one engine's set, not two
+            self.registry.unregister(self._vllm_compat)
+        self._vllm_compat = VllmCompatCollector(engine, block_size=block_size,
+                                                enable_prefix_caching=enable_prefix_caching,
+                                                prefix_totals=lambda: tuple(self._prefix_totals))
+        self.registry.register(self._vllm_compat)
 
     def count_rpc(self, rpc: str, code: str) -> None:
         self.rpc_requests.add(1, {"rpc": rpc, "code": code})
