@@ -23,8 +23,6 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-              "vllm:cache_config_info", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")
 _LABELS = ["model_name", "engine"]
 _ENGINE_INDEX = "0"   # one engine core per server; vLLM numbers its data-parallel cores from 0
 
