@@ -185,15 +185,15 @@ def _value(prometheus: LocalPrometheus, expr: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, make_video):
+def run(tmp_path_factory, make_video, served_model):
     _require_prometheus()
     from otlp_receiver import OtlpReceiver
 
     receiver = OtlpReceiver()   # tracing on: only sampled requests' histograms carry exemplars
     metrics_port = free_port()
     target = f"127.0.0.1:{metrics_port}"
-    server = ServeProcess("--host", "127.0.0.1", "--port", "0", "--metrics-port", str(metrics_port),
-                          "--otlp-traces-endpoint", receiver.endpoint, "--max-num-seqs", str(MAX_NUM_SEQS),
+    server = ServeProcess("--model", str(served_model), "--host", "127.0.0.1", "--port", "0",
+                          "--metrics-port", str(metrics_port), "--otlp-traces-endpoint", receiver.endpoint, "--max-num-seqs", str(MAX_NUM_SEQS),
                           "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1")
     prometheus = LocalPrometheus([target], rule_files=[_quick_rules(tmp_path_factory.mktemp("rules"))],
                                  interval_s=1.0)
