@@ -6,10 +6,8 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 50051
 PYTEST_ARGS ?=
-METRICS_PORT    ?= 9464
-PROMETHEUS_PORT ?= 9095
 
-.PHONY: setup run test demo proto lint bench clean setup-prometheus prometheus
+.PHONY: setup run test demo proto lint bench clean
 
 setup: $(STAMP)
 
@@ -48,6 +46,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+.PHONY: setup-prometheus prometheus
+METRICS_PORT    ?= 9464
+PROMETHEUS_PORT ?= 9095
 
 # Debian's prometheus + promtool: the dashboard/alert tests need them (they skip without, except under CI,
 # where .ci/run installs them through this target) and `make prometheus` runs them.
