@@ -156,3 +156,9 @@ class ServerConfig:
     media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first"})
     media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted"})
     max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload"})
+    # The vllm.grpc.engine.VllmEngine door for gateways (SMG, llm-d): docs/gateway.md.
+    enable_vllm_engine_api: bool = field(default=True, metadata={
+        "help": "serve vllm.grpc.engine.VllmEngine (the worker protocol of the SMG and llm-d gateways) on the "
+                "same port as mmserve.v1"})
+    allowed_local_media_path: str = field(default="", metadata={
+        "help": "directory whose files VllmEngine media_refs may name as file:// URLs; empty = file:// refused"})

@@ -9,6 +9,7 @@ configured limits before the engine ever sees it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from mmserve.engine.types import EngineRequest
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
-from mmserve.model.prompt import PromptLayout, build_prompt
+from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
 from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.decode_control import DecodeControl
@@ -120,26 +121,56 @@ class InputProcessor:
                       priority: int = 0, trace_context: Any = None) -> EngineRequest:
         jobs = [(f"messages[{i}].parts[{j}]", part) for i, m in enumerate(messages) for j, part in enumerate(m.parts)
                 if not isinstance(part, TextInput)]
+        media, num_frames = await self._decode_all(jobs, trace_context)
+        chat = [ChatMessage(m.role, [self._model_part(f"messages[{i}].parts[{j}]", p, media)
+                                     for j, p in enumerate(m.parts)]) for i, m in enumerate(messages)]
+        render = functools.partial(build_prompt, self.tokenizer, self.spec, chat)
+        return await self._request(request_id, render, sampling, priority=priority, trace_context=trace_context,
+                                   num_frames=num_frames)
+
+    async def process_tokens(self, request_id: str, token_ids: Sequence[int], media: Sequence[ImageInput | VideoInput],
+                             sampling: SamplingParams, *, where: str = "media", max_tokens_to_context: bool = False,
+                             priority: int = 0, trace_context: Any = None) -> EngineRequest:
+        """A prompt rendered elsewhere (a gateway): `token_ids` hold one image/video anchor per item of
+        `media`, in order. The media are decoded and each anchor expanded exactly as `process` lays
+        out the same content, so both reach the engine alike (prefix cache included).
+        `max_tokens_to_context`: `sampling.max_tokens` is only a cap; use what the context leaves."""
+        jobs = [(f"{where}[{i}]", part) for i, part in enumerate(media)]
+        decoded, num_frames = await self._decode_all(jobs, trace_context)
+        parts = [self._model_part(w, p, decoded) for w, p in jobs]
+        render = functools.partial(expand_anchors, self.tokenizer, self.spec, list(token_ids), parts)
+        return await self._request(request_id, render, sampling, priority=priority, trace_context=trace_context,
+                                   num_frames=num_frames, max_tokens_to_context=max_tokens_to_context)
+
+    async def _decode_all(self, jobs: list[tuple[str, ImageInput | VideoInput]],
+                          trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
+        """Decode every (field, part) concurrently; check the request's decoded frame total."""
         decoded = await _all_or_none([self._decode(where, part, trace_context) for where, part in jobs])
-        media = {where: d for (where, _), d in zip(jobs, decoded, strict=True)}
         num_frames = sum(len(d.timestamps_s) for d in decoded if d.timestamps_s is not None)
         if num_frames > self.config.max_frames_per_request:
             raise InvalidInputError("messages", f"the videos decode to {num_frames} frames, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
-        chat = [ChatMessage(m.role, [self._model_part(f"messages[{i}].parts[{j}]", p, media)
-                                     for j, p in enumerate(m.parts)]) for i, m in enumerate(messages)]
+        return {where: d for (where, _), d in zip(jobs, decoded, strict=True)}, num_frames
+
+    async def _request(self, request_id: str, render, sampling: SamplingParams, *, priority: int, trace_context: Any,
+                       num_frames: int, max_tokens_to_context: bool = False) -> EngineRequest:
         loop = asyncio.get_running_loop()
-        layout, mm_inputs = await loop.run_in_executor(self.executor, self._layout_blocking, chat)
+        layout, mm_inputs = await loop.run_in_executor(self.executor, self._layout_blocking, render)
+        if max_tokens_to_context:
+            room = max(1, self.max_model_len - len(layout.token_ids))
+            sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room),
+                                           min_tokens=min(sampling.min_tokens, room))
         self._check_length(len(layout.token_ids), sampling)
         return EngineRequest(
             request_id=request_id, prompt_token_ids=list(layout.token_ids), mm_ranges=list(layout.mm_ranges),
             mm_inputs=mm_inputs, sampling=sampling, priority=priority, trace_context=trace_context,
             num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges))
 
-    def _layout_blocking(self, chat: list[ChatMessage]) -> tuple[PromptLayout, list[MultiModalInput]]:
+    @staticmethod
+    def _layout_blocking(render) -> tuple[PromptLayout, list[MultiModalInput]]:
         """Render the prompt, and name every image/frame by its content hash (the prefix and
         encoder caches' key), in the worker pool: hashing megabytes of pixels must not block the loop."""
-        layout = build_prompt(self.tokenizer, self.spec, chat)
+        layout = render()
         return layout, [MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
                         for item in layout.mm_items]
 

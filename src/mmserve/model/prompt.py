@@ -106,3 +106,36 @@ def build_prompt(tokenizer: TextTokenizer, spec: ModelSpec, messages: list[ChatM
     b.text += "model\n"
     b.flush()
     return b.layout
+
+
+def expand_anchors(tokenizer: TextTokenizer, spec: ModelSpec, token_ids: list[int],
+                   media: list[ImagePart | VideoPart]) -> PromptLayout:
+    """A prompt a gateway already rendered (one `<|image|>`/`<|video|>` anchor per media item, in
+    order) -> the same ids and ranges `build_prompt` gives for the same messages.
+
+    Text ids stay as given; each anchor becomes its image's or frames' soft-token runs. The text run
+    just before a video anchor is re-tokenized with the first frame's timestamp appended, as
+    `build_prompt` tokenizes that text and the timestamp as one piece."""
+    anchors = [i for i, t in enumerate(token_ids) if t in (spec.image_token_id, spec.video_token_id)]
+    if len(anchors) != len(media):
+        raise ValueError(f"{len(anchors)} media anchors in the prompt but {len(media)} media items")
+    b = _Builder(tokenizer, spec)
+    special = set(tokenizer.special_ids)
+    start = 0
+    for at, part in zip(anchors, media, strict=True):
+        segment = token_ids[start:at]
+        start = at + 1
+        if isinstance(part, ImagePart) and token_ids[at] == spec.image_token_id:
+            b.special(*segment)
+            b.part(part)
+        elif isinstance(part, VideoPart) and token_ids[at] == spec.video_token_id:
+            run = len(segment)
+            while run and segment[run - 1] not in special:
+                run -= 1
+            b.special(*segment[:run])
+            b.text = tokenizer.decode(segment[run:], skip_special_tokens=False)
+            b.part(part)
+        else:
+            raise ValueError(f"anchor {token_ids[at]} at position {at} does not match a {type(part).__name__}")
+    b.special(*token_ids[start:])
+    return b.layout

@@ -18,6 +18,7 @@ class TextTokenizer:
         self._tok = tokenizer
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
+        self._special_ids = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     @property
     def backend(self) -> Tokenizer:
@@ -27,6 +28,11 @@ class TextTokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (turn markers, image/video placeholders, bos/eos...)."""
+        return self._special_ids
 
     def token_id(self, token: str) -> int:
         """Id of a (special) token; raises when the tokenizer lacks it."""

@@ -34,6 +34,7 @@ from mmserve.server.media import MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
+from mmserve.server.vllm_engine import add_vllm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ class MMServer:
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
                                       self.media)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
+        if server_config.enable_vllm_engine_api:   # the gateway door (SMG, llm-d): docs/gateway.md
+            add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,
+                            lambda: self.gate.draining)
         self.health.add_to_server(self.server)
         enable_reflection(self.server)
         self.port = 0

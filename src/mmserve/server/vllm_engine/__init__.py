@@ -1,0 +1,16 @@
+"""The `vllm.grpc.engine.VllmEngine` front door (the SMG / llm-d worker protocol), beside mmserve.v1.
+
+Stubs come from the pinned `smg-grpc-proto` package; docs/gateway.md says what goes through.
+"""
+
+from __future__ import annotations
+
+
+def add_vllm_engine(server, engine, engine_config, server_config, processor, draining) -> None:
+    """Register the VllmEngine servicer on `server` (a grpc.aio.Server)."""
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+    from mmserve.server.vllm_engine.servicer import VllmEngineServicer
+
+    servicer = VllmEngineServicer(engine, engine_config, server_config, processor, draining)
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)

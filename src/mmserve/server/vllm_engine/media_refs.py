@@ -1,0 +1,96 @@
+"""A gateway's `media_refs` -> our engine-level image/video inputs, before any decoding.
+
+The gateway forwards each OpenAI `image_url`/`video_url` verbatim. This server fetches nothing:
+`data:<mime>;base64,...` is decoded here, `file://` is read only inside `--allowed-local-media-path`
+(resolved, so neither `..` nor a symlink leaves it), and every other scheme (http, https, ...) is
+refused with INVALID_ARGUMENT naming the item. The bytes then take exactly the `mmserve.v1` path
+(engine/input_processor.py), so the same limits and statuses apply.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from mmserve.engine.input_processor import ImageInput, VideoInput
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
+
+WHERE = "media_refs.items"
+MAX_URL_PREVIEW = 48
+
+
+def schemes(allowed_local_media_path: str) -> str:
+    """GetServerInfo.mm_media_ref_schemes."""
+    return "data,file" if allowed_local_media_path else "data"
+
+
+def media_inputs(refs: vpb.MediaRefs, *, max_bytes: int, allowed_local_media_path: str) -> list[ImageInput | VideoInput]:
+    """One input per item, in order; raises InvalidInputError / LimitExceededError naming the item."""
+    root = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
+    return [_item(item, f"{WHERE}[{i}]", max_bytes, root) for i, item in enumerate(refs.items)]
+
+
+def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> ImageInput | VideoInput:
+    if item.modality == common_pb2.IMAGE:
+        kind, mime_types = "image", IMAGE_MIME_TYPES
+    elif item.modality == common_pb2.VIDEO:
+        kind, mime_types = "video", VIDEO_MIME_TYPES
+    else:
+        raise InvalidInputError(f"{where}.modality", f"{common_pb2.Modality.Name(item.modality)} is not "
+                                                     "served here: send images and videos")
+    url = item.url
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        mime, data = _data_url(url, f"{where}.url", max_bytes, kind)
+        if mime and mime not in mime_types:
+            raise InvalidInputError(f"{where}.url", f"unsupported {kind} type {mime!r}; use one of "
+                                                    f"{', '.join(sorted(mime_types))}")
+        return ImageInput(data=data, mime_type=mime) if kind == "image" else VideoInput(data=data, mime_type=mime)
+    if scheme == "file":
+        path = _local_file(url, f"{where}.url", root, max_bytes, kind)
+        return ImageInput(path=str(path)) if kind == "image" else VideoInput(path=str(path))
+    shown = url[:MAX_URL_PREVIEW] + ("..." if len(url) > MAX_URL_PREVIEW else "")
+    raise InvalidInputError(f"{where}.url", f"{scheme or 'a URL without a'} scheme refused ({shown!r}): this server "
+                                            "fetches nothing; send the media inline as a data: URL (base64)")
+
+
+def _data_url(url: str, where: str, max_bytes: int, kind: str) -> tuple[str, bytes]:
+    header, sep, payload = url.partition(",")
+    if not sep or not header.lower().endswith(";base64"):
+        raise InvalidInputError(where, "a data: URL must be data:<mime type>;base64,<bytes>")
+    # Bound the work before decoding: the size base64 decodes to, without decoding it.
+    size = len(payload) * 3 // 4 - payload[-2:].count("=")
+    if size > max_bytes:
+        raise LimitExceededError(f"{kind} is {size} bytes, more than the limit of {max_bytes}", "--max-video-bytes")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise InvalidInputError(where, f"the data: URL's payload is not valid base64 ({e})") from None
+    if not data:
+        raise InvalidInputError(where, f"empty {kind} bytes")
+    return header[len("data:"):-len(";base64")].split(";", 1)[0].strip().lower(), data
+
+
+def _local_file(url: str, where: str, root: Path | None, max_bytes: int, kind: str) -> Path:
+    if root is None:
+        raise InvalidInputError(where, "file:// URLs are refused: this server was started without "
+                                       "--allowed-local-media-path; send the media as a data: URL")
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise InvalidInputError(where, f"file:// URL names host {parts.netloc!r}; only local files are read")
+    path = Path(unquote(parts.path)).resolve()
+    if not path.is_relative_to(root):
+        raise InvalidInputError(where, f"{path} is outside --allowed-local-media-path ({root})")
+    if not path.is_file():
+        raise InvalidInputError(where, f"{path} is not a file")
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise LimitExceededError(f"{kind} is {size} bytes, more than the limit of {max_bytes}", "--max-video-bytes")
+    return path

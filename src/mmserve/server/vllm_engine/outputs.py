@@ -1,0 +1,60 @@
+"""Engine outputs -> VllmEngine response messages, as vLLM's own servicer shapes them.
+
+Streaming: one chunk per delta (token ids, their logprobs, `completion_tokens` = the delta's count),
+then, as each sample ends, a `complete` repeating its last delta with the finish reason and usage.
+Not streaming: one `complete` per sample with all its ids and logprobs. `index` names the sample.
+The gateway detokenizes the ids itself; our text is not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+
+from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.types import RequestOutput
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def output_logprobs(entries: Sequence[TokenLogprobs] | None, with_top: bool) -> vpb.OutputLogProbs | None:
+    if not entries:
+        return None
+    return vpb.OutputLogProbs(
+        token_logprobs=[e.logprob for e in entries], token_ids=[e.token_id for e in entries],
+        top_logprobs=[vpb.TopLogProbs(values=e.top_logprobs, token_ids=e.top_ids) for e in entries] if with_top else [])
+
+
+def input_logprobs(prompt_ids: Sequence[int], entries: Sequence[TokenLogprobs] | None,
+                   with_top: bool) -> vpb.InputLogProbs | None:
+    """The first prompt token has no logprob: entries are aligned to the end of the prompt."""
+    if entries is None:
+        return None
+    missing = len(prompt_ids) - len(entries)
+    values = [vpb.InputTokenLogProb()] * missing + [vpb.InputTokenLogProb(value=e.logprob) for e in entries]
+    top = [vpb.TopLogProbs()] * missing + [vpb.TopLogProbs(values=e.top_logprobs, token_ids=e.top_ids)
+                                           for e in entries]
+    return vpb.InputLogProbs(token_logprobs=values, token_ids=list(prompt_ids), top_logprobs=top if with_top else [])
+
+
+def chunk(index: int, out: RequestOutput, prompt_tokens: int, with_top: bool) -> vpb.GenerateResponse:
+    return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
+        token_ids=out.new_token_ids, prompt_tokens=prompt_tokens, completion_tokens=len(out.new_token_ids),
+        output_logprobs=output_logprobs(out.new_logprobs, with_top), index=index))
+
+
+def complete(index: int, last: RequestOutput, token_ids: list[int], logprobs: list[TokenLogprobs] | None,
+             prompt_ids: Sequence[int], with_top: bool) -> vpb.GenerateResponse:
+    """`last` is the sample's finished output; `token_ids`/`logprobs` what this message carries."""
+    usage = last.usage
+    message = vpb.GenerateComplete(
+        output_ids=token_ids, finish_reason=FINISH_REASONS.get(last.finish_reason or "", "stop"),
+        prompt_tokens=usage.prompt_tokens if usage else len(prompt_ids), completion_tokens=len(token_ids),
+        cached_tokens=usage.cached_tokens if usage else 0, output_logprobs=output_logprobs(logprobs, with_top),
+        input_logprobs=input_logprobs(prompt_ids, last.prompt_logprobs, with_top), index=index)
+    if last.finish_reason == "stop" and last.matched_stop:
+        message.matched_stop_str = last.matched_stop
+    elif last.finish_reason == "eos" and token_ids:
+        message.matched_token_id = token_ids[-1]
+    return vpb.GenerateResponse(complete=message)

@@ -1,0 +1,284 @@
+"""The vllm.grpc.engine.VllmEngine servicer: a second front door onto the same engine.
+
+A gateway (SMG, llm-d) renders the chat template and tokenizes; we take its ids, decode the media
+it forwards by reference with our own pipeline and expand each anchor into our frame/image layout
+(`InputProcessor.process_tokens`), then run the request through the same AsyncEngine as
+`mmserve.v1`. Admission, limits, API keys, TLS, drain and metrics are the server's, shared with
+the other door; errors leave through `server/status.py`, so a cause gets the same status here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.parallel_sampling import generate_samples, sample_id
+from mmserve.engine.types import EngineRequest, RequestOutput
+from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
+from mmserve.logs import bind_request, unbind_request
+from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
+from mmserve.server.status import abort_with
+from mmserve.server.validation import MAX_REQUEST_ID_CHARS
+from mmserve.server.vllm_engine import info, outputs
+from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
+from mmserve.server.vllm_engine.media_refs import media_inputs
+from mmserve.server.vllm_engine.sampling import CheckpointDefaults, map_sampling
+from mmserve.server.vllm_engine.tokenizer_archive import TokenizerArchive
+
+try:  # KV events and cache flushing arrive in their own module (the cache-aware routing work)
+    from mmserve.server.vllm_engine import kv_events
+except ImportError:  # pragma: no cover - until it exists
+    kv_events = None
+
+logger = logging.getLogger(__name__)
+
+LOADING = "the model is still loading; retry shortly"
+
+
+class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
+    """`processor()` returns the InputProcessor once the model is loaded (None before)."""
+
+    def __init__(self, engine, engine_config: EngineConfig, server_config: ServerConfig,
+                 processor: Callable[[], InputProcessor | None], draining: Callable[[], bool]) -> None:
+        self._engine = engine
+        self._config = engine_config
+        self._server_config = server_config
+        self._processor = processor
+        self._draining = draining
+        self._defaults = CheckpointDefaults.from_checkpoint(engine_config.model)
+        self._tokenizer = TokenizerArchive(engine_config.model)
+        self._in_flight: set[str] = set()
+        self._aborted_early: set[str] = set()
+        self._preprocessing: dict[str, asyncio.Task] = {}
+        self._started = time.monotonic()
+        self._last_request = 0.0
+
+    def _ready(self) -> InputProcessor:
+        processor = self._processor()
+        if processor is None:
+            raise EngineUnavailableError(LOADING)
+        return processor
+
+    async def Generate(self, request: vpb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[vpb.GenerateResponse]:
+        self._last_request = time.time()
+        request_id = request.request_id
+        try:
+            processor = self._ready()
+            _check_request_id(request_id)
+            token_ids = _prompt_ids(request, processor)
+            media = media_inputs(request.media_refs, max_bytes=self._config.max_video_bytes,
+                                 allowed_local_media_path=self._server_config.allowed_local_media_path)
+            sampling = map_sampling(request.sampling_params, self._config, self._defaults,
+                                    processor.spec.eos_token_ids)
+            if request_id in self._in_flight:
+                raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
+        except MMServeError as e:
+            await abort_with(context, e, request_id)
+        self._in_flight.add(request_id)
+        span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
+                                                 model=self._engine.model_info.name)
+        log_ids = bind_request(request_id, span)
+        params = sampling.params
+        with_top = params.top_logprobs > 0
+        ends: dict[int, RequestOutput] = {}
+        error: Exception | None = None
+        try:
+            engine_request = await self._preprocess(request_id, processor.process_tokens(
+                request_id, token_ids, media, params, where=MEDIA_WHERE,
+                max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context))
+            prompt = engine_request.prompt_token_ids
+            collected: dict[int, tuple[list[int], list]] = {}
+            async for index, out in generate_samples(self._engine, engine_request):
+                if request.stream:
+                    if out.new_token_ids:
+                        yield outputs.chunk(index, out, len(prompt), with_top)
+                    if out.finished:
+                        ends[index] = out
+                        yield outputs.complete(index, out, out.new_token_ids, out.new_logprobs, prompt, with_top)
+                    continue
+                ids, logprobs = collected.setdefault(index, ([], []))
+                ids.extend(out.new_token_ids)
+                logprobs.extend(out.new_logprobs or ())
+                if out.finished:
+                    ends[index] = out
+                    yield outputs.complete(index, out, ids, logprobs if params.logprobs else None, prompt, with_top)
+        except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
+            error = e
+            await abort_with(context, e, request_id)
+        finally:
+            self._in_flight.discard(request_id)
+            self._aborted_early.discard(request_id)
+            finished = len(ends) == params.n
+            if not finished and error is None:
+                logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
+                self._abort(request_id)
+            if finished:
+                _describe(span, params, ends)
+            end_request_span(span, error=error, cancelled=not finished and error is None)
+            unbind_request(log_ids)
+
+    async def _preprocess(self, request_id: str, processing) -> EngineRequest:
+        """Input processing as a task Abort can cancel (its decodes stop at once)."""
+        task = self._preprocessing[request_id] = asyncio.ensure_future(processing)
+        try:
+            engine_request = await task
+        except asyncio.CancelledError:
+            if request_id in self._aborted_early and not asyncio.current_task().cancelling():
+                raise RequestAbortedError(f"request {request_id} was aborted") from None
+            raise
+        finally:
+            del self._preprocessing[request_id]
+        if request_id in self._aborted_early:
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        return engine_request
+
+    def _abort(self, request_id: str) -> bool:
+        """Every sample of the request (sample 0 may have ended while others run), or its media decode."""
+        found = any([self._engine.abort(sample_id(request_id, i)) for i in range(self._config.max_n)])
+        if not found and request_id in self._in_flight:
+            self._aborted_early.add(request_id)
+            if (task := self._preprocessing.get(request_id)) is not None:
+                task.cancel()
+            found = True
+        return found
+
+    async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
+        found = [rid for rid in request.request_ids if self._abort(rid)]
+        if found:
+            logger.info("aborted %s at the gateway's request", ", ".join(found))
+        return vpb.AbortResponse()
+
+    async def HealthCheck(self, request: vpb.HealthCheckRequest,
+                          context: grpc.aio.ServicerContext) -> vpb.HealthCheckResponse:
+        if self._processor() is None:
+            return vpb.HealthCheckResponse(healthy=False, message=LOADING)
+        if self._draining():
+            return vpb.HealthCheckResponse(healthy=False, message="draining: shutting down")
+        if getattr(self._engine, "dead_error", None) is not None:
+            return vpb.HealthCheckResponse(healthy=False, message=f"engine died: {self._engine.dead_error}")
+        return vpb.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
+        try:
+            processor = self._ready()
+        except MMServeError as e:
+            await abort_with(context, e)
+        return info.model_info(self._engine.model_info, processor.spec, self._defaults)
+
+    async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
+        try:
+            processor = self._ready()
+        except MMServeError as e:
+            await abort_with(context, e)
+        return info.server_info(self._config, self._server_config, self._engine.model_info, processor.spec,
+                                active=len(self._in_flight), draining=self._draining(), started=self._started,
+                                last_request=self._last_request)
+
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context: grpc.aio.ServicerContext) -> vpb.GetLoadsResponse:
+        return info.loads(self._engine.load())
+
+    async def GetTokenizer(self, request: common_pb2.GetTokenizerRequest,
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.GetTokenizerChunk]:
+        try:
+            chunks = await self._tokenizer.chunks()
+        except OSError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot serve the tokenizer: {e}")
+        for piece in chunks:
+            yield piece
+
+    async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
+        if kv_events is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not published by this server yet; "
+                                                               "cache-aware routing falls back to its own tree")
+        async for batch in kv_events.subscribe(self._engine, request, context):
+            yield batch
+
+    async def FlushCache(self, request: common_pb2.FlushCacheRequest,
+                         context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
+        flush = getattr(self._engine, "flush_prefix_cache", None)
+        if flush is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "flushing the prefix cache is not supported yet")
+        flushed = bool(await flush())
+        return common_pb2.FlushCacheResponse(success=flushed, message="flushed" if flushed else "not flushed")
+
+    async def Embed(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generative model")
+
+    async def StartProfile(self, request, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "profiling over gRPC is not supported; see "
+                                                           "docs/observability.md for traces and step profiles")
+
+    async def StopProfile(self, request, context: grpc.aio.ServicerContext):
+        await self.StartProfile(request, context)
+
+
+def _check_request_id(request_id: str) -> None:
+    if not request_id:
+        raise InvalidInputError("request_id", "the gateway must name the request (it aborts by id)")
+    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidInputError("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters")
+
+
+def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list[int]:
+    """The gateway's token ids, checked before any work: tokenized input, in the vocabulary, shorter
+    than the context, one anchor per media item in order; the refused alternatives named."""
+    kind = request.WhichOneof("input")
+    if kind != "tokenized":
+        raise InvalidInputError("text" if kind else "tokenized", "send tokenized.input_ids (the gateway renders "
+                                                                  "the chat template and tokenizes)")
+    if request.HasField("mm_inputs") or request.extra_mm_inputs:
+        raise InvalidInputError("mm_inputs", "router-preprocessed media are not accepted: this worker advertises "
+                                             "mm_processor 'inprocess'; let the gateway send media_refs")
+    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
+        raise InvalidInputError("kv_transfer_params", "prefill/decode disaggregation is not supported")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise InvalidInputError("data_parallel_rank", "this worker has one rank, 0")
+    ids = list(request.tokenized.input_ids)
+    spec = processor.spec
+    where = "tokenized.input_ids"
+    if not ids:
+        raise InvalidInputError(where, "the prompt is empty")
+    if len(ids) >= processor.max_model_len:
+        raise InvalidInputError(where, f"{len(ids)} tokens, the context length is {processor.max_model_len}")
+    if (bad := max(ids)) >= processor.tokenizer.vocab_size:
+        raise InvalidInputError(where, f"token id {bad} is outside the vocabulary (size {processor.tokenizer.vocab_size})")
+    anchors = [t for t in ids if t in (spec.image_token_id, spec.video_token_id)]
+    items = [spec.image_token_id if m.modality == common_pb2.IMAGE else spec.video_token_id
+             for m in request.media_refs.items]
+    if anchors != items:
+        raise InvalidInputError(MEDIA_WHERE, f"the prompt holds {len(anchors)} image/video anchors, the request "
+                                             f"{len(items)} media items; they must pair one to one, in order")
+    if anchors and not spec.has_vision:
+        raise InvalidInputError(MEDIA_WHERE, "this model takes no images or video")
+    return ids
+
+
+def _describe(span, params, ends: dict[int, RequestOutput]) -> None:
+    """Span attributes and the access-log line, from sample 0's end (usage over all samples)."""
+    out = ends[0]
+    usage, timings = out.usage, out.timings
+    completion = sum(e.usage.completion_tokens for e in ends.values() if e.usage)
+    set_request_attributes(
+        span, max_tokens=params.max_tokens, temperature=params.temperature,
+        input_tokens=usage.prompt_tokens if usage else None, output_tokens=completion,
+        finish_reasons=[e.finish_reason for e in ends.values() if e.finish_reason],
+        time_in_queue=timings.queue_s if timings else None,
+        time_to_first_token=timings.time_to_first_token_s if timings else None,
+        num_frames=usage.num_frames if usage else None, num_mm_tokens=usage.multimodal_tokens if usage else None)
+    logger.info("request %s finished (%s): %d prompt tokens (%d frames, %d cached), %d generated, TTFT %.3fs",
+                out.request_id, out.finish_reason, usage.prompt_tokens if usage else 0,
+                usage.num_frames if usage else 0, usage.cached_tokens if usage else 0, completion,
+                (timings and timings.time_to_first_token_s) or 0.0)
