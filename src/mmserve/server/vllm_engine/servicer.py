@@ -195,6 +195,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             chunks = await self._tokenizer.chunks()
         except OSError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot serve the tokenizer: {e}")
+        logger.info("sending the tokenizer archive (%d chunks, sha256 %s)", len(chunks), chunks[-1].sha256)
         for piece in chunks:
             yield piece
 
