@@ -1,0 +1,279 @@
+"""OpenAI clients through the real SMG gateway onto two real mmserve replicas (VllmEngine door).
+
+One fleet per module: two `mmserve serve` processes (demo model) behind `smg launch --policy
+cache_aware`, everything on 127.0.0.1, HF_ENDPOINT pointing at a refusing loopback port and the
+tokenizer fetched with GetTokenizer. Each request's answer through the official `openai` client
+is compared with the same request through our own mmserve.v1 client, greedy: same text, same
+token sequence (each logprob entry's bytes against our token ids' decoding), same logprobs.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import time
+import zipfile
+
+import grpc
+import openai
+import pytest
+from PIL import Image
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+from smg_harness import Fleet
+
+from mmserve.api import pb, pb_grpc
+from mmserve.clients import Client
+from mmserve.clients.messages import image_part, message, text_part, video_part
+from mmserve.clients.types import ClientError
+from mmserve.config import DEMO_MODEL_DIR
+from mmserve.model.tokenizer import load_tokenizer
+from mmserve.server.vllm_engine.tokenizer_archive import archive_members
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_VIDEO_BYTES = 400_000   # small, so the oversize test sends little
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with Fleet(2, policy="cache_aware", replica_args=("--max-video-bytes", str(MAX_VIDEO_BYTES))) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def client(fleet):
+    return fleet.openai()
+
+
+@pytest.fixture(scope="module")
+def model(fleet):
+    return fleet.model_id()
+
+
+@pytest.fixture(scope="module")
+def direct(fleet):
+    """Our own mmserve.v1 client on replica 0."""
+    with Client(fleet.replicas[0].address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEMO_MODEL_DIR)
+
+
+def png(seed: int, size: int = 48) -> bytes:
+    rng = __import__("random").Random(seed)
+    image = Image.new("RGB", (size, size), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(6):
+        x, y = rng.randrange(size - 8), rng.randrange(size - 8)
+        image.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, x + 8, y + 8))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def assert_same(choice, ours, tokenizer, *, logprobs: bool = True) -> None:
+    """SMG's choice (text, logprob tokens) against our GenerateResult (or Sample) of the same request."""
+    assert choice.message.content == ours.text
+    if not logprobs:
+        return
+    # SMG reports logprobs for the tokens it shows: our ids less the special end-of-turn token
+    shown = [(t, lp) for t, lp in zip(ours.token_ids, ours.logprobs, strict=True) if t not in tokenizer.special_ids]
+    entries = choice.logprobs.content
+    assert [bytes(e.bytes) for e in entries] == [tokenizer.decode([t]).encode() for t, _ in shown]
+    assert [e.logprob for e in entries] == pytest.approx([lp.logprob for _, lp in shown], abs=1e-4)
+
+
+def test_text_streaming_and_not_match_mmserve_v1(client, model, direct, tokenizer):
+    ours = direct.generate(prompt="Hello", max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                           temperature=0, max_tokens=12, logprobs=True, top_logprobs=2)
+    assert_same(reply.choices[0], ours, tokenizer)
+    assert reply.usage.prompt_tokens == ours.usage.prompt_tokens
+    assert reply.usage.completion_tokens == ours.usage.completion_tokens
+    top = reply.choices[0].logprobs.content[0].top_logprobs
+    assert [t.logprob for t in top] == pytest.approx([t.logprob for t in ours.logprobs[0].top], abs=1e-4)
+
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                            temperature=0, max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ours.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens == ours.usage.completion_tokens
+
+
+def test_image_and_video_match_and_share_the_prefix_cache(fleet, client, model, tokenizer, make_video):
+    """Same prompt ids, pixels and content hashes through both doors: a request first computed through
+    mmserve.v1 on both replicas is then served from their prefix cache through SMG."""
+    image, video = png(7), make_video(3, num_frames=8)
+    question = "What happens?"
+    v1_parts = (image_part(image, "image/png"), video_part(video, "video/mp4"), text_part(question))
+    openai_content = [{"type": "image_url", "image_url": {"url": data_url(image, "image/png")}},
+                      {"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}},
+                      {"type": "text", "text": question}]
+    results = []
+    for replica in fleet.replicas:
+        with Client(replica.address) as c:
+            results.append(c.generate([message("user", *v1_parts)], max_tokens=10, temperature=0, logprobs=True))
+    ours = results[0]
+    assert results[1].token_ids == ours.token_ids
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": openai_content}],
+                                           temperature=0, max_tokens=10, logprobs=True)
+    assert_same(reply.choices[0], ours, tokenizer)
+    assert reply.usage.prompt_tokens == ours.usage.prompt_tokens   # every frame expanded as ours
+    block = 16
+    assert reply.usage.prompt_tokens_details.cached_tokens >= (ours.usage.prompt_tokens - 1) // block * block - block
+
+
+def test_n2_samples(client, model, direct, tokenizer):
+    ours = direct.generate(prompt="Describe a red circle", max_tokens=8, temperature=0, n=2)
+    reply = client.chat.completions.create(model=model, n=2, temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "Describe a red circle"}])
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        assert choice.message.content == ours.samples[choice.index].text == ours.text
+
+
+def test_json_schema_response_format(client, model, direct):
+    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green"]}},
+              "required": ["color"], "additionalProperties": False}
+    ours = direct.generate(prompt="Which color?", max_tokens=24, temperature=0, json_schema=schema)
+    reply = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=24, messages=[{"role": "user", "content": "Which color?"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert reply.choices[0].message.content == ours.text
+    assert json.loads(ours.text)["color"] in ("red", "green")
+
+
+def test_stop_string(client, model, direct):
+    free = direct.generate(prompt="Hello", max_tokens=12, temperature=0)
+    stop = free.text.split()[1]          # a word from the middle of the free run
+    ours = direct.generate(prompt="Hello", max_tokens=12, temperature=0, stop=[stop])
+    reply = client.chat.completions.create(model=model, temperature=0, max_tokens=12, stop=[stop],
+                                           messages=[{"role": "user", "content": "Hello"}])
+    assert ours.finish_reason == "stop"
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.choices[0].message.content == ours.text
+
+
+def _idle(replica_address: str, deadline_s: float = 30.0) -> pb.ServerLoad:
+    with Client(replica_address) as c:
+        end = time.monotonic() + deadline_s
+        while True:
+            load = c.server_load()
+            if (load.running_requests == 0 and load.waiting_requests == 0) or time.monotonic() > end:
+                return load
+            time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_in_the_engine(fleet, client, model):
+    """SMG turns the client's disconnect into Abort; the replica frees the request's KV."""
+    stream = client.chat.completions.create(
+        model=model, temperature=0, max_tokens=900, stream=True, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Count forever"}])
+    next(iter(stream))
+    busy = [r for r in fleet.replicas if _load(r.address).running_requests]
+    assert len(busy) == 1, "the request runs on exactly one replica"
+    stream.close()
+    load = _idle(busy[0].address)
+    assert load.running_requests == 0 and load.kv_cache_usage == 0.0
+    deadline = time.monotonic() + 10
+    while "at the gateway's request" not in busy[0].log and "aborting it" not in busy[0].log:
+        assert time.monotonic() < deadline, busy[0].log[-3000:]
+        time.sleep(0.05)
+
+
+def _load(address: str) -> pb.ServerLoad:
+    with Client(address) as c:
+        return c.server_load()
+
+
+def _both_doors(address: str, v1_request: pb.GenerateRequest, vllm_request: vpb.GenerateRequest):
+    """(code, message) of the same bad request through mmserve.v1 and through VllmEngine."""
+    with grpc.insecure_channel(address) as channel:
+        out = []
+        for call, request in ((pb_grpc.GenerationStub(channel).Generate, v1_request),
+                              (vpb_grpc.VllmEngineStub(channel).Generate, vllm_request)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(call(request, timeout=60))
+            out.append((e.value.code(), e.value.details()))
+        return out
+
+
+def _prompt(tokenizer, text: str, anchor: int | None = None) -> list[int]:
+    """What SMG renders for one user turn (the demo template): bos, turn, user, [anchor], text."""
+    body = tokenizer.encode("user\n") + ([anchor] if anchor is not None else []) + tokenizer.encode(text)
+    return [2, 4, *body, 5, *tokenizer.encode("\n"), 4, *tokenizer.encode("model\n")]
+
+
+def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, model, tokenizer):
+    address = fleet.replicas[0].address
+    video_anchor = 9
+    # oversize media: the same limit, code and message
+    junk = b"\0" * (MAX_VIDEO_BYTES + 1)
+    v1, ours = _both_doors(address, pb.GenerateRequest(messages=[message("user", video_part(junk, "video/mp4"))]),
+                           vpb.GenerateRequest(request_id="big", tokenized=vpb.TokenizedInput(
+                               input_ids=_prompt(tokenizer, "", video_anchor)),
+                               media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.VIDEO,
+                                                                            url=data_url(junk, "video/mp4"))])))
+    assert v1 == ours and v1[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-video-bytes" in v1[1]
+    # n too large, and an unknown/unsupported constraint: INVALID_ARGUMENT naming the field
+    text_ids = vpb.TokenizedInput(input_ids=_prompt(tokenizer, "Hi"))
+    v1, ours = _both_doors(address, pb.GenerateRequest(messages=[message("user", text_part("Hi"))],
+                                                       sampling=pb.SamplingParams(n=17)),
+                           vpb.GenerateRequest(request_id="n", tokenized=text_ids, sampling_params=vpb.SamplingParams(n=17)))
+    assert v1[0] == ours[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--max-n" in v1[1] and "--max-n" in ours[1] and "sampling_params.n" in ours[1]
+    bad_format = pb.SamplingParams()
+    bad_format.response_format.SetInParent()
+    v1, ours = _both_doors(address, pb.GenerateRequest(messages=[message("user", text_part("Hi"))], sampling=bad_format),
+                           vpb.GenerateRequest(request_id="c", tokenized=text_ids,
+                                               sampling_params=vpb.SamplingParams(structural_tag="{}")))
+    assert v1[0] == ours[0] == grpc.StatusCode.INVALID_ARGUMENT and "structural_tag" in ours[1]
+    # refused URL schemes: SMG holds requests to the schemes we advertise (data only, here) and
+    # answers 400; a gateway that sent one anyway gets INVALID_ARGUMENT naming the part
+    image_ids = vpb.TokenizedInput(input_ids=_prompt(tokenizer, "what?", 8))
+    with grpc.insecure_channel(address) as channel:
+        for url in ("http://127.0.0.1:9/cat.png", "https://example.com/cat.png", "file:///etc/passwd", "ftp://x/y"):
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what?"}]}])
+            request = vpb.GenerateRequest(request_id="url", tokenized=image_ids, media_refs=vpb.MediaRefs(
+                items=[vpb.MediaRef(modality=common_pb2.IMAGE, url=url)]))
+            with pytest.raises(grpc.RpcError) as e:
+                list(vpb_grpc.VllmEngineStub(channel).Generate(request, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "media_refs.items[0].url" in e.value.details() and "refused" in e.value.details()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=4, n=17, messages=[{"role": "user", "content": "Hi"}])
+    assert "n" in str(e.value)
+    with pytest.raises(ClientError):   # and mmserve.v1 says the same for n
+        with Client(address) as c:
+            c.generate(prompt="Hi", n=17)
+
+
+def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):
+    with grpc.insecure_channel(fleet.replicas[0].address) as channel:
+        chunks = list(vpb_grpc.VllmEngineStub(channel).GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=30))
+    data = b"".join(c.data for c in chunks)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert all(not c.sha256 for c in chunks[:-1])
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        unpacked = {name: zf.read(name) for name in zf.namelist()}
+    expected = {p.name: p.read_bytes() for p in archive_members(DEMO_MODEL_DIR)}
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= set(unpacked)
+    assert unpacked == expected
+    # SMG registered its tokenizer from this archive (HF_ENDPOINT refuses, so nothing else could serve it)
+    assert any("sending the tokenizer archive" in r.log for r in fleet.replicas)
