@@ -9,7 +9,6 @@ token sequence (each logprob entry's bytes against our token ids' decoding), sam
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import io
 import json
@@ -19,7 +18,7 @@ import zipfile
 import grpc
 import openai
 import pytest
-from PIL import Image
+from gateway_cases import assert_same, data_url, media_request, png, streamed_text
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
@@ -27,7 +26,7 @@ from smg_harness import Fleet
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
-from mmserve.clients.messages import image_part, message, text_part, video_part
+from mmserve.clients.messages import message, text_part, video_part
 from mmserve.clients.types import ClientError
 from mmserve.config import DEMO_MODEL_DIR
 from mmserve.model.tokenizer import load_tokenizer
@@ -66,33 +65,6 @@ def tokenizer():
     return load_tokenizer(DEMO_MODEL_DIR)
 
 
-def png(seed: int, size: int = 48) -> bytes:
-    rng = __import__("random").Random(seed)
-    image = Image.new("RGB", (size, size), tuple(rng.randrange(256) for _ in range(3)))
-    for _ in range(6):
-        x, y = rng.randrange(size - 8), rng.randrange(size - 8)
-        image.paste(tuple(rng.randrange(256) for _ in range(3)), (x, y, x + 8, y + 8))
-    out = io.BytesIO()
-    image.save(out, format="PNG")
-    return out.getvalue()
-
-
-def data_url(data: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def assert_same(choice, ours, tokenizer, *, logprobs: bool = True) -> None:
-    """SMG's choice (text, logprob tokens) against our GenerateResult (or Sample) of the same request."""
-    assert choice.message.content == ours.text
-    if not logprobs:
-        return
-    # SMG reports logprobs for the tokens it shows: our ids less the special end-of-turn token
-    shown = [(t, lp) for t, lp in zip(ours.token_ids, ours.logprobs, strict=True) if t not in tokenizer.special_ids]
-    entries = choice.logprobs.content
-    assert [bytes(e.bytes) for e in entries] == [tokenizer.decode([t]).encode() for t, _ in shown]
-    assert [e.logprob for e in entries] == pytest.approx([lp.logprob for _, lp in shown], abs=1e-4)
-
-
 def test_text_streaming_and_not_match_mmserve_v1(client, model, direct, tokenizer):
     ours = direct.generate(prompt="Hello", max_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
@@ -106,23 +78,15 @@ def test_text_streaming_and_not_match_mmserve_v1(client, model, direct, tokenize
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
                                             temperature=0, max_tokens=12, stream=True,
                                             stream_options={"include_usage": True})
-    chunks = list(stream)
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert text == ours.text
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
-    usage = [c.usage for c in chunks if c.usage]
+    text, reasons, usage = streamed_text(stream)
+    assert text == ours.text and reasons == ["stop"]
     assert usage and usage[-1].completion_tokens == ours.usage.completion_tokens
 
 
 def test_image_and_video_match_and_share_the_prefix_cache(fleet, client, model, tokenizer, make_video):
     """Same prompt ids, pixels and content hashes through both doors: a request first computed through
     mmserve.v1 on both replicas is then served from their prefix cache through SMG."""
-    image, video = png(7), make_video(3, num_frames=8)
-    question = "What happens?"
-    v1_parts = (image_part(image, "image/png"), video_part(video, "video/mp4"), text_part(question))
-    openai_content = [{"type": "image_url", "image_url": {"url": data_url(image, "image/png")}},
-                      {"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}},
-                      {"type": "text", "text": question}]
+    v1_parts, openai_content = media_request("What happens?", png(7), make_video(3, num_frames=8))
     results = []
     for replica in fleet.replicas:
         with Client(replica.address) as c:
@@ -135,6 +99,15 @@ def test_image_and_video_match_and_share_the_prefix_cache(fleet, client, model, 
     assert reply.usage.prompt_tokens == ours.usage.prompt_tokens   # every frame expanded as ours
     block = 16
     assert reply.usage.prompt_tokens_details.cached_tokens >= (ours.usage.prompt_tokens - 1) // block * block - block
+
+
+def test_x_request_id_prefixes_our_request_id(fleet, client, model):
+    client.chat.completions.create(model=model, temperature=0, max_tokens=2, extra_headers={"x-request-id": "trace-me-42"},
+                                   messages=[{"role": "user", "content": "Hi"}])
+    deadline = time.monotonic() + 10
+    while not any("request trace-me-42" in r.log for r in fleet.replicas):
+        assert time.monotonic() < deadline, [r.log[-2000:] for r in fleet.replicas]
+        time.sleep(0.05)
 
 
 def test_n2_samples(client, model, direct, tokenizer):
