@@ -1,0 +1,80 @@
+"""The VllmEngine door's place in the server, with no model loaded (cheap): registered by default
+and gone with --no-enable-vllm-engine-api, behind the same API keys, unhealthy and UNAVAILABLE
+while loading, and gated by drain like mmserve.v1's Generate."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.server.app import build_server
+
+
+def _listening(server_config: ServerConfig, check) -> None:
+    engine_config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32")
+
+    async def run():
+        server = build_server(AsyncEngine(engine_config), server_config, engine_config)
+        port = await server.listen()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await check(server, vpb_grpc.VllmEngineStub(channel))
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
+
+
+async def _code(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        response = call()
+        if hasattr(response, "__aiter__"):
+            async for _ in response:
+                pass
+        else:
+            await response
+    return e.value.code(), e.value.details()
+
+
+GENERATE = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[2, 4]))
+
+
+def test_on_by_default_unhealthy_and_unavailable_while_loading_then_drain_gated():
+    async def check(server, stub):
+        health = await stub.HealthCheck(vpb.HealthCheckRequest())
+        assert not health.healthy and "loading" in health.message
+        code, message = await _code(lambda: stub.Generate(GENERATE))
+        assert code == grpc.StatusCode.UNAVAILABLE and "loading" in message
+        code, _ = await _code(lambda: stub.GetModelInfo(vpb.GetModelInfoRequest()))
+        assert code == grpc.StatusCode.UNAVAILABLE
+        assert (await stub.GetLoads(vpb.GetLoadsRequest())).loads[0].max_running_requests == 64
+        code, message = await _code(lambda: stub.Embed(vpb.EmbedRequest()))
+        assert code == grpc.StatusCode.UNIMPLEMENTED and "embeddings" in message
+        server.gate.start_draining()
+        code, message = await _code(lambda: stub.Generate(GENERATE))
+        assert code == grpc.StatusCode.UNAVAILABLE and "draining" in message
+    _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)
+
+
+def test_off_with_the_flag():
+    async def check(server, stub):
+        code, _ = await _code(lambda: stub.HealthCheck(vpb.HealthCheckRequest()))
+        assert code == grpc.StatusCode.UNIMPLEMENTED
+    _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1, enable_vllm_engine_api=False), check)
+
+
+def test_behind_the_same_api_keys(monkeypatch):
+    monkeypatch.setenv("MMSERVE_API_KEYS", "secret-key")
+
+    async def check(server, stub):
+        code, _ = await _code(lambda: stub.HealthCheck(vpb.HealthCheckRequest()))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        health = await stub.HealthCheck(vpb.HealthCheckRequest(), metadata=(("authorization", "Bearer secret-key"),))
+        assert not health.healthy   # authenticated; still loading
+    _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)
