@@ -13,12 +13,14 @@ import hashlib
 import io
 import json
 import time
+import uuid
 import zipfile
 
 import grpc
 import openai
 import pytest
 from gateway_cases import assert_same, data_url, media_request, png, streamed_text
+from otlp_receiver import OtlpReceiver
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
@@ -38,8 +40,18 @@ MAX_VIDEO_BYTES = 400_000   # small, so the oversize test sends little
 
 
 @pytest.fixture(scope="module")
-def fleet():
-    with Fleet(2, policy="cache_aware", replica_args=("--max-video-bytes", str(MAX_VIDEO_BYTES))) as f:
+def receiver():
+    """OTLP/gRPC on loopback: both replicas and SMG export their spans here."""
+    sink = OtlpReceiver()
+    yield sink
+    sink.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(receiver):
+    replica_args = ("--max-video-bytes", str(MAX_VIDEO_BYTES), "--otlp-traces-endpoint", receiver.endpoint)
+    smg_args = ("--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{receiver.port}")
+    with Fleet(2, policy="cache_aware", replica_args=replica_args, smg_args=smg_args) as f:
         yield f
 
 
@@ -108,6 +120,22 @@ def test_x_request_id_prefixes_our_request_id(fleet, client, model):
     while not any("request trace-me-42" in r.log for r in fleet.replicas):
         assert time.monotonic() < deadline, [r.log[-2000:] for r in fleet.replicas]
         time.sleep(0.05)
+
+
+def test_traceparent_continues_through_smg_into_our_span(client, model, receiver):
+    """The client's trace -> SMG's span -> our mmserve.generate span, one trace."""
+    trace_id, client_span = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    client.chat.completions.create(model=model, temperature=0, max_tokens=2, messages=[{"role": "user", "content": "Hi"}],
+                                   extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+
+    def ours(spans):
+        return next((s for s in spans if s.name == "mmserve.generate" and s.trace_id == trace_id), None)
+
+    span = ours(receiver.wait_for(lambda spans: ours(spans) is not None, timeout=60))
+    assert span.parent_span_id and span.parent_span_id != client_span   # a gateway span sits between
+    spans = receiver.wait_for(lambda spans: any(s.span_id == span.parent_span_id for s in spans), timeout=60)
+    gateway = {s.span_id: s for s in spans if s.trace_id == trace_id and s.name != "mmserve.generate"}
+    assert span.parent_span_id in gateway
 
 
 def test_n2_samples(client, model, direct, tokenizer):
