@@ -142,6 +142,18 @@ class InputProcessor:
         return await self._request(request_id, render, sampling, priority=priority, trace_context=trace_context,
                                    num_frames=num_frames, max_tokens_to_context=max_tokens_to_context)
 
+    async def process_layout(self, layout: PromptLayout, request_id: str, sampling: SamplingParams, *, num_frames: int,
+                             max_tokens_to_context: bool = False, priority: int = 0,
+                             trace_context: Any = None) -> EngineRequest:
+        """A prompt laid out and patchified elsewhere (a gateway's own preprocessing), already
+        checked to be our layout: held to the same frame and length limits."""
+        if num_frames > self.config.max_frames_per_request:
+            raise InvalidInputError("messages", f"{num_frames} video frames, at most "
+                                    f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
+        return await self._request(request_id, lambda: layout, sampling, priority=priority,
+                                   trace_context=trace_context, num_frames=num_frames,
+                                   max_tokens_to_context=max_tokens_to_context)
+
     async def _decode_all(self, jobs: list[tuple[str, ImageInput | VideoInput]],
                           trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
         """Decode every (field, part) concurrently; check the request's decoded frame total."""

@@ -2,8 +2,8 @@
 
 A gateway (SMG, llm-d) renders the chat template and tokenizes; we take its ids, decode the media
 it forwards by reference with our own pipeline and expand each anchor into our frame/image layout
-(`InputProcessor.process_tokens`), then run the request through the same AsyncEngine as
-`mmserve.v1`. Admission, limits, API keys, TLS, drain and metrics are the server's, shared with
+(`InputProcessor.process_tokens`), or take media it preprocessed itself when they are our layout
+(`mm_inputs.py`), then run the request through the same AsyncEngine as `mmserve.v1`. Admission, limits, API keys, TLS, drain and metrics are the server's, shared with
 the other door; errors leave through `server/status.py`, so a cause gets the same status here.
 """
 
@@ -26,11 +26,13 @@ from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
+from mmserve.model.prompt import PromptLayout
 from mmserve.server.status import abort_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS
 from mmserve.server.vllm_engine import info, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
 from mmserve.server.vllm_engine.media_refs import media_inputs
+from mmserve.server.vllm_engine.mm_inputs import preprocessed_media
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults, map_sampling
 from mmserve.server.vllm_engine.tokenizer_archive import TokenizerArchive
 
@@ -76,6 +78,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             processor = self._ready()
             _check_request_id(request_id)
             token_ids = _prompt_ids(request, processor)
+            preprocessed = preprocessed_media(request, processor.spec) if _has_mm_inputs(request) else None
             media = media_inputs(request.media_refs, max_bytes=self._config.max_video_bytes,
                                  allowed_local_media_path=self._server_config.allowed_local_media_path)
             sampling = map_sampling(request.sampling_params, self._config, self._defaults,
@@ -93,9 +96,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         ends: dict[int, RequestOutput] = {}
         error: Exception | None = None
         try:
-            engine_request = await self._preprocess(request_id, processor.process_tokens(
-                request_id, token_ids, media, params, where=MEDIA_WHERE,
-                max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context))
+            if preprocessed is not None:
+                processing = processor.process_layout(
+                    PromptLayout(token_ids, preprocessed.mm_ranges, preprocessed.mm_items), request_id, params,
+                    num_frames=preprocessed.num_frames, max_tokens_to_context=sampling.max_tokens_to_context,
+                    trace_context=trace_context)
+            else:
+                processing = processor.process_tokens(
+                    request_id, token_ids, media, params, where=MEDIA_WHERE,
+                    max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
+            engine_request = await self._preprocess(request_id, processing)
             prompt = engine_request.prompt_token_ids
             collected: dict[int, tuple[list[int], list]] = {}
             async for index, out in generate_samples(self._engine, engine_request):
@@ -240,9 +250,8 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
     if kind != "tokenized":
         raise InvalidInputError("text" if kind else "tokenized", "send tokenized.input_ids (the gateway renders "
                                                                   "the chat template and tokenizes)")
-    if request.HasField("mm_inputs") or request.extra_mm_inputs:
-        raise InvalidInputError("mm_inputs", "router-preprocessed media are not accepted: this worker advertises "
-                                             "mm_processor 'inprocess'; let the gateway send media_refs")
+    if _has_mm_inputs(request) and request.media_refs.items:
+        raise InvalidInputError("media_refs", "send media_refs or preprocessed mm_inputs, not both")
     if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
         raise InvalidInputError("kv_transfer_params", "prefill/decode disaggregation is not supported")
     if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
@@ -256,6 +265,8 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
         raise InvalidInputError(where, f"{len(ids)} tokens, the context length is {processor.max_model_len}")
     if (bad := max(ids)) >= processor.tokenizer.vocab_size:
         raise InvalidInputError(where, f"token id {bad} is outside the vocabulary (size {processor.tokenizer.vocab_size})")
+    if _has_mm_inputs(request):
+        return ids   # expanded by the gateway: preprocessed_media checks the layout
     anchors = [t for t in ids if t in (spec.image_token_id, spec.video_token_id)]
     items = [spec.image_token_id if m.modality == common_pb2.IMAGE else spec.video_token_id
              for m in request.media_refs.items]
@@ -265,6 +276,10 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
     if anchors and not spec.has_vision:
         raise InvalidInputError(MEDIA_WHERE, "this model takes no images or video")
     return ids
+
+
+def _has_mm_inputs(request: vpb.GenerateRequest) -> bool:
+    return request.HasField("mm_inputs") or bool(request.extra_mm_inputs)
 
 
 def _describe(span, params, ends: dict[int, RequestOutput]) -> None:

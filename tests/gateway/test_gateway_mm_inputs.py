@@ -1,0 +1,141 @@
+"""Router-preprocessed media through the VllmEngine door: an image and a video sent as `mm_inputs`
+(expanded ids + patchified pixels, as a gateway's own Gemma 4 processor sends them) give the same
+prompt and greedy tokens as the same media sent by reference (`media_refs`); tensors that are not
+our layout are refused naming the batch.
+
+The "gateway side" here expands the prompt by the documented layout (docs/architecture.md, "Prompt
+layout"), written out in this test, and patchifies with our decoder and preprocessing: SMG's own
+processor cannot serve the demo checkpoint (it accepts only 70..1120 soft tokens per image)."""
+
+from __future__ import annotations
+
+import base64
+
+import grpc
+import pytest
+from gateway_cases import png
+from loopback_server import LoopbackServer, engine_config
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+from mmserve.config import DEMO_MODEL_DIR, ServerConfig
+from mmserve.model.prompt import timestamp_text
+from mmserve.model.spec import load_spec
+from mmserve.model.tokenizer import load_tokenizer
+from mmserve.multimodal.image import decode_image
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.preprocess import preprocess_images
+from mmserve.multimodal.video import decode_video
+
+NUM_FRAMES = 4   # the test server's --default-num-frames
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = LoopbackServer(engine_config(DEMO_MODEL_DIR, default_num_frames=NUM_FRAMES),
+                       ServerConfig(port=0, worker_threads=2)).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield vpb_grpc.VllmEngineStub(channel)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_tokenizer(DEMO_MODEL_DIR), load_spec(DEMO_MODEL_DIR)
+
+
+def _turn(tok, body: list[int]) -> list[int]:
+    return [2, 4, *body, 5, *tok.encode("\n"), 4, *tok.encode("model\n")]
+
+
+def _tensor(t) -> vpb.TensorData:
+    return vpb.TensorData(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), inline=t.numpy().tobytes())
+
+
+def _batch(modality, batch, placeholders) -> vpb.MultimodalInputs:
+    key = "pixel_position_ids_videos" if modality == common_pb2.VIDEO else "image_position_ids"
+    return vpb.MultimodalInputs(pixel_values=_tensor(batch.pixel_values),
+                                model_specific_tensors={key: _tensor(batch.position_ids)},
+                                mm_placeholders=[vpb.PlaceholderRange(offset=o, length=n) for o, n in placeholders],
+                                modality=modality)
+
+
+def _preprocessed(model, image: bytes, video: bytes, question: str):
+    """(expanded ids, mm_inputs image batch, extra video batch): image, then video, then the question."""
+    tok, spec = model
+    limits = MediaLimits()
+    images = preprocess_images([decode_image(image, limits)], patch_size=spec.patch_size,
+                               pooling_kernel_size=spec.pooling_kernel_size, max_soft_tokens=spec.image_max_soft_tokens)
+    clip = decode_video(video, num_frames=NUM_FRAMES, limits=limits)
+    frames = preprocess_images(clip.frames, patch_size=spec.patch_size, pooling_kernel_size=spec.pooling_kernel_size,
+                               max_soft_tokens=spec.video_max_soft_tokens)
+    body, image_runs, frame_runs = tok.encode("user\n"), [], []
+    body += [spec.boi_token_id]
+    image_runs.append((len(body) + 2, images.num_soft_tokens[0]))
+    body += [spec.image_token_id] * images.num_soft_tokens[0] + [spec.eoi_token_id]
+    for i, (n, t) in enumerate(zip(frames.num_soft_tokens, clip.timestamps_s, strict=True)):
+        body += tok.encode((" " if i else "") + timestamp_text(t) + " ") + [spec.boi_token_id]
+        frame_runs.append((len(body) + 2, n))
+        body += [spec.video_token_id] * n + [spec.eoi_token_id]
+    body += tok.encode(question)
+    return (_turn(tok, body), _batch(common_pb2.IMAGE, images, image_runs),
+            _batch(common_pb2.VIDEO, frames, frame_runs))
+
+
+def _generate(stub, request) -> vpb.GenerateComplete:
+    (response,) = list(stub.Generate(request, timeout=120))
+    return response.complete
+
+
+def test_preprocessed_image_and_video_equal_media_refs(stub, model, make_video):
+    tok, spec = model
+    image, video, question = png(21), make_video(5, num_frames=8), "What happens?"
+    sampling = vpb.SamplingParams(temperature=0, max_tokens=12)
+    by_reference = _generate(stub, vpb.GenerateRequest(
+        request_id="refs", sampling_params=sampling,
+        tokenized=vpb.TokenizedInput(input_ids=_turn(tok, [*tok.encode("user\n"), spec.image_token_id,
+                                                            spec.video_token_id, *tok.encode(question)])),
+        media_refs=vpb.MediaRefs(items=[
+            vpb.MediaRef(modality=common_pb2.IMAGE, url="data:image/png;base64," + base64.b64encode(image).decode()),
+            vpb.MediaRef(modality=common_pb2.VIDEO, url="data:video/mp4;base64," + base64.b64encode(video).decode())])))
+    ids, image_batch, video_batch = _preprocessed(model, image, video, question)
+    preprocessed = _generate(stub, vpb.GenerateRequest(
+        request_id="pre", sampling_params=sampling, tokenized=vpb.TokenizedInput(input_ids=ids),
+        mm_inputs=image_batch, extra_mm_inputs=[video_batch]))
+    assert preprocessed.prompt_tokens == by_reference.prompt_tokens == len(ids)
+    assert list(preprocessed.output_ids) == list(by_reference.output_ids)
+    assert len(by_reference.output_ids) > 1
+
+
+def test_tensors_not_in_our_layout_are_refused(stub, model, make_video):
+    ids, image_batch, video_batch = _preprocessed(model, png(3), make_video(2, num_frames=8), "Hm?")
+    cases = []
+    short = vpb.MultimodalInputs()
+    short.CopyFrom(image_batch)
+    pixels = short.pixel_values
+    pixels.shape[1] //= 2
+    pixels.inline = pixels.inline[:len(pixels.inline) // 2]
+    cases.append((short, video_batch, "not our layout"))
+    cases.append((image_batch, video_batch, "is not between"))   # with the image's <|image> made text, below
+    cases.append((image_batch, vpb.MultimodalInputs(), "pixel values are required"))
+    shm = vpb.MultimodalInputs()
+    shm.CopyFrom(image_batch)
+    shm.pixel_values.shm.name = "/dev/shm/x"
+    cases.append((shm, video_batch, "only inline tensors"))
+    cases.append((image_batch, None, "soft tokens outside"))
+    no_boi = list(ids)
+    no_boi[image_batch.mm_placeholders[0].offset - 1] = model[0].encode("x")[0]
+    for first, extra, why in cases:
+        prompt = no_boi if why == "is not between" else ids
+        request = vpb.GenerateRequest(request_id="bad", tokenized=vpb.TokenizedInput(input_ids=prompt), mm_inputs=first,
+                                      extra_mm_inputs=[extra] if extra is not None else [],
+                                      sampling_params=vpb.SamplingParams(max_tokens=2))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details(), e.value.details()
