@@ -162,9 +162,11 @@ class Fleet:
     """`replicas` mmserve servers behind one SMG; a context manager that stops all of them."""
 
     def __init__(self, replicas: int = 2, *, policy: str = "cache_aware", replica_args: tuple[str, ...] = (),
-                 model: str | Path = DEMO_MODEL_DIR, smg_args: tuple[str, ...] = (), timeout_s: float = 300.0) -> None:
+                 replica_env: dict[str, str] | None = None, model: str | Path = DEMO_MODEL_DIR,
+                 smg_args: tuple[str, ...] = (), timeout_s: float = 300.0) -> None:
         self.policy, self.timeout_s = policy, timeout_s
         self._replica_args, self._model, self._smg_args = replica_args, model, smg_args
+        self._replica_env = replica_env
         self.num_replicas = replicas
         self.replicas: list[Replica] = []
         self.smg: Smg | None = None
@@ -173,7 +175,8 @@ class Fleet:
     def start(self) -> Fleet:
         deadline = time.monotonic() + self.timeout_s
         try:
-            self.replicas = [Replica(*self._replica_args, model=self._model) for _ in range(self.num_replicas)]
+            self.replicas = [Replica(*self._replica_args, model=self._model, env=self._replica_env)
+                             for _ in range(self.num_replicas)]
             for replica in self.replicas:
                 replica.wait_ready(deadline)
             self.smg = Smg([r.url for r in self.replicas], policy=self.policy, hf_endpoint=self.dead.url,
@@ -184,11 +187,11 @@ class Fleet:
             raise
         return self
 
-    def openai(self, **options):
+    def openai(self, api_key: str = "unused", **options):
         """The official OpenAI client at SMG (no retries: a test sees the first answer)."""
         import openai
 
-        return openai.OpenAI(base_url=self.smg.base_url + "/v1", api_key="unused", max_retries=0,
+        return openai.OpenAI(base_url=self.smg.base_url + "/v1", api_key=api_key, max_retries=0,
                              timeout=options.pop("timeout", 120.0), **options)
 
     def model_id(self) -> str:
