@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover - until it exists
 logger = logging.getLogger(__name__)
 
 LOADING = "the model is still loading; retry shortly"
+# A gateway's id is the client's x-request-id with its own suffix appended: room for both.
+MAX_GATEWAY_REQUEST_ID_CHARS = 2 * MAX_REQUEST_ID_CHARS
 
 
 class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
@@ -239,8 +241,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 def _check_request_id(request_id: str) -> None:
     if not request_id:
         raise InvalidInputError("request_id", "the gateway must name the request (it aborts by id)")
-    if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
-        raise InvalidInputError("request_id", f"at most {MAX_REQUEST_ID_CHARS} printable characters")
+    if len(request_id) > MAX_GATEWAY_REQUEST_ID_CHARS or not request_id.isprintable():
+        raise InvalidInputError("request_id", f"at most {MAX_GATEWAY_REQUEST_ID_CHARS} printable characters "
+                                              f"(the client's x-request-id at most {MAX_REQUEST_ID_CHARS})")
 
 
 def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list[int]:
