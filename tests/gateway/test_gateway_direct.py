@@ -1,4 +1,7 @@
-"""Router-preprocessed media through the VllmEngine door: an image and a video sent as `mm_inputs`
+"""The VllmEngine door called directly (no gateway), on one in-process server.
+
+Prompt logprobs and cached tokens as the proto carries them, equal to mmserve.v1's. Router-preprocessed
+media: an image and a video sent as `mm_inputs`
 (expanded ids + patchified pixels, as a gateway's own Gemma 4 processor sends them) give the same
 prompt and greedy tokens as the same media sent by reference (`media_refs`); tensors that are not
 our layout are refused naming the batch.
@@ -19,6 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
+from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 from mmserve.model.prompt import timestamp_text
 from mmserve.model.spec import load_spec
@@ -139,3 +143,26 @@ def test_tensors_not_in_our_layout_are_refused(stub, model, make_video):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request, timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details(), e.value.details()
+
+
+def test_prompt_logprobs_and_cached_tokens_as_mmserve_v1(server, stub, model):
+    tok, _ = model
+    ids = _turn(tok, tok.encode("user\nName a colour"))
+    with Client(server.address) as c:
+        ours = c.generate(prompt="Name a colour", max_tokens=2, temperature=0, prompt_logprobs=True, top_logprobs=2)
+    complete = _generate(stub, vpb.GenerateRequest(
+        request_id="plp", tokenized=vpb.TokenizedInput(input_ids=ids),
+        sampling_params=vpb.SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)))
+    got = complete.input_logprobs
+    assert list(got.token_ids) == ids and len(got.token_logprobs) == len(ids) == ours.usage.prompt_tokens
+    assert not got.token_logprobs[0].HasField("value")   # the first prompt token has none
+    assert [v.value for v in got.token_logprobs[1:]] == pytest.approx([p.logprob for p in ours.prompt_logprobs],
+                                                                      abs=1e-5)
+    assert [list(t.token_ids) for t in got.top_logprobs[1:]] == [[a.token_id for a in p.top]
+                                                                 for p in ours.prompt_logprobs]
+    repeat = vpb.SamplingParams(temperature=0, max_tokens=2)
+    _generate(stub, vpb.GenerateRequest(request_id="c1", tokenized=vpb.TokenizedInput(input_ids=ids),
+                                        sampling_params=repeat))
+    again = _generate(stub, vpb.GenerateRequest(request_id="c2", tokenized=vpb.TokenizedInput(input_ids=ids),
+                                                sampling_params=repeat))
+    assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0   # whole blocks, the last token recomputed
