@@ -78,14 +78,18 @@ class _Process:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM (a replica drains, SMG shuts down); `stop` waits for it."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Replica(_Process):
@@ -198,10 +202,12 @@ class Fleet:
         return json.loads(self.smg.get("/v1/models")[1])["data"][0]["id"]
 
     def stop(self) -> None:
-        if self.smg is not None:
-            self.smg.stop()
-        for replica in self.replicas:
-            replica.stop()
+        """All at once: each process drains and exits in parallel."""
+        processes = ([self.smg] if self.smg is not None else []) + self.replicas
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.stop()
         self.dead.close()
 
     def __enter__(self) -> Fleet:
