@@ -10,6 +10,7 @@ grammar keeps the output valid UTF-8, and text, tokens and logprobs are compared
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 from gateway_cases import assert_same, media_request, png, streamed_text
@@ -59,3 +60,21 @@ def test_random_gemma4_through_smg_matches_mmserve_v1(fleet, checkpoint, media, 
     assert reply.usage.prompt_tokens == ours.usage.prompt_tokens
     text, reasons, _ = streamed_text(client.chat.completions.create(stream=True, **request))
     assert text == ours.text and len(reasons) == 1
+
+
+def test_a_draining_replica_hands_its_traffic_to_the_other(fleet):
+    """Last in the module (it stops replica 0): SIGTERM drains it (VllmEngine Generate UNAVAILABLE,
+    HealthCheck unhealthy, then the port closes); every request through SMG still succeeds."""
+    draining, other = fleet.replicas
+    draining.terminate()
+    client, model = fleet.openai(), fleet.model_id()
+    for i in range(4):
+        reply = client.chat.completions.create(model=model, temperature=0, max_tokens=3,
+                                               messages=[{"role": "user", "content": f"Say {i}"}],
+                                               extra_headers={"x-request-id": f"after-drain-{i}"})
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    assert draining.proc.wait(30) == 0   # a clean drain
+    deadline = time.monotonic() + 10     # the access-log line follows the answer
+    while not all(f"request after-drain-{i}" in other.log for i in range(4)):
+        assert time.monotonic() < deadline, other.log[-3000:]
+        time.sleep(0.05)
