@@ -78,3 +78,18 @@ def test_behind_the_same_api_keys(monkeypatch):
         health = await stub.HealthCheck(vpb.HealthCheckRequest(), metadata=(("authorization", "Bearer secret-key"),))
         assert not health.healthy   # authenticated; still loading
     _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)
+
+
+def test_listed_by_reflection():
+    """grpcurl can describe the gateway door without the .proto."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def check(server, stub):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+            listing = reflection_pb2.ServerReflectionRequest(list_services="")
+            describe = reflection_pb2.ServerReflectionRequest(file_containing_symbol="vllm.grpc.engine.VllmEngine")
+            responses = [r async for r in reflect.ServerReflectionInfo(iter([listing, describe]))]
+            assert "vllm.grpc.engine.VllmEngine" in {s.name for s in responses[0].list_services_response.service}
+            assert responses[1].file_descriptor_response.file_descriptor_proto
+    _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)

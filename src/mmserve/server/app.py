@@ -34,7 +34,7 @@ from mmserve.server.media import MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
-from mmserve.server.vllm_engine import add_vllm_engine
+from mmserve.server.vllm_engine import VLLM_ENGINE_SERVICE, add_vllm_engine
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class MMServer:
             add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,
                             lambda: self.gate.draining)
         self.health.add_to_server(self.server)
-        enable_reflection(self.server)
+        enable_reflection(self.server, (VLLM_ENGINE_SERVICE,) if server_config.enable_vllm_engine_api else ())
         self.port = 0
 
     @property

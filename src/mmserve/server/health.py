@@ -47,6 +47,7 @@ class Health:
         await self.servicer.set(GENERATION_SERVICE, _NOT_SERVING)
 
 
-def enable_reflection(server: grpc.aio.Server) -> None:
+def enable_reflection(server: grpc.aio.Server, extra_services: tuple[str, ...] = ()) -> None:
     """Let grpcurl/grpcui `list` and `describe` the API without the .proto files."""
-    reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, *extra_services, reflection.SERVICE_NAME),
+                                        server)

@@ -5,6 +5,8 @@ Stubs come from the pinned `smg-grpc-proto` package; docs/gateway.md says what g
 
 from __future__ import annotations
 
+VLLM_ENGINE_SERVICE = "vllm.grpc.engine.VllmEngine"
+
 
 def add_vllm_engine(server, engine, engine_config, server_config, processor, draining) -> None:
     """Register the VllmEngine servicer on `server` (a grpc.aio.Server)."""
