@@ -121,6 +121,9 @@ class Smg(_Process):
 
     def __init__(self, worker_urls: list[str], *, policy: str = "cache_aware", hf_endpoint: str,
                  extra: tuple[str, ...] = ()) -> None:
+        if not os.path.exists(SMG):
+            raise AssertionError(f"no smg binary at {SMG}: install the dev extra (pip install -e '.[dev]', "
+                                 "which pins smg==1.13.0)")
         self.port, self.metrics_port = free_port(), free_port()
         argv = [SMG, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--prometheus-host", "127.0.0.1",
                 "--prometheus-port", str(self.metrics_port), "--shutdown-grace-period-secs", "1",
