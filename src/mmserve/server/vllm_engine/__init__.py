@@ -5,14 +5,15 @@ Stubs come from the pinned `smg-grpc-proto` package; docs/gateway.md says what g
 
 from __future__ import annotations
 
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+from mmserve.server.vllm_engine.servicer import VllmEngineServicer
+
 VLLM_ENGINE_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
 def add_vllm_engine(server, engine, engine_config, server_config, processor, draining) -> None:
-    """Register the VllmEngine servicer on `server` (a grpc.aio.Server)."""
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc
-
-    from mmserve.server.vllm_engine.servicer import VllmEngineServicer
-
-    servicer = VllmEngineServicer(engine, engine_config, server_config, processor, draining)
-    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(servicer, server)
+    """Register the VllmEngine servicer on `server` (a grpc.aio.Server); `processor()` and
+    `draining()` are the server's own (the InputProcessor once loaded, the drain state)."""
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+        VllmEngineServicer(engine, engine_config, server_config, processor, draining), server)
