@@ -138,6 +138,16 @@ def test_traceparent_continues_through_smg_into_our_span(client, model, receiver
     assert span.parent_span_id in gateway
 
 
+def test_completions_take_the_raw_prompt(client, model, direct):
+    """/v1/completions: SMG tokenizes the prompt as given (no chat template, no BOS added), so the
+    template written out by hand gives mmserve.v1's answer."""
+    ours = direct.generate(prompt="Hello", max_tokens=12, temperature=0)
+    reply = client.completions.create(model=model, prompt="<bos><|turn>user\nHello<turn|>\n<|turn>model\n",
+                                      max_tokens=12, temperature=0)
+    assert reply.choices[0].text == ours.text
+    assert reply.usage.prompt_tokens == ours.usage.prompt_tokens
+
+
 def test_n2_samples(client, model, direct, tokenizer):
     ours = direct.generate(prompt="Describe a red circle", max_tokens=8, temperature=0, n=2)
     reply = client.chat.completions.create(model=model, n=2, temperature=0, max_tokens=8,
