@@ -155,6 +155,12 @@ def test_n2_samples(client, model, direct, tokenizer):
     assert sorted(c.index for c in reply.choices) == [0, 1]
     for choice in reply.choices:
         assert choice.message.content == ours.samples[choice.index].text == ours.text
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(model=model, n=2, temperature=0, max_tokens=8, stream=True,
+                                                messages=[{"role": "user", "content": "Describe a red circle"}]):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {0: ours.text, 1: ours.text}
 
 
 def test_json_schema_response_format(client, model, direct):
