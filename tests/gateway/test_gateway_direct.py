@@ -166,3 +166,19 @@ def test_prompt_logprobs_and_cached_tokens_as_mmserve_v1(server, stub, model):
     again = _generate(stub, vpb.GenerateRequest(request_id="c2", tokenized=vpb.TokenizedInput(input_ids=ids),
                                                 sampling_params=repeat))
     assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0   # whole blocks, the last token recomputed
+
+
+def test_abort_mid_stream_frees_the_request_at_once(server, stub, model):
+    """Abort(request_ids) while the stream runs: the stream ends and the engine holds nothing of it."""
+    tok, _ = model
+    stream = stub.Generate(vpb.GenerateRequest(
+        request_id="to-abort", stream=True, tokenized=vpb.TokenizedInput(input_ids=_turn(tok, tok.encode("user\nGo"))),
+        sampling_params=vpb.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, n=2)), timeout=120)
+    next(stream)
+    stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=10)
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in stream:
+            pass
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    held = server.call(server.engine.held_resources())
+    assert not any(held.values()), held   # both samples' blocks, states and streams: nothing left
