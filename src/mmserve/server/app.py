@@ -12,6 +12,7 @@ and its orchestrator restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -26,6 +27,7 @@ from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.errors import EngineUnavailableError
 from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import UNGATED_GRACE_S, DrainGate, ShutdownSignals, drain
@@ -109,8 +111,34 @@ class MMServer:
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
         return self.port
 
+    async def start_unless(self, stop: asyncio.Event) -> bool:
+        """`start()`, unless `stop` is set first (SIGTERM/SIGINT during the load or warm-up): then the
+        start is cancelled (the engine process killed) and False returned within moments."""
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            logger.info("stopped during start-up")
+            return False
+        starting.result()   # a start-up failure raises here
+        return True
+
     async def load(self) -> None:
-        """Start the engine (loads the model), warm it up, then turn readiness SERVING."""
+        """Start the engine (loads the model), warm it up, then turn readiness SERVING; all of it within
+        --engine-ready-timeout-s, so a start-up that hangs fails loudly instead of waiting forever."""
+        limit = self.engine_config.engine_ready_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                await self._load()
+        except TimeoutError:
+            raise EngineUnavailableError(f"the engine did not load and warm up within {limit:g}s "
+                                         f"(--engine-ready-timeout-s)") from None
+
+    async def _load(self) -> None:
         await self.engine.start()
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
                                                    context_length=self.engine.model_info.context_length)
@@ -206,7 +234,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     engine = AsyncEngine(engine_config, observer=observability.observer)
     server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
     try:
-        await server.start()
+        if not await server.start_unless(signals.requested):
+            await server.stop()
+            return True
         return await server.run_until_stopped(signals)
     except BaseException:
         await server.stop()
