@@ -180,6 +180,11 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50051, metadata={"help": "port to bind; 0 = pick a free one", "min": 0, "max": 65535})
     max_message_bytes: int = field(default=64 * 2**20, metadata={"help": "largest request message", "min": 1})
+    max_concurrent_rpcs: int = field(default=1024, metadata={
+        "help": "calls in progress at once, of every method (health included); beyond it RESOURCE_EXHAUSTED", "min": 1})
+    max_inflight_message_bytes: int = field(default=2**30, metadata={
+        "help": "request bytes held by unary-request calls in progress, all together; beyond it a retryable "
+                "RESOURCE_EXHAUSTED", "min": 1})
     worker_threads: int = field(default=4, metadata={"help": "threads decoding video and building prompts", "min": 1})
     drain_grace_s: float = field(default=30.0, metadata={"help": "how long in-flight streams may finish on SIGTERM", "min": 0})
     tls_cert: str = field(default="", metadata={"help": "server certificate (PEM); enables TLS"})

@@ -17,7 +17,13 @@ from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 
 KEYS = [secrets.token_urlsafe(16), secrets.token_urlsafe(16)]
-MAX_MESSAGE = 4 * 2**20
+MAX_MESSAGE = 16 * 2**20
+MAX_INFLIGHT = 24 * 2**20
+GENERATE = "/mmserve.v1.Generation/Generate"
+UPLOAD = "/mmserve.v1.Generation/UploadMedia"
+# Field 1, length-delimited, claiming 2**35 bytes: no parser accepts it.
+UNDECODABLE = b"\x0a\x80\x80\x80\x80\x80\x01garbage"
+BIG_SEND = [("grpc.max_send_message_length", -1)]
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
@@ -30,6 +36,7 @@ def server(tmp_path_factory):
     keys.write_text("\n".join(KEYS) + "\n")
     proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", "1", "--max-num-seqs", "8",
                         "--api-keys-file", str(keys), "--max-message-bytes", str(MAX_MESSAGE),
+                        "--max-inflight-message-bytes", str(MAX_INFLIGHT),
                         "--media-dir-max-bytes", str(8 * 2**20), "--max-upload-bytes", str(4 * 2**20))
     try:
         proc.wait_port(120)
@@ -44,11 +51,54 @@ def server(tmp_path_factory):
         proc.stop()
 
 
-def run(server: ServeProcess, scenario):
+def run(server: ServeProcess, scenario, *, raw: bool = False):
+    """`scenario(stub)`, or with `raw` `scenario(channel)` (to send bytes of our own)."""
     async def main():
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
-            return await scenario(pb_grpc.GenerationStub(ch))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=BIG_SEND) as ch:
+            return await scenario(ch if raw else pb_grpc.GenerationStub(ch))
     return asyncio.run(main())
+
+
+def peak_rss(pid: int) -> int:
+    """The process's resident-set high-water mark (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+async def status_of(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        response = await call
+        if hasattr(response, "__aiter__"):
+            async for _ in response:
+                pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def stream_code(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def padded(request: pb.GenerateRequest, pad_bytes: int) -> bytes:
+    """`request`'s bytes plus an unknown field of `pad_bytes`: it parses, and holds that much memory."""
+    tag_and_length = b"\xc2\x3e" + _varint(pad_bytes)   # field 1000, length-delimited
+    return request.SerializeToString() + tag_and_length + secrets.token_bytes(pad_bytes)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
 
 
 def test_abort_reaches_only_the_callers_own_request_by_its_exact_id(server):
@@ -88,3 +138,94 @@ def test_client_ids_cannot_collide_with_parallel_samples(server):
         assert not (await stub.Abort(pb.AbortRequest(request_id="x"), metadata=bearer(other_key))).found
 
     run(server, scenario)
+
+
+def test_undecodable_messages_get_invalid_argument_and_a_rate_limited_log_line(server):
+    """These got UNKNOWN and an ERROR traceback in the log per message, before any key was checked."""
+    key = KEYS[0]
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE)
+        info = ch.unary_unary("/mmserve.v1.Generation/GetModelInfo")
+        abort = ch.unary_unary("/mmserve.v1.Generation/Abort")
+        upload = ch.stream_unary(UPLOAD)
+        before = len(server.lines)
+        for _ in range(20):
+            for code, message in [await stream_code(generate(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(info(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(abort(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(upload(iter([UNDECODABLE]), metadata=bearer(key)))]:
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in message, message
+        code, message = await stream_code(generate(UNDECODABLE))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in message
+        return server.lines[before:]
+
+    logged = run(server, scenario, raw=True)
+    assert not any("Traceback" in line or " ERROR " in line for line in logged), "".join(logged)
+    assert 1 <= sum("undecodable" in line for line in logged) <= 2, "".join(logged)
+
+
+def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
+    """On main, 8 concurrent unauthenticated messages just under twice --max-message-bytes were
+    buffered and parsed before auth refused them (the server grew by ~8 x 2 x 30 MiB). Now auth
+    refuses without reading and grpc refuses anything above the limit from its length prefix."""
+    body = pb.GenerateRequest(request_id="big", messages=[pb.Message(role="user", parts=[pb.Part(text="hi")])])
+    under, over = padded(body, MAX_MESSAGE - 2**20), padded(body, 30 * 2**20)
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE)
+        bystander = asyncio.ensure_future(read_stream(
+            pb_grpc.GenerationStub(ch).Generate(text_request("bystander", 60), metadata=bearer(KEYS[0]))))
+        results = await asyncio.gather(*[stream_code(generate(raw)) for raw in [under, over] * 4],
+                                       *[stream_code(generate(over, metadata=bearer(KEYS[1]))) for _ in range(4)])
+        return results, await bystander
+
+    baseline = peak_rss(server.proc.pid)
+    results, bystander = run(server, scenario, raw=True)
+    grown = peak_rss(server.proc.pid) - baseline
+    assert [code for code, _ in results[:8]] == [grpc.StatusCode.UNAUTHENTICATED] * 8, results
+    assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in results[8:]), results
+    assert bystander.code is None and bystander.final.usage.completion_tokens == 60, bystander
+    assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_upload_chunk_over_its_limit_is_refused_before_parsing(server):
+    chunk = pb.UploadMediaRequest(chunk=secrets.token_bytes(12 * 2**20)).SerializeToString()
+    meta = pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4")).SerializeToString()
+
+    async def scenario(ch):
+        upload = ch.stream_unary(UPLOAD)
+        return await asyncio.gather(*[status_of(upload(iter([meta, chunk]), metadata=bearer(KEYS[0])))
+                                      for _ in range(4)])
+
+    baseline = peak_rss(server.proc.pid)
+    results = run(server, scenario, raw=True)
+    grown = peak_rss(server.proc.pid) - baseline
+    for code, message in results:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "UploadMedia message" in message, message
+    assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_bytes_in_flight_are_bounded_across_calls(server):
+    """Two calls holding 10 MiB each fit --max-inflight-message-bytes (24 MiB); a third waits its turn."""
+    def held(rid: str) -> bytes:
+        return padded(text_request(rid, 300), 10 * 2**20)
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE, response_deserializer=pb.GenerateResponse.FromString)
+        first, second = generate(held("hold-1"), metadata=bearer(KEYS[0])), generate(held("hold-2"), metadata=bearer(KEYS[0]))
+        assert (await first.read()).delta.token_ids and (await second.read()).delta.token_ids
+        code, message = await stream_code(generate(held("hold-3"), metadata=bearer(KEYS[1])))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-message-bytes" in message, message
+        first.cancel()
+        second.cancel()
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:   # the budget is given back when the calls end
+            code, message = await stream_code(generate(padded(text_request("after", 2), 10 * 2**20),
+                                                       metadata=bearer(KEYS[1])))
+            if code == grpc.StatusCode.OK:
+                return
+            assert "--max-inflight-message-bytes" in message and asyncio.get_running_loop().time() < deadline, message
+            await asyncio.sleep(0.05)
+
+    run(server, scenario, raw=True)

@@ -28,11 +28,11 @@ from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.errors import EngineUnavailableError
-from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
+from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
-from mmserve.server.drain import UNGATED_GRACE_S, DrainGate, ShutdownSignals, drain
+from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
-from mmserve.server.media import MediaService
+from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
@@ -47,7 +47,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     client pings down to every 10 s (clients pinging faster get GOAWAY "too_many_pings").
     """
     return [
-        # Headroom above our limit so MessageSizeLimit can refuse with a message naming the flag.
+        # Headroom above our limit so MessageAdmission can refuse with a message naming the flag.
         ("grpc.max_receive_message_length", transport_receive_limit(config.max_message_bytes)),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", 60_000),
@@ -71,9 +71,10 @@ class MMServer:
         self.engine_config = engine_config
         self.health = Health()
         self.gate = DrainGate()
+        self.media = MediaService.from_config(server_config, engine_config)
         auth = build_auth_interceptor(server_config)
-        chain = ([auth] if auth else []) + [MessageSizeLimit(server_config.max_message_bytes), self.gate,
-                                            *interceptors]
+        # Auth first: a refused caller's message is never read (handlers.rejecting_handler).
+        chain = ([auth] if auth else []) + [self._admission(), self.gate, *interceptors]
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
@@ -82,15 +83,22 @@ class MMServer:
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")
         self._processor: InputProcessor | None = None
-        self.media = MediaService.from_config(server_config, engine_config)
         self._media_sweeper: asyncio.Task | None = None
-        self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config))
+        self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config),
+                                      maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
                                       self.media)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         self.health.add_to_server(self.server)
         enable_reflection(self.server)
         self.port = 0
+
+    def _admission(self) -> MessageAdmission:
+        """Message limits: --max-message-bytes, one chunk for UploadMedia, the in-flight byte budget."""
+        chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
+                            f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
+        return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
+                                {UPLOAD_METHOD: chunk})
 
     @property
     def address(self) -> str:

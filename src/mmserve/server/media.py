@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 RECOMMENDED_CHUNK_BYTES = 2**20
 MAX_CHUNK_BYTES = 4 * 2**20
+# An UploadMediaRequest's bytes beyond its chunk (field tag and length; the metadata message is small).
+UPLOAD_FRAMING_BYTES = 2**10
 # Room left in a Generate message for everything but the media (text, sampling, framing).
 MESSAGE_HEADROOM_BYTES = 64 * 2**10
 UPLOAD_MIME_TYPES = VIDEO_MIME_TYPES | IMAGE_MIME_TYPES
