@@ -198,4 +198,6 @@ class ServerConfig:
     media_dir: str = field(default="", metadata={"help": "directory for uploaded media, one server each; empty = a temporary directory removed at exit"})
     media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first", "min": 1})
     media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0})
+    upload_idle_timeout_s: float = field(default=30.0, metadata={
+        "help": "an UploadMedia stream with no message for this long is ended and its bytes dropped", "min": 0.001})
     max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload", "min": 1})

@@ -6,7 +6,9 @@ and declared upload sizes take no spool space before their bytes arrive."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
+import time
 
 import grpc
 import pytest
@@ -19,6 +21,8 @@ from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 KEYS = [secrets.token_urlsafe(16), secrets.token_urlsafe(16)]
 MAX_MESSAGE = 16 * 2**20
 MAX_INFLIGHT = 24 * 2**20
+SPOOL = 8 * 2**20
+IDLE_S = 1.0
 GENERATE = "/mmserve.v1.Generation/Generate"
 UPLOAD = "/mmserve.v1.Generation/UploadMedia"
 # Field 1, length-delimited, claiming 2**35 bytes: no parser accepts it.
@@ -37,7 +41,8 @@ def server(tmp_path_factory):
     proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", "1", "--max-num-seqs", "8",
                         "--api-keys-file", str(keys), "--max-message-bytes", str(MAX_MESSAGE),
                         "--max-inflight-message-bytes", str(MAX_INFLIGHT),
-                        "--media-dir-max-bytes", str(8 * 2**20), "--max-upload-bytes", str(4 * 2**20))
+                        "--media-dir-max-bytes", str(SPOOL), "--max-upload-bytes", str(SPOOL // 2),
+                        "--upload-idle-timeout-s", str(IDLE_S))
     try:
         proc.wait_port(120)
 
@@ -229,3 +234,43 @@ def test_bytes_in_flight_are_bounded_across_calls(server):
             await asyncio.sleep(0.05)
 
     run(server, scenario, raw=True)
+
+
+def test_declared_upload_sizes_neither_evict_others_media_nor_block_uploads(server):
+    """The probe, scaled to an 8 MiB spool: two streams declaring half the spool each and sending
+    nothing used to evict a victim's upload at once (it was NOT_FOUND later) and refuse every other
+    upload with RESOURCE_EXHAUSTED for as long as they stayed open."""
+    victim_bytes, bystander_bytes = secrets.token_bytes(3 * 2**20), secrets.token_bytes(2**20)
+    victim_key, attacker_key = KEYS
+
+    def upload(data: bytes, **meta):
+        yield pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4", **meta))
+        for i in range(0, len(data), 2**20):
+            yield pb.UploadMediaRequest(chunk=data[i:i + 2**20])
+
+    async def stalled(stub, stop: asyncio.Event):
+        async def requests():
+            yield pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4", size_bytes=SPOOL // 2))
+            await stop.wait()   # and never send a byte
+        return await status_of(stub.UploadMedia(requests(), metadata=bearer(attacker_key)))
+
+    async def scenario(stub):
+        victim = await stub.UploadMedia(upload(victim_bytes), metadata=bearer(victim_key))
+        stop = asyncio.Event()
+        attackers = [asyncio.ensure_future(stalled(stub, stop)) for _ in range(2)]
+        await asyncio.sleep(0.3)   # both declarations are in
+        bystander = await stub.UploadMedia(upload(bystander_bytes), metadata=bearer(victim_key))
+        assert bystander.size_bytes == len(bystander_bytes)
+        # The victim's media is still stored: declaring its hash is answered without any bytes.
+        again = await stub.UploadMedia(iter([pb.UploadMediaRequest(metadata=pb.UploadMetadata(
+            sha256=hashlib.sha256(victim_bytes).hexdigest()))]), metadata=bearer(victim_key))
+        assert again.id == victim.id
+        started = time.monotonic()
+        results = await asyncio.gather(*attackers)   # ended by the idle timeout, not by the client
+        stop.set()
+        return results, time.monotonic() - started
+
+    results, waited = run(server, scenario)
+    for code, message in results:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--upload-idle-timeout-s" in message, message
+    assert waited < 10 * IDLE_S
