@@ -70,3 +70,13 @@ def test_sigterm_during_model_load_stops_within_seconds(tmp_path):
         assert "ready: serving" not in server.log and "stopped during start-up" in server.log, server.log
     finally:
         server.stop()
+
+
+def test_start_up_past_its_deadline_fails_loudly():
+    """A start-up that cannot finish in --engine-ready-timeout-s exits 1 naming the flag, not a wait forever."""
+    server = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", "1", "--engine-ready-timeout-s", "0.2")
+    try:
+        assert server.proc.wait(60) == 1, server.log
+        assert "--engine-ready-timeout-s" in server.log and "ready: serving" not in server.log, server.log
+    finally:
+        server.stop()

@@ -91,6 +91,12 @@ async def stream_code(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
+def greedy(request_id: str, max_tokens: int) -> pb.GenerateRequest:
+    request = text_request(request_id, max_tokens)
+    request.sampling.temperature = 0.0
+    return request
+
+
 def padded(request: pb.GenerateRequest, pad_bytes: int) -> bytes:
     """`request`'s bytes plus an unknown field of `pad_bytes`: it parses, and holds that much memory."""
     tag_and_length = b"\xc2\x3e" + _varint(pad_bytes)   # field 1000, length-delimited
@@ -179,18 +185,22 @@ def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
 
     async def scenario(ch):
         generate = ch.unary_stream(GENERATE)
-        bystander = asyncio.ensure_future(read_stream(
-            pb_grpc.GenerationStub(ch).Generate(text_request("bystander", 60), metadata=bearer(KEYS[0]))))
+        stub = pb_grpc.GenerationStub(ch)
+        idle = await read_stream(stub.Generate(greedy("idle", 60), metadata=bearer(KEYS[0])))
+        bystander = asyncio.ensure_future(read_stream(stub.Generate(greedy("bystander", 60), metadata=bearer(KEYS[0]))))
         results = await asyncio.gather(*[stream_code(generate(raw)) for raw in [under, over] * 4],
                                        *[stream_code(generate(over, metadata=bearer(KEYS[1]))) for _ in range(4)])
-        return results, await bystander
+        return results, idle, await bystander
 
     baseline = peak_rss(server.proc.pid)
-    results, bystander = run(server, scenario, raw=True)
+    results, idle, bystander = run(server, scenario, raw=True)
     grown = peak_rss(server.proc.pid) - baseline
     assert [code for code, _ in results[:8]] == [grpc.StatusCode.UNAUTHENTICATED] * 8, results
     assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in results[8:]), results
-    assert bystander.code is None and bystander.final.usage.completion_tokens == 60, bystander
+    assert bystander.code is None and bystander.token_ids == idle.token_ids, bystander
+    # The bystander's TTFT beside the flood stays within 2x its idle TTFT (plus 0.25 s for a shared CPU).
+    ttft = bystander.final.timings.time_to_first_token_s
+    assert ttft <= 2 * idle.final.timings.time_to_first_token_s + 0.25, (ttft, idle.final.timings)
     assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
 
 

@@ -50,7 +50,8 @@ def too_large_message(size: int, limit: int) -> str:
 
 @dataclass(frozen=True)
 class MethodLimit:
-    """A method's own message limit (smaller than --max-message-bytes) and what to tell a client over it."""
+    """A method's own message limit, instead of --max-message-bytes (UploadMedia: one chunk and its
+    framing), and what to tell a client over it."""
 
     max_bytes: int
     advice: str
@@ -130,7 +131,7 @@ class MessageAdmission(grpc.aio.ServerInterceptor):
 
         def deserialize(raw: bytes) -> object:
             size = len(raw)
-            if size > self.limit:
+            if own is None and size > self.limit:
                 return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(size, self.limit))
             if own is not None and size > own.max_bytes:
                 return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,

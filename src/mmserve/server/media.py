@@ -151,8 +151,9 @@ class MediaService:
 
     async def _next(self, requests: AsyncIterator[pb.UploadMediaRequest]) -> pb.UploadMediaRequest | None:
         """The stream's next message (None at its end), waiting at most the idle timeout for it."""
-        try:
-            return await asyncio.wait_for(anext(requests, None), self.idle_timeout_s)
+        try:   # asyncio.timeout, not wait_for: 3.11's wait_for can swallow the client's cancel
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await anext(requests, None)
         except TimeoutError:
             raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload was "
                                      f"dropped", "--upload-idle-timeout-s") from None
