@@ -204,8 +204,9 @@ def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
     assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
-def test_upload_chunk_over_its_limit_is_refused_before_parsing(server):
-    """UploadMedia messages are held to one chunk before parsing, not to --max-message-bytes. (grpc
+def test_method_limits_refuse_before_parsing(server):
+    """UploadMedia messages are held to one chunk before parsing, queries to a few KiB, not to
+    --max-message-bytes. (grpc
     itself still buffers each message up to the transport limit: it has no per-method limit.)"""
     chunk = pb.UploadMediaRequest(chunk=secrets.token_bytes(12 * 2**20)).SerializeToString()
     meta = pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4")).SerializeToString()
@@ -218,6 +219,12 @@ def test_upload_chunk_over_its_limit_is_refused_before_parsing(server):
     for code, message in run(server, scenario, raw=True):
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "UploadMedia message" in message, message
         assert f"its limit of {4 * 2**20 + 2**10} bytes" in message, message
+
+    async def query(stub):
+        return await status_of(stub.Abort(pb.AbortRequest(request_id="x" * 2**20), metadata=bearer(KEYS[0])))
+
+    code, message = run(server, query)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Abort message" in message, message
 
 
 def test_bytes_in_flight_are_bounded_across_calls(server):

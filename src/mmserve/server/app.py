@@ -39,6 +39,9 @@ from mmserve.server.tls import bind, server_credentials
 
 logger = logging.getLogger(__name__)
 
+QUERY_METHODS = tuple(f"/mmserve.v1.Generation/{name}" for name in ("Abort", "GetModelInfo", "GetServerLoad"))
+QUERY_MESSAGE_BYTES = 16 * 2**10
+
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     """Message limits from the config and keepalive that survives idle-timeout proxies.
@@ -94,11 +97,13 @@ class MMServer:
         self.port = 0
 
     def _admission(self) -> MessageAdmission:
-        """Message limits: --max-message-bytes, one chunk for UploadMedia, the in-flight byte budget."""
+        """Message limits: --max-message-bytes for Generate, one chunk for UploadMedia, a few KiB for the
+        queries (their requests are an id at most), and the in-flight byte budget."""
         chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
                             f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
+        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a request id at most")
         return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
-                                {UPLOAD_METHOD: chunk})
+                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS, query)})
 
     @property
     def address(self) -> str:
