@@ -108,27 +108,35 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def field_type(f: dataclasses.Field) -> Callable[[str], object]:
+def field_type(f: dataclasses.Field, env: str | None = None) -> Callable[[str], object]:
     """The argparse `type` of a field: converts the text (flag or env var) and checks the field's
     `choices`, `pattern`, `min` and `max` metadata, so a bad value is a usage error (exit 2) that
-    lists what is valid, never a traceback or a hang at start-up."""
+    lists what is valid, never a traceback or a hang at start-up. `env`: the env var's text, if set,
+    so a refusal of that text names the variable."""
     kind = type(f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
     meta = f.metadata
+
+    def problem(text: str, value) -> str | None:
+        if "choices" in meta and value not in meta["choices"]:
+            return f"{text!r} is not one of {', '.join(meta['choices'])}"
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+            return f"{text!r} is not one of {meta['help']}"
+        if "min" in meta and value < meta["min"]:
+            return f"{text} is below the minimum {meta['min']}"
+        if "max" in meta and value > meta["max"]:
+            return f"{text} is above the maximum {meta['max']}"
+        return None
 
     def convert(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
-        if "choices" in meta and value not in meta["choices"]:
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(meta['choices'])}")
-        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not one of {meta['help']}")
-        if "min" in meta and value < meta["min"]:
-            raise argparse.ArgumentTypeError(f"{text} is below the minimum {meta['min']}")
-        if "max" in meta and value > meta["max"]:
-            raise argparse.ArgumentTypeError(f"{text} is above the maximum {meta['max']}")
-        return value
+            value, why = None, f"{text!r} is not a valid {kind.__name__}"
+        else:
+            why = f"{text!r} is not a number" if value != value else problem(text, value)   # NaN
+        if why is None:
+            return value
+        raise argparse.ArgumentTypeError(why + (f" (from {_env_name(f.name)})" if text == env else ""))
 
     convert.__name__ = kind.__name__  # argparse names the type in its own messages
     return convert
@@ -154,7 +162,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                 help=f"{f.metadata.get('help', '')} [env {_env_name(f.name)}]")
             continue
-        parser.add_argument(_flag(f.name), type=field_type(f), default=default if env is None else env, dest=f.name,
+        parser.add_argument(_flag(f.name), type=field_type(f, env), default=default if env is None else env, dest=f.name,
                             help=f"{f.metadata.get('help', '')} ({_valid_values(f.metadata)}default {default!r}) "
                                  f"[env {_env_name(f.name)}]")
 
