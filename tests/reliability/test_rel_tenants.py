@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_engine import read_stream, text_request
 from rel_process import ServeProcess
 
@@ -22,6 +23,7 @@ KEYS = [secrets.token_urlsafe(16), secrets.token_urlsafe(16)]
 MAX_MESSAGE = 16 * 2**20
 MAX_INFLIGHT = 24 * 2**20
 SPOOL = 8 * 2**20
+MAX_CALLS = 48
 IDLE_S = 1.0
 GENERATE = "/mmserve.v1.Generation/Generate"
 UPLOAD = "/mmserve.v1.Generation/UploadMedia"
@@ -40,7 +42,7 @@ def server(tmp_path_factory):
     keys.write_text("\n".join(KEYS) + "\n")
     proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", "1", "--max-num-seqs", "8",
                         "--api-keys-file", str(keys), "--max-message-bytes", str(MAX_MESSAGE),
-                        "--max-inflight-message-bytes", str(MAX_INFLIGHT),
+                        "--max-inflight-message-bytes", str(MAX_INFLIGHT), "--max-concurrent-rpcs", str(MAX_CALLS),
                         "--media-dir-max-bytes", str(SPOOL), "--max-upload-bytes", str(SPOOL // 2),
                         "--upload-idle-timeout-s", str(IDLE_S))
     try:
@@ -290,3 +292,24 @@ def test_declared_upload_sizes_neither_evict_others_media_nor_block_uploads(serv
     for code, message in results:
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--upload-idle-timeout-s" in message, message
     assert waited < 10 * IDLE_S
+
+
+def test_calls_in_progress_are_bounded(server):
+    """--max-concurrent-rpcs: with that many calls open (health Watch streams), one more is refused."""
+    async def scenario(stub):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(MAX_CALLS)]
+            for watch in watches:
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            code, _ = await status_of(stub.GetServerLoad(pb.GetServerLoadRequest(), metadata=bearer(KEYS[0])))
+            for watch in watches:
+                watch.cancel()
+        deadline = time.monotonic() + 30
+        while (after := await status_of(stub.GetServerLoad(pb.GetServerLoadRequest(),
+                                                            metadata=bearer(KEYS[0]))))[0] != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, after
+            await asyncio.sleep(0.05)
+        return code
+
+    assert run(server, scenario) == grpc.StatusCode.RESOURCE_EXHAUSTED
