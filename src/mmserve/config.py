@@ -73,6 +73,17 @@ class EngineConfig:
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
     max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
+    # Structured output (response_format): bounded before and while compiling (engine/format_compiler.py).
+    max_response_format_chars: int = field(default=64 * 1024, metadata={
+        "help": "longest response_format (JSON schema, regex or grammar text), in characters", "min": 1})
+    max_response_format_depth: int = field(default=64, metadata={
+        "help": "deepest nesting of a response_format: JSON objects/arrays of a schema, parentheses of a regex or grammar",
+        "min": 1})
+    grammar_compile_timeout_s: float = field(default=5.0, metadata={
+        "help": "time limit for compiling one response_format (waiting for the compile worker included); "
+                "a format over it is refused", "min": 0})
+    grammar_cache_bytes: int = field(default=256 * 2**20, metadata={
+        "help": "compiled response_formats kept per process (front end and engine each), LRU by size", "min": 0})
     # Metrics.
     perf_accounting: str = field(default="exact", metadata={"help": "attention FLOPs/bytes accounting",
                                                                        "choices": ("exact", "upper-bound")})

@@ -28,7 +28,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with
-from mmserve.server.validation import validate_request
+from mmserve.server.validation import check_response_format, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             processor = self._processor()
             if processor is None:
                 raise EngineUnavailableError("the model is still loading; retry shortly")
+            await check_response_format(validated.sampling.response_format, processor, self._config)   # off the loop
             if request_id in self._in_flight:
                 raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
             media = self._media.lease(validated.messages)  # held until the request ends

@@ -1,0 +1,191 @@
+"""Hostile response formats on a real server (#27 findings 1 and 2): a grammar that matches nothing,
+or dead-ends mid-output, ends that request alone with INVALID_ARGUMENT; a schema that takes a while
+to compile leaves health checks and other streams alone; nesting, size and compile time are bounded
+before they cost anything, each refusal naming its flag.
+
+Bystanders are greedy, so "their usual output" is exact: the tokens of the same request on an idle
+server, measured in the same test, as is the idle TTFT they are held to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rel_engine import ServerThread, StreamResult, engine_config, read_stream
+
+from mmserve.api.mmserve.v1 import generation_pb2 as pb
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+from mmserve.config import ServerConfig
+
+COMPILE_TIMEOUT_S = 3.0
+DEAD_END = 'root ::= "a" rest\nrest ::= rest'   # passes every check up front, then admits no second token
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint) -> ServerThread:
+    engine = engine_config(tiny_checkpoint, grammar_compile_timeout_s=COMPILE_TIMEOUT_S)
+    server = ServerThread(engine, ServerConfig(port=0, worker_threads=2)).start()
+    yield server
+    server.stop()
+
+
+def flat_schema(properties: int) -> str:
+    """The probe's slow shape: one object with many properties (compile time grows ~cubically)."""
+    return json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(properties)},
+                       "additionalProperties": False})
+
+
+def deep_schema(levels: int) -> str:
+    """The probe's other shape: objects nested `levels` deep (JSON depth 2 * levels + 1)."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return json.dumps(schema)
+
+
+def request(rid: str, *, max_tokens: int = 12, text: str = "go on", **response_format) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                 ignore_eos=not response_format)
+    for kind, spec in response_format.items():
+        setattr(sampling.response_format, kind, spec)
+    return pb.GenerateRequest(request_id=rid, messages=[pb.Message(role="user", parts=[pb.Part(text=text)])],
+                              sampling=sampling)
+
+
+async def timed(stub, req: pb.GenerateRequest):
+    """(the stream's result, its time to first token in seconds: None if no token came)."""
+    start = time.perf_counter()
+    call = stub.Generate(req)
+    first = None
+    try:
+        response = await call.read()
+    except grpc.aio.AioRpcError:
+        return await read_stream(call), None
+    if response is not grpc.aio.EOF and response.HasField("delta"):
+        first = time.perf_counter() - start
+    result = await read_stream(call)
+    if response is not grpc.aio.EOF and response.HasField("delta"):
+        result.token_ids[:0] = list(response.delta.token_ids)
+    return result, first
+
+
+async def bystanders(stub, tag: str, n: int = 3):
+    """n greedy streams at once (prompts differ): their results and TTFTs."""
+    return await asyncio.gather(*[timed(stub, request(f"{tag}-{i}", text=f"bystander {i} goes on"))
+                                  for i in range(n)])
+
+
+def test_grammar_that_matches_nothing_is_refused_and_a_dead_end_fails_alone(server):
+    """The probe: `root ::= root` beside 4 concurrent bystanders. Today it is refused up front; a
+    grammar that dead-ends after one token gets past every up-front check, fails in a step it
+    shares with the bystanders, and ends alone."""
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            idle = [r.token_ids for r, _ in await bystanders(stub, "idle1", 4)]
+            empty = await read_stream(stub.Generate(request("empty", grammar="root ::= root")))
+            assert empty.code == grpc.StatusCode.INVALID_ARGUMENT and "matches nothing" in empty.details
+            calls = [stub.Generate(request(f"mate-{i}", max_tokens=12, text=f"bystander {i} goes on"))
+                     for i in range(4)]
+            firsts = [await call.read() for call in calls]   # running: the hostile joins their steps
+            after = time.perf_counter()
+            hostile = await read_stream(stub.Generate(request("hostile", grammar=DEAD_END)))
+            mates = [await read_stream(call, StreamResult(token_ids=list(first.delta.token_ids)))
+                     for call, first in zip(calls, firsts, strict=True)]
+            return idle, hostile, mates, after
+
+    idle, hostile, mates, after = asyncio.run(scenario())
+    assert hostile.code == grpc.StatusCode.INVALID_ARGUMENT, hostile
+    assert "sampling.response_format.grammar" in hostile.details and "mate" not in hostile.details
+    for mate, alone in zip(mates, idle, strict=True):
+        assert mate.code is None, mate
+        assert mate.token_ids == alone
+    shared = [s for s in list(server.observer.steps) if s.start_perf > after
+              and {"hostile", "mate-0"} <= {i.request_id for i in s.items}]
+    assert shared, "the hostile request never shared a step with the bystanders"
+    server.assert_nothing_leaked()
+
+
+async def _health_latencies(ch, until: asyncio.Future) -> list[float]:
+    """Health Check round trips every 20 ms (a load balancer's probe, paced so it does not steal the
+    compile's CPU) until `until` is done."""
+    stub = health_pb2_grpc.HealthStub(ch)
+    latencies = []
+    while not until.done():
+        start = time.perf_counter()
+        await stub.Check(health_pb2.HealthCheckRequest(), timeout=30)
+        latencies.append(time.perf_counter() - start)
+        await asyncio.wait([until], timeout=0.02)
+    return latencies
+
+
+def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
+    """The probe: a many-property schema that takes about a second to compile (on each side of the
+    engine process). While it compiles, health answers and bystanders stream their idle output with
+    their idle TTFT (2x, plus 50 ms for this shared machine's scheduling noise)."""
+    spec = flat_schema(800)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            await bystanders(stub, "warm")
+            idle = await bystanders(stub, "idle2")
+            start = time.perf_counter()
+            slow = asyncio.ensure_future(timed(stub, request("slow", max_tokens=4, json_schema=spec)))
+            health = asyncio.ensure_future(_health_latencies(ch, slow))
+            during = []
+            while not slow.done():
+                during += await bystanders(stub, f"during{len(during)}")
+            return idle, during, await slow, await health, time.perf_counter() - start
+
+    idle, during, (slow, _), health, slow_s = asyncio.run(scenario())
+    assert slow.code is None, slow   # accepted and served, within the compile time limit
+    assert slow_s > 0.5, f"the schema compiled in {slow_s:.2f}s: too fast to show a stall"
+    idle_tokens = [r.token_ids for r, _ in idle]
+    for k, (result, _) in enumerate(during):
+        assert result.code is None and result.token_ids == idle_tokens[k % 3], result
+    idle_ttft = statistics.median(t for _, t in idle)
+    during_ttft = statistics.median(t for _, t in during)
+    assert during_ttft <= 2 * idle_ttft + 0.05, (during_ttft, idle_ttft, slow_s)
+    assert len(health) >= 3 and max(health) < slow_s / 4, (health, slow_s)
+    server.assert_nothing_leaked()
+
+
+@pytest.mark.parametrize("kind, spec, flag", [
+    ("json_schema", deep_schema(300), "--max-response-format-depth"),          # the probe's shape, 18 KB
+    ("regex", "(" * 65 + "a" + ")" * 65, "--max-response-format-depth"),
+    ("grammar", "root ::= " + '"' + "a" * (64 * 1024) + '"', "--max-response-format-chars"),
+])
+def test_nesting_and_size_are_refused_before_compiling(server, kind, spec, flag):
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            return await read_stream(pb_grpc.GenerationStub(ch).Generate(request("big", **{kind: spec})))
+
+    result = asyncio.run(scenario())
+    assert result.code == grpc.StatusCode.INVALID_ARGUMENT and flag in result.details, result
+    assert f"sampling.response_format.{kind}" in result.details
+
+
+def test_a_compile_over_the_time_limit_is_refused_naming_its_flag(server):
+    """Last in the module: the refused compile keeps the front end's worker busy until it ends."""
+    spec = flat_schema(1400)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            start = time.perf_counter()
+            first = await read_stream(stub.Generate(request("too-slow", json_schema=spec)))
+            waited = time.perf_counter() - start
+            mate = await read_stream(stub.Generate(request("plain-after")))   # the engine is untouched
+            return first, waited, mate
+
+    first, waited, mate = asyncio.run(scenario())
+    assert first.code == grpc.StatusCode.INVALID_ARGUMENT and "--grammar-compile-timeout-s" in first.details, first
+    assert COMPILE_TIMEOUT_S <= waited < COMPILE_TIMEOUT_S + 2, waited
+    assert mate.code is None and len(mate.token_ids) == 12
+    server.assert_nothing_leaked()
