@@ -234,7 +234,7 @@ class EngineCore:
         try:
             with torch_threads(threads):
                 step = self.runner.execute(out)
-                sampled = self.sampler.sample(step.logits, [s.request for s in step.sampled])
+                sampled = self._sample(step.logits, [s.request for s in step.sampled])
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -247,6 +247,28 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns)
         self._append_tokens(step.sampled, sampled, result.outputs)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
+        fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
+        drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
+        try:
+            return self.sampler.sample(logits, requests)
+        except Exception:
+            logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
+        out = SamplerOutput([], [])
+        for i, request in enumerate(requests):
+            try:
+                row = self.sampler.sample(logits[i:i + 1], [request])
+            except Exception as exc:
+                logger.error("request %s: sampling failed", request.request_id, exc_info=exc)
+                row = SamplerOutput([0], [None], {0: EngineInternalError(
+                    f"request {request.request_id}: sampling failed ({type(exc).__name__}; details in the server log)")})
+            out.token_ids += row.token_ids
+            out.logprobs += row.logprobs
+            if 0 in row.errors:
+                out.errors[i] = row.errors[0]
+        return out
 
     def _release_forks(self) -> None:
         """Queue the samples whose parent has computed its prompt (or has ended)."""
