@@ -125,7 +125,7 @@ def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
     """A request whose schema takes a while to compile waits off the scheduler: a running request keeps
     getting tokens (its solo run's) while the compile runs, then the constrained one runs."""
     llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
-    bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=24, temperature=0.0)
+    bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=12, temperature=0.0)
     alone = llm.generate([bystander])[0].token_ids
     properties = {f"p{i}": {"type": "integer"} for i in range(900)}
     fmt = ResponseFormat("json_schema", json.dumps({"type": "object", "properties": properties,
@@ -145,3 +145,32 @@ def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
     assert got == alone and while_compiling >= 1
     tokens, errors, _ = _step_all(llm, [])
     assert not errors and tokens["slow"] and compiler.compiles == 1 and not llm.core.requests
+
+
+def test_compile_time_limit_refuses_the_slow_and_skips_abandoned_work(load_backend):
+    """One worker, a 0.2 s limit: a slow schema is refused (INVALID_ARGUMENT kind) and stays refused;
+    a spec queued behind it times out as retryable (the worker was busy, not the spec at fault) and,
+    nobody waiting for it any more, is never compiled."""
+    import asyncio
+
+    from mmserve.engine.format_compiler import FormatCompiler
+    from mmserve.errors import LimitExceededError
+
+    model, tok = load_backend("sdpa")
+    compiler = FormatCompiler(tok, model.spec.vocab_size, model.spec.eos_token_ids, cache_bytes=2**26, timeout_s=0.2)
+    slow = ResponseFormat("json_schema", json.dumps({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(900)}}))
+    queued = ResponseFormat("regex", "[0-9]{3}")
+
+    async def both():
+        return await asyncio.gather(compiler.check(slow), compiler.check(queued), return_exceptions=True)
+
+    refused, busy = asyncio.run(both())
+    assert isinstance(refused, InvalidInputError) and "--grammar-compile-timeout-s" in str(refused)
+    assert isinstance(busy, LimitExceededError) and busy.retryable
+    with pytest.raises(InvalidInputError, match="did not compile within"):
+        compiler.compile(slow)                 # the finished compile took too long: its verdict is kept
+    assert compiler.compiles == 1              # the queued spec was skipped, not compiled
+    compiler.compile(queued)                   # asked again, it compiles
+    assert compiler.compiles == 2
+    compiler.shutdown()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from mmserve.engine.sampling_params import check_vocab
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
-from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError
+from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import SchedulerOutput
@@ -43,6 +43,8 @@ from mmserve.scheduler.request import Request
 from mmserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
 
 
 def load_engine_model(config: EngineConfig):
@@ -154,7 +156,7 @@ class EngineCore:
             request = self.requests[rid]
             try:
                 compiled = future.result()
-            except InvalidInputError as exc:
+            except MMServeError as exc:
                 self._end(rid, CoreOutput(rid, error=exc), outputs)
                 continue
             except Exception as exc:
@@ -227,6 +229,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
+            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
+                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
         size = size_class(out)

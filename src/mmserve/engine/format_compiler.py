@@ -6,13 +6,16 @@ releases the GIL while compiling). Each process keeps its own LRU keyed by a has
 bounded in bytes: the front end compiles to validate (a spec that fails, matches nothing or takes
 longer than the time limit is refused before admission), the engine compiles again for its masks.
 Verdicts are cached too, so a refused spec costs one compile, however often it is sent; a spec
-over the time limit stays refused even after its compile finishes.
+over the time limit stays refused even after its compile finishes. A compile cannot be stopped once
+it runs, but one still queued when everyone waiting for it has given up is skipped: a burst of slow
+specs costs the worker the one it is running, not the whole queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import re
 import threading
 import time
@@ -23,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xgrammar as xgr
 
 from mmserve.engine.sampling_params import ResponseFormat
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, LimitExceededError
 
 ERROR_BYTES = 256   # what a cached refusal counts against the byte budget
 
@@ -56,6 +59,8 @@ class FormatCompiler:
         self._cache: OrderedDict[str, tuple[xgr.CompiledGrammar | InvalidInputError, int]] = OrderedDict()
         self._bytes = 0
         self._pending: dict[str, Future] = {}
+        self._wanted_until: dict[str, float] = {}   # pending key -> when its last waiter gives up (monotonic)
+        self._running: set[str] = set()
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="format-compile")
         self.compiles = 0   # compiles really run (cache misses), for tests and metrics
@@ -79,16 +84,24 @@ class FormatCompiler:
                 done: Future = Future()
                 _settle(done, hit[0])
                 return done
+            self._wanted_until[key] = max(self._wanted_until.get(key, 0.0), time.monotonic() + self.timeout_s)
             if (pending := self._pending.get(key)) is None:
                 pending = self._pending[key] = self._worker.submit(self._compile, key, fmt)
             return pending
 
     async def check(self, fmt: ResponseFormat) -> None:
         """The front end's check, awaited off the event loop: raises InvalidInputError when the spec
-        is malformed, matches nothing, or does not compile within the time limit."""
+        is malformed, matches nothing, or does not compile within the time limit; LimitExceededError
+        (retryable) when the time ran out before the worker got to it."""
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.submit(fmt))), self.timeout_s)
         except TimeoutError:
+            with self._lock:
+                started = spec_key(fmt) in self._running
+            if not started:
+                raise LimitExceededError(f"the response_format compile worker is busy with other formats: "
+                                         f"{field_name(fmt)} was not compiled within {self.timeout_s:g} s",
+                                         "--grammar-compile-timeout-s", retryable=True) from None
             raise self._too_slow(fmt) from None
 
     def compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
@@ -101,6 +114,11 @@ class FormatCompiler:
     # -- the worker ------------------------------------------------------------------------------
 
     def _compile(self, key: str, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+        with self._lock:
+            if time.monotonic() > self._wanted_until.pop(key, math.inf):   # nobody waits any more
+                del self._pending[key]
+                raise LimitExceededError("skipped: every request waiting for this compile gave up", retryable=True)
+            self._running.add(key)
         start = time.perf_counter()
         try:
             result: xgr.CompiledGrammar | InvalidInputError = self._build(fmt)
@@ -111,11 +129,14 @@ class FormatCompiler:
         except BaseException:
             with self._lock:
                 self._pending.pop(key, None)
+                self._running.discard(key)
             raise
         with self._lock:
             self.compiles += 1
             self._store(key, result)
             self._pending.pop(key, None)
+            self._running.discard(key)
+            self._wanted_until.pop(key, None)   # waiters that came while it ran
         return _unwrap(result)
 
     def _build(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
