@@ -66,6 +66,9 @@ def test_constraint_cut_by_max_tokens_says_so(load_backend):
     ("regex", "(ab", "parenthesis"),
     ("grammar", "root ::= missing", "missing"),
     ("grammar", "root ::= root", "matches nothing"),
+    ("grammar", 'root ::= "a" rest\nrest ::= rest', "matches nothing: rules root, rest can never finish"),
+    ("grammar", 'root ::= "a" rest | "b"\nrest ::= "c" rest', "rule rest can never finish"),
+    ("grammar", 'root ::= "a" x{0,2}\nx ::= [^\\x00-\\U0010FFFF]', "rule x can never finish"),
     ("regex", "[^\\x00-\\U0010FFFF]", "matches nothing"),
 ])
 def test_bad_specs_name_the_field_and_the_problem(load_backend, kind, spec, words):
@@ -101,24 +104,31 @@ def _step_all(llm, requests) -> tuple[dict, dict, list[set]]:
 
 
 def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend):
-    """Two step-mates, one of whose grammars dead-ends after one token, and a third that matches
-    nothing: only those two end, with INVALID_ARGUMENT-kind errors naming no one else; the greedy
-    bystander's tokens are those of its solo run."""
+    """Step-mates: a greedy bystander, a request whose grammar matches nothing (refused when its compile
+    ends) and one whose matcher dead-ends after one token. Fault injection for the last: grammars that
+    can dead-end are refused up front, so its matcher is swapped for one compiled from such a grammar
+    past the checks, as a grammar the checks missed would be. Only the two end, with errors naming
+    no one else; the bystander's tokens are those of its solo run."""
     llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
     bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=8, temperature=0.0)
     alone = llm.generate([bystander])[0].token_ids
-    dead_end = ResponseFormat("grammar", 'root ::= "a" rest\nrest ::= rest')
-    bad = _constrained("bad", 12, dead_end)
+    structured = llm.core.sampler.grammar
+    bad = _constrained("bad", 12, ResponseFormat("regex", "a+"))
     empty = _constrained("empty", 7, ResponseFormat("grammar", "root ::= root"))
-    tokens, errors, steps = _step_all(llm, [bystander, bad, empty])
+    structured.compiler.compile(bad.sampling.response_format)   # cached: admitted at once, so it can be swapped
+    for r in (bystander, bad, empty):
+        llm.add_request(r)
+    structured.add("bad", bad.sampling.response_format,
+                   structured.compiler._xgrammar().compile_grammar('root ::= "a" rest\nrest ::= rest'))
+    tokens, errors, steps = _step_all(llm, [])
     assert set(errors) == {"bad", "empty"}
     assert tokens["bystander"] == alone
     assert isinstance(errors["bad"], InvalidInputError) and "no token can continue" in str(errors["bad"])
     assert isinstance(errors["empty"], InvalidInputError) and "matches nothing" in str(errors["empty"])
     for error in errors.values():
-        assert "bystander" not in str(error) and error.field == "sampling.response_format.grammar"
+        assert "bystander" not in str(error) and error.field.startswith("sampling.response_format.")
     assert any({"bad", "bystander"} <= moved for moved in steps[1:])   # it failed in a step it shared
-    assert not llm.core.sampler.grammar._matchers and not llm.core.requests
+    assert not structured._matchers and not llm.core.requests
 
 
 def test_a_slow_compile_runs_beside_the_step_loop(load_backend):

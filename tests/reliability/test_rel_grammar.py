@@ -1,5 +1,6 @@
-"""Hostile response formats on a real server (#27 findings 1 and 2): a grammar that matches nothing,
-or dead-ends mid-output, ends that request alone with INVALID_ARGUMENT; a schema that takes a while
+"""Hostile response formats on a real server (#27 findings 1 and 2): a grammar that matches nothing
+is refused up front, one that dead-ends mid-output ends that request alone, both INVALID_ARGUMENT;
+a schema that takes a while
 to compile leaves health checks and other streams alone; nesting, size and compile time are bounded
 before they cost anything, each refusal naming its flag.
 
@@ -23,7 +24,6 @@ from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.config import ServerConfig
 
 COMPILE_TIMEOUT_S = 3.0
-DEAD_END = 'root ::= "a" rest\nrest ::= rest'   # passes every check up front, then admits no second token
 
 
 @pytest.fixture(scope="module")
@@ -80,35 +80,72 @@ async def bystanders(stub, tag: str, n: int = 3):
                                   for i in range(n)])
 
 
-def test_grammar_that_matches_nothing_is_refused_and_a_dead_end_fails_alone(server):
-    """The probe: `root ::= root` beside 4 concurrent bystanders. Today it is refused up front; a
-    grammar that dead-ends after one token gets past every up-front check, fails in a step it
-    shares with the bystanders, and ends alone."""
+def test_grammars_that_match_nothing_are_refused_beside_running_bystanders(server):
+    """The probe: `root ::= root` while 4 bystanders stream (it used to fail their step with INTERNAL
+    and its id), and a grammar with a branch that can never finish: both INVALID_ARGUMENT up front,
+    the bystanders end with their idle output."""
     async def scenario():
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             idle = [r.token_ids for r, _ in await bystanders(stub, "idle1", 4)]
-            empty = await read_stream(stub.Generate(request("empty", grammar="root ::= root")))
-            assert empty.code == grpc.StatusCode.INVALID_ARGUMENT and "matches nothing" in empty.details
-            calls = [stub.Generate(request(f"mate-{i}", max_tokens=12, text=f"bystander {i} goes on"))
-                     for i in range(4)]
-            firsts = [await call.read() for call in calls]   # running: the hostile joins their steps
-            after = time.perf_counter()
-            hostile = await read_stream(stub.Generate(request("hostile", grammar=DEAD_END)))
+            calls = [stub.Generate(request(f"mate-{i}", text=f"bystander {i} goes on")) for i in range(4)]
+            firsts = [await call.read() for call in calls]   # all running when the hostile ones arrive
+            hostile = [await read_stream(stub.Generate(request(f"hostile-{k}", grammar=spec)))
+                       for k, spec in enumerate(("root ::= root", 'root ::= "b" | "a" rest\nrest ::= rest'))]
             mates = [await read_stream(call, StreamResult(token_ids=list(first.delta.token_ids)))
                      for call, first in zip(calls, firsts, strict=True)]
-            return idle, hostile, mates, after
+            return idle, hostile, mates
 
-    idle, hostile, mates, after = asyncio.run(scenario())
-    assert hostile.code == grpc.StatusCode.INVALID_ARGUMENT, hostile
-    assert "sampling.response_format.grammar" in hostile.details and "mate" not in hostile.details
-    for mate, alone in zip(mates, idle, strict=True):
-        assert mate.code is None, mate
-        assert mate.token_ids == alone
-    shared = [s for s in list(server.observer.steps) if s.start_perf > after
-              and {"hostile", "mate-0"} <= {i.request_id for i in s.items}]
-    assert shared, "the hostile request never shared a step with the bystanders"
+    idle, hostile, mates = asyncio.run(scenario())
+    for result, words in zip(hostile, ("matches nothing", "rule rest can never finish"), strict=True):
+        assert result.code == grpc.StatusCode.INVALID_ARGUMENT and words in result.details, result
+        assert "sampling.response_format.grammar" in result.details and "mate" not in result.details
+    assert [m.code for m in mates] == [None] * 4 and [m.token_ids for m in mates] == idle
     server.assert_nothing_leaked()
+
+
+class DeadEndFor:
+    """Fault injection on a live engine (its core runs on a thread of this process): request `rid`'s
+    matcher is compiled from a grammar that dead-ends after one token. The up-front checks refuse
+    such grammars, so this stands for one they missed; the isolation it exercises is real."""
+
+    def __init__(self, structured, rid: str) -> None:
+        self.structured, self.rid = structured, rid
+
+    def __call__(self, request_id, fmt, compiled) -> None:
+        if request_id == self.rid:
+            compiled = self.structured.compiler._xgrammar().compile_grammar('root ::= "a" rest\nrest ::= rest')
+        type(self.structured).add(self.structured, request_id, fmt, compiled)
+
+    def __enter__(self) -> DeadEndFor:
+        self.structured.add = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.structured.add
+
+
+def test_a_grammar_that_dead_ends_mid_stream_fails_alone(small_server):
+    """The hostile request's grammar admits no token after its first: it ends INVALID_ARGUMENT in a step
+    it shares with a bystander, which ends with its idle output; no message names the other."""
+    async def scenario():
+        async with grpc.aio.insecure_channel(small_server.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            idle = await read_stream(stub.Generate(request("mate-idle", text="bystander goes on")))
+            call = stub.Generate(request("mate", text="bystander goes on"))
+            first = await call.read()
+            after = time.perf_counter()
+            hostile = await read_stream(stub.Generate(request("hostile", regex="a+")))
+            return idle, hostile, await read_stream(call, StreamResult(token_ids=list(first.delta.token_ids))), after
+
+    with DeadEndFor(small_server.engine.core.sampler.grammar, "hostile"):
+        idle, hostile, mate, after = asyncio.run(scenario())
+    assert hostile.code == grpc.StatusCode.INVALID_ARGUMENT and "no token can continue" in hostile.details, hostile
+    assert "sampling.response_format.regex" in hostile.details and "mate" not in hostile.details
+    assert mate.code is None and mate.token_ids == idle.token_ids
+    assert any({"hostile", "mate"} <= {i.request_id for i in s.items}
+               for s in list(small_server.observer.steps) if s.start_perf > after)
+    small_server.assert_nothing_leaked()
 
 
 async def _health_latencies(ch, until: asyncio.Future) -> list[float]:

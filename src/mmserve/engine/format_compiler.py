@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
+from mmserve.engine.grammar_check import dead_rules
 from mmserve.engine.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError, LimitExceededError
 
@@ -143,16 +144,21 @@ class FormatCompiler:
         compiler = self._xgrammar()
         try:
             if fmt.kind == "json_schema":
-                compiled = compiler.compile_json_schema(fmt.spec, any_whitespace=False, separators=(",", ":"))
+                grammar = xgr.Grammar.from_json_schema(fmt.spec, any_whitespace=False, separators=(",", ":"))
             elif fmt.kind == "regex":
-                compiled = compiler.compile_regex(fmt.spec)
+                grammar = xgr.Grammar.from_regex(fmt.spec)
             else:
-                compiled = compiler.compile_grammar(fmt.spec)
+                grammar = xgr.Grammar.from_ebnf(fmt.spec)
         except (RuntimeError, ValueError) as e:   # xgrammar raises RuntimeError subclasses with the parser's message
             raise InvalidInputError(field_name(fmt), _reason(e)) from None
+        if dead := dead_rules(grammar):
+            raise InvalidInputError(field_name(fmt), f"{'matches nothing: ' if dead[0] == 'root' else ''}"
+                                    f"rule{'s' * (len(dead) > 1)} {', '.join(dead[:5])} can never finish (each alternative needs itself, "
+                                    "another rule that cannot finish, or an empty character class)")
+        compiled = compiler.compile_grammar(grammar)
         if not self._admits_a_token(compiled):
             raise InvalidInputError(field_name(fmt), "matches nothing: no output can satisfy it (not even an empty "
-                                    "one); check for rules that only refer to themselves or empty character classes")
+                                    "one); check for empty character classes")
         return compiled
 
     def _admits_a_token(self, compiled: xgr.CompiledGrammar) -> bool:
