@@ -94,8 +94,9 @@ class FormatCompiler:
         """The front end's check, awaited off the event loop: raises InvalidInputError when the spec
         is malformed, matches nothing, or does not compile within the time limit; LimitExceededError
         (retryable) when the time ran out before the worker got to it."""
+        compiled = asyncio.wrap_future(self.submit(fmt))
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.submit(fmt))), self.timeout_s)
+            await asyncio.wait_for(asyncio.shield(compiled), self.timeout_s)   # shielded: others may wait for it
         except TimeoutError:
             with self._lock:
                 started = spec_key(fmt) in self._running
@@ -104,6 +105,9 @@ class FormatCompiler:
                                          f"{field_name(fmt)} was not compiled within {self.timeout_s:g} s",
                                          "--grammar-compile-timeout-s", retryable=True) from None
             raise self._too_slow(fmt) from None
+        finally:
+            if not compiled.done():   # timed out or cancelled: nobody awaits it now, so no "never retrieved"
+                compiled.add_done_callback(_retrieve)
 
     def compile(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
         """Blocking: wait for `submit`'s result (the offline engine, tests)."""
@@ -189,6 +193,11 @@ class FormatCompiler:
         while self._bytes > self._cache_bytes:
             _, (_, evicted) = self._cache.popitem(last=False)
             self._bytes -= evicted
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _unwrap(result):
