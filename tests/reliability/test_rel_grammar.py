@@ -1,8 +1,9 @@
 """Hostile response formats on a real server (#27 findings 1 and 2): a grammar that matches nothing
 is refused up front, one that dead-ends mid-output ends that request alone, both INVALID_ARGUMENT;
 a schema that takes a while
-to compile leaves health checks and other streams alone; nesting, size and compile time are bounded
-before they cost anything, each refusal naming its flag.
+to compile leaves health checks and other streams alone; nesting and size are bounded before they
+cost anything, each refusal naming its flag (the compile time limit is tested on the compiler itself,
+tests/engine/test_engine_structured_output.py, where a tight limit costs no server).
 
 Bystanders are greedy, so "their usual output" is exact: the tokens of the same request on an idle
 server, measured in the same test, as is the idle TTFT they are held to."""
@@ -23,7 +24,7 @@ from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.config import ServerConfig
 
-COMPILE_TIMEOUT_S = 3.0
+COMPILE_TIMEOUT_S = 10.0   # generous: the slow-but-legal schema below must pass on a loaded machine
 
 
 @pytest.fixture(scope="module")
@@ -206,23 +207,3 @@ def test_nesting_and_size_are_refused_before_compiling(server, kind, spec, flag)
     result = asyncio.run(scenario())
     assert result.code == grpc.StatusCode.INVALID_ARGUMENT and flag in result.details, result
     assert f"sampling.response_format.{kind}" in result.details
-
-
-def test_a_compile_over_the_time_limit_is_refused_naming_its_flag(server):
-    """Last in the module: the refused compile keeps the front end's worker busy until it ends."""
-    spec = flat_schema(1400)
-
-    async def scenario():
-        async with grpc.aio.insecure_channel(server.address) as ch:
-            stub = pb_grpc.GenerationStub(ch)
-            start = time.perf_counter()
-            first = await read_stream(stub.Generate(request("too-slow", json_schema=spec)))
-            waited = time.perf_counter() - start
-            mate = await read_stream(stub.Generate(request("plain-after")))   # the engine is untouched
-            return first, waited, mate
-
-    first, waited, mate = asyncio.run(scenario())
-    assert first.code == grpc.StatusCode.INVALID_ARGUMENT and "--grammar-compile-timeout-s" in first.details, first
-    assert COMPILE_TIMEOUT_S <= waited < COMPILE_TIMEOUT_S + 2, waited
-    assert mate.code is None and len(mate.token_ids) == 12
-    server.assert_nothing_leaked()
