@@ -155,7 +155,7 @@ class EngineCore:
             future = self._compiling.pop(rid)
             request = self.requests[rid]
             try:
-                compiled = future.result()
+                self.sampler.grammar.add(rid, request.sampling_params.response_format, future.result())
             except MMServeError as exc:
                 self._end(rid, CoreOutput(rid, error=exc), outputs)
                 continue
@@ -164,7 +164,6 @@ class EngineCore:
                 self._end(rid, CoreOutput(rid, error=EngineInternalError(
                     f"request {rid}: its response_format failed to compile ({type(exc).__name__})")), outputs)
                 continue
-            self.sampler.grammar.add(rid, request.sampling_params.response_format, compiled)
             self._queue(request)
 
     def abort(self, request_id: str) -> bool:

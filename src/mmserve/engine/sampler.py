@@ -76,15 +76,15 @@ class Sampler:
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
         out = SamplerOutput(tokens.tolist(), [None] * len(params))
-        if masks is not None:
-            rows, _, out.errors = masks
-            live = [i for i in rows if i not in out.errors]
-            refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
-            out.errors.update({live[k]: error for k, error in refused.items()})
         if want_lp:
             for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
                              strict=True):
                 out.logprobs[i] = lp
+        if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
+            rows, _, out.errors = masks
+            live = [i for i in rows if i not in out.errors]
+            refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
+            out.errors.update({live[k]: error for k, error in refused.items()})
         return out
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:
