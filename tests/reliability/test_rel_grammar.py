@@ -83,25 +83,33 @@ async def bystanders(stub, tag: str, n: int = 3):
 
 def test_grammars_that_match_nothing_are_refused_beside_running_bystanders(server):
     """The probe: `root ::= root` while 4 bystanders stream (it used to fail their step with INTERNAL
-    and its id), and a grammar with a branch that can never finish: both INVALID_ARGUMENT up front,
-    the bystanders end with their idle output."""
+    and its id), and a grammar with a branch that can never finish: both INVALID_ARGUMENT up front;
+    the running bystanders end with their idle output, and ones sent with the hostile requests start
+    within 2x their idle TTFT (plus 50 ms for this shared machine's scheduling noise)."""
+    specs = ("root ::= root", 'root ::= "b" | "a" rest\nrest ::= rest')
+
     async def scenario():
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            idle = [r.token_ids for r, _ in await bystanders(stub, "idle1", 4)]
+            idle = await bystanders(stub, "idle1", 4)
             calls = [stub.Generate(request(f"mate-{i}", text=f"bystander {i} goes on")) for i in range(4)]
             firsts = [await call.read() for call in calls]   # all running when the hostile ones arrive
-            hostile = [await read_stream(stub.Generate(request(f"hostile-{k}", grammar=spec)))
-                       for k, spec in enumerate(("root ::= root", 'root ::= "b" | "a" rest\nrest ::= rest'))]
+            hostile = [asyncio.ensure_future(read_stream(stub.Generate(request(f"hostile-{k}", grammar=spec))))
+                       for k, spec in enumerate(specs)]
+            beside = await bystanders(stub, "beside", 4)
             mates = [await read_stream(call, StreamResult(token_ids=list(first.delta.token_ids)))
                      for call, first in zip(calls, firsts, strict=True)]
-            return idle, hostile, mates
+            return idle, [await h for h in hostile], mates, beside
 
-    idle, hostile, mates = asyncio.run(scenario())
+    idle, hostile, mates, beside = asyncio.run(scenario())
     for result, words in zip(hostile, ("matches nothing", "rule rest can never finish"), strict=True):
         assert result.code == grpc.StatusCode.INVALID_ARGUMENT and words in result.details, result
         assert "sampling.response_format.grammar" in result.details and "mate" not in result.details
-    assert [m.code for m in mates] == [None] * 4 and [m.token_ids for m in mates] == idle
+    idle_tokens = [r.token_ids for r, _ in idle]
+    assert [m.code for m in mates] == [None] * 4 and [m.token_ids for m in mates] == idle_tokens
+    assert [r.token_ids for r, _ in beside] == idle_tokens
+    idle_ttft, beside_ttft = statistics.median(t for _, t in idle), statistics.median(t for _, t in beside)
+    assert beside_ttft <= 2 * idle_ttft + 0.05, (beside_ttft, idle_ttft)
     server.assert_nothing_leaked()
 
 
