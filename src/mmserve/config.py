@@ -69,6 +69,10 @@ class EngineConfig:
     max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload", "min": 1})
     max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
+    max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
+    max_pixels_per_request: int = field(default=128 * 2**20, metadata={
+        "help": "pixels over all images and given frame images of a request, from their headers, before any is decoded",
+        "min": 1})
     video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video", "min": 0})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})

@@ -154,7 +154,8 @@ class MMServer:
     async def _load(self) -> None:
         await self.engine.start()
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
-                                                   context_length=self.engine.model_info.context_length)
+                                                   context_length=self.engine.model_info.context_length,
+                                                   workers=self.server_config.worker_threads)
         await self._warm_up(processor)
         self._processor = processor
         await self.health.set_ready()
