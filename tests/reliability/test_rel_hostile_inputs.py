@@ -27,11 +27,12 @@ from mmserve.clients.messages import frames_part, image_part, message, text_part
 
 WORKERS = 2
 MAX_IMAGES = 8
-PIXEL_BUDGET = 64 * 2**20
+PIXEL_BUDGET = 128 * 2**20  # the default
 # Per-request RSS budgets (docs/security.md): text is refused before it is tokenized, so it costs
-# about its own size; given frames are decoded one at a time, so a request holds one full-size frame.
+# about its own size (1 MiB here); given frames are decoded one at a time, so a request holds one
+# full-size frame (3 bytes a pixel: 12 MiB at 2048^2) and its patches; refused images cost nothing.
 TEXT_RSS_BUDGET = 16 * 2**20
-FRAMES_RSS_BUDGET = 48 * 2**20
+FRAMES_RSS_BUDGET = 24 * 2**20
 IMAGES_RSS_BUDGET = 16 * 2**20
 ATTEMPTS = 3  # the machine is shared: a bystander run slowed by someone else's load is retried
 
@@ -122,16 +123,17 @@ def bystander() -> dict:
                 temperature=0)
 
 
-def run_beside(server, hostile_messages, copies: int = 1) -> tuple[list, int, float, float]:
-    """An idle bystander run, then `copies` hostile requests with another bystander right behind them
+def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMPTS) -> tuple[list, int, float, float]:
+    """Idle bystander runs, then `copies` hostile requests with another bystander right behind them
     on one channel, whose output is then compared with the same request run alone. Returns (hostile
     outcomes, peak RSS growth over the RSS before them, idle TTFT, bystander TTFT); retried up to
-    ATTEMPTS times while the bystander misses 2x of idle."""
+    `attempts` times while the bystander misses 2x of idle (1 where only memory is asserted: a rerun
+    reuses memory the first attempt took)."""
     pid = server.proc.pid
 
     async def attempt():
         async with AsyncClient(f"127.0.0.1:{server.port}", timeout=120) as client:
-            idle, _ = await timed_stream(client, **bystander())
+            idle = sorted([(await timed_stream(client, **bystander()))[0] for _ in range(3)])[1]  # the median
             before = reset_peak(pid)
             hostile = [asyncio.ensure_future(outcome(client, hostile_messages)) for _ in range(copies)]
             ask = bystander()
@@ -142,7 +144,7 @@ def run_beside(server, hostile_messages, copies: int = 1) -> tuple[list, int, fl
         assert got == alone, "the bystander's output changed beside the hostile request"
         return errors, growth, idle, beside
 
-    for _ in range(ATTEMPTS):
+    for _ in range(attempts):
         errors, growth, idle, beside = asyncio.run(attempt())
         print(f"idle TTFT {idle * 1e3:.0f} ms, beside {beside * 1e3:.0f} ms, RSS growth {growth / 2**20:.1f} MiB")
         if beside <= 2 * idle:
@@ -166,20 +168,20 @@ def test_given_frames_are_decoded_one_at_a_time(server):
     concurrent requests holds about one decoded frame, not all eight."""
     frame = blank_png(2048)
     frames = [message("user", frames_part([frame] * 8, fps=1.0), text_part("Describe the video."))]
-    errors, growth, idle, beside = run_beside(server, frames, copies=3)
+    errors, growth, _, _ = run_beside(server, frames, copies=3, attempts=1)
     assert errors == [None, None, None]
     assert growth / 3 <= FRAMES_RSS_BUDGET, f"{growth / 3 / 2**20:.0f} MiB per request"
 
 
 def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
-    """Finding 4: 8 frames of 4096^2 = 128 Mi pixels, over the 64 Mi budget: refused before any decode."""
-    frames = [message("user", frames_part([blank_png(4096)] * 8, fps=1.0), text_part("Describe the video."))]
-    errors, growth, idle, beside = run_beside(server, frames, copies=2)
+    """Finding 4: 9 frames of 4096^2 = 144 Mi pixels, over the 128 Mi budget: refused before any decode."""
+    frames = [message("user", frames_part([blank_png(4096)] * 9, fps=1.0), text_part("Describe the video."))]
+    errors, growth, idle, beside = run_beside(server, frames)
     for e in errors:
         assert e is not None and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
         assert "--max-pixels-per-request" in e.message, e.message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth / 2 <= IMAGES_RSS_BUDGET, f"{growth / 2 / 2**20:.0f} MiB per request"
+    assert growth <= IMAGES_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
 
 
 def test_too_many_images_are_refused_before_decoding(server):
@@ -193,9 +195,9 @@ def test_too_many_images_are_refused_before_decoding(server):
 
 
 def test_one_request_cannot_take_every_decode_worker(server):
-    """Finding 5, fairness: 8 slow images (2896^2 each, within the pixel budget, their pixel data cut
+    """Finding 5, fairness: 8 slow images (4096^2 each, within the pixel budget, their pixel data cut
     short so each fails only at its end) hold one worker; the bystander's image gets the other at once."""
-    slow = blank_png(2896, rows_kept=0.97)
+    slow = blank_png(4096, rows_kept=0.97)
     images = [message("user", *[image_part(slow) for _ in range(MAX_IMAGES)], text_part("Compare them."))]
     errors, _, idle, beside = run_beside(server, images)
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
