@@ -26,8 +26,8 @@ from mmserve.clients import AsyncClient, ClientError
 from mmserve.clients.messages import frames_part, image_part, message, text_part
 
 WORKERS = 2
-MAX_IMAGES = 8
-PIXEL_BUDGET = 128 * 2**20  # the default
+MAX_IMAGES = 16
+PIXEL_BUDGET = 256 * 2**20  # room for MAX_IMAGES images of 4096^2
 # Per-request RSS budgets (docs/security.md): text is refused before it is tokenized, so it costs
 # about its own size (1 MiB here); given frames are decoded one at a time, so a request holds one
 # full-size frame (3 bytes a pixel: 12 MiB at 2048^2) and its patches; refused images cost nothing.
@@ -123,12 +123,14 @@ def bystander() -> dict:
                 temperature=0)
 
 
-def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMPTS) -> tuple[list, int, float, float]:
+def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMPTS,
+               decoding_from_rss: int = 0) -> tuple[list, int, float, float]:
     """Idle bystander runs, then `copies` hostile requests with another bystander right behind them
     on one channel, whose output is then compared with the same request run alone. Returns (hostile
     outcomes, peak RSS growth over the RSS before them, idle TTFT, bystander TTFT); retried up to
     `attempts` times while the bystander misses 2x of idle (1 where only memory is asserted: a rerun
-    reuses memory the first attempt took)."""
+    reuses memory the first attempt took). `decoding_from_rss`: start the bystander only once the
+    server's RSS grew that much (the hostile request is being decoded, as in the probe)."""
     pid = server.proc.pid
 
     async def attempt():
@@ -136,6 +138,10 @@ def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMP
             idle = sorted([(await timed_stream(client, **bystander()))[0] for _ in range(3)])[1]  # the median
             before = reset_peak(pid)
             hostile = [asyncio.ensure_future(outcome(client, hostile_messages)) for _ in range(copies)]
+            deadline = time.monotonic() + 30
+            while decoding_from_rss and rss(pid, "VmRSS") - before < decoding_from_rss:
+                assert time.monotonic() < deadline and not all(h.done() for h in hostile), "no decode seen"
+                await asyncio.sleep(0.005)
             ask = bystander()
             beside, got = await timed_stream(client, **ask)
             errors = await asyncio.gather(*hostile)
@@ -174,8 +180,8 @@ def test_given_frames_are_decoded_one_at_a_time(server):
 
 
 def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
-    """Finding 4: 9 frames of 4096^2 = 144 Mi pixels, over the 128 Mi budget: refused before any decode."""
-    frames = [message("user", frames_part([blank_png(4096)] * 9, fps=1.0), text_part("Describe the video."))]
+    """Finding 4: 17 frames of 4096^2 = 272 Mi pixels, over the 256 Mi budget: refused before any decode."""
+    frames = [message("user", frames_part([blank_png(4096)] * 17, fps=1.0), text_part("Describe the video."))]
     errors, growth, idle, beside = run_beside(server, frames)
     for e in errors:
         assert e is not None and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED, e
@@ -195,12 +201,14 @@ def test_too_many_images_are_refused_before_decoding(server):
 
 
 def test_one_request_cannot_take_every_decode_worker(server):
-    """Finding 5, fairness: 8 slow images (4096^2 each, within the pixel budget, their pixel data cut
-    short so each fails only at its end) hold one worker; the bystander's image gets the other at once."""
-    slow = blank_png(4096, rows_kept=0.97)
-    images = [message("user", *[image_part(slow) for _ in range(MAX_IMAGES)], text_part("Compare them."))]
-    errors, _, idle, beside = run_beside(server, images)
+    """Finding 5, fairness: 16 large images (4096^2 each, within the pixel budget; the last one's
+    pixel data cut short, so the request fails only after all are decoded and never reaches the
+    engine) hold one worker; the bystander's image gets the other at once."""
+    slow = [blank_png(4096)] * (MAX_IMAGES - 1) + [blank_png(4096, rows_kept=0.97)]
+    images = [message("user", *[image_part(data) for data in slow], text_part("Compare them."))]
+    errors, _, idle, beside = run_beside(server, images, decoding_from_rss=32 * 2**20)  # one image: 48 MiB
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
+    assert f"parts[{MAX_IMAGES - 1}].image" in errors[0].message, errors[0].message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
 
 

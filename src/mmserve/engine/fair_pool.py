@@ -4,17 +4,39 @@ A thread pool serves jobs first come, first served: a request with 300 images qu
 and every later request waits behind all of them. Here a job first waits for a slot, and slots go
 round-robin over the requests that are waiting, one job each; no request holds more than
 `workers - 1` slots, so while there are two workers a newcomer's first job starts at once.
+
+Jobs run at a lower CPU priority (nice +WORKER_NICENESS on their thread): decoding is bulk work,
+and the event loop (health, every stream) and the engine process must win the cores from it, or
+one request's decode slows every other request's tokens where cores are few.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import os
+import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
 from typing import TypeVar
 
 T = TypeVar("T")
+WORKER_NICENESS = 10
+_lowered = threading.local()
+
+
+def _in_background(fn: Callable[[], T]) -> T:
+    """Run `fn` with this worker thread's CPU priority lowered (once per thread; Linux nice is per
+    thread, and raising it needs no privilege)."""
+    if not getattr(_lowered, "done", False):
+        _lowered.done = True
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), WORKER_NICENESS))
+        except (AttributeError, OSError):  # no per-thread priorities here: run at the normal one
+            pass
+    return fn()
 
 
 class FairPool:
@@ -33,7 +55,7 @@ class FairPool:
         return await asyncio.shield(self._start(owner, fn))
 
     def _start(self, owner: Hashable, fn: Callable[[], T]) -> asyncio.Future:
-        future = asyncio.get_running_loop().run_in_executor(self.executor, fn)
+        future = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(_in_background, fn))
         future.add_done_callback(lambda _: self._release(owner))
         return future
 
