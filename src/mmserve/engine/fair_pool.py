@@ -55,7 +55,11 @@ class FairPool:
         return await asyncio.shield(self._start(owner, fn))
 
     def _start(self, owner: Hashable, fn: Callable[[], T]) -> asyncio.Future:
-        future = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(_in_background, fn))
+        try:
+            future = asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(_in_background, fn))
+        except BaseException:  # the executor is shut down: give the slot back
+            self._release(owner)
+            raise
         future.add_done_callback(lambda _: self._release(owner))
         return future
 
