@@ -1,10 +1,12 @@
 """Hostile inputs (issue #27, findings 3, 4, 5, 10) against one real `mmserve serve` process.
 
-Each test sends the probe's request scaled down, beside a bystander: a normal stream on the same
-channel (so the server sees the hostile request first) that must finish with its usual tokens and a
-TTFT within 2x of an idle run measured in the same test. Memory is the serving process's peak RSS
+Each test sends the probe's request scaled down, beside a bystander: a normal stream sent right
+after it on the same channel (the fairness test waits until the server's RSS shows the hostile
+decode running, as in the probe) that must finish with its usual tokens and, where the hostile
+request is refused, a TTFT within 2x of an idle run measured in the same test (a hostile request
+that is served shares the engine with it by design). Memory is the serving process's peak RSS
 (VmHWM, reset before the hostile requests) over its RSS before them, per hostile request, against
-the per-request budgets docs/security.md states.
+the per-request budgets docs/security.md states. On the code before the fix every test here fails.
 """
 
 from __future__ import annotations
@@ -161,12 +163,12 @@ def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMP
 def test_an_oversize_word_is_refused_before_tokenizing(server):
     """Finding 3, scaled from 4 MB to 1 MB: one word far beyond the 1024-token context."""
     word = "triangle" * (2**20 // 8)
-    errors, growth, idle, beside = run_beside(server, [message("user", text_part(word))], copies=3)
+    errors, growth, idle, beside = run_beside(server, [message("user", text_part(word))])
     for e in errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "at least" in e.message and "context length is 1024" in e.message, e.message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth / 3 <= TEXT_RSS_BUDGET, f"{growth / 3 / 2**20:.0f} MiB per request"
+    assert growth <= TEXT_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
 
 
 def test_given_frames_are_decoded_one_at_a_time(server):
@@ -191,8 +193,8 @@ def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
 
 
 def test_too_many_images_are_refused_before_decoding(server):
-    """Finding 5, scaled from 300 to 40 images of 4096^2 pixels: refused by count, nothing decoded."""
-    images = [message("user", *[image_part(blank_png(4096)) for _ in range(40)], text_part("Compare them."))]
+    """Finding 5, scaled from 300 images of 4096^2 pixels to 40 of 2048^2: refused by count, nothing decoded."""
+    images = [message("user", *[image_part(blank_png(2048)) for _ in range(40)], text_part("Compare them."))]
     errors, growth, idle, beside = run_beside(server, images)
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
     assert "--max-images-per-request" in errors[0].message
