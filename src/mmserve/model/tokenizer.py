@@ -18,9 +18,10 @@ from mmserve.errors import MMServeError
 class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self._tok = tokenizer
-        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        spec = tokenizer.to_str()  # tens of MB for a 262k vocabulary: serialised once
+        self._plain = Tokenizer.from_str(spec)
         self._plain.encode_special_tokens = True
-        self.max_chars_per_token = max_chars_per_token(json.loads(tokenizer.to_str()))
+        self.max_chars_per_token = max_chars_per_token(json.loads(spec))
 
     def min_tokens(self, num_chars: int) -> int:
         """A lower bound on the tokens `num_chars` characters of text become, known without tokenizing
