@@ -194,3 +194,41 @@ def test_given_frames_decode_one_at_a_time_to_the_same_patches(tiny_checkpoint, 
     for k, item in enumerate(request.mm_inputs):
         assert torch.equal(item.pixel_values, want.pixel_values[k])
         assert torch.equal(item.position_ids, want.position_ids[k])
+
+
+def test_cancelling_a_request_stops_decoding_its_frames(tiny_checkpoint, monkeypatch):
+    """A client cancel (or deadline) ends the request while its frames decode: the worker stops at
+    the next frame instead of decoding them all. The spy only counts calls to the real decoder."""
+    import threading
+    import time
+
+    from mmserve.engine import input_processor
+
+    calls, first = [], threading.Event()
+    real = input_processor.decode_image
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        first.set()
+        time.sleep(0.02)  # a frame takes a while
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(input_processor, "decode_image", counting)
+    frame, _ = _png(np.random.default_rng(0), 32, 32)
+
+    async def main(pool):
+        processor = _processor(tiny_checkpoint, pool, context_length=1 << 16)
+        task = asyncio.ensure_future(processor.process(
+            "r1", [InputMessage("user", (VideoInput(frames=(frame,) * 60),))], SamplingParams(max_tokens=4)))
+        deadline = time.monotonic() + 30
+        while not first.is_set():
+            assert time.monotonic() < deadline and not task.done(), task
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.get_running_loop().run_in_executor(pool, lambda: None)  # the only worker is free again
+
+    with ThreadPoolExecutor(1) as pool:
+        asyncio.run(main(pool))
+    assert len(calls) < 30, f"{len(calls)} of 60 frames decoded after the cancel"
