@@ -51,6 +51,12 @@ class EngineConfig:
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
+    backend_self_check: str = field(default="auto", metadata={
+        "help": "at start-up, run each selected fa4/flex attention kernel (and the decode CUDA graphs) once "
+                "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})
+    strict_backends: bool = field(default=False, metadata={
+        "help": "a backend failing the start-up self-check fails the start instead of falling back "
+                "(CI on GPUs, bench/gpu_check.py)"})
     # Process layout (docs/deploy.md: threads, crash and restart).
     engine_process: bool = field(default=True, metadata={
         "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})

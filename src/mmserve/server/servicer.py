@@ -240,7 +240,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
             attention_backend=info.backend, dtype=info.dtype,
             peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
-                                 source=peaks.source, spread=peaks.spread) if peaks else None)
+                                 source=peaks.source, spread=peaks.spread) if peaks else None,
+            backend_checks=[pb.BackendCheck(component=c.component, selected=c.selected, running=c.running,
+                                            reason=c.reason) for c in info.backend_checks])
         self._media.describe(model_info)
         return model_info
 
