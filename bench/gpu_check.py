@@ -451,7 +451,8 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
     """Each request's greedy tokens, and whether decode graphs were on and how many steps replayed one."""
     from mmserve.engine.llm import LLM
 
-    llm = LLM(model=str(DEMO_MODEL_DIR), device=device, max_num_seqs=len(requests), **options)
+    # strict: a kernel failing the start-up self-check must fail the section, not be measured as its fallback
+    llm = LLM(model=str(DEMO_MODEL_DIR), device=device, max_num_seqs=len(requests), strict_backends=True, **options)
     tokens = [c.token_ids for c in llm.generate(requests)]
     graphs = graph_use(llm)
     del llm
@@ -552,7 +553,7 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
 
     batch, prompt = prompts.shape
     options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
-                   max_model_len=prompt + max_tokens + 16)
+                   max_model_len=prompt + max_tokens + 16, strict_backends=True)
     if device == "cuda":
         options["kv_cache_bytes"] = 16 * 2**30
     llm = LLM(model=str(model_dir), **options)
