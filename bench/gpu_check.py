@@ -16,7 +16,9 @@
              against its plain sliding path on the same step.
 5. fallback  head dim 512: flex against gather + SDPA on 64 decodes and one prefill chunk: K/V bytes
              and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
-6. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
+6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
+             at the serving model's dimensions, against the weight-read floor (bytes / 4.3 TB/s).
+7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
              prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
 
 Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
@@ -81,6 +83,8 @@ class Sizes:
     serving_prompt: int
     serving_batch: int
     serving_tokens: int
+    decode_batches: tuple[int, ...]   # the decode section's batch sizes
+    decode_steps: int                 # timed decode steps per batch size
     repeats: int
 
 
@@ -88,11 +92,12 @@ GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirec
             full=LayerAttentionSpec(FULL, 16, 1, 512, window=None, bidirectional=False),
             frame_tokens=70, chunk=2048, frame_counts=FRAME_COUNTS, token_requests=8, token_frames=8,
             max_tokens=24, serving_model="12b_unified", serving_prompt=1024, serving_batch=16, serving_tokens=64,
-            repeats=20)
+            decode_batches=(1, 16, 64), decode_steps=16, repeats=20)
 SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirectional=True),
               full=LayerAttentionSpec(FULL, 4, 1, 64, window=None, bidirectional=False),
               frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
-              serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4, repeats=1)
+              serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4,
+              decode_batches=(2,), decode_steps=2, repeats=1)
 
 
 # --- shared helpers -----------------------------------------------------------------------------
@@ -505,6 +510,21 @@ def tokens(sizes: Sizes, device: str) -> dict:
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
 
+def serving_checkpoint(sizes: Sizes, device: str) -> tuple[Path, float]:
+    """(checkpoint, seconds spent building it): the demo model on the smoke run, else random weights
+    at the family member's dimensions, written once per machine and shared by decode and serving."""
+    if sizes.serving_model is None:
+        return DEMO_MODEL_DIR, 0.0
+    out_dir = Path(tempfile.gettempdir()) / f"gpu_check_{sizes.serving_model}"
+    if (out_dir / "complete").exists():
+        return out_dir, 0.0
+    start = time.perf_counter()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    random_checkpoint(sizes.serving_model, out_dir, device)
+    (out_dir / "complete").touch()
+    return out_dir, time.perf_counter() - start
+
+
 def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
     """Random bf16 weights at a family member's published dimensions (tests/fixtures/gemma4_family)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -572,38 +592,99 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
 
 
 def serving(sizes: Sizes, device: str) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
-    try:
-        start = time.perf_counter()
-        # The smoke run serves the demo checkpoint itself.
-        model_dir = DEMO_MODEL_DIR if sizes.serving_model is None else random_checkpoint(sizes.serving_model,
-                                                                                          workdir, device)
-        build_s = time.perf_counter() - start
-        from mmserve.model.spec import load_spec
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    from mmserve.model.spec import load_spec
 
-        spec = load_spec(model_dir)
-        gen = torch.Generator().manual_seed(1)
-        prompt = torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size, (sizes.serving_prompt,), generator=gen)
-        prompt[0] = spec.bos_token_id
-        prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
-        hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
-        ours_s, our_tokens, graphs = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
-        total = sizes.serving_batch * sizes.serving_tokens
-        agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
-        return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
-                "prompt_tokens": sizes.serving_prompt, "output_tokens": sizes.serving_tokens,
-                "checkpoint_build_s": build_s, "hf_tok_s": total / hf_s, "mmserve_tok_s": total / ours_s,
-                "speedup": hf_s / ours_s, "greedy_agreement": agree / total, "graphs": graphs,
-                "ok": graphs_ran(graphs, device)}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    spec = load_spec(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size, (sizes.serving_prompt,), generator=gen)
+    prompt[0] = spec.bos_token_id
+    prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
+    hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
+    ours_s, our_tokens, graphs = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
+    total = sizes.serving_batch * sizes.serving_tokens
+    agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
+    return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
+            "prompt_tokens": sizes.serving_prompt, "output_tokens": sizes.serving_tokens,
+            "checkpoint_build_s": build_s, "hf_tok_s": total / hf_s, "mmserve_tok_s": total / ours_s,
+            "speedup": hf_s / ours_s, "greedy_agreement": agree / total, "graphs": graphs,
+            "ok": graphs_ran(graphs, device)}
+
+
+# --- 5b. decode: one decode step, graphs against eager, against the weight-read floor -----------------
+
+H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
+
+
+def decode(sizes: Sizes, device: str) -> dict:
+    """Decode step time at each batch size with CUDA graphs (the default) and with --enforce-eager,
+    at the serving model's dimensions: a step reads every weight once, so weight bytes over the
+    H200's copy bandwidth is the floor no version beats (KV reads add a little at 128 tokens)."""
+    from mmserve.engine.llm import LLM
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    prompt_len = 128 if device == "cuda" else 16
+    rows, weight_bytes, use = [], 0, {}
+    for eager in (False, True) if device == "cuda" else (False,):   # CPU steps are eager either way
+        options = dict(device=device, max_num_seqs=max(sizes.decode_batches), enforce_eager=eager,
+                       max_model_len=prompt_len + sizes.decode_steps + 16, strict_backends=True)
+        if device == "cuda":
+            options["kv_cache_bytes"] = 8 * 2**30
+        llm = LLM(model=str(model_dir), **options)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+        for batch in sizes.decode_batches:
+            rows.append({"batch": batch, "graphs": not eager,
+                         "step_ms": decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)})
+        use["eager" if eager else "graphs"] = graph_use(llm)
+        del llm
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    floor_ms = weight_bytes / H200_BANDWIDTH * 1e3
+    for row in rows:
+        row["weight_floor_ms"] = floor_ms
+        row["over_floor"] = row["step_ms"] / floor_ms
+    return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
+            "graph_use": use, "rows": rows, "ok": graphs_ran(use["graphs"], device)}
+
+
+def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) -> float:
+    """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
+    on the host, so its wall time is its latency), after their prefill and two warm steps."""
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.engine.types import EngineRequest
+
+    vocab = llm.core.model.spec.vocab_size
+    sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    gen = torch.Generator().manual_seed(batch)
+    for rid in ids:
+        prompt = torch.randint(min(1000, vocab // 2), vocab, (prompt_len,), generator=gen).tolist()
+        llm.add_request(EngineRequest(rid, prompt, sampling=sampling))
+    produced: dict[str, int] = dict.fromkeys(ids, 0)
+
+    def step() -> None:
+        for rid, item in llm.step():
+            if isinstance(item, BaseException):
+                raise item
+            produced[rid] += len(item.new_token_ids)
+    while min(produced.values()) < 3:   # prefill done, and two decode steps to warm up
+        step()
+    samples = []
+    for _ in range(steps):
+        synchronize(device)
+        begin = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - begin) * 1e3)
+    while llm.has_work:   # let them finish, so the next batch size starts on an empty engine
+        step()
+    return _median(samples)
 
 
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "compiles": compiles, "tiles": tiles, "fallback": fallback,
-    "serving": serving}
+    "decode": decode, "serving": serving}
 
 
 def machine(device: str) -> dict:
