@@ -350,11 +350,12 @@ def tiles(sizes: Sizes, device: str) -> dict:
 
 def fallback(sizes: Sizes, device: str) -> dict:
     """Full-layer (head dim 512) decode and prefill steps, flex against SDPA over a padded gather:
-    the K/V bytes each kernel reads and the (query row, key) pairs it computes, counted from the
-    plans the two builders really make for the step (flex: every (query block, head row) program
-    reads each block its block mask lists; SDPA: each group's gathered blocks, read from the cache,
-    written as a copy and read again), the per-step metadata build (flex's block mask, outside any
-    graph), and on a GPU the kernel times and GB/s."""
+    the K/V bytes each kernel asks for (L2 hits included: a prefill chunk's K/V may fit the 60 MB
+    L2, a 64-request decode's does not) and the (query row, key) pairs it computes, counted from
+    the plans the two builders really make for the step (flex: every (query block, KV head)
+    program reads each block its block mask lists; SDPA: each group's gathered blocks, read from
+    the cache and written as a copy, then read once per query tile), the per-step metadata build
+    (flex's block mask, outside any graph), and on a GPU the kernel times and GB/s."""
     from mmserve.attention import create_builder, create_impl
     from mmserve.attention.synthetic import Req, make_batch, pool_for
 
@@ -393,6 +394,28 @@ def fallback(sizes: Sizes, device: str) -> dict:
     return {"rows": rows}
 
 
+def fallback_plans() -> list[dict]:
+    """The fallback section's K/V byte counts at GPU shapes from the builders' plans alone (no
+    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16."""
+    from mmserve.attention import create_builder
+    from mmserve.attention.synthetic import Req, make_batch, pool_for
+
+    rows = []
+    for model, heads in (("12b", 16), ("e2b", 8)):
+        spec = replace(GPU.full, num_heads=heads, num_kv_heads=1)
+        block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * 2
+        for name, reqs in {"decode_64": [Req(2048 + 37 * i, 1) for i in range(64)],
+                           "prefill_chunk": [Req(4096, GPU.chunk)]}.items():
+            batch = make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs))
+            row = {"model": model, "step": name, "needed_kv_bytes": sum(-(-r.seq_len // 16) for r in reqs) * block_bytes}
+            for backend, work in (("flex", flex_work), ("sdpa", sdpa_work)):
+                md = create_builder(backend, pool_for(batch, spec)).build(batch.metadata)
+                row[f"{backend}_kv_bytes"] = work(md, spec, block_bytes)[0]
+                row[f"{backend}_over_needed"] = row[f"{backend}_kv_bytes"] / row["needed_kv_bytes"]
+            rows.append(row)
+    return rows
+
+
 def causal_pairs(reqs) -> int:
     """(query, key) pairs a full layer keeps: each query sees the keys up to its own position."""
     return sum(r.query * (r.context + 1) + r.query * (r.query - 1) // 2 for r in reqs)
@@ -410,13 +433,18 @@ def flex_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]
     return heads * listed * per_head_block, heads * listed * Q_BLOCK * 16
 
 
+SDPA_QUERY_TILE = 64   # query rows per program of SDPA's memory-efficient kernel (assumed; head dim 512)
+
+
 def sdpa_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]:
     """(K/V bytes, pairs) of gather + SDPA: each group gathers R x num_blocks blocks (read from the
-    cache, written as a padded copy, read by the kernel) and computes every padded pair."""
+    cache, written as a padded copy), and the kernel reads a request's copy once per tile of
+    SDPA_QUERY_TILE packed query rows (g rows per query); every padded pair is computed."""
     g = spec.num_heads // spec.num_kv_heads
-    blocks = sum(grp.num_reqs * grp.num_blocks for grp in md.groups)
+    gathered = sum(grp.num_reqs * grp.num_blocks for grp in md.groups) * block_bytes
+    kernel = sum(grp.num_reqs * grp.num_blocks * -(-grp.q_len * g // SDPA_QUERY_TILE) for grp in md.groups)
     pairs = sum(grp.num_reqs * grp.q_len * g * grp.num_blocks * 16 for grp in md.groups) * spec.num_kv_heads
-    return 3 * blocks * block_bytes, pairs
+    return 2 * gathered + kernel * block_bytes, pairs
 
 
 def host_time(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -745,7 +773,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serving-model", default=GPU.serving_model, choices=["12b_unified", "e4b"],
                    help="family member whose dimensions the serving section's random checkpoint has")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--fallback-plans", action="store_true",
+                   help="print the fallback section's K/V byte counts at GPU shapes (plans only, any machine)")
     args = p.parse_args(argv)
+    if args.fallback_plans:
+        for row in fallback_plans():
+            print("  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         print("bench/gpu_check.py measures the GPU path and needs a CUDA GPU (H100/H200/B200); none here, "
               "so nothing was run or written. Use --smoke for the CPU plumbing check.")
