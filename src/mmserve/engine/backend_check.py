@@ -70,8 +70,10 @@ def check_attention(model, pools: dict[str, PoolConfig], kv_caches: list[torch.T
     for layer_type, selected in list(model.attention_backends.items()):
         if selected not in FALLBACK or layer_type not in pools:
             continue
-        cache = next(kv_caches[i] for i, layer in enumerate(model.spec.layers)
-                     if layer.layer_type == layer_type and not layer.shares_kv)
+        cache = next((kv_caches[i] for i, layer in enumerate(model.spec.layers)
+                      if layer.layer_type == layer_type and not layer.shares_kv), None)
+        if cache is None:   # every layer of the type reads another's cache: nothing of its own to check on
+            continue
         running, reasons = selected, []
         while running in FALLBACK:
             reason = attention_mismatch(running, pools[layer_type], cache)
