@@ -61,8 +61,13 @@ def on_device(site: Path) -> int:
 
 
 def python312() -> str | None:
-    return os.environ.get("GPU_LEASE_PY312") or shutil.which("python3.12") or next(
-        (str(p) for p in sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), None)
+    """A Python 3.12 that runs (a pyenv shim on the PATH may not)."""
+    candidates = [os.environ.get("GPU_LEASE_PY312"), *map(str, sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))),
+                  shutil.which("python3.12")]
+    for candidate in filter(None, candidates):
+        if subprocess.run([candidate, "--version"], capture_output=True).returncode == 0:
+            return candidate
+    return None
 
 
 def dry_run(site: Path) -> int:
@@ -86,7 +91,7 @@ def dry_run(site: Path) -> int:
         for name in PURE_FA4:
             (Path(tmp) / name).symlink_to(site / name)
         env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{tmp}", MMSERVE_REQUIRE_FA4_CHECK="1")
-        where = subprocess.run([sys.executable, "-c", "import flash_attn, quack; print(flash_attn.__file__)"],
+        where = subprocess.run([sys.executable, "-c", "import flash_attn.cute, quack; print(flash_attn.cute.__file__)"],
                                env=env, capture_output=True, text=True, timeout=120).stdout.strip()
         print(f"FA4 sources from {where}")
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
