@@ -71,7 +71,7 @@ prometheus: setup setup-prometheus
 	$(BIN)/python scripts/local_prometheus.py --target $(HOST):$(METRICS_PORT) --port $(PROMETHEUS_PORT)
 
 # The packages a lent GPU machine lacks, as parts under 48 MiB for the lease's calls (scripts/gpu_lease/,
-# docs/benchmarks.md): ~150 MB of wheels downloaded once into .gpu_bundle/ (git-ignored).
+# docs/benchmarks.md): ~157 MB of wheels downloaded once into .gpu_bundle/ (git-ignored).
 .PHONY: gpu-bundle
 gpu-bundle: setup
 	$(BIN)/python scripts/gpu_lease/bundle.py --out .gpu_bundle
