@@ -70,5 +70,11 @@ prometheus-for-tests:
 prometheus: setup setup-prometheus
 	$(BIN)/python scripts/local_prometheus.py --target $(HOST):$(METRICS_PORT) --port $(PROMETHEUS_PORT)
 
+# The packages a lent GPU machine lacks, as parts under 48 MiB for the lease's calls (scripts/gpu_lease/,
+# docs/benchmarks.md): ~157 MB of wheels downloaded once into .gpu_bundle/ (git-ignored).
+.PHONY: gpu-bundle
+gpu-bundle: setup
+	$(BIN)/python scripts/gpu_lease/bundle.py --out .gpu_bundle
+
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

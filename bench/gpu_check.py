@@ -1,4 +1,4 @@
-"""The GPU path's one check (issue 19): run it on one H100, H200 or B200; it takes under 8 minutes.
+"""The GPU path's one check (issues 19, 28): run it on one H100, H200 or B200, section by section.
 
 1. parity    FA4 (sliding layers, head dim 256) and the batched fallback (full layers, head dim 512)
              against the dense float32 reference on random paged steps with frames shorter and
@@ -7,17 +7,29 @@
              change exactly the rows the reference says the frames change.
 2. tokens    the demo checkpoint end to end on video requests, greedy: FA4 and SDPA in bf16, each
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
-             points), and CUDA graphs against --enforce-eager (identical tokens).
+             points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
+             have been enabled and replayed: a failed capture runs eagerly and would pass vacuously).
 3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
-             new kernel after the first step of each kind).
+             new kernel after the first step of each kind); caches sized from each step.
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
              work, at 1..64 frames (target: <= 1.3x the minimum at 64 frames); FA4 time with frames
              against its plain sliding path on the same step.
-5. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
-             prompts, random weights at Gemma 4 12B (default) or E4B dimensions.
+5. fallback  head dim 512: flex against gather + SDPA on 64 decodes and one prefill chunk: K/V bytes
+             and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
+6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
+             at the serving model's dimensions, against the weight-read floor (bytes / 4.3 TB/s).
+7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
+             prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
 
-    python bench/gpu_check.py            # on the GPU machine: bench/results/gpu_check.json
-    python bench/gpu_check.py --smoke    # CPU: the same plumbing on tiny shapes, JSON to a temp file
+Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
+when a call cannot be captured), median of repeats; one call's own event time minus that is
+reported as its host overhead (`*_host_ms`). The report is rewritten after every section, so a run
+killed at its time limit keeps the sections it finished; `--only` runs some sections alone
+(scripts/gpu_lease/ runs them in the lease's calls).
+
+    python bench/gpu_check.py                       # on the GPU machine: bench/results/gpu_check.json
+    python bench/gpu_check.py --only parity tiles --out /tmp/a.json
+    python bench/gpu_check.py --smoke               # CPU: the same plumbing on tiny shapes, JSON to a temp file
 
 Without CUDA the full run prints that it needs a GPU and exits 0, writing nothing.
 """
@@ -71,6 +83,8 @@ class Sizes:
     serving_prompt: int
     serving_batch: int
     serving_tokens: int
+    decode_batches: tuple[int, ...]   # the decode section's batch sizes
+    decode_steps: int                 # timed decode steps per batch size
     repeats: int
 
 
@@ -78,11 +92,12 @@ GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirec
             full=LayerAttentionSpec(FULL, 16, 1, 512, window=None, bidirectional=False),
             frame_tokens=70, chunk=2048, frame_counts=FRAME_COUNTS, token_requests=8, token_frames=8,
             max_tokens=24, serving_model="12b_unified", serving_prompt=1024, serving_batch=16, serving_tokens=64,
-            repeats=20)
+            decode_batches=(1, 16, 64), decode_steps=16, repeats=20)
 SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirectional=True),
               full=LayerAttentionSpec(FULL, 4, 1, 64, window=None, bidirectional=False),
               frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
-              serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4, repeats=1)
+              serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4,
+              decode_batches=(2,), decode_steps=2, repeats=1)
 
 
 # --- shared helpers -----------------------------------------------------------------------------
@@ -92,23 +107,58 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_ms(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median ms of `repeats` calls after one warm-up (CUDA events on a GPU)."""
+GRAPH_CALLS = 20   # calls captured into one graph (or issued back to back) per timed sample
+
+
+def device_time(fn: Callable[[], object], device: str, repeats: int) -> dict:
+    """Per-call time of `fn` without its host cost, and that host cost apart (median of `repeats`).
+
+    One call between two events also times its Python and launch work (FA4 b36's wrapper alone is
+    ~90 us, more than a decode kernel), so on a GPU the kernel time comes from replays of a CUDA
+    graph of GRAPH_CALLS calls, or, when `fn` cannot be captured, from GRAPH_CALLS back-to-back
+    calls between two events (host-bound if each call's host work outlasts its kernels: `method`
+    says which). `host_ms`: one call's event time minus the kernel time. On a CPU: the host clock."""
     fn()
     synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
+    if device != "cuda":
+        samples = []
+        for _ in range(repeats):
             begin = time.perf_counter()
             fn()
             samples.append((time.perf_counter() - begin) * 1e3)
+        return {"ms": _median(samples), "method": "host clock"}
+
+    def events(run: Callable[[], object], calls: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+
+    one_call = _median([events(fn, 1) for _ in range(repeats)])
+    method, run = "graph", None
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                fn()
+        graph.replay()
+        run = graph.replay
+    except Exception as exc:   # a host sync or a per-call allocation inside fn
+        log.info("not capturable (%s): timing back-to-back calls", exc)
+        torch.cuda.synchronize()
+        method = "back_to_back"
+
+        def run():
+            for _ in range(GRAPH_CALLS):
+                fn()
+    synchronize(device)
+    kernel = _median([events(run, GRAPH_CALLS) for _ in range(repeats)])
+    return {"ms": kernel, "method": method, "one_call_ms": one_call, "host_ms": max(0.0, one_call - kernel)}
+
+
+def _median(samples: list[float]) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
@@ -197,6 +247,11 @@ def parity(sizes: Sizes, device: str) -> dict:
 
 # --- 3. compiles: one FA4 kernel per kind of step ----------------------------------------------------
 
+def blocks_for(reqs, slack: int = 8) -> int:
+    """Cache blocks a step needs: each request's ceil(seq / 16), the null block and some slack."""
+    return sum(-(-r.seq_len // 16) for r in reqs) + 1 + slack
+
+
 def fa4_kernels() -> int:
     from flash_attn.cute.interface import _flash_attn_fwd
 
@@ -216,8 +271,8 @@ def compiles(sizes: Sizes, device: str) -> dict:
         for kind, reqs in (("prefill", video_chunk(sizes, n)),
                            ("decode", [Req(300 * n + 7 * i, 1) for i in range(1 + n % 5)])):
             before = fa4_kernels()
-            batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=4096, table_width=2048,
-                                         gen=gen), device)
+            batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs),
+                                         table_width=2048, gen=gen, cache_device=device), device)
             run_backend("fa4", batch, spec)
             counts.append({"frames": n, "step": kind, "new_kernels": fa4_kernels() - before})
     later = [c["new_kernels"] for c in counts[2:]]   # the first prefill and decode steps compile
@@ -253,6 +308,12 @@ def prepared(name: str, batch, spec: LayerAttentionSpec):
     return lambda: impl.forward(batch.q, batch.k, batch.v, batch.kv_cache, metadata)
 
 
+def add_timing(row: dict, name: str, timing: dict) -> None:
+    """row[name_ms] = the kernel time; the method and host overhead beside it."""
+    row[f"{name}_ms"] = timing.pop("ms")
+    row.update({f"{name}_{k}": v for k, v in timing.items()})
+
+
 def tiles(sizes: Sizes, device: str) -> dict:
     """Visited tile work / minimum tile work / kept pairs, FA4's tiles on each architecture; plus
     on a GPU the time of the step with frames against the same step without (FA4's plain path)."""
@@ -274,10 +335,11 @@ def tiles(sizes: Sizes, device: str) -> dict:
             row[f"sm{arch}_min_over_kept"] = minimum / kept
             row[f"sm{arch}_visited_over_min"] = fa4_visited_pairs(md, spec, tile_q, tile_k) / minimum
         if device == "cuda":
-            step = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=md.block_table.shape[1] * 2 + 8,
-                                        free_outside_window=True), device)
-            row["fa4_ms"] = timed_ms(prepared("fa4", step, spec), device, sizes.repeats)
-            row["fa4_plain_ms"] = timed_ms(prepared("fa4", without_frames(step), spec), device, sizes.repeats)
+            step = to_device(make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs),
+                                        free_outside_window=True, cache_device=device), device)
+            add_timing(row, "fa4", device_time(prepared("fa4", step, spec), device, sizes.repeats))
+            add_timing(row, "fa4_plain", device_time(prepared("fa4", without_frames(step), spec), device,
+                                                     sizes.repeats))
         rows.append(row)
     worst = max(r["sm90_visited_over_min"] for r in rows if r["frames"] == max(sizes.frame_counts))
     return {"rows": rows, "target": "visited <= 1.3x the minimum tile work at 64 frames",
@@ -287,32 +349,115 @@ def tiles(sizes: Sizes, device: str) -> dict:
 # --- the batched fallback for head dim 512: flex against SDPA over a padded gather ------------------
 
 def fallback(sizes: Sizes, device: str) -> dict:
-    """Full-layer (head dim 512) decode and prefill steps: bytes each path moves and pairs it computes
-    (from the step's shapes, the same on any machine), and on a GPU their times."""
-    from mmserve.attention.synthetic import Req, make_batch
+    """Full-layer (head dim 512) decode and prefill steps, flex against SDPA over a padded gather:
+    the K/V bytes each kernel asks for (L2 hits included: a prefill chunk's K/V may fit the 60 MB
+    L2, a 64-request decode's does not) and the (query row, key) pairs it computes, counted from
+    the plans the two builders really make for the step (flex: every (query block, KV head)
+    program reads each block its block mask lists; SDPA: each group's gathered blocks, read from
+    the cache and written as a copy, then read once per query tile), the per-step metadata build
+    (flex's block mask, outside any graph), and on a GPU the kernel times and GB/s."""
+    from mmserve.attention import create_builder, create_impl
+    from mmserve.attention.synthetic import Req, make_batch, pool_for
 
     spec = sizes.full
-    elem = 2
-    kv_row = 2 * spec.num_kv_heads * spec.head_dim * elem          # K and V of one key position
+    elem = 2 if device == "cuda" else 4
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * elem   # K and V of one 16-token block, all KV heads
     context = 4096 if device == "cuda" else 96
     steps = {"decode_64": [Req(context // 2 + 37 * i, 1) for i in range(64 if device == "cuda" else 4)],
              "prefill_chunk": [Req(context, sizes.chunk)]}
     rows = []
     for name, reqs in steps.items():
-        lens = [r.seq_len for r in reqs]
-        paged = sum(-(-n // 16) * 16 for n in lens) * kv_row          # flex reads each request's blocks once
-        padded = len(reqs) * -(-max(lens) // 16) * 16 * kv_row         # the gather's padded copy
-        row = {"step": name, "requests": len(reqs), "max_context": max(lens),
-               "flex_kv_bytes": paged, "gather_sdpa_kv_bytes": paged + 2 * padded,
-               "flex_pairs": sum(r.query * r.seq_len for r in reqs),
-               "gather_sdpa_pairs": len(reqs) * max(r.query for r in reqs) * max(lens)}
-        if device == "cuda":
-            batch = to_device(make_batch(reqs, spec, dtype=torch.bfloat16,
-                                         num_blocks=sum(-(-n // 16) for n in lens) + 8), device)
-            for backend in ("flex", "sdpa"):
-                row[f"{backend}_ms"] = timed_ms(prepared(backend, batch, spec), device, sizes.repeats)
+        batch = to_device(make_batch(reqs, spec, dtype=dtype, num_blocks=blocks_for(reqs), cache_device=device),
+                          device)
+        needed = sum(-(-r.seq_len // 16) for r in reqs) * block_bytes
+        row = {"step": name, "requests": len(reqs), "max_context": max(r.seq_len for r in reqs),
+               "needed_kv_bytes": needed, "kept_pairs": causal_pairs(reqs) * spec.num_heads}
+        timings = {}
+        for backend in ("flex", "sdpa"):
+            builder = create_builder(backend, pool_for(batch, spec))
+            md = builder.build(batch.metadata)
+            kv_bytes, pairs = (flex_work if backend == "flex" else sdpa_work)(md, spec, block_bytes)
+            row[f"{backend}_kv_bytes"], row[f"{backend}_pairs"] = kv_bytes, pairs
+            row[f"{backend}_build_ms"] = host_time(lambda b=builder, c=batch.metadata: b.build(c), device,
+                                                   sizes.repeats)
+            if device == "cuda":
+                impl, b = create_impl(backend, spec), batch
+                timing = device_time(lambda i=impl, m=md, b=b: i.forward(b.q, b.k, b.v, b.kv_cache, m), device,
+                                     sizes.repeats)
+                add_timing(row, backend, timing)
+                timings[backend] = row[f"{backend}_ms"]
+                row[f"{backend}_GBps"] = kv_bytes / (row[f"{backend}_ms"] * 1e6)
+        row["flex_bytes_over_needed"] = row["flex_kv_bytes"] / needed
+        row["sdpa_bytes_over_needed"] = row["sdpa_kv_bytes"] / needed
         rows.append(row)
     return {"rows": rows}
+
+
+def fallback_plans() -> list[dict]:
+    """The fallback section's K/V byte counts at GPU shapes from the builders' plans alone (no
+    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16."""
+    from mmserve.attention import create_builder
+    from mmserve.attention.synthetic import Req, make_batch, pool_for
+
+    rows = []
+    for model, heads in (("12b", 16), ("e2b", 8)):
+        spec = replace(GPU.full, num_heads=heads, num_kv_heads=1)
+        block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * 2
+        for name, reqs in {"decode_64": [Req(2048 + 37 * i, 1) for i in range(64)],
+                           "prefill_chunk": [Req(4096, GPU.chunk)]}.items():
+            batch = make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs))
+            row = {"model": model, "step": name, "needed_kv_bytes": sum(-(-r.seq_len // 16) for r in reqs) * block_bytes}
+            for backend, work in (("flex", flex_work), ("sdpa", sdpa_work)):
+                md = create_builder(backend, pool_for(batch, spec)).build(batch.metadata)
+                row[f"{backend}_kv_bytes"] = work(md, spec, block_bytes)[0]
+                row[f"{backend}_over_needed"] = row[f"{backend}_kv_bytes"] / row["needed_kv_bytes"]
+            rows.append(row)
+    return rows
+
+
+def causal_pairs(reqs) -> int:
+    """(query, key) pairs a full layer keeps: each query sees the keys up to its own position."""
+    return sum(r.query * (r.context + 1) + r.query * (r.query - 1) // 2 for r in reqs)
+
+
+def flex_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]:
+    """(K/V bytes, pairs) of flex's kernel: one program per (query block, q_pad head); each reads the
+    blocks of its KV head that its block mask lists (partial and full), block_bytes / Hkv apiece."""
+    from mmserve.attention.flex import Q_BLOCK
+
+    mask = md.block_mask
+    listed = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
+    heads = md.q_pad.shape[1]
+    per_head_block = block_bytes // spec.num_kv_heads
+    return heads * listed * per_head_block, heads * listed * Q_BLOCK * 16
+
+
+SDPA_QUERY_TILE = 64   # query rows per program of SDPA's memory-efficient kernel (assumed; head dim 512)
+
+
+def sdpa_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]:
+    """(K/V bytes, pairs) of gather + SDPA: each group gathers R x num_blocks blocks (read from the
+    cache, written as a padded copy), and the kernel reads a request's copy once per tile of
+    SDPA_QUERY_TILE packed query rows (g rows per query); every padded pair is computed."""
+    g = spec.num_heads // spec.num_kv_heads
+    gathered = sum(grp.num_reqs * grp.num_blocks for grp in md.groups) * block_bytes
+    kernel = sum(grp.num_reqs * grp.num_blocks * -(-grp.q_len * g // SDPA_QUERY_TILE) for grp in md.groups)
+    pairs = sum(grp.num_reqs * grp.q_len * g * grp.num_blocks * 16 for grp in md.groups) * spec.num_kv_heads
+    return 2 * gathered + kernel * block_bytes, pairs
+
+
+def host_time(fn: Callable[[], object], device: str, repeats: int) -> float:
+    """Median ms of `fn` to completion (host work plus the device work it queues)."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        synchronize(device)
+        samples.append((time.perf_counter() - begin) * 1e3)
+    return _median(samples)
 
 
 # --- 2. tokens: the demo checkpoint end to end ----------------------------------------------------
@@ -335,15 +480,29 @@ def video_requests(sizes: Sizes, device: str) -> list:
         return asyncio.run(build())
 
 
-def greedy_tokens(requests: list, device: str, **options) -> list[list[int]]:
+def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int]], dict]:
+    """Each request's greedy tokens, and whether decode graphs were on and how many steps replayed one."""
     from mmserve.engine.llm import LLM
 
-    llm = LLM(model=str(DEMO_MODEL_DIR), device=device, max_num_seqs=len(requests), **options)
+    # strict: a kernel failing the start-up self-check must fail the section, not be measured as its fallback
+    llm = LLM(model=str(DEMO_MODEL_DIR), device=device, max_num_seqs=len(requests), strict_backends=True, **options)
     tokens = [c.token_ids for c in llm.generate(requests)]
+    graphs = graph_use(llm)
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return tokens
+    return tokens, graphs
+
+
+def graph_use(llm) -> dict:
+    graphs = llm.core.runner.graphs
+    return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays}
+
+
+def graphs_ran(use: dict, device: str) -> bool:
+    """On CUDA a graph run must have replayed graphs: a failed capture runs eagerly and would
+    otherwise pass every comparison with no graph replayed. CPU steps are always eager."""
+    return device != "cuda" or (use["graphs_enabled"] and use["graph_replays"] > 0)
 
 
 def prefix_agreement(runs: list[list[int]], reference: list[list[int]]) -> float:
@@ -365,15 +524,34 @@ def tokens(sizes: Sizes, device: str) -> dict:
             "sdpa": dict(dtype=low, attention_backend="sdpa"),
             fast + " graphs": dict(dtype=low, attention_backend=fast),
             fast + " eager": dict(dtype=low, attention_backend=fast, enforce_eager=True)}
-    out = {name: greedy_tokens(requests, device, **opts) for name, opts in runs.items()}
+    out, use = {}, {}
+    for name, opts in runs.items():
+        out[name], use[name] = greedy_tokens(requests, device, **opts)
     agree = {name: prefix_agreement(out[name], out["reference"]) for name in runs if name != "reference"}
     graphs_equal = out[fast + " graphs"] == out[fast + " eager"]
+    replayed = graphs_ran(use[fast + " graphs"], device)
     return {"requests": len(requests), "frames": sizes.token_frames, "max_tokens": sizes.max_tokens,
-            "agreement_with_fp32": agree, "graphs_equal_eager": graphs_equal,
-            "ok": graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10}
+            "agreement_with_fp32": agree, "graphs_equal_eager": graphs_equal, "graphs": use[fast + " graphs"],
+            "graphs_replayed": replayed,
+            "ok": replayed and graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10}
 
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
+
+def serving_checkpoint(sizes: Sizes, device: str) -> tuple[Path, float]:
+    """(checkpoint, seconds spent building it): the demo model on the smoke run, else random weights
+    at the family member's dimensions, written once per machine and shared by decode and serving."""
+    if sizes.serving_model is None:
+        return DEMO_MODEL_DIR, 0.0
+    out_dir = Path(tempfile.gettempdir()) / f"gpu_check_{sizes.serving_model}"
+    if (out_dir / "complete").exists():
+        return out_dir, 0.0
+    start = time.perf_counter()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    random_checkpoint(sizes.serving_model, out_dir, device)
+    (out_dir / "complete").touch()
+    return out_dir, time.perf_counter() - start
+
 
 def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
     """Random bf16 weights at a family member's published dimensions (tests/fixtures/gemma4_family)."""
@@ -416,13 +594,14 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
     return seconds, tokens
 
 
-def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str) -> tuple[float, list]:
+def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str
+                     ) -> tuple[float, list, dict]:
     from mmserve.engine.llm import LLM
     from mmserve.engine.sampling_params import SamplingParams
 
     batch, prompt = prompts.shape
     options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
-                   max_model_len=prompt + max_tokens + 16)
+                   max_model_len=prompt + max_tokens + 16, strict_backends=True)
     if device == "cuda":
         options["kv_cache_bytes"] = 16 * 2**30
     llm = LLM(model=str(model_dir), **options)
@@ -433,44 +612,107 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
     done = llm.generate([p.tolist() for p in prompts], sampling)
     synchronize(device)
     seconds = time.perf_counter() - start
+    graphs = graph_use(llm)
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return seconds, [c.token_ids for c in done]
+    return seconds, [c.token_ids for c in done], graphs
 
 
 def serving(sizes: Sizes, device: str) -> dict:
-    workdir = Path(tempfile.mkdtemp(prefix="gpu_check_model_"))
-    try:
-        start = time.perf_counter()
-        # The smoke run serves the demo checkpoint itself.
-        model_dir = DEMO_MODEL_DIR if sizes.serving_model is None else random_checkpoint(sizes.serving_model,
-                                                                                          workdir, device)
-        build_s = time.perf_counter() - start
-        from mmserve.model.spec import load_spec
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    from mmserve.model.spec import load_spec
 
-        spec = load_spec(model_dir)
-        gen = torch.Generator().manual_seed(1)
-        prompt = torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size, (sizes.serving_prompt,), generator=gen)
-        prompt[0] = spec.bos_token_id
-        prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
-        hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
-        ours_s, our_tokens = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
-        total = sizes.serving_batch * sizes.serving_tokens
-        agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
-        return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
-                "prompt_tokens": sizes.serving_prompt, "output_tokens": sizes.serving_tokens,
-                "checkpoint_build_s": build_s, "hf_tok_s": total / hf_s, "mmserve_tok_s": total / ours_s,
-                "speedup": hf_s / ours_s, "greedy_agreement": agree / total}
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    spec = load_spec(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size, (sizes.serving_prompt,), generator=gen)
+    prompt[0] = spec.bos_token_id
+    prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
+    hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
+    ours_s, our_tokens, graphs = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
+    total = sizes.serving_batch * sizes.serving_tokens
+    agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
+    return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
+            "prompt_tokens": sizes.serving_prompt, "output_tokens": sizes.serving_tokens,
+            "checkpoint_build_s": build_s, "hf_tok_s": total / hf_s, "mmserve_tok_s": total / ours_s,
+            "speedup": hf_s / ours_s, "greedy_agreement": agree / total, "graphs": graphs,
+            "ok": graphs_ran(graphs, device)}
+
+
+# --- 5b. decode: one decode step, graphs against eager, against the weight-read floor -----------------
+
+H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
+
+
+def decode(sizes: Sizes, device: str) -> dict:
+    """Decode step time at each batch size with CUDA graphs (the default) and with --enforce-eager,
+    at the serving model's dimensions: a step reads every weight once, so weight bytes over the
+    H200's copy bandwidth is the floor no version beats (KV reads add a little at 128 tokens)."""
+    from mmserve.engine.llm import LLM
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    prompt_len = 128 if device == "cuda" else 16
+    rows, weight_bytes, use = [], 0, {}
+    for eager in (False, True) if device == "cuda" else (False,):   # CPU steps are eager either way
+        options = dict(device=device, max_num_seqs=max(sizes.decode_batches), enforce_eager=eager,
+                       max_model_len=prompt_len + sizes.decode_steps + 16, strict_backends=True)
+        if device == "cuda":
+            options["kv_cache_bytes"] = 8 * 2**30
+        llm = LLM(model=str(model_dir), **options)
+        weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+        for batch in sizes.decode_batches:
+            rows.append({"batch": batch, "graphs": not eager,
+                         "step_ms": decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)})
+        use["eager" if eager else "graphs"] = graph_use(llm)
+        del llm
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    floor_ms = weight_bytes / H200_BANDWIDTH * 1e3
+    for row in rows:
+        row["weight_floor_ms"] = floor_ms
+        row["over_floor"] = row["step_ms"] / floor_ms
+    return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
+            "graph_use": use, "rows": rows, "ok": graphs_ran(use["graphs"], device)}
+
+
+def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) -> float:
+    """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
+    on the host, so its wall time is its latency), after their prefill and two warm steps."""
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.engine.types import EngineRequest
+
+    vocab = llm.core.model.spec.vocab_size
+    sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    gen = torch.Generator().manual_seed(batch)
+    for rid in ids:
+        prompt = torch.randint(min(1000, vocab // 2), vocab, (prompt_len,), generator=gen).tolist()
+        llm.add_request(EngineRequest(rid, prompt, sampling=sampling))
+    produced: dict[str, int] = dict.fromkeys(ids, 0)
+
+    def step() -> None:
+        for rid, item in llm.step():
+            if isinstance(item, BaseException):
+                raise item
+            produced[rid] += len(item.new_token_ids)
+    while min(produced.values()) < 3:   # prefill done, and two decode steps to warm up
+        step()
+    samples = []
+    for _ in range(steps):
+        synchronize(device)
+        begin = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - begin) * 1e3)
+    while llm.has_work:   # let them finish, so the next batch size starts on an empty engine
+        step()
+    return _median(samples)
 
 
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "compiles": compiles, "tiles": tiles, "fallback": fallback,
-    "serving": serving}
+    "decode": decode, "serving": serving}
 
 
 def machine(device: str) -> dict:
@@ -485,8 +727,10 @@ def machine(device: str) -> dict:
     return info
 
 
-def run_sections(sizes: Sizes, device: str, only: list[str] | None) -> dict:
-    results = {}
+def run_sections(sizes: Sizes, device: str, only: list[str] | None, report: dict, out: Path) -> dict:
+    """Run the sections in order, writing the whole report after each one: a run killed at its time
+    limit still leaves the sections it finished."""
+    results = report["sections"]
     for name, section in SECTIONS.items():
         if only and name not in only:
             continue
@@ -498,7 +742,15 @@ def run_sections(sizes: Sizes, device: str, only: list[str] | None) -> dict:
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
         results[name]["seconds"] = time.perf_counter() - start
         log.info("%s done in %.1f s", name, results[name]["seconds"])
+        write_report(report, out)
     return results
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text(json.dumps(report, indent=1, default=str))
+    partial.replace(out)
 
 
 def print_summary(results: dict) -> None:
@@ -521,7 +773,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serving-model", default=GPU.serving_model, choices=["12b_unified", "e4b"],
                    help="family member whose dimensions the serving section's random checkpoint has")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--fallback-plans", action="store_true",
+                   help="print the fallback section's K/V byte counts at GPU shapes (plans only, any machine)")
     args = p.parse_args(argv)
+    if args.fallback_plans:
+        for row in fallback_plans():
+            print("  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
+        return 0
     if not args.smoke and not torch.cuda.is_available():
         print("bench/gpu_check.py measures the GPU path and needs a CUDA GPU (H100/H200/B200); none here, "
               "so nothing was run or written. Use --smoke for the CPU plumbing check.")
@@ -530,13 +788,13 @@ def main(argv: list[str] | None = None) -> int:
     sizes = SMOKE if args.smoke else replace(GPU, serving_model=args.serving_model)
     torch.manual_seed(0)
     start = time.perf_counter()
-    results = run_sections(sizes, device, args.only)
-    report = {"machine": machine(device), "smoke": args.smoke, "wall_s": time.perf_counter() - start,
-              "command": "python bench/gpu_check.py" + (" --smoke" if args.smoke else ""), "sections": results}
-    print_summary(results)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.json" if args.smoke else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str))
+    report = {"machine": machine(device), "smoke": args.smoke, "command": " ".join(["python bench/gpu_check.py",
+              *(argv if argv is not None else sys.argv[1:])]), "sections": {}}
+    results = run_sections(sizes, device, args.only, report, out)
+    report["wall_s"] = time.perf_counter() - start
+    write_report(report, out)
+    print_summary(results)
     failed = [n for n, r in results.items() if "error" in r or r.get("ok") is False]
     print(f"wall {report['wall_s']:.0f}s; " + (f"FAILED: {', '.join(failed)}" if failed else "all sections ok"))
     return 1 if failed else 0

@@ -85,7 +85,7 @@ def bench(hidden: int, moe: MoeSpec, reps: int) -> list[dict]:
         ours_ms = time_ms(lambda x=x: ours(x), reps)
         eager_ms = time_ms(lambda x=x: theirs(x, "eager"), reps)
         grouped_ms = time_ms(lambda x=x: theirs(x, "grouped_mm"), reps)
-        rows.append(dict(tokens=tokens, experts_hit=experts.touched, ours_ms=round(ours_ms, 3),
+        rows.append(dict(tokens=tokens, experts_hit=int(experts.touched), ours_ms=round(ours_ms, 3),
                          hf_eager_ms=round(eager_ms, 3), hf_grouped_ms=round(grouped_ms, 3),
                          speedup_vs_eager=round(eager_ms / ours_ms, 2),
                          speedup_vs_grouped=round(grouped_ms / ours_ms, 2)))

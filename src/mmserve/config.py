@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,58 +22,82 @@ class EngineConfig:
     """What the engine needs to run a model. Server-only options live in ServerConfig."""
 
     model: str = field(default=str(DEMO_MODEL_DIR), metadata={"help": "checkpoint directory (default: the embedded demo model)"})
-    dtype: str = field(default="auto", metadata={"help": "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16"})
-    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto | reference | sdpa | flex | fa4"})
+    dtype: str = field(default="auto", metadata={"help": "auto: bfloat16 on CUDA, float32 on CPU",
+                                                 "choices": ("auto", "float32", "bfloat16", "float16")})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N", "pattern": r"auto|cpu|cuda(:\d+)?"})
+    attention_backend: str = field(default="auto", metadata={"help": "attention kernels",
+                                                             "choices": ("auto", "reference", "sdpa", "flex", "fa4")})
     compile_dense: bool = field(default=False, metadata={
         "help": "torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per process)"})
     sdpa_batching: str = field(default="auto", metadata={
-        "help": "sdpa backend: auto (one padded call per layer type unless padding costs more) | batched | loop "
-                "(one call per request)"})
-    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step"})
+        "help": "sdpa backend: auto (one padded call per layer type unless padding costs more), batched, loop "
+                "(one call per request)", "choices": ("auto", "batched", "loop")})
+    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step", "min": 1})
     prefill_batched_tokens: int = field(default=2048, metadata={
         "help": "token budget of a step while no request is decoding (only prefill runs, so no TPOT pays "
-                "for a longer step); 0 = max_num_batched_tokens"})
-    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once"})
-    max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's"})
-    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
-    num_kv_blocks: int = field(default=0, metadata={"help": "KV blocks per pool; 0 = derive from kv_cache_bytes"})
-    kv_cache_bytes: int = field(default=256 * 2**20, metadata={"help": "KV cache memory for all pools"})
-    max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED"})
-    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
-    seed: int = field(default=0, metadata={"help": "default sampling seed"})
+                "for a longer step); 0 = max_num_batched_tokens", "min": 0})
+    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once", "min": 1})
+    max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's", "min": 0})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block", "min": 1})
+    num_kv_blocks: int = field(default=0, metadata={"help": "KV blocks per pool; 0 = derive from kv_cache_bytes", "min": 0})
+    kv_cache_bytes: int = field(default=256 * 2**20, metadata={"help": "KV cache memory for all pools", "min": 1})
+    max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED", "min": 0})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": ("fcfs", "priority")})
+    seed: int = field(default=0, metadata={"help": "default sampling seed", "min": 0})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content) "
                 "and the vision embeddings of frames seen before; off = nothing is reused across requests"})
     encoder_cache_bytes: int = field(default=0, metadata={
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
-                "0 = room for 256 video frames of the served model (none with prefix caching off)"})
+                "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
+    backend_self_check: str = field(default="auto", metadata={
+        "help": "at start-up, run each selected fa4/flex attention kernel (and the decode CUDA graphs) once "
+                "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})
+    strict_backends: bool = field(default=False, metadata={
+        "help": "a backend failing the start-up self-check fails the start instead of falling back "
+                "(CI on GPUs, bench/gpu_check.py)"})
     # Process layout (docs/deploy.md: threads, crash and restart).
     engine_process: bool = field(default=True, metadata={
         "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})
     engine_threads: int = field(default=0, metadata={
-        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)"})
+        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)", "min": 0})
     adaptive_threads: bool = field(default=True, metadata={
         "help": "on a CPU, run each step size on the whole torch pool or one thread fewer (a core left to the "
                 "front end), whichever its steps measured faster; the last core must make steps 1 + 0.25/(cores - 1) "
                 "times faster (1.25x on 2 cores)"})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
-        "help": "how long the engine may take to load and report ready"})
+        "help": "how long the engine may take to load, warm up and report ready", "min": 0})
     # Multimodal limits (checked at the edge before any work starts).
-    max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most"})
-    max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request"})
-    default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none"})
-    max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload"})
-    max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted"})
-    max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels"})
-    video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video"})
-    max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask"})
-    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request"})
-    max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request"})
+    max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most", "min": 1})
+    max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request", "min": 1})
+    default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none", "min": 1})
+    max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload", "min": 1})
+    max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
+    max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
+    max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
+    max_pixels_per_request: int = field(default=128 * 2**20, metadata={
+        "help": "pixels over all images and given frame images of a request, from their headers, before any is decoded",
+        "min": 1})
+    video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video", "min": 0})
+    max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
+    max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
+    max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
+    # Structured output (response_format): bounded before and while compiling (engine/format_compiler.py).
+    max_response_format_chars: int = field(default=64 * 1024, metadata={
+        "help": "longest response_format (JSON schema, regex or grammar text), in characters", "min": 1})
+    max_response_format_depth: int = field(default=64, metadata={
+        "help": "deepest nesting of a response_format: JSON objects/arrays of a schema, parentheses of a regex or grammar",
+        "min": 1})
+    grammar_compile_timeout_s: float = field(default=5.0, metadata={
+        "help": "time limit for compiling one response_format (waiting for the compile worker included); "
+                "a format over it is refused", "min": 0})
+    grammar_cache_bytes: int = field(default=256 * 2**20, metadata={
+        "help": "compiled response_formats kept per process (front end and engine each), LRU by size", "min": 0})
     # Metrics.
-    perf_accounting: str = field(default="exact", metadata={"help": "exact | upper-bound attention accounting"})
-    step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced"})
+    perf_accounting: str = field(default="exact", metadata={"help": "attention FLOPs/bytes accounting",
+                                                                       "choices": ("exact", "upper-bound")})
+    step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced", "min": 0, "max": 1})
 
     @property
     def max_step_tokens(self) -> int:
@@ -103,22 +129,63 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_type(f: dataclasses.Field, env: str | None = None) -> Callable[[str], object]:
+    """The argparse `type` of a field: converts the text (flag or env var) and checks the field's
+    `choices`, `pattern`, `min` and `max` metadata, so a bad value is a usage error (exit 2) that
+    lists what is valid, never a traceback or a hang at start-up. `env`: the env var's text, if set,
+    so a refusal of that text names the variable."""
+    kind = type(f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+    meta = f.metadata
+
+    def problem(text: str, value) -> str | None:
+        if "choices" in meta and value not in meta["choices"]:
+            return f"{text!r} is not one of {', '.join(meta['choices'])}"
+        if "pattern" in meta and not re.fullmatch(meta["pattern"], value):
+            return f"{text!r} is not one of {meta['help']}"
+        if "min" in meta and value < meta["min"]:
+            return f"{text} is below the minimum {meta['min']}"
+        if "max" in meta and value > meta["max"]:
+            return f"{text} is above the maximum {meta['max']}"
+        return None
+
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value, why = None, f"{text!r} is not a valid {kind.__name__}"
+        else:
+            why = f"{text!r} is not a number" if value != value else problem(text, value)   # NaN
+        if why is None:
+            return value
+        raise argparse.ArgumentTypeError(why + (f" (from {_env_name(f.name)})" if text == env else ""))
+
+    convert.__name__ = kind.__name__  # argparse names the type in its own messages
+    return convert
+
+
+def _valid_values(meta) -> str:
+    """What the help text says about valid values (the choices or the range)."""
+    if "choices" in meta:
+        return f"one of {', '.join(meta['choices'])}; "
+    bounds = [f">= {meta['min']}" if "min" in meta else "", f"<= {meta['max']}" if "max" in meta else ""]
+    return f"{' and '.join(b for b in bounds if b)}; " if any(bounds) else ""
+
+
 def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field of `cls`; defaults come from MMSERVE_* env vars, then the field default."""
+    """Add one flag per field of `cls`; defaults come from MMSERVE_* env vars, then the field default.
+    An env var's text goes through the same checks as the flag's (argparse converts string defaults)."""
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         env = os.environ.get(_env_name(f.name))
-        kind = type(default)
-        if kind is bool:
+        if type(default) is bool:
             if env is not None:
                 default = env.lower() in ("1", "true", "yes", "on")
             parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
                                 help=f"{f.metadata.get('help', '')} [env {_env_name(f.name)}]")
             continue
-        if env is not None:
-            default = kind(env)
-        parser.add_argument(_flag(f.name), type=kind, default=default, dest=f.name,
-                            help=f"{f.metadata.get('help', '')} (default {default!r}) [env {_env_name(f.name)}]")
+        parser.add_argument(_flag(f.name), type=field_type(f, env), default=default if env is None else env, dest=f.name,
+                            help=f"{f.metadata.get('help', '')} ({_valid_values(f.metadata)}default {default!r}) "
+                                 f"[env {_env_name(f.name)}]")
 
 
 def from_args(cls: type, args: argparse.Namespace):
@@ -140,22 +207,29 @@ class ServerConfig:
     """Options of the gRPC edge (`mmserve serve`)."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
-    port: int = field(default=50051, metadata={"help": "port to bind; 0 = pick a free one"})
-    max_message_bytes: int = field(default=64 * 2**20, metadata={"help": "largest request message"})
-    worker_threads: int = field(default=4, metadata={"help": "threads decoding video and building prompts"})
-    drain_grace_s: float = field(default=30.0, metadata={"help": "how long in-flight streams may finish on SIGTERM"})
+    port: int = field(default=50051, metadata={"help": "port to bind; 0 = pick a free one", "min": 0, "max": 65535})
+    max_message_bytes: int = field(default=64 * 2**20, metadata={"help": "largest request message", "min": 1})
+    max_concurrent_rpcs: int = field(default=1024, metadata={
+        "help": "calls in progress at once, of every method (health included); beyond it RESOURCE_EXHAUSTED", "min": 1})
+    max_inflight_message_bytes: int = field(default=2**30, metadata={
+        "help": "request bytes held by unary-request calls in progress, all together; beyond it a retryable "
+                "RESOURCE_EXHAUSTED", "min": 1})
+    worker_threads: int = field(default=4, metadata={"help": "threads decoding video and building prompts", "min": 1})
+    drain_grace_s: float = field(default=30.0, metadata={"help": "how long in-flight streams may finish on SIGTERM", "min": 0})
     tls_cert: str = field(default="", metadata={"help": "server certificate (PEM); enables TLS"})
     tls_key: str = field(default="", metadata={"help": "server private key (PEM)"})
     tls_client_ca: str = field(default="", metadata={"help": "CA bundle for client certificates; enables mutual TLS"})
     api_keys_file: str = field(default="", metadata={"help": "file with one API key per line; env MMSERVE_API_KEYS also works"})
     auth_health: bool = field(default=False, metadata={"help": "require the API key for health and reflection too"})
     otlp_traces_endpoint: str = field(default="", metadata={"help": "OTLP endpoint for traces (else OTEL_EXPORTER_OTLP_ENDPOINT)"})
-    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off", "min": 0, "max": 65535})
     # Uploaded media (UploadMedia): a content-addressed spool on local disk.
     media_dir: str = field(default="", metadata={"help": "directory for uploaded media, one server each; empty = a temporary directory removed at exit"})
-    media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first"})
-    media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted"})
-    max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload"})
+    media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first", "min": 1})
+    media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0})
+    upload_idle_timeout_s: float = field(default=30.0, metadata={
+        "help": "an UploadMedia stream with no message for this long is ended and its bytes dropped", "min": 0.001})
+    max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload", "min": 1})
     # The vllm.grpc.engine.VllmEngine door for gateways (SMG, llm-d): docs/gateway.md.
     enable_vllm_engine_api: bool = field(default=True, metadata={
         "help": "serve vllm.grpc.engine.VllmEngine (the worker protocol of the SMG and llm-d gateways) on the "

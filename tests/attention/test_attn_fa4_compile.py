@@ -39,7 +39,7 @@ def e(*shape, dtype=torch.int32):
 
 
 def fake_step(spec: LayerAttentionSpec, num_frames: int, num_reqs: int = 3, frame_tokens: int = 70,
-              frames: bool = True) -> fa4.Fa4Metadata:
+              frames: bool = True, num_pieces: int | None = None) -> fa4.Fa4Metadata:
     """Shapes of a step whose video request carries `num_frames` frames (values do not matter to a compile)."""
     T = num_frames * (frame_tokens + 8) + 40 * (num_reqs - 1)
     common = CommonAttentionMetadata(
@@ -51,7 +51,7 @@ def fake_step(spec: LayerAttentionSpec, num_frames: int, num_reqs: int = 3, fram
     out = torch.empty(T, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda")
     if not frames:
         return fa4.Fa4Metadata(common, out, None)
-    P = -(-T // fa4.piece_len(spec)) + num_reqs
+    P = num_pieces or -(-T // fa4.piece_len(spec)) + num_reqs
     pieces = fa4.Pieces(e(P + 1), e(P), e(P, 80), e(P, 2), fa4.piece_len(spec))
     return fa4.Fa4Metadata(common, out, pieces)
 
@@ -111,6 +111,36 @@ def test_pieces_kernel_compiles_once_across_frame_counts_and_windows(fake_arch):
         assert compiled_kernels() - before == 2
     assert fa4.mm_prefix_mask_mod(True) is fa4.mm_prefix_mask_mod(True)
     assert fa4.mm_prefix_mask_mod(True).__cute_hash__ != fa4.mm_prefix_mask_mod(False).__cute_hash__
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+@pytest.mark.filterwarnings("ignore:Argument aux_data")
+def test_steps_over_256_sequences_keep_the_compile_key(fake_arch):
+    """E2B/E4B cut an 8k-token step into 512 pieces of 16 rows; above 256 sequences FA4 b36 takes its
+    batch-lookup scheduler, another kernel. run_fa4 caps each call at SEQS_PER_CALL, so no step
+    compiles a kernel mid-serving; the uncapped call would (checked, so the cap stays needed)."""
+    from flash_attn.cute import interface
+
+    assert fa4.SEQS_PER_CALL == interface.BIN_BATCH_SEARCH_THRESH
+    assert fa4.mm_prefix_mask_mod(True).__vec_size__ == 1 == fa4.mm_prefix_mask_mod(False).__vec_size__
+    e4b = replace(GEMMA_SLIDING, num_heads=8, num_kv_heads=1)
+    with fake_arch():
+        call(e4b, fake_step(e4b, 8))
+        call(e4b, fake_step(e4b, 8, frames=False))
+        before = compiled_kernels()
+        for pieces in (257, 512, 600):
+            call(e4b, fake_step(e4b, 64, num_pieces=pieces))
+        call(e4b, fake_step(e4b, 1, num_reqs=300, frames=False))   # --max-num-seqs above 256: frame-free
+        assert compiled_kernels() == before
+        assert fa4.call_slices(600) == [(0, 256), (256, 256), (512, 88)]
+        monkey = fa4.SEQS_PER_CALL
+        try:
+            fa4.SEQS_PER_CALL = 10**6
+            call(e4b, fake_step(e4b, 64, num_pieces=512))
+        finally:
+            fa4.SEQS_PER_CALL = monkey
+        assert compiled_kernels() > before
 
 
 def test_pieces_are_one_query_tile_of_packed_rows():

@@ -110,3 +110,34 @@ def test_streamed_text_never_shows_a_stop_string(load_backend):
     while llm.has_work:
         deltas += [o.new_text for _, o in llm.step()]
     assert stop not in "".join(deltas) and "".join(deltas) == text[:text.index(stop)]
+
+
+def test_a_request_whose_sampling_fails_ends_alone(load_backend):
+    """Fault injection (no real input makes the sampler raise for one request): its generator raises
+    for one request id. That request ends with an error naming only itself; its greedy step-mate
+    gets its solo run's tokens."""
+    from mmserve.errors import EngineInternalError
+
+    llm = make_llm(load_backend("reference"))
+    mate = build_request("mate", [20], seed=3, max_tokens=6, temperature=0.0)
+    alone = llm.generate([mate])[0].token_ids
+    generator = llm.core.sampler._generator
+
+    def failing(request_id, params, device):
+        if request_id == "doomed":
+            raise RuntimeError("injected: doomed and mate share this step")
+        return generator(request_id, params, device)
+
+    llm.core.sampler._generator = failing
+    llm.add_request(mate)
+    llm.add_request(build_request("doomed", [20], seed=4, max_tokens=6, temperature=1.0))
+    tokens, errors = [], {}
+    while llm.has_work:
+        for rid, item in llm.step():
+            if isinstance(item, BaseException):
+                errors[rid] = item
+            elif rid == "mate":
+                tokens += item.new_token_ids
+    assert list(errors) == ["doomed"] and isinstance(errors["doomed"], EngineInternalError)
+    assert "mate" not in str(errors["doomed"])
+    assert tokens == alone

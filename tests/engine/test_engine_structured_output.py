@@ -1,9 +1,11 @@
 """Structured output on a random model: whatever the weights want, sampled text matches the regex,
 the EBNF grammar or the JSON schema; a grammar compiles once per spec; a constraint that cannot
-finish within max_tokens ends with LENGTH and says so; bad specs are refused naming the field."""
+finish within max_tokens ends with LENGTH and says so; bad specs (malformed, or matching nothing) are
+refused naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -12,7 +14,6 @@ import pytest
 from engine_helpers import build_request, make_llm
 
 from mmserve.engine.sampling_params import ResponseFormat, SamplingParams
-from mmserve.engine.structured_output import check_format
 from mmserve.errors import InvalidInputError
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["ab", "cd"]}},
@@ -33,7 +34,7 @@ def test_random_model_output_matches_its_constraint(load_backend):
     # constrained rows share the batch with unconstrained and greedy ones
     free = [build_request("free", [9], 1, max_tokens=20)]
     results = llm.generate(prompts + free, [sampled(f) for f in formats] + [None])
-    assert llm.core.sampler.grammar.compiles == 3
+    assert llm.core.sampler.grammar.compiler.compiles == 3
     for fmt, got in zip(formats, results, strict=False):
         assert got.finish_reason in ("eos", "length"), got
         if got.finish_reason == "length":   # a grammar with an unbounded repeat may run past max_tokens
@@ -61,11 +62,125 @@ def test_constraint_cut_by_max_tokens_says_so(load_backend):
 
 @pytest.mark.parametrize("kind, spec, words", [
     ("json_schema", '{"type": "strnig"}', "strnig"),
-    ("json_schema", "{not json", "not valid JSON"),
+    ("json_schema", "false", "cannot accept any value"),
     ("regex", "(ab", "parenthesis"),
     ("grammar", "root ::= missing", "missing"),
+    ("grammar", "root ::= root", "matches nothing"),
+    ("grammar", 'root ::= "a" rest\nrest ::= rest', "matches nothing: rules root, rest can never finish"),
+    ("grammar", 'root ::= "a" rest | "b"\nrest ::= "c" rest', "rule rest can never finish"),
+    ("grammar", 'root ::= "a" x{0,2}\nx ::= [^\\x00-\\U0010FFFF]', "rule x can never finish"),
+    ("regex", "[^\\x00-\\U0010FFFF]", "matches nothing"),
 ])
-def test_bad_specs_name_the_field_and_the_problem(kind, spec, words):
-    with pytest.raises(InvalidInputError) as info:
-        check_format(ResponseFormat(kind, spec))
-    assert info.value.field == f"sampling.response_format.{kind}" and words in str(info.value)
+def test_bad_specs_name_the_field_and_the_problem(load_backend, kind, spec, words):
+    compiler = make_llm(load_backend("sdpa"), attention_backend="sdpa").core.sampler.grammar.compiler
+    for _ in range(2):   # the second answer is the cached verdict: the same error, no second compile
+        with pytest.raises(InvalidInputError) as info:
+            compiler.compile(ResponseFormat(kind, spec))
+        assert info.value.field == f"sampling.response_format.{kind}" and words in str(info.value)
+    assert compiler.compiles == 1
+
+
+def _constrained(rid: str, prompt_tokens: int, fmt: ResponseFormat):
+    return dataclasses.replace(build_request(rid, [prompt_tokens], random.randrange(10_000)),
+                               sampling=SamplingParams(max_tokens=8, response_format=fmt))
+
+
+def _step_all(llm, requests) -> tuple[dict, dict, list[set]]:
+    """Run `requests` together, stepping by hand: tokens per id, errors per id, and per step the ids
+    that got a token (or their error) in it."""
+    for r in requests:
+        llm.add_request(r)
+    tokens, errors, steps = {r.request_id: [] for r in requests}, {}, []
+    while llm.has_work:
+        moved = set()
+        for rid, item in llm.step():
+            moved.add(rid)
+            if isinstance(item, BaseException):
+                errors[rid] = item
+            else:
+                tokens.setdefault(rid, []).extend(item.new_token_ids)
+        steps.append(moved)
+    return tokens, errors, steps
+
+
+def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend):
+    """Step-mates: a greedy bystander, a request whose grammar matches nothing (refused when its compile
+    ends) and one whose matcher dead-ends after one token. Fault injection for the last: grammars that
+    can dead-end are refused up front, so its matcher is swapped for one compiled from such a grammar
+    past the checks, as a grammar the checks missed would be. Only the two end, with errors naming
+    no one else; the bystander's tokens are those of its solo run."""
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+    bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=8, temperature=0.0)
+    alone = llm.generate([bystander])[0].token_ids
+    structured = llm.core.sampler.grammar
+    bad = _constrained("bad", 12, ResponseFormat("regex", "a+"))
+    empty = _constrained("empty", 7, ResponseFormat("grammar", "root ::= root"))
+    structured.compiler.compile(bad.sampling.response_format)   # cached: admitted at once, so it can be swapped
+    for r in (bystander, bad, empty):
+        llm.add_request(r)
+    structured.add("bad", bad.sampling.response_format,
+                   structured.compiler._xgrammar().compile_grammar('root ::= "a" rest\nrest ::= rest'))
+    tokens, errors, steps = _step_all(llm, [])
+    assert set(errors) == {"bad", "empty"}
+    assert tokens["bystander"] == alone
+    assert isinstance(errors["bad"], InvalidInputError) and "no token can continue" in str(errors["bad"])
+    assert isinstance(errors["empty"], InvalidInputError) and "matches nothing" in str(errors["empty"])
+    for error in errors.values():
+        assert "bystander" not in str(error) and error.field.startswith("sampling.response_format.")
+    assert any({"bad", "bystander"} <= moved for moved in steps[1:])   # it failed in a step it shared
+    assert not structured._matchers and not llm.core.requests
+
+
+def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
+    """A request whose schema takes a while to compile waits off the scheduler: a running request keeps
+    getting tokens (its solo run's) while the compile runs, then the constrained one runs."""
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+    bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=12, temperature=0.0)
+    alone = llm.generate([bystander])[0].token_ids
+    properties = {f"p{i}": {"type": "integer"} for i in range(900)}
+    fmt = ResponseFormat("json_schema", json.dumps({"type": "object", "properties": properties,
+                                                    "additionalProperties": False}))
+    slow = _constrained("slow", 9, fmt)
+    compiler = llm.core.sampler.grammar.compiler
+    llm.add_request(bystander)
+    got = list(llm.step()[0][1].new_token_ids)
+    llm.add_request(slow)                       # returns at once: the compile is the worker's
+    while_compiling = 0
+    while len(got) < len(alone):
+        compiling = compiler.compiles == 0
+        for rid, item in llm.step():
+            assert rid == "bystander" or not compiling
+            got += item.new_token_ids if rid == "bystander" else []
+            while_compiling += compiling and rid == "bystander"
+    assert got == alone and while_compiling >= 1
+    tokens, errors, _ = _step_all(llm, [])
+    assert not errors and tokens["slow"] and compiler.compiles == 1 and not llm.core.requests
+
+
+def test_compile_time_limit_refuses_the_slow_and_skips_abandoned_work(load_backend):
+    """One worker, a 0.2 s limit: a slow schema is refused (INVALID_ARGUMENT kind) and stays refused;
+    a spec queued behind it times out as retryable (the worker was busy, not the spec at fault) and,
+    nobody waiting for it any more, is never compiled."""
+    import asyncio
+
+    from mmserve.engine.format_compiler import FormatCompiler
+    from mmserve.errors import LimitExceededError
+
+    model, tok = load_backend("sdpa")
+    compiler = FormatCompiler(tok, model.spec.vocab_size, model.spec.eos_token_ids, cache_bytes=2**26, timeout_s=0.2)
+    slow = ResponseFormat("json_schema", json.dumps({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(900)}}))
+    queued = ResponseFormat("regex", "[0-9]{3}")
+
+    async def both():
+        return await asyncio.gather(compiler.check(slow), compiler.check(queued), return_exceptions=True)
+
+    refused, busy = asyncio.run(both())
+    assert isinstance(refused, InvalidInputError) and "--grammar-compile-timeout-s" in str(refused)
+    assert isinstance(busy, LimitExceededError) and busy.retryable
+    with pytest.raises(InvalidInputError, match="did not compile within"):
+        compiler.compile(slow)                 # the finished compile took too long: its verdict is kept
+    assert compiler.compiles == 1              # the queued spec was skipped, not compiled
+    compiler.compile(queued)                   # asked again, it compiles
+    assert compiler.compiles == 2
+    compiler.shutdown()

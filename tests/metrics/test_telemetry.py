@@ -14,6 +14,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from mmserve.engine.backend_check import BackendCheck
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
@@ -203,6 +204,7 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics = EngineMetrics(prometheus=True, otlp_endpoint=otlp_receiver.endpoint, export_interval_s=60)
     observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), metrics=metrics, step_trace_ratio=0)
     observer.on_engine_started(PEAKS)
+    observer.on_backends_checked((BackendCheck("full_attention", "flex", "sdpa", "forced"),))
     r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
     queued = Request("queued", list(range(3)), SamplingParams())   # still waiting when r ends
     observer.on_request_queued(r)

@@ -10,10 +10,12 @@ import pytest
 import torch
 from gemma4_fixtures import e_model_config, make_checkpoint, moe_config
 from safetensors.torch import load_file, save_file
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.model import load_model
-from mmserve.model.moe import Experts, Router
+from mmserve.model import moe as moe_module
+from mmserve.model.moe import Experts, MoeBlock, Router
 from mmserve.model.spec import MoeSpec
 
 MATMULS = {"mm", "addmm", "bmm", "_grouped_mm"}
@@ -26,6 +28,30 @@ class CountMatmuls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.calls += func.__name__.split(".")[0] in MATMULS
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a device value on the host (or size their output from one) on CUDA. On a CPU
+# each is legal and cheap, so the modes below make them fail instead.
+SYNCING_OPS = {"_local_scalar_dense", "nonzero", "bincount", "masked_select", "_unique2", "unique_dim",
+               "unique_consecutive", "repeat_interleave"}
+HOST_READS = {"tolist", "numpy", "item", "__int__", "__bool__", "__float__", "__index__"}
+
+
+class NoHostSync(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        boolean_index = name in ("index", "index_put") and any(
+            i is not None and i.dtype == torch.bool for i in args[1])
+        if name in SYNCING_OPS or boolean_index:
+            raise AssertionError(f"host sync: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class NoHostRead(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            raise AssertionError(f"host read: Tensor.{func.__name__}")
         return func(*args, **(kwargs or {}))
 
 
@@ -111,3 +137,32 @@ def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
     weights["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.zeros(16)
     save_file(weights, str(tmp_path / "e" / "model.safetensors"))
     assert load_model(tmp_path / "e").decoder.layers[4].self_attn.k_proj is None
+
+
+def test_grouped_path_never_syncs_with_the_host(monkeypatch):
+    """The CUDA dispatch (forced here: CPU torch cannot make CUDA tensors, and this torch runs
+    `_grouped_mm` on CPU) reads no device value on the host, so decode steps of 26B-A4B can be
+    captured as CUDA graphs; the result and the touched count equal the per-expert loop's."""
+    rng = random.Random()
+    hidden, moe = 24, MoeSpec(num_experts=rng.randint(6, 9), top_k=2, intermediate=16)
+    block = MoeBlock(hidden, moe, 1e-6)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+        residual, dense = torch.randn(rng.randint(1, 20), hidden), torch.randn(1, hidden)
+        reference = block(residual, dense)
+        distinct = len(set(block.router(residual)[1].flatten().tolist()))
+        block.experts.touched.zero_()
+        monkeypatch.setattr(moe_module, "uses_grouped_mm", lambda x: True)
+        with NoHostRead(), NoHostSync():
+            out = block(residual, dense)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    assert int(block.experts.touched) == distinct
+
+
+def test_the_sync_detector_catches_the_reads_it_claims():
+    counts = torch.tensor([0, 2, 1])
+    for read in (lambda: int((counts > 0).sum()), lambda: (counts > 0).sum().item(), lambda: bool(counts[0]),
+                 lambda: counts.tolist(), lambda: torch.bincount(counts), lambda: counts[counts > 0]):
+        with pytest.raises(AssertionError, match="host"), NoHostRead(), NoHostSync():
+            read()

@@ -85,3 +85,59 @@ def test_streaming_with_byte_fallback_and_leading_space_strip(text):
     detok = IncrementalDetokenizer(tok)
     deltas = [detok.push([t]) for t in ids] + [detok.flush()]
     assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+
+
+def _random_text(rng: random.Random, n: int) -> str:
+    """Mixed scripts, spaces, digits and pieces the vocabularies merge (so long tokens occur)."""
+    pieces = ["the", " the", " cat", "at", "th", "é", "東京", "🐈", " ", "  ", "\n", "0", "123", "triangle",
+              " triangle", " square", "Ġ", "<|image|>", "x"]
+    return "".join(rng.choice(pieces) if rng.random() < 0.7 else chr(rng.randint(32, 0x2FFF)) for _ in range(n))
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "sentencepiece", "demo"])
+def test_min_tokens_is_a_lower_bound_on_fresh_random_text(tok, kind):
+    """The bound refuses text before tokenizing it, so it must never exceed the real count."""
+    from mmserve.config import DEMO_MODEL_DIR
+
+    tokenizer = {"byte-level": lambda: tok, "sentencepiece": sentencepiece_style_tokenizer,
+                 "demo": lambda: load_tokenizer(DEMO_MODEL_DIR)}[kind]()
+    assert tokenizer.max_chars_per_token is not None
+    rng = random.Random()
+    for _ in range(30):
+        text = _random_text(rng, rng.randint(1, 400))
+        assert len(tokenizer.encode(text)) >= tokenizer.min_tokens(len(text)) > 0, text
+    longest = "triangle" if kind == "demo" else "the"  # the bound is reached by the longest token
+    assert tokenizer.min_tokens(len(longest) * 50) <= len(tokenizer.encode(longest * 50))
+
+
+def test_a_normalizer_that_can_drop_text_gives_no_bound():
+    from tokenizers import Tokenizer, models, normalizers
+
+    stripping = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    stripping.normalizer = normalizers.Strip()
+    tokenizer = TextTokenizer(stripping)
+    assert tokenizer.max_chars_per_token is None and tokenizer.min_tokens(10**6) == 0
+
+
+def test_encoding_lets_other_threads_run(tok):
+    """A long text is tokenized on a worker thread; the event loop's thread must keep running."""
+    import threading
+    import time
+
+    ticks, done = [0], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    sibling = threading.Thread(target=tick)
+    text = "a" * 300_000
+    started = time.perf_counter()
+    sibling.start()
+    tok.encode(text)
+    took = time.perf_counter() - started
+    done.set()
+    sibling.join()
+    # Holding the GIL, the sibling gets only the ticks before and after; free, one per ~1 ms.
+    assert ticks[0] >= min(20, took / 0.005), f"{ticks[0]} ticks in {took:.3f}s"

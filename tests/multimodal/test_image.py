@@ -85,3 +85,67 @@ def test_bad_images_are_invalid_input(name: str, data: bytes) -> None:
     with pytest.raises(InvalidInputError) as e:
         decode_image(data, LIMITS)
     assert e.value.field == "image"
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+def test_every_listed_format_decodes_like_pillow(fmt: str) -> None:
+    pixels = np.random.default_rng().integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    data = encoded(Image.fromarray(pixels), fmt)
+    want = np.asarray(convert_to_rgb(Image.open(io.BytesIO(data))))
+    assert np.array_equal(decode_image(data, LIMITS), want)
+
+
+def test_a_gif_gives_its_first_frame() -> None:
+    frames = [Image.new("RGB", (8, 8), color) for color in [(255, 0, 0), (0, 0, 255)]]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:])
+    got = decode_image(out.getvalue(), LIMITS)
+    assert tuple(got[0, 0]) == (255, 0, 0)
+
+
+def _eps() -> bytes:
+    return b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n0 0 moveto showpage\n%%EOF\n"
+
+
+@pytest.mark.parametrize("name,data", [
+    ("eps", _eps()),
+    ("tga", encoded(Image.new("RGB", (8, 8)), "TGA")),
+    ("ppm", encoded(Image.new("RGB", (8, 8)), "PPM")),
+    ("tiff", encoded(Image.new("RGB", (8, 8)), "TIFF")),
+    ("ico", encoded(Image.new("RGB", (16, 16)), "ICO")),
+])
+def test_formats_outside_the_allow_list_never_reach_pillow(name: str, data: bytes, monkeypatch) -> None:
+    """Refused from the magic bytes: Pillow's open (which would pick any plugin, EPS's Ghostscript
+    included) is never called. The spy only records calls; the real open still runs if reached."""
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(a) or real_open(*a, **k))
+    with pytest.raises(InvalidInputError) as e:
+        decode_image(data, LIMITS)
+    assert "PNG, JPEG, WebP, GIF, BMP" in str(e.value) and not opened
+
+
+def test_bytes_claiming_one_format_are_decoded_by_that_plugin_only() -> None:
+    """PNG magic in front of a PostScript body: Pillow is told 'PNG' only, so the EPS plugin cannot
+    claim it; the message is ours, without Pillow's reprs."""
+    with pytest.raises(InvalidInputError) as e:
+        decode_image(b"\x89PNG\r\n\x1a\n" + _eps(), LIMITS)
+    assert str(e.value) == "image: cannot decode the PNG image: it is corrupt"
+
+
+@pytest.mark.parametrize("cut", [30, 60, 200])
+def test_damaged_images_are_described_without_internals(cut: int) -> None:
+    data = encoded(Image.fromarray(np.random.default_rng(cut).integers(0, 256, (32, 32, 3), dtype=np.uint8)), "PNG")
+    with pytest.raises(InvalidInputError) as e:
+        decode_image(data[:cut], LIMITS)
+    message = str(e.value)
+    assert message.startswith("image: cannot decode the PNG image: it is ")
+    assert "0x" not in message and "BytesIO" not in message and "<" not in message
+
+
+def test_fit_resizes_while_decoding_exactly_as_preprocessing_does() -> None:
+    from mmserve.multimodal.preprocess import _resize
+
+    pixels = np.random.default_rng().integers(0, 256, (97, 61, 3), dtype=np.uint8)
+    got = decode_image(encoded(Image.fromarray(pixels), "PNG"), LIMITS, fit=lambda h, w: (48, 32))
+    assert np.array_equal(got, _resize(pixels, 48, 32))

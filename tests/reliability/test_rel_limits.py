@@ -30,7 +30,7 @@ def _cases(cfg, make_video) -> dict[str, tuple[pb.GenerateRequest, grpc.StatusCo
     clip = make_video(seed=5, num_frames=4)
     mp4_head = clip[:64]
     return {
-        "message size": (_req(_video(secrets.token_bytes(5 * 2**20))), EXHAUSTED,
+        "message size": (_req(_video(secrets.token_bytes(4 * 2**20 + 2**19))), EXHAUSTED,
                          [f"limit of {4 * 2**20} bytes", "--max-message-bytes"]),
         "video bytes": (_req(_video(mp4_head + secrets.token_bytes(2**20))), EXHAUSTED,
                         [f"limit of {2**20}", "--max-video-bytes"]),

@@ -10,7 +10,7 @@ from rel_server import serve, stream_status
 
 from mmserve.api.mmserve.v1 import generation_pb2, generation_pb2_grpc
 from mmserve.config import ServerConfig
-from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
+from mmserve.server.admission import TRANSPORT_HEADROOM_BYTES, MessageAdmission, transport_receive_limit
 
 LIMIT = 256 * 1024
 
@@ -25,7 +25,7 @@ def test_message_size_limit():
     options = [("grpc.max_receive_message_length", transport_receive_limit(LIMIT))]
 
     async def scenario():
-        async with serve(ServerConfig(port=0), [MessageSizeLimit(LIMIT)], options) as port, \
+        async with serve(ServerConfig(port=0), [MessageAdmission(LIMIT, 2**30)], options) as port, \
                 grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             small = _request(LIMIT // 2)
@@ -43,7 +43,7 @@ def test_message_size_limit():
                 raise AssertionError("an oversize Abort was accepted")
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-message-bytes" in e.details()
-            code, message = await stream_status(stub.Generate(_request(3 * LIMIT)))
+            code, message = await stream_status(stub.Generate(_request(LIMIT + TRANSPORT_HEADROOM_BYTES + 1)))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message
 
     asyncio.run(scenario())

@@ -130,3 +130,105 @@ def test_decoded_frames_over_the_request_limit(tiny_checkpoint, executor, make_v
     with pytest.raises(InvalidInputError) as info:
         _process(processor, VideoInput(data=clip), VideoInput(data=clip, fps=0.5), VideoInput(data=clip))
     assert info.value.field == "messages" and "--max-frames-per-request" in str(info.value)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height but whose pixel data is garbage: decoding it fails,
+    so a refusal naming a limit proves the limit was checked from the header, before decoding."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"garbage") + chunk(b"IEND", b"")
+
+
+def test_text_beyond_the_context_is_refused_without_tokenizing(tiny_checkpoint, executor, monkeypatch):
+    processor = _processor(tiny_checkpoint, executor, context_length=64)
+    monkeypatch.setattr(processor.tokenizer, "encode", lambda text: pytest.fail("tokenized"))  # a spy
+    text = "x" * (64 * processor.tokenizer.max_chars_per_token)
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, TextInput(text))
+    assert info.value.field == "messages" and "at least 64 tokens" in str(info.value)
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, TextInput(text[: 40 * processor.tokenizer.max_chars_per_token]),
+                 sampling=SamplingParams(max_tokens=30))
+    assert info.value.field == "sampling.max_tokens" and "at least 40" in str(info.value)
+
+
+def test_image_count_and_pixels_are_checked_before_decoding(tiny_checkpoint, executor):
+    processor = _processor(tiny_checkpoint, executor, max_images_per_request=2, max_pixels_per_request=1000)
+    tiny = ImageInput(_png_claiming(10, 10))
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, tiny, tiny, tiny)
+    assert "--max-images-per-request" in str(info.value)
+    with pytest.raises(LimitExceededError) as info:
+        _process(processor, VideoInput(frames=(_png_claiming(20, 20),) * 3))
+    assert "--max-pixels-per-request" in str(info.value) and "video.frames[2]" in str(info.value)
+    with pytest.raises(InvalidInputError) as info:  # within the limits: now it is decoded, and fails
+        _process(processor, tiny, tiny)
+    assert info.value.field == "messages[0].parts[0].image"
+
+
+def test_image_tokens_count_against_the_context_before_decoding(tiny_checkpoint, executor):
+    """Soft tokens follow from the header's size, so images that cannot fit are refused undecoded."""
+    processor = _processor(tiny_checkpoint, executor, context_length=64)
+    big = ImageInput(_png_claiming(512, 512))
+    assert processor.spec.image_max_soft_tokens * 4 >= 64
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, big, big, big, big, TextInput("hi"))
+    assert info.value.field == "messages" and "at least" in str(info.value)
+
+
+def test_given_frames_decode_one_at_a_time_to_the_same_patches(tiny_checkpoint, executor):
+    """Frames decoded straight to the model's size give exactly the patches of full-size decoding."""
+    rng = np.random.default_rng()
+    processor = _processor(tiny_checkpoint, executor)
+    spec = processor.spec
+    frames = [_png(rng, int(rng.integers(40, 200)), int(rng.integers(40, 200))) for _ in range(3)]
+    request = _process(processor, VideoInput(frames=tuple(f for f, _ in frames)))
+    want = preprocess_images([p for _, p in frames], patch_size=spec.patch_size,
+                             pooling_kernel_size=spec.pooling_kernel_size, max_soft_tokens=spec.video_max_soft_tokens)
+    for k, item in enumerate(request.mm_inputs):
+        assert torch.equal(item.pixel_values, want.pixel_values[k])
+        assert torch.equal(item.position_ids, want.position_ids[k])
+
+
+def test_cancelling_a_request_stops_decoding_its_frames(tiny_checkpoint, monkeypatch):
+    """A client cancel (or deadline) ends the request while its frames decode: the worker stops at
+    the next frame instead of decoding them all. The spy only counts calls to the real decoder."""
+    import threading
+    import time
+
+    from mmserve.engine import input_processor
+
+    calls, first = [], threading.Event()
+    real = input_processor.decode_image
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        first.set()
+        time.sleep(0.02)  # a frame takes a while
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(input_processor, "decode_image", counting)
+    frame, _ = _png(np.random.default_rng(0), 32, 32)
+
+    async def main(pool):
+        processor = _processor(tiny_checkpoint, pool, context_length=1 << 16)
+        task = asyncio.ensure_future(processor.process(
+            "r1", [InputMessage("user", (VideoInput(frames=(frame,) * 60),))], SamplingParams(max_tokens=4)))
+        deadline = time.monotonic() + 30
+        while not first.is_set():
+            assert time.monotonic() < deadline and not task.done(), task
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.get_running_loop().run_in_executor(pool, lambda: None)  # the only worker is free again
+
+    with ThreadPoolExecutor(1) as pool:
+        asyncio.run(main(pool))
+    assert len(calls) < 30, f"{len(calls)} of 60 frames decoded after the cancel"

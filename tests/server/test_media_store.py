@@ -154,13 +154,21 @@ def test_a_full_store_evicts_the_least_recently_used_unleased_media(tmp_path, cl
     assert files(store) == sorted([INCOMING, a.id, c.id])
 
 
+def test_a_declared_size_takes_no_space_before_its_bytes_arrive(tmp_path, clock):
+    """Declaring sizes used to reserve them at once and evict other clients' media for bytes never sent."""
+    store = make_store(tmp_path, clock, max_bytes=8000)
+    victim, _ = put(store, secrets.token_bytes(3000))
+    declared = [store.begin(declared_size=5000), store.begin(declared_size=5000)]
+    assert store.used_bytes == 3000 and store.lookup(victim.id) is not None
+    declared[0].write(bytes(4000))   # bytes that really arrived do take space (evicting if they must)
+    assert store.used_bytes == 7000
+    for upload in declared:
+        upload.abort()
+    assert store.used_bytes == 3000 and files(store) == sorted([INCOMING, victim.id])
+
+
 def test_uploads_in_progress_count_against_the_limit(tmp_path, clock):
     store = make_store(tmp_path, clock, max_bytes=8000)
-    first = store.begin(declared_size=5000)  # reserved at once
-    with pytest.raises(LimitExceededError, match="full"):
-        store.begin(declared_size=5000)
-    first.abort()
-    assert store.used_bytes == 0
     second = store.begin()
     second.write(bytes(5000))
     with pytest.raises(LimitExceededError, match="full"):

@@ -162,3 +162,25 @@ def test_total_frames_over_the_request_limit():
     frames = pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")] * 6)))
     assert _bad(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[frames, frames])]), config).field == \
         "messages"
+
+
+@pytest.mark.parametrize("kind, spec, depth", [
+    ("json_schema", '{"a": [{"b": 1}], "c": "{[{[{["}', 3),    # brackets inside strings do not count
+    ("json_schema", '{"a": "\\"{"}', 1),                     # nor after an escaped quote
+    ("regex", r"(a(b)\(\)[(((])", 2),                       # escaped parentheses and character classes neither
+    ("grammar", 'root ::= ("(" (x | "))))")) [(]\nx ::= "a"', 2),
+])
+def test_nesting_depth_counts_structure_not_text(kind, spec, depth):
+    from mmserve.server.validation import nesting_depth
+
+    assert nesting_depth(kind, spec) == depth
+
+
+def test_response_format_limits_name_their_flags():
+    config = EngineConfig(max_response_format_chars=40, max_response_format_depth=3)
+    deep = pb.ResponseFormat(json_schema='{"a": {"b": {"c": {}}}}')
+    with pytest.raises(InvalidInputError, match="nested 4 deep, at most 3 .--max-response-format-depth."):
+        validate_request(_request(response_format=deep), config)
+    with pytest.raises(InvalidInputError, match="41 characters, at most 40 .--max-response-format-chars."):
+        validate_request(_request(response_format=pb.ResponseFormat(regex="a" * 41)), config)
+    assert validate_request(_request(response_format=pb.ResponseFormat(regex="((a))")), config).sampling.response_format

@@ -48,6 +48,7 @@ from mmserve.attention.selection import device_arch, fa4_runs
 
 NO_WINDOW = 2**30
 QUERY_TILE = 128   # packed query rows of FA4's query tile at head dim 256 on SM90 and SM100
+SEQS_PER_CALL = 256   # b36's BIN_BATCH_SEARCH_THRESH: more sequences in one call take another kernel
 
 
 def fa4_installed() -> bool:
@@ -72,6 +73,9 @@ def mm_prefix_mask_mod(clamp: bool):
     # there cannot reuse a stale kernel from FA4's disk cache.
     source = inspect.getsource(_keep_ssa) + f"clamp={clamp}"
     mm_prefix_mask.__cute_hash__ = hashlib.sha256(source.encode()).hexdigest()
+    # One column per call: _keep_ssa reads each row's range for lane 0 only. b36 defaults to 1; pinned
+    # so a newer FA4 vectorising mask_mods by default cannot hand it packed fragments (vLLM pins it too).
+    mm_prefix_mask.__vec_size__ = 1
     return mm_prefix_mask
 
 
@@ -118,7 +122,12 @@ class Fa4Metadata:
 
 def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: Fa4Metadata,
             spec: LayerAttentionSpec) -> torch.Tensor:
-    """One FA4 varlen call over the paged cache into md.out; the mask_mod path iff the step has pieces.
+    """FA4 varlen calls over the paged cache into md.out; the mask_mod path iff the step has pieces.
+
+    At most SEQS_PER_CALL sequences (requests or pieces) per call: above FA4's batch-search threshold
+    it switches to another scheduler, a second compile key that a long step (E2B/E4B reach 512
+    pieces at an 8k budget) would compile mid-serving. Each call reads a slice of the step's
+    cumulative query offsets, which stay absolute rows of q and out.
 
     FA4's internal entry point takes the output buffer (the public wrapper allocates its own); the
     pinned b36 is the version this is written against."""
@@ -129,18 +138,28 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
     if md.pieces is None:
         c = md.common
         left = spec.window - 1 if spec.window is not None else None
-        _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=c.query_start_loc, seqused_k=c.seq_lens,
-                        max_seqlen_q=c.max_query_len, page_table=c.block_table, softmax_scale=spec.scale,
-                        causal=True, window_size_left=left, window_size_right=0 if left is not None else None,
-                        out=out)
+        for a, n in call_slices(c.seq_lens.shape[0]):
+            _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=c.query_start_loc.narrow(0, a, n + 1),
+                            seqused_k=c.seq_lens.narrow(0, a, n), max_seqlen_q=c.max_query_len,
+                            page_table=c.block_table.narrow(0, a, n), softmax_scale=spec.scale,
+                            causal=True, window_size_left=left, window_size_right=0 if left is not None else None,
+                            out=out)
         return out
     p = md.pieces
     window = spec.window if spec.window is not None else NO_WINDOW
-    _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=p.query_start_loc, seqused_k=p.num_keys,
-                    max_seqlen_q=p.max_query_len, page_table=p.block_table, softmax_scale=spec.scale, causal=False,
-                    mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
-                    aux_tensors=[md.common.query_ranges, p.offsets], aux_scalars=(cutlass.Int32(window),), out=out)
+    for a, n in call_slices(p.num_keys.shape[0]):
+        _flash_attn_fwd(q, k_cache, v_cache, cu_seqlens_q=p.query_start_loc.narrow(0, a, n + 1),
+                        seqused_k=p.num_keys.narrow(0, a, n), max_seqlen_q=p.max_query_len,
+                        page_table=p.block_table.narrow(0, a, n), softmax_scale=spec.scale, causal=False,
+                        mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
+                        aux_tensors=[md.common.query_ranges, p.offsets.narrow(0, a, n)],
+                        aux_scalars=(cutlass.Int32(window),), out=out)
     return out
+
+
+def call_slices(num_seqs: int) -> list[tuple[int, int]]:
+    """(first, count) of at most SEQS_PER_CALL sequences each, covering 0..num_seqs."""
+    return [(a, min(SEQS_PER_CALL, num_seqs - a)) for a in range(0, num_seqs, SEQS_PER_CALL)]
 
 
 class Fa4MetadataBuilder:

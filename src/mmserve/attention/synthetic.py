@@ -53,12 +53,14 @@ def query_ranges(reqs: list[Req]) -> torch.Tensor | None:
 
 def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype = torch.float32,
                block_size: int = 16, num_blocks: int = 128, gen: torch.Generator | None = None,
-               free_outside_window: bool = False, table_width: int | None = None) -> Batch:
+               free_outside_window: bool = False, table_width: int | None = None,
+               cache_device: str | torch.device = "cpu") -> Batch:
     """A step over a random paged cache: blocks shuffled, garbage in unused blocks and in the null block 0.
 
     free_outside_window points blocks that no query of this step can keep at the null block, as the
     scheduler does for sliding layers. table_width fixes the block table's width the way the engine
-    does (ceil(max_model_len / block_size)); by default it just fits the batch.
+    does (ceil(max_model_len / block_size)); by default it just fits the batch. cache_device: where
+    the cache is made and filled (a GPU fills gigabytes in microseconds; the CPU takes seconds).
     """
     gen = gen or torch.Generator().manual_seed(0)
     H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -67,7 +69,12 @@ def make_batch(reqs: list[Req], spec: LayerAttentionSpec, *, dtype: torch.dtype 
     physical = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     max_blocks = table_width or max(blocks_per_req) + 2
     block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
-    kv_cache = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    if torch.device(cache_device).type == "cpu":
+        kv_cache = torch.randn(2, num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    else:
+        device_gen = torch.Generator(cache_device).manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+        kv_cache = torch.empty(2, num_blocks, block_size, Hkv, D, dtype=dtype, device=cache_device)
+        kv_cache.normal_(generator=device_gen)
     kv_cache[:, 0] = 1e3  # the null block must never be attended
     positions, slots, qsl = [], [], [0]
     for i, r in enumerate(reqs):

@@ -6,19 +6,25 @@ The core owns the model, the KV caches, the scheduler and the sampler, and is dr
 per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and the observer live in
 the front end (`output_processor.py`), off this loop's critical path.
 
-A failing step fails only the requests it scheduled; the loop keeps serving.
+A failing step fails only the requests it scheduled; the loop keeps serving. A request whose own
+sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
+request with a response_format not compiled yet waits off the scheduler while the compile worker
+runs (`format_compiler.py`): the step loop never compiles.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 
 import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.cpu_threads import torch_threads
+from mmserve.engine.format_compiler import FormatCompiler
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
@@ -29,7 +35,7 @@ from mmserve.engine.sampling_params import check_vocab
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
-from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError
+from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import SchedulerOutput
@@ -37,6 +43,8 @@ from mmserve.scheduler.request import Request
 from mmserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
 
 
 def load_engine_model(config: EngineConfig):
@@ -79,7 +87,9 @@ class EngineCore:
                                    policy=config.scheduling_policy)
         self.runner = ModelRunner(model, plans, config, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
-        grammar = (StructuredOutput(tokenizer, spec.vocab_size, sorted(self.eos_token_ids))
+        # No time limit here: the front end refused what does not compile within it (it compiles first).
+        grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
+                                                   cache_bytes=config.grammar_cache_bytes, timeout_s=math.inf))
                    if tokenizer is not None else None)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
         self.threads = StepThreads(torch.get_num_threads(), adaptive=config.adaptive_threads and model.device.type == "cpu")
@@ -90,6 +100,7 @@ class EngineCore:
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._forks: dict[str, list[Request]] = {}   # parent id -> samples waiting for its prompt's KV
+        self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -107,29 +118,53 @@ class EngineCore:
         if req.request_id in self.requests:
             raise InvalidInputError("request_id", f"{req.request_id!r} is already in flight")
         check_vocab(req.sampling, self.model.spec.vocab_size)
-        matcher = None
-        if req.sampling.response_format is not None:
+        fmt = req.sampling.response_format
+        compiled = None
+        if fmt is not None:
             if self.sampler.grammar is None:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
-            matcher = self.sampler.grammar.matcher(req.sampling.response_format)   # compiles on a cache miss
+            compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
                           mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of)
         self.scheduler.check_admissible(request)
         if req.sampling.n > 1 and req.fork_of is None:
             check_samples_fit(self.kv, request.num_prompt_tokens, req.sampling.max_tokens, req.sampling.n,
                               self.config.max_step_tokens)
-        if len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+        if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
         self.requests[req.request_id] = request
-        if matcher is not None:
-            self.sampler.grammar.add(req.request_id, matcher)
+        self._admitted.append(req.request_id)
+        if fmt is not None and compiled is None:
+            self._compiling[req.request_id] = self.sampler.grammar.compiler.submit(fmt)   # queued once compiled
+            return
+        if compiled is not None:
+            self.sampler.grammar.add(req.request_id, fmt, compiled)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
         parent = self.requests.get(request.fork_of) if request.fork_of else None
         if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
             self._forks.setdefault(request.fork_of, []).append(request)   # until its prompt is computed
         else:
             self.scheduler.enqueue(request)
-        self._admitted.append(req.request_id)
+
+    def _queue_compiled(self, outputs: list[CoreOutput]) -> None:
+        """Queue the requests whose grammar has compiled since the last step; end those refused."""
+        for rid in [rid for rid, future in self._compiling.items() if future.done()]:
+            future = self._compiling.pop(rid)
+            request = self.requests[rid]
+            try:
+                self.sampler.grammar.add(rid, request.sampling_params.response_format, future.result())
+            except MMServeError as exc:
+                self._end(rid, CoreOutput(rid, error=exc), outputs)
+                continue
+            except Exception as exc:
+                logger.error("request %s: its response_format failed to compile", rid, exc_info=exc)
+                self._end(rid, CoreOutput(rid, error=EngineInternalError(
+                    f"request {rid}: its response_format failed to compile ({type(exc).__name__})")), outputs)
+                continue
+            self._queue(request)
 
     def abort(self, request_id: str) -> bool:
         """Free a request the front end has ended; acknowledged with the next step. False if unknown."""
@@ -140,7 +175,7 @@ class EngineCore:
         return True
 
     def load(self) -> LoadInfo:
-        forks = sum(len(f) for f in self._forks.values())
+        forks = sum(len(f) for f in self._forks.values()) + len(self._compiling)
         return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + forks,
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs,
                         kv_cached_usage=self.kv.cached_usage())
@@ -160,6 +195,7 @@ class EngineCore:
         """The single exit of every admitted request: free everything, report it once (unless the
         front end ended it: `output` None)."""
         request = self.requests.pop(rid)
+        self._compiling.pop(rid, None)
         if request in self._forks.get(request.fork_of, ()):
             self._forks[request.fork_of].remove(request)
         self.prompt_logprobs.pop(rid, None)
@@ -179,10 +215,12 @@ class EngineCore:
         """Run one step (if anything is schedulable); returns everything to report, with the load after it."""
         result = self._collect()
         try:
+            self._queue_compiled(result.outputs)
             self._step(result)
         except Exception as exc:   # a bug outside the model step: the core's state is suspect
             logger.exception("engine loop error; failing every request in flight")
-            self.fail_all(EngineInternalError(f"engine error: {exc!r}"), result.outputs)
+            self.fail_all(EngineInternalError(f"engine error ({type(exc).__name__}; details in the server log)"),
+                          result.outputs)
         result.load = self.load()
         return result
 
@@ -190,6 +228,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
+            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
+                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
         size = size_class(out)
@@ -197,7 +237,7 @@ class EngineCore:
         try:
             with torch_threads(threads):
                 step = self.runner.execute(out)
-                sampled = self.sampler.sample(step.logits, [s.request for s in step.sampled])
+                sampled = self._sample(step.logits, [s.request for s in step.sampled])
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -211,6 +251,28 @@ class EngineCore:
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns)
         self._append_tokens(step.sampled, sampled, result.outputs)
 
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
+        fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
+        drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
+        try:
+            return self.sampler.sample(logits, requests)
+        except Exception:
+            logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
+        out = SamplerOutput([], [])
+        for i, request in enumerate(requests):
+            try:
+                row = self.sampler.sample(logits[i:i + 1], [request])
+            except Exception as exc:
+                logger.error("request %s: sampling failed", request.request_id, exc_info=exc)
+                row = SamplerOutput([0], [None], {0: EngineInternalError(
+                    f"request {request.request_id}: sampling failed ({type(exc).__name__}; details in the server log)")})
+            out.token_ids += row.token_ids
+            out.logprobs += row.logprobs
+            if 0 in row.errors:
+                out.errors[i] = row.errors[0]
+        return out
+
     def _release_forks(self) -> None:
         """Queue the samples whose parent has computed its prompt (or has ended)."""
         for parent_id in [p for p, forks in self._forks.items() if forks or p not in self.requests]:
@@ -221,9 +283,12 @@ class EngineCore:
 
     def _append_tokens(self, scheduled, sampled: SamplerOutput, outputs: list[CoreOutput]) -> None:
         eos = self.eos_token_ids
-        for s, token, logprobs in zip(scheduled, sampled.token_ids, sampled.logprobs, strict=True):
+        for row, (s, token, logprobs) in enumerate(zip(scheduled, sampled.token_ids, sampled.logprobs, strict=True)):
             request = s.request
             rid = request.request_id
+            if (error := sampled.errors.get(row)) is not None:   # this request's own failure: it ends alone
+                self._end(rid, CoreOutput(rid, error=error), outputs)
+                continue
             request.output_token_ids.append(token)
             params = request.sampling_params
             out = CoreOutput(rid, [token], logprobs=None if logprobs is None else [logprobs],
@@ -245,10 +310,10 @@ class EngineCore:
         ids = [s.request.request_id for s in out.scheduled]
         logger.error("engine step %d failed for requests %s", self.step_index, ids, exc_info=exc)
         self.step_index += 1
-        for rid in ids:
+        for rid in ids:   # the exception's text may name a step-mate: it stays in the log
             if rid in self.requests:
-                self._end(rid, CoreOutput(rid, error=EngineInternalError(f"request {rid}: engine step failed: {exc!r}")),
-                          outputs)
+                self._end(rid, CoreOutput(rid, error=EngineInternalError(
+                    f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
                 start_ns: int, end_ns: int) -> StepRecord:
@@ -274,6 +339,8 @@ class EngineCore:
         result = self._collect()
         self.fail_all(error, result.outputs)
         result.load = self.load()
+        if self.sampler.grammar is not None:
+            self.sampler.grammar.compiler.shutdown()
         return result
 
     def fail_all(self, error: BaseException, outputs: list[CoreOutput]) -> None:

@@ -144,9 +144,10 @@ class CoreClient:
             await self.exited.wait()
             return
         self._shutting_down = True
-        if self._receiver is None:        # never started (or failed to)
+        if self._receiver is None:        # never started (or failed to): nothing to wait for
             self._kill()
             self._close()
+            self.exited.set()             # a second shutdown() returns at once instead of waiting forever
             return
         if self.alive:
             self._post(Shutdown())

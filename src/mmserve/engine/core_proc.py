@@ -120,7 +120,8 @@ def _start(config: EngineConfig, model, torch_threads: int):
         eos_token_ids=tuple(sorted(core.eos_token_ids)),
         kv_pool_blocks={name: pool.num_usable for name, pool in core.kv.pools.items()},
         max_num_seqs=config.max_num_seqs, peaks=core.peaks,
-        torch_threads=torch_threads or torch.get_num_threads(), pid=os.getpid())
+        torch_threads=torch_threads or torch.get_num_threads(), pid=os.getpid(),
+        backend_checks=tuple(core.runner.backend_checks))
     return core, ready
 
 

@@ -60,6 +60,7 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pool = None
+        self.replays = 0   # graph steps run so far: a check that graphs ran counts these, not tokens
 
     @property
     def enabled(self) -> bool:
@@ -88,4 +89,5 @@ class DecodeGraphs:
     def replay(self, size: int) -> torch.Tensor:
         """Run the graph of `size` on whatever its persistent inputs hold now; returns its hidden states."""
         self._graphs[size].replay()
+        self.replays += 1
         return self._outputs[size]

@@ -4,6 +4,10 @@ The edge validates the wire format and hands over `InputMessage`s; here the heav
 the event loop: decode videos and images in a worker pool under a time limit, turn pixels into
 vision patches, render the prompt layout, and check the result against the context length and the
 configured limits before the engine ever sees it.
+
+Work is bounded before it is done, cheapest check first: the text's length against the fewest
+tokens it can become (on the loop, no tokenizing), then counts of images and frames, then every
+image's header (pixels and soft tokens, no decoding), and only then decoding, one image at a time.
 """
 
 from __future__ import annotations
@@ -11,16 +15,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mmserve.config import EngineConfig
+from mmserve.engine.fair_pool import FairPool
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import InvalidInputError, LimitExceededError
@@ -30,9 +32,9 @@ from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
 from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.decode_control import DecodeControl
-from mmserve.multimodal.image import decode_image
+from mmserve.multimodal.image import decode_image, read_header
 from mmserve.multimodal.limits import MediaLimits
-from mmserve.multimodal.preprocess import VisionBatch, preprocess_images
+from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
 from mmserve.scheduler.request import MultiModalInput
 
@@ -103,71 +105,91 @@ class InputProcessor:
     """Turns validated messages into an EngineRequest; shared by all requests of a server."""
 
     def __init__(self, config: EngineConfig, tokenizer, spec: ModelSpec, executor: Executor, *,
-                 max_model_len: int) -> None:
+                 max_model_len: int, workers: int | None = None) -> None:
+        """`workers`: the executor's threads (default: a ThreadPoolExecutor's own count)."""
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
-        self.executor = executor
+        self.pool = FairPool(executor, workers or getattr(executor, "_max_workers", 1))
         self.max_model_len = max_model_len
         self.limits = MediaLimits.from_config(config)
 
     @classmethod
-    def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, context_length: int) -> InputProcessor:
+    def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, context_length: int,
+                        workers: int | None = None) -> InputProcessor:
         """Tokenizer and vision settings from the served checkpoint (`config.model`)."""
         return cls(config, load_tokenizer(config.model), load_spec(config.model), executor,
-                   max_model_len=context_length)
+                   max_model_len=context_length, workers=workers)
 
     async def process(self, request_id: str, messages: Sequence[InputMessage], sampling: SamplingParams, *,
                       priority: int = 0, trace_context: Any = None) -> EngineRequest:
+        owner = object()  # this request's share of the worker pool
         jobs = [(f"messages[{i}].parts[{j}]", part) for i, m in enumerate(messages) for j, part in enumerate(m.parts)
                 if not isinstance(part, TextInput)]
-        media, num_frames = await self._decode_all(jobs, trace_context)
+        text_tokens = self.tokenizer.min_tokens(sum(len(p.text.strip()) for m in messages for p in m.parts
+                                                    if isinstance(p, TextInput)))
+        media, num_frames = await self._decode_all(owner, jobs, text_tokens, sampling, trace_context)
         chat = [ChatMessage(m.role, [self._model_part(f"messages[{i}].parts[{j}]", p, media)
                                      for j, p in enumerate(m.parts)]) for i, m in enumerate(messages)]
         render = functools.partial(build_prompt, self.tokenizer, self.spec, chat)
-        return await self._request(request_id, render, sampling, priority=priority, trace_context=trace_context,
-                                   num_frames=num_frames)
+        return await self._request(owner, request_id, render, sampling, priority=priority,
+                                   trace_context=trace_context, num_frames=num_frames)
 
     async def process_tokens(self, request_id: str, token_ids: Sequence[int], media: Sequence[ImageInput | VideoInput],
                              sampling: SamplingParams, *, where: str = "media", max_tokens_to_context: bool = False,
                              priority: int = 0, trace_context: Any = None) -> EngineRequest:
         """A prompt rendered elsewhere (a gateway): `token_ids` hold one image/video anchor per item of
         `media`, in order. The media are decoded and each anchor expanded exactly as `process` lays
-        out the same content, so both reach the engine alike (prefix cache included).
-        `max_tokens_to_context`: `sampling.max_tokens` is only a cap; use what the context leaves."""
+        out the same content, so both reach the engine alike (prefix cache included), after the
+        same checks. `max_tokens_to_context`: `sampling.max_tokens` is only a cap; use what the
+        context leaves."""
+        owner = object()
         jobs = [(f"{where}[{i}]", part) for i, part in enumerate(media)]
-        decoded, num_frames = await self._decode_all(jobs, trace_context)
+        early = dataclasses.replace(sampling, max_tokens=1, min_tokens=0) if max_tokens_to_context else sampling
+        decoded, num_frames = await self._decode_all(owner, jobs, len(token_ids) - len(jobs), early, trace_context)
         parts = [self._model_part(w, p, decoded) for w, p in jobs]
         render = functools.partial(expand_anchors, self.tokenizer, self.spec, list(token_ids), parts)
-        return await self._request(request_id, render, sampling, priority=priority, trace_context=trace_context,
-                                   num_frames=num_frames, max_tokens_to_context=max_tokens_to_context)
+        return await self._request(owner, request_id, render, sampling, priority=priority,
+                                   trace_context=trace_context, num_frames=num_frames,
+                                   max_tokens_to_context=max_tokens_to_context)
 
     async def process_layout(self, layout: PromptLayout, request_id: str, sampling: SamplingParams, *, num_frames: int,
                              max_tokens_to_context: bool = False, priority: int = 0,
                              trace_context: Any = None) -> EngineRequest:
         """A prompt laid out and patchified elsewhere (a gateway's own preprocessing), already
-        checked to be our layout: held to the same frame and length limits."""
+        checked to be our layout: held to the same count and length limits."""
+        images = sum(item.kind == "image" for item in layout.mm_items)
+        if images > self.limits.max_images_per_request:
+            raise InvalidInputError("messages", f"{images} images, at most {self.limits.max_images_per_request} per "
+                                    "request (--max-images-per-request)")
         if num_frames > self.config.max_frames_per_request:
             raise InvalidInputError("messages", f"{num_frames} video frames, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
-        return await self._request(request_id, lambda: layout, sampling, priority=priority,
+        return await self._request(object(), request_id, lambda: layout, sampling, priority=priority,
                                    trace_context=trace_context, num_frames=num_frames,
                                    max_tokens_to_context=max_tokens_to_context)
 
-    async def _decode_all(self, jobs: list[tuple[str, ImageInput | VideoInput]],
-                          trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
-        """Decode every (field, part) concurrently; check the request's decoded frame total."""
-        decoded = await _all_or_none([self._decode(where, part, trace_context) for where, part in jobs])
+    async def _decode_all(self, owner: object, jobs: list[tuple[str, ImageInput | VideoInput]], text_tokens: int,
+                          sampling: SamplingParams, trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
+        """Check what is known before decoding (length lower bounds, counts, headers), decode every
+        (field, part) concurrently, then check the request's decoded frame total."""
+        self._check_length(text_tokens, sampling, at_least=True)
+        self._check_counts(jobs)
+        if any(self._header_sources(jobs)):
+            media_tokens = await self._in_pool(owner, "messages", functools.partial(self._headers_blocking, jobs))
+            self._check_length(text_tokens + media_tokens, sampling, at_least=True)
+        decoded = await _all_or_none([self._decode(owner, where, part, trace_context) for where, part in jobs])
         num_frames = sum(len(d.timestamps_s) for d in decoded if d.timestamps_s is not None)
         if num_frames > self.config.max_frames_per_request:
             raise InvalidInputError("messages", f"the videos decode to {num_frames} frames, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
         return {where: d for (where, _), d in zip(jobs, decoded, strict=True)}, num_frames
 
-    async def _request(self, request_id: str, render, sampling: SamplingParams, *, priority: int, trace_context: Any,
-                       num_frames: int, max_tokens_to_context: bool = False) -> EngineRequest:
-        loop = asyncio.get_running_loop()
-        layout, mm_inputs = await loop.run_in_executor(self.executor, self._layout_blocking, render)
+    async def _request(self, owner: object, request_id: str, render: Callable[[], PromptLayout],
+                       sampling: SamplingParams, *, priority: int, trace_context: Any, num_frames: int,
+                       max_tokens_to_context: bool = False) -> EngineRequest:
+        layout, mm_inputs = await self._in_pool(owner, "messages", functools.partial(self._layout_blocking, render),
+                                                timed=False)
         if max_tokens_to_context:
             room = max(1, self.max_model_len - len(layout.token_ids))
             sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room),
@@ -179,34 +201,83 @@ class InputProcessor:
             num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges))
 
     @staticmethod
-    def _layout_blocking(render) -> tuple[PromptLayout, list[MultiModalInput]]:
+    def _layout_blocking(render: Callable[[], PromptLayout],
+                         control: DecodeControl) -> tuple[PromptLayout, list[MultiModalInput]]:
         """Render the prompt, and name every image/frame by its content hash (the prefix and
         encoder caches' key), in the worker pool: hashing megabytes of pixels must not block the loop."""
+        control.check()  # the request may have ended while this job waited for a worker
         layout = render()
         return layout, [MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
                         for item in layout.mm_items]
 
-    def _check_length(self, prompt_tokens: int, sampling: SamplingParams) -> None:
+    def _check_counts(self, jobs: list[tuple[str, ImageInput | VideoInput]]) -> None:
+        """Image and given-frame counts, known before anything is read."""
+        images = sum(isinstance(part, ImageInput) for _, part in jobs)
+        if images > self.limits.max_images_per_request:
+            raise InvalidInputError("messages", f"{images} images, at most {self.limits.max_images_per_request} per "
+                                    "request (--max-images-per-request)")
+        frames = sum(len(part.frames) for _, part in jobs if isinstance(part, VideoInput))
+        if frames > self.config.max_frames_per_request:
+            raise InvalidInputError("messages", f"{frames} video frames given, at most "
+                                    f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
+
+    def _headers_blocking(self, jobs: list[tuple[str, ImageInput | VideoInput]], control: DecodeControl) -> int:
+        """Read every image's and given frame's header (no pixels): refuse the request once their pixels
+        exceed its budget; return their soft tokens, so the context check precedes decoding. A
+        container video is bounded while it decodes (frames downscaled, counted after)."""
+        pixels = tokens = 0
+        for field, source, max_soft in self._header_sources(jobs):
+            control.check()
+            try:
+                header = read_header(source, self.limits)
+            except InvalidInputError as e:
+                raise InvalidInputError(field, str(e).removeprefix(f"{e.field}: ")) from e
+            pixels += header.pixels
+            if pixels > self.limits.max_pixels_per_request:
+                raise LimitExceededError(f"{field}: the request's images and frames hold more than "
+                                         f"{self.limits.max_pixels_per_request} pixels", "--max-pixels-per-request")
+            tokens += num_soft_tokens(header.height, header.width, patch_size=self.spec.patch_size,
+                                      pooling_kernel_size=self.spec.pooling_kernel_size, max_soft_tokens=max_soft)
+        return tokens
+
+    def _header_sources(self, jobs: list[tuple[str, ImageInput | VideoInput]]):
+        """(field, encoded image, its soft-token cap) for each image and given frame."""
+        for where, part in jobs:
+            if isinstance(part, ImageInput):
+                yield f"{where}.image", Path(part.path) if part.path else part.data, self.spec.image_max_soft_tokens
+            for k, frame in enumerate(part.frames if isinstance(part, VideoInput) else ()):
+                yield f"{where}.video.frames[{k}]", frame, self.spec.video_max_soft_tokens
+
+    def _check_length(self, prompt_tokens: int, sampling: SamplingParams, *, at_least: bool = False) -> None:
+        """`at_least`: `prompt_tokens` is a lower bound known before tokenizing or decoding everything."""
+        if not prompt_tokens and at_least:
+            return
+        size = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
         if prompt_tokens >= self.max_model_len:
-            raise InvalidInputError("messages", f"the prompt is {prompt_tokens} tokens (frames included), the "
+            raise InvalidInputError("messages", f"the prompt is {size} tokens (frames included), the "
                                     f"context length is {self.max_model_len}: send fewer frames or less text")
         if prompt_tokens + sampling.max_tokens > self.max_model_len:
-            raise InvalidInputError("sampling.max_tokens", f"prompt {prompt_tokens} + max_tokens "
+            raise InvalidInputError("sampling.max_tokens", f"prompt {size} + max_tokens "
                                     f"{sampling.max_tokens} exceeds the context length {self.max_model_len}; "
                                     f"ask for at most {self.max_model_len - prompt_tokens}")
 
-    async def _decode(self, where: str, part: ImageInput | VideoInput, trace_context: Any) -> DecodedMedia:
-        """Decode in the worker pool under the time limit, which counts any wait for a free worker.
+    async def _decode(self, owner: object, where: str, part: ImageInput | VideoInput,
+                      trace_context: Any) -> DecodedMedia:
+        return await self._in_pool(owner, where, functools.partial(self._decode_blocking, where, part, trace_context))
 
-        The worker checks `control` between packets, so the limit, a client cancel or an Abort (both
-        cancel this coroutine) really stop the work; the wait here gives up a little after the limit
-        even if one packet takes longer."""
-        loop = asyncio.get_running_loop()
-        limit = self.config.video_decode_timeout_s
-        control = DecodeControl(limit, label=where)
-        work = functools.partial(self._decode_blocking, where, part, trace_context, control)
+    async def _in_pool(self, owner: object, label: str, work: Callable[[DecodeControl], Any], *,
+                       timed: bool = True) -> Any:
+        """Run `work(control)` on a worker (fairly shared between requests) under the decode time
+        limit, which counts any wait for a free worker (`timed=False`: no limit, still cancellable).
+
+        The worker checks `control` between packets/frames, so the limit, a client cancel or an Abort
+        (both cancel this coroutine) really stop the work; the wait here gives up a little after the
+        limit even if one step takes longer."""
+        limit = self.config.video_decode_timeout_s if timed else None
+        control = DecodeControl(limit, label=label)
         try:
-            return await asyncio.wait_for(loop.run_in_executor(self.executor, work), timeout=limit + DECODE_GRACE_S)
+            job = self.pool.run(owner, functools.partial(work, control))
+            return await (job if limit is None else asyncio.wait_for(job, timeout=limit + DECODE_GRACE_S))
         except TimeoutError:
             raise control.timeout_error() from None
         finally:
@@ -217,16 +288,14 @@ class InputProcessor:
         control.check()  # the limit may have passed while this job waited for a worker
         try:
             if isinstance(part, ImageInput):
-                image = decode_image(self._image_bytes(part), self.limits)
-                return DecodedMedia(self._patchify([image], self.spec.image_max_soft_tokens), None)
+                image = decode_image(Path(part.path) if part.path else part.data, self.limits,
+                                     fit=self._fit(self.spec.image_max_soft_tokens))
+                return DecodedMedia(self._patchify([image], self.spec.image_max_soft_tokens, resized=True), None)
             if part.frames:
-                frames = []
-                for f in part.frames:
-                    control.check()
-                    frames.append(decode_image(f, self.limits))
                 rate = part.frames_fps or 1.0
-                return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens),
-                                    [k / rate for k in range(len(frames))])
+                return DecodedMedia(self._patchify(self._frames(part.frames, control), self.spec.video_max_soft_tokens,
+                                                   count=len(part.frames), resized=True),
+                                    [k / rate for k in range(len(part.frames))])
             source = Path(part.path) if part.path else part.data
             num_bytes = source.stat().st_size if part.path else len(part.data)
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
@@ -243,19 +312,23 @@ class InputProcessor:
             kind = "image" if isinstance(part, ImageInput) else "video"
             raise InvalidInputError(f"{where}.{kind}", str(e).removeprefix(f"{e.field}: ")) from e
 
-    def _image_bytes(self, part: ImageInput) -> bytes:
-        """The image's bytes; an uploaded one is read only after its size passed the image limit."""
-        if not part.path:
-            return part.data
-        size = os.path.getsize(part.path)
-        if size > self.limits.max_image_bytes:
-            raise LimitExceededError(f"image is {size} bytes, more than the limit of {self.limits.max_image_bytes}",
-                                     "--max-video-bytes")
-        return Path(part.path).read_bytes()
+    def _frames(self, frames: tuple[bytes, ...], control: DecodeControl):
+        """Given frame images decoded one at a time, as the patchifier asks for the next, each straight
+        to the model's resolution: one full-size frame is held (in Pillow), never the whole list."""
+        fit = self._fit(self.spec.video_max_soft_tokens)
+        for frame in frames:
+            control.check()
+            yield decode_image(frame, self.limits, fit=fit)
 
-    def _patchify(self, images: list[np.ndarray], max_soft_tokens: int) -> VisionBatch:
-        return preprocess_images(images, patch_size=self.spec.patch_size,
+    def _fit(self, max_soft_tokens: int) -> Callable[[int, int], tuple[int, int]]:
+        """The preprocessing's resize rule, for decode_image to apply while decoding."""
+        return functools.partial(target_size, patch_size=self.spec.patch_size,
                                  pooling_kernel_size=self.spec.pooling_kernel_size, max_soft_tokens=max_soft_tokens)
+
+    def _patchify(self, images, max_soft_tokens: int, *, count: int | None = None,
+                  resized: bool = False) -> VisionBatch:
+        return preprocess_images(images, patch_size=self.spec.patch_size, pooling_kernel_size=self.spec.pooling_kernel_size,
+                                 max_soft_tokens=max_soft_tokens, count=count, resized=resized)
 
     @staticmethod
     def _model_part(where: str, part: InputPart, media: dict[str, DecodedMedia]):

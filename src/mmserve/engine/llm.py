@@ -52,7 +52,7 @@ class LLM:
             loaded_model, tokenizer = load_engine_model(self.config)
         self.core = EngineCore(self.config, model=loaded_model, tokenizer=tokenizer)
         self.processor = OutputProcessor(tokenizer, observer)
-        self.processor.engine_started(self.core.peaks)
+        self.processor.engine_started(self.core.peaks, tuple(self.core.runner.backend_checks))
         self._ids = itertools.count()
 
     def generate(self, requests: Sequence[EngineRequest | list[int]],
@@ -105,7 +105,7 @@ class LLM:
     @observer.setter
     def observer(self, observer) -> None:
         self.processor.observer = observer
-        self.processor.engine_started(self.core.peaks)
+        self.processor.engine_started(self.core.peaks, tuple(self.core.runner.backend_checks))
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue one request (raises admission errors at once, before anything is queued)."""

@@ -25,6 +25,13 @@ import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
+from mmserve.engine.backend_check import (
+    BackendCheck,
+    check_attention,
+    fallen_back,
+    graphs_mismatch,
+    should_check,
+)
 from mmserve.engine.block_table import BlockTables
 from mmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_enabled, is_decode_only
 from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_bytes
@@ -56,6 +63,7 @@ class ModelRunner:
         device, dtype = model.device, model.dtype
         backends = {t: get_backend(name) for t, name in model.attention_backends.items()}
         # One cache per layer that holds KV; a KV-sharing consumer's entry is its producer's tensor.
+        # (Every backend shares one paged layout, so a backend the self-check swaps in uses it too.)
         self.kv_caches: list[torch.Tensor] = []
         for layer in spec.layers:
             t = layer.layer_type
@@ -74,6 +82,12 @@ class ModelRunner:
                                max_blocks_per_req=max_blocks, device=device, dtype=dtype,
                                sdpa_batching=config.sdpa_batching)
                  for t in spec.attention_specs if t in plans}
+        self.pools = pools
+        self.strict_backends = config.strict_backends
+        self.self_check = should_check(config.backend_self_check, device)
+        self.backend_checks: list[BackendCheck] = (
+            check_attention(model, pools, self.kv_caches, strict=config.strict_backends) if self.self_check else [])
+        backends = {t: get_backend(name) for t, name in model.attention_backends.items()}   # after fallbacks
         self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
         # KV-sharing layers run only the rows that sample (engine/sampled_rows.py)
         self.sampled_rows = None
@@ -91,16 +105,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """One graph per capture size over an all-padding decode step (its contents do not matter)."""
+        """One graph per capture size over an all-padding decode step (its contents do not matter);
+        with the self-check on, the smallest graph's replay must equal the eager forward."""
         def forward_for(size: int):
             inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size)
             metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
             return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
+        reason = None
         try:
             self.graphs.capture_all(forward_for)
-        except Exception:   # e.g. a host sync in some layer: such a model simply runs eagerly
-            logger.warning("CUDA graph capture failed; decode steps run eagerly", exc_info=True)
+            if self.self_check:
+                size = self.graphs.sizes[0]
+                eager = forward_for(size)().clone()
+                reason = graphs_mismatch(self.graphs.replay(size).clone(), eager)
+                self.graphs.replays = 0
+        except Exception as exc:   # e.g. a host sync in some layer: such a model simply runs eagerly
+            logger.debug("CUDA graph capture failed", exc_info=True)
+            reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if reason is not None:
             self.graphs = DecodeGraphs((), enabled=False)
+            self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
+                                                   self.strict_backends))
+        elif self.self_check:
+            self.backend_checks.append(BackendCheck("cuda_graphs", "cuda_graphs", "cuda_graphs"))
 
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)

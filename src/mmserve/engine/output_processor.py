@@ -61,9 +61,12 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer)
         self.states[req.request_id] = RequestState(request, req.num_frames, detok)
 
-    def engine_started(self, peaks) -> None:
-        """The core is up: hand the observer the device peaks it measured (MFU/MBU denominators)."""
+    def engine_started(self, peaks, backend_checks: tuple = ()) -> None:
+        """The core is up: hand the observer the device peaks it measured (MFU/MBU denominators) and
+        the backends' start-up self-check (an optional hook: older observers lack it)."""
         self._notify("on_engine_started", peaks)
+        if backend_checks and hasattr(self.observer, "on_backends_checked"):
+            self._notify("on_backends_checked", backend_checks)
 
     def forget(self, request_id: str) -> None:
         """Drop a request the core never received (sending it failed)."""

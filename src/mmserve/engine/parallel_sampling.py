@@ -1,6 +1,7 @@
 """`n` samples of one prompt: one engine request per sample, sharing the prompt's KV.
 
-Sample 0 is the request itself (its id, its seed); sample i > 0 is `"{id}#{i}"` with `fork_of` set,
+Sample 0 is the request itself (its id, its seed); sample i > 0 is `"{id}#{i}"` with `fork_of` set
+(the server refuses client ids containing `#`, so a sample's id never equals another request's),
 which the engine holds back until sample 0 has computed the prompt; admitted then, it starts on the
 prompt's cached KV blocks (prefix caching: shared by reference count; only the partial last block
 is computed again). With a `seed`,
@@ -25,8 +26,18 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % SEED_MODULUS
 
 
+SAMPLE_SEPARATOR = "#"
+
+
 def sample_id(request_id: str, index: int) -> str:
-    return request_id if index == 0 else f"{request_id}#{index}"
+    return request_id if index == 0 else f"{request_id}{SAMPLE_SEPARATOR}{index}"
+
+
+def check_client_id(request_id: str) -> None:
+    """Refuse a client-chosen id that could equal a sample's id (`"x#1"` is sample 1 of `"x"`)."""
+    if SAMPLE_SEPARATOR in request_id:
+        raise InvalidInputError("request_id", f"must not contain {SAMPLE_SEPARATOR!r}: it is reserved for the "
+                                f"ids of parallel samples (sampling.n)")
 
 
 def check_samples_fit(kv, prompt_len: int, max_tokens: int, n: int, max_chunk: int) -> None:

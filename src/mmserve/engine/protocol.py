@@ -108,6 +108,7 @@ class EngineReady:
     peaks: Any              # metrics.peaks.DevicePeaks, measured in the engine process
     torch_threads: int
     pid: int
+    backend_checks: tuple = ()   # engine.backend_check.BackendCheck: the start-up self-check's results
 
 
 @dataclass(frozen=True)

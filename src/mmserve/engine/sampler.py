@@ -2,7 +2,8 @@
 and logprobs, batched on the logits' device.
 
 Grammar masks (structured output) are filled on the host first, before anything waits on the
-device, so on a GPU that work overlaps the step's forward pass.
+device, so on a GPU that work overlaps the step's forward pass. A row whose grammar cannot go on
+comes back in `SamplerOutput.errors`: the core ends that request alone.
 Random rows draw exponential noise from their request's own `torch.Generator` and take
 argmax(probs / noise) (an exact draw from probs), so a seeded request samples the same tokens
 whatever else shares its batch, and after preemption. The noise is the only per-row work.
@@ -20,6 +21,7 @@ from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.structured_output import StructuredOutput, apply_bitmask
+from mmserve.errors import MMServeError
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -41,6 +43,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)   # per row; None where not asked
+    errors: dict[int, MMServeError] = field(default_factory=dict)   # row -> why its token is void
 
 
 class Sampler:
@@ -73,12 +76,15 @@ class Sampler:
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
         out = SamplerOutput(tokens.tolist(), [None] * len(params))
-        if masks is not None:
-            self.grammar.accept([requests[i] for i in masks[0]], [out.token_ids[i] for i in masks[0]])
         if want_lp:
             for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
                              strict=True):
                 out.logprobs[i] = lp
+        if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
+            rows, _, out.errors = masks
+            live = [i for i in rows if i not in out.errors]
+            refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
+            out.errors.update({live[k]: error for k, error in refused.items()})
         return out
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:

@@ -91,3 +91,4 @@ class ModelInfo:
     backend: str
     dtype: str
     peaks: DevicePeaks | None = None   # what MFU/MBU divide by
+    backend_checks: tuple = ()         # engine.backend_check.BackendCheck per checked component

@@ -53,6 +53,7 @@ PROMETHEUS_NAMES = {
     "mmserve.perf.peak_flops": "mmserve_perf_peak_flops",
     "mmserve.perf.peak_bandwidth": "mmserve_perf_peak_bandwidth",
     "mmserve.device_peaks_info": "mmserve_device_peaks_info",
+    "mmserve.backend_info": "mmserve_backend_info",
 }
 
 
@@ -150,6 +151,9 @@ class EngineMetrics:
         self.peak_bandwidth = meter.create_gauge("mmserve.perf.peak_bandwidth", description="the bytes/s MBU divides by")
         self.peaks_info = meter.create_gauge("mmserve.device_peaks_info",
                                              description="1, labelled with the MFU/MBU denominators and their source")
+        self.backend_info = meter.create_gauge(
+            "mmserve.backend_info", description="1 per checked component (layer type, cuda_graphs), labelled with "
+                                                "the selected and the running backend and why it fell back")
 
     def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool) -> None:
         """Also serve the vLLM-named compatibility set (metrics/vllm_compat.py) of `engine`, an AsyncEngine,
@@ -173,6 +177,11 @@ class EngineMetrics:
         self.peak_bandwidth.set(peaks.bandwidth)
         self.peaks_info.set(1, {"device": peaks.name, "dtype": peaks.dtype, "source": peaks.source,
                                 "peak_flops": f"{peaks.flops:.6g}", "peak_bandwidth": f"{peaks.bandwidth:.6g}"})
+
+    def set_backend_checks(self, checks) -> None:
+        for c in checks:
+            self.backend_info.set(1, {"component": c.component, "selected": c.selected, "running": c.running,
+                                      "fallback_reason": c.reason[:200]})
 
     def record_step(self, step: StepMetrics) -> None:
         self.running.set(step.running)

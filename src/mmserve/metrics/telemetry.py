@@ -130,6 +130,11 @@ class TelemetryObserver:
         if self.metrics is not None:
             self.metrics.set_peaks(peaks)
 
+    def on_backends_checked(self, checks: tuple) -> None:
+        """The start-up self-check's results (engine/backend_check.py), exported as an info metric."""
+        if self.metrics is not None:
+            self.metrics.set_backend_checks(checks)
+
     def on_request_queued(self, request: Any) -> None:
         self._requests[request.request_id] = _RequestState(queued_monotonic=getattr(request, "arrival_time", time.monotonic()))
 

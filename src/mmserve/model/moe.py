@@ -8,8 +8,10 @@ Expert weights keep transformers' packed layout (`gate_up_proj` [E, 2I, H]: rows
 up; `down_proj` [E, H, I]), so a packed checkpoint loads without conversion.
 
 Dispatch groups the step's (token, slot) pairs by expert with one sort: on CUDA one grouped GEMM
-per projection (`torch._grouped_mm`), elsewhere one matmul per expert that has tokens; never a
-loop over tokens.
+per projection (`torch._grouped_mm`, zero-size groups for experts without tokens), elsewhere one
+matmul per expert that has tokens; never a loop over tokens. The CUDA path never reads a device
+value on the host (no `bincount`, `.item()`, `int()`): a host sync per MoE layer would stall every
+step and break CUDA-graph capture of decode steps (tests/model/test_model_moe.py checks it).
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from torch import nn
 
 from mmserve.model.norm import RMSNorm
 from mmserve.model.spec import MoeSpec
+
+
+def uses_grouped_mm(x: torch.Tensor) -> bool:
+    """The grouped-GEMM path runs on CUDA (this torch also runs it on CPU; tests force it there)."""
+    return x.is_cuda and hasattr(torch, "_grouped_mm")
 
 
 class Router(nn.Module):
@@ -47,7 +54,7 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate = moe.num_experts, moe.intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate))
-        self.touched = 0   # distinct experts the last forward ran (the perf model bills their weights)
+        self._touched: torch.Tensor | None = None   # see `touched`
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H]."""
@@ -55,15 +62,31 @@ class Experts(nn.Module):
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        # scatter_add_, not bincount: CUDA's bincount reads the maximum on the host.
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         rows = x[token]
-        if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        if uses_grouped_mm(x):
             hidden = self._grouped(rows, counts)
         else:
             hidden = self._per_expert(rows, counts.tolist())
-        self.touched = int((counts > 0).sum())
+        self._touched_buffer(x.device).copy_((counts > 0).sum())
         hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
         return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
+
+    @property
+    def touched(self) -> torch.Tensor:
+        """Distinct experts the last forward ran (a 0-d device tensor: the perf model bills their
+        weights and reads it after the step). A fixed buffer written in place, so a replayed CUDA
+        graph updates it too."""
+        return self._touched_buffer(self.gate_up_proj.device)
+
+    def _touched_buffer(self, device: torch.device) -> torch.Tensor:
+        # Not a registered buffer: the loader builds modules on the meta device and assigns only
+        # checkpoint tensors.
+        if self._touched is None or self._touched.device != device:
+            self._touched = torch.zeros((), dtype=torch.int64, device=device)
+        return self._touched
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.split(self.intermediate, dim=-1)

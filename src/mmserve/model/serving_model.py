@@ -56,9 +56,10 @@ class Gemma4ServingModel(nn.Module):
 
     def experts_touched(self) -> float | None:
         """Distinct experts each MoE layer ran in the last forward (mean over layers), for the perf
-        model's expert weight bytes; None without experts."""
+        model's expert weight bytes; None without experts. Called after the step's sampled tokens
+        reached the host, so its one device read waits for nothing."""
         counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
-        return sum(counts) / len(counts) if counts else None
+        return torch.stack(counts).double().mean().item() if counts else None
 
     def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""

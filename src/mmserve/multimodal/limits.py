@@ -17,6 +17,8 @@ class MediaLimits:
     default_num_frames: int = 8
     max_video_duration_s: float = 4 * 3600.0
     max_image_pixels: int = 4096 * 4096
+    max_images_per_request: int = 16
+    max_pixels_per_request: int = 128 * 2**20  # images and given frame images, read from their headers
     # Frames larger than this are downscaled while decoding (preprocessing shrinks them anyway);
     # keeps 32 sampled 4K frames from holding gigabytes.
     max_decoded_frame_pixels: int = 1024 * 1024
@@ -33,4 +35,6 @@ class MediaLimits:
             default_num_frames=config.default_num_frames,
             max_video_duration_s=config.max_video_duration_s,
             max_image_pixels=config.max_image_pixels,
+            max_images_per_request=config.max_images_per_request,
+            max_pixels_per_request=config.max_pixels_per_request,
         )

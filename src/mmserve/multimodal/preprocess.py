@@ -11,6 +11,7 @@ with zero pixels and position (-1, -1).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,22 +69,30 @@ def _patchify(image: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarra
     return patches, np.stack([xs, ys], axis=-1).reshape(gh * gw, 2)
 
 
-def preprocess_images(images: list[np.ndarray], *, patch_size: int, pooling_kernel_size: int,
-                      max_soft_tokens: int) -> VisionBatch:
-    """uint8 HxWx3 images (or video frames) -> VisionBatch."""
+def preprocess_images(images: Iterable[np.ndarray], *, patch_size: int, pooling_kernel_size: int,
+                      max_soft_tokens: int, count: int | None = None, resized: bool = False) -> VisionBatch:
+    """uint8 HxWx3 images (or video frames) -> VisionBatch. `images` may be a generator yielding
+    `count` images (each decoded only when its turn comes), so one full-size image at a time is held.
+    `resized`: the images already have their target size (the decoder applied `target_size`, which is
+    not idempotent: applied again to its own output it may pick another size)."""
+    count = len(images) if count is None else count  # type: ignore[arg-type]
     max_patches = max_soft_tokens * pooling_kernel_size**2
     dim = 3 * patch_size * patch_size
-    pixel_values = np.zeros((len(images), max_patches, dim), dtype=np.float32)
-    position_ids = np.full((len(images), max_patches, 2), -1, dtype=np.int64)
+    pixel_values = np.zeros((count, max_patches, dim), dtype=np.float32)
+    position_ids = np.full((count, max_patches, 2), -1, dtype=np.int64)
     counts: list[int] = []
     for i, image in enumerate(images):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise ValueError(f"expected uint8 HxWx3, got {image.dtype} {image.shape}")
-        th, tw = target_size(image.shape[0], image.shape[1], patch_size=patch_size,
-                             pooling_kernel_size=pooling_kernel_size, max_soft_tokens=max_soft_tokens)
+        th, tw = image.shape[:2] if resized else target_size(
+            image.shape[0], image.shape[1], patch_size=patch_size, pooling_kernel_size=pooling_kernel_size,
+            max_soft_tokens=max_soft_tokens)
         scaled = (_resize(image, th, tw).astype(np.float64) * (1 / 255)).astype(np.float32)
         patches, positions = _patchify(scaled, patch_size)
         pixel_values[i, : len(patches)] = patches
         position_ids[i, : len(patches)] = positions
         counts.append(len(patches) // pooling_kernel_size**2)
+        del image, scaled, patches  # before the generator decodes the next one
+    if len(counts) != count:
+        raise ValueError(f"expected {count} images, got {len(counts)}")
     return VisionBatch(torch.from_numpy(pixel_values), torch.from_numpy(position_ids), counts)

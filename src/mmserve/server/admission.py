@@ -1,30 +1,45 @@
-"""Request size admission with a message a person can act on.
+"""Request-message admission: size, decodability and bytes in flight, before any handler runs.
 
 grpc refuses an oversize message itself, but only with "Received message larger than max (N vs M)",
-which names neither the option nor what to do. So the transport limit is set to twice
-`--max-message-bytes` (`transport_receive_limit`) and this interceptor refuses anything above
-`--max-message-bytes` from the raw byte count, before deserializing, with RESOURCE_EXHAUSTED naming
-the flag. Only payloads beyond twice the limit still get grpc's own (also RESOURCE_EXHAUSTED) text.
+which names neither the option nor what to do. So the transport limit sits a little above
+`--max-message-bytes` (`transport_receive_limit`: grpc refuses bigger messages from their length
+prefix, before buffering them) and this interceptor's deserializer sees the raw bytes first:
+
+- a message above its method's limit (`--max-message-bytes`; an UploadMedia message: one chunk) is
+  refused with RESOURCE_EXHAUSTED naming the limit, without parsing it;
+- bytes that do not parse are refused with INVALID_ARGUMENT and one rate-limited log line (grpc
+  would answer UNKNOWN and log a traceback per message: log flooding for the price of a packet);
+- a unary request's bytes are held against `--max-inflight-message-bytes` from receipt to the end
+  of its call, so many concurrent large messages get a retryable RESOURCE_EXHAUSTED instead of
+  the server's memory.
+
+Authentication runs before any of this (server/auth.py refuses without reading the message).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
 
-from mmserve.server.handlers import around, replace_behavior
+from mmserve.server.handlers import replace_behavior
 
 log = logging.getLogger(__name__)
 
 GRPC_MAX_MESSAGE = 2**31 - 1
+# Above our limit so a message slightly too large gets our refusal naming the flag, not grpc's.
+TRANSPORT_HEADROOM_BYTES = 2**20
 
 
 def transport_receive_limit(max_message_bytes: int) -> int:
-    """grpc's own receive limit: headroom above ours so our clearer refusal gets the chance to run."""
-    return min(2 * max_message_bytes, GRPC_MAX_MESSAGE)
+    """grpc's own receive limit: just above ours, so our clearer refusal gets the chance to run
+    while a message far beyond the limit is refused from its length prefix, never buffered."""
+    return min(max_message_bytes + TRANSPORT_HEADROOM_BYTES, GRPC_MAX_MESSAGE)
 
 
 def too_large_message(size: int, limit: int) -> str:
@@ -34,33 +49,157 @@ def too_large_message(size: int, limit: int) -> str:
 
 
 @dataclass(frozen=True)
-class _TooLarge:
-    """Stands in for a request whose bytes were never parsed."""
+class MethodLimit:
+    """A method's own message limit, instead of --max-message-bytes (UploadMedia: one chunk and its
+    framing), and what to tell a client over it."""
 
+    max_bytes: int
+    advice: str
+
+
+class RateLimitedLog:
+    """At most one line per `interval_s`, counting what it left out: a flood of bad messages costs
+    the log a line every few seconds, not a line (or a traceback) each."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._logger, self._interval, self._clock = logger, interval_s, clock
+        self._next = 0.0
+        self._suppressed = 0
+        self._lock = threading.Lock()   # deserializers may run on any thread
+
+    def warning(self, message: str, *args) -> None:
+        with self._lock:
+            now = self._clock()
+            if now < self._next:
+                self._suppressed += 1
+                return
+            suppressed, self._suppressed, self._next = self._suppressed, 0, now + self._interval
+        more = f" ({suppressed} more like it in the last {self._interval:g}s)" if suppressed else ""
+        self._logger.warning(message + more, *args)
+
+
+class InflightBytes:
+    """A budget of request bytes held by calls in progress (`--max-inflight-message-bytes`)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, num_bytes: int) -> bool:
+        with self._lock:
+            if self.used + num_bytes > self.max_bytes and self.used > 0:   # one message always fits
+                return False
+            self.used += num_bytes
+            return True
+
+    def give(self, num_bytes: int) -> None:
+        with self._lock:
+            self.used -= num_bytes
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Stands in for a request message that was never parsed (or never held): the status to send."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A parsed unary request and the bytes it holds in the in-flight budget until its call ends."""
+
+    message: object
     size: int
 
 
-class MessageSizeLimit(grpc.aio.ServerInterceptor):
-    """Refuses request messages above `max_message_bytes` with RESOURCE_EXHAUSTED naming the flag."""
+class MessageAdmission(grpc.aio.ServerInterceptor):
+    """Refuses oversize, undecodable and over-budget request messages before any handler sees them."""
 
-    def __init__(self, max_message_bytes: int):
+    def __init__(self, max_message_bytes: int, max_inflight_bytes: int,
+                 method_limits: Mapping[str, MethodLimit] | None = None) -> None:
         self.limit = max_message_bytes
+        self.inflight = InflightBytes(max_inflight_bytes)
+        self._method_limits = dict(method_limits or {})
+        self._bad_log = RateLimitedLog(log)
 
-    def _deserializer(self, inner: Callable[[bytes], object] | None) -> Callable[[bytes], object]:
+    def _deserializer(self, method: str, inner: Callable[[bytes], object] | None,
+                      hold: bool) -> Callable[[bytes], object]:
+        own = self._method_limits.get(method)
+
         def deserialize(raw: bytes) -> object:
-            if len(raw) > self.limit:
-                return _TooLarge(len(raw))
-            return inner(raw) if inner else raw
+            size = len(raw)
+            if own is None and size > self.limit:
+                return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(size, self.limit))
+            if own is not None and size > own.max_bytes:
+                return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"a {method.rsplit('/', 1)[-1]} message of {size} bytes is more than its limit of "
+                                f"{own.max_bytes} bytes; {own.advice}")
+            if hold and not self.inflight.take(size):
+                return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"the server is holding {self.inflight.used} bytes of request messages in progress, "
+                                f"at its limit of {self.inflight.max_bytes} (--max-inflight-message-bytes); retry "
+                                f"after a moment with backoff")
+            try:
+                message = inner(raw) if inner else raw
+            except Exception as e:   # noqa: BLE001 - any parse failure is the client's bytes
+                if hold:
+                    self.inflight.give(size)
+                self._bad_log.warning("refused an undecodable %d-byte %s message: %s", size, method,
+                                      type(e).__name__)
+                return _Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request message ({size} bytes) is not a valid protobuf message for {method}: "
+                                f"regenerate the client from the published .proto files")
+            return _Held(message, size) if hold else message
         return deserialize
 
-    def _guarded(self, behavior: Callable) -> Callable:
-        """`behavior`, preceded by the size check."""
-        return around(behavior, self._refuse_too_large)
+    def _unary_guarded(self, behavior: Callable) -> Callable:
+        """`behavior` for one received request: refused ones are answered, held bytes given back at the end."""
+        async def admit(request, context: grpc.aio.ServicerContext):
+            if isinstance(request, _Refused):
+                log.info("refused a request message: %s", request.message)
+                await context.abort(request.code, request.message)
+            return request.message
 
-    async def _refuse_too_large(self, request, context: grpc.aio.ServicerContext) -> None:
-        if isinstance(request, _TooLarge):
-            log.info("refused a %d-byte request message (limit %d)", request.size, self.limit)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(request.size, self.limit))
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request, context):
+                try:
+                    async for item in behavior(await admit(request, context), context):
+                        yield item
+                finally:
+                    if isinstance(request, _Held):
+                        self.inflight.give(request.size)
+            return stream
+
+        async def call(request, context):
+            try:
+                return await behavior(await admit(request, context), context)
+            finally:
+                if isinstance(request, _Held):
+                    self.inflight.give(request.size)
+        return call
+
+    @staticmethod
+    def _stream_guarded(behavior: Callable) -> Callable:
+        """`behavior` over a request stream whose refused messages end the call with their status."""
+        async def checked(requests, context: grpc.aio.ServicerContext):
+            async for request in requests:
+                if isinstance(request, _Refused):
+                    log.info("refused a request message: %s", request.message)
+                    await context.abort(request.code, request.message)
+                yield request
+
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(requests, context):
+                async for item in behavior(checked(requests, context), context):
+                    yield item
+            return stream
+
+        async def call(requests, context):
+            return await behavior(checked(requests, context), context)
+        return call
 
     async def intercept_service(
         self,
@@ -68,6 +207,9 @@ class MessageSizeLimit(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:  # every streaming-request RPC here is reflection
+        if handler is None:
             return handler
-        return replace_behavior(handler, self._guarded, self._deserializer(handler.request_deserializer))
+        streaming = handler.request_streaming
+        wrap = self._stream_guarded if streaming else self._unary_guarded
+        return replace_behavior(handler, wrap, self._deserializer(details.method, handler.request_deserializer,
+                                                                  hold=not streaming))

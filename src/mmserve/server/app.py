@@ -12,6 +12,7 @@ and its orchestrator restarts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import time
@@ -26,17 +27,21 @@ from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.server.admission import MessageSizeLimit, transport_receive_limit
+from mmserve.errors import EngineUnavailableError
+from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
-from mmserve.server.drain import UNGATED_GRACE_S, DrainGate, ShutdownSignals, drain
+from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
-from mmserve.server.media import MediaService
+from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
 from mmserve.server.vllm_engine import VLLM_ENGINE_SERVICE, add_vllm_engine
 
 logger = logging.getLogger(__name__)
+
+QUERY_METHODS = tuple(f"/mmserve.v1.Generation/{name}" for name in ("Abort", "GetModelInfo", "GetServerLoad"))
+QUERY_MESSAGE_BYTES = 16 * 2**10
 
 
 def server_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -46,7 +51,7 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
     client pings down to every 10 s (clients pinging faster get GOAWAY "too_many_pings").
     """
     return [
-        # Headroom above our limit so MessageSizeLimit can refuse with a message naming the flag.
+        # Headroom above our limit so MessageAdmission can refuse with a message naming the flag.
         ("grpc.max_receive_message_length", transport_receive_limit(config.max_message_bytes)),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.keepalive_time_ms", 60_000),
@@ -70,9 +75,10 @@ class MMServer:
         self.engine_config = engine_config
         self.health = Health()
         self.gate = DrainGate()
+        self.media = MediaService.from_config(server_config, engine_config)
         auth = build_auth_interceptor(server_config)
-        chain = ([auth] if auth else []) + [MessageSizeLimit(server_config.max_message_bytes), self.gate,
-                                            *interceptors]
+        # Auth first: a refused caller's message is never read (handlers.rejecting_handler).
+        chain = ([auth] if auth else []) + [self._admission(), self.gate, *interceptors]
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
@@ -81,9 +87,9 @@ class MMServer:
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")
         self._processor: InputProcessor | None = None
-        self.media = MediaService.from_config(server_config, engine_config)
         self._media_sweeper: asyncio.Task | None = None
-        self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config))
+        self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config),
+                                      maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
                                       self.media)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
@@ -93,6 +99,15 @@ class MMServer:
         self.health.add_to_server(self.server)
         enable_reflection(self.server, (VLLM_ENGINE_SERVICE,) if server_config.enable_vllm_engine_api else ())
         self.port = 0
+
+    def _admission(self) -> MessageAdmission:
+        """Message limits: --max-message-bytes for Generate, one chunk for UploadMedia, a few KiB for the
+        queries (their requests are an id at most), and the in-flight byte budget."""
+        chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
+                            f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
+        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a request id at most")
+        return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
+                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS, query)})
 
     @property
     def address(self) -> str:
@@ -113,11 +128,38 @@ class MMServer:
         logger.info("listening on %s (%s)", self.address, "TLS" if self._credentials else "plaintext")
         return self.port
 
+    async def start_unless(self, stop: asyncio.Event) -> bool:
+        """`start()`, unless `stop` is set first (SIGTERM/SIGINT during the load or warm-up): then the
+        start is cancelled (the engine process killed) and False returned within moments."""
+        starting = asyncio.ensure_future(self.start())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not starting.done():
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+            logger.info("stopped during start-up")
+            return False
+        starting.result()   # a start-up failure raises here
+        return True
+
     async def load(self) -> None:
-        """Start the engine (loads the model), warm it up, then turn readiness SERVING."""
+        """Start the engine (loads the model), warm it up, then turn readiness SERVING; all of it within
+        --engine-ready-timeout-s, so a start-up that hangs fails loudly instead of waiting forever."""
+        limit = self.engine_config.engine_ready_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                await self._load()
+        except TimeoutError:
+            raise EngineUnavailableError(f"the engine did not load and warm up within {limit:g}s "
+                                         f"(--engine-ready-timeout-s)") from None
+
+    async def _load(self) -> None:
         await self.engine.start()
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
-                                                   context_length=self.engine.model_info.context_length)
+                                                   context_length=self.engine.model_info.context_length,
+                                                   workers=self.server_config.worker_threads)
         await self._warm_up(processor)
         self._processor = processor
         await self.health.set_ready()
@@ -210,7 +252,9 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     engine = AsyncEngine(engine_config, observer=observability.observer)
     server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
     try:
-        await server.start()
+        if not await server.start_unless(signals.requested):
+            await server.stop()
+            return True
         return await server.run_until_stopped(signals)
     except BaseException:
         await server.stop()

@@ -1,8 +1,10 @@
 """`mmserve serve`: run the gRPC server (the embedded demo model unless --model names another).
 
 Every EngineConfig and ServerConfig field is a flag and an MMSERVE_* environment variable.
-Exits 0 after a clean drain on SIGTERM/SIGINT, 1 when the drain had to cut streams off or the server
-could not start (bad TLS/key files, port in use), 2 when the checkpoint directory is missing.
+Exits 0 after a clean drain on SIGTERM/SIGINT (also when the signal came during start-up), 1 when the
+drain had to cut streams off or the server could not start (bad TLS/key files, port in use, an engine
+that failed to load or to get ready within --engine-ready-timeout-s), 2 when a flag's value is invalid
+or the checkpoint directory is missing.
 """
 
 from __future__ import annotations

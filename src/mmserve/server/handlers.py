@@ -31,12 +31,15 @@ def replace_behavior(
 
 
 def rejecting_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts with `code` without running it."""
+    """A handler answering `code` without running `handler` and without reading the request: it is
+    request-streaming whatever the method (grpc.aio dispatches on the handler, the client cannot
+    tell), so a refused caller's message is never buffered whole nor parsed."""
 
-    async def abort(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
+    async def abort(requests, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    return replace_behavior(handler, lambda _inner: abort)
+    make = grpc.stream_stream_rpc_method_handler if handler.response_streaming else grpc.stream_unary_rpc_method_handler
+    return make(abort, response_serializer=handler.response_serializer)
 
 
 def around(behavior: Callable, before: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]],

@@ -1,8 +1,9 @@
 """Uploaded media on the server: the UploadMedia RPC, media ids in Generate, what GetModelInfo says.
 
 Uploads stream into the `MediaStore` chunk by chunk (file writes and hashing run off the event
-loop), with every limit checked as the bytes arrive; any failure, cancel or deadline drops the
-partial file. A Generate naming media ids leases them for as long as it runs, so a running request's
+loop), with every limit checked as the bytes arrive and each message awaited at most
+--upload-idle-timeout-s (a stalled stream would hold its spool space and a call slot forever); any
+failure, cancel, stall or deadline drops the partial file. A Generate naming media ids leases them for as long as it runs, so a running request's
 media are never evicted or expired, and the decoder reads the spooled file, never a copy in memory.
 """
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 RECOMMENDED_CHUNK_BYTES = 2**20
 MAX_CHUNK_BYTES = 4 * 2**20
+# An UploadMediaRequest's bytes beyond its chunk (field tag and length; the metadata message is small).
+UPLOAD_FRAMING_BYTES = 2**10
 # Room left in a Generate message for everything but the media (text, sampling, framing).
 MESSAGE_HEADROOM_BYTES = 64 * 2**10
 UPLOAD_MIME_TYPES = VIDEO_MIME_TYPES | IMAGE_MIME_TYPES
@@ -80,6 +83,7 @@ class MediaService:
     def __init__(self, store: MediaStore, server_config: ServerConfig, engine_config: EngineConfig) -> None:
         self.store = store
         self.max_chunk_bytes = min(MAX_CHUNK_BYTES, server_config.max_message_bytes)
+        self.idle_timeout_s = server_config.upload_idle_timeout_s
         self.max_inline_bytes = max(0, min(engine_config.max_video_bytes,
                                            server_config.max_message_bytes - MESSAGE_HEADROOM_BYTES))
 
@@ -110,7 +114,8 @@ class MediaService:
 
     async def _receive(self, requests: AsyncIterator[pb.UploadMediaRequest],
                        context: grpc.aio.ServicerContext) -> MediaEntry:
-        first = await anext(aiter(requests), None)
+        requests = aiter(requests)
+        first = await self._next(requests)
         if first is None or first.WhichOneof("kind") != "metadata":
             raise InvalidInputError("metadata", "the first UploadMediaRequest must carry metadata (mime_type, "
                                     "optional size_bytes and sha256); the chunks follow")
@@ -123,7 +128,7 @@ class MediaService:
         upload = self.store.begin(mime_type=meta.mime_type, declared_size=meta.size_bytes or None,
                                   declared_sha256=sha256 or None)
         try:
-            async for message in requests:
+            while (message := await self._next(requests)) is not None:
                 if message.WhichOneof("kind") != "chunk":
                     raise InvalidInputError("metadata", "only the first UploadMediaRequest may carry metadata")
                 if len(message.chunk) > self.max_chunk_bytes:
@@ -143,6 +148,15 @@ class MediaService:
             upload.abort()  # a no-op after commit; otherwise nothing of the upload stays behind
         logger.info("upload of media %s (%d bytes): %s", entry.id, entry.size, "stored" if created else "already stored")
         return entry
+
+    async def _next(self, requests: AsyncIterator[pb.UploadMediaRequest]) -> pb.UploadMediaRequest | None:
+        """The stream's next message (None at its end), waiting at most the idle timeout for it."""
+        try:   # asyncio.timeout, not wait_for: 3.11's wait_for can swallow the client's cancel
+            async with asyncio.timeout(self.idle_timeout_s):
+                return await anext(requests, None)
+        except TimeoutError:
+            raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload was "
+                                     f"dropped", "--upload-idle-timeout-s") from None
 
     def _ref(self, entry: MediaEntry) -> pb.MediaRef:
         return pb.MediaRef(id=entry.id, size_bytes=entry.size, mime_type=entry.mime_type, ttl_s=self.store.ttl_s)

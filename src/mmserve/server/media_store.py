@@ -3,7 +3,9 @@
 An upload streams into a temporary file under `<root>/.incoming/` while its hash and size are
 computed; committing checks what the client declared and renames the file to `<root>/<sha256>`
 (atomic on one filesystem), so a reader never sees a partial file and the same bytes uploaded twice,
-even at the same time, are stored once. Requests lease the media they use; media without leases
+even at the same time, are stored once. Space is taken as bytes arrive, never for a declared size
+alone: a client cannot make the store evict another client's media, or refuse other uploads, with
+bytes it has not sent. Requests lease the media they use; media without leases
 expire `ttl_s` after their last use and are evicted least recently used first when the spool would
 outgrow `max_bytes`. Bookkeeping is under one lock: uploads write from worker threads while the
 event loop leases and sweeps.
@@ -105,7 +107,8 @@ class MediaStore:
 
     def begin(self, *, mime_type: str = "", declared_size: int | None = None,
               declared_sha256: str | None = None) -> Upload:
-        """Start receiving an upload (its declared size, if any, is reserved at once)."""
+        """Start receiving an upload. A declared size is checked against the limit but takes no space:
+        space is reserved chunk by chunk as the bytes arrive."""
         if declared_size is not None and declared_size > self.max_upload_bytes:
             raise LimitExceededError(f"the upload declares {declared_size} bytes, more than the limit of "
                                      f"{self.max_upload_bytes}", "--max-upload-bytes")
@@ -215,12 +218,6 @@ class Upload:
         self._done = False
         self.path = store._incoming / f"{uuid.uuid4().hex}.part"
         self._file = open(self.path, "xb")  # closed by commit or abort
-        if declared_size:
-            try:
-                self._reserve(declared_size)
-            except BaseException:
-                self.abort()
-                raise
 
     def _reserve(self, num_bytes: int) -> None:
         self._store._reserve(num_bytes)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 
@@ -19,7 +20,7 @@ from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.parallel_sampling import generate_samples, sample_id
+from mmserve.engine.parallel_sampling import check_client_id, generate_samples, sample_id
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
@@ -27,7 +28,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with
-from mmserve.server.validation import validate_request
+from mmserve.server.validation import check_response_format, validate_request
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,21 @@ def _log_finished(request_id: str, out: RequestOutput) -> None:
                 (timings and timings.end_to_end_s) or 0.0)
 
 
+def caller_key(context: grpc.aio.ServicerContext) -> bytes:
+    """Who is calling, as far as Abort cares: a digest of the credentials presented (the API key), so
+    a request can be aborted only with the key that created it (every caller is the same without)."""
+    value = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
+    return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
+
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A running request as Abort sees it: whose it is and how many samples it has in the engine."""
+
+    owner: bytes
+    n: int
+
+
 class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
@@ -117,7 +133,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._processor = processor
         self._draining = draining
         self._media = media
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, _InFlight] = {}
         self._aborted_early: set[str] = set()  # aborted while still decoding, before the engine had them
         self._preprocessing: dict[str, asyncio.Task] = {}  # decoding media: Abort cancels the task
 
@@ -127,15 +143,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             validated = validate_request(request, self._config)
             request_id = validated.request_id
+            check_client_id(request_id)
             processor = self._processor()
             if processor is None:
                 raise EngineUnavailableError("the model is still loading; retry shortly")
+            await check_response_format(validated.sampling.response_format, processor, self._config)   # off the loop
             if request_id in self._in_flight:
                 raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
             media = self._media.lease(validated.messages)  # held until the request ends
         except MMServeError as e:
             await abort_with(context, e, request_id)
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = _InFlight(caller_key(context), validated.sampling.n)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)  # this request's log lines carry its ids
@@ -163,7 +181,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await abort_with(context, e, request_id)
         finally:
             media.release()
-            self._in_flight.discard(request_id)
+            self._in_flight.pop(request_id, None)
             self._aborted_early.discard(request_id)
             if final is None and error is None:
                 # Client cancel, deadline or server stop: the task is torn down mid-stream. The
@@ -192,16 +210,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return engine_request
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        """Abort the caller's own request with exactly this id (another key's request is not found)."""
+        rid = request.request_id
+        running = self._in_flight.get(rid)
+        if running is None or running.owner != caller_key(context):
+            return pb.AbortResponse(found=False)
         # every sample of an n > 1 request (sample 0 may have ended while the others run)
-        found = [self._engine.abort(sample_id(request.request_id, i)) for i in range(self._config.max_n)]
-        if any(found):
+        if any([self._engine.abort(sample_id(rid, i)) for i in range(running.n)]):
             return pb.AbortResponse(found=True)
-        if request.request_id in self._in_flight:  # still decoding its media: stop it before the engine
-            self._aborted_early.add(request.request_id)
-            if (task := self._preprocessing.get(request.request_id)) is not None:
-                task.cancel()
-            return pb.AbortResponse(found=True)
-        return pb.AbortResponse(found=False)
+        self._aborted_early.add(rid)   # still decoding its media: stop it before the engine has it
+        if (task := self._preprocessing.get(rid)) is not None:
+            task.cancel()
+        return pb.AbortResponse(found=True)
 
     async def UploadMedia(self, request_iterator: AsyncIterator[pb.UploadMediaRequest],
                           context: grpc.aio.ServicerContext) -> pb.MediaRef:
@@ -220,7 +240,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
             attention_backend=info.backend, dtype=info.dtype,
             peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
-                                 source=peaks.source, spread=peaks.spread) if peaks else None)
+                                 source=peaks.source, spread=peaks.spread) if peaks else None,
+            backend_checks=[pb.BackendCheck(component=c.component, selected=c.selected, running=c.running,
+                                            reason=c.reason) for c in info.backend_checks])
         self._media.describe(model_info)
         return model_info
 

@@ -7,12 +7,15 @@ the proto path (`messages[0].parts[1].video.mime_type`) so a client author can f
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import uuid
 from dataclasses import dataclass
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
+from mmserve.engine.format_compiler import FormatCompiler
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
 from mmserve.engine.sampling_params import (
     MAX_BIAS,
@@ -21,7 +24,6 @@ from mmserve.engine.sampling_params import (
     ResponseFormat,
     SamplingParams,
 )
-from mmserve.engine.structured_output import check_format
 from mmserve.errors import InvalidInputError
 from mmserve.server.media_store import MEDIA_ID
 
@@ -34,7 +36,6 @@ VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/quicktime", "video/3gpp", "vid
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRING_CHARS = 256
-MAX_RESPONSE_FORMAT_CHARS = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,7 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
         repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
         min_tokens=sampling.min_tokens,
         logit_bias=tuple(sampling.logit_bias.items()),
-        response_format=_response_format(sampling),
+        response_format=_response_format(sampling, config),
         n=sampling.n or 1,
     )
 
@@ -236,7 +237,7 @@ def _check_extras(sampling: pb.SamplingParams, max_tokens: int) -> None:
             raise InvalidInputError(f"sampling.logit_bias[{token}]", f"bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
 
 
-def _response_format(sampling: pb.SamplingParams) -> ResponseFormat | None:
+def _response_format(sampling: pb.SamplingParams, config: EngineConfig) -> ResponseFormat | None:
     if not sampling.HasField("response_format"):
         return None
     kind = sampling.response_format.WhichOneof("format")
@@ -250,8 +251,66 @@ def _response_format(sampling: pb.SamplingParams) -> ResponseFormat | None:
     spec = getattr(sampling.response_format, kind)
     if not spec:
         raise InvalidInputError(f"{where}.{kind}", "must not be empty")
-    if len(spec) > MAX_RESPONSE_FORMAT_CHARS:
-        raise InvalidInputError(f"{where}.{kind}", f"{len(spec)} characters, at most {MAX_RESPONSE_FORMAT_CHARS}")
-    fmt = ResponseFormat(kind, spec)
-    check_format(fmt)
-    return fmt
+    if len(spec) > config.max_response_format_chars:
+        raise InvalidInputError(f"{where}.{kind}", f"{len(spec)} characters, at most "
+                                f"{config.max_response_format_chars} (--max-response-format-chars)")
+    depth = nesting_depth(kind, spec)
+    if depth > config.max_response_format_depth:
+        raise InvalidInputError(f"{where}.{kind}", f"nested {depth} deep, at most {config.max_response_format_depth} "
+                                "(--max-response-format-depth)")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except ValueError as e:
+            raise InvalidInputError(f"{where}.{kind}", f"not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise InvalidInputError(f"{where}.{kind}", "a JSON schema is an object (or true/false)")
+    return ResponseFormat(kind, spec)
+
+
+def nesting_depth(kind: str, text: str) -> int:
+    """How deep a response_format nests, counted without parsing it (so the bound holds before any
+    parser recurses): JSON objects and arrays outside strings; parentheses of a regex or grammar
+    outside character classes (and a grammar's quoted strings)."""
+    opens, closes = ("{[", "}]") if kind == "json_schema" else ("(", ")")
+    quote = None if kind == "regex" else '"'
+    depth = deepest = 0
+    in_string = in_class = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif in_string:
+            in_string = ch != quote
+        elif in_class:
+            in_class = ch != "]"
+        elif ch == quote:
+            in_string = True
+        elif ch == "[" and kind != "json_schema":
+            in_class = True
+        elif ch in opens:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in closes:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+async def check_response_format(fmt: ResponseFormat | None, processor, config: EngineConfig) -> None:
+    """Compile the request's response_format in the front end's compile worker (never on the event
+    loop): INVALID_ARGUMENT when it is malformed, matches nothing or is over the compile time limit.
+    Without a tokenizer there is nothing to compile against; the engine refuses such a request."""
+    if fmt is None or processor.tokenizer is None:
+        return
+    spec = processor.spec
+    compiler = _front_end_compiler(processor.tokenizer, spec.vocab_size, tuple(sorted(spec.eos_token_ids)),
+                                   config.grammar_cache_bytes, config.grammar_compile_timeout_s)
+    await compiler.check(fmt)
+
+
+@functools.cache
+def _front_end_compiler(tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], cache_bytes: int,
+                        timeout_s: float) -> FormatCompiler:
+    """One compiler (worker and cache) per served tokenizer and limits: in effect one per server."""
+    return FormatCompiler(tokenizer, vocab_size, eos_token_ids, cache_bytes=cache_bytes, timeout_s=timeout_s)

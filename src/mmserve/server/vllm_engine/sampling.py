@@ -24,9 +24,8 @@ from mmserve.engine.sampling_params import (
     ResponseFormat,
     SamplingParams,
 )
-from mmserve.engine.structured_output import check_format
 from mmserve.errors import InvalidInputError
-from mmserve.server.validation import MAX_RESPONSE_FORMAT_CHARS, MAX_STOP_STRING_CHARS
+from mmserve.server.validation import MAX_STOP_STRING_CHARS, nesting_depth
 
 WHERE = "sampling_params"
 
@@ -98,7 +97,7 @@ def map_sampling(p: vpb.SamplingParams, config: EngineConfig, defaults: Checkpoi
     seed = p.seed if p.HasField("seed") else None
     if seed is not None and seed < 0:
         raise _refuse("seed", f"must be >= 0, got {seed}")
-    response_format = _constraint(p)
+    response_format = _constraint(p, config)
     if response_format is not None and p.ignore_eos:
         raise _refuse("ignore_eos", "cannot be combined with a constraint (the grammar decides the end)")
     if response_format is not None and p.min_tokens:
@@ -158,9 +157,10 @@ def _logit_bias(p: vpb.SamplingParams) -> tuple[tuple[int, float], ...]:
     return tuple(p.logit_bias.items())
 
 
-def _constraint(p: vpb.SamplingParams) -> ResponseFormat | None:
+def _constraint(p: vpb.SamplingParams, config: EngineConfig) -> ResponseFormat | None:
     """The `constraint` oneof onto our structured output (xgrammar): json_object is the schema of
-    any object, a choice is a grammar of its literal alternatives."""
+    any object, a choice is a grammar of its literal alternatives. Bounded here as mmserve.v1 bounds
+    a response_format; the servicer then compiles it off the event loop (`check_response_format`)."""
     kind = p.WhichOneof("constraint")
     if kind is None:
         return None
@@ -181,10 +181,18 @@ def _constraint(p: vpb.SamplingParams) -> ResponseFormat | None:
         if not spec:
             raise _refuse(kind, "must not be empty")
         fmt = ResponseFormat(kind, spec)
-    if len(fmt.spec) > MAX_RESPONSE_FORMAT_CHARS:
-        raise _refuse(kind, f"{len(fmt.spec)} characters, at most {MAX_RESPONSE_FORMAT_CHARS}")
-    try:
-        check_format(fmt)
-    except InvalidInputError as e:
-        raise _refuse(kind, str(e).removeprefix(f"{e.field}: ")) from e
+    if len(fmt.spec) > config.max_response_format_chars:
+        raise _refuse(kind, f"{len(fmt.spec)} characters, at most {config.max_response_format_chars} "
+                            "(--max-response-format-chars)")
+    depth = nesting_depth(fmt.kind, fmt.spec)
+    if depth > config.max_response_format_depth:
+        raise _refuse(kind, f"nested {depth} deep, at most {config.max_response_format_depth} "
+                            "(--max-response-format-depth)")
+    if fmt.kind == "json_schema":
+        try:
+            schema = json.loads(fmt.spec)
+        except ValueError as e:
+            raise _refuse(kind, f"not valid JSON: {e}") from None
+        if not isinstance(schema, dict | bool):
+            raise _refuse(kind, "a JSON schema is an object (or true/false)")
     return fmt

@@ -28,7 +28,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
 from mmserve.server.status import abort_with
-from mmserve.server.validation import MAX_REQUEST_ID_CHARS
+from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
 from mmserve.server.vllm_engine.media_refs import media_inputs
@@ -85,6 +85,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                  allowed_local_media_path=self._server_config.allowed_local_media_path)
             sampling = map_sampling(request.sampling_params, self._config, self._defaults,
                                     processor.spec.eos_token_ids)
+            await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
             if request_id in self._in_flight:
                 raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
         except MMServeError as e:

@@ -1,0 +1,160 @@
+"""Start-up self-check of the selected GPU kernels: a GPU unlike the ones tested gets a working
+server and a WARNING, not a crash on its first request (vLLM's Gemma 4 threads are full of FA4 and
+CUDA-graph start-up crashes: vllm#47275, vllm#48093).
+
+Attention: each layer type on a checked backend (fa4, flex) runs two steps on the pool's real shapes
+and on the runner's own KV cache (so the kernels compiled here are the ones serving runs: the check
+is also their warm-up): a prefill chunk with frames beside two decodes, then frame-free decodes.
+Each is compared with the dense float32 reference on the same (dtype-rounded) inputs. A compile or
+launch error, or a max error over the reference's largest value above BF16_TOLERANCE, falls back
+along FALLBACK (fa4 -> flex -> sdpa), checking the fallback in turn. CUDA graphs: after capture one
+replay is compared with the eager forward on the same inputs (model_runner.py); a failed capture
+or a mismatch runs decode eagerly. `--strict-backends` turns every fallback into a start-up error.
+Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` metric.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from mmserve.attention import PoolConfig, create_builder, create_impl
+from mmserve.errors import MMServeError
+
+logger = logging.getLogger(__name__)
+
+FALLBACK = {"fa4": "flex", "flex": "sdpa"}   # checked backends and what runs when one fails
+BF16_TOLERANCE = 2e-2
+MODES = ("auto", "on", "off")
+
+
+class BackendCheckError(MMServeError):
+    """A selected backend failed its start-up check and --strict-backends forbids the fallback."""
+
+
+@dataclass(frozen=True)
+class BackendCheck:
+    component: str    # a layer type, or "cuda_graphs"
+    selected: str     # what load time chose
+    running: str      # what runs after the check
+    reason: str = ""  # why it fell back; "" when the selected one passed
+
+    @property
+    def fell_back(self) -> bool:
+        return self.running != self.selected
+
+
+def should_check(mode: str, device: torch.device) -> bool:
+    """auto: on CUDA, where the kernels differ from what CPU tests cover; on: also elsewhere."""
+    if mode not in MODES:
+        raise ValueError(f"--backend-self-check {mode!r}: choose from {', '.join(MODES)}")
+    return mode == "on" or (mode == "auto" and device.type == "cuda")
+
+
+def fallen_back(component: str, selected: str, running: str, reason: str, strict: bool) -> BackendCheck:
+    """Log (or, strict, raise) a failed check; the record of what runs instead."""
+    message = f"{selected} failed its start-up check for {component}: {reason}"
+    if strict:
+        raise BackendCheckError(f"{message} (--strict-backends: not falling back to {running})")
+    logger.warning("%s; falling back to %s", message, running)
+    return BackendCheck(component, selected, running, reason)
+
+
+def check_attention(model, pools: dict[str, PoolConfig], kv_caches: list[torch.Tensor], *,
+                    strict: bool) -> list[BackendCheck]:
+    """Check every layer type's backend; swap a failing one for its fallback in `model` (impls and
+    `attention_backends`), before the runner builds its metadata builders from them."""
+    results = []
+    for layer_type, selected in list(model.attention_backends.items()):
+        if selected not in FALLBACK or layer_type not in pools:
+            continue
+        cache = next((kv_caches[i] for i, layer in enumerate(model.spec.layers)
+                      if layer.layer_type == layer_type and not layer.shares_kv), None)
+        if cache is None:   # every layer of the type reads another's cache: nothing of its own to check on
+            continue
+        running, reasons = selected, []
+        while running in FALLBACK:
+            reason = attention_mismatch(running, pools[layer_type], cache)
+            if reason is None:
+                break
+            reasons.append(f"{running}: {reason}")
+            running = fallen_back(layer_type, running, FALLBACK[running], reason, strict).running
+        if running != selected:
+            use_backend(model, layer_type, running)
+        results.append(BackendCheck(layer_type, selected, running, "; ".join(reasons)))
+    return results
+
+
+def use_backend(model, layer_type: str, name: str) -> None:
+    spec = model.spec.attention_specs[layer_type]
+    impl = create_impl(name, spec)
+    for layer in model.decoder.layers:
+        if layer.layer_type == layer_type:
+            layer.self_attn.impl = impl
+    model.attention_backends[layer_type] = name
+
+
+def attention_mismatch(name: str, pool: PoolConfig, cache: torch.Tensor) -> str | None:
+    """Why backend `name` is not fit to serve this pool (an error or a mismatch), or None."""
+    from mmserve.attention.synthetic import Req, frames
+
+    steps = [[Req(0, 40, frames(4, 2, 12, 4)), Req(50, 1), Req(21, 1)], [Req(70, 1), Req(33, 1)]]
+    for reqs in steps:
+        if sum(r.query for r in reqs) > pool.max_num_tokens or len(reqs) > pool.max_num_reqs:
+            continue
+        try:
+            err = _step_error(name, pool, cache, reqs)
+        except Exception as exc:   # a compile or launch error: the whole point is to survive it
+            logger.debug("start-up check of %s", name, exc_info=True)
+            return f"{type(exc).__name__}: {str(exc)[:300]}"
+        if not err <= BF16_TOLERANCE:   # NaN fails too
+            return f"max error {err:.3g} of the reference's largest value (tolerance {BF16_TOLERANCE})"
+    return None
+
+
+def _step_error(name: str, pool: PoolConfig, cache: torch.Tensor, reqs) -> float:
+    from mmserve.attention.synthetic import make_batch
+
+    spec = pool.spec
+    blocks = sum(-(-r.seq_len // pool.block_size) for r in reqs) + 2
+    if blocks > pool.num_blocks:
+        return 0.0   # a pool this small serves nothing either; the first request will tell
+    batch = make_batch(reqs, spec, block_size=pool.block_size, num_blocks=blocks,
+                       table_width=pool.max_blocks_per_req, gen=torch.Generator().manual_seed(0))
+    rounded = [t.to(pool.dtype) for t in (batch.q, batch.k, batch.v, batch.kv_cache)]
+    reference_batch = replace(batch, q=rounded[0].float(), k=rounded[1].float(), v=rounded[2].float(),
+                              kv_cache=rounded[3].float())
+    want = _run("reference", replace(pool, device=torch.device("cpu"), dtype=torch.float32), reference_batch,
+                reference_batch.kv_cache.clone())
+    md = batch.metadata
+    on_device = {f: getattr(md, f).to(pool.device) for f in ("query_start_loc", "seq_lens", "positions",
+                                                             "block_table", "slot_mapping", "query_ranges")
+                 if getattr(md, f) is not None}
+    q, k, v = (t.to(pool.device) for t in rounded[:3])
+    try:
+        cache[:, :blocks].copy_(rounded[3])
+        got = _run(name, pool, replace(batch, q=q, k=k, v=v, metadata=replace(md, **on_device)), cache)
+        got = got[: md.num_actual_tokens].float().cpu()
+    finally:
+        cache[:, :blocks].zero_()   # leave the cache as the runner made it
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-6))
+
+
+def _run(name: str, pool: PoolConfig, batch, cache: torch.Tensor) -> torch.Tensor:
+    metadata = create_builder(name, pool).build(batch.metadata)
+    return create_impl(name, pool.spec).forward(batch.q, batch.k, batch.v, cache, metadata)
+
+
+def graphs_mismatch(replayed: torch.Tensor, eager: torch.Tensor) -> str | None:
+    """Why a graph replay's hidden states differ from the eager forward's on the same inputs, or None.
+    Padding rows attend to no key: both must agree there too, NaN where the other is NaN."""
+    nan = replayed.isnan()
+    if not torch.equal(nan, eager.isnan()):
+        return "graph replay and eager forward disagree on which outputs are NaN"
+    a, b = replayed[~nan].float(), eager[~nan].float()
+    if a.numel() == 0:
+        return None
+    err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
+    return None if err <= BF16_TOLERANCE else f"graph replay differs from the eager forward: max error {err:.3g}"

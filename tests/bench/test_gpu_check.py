@@ -1,0 +1,71 @@
+"""bench/gpu_check.py survives its first lease: caches sized from the step, a report written after
+each section (a run killed at its limit still returns what it finished), graph runs that replayed
+no graph fail, and any section runs alone. The GPU numbers themselves need a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmserve.attention.synthetic import Req, make_batch
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("bench_gpu_check", BENCH_DIR / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module   # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_the_compiles_decode_step_at_64_frames_fits_its_cache(gpu_check):
+    """5 requests of ~19.2k tokens need 6,007 blocks; the old fixed 4,096 raised 'cache too small'."""
+    reqs = [Req(300 * 64 + 7 * i, 1) for i in range(1 + 64 % 5)]
+    needed = sum(-(-r.seq_len // 16) for r in reqs)
+    assert needed > 4096 and gpu_check.blocks_for(reqs) > needed
+    small = gpu_check.replace(gpu_check.SMOKE.sliding, num_heads=1, num_kv_heads=1, head_dim=8)
+    batch = make_batch(reqs, small, num_blocks=gpu_check.blocks_for(reqs), table_width=2048)
+    assert batch.kv_cache.shape[1] == gpu_check.blocks_for(reqs)
+
+
+def test_each_section_is_on_disk_before_the_next_starts(gpu_check, tmp_path, monkeypatch):
+    out = tmp_path / "report.json"
+    seen = {}
+
+    def first(sizes, device):
+        return {"ok": True, "value": 1}
+
+    def second(sizes, device):
+        seen.update(json.loads(out.read_text())["sections"])
+        raise RuntimeError("killed here")
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", {"first": first, "second": second, "third": first})
+    assert gpu_check.main(["--smoke", "--out", str(out)]) == 1
+    assert seen["first"]["value"] == 1 and "second" not in seen
+    report = json.loads(out.read_text())
+    assert "killed here" in report["sections"]["second"]["error"] and report["sections"]["third"]["ok"]
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_only_runs_one_section(gpu_check, tmp_path):
+    out = tmp_path / "fallback.json"
+    assert gpu_check.main(["--smoke", "--only", "fallback", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["sections"]) == ["fallback"] and "--only fallback" in report["command"]
+    row = report["sections"]["fallback"]["rows"][0]
+    assert row["flex_kv_bytes"] >= row["needed_kv_bytes"] and row["sdpa_kv_bytes"] >= row["needed_kv_bytes"]
+
+
+def test_a_graph_run_that_replayed_no_graph_fails(gpu_check):
+    assert not gpu_check.graphs_ran({"graphs_enabled": False, "graph_replays": 0}, "cuda")
+    assert not gpu_check.graphs_ran({"graphs_enabled": True, "graph_replays": 0}, "cuda")
+    assert gpu_check.graphs_ran({"graphs_enabled": True, "graph_replays": 3}, "cuda")
+    assert gpu_check.graphs_ran({"graphs_enabled": False, "graph_replays": 0}, "cpu")   # CPU steps are eager

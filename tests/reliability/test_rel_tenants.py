@@ -1,0 +1,315 @@
+"""One tenant must not hurt another (issue 27, findings 6-9), on one real `mmserve serve` process
+with API keys, a small message limit and a small media spool: Abort reaches only the caller's own
+requests, undecodable or oversize messages are refused cheaply before auth lets them cost anything,
+and declared upload sizes take no spool space before their bytes arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rel_engine import read_stream, text_request
+from rel_process import ServeProcess
+
+from mmserve.api.mmserve.v1 import generation_pb2 as pb
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+
+KEYS = [secrets.token_urlsafe(16), secrets.token_urlsafe(16)]
+MAX_MESSAGE = 16 * 2**20
+MAX_INFLIGHT = 24 * 2**20
+SPOOL = 8 * 2**20
+MAX_CALLS = 48
+IDLE_S = 1.0
+GENERATE = "/mmserve.v1.Generation/Generate"
+UPLOAD = "/mmserve.v1.Generation/UploadMedia"
+# Field 1, length-delimited, claiming 2**35 bytes: no parser accepts it.
+UNDECODABLE = b"\x0a\x80\x80\x80\x80\x80\x01garbage"
+BIG_SEND = [("grpc.max_send_message_length", -1)]
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("\n".join(KEYS) + "\n")
+    proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", "1", "--max-num-seqs", "8",
+                        "--api-keys-file", str(keys), "--max-message-bytes", str(MAX_MESSAGE),
+                        "--max-inflight-message-bytes", str(MAX_INFLIGHT), "--max-concurrent-rpcs", str(MAX_CALLS),
+                        "--media-dir-max-bytes", str(SPOOL), "--max-upload-bytes", str(SPOOL // 2),
+                        "--upload-idle-timeout-s", str(IDLE_S))
+    try:
+        proc.wait_port(120)
+
+        async def ready():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proc.port}") as ch:
+                await proc.wait_serving(ch)
+
+        asyncio.run(ready())
+        yield proc
+    finally:
+        proc.stop()
+
+
+def run(server: ServeProcess, scenario, *, raw: bool = False):
+    """`scenario(stub)`, or with `raw` `scenario(channel)` (to send bytes of our own)."""
+    async def main():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=BIG_SEND) as ch:
+            return await scenario(ch if raw else pb_grpc.GenerationStub(ch))
+    return asyncio.run(main())
+
+
+def peak_rss(pid: int) -> int:
+    """The process's resident-set high-water mark (VmHWM), in bytes."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+async def status_of(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        response = await call
+        if hasattr(response, "__aiter__"):
+            async for _ in response:
+                pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+async def stream_code(call) -> tuple[grpc.StatusCode, str]:
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def greedy(request_id: str, max_tokens: int) -> pb.GenerateRequest:
+    request = text_request(request_id, max_tokens)
+    request.sampling.temperature = 0.0
+    return request
+
+
+def padded(request: pb.GenerateRequest, pad_bytes: int) -> bytes:
+    """`request`'s bytes plus an unknown field of `pad_bytes`: it parses, and holds that much memory."""
+    tag_and_length = b"\xc2\x3e" + _varint(pad_bytes)   # field 1000, length-delimited
+    return request.SerializeToString() + tag_and_length + secrets.token_bytes(pad_bytes)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def test_abort_reaches_only_the_callers_own_request_by_its_exact_id(server):
+    victim_key, other_key = KEYS
+
+    async def scenario(stub):
+        victim = stub.Generate(text_request("victim", 120), metadata=bearer(victim_key))
+        assert (await victim.read()).delta.token_ids
+        for rid in ("victim", "vict", "victim#1"):
+            assert not (await stub.Abort(pb.AbortRequest(request_id=rid), metadata=bearer(other_key))).found
+        rest = await read_stream(victim)
+        assert rest.code is None and rest.final.usage.completion_tokens == 120, rest
+
+        mine = stub.Generate(text_request("mine", 400), metadata=bearer(victim_key))
+        assert (await mine.read()).delta.token_ids
+        assert (await stub.Abort(pb.AbortRequest(request_id="mine"), metadata=bearer(victim_key))).found
+        assert (await read_stream(mine)).code == grpc.StatusCode.CANCELLED
+
+    run(server, scenario)
+
+
+def test_client_ids_cannot_collide_with_parallel_samples(server):
+    """A client id "x#1" used to take sample 1 of another client's n=2 request "x" and fail it."""
+    owner_key, other_key = KEYS
+
+    async def scenario(stub):
+        request = text_request("x", 40)
+        request.sampling.n = 2
+        owner = stub.Generate(request, metadata=bearer(owner_key))
+        assert (await owner.read()).delta.token_ids
+        squatter = await read_stream(stub.Generate(text_request("x#1", 4), metadata=bearer(other_key)))
+        assert squatter.code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in squatter.details, squatter
+        assert "'#'" in squatter.details
+        rest = await read_stream(owner)
+        assert rest.code is None, rest
+        assert [s.completion_tokens for s in rest.final.samples] == [40, 40]
+        assert not (await stub.Abort(pb.AbortRequest(request_id="x"), metadata=bearer(other_key))).found
+
+    run(server, scenario)
+
+
+def test_undecodable_messages_get_invalid_argument_and_a_rate_limited_log_line(server):
+    """These got UNKNOWN and an ERROR traceback in the log per message, before any key was checked."""
+    key = KEYS[0]
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE)
+        info = ch.unary_unary("/mmserve.v1.Generation/GetModelInfo")
+        abort = ch.unary_unary("/mmserve.v1.Generation/Abort")
+        upload = ch.stream_unary(UPLOAD)
+        before = len(server.lines)
+        for _ in range(20):
+            for code, message in [await stream_code(generate(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(info(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(abort(UNDECODABLE, metadata=bearer(key))),
+                                  await status_of(upload(iter([UNDECODABLE]), metadata=bearer(key)))]:
+                assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in message, message
+        code, message = await stream_code(generate(UNDECODABLE))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in message
+        return server.lines[before:]
+
+    logged = run(server, scenario, raw=True)
+    assert not any("Traceback" in line or " ERROR " in line for line in logged), "".join(logged)
+    assert 1 <= sum("undecodable" in line for line in logged) <= 2, "".join(logged)
+
+
+def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
+    """On main, 8 concurrent unauthenticated messages just under twice --max-message-bytes were
+    buffered and parsed before auth refused them (the server grew by ~8 x 2 x 30 MiB). Now auth
+    refuses without reading and grpc refuses anything above the limit from its length prefix."""
+    body = pb.GenerateRequest(request_id="big", messages=[pb.Message(role="user", parts=[pb.Part(text="hi")])])
+    under, over = padded(body, MAX_MESSAGE - 2**20), padded(body, 30 * 2**20)
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE)
+        stub = pb_grpc.GenerationStub(ch)
+        idle = await read_stream(stub.Generate(greedy("idle", 60), metadata=bearer(KEYS[0])))
+        bystander = asyncio.ensure_future(read_stream(stub.Generate(greedy("bystander", 60), metadata=bearer(KEYS[0]))))
+        results = await asyncio.gather(*[stream_code(generate(raw)) for raw in [under, over] * 4],
+                                       *[stream_code(generate(over, metadata=bearer(KEYS[1]))) for _ in range(4)])
+        return results, idle, await bystander
+
+    baseline = peak_rss(server.proc.pid)
+    results, idle, bystander = run(server, scenario, raw=True)
+    grown = peak_rss(server.proc.pid) - baseline
+    assert [code for code, _ in results[:8]] == [grpc.StatusCode.UNAUTHENTICATED] * 8, results
+    assert all(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _ in results[8:]), results
+    assert bystander.code is None and bystander.token_ids == idle.token_ids, bystander
+    # The bystander's TTFT beside the flood stays within 2x its idle TTFT (plus 0.25 s for a shared CPU).
+    ttft = bystander.final.timings.time_to_first_token_s
+    assert ttft <= 2 * idle.final.timings.time_to_first_token_s + 0.25, (ttft, idle.final.timings)
+    assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+def test_method_limits_refuse_before_parsing(server):
+    """UploadMedia messages are held to one chunk before parsing, queries to a few KiB, not to
+    --max-message-bytes. (grpc
+    itself still buffers each message up to the transport limit: it has no per-method limit.)"""
+    chunk = pb.UploadMediaRequest(chunk=secrets.token_bytes(12 * 2**20)).SerializeToString()
+    meta = pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4")).SerializeToString()
+
+    async def scenario(ch):
+        upload = ch.stream_unary(UPLOAD)
+        return await asyncio.gather(*[status_of(upload(iter([meta, chunk]), metadata=bearer(KEYS[0])))
+                                      for _ in range(4)])
+
+    for code, message in run(server, scenario, raw=True):
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "UploadMedia message" in message, message
+        assert f"its limit of {4 * 2**20 + 2**10} bytes" in message, message
+
+    async def query(stub):
+        return await status_of(stub.Abort(pb.AbortRequest(request_id="x" * 2**20), metadata=bearer(KEYS[0])))
+
+    code, message = run(server, query)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Abort message" in message, message
+
+
+def test_bytes_in_flight_are_bounded_across_calls(server):
+    """Two calls holding 10 MiB each fit --max-inflight-message-bytes (24 MiB); a third waits its turn."""
+    def held(rid: str) -> bytes:
+        return padded(text_request(rid, 300), 10 * 2**20)
+
+    async def scenario(ch):
+        generate = ch.unary_stream(GENERATE, response_deserializer=pb.GenerateResponse.FromString)
+        first, second = generate(held("hold-1"), metadata=bearer(KEYS[0])), generate(held("hold-2"), metadata=bearer(KEYS[0]))
+        assert (await first.read()).delta.token_ids and (await second.read()).delta.token_ids
+        code, message = await stream_code(generate(held("hold-3"), metadata=bearer(KEYS[1])))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-message-bytes" in message, message
+        first.cancel()
+        second.cancel()
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:   # the budget is given back when the calls end
+            code, message = await stream_code(generate(padded(text_request("after", 2), 10 * 2**20),
+                                                       metadata=bearer(KEYS[1])))
+            if code == grpc.StatusCode.OK:
+                return
+            assert "--max-inflight-message-bytes" in message and asyncio.get_running_loop().time() < deadline, message
+            await asyncio.sleep(0.05)
+
+    run(server, scenario, raw=True)
+
+
+def test_declared_upload_sizes_neither_evict_others_media_nor_block_uploads(server):
+    """The probe, scaled to an 8 MiB spool: two streams declaring half the spool each and sending
+    nothing used to evict a victim's upload at once (it was NOT_FOUND later) and refuse every other
+    upload with RESOURCE_EXHAUSTED for as long as they stayed open."""
+    victim_bytes, bystander_bytes = secrets.token_bytes(3 * 2**20), secrets.token_bytes(2**20)
+    victim_key, attacker_key = KEYS
+
+    def upload(data: bytes, **meta):
+        yield pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4", **meta))
+        for i in range(0, len(data), 2**20):
+            yield pb.UploadMediaRequest(chunk=data[i:i + 2**20])
+
+    async def stalled(stub, stop: asyncio.Event):
+        async def requests():
+            yield pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4", size_bytes=SPOOL // 2))
+            await stop.wait()   # and never send a byte
+        return await status_of(stub.UploadMedia(requests(), metadata=bearer(attacker_key)))
+
+    async def scenario(stub):
+        victim = await stub.UploadMedia(upload(victim_bytes), metadata=bearer(victim_key))
+        stop = asyncio.Event()
+        attackers = [asyncio.ensure_future(stalled(stub, stop)) for _ in range(2)]
+        await asyncio.sleep(0.3)   # both declarations are in
+        bystander = await stub.UploadMedia(upload(bystander_bytes), metadata=bearer(victim_key))
+        assert bystander.size_bytes == len(bystander_bytes)
+        # The victim's media is still stored: declaring its hash is answered without any bytes.
+        again = await stub.UploadMedia(iter([pb.UploadMediaRequest(metadata=pb.UploadMetadata(
+            sha256=hashlib.sha256(victim_bytes).hexdigest()))]), metadata=bearer(victim_key))
+        assert again.id == victim.id
+        started = time.monotonic()
+        results = await asyncio.gather(*attackers)   # ended by the idle timeout, not by the client
+        stop.set()
+        return results, time.monotonic() - started
+
+    results, waited = run(server, scenario)
+    for code, message in results:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--upload-idle-timeout-s" in message, message
+    assert waited < 10 * IDLE_S
+
+
+def test_calls_in_progress_are_bounded(server):
+    """--max-concurrent-rpcs: with that many calls open (health Watch streams), one more is refused."""
+    async def scenario(stub):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(MAX_CALLS)]
+            for watch in watches:
+                assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+            code, _ = await status_of(stub.GetServerLoad(pb.GetServerLoadRequest(), metadata=bearer(KEYS[0])))
+            for watch in watches:
+                watch.cancel()
+        deadline = time.monotonic() + 30
+        while (after := await status_of(stub.GetServerLoad(pb.GetServerLoadRequest(),
+                                                            metadata=bearer(KEYS[0]))))[0] != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, after
+            await asyncio.sleep(0.05)
+        return code
+
+    assert run(server, scenario) == grpc.StatusCode.RESOURCE_EXHAUSTED
