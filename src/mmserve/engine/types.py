@@ -27,6 +27,18 @@ class EngineRequest:
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+    # The prompt as a gateway sent it, when that differs from ours (engine/kv_events.py): front end only.
+    routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
+
+
+@dataclass(frozen=True)
+class RoutingPrompt:
+    """The prompt a router routed on: `token_ids` with one anchor token per image/video where our
+    prompt has the item's expansion. `anchors`: (position in token_ids, how many of our tokens that
+    anchor became), in order. Every other token is ours one for one."""
+
+    token_ids: tuple[int, ...]
+    anchors: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
