@@ -9,6 +9,7 @@ parent's + 1; a request matches block by block from position 0 on the tokens of 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -18,7 +19,8 @@ from gemma4_fixtures import VIDEO
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.kv_events import Cleared, KvEventsLagError, Removed, Stored, block_id
-from mmserve.engine.types import EngineRequest, RoutingPrompt
+from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt
+from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineUnavailableError
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.request import Request
@@ -80,7 +82,8 @@ def run(load_backend, body, **options):
 
 
 async def complete(engine, request):
-    outs = [out async for out in engine.generate(request)]
+    async with contextlib.aclosing(engine.generate(request)) as stream:   # cancelled: aborted at once
+        outs = [out async for out in stream]
     return outs[-1]
 
 
@@ -94,7 +97,10 @@ def gateway_view(request: EngineRequest, anchor_at: int) -> RoutingPrompt:
     range + its end marker) collapsed into one video anchor."""
     end = request.mm_ranges[-1][1] + 2
     ids = request.prompt_token_ids
-    return RoutingPrompt(tuple(ids[:anchor_at]) + (VIDEO,) + tuple(ids[end:]), ((anchor_at, end - anchor_at),))
+    routing = gateway_routing_prompt(ids[:anchor_at] + [VIDEO] + ids[end:], ids, request.mm_ranges,
+                                     [(anchor_at, len(request.mm_ranges))])
+    assert routing is not None and routing.runs == ((anchor_at, anchor_at + 1, end - anchor_at),)
+    return routing
 
 
 def test_snapshot_and_live_batches_rebuild_the_cache(load_backend):

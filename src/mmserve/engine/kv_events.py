@@ -34,7 +34,8 @@ from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from mmserve.engine.types import EngineRequest, RoutingPrompt
+from mmserve.engine.routing_prompt import RoutingPrompt
+from mmserve.engine.types import EngineRequest
 from mmserve.errors import LimitExceededError
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, KvEvent
@@ -102,32 +103,11 @@ class _GatewayView:
         self.published = 0            # gateway blocks already ensured
         self.stored_upto = 0          # engine blocks [0, stored_upto) known to be cached
         self._keys: list[bytes] | None = None
-        self._ends: list[int] = []    # per gateway block: the engine block its last token lands in
         self._hashes: list[int] = []
-        first_anchor = routing.anchors[0][0] if routing.anchors else len(routing.token_ids)
-        self.num_engine_own = first_anchor // block_size   # leading blocks identical to the engine's
-        offset, anchors = 0, dict(routing.anchors)
-        expanded = [0]
-        for pos in range(len(routing.token_ids)):
-            offset += anchors.get(pos, 1)
-            expanded.append(offset)   # expanded[j] = our tokens for the gateway's first j
-        for b in range(len(routing.token_ids) // block_size):
-            self._ends.append((expanded[(b + 1) * block_size] - 1) // block_size)
-
-    @staticmethod
-    def matches(request: EngineRequest, routing: RoutingPrompt) -> bool:
-        """Whether our prompt is the gateway's with each anchor replaced by its expansion."""
-        ours, pos = request.prompt_token_ids, 0
-        anchors = dict(routing.anchors)
-        for j, token in enumerate(routing.token_ids):
-            n = anchors.get(j)
-            if n is None:
-                if pos >= len(ours) or ours[pos] != token:
-                    return False
-                pos += 1
-            else:
-                pos += n
-        return pos == len(ours) and all(n >= 1 for _, n in routing.anchors)
+        self.num_engine_own = routing.first_run() // block_size   # leading blocks identical to the engine's
+        needed = routing.ours_needed()   # per gateway block: the engine block its last token lands in
+        self._ends = [(needed[(b + 1) * block_size] - 1) // block_size
+                      for b in range(len(routing.token_ids) // block_size)]
 
     def keys(self) -> list[bytes]:
         if self._keys is None:   # our prompt's keys, as the core computes them (only when first needed)
@@ -222,7 +202,7 @@ class KvEventHub:
         routing = request.routing_prompt
         if routing is None or request.fork_of is not None:
             return
-        if not _GatewayView.matches(request, routing):
+        if not routing.maps_onto(request.prompt_token_ids):
             logger.warning("request %s: its routing prompt does not map onto the prompt; publishing ours",
                            request.request_id)
             return

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import MultiModalInput
@@ -29,16 +30,6 @@ class EngineRequest:
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
     # The prompt as a gateway sent it, when that differs from ours (engine/kv_events.py): front end only.
     routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
-
-
-@dataclass(frozen=True)
-class RoutingPrompt:
-    """The prompt a router routed on: `token_ids` with one anchor token per image/video where our
-    prompt has the item's expansion. `anchors`: (position in token_ids, how many of our tokens that
-    anchor became), in order. Every other token is ours one for one."""
-
-    token_ids: tuple[int, ...]
-    anchors: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
