@@ -109,10 +109,12 @@ class AsyncEngine:
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         self._load = outputs.load
-        self.kv_events.apply(outputs.kv_events)   # before the outputs end requests (their views go with them)
         for out in outputs.outputs:
             if out.num_cached_tokens:
                 self.kv_events.cached(out.request_id, out.num_cached_tokens)
+            if out.new_token_ids:
+                self.kv_events.generated(out.request_id, out.new_token_ids)
+        self.kv_events.apply(outputs.kv_events)   # before the outputs end requests (their views go with them)
         done = self.processor.process(outputs)
         self._dispatch(done.events)
         if done.stopped:

@@ -16,8 +16,9 @@ gateway's tokens [b*B, (b+1)*B) and is published once every engine block up to t
 last token lands is cached; its hash chains on that engine block's key (which names the media by
 content), so two videos asked the same question get different hashes but, as the router sees the
 same tokens, both replicas match: the router can tell videos apart only by the text around them.
-Blocks wholly before the first anchor are the engine's own. The gateway view covers the prompt
-only (not the blocks decode fills). Removing an engine key removes every block resting on it and
+Blocks wholly before the first anchor are the engine's own. The view goes on past the prompt
+with what we generate (one for one on both sides), so a follow-up turn that repeats the answer
+matches it too. Removing an engine key removes every block resting on it and
 their descendants.
 
 Memory: one entry per published block (at most a few per cached engine block); a subscriber
@@ -30,7 +31,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -42,8 +43,6 @@ from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared,
 from mmserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
-
-RECENT_VIEWS = 256   # gateway views kept after their request ended: its last blocks may be keyed later
 
 
 class KvEventsLagError(LimitExceededError):
@@ -94,40 +93,40 @@ class _Block:
 
 
 class _GatewayView:
-    """One request's prompt as the gateway sent it, mapped onto ours."""
+    """One request's sequence as the gateway sees it (its prompt, then what we generate), mapped onto ours."""
 
     def __init__(self, request: EngineRequest, routing: RoutingPrompt, block_size: int):
-        self.request = request
-        self.routing = routing
         self.block_size = block_size
+        self.tokens = list(routing.token_ids)
         self.published = 0            # gateway blocks already ensured
         self.stored_upto = 0          # engine blocks [0, stored_upto) known to be cached
-        self._keys: list[bytes] | None = None
         self._hashes: list[int] = []
         self.num_engine_own = routing.first_run() // block_size   # leading blocks identical to the engine's
-        needed = routing.ours_needed()   # per gateway block: the engine block its last token lands in
-        self._ends = [(needed[(b + 1) * block_size] - 1) // block_size
-                      for b in range(len(routing.token_ids) // block_size)]
+        self._needed = routing.ours_needed()   # our tokens that back the gateway's first j
+        r = request
+        self._ours = Request(r.request_id, list(r.prompt_token_ids), r.sampling, mm_ranges=list(r.mm_ranges),
+                             mm_inputs=list(r.mm_inputs))   # keys as the core computes them, when needed
 
-    def keys(self) -> list[bytes]:
-        if self._keys is None:   # our prompt's keys, as the core computes them (only when first needed)
-            r = self.request
-            probe = Request(r.request_id, list(r.prompt_token_ids), r.sampling, mm_ranges=list(r.mm_ranges),
-                            mm_inputs=list(r.mm_inputs))
-            self._keys = block_hashes(probe, self.block_size, len(r.prompt_token_ids) // self.block_size)
-        return self._keys
+    def generated(self, token_ids: list[int]) -> None:
+        """Generated tokens follow the prompt one for one on both sides."""
+        self.tokens.extend(token_ids)
+        self._ours.output_token_ids.extend(token_ids)
+        for _ in token_ids:
+            self._needed.append(self._needed[-1] + 1)
 
     def ready_blocks(self) -> list[tuple[int, int | None, tuple[int, ...], bytes]]:
         """Gateway blocks newly backed by cached engine blocks: (hash, parent, tokens, resting key)."""
         out = []
         bs = self.block_size
-        while self.published < len(self._ends) and self._ends[self.published] < self.stored_upto:
+        while (self.published + 1) * bs < len(self._needed):
             b = self.published
-            keys = self.keys()
-            end = self._ends[b]
+            end = (self._needed[(b + 1) * bs] - 1) // bs   # the engine block its last token lands in
+            if end >= self.stored_upto:
+                break
+            keys = block_hashes(self._ours, bs, end + 1)
             if end >= len(keys):
                 break   # an item without a content hash: the engine keys nothing from there on
-            tokens = tuple(self.routing.token_ids[b * bs:(b + 1) * bs])
+            tokens = tuple(self.tokens[b * bs:(b + 1) * bs])
             if b < self.num_engine_own:
                 h = block_id(keys[b])
             else:
@@ -186,8 +185,7 @@ class KvEventHub:
         self.sequence = 0
         self._blocks: dict[int, _Block] = {}
         self._resting: dict[bytes, list[int]] = {}   # engine key -> published blocks resting on it
-        self._views: dict[str, _GatewayView] = {}
-        self._recent: OrderedDict[str, _GatewayView] = OrderedDict()
+        self._views: dict[str, _GatewayView] = {}   # requests in flight with a gateway's view
         self._subs: set[_Subscription] = set()
         self._closed: BaseException | None = None
 
@@ -218,12 +216,15 @@ class KvEventHub:
                 self._add(h, parent, tokens, key, ops)
             self._publish(ops)
 
-    def forget(self, request_id: str) -> None:
-        view = self._views.pop(request_id, None)
+    def generated(self, request_id: str, token_ids: list[int]) -> None:
+        view = self._views.get(request_id)
         if view is not None:
-            self._recent[request_id] = view
-            while len(self._recent) > RECENT_VIEWS:
-                self._recent.popitem(last=False)
+            view.generated(token_ids)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended here; a block the core keys after that (a step already under way) is lost
+        to its view, which costs a router at most that block."""
+        self._views.pop(request_id, None)
 
     # -- from the core ----------------------------------------------------------------------------------
 
@@ -241,7 +242,7 @@ class KvEventHub:
             elif isinstance(event, CacheCleared):
                 self._blocks.clear()
                 self._resting.clear()
-                for view in [*self._views.values(), *self._recent.values()]:
+                for view in self._views.values():
                     view.reset()
                 ops.append(Cleared())
         self._publish(ops)
@@ -256,11 +257,10 @@ class KvEventHub:
                     self._subs.discard(sub)
 
     def _stored(self, event: BlockStored, ops: list) -> None:
-        view = self._views.get(event.request_id) or self._recent.get(event.request_id)
-        if view is None or event.index >= len(view.request.prompt_token_ids) // self.block_size:
-            if view is None or event.index < view.num_engine_own:   # decode blocks of a gateway view: not published
-                parent = block_id(event.parent) if event.parent is not None else None
-                self._add(block_id(event.key), parent, event.token_ids, event.key, ops)
+        view = self._views.get(event.request_id)
+        if view is None:
+            parent = block_id(event.parent) if event.parent is not None else None
+            self._add(block_id(event.key), parent, event.token_ids, event.key, ops)
             return
         view.stored_upto = max(view.stored_upto, event.index + 1)
         for h, parent, tokens, key in view.ready_blocks():

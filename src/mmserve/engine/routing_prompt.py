@@ -70,3 +70,15 @@ def gateway_routing_prompt(gateway_ids: Sequence[int], ours: Sequence[int], mm_r
         i, j = at + 1, end
     routing = RoutingPrompt(tuple(gateway_ids), tuple(runs))
     return routing if r == len(mm_ranges) and routing.maps_onto(ours) else None
+
+
+def media_anchors(gateway_ids: Sequence[int], image_token_id: int, video_token_id: int,
+                  num_ranges: int) -> list[tuple[int, int]] | None:
+    """`gateway_routing_prompt`'s anchors when the ranges per item follow from the prompt alone: every
+    image is one range and at most one video takes the rest. None with two videos or more."""
+    at = [(i, t) for i, t in enumerate(gateway_ids) if t in (image_token_id, video_token_id)]
+    videos = sum(t == video_token_id for _, t in at)
+    if videos > 1:
+        return None
+    rest = num_ranges - (len(at) - videos)
+    return [(i, rest if t == video_token_id else 1) for i, t in at]
