@@ -193,3 +193,22 @@ def test_a_subscriber_that_does_not_read_is_dropped(load_backend):
             await ended.__anext__()
 
     run(load_backend, body, kv_events_buffer=8)
+
+
+def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
+    """No recursion over a chain (a long video is thousands of blocks), and a removal reaches every
+    descendant, once."""
+    from mmserve.engine.kv_events import KvEventHub
+    from mmserve.scheduler.kv_events import BlockRemoved, BlockStored
+
+    hub = KvEventHub(block_size=BS, max_buffered=10**6)
+    keys = [bytes([i % 256, i // 256]) + bytes(30) for i in range(5000)]
+    hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i, i, i, i), "r") for i, k in enumerate(keys)])
+    assert hub.num_blocks == 5000
+    index = RouterIndex()
+    index.apply(hub.snapshot())
+    assert len(index.blocks) == 5000 and index.match([t for i in range(5000) for t in (i, i, i, i)]) == 5000
+    hub.apply([BlockRemoved(keys[10])])
+    assert hub.num_blocks == 10
+    index.apply(hub.snapshot())
+    assert len(index.blocks) == 10

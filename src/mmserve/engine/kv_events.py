@@ -89,7 +89,7 @@ class KvBatch:
 class _Block:
     parent: int | None
     token_ids: tuple[int, ...]
-    children: list[int] = field(default_factory=list)
+    children: set[int] = field(default_factory=set)
 
 
 class _GatewayView:
@@ -184,7 +184,7 @@ class KvEventHub:
         self.max_buffered = max_buffered
         self.sequence = 0
         self._blocks: dict[int, _Block] = {}
-        self._resting: dict[bytes, list[int]] = {}   # engine key -> published blocks resting on it
+        self._resting: dict[bytes, set[int]] = {}   # engine key -> published blocks resting on it
         self._views: dict[str, _GatewayView] = {}   # requests in flight with a gateway's view
         self._subs: set[_Subscription] = set()
         self._closed: BaseException | None = None
@@ -271,17 +271,23 @@ class KvEventHub:
             return
         self._blocks[h] = _Block(parent, tokens)
         if parent in self._blocks:
-            self._blocks[parent].children.append(h)
-        self._resting.setdefault(key, []).append(h)
+            self._blocks[parent].children.add(h)
+        self._resting.setdefault(key, set()).add(h)
         ops.append(Stored(h, parent, tokens))
 
     def _remove(self, h: int, removed: list[int]) -> None:
-        block = self._blocks.pop(h, None)
+        block = self._blocks.get(h)
         if block is None:
             return
-        removed.append(h)
-        for child in block.children:
-            self._remove(child, removed)
+        if block.parent in self._blocks:
+            self._blocks[block.parent].children.discard(h)
+        stack = [h]   # the block and its descendants (chains are thousands of blocks long: no recursion)
+        while stack:
+            h = stack.pop()
+            block = self._blocks.pop(h, None)
+            if block is not None:
+                removed.append(h)
+                stack.extend(block.children)
 
     # -- subscribers ------------------------------------------------------------------------------------
 
@@ -294,7 +300,7 @@ class KvEventHub:
             h = stack.pop()
             block = self._blocks[h]
             ops.append(Stored(h, block.parent, block.token_ids))
-            stack.extend(c for c in reversed(block.children) if c in self._blocks)
+            stack.extend(c for c in sorted(block.children) if c in self._blocks)
         return KvBatch(self.sequence, time.time(), tuple(ops), snapshot=True)
 
     async def subscribe(self) -> AsyncIterator[KvBatch]:
