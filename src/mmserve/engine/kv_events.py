@@ -153,7 +153,9 @@ class _Subscription:
         if self.error is not None:
             return
         size = sum(len(op.block_hashes) if isinstance(op, Removed) else 1 for op in batch.ops)
-        if bounded and self._buffered + size > self.max_buffered:
+        # A subscriber that has read everything always gets the next batch, however large: only one
+        # that leaves batches unread past the bound has fallen behind.
+        if bounded and self._buffered and self._buffered + size > self.max_buffered:
             self.close(KvEventsLagError(self.max_buffered))
             return
         self._queue.append(batch)

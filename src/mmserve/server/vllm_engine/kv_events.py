@@ -11,6 +11,7 @@ blocks behind is ended with RESOURCE_EXHAUSTED; the engine's end ends every stre
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -19,6 +20,8 @@ from smg_grpc_proto.generated import common_pb2
 from mmserve.engine.kv_events import Cleared, KvBatch, Removed, Stored
 from mmserve.errors import InvalidInputError, MMServeError
 from mmserve.server.status import abort_with
+
+logger = logging.getLogger(__name__)
 
 FULL_ATTENTION = "full_attention"
 MAX_FLUSH_WAIT_S = 600
@@ -53,6 +56,8 @@ async def subscribe(engine, request: common_pb2.SubscribeKvEventsRequest,
     """The servicer's SubscribeKvEvents: `async for b in subscribe(...): yield b`."""
     counter = iter(range(1, 2**63))
     block_size = engine.config.block_size
+    peer = context.peer()
+    logger.info("KV event subscriber %s connected", peer)
     try:
         batches = engine.subscribe_kv_events()
         async for batch in batches:
@@ -60,7 +65,10 @@ async def subscribe(engine, request: common_pb2.SubscribeKvEventsRequest,
                 continue   # nothing ever cached: no snapshot to send (a batch numbered 0 reads as a heartbeat)
             yield batch_message(batch, block_size, lambda: next(counter))
     except MMServeError as e:
+        logger.warning("KV event subscriber %s dropped: %s", peer, e)
         await abort_with(context, e)
+    finally:
+        logger.info("KV event subscriber %s gone", peer)
 
 
 async def flush_cache(engine, request: common_pb2.FlushCacheRequest,
