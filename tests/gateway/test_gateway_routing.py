@@ -21,6 +21,7 @@ import random
 import re
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -88,7 +89,19 @@ def openai_client(smg: Smg):
     return openai.OpenAI(base_url=smg.base_url + "/v1", api_key="unused", max_retries=0, timeout=120.0)
 
 
-def run_workload(replicas, dead, policy: str) -> dict[str, tuple[int, int, int]]:
+def smg_counters(smg: Smg) -> dict[str, float]:
+    """SMG's own counters: how it chose (cache_aware's branch) and what it made of our events."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{smg.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for name, value in re.findall(r'^(smg_cache_aware_policy_branch_total\{branch="\w+"\}|'
+                                  r'smg_kv_event_parentless_blocks_total|smg_kv_event_blocks_total)\S*\s+(\S+)$',
+                                  text, re.M):
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+def run_workload(replicas, dead, policy: str, counters: dict | None = None) -> dict[str, tuple[int, int, int]]:
     flush(replicas)
     smg = Smg([r.url for r in replicas], policy=policy, hf_endpoint=dead.url, extra=SMG_ARGS)
     try:
@@ -106,6 +119,8 @@ def run_workload(replicas, dead, policy: str) -> dict[str, tuple[int, int, int]]
         random.Random(24).shuffle(order)
         for v, q in order:
             ask(f"{policy}-v{v}-q{q}", v, QUESTIONS[q])
+        if counters is not None:
+            counters.update(smg_counters(smg))
     finally:
         smg.stop()
     seen = served(replicas, policy + "-")
@@ -119,7 +134,13 @@ def computed(seen: dict, part: str) -> int:
 
 def test_follow_ups_go_where_their_video_is_cached(fleet):
     replicas, dead = fleet
-    aware = run_workload(replicas, dead, "cache_aware")
+    counters: dict[str, float] = {}
+    aware = run_workload(replicas, dead, "cache_aware", counters)
+    # SMG chose from our events (its event index), not from its own guess of what it routed where,
+    # and every block it was sent had its parent.
+    follow_ups = len(NAMES) * len(QUESTIONS)
+    assert counters.get('smg_cache_aware_policy_branch_total{branch="event_hit"}', 0) >= follow_ups, counters
+    assert counters.get("smg_kv_event_blocks_total", 0) > 0 and counters.get("smg_kv_event_parentless_blocks_total") == 0
     for v in range(len(NAMES)):
         home = aware[f"cache_aware-v{v}-warm"][0]
         for q in range(len(QUESTIONS)):
