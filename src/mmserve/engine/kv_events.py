@@ -307,7 +307,7 @@ class KvEventHub:
 
     async def subscribe(self) -> AsyncIterator[KvBatch]:
         """A snapshot of what is cached, then every later batch, until the engine stops (its error) or
-        this subscriber falls `max_buffered` blocks behind (KvEventsLagError)."""
+        this subscriber leaves more than `max_buffered` blocks of batches unread (KvEventsLagError)."""
         if self._closed is not None:
             raise self._closed
         sub = _Subscription(self.max_buffered)

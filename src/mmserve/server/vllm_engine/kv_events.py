@@ -5,8 +5,9 @@ numbered with the last batch's sequence, then one batch per engine step that cha
 numbered on from there. `start_sequence_number` is not honoured (we keep no history): every
 subscriber resyncs from the snapshot, which the leading clear makes safe. Each block is its own
 `KvBlocksStored` (its `parent_block_hash` places it), from the first full-attention pool, in the
-tokens the router itself sends (engine/kv_events.py). A subscriber more than --kv-events-buffer
-blocks behind is ended with RESOURCE_EXHAUSTED; the engine's end ends every stream (UNAVAILABLE).
+tokens the router itself sends (engine/kv_events.py). A subscriber that leaves more than
+--kv-events-buffer blocks of batches unread is ended with RESOURCE_EXHAUSTED (SMG reconnects and
+resyncs); the engine's end ends every stream (UNAVAILABLE).
 """
 
 from __future__ import annotations
