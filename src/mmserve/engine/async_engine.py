@@ -158,8 +158,10 @@ class AsyncEngine:
             while not finished:
                 try:
                     out = await stream.get()
+                except asyncio.CancelledError:
+                    raise   # the reader went away mid-wait: the request still runs, so it is aborted below
                 except BaseException:
-                    finished = True
+                    finished = True   # the request's own error: it has ended
                     raise
                 finished = out.finished
                 yield out
