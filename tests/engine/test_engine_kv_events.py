@@ -212,3 +212,24 @@ def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
     assert hub.num_blocks == 10
     index.apply(hub.snapshot())
     assert len(index.blocks) == 10
+
+
+def test_a_snapshot_larger_than_the_buffer_does_not_drop_its_subscriber():
+    from mmserve.engine.kv_events import KvEventHub
+    from mmserve.scheduler.kv_events import BlockStored
+
+    hub = KvEventHub(block_size=BS, max_buffered=4)
+    keys = [bytes([i]) + bytes(31) for i in range(12)]
+    hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i,) * BS, "r") for i, k in enumerate(keys[:10])])
+
+    async def body():
+        sub = hub.subscribe()
+        assert len((await sub.__anext__()).ops) == 11   # a clear + 10 blocks, more than the buffer holds
+        hub.apply([BlockStored(keys[10], keys[9], 10, (10,) * BS, "r")])
+        hub.apply([BlockStored(keys[11], keys[10], 11, (11,) * BS, "r")])
+        assert hub.num_subscribers == 1
+        got = [(await sub.__anext__()).ops[0].block_hash for _ in range(2)]
+        assert got == [block_id(keys[10]), block_id(keys[11])]
+        await sub.aclose()
+
+    asyncio.run(body())

@@ -144,21 +144,22 @@ class _GatewayView:
 class _Subscription:
     def __init__(self, max_buffered: int):
         self.max_buffered = max_buffered
-        self._queue: deque[KvBatch] = deque()
+        self._queue: deque[tuple[KvBatch, int]] = deque()   # (batch, blocks it counts against the bound)
         self._buffered = 0
         self._ready = asyncio.Event()
         self.error: BaseException | None = None
 
     def put(self, batch: KvBatch, *, bounded: bool = True) -> None:
+        """`bounded=False`: the snapshot, which the cache's size bounds already, counts for nothing."""
         if self.error is not None:
             return
-        size = sum(len(op.block_hashes) if isinstance(op, Removed) else 1 for op in batch.ops)
+        size = sum(len(op.block_hashes) if isinstance(op, Removed) else 1 for op in batch.ops) if bounded else 0
         # A subscriber that has read everything always gets the next batch, however large: only one
         # that leaves batches unread past the bound has fallen behind.
-        if bounded and self._buffered and self._buffered + size > self.max_buffered:
+        if self._buffered and self._buffered + size > self.max_buffered:
             self.close(KvEventsLagError(self.max_buffered))
             return
-        self._queue.append(batch)
+        self._queue.append((batch, size))
         self._buffered += size
         self._ready.set()
 
@@ -175,8 +176,8 @@ class _Subscription:
                 raise self.error
             self._ready.clear()
             await self._ready.wait()
-        batch = self._queue.popleft()
-        self._buffered -= sum(len(op.block_hashes) if isinstance(op, Removed) else 1 for op in batch.ops)
+        batch, size = self._queue.popleft()
+        self._buffered -= size
         return batch
 
 
