@@ -47,6 +47,9 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content) "
                 "and the vision embeddings of frames seen before; off = nothing is reused across requests"})
+    kv_events_buffer: int = field(default=65536, metadata={
+        "help": "KV cache event blocks buffered per SubscribeKvEvents subscriber; one that falls further behind is "
+                "ended with RESOURCE_EXHAUSTED and must subscribe again", "min": 1})
     encoder_cache_bytes: int = field(default=0, metadata={
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})

@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
-OVERLAYS = ("cpu", "gpu", "observability")
+OVERLAYS = ("cpu", "gpu", "observability", "gateway")
 SERVER_OVERLAYS = ("cpu", "gpu")
 
 

@@ -113,6 +113,30 @@ def test_leaving_the_stream_early_aborts(load_backend):
     assert ("finished", "gone", None, "RequestAbortedError") in rec.events
 
 
+def test_a_reader_cancelled_while_it_waits_aborts_the_request(load_backend):
+    """A server handler is cancelled (the client hung up) while it awaits the next delta, not at a
+    yield: the request must still be aborted, not left to run to max_tokens."""
+    async def body(engine):
+        req = build_request("hung-up", [20], seed=4, max_tokens=300)
+        first = asyncio.Event()
+
+        async def reader():
+            async for _ in engine.generate(req):
+                first.set()
+
+        task = asyncio.create_task(reader())
+        await first.wait()
+        await asyncio.sleep(0)   # the reader is back to waiting on the stream
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await wait_idle(engine)
+
+    _, rec = run_engine(load_backend, body)
+    finished = [e for e in rec.events if e[0] == "finished" and e[1] == "hung-up"]
+    assert finished and finished[0][2] is None, finished   # aborted, not finished by length
+
+
 def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(load_backend):
     async def body(engine):
         bad = build_request("bad", [5, ("image", 4), 5], seed=4)

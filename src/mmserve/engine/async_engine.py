@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mmserve.config import EngineConfig
 from mmserve.engine.core_client import CoreClient
+from mmserve.engine.kv_events import KvBatch, KvEventHub
 from mmserve.engine.observer import EngineObserver
 from mmserve.engine.output_processor import Event, OutputProcessor
 from mmserve.engine.protocol import EngineCoreOutputs, EngineReady
@@ -65,6 +66,7 @@ class AsyncEngine:
         self.processor: OutputProcessor | None = None
         self.ready: EngineReady | None = None
         self._streams: dict[str, RequestStream] = {}
+        self.kv_events = KvEventHub(config.block_size, config.kv_events_buffer)
         self._load: LoadInfo | None = None
         self._dead: asyncio.Event | None = None
         self.dead_error: EngineDeadError | None = None
@@ -107,12 +109,19 @@ class AsyncEngine:
 
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
         self._load = outputs.load
+        for out in outputs.outputs:
+            if out.num_cached_tokens:
+                self.kv_events.cached(out.request_id, out.num_cached_tokens)
+            if out.new_token_ids:
+                self.kv_events.generated(out.request_id, out.new_token_ids)
+        self.kv_events.apply(outputs.kv_events)   # before the outputs end requests (their views go with them)
         done = self.processor.process(outputs)
         self._dispatch(done.events)
         if done.stopped:
             self.client.abort(done.stopped)
 
     def _on_exit(self, error: EngineDeadError | None) -> None:
+        self.kv_events.close(error or EngineUnavailableError("the engine shut down"))
         if self.processor is not None:
             self._dispatch(self.processor.fail_all(error or EngineUnavailableError("the engine shut down")))
         if error is not None:
@@ -136,6 +145,7 @@ class AsyncEngine:
         if rid in self._streams:
             raise InvalidInputError("request_id", f"{rid!r} is already in flight")
         self.processor.add(request)
+        self.kv_events.track(request)
         stream = self._streams[rid] = RequestStream()
         finished = False
         try:
@@ -148,13 +158,16 @@ class AsyncEngine:
             while not finished:
                 try:
                     out = await stream.get()
+                except asyncio.CancelledError:
+                    raise   # the reader went away mid-wait: the request still runs, so it is aborted below
                 except BaseException:
-                    finished = True
+                    finished = True   # the request's own error: it has ended
                     raise
                 finished = out.finished
                 yield out
         finally:
             del self._streams[rid]
+            self.kv_events.forget(rid)
             if not finished:
                 self.abort(rid)
 
@@ -165,6 +178,25 @@ class AsyncEngine:
         self._dispatch(self.processor.abort(request_id))
         self.client.abort([request_id])
         return True
+
+    def subscribe_kv_events(self) -> AsyncIterator[KvBatch]:
+        """What the prefix cache holds, then its changes, as routers see them (engine/kv_events.py)."""
+        if not self.is_running:
+            raise self.dead_error or EngineUnavailableError("the engine is not running")
+        return self.kv_events.subscribe()
+
+    async def flush_prefix_cache(self, timeout_s: float = 0.0) -> bool:
+        """Drop every cached prefix. The core refuses while requests are in flight; this retries until
+        it is idle or `timeout_s` passed (0: one try). False if it never was idle."""
+        if not self.is_running:
+            raise self.dead_error or EngineUnavailableError("the engine is not running")
+        deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
+        while True:
+            if await self.client.utility("flush_prefix_cache"):
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     def load(self) -> LoadInfo:
         if self._load is None:

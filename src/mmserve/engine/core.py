@@ -191,6 +191,11 @@ class EngineCore:
                                    if pool.num_free != pool.num_usable or any(pool.ref_cnt)},
                 "encoder_cache_over_bytes": max(0, cache.num_bytes - cache.max_bytes)}
 
+    def flush_prefix_cache(self) -> bool:
+        """Drop every cached prefix (the next request computes everything); False while requests are
+        in flight, whose blocks cannot be dropped under them."""
+        return not self.requests and self.kv.flush()
+
     def _end(self, rid: str, output: CoreOutput | None, outputs: list[CoreOutput]) -> None:
         """The single exit of every admitted request: free everything, report it once (unless the
         front end ended it: `output` None)."""
@@ -222,6 +227,7 @@ class EngineCore:
             self.fail_all(EngineInternalError(f"engine error ({type(exc).__name__}; details in the server log)"),
                           result.outputs)
         result.load = self.load()
+        result.kv_events = self.kv.take_events()
         return result
 
     def _step(self, result: EngineCoreOutputs) -> None:

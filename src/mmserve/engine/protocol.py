@@ -15,6 +15,7 @@ from typing import Any
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.observer import StepRecord
 from mmserve.engine.types import EngineRequest, LoadInfo
+from mmserve.scheduler.kv_events import KvEvent
 
 
 @dataclass
@@ -79,7 +80,8 @@ class UtilityResult:
 class EngineCoreOutputs:
     """Everything one engine iteration produced, in the order it happened: `aborted` acknowledges
     every requested abort (known or not), `admitted` lists requests queued (a refused one comes as an
-    output with an error instead), then the step and its outputs. `load` is the state after it."""
+    output with an error instead), then the step and its outputs. `load` is the state after it.
+    `kv_events`: the prefix cache's key changes in this iteration (scheduler/kv_events.py)."""
 
     load: LoadInfo
     aborted: list[str] = field(default_factory=list)
@@ -87,10 +89,11 @@ class EngineCoreOutputs:
     step: StepRecord | None = None
     outputs: list[CoreOutput] = field(default_factory=list)
     utility: list[UtilityResult] = field(default_factory=list)
+    kv_events: list[KvEvent] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not (self.aborted or self.admitted or self.step or self.outputs or self.utility)
+        return not (self.aborted or self.admitted or self.step or self.outputs or self.utility or self.kv_events)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import MultiModalInput
@@ -27,6 +28,8 @@ class EngineRequest:
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+    # The prompt as a gateway sent it, when that differs from ours (engine/kv_events.py): front end only.
+    routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
 
 
 @dataclass(frozen=True)

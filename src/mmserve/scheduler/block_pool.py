@@ -12,14 +12,15 @@ Block 0 is the null block: never handed out, counted, keyed or freed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 NULL_BLOCK = 0
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None):
         self.num_blocks = num_blocks
+        self.on_evict = on_evict   # told each key eviction drops (the published pool's KV events)
         self.ref_cnt = [0] * num_blocks
         self._key: list[bytes | None] = [None] * num_blocks
         self._by_key: dict[bytes, int] = {}
@@ -53,8 +54,11 @@ class BlockPool:
                 block = self._empty.pop()
             else:
                 block, _ = self._cached_free.popitem(last=False)
-                del self._by_key[self._key[block]]
+                key = self._key[block]
+                del self._by_key[key]
                 self._key[block] = None
+                if self.on_evict is not None:
+                    self.on_evict(key)
             self.ref_cnt[block] = 1
             out.append(block)
         return out
@@ -85,12 +89,23 @@ class BlockPool:
                     if evict_first:
                         self._cached_free.move_to_end(block, last=False)
 
-    def cache(self, block: int, key: bytes) -> None:
-        """Key a full, computed block so later requests can reuse it. A key already held by another
-        block keeps that block (tables stay append-only, so no duplicate is merged)."""
+    def cache(self, block: int, key: bytes) -> bool:
+        """Key a full, computed block so later requests can reuse it; True if the key is new here. A
+        key already held by another block keeps that block (tables stay append-only, so no duplicate
+        is merged)."""
         if self._key[block] is None and key not in self._by_key:
             self._key[block] = key
             self._by_key[key] = block
+            return True
+        return False
+
+    def drop_cached(self) -> None:
+        """Forget every key (a flush): cached free blocks become empty, blocks in use stay unkeyed."""
+        for block in self._cached_free:
+            self._empty.append(block)
+        self._cached_free.clear()
+        self._by_key.clear()
+        self._key = [None] * self.num_blocks
 
     def num_freed_by_release(self, blocks: Iterable[int]) -> int:
         """How many of `blocks` would become free if each lost one reference."""

@@ -29,6 +29,7 @@ import numpy as np
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.block_pool import NULL_BLOCK, BlockPool
+from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, KvEvent
 from mmserve.scheduler.output import BlockUpdate
 from mmserve.scheduler.request import Request
 
@@ -141,6 +142,11 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
+        # The pool whose keys are published (scheduler/kv_events.py says why only one).
+        self.published_pool = next((t for t, p in plans.items() if p.window is None), next(iter(plans)))
+        self._events: list[KvEvent] = []
+        if enable_prefix_caching:
+            self.pools[self.published_pool].on_evict = lambda key: self._events.append(BlockRemoved(key))
         self._held: dict[str, _Held] = {}
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
 
@@ -260,10 +266,14 @@ class KVCacheManager:
         if full <= held.num_keyed:
             return
         keys = block_hashes(request, self.block_size, full)[:full]   # it may already reach further
+        bs = self.block_size
         for j in range(held.num_keyed, len(keys)):
             for t, table in held.tables.items():
-                if table.blocks[j] != NULL_BLOCK:
-                    self.pools[t].cache(table.blocks[j], keys[j])
+                if table.blocks[j] != NULL_BLOCK and self.pools[t].cache(table.blocks[j], keys[j]) \
+                        and t == self.published_pool:
+                    self._events.append(BlockStored(keys[j], keys[j - 1] if j else None, j,
+                                                    tuple(request.token_ids_slice(j * bs, (j + 1) * bs)),
+                                                    request.request_id))
         self._done_in_flight(held, len(keys))
         held.num_keyed = max(held.num_keyed, len(keys))
 
@@ -273,6 +283,21 @@ class KVCacheManager:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
+
+    def take_events(self) -> list[KvEvent]:
+        """The published pool's key changes since the last call, in the order they happened."""
+        events, self._events = self._events, []
+        return events
+
+    def flush(self) -> bool:
+        """Drop every cached prefix; refused (False) while any request holds blocks, as in vLLM:
+        its blocks would stay keyed under a name nobody could reach any more."""
+        if self._held:
+            return False
+        for pool in self.pools.values():
+            pool.drop_cached()
+        self._events.append(CacheCleared())
+        return True
 
     # -- allocation ----------------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.parallel_sampling import generate_samples, sample_id
+from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt, media_anchors
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
 from mmserve.logs import bind_request, unbind_request
@@ -29,17 +30,12 @@ from mmserve.metrics.tracing import end_request_span, set_request_attributes, st
 from mmserve.model.prompt import PromptLayout
 from mmserve.server.status import abort_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
-from mmserve.server.vllm_engine import info, outputs
+from mmserve.server.vllm_engine import info, kv_events, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
 from mmserve.server.vllm_engine.media_refs import media_inputs
 from mmserve.server.vllm_engine.mm_inputs import preprocessed_media
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults, map_sampling
 from mmserve.server.vllm_engine.tokenizer_archive import TokenizerArchive
-
-try:  # KV events and cache flushing arrive in their own module (the cache-aware routing work)
-    from mmserve.server.vllm_engine import kv_events
-except ImportError:  # pragma: no cover - until it exists
-    kv_events = None
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +106,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
             engine_request = await self._preprocess(request_id, processing)
             prompt = engine_request.prompt_token_ids
+            engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec)
             collected: dict[int, tuple[list[int], list]] = {}
             async for index, out in generate_samples(self._engine, engine_request):
                 if request.stream:
@@ -214,19 +211,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
                                 context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
-        if kv_events is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "KV events are not published by this server yet; "
-                                                               "cache-aware routing falls back to its own tree")
         async for batch in kv_events.subscribe(self._engine, request, context):
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        flush = getattr(self._engine, "flush_prefix_cache", None)
-        if flush is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "flushing the prefix cache is not supported yet")
-        flushed = bool(await flush())
-        return common_pb2.FlushCacheResponse(success=flushed, message="flushed" if flushed else "not flushed")
+        return await kv_events.flush_cache(self._engine, request, context)
 
     async def Embed(self, request, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generative model")
@@ -237,6 +227,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def StopProfile(self, request, context: grpc.aio.ServicerContext):
         await self.StartProfile(request, context)
+
+
+def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec) -> RoutingPrompt | None:
+    """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_events.py)."""
+    if not request.mm_ranges or list(gateway_ids) == list(request.prompt_token_ids):
+        return None   # the same tokens as ours (text, or a prompt the gateway expanded itself)
+    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id, len(request.mm_ranges))
+    if anchors is None:
+        return None
+    return gateway_routing_prompt(gateway_ids, request.prompt_token_ids, request.mm_ranges, anchors)
 
 
 def _check_request_id(request_id: str) -> None:

@@ -1,0 +1,121 @@
+"""The `gateway` overlay (SMG in front of the mmserve pods) and the `llm-d` InferencePool overlay,
+checked offline against the server overlay they sit beside: SMG's container args parse with the
+real `smg` argument parser, its discovery finds the pods the server overlays label, on their gRPC
+port, with no more RBAC than listing pods; probes and scraping reach SMG's own ports; the image
+pins the same `smg` the tests run; the InferencePool selects the same pods and port over h2c."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from deploy_dockerfile import parse as parse_dockerfile
+from deploy_k8s import container, find, render
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def server_pod(rendered) -> tuple[dict, dict]:
+    deployment = find(rendered["cpu"], "Deployment", "mmserve")
+    return deployment["spec"]["template"]["metadata"]["labels"], container(deployment, "mmserve")
+
+
+def smg(rendered) -> tuple[dict, dict]:
+    deployment = find(rendered["gateway"], "Deployment", "smg")
+    return deployment, container(deployment, "smg")
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_smg_args_parse_with_the_real_smg_and_name_cache_aware(rendered):
+    from smg.launch_router import parse_router_args
+
+    _, c = smg(rendered)
+    assert c["args"][0] == "launch"
+    args = [a.replace("$(POD_NAMESPACE)", "mmserve") for a in c["args"][1:]]
+    parsed = parse_router_args(args)
+    assert parsed.policy == "cache_aware" and parsed.service_discovery
+    assert parsed.service_discovery_namespace == "mmserve"
+    env = {e["name"] for e in c["env"]}
+    assert "POD_NAMESPACE" in env and "$(POD_NAMESPACE)" in c["args"]
+
+
+def test_discovery_finds_the_server_pods_on_their_grpc_port(rendered):
+    labels, server = server_pod(rendered)
+    _, c = smg(rendered)
+    selector = dict(s.split("=", 1) for s in [flag(c["args"], "--selector")])
+    assert selector.items() <= labels.items()
+    grpc_port = next(p["containerPort"] for p in server["ports"] if p["name"] == "grpc")
+    assert int(flag(c["args"], "--service-discovery-port")) == grpc_port
+
+
+def test_rbac_lets_smg_read_pods_and_nothing_more(rendered):
+    docs = rendered["gateway"]
+    deployment, _ = smg(rendered)
+    account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = find(docs, "RoleBinding", "smg")
+    assert {"kind": "ServiceAccount", "name": account} in [
+        {k: s[k] for k in ("kind", "name")} for s in binding["subjects"]]
+    role = find(docs, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def test_probes_and_scraping_reach_smgs_own_ports(rendered):
+    deployment, c = smg(rendered)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports["http"] == int(flag(c["args"], "--port"))
+    assert ports["metrics"] == int(flag(c["args"], "--prometheus-port"))
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": ports["http"]}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": ports["http"]}
+    notes = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == ports["metrics"]
+    # Nothing may look the tokenizer up off the cluster: the Hub endpoint is a closed loopback port.
+    hf = next(e["value"] for e in c["env"] if e["name"] == "HF_ENDPOINT")
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+", hf)
+
+
+def test_the_smg_image_pins_the_tested_smg_and_runs_unprivileged():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["optional-dependencies"]["dev"] if d.startswith("smg=="))
+    dockerfile = parse_dockerfile(ROOT / "deploy" / "docker" / "Dockerfile.smg")
+    stage = dockerfile.stages[-1]
+    assert any(f"pip install {pin}" in i.value for i in stage.instructions if i.keyword == "RUN")
+    user = [i.value for i in stage.instructions if i.keyword == "USER"]
+    assert user and not user[-1].startswith(("0", "root"))
+    entry = next(i for i in stage.instructions if i.keyword == "ENTRYPOINT").exec_form()
+    assert entry is not None and entry[-1] == "smg"
+
+
+@pytest.fixture(scope="module")
+def llm_d(rendered):
+    return render("llm-d")
+
+
+def test_the_inference_pool_selects_the_server_pods_over_h2c(rendered, llm_d):
+    labels, server = server_pod(rendered)
+    pool = find(llm_d, "InferencePool", "mmserve")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    grpc_port = next(p["containerPort"] for p in server["ports"] if p["name"] == "grpc")
+    assert pool["spec"]["targetPorts"] == [{"number": grpc_port}]
+    assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"
+    assert pool["spec"]["endpointPickerRef"]["name"]
+    pods = find(llm_d, "Deployment", "mmserve")["spec"]["template"]["metadata"]["labels"]
+    assert pods["llm-d.ai/engine-type"] == "vllm"
+    metrics = find(llm_d, "ConfigMap", "mmserve-epp-metrics")["data"]["engine-metrics.yaml"]
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "vllm:cache_config_info"):
+        assert f'"{name}"' in metrics
+
+
+def test_the_llm_d_overlay_validates_apart_from_the_crd(llm_d):
+    version = kubernetes_validate.latest_version()
+    for doc in llm_d:
+        if doc["kind"] != "InferencePool":   # a CRD: its fields are checked above
+            kubernetes_validate.validate(doc, version, strict=True)

@@ -1,0 +1,82 @@
+"""The prefix cache's published events, without a model: replaying them must rebuild exactly the
+keys the published (full-attention) pool holds, every stored block must chain on a block already
+published and carry the tokens its key was computed from, and a flush is refused while requests
+hold blocks."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import numpy as np
+from sched_helpers import FULL, make_request, make_scheduler, run_to_completion, step
+
+from mmserve.scheduler.block_hash import ROOT_KEY
+from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared
+
+
+class Replay:
+    """What a subscriber knows after applying every event so far."""
+
+    def __init__(self):
+        self.keys: dict[bytes, tuple[int, ...]] = {}
+        self.removed = 0
+
+    def apply(self, events):
+        for e in events:
+            if isinstance(e, BlockStored):
+                assert e.key not in self.keys, "a key stored twice without a removal"
+                assert (e.parent is None) == (e.index == 0)
+                assert e.parent is None or e.parent in self.keys, "a block stored before its parent"
+                assert e.key == _text_key(e.parent, e.token_ids), "tokens are not what the key names"
+                self.keys[e.key] = e.token_ids
+            elif isinstance(e, BlockRemoved):
+                del self.keys[e.key]
+                self.removed += 1
+            elif isinstance(e, CacheCleared):
+                self.keys.clear()
+
+
+def _text_key(parent, tokens):
+    h = hashlib.sha256(parent if parent is not None else ROOT_KEY)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def _published_keys(sched) -> set[bytes]:
+    pool = sched.kv.pools[sched.kv.published_pool]
+    return set(pool._by_key)
+
+
+def test_events_replay_to_the_published_pool_under_eviction_and_flush():
+    rng = random.Random(7)
+    sched = make_scheduler(num_blocks=40, block_size=4)   # small: shared prefixes get evicted
+    assert sched.kv.published_pool == FULL
+    replay = Replay()
+    n = 0
+    for _ in range(12):
+        for _ in range(rng.randint(1, 4)):
+            # a few prompt families sharing prefixes (same `first`), of random lengths
+            sched.add_request(make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
+                                           max_tokens=rng.randint(1, 9)))
+            n += 1
+        run_to_completion(sched, on_step=lambda out: replay.apply(sched.kv.take_events()))
+        replay.apply(sched.kv.take_events())
+        assert set(replay.keys) == _published_keys(sched)
+    assert replay.keys and replay.removed, "the load should have stored and evicted keys"
+    assert sched.kv.flush()
+    replay.apply(sched.kv.take_events())
+    assert replay.keys == {} and _published_keys(sched) == set()
+
+
+def test_flush_is_refused_while_a_request_holds_blocks():
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    sched.add_request(make_request("a", 20, max_tokens=8))
+    step(sched)
+    assert sched.kv.take_events(), "a computed prompt block publishes a key"
+    assert not sched.kv.flush() and sched.kv.take_events() == []
+    run_to_completion(sched)
+    assert sched.kv.flush()
+    assert sched.kv.take_events()[-1] == CacheCleared()
+    sched.add_request(make_request("b", 20, max_tokens=1))   # same prompt: computed again, nothing reused
+    assert step(sched).scheduled[0].num_computed_tokens == 0
