@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-HOST   ?= 127.0.0.1
-PORT   ?= 50051
+# The server's address: MMSERVE_HOST / MMSERVE_PORT from the environment (as `mmserve serve` reads
+# them), or on the command line (`make run MMSERVE_PORT=50052`); ARGS go to `mmserve serve` as flags.
+MMSERVE_HOST ?= 127.0.0.1
+MMSERVE_PORT ?= 50051
+ARGS   ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup run test demo proto lint bench clean
@@ -21,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/mmserve serve --host $(HOST) --port $(PORT)
+	$(BIN)/mmserve serve --host $(MMSERVE_HOST) --port $(MMSERVE_PORT) $(ARGS)
 
 # The FA4 compile check needs the kernels' packages (~1 GB with triton). For a newcomer a failed
 # install only makes that check skip with its reason; CI (.ci/run sets MMSERVE_REQUIRE_FA4_CHECK=1)
@@ -36,7 +39,7 @@ test: setup $(VENV)/.fa4-check prometheus-for-tests
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(BIN)/mmserve demo --server $(HOST):$(PORT)
+	$(BIN)/mmserve demo --server $(MMSERVE_HOST):$(MMSERVE_PORT)
 
 proto: setup
 	$(BIN)/python -m mmserve.protogen
@@ -68,7 +71,7 @@ prometheus-for-tests:
 # A Prometheus on 127.0.0.1:$(PROMETHEUS_PORT) scraping a server started with MMSERVE_METRICS_PORT=$(METRICS_PORT),
 # with the alert rules loaded; prints the dashboard's queries as links into its UI (docs/operations.md).
 prometheus: setup setup-prometheus
-	$(BIN)/python scripts/local_prometheus.py --target $(HOST):$(METRICS_PORT) --port $(PROMETHEUS_PORT)
+	$(BIN)/python scripts/local_prometheus.py --target $(MMSERVE_HOST):$(METRICS_PORT) --port $(PROMETHEUS_PORT)
 
 # The packages a lent GPU machine lacks, as parts under 48 MiB for the lease's calls (scripts/gpu_lease/,
 # docs/benchmarks.md): ~157 MB of wheels downloaded once into .gpu_bundle/ (git-ignored).

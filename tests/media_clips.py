@@ -3,14 +3,21 @@
 `write_padded` puts a few content frames at fixed spacing with filler between, losslessly
 (x264 at crf 0), so a content frame decodes to the same pixels in any file it is written into.
 Two files with the same content and the same spacing in seconds then give a model exactly the same
-input when sampled: a 200 MB one padded with noise, and a small one padded with black."""
+input when sampled: a 200 MB one padded with noise, and a small one padded with black.
+
+`encode` and the helpers after it make the video zoo: rotated, interlaced, 10-bit, AV1, VFR clips
+and animations, in memory."""
 
 from __future__ import annotations
 
+import io
 import itertools
+from fractions import Fraction
 from pathlib import Path
 
+import av
 import numpy as np
+from PIL import Image
 
 from mmserve.multimodal.synthetic import make_clip, write_video
 
@@ -41,3 +48,63 @@ def write_padded(path: Path, content: list[np.ndarray], *, spacing: int, fps: fl
     write_video(path, frames(), fps=fps, codec_options=LOSSLESS, keyframe_interval=keyframe_interval)
     return path
 
+
+
+def encode(frames: list[np.ndarray], *, fps: float = 4.0, codec: str = "libx264rgb", pix_fmt: str = "rgb24",
+           container: str = "mp4", rotation: int | None = None, options: dict[str, str] | None = None,
+           times_s: list[float] | None = None, gop: int | None = None) -> bytes:
+    """`frames` (RGB) encoded in memory. The default is lossless RGB (libx264rgb at crf 0), so a
+    decoded frame equals what went in. `rotation` writes a display matrix (counterclockwise degrees,
+    as a phone's portrait clip carries); `times_s` gives each frame its own time (variable rate)."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format=container) as box:
+        defaults = {"crf": "0", "preset": "ultrafast"} if codec.startswith("libx264") else {}
+        stream = box.add_stream(codec, rate=Fraction(fps).limit_denominator(1000), options={**defaults, **(options or {})})
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = pix_fmt
+        if gop:
+            stream.codec_context.gop_size = gop
+        if times_s is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
+        if rotation is not None:
+            stream.set_display_rotation(rotation)
+        for k, array in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            if times_s is not None:
+                frame.pts, frame.time_base = round(times_s[k] * 1000), Fraction(1, 1000)
+            box.mux(stream.encode(frame))
+        box.mux(stream.encode())
+    return buf.getvalue()
+
+
+def sideways(frames: list[np.ndarray], rotation: int) -> list[np.ndarray]:
+    """What a camera stores for upright `frames` shown with a `rotation` display matrix."""
+    return [np.ascontiguousarray(np.rot90(f, -(rotation // 90))) for f in frames]
+
+
+def woven(num_frames: int, *, width: int = 96, height: int = 64, shift: int = 6) -> list[np.ndarray]:
+    """Frames as an interlaced camera weaves them: a bar moving right, its bottom field caught
+    `shift` pixels further along than its top field, so undeinterlaced frames are combed."""
+    frames = []
+    for k in range(num_frames):
+        frame = np.zeros((height, width, 3), np.uint8)
+        x = 8 + 6 * k
+        frame[0::2, x:x + 24] = 255
+        frame[1::2, x + shift:x + shift + 24] = 255
+        frames.append(frame)
+    return frames
+
+
+def combing(frame: np.ndarray) -> float:
+    """Mean difference between neighbouring rows: high when the two fields disagree."""
+    rows = frame.astype(np.float32).mean(axis=-1)
+    return float(np.abs(rows[1:] - rows[:-1]).mean())
+
+
+def animation(frames: list[np.ndarray], durations_ms: list[int], fmt: str) -> bytes:
+    """An animated GIF or WebP (lossless) of `frames`, each shown for its duration."""
+    images = [Image.fromarray(f) for f in frames]
+    out = io.BytesIO()
+    images[0].save(out, format=fmt, save_all=True, append_images=images[1:], duration=durations_ms, loop=0,
+                   lossless=True)
+    return out.getvalue()

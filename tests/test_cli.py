@@ -17,3 +17,64 @@ def test_top_level_help_lists_every_subcommand(capsys):
 def test_each_subcommand_has_a_handler(name):
     subparsers = next(a for a in build_parser([name])._actions if a.dest == "command")
     assert subparsers.choices[name].get_default("func") is not None
+
+
+def _mmserve(*args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "mmserve.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_version():
+    from mmserve import __version__
+
+    out = _mmserve("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"mmserve {__version__}"
+
+
+def test_every_flag_and_subcommand_has_help():
+    import argparse
+
+    parser = build_parser([])
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {c.dest for c in subparsers._choices_actions if c.help} == set(SUBCOMMANDS)
+    missing = [f"{name} {a.option_strings or a.dest}" for name, sub in [("mmserve", parser), *subparsers.choices.items()]
+               for a in sub._actions if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert not missing, missing
+
+
+def test_top_level_help_describes_the_tool():
+    out = build_parser(["--help"]).format_help()
+    assert "Serve a Gemma 4 video+text model over gRPC" in out and "mmserve generate" in out
+
+
+def test_global_flags_also_after_the_subcommand():
+    parser = build_parser(["serve"])
+    after = parser.parse_args(["serve", "--log-level", "DEBUG", "--log-format", "json"])
+    before = parser.parse_args(["--log-level", "WARNING", "serve"])
+    neither = parser.parse_args(["serve"])
+    assert (after.log_level, after.log_format) == ("DEBUG", "json")
+    assert (before.log_level, before.log_format) == ("WARNING", "text")
+    assert (neither.log_level, neither.log_format) == ("INFO", "text")
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["serve", "--prot", "5"], "--prot: did you mean --port"),
+    (["generate", "--prompt", "x", "--tmperature", "1"], "--tmperature: did you mean --temperature"),
+    (["serve", "--log-levl", "DEBUG"], "--log-levl: did you mean --log-level"),
+])
+def test_typos_get_close_matches(argv, hint):
+    out = _mmserve(*argv)
+    assert out.returncode == 2 and "unrecognized arguments" in out.stderr and hint in out.stderr
+
+
+def test_make_run_passes_args_and_honours_the_env():
+    import os
+    import subprocess
+
+    env = dict(os.environ, MMSERVE_HOST="0.0.0.0", MMSERVE_PORT="6123")
+    out = subprocess.run(["make", "-n", "run", "ARGS=--log-level DEBUG --max-num-seqs 4"], capture_output=True,
+                         text=True, env=env, cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "mmserve serve --host 0.0.0.0 --port 6123 --log-level DEBUG --max-num-seqs 4" in out.stdout

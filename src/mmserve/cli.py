@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
+from mmserve import __version__
 from mmserve.logs import LOG_FORMATS, configure_logging
+
+DESCRIPTION = """\
+Serve a Gemma 4 video+text model over gRPC, and talk to it.
+
+  mmserve serve                       start a server (the embedded demo model by default)
+  mmserve generate --prompt ... --video clip.mp4
+                                      ask a running server about a video (or an image)
+  mmserve demo                        a first run: start, ask, print, stop
+
+`mmserve SUBCOMMAND --help` lists a subcommand's flags; --log-level and --log-format may be given
+before or after the subcommand.
+"""
 
 # subcommand -> module that defines `register(subparsers)`; imported lazily so `mmserve generate`
 # never pays for torch.
@@ -21,16 +35,53 @@ SUBCOMMANDS = {
 }
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose "unrecognized arguments" error suggests the closest flags, among
+    its own and those of every subcommand registered on it (subparsers are of this class too)."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments: "):
+            hints = [self._suggestion(word) for word in message.removeprefix("unrecognized arguments: ").split()]
+            message += "".join(f"\n  {hint}" for hint in hints if hint)
+        super().error(message)
+
+    def _suggestion(self, word: str) -> str | None:
+        if not word.startswith("-"):
+            return None
+        flag = word.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, sorted(self._flags()), n=3, cutoff=0.6)
+        return f"{flag}: did you mean {' or '.join(close)}?" if close else None
+
+    def _flags(self) -> set[str]:
+        flags = {s for action in self._actions for s in action.option_strings}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for parser in action.choices.values():
+                    flags |= {s for a in parser._actions for s in a.option_strings}
+        return flags
+
+
+def _add_global_flags(parser: argparse.ArgumentParser, default) -> None:
+    """--log-level/--log-format: on the top level with defaults, on each subcommand without (so
+    given after the subcommand they count, and absent there they leave the top level's value)."""
+    parser.add_argument("--log-level", default="INFO" if default is None else default,
+                        help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--log-format", default="text" if default is None else default, choices=LOG_FORMATS,
                         help="text, or json: one JSON object per line with trace_id/span_id/request_id in requests")
-    sub = parser.add_subparsers(dest="command", required=True)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = Parser(prog="mmserve", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"mmserve {__version__}",
+                        help="print the version and exit")
+    _add_global_flags(parser, None)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
     for name, module in SUBCOMMANDS.items():
         if wanted is None or name == wanted:
             importlib.import_module(module).register(sub)
+    for subparser in sub.choices.values():
+        _add_global_flags(subparser, argparse.SUPPRESS)
     return parser
 
 

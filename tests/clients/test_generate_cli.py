@@ -66,3 +66,38 @@ def test_sampling_flags_reach_the_server(mmserve_server, tmp_path):
     assert [line[:3] for line in samples.stdout.splitlines()] == ["[0]", "[1]"]
     bad = mmserve(*common, "--logit-bias", "nope")
     assert bad.returncode == 2 and "TOKEN_ID=BIAS" in bad.stderr
+
+
+def test_window_system_and_ignore_eos_flags(mmserve_server, tmp_path):
+    """--start/--end sample inside the window (the JSON result lists the frames' absolute times),
+    --system adds a system turn (another prompt, as the client's system= builds it), --ignore-eos
+    runs to --max-tokens; --log-level also works after the subcommand."""
+    from mmserve.multimodal.synthetic import make_clip
+
+    clip = tmp_path / "long.mp4"
+    clip.write_bytes(make_clip(4, num_frames=12, fps=2).data)  # 6 s
+    args = ["generate", "--server", mmserve_server.address, "--video", str(clip), "--num-frames", "2",
+            "--prompt", "Describe the video.", "--max-tokens", "6", "--temperature", "0", "--json",
+            "--log-level", "ERROR"]
+    out = mmserve(*args, "--start", "2", "--end", "4", "--system", "Answer briefly.", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["videos"][0]["timestamps_s"] == [2.0, 3.0]
+    assert result["finish_reason"] == "length" and len(result["token_ids"]) == 6
+    with Client(mmserve_server.address, timeout=120) as client:
+        direct = client.generate(prompt="Describe the video.", video=clip, num_frames=2, start_s=2, end_s=4,
+                                 system="Answer briefly.", max_tokens=6, temperature=0, ignore_eos=True)
+        plain = client.generate(prompt="Describe the video.", video=clip, num_frames=2, start_s=2, end_s=4,
+                                max_tokens=6, temperature=0, ignore_eos=True)
+    assert result["token_ids"] == list(direct.token_ids)
+    assert result["usage"]["prompt_tokens"] == direct.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_trace_without_an_endpoint_says_so_in_the_clients_words(mmserve_server, monkeypatch):
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    out = subprocess.run([sys.executable, "-m", "mmserve.cli", "generate", "--server", mmserve_server.address,
+                          "--prompt", "hi", "--max-tokens", "1", "--trace"], capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert "trace id: " in out.stderr and "not exported: set OTEL_EXPORTER_OTLP_ENDPOINT" in out.stderr
+    assert "--otlp-traces-endpoint" not in out.stderr  # the server's flag means nothing to a client

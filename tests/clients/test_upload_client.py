@@ -17,7 +17,7 @@ import grpc
 import pytest
 from loopback_server import LoopbackServer, engine_config
 
-from mmserve.clients import AsyncClient, Client, ClientError, MediaRef
+from mmserve.clients import AsyncClient, Client, ClientError, MediaRef, user_message
 from mmserve.config import ServerConfig
 
 INLINE_LIMIT = 1000
@@ -66,9 +66,31 @@ def test_upload_a_path_then_generate_with_its_ref(server, clip, inline_answer):
         assert (ref.size_bytes, ref.mime_type, ref.source) == (clip.stat().st_size, "video/mp4", clip)
         assert ref.ttl_s == server.server_config.media_ttl_s
         assert client.generate(video=ref, **ASK).token_ids == inline_answer.token_ids
-        with pytest.raises(ClientError) as e:  # the inline route is refused above the limit
-            client.generate(video=clip.read_bytes(), **ASK)
+        with pytest.raises(ClientError) as e:  # the inline route is refused above the limit, naming the way out
+            client.generate([user_message(ASK["prompt"], video=clip.read_bytes(), num_frames=4)], max_tokens=6)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-video-bytes" in e.value.message
+        assert "UploadMedia" in e.value.message and "client.upload(" in e.value.message
+
+
+@pytest.mark.parametrize("given", ["path", "str", "bytes"])
+def test_generate_uploads_what_does_not_fit_inline(server, clip, inline_answer, given):
+    """Client.generate(video=...) with a path or bytes above ModelInfo.max_inline_media_bytes
+    uploads first (as `mmserve generate` does) and answers as the inline request does."""
+    video = {"path": clip, "str": str(clip), "bytes": clip.read_bytes()}[given]
+    media_id = hashlib.sha256(clip.read_bytes()).hexdigest()
+    expire(server, media_id)  # so only this call's upload can bring it back
+    with Client(server.address, timeout=60) as client:
+        assert clip.stat().st_size > client.model_info().max_inline_media_bytes
+        assert client.generate(video=video, **ASK).token_ids == inline_answer.token_ids
+    assert server.app.media.store.lookup(media_id) is not None  # it went by UploadMedia
+
+
+def test_async_generate_uploads_what_does_not_fit_inline(server, clip, inline_answer):
+    async def ask():
+        async with AsyncClient(server.address, timeout=60) as client:
+            return await client.generate(video=clip, **ASK)
+
+    assert asyncio.run(ask()).token_ids == inline_answer.token_ids
 
 
 def test_upload_an_open_file_from_its_position(server, clip):

@@ -38,8 +38,9 @@ def test_random_valid_requests_convert_field_by_field():
                 expected.append(ImageInput(data, "image/png"))
             elif kind == "video":
                 n, fps = rng.randint(0, 4), rng.choice([0.0, 0.5, 2.0])
-                parts.append(pb.Part(video=pb.Video(data=data, num_frames=n, fps=fps)))
-                expected.append(VideoInput(data=data, num_frames=n, fps=fps))
+                start, end = rng.choice([(0.0, 0.0), (1.5, 0.0), (0.0, 2.5), (1.5, 2.5)])
+                parts.append(pb.Part(video=pb.Video(data=data, num_frames=n, fps=fps, start_s=start, end_s=end)))
+                expected.append(VideoInput(data=data, num_frames=n, fps=fps, start_s=start, end_s=end))
             else:
                 frames = [rng.randbytes(8) for _ in range(rng.randint(1, 3))]
                 parts.append(pb.Part(video=pb.Video(frames=pb.VideoFrames(
@@ -138,6 +139,12 @@ def _one(part: pb.Part, role: str = "user") -> pb.GenerateRequest:
     (_one(pb.Part(video=pb.Video(data=b"x", num_frames=CONFIG.max_frames_per_video + 1))),
      "messages[0].parts[0].video.num_frames"),
     (_one(pb.Part(video=pb.Video(data=b"x", fps=-1.0))), "messages[0].parts[0].video.fps"),
+    (_one(pb.Part(video=pb.Video(data=b"x", start_s=-1.0))), "messages[0].parts[0].video.start_s"),
+    (_one(pb.Part(video=pb.Video(data=b"x", start_s=float("nan")))), "messages[0].parts[0].video.start_s"),
+    (_one(pb.Part(video=pb.Video(data=b"x", end_s=float("inf")))), "messages[0].parts[0].video.end_s"),
+    (_one(pb.Part(video=pb.Video(data=b"x", start_s=3.0, end_s=3.0))), "messages[0].parts[0].video.end_s"),
+    (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")]), start_s=1.0))),
+     "messages[0].parts[0].video.start_s"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames()))), "messages[0].parts[0].video.frames.frames"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f"), pb.Image()])))),
      "messages[0].parts[0].video.frames.frames[1].data"),

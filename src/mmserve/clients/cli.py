@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 
 from mmserve.clients.client import Client
-from mmserve.clients.types import ClientError, MediaRef
+from mmserve.clients.types import ClientError
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -45,17 +45,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_connection_args(p)
     p.add_argument("--prompt", required=True, help="the text of the user turn")
+    p.add_argument("--system", default=None, help="a system turn before it (instructions for the model)")
     p.add_argument("--video", type=Path, help="a video file (mp4, webm, mkv, ...); uploaded first (with a progress "
                                               "bar) when larger than the server takes inline")
     p.add_argument("--image", type=Path, help="an image file (png, jpeg, ...); uploaded first when too large inline")
     p.add_argument("--num-frames", type=int, default=0, help="frames to sample from the video; 0 = server default")
-    p.add_argument("--fps", type=float, default=0.0, help="sample frames at this rate instead")
+    p.add_argument("--fps", type=float, default=0.0, help="sample frames at this rate instead (at most the "
+                   "server's max frames per video, then spread uniformly)")
+    p.add_argument("--start", type=float, default=0.0, metavar="SECONDS",
+                   help="sample only from this time on (seconds from the video's start)")
+    p.add_argument("--end", type=float, default=0.0, metavar="SECONDS", help="sample only before this time; 0 = the end")
     p.add_argument("--max-tokens", type=int, default=0, help="0 = server default")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy; unset = 1.0")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the most likely tokens up to "
+                   "this probability mass, in (0, 1]; unset = 1 (off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens; 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="seed this request's sampling, for reproducible output")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence, up to "
+                   "--max-tokens (for benchmarks)")
     p.add_argument("--n", type=int, default=0, help="independent samples of the prompt (printed one per line)")
     p.add_argument("--min-tokens", type=int, default=0, help="hold back end-of-sequence and stop strings until this many")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]")
@@ -112,24 +120,19 @@ def _client_span(enabled: bool) -> Iterator[None]:
         return
     from opentelemetry.sdk.trace import TracerProvider
 
-    from mmserve.metrics.tracing import configure_tracing
+    from mmserve.metrics.tracing import configure_tracing, traces_endpoint
 
-    provider = configure_tracing(service_name="mmserve-client") or TracerProvider()
+    # Without an endpoint the client span is only a trace id to look up on the server's side; say
+    # so in the client's words (configure_tracing's "tracing off" line names the server's flags).
+    exported = traces_endpoint() is not None
+    provider = (configure_tracing(service_name="mmserve-client") if exported else None) or TracerProvider()
     try:
         with provider.get_tracer("mmserve.clients").start_as_current_span("mmserve.client.generate") as span:
-            print(f"trace id: {span.get_span_context().trace_id:032x}", file=sys.stderr)
+            where = "" if exported else " (this client span is not exported: set OTEL_EXPORTER_OTLP_ENDPOINT)"
+            print(f"trace id: {span.get_span_context().trace_id:032x}{where}", file=sys.stderr)
             yield
     finally:
         provider.shutdown()
-
-
-def _media(client: Client, path: Path | None, inline_limit: int) -> bytes | MediaRef | None:
-    """The file's bytes, or its upload when it is larger than the server takes inline."""
-    if path is None:
-        return None
-    if inline_limit and path.stat().st_size > inline_limit:
-        return client.upload(path)
-    return path.read_bytes()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     with _client_span(args.trace), connect(args, trace=args.trace) as client:
         try:
-            inline_limit = client.model_info().max_inline_media_bytes if args.video or args.image else 0
-            video, image = _media(client, args.video, inline_limit), _media(client, args.image, inline_limit)
-            stream = client.stream(prompt=args.prompt, video=video, image=image, num_frames=args.num_frames,
-                                   fps=args.fps, max_tokens=args.max_tokens, temperature=args.temperature,
+            # The client reads the files, or uploads those larger than the server takes inline.
+            stream = client.stream(prompt=args.prompt, video=args.video, image=args.image, system=args.system,
+                                   num_frames=args.num_frames, fps=args.fps, start_s=args.start, end_s=args.end,
+                                   ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                                    min_tokens=args.min_tokens, presence_penalty=args.presence_penalty,
                                    frequency_penalty=args.frequency_penalty,

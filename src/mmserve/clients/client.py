@@ -10,18 +10,21 @@ where the media are.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmserve.api import pb, pb_grpc
-from mmserve.clients.messages import user_message
+from mmserve.clients.messages import message, text_part, user_message
 from mmserve.clients.types import ClientError, Delta, GenerateResult, MediaRef, logprobs_from, result_from
 from mmserve.clients.upload import (
     CHUNK_BYTES,
     UploadSource,
+    local_media,
     lost_media,
     media_ref,
     names_uploaded_media,
@@ -29,6 +32,7 @@ from mmserve.clients.upload import (
     progress_bar,
     upload_requests,
     upload_requests_async,
+    upload_source,
 )
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
@@ -63,7 +67,7 @@ def channel_credentials(root_certificates: bytes | None, private_key: bytes | No
 
 def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str | None = None,
                   video: bytes | MediaRef | None = None, image: bytes | MediaRef | None = None,
-                  max_tokens: int = 0,
+                  system: str | None = None, start_s: float = 0.0, end_s: float = 0.0, max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                   seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
                   request_id: str = "", priority: int = 0, num_frames: int = 0,
@@ -72,12 +76,16 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
                   repetition_penalty: float | None = None, min_tokens: int = 0,
                   logit_bias: Mapping[int, float] | None = None, json_schema: str | Mapping | None = None,
                   regex: str | None = None, grammar: str | None = None, n: int = 0) -> pb.GenerateRequest:
-    """Either explicit `messages`, or one user turn from prompt/video/image. At most one of
-    `json_schema` (a dict or JSON text), `regex` and `grammar` (EBNF) constrains the output."""
+    """Either explicit `messages`, or one user turn from prompt/video/image (after a `system` turn,
+    when given; start_s/end_s: the video's window). At most one of `json_schema` (a dict or JSON
+    text), `regex` and `grammar` (EBNF) constrains the output."""
     if messages is None:
-        messages = [user_message(prompt, video=video, image=image, num_frames=num_frames, fps=fps)]
-    elif prompt is not None or video is not None or image is not None:
-        raise ValueError("pass either messages or prompt/video/image, not both")
+        messages = [user_message(prompt, video=video, image=image, num_frames=num_frames, fps=fps, start_s=start_s,
+                                 end_s=end_s)]
+        if system is not None:
+            messages.insert(0, message("system", text_part(system)))
+    elif prompt is not None or video is not None or image is not None or system is not None:
+        raise ValueError("pass either messages or prompt/video/image/system, not both")
     sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
                                  logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -154,6 +162,7 @@ class _Base:
         self._media_stub = pb_grpc.GenerationStub(self._media_channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self.timeout = timeout
+        self._inline_limit: int | None = None  # the server's max_inline_media_bytes, asked once
 
     def _start_generate(self, request: pb.GenerateRequest, timeout: float | None):
         stub = self._media_stub if names_uploaded_media(request) else self._stub
@@ -232,9 +241,16 @@ class Client(_Base):
 
     def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                **kwargs) -> GenerateStream:
-        """Start a request; keyword arguments are those of `build_request`. A `video=`/`image=`
-        MediaRef the server no longer has is uploaded again from its file, once."""
+        """Start a request; keyword arguments are those of `build_request`, except that `video=` and
+        `image=` may also be a path, and bytes or a file larger than the server takes in one message
+        are uploaded first (with a progress bar on a terminal). A `video=`/`image=` MediaRef the
+        server no longer has is uploaded again from its file, once."""
         kwargs = dict(kwargs)
+        for key, value, size in local_media(kwargs):
+            if size > self._inline(timeout) > 0:
+                kwargs[key] = self.upload(upload_source(value), timeout=timeout)
+            elif isinstance(value, Path):
+                kwargs[key] = value.read_bytes()
         retried = False
 
         def recover(error: ClientError) -> bool:
@@ -246,6 +262,11 @@ class Client(_Base):
             return key is not None
 
         return GenerateStream(lambda: self._start_generate(build_request(messages, **kwargs), timeout), recover)
+
+    def _inline(self, timeout: float | None) -> int:
+        if self._inline_limit is None:
+            self._inline_limit = self.model_info(timeout).max_inline_media_bytes
+        return self._inline_limit
 
     def upload(self, source: UploadSource, *, mime_type: str = "", progress: bool = True,
                chunk_bytes: int = CHUNK_BYTES, timeout: float | None = None) -> MediaRef:
@@ -320,6 +341,8 @@ class AsyncClient(_Base):
 
     def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                **kwargs) -> AsyncGenerateStream:
+        """As `Client.stream`, but `video=`/`image=` go as given (bytes or a MediaRef): `generate()`
+        reads paths and uploads what is too large inline, which needs awaiting first."""
         kwargs = dict(kwargs)
         retried = False
 
@@ -340,8 +363,19 @@ class AsyncClient(_Base):
             requests = upload_requests_async(src, mime_type, chunk_bytes, bar)
             return media_ref(await self._unary(self._media_stub.UploadMedia, requests, timeout), src, bar)
 
+    async def _inline(self, timeout: float | None) -> int:
+        if self._inline_limit is None:
+            self._inline_limit = (await self.model_info(timeout)).max_inline_media_bytes
+        return self._inline_limit
+
     async def generate(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                        **kwargs) -> GenerateResult:
+        """As `Client.generate`: paths are read, and media too large inline are uploaded first."""
+        for key, value, size in local_media(kwargs):
+            if size > await self._inline(timeout) > 0:
+                kwargs[key] = await self.upload(upload_source(value), timeout=timeout)
+            elif isinstance(value, Path):
+                kwargs[key] = await asyncio.to_thread(value.read_bytes)
         stream = self.stream(messages, timeout=timeout, **kwargs)
         async for _ in stream:
             pass

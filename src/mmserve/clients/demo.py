@@ -22,10 +22,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__)
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of a running `mmserve serve`")
     p.add_argument("--seed", type=int, default=None, help="clip seed (default: a random held-out one)")
-    p.add_argument("--format", choices=("mp4", "webm", "mkv", "avi"), default="mp4")
-    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--format", choices=("mp4", "webm", "mkv", "avi"), default="mp4",
+                   help="container of the generated clip (default mp4)")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of the request in seconds (default 60)")
     p.add_argument("--api-key", default=None, help="sent as 'authorization: Bearer KEY' (env MMSERVE_API_KEY)")
-    p.add_argument("--json", action="store_true", help="answer as JSON constrained to the caption schema")
+    p.add_argument("--json", action="store_true", help="answer as JSON constrained to the caption schema (always "
+                   "valid; the demo model never learnt JSON, so its fields are often wrong)")
     p.set_defaults(func=run)
 
 

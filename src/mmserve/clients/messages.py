@@ -24,10 +24,11 @@ def image_part(data: bytes | MediaRef, mime_type: str = "") -> pb.Part:
     return pb.Part(image=pb.Image(data=data, mime_type=mime_type))
 
 
-def video_part(data: bytes | MediaRef, mime_type: str = "", *, num_frames: int = 0, fps: float = 0.0) -> pb.Part:
+def video_part(data: bytes | MediaRef, mime_type: str = "", *, num_frames: int = 0, fps: float = 0.0,
+               start_s: float = 0.0, end_s: float = 0.0) -> pb.Part:
     """A video as container bytes, or uploaded (`Client.upload`); num_frames/fps = 0 leave frame
-    sampling to the server."""
-    video = pb.Video(mime_type=mime_type, num_frames=num_frames, fps=fps)
+    sampling to the server; start_s/end_s sample only that window (end_s 0 = to the end)."""
+    video = pb.Video(mime_type=mime_type, num_frames=num_frames, fps=fps, start_s=start_s, end_s=end_s)
     if isinstance(data, MediaRef):
         video.media_id = data.id
     else:
@@ -47,13 +48,13 @@ def message(role: str, *parts: pb.Part) -> pb.Message:
 
 def user_message(text: str | None = None, *, video: bytes | MediaRef | None = None,
                  image: bytes | MediaRef | None = None, video_mime_type: str = "", image_mime_type: str = "",
-                 num_frames: int = 0, fps: float = 0.0) -> pb.Message:
+                 num_frames: int = 0, fps: float = 0.0, start_s: float = 0.0, end_s: float = 0.0) -> pb.Message:
     """One user turn: image, then video, then text (each optional)."""
     parts = []
     if image is not None:
         parts.append(image_part(image, image_mime_type))
     if video is not None:
-        parts.append(video_part(video, video_mime_type, num_frames=num_frames, fps=fps))
+        parts.append(video_part(video, video_mime_type, num_frames=num_frames, fps=fps, start_s=start_s, end_s=end_s))
     if text is not None:
         parts.append(text_part(text))
     return message("user", *parts)

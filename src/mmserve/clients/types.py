@@ -78,9 +78,22 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
+    """Seconds from the request's arrival at the server; TTFT includes `preprocess_s` (decoding media)."""
+
     queue_s: float = 0.0
     time_to_first_token_s: float = 0.0
     end_to_end_s: float = 0.0
+    preprocess_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SampledVideo:
+    """The frames the server sampled from one video part (`part`, e.g. "messages[0].parts[0]")."""
+
+    part: str
+    num_frames: int
+    timestamps_s: tuple[float, ...]
+    duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ class GenerateResult:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # prompt tokens 1.., with prompt_logprobs
     finish_detail: str = ""
     samples: tuple[Sample, ...] = ()    # with n > 1 every sample (the fields above are sample 0's)
+    videos: tuple[SampledVideo, ...] = ()  # per video part: the frames sampled and their timestamps
 
 
 def _copy_fields(cls, message):
@@ -151,6 +165,7 @@ def result_from(request_id: str, deltas: list[Delta], final: pb.Final) -> Genera
         prompt_logprobs=logprobs_from(final.prompt_logprobs),
         finish_detail=final.finish_detail,
         samples=tuple(_sample(end.index, deltas, end) for end in final.samples),
+        videos=tuple(SampledVideo(v.part, v.num_frames, tuple(v.timestamps_s), v.duration_s) for v in final.videos),
     )
 
 

@@ -1,5 +1,6 @@
 """Uploading media for the clients: UploadMedia requests read from a file chunk by chunk, a progress
-bar, and the rule for uploading again when a server no longer has the media a request names.
+bar, which `video=`/`image=` arguments must be uploaded first (larger than the server takes in one
+message), and the rule for uploading again when a server no longer has the media a request names.
 
 The file is hashed first (one read, in constant memory), so the server can check what arrived and,
 when it already holds that content, answer at once without receiving the bytes again. Then the
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
 import os
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -96,6 +98,24 @@ def media_ref(response: pb.MediaRef, source: OpenedSource, bar: tqdm) -> MediaRe
     bar.update(response.size_bytes - bar.n)
     return MediaRef(id=response.id, size_bytes=response.size_bytes, mime_type=response.mime_type,
                     ttl_s=response.ttl_s, source=source.path)
+
+
+def local_media(kwargs: dict) -> Iterator[tuple[str, Path | bytes, int]]:
+    """The `video=`/`image=` arguments given as bytes or a path: (key, the bytes or Path, size)."""
+    for key in MEDIA_KWARGS:
+        value = kwargs.get(key)
+        if value is None or isinstance(value, MediaRef):
+            continue
+        if isinstance(value, bytes | bytearray | memoryview):
+            yield key, bytes(value), len(value)
+        elif isinstance(value, str | os.PathLike):
+            yield key, Path(value), os.path.getsize(value)
+        else:
+            raise TypeError(f"{key}= takes bytes, a path or a MediaRef, not {type(value).__name__}")
+
+
+def upload_source(value: Path | bytes) -> UploadSource:
+    return io.BytesIO(value) if isinstance(value, bytes) else value
 
 
 def names_uploaded_media(request: pb.GenerateRequest) -> bool:

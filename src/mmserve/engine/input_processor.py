@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 from mmserve.config import EngineConfig
 from mmserve.engine.fair_pool import FairPool
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.engine.types import EngineRequest
+from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
 from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
@@ -34,6 +35,7 @@ from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.image import decode_image, read_header
 from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.memory import collect_finished_requests, return_large_buffers
 from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
 from mmserve.scheduler.request import MultiModalInput
@@ -71,6 +73,8 @@ class VideoInput:
     fps: float = 0.0  # 0 = sample num_frames uniformly
     media_id: str = ""
     path: str = ""
+    start_s: float = 0.0  # the window [start_s, end_s) to sample from; end_s 0 = to the end
+    end_s: float = 0.0
 
 
 InputPart = TextInput | ImageInput | VideoInput
@@ -88,6 +92,7 @@ class DecodedMedia:
 
     batch: VisionBatch
     timestamps_s: list[float] | None  # None for an image
+    duration_s: float = 0.0  # a container's (0 for images and given frames)
 
 
 async def _all_or_none(coroutines: list) -> list:
@@ -113,6 +118,7 @@ class InputProcessor:
         self.pool = FairPool(executor, workers or getattr(executor, "_max_workers", 1))
         self.max_model_len = max_model_len
         self.limits = MediaLimits.from_config(config)
+        return_large_buffers()  # decoded frames and payloads must not stay resident after a request
 
     @classmethod
     def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, context_length: int,
@@ -122,7 +128,10 @@ class InputProcessor:
                    max_model_len=context_length, workers=workers)
 
     async def process(self, request_id: str, messages: Sequence[InputMessage], sampling: SamplingParams, *,
-                      priority: int = 0, trace_context: Any = None) -> EngineRequest:
+                      priority: int = 0, trace_context: Any = None, arrival_time: float | None = None) -> EngineRequest:
+        """`arrival_time` (time.monotonic(); default now) is when the server got the request: its
+        timings count from there, so they include this processing (reported as preprocess_s)."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         owner = object()  # this request's share of the worker pool
         jobs = [(f"messages[{i}].parts[{j}]", part) for i, m in enumerate(messages) for j, part in enumerate(m.parts)
                 if not isinstance(part, TextInput)]
@@ -133,16 +142,18 @@ class InputProcessor:
                                      for j, p in enumerate(m.parts)]) for i, m in enumerate(messages)]
         render = functools.partial(build_prompt, self.tokenizer, self.spec, chat)
         return await self._request(owner, request_id, render, sampling, priority=priority,
-                                   trace_context=trace_context, num_frames=num_frames)
+                                   trace_context=trace_context, num_frames=num_frames, arrival=arrival, media=media)
 
     async def process_tokens(self, request_id: str, token_ids: Sequence[int], media: Sequence[ImageInput | VideoInput],
                              sampling: SamplingParams, *, where: str = "media", max_tokens_to_context: bool = False,
-                             priority: int = 0, trace_context: Any = None) -> EngineRequest:
+                             priority: int = 0, trace_context: Any = None,
+                             arrival_time: float | None = None) -> EngineRequest:
         """A prompt rendered elsewhere (a gateway): `token_ids` hold one image/video anchor per item of
         `media`, in order. The media are decoded and each anchor expanded exactly as `process` lays
         out the same content, so both reach the engine alike (prefix cache included), after the
         same checks. `max_tokens_to_context`: `sampling.max_tokens` is only a cap; use what the
         context leaves."""
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         owner = object()
         jobs = [(f"{where}[{i}]", part) for i, part in enumerate(media)]
         early = dataclasses.replace(sampling, max_tokens=1, min_tokens=0) if max_tokens_to_context else sampling
@@ -151,7 +162,7 @@ class InputProcessor:
         render = functools.partial(expand_anchors, self.tokenizer, self.spec, list(token_ids), parts)
         return await self._request(owner, request_id, render, sampling, priority=priority,
                                    trace_context=trace_context, num_frames=num_frames,
-                                   max_tokens_to_context=max_tokens_to_context)
+                                   max_tokens_to_context=max_tokens_to_context, arrival=arrival, media=decoded)
 
     async def process_layout(self, layout: PromptLayout, request_id: str, sampling: SamplingParams, *, num_frames: int,
                              max_tokens_to_context: bool = False, priority: int = 0,
@@ -173,6 +184,8 @@ class InputProcessor:
                           sampling: SamplingParams, trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
         """Check what is known before decoding (length lower bounds, counts, headers), decode every
         (field, part) concurrently, then check the request's decoded frame total."""
+        if jobs:
+            collect_finished_requests()  # before this request's media join them in memory
         self._check_length(text_tokens, sampling, at_least=True)
         self._check_counts(jobs)
         if any(self._header_sources(jobs)):
@@ -187,7 +200,11 @@ class InputProcessor:
 
     async def _request(self, owner: object, request_id: str, render: Callable[[], PromptLayout],
                        sampling: SamplingParams, *, priority: int, trace_context: Any, num_frames: int,
-                       max_tokens_to_context: bool = False) -> EngineRequest:
+                       max_tokens_to_context: bool = False, arrival: float | None = None,
+                       media: dict[str, DecodedMedia] | None = None) -> EngineRequest:
+        """The EngineRequest; timings count from `arrival` (default now), and the Final will list
+        the frames each video part of `media` sampled."""
+        arrival = time.monotonic() if arrival is None else arrival
         layout, mm_inputs = await self._in_pool(owner, "messages", functools.partial(self._layout_blocking, render),
                                                 timed=False)
         if max_tokens_to_context:
@@ -195,10 +212,13 @@ class InputProcessor:
             sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, room),
                                            min_tokens=min(sampling.min_tokens, room))
         self._check_length(len(layout.token_ids), sampling)
+        videos = [SampledVideo(where, tuple(d.timestamps_s), d.duration_s) for where, d in (media or {}).items()
+                  if d.timestamps_s is not None]
         return EngineRequest(
             request_id=request_id, prompt_token_ids=list(layout.token_ids), mm_ranges=list(layout.mm_ranges),
             mm_inputs=mm_inputs, sampling=sampling, priority=priority, trace_context=trace_context,
-            num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges))
+            num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges),
+            arrival_time=arrival, preprocess_s=time.monotonic() - arrival, videos=videos)
 
     @staticmethod
     def _layout_blocking(render: Callable[[], PromptLayout],
@@ -300,13 +320,14 @@ class InputProcessor:
             num_bytes = source.stat().st_size if part.path else len(part.data)
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
                 video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
-                                     fps=part.fps or None, limits=self.limits, control=control)
+                                     fps=part.fps or None, start_s=part.start_s, end_s=part.end_s or None,
+                                     limits=self.limits, control=control)
                 set_video_decode_result(span, video)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames
                 frames, times = [frames[k] for k in keep], [times[k] for k in keep]
-            return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times))
+            return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times), video.duration_s)
         except InvalidInputError as e:
             # Re-anchor the decoder's error at the request field, keeping its explanation.
             kind = "image" if isinstance(part, ImageInput) else "video"

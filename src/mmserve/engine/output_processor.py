@@ -6,7 +6,10 @@ request), then every request's new tokens: detokenise, look for stop strings, `o
 end the request exactly once (`on_request_finished`). A request ended here (a stop string, or the
 client's abort) ends at once and the caller aborts it in the core; until the core acknowledges that
 abort, anything still arriving under its id belongs to the old request and is dropped, so the id can
-be reused at once. Used by AsyncEngine (outputs from another process or thread)
+be reused at once. A request with `observed=False` (the server's warm-up) gets no hook at all, so it
+counts in no metric and no span; a step holding only such requests is not reported. Timings count
+from `EngineRequest.arrival_time` when the server set it, so they include input processing.
+Used by AsyncEngine (outputs from another process or thread)
 and by the offline LLM (outputs of an in-process core): the same code, so both behave alike.
 """
 
@@ -54,12 +57,15 @@ class OutputProcessor:
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
                           mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context,
                           fork_of=req.fork_of)
+        if req.arrival_time is not None:
+            request.arrival_time = req.arrival_time  # the server's arrival: timings include decoding
         detok = None
         if self.tokenizer is not None:
             from mmserve.model.tokenizer import IncrementalDetokenizer
 
             detok = IncrementalDetokenizer(self.tokenizer)
-        self.states[req.request_id] = RequestState(request, req.num_frames, detok)
+        self.states[req.request_id] = RequestState(request, req.num_frames, detok, preprocess_s=req.preprocess_s,
+                                                   videos=list(req.videos), observed=req.observed)
 
     def engine_started(self, peaks, backend_checks: tuple = ()) -> None:
         """The core is up: hand the observer the device peaks it measured (MFU/MBU denominators) and
@@ -91,7 +97,8 @@ class OutputProcessor:
             state = self._live(rid)
             if state is not None:
                 state.admitted = True
-                self._notify("on_request_queued", state.request)
+                if state.observed:
+                    self._notify("on_request_queued", state.request)
         if outputs.step is not None:
             self._on_step(outputs.step)
         for out in outputs.outputs:
@@ -123,8 +130,10 @@ class OutputProcessor:
                 continue
             if state.first_scheduled is None:
                 state.first_scheduled = start
-            items.append(dataclasses.replace(item, request=state.request))
-        self._notify("on_step", dataclasses.replace(record, items=items))
+            if state.observed:
+                items.append(dataclasses.replace(item, request=state.request))
+        if items or not record.items:
+            self._notify("on_step", dataclasses.replace(record, items=items))
 
     def _on_output(self, out: CoreOutput, done: Processed) -> None:
         rid = out.request_id
@@ -137,7 +146,8 @@ class OutputProcessor:
         try:
             if state.first_token is None and out.new_token_ids:
                 state.first_token = time.monotonic()
-                self._notify("on_first_token", state.request)
+                if state.observed:
+                    self._notify("on_first_token", state.request)
             delta = state.append(out)
         except Exception as exc:
             logger.exception("request %s: output processing failed", rid)
@@ -163,7 +173,7 @@ class OutputProcessor:
     def _end(self, rid: str, item: RequestOutput | BaseException, events: list[Event]) -> None:
         """The single exit of every request in the front end: tell the observer (if it was admitted), then the stream."""
         state = self.states.pop(rid)
-        if state.admitted:
+        if state.admitted and state.observed:
             error = item if isinstance(item, BaseException) else None
             reason = None if error is not None else item.finish_reason
             self._notify("on_request_finished", state.request, reason, error)

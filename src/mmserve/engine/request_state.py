@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.protocol import CoreOutput
 from mmserve.engine.stopping import check_stop
-from mmserve.engine.types import RequestOutput, Timings, Usage
+from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
 from mmserve.scheduler.request import Request
 
 NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
@@ -23,6 +23,9 @@ class RequestState:
     request: Request
     num_frames: int
     detokenizer: object | None       # IncrementalDetokenizer, or None for a checkpoint without tokenizer
+    preprocess_s: float = 0.0        # input processing, counted in every timing (arrival is before it)
+    videos: list[SampledVideo] = field(default_factory=list)
+    observed: bool = True            # False: the observer never hears of it (the warm-up request)
     admitted: bool = False           # the core queued it (observer hooks run only for admitted requests)
     text: str = ""
     emitted_chars: int = 0
@@ -36,7 +39,7 @@ class RequestState:
         return Timings(
             queue_s=None if self.first_scheduled is None else self.first_scheduled - arrival,
             time_to_first_token_s=None if self.first_token is None else self.first_token - arrival,
-            end_to_end_s=now - arrival)
+            end_to_end_s=now - arrival, preprocess_s=self.preprocess_s)
 
     def usage(self) -> Usage:
         r = self.request
@@ -84,5 +87,5 @@ class RequestState:
             matched_stop=decision.matched_stop if reason == "stop" else None,
             finish_detail=out.finish_detail if finished and reason == engine_finish else None,
             usage=self.usage() if finished else None, timings=self.timings(time.monotonic()) if finished else None,
-            perf=r.perf if finished else {},
+            perf=r.perf if finished else {}, videos=list(self.videos) if finished else None,
             prompt_logprobs=(out.prompt_logprobs or []) if finished and r.sampling_params.prompt_logprobs else None)

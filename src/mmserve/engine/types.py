@@ -13,6 +13,15 @@ from mmserve.metrics.peaks import DevicePeaks
 from mmserve.scheduler.request import MultiModalInput
 
 
+@dataclass(frozen=True)
+class SampledVideo:
+    """The frames sampled from one video part (`part`: where it was in the request), for the Final."""
+
+    part: str
+    timestamps_s: tuple[float, ...]
+    duration_s: float = 0.0
+
+
 @dataclass
 class EngineRequest:
     """A fully prepared prompt: token ids with each image/frame's placeholder run as an inclusive
@@ -30,6 +39,13 @@ class EngineRequest:
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
     # The prompt as a gateway sent it, when that differs from ours (engine/kv_events.py): front end only.
     routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
+    # Front end only (never cross): when the server received it (timings count from here, so TTFT
+    # includes decoding its media), how long input processing took, what each video sampled, and
+    # whether the observer sees it (the warm-up request is in no metric).
+    arrival_time: float | None = field(default=None, metadata={"local": True})
+    preprocess_s: float = field(default=0.0, metadata={"local": True})
+    videos: list[SampledVideo] = field(default_factory=list, metadata={"local": True})
+    observed: bool = field(default=True, metadata={"local": True})
 
 
 @dataclass(frozen=True)
@@ -43,11 +59,13 @@ class Usage:
 
 @dataclass(frozen=True)
 class Timings:
-    """Seconds from arrival: to the first schedule, to the first token, to now (the wire's names)."""
+    """Seconds from arrival: to the first schedule, to the first token, to now, and the part of it
+    spent decoding and preparing the inputs (the wire's names)."""
 
     queue_s: float | None = None
     time_to_first_token_s: float | None = None
     end_to_end_s: float | None = None
+    preprocess_s: float | None = None
 
 
 @dataclass
@@ -66,6 +84,7 @@ class RequestOutput:
     usage: Usage | None = None
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)
+    videos: list[SampledVideo] | None = None   # on the last output: each video part's sampled frames
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one (a reader that lagged gets one message): list

@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hf-config", required=True, help="Gemma 4 family checkpoint directory or config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights' and activations' dtype: sets the bytes moved (default bfloat16)")
     p.add_argument("--accounting", default="exact", choices=list(ACCOUNTING_MODES),
                    help="attention core: pairs the mask keeps, or num_tokens * context_len")
     p.add_argument("--request", action="append", type=parse_request, required=True,

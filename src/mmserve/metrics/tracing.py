@@ -130,6 +130,7 @@ def set_request_attributes(
     finish_reasons: Sequence[str] = (),
     time_in_queue: float | None = None,
     time_to_first_token: float | None = None,
+    preprocess: float | None = None,
     num_frames: int | None = None,
     num_mm_tokens: int | None = None,
     perf: Mapping[str, float] | None = None,
@@ -143,7 +144,8 @@ def set_request_attributes(
         "gen_ai.usage.output_tokens": output_tokens,
         "gen_ai.response.finish_reasons": list(finish_reasons) if finish_reasons else None,
         "mmserve.latency.time_in_queue": time_in_queue,
-        "mmserve.latency.time_to_first_token": time_to_first_token,
+        "mmserve.latency.time_to_first_token": time_to_first_token,   # from arrival: includes preprocess
+        "mmserve.latency.preprocess": preprocess,
         "mmserve.mm.num_frames": num_frames,
         "mmserve.mm.num_tokens": num_mm_tokens,
     }
@@ -187,6 +189,8 @@ def set_video_decode_result(span: Span, video: Any) -> None:
         "mmserve.video.num_frames": len(frames),
         "mmserve.video.duration_s": float(video.duration_s),
         "mmserve.video.frame_bytes": int(sum(f.nbytes for f in frames)),
+        "mmserve.video.rotation_deg": int(getattr(video, "rotation_deg", 0)),
+        "mmserve.video.deinterlaced": bool(getattr(video, "deinterlaced", False)),
     }
     if frames:
         attributes["mmserve.video.height"], attributes["mmserve.video.width"] = map(int, frames[0].shape[:2])

@@ -2,7 +2,10 @@
 
 The vision tower's output is a function of the patchified pixels and their grid positions, so
 hashing those two arrays (with dtype and shape) covers every way two inputs can differ: other
-bytes, another frame sampled from the same video (num_frames, fps), another resize. Two different
+bytes, another frame sampled from the same video (num_frames, fps, another window), another resize,
+rotation or deinterlacing. A frame with the same pixels in two windows of one file hashes the same
+(its embeddings are the same), and the prompts still differ: each frame's timestamp is text in front
+of it, so the prefix cache never serves one window's KV past that frame to the other. Two different
 videos behind identical placeholder tokens get different hashes; the same bytes sampled the same
 way get the same one. SHA-256: a collision would serve one user's KV to another, so the hash must
 be cryptographic, and with the CPU's SHA extensions it is the fastest such hash in hashlib (about

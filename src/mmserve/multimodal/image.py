@@ -99,7 +99,7 @@ def decode_image(source: bytes | Path, limits: MediaLimits, *,
         # verify() leaves the image unusable; open again to decode.
         with _open(source, header.format) as img:
             img.load()
-            rgb = _to_rgb(img)
+            rgb = to_rgb(img)
             size = fit(rgb.height, rgb.width) if fit else (rgb.height, rgb.width)
             if size != (rgb.height, rgb.width):
                 rgb = rgb.resize((size[1], size[0]), resample=Image.BICUBIC)
@@ -108,7 +108,7 @@ def decode_image(source: bytes | Path, limits: MediaLimits, *,
     return _with_pillow(header.format, decode)
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
+def to_rgb(img: Image.Image) -> Image.Image:
     """RGB with transparency composited on white, as transformers' convert_to_rgb does."""
     if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")

@@ -178,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo-video", help="write a synthetic captioned clip; prints its caption")
     p.add_argument("--out", required=True, help="file to write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--format", choices=sorted(CONTAINERS), default="mp4")
-    p.add_argument("--shapes", type=int, choices=(1, 2), default=1)
+    p.add_argument("--seed", type=int, default=0, help="which clip: the same seed gives the same bytes and caption")
+    p.add_argument("--format", choices=sorted(CONTAINERS), default="mp4", help="container (default mp4)")
+    p.add_argument("--shapes", type=int, choices=(1, 2), default=1, help="moving shapes in the clip")
     p.set_defaults(func=_run)

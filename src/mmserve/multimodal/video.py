@@ -9,6 +9,14 @@ duration and packet limits before any pixel is decoded), then decoding from the 
 the sampled frames; the log says when that happens. Both ways check a `DecodeControl` between
 packets, so a time limit or a cancel stops the work within one packet.
 
+Frames reach the model as a viewer shows them: a stream whose display matrix rotates it (phones
+record portrait video as landscape plus a 90 degree matrix) is turned upright, and a frame the
+bitstream flags as interlaced is deinterlaced first (FFmpeg's yadif, on that frame alone: when
+seeking, its neighbours are not decoded, so the fields are interpolated spatially). A request may
+name a window (`start_s`, `end_s`): only frames inside it are sampled, reached by seeking, and
+their timestamps stay measured from the clip's first frame. Animated GIF and WebP go to
+`multimodal/animated.py`.
+
 Formats are sniffed from magic bytes and the demuxer is forced, so FFmpeg never probes its way into
 playlist or concat demuxers that would open URLs or server-side files; a file is handed to PyAV as
 an open Python file, never as a name FFmpeg would parse.
@@ -16,18 +24,21 @@ an open Python file, never as a name FFmpeg would parse.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import io
 import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from fractions import Fraction
 
 import av
 import numpy as np
 
 from mmserve.errors import InvalidInputError, LimitExceededError, RequestAbortedError
+from mmserve.multimodal import animated
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.limits import MediaLimits
 
@@ -42,18 +53,23 @@ FILE_BUFFER_BYTES = 64 * 1024  # larger buffers cost more per seek (each refills
 # doubling each time, before the stream is scanned instead.
 SEEK_BACKOFF_FRAMES = 16
 MAX_SEEK_TRIES = 4
+DEINTERLACE = "mode=send_frame:parity=auto:deint=all"  # yadif's options: one frame out per frame in
 
 
 @dataclass
 class DecodedVideo:
-    """Sampled RGB frames with their real presentation times (seconds from the first frame).
-    `method` says how they were reached ("seek" or "scan"); `frames_decoded` counts the work."""
+    """Sampled RGB frames, upright, with their real presentation times (seconds from the first
+    frame, also inside a window). `method` says how they were reached ("seek", "scan" or
+    "animation"); `frames_decoded` counts the work; `rotation_deg` is the counterclockwise turn
+    applied (the display matrix's), `deinterlaced` whether any sampled frame was interlaced."""
 
     frames: list[np.ndarray]
     timestamps_s: list[float]
     duration_s: float
     method: str = "scan"
     frames_decoded: int = 0
+    rotation_deg: int = 0
+    deinterlaced: bool = False
 
 
 def sniff_container(data: bytes) -> str | None:
@@ -82,20 +98,62 @@ class _StreamInfo:
     duration_s: float
     fps: float
     start_s: float = 0.0
+    times_s: list[float] = field(default_factory=list)  # scan only: every frame's time, from the first
 
 
 @dataclass(frozen=True)
 class _Request:
+    """What to sample: `num_frames`, or `fps` per second of the window, or the default; the window
+    is [start_s, end_s) in seconds from the first frame (end_s None = to the end)."""
+
     num_frames: int | None
     fps: float | None
+    start_s: float = 0.0
+    end_s: float | None = None
 
-    def count(self, duration_s: float, limits: MediaLimits) -> int:
-        """How many frames to sample from a clip of `duration_s` seconds."""
+    def count(self, window_s: float, limits: MediaLimits) -> int:
+        """How many frames to ask of a window `window_s` seconds long: fps gives at most the
+        per-video maximum (then spread uniformly over the window)."""
         if self.fps is not None:
-            wanted = max(1, int(duration_s * self.fps))
+            wanted = max(1, int(window_s * self.fps + 1e-9))
         else:
             wanted = self.num_frames if self.num_frames is not None else limits.default_num_frames
         return min(wanted, limits.max_frames_per_video)
+
+    def window(self, duration_s: float, fps: float) -> tuple[float, float]:
+        """The window inside a clip of `duration_s`, refused when it lies past the clip's end. An
+        end at or past the clip's is infinite: the last frame may start at the declared duration."""
+        if self.start_s >= duration_s:
+            raise InvalidInputError(FIELD, f"start_s {self.start_s:g} is at or past the end of the video, which "
+                                    f"lasts {duration_s:.3f} s")
+        end = duration_s if self.end_s is None else self.end_s
+        if end > duration_s + 1.0 / fps:  # one frame of slack: container durations round
+            raise InvalidInputError(FIELD, f"end_s {end:g} is past the end of the video, which lasts "
+                                    f"{duration_s:.3f} s; leave end_s at 0 to mean the end")
+        return self.start_s, math.inf if end >= duration_s else end
+
+
+def _window_indices(times, window: tuple[float, float], count: int) -> list[int]:
+    """`count` indices spread uniformly over the frames (times in seconds, ascending) inside `window`."""
+    first = bisect.bisect_left(times, window[0] - 1e-6)
+    stop = bisect.bisect_left(times, window[1] - 1e-6)
+    if stop <= first:
+        raise InvalidInputError(FIELD, f"the window [{window[0]:g} s, {window[1]:g} s) holds no frame")
+    return [first + i for i in sample_indices(stop - first, count)]
+
+
+def _window_s(window: tuple[float, float], duration_s: float) -> float:
+    return min(window[1], duration_s) - window[0]
+
+
+def _read(path: str | os.PathLike, limits: MediaLimits) -> bytes:
+    """A spooled file's bytes (for Pillow), refused by size first."""
+    size = os.path.getsize(path)
+    if size > limits.max_video_bytes:
+        raise LimitExceededError(f"video is {size} bytes, more than the limit of {limits.max_video_bytes}",
+                                 "--max-video-bytes")
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _head(source: VideoSource) -> bytes:
@@ -145,13 +203,62 @@ def _video_stream(container: av.container.InputContainer, limits: MediaLimits):
     return stream
 
 
-def _rgb(frame: av.VideoFrame, limits: MediaLimits) -> np.ndarray:
-    """RGB pixels, downscaled while converting when larger than `max_decoded_frame_pixels`."""
+def _deinterlaced(frame: av.VideoFrame) -> av.VideoFrame:
+    """The frame with its two fields merged by yadif (spatially: it sees no neighbour frames)."""
+    graph = av.filter.Graph()
+    source = graph.add_buffer(width=frame.width, height=frame.height, format=frame.format.name,
+                              time_base=frame.time_base or Fraction(1, 1000))
+    yadif, sink = graph.add("yadif", DEINTERLACE), graph.add("buffersink")
+    source.link_to(yadif)
+    yadif.link_to(sink)
+    graph.configure()
+    graph.push(frame)
+    graph.push(None)
+    return graph.pull()
+
+
+def _quarter_turns(frame: av.VideoFrame) -> int:
+    """Counterclockwise quarter turns that show the frame upright (its display matrix, rounded)."""
+    return round((frame.rotation or 0) / 90) % 4
+
+
+def _rgb(frame: av.VideoFrame, limits: MediaLimits) -> tuple[np.ndarray, bool]:
+    """Upright RGB pixels, deinterlaced when the frame is interlaced (and whether it was),
+    downscaled while converting when larger than `max_decoded_frame_pixels`."""
+    turns = _quarter_turns(frame)
+    deinterlaced = False
+    if frame.interlaced_frame:
+        try:
+            frame, deinterlaced = _deinterlaced(frame), True
+        except (av.FFmpegError, ValueError) as e:  # a pixel format yadif lacks: combed beats refused
+            logger.warning("video: cannot deinterlace a %s frame (%s); using it as it is", frame.format.name, e)
     if frame.width * frame.height <= limits.max_decoded_frame_pixels:
-        return frame.to_ndarray(format="rgb24")
-    scale = math.sqrt(limits.max_decoded_frame_pixels / (frame.width * frame.height))
-    width, height = max(1, int(frame.width * scale)), max(1, int(frame.height * scale))
-    return frame.to_ndarray(format="rgb24", width=width, height=height)
+        rgb = frame.to_ndarray(format="rgb24")
+    else:
+        scale = math.sqrt(limits.max_decoded_frame_pixels / (frame.width * frame.height))
+        width, height = max(1, int(frame.width * scale)), max(1, int(frame.height * scale))
+        rgb = frame.to_ndarray(format="rgb24", width=width, height=height)
+    return (np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb), deinterlaced
+
+
+@dataclass
+class _Converted:
+    """Converts the sampled frames, remembering what it did (reported on DecodedVideo)."""
+
+    limits: MediaLimits
+    rotation_deg: int = 0
+    deinterlaced: bool = False
+
+    def __call__(self, frame: av.VideoFrame) -> np.ndarray:
+        self.rotation_deg = _quarter_turns(frame) * 90
+        rgb, deinterlaced = _rgb(frame, self.limits)
+        self.deinterlaced |= deinterlaced
+        return rgb
+
+    def video(self, frames: list[np.ndarray], times: list[float], duration_s: float, method: str,
+              decoded: int) -> DecodedVideo:
+        return DecodedVideo(frames=frames, timestamps_s=times, duration_s=duration_s, method=method,
+                            frames_decoded=decoded, rotation_deg=self.rotation_deg, deinterlaced=self.deinterlaced)
 
 
 # ---- seeking ------------------------------------------------------------------------------------
@@ -176,6 +283,19 @@ def _metadata(container: av.container.InputContainer, stream) -> _StreamInfo | N
     return _StreamInfo(num_frames=count, duration_s=duration, fps=fps, start_s=start)
 
 
+class _ConstantRate:
+    """Frame i's time at a constant rate, as a sequence (for bisect) without a list of them all."""
+
+    def __init__(self, count: int, fps: float) -> None:
+        self.count, self.fps = count, fps
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> float:
+        return i / self.fps
+
+
 class _Seeker:
     """Reaches each target time by seeking to the keyframe before it, or by decoding on when the
     target lies within one keyframe interval (learnt while decoding) of where decoding stands.
@@ -184,9 +304,10 @@ class _Seeker:
     with sparse keyframes costs at most about twice a full decode, never a full decode per frame.
     """
 
-    def __init__(self, container, stream, info: _StreamInfo, limits: MediaLimits, control: DecodeControl) -> None:
+    def __init__(self, container, stream, info: _StreamInfo, limits: MediaLimits, control: DecodeControl,
+                 convert: _Converted) -> None:
         self.container, self.stream, self.info = container, stream, info
-        self.limits, self.control = limits, control
+        self.limits, self.control, self.convert = limits, control, convert
         self.tolerance = 0.5 / info.fps
         self.decoded = 0
         self._frames: Iterator[av.VideoFrame] | None = None
@@ -251,7 +372,7 @@ class _Seeker:
                 frame = self._next()
             if frame is None:
                 raise _Imprecise(f"the stream ended before {target:.3f}s")
-            out.append((_rgb(frame, self.limits), frame.time))
+            out.append((self.convert(frame), frame.time))
         return out
 
 
@@ -268,8 +389,11 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
             logger.info("video: the %s container declares no frame rate or duration; decoding it from the start", fmt)
             return None
         _check_duration(info.duration_s, limits)
-        indices = sample_indices(info.num_frames, request.count(info.duration_s, limits))
-        seeker = _Seeker(container, stream, info, limits, control)
+        window = request.window(info.duration_s, info.fps)
+        times = _ConstantRate(info.num_frames, info.fps)
+        indices = _window_indices(times, window, request.count(_window_s(window, info.duration_s), limits))
+        convert = _Converted(limits)
+        seeker = _Seeker(container, stream, info, limits, control, convert)
         try:
             sampled = seeker.sample([info.start_s + i / info.fps for i in indices])
         except (InvalidInputError, LimitExceededError, RequestAbortedError):
@@ -277,8 +401,8 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
         except Exception as e:  # noqa: BLE001 - _Imprecise, or a damaged index: the scan may still decode it
             logger.info("video: cannot sample the %s stream by seeking (%s); decoding it from the start", fmt, e)
             return None
-    return DecodedVideo(frames=[f for f, _ in sampled], timestamps_s=[max(0.0, t - info.start_s) for _, t in sampled],
-                        duration_s=info.duration_s, method="seek", frames_decoded=seeker.decoded)
+    return convert.video([f for f, _ in sampled], [max(0.0, t - info.start_s) for _, t in sampled],
+                         info.duration_s, "seek", seeker.decoded)
 
 
 # ---- scanning -----------------------------------------------------------------------------------
@@ -289,7 +413,7 @@ def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeCo
     with _opened(source, fmt) as container:
         stream = _video_stream(container, limits)
         tb = float(stream.time_base) if stream.time_base else 0.0
-        count, first_pts, last_pts = 0, None, None
+        count, first_pts, last_pts, pts = 0, None, None, []
         for packet in container.demux(stream):
             control.check()
             if packet.size == 0:
@@ -298,6 +422,7 @@ def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeCo
             if count > limits.max_packets:
                 raise LimitExceededError(f"video has more than {limits.max_packets} frames")
             if packet.pts is not None and tb:
+                pts.append(packet.pts)
                 first_pts = packet.pts if first_pts is None else min(first_pts, packet.pts)
                 last_pts = packet.pts if last_pts is None else max(last_pts, packet.pts)
                 _check_duration((last_pts - first_pts) * tb, limits)
@@ -316,11 +441,13 @@ def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeCo
         _check_duration(duration, limits)
         if not fps:
             fps = count / duration if duration > 0 else 1.0
-        return _StreamInfo(num_frames=count, duration_s=float(duration), fps=fps)
+        # Presentation order is pts order; without a pts on every packet, assume a constant rate.
+        times = sorted(float((p - first_pts) * tb) for p in pts) if len(pts) == count else [i / fps for i in range(count)]
+        return _StreamInfo(num_frames=count, duration_s=float(duration), fps=fps, times_s=times)
 
 
 def _decode_selected(source: VideoSource, fmt: str, wanted: list[int], fps: float, limits: MediaLimits,
-                     control: DecodeControl) -> tuple[list[np.ndarray], list[float], int]:
+                     control: DecodeControl, convert: _Converted) -> tuple[list[np.ndarray], list[float], int]:
     """Decode in order, converting only the wanted indices. Returns frames, times, frames seen."""
     wanted_set = set(wanted)
     last_wanted = max(wanted)
@@ -337,7 +464,7 @@ def _decode_selected(source: VideoSource, fmt: str, wanted: list[int], fps: floa
                 t = frame.time if frame.time is not None else seen / fps
                 start = t if start is None else start
                 if seen in wanted_set:
-                    frames.append(_rgb(frame, limits))
+                    frames.append(convert(frame))
                     times.append(max(0.0, float(t - start)))
                 seen += 1
                 if seen > last_wanted or seen >= limits.max_decoded_frames:
@@ -348,24 +475,46 @@ def _decode_selected(source: VideoSource, fmt: str, wanted: list[int], fps: floa
 def _sample_by_scanning(source: VideoSource, fmt: str, request: _Request, limits: MediaLimits,
                         control: DecodeControl) -> DecodedVideo:
     info = _probe(source, fmt, limits, control)
-    wanted = request.count(info.duration_s, limits)
+    window = request.window(info.duration_s, info.fps)
+    wanted = request.count(_window_s(window, info.duration_s), limits)
+    indices = _window_indices(info.times_s, window, wanted)
     total = info.num_frames
-    frames, times, seen = _decode_selected(source, fmt, sample_indices(total, wanted), info.fps, limits, control)
+    convert = _Converted(limits)
+    frames, times, seen = _decode_selected(source, fmt, indices, info.fps, limits, control, convert)
     decoded = seen
-    if len(frames) < min(wanted, total) and 0 < seen < total:
+    if len(frames) < len(indices) and 0 < seen < total and window == (0.0, math.inf):
         # Fewer frames decode than packets demuxed (e.g. a decoder drops a damaged frame):
         # resample over what really decodes rather than returning a short, skewed sample.
         logger.debug("video: %d packets but %d decodable frames; resampling", total, seen)
-        frames, times, again = _decode_selected(source, fmt, sample_indices(seen, wanted), info.fps, limits, control)
+        frames, times, again = _decode_selected(source, fmt, sample_indices(seen, wanted), info.fps, limits, control,
+                                                convert)
         decoded += again
-    return DecodedVideo(frames=frames, timestamps_s=times, duration_s=info.duration_s, method="scan",
-                        frames_decoded=decoded)
+    return convert.video(frames, times, info.duration_s, "scan", decoded)
+
+
+# ---- animations ---------------------------------------------------------------------------------
+
+
+def _sample_animation(data: bytes, request: _Request, limits: MediaLimits, control: DecodeControl) -> DecodedVideo:
+    with animated.open_animation(data, limits) as image:
+        times = animated.frame_times(image, limits, control)
+        duration, times = times[-1], times[:-1]
+        window = request.window(duration, len(times) / duration if duration > 0 else 1.0)
+        indices = _window_indices(times, window, request.count(_window_s(window, duration), limits))
+        frames = animated.decode_frames(image, indices, control)
+    return DecodedVideo(frames=frames, timestamps_s=[times[i] for i in indices], duration_s=duration,
+                        method="animation", frames_decoded=indices[-1] + 1)
 
 
 # ---- entry point --------------------------------------------------------------------------------
 
 
-def _check_request(num_frames: int | None, fps: float | None, limits: MediaLimits) -> _Request:
+def _check_request(num_frames: int | None, fps: float | None, start_s: float, end_s: float | None,
+                   limits: MediaLimits) -> _Request:
+    if not (math.isfinite(start_s) and start_s >= 0):
+        raise InvalidInputError(FIELD, f"start_s must be a number of seconds >= 0, got {start_s}")
+    if end_s is not None and not (math.isfinite(end_s) and end_s > start_s):
+        raise InvalidInputError(FIELD, f"end_s must come after start_s ({start_s:g} s), got {end_s}")
     if num_frames is not None and fps is not None:
         raise InvalidInputError(FIELD, "give num_frames or fps, not both")
     if num_frames is not None and num_frames <= 0:
@@ -376,32 +525,47 @@ def _check_request(num_frames: int | None, fps: float | None, limits: MediaLimit
         raise LimitExceededError(
             f"asked for {num_frames} frames, more than the limit of {limits.max_frames_per_video} per video",
             "--max-frames-per-video", can_never_fit=True)
-    return _Request(num_frames, fps)
+    return _Request(num_frames, fps, start_s, end_s)
 
 
 def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: float | None = None,
-                 limits: MediaLimits, control: DecodeControl | None = None, seek: bool = True) -> DecodedVideo:
-    """Decode `source` (the bytes, or the path of a whole mp4/mov, webm/mkv, avi or mpeg-ts file) and
-    sample its frames.
+                 start_s: float = 0.0, end_s: float | None = None, limits: MediaLimits,
+                 control: DecodeControl | None = None, seek: bool = True) -> DecodedVideo:
+    """Decode `source` (the bytes, or the path of a whole mp4/mov, webm/mkv, avi, mpeg-ts file, or an
+    animated GIF/WebP) and sample its frames inside the window [start_s, end_s) (None = to the end).
 
-    `num_frames` frames spread uniformly over the clip, or `fps` frames per second of video;
-    neither means `limits.default_num_frames`. Either way at most `limits.max_frames_per_video`.
+    The sampling rule: `num_frames` frames spread uniformly over the window's frames, or `fps`
+    frames per second of the window, or neither: `limits.default_num_frames`. Never more than
+    `limits.max_frames_per_video` (an fps asking more gets that many, spread uniformly; a
+    `num_frames` above it is refused) and never more than the window holds (a 1-frame clip gives 1).
     `control` stops the work from another thread; `seek=False` forces the scan (for comparisons).
     Raises InvalidInputError for undecodable input, LimitExceededError for limits and the time
     limit, RequestAbortedError when cancelled.
     """
-    request = _check_request(num_frames, fps, limits)
+    request = _check_request(num_frames, fps, start_s, end_s, limits)
     control = control or DecodeControl()
     if isinstance(source, bytes):
         if not source:
             raise InvalidInputError(FIELD, "the video payload is empty")
         if len(source) > limits.max_video_bytes:
             raise LimitExceededError(
-                f"video is {len(source)} bytes, more than the limit of {limits.max_video_bytes}", "--max-video-bytes")
+                f"video is {len(source)} bytes, more than the limit of {limits.max_video_bytes} for a video sent "
+                f"inline; upload it first with the UploadMedia RPC (Python: client.upload(path), which "
+                f"Client.generate(video=path) does for you) and send its media_id", "--max-video-bytes")
     control.check()
-    fmt = sniff_container(_head(source))
+    head = _head(source)
+    if animated.sniff_animated(head):
+        try:
+            return _sample_animation(source if isinstance(source, bytes) else _read(source, limits), request, limits,
+                                     control)
+        except (InvalidInputError, LimitExceededError, RequestAbortedError):
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged animation is the payload's fault
+            raise InvalidInputError(FIELD, f"cannot decode the animation: {type(e).__name__}: {e}") from e
+    fmt = sniff_container(head)
     if fmt is None:
-        raise InvalidInputError(FIELD, "unsupported or unrecognised container (send mp4/mov, webm/mkv, avi or mpeg-ts)")
+        raise InvalidInputError(FIELD, "unsupported or unrecognised container (send mp4/mov, webm/mkv, avi, "
+                                "mpeg-ts, or an animated GIF/WebP)")
     try:
         video = None
         if seek and fmt in SEEKABLE:

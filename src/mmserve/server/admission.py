@@ -44,8 +44,9 @@ def transport_receive_limit(max_message_bytes: int) -> int:
 
 def too_large_message(size: int, limit: int) -> str:
     return (f"request message is {size} bytes, more than the limit of {limit} bytes "
-            f"(--max-message-bytes / MMSERVE_MAX_MESSAGE_BYTES); send fewer or smaller media, "
-            f"or raise the limit on the server and the client")
+            f"(--max-message-bytes / MMSERVE_MAX_MESSAGE_BYTES); upload large media first with the "
+            f"UploadMedia RPC (Python: client.upload(path), or Client.generate(video=path) does it; "
+            f"`mmserve generate --video` too) and name them by media_id, or raise the limit")
 
 
 @dataclass(frozen=True)

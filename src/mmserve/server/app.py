@@ -28,6 +28,7 @@ from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.errors import EngineUnavailableError
+from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain
@@ -175,10 +176,12 @@ class MMServer:
             parts.insert(0, ImageInput(image.getvalue(), "image/png"))
         request = await processor.process(f"warmup-{uuid.uuid4().hex}", [InputMessage("user", tuple(parts))],
                                           SamplingParams(max_tokens=1))
+        request.observed = False  # counted in no metric: clients' TTFT histogram starts with their own requests
         started = time.perf_counter()
         async for _ in self.engine.generate(request):
             pass
         logger.info("warm-up request done in %.2fs", time.perf_counter() - started)
+        freeze_startup_objects()  # later garbage collections skip the process's lifelong objects
 
     async def drain(self, grace_s: float | None = None, forced: asyncio.Event | None = None) -> bool:
         """Readiness NOT_SERVING, refuse new Generate calls, let in-flight ones finish within the
@@ -200,6 +203,7 @@ class MMServer:
         if self._media_sweeper is not None:
             self._media_sweeper.cancel()
         self.media.close()
+        thaw_startup_objects()  # a process that goes on (tests, embedding) collects them again
         logger.info("stopped")
 
     async def wait_for_termination(self) -> None:

@@ -76,6 +76,8 @@ def final_message(out: RequestOutput, text: TokenText = str, samples: Sequence[R
             if k in perf_fields and v is not None:
                 perf[k] = perf.get(k, 0.0) + float(v)
     final.perf.CopyFrom(pb.Perf(**perf))
+    final.videos.extend(pb.SampledVideo(part=v.part, num_frames=len(v.timestamps_s), timestamps_s=v.timestamps_s,
+                                        duration_s=v.duration_s) for v in out.videos or ())
     return final
 
 
@@ -87,6 +89,7 @@ def _describe(span, sampling: SamplingParams, out: RequestOutput) -> None:
         finish_reasons=[out.finish_reason] if out.finish_reason else [],
         time_in_queue=timings.queue_s if timings else None,
         time_to_first_token=timings.time_to_first_token_s if timings else None,
+        preprocess=timings.preprocess_s if timings else None,
         num_frames=usage.num_frames if usage else None, num_mm_tokens=usage.multimodal_tokens if usage else None,
         perf={k: float(v) for k, v in out.perf.items() if isinstance(v, int | float)})
 
@@ -193,6 +196,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 _log_finished(request_id, final)
             end_request_span(span, error=error, cancelled=final is None and error is None)
             unbind_request(log_ids)
+            # The error's traceback holds this frame, which holds the error: a cycle that kept a
+            # refused request's media (decode_video's frames hold the bytes) until a full collection.
+            error = None
 
     async def _preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
         """Run input processing as a task Abort can cancel, which stops its decodes at once."""

@@ -32,7 +32,8 @@ IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/web
                               "image/tiff"})
 # The containers the decoder accepts (it sniffs the real format from the bytes; the type is a hint).
 VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/quicktime", "video/3gpp", "video/webm", "video/x-matroska",
-                              "video/matroska", "video/x-msvideo", "video/avi", "video/msvideo", "video/mp2t"})
+                              "video/matroska", "video/x-msvideo", "video/avi", "video/msvideo", "video/mp2t",
+                              "image/gif", "image/webp"})  # animations sent as a video are decoded as one
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRING_CHARS = 256
@@ -138,15 +139,20 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
                                 f"{config.max_frames_per_video} per video (--max-frames-per-video)")
     if not math.isfinite(video.fps) or video.fps < 0:
         raise InvalidInputError(f"{where}.fps", f"must be a finite number >= 0, got {video.fps}")
+    _window(video, where)
     source = video.WhichOneof("source")
+    sampling = dict(mime_type=video.mime_type, num_frames=video.num_frames, fps=video.fps, start_s=video.start_s,
+                    end_s=video.end_s)
     if source == "data":
         if not video.data:
             raise InvalidInputError(f"{where}.data", "empty video bytes")
-        return VideoInput(data=video.data, mime_type=video.mime_type, num_frames=video.num_frames, fps=video.fps)
+        return VideoInput(data=video.data, **sampling)
     if source == "media_id":
-        return VideoInput(media_id=_media_id(video.media_id, f"{where}.media_id"), mime_type=video.mime_type,
-                          num_frames=video.num_frames, fps=video.fps)
+        return VideoInput(media_id=_media_id(video.media_id, f"{where}.media_id"), **sampling)
     if source == "frames":
+        if video.start_s or video.end_s:
+            raise InvalidInputError(f"{where}.start_s", "a window applies to a container (data or media_id), "
+                                    "not to frames: send only the frames you want")
         frames = video.frames
         if not frames.frames:
             raise InvalidInputError(f"{where}.frames.frames", "no frames given")
@@ -158,6 +164,18 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
         images = tuple(_image(f, f"{where}.frames.frames[{k}]").data for k, f in enumerate(frames.frames))
         return VideoInput(frames=images, frames_fps=frames.fps, mime_type=video.mime_type)
     raise InvalidInputError(f"{where}.source", "set one of data (container bytes), frames or media_id")
+
+
+def _window(video: pb.Video, where: str) -> None:
+    """The window's own consistency; whether it fits the video is known only once it is opened."""
+    if not math.isfinite(video.start_s) or video.start_s < 0:
+        raise InvalidInputError(f"{where}.start_s", f"must be a number of seconds >= 0, got {video.start_s}")
+    if not math.isfinite(video.end_s) or video.end_s < 0:
+        raise InvalidInputError(f"{where}.end_s", f"must be a number of seconds >= 0 (0 = to the end), got "
+                                f"{video.end_s}")
+    if video.end_s and video.end_s <= video.start_s:
+        raise InvalidInputError(f"{where}.end_s", f"the window ends ({video.end_s:g} s) at or before it starts "
+                                f"({video.start_s:g} s)")
 
 
 def _mime(mime_type: str, allowed: frozenset[str], where: str) -> None:

@@ -69,20 +69,24 @@ class Audio(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
 
 class Video(_message.Message):
-    __slots__ = ("data", "frames", "media_id", "mime_type", "num_frames", "fps")
+    __slots__ = ("data", "frames", "media_id", "mime_type", "num_frames", "fps", "start_s", "end_s")
     DATA_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     frames: VideoFrames
     media_id: str
     mime_type: str
     num_frames: int
     fps: float
-    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., media_id: _Optional[str] = ..., mime_type: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ...) -> None: ...
+    start_s: float
+    end_s: float
+    def __init__(self, data: _Optional[bytes] = ..., frames: _Optional[_Union[VideoFrames, _Mapping]] = ..., media_id: _Optional[str] = ..., mime_type: _Optional[str] = ..., num_frames: _Optional[int] = ..., fps: _Optional[float] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ...) -> None: ...
 
 class VideoFrames(_message.Message):
     __slots__ = ("frames", "fps")
@@ -194,7 +198,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "perf", "matched_stop", "prompt_logprobs", "finish_detail", "samples")
+    __slots__ = ("finish_reason", "usage", "timings", "perf", "matched_stop", "prompt_logprobs", "finish_detail", "samples", "videos")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +207,7 @@ class Final(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    VIDEOS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
@@ -211,7 +216,20 @@ class Final(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     finish_detail: str
     samples: _containers.RepeatedCompositeFieldContainer[SampleFinal]
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., perf: _Optional[_Union[Perf, _Mapping]] = ..., matched_stop: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_detail: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleFinal, _Mapping]]] = ...) -> None: ...
+    videos: _containers.RepeatedCompositeFieldContainer[SampledVideo]
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., perf: _Optional[_Union[Perf, _Mapping]] = ..., matched_stop: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_detail: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[SampleFinal, _Mapping]]] = ..., videos: _Optional[_Iterable[_Union[SampledVideo, _Mapping]]] = ...) -> None: ...
+
+class SampledVideo(_message.Message):
+    __slots__ = ("part", "num_frames", "timestamps_s", "duration_s")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    num_frames: int
+    timestamps_s: _containers.RepeatedScalarFieldContainer[float]
+    duration_s: float
+    def __init__(self, part: _Optional[str] = ..., num_frames: _Optional[int] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., duration_s: _Optional[float] = ...) -> None: ...
 
 class SampleFinal(_message.Message):
     __slots__ = ("index", "finish_reason", "matched_stop", "completion_tokens", "finish_detail")
@@ -242,14 +260,16 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., multimodal_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_frames: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "time_to_first_token_s", "end_to_end_s")
+    __slots__ = ("queue_s", "time_to_first_token_s", "end_to_end_s", "preprocess_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     END_TO_END_S_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESS_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     time_to_first_token_s: float
     end_to_end_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ...) -> None: ...
+    preprocess_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., end_to_end_s: _Optional[float] = ..., preprocess_s: _Optional[float] = ...) -> None: ...
 
 class Perf(_message.Message):
     __slots__ = ("flops", "read_bytes", "write_bytes", "mfu", "mbu", "attn_flops_sliding", "attn_flops_full")

@@ -1,0 +1,83 @@
+"""Animated GIF and WebP sent as a video: decoded as a video, with Pillow.
+
+FFmpeg reads GIF but not animated WebP (this build's webp decoder refuses ANIM chunks), and neither
+has a seek index, so both go through Pillow: each frame's duration gives its timestamp, frames are
+visited in order (GIF frames are deltas of the one before) and only the sampled ones are converted.
+Work is bounded like a video's: the canvas is checked before any pixel, the frame count and total
+duration while walking, and `DecodeControl` between frames.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import warnings
+
+import numpy as np
+from PIL import Image
+
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.multimodal.decode_control import DecodeControl
+from mmserve.multimodal.image import to_rgb
+from mmserve.multimodal.limits import MediaLimits
+
+FIELD = "video"
+DEFAULT_FRAME_MS = 100  # browsers' rule for a GIF frame that declares no (or a zero) duration
+
+
+def sniff_animated(head: bytes) -> str | None:
+    """"gif" or "webp" when the bytes start like one, else None."""
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def frame_times(image: Image.Image, limits: MediaLimits, control: DecodeControl) -> list[float]:
+    """Each frame's start (seconds), by walking the frames' durations. Frames are counted by
+    seeking until the end, never by `n_frames` (which would walk a hostile file without a bound)."""
+    times, t = [], 0.0
+    for index in itertools.count():
+        control.check()
+        try:
+            image.seek(index)
+        except EOFError:
+            break
+        if index >= limits.max_decoded_frames:
+            raise LimitExceededError(f"the animation has more than {limits.max_decoded_frames} frames")
+        image.load()  # WebP sets a frame's duration only once it is loaded
+        times.append(t)
+        t += (image.info.get("duration") or DEFAULT_FRAME_MS) / 1000.0
+        if t > limits.max_video_duration_s:
+            raise LimitExceededError(f"the animation lasts more than the limit of {limits.max_video_duration_s:g} s",
+                                     "--max-video-duration-s")
+    return times + [t]  # the last entry is the end of the last frame: the duration
+
+
+def open_animation(data: bytes, limits: MediaLimits) -> Image.Image:
+    """The opened image, refused by its canvas size before any frame is decoded."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+            raise LimitExceededError(f"animation looks like a decompression bomb: {e}", "--max-image-pixels") from e
+        except Exception as e:  # noqa: BLE001 - the payload's fault
+            raise InvalidInputError(FIELD, f"cannot decode the animation: {type(e).__name__}: {e}") from e
+    width, height = image.size
+    if width * height > limits.max_image_pixels:
+        image.close()
+        raise LimitExceededError(f"animation frames are {width}x{height} = {width * height} pixels, more than the "
+                                 f"limit of {limits.max_image_pixels}", "--max-image-pixels")
+    return image
+
+
+def decode_frames(image: Image.Image, indices: list[int], control: DecodeControl) -> list[np.ndarray]:
+    """RGB pixels of the frames at `indices` (ascending)."""
+    frames = []
+    for index in indices:
+        control.check()
+        image.seek(index)
+        frames.append(np.asarray(to_rgb(image), dtype=np.uint8))
+    return frames
