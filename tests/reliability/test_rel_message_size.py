@@ -36,7 +36,7 @@ def test_message_size_limit():
             code, message = await stream_status(stub.Generate(over))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert f"{over.ByteSize()} bytes" in message and f"limit of {LIMIT} bytes" in message
-            assert "--max-message-bytes" in message
+            assert "--max-message-bytes" in message and "UploadMedia" in message and "client.upload(" in message
             # Unary methods too; far beyond the limit, grpc itself refuses (same code, its own words).
             try:
                 await stub.Abort(generation_pb2.AbortRequest(request_id="x" * (LIMIT + 1)))

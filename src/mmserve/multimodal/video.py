@@ -548,10 +548,10 @@ def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: flo
         if not source:
             raise InvalidInputError(FIELD, "the video payload is empty")
         if len(source) > limits.max_video_bytes:
+            # The same words through both doors (mmserve.v1 and vLLM's, tests/gateway): the UploadMedia
+            # advice is in the request-size refusal (server/admission.py) and in docs/api.md.
             raise LimitExceededError(
-                f"video is {len(source)} bytes, more than the limit of {limits.max_video_bytes} for a video sent "
-                f"inline; upload it first with the UploadMedia RPC (Python: client.upload(path), which "
-                f"Client.generate(video=path) does for you) and send its media_id", "--max-video-bytes")
+                f"video is {len(source)} bytes, more than the limit of {limits.max_video_bytes}", "--max-video-bytes")
     control.check()
     head = _head(source)
     if animated.sniff_animated(head):
