@@ -15,6 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_engine import read_stream, text_request
 from rel_process import ServeProcess
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
@@ -131,6 +133,39 @@ def test_abort_reaches_only_the_callers_own_request_by_its_exact_id(server):
         assert (await read_stream(mine)).code == grpc.StatusCode.CANCELLED
 
     run(server, scenario)
+
+
+def test_the_gateway_door_shares_ids_and_abort_ownership_with_mmserve_v1(server):
+    """Both doors feed one engine: an id in flight through mmserve.v1 is refused through VllmEngine,
+    and VllmEngine's Abort with another key does not reach it (it used to abort any id in the engine)."""
+    victim_key, other_key = KEYS
+
+    async def scenario(channel):
+        stub, door = pb_grpc.GenerationStub(channel), vpb_grpc.VllmEngineStub(channel)
+        victim = stub.Generate(greedy("shared-id", 80), metadata=bearer(victim_key))
+        assert (await victim.read()).delta.token_ids
+        await door.Abort(vpb.AbortRequest(request_ids=["shared-id"]), metadata=bearer(other_key))
+        twin = door.Generate(vpb.GenerateRequest(
+            request_id="shared-id", tokenized=vpb.TokenizedInput(input_ids=[2, 10, 11]),
+            sampling_params=vpb.SamplingParams(temperature=0, max_tokens=4)), metadata=bearer(other_key))
+        code, details = await stream_code(twin)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in details, (code, details)
+        rest = await read_stream(victim)
+        assert rest.code is None and rest.final.usage.completion_tokens == 80, rest
+        mine = door.Generate(vpb.GenerateRequest(
+            request_id="door-own", tokenized=vpb.TokenizedInput(input_ids=[2, 10, 11]), stream=True,
+            sampling_params=vpb.SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)),
+            metadata=bearer(other_key))
+        code, chunks = grpc.StatusCode.OK, 0
+        try:
+            async for _ in mine:   # its owner's Abort through the same door ends it
+                chunks += 1
+                await door.Abort(vpb.AbortRequest(request_ids=["door-own"]), metadata=bearer(other_key))
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+        assert code == grpc.StatusCode.CANCELLED and chunks < 400, (code, chunks)
+
+    run(server, scenario, raw=True)
 
 
 def test_client_ids_cannot_collide_with_parallel_samples(server):

@@ -33,6 +33,7 @@ from mmserve.server.admission import MessageAdmission, MethodLimit, transport_re
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain
 from mmserve.server.health import Health, enable_reflection
+from mmserve.server.in_flight import InFlightRequests
 from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
@@ -91,12 +92,13 @@ class MMServer:
         self._media_sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config),
                                       maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
+        in_flight = InFlightRequests(engine)   # both doors' requests: one id namespace, Abort by owner
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
-                                      self.media)
+                                      self.media, in_flight)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         if server_config.enable_vllm_engine_api:   # the gateway door (SMG, llm-d): docs/gateway.md
             add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,
-                            lambda: self.gate.draining)
+                            lambda: self.gate.draining, in_flight)
         self.health.add_to_server(self.server)
         enable_reflection(self.server, (VLLM_ENGINE_SERVICE,) if server_config.enable_vllm_engine_api else ())
         self.port = 0

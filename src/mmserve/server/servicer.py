@@ -7,12 +7,10 @@ when the client goes away (cancel, deadline), with an abort in the engine so not
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
-import hashlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -20,12 +18,13 @@ from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.parallel_sampling import check_client_id, generate_samples, sample_id
+from mmserve.engine.parallel_sampling import check_client_id, generate_samples
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.engine.types import EngineRequest, RequestOutput
-from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
+from mmserve.engine.types import RequestOutput
+from mmserve.errors import EngineUnavailableError, MMServeError
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
+from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with
 from mmserve.server.validation import check_response_format, validate_request
@@ -111,34 +110,17 @@ def _log_finished(request_id: str, out: RequestOutput) -> None:
                 (timings and timings.end_to_end_s) or 0.0)
 
 
-def caller_key(context: grpc.aio.ServicerContext) -> bytes:
-    """Who is calling, as far as Abort cares: a digest of the credentials presented (the API key), so
-    a request can be aborted only with the key that created it (every caller is the same without)."""
-    value = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
-    return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
-
-
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    """A running request as Abort sees it: whose it is and how many samples it has in the engine."""
-
-    owner: bytes
-    n: int
-
-
 class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
     def __init__(self, engine, config: EngineConfig, processor: Callable[[], InputProcessor | None],
-                 draining: Callable[[], bool], media: MediaService) -> None:
+                 draining: Callable[[], bool], media: MediaService, in_flight: InFlightRequests) -> None:
         self._engine = engine
         self._config = config
         self._processor = processor
         self._draining = draining
         self._media = media
-        self._in_flight: dict[str, _InFlight] = {}
-        self._aborted_early: set[str] = set()  # aborted while still decoding, before the engine had them
-        self._preprocessing: dict[str, asyncio.Task] = {}  # decoding media: Abort cancels the task
+        self._in_flight = in_flight   # shared with the VllmEngine door: one id namespace
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -151,19 +133,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if processor is None:
                 raise EngineUnavailableError("the model is still loading; retry shortly")
             await check_response_format(validated.sampling.response_format, processor, self._config)   # off the loop
-            if request_id in self._in_flight:
-                raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
-            media = self._media.lease(validated.messages)  # held until the request ends
+            self._in_flight.add(request_id, caller_key(context), validated.sampling.n)
         except MMServeError as e:
             await abort_with(context, e, request_id)
-        self._in_flight[request_id] = _InFlight(caller_key(context), validated.sampling.n)
+        try:
+            media = self._media.lease(validated.messages)  # held until the request ends
+        except MMServeError as e:
+            self._in_flight.remove(request_id)
+            await abort_with(context, e, request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)  # this request's log lines carry its ids
         final: RequestOutput | None = None
         error: Exception | None = None
         try:
-            engine_request = await self._preprocess(request_id, processor.process(
+            engine_request = await self._in_flight.preprocess(request_id, processor.process(
                 request_id, media.messages, validated.sampling, priority=validated.priority,
                 trace_context=trace_context))
             text = _token_texts(processor.tokenizer)
@@ -184,8 +168,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await abort_with(context, e, request_id)
         finally:
             media.release()
-            self._in_flight.pop(request_id, None)
-            self._aborted_early.discard(request_id)
+            self._in_flight.remove(request_id)
             if final is None and error is None:
                 # Client cancel, deadline or server stop: the task is torn down mid-stream. The
                 # engine's generator would abort too, but only when garbage-collected; do it now.
@@ -200,34 +183,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # refused request's media (decode_video's frames hold the bytes) until a full collection.
             error = None
 
-    async def _preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
-        """Run input processing as a task Abort can cancel, which stops its decodes at once."""
-        task = self._preprocessing[request_id] = asyncio.ensure_future(processing)
-        try:
-            engine_request = await task
-        except asyncio.CancelledError:
-            if request_id in self._aborted_early and not asyncio.current_task().cancelling():
-                raise RequestAbortedError(f"request {request_id} was aborted") from None
-            raise
-        finally:
-            del self._preprocessing[request_id]
-        if request_id in self._aborted_early:
-            raise RequestAbortedError(f"request {request_id} was aborted")
-        return engine_request
-
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort the caller's own request with exactly this id (another key's request is not found)."""
-        rid = request.request_id
-        running = self._in_flight.get(rid)
-        if running is None or running.owner != caller_key(context):
-            return pb.AbortResponse(found=False)
-        # every sample of an n > 1 request (sample 0 may have ended while the others run)
-        if any([self._engine.abort(sample_id(rid, i)) for i in range(running.n)]):
-            return pb.AbortResponse(found=True)
-        self._aborted_early.add(rid)   # still decoding its media: stop it before the engine has it
-        if (task := self._preprocessing.get(rid)) is not None:
-            task.cancel()
-        return pb.AbortResponse(found=True)
+        return pb.AbortResponse(found=self._in_flight.abort(request.request_id, caller_key(context)))
 
     async def UploadMedia(self, request_iterator: AsyncIterator[pb.UploadMediaRequest],
                           context: grpc.aio.ServicerContext) -> pb.MediaRef:

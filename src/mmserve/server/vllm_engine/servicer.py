@@ -9,7 +9,6 @@ the other door; errors leave through `server/status.py`, so a cause gets the sam
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,13 +20,14 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import InputProcessor
-from mmserve.engine.parallel_sampling import generate_samples, sample_id
+from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt, media_anchors
 from mmserve.engine.types import EngineRequest, RequestOutput
-from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError, RequestAbortedError
+from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
+from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.status import abort_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, kv_events, outputs
@@ -48,7 +48,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
     def __init__(self, engine, engine_config: EngineConfig, server_config: ServerConfig,
-                 processor: Callable[[], InputProcessor | None], draining: Callable[[], bool]) -> None:
+                 processor: Callable[[], InputProcessor | None], draining: Callable[[], bool],
+                 in_flight: InFlightRequests) -> None:
         self._engine = engine
         self._config = engine_config
         self._server_config = server_config
@@ -56,9 +57,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._draining = draining
         self._defaults = CheckpointDefaults.from_checkpoint(engine_config.model)
         self._tokenizer = TokenizerArchive(engine_config.model)
-        self._in_flight: set[str] = set()
-        self._aborted_early: set[str] = set()
-        self._preprocessing: dict[str, asyncio.Task] = {}
+        self._in_flight = in_flight   # shared with mmserve.v1: one id namespace, Abort by owner
         self._started = time.monotonic()
         self._last_request = 0.0
 
@@ -82,11 +81,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             sampling = map_sampling(request.sampling_params, self._config, self._defaults,
                                     processor.spec.eos_token_ids)
             await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
-            if request_id in self._in_flight:
-                raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
+            self._in_flight.add(request_id, caller_key(context), sampling.params.n)
         except MMServeError as e:
             await abort_with(context, e, request_id)
-        self._in_flight.add(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)
@@ -104,7 +101,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 processing = processor.process_tokens(
                     request_id, token_ids, media, params, where=MEDIA_WHERE,
                     max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
-            engine_request = await self._preprocess(request_id, processing)
+            engine_request = await self._in_flight.preprocess(request_id, processing)
             prompt = engine_request.prompt_token_ids
             engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec)
             collected: dict[int, tuple[list[int], list]] = {}
@@ -126,44 +123,19 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             error = e
             await abort_with(context, e, request_id)
         finally:
-            self._in_flight.discard(request_id)
-            self._aborted_early.discard(request_id)
             finished = len(ends) == params.n
             if not finished and error is None:
                 logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
-                self._abort(request_id)
+                self._in_flight.abort(request_id, owner=None)
+            self._in_flight.remove(request_id)
             if finished:
                 _describe(span, params, ends)
             end_request_span(span, error=error, cancelled=not finished and error is None)
             unbind_request(log_ids)
 
-    async def _preprocess(self, request_id: str, processing) -> EngineRequest:
-        """Input processing as a task Abort can cancel (its decodes stop at once)."""
-        task = self._preprocessing[request_id] = asyncio.ensure_future(processing)
-        try:
-            engine_request = await task
-        except asyncio.CancelledError:
-            if request_id in self._aborted_early and not asyncio.current_task().cancelling():
-                raise RequestAbortedError(f"request {request_id} was aborted") from None
-            raise
-        finally:
-            del self._preprocessing[request_id]
-        if request_id in self._aborted_early:
-            raise RequestAbortedError(f"request {request_id} was aborted")
-        return engine_request
-
-    def _abort(self, request_id: str) -> bool:
-        """Every sample of the request (sample 0 may have ended while others run), or its media decode."""
-        found = any([self._engine.abort(sample_id(request_id, i)) for i in range(self._config.max_n)])
-        if not found and request_id in self._in_flight:
-            self._aborted_early.add(request_id)
-            if (task := self._preprocessing.get(request_id)) is not None:
-                task.cancel()
-            found = True
-        return found
-
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
-        found = [rid for rid in request.request_ids if self._abort(rid)]
+        owner = caller_key(context)   # the caller's own requests only, as through mmserve.v1
+        found = [rid for rid in request.request_ids if self._in_flight.abort(rid, owner)]
         if found:
             logger.info("aborted %s at the gateway's request", ", ".join(found))
         return vpb.AbortResponse()
