@@ -173,7 +173,9 @@ async def _health_latencies(ch, until: asyncio.Future) -> list[float]:
 def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
     """The probe: a many-property schema that takes about a second to compile (on each side of the
     engine process). While it compiles, health answers and bystanders stream their idle output with
-    their idle TTFT (2x, plus 50 ms for this shared machine's scheduling noise)."""
+    their idle TTFT: 2x, plus 250 ms because on 2 cores the compile itself takes one of them (a full
+    suite run saw 150 ms against 17 ms idle). A stall, the old behaviour, costs the compile's whole
+    duration (0.75 s on main), which the bound stays below."""
     spec = flat_schema(800)
 
     async def scenario():
@@ -197,7 +199,9 @@ def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
         assert result.code is None and result.token_ids == idle_tokens[k % 3], result
     idle_ttft = statistics.median(t for _, t in idle)
     during_ttft = statistics.median(t for _, t in during)
-    assert during_ttft <= 2 * idle_ttft + 0.05, (during_ttft, idle_ttft, slow_s)
+    bound = 2 * idle_ttft + 0.25
+    assert bound < slow_s, f"the compile ({slow_s:.2f}s) is too short for the bound ({bound:.2f}s) to show a stall"
+    assert during_ttft <= bound, (during_ttft, idle_ttft, slow_s)
     assert len(health) >= 3 and max(health) < slow_s / 4, (health, slow_s)
     server.assert_nothing_leaked()
 
