@@ -12,7 +12,8 @@ fresh mapping (page faults) per large buffer, small beside decoding the pixels t
 Some of a finished request's memory is only freed by the cyclic garbage collector (reference
 cycles through grpc's handler lookup, or an error's traceback and the frames it holds), and a full
 collection runs rarely: RSS then climbed ~15 MB per 720p request until one ran. Collecting before
-each media request bounds that, and is cheap once the objects that live for the whole process
+a media request that finds no other decoding (engine/input_processor.py: amid a burst it cost
+throughput) bounds that, and is cheap once the objects that live for the whole process
 (torch, the model's modules, grpc) are frozen after warm-up: a collection then visits only what
 was made since (0.5 ms instead of ~400 ms).
 """
