@@ -9,35 +9,18 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import PreTrainedTokenizerFast
+from prompt_cases import demo_prompt_parts, random_media
 
-from mmserve.config import DEMO_MODEL_DIR
 from mmserve.engine.routing_prompt import gateway_routing_prompt, media_anchors
-from mmserve.model.messages import ImagePart, VideoPart
+from mmserve.model.messages import ImagePart
 from mmserve.model.prompt import expand_anchors
-from mmserve.model.spec import load_spec
-from mmserve.model.tokenizer import load_tokenizer
 
 WORDS = ["what", "is", "this", "clip?", "Describe", "the", "red", "circle", "12", "x9", "!", "moves", "up,"]
 
 
 @pytest.fixture(scope="module")
 def parts():
-    template = (DEMO_MODEL_DIR / "chat_template.jinja").read_text()
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_MODEL_DIR / "tokenizer.json"), bos_token="<bos>",
-                                 chat_template=template)
-    return hf, load_tokenizer(DEMO_MODEL_DIR), load_spec(DEMO_MODEL_DIR)
-
-
-def media(rng: random.Random, kind: str, spec):
-    width = 3 * spec.patch_size ** 2
-    if kind == "image":
-        n = rng.randint(1, 6)
-        return ImagePart(torch.rand(n * 4, width), torch.zeros(n * 4, 2), n)
-    frames = rng.randint(1, 4)
-    return VideoPart(torch.rand(frames, 24, width), torch.zeros(frames, 24, 2),
-                     [rng.randint(1, 5) for _ in range(frames)], sorted(rng.uniform(0, 130) for _ in range(frames)))
+    return demo_prompt_parts()
 
 
 def gateway_prompt(parts, rng: random.Random, kinds: list[str]):
@@ -48,7 +31,7 @@ def gateway_prompt(parts, rng: random.Random, kinds: list[str]):
             content.append({"type": "text", "text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))})
         else:
             content.append({"type": kind})
-            items.append(media(rng, kind, spec))
+            items.append(random_media(rng, kind, spec))
     rendered = hf.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                       tokenize=True)
     ids = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)

@@ -9,35 +9,17 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import PreTrainedTokenizerFast
+from prompt_cases import demo_prompt_parts, random_media
 
-from mmserve.config import DEMO_MODEL_DIR
-from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
+from mmserve.model.messages import ChatMessage, TextPart
 from mmserve.model.prompt import build_prompt, expand_anchors
-from mmserve.model.spec import load_spec
-from mmserve.model.tokenizer import load_tokenizer
 
 WORDS = ["what", "is", "this", "video?", "Describe", "the", "red", "circle", "12", "x9", "!", "moves", "up,"]
 
 
 @pytest.fixture(scope="module")
 def parts():
-    template = (DEMO_MODEL_DIR / "chat_template.jinja").read_text()
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(DEMO_MODEL_DIR / "tokenizer.json"), bos_token="<bos>",
-                                 chat_template=template)
-    return hf, load_tokenizer(DEMO_MODEL_DIR), load_spec(DEMO_MODEL_DIR)
-
-
-def _media(rng: random.Random, kind: str, spec):
-    width = 3 * spec.patch_size ** 2
-    if kind == "image":
-        n = rng.randint(1, 6)
-        return ImagePart(torch.rand(n * 4, width), torch.zeros(n * 4, 2), n)
-    frames = rng.randint(1, 4)
-    tokens = [rng.randint(1, 5) for _ in range(frames)]
-    times = sorted(rng.uniform(0, 130) for _ in range(frames))
-    return VideoPart(torch.rand(frames, 24, width), torch.zeros(frames, 24, 2), tokens, times)
+    return demo_prompt_parts()
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -54,7 +36,7 @@ def test_expanded_gateway_prompt_equals_our_layout(parts, seed):
                 content.append({"type": "text", "text": text})
                 ours_parts.append(TextPart(text))
             else:
-                part = _media(rng, kind, spec)
+                part = random_media(rng, kind, spec)
                 content.append({"type": kind})
                 ours_parts.append(part)
                 media.append(part)
@@ -71,7 +53,7 @@ def test_expanded_gateway_prompt_equals_our_layout(parts, seed):
 
 def test_anchor_count_or_kind_mismatch_is_refused(parts):
     _, tokenizer, spec = parts
-    image = _media(random.Random(0), "image", spec)
+    image = random_media(random.Random(0), "image", spec)
     with pytest.raises(ValueError, match="anchors"):
         expand_anchors(tokenizer, spec, [2, spec.image_token_id, spec.image_token_id], [image])
     with pytest.raises(ValueError, match="does not match"):

@@ -15,6 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rel_engine import read_stream, text_request
 from rel_process import ServeProcess
+from rel_server import stream_status
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
@@ -86,15 +87,6 @@ async def status_of(call) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.OK, ""
 
 
-async def stream_code(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        async for _ in call:
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code(), e.details() or ""
-    return grpc.StatusCode.OK, ""
-
-
 def greedy(request_id: str, max_tokens: int) -> pb.GenerateRequest:
     request = text_request(request_id, max_tokens)
     request.sampling.temperature = 0.0
@@ -148,7 +140,7 @@ def test_the_gateway_door_shares_ids_and_abort_ownership_with_mmserve_v1(server)
         twin = door.Generate(vpb.GenerateRequest(
             request_id="shared-id", tokenized=vpb.TokenizedInput(input_ids=[2, 10, 11]),
             sampling_params=vpb.SamplingParams(temperature=0, max_tokens=4)), metadata=bearer(other_key))
-        code, details = await stream_code(twin)
+        code, details = await stream_status(twin)
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in details, (code, details)
         rest = await read_stream(victim)
         assert rest.code is None and rest.final.usage.completion_tokens == 80, rest
@@ -199,12 +191,12 @@ def test_undecodable_messages_get_invalid_argument_and_a_rate_limited_log_line(s
         upload = ch.stream_unary(UPLOAD)
         before = len(server.lines)
         for _ in range(20):
-            for code, message in [await stream_code(generate(UNDECODABLE, metadata=bearer(key))),
+            for code, message in [await stream_status(generate(UNDECODABLE, metadata=bearer(key))),
                                   await status_of(info(UNDECODABLE, metadata=bearer(key))),
                                   await status_of(abort(UNDECODABLE, metadata=bearer(key))),
                                   await status_of(upload(iter([UNDECODABLE]), metadata=bearer(key)))]:
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a valid protobuf message" in message, message
-        code, message = await stream_code(generate(UNDECODABLE))
+        code, message = await stream_status(generate(UNDECODABLE))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "missing API key" in message
         return server.lines[before:]
 
@@ -225,8 +217,8 @@ def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
         stub = pb_grpc.GenerationStub(ch)
         idle = await read_stream(stub.Generate(greedy("idle", 60), metadata=bearer(KEYS[0])))
         bystander = asyncio.ensure_future(read_stream(stub.Generate(greedy("bystander", 60), metadata=bearer(KEYS[0]))))
-        results = await asyncio.gather(*[stream_code(generate(raw)) for raw in [under, over] * 4],
-                                       *[stream_code(generate(over, metadata=bearer(KEYS[1]))) for _ in range(4)])
+        results = await asyncio.gather(*[stream_status(generate(raw)) for raw in [under, over] * 4],
+                                       *[stream_status(generate(over, metadata=bearer(KEYS[1]))) for _ in range(4)])
         return results, idle, await bystander
 
     baseline = peak_rss(server.proc.pid)
@@ -273,13 +265,13 @@ def test_bytes_in_flight_are_bounded_across_calls(server):
         generate = ch.unary_stream(GENERATE, response_deserializer=pb.GenerateResponse.FromString)
         first, second = generate(held("hold-1"), metadata=bearer(KEYS[0])), generate(held("hold-2"), metadata=bearer(KEYS[0]))
         assert (await first.read()).delta.token_ids and (await second.read()).delta.token_ids
-        code, message = await stream_code(generate(held("hold-3"), metadata=bearer(KEYS[1])))
+        code, message = await stream_status(generate(held("hold-3"), metadata=bearer(KEYS[1])))
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-inflight-message-bytes" in message, message
         first.cancel()
         second.cancel()
         deadline = asyncio.get_running_loop().time() + 30
         while True:   # the budget is given back when the calls end
-            code, message = await stream_code(generate(padded(text_request("after", 2), 10 * 2**20),
+            code, message = await stream_status(generate(padded(text_request("after", 2), 10 * 2**20),
                                                        metadata=bearer(KEYS[1])))
             if code == grpc.StatusCode.OK:
                 return

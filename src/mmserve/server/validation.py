@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mmserve.api import pb
@@ -246,13 +247,18 @@ def _check_extras(sampling: pb.SamplingParams, max_tokens: int) -> None:
             raise InvalidInputError("sampling.repetition_penalty", f"must be in (0, 10] (1 = off), got {rp}")
     if not 0 <= sampling.min_tokens <= max_tokens:
         raise InvalidInputError("sampling.min_tokens", f"must be in 0..max_tokens ({max_tokens}), got {sampling.min_tokens}")
-    if len(sampling.logit_bias) > MAX_LOGIT_BIAS:
-        raise InvalidInputError("sampling.logit_bias", f"{len(sampling.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
-    for token, bias in sampling.logit_bias.items():
+    check_logit_bias(sampling.logit_bias, "sampling.logit_bias")
+
+
+def check_logit_bias(logit_bias: Mapping[int, float], field: str) -> None:
+    """At most MAX_LOGIT_BIAS entries, token ids >= 0, finite biases within MAX_BIAS (both front doors)."""
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidInputError(field, f"{len(logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
+    for token, bias in logit_bias.items():
         if token < 0:
-            raise InvalidInputError(f"sampling.logit_bias[{token}]", "token ids are >= 0")
+            raise InvalidInputError(f"{field}[{token}]", "token ids are >= 0")
         if not (math.isfinite(bias) and abs(bias) <= MAX_BIAS):
-            raise InvalidInputError(f"sampling.logit_bias[{token}]", f"bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+            raise InvalidInputError(f"{field}[{token}]", f"bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
 
 
 def _response_format(sampling: pb.SamplingParams, config: EngineConfig) -> ResponseFormat | None:

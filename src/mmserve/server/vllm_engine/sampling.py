@@ -18,14 +18,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.config import EngineConfig
 from mmserve.engine.sampling_params import (
-    MAX_BIAS,
-    MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,
     ResponseFormat,
     SamplingParams,
 )
 from mmserve.errors import InvalidInputError
-from mmserve.server.validation import MAX_STOP_STRING_CHARS, nesting_depth
+from mmserve.server.validation import MAX_STOP_STRING_CHARS, check_logit_bias, nesting_depth
 
 WHERE = "sampling_params"
 
@@ -147,13 +145,7 @@ def _logprobs(p: vpb.SamplingParams) -> tuple[bool, int, bool]:
 
 
 def _logit_bias(p: vpb.SamplingParams) -> tuple[tuple[int, float], ...]:
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise _refuse("logit_bias", f"{len(p.logit_bias)} entries, at most {MAX_LOGIT_BIAS}")
-    for token, bias in p.logit_bias.items():
-        if token < 0:
-            raise _refuse(f"logit_bias[{token}]", "token ids are >= 0")
-        if not (math.isfinite(bias) and abs(bias) <= MAX_BIAS):
-            raise _refuse(f"logit_bias[{token}]", f"bias must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+    check_logit_bias(p.logit_bias, f"{WHERE}.logit_bias")
     return tuple(p.logit_bias.items())
 
 

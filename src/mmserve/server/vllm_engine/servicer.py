@@ -67,6 +67,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             raise EngineUnavailableError(LOADING)
         return processor
 
+    async def _ready_or_abort(self, context: grpc.aio.ServicerContext) -> InputProcessor:
+        """The processor, or the call ends UNAVAILABLE while the model loads."""
+        try:
+            return self._ready()
+        except MMServeError as e:
+            await abort_with(context, e)
+
     async def Generate(self, request: vpb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[vpb.GenerateResponse]:
         self._last_request = time.time()
@@ -152,18 +159,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def GetModelInfo(self, request: vpb.GetModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> vpb.GetModelInfoResponse:
-        try:
-            processor = self._ready()
-        except MMServeError as e:
-            await abort_with(context, e)
+        processor = await self._ready_or_abort(context)
         return info.model_info(self._engine.model_info, processor.spec, self._defaults)
 
     async def GetServerInfo(self, request: vpb.GetServerInfoRequest,
                             context: grpc.aio.ServicerContext) -> vpb.GetServerInfoResponse:
-        try:
-            processor = self._ready()
-        except MMServeError as e:
-            await abort_with(context, e)
+        processor = await self._ready_or_abort(context)
         return info.server_info(self._config, self._server_config, self._engine.model_info, processor.spec,
                                 active=len(self._in_flight), draining=self._draining(), started=self._started,
                                 last_request=self._last_request)
