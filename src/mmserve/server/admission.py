@@ -18,6 +18,7 @@ Authentication runs before any of this (server/auth.py refuses without reading t
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -167,8 +168,9 @@ class MessageAdmission(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
             async def stream(request, context):
                 try:
-                    async for item in behavior(await admit(request, context), context):
-                        yield item
+                    async with contextlib.aclosing(behavior(await admit(request, context), context)) as items:
+                        async for item in items:
+                            yield item
                 finally:
                     if isinstance(request, _Held):
                         self.inflight.give(request.size)
@@ -194,8 +196,9 @@ class MessageAdmission(grpc.aio.ServerInterceptor):
 
         if inspect.isasyncgenfunction(behavior):
             async def stream(requests, context):
-                async for item in behavior(checked(requests, context), context):
-                    yield item
+                async with contextlib.aclosing(behavior(checked(requests, context), context)) as items:
+                    async for item in items:
+                        yield item
             return stream
 
         async def call(requests, context):

@@ -32,6 +32,7 @@ from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objec
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain
+from mmserve.server.handlers import ClosingStreamsInterceptor
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.in_flight import InFlightRequests
 from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
@@ -85,6 +86,7 @@ class MMServer:
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
                                  enable_prefix_caching=engine_config.enable_prefix_caching)
+        chain.insert(0, ClosingStreamsInterceptor())   # outermost: a stream ends with its call (handlers.py)
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
                                             thread_name_prefix="mmserve-input")

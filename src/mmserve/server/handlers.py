@@ -6,6 +6,7 @@ handler. These helpers build one of the same kind (unary/streaming) around the o
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -50,8 +51,9 @@ def around(behavior: Callable, before: Callable[[Any, grpc.aio.ServicerContext],
         async def stream(request, context):
             await before(request, context)
             try:
-                async for item in behavior(request, context):
-                    yield item
+                async with contextlib.aclosing(behavior(request, context)) as items:
+                    async for item in items:
+                        yield item
             finally:
                 if after is not None:
                     after()
@@ -65,3 +67,30 @@ def around(behavior: Callable, before: Callable[[Any, grpc.aio.ServicerContext],
             if after is not None:
                 after()
     return call
+
+
+def written_stream(behavior: Callable) -> Callable:
+    """An async-generator handler as a coroutine that writes each item itself.
+
+    grpc.aio drives a generator handler with `async for ...: await write(item)`; when the call ends
+    during that write (client cancel, deadline), the generator stays suspended at its `yield` and its
+    `finally` (aborting the engine request, releasing its media) runs only once the garbage collector
+    finds it, which a reference cycle can delay indefinitely. Driving it here closes it at once.
+    """
+    async def write_all(request, context):
+        async with contextlib.aclosing(behavior(request, context)) as items:
+            async for item in items:
+                await context.write(item)
+    return write_all
+
+
+class ClosingStreamsInterceptor(grpc.aio.ServerInterceptor):
+    """First in the chain: every response-streaming handler runs as `written_stream`, so the
+    wrappers inside (each closing what it wraps) and the servicer end with the call."""
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not handler.response_streaming:
+            return handler
+        return replace_behavior(handler, lambda behavior: written_stream(behavior)
+                                if inspect.isasyncgenfunction(behavior) else behavior)

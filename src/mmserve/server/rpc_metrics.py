@@ -9,6 +9,7 @@ with, CANCELLED when the client went away, UNKNOWN for an escaped exception, els
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import Callable
 
@@ -18,7 +19,7 @@ from mmserve.server.handlers import replace_behavior
 
 
 def _code(context: grpc.aio.ServicerContext, error: BaseException | None) -> str:
-    if isinstance(error, asyncio.CancelledError):
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):   # closed mid-stream: the call went away
         return grpc.StatusCode.CANCELLED.name
     code = context.code()
     if isinstance(code, grpc.StatusCode):
@@ -47,8 +48,9 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
             async def stream(request, context):
                 error = None
                 try:
-                    async for item in behavior(request, context):
-                        yield item
+                    async with contextlib.aclosing(behavior(request, context)) as items:
+                        async for item in items:
+                            yield item
                 except BaseException as e:
                     error = e
                     raise
