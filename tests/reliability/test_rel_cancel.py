@@ -57,9 +57,17 @@ def test_abort_rpc_stops_within_one_step(rel_server):
     rel_server.assert_nothing_leaked()
 
 
-def test_client_cancel_and_deadline_stop_the_engine_request(rel_server, make_video):
+def test_client_cancel_and_deadline_stop_the_engine_request(rel_server, make_video, monkeypatch):
     video = make_video(seed=3, num_frames=6)
     cancelled, expired = f"cancel-{uuid.uuid4().hex[:8]}", f"deadline-{uuid.uuid4().hex[:8]}"
+    aborted_at: dict[str, float] = {}   # when the server handed each abort to the engine
+    engine_abort = rel_server.engine.abort
+
+    def recording_abort(request_id: str) -> bool:
+        aborted_at.setdefault(request_id, time.perf_counter())
+        return engine_abort(request_id)
+
+    monkeypatch.setattr(rel_server.engine, "abort", recording_abort)   # still the real abort, timed
 
     async def scenario():
         async with grpc.aio.insecure_channel(rel_server.address) as ch:
@@ -67,22 +75,21 @@ def test_client_cancel_and_deadline_stop_the_engine_request(rel_server, make_vid
             call = stub.Generate(_long_request(cancelled, video))
             await _first_tokens(call)
             call.cancel()
-            cancelled_at = time.perf_counter()
             started = time.monotonic()
             result = await read_stream(stub.Generate(_long_request(expired, video), timeout=0.5))
             assert result.code == grpc.StatusCode.DEADLINE_EXCEEDED and result.final is None
             assert time.monotonic() - started < 5
-            return cancelled_at, time.perf_counter()
 
-    cancelled_at, expired_at = asyncio.run(scenario())
+    asyncio.run(scenario())
     rel_server.wait_quiet()
     observer = rel_server.observer
     ends = {rid: (reason, error) for rid, reason, error in observer.finished}
     for rid in (cancelled, expired):
         reason, error = ends[rid]
         assert reason is None and error is not None, f"{rid} finished normally instead of being aborted"
-    # One step may be running when the cancel lands, one more may start before the server's
-    # handler learns of it over the loopback connection; never a stream of further steps.
-    assert steps_with(observer, cancelled, cancelled_at) <= 2
-    assert steps_with(observer, expired, expired_at) <= 2
+        # The server's handler learns of the cancel over the loopback connection, however long its
+        # loop takes (CI's loaded cores: 25 steps once); from then on the step already running may
+        # finish with it, no later one.
+        assert rid in aborted_at, f"the server never aborted {rid} in the engine"
+        assert steps_with(observer, rid, aborted_at[rid]) <= 1
     rel_server.assert_nothing_leaked()
