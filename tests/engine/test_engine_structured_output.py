@@ -145,16 +145,20 @@ def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
     llm.add_request(bystander)
     got = list(llm.step()[0][1].new_token_ids)
     llm.add_request(slow)                       # returns at once: the compile is the worker's
-    while_compiling = 0
+    while_compiling, slow_tokens = 0, []
     while len(got) < len(alone):
         compiling = compiler.compiles == 0
         for rid, item in llm.step():
             assert rid == "bystander" or not compiling
-            got += item.new_token_ids if rid == "bystander" else []
+            assert not isinstance(item, BaseException), f"{rid}: {item}"
+            if rid == "bystander":
+                got += item.new_token_ids
+            else:   # on a loaded machine the compile may end, and the slow one run, before the bystander does
+                slow_tokens += item.new_token_ids
             while_compiling += compiling and rid == "bystander"
     assert got == alone and while_compiling >= 1
     tokens, errors, _ = _step_all(llm, [])
-    assert not errors and tokens["slow"] and compiler.compiles == 1 and not llm.core.requests
+    assert not errors and slow_tokens + tokens.get("slow", []) and compiler.compiles == 1 and not llm.core.requests
 
 
 def test_compile_time_limit_refuses_the_slow_and_skips_abandoned_work(load_backend):
