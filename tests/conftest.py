@@ -38,7 +38,10 @@ def _fa4_check_required_but_not_passed() -> bool:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Under MMSERVE_REQUIRE_FA4_CHECK=1 (CI) the FA4 compile tests must all have run and passed."""
+    """Under MMSERVE_REQUIRE_FA4_CHECK=1 (CI) the FA4 compile tests must all have run and passed.
+    Judged where every report arrives: the only process, or the controller of pytest-xdist workers."""
+    if hasattr(session.config, "workerinput"):
+        return
     if exitstatus == 0 and _fa4_check_required_but_not_passed():
         session.exitstatus = 1
 
