@@ -151,6 +151,27 @@ def test_a_long_prefill_recycles_its_own_window_instead_of_flushing_the_cache():
     assert kv.find_cached_prefix(request("b", list(range(3, 44)))).num_tokens == 40
 
 
+def test_a_new_question_about_the_same_media_finds_the_window_before_its_end_still_cached():
+    # A prompt's frame ends at 26 (its closing token at 27); another question about it shares
+    # [0, 28), and a hit of 28 needs the sliding blocks of keys 21..27 (blocks 5 and 6), which the
+    # window left behind while the first question was computed. A long unrelated prompt streaming
+    # through a small sliding pool must not evict them.
+    plans = {SLIDING: PoolPlan(SLIDING, 12, 4, 1, 8), FULL: PoolPlan(FULL, 128, 2, 1, None)}
+    kv = KVCacheManager(plans, 4, max_model_len=512)
+    frame = [(17, 26)]
+    a = request("a", list(range(3, 51)), frame, [item(5)])
+    for _ in range(6):
+        compute(kv, a, 8)
+    assert kv.block_table("a", SLIDING)[5:7] == [NULL_BLOCK] * 2   # reclaimed while a ran
+    kv.free("a")
+    c = request("c", list(range(100, 260)))
+    for _ in range(20):
+        compute(kv, c, 8)
+    kv.free("c")
+    b = request("b", list(range(3, 31)) + [99] * 20, frame, [item(5)])
+    assert kv.find_cached_prefix(b).num_tokens == 28
+
+
 def test_a_request_waits_for_the_prefix_a_running_one_is_computing():
     sched = make_scheduler(num_blocks=256, max_num_batched_tokens=24, max_num_seqs=4)
     doc = list(range(3, 63))                      # 60 shared tokens: three steps for the first request

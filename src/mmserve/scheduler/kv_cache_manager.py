@@ -251,6 +251,15 @@ class KVCacheManager:
             blocks[t] = [NULL_BLOCK] * first + list(f[first:k])
         return PrefixHit(k * bs, blocks)
 
+    def _media_end_window(self, request: Request, layer_type: str) -> range:
+        """The blocks of a windowed pool that a hit ending right after the prompt's last image/frame
+        (and its closing token) needs: where another question about the same media parts from it."""
+        ranges = request.mm_ranges_np
+        if not len(ranges):
+            return range(0)
+        k = _outside_ranges(ranges, (int(ranges[-1, 1]) + 2) // self.block_size, self.block_size)
+        return range(self._first_kept(layer_type, k * self.block_size) // self.block_size, k)
+
     def _first_kept(self, layer_type: str, pos: int) -> int:
         """Oldest key a query at `pos` (not inside a range) attends to in this pool."""
         window = self.plans[layer_type].window
@@ -362,11 +371,14 @@ class KVCacheManager:
             table = tables[t]
             a, b = table.num_reclaimed, reclaim_to[t]
             if b > a:
-                # Blocks the window left behind: a later prompt seldom ends right after them, unless
-                # they came from a hit (a shared prefix ends there), so they are evicted first.
+                # Blocks the window left behind: a later prompt seldom ends right after them, so they
+                # are evicted first; unless they came from a hit (a shared prefix ends there) or hold
+                # the window of a hit ending after the prompt's media (a new question about it).
                 hit = held.num_hit
+                keep = self._media_end_window(request, t)
                 pool.release(table.blocks[a:min(b, hit)])
-                pool.release(table.blocks[max(a, hit):b], evict_first=True)
+                for j in range(max(a, hit), b):
+                    pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
                 table.blocks[a:b] = [NULL_BLOCK] * (b - a)
                 table.num_reclaimed = b
             have = len(table.blocks)
