@@ -9,10 +9,13 @@ it tells two clips apart only by the text around them. So each conversation name
 client that knows what it uploaded does. Which replica served a request, and how many of its prompt
 tokens the prefix cache served, come from our servers' own request logs.
 
-Scaled down to run in about a minute: the demo model, 4 frames of 32 px, KV blocks of 4 tokens (the
-demo's follow-up questions are a few tokens long; with 16-token blocks the part of a hit lost to
-block alignment is as large as the question itself). The replicas are shared by both policies; the
-prefix cache is flushed (FlushCache) between them."""
+Scaled down to run in about half a minute: the demo model, 32 frames of 32 px (the issue's
+32-frame video: under round_robin a clip is computed once per replica, under cache_aware once, and
+the question after it costs the same under both, so the whole workload's ratio tends to 0.5x only as
+the clip outweighs the question), KV blocks of 4 tokens (the demo's follow-up questions are a few
+tokens long; with 16-token blocks the part of a hit lost to block alignment is as large as the
+question itself). The replicas are shared by both policies; the prefix cache is flushed
+(FlushCache) between them."""
 
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from mmserve.multimodal.synthetic import make_clip
 NAMES = ["harbour", "meadow", "kitchen", "station", "garden", "bridge", "studio", "forest"]
 QUESTIONS = ["What colour is the shape?", "Which way does it move?", "What shape is it?",
              "How many shapes are there?"]
+FRAMES = 32   # sampled per clip by the replicas (--default-num-frames): SMG's video_url carries no count
 # No warm-up share of misses for a worker SMG has just met: a test's fleet is always new.
 SMG_ARGS = ("--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0")
 FINISHED = re.compile(r"request (\S+) finished \(\w+\): (\d+) prompt tokens \(\d+ frames, (\d+) cached\)")
@@ -42,7 +46,7 @@ FINISHED = re.compile(r"request (\S+) finished \(\w+\): (\d+) prompt tokens \(\d
 
 @pytest.fixture(scope="module")
 def fleet():
-    replicas = [Replica("--block-size", "4") for _ in range(2)]
+    replicas = [Replica("--block-size", "4", "--default-num-frames", str(FRAMES)) for _ in range(2)]
     dead = DeadPort()
     try:
         deadline = time.monotonic() + 240
@@ -56,7 +60,7 @@ def fleet():
 
 
 def video_urls() -> list[str]:
-    return ["data:video/mp4;base64," + base64.b64encode(make_clip(100 + v, num_frames=4).data).decode()
+    return ["data:video/mp4;base64," + base64.b64encode(make_clip(100 + v, num_frames=FRAMES).data).decode()
             for v in range(len(NAMES))]
 
 
@@ -152,6 +156,7 @@ def test_follow_ups_go_where_their_video_is_cached(fleet):
     print(f"prompt tokens computed for the follow-ups: cache_aware {follow_aware}, round_robin {follow_robin} "
           f"({follow_aware / follow_robin:.2f}x); whole workload {computed(aware, '-v')} vs {computed(robin, '-v')}")
     assert follow_aware <= 0.6 * follow_robin
+    assert computed(aware, "-v") <= 0.6 * computed(robin, "-v")   # the first looks included
 
 
 def test_a_replica_killed_under_load_loses_no_request(fleet):
