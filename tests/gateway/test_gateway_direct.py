@@ -1,6 +1,7 @@
 """The VllmEngine door called directly (no gateway), on one in-process server.
 
-Prompt logprobs and cached tokens as the proto carries them, equal to mmserve.v1's. Router-preprocessed
+Prompt logprobs and cached tokens as the proto carries them, equal to mmserve.v1's; the frames each
+video sampled (trailing metadata), as mmserve.v1's Final.videos reports them. Router-preprocessed
 media: an image and a video sent as `mm_inputs`
 (expanded ids + patchified pixels, as a gateway's own Gemma 4 processor sends them) give the same
 prompt and greedy tokens as the same media sent by reference (`media_refs`); tensors that are not
@@ -23,6 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.clients import Client
+from mmserve.clients.messages import image_part, message, text_part, video_part
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 from mmserve.model.prompt import timestamp_text
 from mmserve.model.spec import load_spec
@@ -31,6 +33,7 @@ from mmserve.multimodal.image import decode_image
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images
 from mmserve.multimodal.video import decode_video
+from mmserve.server.vllm_engine.outputs import VIDEO_FRAMES_KEY
 
 NUM_FRAMES = 4   # the test server's --default-num-frames
 
@@ -166,6 +169,31 @@ def test_prompt_logprobs_and_cached_tokens_as_mmserve_v1(server, stub, model):
     again = _generate(stub, vpb.GenerateRequest(request_id="c2", tokenized=vpb.TokenizedInput(input_ids=ids),
                                                 sampling_params=repeat))
     assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0   # whole blocks, the last token recomputed
+
+
+def test_frames_sampled_per_video_come_back_as_through_mmserve_v1(server, stub, model, make_video):
+    """An image between two videos, one shorter than the default frame count: the trailing metadata
+    names each video by its media_refs index with the frames it sampled, as mmserve.v1 reports them."""
+    tok, spec = model
+    long, short, image = make_video(7, num_frames=12), make_video(8, num_frames=2), png(9)
+    with Client(server.address) as c:
+        ours = c.generate([message("user", video_part(long), image_part(image), video_part(short), text_part("Hm?"))],
+                          max_tokens=2, temperature=0)
+    assert [v.num_frames for v in ours.videos] == [NUM_FRAMES, 2]
+
+    def ref(modality, data: bytes, mime: str) -> vpb.MediaRef:
+        return vpb.MediaRef(modality=modality, url=f"data:{mime};base64," + base64.b64encode(data).decode())
+
+    call = stub.Generate(vpb.GenerateRequest(
+        request_id="frames", sampling_params=vpb.SamplingParams(temperature=0, max_tokens=2),
+        tokenized=vpb.TokenizedInput(input_ids=_turn(tok, [*tok.encode("user\n"), spec.video_token_id,
+                                                            spec.image_token_id, spec.video_token_id,
+                                                            *tok.encode("Hm?")])),
+        media_refs=vpb.MediaRefs(items=[ref(common_pb2.VIDEO, long, "video/mp4"), ref(common_pb2.IMAGE, image, "image/png"),
+                                        ref(common_pb2.VIDEO, short, "video/mp4")])), timeout=120)
+    (response,) = list(call)
+    assert response.complete.prompt_tokens == ours.usage.prompt_tokens
+    assert dict(call.trailing_metadata())[VIDEO_FRAMES_KEY] == f"0={NUM_FRAMES},2=2"
 
 
 def test_abort_mid_stream_frees_the_request_at_once(server, stub, model):

@@ -3,19 +3,32 @@
 Streaming: one chunk per delta (token ids, their logprobs, `completion_tokens` = the delta's count),
 then, as each sample ends, a `complete` repeating its last delta with the finish reason and usage.
 Not streaming: one `complete` per sample with all its ids and logprobs. `index` names the sample.
-The gateway detokenizes the ids itself; our text is not sent.
+The gateway detokenizes the ids itself; our text is not sent. The frames each video sampled (what
+mmserve.v1 reports in `Final.videos`) have no field in the protocol: they leave as the call's trailing
+metadata `mmserve-video-frames` (`sampled_frames`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.types import RequestOutput
+from mmserve.engine.types import RequestOutput, SampledVideo
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+VIDEO_FRAMES_KEY = "mmserve-video-frames"
+_ITEM_INDEX = re.compile(r"\[(\d+)\]$")
+
+
+def sampled_frames(videos: Sequence[SampledVideo]) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming how many frames each video sampled: `ITEM=FRAMES` per video, ITEM its
+    index in `media_refs.items` (images have none), comma-separated: `0=8,2=4`. A few bytes per
+    video, so the request's frame bound keeps it far below any metadata limit."""
+    entries = [f"{_ITEM_INDEX.search(v.part).group(1)}={len(v.timestamps_s)}" for v in videos]
+    return ((VIDEO_FRAMES_KEY, ",".join(entries)),) if entries else ()
 
 
 def output_logprobs(entries: Sequence[TokenLogprobs] | None, with_top: bool) -> vpb.OutputLogProbs | None:

@@ -109,6 +109,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     request_id, token_ids, media, params, where=MEDIA_WHERE,
                     max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
             engine_request = await self._in_flight.preprocess(request_id, processing)
+            context.set_trailing_metadata(outputs.sampled_frames(engine_request.videos))
             prompt = engine_request.prompt_token_ids
             engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec)
             collected: dict[int, tuple[list[int], list]] = {}
