@@ -7,7 +7,9 @@
 2. Routing: the shared-video workload of tests/gateway/test_gateway_routing.py (each clip described
    once, then asked follow-up questions in random order, each conversation naming its clip) through
    SMG over two replicas, under cache_aware and under round_robin: wall time, requests/s and the
-   prefix-cache hit rate (cached / prompt tokens, from the responses' usage).
+   prefix-cache hit rate (cached / prompt tokens, from the responses' usage), and the prompt tokens
+   computed (not served from the cache) under cache_aware over those under round_robin. Its two
+   replicas sample --routing-frames per clip (SMG's video_url carries no frame count).
 
 The fleet comes from tests/gateway/smg_harness.py (nothing leaves the machine: the Hub lookup points
 at a refusing loopback port, the tokenizer comes from GetTokenizer).
@@ -66,6 +68,7 @@ class Routing:
     prompt_tokens: int
     cached_tokens: int
     hit_rate: float
+    computed_tokens: int
 
 
 def clips(n: int, frames: int) -> list[bytes]:
@@ -167,7 +170,8 @@ def routing(replicas, dead: DeadPort, policy: str, videos: list[bytes], question
     finally:
         smg.stop()
     n = len(videos) * (1 + questions)
-    return Routing(policy, n, wall, n / wall, totals[0], totals[1], totals[1] / max(1, totals[0]))
+    return Routing(policy, n, wall, n / wall, totals[0], totals[1], totals[1] / max(1, totals[0]),
+                   totals[0] - totals[1])
 
 
 def table(overhead: list[Overhead], routed: list[Routing]) -> str:
@@ -178,10 +182,15 @@ def table(overhead: list[Overhead], routed: list[Routing]) -> str:
     if len(overhead) == 2:
         d, s = overhead
         lines.append(f"SMG / direct: {s.tok_s / d.tok_s:.2f}x tok/s, TTFT p50 {s.ttft_p50_ms - d.ttft_p50_ms:+.0f} ms")
-    lines += ["", f"{'policy':<14}{'requests':>9}{'wall s':>8}{'req/s':>7}{'prompt tok':>11}{'cached':>8}{'hit rate':>9}"]
+    lines += ["", f"{'policy':<14}{'requests':>9}{'wall s':>8}{'req/s':>7}{'prompt tok':>11}{'cached':>8}{'hit rate':>9}"
+              f"{'computed':>9}"]
     for r in routed:
         lines.append(f"{r.policy:<14}{r.requests:>9}{r.wall_s:>8.1f}{r.req_s:>7.2f}{r.prompt_tokens:>11}"
-                     f"{r.cached_tokens:>8}{r.hit_rate:>9.1%}")
+                     f"{r.cached_tokens:>8}{r.hit_rate:>9.1%}{r.computed_tokens:>9}")
+    if len(routed) == 2:
+        aware, robin = routed
+        lines.append(f"prompt tokens computed, cache_aware / round_robin: "
+                     f"{aware.computed_tokens / max(1, robin.computed_tokens):.2f}x")
     return "\n".join(lines)
 
 
@@ -189,7 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="seconds-long run: 2 concurrent requests, 2 clips")
     p.add_argument("--concurrency", type=int, default=16, help="video requests at once in the overhead part")
-    p.add_argument("--frames", type=int, default=4)
+    p.add_argument("--frames", type=int, default=4, help="frames per clip in the overhead part")
+    p.add_argument("--routing-frames", type=int, default=32, help="frames per clip in the routing part")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request (fixed)")
     p.add_argument("--videos", type=int, default=8, help="clips of the routing workload")
     p.add_argument("--questions", type=int, default=4, help="follow-up questions per clip")
@@ -197,30 +207,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.concurrency, args.max_tokens, args.videos, args.questions, args.frames = 2, 2, 2, 1, 2
+        args.routing_frames = 2
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dead = DeadPort()
-    replicas = [Replica("--block-size", "4") for _ in range(2)]
+    # One replica for the overhead part, two for routing, each sampling its part's frames per clip by default
+    # (what SMG's requests get); all load at once.
+    single = Replica("--block-size", "4", "--default-num-frames", str(args.frames))
+    replicas = [Replica("--block-size", "4", "--default-num-frames", str(args.routing_frames)) for _ in range(2)]
     try:
-        for r in replicas:
+        for r in (single, *replicas):
             r.wait_ready(time.monotonic() + 300)
         videos = clips(args.concurrency, args.frames)
-        flush(replicas[:1])
-        overhead = [asyncio.run(direct(replicas[0].address, videos, args.frames, args.max_tokens))]
-        flush(replicas[:1])
-        smg = Smg([replicas[0].url], policy="round_robin", hf_endpoint=dead.url, extra=SMG_ARGS)
+        flush([single])
+        overhead = [asyncio.run(direct(single.address, videos, args.frames, args.max_tokens))]
+        flush([single])
+        smg = Smg([single.url], policy="round_robin", hf_endpoint=dead.url, extra=SMG_ARGS)
         try:
             smg.wait_ready(time.monotonic() + 180, 1)
             overhead.append(through_smg(smg, videos, args.max_tokens))
         finally:
             smg.stop()
-        shared = clips(args.videos, args.frames)
+        single.stop()
+        shared = clips(args.videos, args.routing_frames)
         routed = [routing(replicas, dead, policy, shared, args.questions) for policy in ("cache_aware", "round_robin")]
     finally:
-        for r in replicas:
+        for r in (single, *replicas):
             r.stop()
         dead.close()
     out = args.out or (Path(tempfile.mkdtemp()) / "gateway.json" if args.smoke else DEFAULT_OUT)
