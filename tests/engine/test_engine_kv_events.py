@@ -1,7 +1,8 @@
 """KV events through a real AsyncEngine (tiny random Gemma 4, its core on a thread): a subscriber's
 snapshot and live batches rebuild what the published pool caches, with the tokens a router sends;
 a gateway's prompt (one anchor per video) is published in the gateway's tokens; flush clears and is
-refused while requests run; a subscriber that does not read is dropped, not buffered without bound.
+refused while requests run; a subscriber that does not read is dropped, not buffered without bound;
+with no subscriber no event is built.
 
 `RouterIndex` applies batches the way SMG's cache_aware index does (a block's position is its
 parent's + 1; a request matches block by block from position 0 on the tokens of each block)."""
@@ -126,6 +127,41 @@ def test_snapshot_and_live_batches_rebuild_the_cache(load_backend):
     run(load_backend, body)
 
 
+def test_no_event_work_without_a_subscriber(load_backend):
+    """Nobody subscribed: the core builds no events and the front end mirrors nothing, gateway views
+    included. The first subscriber still gets everything cached (the core's snapshot); once the last
+    one left and the linger ran out, both stop again."""
+    async def idle_after(engine, deadline_s: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
+        while engine.core.kv.events_on or engine.kv_events.recording:
+            assert loop.time() < end, "events did not stop after the last subscriber left"
+            await asyncio.sleep(0.01)
+
+    def quiet(engine) -> None:
+        assert not engine.kv_events.recording and not engine.core.kv.events_on
+        assert engine.kv_events.num_blocks == 0 and not engine.kv_events._views
+
+    async def body(engine):
+        engine.kv_events.linger_s = 0.05
+        video = build_request("v", [6, ("video", [8, 8, 4]), 9], seed=11, max_tokens=2)
+        video.routing_prompt = gateway_view(video, 7)
+        await complete(engine, build_request("a", [20], seed=1, max_tokens=2))
+        await complete(engine, video)
+        quiet(engine)
+        sub = engine.subscribe_kv_events()
+        index = RouterIndex()
+        index.apply(await sub.__anext__())
+        assert engine.core.kv.events_on and set(index.blocks) == published_keys(engine) != set()
+        await sub.aclose()
+        await idle_after(engine)
+        quiet(engine)
+        await complete(engine, build_request("b", [20], seed=2, max_tokens=2))
+        quiet(engine)
+
+    run(load_backend, body)
+
+
 def test_a_gateway_prompt_is_published_in_the_gateway_tokens(load_backend):
     async def body(engine):
         sub = engine.subscribe_kv_events()
@@ -201,28 +237,38 @@ def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
     from mmserve.engine.kv_events import KvEventHub
     from mmserve.scheduler.kv_events import BlockRemoved, BlockStored
 
-    hub = KvEventHub(block_size=BS, max_buffered=10**6)
-    keys = [bytes([i % 256, i // 256]) + bytes(30) for i in range(5000)]
-    hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i, i, i, i), "r") for i, k in enumerate(keys)])
-    assert hub.num_blocks == 5000
-    index = RouterIndex()
-    index.apply(hub.snapshot())
-    assert len(index.blocks) == 5000 and index.match([t for i in range(5000) for t in (i, i, i, i)]) == 5000
-    hub.apply([BlockRemoved(keys[10])])
-    assert hub.num_blocks == 10
-    index.apply(hub.snapshot())
-    assert len(index.blocks) == 10
+    hub = KvEventHub(block_size=BS, max_buffered=10**6)   # no core: this test feeds it
+
+    async def body():
+        listener = hub.subscribe()   # the hub mirrors only while someone listens
+        await listener.__anext__()
+        keys = [bytes([i % 256, i // 256]) + bytes(30) for i in range(5000)]
+        hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i, i, i, i), "r") for i, k in enumerate(keys)])
+        assert hub.num_blocks == 5000
+        index = RouterIndex()
+        index.apply(hub.snapshot())
+        assert len(index.blocks) == 5000 and index.match([t for i in range(5000) for t in (i, i, i, i)]) == 5000
+        hub.apply([BlockRemoved(keys[10])])
+        assert hub.num_blocks == 10
+        index.apply(hub.snapshot())
+        assert len(index.blocks) == 10
+        await listener.aclose()
+
+    asyncio.run(body())
 
 
 def test_a_snapshot_larger_than_the_buffer_does_not_drop_its_subscriber():
     from mmserve.engine.kv_events import KvEventHub
     from mmserve.scheduler.kv_events import BlockStored
 
-    hub = KvEventHub(block_size=BS, max_buffered=4)
+    hub = KvEventHub(block_size=BS, max_buffered=4)   # no core: this test feeds it
     keys = [bytes([i]) + bytes(31) for i in range(12)]
-    hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i,) * BS, "r") for i, k in enumerate(keys[:10])])
 
     async def body():
+        first = hub.subscribe()   # it has read everything, so it takes the 10 blocks in one batch
+        await first.__anext__()
+        hub.apply([BlockStored(k, keys[i - 1] if i else None, i, (i,) * BS, "r") for i, k in enumerate(keys[:10])])
+        await first.aclose()
         sub = hub.subscribe()
         assert len((await sub.__anext__()).ops) == 11   # a clear + 10 blocks, more than the buffer holds
         hub.apply([BlockStored(keys[10], keys[9], 10, (10,) * BS, "r")])

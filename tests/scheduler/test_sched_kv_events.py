@@ -1,7 +1,8 @@
 """The prefix cache's published events, without a model: replaying them must rebuild exactly the
 keys the published (full-attention) pool holds, every stored block must chain on a block already
 published and carry the tokens its key was computed from, and a flush is refused while requests
-hold blocks."""
+hold blocks. None is built while events are off; switching them on starts with a snapshot of the
+whole cache, which replays to the same keys."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from sched_helpers import FULL, make_request, make_scheduler, run_to_completion, step
 
 from mmserve.scheduler.block_hash import ROOT_KEY
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared
+from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
 
 
 class Replay:
@@ -33,7 +34,7 @@ class Replay:
             elif isinstance(e, BlockRemoved):
                 del self.keys[e.key]
                 self.removed += 1
-            elif isinstance(e, CacheCleared):
+            elif isinstance(e, CacheCleared | EventsStarted):
                 self.keys.clear()
 
 
@@ -52,6 +53,7 @@ def test_events_replay_to_the_published_pool_under_eviction_and_flush():
     rng = random.Random(7)
     sched = make_scheduler(num_blocks=40, block_size=4)   # small: shared prefixes get evicted
     assert sched.kv.published_pool == FULL
+    sched.kv.set_events(True)
     replay = Replay()
     n = 0
     for _ in range(12):
@@ -71,6 +73,8 @@ def test_events_replay_to_the_published_pool_under_eviction_and_flush():
 
 def test_flush_is_refused_while_a_request_holds_blocks():
     sched = make_scheduler(num_blocks=64, block_size=4)
+    sched.kv.set_events(True)
+    assert sched.kv.take_events() == [EventsStarted()]   # nothing cached yet
     sched.add_request(make_request("a", 20, max_tokens=8))
     step(sched)
     assert sched.kv.take_events(), "a computed prompt block publishes a key"
@@ -80,3 +84,39 @@ def test_flush_is_refused_while_a_request_holds_blocks():
     assert sched.kv.take_events()[-1] == CacheCleared()
     sched.add_request(make_request("b", 20, max_tokens=1))   # same prompt: computed again, nothing reused
     assert step(sched).scheduled[0].num_computed_tokens == 0
+
+
+def test_no_event_is_built_while_off_and_switching_on_snapshots_the_whole_cache():
+    rng = random.Random(11)
+    sched = make_scheduler(num_blocks=40, block_size=4)
+    built = []
+    n = 0
+
+    def load(rounds: int) -> None:
+        nonlocal n
+        for _ in range(rounds):
+            for _ in range(rng.randint(1, 4)):
+                sched.add_request(make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
+                                               max_tokens=rng.randint(1, 9)))
+                n += 1
+            run_to_completion(sched, on_step=lambda out: built.extend(sched.kv.take_events()))
+
+    load(8)   # stores, evictions and a flush, with nobody listening
+    assert sched.kv.flush()
+    load(4)
+    assert built == [] and sched.kv.take_events() == [] and _published_keys(sched)
+    for _ in range(2):   # on, and on again (a resync): each time a snapshot of everything cached
+        sched.kv.set_events(True)
+        events = sched.kv.take_events()
+        assert events[0] == EventsStarted() and all(isinstance(e, BlockStored) for e in events[1:])
+        replay = Replay()
+        replay.apply(events)
+        assert set(replay.keys) == _published_keys(sched)
+    load(4)   # live events go on from the snapshot
+    replay.apply(built)
+    replay.apply(sched.kv.take_events())
+    assert set(replay.keys) == _published_keys(sched)
+    sched.kv.set_events(False)
+    built.clear()
+    load(3)
+    assert built == [] and sched.kv.take_events() == []

@@ -66,7 +66,8 @@ class AsyncEngine:
         self.processor: OutputProcessor | None = None
         self.ready: EngineReady | None = None
         self._streams: dict[str, RequestStream] = {}
-        self.kv_events = KvEventHub(config.block_size, config.kv_events_buffer)
+        self.kv_events = KvEventHub(config.block_size, config.kv_events_buffer,
+                                    switch=lambda on: self.client.utility("set_kv_events", on))
         self._load: LoadInfo | None = None
         self._dead: asyncio.Event | None = None
         self.dead_error: EngineDeadError | None = None

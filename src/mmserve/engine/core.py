@@ -191,6 +191,12 @@ class EngineCore:
                                    if pool.num_free != pool.num_usable or any(pool.ref_cnt)},
                 "encoder_cache_over_bytes": max(0, cache.num_bytes - cache.max_bytes)}
 
+    def set_kv_events(self, on: bool) -> bool:
+        """Build the prefix cache's key-change events (a router subscribed) or stop; switching on
+        starts them with a snapshot of the cache (scheduler/kv_events.py)."""
+        self.kv.set_events(on)
+        return on
+
     def flush_prefix_cache(self) -> bool:
         """Drop every cached prefix (the next request computes everything); False while requests are
         in flight, whose blocks cannot be dropped under them."""

@@ -36,7 +36,7 @@ from mmserve.errors import EngineInternalError, EngineUnavailableError, MMServeE
 
 logger = logging.getLogger(__name__)
 
-UTILITIES = frozenset({"held_resources", "flush_prefix_cache"})   # core methods the front end may call by name
+UTILITIES = frozenset({"held_resources", "flush_prefix_cache", "set_kv_events"})   # core methods the front end may call by name
 IDLE_POLL_MS = 500    # how long an idle core sleeps between liveness checks of its parent
 BLOCKED_POLL_MS = 1   # requests in flight but nothing schedulable: do not busy-loop
 LINGER_MS = 4000      # let the last outputs (or the death message) reach the front end on exit

@@ -21,6 +21,13 @@ with what we generate (one for one on both sides), so a follow-up turn that repe
 matches it too. Removing an engine key removes every block resting on it and
 their descendants.
 
+Only while someone listens: the core builds no events and the hub mirrors nothing until the first
+subscriber arrives; then the core starts its events with a snapshot of its whole cache (in our
+tokens: a request's gateway view exists only for requests that arrive while events are on). When
+the last subscriber leaves, events go on for `linger_s` (a gateway that was dropped for lagging
+reconnects within a fraction of a second, and resyncs from the mirror), then stop and the mirror
+is dropped.
+
 Memory: one entry per published block (at most a few per cached engine block); a subscriber
 buffers at most `max_buffered` blocks of live events and is dropped with `KvEventsLagError` past it.
 """
@@ -32,17 +39,26 @@ import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import LimitExceededError
 from mmserve.scheduler.block_hash import block_hashes
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, KvEvent
+from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
+
+LINGER_S = 30.0   # events go on this long after the last subscriber left
+
+
+class _Recording(Enum):
+    OFF = "off"             # no subscriber (past the linger): the core builds nothing, nothing is mirrored
+    STARTING = "starting"   # asked the core to start: its events are ignored until EventsStarted
+    ON = "on"
 
 
 class KvEventsLagError(LimitExceededError):
@@ -182,15 +198,32 @@ class _Subscription:
 
 
 class KvEventHub:
-    def __init__(self, block_size: int, max_buffered: int):
+    """`switch(on)` tells the engine core to build its events or stop (None: no core to tell, as in
+    unit tests, which feed `apply` themselves)."""
+
+    def __init__(self, block_size: int, max_buffered: int,
+                 switch: Callable[[bool], Awaitable[object]] | None = None, linger_s: float = LINGER_S):
         self.block_size = block_size
         self.max_buffered = max_buffered
+        self.linger_s = linger_s
         self.sequence = 0
         self._blocks: dict[int, _Block] = {}
         self._resting: dict[bytes, set[int]] = {}   # engine key -> published blocks resting on it
         self._views: dict[str, _GatewayView] = {}   # requests in flight with a gateway's view
         self._subs: set[_Subscription] = set()
         self._closed: BaseException | None = None
+        self._switch = switch
+        self._recording = _Recording.OFF
+        self._core_on = False
+        self._started = asyncio.Event()
+        self._switching = asyncio.Lock()
+        self._linger: asyncio.TimerHandle | None = None
+        self._stopping: asyncio.Task | None = None
+
+    @property
+    def recording(self) -> bool:
+        """Whether events are being built (a subscriber, or one left less than `linger_s` ago)."""
+        return self._recording is not _Recording.OFF
 
     @property
     def num_blocks(self) -> int:
@@ -201,7 +234,7 @@ class KvEventHub:
     def track(self, request: EngineRequest) -> None:
         """Publish `request`'s blocks in its gateway's view, if it came with one that fits our prompt."""
         routing = request.routing_prompt
-        if routing is None or request.fork_of is not None:
+        if routing is None or request.fork_of is not None or not self.recording:
             return
         if not routing.maps_onto(request.prompt_token_ids):
             logger.warning("request %s: its routing prompt does not map onto the prompt; publishing ours",
@@ -212,7 +245,7 @@ class KvEventHub:
     def cached(self, request_id: str, num_tokens: int) -> None:
         """The core served the request's first `num_tokens` from the cache (no store event says so)."""
         view = self._views.get(request_id)
-        if view is not None and num_tokens // self.block_size > view.stored_upto:
+        if self._recording is _Recording.ON and view is not None and num_tokens // self.block_size > view.stored_upto:
             view.stored_upto = num_tokens // self.block_size
             ops: list = []
             for h, parent, tokens, key in view.ready_blocks():
@@ -232,9 +265,18 @@ class KvEventHub:
     # -- from the core ----------------------------------------------------------------------------------
 
     def apply(self, events: list[KvEvent]) -> None:
+        if self._recording is _Recording.OFF:
+            return   # late events of a core being switched off
         ops: list[Stored | Removed | Cleared] = []
         for event in events:
-            if isinstance(event, BlockStored):
+            if isinstance(event, EventsStarted):
+                self._drop_mirror()
+                ops.append(Cleared())   # a resync: listeners drop what they hold, the stores follow
+                self._recording = _Recording.ON
+                self._started.set()
+            elif self._recording is not _Recording.ON:
+                continue   # from before the core (re)started: the snapshot that follows covers them
+            elif isinstance(event, BlockStored):
                 self._stored(event, ops)
             elif isinstance(event, BlockRemoved):
                 removed: list[int] = []
@@ -243,12 +285,15 @@ class KvEventHub:
                 if removed:
                     ops.append(Removed(tuple(removed)))
             elif isinstance(event, CacheCleared):
-                self._blocks.clear()
-                self._resting.clear()
-                for view in self._views.values():
-                    view.reset()
+                self._drop_mirror()
                 ops.append(Cleared())
         self._publish(ops)
+
+    def _drop_mirror(self) -> None:
+        self._blocks.clear()
+        self._resting.clear()
+        for view in self._views.values():
+            view.reset()
 
     def _publish(self, ops: list) -> None:
         if ops:
@@ -308,9 +353,22 @@ class KvEventHub:
 
     async def subscribe(self) -> AsyncIterator[KvBatch]:
         """A snapshot of what is cached, then every later batch, until the engine stops (its error) or
-        this subscriber leaves more than `max_buffered` blocks of batches unread (KvEventsLagError)."""
+        this subscriber leaves more than `max_buffered` blocks of batches unread (KvEventsLagError).
+        The first subscriber starts the core's events and gets its snapshot once they run."""
         if self._closed is not None:
             raise self._closed
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        if self._recording is _Recording.OFF:
+            self._recording = _Recording.STARTING
+            self._started.clear()
+            self.sequence += 1   # the snapshot is numbered past every earlier batch: never 0, a heartbeat to SMG
+        if self._recording is _Recording.STARTING:
+            await self._sync_core()
+            await self._started.wait()
+            if self._closed is not None:
+                raise self._closed
         sub = _Subscription(self.max_buffered)
         sub.put(self.snapshot(), bounded=False)
         self._subs.add(sub)
@@ -319,6 +377,36 @@ class KvEventHub:
                 yield await sub.get()
         finally:
             self._subs.discard(sub)
+            if not self._subs and self._closed is None and self._linger is None:
+                self._linger = asyncio.get_running_loop().call_later(self.linger_s, self._stop_recording)
+
+    def _stop_recording(self) -> None:
+        """The linger ran out with nobody subscribed: the core stops its events, the mirror goes."""
+        self._linger = None
+        if self._subs or self._recording is _Recording.OFF:
+            return
+        self._recording = _Recording.OFF
+        self._drop_mirror()
+        self._views.clear()
+        self._stopping = asyncio.ensure_future(self._sync_core())
+        self._stopping.add_done_callback(_log_failure)
+        logger.info("no KV event subscriber for %.0f s: the engine stops building KV events", self.linger_s)
+
+    async def _sync_core(self) -> None:
+        """Bring the core to what the hub wants now: one switch at a time, so the last word is the
+        hub's current state; a hub that is STARTING always asks (a resync), since only the core's
+        EventsStarted tells it where the snapshot begins."""
+        async with self._switching:
+            want = self._recording is not _Recording.OFF
+            if self._switch is None:   # no core: whoever feeds `apply` is the source, already running
+                if self._recording is _Recording.STARTING:
+                    self._recording = _Recording.ON
+                    self._started.set()
+                return
+            if want == self._core_on and self._recording is not _Recording.STARTING:
+                return
+            await self._switch(want)
+            self._core_on = want
 
     @property
     def num_subscribers(self) -> int:
@@ -327,6 +415,15 @@ class KvEventHub:
     def close(self, error: BaseException) -> None:
         """The engine stopped: every subscription ends with `error`."""
         self._closed = error
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        self._started.set()   # a subscriber waiting for the core's start sees the error
         for sub in self._subs:
             sub.close(error)
         self._subs.clear()
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("could not stop the engine's KV events: %s", task.exception())

@@ -12,7 +12,7 @@ Block 0 is the null block: never handed out, counted, keyed or freed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 NULL_BLOCK = 0
 
@@ -98,6 +98,10 @@ class BlockPool:
             self._by_key[key] = block
             return True
         return False
+
+    def keyed(self) -> Iterator[tuple[bytes, int]]:
+        """Every (key, block) this pool holds, in use or free, oldest key first."""
+        return iter(self._by_key.items())
 
     def drop_cached(self) -> None:
         """Forget every key (a flush): cached free blocks become empty, blocks in use stay unkeyed."""

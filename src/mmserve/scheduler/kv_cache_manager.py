@@ -29,7 +29,7 @@ import numpy as np
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.block_pool import NULL_BLOCK, BlockPool
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, KvEvent
+from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.scheduler.output import BlockUpdate
 from mmserve.scheduler.request import Request
 
@@ -144,9 +144,15 @@ class KVCacheManager:
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
         # The pool whose keys are published (scheduler/kv_events.py says why only one).
         self.published_pool = next((t for t, p in plans.items() if p.window is None), next(iter(plans)))
+        # Events are built only while `events_on` (a router listens); what a snapshot needs to describe a
+        # cached block of that pool is kept regardless: its tokens and its parent's key, per block id.
+        self.events_on = False
         self._events: list[KvEvent] = []
+        published = plans[self.published_pool].num_blocks
+        self._block_tokens = np.zeros((published, block_size), dtype=np.int32)
+        self._block_parent: list[bytes | None] = [None] * published
         if enable_prefix_caching:
-            self.pools[self.published_pool].on_evict = lambda key: self._events.append(BlockRemoved(key))
+            self.pools[self.published_pool].on_evict = self._evicted
         self._held: dict[str, _Held] = {}
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
 
@@ -278,11 +284,14 @@ class KVCacheManager:
         bs = self.block_size
         for j in range(held.num_keyed, len(keys)):
             for t, table in held.tables.items():
-                if table.blocks[j] != NULL_BLOCK and self.pools[t].cache(table.blocks[j], keys[j]) \
-                        and t == self.published_pool:
-                    self._events.append(BlockStored(keys[j], keys[j - 1] if j else None, j,
-                                                    tuple(request.token_ids_slice(j * bs, (j + 1) * bs)),
-                                                    request.request_id))
+                block = table.blocks[j]
+                if block != NULL_BLOCK and self.pools[t].cache(block, keys[j]) and t == self.published_pool:
+                    tokens = request.token_ids_slice(j * bs, (j + 1) * bs)
+                    self._block_tokens[block] = tokens
+                    self._block_parent[block] = keys[j - 1] if j else None
+                    if self.events_on:
+                        self._events.append(BlockStored(keys[j], keys[j - 1] if j else None, j, tuple(tokens),
+                                                        request.request_id))
         self._done_in_flight(held, len(keys))
         held.num_keyed = max(held.num_keyed, len(keys))
 
@@ -292,6 +301,30 @@ class KVCacheManager:
             self._in_flight[key] -= 1
             if not self._in_flight[key]:
                 del self._in_flight[key]
+
+    def set_events(self, on: bool) -> None:
+        """Build key-change events from now on, or stop. Switching on (even when on: a resync) queues
+        `EventsStarted` and then every block the published pool caches, parents first."""
+        self.events_on = on
+        self._events = [EventsStarted(), *self._cached_blocks()] if on else []
+
+    def _cached_blocks(self) -> list[BlockStored]:
+        """The published pool's keyed blocks as stores, each after its parent; a block whose parent was
+        evicted is unreachable (hits start at block 0), so it is left out with its descendants."""
+        children: dict[bytes | None, list[tuple[bytes, int]]] = {}
+        for key, block in self.pools[self.published_pool].keyed():
+            children.setdefault(self._block_parent[block], []).append((key, block))
+        out: list[BlockStored] = []
+        stack = [(key, block, 0) for key, block in reversed(children.get(None, ()))]
+        while stack:   # depth first, no recursion: a long video's chain is thousands of blocks
+            key, block, index = stack.pop()
+            out.append(BlockStored(key, self._block_parent[block], index, tuple(self._block_tokens[block].tolist()), ""))
+            stack.extend((k, b, index + 1) for k, b in reversed(children.get(key, ())))
+        return out
+
+    def _evicted(self, key: bytes) -> None:
+        if self.events_on:
+            self._events.append(BlockRemoved(key))
 
     def take_events(self) -> list[KvEvent]:
         """The published pool's key changes since the last call, in the order they happened."""
@@ -305,7 +338,8 @@ class KVCacheManager:
             return False
         for pool in self.pools.values():
             pool.drop_cached()
-        self._events.append(CacheCleared())
+        if self.events_on:
+            self._events.append(CacheCleared())
         return True
 
     # -- allocation ----------------------------------------------------------------------------------------

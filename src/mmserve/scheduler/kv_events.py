@@ -2,6 +2,10 @@
 keys were dropped. Plain data; the engine ships these with each step's outputs, and the front end
 turns them into the routers' view (engine/kv_events.py).
 
+Built only while the front end asks for them (a router is subscribed): `KVCacheManager.set_events`.
+Switching them on starts with `EventsStarted` and a `BlockStored` for every block cached then
+(parents first), so whoever starts listening late still learns the whole cache.
+
 Only one pool publishes: the first full-attention pool (the first pool if none is unwindowed). A
 hit is bounded by the full-attention pools, every pool keys a block with the same key, and a
 windowed pool's blocks leave as the window moves on, so its keys say nothing a router can use.
@@ -36,4 +40,10 @@ class CacheCleared:
     """Every key was dropped (a prefix-cache flush)."""
 
 
-KvEvent = BlockStored | BlockRemoved | CacheCleared
+@dataclass(frozen=True)
+class EventsStarted:
+    """Recording (re)started: the stores that follow up to the next step's changes describe the
+    whole cache; whatever a listener held before is to be dropped."""
+
+
+KvEvent = BlockStored | BlockRemoved | CacheCleared | EventsStarted

@@ -1,8 +1,9 @@
 """SubscribeKvEvents and FlushCache: our prefix cache as SMG's cache_aware policy consumes it.
 
 A subscription starts with a snapshot (a `KvCacheCleared`, then every cached block, parents first)
-numbered with the last batch's sequence, then one batch per engine step that changed the cache,
-numbered on from there. `start_sequence_number` is not honoured (we keep no history): every
+numbered with the last batch's sequence (never 0), then one batch per engine step that changed the
+cache, numbered on from there. The engine builds events only while someone is subscribed (and
+`LINGER_S` after the last one left; engine/kv_events.py). `start_sequence_number` is not honoured (we keep no history): every
 subscriber resyncs from the snapshot, which the leading clear makes safe. Each block is its own
 `KvBlocksStored` (its `parent_block_hash` places it), from the first full-attention pool, in the
 tokens the router itself sends (engine/kv_events.py). A subscriber that leaves more than
@@ -62,8 +63,6 @@ async def subscribe(engine, request: common_pb2.SubscribeKvEventsRequest,
     try:
         batches = engine.subscribe_kv_events()
         async for batch in batches:
-            if batch.snapshot and batch.sequence == 0:
-                continue   # nothing ever cached: no snapshot to send (a batch numbered 0 reads as a heartbeat)
             yield batch_message(batch, block_size, lambda: next(counter))
     except MMServeError as e:
         logger.warning("KV event subscriber %s dropped: %s", peer, e)
