@@ -3,7 +3,7 @@ through the VllmEngine stub a gateway uses. The events are applied the way SMG's
 applies them (a block sits at its parent's position + 1; a request matches block by block from 0 on
 each block's tokens), and a video request sent as a gateway sends it (one `<|video|>` anchor in the
 ids, the clip as a `data:` URL) must match on the gateway's own ids: that is what routes its
-follow-ups to this replica."""
+follow-ups to this replica; with two videos too."""
 
 from __future__ import annotations
 
@@ -81,10 +81,10 @@ def chat_ids(tok, spec, parts: list) -> list[int]:
     return ids + [tok.token_id("<turn|>")] + tok.encode("\n") + [tok.token_id("<|turn>")] + tok.encode("model\n")
 
 
-def generate(stub, rid: str, ids: list[int], video: bytes | None = None) -> vpb.GenerateComplete:
+def generate(stub, rid: str, ids: list[int], *videos: bytes) -> vpb.GenerateComplete:
     req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=ids), stream=False,
                               sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=3, top_p=1.0))
-    if video is not None:
+    for video in videos:
         url = "data:video/mp4;base64," + base64.b64encode(video).decode()
         req.media_refs.items.add(modality=common_pb2.VIDEO, url=url)
     responses = list(stub.Generate(req, timeout=120))
@@ -135,6 +135,24 @@ def test_events_speak_the_gateway_tokens_and_flush_clears_them(stub):
     assert flushed.success, flushed.message
     read_until(stream, index, lambda: not index.blocks)
     assert generate(stub, "video-3", follow, clip).cached_tokens == 0
+    stream.cancel()
+
+
+def test_two_videos_are_published_in_the_gateway_tokens(stub):
+    """Each video's own frame count maps the gateway's prompt onto ours (4 frames sampled from one
+    clip, 2 from the other), so the published blocks match the gateway's ids past both anchors."""
+    tok, spec = load_tokenizer(DEMO_MODEL_DIR), load_spec(DEMO_MODEL_DIR)
+    stream = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=90)   # a miss fails, not hangs
+    index = RouterIndex()
+    index.apply(next(stream))   # the snapshot: events run from here
+    words = "Compare the two clips: which one moves faster, and which way do both of their shapes go? "
+    ids = chat_ids(tok, spec, ["First clip:", "video", "second clip:", "video", words * 2])
+    out = generate(stub, "two-videos", ids, make_clip(7, num_frames=8).data, make_clip(8, num_frames=2).data)
+    shift = out.prompt_tokens - len(ids)
+    backed = min(len(ids), (out.prompt_tokens // BLOCK) * BLOCK - shift) // BLOCK
+    second_anchor = [i for i, t in enumerate(ids) if t == spec.video_token_id][1]
+    assert backed > second_anchor // BLOCK + 1
+    read_until(stream, index, lambda: index.match(ids) >= backed)
     stream.cancel()
 
 

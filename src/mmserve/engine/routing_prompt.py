@@ -73,12 +73,11 @@ def gateway_routing_prompt(gateway_ids: Sequence[int], ours: Sequence[int], mm_r
 
 
 def media_anchors(gateway_ids: Sequence[int], image_token_id: int, video_token_id: int,
-                  num_ranges: int) -> list[tuple[int, int]] | None:
-    """`gateway_routing_prompt`'s anchors when the ranges per item follow from the prompt alone: every
-    image is one range and at most one video takes the rest. None with two videos or more."""
-    at = [(i, t) for i, t in enumerate(gateway_ids) if t in (image_token_id, video_token_id)]
-    videos = sum(t == video_token_id for _, t in at)
-    if videos > 1:
+                  ranges_per_item: Sequence[int]) -> list[tuple[int, int]] | None:
+    """`gateway_routing_prompt`'s anchors: each anchor of `gateway_ids`, in order, with how many of our
+    ranges its item became (1 for a still image, the frames it sampled for a video). None if the
+    counts do not pair with the anchors one to one."""
+    at = [i for i, t in enumerate(gateway_ids) if t in (image_token_id, video_token_id)]
+    if len(at) != len(ranges_per_item):
         return None
-    rest = num_ranges - (len(at) - videos)
-    return [(i, rest if t == video_token_id else 1) for i, t in at]
+    return list(zip(at, ranges_per_item, strict=True))

@@ -111,7 +111,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             engine_request = await self._in_flight.preprocess(request_id, processing)
             context.set_trailing_metadata(outputs.sampled_frames(engine_request.videos))
             prompt = engine_request.prompt_token_ids
-            engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec)
+            engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec,
+                                                            len(request.media_refs.items))
             collected: dict[int, tuple[list[int], list]] = {}
             async for index, out in generate_samples(self._engine, engine_request):
                 if request.stream:
@@ -203,11 +204,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         await self.StartProfile(request, context)
 
 
-def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec) -> RoutingPrompt | None:
-    """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_events.py)."""
+def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec, num_items: int) -> RoutingPrompt | None:
+    """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_events.py):
+    media item k (`media_refs.items[k]`, the k-th anchor) became one range, or one per frame it sampled."""
     if not request.mm_ranges or list(gateway_ids) == list(request.prompt_token_ids):
         return None   # the same tokens as ours (text, or a prompt the gateway expanded itself)
-    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id, len(request.mm_ranges))
+    frames = {int(v.part.rsplit("[", 1)[1].rstrip("]")): len(v.timestamps_s) for v in request.videos}
+    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id,
+                            [frames.get(k, 1) for k in range(num_items)])
     if anchors is None:
         return None
     return gateway_routing_prompt(gateway_ids, request.prompt_token_ids, request.mm_ranges, anchors)
