@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -19,11 +20,18 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.engine.input_processor import ImageInput, VideoInput
+from mmserve.engine.types import SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
 
 WHERE = "media_refs.items"
 MAX_URL_PREVIEW = 48
+
+
+def frames_per_item(videos: Sequence[SampledVideo]) -> dict[int, int]:
+    """`media_refs.items` index -> frames sampled, for each item that decoded to frames (a video, an
+    animated image), from the request's sampled videos (parts named `media_refs.items[i]`)."""
+    return {int(v.part[len(WHERE) + 1:-1]): len(v.timestamps_s) for v in videos}
 
 
 def schemes(allowed_local_media_path: str) -> str:

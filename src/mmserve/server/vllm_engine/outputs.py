@@ -10,24 +10,22 @@ metadata `mmserve-video-frames` (`sampled_frames`).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.types import RequestOutput, SampledVideo
+from mmserve.engine.types import RequestOutput
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 VIDEO_FRAMES_KEY = "mmserve-video-frames"
-_ITEM_INDEX = re.compile(r"\[(\d+)\]$")
 
 
-def sampled_frames(videos: Sequence[SampledVideo]) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata naming how many frames each video sampled: `ITEM=FRAMES` per video, ITEM its
-    index in `media_refs.items` (images have none), comma-separated: `0=8,2=4`. A few bytes per
-    video, so the request's frame bound keeps it far below any metadata limit."""
-    entries = [f"{_ITEM_INDEX.search(v.part).group(1)}={len(v.timestamps_s)}" for v in videos]
+def sampled_frames(frames: dict[int, int]) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata naming how many frames each video sampled (`media_refs.frames_per_item`):
+    `ITEM=FRAMES` per video, ITEM its index in `media_refs.items` (images have none), comma-separated:
+    `0=8,2=4`. A few bytes per video, so the request's frame bound keeps it far below any metadata limit."""
+    entries = [f"{item}={n}" for item, n in sorted(frames.items())]
     return ((VIDEO_FRAMES_KEY, ",".join(entries)),) if entries else ()
 
 

@@ -32,7 +32,7 @@ from mmserve.server.status import abort_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, kv_events, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
-from mmserve.server.vllm_engine.media_refs import media_inputs
+from mmserve.server.vllm_engine.media_refs import frames_per_item, media_inputs
 from mmserve.server.vllm_engine.mm_inputs import preprocessed_media
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults, map_sampling
 from mmserve.server.vllm_engine.tokenizer_archive import TokenizerArchive
@@ -109,10 +109,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     request_id, token_ids, media, params, where=MEDIA_WHERE,
                     max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
             engine_request = await self._in_flight.preprocess(request_id, processing)
-            context.set_trailing_metadata(outputs.sampled_frames(engine_request.videos))
+            frames = frames_per_item(engine_request.videos)
+            context.set_trailing_metadata(outputs.sampled_frames(frames))
             prompt = engine_request.prompt_token_ids
             engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec,
-                                                            len(request.media_refs.items))
+                                                            [frames.get(k, 1) for k in range(len(media))])
             collected: dict[int, tuple[list[int], list]] = {}
             async for index, out in generate_samples(self._engine, engine_request):
                 if request.stream:
@@ -204,14 +205,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         await self.StartProfile(request, context)
 
 
-def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec, num_items: int) -> RoutingPrompt | None:
+def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec,
+                    ranges_per_item: list[int]) -> RoutingPrompt | None:
     """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_events.py):
-    media item k (`media_refs.items[k]`, the k-th anchor) became one range, or one per frame it sampled."""
+    media item k (the k-th anchor) became `ranges_per_item[k]` ranges (1, or one per frame sampled)."""
     if not request.mm_ranges or list(gateway_ids) == list(request.prompt_token_ids):
         return None   # the same tokens as ours (text, or a prompt the gateway expanded itself)
-    frames = {int(v.part.rsplit("[", 1)[1].rstrip("]")): len(v.timestamps_s) for v in request.videos}
-    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id,
-                            [frames.get(k, 1) for k in range(num_items)])
+    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id, ranges_per_item)
     if anchors is None:
         return None
     return gateway_routing_prompt(gateway_ids, request.prompt_token_ids, request.mm_ranges, anchors)
