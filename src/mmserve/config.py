@@ -239,3 +239,7 @@ class ServerConfig:
                 "same port as mmserve.v1"})
     allowed_local_media_path: str = field(default="", metadata={
         "help": "directory whose files VllmEngine media_refs may name as file:// URLs; empty = file:// refused"})
+    gateway_media: str = field(default="worker", metadata={
+        "help": "who decodes the media of VllmEngine requests: worker = this server (the gateway forwards "
+                "media_refs); gateway = advertise no media processor, so the gateway preprocesses and sends "
+                "mm_inputs", "choices": ("worker", "gateway")})

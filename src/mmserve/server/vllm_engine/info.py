@@ -21,7 +21,7 @@ from mmserve.server.vllm_engine.media_refs import schemes
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults
 
 SERVER_TYPE = "vllm-grpc"
-MM_PROCESSOR = "inprocess"   # we accept media_refs and expand the anchors ourselves
+MM_PROCESSOR = "inprocess"   # we accept media_refs and expand the anchors ourselves (--gateway-media worker)
 
 
 def model_info(info: ModelInfo, spec: ModelSpec, defaults: CheckpointDefaults) -> vpb.GetModelInfoResponse:
@@ -37,6 +37,7 @@ def model_info(info: ModelInfo, spec: ModelSpec, defaults: CheckpointDefaults) -
 def server_info(engine_config: EngineConfig, server_config: ServerConfig, info: ModelInfo, spec: ModelSpec, *,
                 active: int, draining: bool, started: float, last_request: float) -> vpb.GetServerInfoResponse:
     vision = spec.has_vision
+    ours = vision and server_config.gateway_media == "worker"   # else the gateway preprocesses (mm_inputs)
     # No count of its own bounds images or videos here; frames per request bound both (an image costs
     # about one frame's tokens).
     limits = f"image={engine_config.max_frames_per_request},video={engine_config.max_frames_per_request}"
@@ -44,9 +45,9 @@ def server_info(engine_config: EngineConfig, server_config: ServerConfig, info: 
         active_requests=active, is_paused=draining, last_receive_timestamp=last_request,
         uptime_seconds=time.monotonic() - started, server_type=SERVER_TYPE, data_parallel_size=1,
         block_size=engine_config.block_size, attention_backend=info.backend, model_dtype=f"torch.{info.dtype}",
-        mm_processor=MM_PROCESSOR if vision else "",
-        mm_media_ref_schemes=schemes(server_config.allowed_local_media_path) if vision else "",
-        mm_processor_source="default" if vision else "",
+        mm_processor=MM_PROCESSOR if ours else "",
+        mm_media_ref_schemes=schemes(server_config.allowed_local_media_path) if ours else "",
+        mm_processor_source="default" if ours else "",
         max_num_seqs=engine_config.max_num_seqs, mm_item_limits=limits if vision else "",
         multimodal_encoder_dtype=info.dtype if vision else "",
         mm_encoder_budget=engine_config.max_num_batched_tokens if vision else 0)
