@@ -124,3 +124,26 @@ def test_the_time_limit_stops_the_decode_at_the_next_packet(twenty_minutes, seek
 def test_an_expired_deadline_refuses_before_opening_anything():
     with pytest.raises(LimitExceededError, match=TIMEOUT_FLAG):
         decode_video(b"not even a video", limits=LIMITS, control=DecodeControl(timeout_s=-1.0))
+
+
+def test_a_finished_seek_leaves_nothing_for_the_garbage_collector():
+    """The seeker's suspended decode (a generator whose frame holds the seeker) is closed when the
+    sampling ends: left open, that cycle held the container, its file and the payload's bytes
+    until a full collection (the front end's RSS climbed by each 720p clip's size)."""
+    import gc
+
+    import av
+
+    from mmserve.multimodal import video
+
+    data = encode(block_frames(48, seed=9), fps=24, keyframe_interval=12)
+    gc.collect()
+    gc.disable()
+    try:
+        decoded = decode_video(data, num_frames=2, limits=LIMITS)   # stops mid-stream
+        left = [type(o).__qualname__ for o in gc.get_objects()
+                if isinstance(o, (video._Seeker, av.container.InputContainer))]
+    finally:
+        gc.enable()
+    assert decoded.method == "seek" and len(decoded.frames) == 2
+    assert not left, f"alive after the decode returned: {left}"

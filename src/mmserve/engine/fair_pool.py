@@ -60,8 +60,13 @@ class FairPool:
         except BaseException:  # the executor is shut down: give the slot back
             self._release(owner)
             raise
-        future.add_done_callback(lambda _: self._release(owner))
+        future.add_done_callback(functools.partial(self._finished, owner))
         return future
+
+    def _finished(self, owner: Hashable, future: asyncio.Future) -> None:
+        self._release(owner)
+        if not future.cancelled():
+            future.exception()  # read: once `run`'s caller was cancelled, shield leaves it unread (asyncio logs it)
 
     async def _acquire(self, owner: Hashable) -> None:
         turn = asyncio.get_running_loop().create_future()

@@ -35,7 +35,7 @@ from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.image import decode_image, read_header
 from mmserve.multimodal.limits import MediaLimits
-from mmserve.multimodal.memory import collect_finished_requests, return_large_buffers
+from mmserve.multimodal.memory import return_large_buffers
 from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
 from mmserve.scheduler.request import MultiModalInput
@@ -103,7 +103,10 @@ async def _all_or_none(coroutines: list) -> list:
     except BaseException:
         for task in tasks:
             task.cancel()
+        task = None
         raise
+    finally:
+        tasks.clear()  # the failed task holds the error whose traceback holds this frame: no cycle
 
 
 class InputProcessor:
@@ -113,7 +116,6 @@ class InputProcessor:
                  max_model_len: int, workers: int | None = None) -> None:
         """`workers`: the executor's threads (default: a ThreadPoolExecutor's own count)."""
         self.config = config
-        self._decoding = 0   # requests decoding media now
         self.tokenizer = tokenizer
         self.spec = spec
         self.pool = FairPool(executor, workers or getattr(executor, "_max_workers", 1))
@@ -187,19 +189,10 @@ class InputProcessor:
         (field, part) concurrently, then check the request's decoded frame total."""
         self._check_length(text_tokens, sampling, at_least=True)
         self._check_counts(jobs)
-        if jobs and not self._decoding:
-            # Only while no other request decodes: a collection amid a burst of concurrent video
-            # requests cost up to 2.3x their throughput (bench/gateway.py, not understood; a
-            # collection itself took 0.1-2.5 ms), and an idle moment comes once the burst ends.
-            collect_finished_requests()   # what earlier requests left in cycles, before this one's media
-        self._decoding += 1
-        try:
-            if any(self._header_sources(jobs)):
-                media_tokens = await self._in_pool(owner, "messages", functools.partial(self._headers_blocking, jobs))
-                self._check_length(text_tokens + media_tokens, sampling, at_least=True)
-            decoded = await _all_or_none([self._decode(owner, where, part, trace_context) for where, part in jobs])
-        finally:
-            self._decoding -= 1
+        if any(self._header_sources(jobs)):
+            media_tokens = await self._in_pool(owner, "messages", functools.partial(self._headers_blocking, jobs))
+            self._check_length(text_tokens + media_tokens, sampling, at_least=True)
+        decoded = await _all_or_none([self._decode(owner, where, part, trace_context) for where, part in jobs])
         num_frames = sum(len(d.timestamps_s) for d in decoded if d.timestamps_s is not None)
         if num_frames > self.config.max_frames_per_request:
             raise InvalidInputError("messages", f"the videos decode to {num_frames} frames, at most "
@@ -304,8 +297,10 @@ class InputProcessor:
         limit = self.config.video_decode_timeout_s if timed else None
         control = DecodeControl(limit, label=label)
         try:
-            job = self.pool.run(owner, functools.partial(work, control))
-            return await (job if limit is None else asyncio.wait_for(job, timeout=limit + DECODE_GRACE_S))
+            # asyncio.timeout, not wait_for: wait_for's frame holds a task holding the job's error,
+            # whose traceback holds that frame (a cycle keeping the request's media alive)
+            async with asyncio.timeout(None if limit is None else limit + DECODE_GRACE_S):
+                return await self.pool.run(owner, functools.partial(work, control))
         except TimeoutError:
             raise control.timeout_error() from None
         finally:

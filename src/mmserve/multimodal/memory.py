@@ -9,13 +9,20 @@ refused 50 MB payload stayed resident. Pinning the threshold (which also stops i
 keeps every buffer of a megabyte or more in its own mapping: freed means returned. The cost is a
 fresh mapping (page faults) per large buffer, small beside decoding the pixels that fill it.
 
-Some of a finished request's memory is only freed by the cyclic garbage collector (reference
-cycles through grpc's handler lookup, or an error's traceback and the frames it holds), and a full
-collection runs rarely: RSS then climbed ~15 MB per 720p request until one ran. Collecting before
-a media request that finds no other decoding (engine/input_processor.py: amid a burst it cost
-throughput) bounds that, and is cheap once the objects that live for the whole process
-(torch, the model's modules, grpc) are frozen after warm-up: a collection then visits only what
-was made since (0.5 ms instead of ~400 ms).
+A finished request's memory must also be freed by reference counting, at once, not by the cyclic
+garbage collector: a full collection runs rarely (RSS climbed by each 720p clip's size until one
+ran) and one on the event loop stalls every stream, yet collecting per media request cost up to
+half the throughput of a burst. So nothing of a request may sit in a reference cycle. The cycles
+found (a real `mmserve serve` with gc disabled: what stays alive, gc.get_referrers, DEBUG_SAVEALL):
+the video seeker's suspended decode, a generator whose frame holds the seeker (and so the
+container, its file and the payload's bytes: multimodal/video.py closes it); and an error's
+traceback, which holds every frame it passed with their locals (the request and its media):
+grpc's AbortError, kept on the call's state that the handler's frame holds (server/status.py's
+`end_with` sets the status without raising), a task held in a local of a frame its own error passed
+(server/in_flight.py, engine/input_processor.py's `_all_or_none`) or in asyncio.wait_for's frame
+(asyncio.timeout instead). What is left per call is grpc's own handler lookup (a few small objects,
+freed by young collections). Freezing the objects that live for the whole process after warm-up
+(torch, the model's modules, grpc) keeps the collections that still run automatically short.
 """
 
 from __future__ import annotations
@@ -56,8 +63,3 @@ def thaw_startup_objects() -> None:
     """When the server stops: the frozen objects may be garbage now; let collections see them."""
     gc.unfreeze()
 
-
-def collect_finished_requests() -> None:
-    """Free what earlier requests left in reference cycles, when that is cheap (after the freeze)."""
-    if gc.get_freeze_count():
-        gc.collect()

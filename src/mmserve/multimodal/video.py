@@ -361,6 +361,13 @@ class _Seeker:
             offset -= SEEK_BACKOFF_FRAMES / self.info.fps * 2**attempt
         raise _Imprecise(f"seeks for {target:.3f}s kept landing after it")
 
+    def close(self) -> None:
+        """End the suspended decode: its generator's frame holds this seeker, which holds it (a
+        cycle holding the container, its file and the video's bytes until a full collection)."""
+        if self._frames is not None:
+            self._frames.close()
+        self._frames = self._pending = None
+
     def sample(self, targets: list[float]) -> list[tuple[np.ndarray, float]]:
         out = []
         for target in targets:
@@ -401,6 +408,8 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
         except Exception as e:  # noqa: BLE001 - _Imprecise, or a damaged index: the scan may still decode it
             logger.info("video: cannot sample the %s stream by seeking (%s); decoding it from the start", fmt, e)
             return None
+        finally:
+            seeker.close()
     return convert.video([f for f, _ in sampled], [max(0.0, t - info.start_s) for _, t in sampled],
                          info.duration_s, "seek", seeker.decoded)
 

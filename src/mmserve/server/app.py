@@ -94,7 +94,7 @@ class MMServer:
         self._media_sweeper: asyncio.Task | None = None
         self.server = grpc.aio.server(interceptors=chain, options=server_options(server_config),
                                       maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
-        in_flight = InFlightRequests(engine)   # both doors' requests: one id namespace, Abort by owner
+        self.in_flight = in_flight = InFlightRequests(engine)   # both doors': one id namespace, Abort by owner
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
                                       self.media, in_flight)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)

@@ -57,9 +57,11 @@ class InFlightRequests:
     async def preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
         """Run input processing as a task Abort can cancel, which stops its decodes at once."""
         running = self._requests[request_id]
-        task = running.preprocessing = asyncio.ensure_future(processing)
+        running.preprocessing = asyncio.ensure_future(processing)
         try:
-            engine_request = await task
+            # No local holds the task: its error's traceback holds this frame, and a task held
+            # here would hold that error back (a cycle keeping the request's media alive).
+            engine_request = await running.preprocessing
         except asyncio.CancelledError:
             if running.aborted_early and not asyncio.current_task().cancelling():
                 raise RequestAbortedError(f"request {request_id} was aborted") from None

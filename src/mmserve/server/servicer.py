@@ -26,7 +26,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.media import MediaService
-from mmserve.server.status import abort_with
+from mmserve.server.status import abort_with, end_with
 from mmserve.server.validation import check_response_format, validate_request
 
 logger = logging.getLogger(__name__)
@@ -135,12 +135,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await check_response_format(validated.sampling.response_format, processor, self._config)   # off the loop
             self._in_flight.add(request_id, caller_key(context), validated.sampling.n)
         except MMServeError as e:
-            await abort_with(context, e, request_id)
+            end_with(context, e, request_id)   # not abort_with: no cycle keeps this request's media
+            return
         try:
             media = self._media.lease(validated.messages)  # held until the request ends
         except MMServeError as e:
             self._in_flight.remove(request_id)
-            await abort_with(context, e, request_id)
+            end_with(context, e, request_id)
+            return
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)  # this request's log lines carry its ids
@@ -165,7 +167,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         yield pb.GenerateResponse(request_id=request_id, final=final_message(final, text, samples))
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status, never a bare UNKNOWN
             error = e  # the engine ended it, never admitted it, or input processing failed
-            await abort_with(context, e, request_id)
+            end_with(context, e, request_id)
         finally:
             media.release()
             self._in_flight.remove(request_id)

@@ -1,6 +1,6 @@
 """The one place that maps mmserve.errors to gRPC status codes.
 
-Every handler funnels failures through `abort_with`, so a client sees the same code for the same
+Every handler funnels failures through `abort_with` (or `end_with`, which does not raise), so a client sees the same code for the same
 cause whichever RPC raised it. Besides the code and message, the status carries standard
 `google.rpc` details (BadRequest.FieldViolation for bad input, RetryInfo for retryable limits,
 ResourceInfo for what was not found) in `grpc-status-details-bin`, which grpc clients in every
@@ -98,3 +98,15 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, requ
     """End the RPC with the status `exc` maps to (raises, as context.abort does)."""
     status = map_error(exc, request_id)
     await context.abort(status.code, status.message, status.trailing_metadata())
+
+
+def end_with(context: grpc.aio.ServicerContext, exc: BaseException, request_id: str = "") -> None:
+    """Set the status `exc` maps to; a streaming handler that returns next sends it. Unlike
+    `abort_with` it raises nothing: grpc keeps the AbortError it raises on the call's state, and
+    that error's traceback holds the handler's frames (the request and its media included), which
+    hold the context and so that state: a reference cycle only a full collection frees."""
+    status = map_error(exc, request_id)
+    context.set_code(status.code)
+    context.set_details(status.message)
+    if metadata := status.trailing_metadata():
+        context.set_trailing_metadata(metadata)
