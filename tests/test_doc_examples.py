@@ -1,11 +1,16 @@
-"""Every shell and Python example of README.md and docs/api.md runs as written against a real
-server (the session's demo-model server), in a directory holding the files they name.
+"""Every shell and Python example of README.md and the docs runs as written against a real server
+(the session's demo-model server), in a directory holding the files they name.
 
 Only what cannot run on this machine is adapted or left out: the address (the examples say
 127.0.0.1:50051, the test server has an ephemeral port; `mmserve` subcommands that rely on the
 default `--server` get it), `.venv/bin/` (the test's interpreter runs `mmserve`), `make demo`
-(it is `mmserve demo`), and blocks that start servers or containers (`make run`, `make test`,
-`docker run`), which the suite covers elsewhere (tests/test_cli.py checks `make run`'s command).
+(it is `mmserve demo`), and blocks that start servers, clusters or containers (`make run`,
+`make test`, `make prometheus`, `mmserve serve`, `smg launch`, `docker`, `kubectl`), which the suite covers elsewhere
+(tests/test_cli.py checks `make run`'s command, tests/deploy the manifests, tests/gateway SMG):
+of those blocks the client commands (`mmserve generate|upload|demo`, as docs/deploy.md's) still run.
+docs/gateway.md's OpenAI example runs against a real SMG in front of the session's server. Blocks
+that need what only a deployment has (docs/security.md's certificates and keys) and diagrams
+(no line starting with a command) are not examples.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,21 +29,40 @@ from PIL import Image
 from mmserve.multimodal.synthetic import make_clip
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ("README.md", "docs/api.md")
+DOCS = ("README.md", "docs/api.md", "docs/deploy.md", "docs/operations.md", "docs/tracing.md", "docs/gateway.md",
+        "docs/security.md")
+NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reliability/test_rel_tls.py, _auth.py
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-NOT_HERE = re.compile(r"^\s*(make (run|test)\b|docker )", re.M)
+GATEWAY_URL = "http://127.0.0.1:8000/v1"
+NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |mmserve serve\b|smg )", re.M)
+CLIENT_LINE = re.compile(r"^\s*(?:\.venv/bin/)?mmserve (?:generate|upload|demo)\b.*$", re.M)
+COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?(?:mmserve|grpcurl|make|docker|kubectl) ", re.M)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
-def examples(lang: str) -> list[pytest.param]:
-    found = []
+def _blocks(lang: str):
+    """(doc, line, block) of each example in `lang` ("sh": bash/sh fences and unlabelled ones whose
+    lines start with a command)."""
     for doc in DOCS:
+        if doc in NEEDS_A_DEPLOYMENT:
+            continue
         text = (ROOT / doc).read_text()
         for m in FENCE.finditer(text):
-            if m.group(1) == lang or (lang == "sh" and m.group(1) == "" and "mmserve" in m.group(2)):
-                line = text.count("\n", 0, m.start()) + 1
-                if not NOT_HERE.search(m.group(2)):
-                    found.append(pytest.param(m.group(2), id=f"{doc}:{line}"))
+            tag, block = m.group(1), m.group(2)
+            shell = tag in ("bash", "sh") or (tag == "" and COMMAND.search(block))
+            if tag == lang or (lang == "sh" and shell):
+                yield doc, text.count("\n", 0, m.start()) + 1, block
+
+
+def examples(lang: str, *, gateway: bool = False) -> list[pytest.param]:
+    """Runnable examples; of a block that starts servers or clusters, its client lines only.
+    `gateway`: the examples that talk to an OpenAI gateway (GATEWAY_URL), else the others."""
+    found = []
+    for doc, line, block in _blocks(lang):
+        if NOT_HERE.search(block):
+            block = "\n".join(m.group(0) for m in CLIENT_LINE.finditer(block))
+        if block.strip() and (GATEWAY_URL in block) == gateway:
+            found.append(pytest.param(block, id=f"{doc}:{line}"))
     return found
 
 
@@ -60,7 +85,9 @@ def adapted_shell(block: str, address: str) -> str:
 
 
 def test_the_docs_have_examples():
-    assert len(examples("sh")) >= 6 and len(examples("python")) >= 2
+    assert len(examples("sh")) >= 6 and len(examples("python")) >= 2 and examples("python", gateway=True)
+    ran = {p.id.split(":")[0] for kind in ("sh", "python") for p in examples(kind) + examples(kind, gateway=True)}
+    assert {"README.md", "docs/api.md", "docs/deploy.md", "docs/gateway.md"} <= ran
 
 
 @pytest.mark.parametrize("block", examples("sh"))
@@ -76,5 +103,29 @@ def test_shell_example_runs(block, mmserve_server, workdir):
 @pytest.mark.parametrize("block", examples("python"))
 def test_python_example_runs(block, mmserve_server, workdir):
     code = block.replace(DEFAULT_ADDRESS, mmserve_server.address)
+    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def gateway(mmserve_server):
+    """A real SMG (OpenAI HTTP) in front of the session's server, as docs/gateway.md starts it."""
+    sys.path.insert(0, str(ROOT / "tests" / "gateway"))
+    from smg_harness import DeadPort, Smg
+
+    dead = DeadPort()   # the Hub lookup SMG makes points at a refusing loopback port
+    smg = Smg([f"grpc://{mmserve_server.address}"], policy="cache_aware", hf_endpoint=dead.url,
+              extra=("--worker-warmup-secs", "0", "--worker-warmup-divert-every", "0"))
+    try:
+        smg.wait_ready(time.monotonic() + 180, 1)
+        yield smg
+    finally:
+        smg.stop()
+        dead.close()
+
+
+@pytest.mark.parametrize("block", examples("python", gateway=True))
+def test_gateway_example_runs(block, gateway, workdir):
+    code = block.replace(GATEWAY_URL, gateway.base_url + "/v1")
     out = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
