@@ -205,8 +205,8 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), metrics=metrics, step_trace_ratio=0)
     observer.on_engine_started(PEAKS)
     observer.on_backends_checked((BackendCheck("full_attention", "flex", "sdpa", "forced"),))
-    r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)])
-    queued = Request("queued", list(range(3)), SamplingParams())   # still waiting when r ends
+    r = Request("r", list(range(6)), SamplingParams(), mm_ranges=[(1, 4)], preprocess_s=0.25)
+    queued = Request("queued", list(range(3)), SamplingParams())   # still waiting when r ends; no media
     observer.on_request_queued(r)
     observer.on_request_queued(queued)
     clock = StepClock()
@@ -237,6 +237,8 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     for name in PROMETHEUS_NAMES.values():
         assert name in samples or f"{name}_count" in samples, name
     assert samples["mmserve_requests_waiting"] == waiting
+    assert (samples["mmserve_request_preprocess_time_seconds_count"],
+            samples["mmserve_request_preprocess_time_seconds_sum"]) == (1, 0.25)   # r's only: `queued` has no media
     assert samples["mmserve_kv_cache_usage"] in (0.25, 0.5)  # one sample per pool (the last one wins here)
     assert samples["mmserve_prompt_tokens_total"] == 6
     assert samples["mmserve_multimodal_tokens_total"] == 4

@@ -23,6 +23,9 @@ from mmserve.multimodal.synthetic import make_clip
 GREEDY = dict(prompt="Describe the video.", max_tokens=12, temperature=0)
 TTFT_COUNT = "mmserve_time_to_first_token_seconds_count"
 TTFT_SUM = "mmserve_time_to_first_token_seconds_sum"
+QUEUE_SUM = "mmserve_request_queue_time_seconds_sum"
+PREPROCESS_COUNT = "mmserve_request_preprocess_time_seconds_count"
+PREPROCESS_SUM = "mmserve_request_preprocess_time_seconds_sum"
 
 
 @pytest.fixture(scope="module")
@@ -110,11 +113,17 @@ def test_animation_sent_as_a_video(client, fmt):
 
 def test_ttft_counts_from_arrival_with_decoding(served, client):
     """Timings start when the request arrives, before its video is decoded: TTFT and queue time
-    include preprocess_s, and the Prometheus histogram records the same TTFT (one more sample)."""
+    include preprocess_s, and the Prometheus histograms record the same TTFT, queue time and
+    preprocess time (one more sample each; a text-only request adds no preprocess sample)."""
     _, metrics, _ = served
     big = encode([np.random.default_rng(0).integers(0, 256, (360, 640, 3), dtype=np.uint8)] * 16, fps=8)
-    count = metrics.registry.get_sample_value(TTFT_COUNT) or 0.0
-    total = metrics.registry.get_sample_value(TTFT_SUM) or 0.0
+
+    def value(name: str) -> float:
+        return metrics.registry.get_sample_value(name) or 0.0
+
+    preprocessed, preprocess_total = value(PREPROCESS_COUNT), value(PREPROCESS_SUM)
+    client.generate(prompt="no media here", max_tokens=1)
+    count, total, queued = value(TTFT_COUNT), value(TTFT_SUM), value(QUEUE_SUM)
     result = client.generate(video=big, num_frames=8, **GREEDY)
     timings = result.timings
     assert timings.preprocess_s > 0
@@ -124,6 +133,9 @@ def test_ttft_counts_from_arrival_with_decoding(served, client):
     recorded = metrics.registry.get_sample_value(TTFT_SUM) - total
     assert recorded >= timings.preprocess_s
     assert recorded == pytest.approx(timings.time_to_first_token_s, abs=0.05)
+    assert value(QUEUE_SUM) - queued == pytest.approx(timings.queue_s, abs=0.05)
+    assert value(PREPROCESS_COUNT) == preprocessed + 1
+    assert value(PREPROCESS_SUM) - preprocess_total == pytest.approx(timings.preprocess_s, rel=1e-6)
 
 
 def test_the_warm_up_request_is_in_no_metric(served):

@@ -33,6 +33,7 @@ PROMETHEUS_NAMES = {
     "mmserve.time_per_output_token": "mmserve_time_per_output_token_seconds",
     "mmserve.e2e_request_latency": "mmserve_e2e_request_latency_seconds",
     "mmserve.request_queue_time": "mmserve_request_queue_time_seconds",
+    "mmserve.request_preprocess_time": "mmserve_request_preprocess_time_seconds",
     "mmserve.requests.running": "mmserve_requests_running",
     "mmserve.requests.waiting": "mmserve_requests_waiting",
     "mmserve.kv_cache.usage": "mmserve_kv_cache_usage",
@@ -115,8 +116,12 @@ class EngineMetrics:
                                           description="arrival to the request's end",
                                           explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
         self.queue_time = meter.create_histogram("mmserve.request_queue_time", unit="s",
-                                                 description="arrival to first schedule",
+                                                 description="arrival to first schedule (preprocessing included)",
                                                  explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
+        self.preprocess_time = meter.create_histogram(
+            "mmserve.request_preprocess_time", unit="s",
+            description="input processing of a request with images or video: decode, resize, patchify, prompt",
+            explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS)
         self.running = meter.create_gauge("mmserve.requests.running", description="requests in the running batch")
         self.waiting = meter.create_gauge("mmserve.requests.waiting",
                                           description="requests queued for admission (the HPA scales on this)")

@@ -137,6 +137,9 @@ class TelemetryObserver:
 
     def on_request_queued(self, request: Any) -> None:
         self._requests[request.request_id] = _RequestState(queued_monotonic=getattr(request, "arrival_time", time.monotonic()))
+        # Once per request with media (a sample of n > 1 shares its parent's preprocessing).
+        if self.metrics is not None and getattr(request, "mm_ranges", None) and getattr(request, "fork_of", None) is None:
+            self.metrics.preprocess_time.record(getattr(request, "preprocess_s", 0.0), context=_context(request))
 
     def on_step(self, record: Any) -> None:
         seconds = record.duration_s

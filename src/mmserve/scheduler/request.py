@@ -52,6 +52,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Any = None
     fork_of: str | None = None   # another sample of this request's prompt: admit on its KV blocks
+    preprocess_s: float = 0.0    # the front end's input processing, inside arrival_time's count (observers)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
