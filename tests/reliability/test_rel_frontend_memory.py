@@ -112,8 +112,8 @@ def _server_garbage(scenario) -> collections.Counter:
 
 
 def test_finished_and_refused_requests_leave_no_reference_cycles(mmserve_server):
-    """Served, undecodable, over the frame limit and refused by validation: each is freed by
-    reference counting alone (the server no longer collects per request). The session's server has
+    """Served, undecodable, over the frame limit, refused by validation, and an upload refused:
+    each is freed by reference counting alone (the server no longer collects per request). The session's server has
     the interceptor chain of `mmserve serve` (per-RPC metrics included)."""
     rng = np.random.default_rng(5)  # 2 s, keyframes every 0.5 s: 2 frames sampled, the decode stops mid-stream
     video = encode([rng.integers(0, 256, (64, 64, 3), dtype=np.uint8) for _ in range(48)], fps=24, gop=12)
@@ -128,6 +128,15 @@ def test_finished_and_refused_requests_leave_no_reference_cycles(mmserve_server)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-frames-per-video" in details
             code, details = await stream_status(stub.Generate(_request(video, temperature=-1.0)))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in details
+            upload = [pb.UploadMediaRequest(metadata=pb.UploadMetadata(mime_type="video/mp4", size_bytes=len(video),
+                                                                       sha256="0" * 64)),
+                      pb.UploadMediaRequest(chunk=video)]   # bytes that do not match the declared sha256
+            try:   # not pytest.raises: its ExceptionInfo and the error's traceback would be a cycle of the test's
+                await stub.UploadMedia(iter(upload))
+                code, details = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "sha256" in details
 
     ours = _server_garbage(lambda: asyncio.run(calls()))
     assert not ours, f"left in reference cycles: {dict(ours)}"
