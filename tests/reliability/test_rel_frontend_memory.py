@@ -142,8 +142,6 @@ def test_finished_and_refused_requests_leave_no_reference_cycles(mmserve_server)
     assert not ours, f"left in reference cycles: {dict(ours)}"
 
 
-@pytest.mark.xfail(strict=True, reason="server/rpc_metrics.py's stream wrapper keeps `error` (the "
-                   "CancelledError, whose traceback holds the handler's frames and request) in its own frame")
 def test_a_cancelled_request_leaves_no_reference_cycles(mmserve_server, make_video):
     video = make_video(seed=6, num_frames=4)
 

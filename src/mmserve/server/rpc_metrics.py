@@ -56,6 +56,7 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                     raise
                 finally:
                     count(rpc, _code(context, error))
+                    error = None   # its traceback holds this frame: a cycle keeping the request's frames
             return stream
 
         async def call(request, context):
@@ -67,4 +68,5 @@ class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
                 raise
             finally:
                 count(rpc, _code(context, error))
+                error = None
         return call
