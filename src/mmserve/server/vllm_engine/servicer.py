@@ -28,7 +28,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
 from mmserve.server.in_flight import InFlightRequests, caller_key
-from mmserve.server.status import abort_with
+from mmserve.server.status import abort_with, end_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, kv_events, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
@@ -90,7 +90,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
             self._in_flight.add(request_id, caller_key(context), sampling.params.n)
         except MMServeError as e:
-            await abort_with(context, e, request_id)
+            end_with(context, e, request_id)   # as mmserve.v1's Generate: no cycle keeps the request
+            return
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)
@@ -131,7 +132,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     yield outputs.complete(index, out, ids, logprobs if params.logprobs else None, prompt, with_top)
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
             error = e
-            await abort_with(context, e, request_id)
+            end_with(context, e, request_id)
         finally:
             finished = len(ends) == params.n
             if not finished and error is None:
@@ -142,6 +143,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 _describe(span, params, ends)
             end_request_span(span, error=error, cancelled=not finished and error is None)
             unbind_request(log_ids)
+            error = None   # its traceback holds this frame: a cycle keeping the request's media
 
     async def Abort(self, request: vpb.AbortRequest, context: grpc.aio.ServicerContext) -> vpb.AbortResponse:
         owner = caller_key(context)   # the caller's own requests only, as through mmserve.v1
