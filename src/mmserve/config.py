@@ -71,6 +71,11 @@ class EngineConfig:
                 "times faster (1.25x on 2 cores)"})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load, warm up and report ready", "min": 0})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the decoder is split over (Megatron tensor parallelism, torch.distributed: gloo on CPU, "
+                "nccl on CUDA); the engine process is rank 0 and spawns the others, one per device", "min": 1})
+    tensor_parallel_timeout_s: float = field(default=60.0, metadata={
+        "help": "how long a tensor-parallel collective may wait for a rank before the engine fails", "min": 1})
     # Multimodal limits (checked at the edge before any work starts).
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most", "min": 1})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request", "min": 1})

@@ -64,7 +64,8 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
 
-    threads = configure_torch_threads(engine_threads(config.engine_threads))
+    # Tensor-parallel ranks share the machine's cores (each worker rank takes its share too).
+    threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // config.tensor_parallel_size))
     parent = os.getppid()
     code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent)
     sys.exit(code)
@@ -82,9 +83,14 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
         sock.setsockopt(zmq.RCVHWM, 0)
     inputs.bind(addresses.inputs)
     outputs.connect(addresses.outputs)
+    tp = None
     try:
         try:
-            core, ready = _start(config, model, torch_threads)
+            if config.tensor_parallel_size > 1 and model is None:
+                from mmserve.engine.tensor_parallel import TensorParallelGroup
+
+                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel())
+            core, ready = _start(config, model, torch_threads, tp)
         except BaseException as exc:
             logger.exception("engine failed to start")
             outputs.send_multipart(serial.encode(EngineDead(f"the engine failed to start: {exc!r}")))
@@ -100,19 +106,31 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
             return 1
         return 0
     finally:
+        if tp is not None:
+            tp.close()
         inputs.close()
         outputs.close()
         ctx.term()
 
 
-def _start(config: EngineConfig, model, torch_threads: int):
+def _start(config: EngineConfig, model, torch_threads: int, tp=None):
+    """The core (with `tp`, a TensorParallelGroup: over rank 0's shard, its runner broadcasting each
+    step) and the READY message."""
     from pathlib import Path
 
     import torch
 
     from mmserve.engine.core import EngineCore
 
-    core = EngineCore(config, model=model)
+    if tp is None:
+        core = EngineCore(config, model=model)
+    else:
+        from mmserve.engine.tensor_parallel import load_rank_model
+        from mmserve.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+        core = EngineCore(config, model=load_rank_model(config, tp.group), tokenizer=tokenizer,
+                          runner_factory=tp.runner_factory)
     spec = core.model.spec
     ready = EngineReady(
         model_name=Path(config.model).name, backend=core.model.attention_backend,

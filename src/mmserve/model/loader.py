@@ -86,7 +86,8 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                                     tied=spec.tie_word_embeddings, ignore=_consumer_kv_weights(spec))
     model.eval()
     consumers = spec.num_layers - len(spec.kv_layer_types)
-    logger.info("loaded %s (%s): %d layers%s%s%s %s, %s on %s, %s attention in %.1fs", path, spec.model_type,
+    logger.info("loaded %s (%s)%s: %d layers%s%s%s %s, %s on %s, %s attention in %.1fs", path, spec.model_type,
+                f", tensor-parallel rank {parallel.rank} of {parallel.size}" if parallel.size > 1 else "",
                 spec.num_layers, f", {consumers} sharing KV (no cache)" if consumers else "",
                 ", per-layer embeddings" if spec.ple else "",
                 f", {spec.layers[0].moe.num_experts} experts top-{spec.layers[0].moe.top_k}" if spec.layers[0].moe else "",

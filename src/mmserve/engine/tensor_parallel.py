@@ -1,0 +1,278 @@
+"""Tensor parallelism in the engine: rank 0 (the engine process) and its spawned worker ranks.
+
+The core (scheduler, KV manager, sampler) runs on rank 0 alone. Each step, rank 0's runner
+(`TensorParallelRunner`, the same `execute(SchedulerOutput) -> StepResult` as ModelRunner) broadcasts
+one `StepMessage` of plain data, then every rank runs its own ordinary ModelRunner over its shard;
+the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 returns its result
+(logits already gathered over the vocab shards). A request's prompt, sampling parameters and pixels
+travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
+keep a mirror of those requests and rebuild each step's SchedulerOutput from it.
+
+A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
+`--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
+and the engine-crash path ends every request in flight with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.errors import EngineInternalError
+from mmserve.model.parallel import ParallelGroup, join_group
+from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop message
+# A worker waits for rank 0's next step as long as it takes (an idle server sends none); rank 0
+# gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
+WORKER_WAIT_S = 365 * 24 * 3600.0
+
+
+@dataclass
+class NewRequest:
+    """What a worker's runner reads of a request, sent the first step it is scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: object
+    mm_ranges: list[tuple[int, int]]
+    mm_inputs: list
+
+    @classmethod
+    def of(cls, r: Request) -> NewRequest:
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.mm_ranges, r.mm_inputs)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.mm_ranges, self.mm_inputs)
+
+
+@dataclass
+class StepMessage:
+    """One step for the workers. `scheduled`: each ScheduledRequest's fields but `request` (by id);
+    `outputs`: per scheduled request, its output tokens from index `start` on: every token the
+    workers lack or that changed (tokens past the request's computed ones, which a rollback may
+    replace), so each mirror holds rank 0's list; `rest`: SchedulerOutput's other fields."""
+
+    new: list[NewRequest] = field(default_factory=list)
+    outputs: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    scheduled: list[tuple[str, dict]] = field(default_factory=list)
+    rest: dict = field(default_factory=dict)
+
+
+def _fields(obj, skip: str) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != skip}
+
+
+class StepEncoder:
+    """Rank 0's side: what the workers already know, so each request's prompt travels once."""
+
+    def __init__(self) -> None:
+        self.sent_outputs: dict[str, int] = {}   # request id -> output tokens the workers have
+
+    def encode(self, out: SchedulerOutput) -> StepMessage:
+        msg = StepMessage(rest=_fields(out, "scheduled"))
+        for s in out.scheduled:
+            r, rid = s.request, s.request.request_id
+            if rid not in self.sent_outputs:
+                msg.new.append(NewRequest.of(r))
+                self.sent_outputs[rid] = 0
+            computed = max(0, s.num_computed_tokens - r.num_prompt_tokens)   # output tokens already in the KV cache
+            start = min(self.sent_outputs[rid], computed, len(r.output_token_ids))
+            msg.outputs[rid] = (start, r.output_token_ids[start:])
+            self.sent_outputs[rid] = len(r.output_token_ids)
+            msg.scheduled.append((rid, _fields(s, "request")))
+        for rid in out.finished_ids:
+            self.sent_outputs.pop(rid, None)
+        return msg
+
+
+class StepMirror:
+    """A worker's side: the requests rank 0 scheduled, rebuilt into SchedulerOutputs."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def decode(self, msg: StepMessage) -> SchedulerOutput:
+        for new in msg.new:
+            self.requests[new.request_id] = new.to_request()
+        for rid, (start, tokens) in msg.outputs.items():
+            out = self.requests[rid].output_token_ids
+            del out[start:]
+            out.extend(tokens)
+        scheduled = [ScheduledRequest(request=self.requests[rid], **rest) for rid, rest in msg.scheduled]
+        return SchedulerOutput(scheduled=scheduled, **msg.rest)
+
+    def forget(self, out: SchedulerOutput) -> None:
+        for rid in out.finished_ids:
+            self.requests.pop(rid, None)
+
+
+def _broadcast(obj=None):
+    """Rank 0 sends `obj`; every other rank returns what rank 0 sent."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r on CUDA (`cuda:N` offsets the group), the same CPU elsewhere."""
+    if device in ("auto", "cuda") and (device == "cuda" or torch.cuda.is_available()):
+        return f"cuda:{rank}"
+    if device.startswith("cuda:"):
+        return f"cuda:{int(device.split(':')[1]) + rank}"
+    return device
+
+
+def _backend(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def load_rank_model(config: EngineConfig, group: ParallelGroup):
+    """This rank's shard of the model, on this rank's device."""
+    from mmserve.attention import resolve_backend
+    from mmserve.model import load_model
+    from mmserve.model.loader import resolve_device
+
+    device = resolve_device(rank_device(config.device, group.rank))
+    return load_model(config.model, dtype=config.dtype, device=device,
+                      attention_backend=resolve_backend(config.attention_backend, device), parallel=group)
+
+
+def check_divisible(config: EngineConfig) -> None:
+    """Refuse a size the model cannot be split by (ShardingError naming the dimension) before any
+    process is spawned."""
+    from mmserve.model.parallel import local_spec
+    from mmserve.model.spec import load_spec
+
+    local_spec(load_spec(config.model), ParallelGroup(0, config.tensor_parallel_size))
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: starts the worker ranks, joins them, stops them."""
+
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO):
+        import multiprocessing
+
+        check_divisible(config)
+        self.config = config
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")   # the rendezvous file (no port to pick)
+        init_method = f"file://{self._dir}/rendezvous"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # one node: the ranks meet on loopback only
+        ctx = multiprocessing.get_context("spawn")
+        self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                                    args=(rank, config, init_method, log_level, os.getpid()))
+                        for rank in range(1, self.size)]
+        for w in self.workers:
+            w.start()
+        try:
+            self.group = join_group(0, self.size, init_method, backend=_backend(rank_device(config.device, 0)),
+                                    timeout_s=config.tensor_parallel_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.runner: TensorParallelRunner | None = None
+
+    def runner_factory(self, model, plans, config, *, max_model_len: int):
+        self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
+        return self.runner
+
+    def dead_ranks(self) -> list[str]:
+        return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
+                for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
+
+    def close(self) -> None:
+        """Stop the workers (a None step), wait for them, kill what does not exit."""
+        import torch.distributed as dist
+
+        if not self.dead_ranks() and dist.is_initialized():
+            try:
+                _broadcast(None)
+            except Exception:   # a rank already gone: the others end on their failed collective
+                logger.debug("stop message not delivered", exc_info=True)
+        for w in self.workers:
+            w.join(JOIN_TIMEOUT_S)
+            if w.is_alive():
+                logger.error("tensor-parallel %s did not stop; killing it", w.name)
+                w.kill()
+                w.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: broadcasts each step to the workers, then runs its own shard's ModelRunner.
+    Everything else (encoder cache, backend checks, ...) is the local runner's."""
+
+    def __init__(self, tp: TensorParallelGroup, model, plans, config: EngineConfig, *, max_model_len: int):
+        from mmserve.engine.model_runner import ModelRunner
+
+        self.tp = tp
+        self._encoder = StepEncoder()
+        self._call(lambda: _broadcast((plans, max_model_len)))
+        self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
+
+    def __getattr__(self, name: str):
+        if name == "local":   # not set yet: no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def _call(self, fn):
+        dead = self.tp.dead_ranks()
+        if dead:
+            raise EngineInternalError(f"tensor-parallel {', '.join(dead)} died")
+        try:
+            return fn()
+        except Exception as exc:
+            dead = self.tp.dead_ranks()
+            who = f"tensor-parallel {', '.join(dead)} died" if dead else "a tensor-parallel collective failed"
+            raise EngineInternalError(f"{who}: {exc}") from exc
+
+    def execute(self, out: SchedulerOutput):
+        msg = self._encoder.encode(out)
+        return self._call(lambda: (_broadcast(msg), self.local.execute(out))[1])
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, parent: int) -> None:
+    """A worker rank's process: join the group, load this rank's shard, then run every step rank 0
+    sends until it sends None (or its collective fails: rank 0 is gone)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
+                                                "%(name)s: %(message)s")
+    from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
+    from mmserve.engine.model_runner import ModelRunner
+
+    configure_torch_threads(max(1, engine_threads(config.engine_threads) // config.tensor_parallel_size))
+    try:
+        group = join_group(rank, config.tensor_parallel_size, init_method,
+                           backend=_backend(rank_device(config.device, rank)), timeout_s=WORKER_WAIT_S)
+        model = load_rank_model(config, group)
+        plans, max_model_len = _broadcast()
+        runner = ModelRunner(model, plans, config, max_model_len=max_model_len)
+        mirror = StepMirror()
+        while (msg := _broadcast()) is not None:
+            out = mirror.decode(msg)
+            runner.execute(out)
+            mirror.forget(out)
+    except Exception:
+        if os.getppid() == parent:
+            logger.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
