@@ -99,7 +99,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
             started(core)
         outputs.send_multipart(serial.encode(ready))
         try:
-            CoreLoop(core, inputs, outputs, parent_alive).run()
+            CoreLoop(core, inputs, outputs, parent_alive, tp.check_alive if tp is not None else None).run()
         except BaseException as exc:
             logger.exception("engine loop died")
             outputs.send_multipart(serial.encode(EngineDead(f"the engine loop failed: {exc!r}")))
@@ -144,8 +144,10 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
 
 
 class CoreLoop:
-    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool]):
+    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool],
+                 check_ranks: Callable[[], None] | None = None):
         self.core = core
+        self.check_ranks = check_ranks   # raises when a tensor-parallel worker rank is gone
         self.inputs = inputs
         self.outputs = outputs
         self.parent_alive = parent_alive
@@ -161,6 +163,8 @@ class CoreLoop:
             if not self.parent_alive():   # one getppid() per iteration: an orphaned core stops even mid-work
                 logger.error("the front end process is gone; the engine exits")
                 return
+            if self.check_ranks is not None:
+                self.check_ranks()
             if not core.has_work:
                 timeout = IDLE_POLL_MS
             else:

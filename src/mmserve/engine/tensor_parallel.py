@@ -22,12 +22,12 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.errors import EngineInternalError
 from mmserve.model.parallel import ParallelGroup, join_group
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import Request
@@ -38,6 +38,13 @@ JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop mess
 # A worker waits for rank 0's next step as long as it takes (an idle server sends none); rank 0
 # gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
 WORKER_WAIT_S = 365 * 24 * 3600.0
+EXIT_SEEN_S = 2.0   # after a failed collective, how long to wait for a dying rank's exit to be seen
+
+
+class RankLostError(BaseException):
+    """A worker rank died or stopped answering: the group is gone, not one step. Not an `Exception`,
+    so it passes the core's per-step handler (which fails only that step's requests) and ends the
+    core loop: the engine-crash path then fails every request in flight with UNAVAILABLE."""
 
 
 @dataclass
@@ -119,12 +126,13 @@ class StepMirror:
             self.requests.pop(rid, None)
 
 
-def _broadcast(obj=None):
-    """Rank 0 sends `obj`; every other rank returns what rank 0 sent."""
+def _broadcast(obj=None, group: ParallelGroup | None = None):
+    """Rank 0 sends `obj`; every other rank returns what rank 0 sent. Over `group` (the model's, with
+    the collective timeout), or else the default group (start-up's timeout)."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=None if group is None else group.group)
     return box[0]
 
 
@@ -179,13 +187,18 @@ class TensorParallelGroup:
                         for rank in range(1, self.size)]
         for w in self.workers:
             w.start()
+        self.failed = False   # a collective failed: the group is unusable, nothing more is sent
         try:
             self.group = join_group(0, self.size, init_method, backend=_backend(rank_device(config.device, 0)),
-                                    timeout_s=config.tensor_parallel_timeout_s)
+                                    timeout_s=config.tensor_parallel_timeout_s,
+                                    startup_timeout_s=config.engine_ready_timeout_s)
         except BaseException:
+            self.failed = True
             self.close()
             raise
         self.runner: TensorParallelRunner | None = None
+        for rank, w in enumerate(self.workers, start=1):
+            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
 
     def runner_factory(self, model, plans, config, *, max_model_len: int):
         self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
@@ -195,22 +208,46 @@ class TensorParallelGroup:
         return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
 
+    def check_alive(self) -> None:
+        """Raise naming every worker rank that has exited (the core loop calls it each iteration, so
+        a rank lost while the server is idle fails the engine too, not only the next step)."""
+        if dead := self.dead_ranks():
+            self.failed = True
+            raise RankLostError(f"tensor-parallel {', '.join(dead)} died")
+
+    def call(self, fn):
+        """Run `fn` (collectives with the workers); a failure names the dead ranks, or the hung one."""
+        self.check_alive()
+        try:
+            return fn()
+        except Exception as exc:
+            self.failed = True
+            deadline = time.monotonic() + EXIT_SEEN_S   # a killed rank's socket closes before it is reaped
+            while not (dead := self.dead_ranks()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            who = (f"tensor-parallel {', '.join(dead)} died" if dead else
+                   f"a tensor-parallel collective failed (a rank did not answer within "
+                   f"{self.config.tensor_parallel_timeout_s:g}s, or failed)")
+            raise RankLostError(f"{who}: {exc}") from exc
+
     def close(self) -> None:
-        """Stop the workers (a None step), wait for them, kill what does not exit."""
+        """Stop the workers (a None step) and wait for them; after a failure, or past the wait, kill them."""
         import torch.distributed as dist
 
-        if not self.dead_ranks() and dist.is_initialized():
+        if not self.failed and not self.dead_ranks() and dist.is_initialized():
             try:
-                _broadcast(None)
-            except Exception:   # a rank already gone: the others end on their failed collective
+                _broadcast(None, self.group)
+            except Exception:
+                self.failed = True
                 logger.debug("stop message not delivered", exc_info=True)
         for w in self.workers:
-            w.join(JOIN_TIMEOUT_S)
+            w.join(0 if self.failed else JOIN_TIMEOUT_S)
             if w.is_alive():
-                logger.error("tensor-parallel %s did not stop; killing it", w.name)
+                if not self.failed:
+                    logger.error("tensor-parallel %s did not stop; killing it", w.name)
                 w.kill()
                 w.join()
-        if dist.is_initialized():
+        if dist.is_initialized() and not self.failed:   # a failed group may never finish tearing down
             dist.destroy_process_group()
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -224,7 +261,7 @@ class TensorParallelRunner:
 
         self.tp = tp
         self._encoder = StepEncoder()
-        self._call(lambda: _broadcast((plans, max_model_len)))
+        tp.call(lambda: _broadcast((plans, max_model_len)))   # start-up: the worker may still be loading
         self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
 
     def __getattr__(self, name: str):
@@ -232,20 +269,14 @@ class TensorParallelRunner:
             raise AttributeError(name)
         return getattr(self.local, name)
 
-    def _call(self, fn):
-        dead = self.tp.dead_ranks()
-        if dead:
-            raise EngineInternalError(f"tensor-parallel {', '.join(dead)} died")
-        try:
-            return fn()
-        except Exception as exc:
-            dead = self.tp.dead_ranks()
-            who = f"tensor-parallel {', '.join(dead)} died" if dead else "a tensor-parallel collective failed"
-            raise EngineInternalError(f"{who}: {exc}") from exc
-
     def execute(self, out: SchedulerOutput):
         msg = self._encoder.encode(out)
-        return self._call(lambda: (_broadcast(msg), self.local.execute(out))[1])
+
+        def step():
+            _broadcast(msg, self.tp.group)
+            return self.local.execute(out)
+
+        return self.tp.call(step)
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, parent: int) -> None:
@@ -265,7 +296,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         plans, max_model_len = _broadcast()
         runner = ModelRunner(model, plans, config, max_model_len=max_model_len)
         mirror = StepMirror()
-        while (msg := _broadcast()) is not None:
+        while (msg := _broadcast(group=group)) is not None:
             out = mirror.decode(msg)
             runner.execute(out)
             mirror.forget(out)

@@ -67,17 +67,20 @@ class ParallelGroup:
 SINGLE = ParallelGroup()
 
 
-def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo",
-               timeout_s: float = 300.0) -> ParallelGroup:
+def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 300.0,
+               startup_timeout_s: float | None = None) -> ParallelGroup:
     """Join the torch.distributed group of `size` ranks (gloo on CPU, nccl on CUDA) at `init_method`
-    (tcp://host:port, file://path or env://); collectives that wait longer than `timeout_s` raise."""
+    (tcp://host:port, file://path or env://). The rendezvous and the default group (start-up hand-offs)
+    wait up to `startup_timeout_s` (processes start and load at their own pace); the returned group's
+    collectives, the model's, raise after `timeout_s`."""
     import datetime
 
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return ParallelGroup(rank, size)
+    startup = datetime.timedelta(seconds=startup_timeout_s or timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelGroup(rank, size, group)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,60 @@
+"""A worker rank of a real `mmserve serve --tensor-parallel-size 2` dies (kill -9) or hangs (SIGSTOP)
+mid-run: every stream in flight ends UNAVAILABLE naming what happened to the rank, within the
+collective timeout, and the server exits non-zero leaving no rank behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import time
+
+import grpc
+import pytest
+from rel_engine import read_stream, text_request
+from rel_process import ServeProcess, process_exists
+
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+
+TIMEOUT_S = 3   # --tensor-parallel-timeout-s: how long rank 0 waits for a hung rank
+WORKER_PID = re.compile(r"tensor-parallel rank 1: process (\d+) started")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, names", [(signal.SIGKILL, r"rank 1 \(pid \d+, exit code -9\) died"),
+                                        (signal.SIGSTOP, rf"did not answer within {TIMEOUT_S}s")])
+def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(sig, names, tiny_checkpoint):
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-num-seqs", "4",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2",
+                          "--tensor-parallel-timeout-s", str(TIMEOUT_S))
+    worker = None
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            nonlocal worker
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+                worker = int(WORKER_PID.search(server.log).group(1))
+                stub = pb_grpc.GenerationStub(ch)
+                calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
+                for call in calls:
+                    assert (await call.read()).delta.token_ids
+                os.kill(worker, sig)
+                lost = time.monotonic()
+                for call in calls:
+                    result = await read_stream(call)
+                    assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                    assert re.search(names, result.details) and result.final is None, result.details
+                assert time.monotonic() - lost < TIMEOUT_S + 15
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) != 0, server.log
+        assert not process_exists(worker), "the worker rank outlived the server"
+    finally:
+        server.stop()
+        if worker is not None:   # a failed run must not leave a stopped rank behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
