@@ -58,3 +58,23 @@ def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(sig, 
         if worker is not None:   # a failed run must not leave a stopped rank behind
             with contextlib.suppress(ProcessLookupError):
                 os.kill(worker, signal.SIGKILL)
+
+
+def test_a_size_the_model_cannot_split_is_refused_at_start_naming_the_dimension(tiny_checkpoint):
+    """The tiny checkpoint's vocabulary (320) does not split 3 ways: `serve` exits 1 before any rank
+    is spawned, and the log says which dimension."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "3")
+    try:
+        assert server.proc.wait(120) == 1, server.log
+        assert "vocab_size (320) is not divisible by --tensor-parallel-size 3" in server.log
+        assert "tensor-parallel rank" not in server.log
+    finally:
+        server.stop()
+
+
+def test_the_offline_llm_refuses_tensor_parallelism():
+    from mmserve import LLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs in the server's engine process"):
+        LLM(tensor_parallel_size=2)

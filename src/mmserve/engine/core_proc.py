@@ -86,7 +86,9 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
     tp = None
     try:
         try:
-            if config.tensor_parallel_size > 1 and model is None:
+            if config.tensor_parallel_size > 1:
+                if model is not None:
+                    raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
                 from mmserve.engine.tensor_parallel import TensorParallelGroup
 
                 tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel())

@@ -90,6 +90,8 @@ class StepEncoder:
 
     def encode(self, out: SchedulerOutput) -> StepMessage:
         msg = StepMessage(rest=_fields(out, "scheduled"))
+        for rid in out.finished_ids:   # first: a finished id may come back as a new request this step
+            self.sent_outputs.pop(rid, None)
         for s in out.scheduled:
             r, rid = s.request, s.request.request_id
             if rid not in self.sent_outputs:
@@ -100,8 +102,6 @@ class StepEncoder:
             msg.outputs[rid] = (start, r.output_token_ids[start:])
             self.sent_outputs[rid] = len(r.output_token_ids)
             msg.scheduled.append((rid, _fields(s, "request")))
-        for rid in out.finished_ids:
-            self.sent_outputs.pop(rid, None)
         return msg
 
 
@@ -112,6 +112,8 @@ class StepMirror:
         self.requests: dict[str, Request] = {}
 
     def decode(self, msg: StepMessage) -> SchedulerOutput:
+        for rid in msg.rest.get("finished_ids", ()):   # the runner frees them by id; the requests go now
+            self.requests.pop(rid, None)
         for new in msg.new:
             self.requests[new.request_id] = new.to_request()
         for rid, (start, tokens) in msg.outputs.items():
@@ -120,10 +122,6 @@ class StepMirror:
             out.extend(tokens)
         scheduled = [ScheduledRequest(request=self.requests[rid], **rest) for rid, rest in msg.scheduled]
         return SchedulerOutput(scheduled=scheduled, **msg.rest)
-
-    def forget(self, out: SchedulerOutput) -> None:
-        for rid in out.finished_ids:
-            self.requests.pop(rid, None)
 
 
 def _broadcast(obj=None, group: ParallelGroup | None = None):
@@ -297,9 +295,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         runner = ModelRunner(model, plans, config, max_model_len=max_model_len)
         mirror = StepMirror()
         while (msg := _broadcast(group=group)) is not None:
-            out = mirror.decode(msg)
-            runner.execute(out)
-            mirror.forget(out)
+            runner.execute(mirror.decode(msg))
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)
