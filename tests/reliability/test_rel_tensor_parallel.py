@@ -1,6 +1,6 @@
 """A worker rank of a real `mmserve serve --tensor-parallel-size 2` dies (kill -9) or hangs (SIGSTOP)
-mid-run: every stream in flight ends UNAVAILABLE naming what happened to the rank, within the
-collective timeout, and the server exits non-zero leaving no rank behind."""
+mid-run, or rank 0 (the engine process) is killed: every stream in flight ends UNAVAILABLE naming
+what happened, within the collective timeout, and the server exits non-zero leaving no rank behind."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ WORKER_PID = re.compile(r"tensor-parallel rank 1: process (\d+) started")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig, names", [(signal.SIGKILL, r"rank 1 \(pid \d+, exit code -9\) died"),
-                                        (signal.SIGSTOP, rf"did not answer within {TIMEOUT_S}s")])
-def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(sig, names, tiny_checkpoint):
+@pytest.mark.parametrize("victim, sig, names", [
+    ("worker", signal.SIGKILL, r"rank 1 \(pid \d+, exit code -9\) died"),
+    ("worker", signal.SIGSTOP, rf"did not answer within {TIMEOUT_S}s"),
+    ("engine", signal.SIGKILL, "killed by SIGKILL")])
+def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(victim, sig, names, tiny_checkpoint):
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-num-seqs", "4",
                           "--worker-threads", "1", "--tensor-parallel-size", "2",
                           "--tensor-parallel-timeout-s", str(TIMEOUT_S))
@@ -42,7 +44,7 @@ def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(sig, 
                 calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
                 for call in calls:
                     assert (await call.read()).delta.token_ids
-                os.kill(worker, sig)
+                os.kill(worker if victim == "worker" else server.engine_pid, sig)
                 lost = time.monotonic()
                 for call in calls:
                     result = await read_stream(call)

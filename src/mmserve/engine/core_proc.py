@@ -67,12 +67,14 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
     # Tensor-parallel ranks share the machine's cores (each worker rank takes its share too).
     threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // config.tensor_parallel_size))
     parent = os.getppid()
-    code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent)
+    code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
+                    log_format=log_format)
     sys.exit(code)
 
 
 def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torch_threads: int = 0,
-             parent_alive: Callable[[], bool] = lambda: True, started: Callable | None = None) -> int:
+             parent_alive: Callable[[], bool] = lambda: True, started: Callable | None = None,
+             log_format: str = "text") -> int:
     """Connect, build the core, send READY (or why not), serve until Shutdown. Returns the exit code."""
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -91,7 +93,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
                     raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
                 from mmserve.engine.tensor_parallel import TensorParallelGroup
 
-                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel())
+                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel(), log_format)
             core, ready = _start(config, model, torch_threads, tp)
         except BaseException as exc:
             logger.exception("engine failed to start")

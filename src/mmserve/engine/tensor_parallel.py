@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop mess
 # A worker waits for rank 0's next step as long as it takes (an idle server sends none); rank 0
 # gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
 WORKER_WAIT_S = 365 * 24 * 3600.0
+ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
 EXIT_SEEN_S = 2.0   # after a failed collective, how long to wait for a dying rank's exit to be seen
 
 
@@ -170,7 +172,7 @@ def check_divisible(config: EngineConfig) -> None:
 class TensorParallelGroup:
     """Rank 0's handle on the group: starts the worker ranks, joins them, stops them."""
 
-    def __init__(self, config: EngineConfig, log_level: int = logging.INFO):
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text"):
         import multiprocessing
 
         check_divisible(config)
@@ -181,7 +183,7 @@ class TensorParallelGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # one node: the ranks meet on loopback only
         ctx = multiprocessing.get_context("spawn")
         self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
-                                    args=(rank, config, init_method, log_level, os.getpid()))
+                                    args=(rank, config, init_method, log_level, log_format, os.getpid()))
                         for rank in range(1, self.size)]
         for w in self.workers:
             w.start()
@@ -277,12 +279,28 @@ class TensorParallelRunner:
         return self.tp.call(step)
 
 
-def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, parent: int) -> None:
+def _exit_when_orphaned(parent: int) -> None:
+    """Exit as soon as rank 0's process is gone: a gloo wait does not always end when its peer dies
+    (a rank blocked in the rendezvous, or in a receive, was seen to outlive it)."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_S)
+    os._exit(1)
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, log_format: str,
+                parent: int) -> None:
     """A worker rank's process: join the group, load this rank's shard, then run every step rank 0
-    sends until it sends None (or its collective fails: rank 0 is gone)."""
+    sends until it sends None (or its collective fails: rank 0 is gone). Logs like the engine
+    process, to the stderr they share."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
-                                                "%(name)s: %(message)s")
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="tp-parent-watch", daemon=True).start()
+    if log_format == "json":
+        from mmserve.logs import configure_logging
+
+        configure_logging(logging.getLevelName(log_level), "json")
+    else:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
+                                                    "%(name)s: %(message)s")
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
     from mmserve.engine.model_runner import ModelRunner
 
