@@ -1,7 +1,8 @@
 """Tensor parallelism of the decoder: TP=2 over two real gloo processes gives TP=1's logits.
 
 Fresh random tiny checkpoints of each variant (dense with K=V full layers whose single KV head is
-replicated, E-style with per-layer embeddings and KV sharing, MoE with the experts split, unified);
+replicated, E-style with per-layer embeddings and KV sharing, MoE with the experts split, unified,
+an untied head without soft-cap);
 a chunked prefill whose chunks carry an image and video frames, then decode steps. One spawn of
 two ranks for the whole module (`tp2_runs`); each rank loads only its shard (checked by the bytes
 it read against the bytes it holds).
@@ -9,6 +10,7 @@ it read against the bytes it holds).
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 
@@ -35,8 +37,17 @@ from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import TextTokenizer
 from mmserve.model.vision import pad_patches
 
+
+def untied_config() -> dict:
+    """A separate (vocab-parallel) lm_head without soft-cap, separate V projections, causal frames."""
+    cfg = tiny_config(window=5, attention_k_eq_v=False, use_bidirectional_attention=None,
+                      final_logit_softcapping=None, tie_word_embeddings=False)
+    cfg["tie_word_embeddings"] = False
+    return cfg
+
+
 VARIANTS = {"dense": (tiny_config, False), "e_style": (e_model_config, False), "moe": (moe_config, False),
-            "unified": (unified_config, True)}
+            "unified": (unified_config, True), "untied": (untied_config, False)}
 
 
 def run_steps(model, layout, chunk_end: int, decode_ids: list[int]) -> torch.Tensor:
@@ -147,3 +158,39 @@ def test_sizes_that_do_not_divide_are_refused(variant, size, dimension, tp_cases
     _, cases = tp_cases
     with pytest.raises(ShardingError, match=re.escape(dimension)):
         local_spec(load_spec(cases[variant][0]), ParallelGroup(0, size))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_shards_sum_to_all_experts(grouped, monkeypatch):
+    """Each rank's experts (a contiguous half) give their share of the routed sum; the two shares add
+    up to the unsplit layer's output, on the CPU loop and on the CUDA grouped-GEMM path (forced; it
+    must still read nothing on the host). The collective itself is the all-reduce the spawned tests
+    above exercise; here the shares are summed directly."""
+    from test_model_moe import NoHostRead, NoHostSync
+
+    from mmserve.model import moe as moe_module
+    from mmserve.model.moe import Experts, Router
+    from mmserve.model.spec import MoeSpec
+
+    hidden, moe = 24, MoeSpec(num_experts=6, top_k=3, intermediate=16)
+    whole = Experts(hidden, moe)
+    router = Router(hidden, moe, 1e-6)
+    with torch.no_grad():
+        for p in list(whole.parameters()) + list(router.parameters()):
+            p.normal_(0, 0.3)
+        x = torch.randn(random.randint(1, 20), hidden)
+        weights, experts = router(x)
+        reference = whole(x, weights, experts)
+        shares = []
+        for rank in range(2):
+            part = Experts(hidden, moe, ParallelGroup(rank, 2))
+            part.gate_up_proj.copy_(whole.gate_up_proj[3 * rank:3 * rank + 3])
+            part.down_proj.copy_(whole.down_proj[3 * rank:3 * rank + 3])
+            monkeypatch.setattr(moe_module, "uses_grouped_mm", lambda t: grouped)
+            with NoHostRead() if grouped else contextlib.nullcontext(), \
+                    NoHostSync() if grouped else contextlib.nullcontext():
+                shares.append(part(x, weights, experts))
+            monkeypatch.undo()
+            mine = set(experts.flatten().tolist()) & set(range(3 * rank, 3 * rank + 3))
+            assert int(part.touched) == len(mine)
+    torch.testing.assert_close(shares[0] + shares[1], reference, rtol=1e-5, atol=1e-6)
