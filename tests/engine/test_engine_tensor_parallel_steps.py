@@ -9,6 +9,7 @@ from __future__ import annotations
 import pickle
 import random
 
+import pytest
 import torch
 
 from mmserve.engine.sampling_params import SamplingParams
@@ -64,3 +65,17 @@ def test_the_mirror_reads_like_rank_0_step_after_step():
     assert mirror.requests["b"].prompt_token_ids == b2.prompt_token_ids
     send(SchedulerOutput([], finished_ids=["a", "b"]))
     assert not mirror.requests and not encoder.sent_outputs
+
+
+def test_a_worker_runner_is_sized_like_rank_0_and_refuses_another_dtype():
+    from mmserve.config import EngineConfig
+    from mmserve.engine.tensor_parallel import runner_config
+
+    leader = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
+                          tensor_parallel_size=2, nnodes=2)
+    own = EngineConfig(model="/elsewhere", device="cpu", dtype="float32", max_num_seqs=1, node_rank=1,
+                       tensor_parallel_size=2, nnodes=2)
+    sized = runner_config(own, leader)
+    assert (sized.max_num_seqs, sized.max_num_batched_tokens, sized.model, sized.node_rank) == (4, 256, "/elsewhere", 1)
+    with pytest.raises(ValueError, match="--dtype bfloat16 differs from rank 0's float32"):
+        runner_config(EngineConfig(device="cpu", dtype="bfloat16"), leader)

@@ -9,6 +9,9 @@ import contextlib
 import os
 import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -80,3 +83,55 @@ def test_the_offline_llm_refuses_tensor_parallelism():
 
     with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs in the server's engine process"):
         LLM(tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch):
+    """`mmserve serve --nnodes 2` (node 0: rank 0) and `mmserve worker --node-rank 1` (rank 1) meet
+    through MASTER_ADDR/MASTER_PORT, here both on 127.0.0.1; greedy tokens equal the offline TP=1
+    engine's for the same prompt; stopping the server ends the worker node with exit 0."""
+    from mmserve import LLM
+    from mmserve.clients import Client
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.model.messages import ChatMessage
+    from mmserve.model.prompt import build_prompt
+    from mmserve.model.spec import load_spec
+    from mmserve.model.tokenizer import load_tokenizer
+
+    with socket.socket() as s:   # a free port for node 0's TCP store (ephemeral, loopback)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2")
+    server = ServeProcess("--port", "0", "--max-num-seqs", "4", "--worker-threads", "1", *group)
+    # the worker's own step sizes differ: its runner is sized by rank 0's (runner_config)
+    worker = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "worker", *group, "--node-rank", "1",
+                               "--max-num-seqs", "1", "--max-num-batched-tokens", "16"],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+
+        asyncio.run(scenario())
+        with Client(f"127.0.0.1:{port}", timeout=120) as client:
+            served = client.generate(prompt="go on", max_tokens=8, temperature=0, ignore_eos=True)
+        assert not WORKER_PID.search(server.log)   # node 0 spawned no rank: rank 1 is the other node's
+        ids = build_prompt(load_tokenizer(tiny_checkpoint), load_spec(tiny_checkpoint),
+                           [ChatMessage("user", ["go on"])]).token_ids
+        [ref] = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32").generate(
+            [ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert served.usage.prompt_tokens == len(ids)
+        assert list(served.token_ids) == ref.token_ids
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log
+        assert worker.wait(60) == 0, worker.stdout.read()
+    finally:
+        server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

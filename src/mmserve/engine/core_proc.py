@@ -64,8 +64,9 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
 
-    # Tensor-parallel ranks share the machine's cores (each worker rank takes its share too).
-    threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // config.tensor_parallel_size))
+    # Tensor-parallel ranks share their node's cores (each worker rank takes its share too).
+    ranks_here = max(1, config.tensor_parallel_size // config.nnodes)
+    threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_here))
     parent = os.getppid()
     code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
                     log_format=log_format)
@@ -88,7 +89,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
     tp = None
     try:
         try:
-            if config.tensor_parallel_size > 1:
+            if config.tensor_parallel_size > 1 or config.nnodes > 1:
                 if model is not None:
                     raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
                 from mmserve.engine.tensor_parallel import TensorParallelGroup

@@ -136,13 +136,31 @@ def _broadcast(obj=None, group: ParallelGroup | None = None):
     return box[0]
 
 
-def rank_device(device: str, rank: int) -> str:
-    """Rank r's device: cuda:r on CUDA (`cuda:N` offsets the group), the same CPU elsewhere."""
+def ranks_per_node(config: EngineConfig) -> int:
+    return config.tensor_parallel_size // config.nnodes
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """Rank r's device: cuda:(r mod ranks per node) on CUDA (`cuda:N` offsets them), the CPU elsewhere."""
+    device, local = config.device, rank % ranks_per_node(config)
     if device in ("auto", "cuda") and (device == "cuda" or torch.cuda.is_available()):
-        return f"cuda:{rank}"
+        return f"cuda:{local}"
     if device.startswith("cuda:"):
-        return f"cuda:{int(device.split(':')[1]) + rank}"
+        return f"cuda:{int(device.split(':')[1]) + local}"
     return device
+
+
+def rendezvous(config: EngineConfig, private_dir: str) -> str:
+    """Where the ranks meet: one node, a file in a private directory (no port to pick, loopback only);
+    several, the standard torch.distributed env (MASTER_ADDR:MASTER_PORT, node 0's TCP store)."""
+    if config.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return f"file://{private_dir}/rendezvous"
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"--nnodes {config.nnodes}: set {' and '.join(missing)} (node 0's address and a free "
+                         "port) on every node")
+    return "env://"
 
 
 def _backend(device: str) -> str:
@@ -155,7 +173,7 @@ def load_rank_model(config: EngineConfig, group: ParallelGroup):
     from mmserve.model import load_model
     from mmserve.model.loader import resolve_device
 
-    device = resolve_device(rank_device(config.device, group.rank))
+    device = resolve_device(rank_device(config, group.rank))
     return load_model(config.model, dtype=config.dtype, device=device,
                       attention_backend=resolve_backend(config.attention_backend, device), parallel=group)
 
@@ -166,6 +184,11 @@ def check_divisible(config: EngineConfig) -> None:
     from mmserve.model.parallel import local_spec
     from mmserve.model.spec import load_spec
 
+    if config.tensor_parallel_size % config.nnodes:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} is not divisible by "
+                         f"--nnodes {config.nnodes}")
+    if config.node_rank >= config.nnodes:
+        raise ValueError(f"--node-rank {config.node_rank}: there are only --nnodes {config.nnodes}")
     local_spec(load_spec(config.model), ParallelGroup(0, config.tensor_parallel_size))
 
 
@@ -176,20 +199,21 @@ class TensorParallelGroup:
         import multiprocessing
 
         check_divisible(config)
+        if config.node_rank != 0:
+            raise ValueError(f"--node-rank {config.node_rank}: `mmserve serve` is node 0; run `mmserve worker` there")
         self.config = config
         self.size = config.tensor_parallel_size
         self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")   # the rendezvous file (no port to pick)
-        init_method = f"file://{self._dir}/rendezvous"
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")   # one node: the ranks meet on loopback only
+        init_method = rendezvous(config, self._dir)
         ctx = multiprocessing.get_context("spawn")
         self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
                                     args=(rank, config, init_method, log_level, log_format, os.getpid()))
-                        for rank in range(1, self.size)]
+                        for rank in range(1, ranks_per_node(config))]   # this node's other ranks
         for w in self.workers:
             w.start()
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
         try:
-            self.group = join_group(0, self.size, init_method, backend=_backend(rank_device(config.device, 0)),
+            self.group = join_group(0, self.size, init_method, backend=_backend(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
                                     startup_timeout_s=config.engine_ready_timeout_s)
         except BaseException:
@@ -261,7 +285,8 @@ class TensorParallelRunner:
 
         self.tp = tp
         self._encoder = StepEncoder()
-        tp.call(lambda: _broadcast((plans, max_model_len)))   # start-up: the worker may still be loading
+        # start-up: the workers may still be loading; they size their runners by rank 0's config
+        tp.call(lambda: _broadcast((plans, max_model_len, config)))
         self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
 
     def __getattr__(self, name: str):
@@ -277,6 +302,49 @@ class TensorParallelRunner:
             return self.local.execute(out)
 
         return self.tp.call(step)
+
+
+def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
+    """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0)
+    or one of them fails (the others are killed, 1)."""
+    import multiprocessing
+
+    check_divisible(config)
+    if config.node_rank == 0:
+        raise ValueError("--node-rank 0 is `mmserve serve`'s node; give a worker node 1 .. nnodes - 1")
+    init_method = rendezvous(config, "")
+    ctx = multiprocessing.get_context("spawn")
+    first = config.node_rank * ranks_per_node(config)
+    ranks = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                         args=(rank, config, init_method, log_level, log_format, os.getpid()))
+             for rank in range(first, first + ranks_per_node(config))]
+    for p in ranks:
+        p.start()
+        logger.info("tensor-parallel rank %s: process %d started", p.name.removeprefix("mmserve-tp-rank"), p.pid)
+    while ranks:
+        for p in list(ranks):
+            p.join(ORPHAN_POLL_S)
+            if p.exitcode is None:
+                continue
+            ranks.remove(p)
+            if p.exitcode != 0:
+                logger.error("%s exited with code %s; stopping this node's other ranks", p.name, p.exitcode)
+                for other in ranks:
+                    other.kill()
+                    other.join()
+                return 1
+    return 0
+
+
+def runner_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
+    """A worker's runner is sized like rank 0's (step budgets, batch, blocks: another node's
+    `mmserve worker` flags may differ); what its model was loaded with must match rank 0's."""
+    for name in ("dtype", "attention_backend", "compile_dense"):
+        if getattr(own, name) != getattr(leader, name):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(own, name)} differs from rank 0's "
+                             f"{getattr(leader, name)}: give every node the same engine flags")
+    return dataclasses.replace(leader, model=own.model, device=own.device, node_rank=own.node_rank,
+                               engine_threads=own.engine_threads)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -304,13 +372,13 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
     from mmserve.engine.model_runner import ModelRunner
 
-    configure_torch_threads(max(1, engine_threads(config.engine_threads) // config.tensor_parallel_size))
+    configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_per_node(config)))
     try:
         group = join_group(rank, config.tensor_parallel_size, init_method,
-                           backend=_backend(rank_device(config.device, rank)), timeout_s=WORKER_WAIT_S)
+                           backend=_backend(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
         model = load_rank_model(config, group)
-        plans, max_model_len = _broadcast()
-        runner = ModelRunner(model, plans, config, max_model_len=max_model_len)
+        plans, max_model_len, leader = _broadcast()
+        runner = ModelRunner(model, plans, runner_config(config, leader), max_model_len=max_model_len)
         mirror = StepMirror()
         while (msg := _broadcast(group=group)) is not None:
             runner.execute(mirror.decode(msg))
