@@ -135,3 +135,24 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+@pytest.mark.slow
+def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
+    """No request in flight: the core loop's per-iteration check of the ranks notices the dead worker
+    (within its 0.5 s idle poll) and the server exits 1 naming it, rather than failing the next request."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2")
+    try:
+        port = server.wait_port(180)
+
+        async def serving():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+
+        asyncio.run(serving())
+        os.kill(int(WORKER_PID.search(server.log).group(1)), signal.SIGKILL)
+        assert server.proc.wait(30) == 1, server.log
+        assert re.search(r"tensor-parallel rank 1 \(pid \d+, exit code -9\) died", server.log), server.log
+    finally:
+        server.stop()
