@@ -163,8 +163,13 @@ def rendezvous(config: EngineConfig, private_dir: str) -> str:
     return "env://"
 
 
-def _backend(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+def _use_device(device: str) -> str:
+    """The collective backend for a rank's device; on CUDA the device is made current first (NCCL
+    and broadcast_object_list use the current device, which would be cuda:0 on every rank)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        return "nccl"
+    return "gloo"
 
 
 def load_rank_model(config: EngineConfig, group: ParallelGroup):
@@ -213,7 +218,7 @@ class TensorParallelGroup:
             w.start()
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
         try:
-            self.group = join_group(0, self.size, init_method, backend=_backend(rank_device(config, 0)),
+            self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
                                     startup_timeout_s=config.engine_ready_timeout_s)
         except BaseException:
@@ -375,7 +380,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_per_node(config)))
     try:
         group = join_group(rank, config.tensor_parallel_size, init_method,
-                           backend=_backend(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
+                           backend=_use_device(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
         model = load_rank_model(config, group)
         plans, max_model_len, leader = _broadcast()
         runner = ModelRunner(model, plans, runner_config(config, leader), max_model_len=max_model_len)
