@@ -1,4 +1,4 @@
-"""What a tensor-parallel worker rebuilds from rank 0's step messages (engine/tensor_parallel.py):
+"""What a tensor-parallel worker rebuilds from rank 0's step messages (engine/tensor_parallel_steps.py):
 through pickling, as broadcast_object_list sends them, each step's SchedulerOutput must read the
 same to the runner as rank 0's: the chunk's tokens, `num_tokens`/`samples`, frames, block updates,
 the pixels; across decode, preemption and recompute, a rollback that replaces output tokens, and a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.engine.tensor_parallel import StepEncoder, StepMirror
+from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.scheduler.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import MultiModalInput, Request
 

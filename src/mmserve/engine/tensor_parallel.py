@@ -24,14 +24,13 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.model.parallel import ParallelGroup, join_group
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -47,83 +46,6 @@ class RankLostError(BaseException):
     """A worker rank died or stopped answering: the group is gone, not one step. Not an `Exception`,
     so it passes the core's per-step handler (which fails only that step's requests) and ends the
     core loop: the engine-crash path then fails every request in flight with UNAVAILABLE."""
-
-
-@dataclass
-class NewRequest:
-    """What a worker's runner reads of a request, sent the first step it is scheduled."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: object
-    mm_ranges: list[tuple[int, int]]
-    mm_inputs: list
-
-    @classmethod
-    def of(cls, r: Request) -> NewRequest:
-        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.mm_ranges, r.mm_inputs)
-
-    def to_request(self) -> Request:
-        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.mm_ranges, self.mm_inputs)
-
-
-@dataclass
-class StepMessage:
-    """One step for the workers. `scheduled`: each ScheduledRequest's fields but `request` (by id);
-    `outputs`: per scheduled request, its output tokens from index `start` on: every token the
-    workers lack or that changed (tokens past the request's computed ones, which a rollback may
-    replace), so each mirror holds rank 0's list; `rest`: SchedulerOutput's other fields."""
-
-    new: list[NewRequest] = field(default_factory=list)
-    outputs: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-    scheduled: list[tuple[str, dict]] = field(default_factory=list)
-    rest: dict = field(default_factory=dict)
-
-
-def _fields(obj, skip: str) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != skip}
-
-
-class StepEncoder:
-    """Rank 0's side: what the workers already know, so each request's prompt travels once."""
-
-    def __init__(self) -> None:
-        self.sent_outputs: dict[str, int] = {}   # request id -> output tokens the workers have
-
-    def encode(self, out: SchedulerOutput) -> StepMessage:
-        msg = StepMessage(rest=_fields(out, "scheduled"))
-        for rid in out.finished_ids:   # first: a finished id may come back as a new request this step
-            self.sent_outputs.pop(rid, None)
-        for s in out.scheduled:
-            r, rid = s.request, s.request.request_id
-            if rid not in self.sent_outputs:
-                msg.new.append(NewRequest.of(r))
-                self.sent_outputs[rid] = 0
-            computed = max(0, s.num_computed_tokens - r.num_prompt_tokens)   # output tokens already in the KV cache
-            start = min(self.sent_outputs[rid], computed, len(r.output_token_ids))
-            msg.outputs[rid] = (start, r.output_token_ids[start:])
-            self.sent_outputs[rid] = len(r.output_token_ids)
-            msg.scheduled.append((rid, _fields(s, "request")))
-        return msg
-
-
-class StepMirror:
-    """A worker's side: the requests rank 0 scheduled, rebuilt into SchedulerOutputs."""
-
-    def __init__(self) -> None:
-        self.requests: dict[str, Request] = {}
-
-    def decode(self, msg: StepMessage) -> SchedulerOutput:
-        for rid in msg.rest.get("finished_ids", ()):   # the runner frees them by id; the requests go now
-            self.requests.pop(rid, None)
-        for new in msg.new:
-            self.requests[new.request_id] = new.to_request()
-        for rid, (start, tokens) in msg.outputs.items():
-            out = self.requests[rid].output_token_ids
-            del out[start:]
-            out.extend(tokens)
-        scheduled = [ScheduledRequest(request=self.requests[rid], **rest) for rid, rest in msg.scheduled]
-        return SchedulerOutput(scheduled=scheduled, **msg.rest)
 
 
 def _broadcast(obj=None, group: ParallelGroup | None = None):
