@@ -17,6 +17,7 @@ Serve a Gemma 4 video+text model over gRPC, and talk to it.
   mmserve generate --prompt ... --video clip.mp4
                                       ask a running server about a video (or an image)
   mmserve demo                        a first run: start, ask, print, stop
+  mmserve worker --node-rank 1 ...    a further node's ranks of a multi-node tensor-parallel group
 
 `mmserve SUBCOMMAND --help` lists a subcommand's flags; --log-level and --log-format may be given
 before or after the subcommand.
@@ -32,6 +33,7 @@ SUBCOMMANDS = {
     "perf": "mmserve.metrics.cli",
     "demo-video": "mmserve.multimodal.synthetic",
     "eval-demo": "mmserve.clients.eval_demo",
+    "worker": "mmserve.engine.worker_cli",
 }
 
 

@@ -71,6 +71,16 @@ class EngineConfig:
                 "times faster (1.25x on 2 cores)"})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load, warm up and report ready", "min": 0})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "ranks the decoder is split over (Megatron tensor parallelism, torch.distributed: gloo on CPU, "
+                "nccl on CUDA); the engine process is rank 0 and spawns the others, one per device", "min": 1})
+    tensor_parallel_timeout_s: float = field(default=60.0, metadata={
+        "help": "how long a tensor-parallel collective may wait for a rank before the engine fails", "min": 1})
+    nnodes: int = field(default=1, metadata={
+        "help": "nodes the tensor-parallel group spans (each runs tensor_parallel_size / nnodes ranks); above 1 "
+                "the ranks meet at MASTER_ADDR:MASTER_PORT and nodes 1.. run `mmserve worker`", "min": 1})
+    node_rank: int = field(default=0, metadata={
+        "help": "this node's index in a multi-node group: 0 is `mmserve serve`, 1..nnodes-1 `mmserve worker`", "min": 0})
     # Multimodal limits (checked at the edge before any work starts).
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most", "min": 1})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request", "min": 1})

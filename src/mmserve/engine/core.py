@@ -63,9 +63,10 @@ def load_engine_model(config: EngineConfig):
 
 class EngineCore:
     """`tokenizer` (the checkpoint's) builds structured-output masks; without one, requests with a
-    response_format are refused."""
+    response_format are refused. `runner_factory` builds the runner (ModelRunner's signature; the
+    tensor-parallel rank 0 passes its own, engine/tensor_parallel.py)."""
 
-    def __init__(self, config: EngineConfig, *, model=None, tokenizer=None):
+    def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
@@ -85,7 +86,7 @@ class EngineCore:
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    max_waiting_requests=config.max_waiting_requests,
                                    policy=config.scheduling_policy)
-        self.runner = ModelRunner(model, plans, config, max_model_len=self.max_model_len)
+        self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),

@@ -64,14 +64,18 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
 
-    threads = configure_torch_threads(engine_threads(config.engine_threads))
+    # Tensor-parallel ranks share their node's cores (each worker rank takes its share too).
+    ranks_here = max(1, config.tensor_parallel_size // config.nnodes)
+    threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_here))
     parent = os.getppid()
-    code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent)
+    code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
+                    log_format=log_format)
     sys.exit(code)
 
 
 def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torch_threads: int = 0,
-             parent_alive: Callable[[], bool] = lambda: True, started: Callable | None = None) -> int:
+             parent_alive: Callable[[], bool] = lambda: True, started: Callable | None = None,
+             log_format: str = "text") -> int:
     """Connect, build the core, send READY (or why not), serve until Shutdown. Returns the exit code."""
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -82,9 +86,16 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
         sock.setsockopt(zmq.RCVHWM, 0)
     inputs.bind(addresses.inputs)
     outputs.connect(addresses.outputs)
+    tp = None
     try:
         try:
-            core, ready = _start(config, model, torch_threads)
+            if config.tensor_parallel_size > 1 or config.nnodes > 1:
+                if model is not None:
+                    raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
+                from mmserve.engine.tensor_parallel import TensorParallelGroup
+
+                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel(), log_format)
+            core, ready = _start(config, model, torch_threads, tp)
         except BaseException as exc:
             logger.exception("engine failed to start")
             outputs.send_multipart(serial.encode(EngineDead(f"the engine failed to start: {exc!r}")))
@@ -93,26 +104,38 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
             started(core)
         outputs.send_multipart(serial.encode(ready))
         try:
-            CoreLoop(core, inputs, outputs, parent_alive).run()
+            CoreLoop(core, inputs, outputs, parent_alive, tp.check_alive if tp is not None else None).run()
         except BaseException as exc:
             logger.exception("engine loop died")
             outputs.send_multipart(serial.encode(EngineDead(f"the engine loop failed: {exc!r}")))
             return 1
         return 0
     finally:
+        if tp is not None:
+            tp.close()
         inputs.close()
         outputs.close()
         ctx.term()
 
 
-def _start(config: EngineConfig, model, torch_threads: int):
+def _start(config: EngineConfig, model, torch_threads: int, tp=None):
+    """The core (with `tp`, a TensorParallelGroup: over rank 0's shard, its runner broadcasting each
+    step) and the READY message."""
     from pathlib import Path
 
     import torch
 
     from mmserve.engine.core import EngineCore
 
-    core = EngineCore(config, model=model)
+    if tp is None:
+        core = EngineCore(config, model=model)
+    else:
+        from mmserve.engine.tensor_parallel import load_rank_model
+        from mmserve.model.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
+        core = EngineCore(config, model=load_rank_model(config, tp.group), tokenizer=tokenizer,
+                          runner_factory=tp.runner_factory)
     spec = core.model.spec
     ready = EngineReady(
         model_name=Path(config.model).name, backend=core.model.attention_backend,
@@ -126,8 +149,10 @@ def _start(config: EngineConfig, model, torch_threads: int):
 
 
 class CoreLoop:
-    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool]):
+    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool],
+                 check_ranks: Callable[[], None] | None = None):
         self.core = core
+        self.check_ranks = check_ranks   # raises when a tensor-parallel worker rank is gone
         self.inputs = inputs
         self.outputs = outputs
         self.parent_alive = parent_alive
@@ -143,6 +168,8 @@ class CoreLoop:
             if not self.parent_alive():   # one getppid() per iteration: an orphaned core stops even mid-work
                 logger.error("the front end process is gone; the engine exits")
                 return
+            if self.check_ranks is not None:
+                self.check_ranks()
             if not core.has_work:
                 timeout = IDLE_POLL_MS
             else:

@@ -48,6 +48,9 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine options {sorted(unknown)}")
         self.config = EngineConfig(**engine_options)
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 runs in the server's engine process (mmserve serve); "
+                             "the offline LLM steps one device in the caller's process")
         if loaded_model is None:
             loaded_model, tokenizer = load_engine_model(self.config)
         self.core = EngineCore(self.config, model=loaded_model, tokenizer=tokenizer)

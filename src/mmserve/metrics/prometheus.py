@@ -159,6 +159,8 @@ class EngineMetrics:
         self.backend_info = meter.create_gauge(
             "mmserve.backend_info", description="1 per checked component (layer type, cuda_graphs), labelled with "
                                                 "the selected and the running backend and why it fell back")
+        self.tensor_parallel_size = meter.create_gauge(
+            "mmserve.tensor_parallel_size", description="ranks the decoder is split over; MFU/MBU are per rank")
 
     def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool) -> None:
         """Also serve the vLLM-named compatibility set (metrics/vllm_compat.py) of `engine`, an AsyncEngine,
@@ -182,6 +184,9 @@ class EngineMetrics:
         self.peak_bandwidth.set(peaks.bandwidth)
         self.peaks_info.set(1, {"device": peaks.name, "dtype": peaks.dtype, "source": peaks.source,
                                 "peak_flops": f"{peaks.flops:.6g}", "peak_bandwidth": f"{peaks.bandwidth:.6g}"})
+
+    def set_parallel_layout(self, tensor_parallel_size: int) -> None:
+        self.tensor_parallel_size.set(tensor_parallel_size)
 
     def set_backend_checks(self, checks) -> None:
         for c in checks:

@@ -129,6 +129,7 @@ class TelemetryObserver:
         self.peaks = peaks
         if self.metrics is not None:
             self.metrics.set_peaks(peaks)
+            self.metrics.set_parallel_layout(self.perf.tp)
 
     def on_backends_checked(self, checks: tuple) -> None:
         """The start-up self-check's results (engine/backend_check.py), exported as an info metric."""

@@ -11,6 +11,11 @@ step does not sample feed nothing after the last KV-writing layer, so given `Sam
 KV-sharing layers run on the sampled rows alone (a prefill chunk's last row instead of all of them).
 Parameter names mirror transformers' `language_model.*`; `weights.py` maps the few we group under a
 submodule (`ple.*`, `moe.*`).
+
+Tensor parallelism (Megatron, `parallel.py`'s group; identities at size 1): Q/K/V split by heads
+(a KV head replicated where ranks outnumber KV heads), o_proj and the MLP's down_proj row-parallel
+with one all-reduce each; the tied embedding/unembedding split along the vocab (lookups all-reduced,
+logits all-gathered before the soft-cap).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from mmserve.attention.backend import AttentionImpl
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
 from mmserve.model.rope import RotaryEmbedding, norm_rope
 from mmserve.model.spec import LayerSpec, ModelSpec
@@ -43,23 +49,33 @@ class SampledRows:
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl):
+    """This rank's query heads (and the KV heads they read); o_proj's partial sums are all-reduced."""
+
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl, group: ParallelGroup = SINGLE):
         super().__init__()
         attn = spec.attention_specs[layer.layer_type]
-        self.impl = impl
-        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.impl, self.group = impl, group
+        d = self.head_dim = attn.head_dim
+        q0, q1 = group.shard_range(attn.num_heads, f"{layer.layer_type} attention heads")
+        k0, k1 = group.kv_heads(attn.num_kv_heads, attn.num_heads, layer.layer_type)
+        self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
+        mark_shard(self.q_proj.weight, group, 0, q0 * d, q1 * d, attn.num_heads * d)
+        self.q_norm = RMSNorm(d, eps)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
+        mark_shard(self.o_proj.weight, group, 1, q0 * d, q1 * d, attn.num_heads * d)
         self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
         if not layer.shares_kv:
-            kv_width = self.num_kv_heads * self.head_dim
+            kv_width = self.num_kv_heads * d
             self.k_proj = nn.Linear(hidden, kv_width, bias=False)
             # K=V layers (full layers of the big models) take V from k_proj's raw output.
             self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, kv_width, bias=False)
-            self.k_norm = RMSNorm(self.head_dim, eps)
-            self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
+            for proj in (self.k_proj, self.v_proj):
+                if proj is not None:
+                    mark_shard(proj.weight, group, 0, k0 * d, k1 * d, attn.num_kv_heads * d)
+            self.k_norm = RMSNorm(d, eps)
+            self.v_norm = RMSNorm(d, eps, with_scale=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata) -> torch.Tensor:
@@ -73,29 +89,35 @@ class Attention(nn.Module):
             k = norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin)
             v = self.v_norm(v_raw)
         out = self.impl.forward(q, k, v, kv_cache, metadata)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.group.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int):
+    """gate/up column-parallel, down row-parallel: this rank's slice of the width, one all-reduce."""
+
+    def __init__(self, hidden: int, intermediate: int, group: ParallelGroup = SINGLE, *, what: str = "MLP width"):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.group = group
+        i0, i1 = group.shard_range(intermediate, what)
+        self.gate_proj = nn.Linear(hidden, i1 - i0, bias=False)
+        self.up_proj = nn.Linear(hidden, i1 - i0, bias=False)
+        self.down_proj = nn.Linear(i1 - i0, hidden, bias=False)
+        for proj, dim in ((self.gate_proj, 0), (self.up_proj, 0), (self.down_proj, 1)):
+            mark_shard(proj.weight, group, dim, i0, i1, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x)))
+        return self.group.all_reduce(self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl):
+    def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl, group: ParallelGroup = SINGLE):
         super().__init__()
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
         self.layer_type = layer.layer_type
         self.kv_source = layer.kv_source
-        self.self_attn = Attention(spec, layer, impl)
-        self.mlp = MLP(hidden, layer.mlp_width)
-        self.moe = MoeBlock(hidden, layer.moe, eps) if layer.moe is not None else None
+        self.self_attn = Attention(spec, layer, impl, group)
+        self.mlp = MLP(hidden, layer.mlp_width, group, what=f"layer {layer.index} MLP width")
+        self.moe = MoeBlock(hidden, layer.moe, eps, group) if layer.moe is not None else None
         self.ple = LayerInputGate(hidden, spec.ple.dim, eps) if spec.ple is not None else None
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -116,16 +138,23 @@ class DecoderLayer(nn.Module):
 
 
 class TextDecoder(nn.Module):
-    """Gemma 4 text stack. `impls` holds one attention implementation per layer type."""
+    """Gemma 4 text stack. `impls` holds one attention implementation per layer type (built for this
+    rank's heads); `group` is the tensor-parallel group this rank's shard belongs to."""
 
-    def __init__(self, spec: ModelSpec, impls: dict[str, AttentionImpl]):
+    def __init__(self, spec: ModelSpec, impls: dict[str, AttentionImpl], group: ParallelGroup = SINGLE):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.ple = PerLayerEmbeddings(spec) if spec.ple is not None else None
-        self.layers = nn.ModuleList(DecoderLayer(spec, layer, impls[layer.layer_type]) for layer in spec.layers)
+        self.group = group
+        v0, v1 = self.vocab_range = group.shard_range(spec.vocab_size, "vocab_size")
+        self.embed_tokens = nn.Embedding(v1 - v0, spec.hidden_size)
+        mark_shard(self.embed_tokens.weight, group, 0, v0, v1, spec.vocab_size)
+        self.ple = PerLayerEmbeddings(spec, group) if spec.ple is not None else None
+        self.layers = nn.ModuleList(DecoderLayer(spec, layer, impls[layer.layer_type], group) for layer in spec.layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, v1 - v0, bias=False)
+            mark_shard(self.lm_head.weight, group, 0, v0, v1, spec.vocab_size)
         self._rope: dict[tuple[str, torch.device], RotaryEmbedding] = {}
 
     def _cos_sin(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype):
@@ -146,11 +175,20 @@ class TextDecoder(nn.Module):
         """Scaled token embeddings with vision embeddings written over their placeholder rows.
 
         The scale is rounded to the weight dtype first (sqrt(3072) is 55.5 in bf16), as the model was
-        trained; vision embeddings are not scaled.
+        trained; vision embeddings are not scaled. Split along the vocab, each rank looks up the ids
+        in its rows (zeros elsewhere) and the all-reduce sums one row per token.
         """
         weight = self.embed_tokens.weight
         scale = float(torch.tensor(math.sqrt(self.spec.hidden_size), dtype=weight.dtype))
-        h = F.embedding(self._text_ids(input_ids, mm_token_index), weight) * scale
+        ids = self._text_ids(input_ids, mm_token_index)
+        if self.group.size == 1:
+            h = F.embedding(ids, weight)
+        else:
+            local = ids - self.vocab_range[0]
+            mine = (local >= 0) & (local < weight.shape[0])
+            h = F.embedding(torch.where(mine, local, 0), weight) * mine[:, None].to(weight.dtype)
+            h = self.group.all_reduce(h)
+        h = h * scale
         if mm_embeds is not None and mm_token_index is not None and mm_token_index.numel():
             h = h.index_copy(0, mm_token_index.to(h.device), mm_embeds.to(h.dtype))
         return h
@@ -182,6 +220,6 @@ class TextDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.group.all_gather(F.linear(hidden, weight)).float()   # the soft-cap sees every column
         cap = self.spec.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -12,6 +12,10 @@ per projection (`torch._grouped_mm`, zero-size groups for experts without tokens
 matmul per expert that has tokens; never a loop over tokens. The CUDA path never reads a device
 value on the host (no `bincount`, `.item()`, `int()`): a host sync per MoE layer would stall every
 step and break CUDA-graph capture of decode steps (tests/model/test_model_moe.py checks it).
+
+Tensor parallel (expert parallel inside the group): each rank holds a contiguous E/N of the experts
+and the whole router; pairs routed to another rank's experts sort into one bucket past the last
+local expert, never run, and are zeroed (a `where`, no host sync); the partial sums are all-reduced.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.model.norm import RMSNorm
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
 from mmserve.model.spec import MoeSpec
 
 
@@ -49,22 +54,33 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, hidden: int, moe: MoeSpec):
+    """This rank's experts (all of them at size 1); `forward` returns their share of the sum."""
+
+    def __init__(self, hidden: int, moe: MoeSpec, group: ParallelGroup = SINGLE):
         super().__init__()
-        self.num_experts, self.intermediate = moe.num_experts, moe.intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate, hidden))
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, hidden, moe.intermediate))
+        e0, e1 = group.shard_range(moe.num_experts, "num_experts")
+        self.first_expert, self.num_experts, self.intermediate = e0, e1 - e0, moe.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * moe.intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden, moe.intermediate))
+        for packed in (self.gate_up_proj, self.down_proj):
+            mark_shard(packed, group, 0, e0, e1, moe.num_experts)
+        self.sharded = group.size > 1
         self._touched: torch.Tensor | None = None   # see `touched`
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H]."""
+        """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H] over this rank's experts."""
         k = experts.shape[1]
         flat = experts.flatten()
+        mine = None
+        if self.sharded:   # other ranks' experts -> bucket num_experts, sorted last
+            flat = flat - self.first_expert
+            mine = (flat >= 0) & (flat < self.num_experts)
+            flat = torch.where(mine, flat, self.num_experts)
         order = torch.argsort(flat, stable=True)
         token = order // k
         # scatter_add_, not bincount: CUDA's bincount reads the maximum on the host.
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))[:self.num_experts]
         rows = x[token]
         if uses_grouped_mm(x):
             hidden = self._grouped(rows, counts)
@@ -72,6 +88,8 @@ class Experts(nn.Module):
             hidden = self._per_expert(rows, counts.tolist())
         self._touched_buffer(x.device).copy_((counts > 0).sum())
         hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
+        if mine is not None:   # rows past the last local expert were never computed
+            hidden = torch.where(mine[order, None], hidden, 0.0)
         return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
 
     @property
@@ -111,10 +129,11 @@ class Experts(nn.Module):
 class MoeBlock(nn.Module):
     """Router + experts + the three norms that join them to the dense MLP's output."""
 
-    def __init__(self, hidden: int, moe: MoeSpec, eps: float):
+    def __init__(self, hidden: int, moe: MoeSpec, eps: float, group: ParallelGroup = SINGLE):
         super().__init__()
+        self.group = group
         self.router = Router(hidden, moe, eps)
-        self.experts = Experts(hidden, moe)
+        self.experts = Experts(hidden, moe, group)
         self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
@@ -122,5 +141,5 @@ class MoeBlock(nn.Module):
     def forward(self, residual: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """residual: the layer's state after attention; dense: the dense MLP's output."""
         weights, experts = self.router(residual)
-        routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
+        routed = self.group.all_reduce(self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts))
         return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)

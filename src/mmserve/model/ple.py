@@ -5,6 +5,9 @@ context part (the scaled, vision-merged main embeddings projected H -> L*D, x H^
 layer), summed and x 2^-0.5 into [T, L, D]. Image/video placeholders look up the pad row (the
 context part still sees their vision features).
 Layer level, after the MLP residual: h += norm(proj(gelu_tanh(gate(h)) * input_i)).
+Tensor parallel: the big token table and the projection are split along D inside every layer's
+block; both parts are all-gathered once per step (the norm needs all of D), the small per-layer
+gates are replicated.
 """
 
 from __future__ import annotations
@@ -16,17 +19,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.model.norm import RMSNorm
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
 from mmserve.model.spec import ModelSpec
 
 
 class PerLayerEmbeddings(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, group: ParallelGroup = SINGLE):
         super().__init__()
         assert spec.ple is not None
-        self.num_layers, self.dim = spec.num_layers, spec.ple.dim
-        hidden = spec.hidden_size
-        self.embed_tokens_per_layer = nn.Embedding(spec.ple.vocab_size, self.num_layers * self.dim)
-        self.per_layer_model_projection = nn.Linear(hidden, self.num_layers * self.dim, bias=False)
+        self.num_layers, self.dim, self.group = spec.num_layers, spec.ple.dim, group
+        hidden, layers = spec.hidden_size, spec.num_layers
+        d0, d1 = group.shard_range(self.dim, "hidden_size_per_layer_input")
+        self.embed_tokens_per_layer = nn.Embedding(spec.ple.vocab_size, layers * (d1 - d0))
+        self.per_layer_model_projection = nn.Linear(hidden, layers * (d1 - d0), bias=False)
+        full = layers * self.dim
+        mark_shard(self.embed_tokens_per_layer.weight, group, 1, d0, d1, full, blocks=layers)
+        mark_shard(self.per_layer_model_projection.weight, group, 0, d0, d1, full, blocks=layers)
         self.per_layer_projection_norm = RMSNorm(self.dim, spec.rms_norm_eps)
         self.projection_scale = hidden ** -0.5
 
@@ -34,9 +42,11 @@ class PerLayerEmbeddings(nn.Module):
         """token_ids [T] (placeholders already the pad id), embeds [T, H] -> per-layer inputs [T, L, D]."""
         weight = self.embed_tokens_per_layer.weight
         scale = float(torch.tensor(math.sqrt(self.dim), dtype=weight.dtype))   # rounded like the main scale
-        tokens = (F.embedding(token_ids, weight) * scale).view(-1, self.num_layers, self.dim)
-        context = self.per_layer_model_projection(embeds) * self.projection_scale
-        context = self.per_layer_projection_norm(context.view(-1, self.num_layers, self.dim))
+        tokens = (F.embedding(token_ids, weight) * scale).view(-1, self.num_layers, weight.shape[1] // self.num_layers)
+        context = (self.per_layer_model_projection(embeds) * self.projection_scale).view(tokens.shape)
+        if self.group.size > 1:
+            tokens, context = self.group.all_gather(torch.stack([tokens, context]), dim=-1).unbind(0)
+        context = self.per_layer_projection_norm(context)
         return (context + tokens) * 2 ** -0.5
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from mmserve.model.decoder import SampledRows, TextDecoder
+from mmserve.model.parallel import SINGLE, ParallelGroup
 from mmserve.model.spec import ModelSpec
 from mmserve.model.vision import VisionEncoder
 
@@ -14,9 +15,11 @@ class Gemma4ServingModel(nn.Module):
     """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
 
     def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None,
-                 attention_backends: dict[str, str] | str = "reference"):
+                 attention_backends: dict[str, str] | str = "reference", parallel: ParallelGroup = SINGLE):
         super().__init__()
-        self.spec = spec
+        self.spec = spec   # with tensor parallelism: this rank's attention heads (parallel.local_spec)
+        self.parallel = parallel
+        self.bytes_read = 0   # checkpoint bytes this process read to load it (its shard)
         if isinstance(attention_backends, str):
             attention_backends = dict.fromkeys(spec.attention_specs, attention_backends)
         self.attention_backends = attention_backends   # layer type -> the backend its layers' impls belong to

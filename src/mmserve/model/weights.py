@@ -9,6 +9,9 @@ one tensor, not the model. Names are accepted in the hub / transformers-5.x layo
 `experts.down_proj` [E, H, I], transformers' layout) or per expert (`experts.{e}.gate_proj` /
 `up_proj` / `down_proj`), which are copied into their slice of one packed tensor as they stream,
 so no second copy of the experts is ever held.
+Tensor parallel: a parameter marked with a `Shard` (parallel.py) is read as that slice of its
+checkpoint tensor (safetensors' `get_slice`), and per-expert matrices of other ranks' experts are
+never opened, so no rank materialises another rank's shard; `load_weights` returns the bytes read.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mmserve.errors import MMServeError
+from mmserve.model.parallel import Shard, shards_of
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +126,11 @@ def _copy_expert(packed: torch.Tensor, part: ExpertSlice, tensor: torch.Tensor) 
     target.copy_(tensor)
 
 
-def iter_tensors(path: str | Path, wanted: dict[str, str]) -> Iterator[tuple[str, str, torch.Tensor]]:
+def iter_tensors(path: str | Path, wanted: dict[str, str], shards: dict[str, Shard] | None = None
+                 ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield (checkpoint_name, our_name, tensor) for `wanted` = {checkpoint_name: our_name}, one file
-    open at a time."""
+    open at a time; a name in `shards` (ours) is read as that shard only."""
+    shards = shards or {}
     files = checkpoint_files(path)
     by_file: dict[Path, list[str]] = {}
     for ckpt_name in wanted:
@@ -132,18 +138,29 @@ def iter_tensors(path: str | Path, wanted: dict[str, str]) -> Iterator[tuple[str
     for f, names in by_file.items():
         with safe_open(str(f), framework="pt") as handle:
             for ckpt_name in names:
-                yield ckpt_name, wanted[ckpt_name], handle.get_tensor(ckpt_name)
+                shard = shards.get(wanted[ckpt_name])
+                if shard is None:
+                    yield ckpt_name, wanted[ckpt_name], handle.get_tensor(ckpt_name)
+                    continue
+                source = handle.get_slice(ckpt_name)
+                full = source.get_shape()
+                if len(full) <= shard.dim or full[shard.dim] != shard.full:
+                    raise WeightLoadError(f"{path}: {ckpt_name} has shape {tuple(full)}, expected {shard.full} "
+                                          f"along dim {shard.dim}")
+                yield ckpt_name, wanted[ckpt_name], shard.read(source)
 
 
 def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, device: torch.device,
-                 tied: bool, ignore: re.Pattern | None = None) -> None:
-    """Fill every parameter and persistent buffer of `model` from the checkpoint, strictly.
+                 tied: bool, ignore: re.Pattern | None = None) -> int:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint, strictly; returns
+    the checkpoint bytes read (a rank's own shards and the replicated tensors).
 
     Floating tensors are cast to `dtype`; missing or unexpected tensors raise `WeightLoadError`
     naming them (first few), before anything is loaded. `ignore` matches our names of tensors a
     checkpoint may carry that the model does not use (KV-sharing layers' K/V projections).
     """
     expected = set(model.state_dict().keys())
+    shards = shards_of(model)
     wanted: dict[str, str] = {}
     parts: dict[str, ExpertSlice] = {}
     unexpected: list[str] = []
@@ -152,6 +169,11 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
         if name is None or (ignore is not None and ignore.search(name)):
             continue
         part = expert_slice(name)
+        if part is not None and part.packed in shards:   # another rank's expert: skipped, never read
+            first = shards[part.packed]
+            if not first.start <= part.expert < first.end:
+                continue
+            part = ExpertSlice(part.packed, part.expert - first.start, part.kind)
         if part is not None and part.packed in expected:
             parts[ckpt_name] = part
             wanted[ckpt_name] = part.packed
@@ -173,7 +195,10 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     state: dict[str, torch.Tensor] = {}
     for part in parts.values():   # packed tensors that per-expert matrices are copied into
         state.setdefault(part.packed, torch.empty(shapes[part.packed], dtype=dtype, device=device))
-    for ckpt_name, name, tensor in iter_tensors(path, wanted):
+    read = 0
+    sliced = {k: v for k, v in shards.items() if k not in {p.packed for p in parts.values()}}   # per-expert: whole matrices, own experts only
+    for ckpt_name, name, tensor in iter_tensors(path, wanted, sliced):
+        read += tensor.numel() * tensor.element_size()
         if ckpt_name in parts:
             _copy_expert(state[name], parts[ckpt_name], tensor)
             continue
@@ -182,4 +207,5 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
         target_dtype = dtype if tensor.is_floating_point() else tensor.dtype
         state[name] = tensor.to(device=device, dtype=target_dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    logger.info("loaded %d tensors from %s (%s, %s)", len(state), path, dtype, device)
+    logger.info("loaded %d tensors (%d MiB read) from %s (%s, %s)", len(state), read >> 20, path, dtype, device)
+    return read

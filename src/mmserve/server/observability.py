@@ -42,7 +42,7 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
     provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
     metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
     perf = PerfModel(load_spec(engine_config.model), dtype=engine_config.dtype,
-                     accounting=engine_config.perf_accounting)
+                     accounting=engine_config.perf_accounting, tp=engine_config.tensor_parallel_size)
     # The peaks arrive from the engine (on_engine_started): they are measured where the model runs.
     observer = TelemetryObserver(perf, tracer=get_tracer(provider), metrics=metrics,
                                  step_trace_ratio=engine_config.step_trace_ratio)

@@ -208,7 +208,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
                                  source=peaks.source, spread=peaks.spread) if peaks else None,
             backend_checks=[pb.BackendCheck(component=c.component, selected=c.selected, running=c.running,
-                                            reason=c.reason) for c in info.backend_checks])
+                                            reason=c.reason) for c in info.backend_checks],
+            tensor_parallel_size=self._config.tensor_parallel_size)
         self._media.describe(model_info)
         return model_info
 

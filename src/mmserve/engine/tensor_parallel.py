@@ -1,0 +1,318 @@
+"""Tensor parallelism in the engine: rank 0 (the engine process) and its spawned worker ranks.
+
+The core (scheduler, KV manager, sampler) runs on rank 0 alone. Each step, rank 0's runner
+(`TensorParallelRunner`, the same `execute(SchedulerOutput) -> StepResult` as ModelRunner) broadcasts
+one `StepMessage` of plain data, then every rank runs its own ordinary ModelRunner over its shard;
+the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 returns its result
+(logits already gathered over the vocab shards). A request's prompt, sampling parameters and pixels
+travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
+keep a mirror of those requests and rebuild each step's SchedulerOutput from it.
+
+A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
+`--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
+and the engine-crash path ends every request in flight with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from mmserve.config import EngineConfig
+from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
+from mmserve.model.parallel import ParallelGroup, join_group
+from mmserve.scheduler.output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop message
+# A worker waits for rank 0's next step as long as it takes (an idle server sends none); rank 0
+# gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
+WORKER_WAIT_S = 365 * 24 * 3600.0
+ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
+EXIT_SEEN_S = 2.0   # after a failed collective, how long to wait for a dying rank's exit to be seen
+
+
+class RankLostError(BaseException):
+    """A worker rank died or stopped answering: the group is gone, not one step. Not an `Exception`,
+    so it passes the core's per-step handler (which fails only that step's requests) and ends the
+    core loop: the engine-crash path then fails every request in flight with UNAVAILABLE."""
+
+
+def _broadcast(obj=None, group: ParallelGroup | None = None):
+    """Rank 0 sends `obj`; every other rank returns what rank 0 sent. Over `group` (the model's, with
+    the collective timeout), or else the default group (start-up's timeout)."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=None if group is None else group.group)
+    return box[0]
+
+
+def ranks_per_node(config: EngineConfig) -> int:
+    return config.tensor_parallel_size // config.nnodes
+
+
+def rank_device(config: EngineConfig, rank: int) -> str:
+    """Rank r's device: cuda:(r mod ranks per node) on CUDA (`cuda:N` offsets them), the CPU elsewhere."""
+    device, local = config.device, rank % ranks_per_node(config)
+    if device in ("auto", "cuda") and (device == "cuda" or torch.cuda.is_available()):
+        return f"cuda:{local}"
+    if device.startswith("cuda:"):
+        return f"cuda:{int(device.split(':')[1]) + local}"
+    return device
+
+
+def rendezvous(config: EngineConfig, private_dir: str) -> str:
+    """Where the ranks meet: one node, a file in a private directory (no port to pick, loopback only);
+    several, the standard torch.distributed env (MASTER_ADDR:MASTER_PORT, node 0's TCP store)."""
+    if config.nnodes == 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        return f"file://{private_dir}/rendezvous"
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if missing:
+        raise ValueError(f"--nnodes {config.nnodes}: set {' and '.join(missing)} (node 0's address and a free "
+                         "port) on every node")
+    return "env://"
+
+
+def _use_device(device: str) -> str:
+    """The collective backend for a rank's device; on CUDA the device is made current first (NCCL
+    and broadcast_object_list use the current device, which would be cuda:0 on every rank)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+        return "nccl"
+    return "gloo"
+
+
+def load_rank_model(config: EngineConfig, group: ParallelGroup):
+    """This rank's shard of the model, on this rank's device."""
+    from mmserve.attention import resolve_backend
+    from mmserve.model import load_model
+    from mmserve.model.loader import resolve_device
+
+    device = resolve_device(rank_device(config, group.rank))
+    return load_model(config.model, dtype=config.dtype, device=device,
+                      attention_backend=resolve_backend(config.attention_backend, device), parallel=group)
+
+
+def check_divisible(config: EngineConfig) -> None:
+    """Refuse a size the model cannot be split by (ShardingError naming the dimension) before any
+    process is spawned."""
+    from mmserve.model.parallel import local_spec
+    from mmserve.model.spec import load_spec
+
+    if config.tensor_parallel_size % config.nnodes:
+        raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} is not divisible by "
+                         f"--nnodes {config.nnodes}")
+    if config.node_rank >= config.nnodes:
+        raise ValueError(f"--node-rank {config.node_rank}: there are only --nnodes {config.nnodes}")
+    local_spec(load_spec(config.model), ParallelGroup(0, config.tensor_parallel_size))
+
+
+class TensorParallelGroup:
+    """Rank 0's handle on the group: starts the worker ranks, joins them, stops them."""
+
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text"):
+        import multiprocessing
+
+        check_divisible(config)
+        if config.node_rank != 0:
+            raise ValueError(f"--node-rank {config.node_rank}: `mmserve serve` is node 0; run `mmserve worker` there")
+        self.config = config
+        self.size = config.tensor_parallel_size
+        self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")   # the rendezvous file (no port to pick)
+        init_method = rendezvous(config, self._dir)
+        ctx = multiprocessing.get_context("spawn")
+        self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                                    args=(rank, config, init_method, log_level, log_format, os.getpid()))
+                        for rank in range(1, ranks_per_node(config))]   # this node's other ranks
+        for w in self.workers:
+            w.start()
+        self.failed = False   # a collective failed: the group is unusable, nothing more is sent
+        try:
+            self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
+                                    timeout_s=config.tensor_parallel_timeout_s,
+                                    startup_timeout_s=config.engine_ready_timeout_s)
+        except BaseException:
+            self.failed = True
+            self.close()
+            raise
+        self.runner: TensorParallelRunner | None = None
+        for rank, w in enumerate(self.workers, start=1):
+            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
+
+    def runner_factory(self, model, plans, config, *, max_model_len: int):
+        self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
+        return self.runner
+
+    def dead_ranks(self) -> list[str]:
+        return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
+                for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
+
+    def check_alive(self) -> None:
+        """Raise naming every worker rank that has exited (the core loop calls it each iteration, so
+        a rank lost while the server is idle fails the engine too, not only the next step)."""
+        if dead := self.dead_ranks():
+            self.failed = True
+            raise RankLostError(f"tensor-parallel {', '.join(dead)} died")
+
+    def call(self, fn):
+        """Run `fn` (collectives with the workers); a failure names the dead ranks, or the hung one."""
+        self.check_alive()
+        try:
+            return fn()
+        except Exception as exc:
+            self.failed = True
+            deadline = time.monotonic() + EXIT_SEEN_S   # a killed rank's socket closes before it is reaped
+            while not (dead := self.dead_ranks()) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            who = (f"tensor-parallel {', '.join(dead)} died" if dead else
+                   f"a tensor-parallel collective failed (a rank did not answer within "
+                   f"{self.config.tensor_parallel_timeout_s:g}s, or failed)")
+            raise RankLostError(f"{who}: {exc}") from exc
+
+    def close(self) -> None:
+        """Stop the workers (a None step) and wait for them; after a failure, or past the wait, kill them."""
+        import torch.distributed as dist
+
+        if not self.failed and not self.dead_ranks() and dist.is_initialized():
+            try:
+                _broadcast(None, self.group)
+            except Exception:
+                self.failed = True
+                logger.debug("stop message not delivered", exc_info=True)
+        for w in self.workers:
+            w.join(0 if self.failed else JOIN_TIMEOUT_S)
+            if w.is_alive():
+                if not self.failed:
+                    logger.error("tensor-parallel %s did not stop; killing it", w.name)
+                w.kill()
+                w.join()
+        if dist.is_initialized() and not self.failed:   # a failed group may never finish tearing down
+            dist.destroy_process_group()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: broadcasts each step to the workers, then runs its own shard's ModelRunner.
+    Everything else (encoder cache, backend checks, ...) is the local runner's."""
+
+    def __init__(self, tp: TensorParallelGroup, model, plans, config: EngineConfig, *, max_model_len: int):
+        from mmserve.engine.model_runner import ModelRunner
+
+        self.tp = tp
+        self._encoder = StepEncoder()
+        # start-up: the workers may still be loading; they size their runners by rank 0's config
+        tp.call(lambda: _broadcast((plans, max_model_len, config)))
+        self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
+
+    def __getattr__(self, name: str):
+        if name == "local":   # not set yet: no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def execute(self, out: SchedulerOutput):
+        msg = self._encoder.encode(out)
+
+        def step():
+            _broadcast(msg, self.tp.group)
+            return self.local.execute(out)
+
+        return self.tp.call(step)
+
+
+def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
+    """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0)
+    or one of them fails (the others are killed, 1)."""
+    import multiprocessing
+
+    check_divisible(config)
+    if config.node_rank == 0:
+        raise ValueError("--node-rank 0 is `mmserve serve`'s node; give a worker node 1 .. nnodes - 1")
+    init_method = rendezvous(config, "")
+    ctx = multiprocessing.get_context("spawn")
+    first = config.node_rank * ranks_per_node(config)
+    ranks = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                         args=(rank, config, init_method, log_level, log_format, os.getpid()))
+             for rank in range(first, first + ranks_per_node(config))]
+    for p in ranks:
+        p.start()
+        logger.info("tensor-parallel rank %s: process %d started", p.name.removeprefix("mmserve-tp-rank"), p.pid)
+    while ranks:
+        for p in list(ranks):
+            p.join(ORPHAN_POLL_S)
+            if p.exitcode is None:
+                continue
+            ranks.remove(p)
+            if p.exitcode != 0:
+                logger.error("%s exited with code %s; stopping this node's other ranks", p.name, p.exitcode)
+                for other in ranks:
+                    other.kill()
+                    other.join()
+                return 1
+    return 0
+
+
+def runner_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
+    """A worker's runner is sized like rank 0's (step budgets, batch, blocks: another node's
+    `mmserve worker` flags may differ); what its model was loaded with must match rank 0's."""
+    for name in ("dtype", "attention_backend", "compile_dense"):
+        if getattr(own, name) != getattr(leader, name):
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(own, name)} differs from rank 0's "
+                             f"{getattr(leader, name)}: give every node the same engine flags")
+    return dataclasses.replace(leader, model=own.model, device=own.device, node_rank=own.node_rank,
+                               engine_threads=own.engine_threads)
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    """Exit as soon as rank 0's process is gone: a gloo wait does not always end when its peer dies
+    (a rank blocked in the rendezvous, or in a receive, was seen to outlive it)."""
+    while os.getppid() == parent:
+        time.sleep(ORPHAN_POLL_S)
+    os._exit(1)
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, log_format: str,
+                parent: int) -> None:
+    """A worker rank's process: join the group, load this rank's shard, then run every step rank 0
+    sends until it sends None (or its collective fails: rank 0 is gone). Logs like the engine
+    process, to the stderr they share."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
+    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="tp-parent-watch", daemon=True).start()
+    if log_format == "json":
+        from mmserve.logs import configure_logging
+
+        configure_logging(logging.getLevelName(log_level), "json")
+    else:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
+                                                    "%(name)s: %(message)s")
+    from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
+    from mmserve.engine.model_runner import ModelRunner
+
+    configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_per_node(config)))
+    try:
+        group = join_group(rank, config.tensor_parallel_size, init_method,
+                           backend=_use_device(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
+        model = load_rank_model(config, group)
+        plans, max_model_len, leader = _broadcast()
+        runner = ModelRunner(model, plans, runner_config(config, leader), max_model_len=max_model_len)
+        mirror = StepMirror()
+        while (msg := _broadcast(group=group)) is not None:
+            runner.execute(mirror.decode(msg))
+    except Exception:
+        if os.getppid() == parent:
+            logger.exception("tensor-parallel rank %d failed", rank)
+        sys.exit(1)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

@@ -1,0 +1,93 @@
+"""The plain data a tensor-parallel step travels as (engine/tensor_parallel.py broadcasts it).
+
+Rank 0's `StepEncoder` turns each SchedulerOutput into a `StepMessage`: a request's prompt, sampling
+parameters and pixels the first step it is scheduled, then only the output tokens the workers lack
+or that changed; ScheduledRequest/SchedulerOutput fields by name, so a field added to either
+travels with no change here. A worker's `StepMirror` keeps those requests and rebuilds each step's
+SchedulerOutput from the message, reading to its ModelRunner exactly as rank 0's does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.scheduler.request import Request
+
+
+@dataclass
+class NewRequest:
+    """What a worker's runner reads of a request, sent the first step it is scheduled."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: object
+    mm_ranges: list[tuple[int, int]]
+    mm_inputs: list
+
+    @classmethod
+    def of(cls, r: Request) -> NewRequest:
+        return cls(r.request_id, r.prompt_token_ids, r.sampling_params, r.mm_ranges, r.mm_inputs)
+
+    def to_request(self) -> Request:
+        return Request(self.request_id, self.prompt_token_ids, self.sampling_params, self.mm_ranges, self.mm_inputs)
+
+
+@dataclass
+class StepMessage:
+    """One step for the workers. `scheduled`: each ScheduledRequest's fields but `request` (by id);
+    `outputs`: per scheduled request, its output tokens from index `start` on: every token the
+    workers lack or that changed (tokens past the request's computed ones, which a rollback may
+    replace), so each mirror holds rank 0's list; `rest`: SchedulerOutput's other fields."""
+
+    new: list[NewRequest] = field(default_factory=list)
+    outputs: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    scheduled: list[tuple[str, dict]] = field(default_factory=list)
+    rest: dict = field(default_factory=dict)
+
+
+def _fields(obj, skip: str) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != skip}
+
+
+class StepEncoder:
+    """Rank 0's side: what the workers already know, so each request's prompt travels once."""
+
+    def __init__(self) -> None:
+        self.sent_outputs: dict[str, int] = {}   # request id -> output tokens the workers have
+
+    def encode(self, out: SchedulerOutput) -> StepMessage:
+        msg = StepMessage(rest=_fields(out, "scheduled"))
+        for rid in out.finished_ids:   # first: a finished id may come back as a new request this step
+            self.sent_outputs.pop(rid, None)
+        for s in out.scheduled:
+            r, rid = s.request, s.request.request_id
+            if rid not in self.sent_outputs:
+                msg.new.append(NewRequest.of(r))
+                self.sent_outputs[rid] = 0
+            computed = max(0, s.num_computed_tokens - r.num_prompt_tokens)   # output tokens already in the KV cache
+            start = min(self.sent_outputs[rid], computed, len(r.output_token_ids))
+            msg.outputs[rid] = (start, r.output_token_ids[start:])
+            self.sent_outputs[rid] = len(r.output_token_ids)
+            msg.scheduled.append((rid, _fields(s, "request")))
+        return msg
+
+
+class StepMirror:
+    """A worker's side: the requests rank 0 scheduled, rebuilt into SchedulerOutputs."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def decode(self, msg: StepMessage) -> SchedulerOutput:
+        for rid in msg.rest.get("finished_ids", ()):   # the runner frees them by id; the requests go now
+            self.requests.pop(rid, None)
+        for new in msg.new:
+            self.requests[new.request_id] = new.to_request()
+        for rid, (start, tokens) in msg.outputs.items():
+            out = self.requests[rid].output_token_ids
+            del out[start:]
+            out.extend(tokens)
+        scheduled = [ScheduledRequest(request=self.requests[rid], **rest) for rid, rest in msg.scheduled]
+        return SchedulerOutput(scheduled=scheduled, **msg.rest)

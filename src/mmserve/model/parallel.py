@@ -1,0 +1,142 @@
+"""The tensor-parallel group seen by the decoder's layers: rank, size and the two collectives
+Megatron sharding needs (all-reduce after a row-parallel matmul, all-gather of vocab/width shards).
+
+At size 1 (`SINGLE`) every collective is the identity, so code written against a group runs
+unchanged without torch.distributed. `shard_range` is the one place a dimension is cut: contiguous,
+equal parts, refused with a message naming the dimension when it does not divide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from mmserve.errors import MMServeError
+
+
+class ShardingError(MMServeError):
+    """The model cannot be split over this many ranks (a dimension does not divide)."""
+
+
+@dataclass(frozen=True)
+class ParallelGroup:
+    rank: int = 0
+    size: int = 1
+    group: Any = None   # the torch.distributed process group (None: the default group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of `x` over the ranks (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x` concatenated along `dim`, in rank order."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim)
+
+    def shard_range(self, n: int, what: str) -> tuple[int, int]:
+        """This rank's [start, end) of a dimension of size `n` cut into `size` equal parts."""
+        if n % self.size:
+            raise ShardingError(f"{what} ({n}) is not divisible by --tensor-parallel-size {self.size}")
+        part = n // self.size
+        return self.rank * part, (self.rank + 1) * part
+
+    def kv_heads(self, num_kv_heads: int, num_heads: int, what: str) -> tuple[int, int]:
+        """This rank's [start, end) of the KV heads. With more ranks than KV heads each rank holds the
+        one KV head its query heads read (replicated over size / num_kv_heads ranks, as vLLM does)."""
+        if num_kv_heads >= self.size:
+            return self.shard_range(num_kv_heads, f"{what} KV heads")
+        if self.size % num_kv_heads:
+            raise ShardingError(f"{what} KV heads ({num_kv_heads}) neither divisible by nor a divisor of "
+                                f"--tensor-parallel-size {self.size}")
+        head = self.rank * num_kv_heads // self.size
+        return head, head + 1
+
+
+SINGLE = ParallelGroup()
+
+
+def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 300.0,
+               startup_timeout_s: float | None = None) -> ParallelGroup:
+    """Join the torch.distributed group of `size` ranks (gloo on CPU, nccl on CUDA) at `init_method`
+    (tcp://host:port, file://path or env://). The rendezvous and the default group (start-up hand-offs)
+    wait up to `startup_timeout_s` (processes start and load at their own pace); the returned group's
+    collectives, the model's, raise after `timeout_s`."""
+    import datetime
+
+    import torch.distributed as dist
+
+    startup = datetime.timedelta(seconds=startup_timeout_s or timeout_s)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
+    return ParallelGroup(rank, size, group)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Which part of a checkpoint tensor one rank's parameter holds: along `dim` (of size `full` in
+    the checkpoint, seen as `blocks` equal blocks, e.g. one per layer of the packed PLE table), the
+    rows [start, end) of every block."""
+
+    dim: int
+    start: int
+    end: int
+    full: int
+    blocks: int = 1
+
+    def read(self, source) -> torch.Tensor:
+        """This shard of `source` (a safetensors slice: nothing outside the shard is read)."""
+        shape = list(source.get_shape())
+        block = shape[self.dim] // self.blocks
+        pieces = []
+        for b in range(self.blocks):
+            index = [slice(None)] * len(shape)
+            index[self.dim] = slice(b * block + self.start, b * block + self.end)
+            pieces.append(source[tuple(index)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+
+
+def mark_shard(param: torch.Tensor, group: ParallelGroup, dim: int, start: int, end: int, full: int,
+               blocks: int = 1) -> None:
+    """Record on a (meta) parameter which part of the checkpoint tensor it loads (at size 1 every
+    parameter is whole)."""
+    if group.size > 1:
+        param.shard = Shard(dim, start, end, full, blocks)
+
+
+def shards_of(module: torch.nn.Module) -> dict[str, Shard]:
+    """{parameter name: Shard} of every sharded parameter of `module`."""
+    return {name: p.shard for name, p in module.named_parameters() if hasattr(p, "shard")}
+
+
+def local_spec(spec, group: ParallelGroup):
+    """The spec one rank's modules, KV pools and attention kernels are built from: per layer type
+    its own query and KV heads; every other dimension as in the checkpoint (vocab and widths are cut
+    inside the modules, which gather what leaves them). Refuses sizes that do not divide, naming
+    the dimension, before any weight is read."""
+    if group.size == 1:
+        return spec
+    group.shard_range(spec.vocab_size, "vocab_size")
+    for layer in spec.layers:
+        group.shard_range(layer.mlp_width, f"layer {layer.index} MLP width")
+        if layer.moe is not None:
+            group.shard_range(layer.moe.num_experts, "num_experts")
+    if spec.ple is not None:
+        group.shard_range(spec.ple.dim, "hidden_size_per_layer_input")
+    attention = {}
+    for t, a in spec.attention_specs.items():
+        q0, q1 = group.shard_range(a.num_heads, f"{t} attention heads")
+        k0, k1 = group.kv_heads(a.num_kv_heads, a.num_heads, t)
+        attention[t] = replace(a, num_heads=q1 - q0, num_kv_heads=k1 - k0)
+    return replace(spec, attention_specs=attention)

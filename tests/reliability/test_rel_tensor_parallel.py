@@ -1,0 +1,158 @@
+"""A worker rank of a real `mmserve serve --tensor-parallel-size 2` dies (kill -9) or hangs (SIGSTOP)
+mid-run, or rank 0 (the engine process) is killed: every stream in flight ends UNAVAILABLE naming
+what happened, within the collective timeout, and the server exits non-zero leaving no rank behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from rel_engine import read_stream, text_request
+from rel_process import ServeProcess, process_exists
+
+from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+
+TIMEOUT_S = 3   # --tensor-parallel-timeout-s: how long rank 0 waits for a hung rank
+WORKER_PID = re.compile(r"tensor-parallel rank 1: process (\d+) started")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, sig, names", [
+    ("worker", signal.SIGKILL, r"rank 1 \(pid \d+, exit code -9\) died"),
+    ("worker", signal.SIGSTOP, rf"did not answer within {TIMEOUT_S}s"),
+    ("engine", signal.SIGKILL, "killed by SIGKILL")])
+def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(victim, sig, names, tiny_checkpoint):
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-num-seqs", "4",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2",
+                          "--tensor-parallel-timeout-s", str(TIMEOUT_S))
+    worker = None
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            nonlocal worker
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+                worker = int(WORKER_PID.search(server.log).group(1))
+                stub = pb_grpc.GenerationStub(ch)
+                calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
+                for call in calls:
+                    assert (await call.read()).delta.token_ids
+                os.kill(worker if victim == "worker" else server.engine_pid, sig)
+                lost = time.monotonic()
+                for call in calls:
+                    result = await read_stream(call)
+                    assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                    assert re.search(names, result.details) and result.final is None, result.details
+                assert time.monotonic() - lost < TIMEOUT_S + 15
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) != 0, server.log
+        assert not process_exists(worker), "the worker rank outlived the server"
+    finally:
+        server.stop()
+        if worker is not None:   # a failed run must not leave a stopped rank behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+
+
+def test_a_size_the_model_cannot_split_is_refused_at_start_naming_the_dimension(tiny_checkpoint):
+    """The tiny checkpoint's vocabulary (320) does not split 3 ways: `serve` exits 1 before any rank
+    is spawned, and the log says which dimension."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "3")
+    try:
+        assert server.proc.wait(120) == 1, server.log
+        assert "vocab_size (320) is not divisible by --tensor-parallel-size 3" in server.log
+        assert "tensor-parallel rank" not in server.log
+    finally:
+        server.stop()
+
+
+def test_the_offline_llm_refuses_tensor_parallelism():
+    from mmserve import LLM
+
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 runs in the server's engine process"):
+        LLM(tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch):
+    """`mmserve serve --nnodes 2` (node 0: rank 0) and `mmserve worker --node-rank 1` (rank 1) meet
+    through MASTER_ADDR/MASTER_PORT, here both on 127.0.0.1; greedy tokens equal the offline TP=1
+    engine's for the same prompt; stopping the server ends the worker node with exit 0."""
+    from mmserve import LLM
+    from mmserve.clients import Client
+    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.model.messages import ChatMessage
+    from mmserve.model.prompt import build_prompt
+    from mmserve.model.spec import load_spec
+    from mmserve.model.tokenizer import load_tokenizer
+
+    with socket.socket() as s:   # a free port for node 0's TCP store (ephemeral, loopback)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2")
+    server = ServeProcess("--port", "0", "--max-num-seqs", "4", "--worker-threads", "1", *group)
+    # the worker's own step sizes differ: its runner is sized by rank 0's (runner_config)
+    worker = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "worker", *group, "--node-rank", "1",
+                               "--max-num-seqs", "1", "--max-num-batched-tokens", "16"],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        port = server.wait_port(180)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+
+        asyncio.run(scenario())
+        with Client(f"127.0.0.1:{port}", timeout=120) as client:
+            served = client.generate(prompt="go on", max_tokens=8, temperature=0, ignore_eos=True)
+        assert not WORKER_PID.search(server.log)   # node 0 spawned no rank: rank 1 is the other node's
+        ids = build_prompt(load_tokenizer(tiny_checkpoint), load_spec(tiny_checkpoint),
+                           [ChatMessage("user", ["go on"])]).token_ids
+        [ref] = LLM(model=str(tiny_checkpoint), device="cpu", dtype="float32").generate(
+            [ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert served.usage.prompt_tokens == len(ids)
+        assert list(served.token_ids) == ref.token_ids
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log
+        assert worker.wait(60) == 0, worker.stdout.read()
+    finally:
+        server.stop()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+
+@pytest.mark.slow
+def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
+    """No request in flight: the core loop's per-iteration check of the ranks notices the dead worker
+    (within its 0.5 s idle poll) and the server exits 1 naming it, rather than failing the next request."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2")
+    try:
+        port = server.wait_port(180)
+
+        async def serving():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                await server.wait_serving(ch)
+
+        asyncio.run(serving())
+        os.kill(int(WORKER_PID.search(server.log).group(1)), signal.SIGKILL)
+        assert server.proc.wait(30) == 1, server.log
+        assert re.search(r"tensor-parallel rank 1 \(pid \d+, exit code -9\) died", server.log), server.log
+    finally:
+        server.stop()

@@ -1,0 +1,62 @@
+"""A real server at --tensor-parallel-size 2: the engine process (rank 0) spawns rank 1, both gloo
+processes run their shard of a fresh random E-style checkpoint (per-layer embeddings, KV sharing),
+and a video prompt's greedy tokens equal transformers' (the TP=1 ground truth our TP=1 server is
+tested against in test_server_family.py) with chunked prefill, a prefix-cache hit and n samples;
+GetModelInfo and the metrics report the layout. One server for the module."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from loopback_server import LoopbackServer, engine_config
+from prometheus_client import generate_latest
+from test_server_family import BUDGET, reference_greedy
+
+from mmserve.clients import Client
+from mmserve.config import ServerConfig
+from mmserve.metrics.perf_model import PerfModel
+from mmserve.metrics.prometheus import EngineMetrics
+from mmserve.metrics.telemetry import TelemetryObserver
+from mmserve.model.spec import load_spec
+
+
+@pytest.fixture(scope="module")
+def tp_server(tmp_path_factory, gemma4_fixtures):
+    seed = random.SystemRandom().randrange(10_000)
+    path = tmp_path_factory.mktemp("tp_e_model")
+    gemma4_fixtures.make_checkpoint(path, config=gemma4_fixtures.e_model_config(), seed=seed)
+    (path / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 70}))
+    metrics = EngineMetrics(prometheus=True)   # the observer setup_observability builds, with a registry to read
+    observer = TelemetryObserver(PerfModel(load_spec(path), dtype="float32", tp=2), metrics=metrics)
+    server = LoopbackServer(engine_config(path, max_num_batched_tokens=BUDGET, default_num_frames=3,
+                                          tensor_parallel_size=2),
+                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2),
+                            observer=observer, metrics=metrics).start()
+    yield path, server, seed, metrics
+    server.stop()
+    metrics.shutdown()
+
+
+def test_tp2_server_greedy_matches_transformers(tp_server, make_video):
+    path, server, seed, _ = tp_server
+    video = make_video(seed=seed, num_frames=6)
+    layout, expected = reference_greedy(path, video, 3, "What happens?", 5)
+    assert len(layout.token_ids) > 2 * BUDGET   # prefill takes several chunks
+    ask = dict(prompt="What happens?", video=video, num_frames=3, max_tokens=5, temperature=0, ignore_eos=True)
+    with Client(server.address, timeout=120) as client:
+        first = client.generate(**ask)
+        again = client.generate(**ask)                 # the prompt's blocks come from the prefix cache
+        samples = client.generate(**ask, n=2)
+    assert list(first.token_ids) == expected, f"seed {seed}"
+    assert list(again.token_ids) == expected and again.usage.cached_tokens > 0, f"seed {seed}"
+    assert [list(s.token_ids) for s in samples.samples] == [expected, expected], f"seed {seed}"
+
+
+def test_model_info_and_metrics_report_the_layout(tp_server):
+    _, server, _, metrics = tp_server
+    with Client(server.address, timeout=60) as client:
+        assert client.model_info().tensor_parallel_size == 2
+    assert "mmserve_tensor_parallel_size 2.0" in generate_latest(metrics.registry).decode()
