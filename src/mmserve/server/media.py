@@ -27,7 +27,7 @@ from mmserve.errors import (
     RequestAbortedError,
 )
 from mmserve.server.media_store import MEDIA_ID, MediaEntry, MediaStore
-from mmserve.server.status import abort_with
+from mmserve.server.status import end_with
 from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class MediaService:
         try:
             return self._ref(await self._receive(requests, context))
         except MMServeError as e:
-            await abort_with(context, e)
+            end_with(context, e)   # not abort_with: its error, kept by grpc, would hold the upload in a cycle
+            return pb.MediaRef()   # not sent: the call ends with the status just set
 
     async def _receive(self, requests: AsyncIterator[pb.UploadMediaRequest],
                        context: grpc.aio.ServicerContext) -> MediaEntry:
