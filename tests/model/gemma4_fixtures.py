@@ -249,17 +249,34 @@ def assistant_config(target: dict, *, ordered: bool = False, hidden: int = 40, *
                 num_centroids=8, centroid_intermediate_top_k=3)
 
 
-def make_assistant(root: Path, target: dict, *, seed: int = 0, ordered: bool = False, **overrides):
+def make_assistant(root: Path, target: dict, *, seed: int = 0, ordered: bool = False, copy_from=None, **overrides):
     """Save a tiny random Gemma4AssistantForCausalLM for `target` to `root` (a random `token_ordering`
-    permutation with `ordered`); returns the transformers model (eval, fp32, eager attention)."""
+    permutation with `ordered`); returns the transformers model (eval, fp32, eager attention).
+
+    `copy_from` (the target's transformers model): a drafter that mostly proposes the token it is
+    given, as a trained one often would where the target repeats itself, so a test sees drafts
+    accepted as well as rejected: the target's width, its embedding table as the head, the token
+    embedding passed through `pre_projection`, and the (still random) layers and hidden-state input
+    scaled down so they only sometimes change the argmax."""
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
 
+    if copy_from is not None:
+        overrides.setdefault("hidden", target["text_config"]["hidden_size"])
     cfg = Gemma4AssistantConfig(**assistant_config(target, ordered=ordered, **overrides))
     cfg._attn_implementation = "eager"
     cfg.get_text_config()._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = Gemma4AssistantForCausalLM(cfg).eval()
     randomize_(model, seed)
+    if copy_from is not None:
+        with torch.no_grad():
+            width = cfg.backbone_hidden_size
+            model.model.embed_tokens.weight.copy_(copy_from.get_input_embeddings().weight)
+            model.pre_projection.weight[:, :width].copy_(torch.eye(width))
+            model.pre_projection.weight[:, width:].mul_(0.05)
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(0.1)
     if ordered:
         order = torch.randperm(cfg.get_text_config().vocab_size, generator=torch.Generator().manual_seed(seed))
         model.masked_embedding.token_ordering.copy_(order)

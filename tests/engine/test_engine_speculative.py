@@ -1,0 +1,123 @@
+"""Speculative decoding changes how many steps a request takes, never its greedy tokens.
+
+A fresh random tiny Gemma 4 target (sliding window 6) and a tiny assistant that mostly drafts the
+token it is given (gemma4_fixtures.make_assistant(copy_from=...): random layers, so drafts are
+accepted where the target repeats itself and rejected elsewhere, both at every draft position) run
+the same requests as an engine without speculation (the oracle): chunked prefill beside verify
+chunks, frames, a prefix-cache hit, requests that do not speculate sharing the steps, preemption,
+EOS and max_tokens inside accepted drafts. At the end every KV block is free (empty or cached with
+no reference) and every cached block's key names verified tokens only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import build_request, make_llm
+from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
+from test_engine_batching import assert_pools_full
+
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.model import load_model
+from mmserve.model.tokenizer import load_tokenizer
+from mmserve.scheduler.block_hash import block_hashes
+from mmserve.scheduler.request import Request
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    cfg = tiny_config(window=6)
+    hf = make_checkpoint(root / "target", config=cfg, seed=31)
+    make_assistant(root / "assistant", cfg, seed=33, copy_from=hf)
+    model = load_model(root / "target")
+    return (model, load_tokenizer(root / "target")), str(root / "assistant")
+
+
+def run(models, requests, *, speculate: bool, **options):
+    model_tok, assistant = models
+    if speculate:
+        options.update(speculative_model=assistant, num_speculative_tokens=3)
+    llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=16, **options)
+    return llm, {c.request_id: c for c in llm.generate(requests)}
+
+
+def assert_only_verified_keys(llm, requests, completions) -> None:
+    """Every key a pool holds is the chain hash of a block of some request's prompt + output."""
+    verified = set()
+    for r in requests:
+        done = Request(r.request_id, list(r.prompt_token_ids) + completions[r.request_id].token_ids, SamplingParams(),
+                       mm_ranges=list(r.mm_ranges), mm_inputs=list(r.mm_inputs))
+        verified.update(block_hashes(done, BS, done.num_tokens // BS))
+    for name, pool in llm.core.kv.pools.items():
+        assert pool._by_key, f"pool {name} cached nothing"
+        assert set(pool._by_key) <= verified, f"pool {name} holds a key of unverified tokens"
+
+
+def mixed_requests(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(5, 40, (4,), generator=gen).tolist()
+    return [
+        build_request("long", [sizes[0] + 30], seed=seed, max_tokens=20),           # chunked over steps
+        build_request("short", [sizes[1]], seed=seed + 1, max_tokens=17),
+        build_request("video", [3, ("video", [8, 4]), sizes[2]], seed=seed + 2, max_tokens=15),
+        build_request("opted-out", [sizes[3]], seed=seed + 3, max_tokens=12, disable_speculation=True),
+        build_request("penalised", [sizes[3]], seed=seed + 4, max_tokens=12, repetition_penalty=1.3),
+    ]
+
+
+def test_greedy_tokens_equal_those_without_speculation(models):
+    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+    _, expected = run(models, requests, speculate=False)
+    llm, got = run(models, requests, speculate=True)
+    for rid, c in expected.items():
+        assert got[rid].token_ids == c.token_ids, rid
+        assert got[rid].finish_reason == c.finish_reason == "length", rid
+    spec = llm.core.speculator
+    assert spec.accepted[0] > 0 and spec.accepted[-1] > 0, "no draft was ever accepted: the test proves little"
+    assert spec.verified[0] > spec.accepted[0], "no draft was ever rejected: rollback went untested"
+    assert_pools_full(llm.core)
+    assert_only_verified_keys(llm, requests, got)
+
+    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
+    again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
+    hits = {c.request_id: c for c in llm.generate(again)}
+    for r in requests:
+        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
+        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
+    assert_pools_full(llm.core)
+
+
+def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models):
+    requests = [build_request(f"r{i}", [20 + 9 * i], seed=50 + i, max_tokens=24) for i in range(4)]
+    _, expected = run(models, requests, speculate=False)
+    # an end-of-sequence id the target emits twice in a row somewhere: drafts of it get accepted
+    repeats = [(c.token_ids[j], rid) for rid, c in expected.items() for j in range(1, 24)
+               if c.token_ids[j] == c.token_ids[j - 1]]
+    assert repeats, "no repeated token to put EOS on"
+    eos = repeats[0][0]
+    requests = [dataclasses.replace(r, sampling=SamplingParams(max_tokens=24)) for r in requests]   # EOS counts
+    llm, got = run(models, [], speculate=True)
+    llm.core.eos_token_ids = frozenset({eos})
+    got = {c.request_id: c for c in llm.generate(requests)}
+    for rid, c in expected.items():
+        cut = c.token_ids.index(eos) + 1 if eos in c.token_ids else len(c.token_ids)
+        assert got[rid].token_ids == c.token_ids[:cut], rid
+        assert got[rid].finish_reason == ("eos" if eos in c.token_ids else "length"), rid
+    assert_pools_full(llm.core)
+
+
+def test_preempted_speculating_requests_recompute_to_the_same_tokens(models):
+    requests = [build_request(f"r{i}", [28 + 3 * i], seed=70 + i, max_tokens=20) for i in range(4)]
+    _, expected = run(models, requests, speculate=False, num_kv_blocks=60)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    preempt, preempted = llm.core.scheduler._preempt, []
+    llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
+    got = {c.request_id: c for c in llm.generate(requests)}
+    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
+    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
+    assert_pools_full(llm.core)
