@@ -275,6 +275,7 @@ class EngineCore:
                 step = self.runner.execute(out)
                 sampled = self._sample(step.logits, [s.request for s in step.sampled
                                                      for _ in range(1 + len(s.draft_token_ids))])
+                accepted = self._accept(step.sampled, sampled, step.logits)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -282,7 +283,6 @@ class EngineCore:
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        accepted = self._accept(step.sampled, sampled)
         self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
         self._release_forks()
         if self.speculator is not None:
@@ -324,9 +324,10 @@ class EngineCore:
                 for request in self._forks.pop(parent_id):
                     self.scheduler.enqueue(request)
 
-    def _accept(self, scheduled, sampled: SamplerOutput) -> list[_Accepted]:
+    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor) -> list[_Accepted]:
         """Each sampling request's new tokens, appended to it: its row's token, or for a verify chunk
-        the drafts its rows confirm plus the target's next token; cut at EOS and max_tokens."""
+        the drafts its rows confirm plus the target's next token (greedy: the longest prefix equal
+        to the rows' argmax; random: rejection sampling), cut at EOS and max_tokens."""
         eos = self.eos_token_ids
         accepted, row = [], 0
         for s in scheduled:
@@ -338,6 +339,8 @@ class EngineCore:
                 continue
             targets = sampled.token_ids[first:first + rows]
             params = request.sampling_params
+            if drafts and not params.greedy:
+                targets = self.sampler.verify(logits[first:first + rows], request, drafts)
             tokens, finish = [], None
             num_accepted = accepted_prefix(drafts, targets)
             if drafts:

@@ -6,11 +6,12 @@ layers, positions before the token drafted from) are gathered once, and the K st
 one constant position, so they need no scheduling and no metadata. The next step verifies
 `[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
 drafts equal to the target's argmax, plus the target's own next token: the same tokens as
-without speculation, up to K + 1 per step.
+without speculation, up to K + 1 per step. A random request's chunk is decided by rejection
+sampling (`Sampler.verify`): the target's distribution, exactly.
 
-Speculating requests are those whose verification is exact with greedy acceptance: argmax
-sampling with nothing that depends on the tokens before each row (penalties, min_tokens, a
-grammar) or reports per-token logprobs. Everything else decodes one token per step, as before.
+Speculating requests are those whose verification needs nothing that depends on the tokens before
+each row (penalties, min_tokens, a grammar) and reports no per-token logprobs; a request may opt out
+(`disable_speculation`). Everything else decodes one token per step, as before.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from mmserve.scheduler.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:
-    return (not params.disable_speculation and params.greedy and not params.has_penalties and not params.logit_bias and not params.min_tokens
+    return (not params.disable_speculation and not params.has_penalties and not params.logit_bias and not params.min_tokens
             and params.response_format is None and params.num_logprobs is None and not params.prompt_logprobs)
 
 
