@@ -37,6 +37,7 @@ def generate(client, **kwargs):
 
 def test_speculation_gives_the_tokens_of_plain_decoding(server, video_bytes):
     with Client(server.address, timeout=120) as client:
+        assert client.model_info().num_speculative_tokens == 3
         for prompt in PROMPTS:
             plain = generate(client, prompt=prompt, disable_speculation=True)
             fast = generate(client, prompt=prompt)

@@ -308,7 +308,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes", "peaks", "backend_checks", "tensor_parallel_size")
+    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes", "peaks", "backend_checks", "tensor_parallel_size", "num_speculative_tokens")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class ModelInfo(_message.Message):
     PEAKS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_CHECKS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     max_frames_per_video: int
@@ -337,7 +338,8 @@ class ModelInfo(_message.Message):
     peaks: DevicePeaks
     backend_checks: _containers.RepeatedCompositeFieldContainer[BackendCheck]
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ..., peaks: _Optional[_Union[DevicePeaks, _Mapping]] = ..., backend_checks: _Optional[_Iterable[_Union[BackendCheck, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ..., peaks: _Optional[_Union[DevicePeaks, _Mapping]] = ..., backend_checks: _Optional[_Iterable[_Union[BackendCheck, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class BackendCheck(_message.Message):
     __slots__ = ("component", "selected", "running", "reason")
