@@ -65,6 +65,7 @@ class _Accepted:
     finish_reason: str | None
     rejected: int
     error: MMServeError | None = None
+    num_accepted: int = 0   # drafts the target kept (speculation), before any EOS/max_tokens cut
 
 
 def load_engine_model(config: EngineConfig):
@@ -291,7 +292,7 @@ class EngineCore:
             except Exception:   # drafts only save steps: without them every request decodes on
                 logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns)
+        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted)
         self._emit(accepted, result.outputs)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
@@ -355,7 +356,8 @@ class EngineCore:
                 if finish:
                     break
             logprobs = sampled.logprobs[first] if rows == 1 else None   # verify chunks never ask
-            accepted.append(_Accepted(s, tokens, None if logprobs is None else [logprobs], finish, rows - len(tokens)))
+            accepted.append(_Accepted(s, tokens, None if logprobs is None else [logprobs], finish, rows - len(tokens),
+                                      num_accepted=num_accepted))
         return accepted
 
     def _draft(self, step: StepResult, accepted: list[_Accepted]) -> None:
@@ -402,13 +404,15 @@ class EngineCore:
                     f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
-                start_ns: int, end_ns: int) -> StepRecord:
+                start_ns: int, end_ns: int, accepted: list[_Accepted]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
-        prefix-cache lookups) is read here; `ScheduledItem.request` is bound in the front end."""
+        prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
+        kept = {a.scheduled.request.request_id: a.num_accepted for a in accepted}
         items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
                                step.frames_encoded.get(s.request.request_id, 0),
                                prefix_queried=0 if s.num_cached_tokens is None else s.request.num_tokens,
-                               prefix_hit=s.num_cached_tokens or 0)
+                               prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
+                               accepted_drafts=kept.get(s.request.request_id, 0))
                  for s in out.scheduled]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()
