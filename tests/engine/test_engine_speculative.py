@@ -121,3 +121,23 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(models):
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
     assert_pools_full(llm.core)
+
+
+@pytest.mark.parametrize("variant", ["e_model", "moe"])
+def test_kv_sharing_and_expert_targets_give_the_same_greedy_tokens(tmp_path, variant):
+    """E2B-like (per-layer embeddings, KV-sharing layers: a verify chunk runs every row through them)
+    and 26B-A4B-like (experts) targets."""
+    import gemma4_fixtures
+
+    cfg = getattr(gemma4_fixtures, f"{variant}_config")()
+    hf = make_checkpoint(tmp_path / "target", config=cfg, seed=81)
+    make_assistant(tmp_path / "assistant", cfg, seed=83, copy_from=hf)
+    model = load_model(tmp_path / "target")
+    models = ((model, None), str(tmp_path / "assistant"))
+    requests = [build_request("text", [37], seed=1, max_tokens=20),
+                build_request("video", [3, ("video", [8, 4]), 9], seed=9, max_tokens=16)]
+    _, expected = run(models, requests, speculate=False)
+    llm, got = run(models, requests, speculate=True)
+    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
+    assert llm.core.speculator.verified[0] > 0
+    assert_pools_full(llm.core)
