@@ -63,7 +63,7 @@ def mixed_requests(seed: int):
     sizes = torch.randint(5, 40, (4,), generator=gen).tolist()
     return [
         build_request("long", [sizes[0] + 30], seed=seed, max_tokens=20),           # chunked over steps
-        build_request("short", [sizes[1]], seed=seed + 1, max_tokens=17),
+        build_request("short", [sizes[1]], seed=seed + 1, max_tokens=17, logprobs=True, top_logprobs=3),
         build_request("video", [3, ("video", [8, 4]), sizes[2]], seed=seed + 2, max_tokens=15),
         build_request("opted-out", [sizes[3]], seed=seed + 3, max_tokens=12, disable_speculation=True),
         build_request("penalised", [sizes[3]], seed=seed + 4, max_tokens=12, repetition_penalty=1.3),
@@ -77,6 +77,13 @@ def test_greedy_tokens_equal_those_without_speculation(models):
     for rid, c in expected.items():
         assert got[rid].token_ids == c.token_ids, rid
         assert got[rid].finish_reason == c.finish_reason == "length", rid
+    # logprobs of every emitted token, verify chunks' included, are the target's
+    theirs, ours = expected["short"].logprobs, got["short"].logprobs
+    assert len(ours) == len(theirs) == 17
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.token_id, a.rank, a.top_ids) == (b.token_id, b.rank, b.top_ids)
+        torch.testing.assert_close(torch.tensor([a.logprob, *a.top_logprobs]), torch.tensor([b.logprob, *b.top_logprobs]),
+                                   rtol=1e-4, atol=1e-4)
     spec = llm.core.speculator
     assert spec.accepted[0] > 0 and spec.accepted[-1] > 0, "no draft was ever accepted: the test proves little"
     assert spec.verified[0] > spec.accepted[0], "no draft was ever rejected: rollback went untested"

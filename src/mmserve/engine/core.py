@@ -31,7 +31,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.format_compiler import FormatCompiler
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
@@ -355,9 +355,11 @@ class EngineCore:
                     finish = "length"
                 if finish:
                     break
-            logprobs = sampled.logprobs[first] if rows == 1 else None   # verify chunks never ask
-            accepted.append(_Accepted(s, tokens, None if logprobs is None else [logprobs], finish, rows - len(tokens),
-                                      num_accepted=num_accepted))
+            logprobs = None if sampled.logprobs[first] is None else [sampled.logprobs[first]]
+            if rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
+                logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
+                                          [params.num_logprobs] * len(tokens))
+            accepted.append(_Accepted(s, tokens, logprobs, finish, rows - len(tokens), num_accepted=num_accepted))
         return accepted
 
     def _draft(self, step: StepResult, accepted: list[_Accepted]) -> None:

@@ -10,8 +10,9 @@ without speculation, up to K + 1 per step. A random request's chunk is decided b
 sampling (`Sampler.verify`): the target's distribution, exactly.
 
 Speculating requests are those whose verification needs nothing that depends on the tokens before
-each row (penalties, min_tokens, a grammar) and reports no per-token logprobs; a request may opt out
-(`disable_speculation`). Everything else decodes one token per step, as before.
+each row (penalties, min_tokens, a grammar) or adjusts the logits (logit_bias), and that asks no
+prompt logprobs; a request may opt out (`disable_speculation`). Logprobs of a verify chunk's tokens
+are each token's under the target's row that scored it. Everything else decodes one token per step, as before.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mmserve.scheduler.request import Request
 
 def speculates(params: SamplingParams) -> bool:
     return (not params.disable_speculation and not params.has_penalties and not params.logit_bias and not params.min_tokens
-            and params.response_format is None and params.num_logprobs is None and not params.prompt_logprobs)
+            and params.response_format is None and not params.prompt_logprobs)
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
