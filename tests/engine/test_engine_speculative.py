@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 from engine_helpers import build_request, make_llm
-from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
+from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
 from test_engine_batching import assert_pools_full
 
 from mmserve.engine.sampling_params import SamplingParams
@@ -67,6 +67,8 @@ def mixed_requests(seed: int):
         build_request("video", [3, ("video", [8, 4]), sizes[2]], seed=seed + 2, max_tokens=15),
         build_request("opted-out", [sizes[3]], seed=seed + 3, max_tokens=12, disable_speculation=True),
         build_request("penalised", [sizes[3]], seed=seed + 4, max_tokens=12, repetition_penalty=1.3),
+        build_request("biased", [sizes[2]], seed=seed + 5, max_tokens=14,
+                      logit_bias=tuple((t, 3.0) for t in range(NUM_SPECIALS, VOCAB, 5))),
     ]
 
 

@@ -10,8 +10,8 @@ without speculation, up to K + 1 per step. A random request's chunk is decided b
 sampling (`Sampler.verify`): the target's distribution, exactly.
 
 Speculating requests are those whose verification needs nothing that depends on the tokens before
-each row (penalties, min_tokens, a grammar) or adjusts the logits (logit_bias), and that asks no
-prompt logprobs; a request may opt out (`disable_speculation`). Logprobs of a verify chunk's tokens
+each row (penalties, min_tokens, a grammar), that asks no prompt logprobs, and, when sampled,
+has no logit_bias; a request may opt out (`disable_speculation`). Logprobs of a verify chunk's tokens
 are each token's under the target's row that scored it. Everything else decodes one token per step, as before.
 """
 
@@ -30,7 +30,10 @@ from mmserve.scheduler.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:
-    return (not params.disable_speculation and not params.has_penalties and not params.logit_bias and not params.min_tokens
+    # logit_bias shifts each row alike, so greedy verification (the sampler's argmax per row) applies it;
+    # rejection sampling reads the unbiased distribution, so a sampled request with a bias does not speculate
+    return (not params.disable_speculation and not params.has_penalties and not params.min_tokens
+            and not (params.logit_bias and not params.greedy)
             and params.response_format is None and not params.prompt_logprobs)
 
 
