@@ -67,6 +67,10 @@ def mixed_requests(seed: int):
         build_request("video", [3, ("video", [8, 4]), sizes[2]], seed=seed + 2, max_tokens=15),
         build_request("opted-out", [sizes[3]], seed=seed + 3, max_tokens=12, disable_speculation=True),
         build_request("penalised", [sizes[3]], seed=seed + 4, max_tokens=12, repetition_penalty=1.3),
+        # negative penalties favour repeats, which this drafter proposes: each verify row's penalty
+        # must count the drafts before it
+        build_request("repeating", [sizes[1] + 3], seed=seed + 6, max_tokens=18, presence_penalty=-1.0,
+                      frequency_penalty=-0.5, min_tokens=4),
         build_request("biased", [sizes[2]], seed=seed + 5, max_tokens=14,
                       logit_bias=tuple((t, 3.0) for t in range(NUM_SPECIALS, VOCAB, 5))),
     ]
@@ -150,3 +154,31 @@ def test_kv_sharing_and_expert_targets_give_the_same_greedy_tokens(tmp_path, var
     assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
     assert llm.core.speculator.verified[0] > 0
     assert_pools_full(llm.core)
+
+
+def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
+    """Penalties, min_tokens and logit_bias of verify row j count the j drafts before it as output,
+    exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
+    from mmserve.engine.sampler import Sampler
+    from mmserve.engine.speculative import verify_rows
+    from mmserve.scheduler.output import ScheduledRequest
+
+    eos = 1
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
+    params = SamplingParams(max_tokens=20, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.6,
+                            min_tokens=5, logit_bias=((40, 2.5),))
+    prompt, output, drafts = [20, 21, 22, 23], [30, 31, 32], [33, 34, 35, 36]
+    logits = torch.randn(len(drafts) + 1, VOCAB, generator=gen)
+    logits[:, drafts] += 3.0     # the drafts and EOS would win unadjusted
+    logits[:, eos] += 8.0
+    request = Request("r", prompt, params)
+    request.output_token_ids = list(output)
+    chunk = ScheduledRequest(request, len(drafts) + 1, len(prompt) + len(output) - 1, False, draft_token_ids=drafts)
+    got = Sampler(eos_token_ids=[eos]).sample(logits, verify_rows([chunk])).token_ids
+    expected = []
+    for j in range(len(drafts) + 1):
+        alone = Request("r", prompt, params)
+        alone.output_token_ids = output + drafts[:j]
+        expected += Sampler(eos_token_ids=[eos]).sample(logits[j:j + 1], [alone]).token_ids
+    assert got == expected
+    assert eos not in expected[:2] and eos in expected[2:], "min_tokens must hold EOS back for rows 0-1 only"

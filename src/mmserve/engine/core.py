@@ -38,7 +38,7 @@ from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
-from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates
+from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
@@ -274,9 +274,9 @@ class EngineCore:
         try:
             with torch_threads(threads):
                 step = self.runner.execute(out)
-                sampled = self._sample(step.logits, [s.request for s in step.sampled
-                                                     for _ in range(1 + len(s.draft_token_ids))])
-                accepted = self._accept(step.sampled, sampled, step.logits)
+                rows = verify_rows(step.sampled)
+                sampled = self._sample(step.logits, rows)
+                accepted = self._accept(step.sampled, sampled, step.logits, rows)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -295,7 +295,7 @@ class EngineCore:
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted)
         self._emit(accepted, result.outputs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
         fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
         drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
@@ -325,7 +325,7 @@ class EngineCore:
                 for request in self._forks.pop(parent_id):
                     self.scheduler.enqueue(request)
 
-    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor) -> list[_Accepted]:
+    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor, sampler_rows: list) -> list[_Accepted]:
         """Each sampling request's new tokens, appended to it: its row's token, or for a verify chunk
         the drafts its rows confirm plus the target's next token (greedy: the longest prefix equal
         to the rows' argmax; random: rejection sampling), cut at EOS and max_tokens."""
@@ -341,7 +341,7 @@ class EngineCore:
             targets = sampled.token_ids[first:first + rows]
             params = request.sampling_params
             if drafts and not params.greedy:
-                targets = self.sampler.verify(logits[first:first + rows], request, drafts)
+                targets = self.sampler.verify(logits[first:first + rows], sampler_rows[first:first + rows], drafts)
             tokens, finish = [], None
             num_accepted = accepted_prefix(drafts, targets)
             if drafts:

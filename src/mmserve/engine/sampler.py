@@ -120,13 +120,14 @@ class Sampler:
                                    torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
         return torch.softmax(scaled, dim=-1)
 
-    def verify(self, logits: torch.Tensor, request, drafts: list[int]) -> list[int]:
-        """Rejection sampling of a random request's verify chunk: logits [1 + K, V] (row i follows
-        the i-th verified token), K greedy drafts -> the kept drafts and one more token, distributed
-        exactly as K + 1 plain draws would be. Needs no logit adjustments (the engine speculates only
-        requests without them)."""
-        gen = self._generator(request.request_id, request.sampling_params, logits.device)
-        probs = self._probs(logits, [request.sampling_params] * logits.shape[0])
+    def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
+        """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
+        the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
+        min_tokens and penalties adjust each row as a plain step would), K greedy drafts -> the kept
+        drafts and one more token, distributed exactly as K + 1 plain draws would be."""
+        params = [r.sampling_params for r in rows]
+        gen = self._generator(rows[0].request_id, params[0], logits.device)
+        probs = self._probs(self._adjust(logits, rows, params), params)
         ids = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
         u = torch.rand(len(drafts), generator=gen, device=logits.device, dtype=probs.dtype)
         kept = keeps_draft(u, probs[torch.arange(len(drafts), device=logits.device), ids]).tolist()

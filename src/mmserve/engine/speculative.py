@@ -9,10 +9,11 @@ drafts equal to the target's argmax, plus the target's own next token: the same 
 without speculation, up to K + 1 per step. A random request's chunk is decided by rejection
 sampling (`Sampler.verify`): the target's distribution, exactly.
 
-Speculating requests are those whose verification needs nothing that depends on the tokens before
-each row (penalties, min_tokens, a grammar), that asks no prompt logprobs, and, when sampled,
-has no logit_bias; a request may opt out (`disable_speculation`). Logprobs of a verify chunk's tokens
-are each token's under the target's row that scored it. Everything else decodes one token per step, as before.
+Every request speculates except those with a grammar (its matcher would have to run ahead over the
+drafts and roll back) or prompt logprobs, and those that opt out (`disable_speculation`): they
+decode one token per step, as before. Penalties, min_tokens and logit_bias apply to each verify
+row as if its drafts were already output (`VerifyRow`); logprobs of a verify chunk's tokens are
+each token's under the target's row that scored it.
 """
 
 from __future__ import annotations
@@ -30,11 +31,39 @@ from mmserve.scheduler.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:
-    # logit_bias shifts each row alike, so greedy verification (the sampler's argmax per row) applies it;
-    # rejection sampling reads the unbiased distribution, so a sampled request with a bias does not speculate
-    return (not params.disable_speculation and not params.has_penalties and not params.min_tokens
-            and not (params.logit_bias and not params.greedy)
-            and params.response_format is None and not params.prompt_logprobs)
+    return not params.disable_speculation and params.response_format is None and not params.prompt_logprobs
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """Row j > 0 of a verify chunk as the sampler sees it: the request with its first j drafts as
+    output, so penalties, min_tokens and logit_bias adjust each row exactly as the step that would
+    have sampled that position alone."""
+
+    request: Request
+    drafts: tuple[int, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + list(self.drafts)
+
+
+def verify_rows(scheduled) -> list:
+    """The sampler's rows of a step: each sampling request, then a VerifyRow per draft it verifies."""
+    return [s.request if j == 0 else VerifyRow(s.request, tuple(s.draft_token_ids[:j]))
+            for s in scheduled for j in range(1 + len(s.draft_token_ids))]
 
 
 def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
