@@ -410,9 +410,11 @@ class EngineCore:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
         prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
         kept = {a.scheduled.request.request_id: a.num_accepted for a in accepted}
+        new = {a.scheduled.request.request_id: len(a.tokens) for a in accepted}   # appended since scheduling
         items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
                                step.frames_encoded.get(s.request.request_id, 0),
-                               prefix_queried=0 if s.num_cached_tokens is None else s.request.num_tokens,
+                               prefix_queried=0 if s.num_cached_tokens is None
+                               else s.request.num_tokens - new.get(s.request.request_id, 0),
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                                accepted_drafts=kept.get(s.request.request_id, 0))
                  for s in out.scheduled]
