@@ -7,6 +7,7 @@ given (gemma4_fixtures.make_assistant(copy_from=...)), so drafts are both accept
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
@@ -75,7 +76,17 @@ def test_speculation_gives_the_tokens_of_plain_decoding(served, video_bytes):
         plain = generate(client, prompt=PROMPTS[0], stop=[stop], disable_speculation=True)
         fast = generate(client, prompt=PROMPTS[0], stop=[stop])
         assert plain.finish_reason == "stop" and (fast.text, fast.finish_reason) == (plain.text, plain.finish_reason)
-    held = server.call(server.engine.held_resources())
+        # a speculating request cancelled mid-stream, beside one that runs on
+        stream = client.stream(prompt=PROMPTS[2], temperature=0, ignore_eos=True, max_tokens=400)
+        other = client.stream(prompt=PROMPTS[0], temperature=0.8, seed=3, ignore_eos=True, max_tokens=30)
+        next(iter(stream))
+        stream.cancel()
+        for _ in other:
+            pass
+        assert len(other.result.token_ids) == 30
+    deadline = time.monotonic() + 30
+    while (held := server.call(server.engine.held_resources()))["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not held["requests"] and not held["kv_blocks_held"] and not held["streams"], held
     # acceptance per draft position: drafts were both kept and rejected, never more kept than scored
     metrics = scrape(port)
