@@ -182,3 +182,13 @@ def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
         expected += Sampler(eos_token_ids=[eos]).sample(logits[j:j + 1], [alone]).token_ids
     assert got == expected
     assert eos not in expected[:2] and eos in expected[2:], "min_tokens must hold EOS back for rows 0-1 only"
+
+
+def test_speculation_with_tensor_parallelism_is_refused_naming_both(models):
+    from mmserve.config import EngineConfig
+    from mmserve.engine.core import EngineCore
+    from mmserve.model.spec import UnsupportedModelError
+
+    (model, _), assistant = models
+    with pytest.raises(UnsupportedModelError, match="--speculative-model with --tensor-parallel-size > 1"):
+        EngineCore(EngineConfig(device="cpu", speculative_model=assistant, tensor_parallel_size=2), model=model)

@@ -44,6 +44,7 @@ from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
+from mmserve.model.spec import UnsupportedModelError
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import Request
@@ -88,6 +89,9 @@ class EngineCore:
     tensor-parallel rank 0 passes its own, engine/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
+        if config.speculative_model and config.tensor_parallel_size > 1:
+            raise UnsupportedModelError("--speculative-model with --tensor-parallel-size > 1 is not supported yet: "
+                                        "the drafter reads the target's whole K/V, which the ranks split by head")
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
