@@ -111,6 +111,12 @@ class EngineConfig:
     perf_accounting: str = field(default="exact", metadata={"help": "attention FLOPs/bytes accounting",
                                                                        "choices": ("exact", "upper-bound")})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced", "min": 0, "max": 1})
+    # Speculative decoding (engine/speculative.py).
+    speculative_model: str = field(default="", metadata={
+        "help": "a gemma4_assistant / gemma4_unified_assistant checkpoint directory that drafts tokens for "
+                "the target to verify (greedy requests); empty = off"})
+    num_speculative_tokens: int = field(default=3, metadata={
+        "help": "draft tokens per request per step with --speculative-model", "min": 1, "max": 16})
 
     @property
     def max_step_tokens(self) -> int:

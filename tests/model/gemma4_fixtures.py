@@ -230,3 +230,56 @@ class PagedSequence:
                                     mm_embeds, index, sampled)
         self.num_computed += len(ids)
         return hidden
+
+
+def assistant_config(target: dict, *, ordered: bool = False, hidden: int = 40, **text_overrides) -> dict:
+    """Gemma4AssistantConfig kwargs for a drafter of `target` (a tiny_config dict): 3 KV-sharing layers
+    (sliding, sliding, full) with the target's head dims and KV heads, its own width, heads, window and
+    RoPE; `ordered`: the centroid head (8 centroids, top 3)."""
+    t = target["text_config"]
+    text = dict(t, model_type="gemma4_text", hidden_size=hidden, intermediate_size=56, num_attention_heads=4,
+                num_hidden_layers=3, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                num_kv_shared_layers=3, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                enable_moe_block=False, use_double_wide_mlp=False, sliding_window=t["sliding_window"] - 1,
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                    "rope_theta": 100000.0}})
+    text.update(text_overrides)
+    return dict(text_config=text, backbone_hidden_size=t["hidden_size"], use_ordered_embeddings=ordered,
+                num_centroids=8, centroid_intermediate_top_k=3)
+
+
+def make_assistant(root: Path, target: dict, *, seed: int = 0, ordered: bool = False, copy_from=None, **overrides):
+    """Save a tiny random Gemma4AssistantForCausalLM for `target` to `root` (a random `token_ordering`
+    permutation with `ordered`); returns the transformers model (eval, fp32, eager attention).
+
+    `copy_from` (the target's transformers model): a drafter that mostly proposes the token it is
+    given, as a trained one often would where the target repeats itself, so a test sees drafts
+    accepted as well as rejected: the target's width, its embedding table as the head, the token
+    embedding passed through `pre_projection`, and the (still random) layers and hidden-state input
+    scaled down so they only sometimes change the argmax."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    if copy_from is not None:
+        overrides.setdefault("hidden", target["text_config"]["hidden_size"])
+    cfg = Gemma4AssistantConfig(**assistant_config(target, ordered=ordered, **overrides))
+    cfg._attn_implementation = "eager"
+    cfg.get_text_config()._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(cfg).eval()
+    randomize_(model, seed)
+    if copy_from is not None:
+        with torch.no_grad():
+            width = cfg.backbone_hidden_size
+            model.model.embed_tokens.weight.copy_(copy_from.get_input_embeddings().weight)
+            model.pre_projection.weight[:, :width].copy_(torch.eye(width))
+            model.pre_projection.weight[:, width:].mul_(0.05)
+            for name, param in model.named_parameters():
+                if name.endswith(("o_proj.weight", "down_proj.weight")):
+                    param.mul_(0.1)
+    if ordered:
+        order = torch.randperm(cfg.get_text_config().vocab_size, generator=torch.Generator().manual_seed(seed))
+        model.masked_embedding.token_ordering.copy_(order)
+    root.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(root))
+    return model

@@ -75,7 +75,8 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
                   presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float | None = None, min_tokens: int = 0,
                   logit_bias: Mapping[int, float] | None = None, json_schema: str | Mapping | None = None,
-                  regex: str | None = None, grammar: str | None = None, n: int = 0) -> pb.GenerateRequest:
+                  regex: str | None = None, grammar: str | None = None, n: int = 0,
+                  disable_speculation: bool = False) -> pb.GenerateRequest:
     """Either explicit `messages`, or one user turn from prompt/video/image (after a `system` turn,
     when given; start_s/end_s: the video's window). At most one of `json_schema` (a dict or JSON
     text), `regex` and `grammar` (EBNF) constrains the output."""
@@ -89,7 +90,8 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
     sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
                                  logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 min_tokens=min_tokens, logit_bias=dict(logit_bias or {}), n=n)
+                                 min_tokens=min_tokens, logit_bias=dict(logit_bias or {}), n=n,
+                                 disable_speculation=disable_speculation)
     formats = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("grammar", grammar)) if v is not None}
     if len(formats) > 1:
         raise ValueError(f"pass at most one of json_schema, regex and grammar, not {sorted(formats)}")

@@ -10,6 +10,11 @@ A failing step fails only the requests it scheduled; the loop keeps serving. A r
 sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
 request with a response_format not compiled yet waits off the scheduler while the compile worker
 runs (`format_compiler.py`): the step loop never compiles.
+
+With a speculative model (`speculative.py`) a step may verify drafts: its sampled rows are accepted
+(longest matching prefix + the target's next token, cut at EOS and max_tokens), the tokens are
+appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
+verified tokens only), and the assistant drafts the next step's tokens before the step ends.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,26 +31,42 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.format_compiler import FormatCompiler
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
+from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
+from mmserve.model.spec import UnsupportedModelError
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
-from mmserve.scheduler.output import SchedulerOutput
+from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import Request
 from mmserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
+
+
+@dataclass
+class _Accepted:
+    """One sampling request's outcome of a step: its new tokens, and how many of its chunk's
+    positions (rejected drafts, or those past an end) the scheduler rolls back."""
+
+    scheduled: ScheduledRequest
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None] | None
+    finish_reason: str | None
+    rejected: int
+    error: MMServeError | None = None
+    num_accepted: int = 0   # drafts the target kept (speculation), before any EOS/max_tokens cut
 
 
 def load_engine_model(config: EngineConfig):
@@ -67,6 +89,9 @@ class EngineCore:
     tensor-parallel rank 0 passes its own, engine/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
+        if config.speculative_model and config.tensor_parallel_size > 1:
+            raise UnsupportedModelError("--speculative-model with --tensor-parallel-size > 1 is not supported yet: "
+                                        "the drafter reads the target's whole K/V, which the ranks split by head")
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
@@ -75,7 +100,10 @@ class EngineCore:
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
-        plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=config.block_size,
+        self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
+                           if config.speculative_model else None)
+        kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
+        plans = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
                            dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
                            kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
                            max_chunk=config.max_step_tokens)
@@ -250,7 +278,9 @@ class EngineCore:
         try:
             with torch_threads(threads):
                 step = self.runner.execute(out)
-                sampled = self._sample(step.logits, [s.request for s in step.sampled])
+                rows = verify_rows(step.sampled)
+                sampled = self._sample(step.logits, rows)
+                accepted = self._accept(step.sampled, sampled, step.logits, rows)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -258,13 +288,18 @@ class EngineCore:
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        self.scheduler.update(out)
+        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
         self._release_forks()
+        if self.speculator is not None:
+            try:
+                self._draft(step, accepted)
+            except Exception:   # drafts only save steps: without them every request decodes on
+                logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns)
-        self._append_tokens(step.sampled, sampled, result.outputs)
+        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted)
+        self._emit(accepted, result.outputs)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
         fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
         drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
@@ -294,24 +329,70 @@ class EngineCore:
                 for request in self._forks.pop(parent_id):
                     self.scheduler.enqueue(request)
 
-    def _append_tokens(self, scheduled, sampled: SamplerOutput, outputs: list[CoreOutput]) -> None:
+    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor, sampler_rows: list) -> list[_Accepted]:
+        """Each sampling request's new tokens, appended to it: its row's token, or for a verify chunk
+        the drafts its rows confirm plus the target's next token (greedy: the longest prefix equal
+        to the rows' argmax; random: rejection sampling), cut at EOS and max_tokens."""
         eos = self.eos_token_ids
-        for row, (s, token, logprobs) in enumerate(zip(scheduled, sampled.token_ids, sampled.logprobs, strict=True)):
-            request = s.request
-            rid = request.request_id
-            if (error := sampled.errors.get(row)) is not None:   # this request's own failure: it ends alone
-                self._end(rid, CoreOutput(rid, error=error), outputs)
+        accepted, row = [], 0
+        for s in scheduled:
+            request, drafts = s.request, s.draft_token_ids
+            rows = 1 + len(drafts)
+            first, row = row, row + rows
+            if (error := sampled.errors.get(first)) is not None:   # this request's own failure: it ends alone
+                accepted.append(_Accepted(s, [], None, None, len(drafts), error))
                 continue
-            request.output_token_ids.append(token)
+            targets = sampled.token_ids[first:first + rows]
             params = request.sampling_params
-            out = CoreOutput(rid, [token], logprobs=None if logprobs is None else [logprobs],
-                             num_cached_tokens=request.num_cached_tokens)
-            if token in eos and not params.ignore_eos:
-                out.finish_reason = "eos"
-            elif len(request.output_token_ids) >= params.max_tokens:
-                out.finish_reason = "length"
-                if not self.sampler.grammar_complete(rid):
-                    out.finish_detail = "max_tokens reached before the output completed its response_format"
+            if drafts and not params.greedy:
+                targets = self.sampler.verify(logits[first:first + rows], sampler_rows[first:first + rows], drafts)
+            tokens, finish = [], None
+            num_accepted = accepted_prefix(drafts, targets)
+            if drafts:
+                self.speculator.record(len(drafts), num_accepted)
+            for token in targets[:num_accepted + 1]:
+                tokens.append(token)
+                request.output_token_ids.append(token)
+                if token in eos and not params.ignore_eos:
+                    finish = "eos"
+                elif len(request.output_token_ids) >= params.max_tokens:
+                    finish = "length"
+                if finish:
+                    break
+            logprobs = None if sampled.logprobs[first] is None else [sampled.logprobs[first]]
+            if rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
+                logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
+                                          [params.num_logprobs] * len(tokens))
+            accepted.append(_Accepted(s, tokens, logprobs, finish, rows - len(tokens), num_accepted=num_accepted))
+        return accepted
+
+    def _draft(self, step: StepResult, accepted: list[_Accepted]) -> None:
+        """The next step's drafts for every request that goes on and speculates."""
+        items, row = [], 0
+        for a in accepted:
+            first, row = row, row + len(a.scheduled.draft_token_ids) + 1
+            request = a.scheduled.request
+            if a.finish_reason or a.error or not speculates(request.sampling_params):
+                continue
+            if (k := self.speculator.num_drafts(request)) > 0:
+                items.append(DraftFrom(request, a.tokens[-1], step.hidden[first + len(a.tokens) - 1],
+                                       request.num_computed_tokens, k))
+        for item, drafts in zip(items, self.speculator.propose(items, self.kv, self.runner.kv_caches,
+                                                                self.config.block_size), strict=True):
+            item.request.draft_token_ids = drafts
+
+    def _emit(self, accepted: list[_Accepted], outputs: list[CoreOutput]) -> None:
+        for a in accepted:
+            request = a.scheduled.request
+            rid = request.request_id
+            if a.error is not None:
+                self._end(rid, CoreOutput(rid, error=a.error), outputs)
+                continue
+            params = request.sampling_params
+            out = CoreOutput(rid, a.tokens, logprobs=a.logprobs, num_cached_tokens=request.num_cached_tokens,
+                             finish_reason=a.finish_reason)
+            if out.finish_reason == "length" and not self.sampler.grammar_complete(rid):
+                out.finish_detail = "max_tokens reached before the output completed its response_format"
             if out.finish_reason is None:
                 outputs.append(out)
                 continue
@@ -329,13 +410,17 @@ class EngineCore:
                     f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
-                start_ns: int, end_ns: int) -> StepRecord:
+                start_ns: int, end_ns: int, accepted: list[_Accepted]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
-        prefix-cache lookups) is read here; `ScheduledItem.request` is bound in the front end."""
+        prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
+        kept = {a.scheduled.request.request_id: a.num_accepted for a in accepted}
+        new = {a.scheduled.request.request_id: len(a.tokens) for a in accepted}   # appended since scheduling
         items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
                                step.frames_encoded.get(s.request.request_id, 0),
-                               prefix_queried=0 if s.num_cached_tokens is None else s.request.num_tokens,
-                               prefix_hit=s.num_cached_tokens or 0)
+                               prefix_queried=0 if s.num_cached_tokens is None
+                               else s.request.num_tokens - new.get(s.request.request_id, 0),
+                               prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
+                               accepted_drafts=kept.get(s.request.request_id, 0))
                  for s in out.scheduled]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()

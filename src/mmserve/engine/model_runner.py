@@ -48,12 +48,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor            # float32 [S, vocab]
-    sampled: list[ScheduledRequest]  # row i of logits belongs to sampled[i]
+    logits: torch.Tensor            # float32 [L, vocab]
+    # the requests that sample, in row order: 1 + len(draft_token_ids) consecutive rows each (one
+    # without drafts; a verify chunk's rows score its last token and each draft)
+    sampled: list[ScheduledRequest]
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
+    hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
 
 
 class ModelRunner:
@@ -178,7 +181,8 @@ class ModelRunner:
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
         mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are decode steps: every row samples, the full path
-        if self.sampled_rows is not None and graph_size is None:
+        # (a verify chunk samples several rows: KV-sharing layers then run every row)
+        if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
             sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
@@ -192,4 +196,4 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded, encode_perf)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded, encode_perf, hidden)

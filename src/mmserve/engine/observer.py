@@ -24,6 +24,8 @@ class ScheduledItem:
     request: Any = field(default=None, repr=False, compare=False)
     prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
     prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
+    draft_tokens: int = 0       # a verify chunk (speculative decoding): the drafts it scored
+    accepted_drafts: int = 0    # ... and how many of them the target kept (a prefix of them)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,9 @@ comes back in `SamplerOutput.errors`: the core ends that request alone.
 Random rows draw exponential noise from their request's own `torch.Generator` and take
 argmax(probs / noise) (an exact draw from probs), so a seeded request samples the same tokens
 whatever else shares its batch, and after preemption. The noise is the only per-row work.
+A verify chunk of a random request (speculative decoding) is decided by rejection sampling
+(`verify`), which keeps the target's distribution exactly: the drafter is greedy, so each draft d
+is kept with probability p(d), and the first one rejected is replaced by a draw from p without d.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def keeps_draft(u: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
+    """Keep a greedy draft with probability min(1, p(d) / q(d)) = p(d) (q is one-hot on d): u ~ U[0, 1)."""
+    return u < p_draft
 
 
 @dataclass
@@ -101,16 +109,39 @@ class Sampler:
     def _adjusts(params: list[SamplingParams]) -> bool:
         return any(p.logit_bias or p.min_tokens or p.has_penalties for p in params)
 
-    def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
-        """One draw per row from softmax(filter(logits / temperature)), each with its request's generator."""
+    @staticmethod
+    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """softmax(filter(logits / temperature)) per row: the distribution a random row draws from."""
         dev = logits.device
-        params = [r.sampling_params for r in requests]
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
         scaled = logits / temps.unsqueeze(1)
         if any(p.top_k or p.top_p < 1.0 for p in params):
             scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=dev),
                                    torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
-        probs = torch.softmax(scaled, dim=-1)
+        return torch.softmax(scaled, dim=-1)
+
+    def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
+        """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
+        the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
+        min_tokens and penalties adjust each row as a plain step would), K greedy drafts -> the kept
+        drafts and one more token, distributed exactly as K + 1 plain draws would be."""
+        params = [r.sampling_params for r in rows]
+        gen = self._generator(rows[0].request_id, params[0], logits.device)
+        probs = self._probs(self._adjust(logits, rows, params), params)
+        ids = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
+        u = torch.rand(len(drafts), generator=gen, device=logits.device, dtype=probs.dtype)
+        kept = keeps_draft(u, probs[torch.arange(len(drafts), device=logits.device), ids]).tolist()
+        n = kept.index(False) if False in kept else len(drafts)
+        last = probs[n].clone()
+        if n < len(drafts):   # the residual max(0, p - q) for a one-hot q: p without the rejected draft
+            last[drafts[n]] = 0.0
+        noise = torch.empty_like(last).exponential_(generator=gen)
+        return drafts[:n] + [int((last / noise).argmax())]
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
+        """One draw per row from softmax(filter(logits / temperature)), each with its request's generator."""
+        dev = logits.device
+        probs = self._probs(logits, [r.sampling_params for r in requests])
         noise = torch.empty_like(probs)
         for row, r in zip(noise, requests, strict=True):
             row.exponential_(generator=self._generator(r.request_id, r.sampling_params, dev))

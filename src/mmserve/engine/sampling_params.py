@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     response_format: ResponseFormat | None = None
     n: int = 1                    # samples of the prompt (engine/parallel_sampling.py)
+    disable_speculation: bool = False   # decode one token per step even with a speculative model
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

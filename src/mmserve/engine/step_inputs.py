@@ -65,8 +65,8 @@ class StepInputs:
     input_ids: torch.Tensor            # int64 [T]
     positions: torch.Tensor            # int64 [T]
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
-    logits_indices: torch.Tensor       # int64 [S]: flat rows whose logits are sampled
-    sampled: np.ndarray                # int64 [S]: which scheduled requests those rows belong to (index into the step)
+    logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
+    sampled: np.ndarray                # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
 
 
@@ -92,7 +92,7 @@ class StepInputBuilder:
         self.positions = StagedBuffer((n,), torch.int64, device)
         self.query_start_loc = StagedBuffer((s + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer((s,), torch.int32, device)
-        self.logits_indices = StagedBuffer((s,), torch.int64, device)
+        self.logits_indices = StagedBuffer((max(n, s),), torch.int64, device)   # a verify step samples 1 + K rows each
         self.mm_token_index = StagedBuffer((n,), torch.int64, device)
         self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
@@ -132,11 +132,17 @@ class StepInputBuilder:
         np.subtract(np.arange(num_tokens), qsl[req_of_token] - computed[req_of_token], out=positions)
 
         ids = self.input_ids.np
-        for i, s in enumerate(scheduled):
-            ids[qsl[i]:qsl[i + 1]] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len)
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, then the drafts
+            ids[qsl[i]:qsl[i + 1] - drafts[i]] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - drafts[i])
+            ids[qsl[i + 1] - drafts[i]:qsl[i + 1]] = s.draft_token_ids
+        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
         sampled = np.flatnonzero(seq_lens == totals)
-        self.logits_indices.np[:len(sampled)] = qsl[1:num_reqs + 1][sampled] - 1
+        num_rows = 1 + drafts[sampled]
+        ends = qsl[1:num_reqs + 1][sampled]
+        num_logits = int(num_rows.sum())
+        self.logits_indices.np[:num_logits] = np.repeat(ends - num_rows, num_rows) + (
+            np.arange(num_logits) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows))
 
         block_of_pos = positions // bs
         offset_in_block = positions % bs
@@ -165,7 +171,7 @@ class StepInputBuilder:
         pos_dev = self.positions.push(num_tokens)
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
         seq_lens_dev = self.seq_lens.push(num_reqs)
-        logits_indices = self.logits_indices.push(len(sampled))
+        logits_indices = self.logits_indices.push(num_logits)
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}

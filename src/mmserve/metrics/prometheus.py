@@ -146,6 +146,14 @@ class EngineMetrics:
                                                 description="of those, tokens whose KV came from the cache")
         self.prefix_hit_rate = meter.create_gauge("mmserve.prefix_cache.hit_rate",
                                                   description="prefix-cache hits / queries since start, 0..1")
+        self.draft_tokens = meter.create_counter(
+            "mmserve.speculative.draft_tokens", description="draft tokens verified, by draft position (0-based)")
+        self.accepted_tokens = meter.create_counter(
+            "mmserve.speculative.accepted_tokens",
+            description="of those, drafts the target kept, by position: acceptance rate = accepted / draft tokens")
+        self.verify_chunks = meter.create_counter(
+            "mmserve.speculative.verify_chunks",
+            description="verify chunks run; tokens per chunk = (accepted tokens + verify chunks) / verify chunks")
         self.frames_encoded = meter.create_counter("mmserve.vision.frames_encoded",
                                                    description="images/frames run through the vision tower "
                                                                "(encoder-cache and prefix-cache hits excluded)")
@@ -205,6 +213,16 @@ class EngineMetrics:
         self.flops.add(step.flops, phase)
         self.bytes.add(step.bytes, phase)
         self.step_duration.add(step.seconds, phase)
+
+    def record_speculation(self, items) -> None:
+        """One step's verify chunks: each scored `draft_tokens` drafts and kept the first `accepted_drafts`."""
+        for item in items:
+            if item.draft_tokens:
+                self.verify_chunks.add(1)
+                for position in range(item.draft_tokens):
+                    self.draft_tokens.add(1, {"position": str(position)})
+                    if position < item.accepted_drafts:
+                        self.accepted_tokens.add(1, {"position": str(position)})
 
     def record_idle(self) -> None:
         """The last request in flight ended: no step follows to update the gauges, so set them to what

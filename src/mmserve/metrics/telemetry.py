@@ -104,6 +104,9 @@ class _RequestState:
     first_token_monotonic: float | None = None
     decode_span: Span | None = None
     decode_work: _Work = field(default_factory=_Work)
+    draft_tokens: int = 0       # speculative decoding: drafts verified over the decode phase
+    accepted_drafts: int = 0
+    verify_chunks: int = 0
     total: _Work = field(default_factory=_Work)
 
 
@@ -200,6 +203,7 @@ class TelemetryObserver:
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
+            self.metrics.record_speculation(record.items)
             if not self._requests:   # the core counted requests the front end has ended (an abort in flight)
                 self.metrics.record_idle()
 
@@ -220,6 +224,10 @@ class TelemetryObserver:
             if span is not None:
                 span.set_attributes(perf_attributes(state.decode_work.summary(self.peaks)))
                 span.set_attribute("mmserve.decode.num_tokens", len(getattr(request, "output_token_ids", ())))
+                if state.verify_chunks:
+                    span.set_attributes({"mmserve.speculative.draft_tokens": state.draft_tokens,
+                                         "mmserve.speculative.accepted_tokens": state.accepted_drafts,
+                                         "mmserve.speculative.verify_chunks": state.verify_chunks})
                 _end(span, error, failed, finish_reason)
         if self.metrics is None:
             return
@@ -313,6 +321,10 @@ class TelemetryObserver:
         if state.decode_span is None and parent is not None:
             state.decode_span = self.tracer.start_span(DECODE_SPAN, context=parent, start_time=record.start_ns)
         state.decode_work.add(text, share, step, seconds)
+        if getattr(item, "draft_tokens", 0):
+            state.draft_tokens += item.draft_tokens
+            state.accepted_drafts += item.accepted_drafts
+            state.verify_chunks += 1
 
     def _step_span(self, record: Any, step: PerfBreakdown, mfu: float, mbu: float) -> None:
         links = []

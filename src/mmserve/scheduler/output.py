@@ -31,6 +31,9 @@ class ScheduledRequest:
     # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
     # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
     num_cached_tokens: int | None = None
+    # A verify chunk (speculative decoding): the drafts that follow the request's last token, the
+    # chunk's last len(draft_token_ids) positions; each of the 1 + len rows is sampled.
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:
@@ -40,7 +43,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.seq_len == self.request.num_tokens
+        return self.seq_len - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass

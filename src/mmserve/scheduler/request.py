@@ -59,6 +59,10 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list, repr=False)   # prefix-cache key per full block
+    # Speculative decoding: tokens the drafter proposes after the last one, for the next step to verify
+    # (set by the engine after each step; the scheduler schedules them with the last token, or some or
+    # none when the budget or KV is short, and drops them on preemption).
+    draft_token_ids: list[int] = field(default_factory=list)
     # Observers (metrics, tracing) accumulate per-request numbers here; the engine never reads it.
     perf: dict[str, Any] = field(default_factory=dict)
 

@@ -8,6 +8,10 @@ a running request is computing right now waits for it (the budget goes to the ne
 instead of computing it a second time.
 When KV blocks run out, the request that would be served last is preempted: its blocks are freed
 and it is recomputed later.
+Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
+verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
+decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
+verified tokens are ever cached.
 """
 
 from __future__ import annotations
@@ -149,13 +153,18 @@ class Scheduler:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
+            if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
+                del request.draft_token_ids[budget - 1:]
+                n += len(request.draft_token_ids)
             return n
+        request.draft_token_ids.clear()
         return align_chunk(request.mm_ranges_np, start, n)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
+        victim.draft_token_ids.clear()
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, victim, key=self._order_key)
@@ -192,6 +201,10 @@ class Scheduler:
                 self._frame_blocked.add(request.request_id)
                 continue
             while not self.kv.allocate(request, n):
+                if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+                    n -= len(request.draft_token_ids)
+                    request.draft_token_ids.clear()
+                    continue
                 victim = self._pick_victim()
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id).num_tokens
@@ -232,14 +245,18 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
+        drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
         return ScheduledRequest(
             request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill, frames=frames,
-            block_updates=self.kv.take_block_updates(request.request_id))
+            block_updates=self.kv.take_block_updates(request.request_id), draft_token_ids=drafts)
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Advance each scheduled request past the tokens the step just computed, and offer the
-        blocks it filled to the prefix cache (only now is their K/V written)."""
+    def update(self, output: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
+        """Advance each scheduled request past the tokens the step just computed, less the `rejected`
+        draft positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
+        filled to the prefix cache (only now is their K/V written). With speculation the engine
+        appends a step's accepted tokens before this, so the keys name verified tokens only."""
+        rejected = rejected or {}
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.seq_len
+                s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
                 self.kv.cache_blocks(s.request)

@@ -209,7 +209,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                  source=peaks.source, spread=peaks.spread) if peaks else None,
             backend_checks=[pb.BackendCheck(component=c.component, selected=c.selected, running=c.running,
                                             reason=c.reason) for c in info.backend_checks],
-            tensor_parallel_size=self._config.tensor_parallel_size)
+            tensor_parallel_size=self._config.tensor_parallel_size,
+            num_speculative_tokens=self._config.num_speculative_tokens if self._config.speculative_model else 0)
         self._media.describe(model_info)
         return model_info
 

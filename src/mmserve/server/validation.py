@@ -228,6 +228,7 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
         logit_bias=tuple(sampling.logit_bias.items()),
         response_format=_response_format(sampling, config),
         n=sampling.n or 1,
+        disable_speculation=sampling.disable_speculation,
     )
 
 

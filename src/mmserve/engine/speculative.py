@@ -1,0 +1,145 @@
+"""Speculative decoding with Gemma 4's assistant: who speculates, drafting, greedy acceptance.
+
+After a step, every request that sampled and speculates gets K drafts from the assistant
+(model/assistant.py) in one tight batched loop: the keys it reads (the target's K/V of its storing
+layers, positions before the token drafted from) are gathered once, and the K steps share them and
+one constant position, so they need no scheduling and no metadata. The next step verifies
+`[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
+drafts equal to the target's argmax, plus the target's own next token: the same tokens as
+without speculation, up to K + 1 per step. A random request's chunk is decided by rejection
+sampling (`Sampler.verify`): the target's distribution, exactly.
+
+Every request speculates except those with a grammar (its matcher would have to run ahead over the
+drafts and roll back) or prompt logprobs, and those that opt out (`disable_speculation`): they
+decode one token per step, as before. Penalties, min_tokens and logit_bias apply to each verify
+row as if its drafts were already output (`VerifyRow`); logprobs of a verify chunk's tokens are
+each token's under the target's row that scored it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
+from mmserve.scheduler.kv_cache_manager import KVCacheManager
+from mmserve.scheduler.request import Request
+
+
+def speculates(params: SamplingParams) -> bool:
+    return not params.disable_speculation and params.response_format is None and not params.prompt_logprobs
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    """Row j > 0 of a verify chunk as the sampler sees it: the request with its first j drafts as
+    output, so penalties, min_tokens and logit_bias adjust each row exactly as the step that would
+    have sampled that position alone."""
+
+    request: Request
+    drafts: tuple[int, ...]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return self.request.sampling_params
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.request.output_token_ids + list(self.drafts)
+
+
+def verify_rows(scheduled) -> list:
+    """The sampler's rows of a step: each sampling request, then a VerifyRow per draft it verifies."""
+    return [s.request if j == 0 else VerifyRow(s.request, tuple(s.draft_token_ids[:j]))
+            for s in scheduled for j in range(1 + len(s.draft_token_ids))]
+
+
+def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the target's tokens at their positions (targets[i] follows
+    the i-th verified token)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class DraftFrom:
+    """One request to draft for: `token` (its last, not yet computed) at position `num_keys`, and
+    the target's final hidden state of the row that produced it."""
+
+    request: Request
+    token: int
+    hidden: torch.Tensor   # [hidden]
+    num_keys: int
+    num_drafts: int
+
+
+class Speculator:
+    def __init__(self, assistant: Assistant, target, num_tokens: int):
+        self.assistant = assistant
+        self.target = target
+        self.num_tokens = num_tokens
+        self.stores = storing_layers(target.spec)
+        # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
+        self.verified = [0] * num_tokens
+        self.accepted = [0] * num_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        for i in range(num_drafts):
+            self.verified[i] += 1
+            self.accepted[i] += i < num_accepted
+
+    @classmethod
+    def load(cls, path: str, target, num_tokens: int) -> Speculator:
+        return cls(load_assistant(path, target.spec, dtype=target.dtype, device=target.device), target, num_tokens)
+
+    def kv_specs(self, specs: dict[str, LayerAttentionSpec]) -> dict[str, LayerAttentionSpec]:
+        """The target's attention specs with each window wide enough for the assistant too: its sliding
+        layers read window + 1 keys before the token drafted from, which sliding-window freeing must keep."""
+        out = dict(specs)
+        for t, attn in self.assistant.spec.attention.items():
+            if attn.window is not None and specs[t].window is not None:
+                out[t] = dataclasses.replace(specs[t], window=max(specs[t].window, attn.window + 1))
+        return out
+
+    def num_drafts(self, request: Request) -> int:
+        """Drafts worth making: never more than the tokens the request may still emit after the next one."""
+        left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
+        return max(0, min(self.num_tokens, left))
+
+    @torch.inference_mode()
+    def propose(self, items: list[DraftFrom], kv: KVCacheManager, kv_caches: list[torch.Tensor],
+                block_size: int) -> list[list[int]]:
+        """Greedy drafts for each item (num_drafts of them), all items batched in every draft step."""
+        if not items:
+            return []
+        device = self.target.device
+        shared = {}
+        for t, layer in self.stores.items():
+            if t in self.assistant.spec.attention:
+                shared[t] = gather_shared_kv(kv_caches[layer], [kv.block_table(i.request.request_id, t) for i in items],
+                                             [i.num_keys for i in items], self.assistant.spec.attention[t].window,
+                                             block_size)
+        rope = self.assistant.rope(torch.tensor([i.num_keys for i in items], device=device), self.target.dtype)
+        tokens = torch.tensor([i.token for i in items], device=device)
+        hidden = torch.stack([i.hidden for i in items])
+        drafted = []
+        for _ in range(max(i.num_drafts for i in items)):
+            logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
+            tokens = logits.argmax(dim=-1)
+            drafted.append(tokens)
+        rows = torch.stack(drafted, dim=1).tolist()
+        return [row[:i.num_drafts] for row, i in zip(rows, items, strict=True)]

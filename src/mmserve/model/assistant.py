@@ -1,0 +1,289 @@
+"""Gemma 4's assistant drafter (`gemma4_assistant` / `gemma4_unified_assistant`) over the target's K/V.
+
+The assistant has no KV cache of its own: every layer projects only Q and attends over the K/V
+the target wrote in its last non-consumer layer of that layer type (its "storing" layer), read
+straight from the target's paged pools. One draft step takes
+`pre_projection(concat(target embedding of the last token, last hidden state))` at a constant
+position (that of the token being drafted from), runs the layers (sandwich-normed attention and
+gated-GELU MLP, as the target's), final-norms, and gives
+- logits: the tied `lm_head`, or with `use_ordered_embeddings` the centroid head (the top-k
+  centroids of `centroids(h)` select `top_k * vocab / num_centroids` vocabulary rows through
+  `token_ordering`; every other token gets the smallest selected logit - 1), no soft-cap;
+- the next step's hidden state, `post_projection(h)` (back to the target's width).
+Masks are transformers': a full layer sees every key it is given; a sliding layer the last
+`sliding_window + 1` of them (its bidirectional window read from the past side). The smallest
+selected logit is taken per row (transformers takes it over the batch; it drafts at batch 1).
+Parameter names are the checkpoint's, so loading is a strict state-dict match.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from mmserve.attention.backend import SLIDING
+from mmserve.model.decoder import MLP
+from mmserve.model.norm import RMSNorm
+from mmserve.model.rope import RotaryEmbedding, norm_rope
+from mmserve.model.spec import ModelSpec, RopeSpec, UnsupportedModelError, _per_type, _rope_spec
+from mmserve.model.weights import WeightLoadError, checkpoint_files
+
+logger = logging.getLogger(__name__)
+
+ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+
+
+@dataclass(frozen=True)
+class DraftAttention:
+    """One assistant layer type: its query heads over the target's K/V heads of that type."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None     # sliding layers: keys within window + 1 of the last one (None: all)
+
+
+@dataclass(frozen=True)
+class AssistantSpec:
+    model_type: str
+    layer_types: tuple[str, ...]
+    attention: dict[str, DraftAttention]
+    rope: dict[str, RopeSpec]
+    hidden_size: int
+    backbone_hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    use_ordered_embeddings: bool
+    num_centroids: int
+    centroid_top_k: int
+
+
+def load_assistant_spec(path: str | Path) -> AssistantSpec:
+    """Parse an assistant's config.json through transformers (which refuses what an assistant may not
+    be: per-layer embeddings, experts, double-wide MLPs, a layer that is not KV-sharing)."""
+    from transformers import AutoConfig
+
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise UnsupportedModelError(f"{path}: no config.json (is this a Gemma 4 assistant checkpoint directory?)")
+    data = json.loads(cfg_path.read_text())
+    model_type = data.pop("model_type", None)
+    if model_type not in ASSISTANT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"--speculative-model {path}: model_type={model_type!r}, expected one of {', '.join(ASSISTANT_MODEL_TYPES)}")
+    try:
+        config = AutoConfig.for_model(model_type, **data)
+    except Exception as exc:   # transformers' validate_architecture names the setting
+        raise UnsupportedModelError(f"--speculative-model {path}: {exc}") from exc
+    text = config.get_text_config()
+    attention, rope = {}, {}
+    for t in sorted(set(text.layer_types)):
+        head_dim, kv_heads = _per_type(text, t)
+        attention[t] = DraftAttention(text.num_attention_heads, kv_heads, head_dim,
+                                      text.sliding_window if t == SLIDING else None)
+        rope[t] = _rope_spec(text.rope_parameters[t], head_dim)
+    return AssistantSpec(
+        model_type=model_type, layer_types=tuple(text.layer_types), attention=attention, rope=rope,
+        hidden_size=text.hidden_size, backbone_hidden_size=int(config.backbone_hidden_size),
+        intermediate_size=text.intermediate_size, vocab_size=text.vocab_size, rms_norm_eps=text.rms_norm_eps,
+        tie_word_embeddings=bool(config.tie_word_embeddings), use_ordered_embeddings=bool(config.use_ordered_embeddings),
+        num_centroids=int(config.num_centroids), centroid_top_k=int(config.centroid_intermediate_top_k))
+
+
+def storing_layers(target: ModelSpec) -> dict[str, int]:
+    """The target layer whose K/V the assistant reads, per layer type: the last that holds a cache."""
+    return {layer.layer_type: layer.index for layer in target.layers if not layer.shares_kv}
+
+
+def check_compatible(assistant: AssistantSpec, target: ModelSpec) -> None:
+    """Refuse, naming the mismatch, an assistant that cannot read this target's states."""
+    problems = []
+    if assistant.backbone_hidden_size != target.hidden_size:
+        problems.append(f"backbone_hidden_size {assistant.backbone_hidden_size} != the target's hidden_size "
+                        f"{target.hidden_size}")
+    if assistant.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {assistant.vocab_size} != the target's {target.vocab_size}")
+    stores = storing_layers(target)
+    for t, attn in assistant.attention.items():
+        if t not in stores:
+            problems.append(f"it has {t} layers but the target has no {t} layer holding K/V")
+            continue
+        theirs = target.attention_specs[t]
+        if (attn.head_dim, attn.num_kv_heads) != (theirs.head_dim, theirs.num_kv_heads):
+            problems.append(f"{t}: head_dim/kv heads {attn.head_dim}/{attn.num_kv_heads} != the target layer "
+                            f"{stores[t]}'s {theirs.head_dim}/{theirs.num_kv_heads}")
+    if assistant.use_ordered_embeddings and assistant.vocab_size % assistant.num_centroids:
+        problems.append(f"vocab_size {assistant.vocab_size} is not a multiple of num_centroids {assistant.num_centroids}")
+    if problems:
+        raise UnsupportedModelError("the speculative model does not fit the target: " + "; ".join(problems))
+
+
+@dataclass
+class SharedKV:
+    """The target's K/V one assistant layer type reads, gathered per drafting request (padded):
+    keys/values [R, N, Hkv, D], `valid` [R, N] (False on padding and outside the window)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+
+
+def gather_shared_kv(kv_cache: torch.Tensor, block_tables: list[list[int]], num_keys: list[int],
+                     window: int | None, block_size: int) -> SharedKV:
+    """Keys [0, num_keys[r]) of request r from a paged cache (2, blocks, block_size, Hkv, D) whose
+    table is block_tables[r]; a sliding layer gathers only its last `window + 1`."""
+    device = kv_cache.device
+    firsts = [0 if window is None else max(0, n - 1 - window) for n in num_keys]
+    width = max(n - f for n, f in zip(num_keys, firsts, strict=True))
+    slots = torch.zeros(len(num_keys), width, dtype=torch.int64)
+    valid = torch.zeros(len(num_keys), width, dtype=torch.bool)
+    for r, (table, first, n) in enumerate(zip(block_tables, firsts, num_keys, strict=True)):
+        pos = torch.arange(first, n)
+        blocks = torch.as_tensor(table, dtype=torch.int64)[pos // block_size]
+        slots[r, :n - first] = blocks * block_size + pos % block_size
+        valid[r, :n - first] = True
+    flat = kv_cache.flatten(1, 2)   # [2, blocks * block_size, Hkv, D]
+    picked = flat[:, slots.flatten().to(device)].unflatten(1, slots.shape)
+    return SharedKV(picked[0], picked[1], valid.to(device))
+
+
+class DraftLayerAttention(nn.Module):
+    def __init__(self, hidden: int, attn: DraftAttention, eps: float):
+        super().__init__()
+        self.num_heads, self.head_dim = attn.num_heads, attn.head_dim
+        self.q_proj = nn.Linear(hidden, attn.num_heads * attn.head_dim, bias=False)
+        self.q_norm = RMSNorm(attn.head_dim, eps)
+        self.o_proj = nn.Linear(attn.num_heads * attn.head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SharedKV) -> torch.Tensor:
+        r = x.shape[0]
+        q = norm_rope(self.q_proj(x).view(r, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps,
+                      cos, sin)
+        k, v = kv.keys.transpose(1, 2), kv.values.transpose(1, 2)   # [R, Hkv, N, D]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
+                                             attn_mask=kv.valid[:, None, None, :], scale=1.0, enable_gqa=True)
+        return self.o_proj(out.reshape(r, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, spec: AssistantSpec, layer_type: str):
+        super().__init__()
+        hidden, eps = spec.hidden_size, spec.rms_norm_eps
+        self.layer_type = layer_type
+        self.self_attn = DraftLayerAttention(hidden, spec.attention[layer_type], eps)
+        self.mlp = MLP(hidden, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, h, cos, sin, kv: SharedKV) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
+
+
+class CentroidHead(nn.Module):
+    """`use_ordered_embeddings`: logits only for the vocabulary rows of the top-k centroids."""
+
+    def __init__(self, spec: AssistantSpec):
+        super().__init__()
+        self.top_k = spec.centroid_top_k
+        self.num_centroids = spec.num_centroids
+        self.centroids = nn.Linear(spec.hidden_size, spec.num_centroids, bias=False)
+        self.register_buffer("token_ordering", torch.zeros(spec.vocab_size, dtype=torch.int64))
+
+    def forward(self, h: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+        top = torch.topk(self.centroids(h), k=self.top_k, dim=-1).indices              # [R, top_k]
+        per_centroid = self.token_ordering.long().view(self.num_centroids, -1)
+        rows = per_centroid[top].flatten(1)                                             # [R, top_k * V / C]
+        selected = torch.einsum("rd,rkd->rk", h, lm_head[rows])
+        out = (selected.min(dim=-1, keepdim=True).values - 1.0).expand(-1, lm_head.shape[0]).clone()
+        return out.scatter_(1, rows, selected)
+
+
+class Assistant(nn.Module):
+    """The drafter. `step(token_embeds, hidden, positions, shared)` is one draft step for R requests."""
+
+    def __init__(self, spec: AssistantSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)   # the tied head's weight
+        self.model.layers = nn.ModuleList(DraftLayer(spec, t) for t in spec.layer_types)
+        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.pre_projection = nn.Linear(2 * spec.backbone_hidden_size, spec.hidden_size, bias=False)
+        self.post_projection = nn.Linear(spec.hidden_size, spec.backbone_hidden_size, bias=False)
+        self.masked_embedding = CentroidHead(spec) if spec.use_ordered_embeddings else None
+        self._rope: dict[tuple[str, torch.device], RotaryEmbedding] = {}
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin per layer type at the (constant) draft positions: computed once per drafting round."""
+        out = {}
+        for t in self.spec.attention:
+            key = (t, positions.device)
+            if key not in self._rope:
+                self._rope[key] = RotaryEmbedding(self.spec.rope[t], positions.device)
+            out[t] = self._rope[key].cos_sin(positions, dtype)
+        return out
+
+    @torch.inference_mode()
+    def step(self, token_embeds: torch.Tensor, hidden: torch.Tensor, rope: dict, shared: dict[str, SharedKV]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_embeds, hidden [R, backbone_hidden] -> float32 logits [R, vocab] and the next hidden
+        state [R, backbone_hidden]."""
+        h = self.pre_projection(torch.cat([token_embeds, hidden], dim=-1).to(self.pre_projection.weight.dtype))
+        for layer in self.model.layers:
+            cos, sin = rope[layer.layer_type]
+            h = layer(h, cos, sin, shared[layer.layer_type])
+        h = self.model.norm(h)
+        if self.masked_embedding is not None:
+            logits = self.masked_embedding(h, self.head_weight)
+        else:
+            logits = F.linear(h, self.head_weight)
+        return logits.float(), self.post_projection(h)
+
+
+def load_assistant(path: str | Path, target: ModelSpec, *, dtype: torch.dtype, device: torch.device) -> Assistant:
+    """The assistant at `path`, checked against `target` first, its tensors loaded strictly."""
+    start = time.perf_counter()
+    spec = load_assistant_spec(path)
+    check_compatible(spec, target)
+    with torch.device("meta"):
+        model = Assistant(spec)
+    expected = model.state_dict()
+    files = checkpoint_files(path)
+    names = {n for n in files if not (spec.tie_word_embeddings and n == "lm_head.weight")}
+    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    if missing or unexpected:
+        raise WeightLoadError(f"{path}: assistant checkpoint does not match its config: missing {missing[:8]}, "
+                              f"unexpected {unexpected[:8]}")
+    state = {}
+    for name in expected:
+        with safe_open(str(files[name]), framework="pt") as handle:
+            tensor = handle.get_tensor(name)
+        if tensor.shape != expected[name].shape:
+            raise WeightLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+        state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.eval()
+    logger.info("loaded assistant %s (%s): %d layers, hidden %d, %s head, in %.1fs", path, spec.model_type,
+                len(spec.layer_types), spec.hidden_size,
+                "centroid" if spec.use_ordered_embeddings else "lm", time.perf_counter() - start)
+    return model

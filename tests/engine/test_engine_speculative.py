@@ -1,0 +1,221 @@
+"""Speculative decoding changes how many steps a request takes, never its greedy tokens.
+
+A fresh random tiny Gemma 4 target (sliding window 6) and a tiny assistant that mostly drafts the
+token it is given (gemma4_fixtures.make_assistant(copy_from=...): random layers, so drafts are
+accepted where the target repeats itself and rejected elsewhere, both at every draft position) run
+the same requests as an engine without speculation (the oracle): chunked prefill beside verify
+chunks, frames, a prefix-cache hit, requests that do not speculate sharing the steps, preemption,
+EOS and max_tokens inside accepted drafts. At the end every KV block is free (empty or cached with
+no reference) and every cached block's key names verified tokens only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import build_request, make_llm
+from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
+from test_engine_batching import assert_pools_full
+
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.model import load_model
+from mmserve.model.tokenizer import load_tokenizer
+from mmserve.scheduler.block_hash import block_hashes
+from mmserve.scheduler.request import Request
+
+BS = 4
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative")
+    cfg = tiny_config(window=6)
+    hf = make_checkpoint(root / "target", config=cfg, seed=31)
+    make_assistant(root / "assistant", cfg, seed=33, copy_from=hf)
+    model = load_model(root / "target")
+    return (model, load_tokenizer(root / "target")), str(root / "assistant")
+
+
+def run(models, requests, *, speculate: bool, **options):
+    model_tok, assistant = models
+    if speculate:
+        options.update(speculative_model=assistant, num_speculative_tokens=3)
+    llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=16, **options)
+    return llm, {c.request_id: c for c in llm.generate(requests)}
+
+
+def assert_only_verified_keys(llm, requests, completions) -> None:
+    """Every key a pool holds is the chain hash of a block of some request's prompt + output."""
+    verified = set()
+    for r in requests:
+        done = Request(r.request_id, list(r.prompt_token_ids) + completions[r.request_id].token_ids, SamplingParams(),
+                       mm_ranges=list(r.mm_ranges), mm_inputs=list(r.mm_inputs))
+        verified.update(block_hashes(done, BS, done.num_tokens // BS))
+    for name, pool in llm.core.kv.pools.items():
+        assert pool._by_key, f"pool {name} cached nothing"
+        assert set(pool._by_key) <= verified, f"pool {name} holds a key of unverified tokens"
+
+
+def mixed_requests(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(5, 40, (4,), generator=gen).tolist()
+    return [
+        build_request("long", [sizes[0] + 30], seed=seed, max_tokens=20),           # chunked over steps
+        build_request("short", [sizes[1]], seed=seed + 1, max_tokens=17, logprobs=True, top_logprobs=3),
+        build_request("video", [3, ("video", [8, 4]), sizes[2]], seed=seed + 2, max_tokens=15),
+        build_request("opted-out", [sizes[3]], seed=seed + 3, max_tokens=12, disable_speculation=True),
+        build_request("penalised", [sizes[3]], seed=seed + 4, max_tokens=12, repetition_penalty=1.3),
+        # negative penalties favour repeats, which this drafter proposes: each verify row's penalty
+        # must count the drafts before it
+        build_request("repeating", [sizes[1] + 3], seed=seed + 6, max_tokens=18, presence_penalty=-1.0,
+                      frequency_penalty=-0.5, min_tokens=4),
+        build_request("biased", [sizes[2]], seed=seed + 5, max_tokens=14,
+                      logit_bias=tuple((t, 3.0) for t in range(NUM_SPECIALS, VOCAB, 5))),
+    ]
+
+
+def test_greedy_tokens_equal_those_without_speculation(models):
+    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+    _, expected = run(models, requests, speculate=False)
+    llm, got = run(models, requests, speculate=True)
+    for rid, c in expected.items():
+        assert got[rid].token_ids == c.token_ids, rid
+        assert got[rid].finish_reason == c.finish_reason == "length", rid
+    # logprobs of every emitted token, verify chunks' included, are the target's
+    theirs, ours = expected["short"].logprobs, got["short"].logprobs
+    assert len(ours) == len(theirs) == 17
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.token_id, a.rank, a.top_ids) == (b.token_id, b.rank, b.top_ids)
+        torch.testing.assert_close(torch.tensor([a.logprob, *a.top_logprobs]), torch.tensor([b.logprob, *b.top_logprobs]),
+                                   rtol=1e-4, atol=1e-4)
+    spec = llm.core.speculator
+    assert spec.accepted[0] > 0 and spec.accepted[-1] > 0, "no draft was ever accepted: the test proves little"
+    assert spec.verified[0] > spec.accepted[0], "no draft was ever rejected: rollback went untested"
+    assert_pools_full(llm.core)
+    assert_only_verified_keys(llm, requests, got)
+
+    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
+    again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
+    hits = {c.request_id: c for c in llm.generate(again)}
+    for r in requests:
+        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
+        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
+    assert_pools_full(llm.core)
+
+
+def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models):
+    requests = [build_request(f"r{i}", [20 + 9 * i], seed=50 + i, max_tokens=24) for i in range(4)]
+    _, expected = run(models, requests, speculate=False)
+    # an end-of-sequence id the target emits twice in a row somewhere: drafts of it get accepted
+    repeats = [(c.token_ids[j], rid) for rid, c in expected.items() for j in range(1, 24)
+               if c.token_ids[j] == c.token_ids[j - 1]]
+    assert repeats, "no repeated token to put EOS on"
+    eos = repeats[0][0]
+    requests = [dataclasses.replace(r, sampling=SamplingParams(max_tokens=24)) for r in requests]   # EOS counts
+    llm, got = run(models, [], speculate=True)
+    llm.core.eos_token_ids = frozenset({eos})
+    got = {c.request_id: c for c in llm.generate(requests)}
+    for rid, c in expected.items():
+        cut = c.token_ids.index(eos) + 1 if eos in c.token_ids else len(c.token_ids)
+        assert got[rid].token_ids == c.token_ids[:cut], rid
+        assert got[rid].finish_reason == ("eos" if eos in c.token_ids else "length"), rid
+    assert_pools_full(llm.core)
+
+
+def test_preempted_speculating_requests_recompute_to_the_same_tokens(models):
+    requests = [build_request(f"r{i}", [28 + 3 * i], seed=70 + i, max_tokens=20) for i in range(4)]
+    _, expected = run(models, requests, speculate=False, num_kv_blocks=60)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    preempt, preempted = llm.core.scheduler._preempt, []
+    llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
+    got = {c.request_id: c for c in llm.generate(requests)}
+    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
+    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
+    assert_pools_full(llm.core)
+
+
+@pytest.mark.parametrize("variant", ["e_model", "moe"])
+def test_kv_sharing_and_expert_targets_give_the_same_greedy_tokens(tmp_path, variant):
+    """E2B-like (per-layer embeddings, KV-sharing layers: a verify chunk runs every row through them)
+    and 26B-A4B-like (experts) targets."""
+    import gemma4_fixtures
+
+    cfg = getattr(gemma4_fixtures, f"{variant}_config")()
+    hf = make_checkpoint(tmp_path / "target", config=cfg, seed=81)
+    make_assistant(tmp_path / "assistant", cfg, seed=83, copy_from=hf)
+    model = load_model(tmp_path / "target")
+    models = ((model, None), str(tmp_path / "assistant"))
+    requests = [build_request("text", [37], seed=1, max_tokens=20),
+                build_request("video", [3, ("video", [8, 4]), 9], seed=9, max_tokens=16)]
+    _, expected = run(models, requests, speculate=False)
+    llm, got = run(models, requests, speculate=True)
+    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
+    assert llm.core.speculator.verified[0] > 0
+    assert_pools_full(llm.core)
+
+
+def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
+    """Penalties, min_tokens and logit_bias of verify row j count the j drafts before it as output,
+    exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
+    from mmserve.engine.sampler import Sampler
+    from mmserve.engine.speculative import verify_rows
+    from mmserve.scheduler.output import ScheduledRequest
+
+    eos = 1
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
+    params = SamplingParams(max_tokens=20, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.6,
+                            min_tokens=5, logit_bias=((40, 2.5),))
+    prompt, output, drafts = [20, 21, 22, 23], [30, 31, 32], [33, 34, 35, 36]
+    logits = torch.randn(len(drafts) + 1, VOCAB, generator=gen)
+    logits[:, drafts] += 3.0     # the drafts and EOS would win unadjusted
+    logits[:, eos] += 8.0
+    request = Request("r", prompt, params)
+    request.output_token_ids = list(output)
+    chunk = ScheduledRequest(request, len(drafts) + 1, len(prompt) + len(output) - 1, False, draft_token_ids=drafts)
+    got = Sampler(eos_token_ids=[eos]).sample(logits, verify_rows([chunk])).token_ids
+    expected = []
+    for j in range(len(drafts) + 1):
+        alone = Request("r", prompt, params)
+        alone.output_token_ids = output + drafts[:j]
+        expected += Sampler(eos_token_ids=[eos]).sample(logits[j:j + 1], [alone]).token_ids
+    assert got == expected
+    assert eos not in expected[:2] and eos in expected[2:], "min_tokens must hold EOS back for rows 0-1 only"
+
+
+def test_speculation_with_tensor_parallelism_is_refused_naming_both(models):
+    from mmserve.config import EngineConfig
+    from mmserve.engine.core import EngineCore
+    from mmserve.model.spec import UnsupportedModelError
+
+    (model, _), assistant = models
+    with pytest.raises(UnsupportedModelError, match="--speculative-model with --tensor-parallel-size > 1"):
+        EngineCore(EngineConfig(device="cpu", speculative_model=assistant, tensor_parallel_size=2), model=model)
+
+
+def test_tokens_equal_transformers_assisted_generation_at_batch_1(tmp_path):
+    """transformers' generate(assistant_model=...) with the same assistant checkpoint, greedy, batch 1.
+    transformers treats a generated image/audio placeholder id as a media slot (the engine does
+    not), so the prompt is the first of a few whose continuation has none."""
+    from gemma4_fixtures import AUDIO, IMAGE, VIDEO
+
+    cfg = tiny_config(window=6)
+    hf = make_checkpoint(tmp_path / "target", config=cfg, seed=91)
+    hf_assistant = make_assistant(tmp_path / "assistant", cfg, seed=93, copy_from=hf)
+    hf_assistant.generation_config.num_assistant_tokens = 3
+    for seed in range(8):
+        request = build_request("r", [24 + seed], seed=seed, max_tokens=20)
+        ids = torch.tensor([request.prompt_token_ids])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_assistant,
+                              max_new_tokens=20, do_sample=False)
+        theirs = out[0, ids.shape[1]:].tolist()
+        if not {IMAGE, VIDEO, AUDIO} & set(theirs):
+            break
+    else:
+        pytest.fail("every continuation held a media placeholder id")
+    model = load_model(tmp_path / "target")
+    llm, got = run(((model, None), str(tmp_path / "assistant")), [request], speculate=True)
+    assert got["r"].token_ids == theirs
+    assert llm.core.speculator.verified[0] > 0

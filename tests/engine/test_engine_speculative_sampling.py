@@ -1,0 +1,96 @@
+"""Rejection sampling keeps the target's distribution exactly (temperature > 0 with speculation).
+
+A fresh random tiny Gemma 4 with a 24-token vocabulary and a tiny assistant that mostly drafts the
+token it is given: many seeded requests of one prompt each emit 3 tokens, the second of which is
+decided by verifying a draft (kept with probability p(draft), else replaced by a draw from p
+without it). Its empirical distribution must match the target's marginal,
+sum_t p(t | prompt) p(x | prompt, t), by a chi-square test; the same test rejects a deliberately
+biased rule (keeping drafts with probability 2 p(draft)) on the same seeds. The marginal comes from
+our decoder run alone (PagedSequence): transformers gives the same logits for text tokens but
+treats a sampled image/audio placeholder id (8, 9, 12 here) as a media slot, which the engine does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import make_llm
+from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
+
+import mmserve.engine.sampler as sampler_module
+from mmserve.engine.penalties import apply_penalties
+from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.types import EngineRequest
+from mmserve.model import load_model
+
+VOCAB = NUM_SPECIALS + 8
+TEMPERATURE = 1.3
+N = 1000
+BOUND = 0.01   # p-value; every seed is fixed, so the test is deterministic (p = 0.15 exact, 0.0035 biased)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    root = tmp_path_factory.mktemp("speculative_sampling")
+    cfg = tiny_config(window=6, vocab=VOCAB)
+    hf = make_checkpoint(root / "target", config=cfg, seed=61)
+    make_assistant(root / "assistant", cfg, seed=63, copy_from=hf)
+    return load_model(root / "target"), str(root / "assistant")
+
+
+def target_marginal(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """p(second token = x) under the target at TEMPERATURE, with `params`' penalties applied."""
+    def probs(ids, output):
+        logits = model.compute_logits(PagedSequence(model).step(ids)[-1:]).clone()
+        apply_penalties(logits, [params], [prompt], [output])
+        return torch.softmax(logits[0] / TEMPERATURE, -1)
+    nexts = torch.stack([probs(prompt + [t], [t]) for t in range(VOCAB)])
+    return (probs(prompt, [])[:, None] * nexts).sum(0).double()
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of observed counts under probs (cells with expected count < 5 pooled)."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    exp = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = torch.tensor(len(obs) - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof / 2, stat / 2))
+
+
+def second_tokens(model, assistant: str, prompt: list[int], penalties: dict) -> tuple[torch.Tensor, list[int]]:
+    llm = make_llm((model, None), speculative_model=assistant, num_speculative_tokens=2, max_num_seqs=64,
+                   max_num_batched_tokens=256, num_kv_blocks=512, max_waiting_requests=N)
+    requests = [EngineRequest(f"s{i}", prompt, [], [],
+                              SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=i, ignore_eos=True, **penalties))
+                for i in range(N)]
+    done = llm.generate(requests)
+    return torch.bincount(torch.tensor([c.token_ids[1] for c in done]), minlength=VOCAB).double(), \
+        llm.core.speculator.verified
+
+
+# penalised: a prompt of two distinct tokens, so the repetition penalty singles them out
+PENALTIES = {"plain": {}, "penalised": {"repetition_penalty": 2.0, "presence_penalty": 1.5}}
+
+
+@pytest.mark.parametrize("case", list(PENALTIES))
+def test_speculative_sampling_matches_the_target_distribution(tiny_vocab, monkeypatch, case):
+    """`penalised`: each verify row's penalties count the drafts before it as output."""
+    model, assistant = tiny_vocab
+    penalties = PENALTIES[case]
+    prompt = torch.randint(NUM_SPECIALS, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    if penalties:
+        prompt = [prompt[0], prompt[1]] * 4 + [prompt[0]]
+    expected = target_marginal(model, prompt, SamplingParams(temperature=TEMPERATURE, **penalties))
+    counts, verified = second_tokens(model, assistant, prompt, penalties)
+    assert verified[0] == N, "every request's second token goes through a verify step"
+    p_exact = chi_square_p(counts, expected)
+    assert p_exact > BOUND, f"speculative sampling departs from the target's distribution (p = {p_exact:.2g})"
+    if case != "plain":
+        return
+    monkeypatch.setattr(sampler_module, "keeps_draft", lambda u, p: u < (2 * p).clamp(max=1.0))
+    biased, _ = second_tokens(model, assistant, prompt, penalties)
+    p_biased = chi_square_p(biased, expected)
+    assert p_biased < BOUND, f"the test cannot tell a biased acceptance rule apart (p = {p_biased:.2g})"

@@ -1,0 +1,99 @@
+"""Speculative decoding through the real server (engine process, gRPC on loopback): a request's
+greedy tokens with speculation equal the same request's with `disable_speculation`, over chunked
+prefill, a prefix-cache hit, a video and a stop string; nothing is held at the end.
+
+The model is a fresh random tiny Gemma 4 with a tiny assistant that mostly drafts the token it is
+given (gemma4_fixtures.make_assistant(copy_from=...)), so drafts are both accepted and rejected."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from loopback_server import LoopbackServer, engine_config
+
+from mmserve.clients import Client
+from mmserve.config import ServerConfig
+from mmserve.metrics.peaks import DevicePeaks
+from mmserve.metrics.perf_model import PerfModel
+from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
+from mmserve.metrics.telemetry import TelemetryObserver
+from mmserve.metrics.tracing import get_tracer
+from mmserve.model.spec import load_spec
+
+# the last one is longer than a step's budget (256 tokens: the warm-up image's size): chunked prefill
+PROMPTS = ["the cat sat on the mat and then the cat sat again on the other mat", "in the",
+           " ".join(f"word{i} and the cat" for i in range(40))]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, gemma4_fixtures):
+    root = tmp_path_factory.mktemp("speculative_server")
+    cfg = gemma4_fixtures.tiny_config(window=6)
+    hf = gemma4_fixtures.make_checkpoint(root / "target", config=cfg, seed=41)
+    gemma4_fixtures.make_assistant(root / "assistant", cfg, seed=43, copy_from=hf)
+    config = engine_config(root / "target", speculative_model=str(root / "assistant"), num_speculative_tokens=3,
+                           block_size=4, max_num_batched_tokens=256)
+    metrics = EngineMetrics(prometheus=True)
+    observer = TelemetryObserver(PerfModel(load_spec(root / "target"), dtype="float32"),
+                                 DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test"),
+                                 tracer=get_tracer(), metrics=metrics, step_trace_ratio=0)
+    server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
+                            observer=observer).start()
+    http, port = start_metrics_server(0, metrics, addr="127.0.0.1")
+    yield server, port
+    http.shutdown()
+    server.stop()
+    metrics.shutdown()
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Sample name with its labels -> value."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def generate(client, **kwargs):
+    return client.generate(temperature=0, ignore_eos=True, max_tokens=24, **kwargs)
+
+
+def test_speculation_gives_the_tokens_of_plain_decoding(served, video_bytes):
+    server, port = served
+    with Client(server.address, timeout=120) as client:
+        assert client.model_info().num_speculative_tokens == 3
+        for prompt in PROMPTS:
+            plain = generate(client, prompt=prompt, disable_speculation=True)
+            fast = generate(client, prompt=prompt)
+            assert fast.token_ids == plain.token_ids, prompt
+            assert fast.usage.cached_tokens > 0, "the second request of a prompt reuses its cached prefix"
+        plain = generate(client, prompt="what happens?", video=video_bytes, disable_speculation=True)
+        assert generate(client, prompt="what happens?", video=video_bytes).token_ids == plain.token_ids
+        # a stop string that falls inside a step's accepted tokens ends the output there
+        base = generate(client, prompt=PROMPTS[0], disable_speculation=True)
+        stop = base.text[len(base.text) // 2:][:2]
+        plain = generate(client, prompt=PROMPTS[0], stop=[stop], disable_speculation=True)
+        fast = generate(client, prompt=PROMPTS[0], stop=[stop])
+        assert plain.finish_reason == "stop" and (fast.text, fast.finish_reason) == (plain.text, plain.finish_reason)
+        # a speculating request cancelled mid-stream, beside one that runs on
+        stream = client.stream(prompt=PROMPTS[2], temperature=0, ignore_eos=True, max_tokens=400)
+        other = client.stream(prompt=PROMPTS[0], temperature=0.8, seed=3, ignore_eos=True, max_tokens=30)
+        next(iter(stream))
+        stream.cancel()
+        for _ in other:
+            pass
+        assert len(other.result.token_ids) == 30
+    deadline = time.monotonic() + 30
+    while (held := server.call(server.engine.held_resources()))["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not held["requests"] and not held["kv_blocks_held"] and not held["streams"], held
+    # acceptance per draft position: drafts were both kept and rejected, never more kept than scored
+    metrics = scrape(port)
+    for position in range(3):
+        drafts = metrics[f'mmserve_speculative_draft_tokens_total{{position="{position}"}}']
+        kept = metrics.get(f'mmserve_speculative_accepted_tokens_total{{position="{position}"}}', 0.0)
+        assert drafts > kept >= 0, (position, drafts, kept)
+    assert metrics['mmserve_speculative_accepted_tokens_total{position="0"}'] > 0
+    assert metrics["mmserve_speculative_verify_chunks_total"] >= metrics[
+        'mmserve_speculative_draft_tokens_total{position="0"}']
