@@ -18,9 +18,11 @@ from mmserve.config import EngineConfig, ServerConfig
 
 def engine_config(model: str | Path, **overrides) -> EngineConfig:
     """Small, CPU-friendly engine options for tests; `overrides` are EngineConfig fields. One torch
-    thread: tiny models gain nothing from more on this shared 2-core machine."""
+    thread: tiny models gain nothing from more on this shared 2-core machine. An engine that cannot
+    start fails its module in two minutes, not the default fifteen (a tiny model starts in seconds)."""
     options = dict(model=str(model), device="cpu", dtype="float32", max_num_batched_tokens=256, max_num_seqs=8,
-                   prefill_batched_tokens=0, kv_cache_bytes=16 * 2**20, default_num_frames=4, engine_threads=1)
+                   prefill_batched_tokens=0, kv_cache_bytes=16 * 2**20, default_num_frames=4, engine_threads=1,
+                   engine_ready_timeout_s=120.0)
     options.update(overrides)
     return EngineConfig(**options)
 
