@@ -19,6 +19,7 @@ from engine_helpers import build_request, make_llm
 from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
 from test_engine_batching import assert_pools_full
 
+from mmserve.engine.observer import NullObserver
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.model import load_model
 from mmserve.model.tokenizer import load_tokenizer
@@ -219,3 +220,32 @@ def test_tokens_equal_transformers_assisted_generation_at_batch_1(tmp_path):
     llm, got = run(((model, None), str(tmp_path / "assistant")), [request], speculate=True)
     assert got["r"].token_ids == theirs
     assert llm.core.speculator.verified[0] > 0
+
+
+class StepRecorder(NullObserver):
+    def __init__(self):
+        self.records = []
+
+    def on_step(self, record) -> None:
+        self.records.append(record)
+
+
+def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills(models):
+    """Emitted tokens add up to each completion; every request that drafts ran the batch's longest
+    draft loop over the keys left after rollback (its context minus the rejected rows)."""
+    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+    recorder = StepRecorder()
+    _, got = run(models, requests, speculate=True, observer=recorder)
+    emitted = {rid: 0 for rid in got}
+    drafted = 0
+    for record in recorder.records:
+        rows = {i.draft_rows for i in record.items if i.draft_rows}
+        assert len(rows) <= 1 and rows <= set(range(1, 4)), record.items   # one batched loop, K = 3
+        for item in record.items:
+            emitted[item.request_id] += item.emitted_tokens
+            if item.draft_rows:
+                drafted += 1
+                assert item.draft_keys == item.context_len - (1 + item.draft_tokens - item.emitted_tokens), item
+        assert not any(i.draft_rows for i in record.items if i.request_id == "opted-out")
+    assert emitted == {rid: len(c.token_ids) for rid, c in got.items()}
+    assert drafted > 0

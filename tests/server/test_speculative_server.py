@@ -20,11 +20,22 @@ from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import get_tracer
+from mmserve.model.assistant import load_assistant_spec
 from mmserve.model.spec import load_spec
 
 # the last one is longer than a step's budget (256 tokens: the warm-up image's size): chunked prefill
 PROMPTS = ["the cat sat on the mat and then the cat sat again on the other mat", "in the",
            " ".join(f"word{i} and the cat" for i in range(40))]
+
+
+class DraftCounting(TelemetryObserver):
+    """The real observer, also counting the draft rows the step records carry."""
+
+    draft_rows = 0
+
+    def on_step(self, record) -> None:
+        self.draft_rows += sum(i.draft_rows for i in record.items)
+        super().on_step(record)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +47,8 @@ def served(tmp_path_factory, gemma4_fixtures):
     config = engine_config(root / "target", speculative_model=str(root / "assistant"), num_speculative_tokens=3,
                            block_size=4, max_num_batched_tokens=256)
     metrics = EngineMetrics(prometheus=True)
-    observer = TelemetryObserver(PerfModel(load_spec(root / "target"), dtype="float32"),
+    perf = PerfModel(load_spec(root / "target"), dtype="float32", drafter=load_assistant_spec(root / "assistant"))
+    observer = DraftCounting(perf,
                                  DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test"),
                                  tracer=get_tracer(), metrics=metrics, step_trace_ratio=0)
     server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
@@ -84,6 +96,8 @@ def test_speculation_gives_the_tokens_of_plain_decoding(served, video_bytes):
         for _ in other:
             pass
         assert len(other.result.token_ids) == 30
+    # the drafting the perf model bills crossed from the engine process with the step records
+    assert server.observer.draft_rows > 0
     deadline = time.monotonic() + 30
     while (held := server.call(server.engine.held_resources()))["requests"] and time.monotonic() < deadline:
         time.sleep(0.05)

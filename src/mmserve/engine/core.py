@@ -290,13 +290,14 @@ class EngineCore:
             return
         self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
         self._release_forks()
+        drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
             try:
-                self._draft(step, accepted)
+                drafted = self._draft(step, accepted)
             except Exception:   # drafts only save steps: without them every request decodes on
                 logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted)
+        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
@@ -366,8 +367,9 @@ class EngineCore:
             accepted.append(_Accepted(s, tokens, logprobs, finish, rows - len(tokens), num_accepted=num_accepted))
         return accepted
 
-    def _draft(self, step: StepResult, accepted: list[_Accepted]) -> None:
-        """The next step's drafts for every request that goes on and speculates."""
+    def _draft(self, step: StepResult, accepted: list[_Accepted]) -> dict[str, tuple[int, int]]:
+        """The next step's drafts for every request that goes on and speculates; returns, per request
+        that drafted, (draft steps the batched loop ran, keys each read) for the perf model."""
         items, row = [], 0
         for a in accepted:
             first, row = row, row + len(a.scheduled.draft_token_ids) + 1
@@ -380,6 +382,8 @@ class EngineCore:
         for item, drafts in zip(items, self.speculator.propose(items, self.kv, self.runner.kv_caches,
                                                                 self.config.block_size), strict=True):
             item.request.draft_token_ids = drafts
+        rows = max((i.num_drafts for i in items), default=0)   # the loop runs every item to the longest
+        return {i.request.request_id: (rows, i.num_keys) for i in items}
 
     def _emit(self, accepted: list[_Accepted], outputs: list[CoreOutput]) -> None:
         for a in accepted:
@@ -410,7 +414,8 @@ class EngineCore:
                     f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
-                start_ns: int, end_ns: int, accepted: list[_Accepted]) -> StepRecord:
+                start_ns: int, end_ns: int, accepted: list[_Accepted],
+                drafted: dict[str, tuple[int, int]]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
         prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
         kept = {a.scheduled.request.request_id: a.num_accepted for a in accepted}
@@ -420,8 +425,10 @@ class EngineCore:
                                prefix_queried=0 if s.num_cached_tokens is None
                                else s.request.num_tokens - new.get(s.request.request_id, 0),
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
-                               accepted_drafts=kept.get(s.request.request_id, 0))
-                 for s in out.scheduled]
+                               accepted_drafts=kept.get(s.request.request_id, 0),
+                               emitted_tokens=new.get(s.request.request_id, 0),
+                               draft_rows=draft[0], draft_keys=draft[1])
+                 for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,

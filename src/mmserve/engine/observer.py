@@ -26,6 +26,9 @@ class ScheduledItem:
     prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
     draft_tokens: int = 0       # a verify chunk (speculative decoding): the drafts it scored
     accepted_drafts: int = 0    # ... and how many of them the target kept (a prefix of them)
+    emitted_tokens: int = 0     # tokens this step appended to the request (accepted drafts + the target's own)
+    draft_rows: int = 0         # draft steps the assistant ran for it after this step (the batch's longest)
+    draft_keys: int = 0         # ... each over this many of the target's cached positions
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,11 @@ Conventions (documented in docs/tracing.md):
   reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
 - per-layer embeddings (E2B/E4B): the model-level projection (first stage) and each layer's gate
   and projection; the token table is a gather (bytes of the rows read, no FLOPs). Not split by tp.
+- the speculative drafter (Gemma 4 assistant, its own "drafter" component): per draft step, the
+  rows that drafted through pre_projection, its layers (Q only, over the target's K/V: the keys
+  before the drafted-from token, the last window + 1 on sliding layers), the MLP, the head (tied or
+  centroid) and post_projection; its weights and those keys are read once per draft step. Verify
+  rows are ordinary target rows (a decode request's num_tokens). Speculation runs at tp = pp = 1.
 - per GPU = one average GPU of tp * pp: heads, FFN width, experts' width and vocab divide by tp
   (KV heads never below 1, they are replicated); layer counts, the vision encoder (first stage) and the
   unembedding (last stage) divide by pp, so per-GPU figures times the stage count give the whole model.
@@ -32,10 +37,14 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
 from mmserve.model.spec import ModelSpec, MoeSpec, VisionSpec
+
+if TYPE_CHECKING:
+    from mmserve.model.assistant import AssistantSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 ACCOUNTING_MODES = ("exact", "upper-bound")
@@ -82,13 +91,23 @@ class VisionWork:
 
 
 @dataclass(frozen=True)
+class DraftWork:
+    """One request's drafting after the step: `num_rows` draft steps of the assistant, each over the
+    target's `num_keys` cached positions before the token it drafts from."""
+
+    num_rows: int
+    num_keys: int
+
+
+@dataclass(frozen=True)
 class StepContext:
-    """A step's requests and encoded images; `experts_touched`: distinct experts per MoE layer the
-    step routed to (mean over layers), when the model reported it."""
+    """A step's requests, encoded images and drafting; `experts_touched`: distinct experts per MoE
+    layer the step routed to (mean over layers), when the model reported it."""
 
     requests: tuple[RequestWork, ...] = ()
     images: tuple[VisionWork, ...] = ()
     experts_touched: float | None = None
+    drafts: tuple[DraftWork, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -126,7 +145,7 @@ class PerfBreakdown:
         return self.total_read_bytes + self.total_write_bytes
 
     def component(self, name: str) -> PerfBreakdown:
-        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision")."""
+        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "drafter")."""
         out = PerfBreakdown()
         for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes)):
             dst.update({k: v for k, v in src.items() if k.split(".", 1)[0] == name})
@@ -150,6 +169,7 @@ class PerfModel:
         tp: int = 1,
         pp: int = 1,
         accounting: str = "exact",
+        drafter: AssistantSpec | None = None,
     ):
         if accounting not in ACCOUNTING_MODES:
             raise ValueError(f"accounting must be one of {ACCOUNTING_MODES}, got {accounting!r}")
@@ -162,6 +182,7 @@ class PerfModel:
         self.act_bytes = self.weight_bytes = DTYPE_BYTES[dtype]
         self.cache_bytes = DTYPE_BYTES[kv_cache_dtype or dtype]
         self.tp, self.pp, self.accounting = tp, pp, accounting
+        self.drafter = drafter
 
     def step(self, ctx: StepContext, *, per_gpu: bool = False) -> PerfBreakdown:
         """The step's breakdown: whole model, or one average GPU when `per_gpu`."""
@@ -177,7 +198,8 @@ class PerfModel:
                     continue   # no row samples: the KV-sharing layers do not run at all
                 layers = count / pp
                 rows = sampled if shares_kv else ctx.requests
-                self._attention(out, attn, k_eq_v, shares_kv, rows, layers, tp, caches[shares_kv])
+                self._attention(out, attn, k_eq_v, shares_kv, rows, layers, tp,
+                                self._pairs_and_keys(attn, rows, caches[shares_kv]))
                 self._ffn(out, width, moe, sum(r.num_tokens for r in rows), ctx.experts_touched, layers, tp)
             if self.spec.ple is not None:
                 consumers = sum(layer.shares_kv for layer in self.spec.layers)
@@ -185,6 +207,8 @@ class PerfModel:
             self._unembed(out, sum(r.num_logits for r in ctx.requests), tp, pp)
         if ctx.images and self.spec.vision is not None:
             self._vision(out, self.spec.vision, ctx.images, tp, pp)
+        if ctx.drafts and self.drafter is not None:
+            self._drafter(out, self.drafter, ctx.drafts)
         return out
 
     # -- attention ---------------------------------------------------------------------------------
@@ -206,55 +230,61 @@ class PerfModel:
         return cache[key]
 
     def _attention(self, out: PerfBreakdown, a: LayerAttentionSpec, k_eq_v: bool, shares_kv: bool,
-                   requests: Sequence[RequestWork], layers: float, tp: int, cache: dict) -> None:
-        hidden, ba, bw, bc = self.spec.hidden_size, self.act_bytes, self.weight_bytes, self.cache_bytes
+                   requests: Sequence[RequestWork], layers: float, tp: int, pairs_keys: tuple[int, int], *,
+                   hidden: int | None = None, component: str = "attn") -> None:
+        """`layers` layers of one kind; `pairs_keys`: Σ kept (query, key) pairs and Σ distinct keys read.
+        The per-kind attention splits are the target's only (component "attn")."""
+        hidden = hidden or self.spec.hidden_size
+        ba, bw, bc = self.act_bytes, self.weight_bytes, self.cache_bytes
         tokens = sum(r.num_tokens for r in requests)
         q, d = a.num_heads / tp, a.head_dim
         kv = max(1.0, a.num_kv_heads / tp)
         kv_proj = 0.0 if shares_kv else (kv if k_eq_v else 2 * kv)  # projected K/V widths (heads)
         kv_out = 0.0 if shares_kv else 2 * kv                       # K and V produced (V = norm(K) if K=V)
-        pairs, keys = self._pairs_and_keys(a, requests, cache)
+        pairs, keys = pairs_keys
         core = 2 * q * d * pairs * layers
-        f, r, w = out.flops, out.read_bytes, out.write_bytes
-        f["attn.qkv_proj"] += 2 * tokens * hidden * (q + kv_proj) * d * layers
-        f["attn.attn_qk"] += core
-        f["attn.attn_av"] += core
-        f["attn.out_proj"] += 2 * tokens * q * d * hidden * layers
-        if a.window is not None:
-            out.attn_flops_sliding += 2 * core
-        else:
-            out.attn_flops_full += 2 * core
-        if self.accounting == "exact":  # one layer's count: every layer of a kind keeps the same pairs
+        f, r, w, c = out.flops, out.read_bytes, out.write_bytes, component
+        f[f"{c}.qkv_proj"] += 2 * tokens * hidden * (q + kv_proj) * d * layers
+        f[f"{c}.attn_qk"] += core
+        f[f"{c}.attn_av"] += core
+        f[f"{c}.out_proj"] += 2 * tokens * q * d * hidden * layers
+        if c == "attn":
             if a.window is not None:
-                out.kept_pairs_sliding = pairs
+                out.attn_flops_sliding += 2 * core
             else:
-                out.kept_pairs_full = pairs
-        r["attn.qkv_input"] += tokens * hidden * ba * layers
-        r["attn.qkv_weight"] += hidden * (q + kv_proj) * d * bw * layers
-        r["attn.attn_input"] += (tokens * q * d * ba + 2 * keys * kv * d * bc) * layers
-        r["attn.out_input"] += tokens * q * d * ba * layers
-        r["attn.out_weight"] += q * d * hidden * bw * layers
-        w["attn.qkv_output"] += tokens * (q + kv_out) * d * ba * layers
-        w["attn.kv_cache"] += tokens * kv_out * d * bc * layers
-        w["attn.out_output"] += tokens * hidden * ba * layers
+                out.attn_flops_full += 2 * core
+            if self.accounting == "exact":  # one layer's count: every layer of a kind keeps the same pairs
+                if a.window is not None:
+                    out.kept_pairs_sliding = pairs
+                else:
+                    out.kept_pairs_full = pairs
+        r[f"{c}.qkv_input"] += tokens * hidden * ba * layers
+        r[f"{c}.qkv_weight"] += hidden * (q + kv_proj) * d * bw * layers
+        r[f"{c}.attn_input"] += (tokens * q * d * ba + 2 * keys * kv * d * bc) * layers
+        r[f"{c}.out_input"] += tokens * q * d * ba * layers
+        r[f"{c}.out_weight"] += q * d * hidden * bw * layers
+        w[f"{c}.qkv_output"] += tokens * (q + kv_out) * d * ba * layers
+        w[f"{c}.kv_cache"] += tokens * kv_out * d * bc * layers
+        w[f"{c}.out_output"] += tokens * hidden * ba * layers
 
     # -- FFN ---------------------------------------------------------------------------------------
 
     def _mlp(self, out: PerfBreakdown, prefix: str, tokens: float, width: float, matrices: int,
-             weight_copies: float, layers: float) -> None:
+             weight_copies: float, layers: float, *, hidden: int | None = None, component: str = "ffn") -> None:
         """One (gated) MLP over `tokens` rows; `weight_copies` = how many distinct weight sets are read."""
-        hidden, ba, bw = self.spec.hidden_size, self.act_bytes, self.weight_bytes
+        hidden, ba, bw = hidden or self.spec.hidden_size, self.act_bytes, self.weight_bytes
         up = matrices - 1  # gate+up (gated) or up only
-        out.flops[f"ffn.{prefix}ffn"] += 2 * tokens * hidden * width * matrices * layers
+        prefix = f"{component}.{prefix}"
+        out.flops[f"{prefix}ffn"] += 2 * tokens * hidden * width * matrices * layers
         r, w = out.read_bytes, out.write_bytes
-        r[f"ffn.{prefix}up_gate_input"] += tokens * hidden * ba * layers
-        r[f"ffn.{prefix}up_gate_weight"] += up * hidden * width * bw * weight_copies * layers
-        r[f"ffn.{prefix}act_input"] += up * tokens * width * ba * layers
-        r[f"ffn.{prefix}down_input"] += tokens * width * ba * layers
-        r[f"ffn.{prefix}down_weight"] += hidden * width * bw * weight_copies * layers
-        w[f"ffn.{prefix}up_gate_output"] += up * tokens * width * ba * layers
-        w[f"ffn.{prefix}act_output"] += tokens * width * ba * layers
-        w[f"ffn.{prefix}down_output"] += tokens * hidden * ba * layers
+        r[f"{prefix}up_gate_input"] += tokens * hidden * ba * layers
+        r[f"{prefix}up_gate_weight"] += up * hidden * width * bw * weight_copies * layers
+        r[f"{prefix}act_input"] += up * tokens * width * ba * layers
+        r[f"{prefix}down_input"] += tokens * width * ba * layers
+        r[f"{prefix}down_weight"] += hidden * width * bw * weight_copies * layers
+        w[f"{prefix}up_gate_output"] += up * tokens * width * ba * layers
+        w[f"{prefix}act_output"] += tokens * width * ba * layers
+        w[f"{prefix}down_output"] += tokens * hidden * ba * layers
 
     def _ffn(self, out: PerfBreakdown, width: int, moe: MoeSpec | None, tokens: int,
              experts_touched: float | None, layers: float, tp: int) -> None:
@@ -329,3 +359,38 @@ class PerfModel:
             per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * 3
             r["vision.weight"] += (per_layer * v.num_layers + v.patch_dim * v.hidden
                                    + v.hidden * v.projector_out / tp) * bw / pp
+
+    # -- speculative drafter -----------------------------------------------------------------------
+
+    def _linear(self, out: PerfBreakdown, key: str, rows: int, k: int, n: int, out_bytes: int | None = None) -> None:
+        """rows x [k, n]: its FLOPs, input, weight (read once) and output."""
+        out.flops[key] += 2 * rows * k * n
+        out.read_bytes[f"{key}_input"] += rows * k * self.act_bytes
+        out.read_bytes[f"{key}_weight"] += k * n * self.weight_bytes
+        out.write_bytes[f"{key}_output"] += rows * n * (out_bytes or self.act_bytes)
+
+    def _drafter(self, out: PerfBreakdown, a: AssistantSpec, drafts: Sequence[DraftWork]) -> None:
+        """Each draft step batches the requests with a row left; layers reuse the target's formulas."""
+        layers = Counter(a.layer_types)
+        hidden, backbone = a.hidden_size, a.backbone_hidden_size
+        for step in range(max(d.num_rows for d in drafts)):
+            active = [d for d in drafts if d.num_rows > step]
+            rows = len(active)
+            out.read_bytes["drafter.token_rows"] += rows * backbone * self.weight_bytes   # the target's embedding
+            self._linear(out, "drafter.pre_projection", rows, 2 * backbone, hidden)
+            for t, count in layers.items():
+                attn = a.attention[t]
+                seen = [d.num_keys if attn.window is None else min(d.num_keys, attn.window + 1) for d in active]
+                work = tuple(RequestWork(1, d.num_keys, False) for d in active)
+                self._attention(out, attn, False, True, work, count, 1, (sum(seen), sum(seen)),
+                                hidden=hidden, component="drafter")
+                self._mlp(out, "", rows, a.intermediate_size, 3, 1.0, count, hidden=hidden, component="drafter")
+            if a.use_ordered_embeddings:   # centroid scores, then only the top-k centroids' vocabulary rows
+                self._linear(out, "drafter.centroids", rows, hidden, a.num_centroids)
+                selected = a.centroid_top_k * a.vocab_size // a.num_centroids
+                out.flops["drafter.head"] += 2 * rows * hidden * selected
+                out.read_bytes["drafter.head_weight"] += rows * selected * hidden * self.weight_bytes
+                out.write_bytes["drafter.head_output"] += rows * a.vocab_size * LOGITS_BYTES
+            else:
+                self._linear(out, "drafter.head", rows, hidden, a.vocab_size, LOGITS_BYTES)
+            self._linear(out, "drafter.post_projection", rows, hidden, backbone)

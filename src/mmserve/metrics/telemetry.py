@@ -4,7 +4,8 @@ The front end's output processor calls it once per step, from the step record th
 with its outputs (every scheduled request's num_tokens, context_len, is_prefill). It prices the step
 with the perf model (per GPU), divides the text part among the requests by token share, prices the
 step's one encoder call as it ran (frames padded to the longest, weights read once) and bills each
-request its own frames, and emits:
+request its own frames, bills the speculative drafter's steps after it to the requests that drafted
+(by their draft rows), and emits:
 
 - per request, children of the request's `mmserve.generate` span (`request.trace_context`):
   `mmserve.vision.encode` for a step that encoded its frames, `mmserve.prefill` per prefill chunk,
@@ -31,7 +32,14 @@ from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Status, StatusCode, Tracer
 
 from mmserve.metrics.peaks import DevicePeaks, utilization
-from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.perf_model import (
+    DraftWork,
+    PerfBreakdown,
+    PerfModel,
+    RequestWork,
+    StepContext,
+    VisionWork,
+)
 from mmserve.metrics.prometheus import EngineMetrics, StepMetrics
 from mmserve.metrics.tracing import get_tracer
 
@@ -151,10 +159,15 @@ class TelemetryObserver:
         text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
                               per_gpu=True)
         vision = self._vision(record)
+        drafts = tuple(DraftWork(i.draft_rows, i.draft_keys) for i in record.items if getattr(i, "draft_rows", 0))
+        drafter = self.perf.step(StepContext(drafts=drafts), per_gpu=True) if drafts else None
         step = PerfBreakdown()
         _merge(step, text)
         if vision is not None:
             _merge(step, vision.executed)
+        if drafter is not None:
+            _merge(step, drafter)
+        draft_rows = sum(d.num_rows for d in drafts) or 1
         mfu = utilization(step.total_flops, seconds, self.peaks.flops, "MFU")
         mbu = utilization(step.total_bytes, seconds, self.peaks.bandwidth, "MBU")
         num_tokens = sum(r.num_tokens for r in requests) or 1
@@ -166,6 +179,11 @@ class TelemetryObserver:
                 self._on_first_schedule(item.request, started - state.queued_monotonic)
             share = item.num_tokens / num_tokens
             state.total.add(text, share, step, seconds)
+            if drafter is not None and getattr(item, "draft_rows", 0):   # its own draft rows' share
+                draft_share = item.draft_rows / draft_rows
+                state.total.add(drafter, draft_share, PerfBreakdown(), 0.0)
+                if not item.is_prefill:
+                    state.decode_work.add(drafter, draft_share, PerfBreakdown(), 0.0)
             frames = vision.by_request.get(item.request_id) if vision is not None else None
             if frames is not None:
                 state.total.add(frames.executed, 1.0, PerfBreakdown(), 0.0)
@@ -340,6 +358,8 @@ class TelemetryObserver:
             "mmserve.step.index": record.step_index, "mmserve.step.num_requests": len(record.items),
             "mmserve.step.prefill_tokens": prefill, "mmserve.step.decode_tokens": decode,
             "mmserve.step.frames_encoded": sum(i.num_frames_encoded for i in record.items),
+            "mmserve.step.emitted_tokens": sum(getattr(i, "emitted_tokens", 0) for i in record.items),
+            "mmserve.step.draft_rows": sum(getattr(i, "draft_rows", 0) for i in record.items),
             "mmserve.step.num_running": record.num_running, "mmserve.step.num_waiting": record.num_waiting,
             "mmserve.step.kv_usage": record.kv_usage,
             "mmserve.perf.flops": step.total_flops, "mmserve.perf.read_bytes": step.total_read_bytes,
