@@ -62,11 +62,10 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         configure_logging(logging.getLevelName(log_level), "json")
     else:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
-    from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
+    from mmserve.engine.cpu_threads import configure_torch_threads
+    from mmserve.engine.tensor_parallel import rank_threads
 
-    # Tensor-parallel ranks share their node's cores (each worker rank takes its share too).
-    ranks_here = max(1, config.tensor_parallel_size // config.nnodes)
-    threads = configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_here))
+    threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores
     parent = os.getppid()
     code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
                     log_format=log_format)

@@ -62,6 +62,14 @@ def ranks_per_node(config: EngineConfig) -> int:
     return config.tensor_parallel_size // config.nnodes
 
 
+def rank_threads(config: EngineConfig) -> int:
+    """One rank's torch threads: the ranks of a node share its engine threads (at least one each;
+    a size check_divisible refuses still gets one, so the refusal is the error the user sees)."""
+    from mmserve.engine.cpu_threads import engine_threads
+
+    return max(1, engine_threads(config.engine_threads) // max(1, ranks_per_node(config)))
+
+
 def rank_device(config: EngineConfig, rank: int) -> str:
     """Rank r's device: cuda:(r mod ranks per node) on CUDA (`cuda:N` offsets them), the CPU elsewhere."""
     device, local = config.device, rank % ranks_per_node(config)
@@ -296,10 +304,10 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     else:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
                                                     "%(name)s: %(message)s")
-    from mmserve.engine.cpu_threads import configure_torch_threads, engine_threads
+    from mmserve.engine.cpu_threads import configure_torch_threads
     from mmserve.engine.model_runner import ModelRunner
 
-    configure_torch_threads(max(1, engine_threads(config.engine_threads) // ranks_per_node(config)))
+    configure_torch_threads(rank_threads(config))
     try:
         group = join_group(rank, config.tensor_parallel_size, init_method,
                            backend=_use_device(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
