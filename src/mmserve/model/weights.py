@@ -196,7 +196,8 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     for part in parts.values():   # packed tensors that per-expert matrices are copied into
         state.setdefault(part.packed, torch.empty(shapes[part.packed], dtype=dtype, device=device))
     read = 0
-    sliced = {k: v for k, v in shards.items() if k not in {p.packed for p in parts.values()}}   # per-expert: whole matrices, own experts only
+    per_expert = {p.packed for p in parts.values()}   # whole matrices, own experts only: never sliced
+    sliced = {k: v for k, v in shards.items() if k not in per_expert}
     for ckpt_name, name, tensor in iter_tensors(path, wanted, sliced):
         read += tensor.numel() * tensor.element_size()
         if ckpt_name in parts:
