@@ -68,9 +68,9 @@ def random_checkpoint(root: Path) -> Path:
     return root
 
 
-def steps(spec, plans, batch: int, prompt: int, decodes: int) -> list[SchedulerOutput]:
-    """One prefill step of `batch` prompts of `prompt` tokens, then `decodes` decode steps; every
-    request's blocks are given in the first step."""
+def steps(spec, plans, batch: int, prompt: int, decodes: int) -> tuple[list[SchedulerOutput], list[Request]]:
+    """One prefill step of `batch` prompts of `prompt` tokens, then `decodes` decode steps, and the
+    requests; every request's blocks are given in the first step."""
     gen = torch.Generator().manual_seed(1)
     blocks = -(-(prompt + decodes) // BLOCK)
     requests = [Request(f"r{i}", torch.randint(20, spec.vocab_size, (prompt,), generator=gen).tolist(),
@@ -112,7 +112,7 @@ def run(runner, spec, plans, batch: int, prompt: int, decodes: int, *, profile: 
 def measure(path: Path, size: int, threads: int, batch: int, prompt: int, decodes: int, reps: int) -> dict:
     """Median prefill and decode step times (ms, unprofiled runs) and collectives' shares (profiled runs)."""
     from mmserve.engine.tensor_parallel import TensorParallelGroup, load_rank_model
-    from mmserve.model import load_model
+    from mmserve.model.parallel import SINGLE
     from mmserve.model.spec import load_spec
 
     config = EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=batch,
@@ -120,12 +120,8 @@ def measure(path: Path, size: int, threads: int, batch: int, prompt: int, decode
                           engine_threads=CORES, tensor_parallel_size=size, enable_prefix_caching=False)
     torch.set_num_threads(threads)
     spec = load_spec(path)
-    tp = None
-    if size > 1:
-        tp = TensorParallelGroup(config)
-        model = load_rank_model(config, tp.group)
-    else:
-        model = load_model(path, attention_backend="sdpa")
+    tp = TensorParallelGroup(config) if size > 1 else None
+    model = load_rank_model(config, tp.group if tp else SINGLE)   # both layouts load the same way
     local = model.spec
     blocks = batch * -(-(prompt + decodes) // BLOCK) + 1
     plans = plan_pools(local.kv_layer_types, local.attention_specs, block_size=BLOCK, dtype_bytes=4,
