@@ -40,11 +40,11 @@ def env_of(docs, template) -> dict[str, str]:
 
 
 def test_the_overlay_validates_apart_from_the_crd(multinode):
+    docs = [d for d in multinode if d["kind"] != "LeaderWorkerSet"]
+    docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"mmserve-{role}", **t["metadata"]},
+              "spec": t["spec"]} for role, t in templates(multinode).items()]
     errors = []
     for version in VERSIONS:
-        docs = [d for d in multinode if d["kind"] != "LeaderWorkerSet"]
-        docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"mmserve-{role}", **t["metadata"]},
-                  "spec": t["spec"]} for role, t in templates(multinode).items()]
         for doc in docs:
             try:
                 kubernetes_validate.validate(doc, version, strict=True)

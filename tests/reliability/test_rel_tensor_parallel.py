@@ -25,6 +25,18 @@ TIMEOUT_S = 3   # --tensor-parallel-timeout-s: how long rank 0 waits for a hung 
 WORKER_PID = re.compile(r"tensor-parallel rank 1: process (\d+) started")
 
 
+def serving_port(server: ServeProcess) -> int:
+    """The server's port, once its Generation service reports SERVING (the engine and every rank up)."""
+    port = server.wait_port(180)
+
+    async def serving():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await server.wait_serving(ch)
+
+    asyncio.run(serving())
+    return port
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("victim, sig, names", [
     ("worker", signal.SIGKILL, r"rank 1 \(pid \d+, exit code -9\) died"),
@@ -111,13 +123,7 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
                               env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     try:
-        port = server.wait_port(180)
-
-        async def scenario():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await server.wait_serving(ch)
-
-        asyncio.run(scenario())
+        port = serving_port(server)
         with Client(f"127.0.0.1:{port}", timeout=120) as client:
             served = client.generate(prompt="go on", max_tokens=8, temperature=0, ignore_eos=True)
         assert not WORKER_PID.search(server.log)   # node 0 spawned no rank: rank 1 is the other node's
@@ -144,13 +150,7 @@ def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
                           "--worker-threads", "1", "--tensor-parallel-size", "2")
     try:
-        port = server.wait_port(180)
-
-        async def serving():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await server.wait_serving(ch)
-
-        asyncio.run(serving())
+        serving_port(server)
         os.kill(int(WORKER_PID.search(server.log).group(1)), signal.SIGKILL)
         assert server.proc.wait(30) == 1, server.log
         assert re.search(r"tensor-parallel rank 1 \(pid \d+, exit code -9\) died", server.log), server.log
