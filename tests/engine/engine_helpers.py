@@ -1,7 +1,9 @@
-"""Prompts (text, image, video) as EngineRequests, and an engine run that records sampled logits."""
+"""Prompts (text, image, video) as EngineRequests, an engine run that records sampled logits, and an
+AsyncEngine served for one test body."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import torch
@@ -94,3 +96,16 @@ def hf_logits(hf, req: EngineRequest, output_ids: list[int] = ()) -> torch.Tenso
         kwargs["num_frames_per_video"] = torch.tensor([len(frames)])
     with torch.no_grad():
         return hf(input_ids=ids, **kwargs).logits[0]
+
+
+def serve(engine, body):
+    """Start the AsyncEngine `engine`, await `body(engine)` and shut it down (also when the body fails);
+    the body's result."""
+    async def main():
+        await engine.start()
+        try:
+            return await body(engine)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())

@@ -14,7 +14,7 @@ import contextlib
 import random
 
 import pytest
-from engine_helpers import build_request
+from engine_helpers import build_request, serve
 from gemma4_fixtures import VIDEO
 
 from mmserve.config import EngineConfig
@@ -71,15 +71,7 @@ def run(load_backend, body, **options):
                 prefill_batched_tokens=0)
     opts.update(options)
     engine = AsyncEngine(EngineConfig(**opts), model=model, tokenizer=tok)
-
-    async def main():
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main()), engine
+    return serve(engine, body), engine
 
 
 async def complete(engine, request):

@@ -7,7 +7,7 @@ import asyncio
 from collections import Counter
 
 import pytest
-from engine_helpers import build_request
+from engine_helpers import build_request, serve
 
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
@@ -46,15 +46,7 @@ def run_engine(load_backend, body, **options):
     opts.update(options)
     recorder = Recorder()
     engine = AsyncEngine(EngineConfig(**opts), model=model, tokenizer=tok, observer=recorder)
-
-    async def main():
-        await engine.start()
-        try:
-            return await body(engine)
-        finally:
-            await engine.shutdown()
-
-    result = asyncio.run(main())
+    result = serve(engine, body)
     assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in engine.core.kv.pools.values())
     assert engine.core.runner.encoder_cache.num_bytes <= engine.core.runner.encoder_cache.max_bytes
     assert not engine.core.requests
@@ -76,13 +68,7 @@ def test_abort_stops_the_request_and_others_finish(load_backend):
     async def body(engine):
         long = build_request("long", [10, ("video", [8, 8])], seed=1, max_tokens=300)
         short = build_request("short", [12], seed=2, max_tokens=5)
-        got_first = asyncio.Event()
-
-        async def consume_long():
-            async for _ in engine.generate(long):
-                got_first.set()
-
-        task = asyncio.create_task(consume_long())
+        task, got_first = _read_in_background(engine, long)
         short_outs = asyncio.create_task(_collect(engine, short))
         await asyncio.wait([asyncio.create_task(got_first.wait()), task], return_when=asyncio.FIRST_COMPLETED)
         assert engine.abort("long") is True
@@ -99,6 +85,17 @@ def test_abort_stops_the_request_and_others_finish(load_backend):
 
 async def _collect(engine, req):
     return [o async for o in engine.generate(req)]
+
+
+def _read_in_background(engine, req) -> tuple[asyncio.Task, asyncio.Event]:
+    """A task reading `req`'s stream to its end, and an event set once its first delta arrived."""
+    first = asyncio.Event()
+
+    async def reader():
+        async for _ in engine.generate(req):
+            first.set()
+
+    return asyncio.create_task(reader()), first
 
 
 def test_leaving_the_stream_early_aborts(load_backend):
@@ -118,13 +115,7 @@ def test_a_reader_cancelled_while_it_waits_aborts_the_request(load_backend):
     yield: the request must still be aborted, not left to run to max_tokens."""
     async def body(engine):
         req = build_request("hung-up", [20], seed=4, max_tokens=300)
-        first = asyncio.Event()
-
-        async def reader():
-            async for _ in engine.generate(req):
-                first.set()
-
-        task = asyncio.create_task(reader())
+        task, first = _read_in_background(engine, req)
         await first.wait()
         await asyncio.sleep(0)   # the reader is back to waiting on the stream
         task.cancel()

@@ -133,16 +133,19 @@ class StepInputBuilder:
 
         ids = self.input_ids.np
         drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
         for i, s in enumerate(scheduled):   # a verify chunk: its last known token, then the drafts
-            ids[qsl[i]:qsl[i + 1] - drafts[i]] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - drafts[i])
-            ids[qsl[i + 1] - drafts[i]:qsl[i + 1]] = s.draft_token_ids
+            known = bounds[i + 1] - len(s.draft_token_ids)
+            ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
+            if s.draft_token_ids:
+                ids[known:bounds[i + 1]] = s.draft_token_ids
         totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
         sampled = np.flatnonzero(seq_lens == totals)
         num_rows = 1 + drafts[sampled]
         ends = qsl[1:num_reqs + 1][sampled]
         num_logits = int(num_rows.sum())
-        self.logits_indices.np[:num_logits] = np.repeat(ends - num_rows, num_rows) + (
-            np.arange(num_logits) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows))
+        # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
+        self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
 
         block_of_pos = positions // bs
         offset_in_block = positions % bs

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
@@ -142,19 +143,19 @@ def gather_shared_kv(kv_cache: torch.Tensor, block_tables: list[list[int]], num_
                      window: int | None, block_size: int) -> SharedKV:
     """Keys [0, num_keys[r]) of request r from a paged cache (2, blocks, block_size, Hkv, D) whose
     table is block_tables[r]; a sliding layer gathers only its last `window + 1`."""
-    device = kv_cache.device
-    firsts = [0 if window is None else max(0, n - 1 - window) for n in num_keys]
-    width = max(n - f for n, f in zip(num_keys, firsts, strict=True))
-    slots = torch.zeros(len(num_keys), width, dtype=torch.int64)
-    valid = torch.zeros(len(num_keys), width, dtype=torch.bool)
-    for r, (table, first, n) in enumerate(zip(block_tables, firsts, num_keys, strict=True)):
-        pos = torch.arange(first, n)
-        blocks = torch.as_tensor(table, dtype=torch.int64)[pos // block_size]
-        slots[r, :n - first] = blocks * block_size + pos % block_size
-        valid[r, :n - first] = True
+    n = torch.tensor(num_keys, dtype=torch.int64)
+    first = torch.zeros_like(n) if window is None else (n - 1 - window).clamp(min=0)
+    pos = first[:, None] + torch.arange(int((n - first).max()))   # [R, N]: one batched index, no per-request ops
+    valid = pos < n[:, None]
+    pos = pos.where(valid, 0)   # keeps the padding's table lookup in range; its slot is 0, masked out
+    tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int64)
+    for r, table in enumerate(block_tables):
+        tables[r, :len(table)] = table
+    slots = torch.from_numpy(tables).gather(1, pos // block_size) * block_size + pos % block_size
+    slots = slots.where(valid, 0)
     flat = kv_cache.flatten(1, 2)   # [2, blocks * block_size, Hkv, D]
-    picked = flat[:, slots.flatten().to(device)].unflatten(1, slots.shape)
-    return SharedKV(picked[0], picked[1], valid.to(device))
+    picked = flat[:, slots.flatten().to(kv_cache.device)].unflatten(1, slots.shape)
+    return SharedKV(picked[0], picked[1], valid.to(kv_cache.device))
 
 
 class DraftLayerAttention(nn.Module):
