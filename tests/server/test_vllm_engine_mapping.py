@@ -48,6 +48,9 @@ def test_remote_schemes_are_refused_naming_the_item():
     with pytest.raises(InvalidInputError, match="AUDIO"):
         media_inputs(refs("data:audio/wav;base64,AAAA", modality=common_pb2.AUDIO), max_bytes=10,
                      allowed_local_media_path="")
+    with pytest.raises(InvalidInputError, match="99 is not served") as e:   # a modality newer than our stubs
+        media_inputs(refs("data:video/mp4;base64,AAAA", modality=99), max_bytes=10, allowed_local_media_path="")
+    assert e.value.field == "media_refs.items[0].modality"
 
 
 def test_file_urls_only_inside_the_allowed_directory(tmp_path):
@@ -62,7 +65,7 @@ def test_file_urls_only_inside_the_allowed_directory(tmp_path):
     with pytest.raises(InvalidInputError, match="without --allowed-local-media-path"):
         media_inputs(refs(f"file://{allowed}/clip.mp4"), max_bytes=100, allowed_local_media_path="")
     for url in (f"file://{allowed}/../secret/key.mp4", f"file://{allowed}/link.mp4", "file://otherhost/x.mp4",
-                f"file://{allowed}/missing.mp4"):
+                f"file://{allowed}/missing.mp4", f"file://{allowed}/clip.mp4%00.png"):
         with pytest.raises(InvalidInputError):
             media_inputs(refs(url), max_bytes=100, allowed_local_media_path=str(allowed))
     with pytest.raises(LimitExceededError):
