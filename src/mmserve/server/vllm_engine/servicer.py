@@ -250,6 +250,8 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
     if (bad := max(ids)) >= processor.tokenizer.vocab_size:
         raise InvalidInputError(where, f"token id {bad} is outside the vocabulary (size {processor.tokenizer.vocab_size})")
     if _has_mm_inputs(request):
+        if not spec.has_vision:   # else tensors of a valid layout would reach a model with no vision tower
+            raise InvalidInputError("mm_inputs", "this model takes no images or video")
         return ids   # expanded by the gateway: preprocessed_media checks the layout
     anchors = [t for t in ids if t in (spec.image_token_id, spec.video_token_id)]
     items = [spec.image_token_id if m.modality == common_pb2.IMAGE else spec.video_token_id
