@@ -212,6 +212,19 @@ def test_the_upload_limit_refuses_as_soon_as_it_is_crossed(server, stub):
     assert wait_until(lambda: not incoming(server))
 
 
+def test_a_spool_that_cannot_take_the_upload_ends_internal_not_unknown(server, stub):
+    """A real OSError from the spool (its incoming directory gone, as a full or broken disk would
+    fail) leaves as INTERNAL naming the error, and the next upload is stored once it is back."""
+    spool = store(server).root / INCOMING
+    spool.rmdir()
+    try:
+        got, details = status(lambda: stub.UploadMedia(iter(chunked(b"x" * 10)), timeout=30))
+    finally:
+        spool.mkdir()
+    assert got == grpc.StatusCode.INTERNAL and "FileNotFoundError" in details, (got, details)
+    assert stub.UploadMedia(iter(chunked(secrets.token_bytes(10))), timeout=30).size_bytes == 10
+
+
 @pytest.mark.parametrize("declared_size", [100_000, 0], ids=["size declared", "size not declared"])
 @pytest.mark.parametrize("ending", ["cancel", "deadline"])
 def test_an_upload_cut_off_midway_leaves_no_file(server, stub, ending, declared_size):

@@ -6,7 +6,9 @@ Every refusal names its field (INVALID_ARGUMENT at the edge); file:// stays insi
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
+from types import SimpleNamespace
 
 import pytest
 from smg_grpc_proto.generated import common_pb2
@@ -14,8 +16,10 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.model.spec import load_spec
 from mmserve.server.vllm_engine.media_refs import media_inputs
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults, map_sampling
+from mmserve.server.vllm_engine.servicer import _prompt_ids
 
 EOS = (1, 5)
 
@@ -48,6 +52,9 @@ def test_remote_schemes_are_refused_naming_the_item():
     with pytest.raises(InvalidInputError, match="AUDIO"):
         media_inputs(refs("data:audio/wav;base64,AAAA", modality=common_pb2.AUDIO), max_bytes=10,
                      allowed_local_media_path="")
+    with pytest.raises(InvalidInputError, match="99 is not served") as e:   # a modality newer than our stubs
+        media_inputs(refs("data:video/mp4;base64,AAAA", modality=99), max_bytes=10, allowed_local_media_path="")
+    assert e.value.field == "media_refs.items[0].modality"
 
 
 def test_file_urls_only_inside_the_allowed_directory(tmp_path):
@@ -62,7 +69,7 @@ def test_file_urls_only_inside_the_allowed_directory(tmp_path):
     with pytest.raises(InvalidInputError, match="without --allowed-local-media-path"):
         media_inputs(refs(f"file://{allowed}/clip.mp4"), max_bytes=100, allowed_local_media_path="")
     for url in (f"file://{allowed}/../secret/key.mp4", f"file://{allowed}/link.mp4", "file://otherhost/x.mp4",
-                f"file://{allowed}/missing.mp4"):
+                f"file://{allowed}/missing.mp4", f"file://{allowed}/clip.mp4%00.png"):
         with pytest.raises(InvalidInputError):
             media_inputs(refs(url), max_bytes=100, allowed_local_media_path=str(allowed))
     with pytest.raises(LimitExceededError):
@@ -110,3 +117,21 @@ def test_unsupported_or_out_of_range_fields_are_refused_by_name(fields, name):
         map_sampling(vpb.SamplingParams(**fields), EngineConfig(max_tokens_limit=100, max_n=16),
                      CheckpointDefaults(), EOS)
     assert e.value.field == f"sampling_params.{name}"
+
+
+def test_preprocessed_media_for_a_model_without_vision_is_refused_before_its_layout_is_read():
+    """A gateway's mm_inputs, however well laid out, never reach a model with no vision tower (the
+    demo checkpoint's spec with its vision dropped stands in for a text-only one; the processor is a
+    stand-in holding just what `_prompt_ids` reads)."""
+    spec = load_spec(DEMO_MODEL_DIR)
+    request = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[2, spec.image_token_id]),
+                                  mm_inputs=vpb.MultimodalInputs(modality=common_pb2.IMAGE))
+
+    def processor(spec):
+        return SimpleNamespace(spec=spec, max_model_len=spec.max_model_len,
+                               tokenizer=SimpleNamespace(vocab_size=spec.vocab_size))
+
+    assert _prompt_ids(request, processor(spec)) == [2, spec.image_token_id]
+    with pytest.raises(InvalidInputError, match="takes no images or video") as e:
+        _prompt_ids(request, processor(dataclasses.replace(spec, vision=None)))
+    assert e.value.field == "mm_inputs"

@@ -22,7 +22,6 @@ from mmserve.engine.input_processor import ImageInput, InputMessage, VideoInput
 from mmserve.errors import (
     InvalidInputError,
     LimitExceededError,
-    MMServeError,
     NotFoundError,
     RequestAbortedError,
 )
@@ -109,7 +108,7 @@ class MediaService:
                      context: grpc.aio.ServicerContext) -> pb.MediaRef:
         try:
             return self._ref(await self._receive(requests, context))
-        except MMServeError as e:
+        except Exception as e:  # noqa: BLE001 - e.g. the spool's disk full: INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e)   # not abort_with: its error, kept by grpc, would hold the upload in a cycle
             return pb.MediaRef()   # not sent: the call ends with the status just set
 

@@ -51,7 +51,9 @@ def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> 
     elif item.modality == common_pb2.VIDEO:
         kind, mime_types = "video", VIDEO_MIME_TYPES
     else:
-        raise InvalidInputError(f"{where}.modality", f"{common_pb2.Modality.Name(item.modality)} is not "
+        # An open enum: a value newer than our stubs has no name (Modality.Name would raise ValueError).
+        name = common_pb2.Modality.DESCRIPTOR.values_by_number.get(item.modality)
+        raise InvalidInputError(f"{where}.modality", f"{name.name if name else item.modality} is not "
                                                      "served here: send images and videos")
     url = item.url
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
@@ -93,7 +95,10 @@ def _local_file(url: str, where: str, root: Path | None, max_bytes: int, kind: s
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise InvalidInputError(where, f"file:// URL names host {parts.netloc!r}; only local files are read")
-    path = Path(unquote(parts.path)).resolve()
+    spelled = unquote(parts.path)
+    if "\0" in spelled:   # resolve() would raise ValueError, which no status maps
+        raise InvalidInputError(where, "the file:// path holds a NUL byte")
+    path = Path(spelled).resolve()
     if not path.is_relative_to(root):
         raise InvalidInputError(where, f"{path} is outside --allowed-local-media-path ({root})")
     if not path.is_file():

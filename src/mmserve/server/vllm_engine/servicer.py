@@ -89,7 +89,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                                     processor.spec.eos_token_ids)
             await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
             self._in_flight.add(request_id, caller_key(context), sampling.params.n)
-        except MMServeError as e:
+        except Exception as e:  # noqa: BLE001 - a bug in a check leaves INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e, request_id)   # as mmserve.v1's Generate: no cycle keeps the request
             return
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
@@ -250,6 +250,8 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
     if (bad := max(ids)) >= processor.tokenizer.vocab_size:
         raise InvalidInputError(where, f"token id {bad} is outside the vocabulary (size {processor.tokenizer.vocab_size})")
     if _has_mm_inputs(request):
+        if not spec.has_vision:   # else tensors of a valid layout would reach a model with no vision tower
+            raise InvalidInputError("mm_inputs", "this model takes no images or video")
         return ids   # expanded by the gateway: preprocessed_media checks the layout
     anchors = [t for t in ids if t in (spec.image_token_id, spec.video_token_id)]
     items = [spec.image_token_id if m.modality == common_pb2.IMAGE else spec.video_token_id
