@@ -249,3 +249,37 @@ def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills
         assert not any(i.draft_rows for i in record.items if i.request_id == "opted-out")
     assert emitted == {rid: len(c.token_ids) for rid, c in got.items()}
     assert drafted > 0
+
+
+def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch):
+    """Fault injection (a sampler bug on one request's later verify rows): the batch is sampled
+    again row by row, the request's first row succeeds and its later rows fail. Their tokens are
+    placeholders, so the request ends with the error; its step-mate keeps its solo tokens."""
+    from mmserve.engine.speculative import VerifyRow
+
+    def requests():
+        return [build_request("victim", [20], seed=1, max_tokens=12), build_request("mate", [22], seed=2, max_tokens=12)]
+
+    _, alone = run(models, requests()[1:], speculate=True)
+    model_tok, assistant = models
+    llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=16, speculative_model=assistant,
+                   num_speculative_tokens=3)
+    sample = llm.core.sampler.sample
+
+    def failing(logits, rows):
+        if any(isinstance(r, VerifyRow) and r.request_id == "victim" for r in rows):
+            raise RuntimeError("injected sampler bug")
+        return sample(logits, rows)
+
+    monkeypatch.setattr(llm.core.sampler, "sample", failing)
+    for r in requests():
+        llm.add_request(r)
+    tokens, errors = {"victim": [], "mate": []}, {}
+    while llm.has_work:
+        for rid, item in llm.step():
+            if isinstance(item, BaseException):
+                errors[rid] = item
+            else:
+                tokens[rid] += item.new_token_ids
+    assert set(errors) == {"victim"} and "sampling failed" in str(errors["victim"])
+    assert tokens["mate"] == alone["mate"].token_ids

@@ -340,7 +340,8 @@ class EngineCore:
             request, drafts = s.request, s.draft_token_ids
             rows = 1 + len(drafts)
             first, row = row, row + rows
-            if (error := sampled.errors.get(first)) is not None:   # this request's own failure: it ends alone
+            # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
+            if (error := next((sampled.errors[r] for r in range(first, row) if r in sampled.errors), None)) is not None:
                 accepted.append(_Accepted(s, [], None, None, len(drafts), error))
                 continue
             targets = sampled.token_ids[first:first + rows]
