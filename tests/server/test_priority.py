@@ -24,7 +24,9 @@ def test_higher_priority_runs_first(start_server, served_model):
         long_tokens = client.model_info().context_length - 32
         blocker = client.stream(prompt="block", max_tokens=long_tokens, temperature=0, ignore_eos=True)
         next(iter(blocker))  # the only sequence slot is taken
-        threads = [threading.Thread(target=run, args=(name, prio, 2))
+        # Each runs long enough (24 tokens) that its client thread records the end before the next
+        # one's ends: 2 tokens let a loaded machine's thread wake-up reorder them (CI under -n 2).
+        threads = [threading.Thread(target=run, args=(name, prio, 24))
                    for name, prio in (("low", -5), ("mid", 0), ("high", 7))]
         for i, t in enumerate(threads, 1):  # they queue up in this order, lowest priority first
             t.start()

@@ -22,6 +22,7 @@ from mmserve.engine.input_processor import ImageInput, InputMessage, VideoInput
 from mmserve.errors import (
     InvalidInputError,
     LimitExceededError,
+    MMServeError,
     NotFoundError,
     RequestAbortedError,
 )
@@ -108,7 +109,9 @@ class MediaService:
                      context: grpc.aio.ServicerContext) -> pb.MediaRef:
         try:
             return self._ref(await self._receive(requests, context))
-        except Exception as e:  # noqa: BLE001 - e.g. the spool's disk full: INTERNAL (logged), never a bare UNKNOWN
+        # The spool's disk full is INTERNAL (logged), never a bare UNKNOWN. Not every exception: a
+        # refused message has already ended the call (admission's context.abort), and that stands.
+        except (MMServeError, OSError) as e:
             end_with(context, e)   # not abort_with: its error, kept by grpc, would hold the upload in a cycle
             return pb.MediaRef()   # not sent: the call ends with the status just set
 
