@@ -9,6 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from gemma4_fixtures import (
+    AUDIO,
+    BOS,
+    IMAGE,
+    NUM_SPECIALS,
+    VIDEO,
+    VOCAB,
     PagedSequence,
     e_model_config,
     make_checkpoint,
@@ -76,6 +82,19 @@ def test_video_logits_match_transformers(variant):
     assert (touched is None) == (model.decoder.layers[0].moe is None)
     if touched is not None:
         assert 1 <= touched <= model.spec.layers[0].moe.num_experts
+
+
+def test_sampled_placeholder_ids_embed_as_transformers_does(variant):
+    """A random model can sample a media placeholder id (<|image|>, <|video|>, <|audio|>). Fed back as
+    text with no media, transformers embeds it (and its per-layer input) as the pad token: so do we."""
+    model, hf = variant
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 10_000, ())))
+    ids = [BOS] + torch.randint(NUM_SPECIALS, VOCAB, (20,), generator=gen).tolist()
+    for at, placeholder in zip(torch.randperm(20, generator=gen)[:3].tolist(), (IMAGE, VIDEO, AUDIO), strict=True):
+        ids[1 + at] = placeholder
+    seq = PagedSequence(model, seed=3)
+    hidden = torch.cat([seq.step(ids[:9])] + [seq.step([t]) for t in ids[9:]])   # prefill, then "decode"
+    assert_close(model.compute_logits(hidden), hf_logits(hf, ids))
 
 
 def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):

@@ -156,6 +156,7 @@ class TextDecoder(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, v1 - v0, bias=False)
             mark_shard(self.lm_head.weight, group, 0, v0, v1, spec.vocab_size)
         self._rope: dict[tuple[str, torch.device], RotaryEmbedding] = {}
+        self._table_ids: dict[torch.device, torch.Tensor] = {}
 
     def _cos_sin(self, layer_type: str, positions: torch.Tensor, dtype: torch.dtype):
         key = (layer_type, positions.device)
@@ -163,12 +164,17 @@ class TextDecoder(nn.Module):
             self._rope[key] = RotaryEmbedding(self.spec.rope[layer_type], positions.device)
         return self._rope[key].cos_sin(positions, dtype)
 
-    def _text_ids(self, input_ids: torch.Tensor, mm_token_index: torch.Tensor | None) -> torch.Tensor:
-        """Ids for the embedding tables: out-of-vocabulary ids and vision placeholders become the pad id."""
-        ids = torch.where(input_ids < self.spec.vocab_size, input_ids, self.spec.pad_token_id)
-        if mm_token_index is not None and mm_token_index.numel():
-            ids = ids.index_fill(0, mm_token_index.to(ids.device), self.spec.pad_token_id)
-        return ids
+    def _text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Ids for the embedding tables, as transformers computes them: media placeholders (prompt or
+        sampled) and out-of-vocabulary ids become the pad id. One gather through a per-device table
+        (no host sync, graph-capturable)."""
+        key = input_ids.device
+        if key not in self._table_ids:
+            spec = self.spec
+            table = torch.arange(spec.vocab_size + 1, dtype=torch.int64)
+            table[[*spec.placeholder_token_ids, spec.vocab_size]] = spec.pad_token_id
+            self._table_ids[key] = table.to(key)
+        return self._table_ids[key][input_ids.clamp(0, self.spec.vocab_size)]
 
     def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None,
               mm_token_index: torch.Tensor | None) -> torch.Tensor:
@@ -180,7 +186,7 @@ class TextDecoder(nn.Module):
         """
         weight = self.embed_tokens.weight
         scale = float(torch.tensor(math.sqrt(self.spec.hidden_size), dtype=weight.dtype))
-        ids = self._text_ids(input_ids, mm_token_index)
+        ids = self._text_ids(input_ids)
         if self.group.size == 1:
             h = F.embedding(ids, weight)
         else:
@@ -201,7 +207,7 @@ class TextDecoder(nn.Module):
         h = self.embed(input_ids, mm_embeds, mm_token_index)
         layer_inputs = None
         if self.ple is not None:
-            layer_inputs = self.ple(self._text_ids(input_ids, mm_token_index), h)
+            layer_inputs = self.ple(self._text_ids(input_ids), h)
         rope = {t: self._cos_sin(t, positions, h.dtype) for t in attn_metadata}
         for i, layer in enumerate(self.layers):
             if sampled is not None and layer.kv_source != i:   # the first KV-sharing layer: keep sampled rows

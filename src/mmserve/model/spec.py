@@ -129,6 +129,7 @@ class ModelSpec:
     eoi_token_id: int
     image_token_id: int
     video_token_id: int
+    audio_token_id: int | None   # no audio input is served, but the model may still sample this id
     eos_token_ids: tuple[int, ...]
     patch_size: int              # pixels per side of one patch as preprocessing cuts it
     pooling_kernel_size: int
@@ -150,9 +151,20 @@ class ModelSpec:
         return self.vision is not None
 
     @property
+    def placeholder_token_ids(self) -> tuple[int, ...]:
+        """Media placeholder ids: the model embeds them as the pad token wherever they stand, even
+        sampled ones (transformers masks by id; a prompt's placeholders are overwritten anyway)."""
+        ids = (self.image_token_id, self.video_token_id, self.audio_token_id)
+        return tuple(i for i in ids if i is not None)
+
+    @property
     def kv_layer_types(self) -> tuple[str, ...]:
         """The layer type of every layer that holds a KV cache (KV-sharing consumers hold none)."""
         return tuple(layer.layer_type for layer in self.layers if not layer.shares_kv)
+
+
+def _optional_id(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _reject_unsupported(text: Any) -> None:
@@ -333,6 +345,7 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
         eoi_token_id=int(config.eoi_token_id),
         image_token_id=int(config.image_token_id),
         video_token_id=int(config.video_token_id),
+        audio_token_id=_optional_id(getattr(config, "audio_token_id", None)),
         eos_token_ids=tuple(eos),
         patch_size=patch_size,
         pooling_kernel_size=pooling,
