@@ -172,7 +172,8 @@ class TextDecoder(nn.Module):
         if key not in self._table_ids:
             spec = self.spec
             table = torch.arange(spec.vocab_size + 1, dtype=torch.int64)
-            table[[*spec.placeholder_token_ids, spec.vocab_size]] = spec.pad_token_id
+            inside = [i for i in spec.placeholder_token_ids if i < spec.vocab_size]   # the rest clamp to the last row
+            table[[*inside, spec.vocab_size]] = spec.pad_token_id
             self._table_ids[key] = table.to(key)
         return self._table_ids[key][input_ids.clamp(0, self.spec.vocab_size)]
 
