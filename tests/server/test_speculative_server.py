@@ -111,3 +111,49 @@ def test_speculation_gives_the_tokens_of_plain_decoding(served, video_bytes):
     assert metrics['mmserve_speculative_accepted_tokens_total{position="0"}'] > 0
     assert metrics["mmserve_speculative_verify_chunks_total"] >= metrics[
         'mmserve_speculative_draft_tokens_total{position="0"}']
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["ab", "cd"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+def draft_counters(port: int) -> tuple[float, float]:
+    metrics = scrape(port)
+    return (metrics.get('mmserve_speculative_draft_tokens_total{position="0"}', 0.0),
+            metrics.get('mmserve_speculative_accepted_tokens_total{position="0"}', 0.0))
+
+
+def test_json_schema_and_prompt_logprobs_requests_speculate(served):
+    """A JSON-schema request's greedy tokens with speculation equal its tokens with
+    `disable_speculation`, its text is valid JSON of the schema, and its drafts were verified and
+    some accepted (the acceptance counters moved while only it ran); a seeded random one is valid
+    JSON too. A prompt_logprobs request speculates to the same tokens and prompt logprobs."""
+    import json
+
+    server, port = served
+    with Client(server.address, timeout=120) as client:
+        for prompt in PROMPTS[:2]:
+            plain = client.generate(prompt=prompt, temperature=0, max_tokens=40, json_schema=SCHEMA,
+                                    disable_speculation=True)
+            before = draft_counters(port)
+            fast = client.generate(prompt=prompt, temperature=0, max_tokens=40, json_schema=SCHEMA)
+            assert fast.token_ids == plain.token_ids, prompt
+            assert fast.finish_reason == "eos" and set(json.loads(fast.text)) == {"n", "tag"}, fast.text
+            deadline = time.monotonic() + 30   # the step records reach the metrics just after the reply
+            while (after := draft_counters(port)) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert after[0] > before[0] and after[1] > before[1], (before, after)
+        drawn = client.generate(prompt=PROMPTS[0], temperature=1.0, seed=11, max_tokens=40, json_schema=SCHEMA)
+        assert drawn.finish_reason == "eos" and json.loads(drawn.text)["tag"] in ("ab", "cd"), drawn.text
+        plain = generate(client, prompt=PROMPTS[2], prompt_logprobs=True, disable_speculation=True)
+        before = draft_counters(port)
+        fast = generate(client, prompt=PROMPTS[2], prompt_logprobs=True)
+        assert fast.token_ids == plain.token_ids
+        assert len(fast.prompt_logprobs) == len(plain.prompt_logprobs) > 50
+        for a, b in zip(fast.prompt_logprobs, plain.prompt_logprobs, strict=True):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank) and abs(a.logprob - b.logprob) < 1e-4
+        deadline = time.monotonic() + 30
+        while draft_counters(port) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert draft_counters(port)[0] > before[0]
