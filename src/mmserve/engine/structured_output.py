@@ -58,7 +58,7 @@ class StructuredOutput:
     def fill(self, requests: Sequence) -> tuple[list[int], torch.Tensor, dict[int, InvalidInputError]] | None:
         """Host side of a step: the constrained rows, their bitmasks (bitmask[k] for rows[k]) and the
         rows whose grammar admits no token at all (index into `requests` -> why); None if no row is
-        constrained. A verify chunk's row after drafts (`drafts`, below) is masked in the state after
+        constrained. A verify chunk's row after drafts (a row with `drafts`) is masked in the state after
         them and never called dead: if acceptance reaches it, `advance` refuses the token it gets."""
         constrained = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
         if not constrained:
