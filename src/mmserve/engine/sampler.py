@@ -135,8 +135,8 @@ class Sampler:
     def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
         """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
         the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
-        min_tokens, penalties and the grammar's mask adjust each row as a plain step would), K greedy drafts -> the kept
-        drafts and one more token, distributed exactly as K + 1 plain draws would be."""
+        min_tokens, penalties and the grammar's mask adjust each row as a plain step would), K greedy
+        drafts -> the kept drafts and one more token, distributed exactly as K + 1 plain draws would be."""
         params = [r.sampling_params for r in rows]
         gen = self._generator(rows[0].request_id, params[0], logits.device)
         probs = self._probs(self._final(logits, rows, params)[0], params)
