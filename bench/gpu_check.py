@@ -8,7 +8,9 @@
 2. tokens    the demo checkpoint end to end on video requests, greedy: FA4 and SDPA in bf16, each
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
              points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
-             have been enabled and replayed: a failed capture runs eagerly and would pass vacuously).
+             have been enabled and replayed: a failed capture runs eagerly and would pass vacuously);
+             the same with speculation (a random assistant, K = 3): verify-step graphs against
+             eager verify steps, identical tokens, and verify graphs must have replayed.
 3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
              new kernel after the first step of each kind); caches sized from each step.
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
@@ -496,7 +498,27 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
 
 def graph_use(llm) -> dict:
     graphs = llm.core.runner.graphs
-    return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays}
+    return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays,
+            "verify_replays": sum(n for q, n in graphs.replays_by_query_len.items() if q > 1)}
+
+
+def random_assistant(target: Path, out_dir: Path) -> Path:
+    """A random Gemma 4 assistant for `target` (one sliding and one full KV-sharing layer, the
+    target's head dims): its drafts are seldom accepted, which does not matter to a check that
+    verify steps run as CUDA graphs with eager's tokens."""
+    from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+
+    text = AutoConfig.from_pretrained(target).get_text_config().to_dict()
+    full = [str(i) for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
+    overrides = text.pop("per_layer_config", None) or {}   # the full layers' own head dim and KV heads
+    text.update(model_type="gemma4_text", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                num_kv_shared_layers=2, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
+                enable_moe_block=False, use_double_wide_mlp=False,
+                per_layer_config={"1": overrides[full[-1]]} if full and full[-1] in overrides else {})
+    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=text["hidden_size"])
+    torch.manual_seed(0)
+    Gemma4AssistantForCausalLM(config).save_pretrained(str(out_dir))
+    return out_dir
 
 
 def graphs_ran(use: dict, device: str) -> bool:
@@ -530,10 +552,19 @@ def tokens(sizes: Sizes, device: str) -> dict:
     agree = {name: prefix_agreement(out[name], out["reference"]) for name in runs if name != "reference"}
     graphs_equal = out[fast + " graphs"] == out[fast + " eager"]
     replayed = graphs_ran(use[fast + " graphs"], device)
+    with tempfile.TemporaryDirectory() as tmp:   # speculation: verify steps of K + 1 rows per request
+        assistant = str(random_assistant(DEMO_MODEL_DIR, Path(tmp)))
+        for name in (fast + " graphs", fast + " eager"):
+            out["spec " + name], use["spec " + name] = greedy_tokens(
+                requests, device, speculative_model=assistant, num_speculative_tokens=3, **runs[name])
+    spec_equal = out["spec " + fast + " graphs"] == out["spec " + fast + " eager"]
+    verify_replayed = device != "cuda" or use["spec " + fast + " graphs"]["verify_replays"] > 0
     return {"requests": len(requests), "frames": sizes.token_frames, "max_tokens": sizes.max_tokens,
             "agreement_with_fp32": agree, "graphs_equal_eager": graphs_equal, "graphs": use[fast + " graphs"],
-            "graphs_replayed": replayed,
-            "ok": replayed and graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10}
+            "graphs_replayed": replayed, "spec_graphs_equal_eager": spec_equal,
+            "spec_graphs": use["spec " + fast + " graphs"], "verify_graphs_replayed": verify_replayed,
+            "ok": replayed and graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10
+            and spec_equal and verify_replayed}
 
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------

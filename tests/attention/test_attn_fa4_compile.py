@@ -167,3 +167,37 @@ def test_fa4_matches_reference(head_dim):
         want, _ = run_backend("reference", cuda, spec)
         assert rel_err(got, want) < 2e-2, name
 
+
+
+def verify_step(spec: LayerAttentionSpec, num_reqs: int, query_len: int) -> fa4.Fa4Metadata:
+    """Shapes of a frame-free step of `num_reqs` requests of `query_len` rows each, as a decode or
+    verify CUDA graph captures it (engine/cuda_graphs.py: max_seqlen_q is the graph's query length)."""
+    T = num_reqs * query_len
+    common = CommonAttentionMetadata(
+        num_actual_tokens=T, num_reqs=num_reqs, max_query_len=query_len, max_seq_len=4096,
+        query_start_loc=e(num_reqs + 1), seq_lens=e(num_reqs), positions=e(T, dtype=torch.int64),
+        block_table=e(num_reqs, BLOCKS_PER_REQ), slot_mapping=e(T, dtype=torch.int64), block_size=16,
+        query_ranges=None, query_start_loc_cpu=None, seq_lens_cpu=None, positions_cpu=None,
+        block_table_cpu=None, query_ranges_cpu=None)
+    return fa4.Fa4Metadata(common, torch.empty(T, spec.num_heads, spec.head_dim, dtype=torch.bfloat16, device="cuda"),
+                           None)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+@pytest.mark.filterwarnings("ignore:Argument aux_data")
+def test_verify_graph_steps_compile_for_every_capture_size(fake_arch):
+    """Speculation's verify graphs: every capture size of K + 1 = 4 rows per request (1..64 requests,
+    max_seqlen_q = 4 baked in) runs FA4's sliding path on the target arch with decode's own kernel
+    (max_seqlen_q = 1): capturing the verify graphs compiles nothing more. Shapes and compiles only:
+    a graph's capture, flex's Triton kernels (the full layers) and numerics need a GPU (bench/gpu_check.py)."""
+    from mmserve.engine.cuda_graphs import capture_sizes
+
+    with fake_arch():
+        call(GEMMA_SLIDING, verify_step(GEMMA_SLIDING, 8, 1))   # decode's kernel
+        before = compiled_kernels()
+        for num_reqs in capture_sizes(64):
+            md = verify_step(GEMMA_SLIDING, num_reqs, 4)
+            out = call(GEMMA_SLIDING, md)
+            assert out.shape == (num_reqs * 4, 16, 256) and out.data_ptr() == md.out.data_ptr()
+        assert compiled_kernels() == before

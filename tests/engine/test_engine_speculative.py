@@ -267,7 +267,7 @@ def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, mon
     sample = llm.core.sampler.sample
 
     def failing(logits, rows):
-        if any(isinstance(r, VerifyRow) and r.request_id == "victim" for r in rows):
+        if any(isinstance(r, VerifyRow) and r.drafts and r.request_id == "victim" for r in rows):
             raise RuntimeError("injected sampler bug")
         return sample(logits, rows)
 
@@ -283,3 +283,82 @@ def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, mon
                 tokens[rid] += item.new_token_ids
     assert set(errors) == {"victim"} and "sampling failed" in str(errors["victim"])
     assert tokens["mate"] == alone["mate"].token_ids
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["ab", "cd"]},
+                                           "s": {"type": "string"}},
+          "required": ["n", "tag", "s"], "additionalProperties": False}
+
+
+def test_constrained_requests_speculate_with_drafts_the_grammar_allows(models):
+    """A JSON-schema and a regex request speculate: the same greedy tokens as without speculation,
+    valid output, drafts verified and accepted. Every draft proposed continues the request's output
+    as its grammar allows (a fresh matcher accepts output + drafts): the copying drafter alone would
+    propose `{{` and `""`. At the end every matcher is freed and no KV block is held."""
+    import json
+    import re
+
+    import xgrammar as xgr
+
+    from mmserve.engine.sampling_params import ResponseFormat
+
+    formats = [ResponseFormat("json_schema", json.dumps(SCHEMA)), ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\.")]
+    seed = int(torch.randint(0, 1000, ()))
+    requests = [dataclasses.replace(build_request(f"r{i}", [9 + 11 * i], seed=seed + i),
+                                    sampling=SamplingParams(max_tokens=60, response_format=formats[i % 2]))
+                for i in range(4)]
+    requests.append(build_request("free", [14], seed=seed + 9, max_tokens=20))   # shares the steps, unconstrained
+    _, expected = run(models, requests, speculate=False)
+    llm, _ = run(models, [], speculate=True)
+    proposed = []   # (request id, output so far, drafts) of every draft loop
+    propose = llm.core.speculator.propose
+
+    def recording(items, *args, **kwargs):
+        out = propose(items, *args, **kwargs)
+        proposed.extend((i.request.request_id, list(i.request.output_token_ids), d) for i, d in zip(items, out, strict=True))
+        return out
+
+    llm.core.speculator.propose = recording
+    got = {c.request_id: c for c in llm.generate(requests)}
+    for rid, c in expected.items():
+        assert got[rid].token_ids == c.token_ids, rid
+    for i in range(4):
+        text = got[f"r{i}"].text
+        if got[f"r{i}"].finish_reason == "eos":
+            assert (set(json.loads(text)) == {"n", "tag", "s"}) if i % 2 == 0 else re.fullmatch(formats[1].spec, text)
+    spec = llm.core.speculator
+    assert spec.accepted[0] > 0 and spec.verified[0] > spec.accepted[0], (spec.verified, spec.accepted)
+    compiler = llm.core.sampler.grammar.compiler
+    checked = 0
+    for rid, output, drafts in proposed:
+        if rid == "free" or not drafts:
+            continue
+        matcher = xgr.GrammarMatcher(compiler.compile(requests[int(rid[1:])].sampling.response_format))
+        assert all(matcher.accept_token(t) for t in output + drafts), (rid, output, drafts)
+        checked += 1
+    assert checked > 10
+    assert not llm.core.sampler.grammar._matchers
+    assert_pools_full(llm.core)
+
+
+def test_prompt_logprobs_requests_speculate_to_the_same_outputs(models):
+    """Prompt logprobs come from prefill chunks, which never carry drafts (a verify chunk starts at
+    the last prompt token or later): such a request speculates and returns the same tokens, token
+    logprobs and prompt logprobs as without speculation, its prompt chunked over steps."""
+    seed = int(torch.randint(0, 1000, ()))
+    requests = [build_request("long", [45], seed=seed, max_tokens=18, prompt_logprobs=True, top_logprobs=2,
+                              logprobs=True),
+                build_request("short", [12], seed=seed + 1, max_tokens=16, prompt_logprobs=True)]
+    _, expected = run(models, requests, speculate=False)
+    recorder = StepRecorder()
+    _, got = run(models, requests, speculate=True, observer=recorder)
+    for rid, c in expected.items():
+        assert got[rid].token_ids == c.token_ids, rid
+        ours, theirs = got[rid].prompt_logprobs, c.prompt_logprobs
+        assert len(ours) == len(theirs) == len(requests[rid == "short"].prompt_token_ids) - 1
+        for a, b in zip(ours + (got[rid].logprobs or []), theirs + (c.logprobs or []), strict=True):
+            assert (a.token_id, a.rank, a.top_ids) == (b.token_id, b.rank, b.top_ids)
+            torch.testing.assert_close(torch.tensor([a.logprob, *a.top_logprobs]),
+                                       torch.tensor([b.logprob, *b.top_logprobs]), rtol=1e-4, atol=1e-4)
+    verified = {i.request_id for r in recorder.records for i in r.items if i.draft_tokens}
+    assert verified == {"long", "short"}

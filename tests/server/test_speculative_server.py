@@ -29,12 +29,13 @@ PROMPTS = ["the cat sat on the mat and then the cat sat again on the other mat",
 
 
 class DraftCounting(TelemetryObserver):
-    """The real observer, also counting the draft rows the step records carry."""
+    """The real observer, also counting the draft rows the step records carry and keeping the records."""
 
     draft_rows = 0
 
     def on_step(self, record) -> None:
         self.draft_rows += sum(i.draft_rows for i in record.items)
+        self.records.append(record)
         super().on_step(record)
 
 
@@ -51,6 +52,7 @@ def served(tmp_path_factory, gemma4_fixtures):
     observer = DraftCounting(perf,
                                  DevicePeaks("test", flops=1e10, bandwidth=1e10, source="test"),
                                  tracer=get_tracer(), metrics=metrics, step_trace_ratio=0)
+    observer.records = []
     server = LoopbackServer(config, ServerConfig(port=0, worker_threads=2, drain_grace_s=5.0),
                             observer=observer).start()
     http, port = start_metrics_server(0, metrics, addr="127.0.0.1")
@@ -111,3 +113,85 @@ def test_speculation_gives_the_tokens_of_plain_decoding(served, video_bytes):
     assert metrics['mmserve_speculative_accepted_tokens_total{position="0"}'] > 0
     assert metrics["mmserve_speculative_verify_chunks_total"] >= metrics[
         'mmserve_speculative_draft_tokens_total{position="0"}']
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["ab", "cd"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
+
+
+def draft_counters(port: int) -> tuple[float, float]:
+    metrics = scrape(port)
+    return (metrics.get('mmserve_speculative_draft_tokens_total{position="0"}', 0.0),
+            metrics.get('mmserve_speculative_accepted_tokens_total{position="0"}', 0.0))
+
+
+def test_json_schema_and_prompt_logprobs_requests_speculate(served):
+    """A JSON-schema request's greedy tokens with speculation equal its tokens with
+    `disable_speculation`, its text is valid JSON of the schema, and its drafts were verified and
+    some accepted (the acceptance counters moved while only it ran); a seeded random one is valid
+    JSON too. A prompt_logprobs request speculates to the same tokens and prompt logprobs."""
+    import json
+
+    server, port = served
+    with Client(server.address, timeout=120) as client:
+        for prompt in PROMPTS[:2]:
+            plain = client.generate(prompt=prompt, temperature=0, max_tokens=40, json_schema=SCHEMA,
+                                    disable_speculation=True)
+            before = draft_counters(port)
+            fast = client.generate(prompt=prompt, temperature=0, max_tokens=40, json_schema=SCHEMA)
+            assert fast.token_ids == plain.token_ids, prompt
+            assert fast.finish_reason == "eos" and set(json.loads(fast.text)) == {"n", "tag"}, fast.text
+            deadline = time.monotonic() + 30   # the step records reach the metrics just after the reply
+            while (after := draft_counters(port)) == before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert after[0] > before[0] and after[1] > before[1], (before, after)
+        drawn = client.generate(prompt=PROMPTS[0], temperature=1.0, seed=11, max_tokens=40, json_schema=SCHEMA)
+        assert drawn.finish_reason == "eos" and json.loads(drawn.text)["tag"] in ("ab", "cd"), drawn.text
+        plain = generate(client, prompt=PROMPTS[2], prompt_logprobs=True, disable_speculation=True)
+        before = draft_counters(port)
+        fast = generate(client, prompt=PROMPTS[2], prompt_logprobs=True)
+        assert fast.token_ids == plain.token_ids
+        assert len(fast.prompt_logprobs) == len(plain.prompt_logprobs) > 50
+        for a, b in zip(fast.prompt_logprobs, plain.prompt_logprobs, strict=True):
+            assert (a.token_id, a.rank) == (b.token_id, b.rank) and abs(a.logprob - b.logprob) < 1e-4
+        deadline = time.monotonic() + 30
+        while draft_counters(port) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert draft_counters(port)[0] > before[0]
+
+
+def test_perf_cli_bills_a_speculating_request_as_the_server_did(served):
+    """`mmserve perf --speculative-model` over each step one speculating request took alone through
+    the server (its chunk from the step record; its drafting: draft rows as K, draft keys as the 4th
+    field) adds up to the FLOPs and bytes the server billed it (its Final perf: target rows, verify
+    rows and drafter)."""
+    import contextlib
+    import io
+    import json
+
+    from mmserve.cli import main
+
+    server, _ = served
+    target, assistant = server.engine_config.model, server.engine_config.speculative_model
+    server.observer.records.clear()
+    with Client(server.address, timeout=120) as client:
+        result = generate(client, prompt=PROMPTS[0])
+    steps = [i for r in server.observer.records for i in r.items if i.request_id == result.request_id]
+    assert all(len(r.items) == 1 for r in server.observer.records) and any(i.draft_tokens for i in steps)
+    total = {"flops": 0.0, "read_bytes": 0.0, "write_bytes": 0.0}
+    for item in steps:
+        request = f"{item.num_tokens}:{item.context_len}:{'prefill' if item.is_prefill else 'decode'}"
+        args = ["perf", "--hf-config", target, "--dtype", "float32", "--json", "--request", request]
+        if item.draft_rows:
+            args[-1] += f":{item.draft_keys}"
+            args += ["--speculative-model", assistant, "--num-speculative-tokens", str(item.draft_rows)]
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert main(args) == 0
+        billed = json.loads(out.getvalue())
+        assert any(k.startswith("drafter.") for k in billed["flops"]) == bool(item.draft_rows)
+        for kind in total:
+            total[kind] += sum(billed[kind].values())
+    assert result.perf.flops > 0
+    for kind, value in total.items():
+        assert value == pytest.approx(getattr(result.perf, kind), rel=1e-9), kind

@@ -14,7 +14,8 @@ runs (`format_compiler.py`): the step loop never compiles.
 With a speculative model (`speculative.py`) a step may verify drafts: its sampled rows are accepted
 (longest matching prefix + the target's next token, cut at EOS and max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
-verified tokens only), and the assistant drafts the next step's tokens before the step ends.
+verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
+tokens before the step ends.
 """
 
 from __future__ import annotations
@@ -354,13 +355,16 @@ class EngineCore:
                 self.speculator.record(len(drafts), num_accepted)
             for token in targets[:num_accepted + 1]:
                 tokens.append(token)
-                request.output_token_ids.append(token)
                 if token in eos and not params.ignore_eos:
                     finish = "eos"
-                elif len(request.output_token_ids) >= params.max_tokens:
+                elif len(request.output_token_ids) + len(tokens) >= params.max_tokens:
                     finish = "length"
                 if finish:
                     break
+            if drafts and (error := self.sampler.accept_verified(request, tokens)) is not None:
+                accepted.append(_Accepted(s, [], None, None, len(drafts), error))
+                continue
+            request.output_token_ids += tokens
             logprobs = None if sampled.logprobs[first] is None else [sampled.logprobs[first]]
             if rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
                 logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
@@ -381,7 +385,8 @@ class EngineCore:
                 items.append(DraftFrom(request, a.tokens[-1], step.hidden[first + len(a.tokens) - 1],
                                        request.num_computed_tokens, k))
         for item, drafts in zip(items, self.speculator.propose(items, self.kv, self.runner.kv_caches,
-                                                                self.config.block_size), strict=True):
+                                                                self.config.block_size, grammar=self.sampler.grammar),
+                                strict=True):
             item.request.draft_token_ids = drafts
         rows = max((i.num_drafts for i in items), default=0)   # the loop runs every item to the longest
         return {i.request.request_id: (rows, i.num_keys) for i in items}

@@ -1,25 +1,29 @@
-"""CUDA graphs for decode-only steps: one captured model forward per batch size of a capture set.
+"""CUDA graphs for decode steps: one captured model forward per (batch size, rows per request).
 
 Why: a decode step runs a handful of small kernels per layer, and on a GPU the Python and launch
 cost of issuing them is most of its time. Replaying a graph issues the whole forward at once.
 
-The design (vLLM v1's full graphs for uniform decode batches):
-- Capture set (`capture_sizes`): 1, 2, 4, then every 8 up to max_num_seqs. A decode-only step of
-  R requests (every request schedules one token, no frames) runs the graph of the smallest size
-  >= R (`DecodeGraphs.size_for`), padded: rows past R are requests with no keys whose one token
-  writes its K/V into the null block 0, so they change nothing. Prefill, mixed and larger steps
-  run eagerly, and so does everything with `--enforce-eager`, on a CPU, or with a backend whose
-  inputs change shape per step (SDPA's padded gathers).
+The design (vLLM v1's full graphs for uniform decode batches, speculative ones included):
+- Capture set (`capture_sizes`): 1, 2, 4, then every 8 up to max_num_seqs, for each query length
+  of `query_lens`: 1 (plain decode) and, with speculation, K + 1 (a verify step: every request
+  scores its last token and K drafts), a size taken only while size x query length fits the
+  step's token buffers. A uniform step of R requests (every request schedules the same q tokens,
+  no frames: `uniform_query_len`) runs the graph of the smallest size >= R captured for q
+  (`DecodeGraphs.size_for`), padded: rows past R are requests of q tokens with no keys of their
+  own whose K/V land in the null block 0, so they change nothing. A step that mixes query lengths
+  (plain decodes beside verify chunks, a verify chunk cut short by the budget), prefill, frames and
+  larger steps run eagerly, and so does everything with `--enforce-eager`, on a CPU, or with a
+  backend whose inputs change shape per step (SDPA's padded gathers).
 - Inputs: a graph reads device memory at the addresses it was captured with, so every tensor the
   forward reads is a view of a persistent buffer at a fixed offset: the step-input builder's
   device buffers (ids, positions, query_start_loc, seq_lens, slot mapping) and the attention
   metadata builders' own (page tables, block masks), refilled in place each step. Python values a
-  kernel launch bakes in are fixed per size: max_seqlen_q = 1, max_seqlen_k = max_model_len.
-- Output: the hidden states [size, hidden] each graph wrote at capture live in the graph's
-  memory pool; replay overwrites them. Logits and sampling run eagerly on the first R rows.
-- Capture runs largest size first so every later (smaller) graph fits in the first one's memory
-  pool, after warm-up forwards that compile kernels (FA4, torch.compile) outside the graph. If a
-  capture fails (a layer that syncs with the host), the runner logs it and runs eagerly.
+  kernel launch bakes in are fixed per graph: max_seqlen_q = its query length, max_seqlen_k = max_model_len.
+- Output: the hidden states [size x q, hidden] each graph wrote at capture live in the graph's
+  memory pool; replay overwrites them. Logits and sampling run eagerly on the real rows.
+- Capture runs the most token rows first so every later (smaller) graph fits in the first one's
+  memory pool, after warm-up forwards that compile kernels (FA4, torch.compile) outside the graph.
+  If a capture fails (a layer that syncs with the host), the runner logs it and runs eagerly.
 """
 
 from __future__ import annotations
@@ -47,47 +51,74 @@ def graphs_enabled(device_type: str, enforce_eager: bool, capturable: Iterable[b
     return device_type == "cuda" and not enforce_eager and all(capturable)
 
 
-def is_decode_only(num_scheduled_tokens: list[int], has_frames: bool) -> bool:
-    """A step a decode graph can run: every request schedules exactly one token and no frame is encoded."""
-    return bool(num_scheduled_tokens) and not has_frames and all(n == 1 for n in num_scheduled_tokens)
+def uniform_query_len(num_scheduled_tokens: list[int], has_frames: bool, has_prefill: bool) -> int | None:
+    """The tokens every request of a step schedules, when a graph of that query length can run it:
+    all schedule the same, no frame is encoded, and above one token no request is prefilling (a
+    graph of several rows per request is a verify step's; a prompt chunk may hold media tokens,
+    whose mask path a graph cannot switch to). Else None."""
+    if not num_scheduled_tokens or has_frames or min(num_scheduled_tokens) != max(num_scheduled_tokens):
+        return None
+    q = num_scheduled_tokens[0]
+    return None if q > 1 and has_prefill else q
+
+
+def graph_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
+    """Query lengths graphs are captured for: decode, and with speculation a full verify chunk."""
+    return (1, 1 + num_speculative_tokens) if num_speculative_tokens else (1,)
 
 
 class DecodeGraphs:
-    """The captured decode forwards, by batch size; empty when disabled (CPU or --enforce-eager)."""
+    """The captured decode forwards, by (batch size, query length); empty when disabled (CPU or
+    --enforce-eager). A size is captured for a query length while size x length <= max_tokens."""
 
-    def __init__(self, sizes: tuple[int, ...], *, enabled: bool):
+    def __init__(self, sizes: tuple[int, ...], *, enabled: bool, query_lens: tuple[int, ...] = (1,),
+                 max_tokens: int | None = None):
         self.sizes = tuple(sorted(sizes)) if enabled else ()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self.by_query_len = {q: tuple(s for s in self.sizes if max_tokens is None or s * q <= max_tokens)
+                             for q in query_lens} if enabled else {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
         self.replays = 0   # graph steps run so far: a check that graphs ran counts these, not tokens
+        self.replays_by_query_len: dict[int, int] = {}
 
     @property
     def enabled(self) -> bool:
         return bool(self.sizes)
 
-    def size_for(self, num_reqs: int) -> int | None:
-        """The smallest captured size that holds `num_reqs` requests, or None (run eagerly)."""
-        i = bisect.bisect_left(self.sizes, num_reqs)
-        return self.sizes[i] if i < len(self.sizes) else None
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """(size, query length) of every graph, most token rows first: the capture order."""
+        return sorted(((s, q) for q, sizes in self.by_query_len.items() for s in sizes),
+                      key=lambda k: (k[0] * k[1], k[1]), reverse=True)
 
-    def capture_all(self, forward_for: Callable[[int], Callable[[], torch.Tensor]]) -> None:
-        """Capture every size, largest first; `forward_for(size)` prepares the persistent inputs of a
-        dummy decode step of that size and returns the forward to record (it returns the hidden states)."""
-        for size in sorted(self.sizes, reverse=True):
-            forward = forward_for(size)
+    def size_for(self, num_reqs: int, query_len: int = 1) -> int | None:
+        """The smallest size captured for `query_len` that holds `num_reqs` requests, or None (run eagerly)."""
+        sizes = self.by_query_len.get(query_len, ())
+        i = bisect.bisect_left(sizes, num_reqs)
+        return sizes[i] if i < len(sizes) else None
+
+    def capture_all(self, forward_for: Callable[[int, int], Callable[[], torch.Tensor]]) -> None:
+        """Capture every graph, most token rows first; `forward_for(size, query_len)` prepares the
+        persistent inputs of a dummy step of that shape and returns the forward to record (it returns
+        the hidden states)."""
+        for key in self.keys:
+            forward = forward_for(*key)
             for _ in range(WARMUP_RUNS):   # compiles and autotunes outside the graph
                 forward()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                self._outputs[size] = forward()
+                self._outputs[key] = forward()
             self._pool = graph.pool()
-            self._graphs[size] = graph
-        log.info("captured decode CUDA graphs for batch sizes %s", ", ".join(map(str, self.sizes)))
+            self._graphs[key] = graph
+        log.info("captured CUDA graphs for batch sizes %s", "; ".join(
+            f"{', '.join(map(str, sizes))} at {q} row(s) per request" for q, sizes in self.by_query_len.items()))
 
-    def replay(self, size: int) -> torch.Tensor:
-        """Run the graph of `size` on whatever its persistent inputs hold now; returns its hidden states."""
-        self._graphs[size].replay()
+    def replay(self, size: int, query_len: int = 1) -> torch.Tensor:
+        """Run the graph of (`size`, `query_len`) on whatever its persistent inputs hold now; returns
+        its hidden states."""
+        self._graphs[size, query_len].replay()
         self.replays += 1
-        return self._outputs[size]
+        self.replays_by_query_len[query_len] = self.replays_by_query_len.get(query_len, 0) + 1
+        return self._outputs[size, query_len]

@@ -3,8 +3,8 @@
 Per step: apply the scheduler's block-table changes (block_table.py), fill the step inputs once
 (step_inputs.py: ids, positions, slots, one CommonAttentionMetadata per KV pool), let each pool's
 attention metadata builder prepare its backend's state once, then run the model: eagerly, or on
-CUDA as the captured graph of a decode-only step's padded size (cuda_graphs.py; --enforce-eager
-turns graphs off). The host staging buffers are rewritten only once the previous step's copies
+CUDA as the captured graph of a uniform decode step's padded size (one token per request, or with
+speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
 out of them have run (a CUDA event, not a device-wide sync).
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
@@ -33,7 +33,13 @@ from mmserve.engine.backend_check import (
     should_check,
 )
 from mmserve.engine.block_table import BlockTables
-from mmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graphs_enabled, is_decode_only
+from mmserve.engine.cuda_graphs import (
+    DecodeGraphs,
+    capture_sizes,
+    graph_query_lens,
+    graphs_enabled,
+    uniform_query_len,
+)
 from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.engine.sampled_rows import SampledRowsBuilder
@@ -102,26 +108,31 @@ class ModelRunner:
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self.graphs = DecodeGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
-            device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]))
+            device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]),
+            query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0),
+            max_tokens=max_tokens)
         if self.graphs.enabled:
             self._capture_graphs()
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
-        """One graph per capture size over an all-padding decode step (its contents do not matter);
-        with the self-check on, the smallest graph's replay must equal the eager forward."""
-        def forward_for(size: int):
-            inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size)
+        """One graph per (capture size, query length) over an all-padding step (its contents do not
+        matter); with the self-check on, each query length's smallest graph must replay the eager forward."""
+        def forward_for(size: int, query_len: int):
+            inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size,
+                                       query_len=query_len)
             metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
             return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
         reason = None
         try:
             self.graphs.capture_all(forward_for)
             if self.self_check:
-                size = self.graphs.sizes[0]
-                eager = forward_for(size)().clone()
-                reason = graphs_mismatch(self.graphs.replay(size).clone(), eager)
+                for q, sizes in self.graphs.by_query_len.items():
+                    if sizes and reason is None:
+                        eager = forward_for(sizes[0], q)().clone()
+                        reason = graphs_mismatch(self.graphs.replay(sizes[0], q).clone(), eager)
                 self.graphs.replays = 0
+                self.graphs.replays_by_query_len.clear()
         except Exception as exc:   # e.g. a host sync in some layer: such a model simply runs eagerly
             logger.debug("CUDA graph capture failed", exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
@@ -173,21 +184,23 @@ class ModelRunner:
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)
-        decode = is_decode_only([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled))
-        graph_size = self.graphs.size_for(len(out.scheduled)) if decode else None
+        query_len = uniform_query_len([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled),
+                                      any(s.is_prefill for s in out.scheduled))
+        graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
-        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size)
+        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
+                                   query_len=query_len or 1)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
         mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
-        sampled = None   # graph steps are decode steps: every row samples, the full path
+        sampled = None   # graph steps are uniform decode steps: the full path
         # (a verify chunk samples several rows: KV-sharing layers then run every row)
         if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
             sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         if graph_size is not None:
-            hidden = self.graphs.replay(graph_size)   # reads the buffers just refilled, at their captured addresses
+            hidden = self.graphs.replay(graph_size, query_len)   # reads the buffers just refilled, at their addresses
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
                                         mm_embeds, inputs.mm_token_index, sampled)

@@ -69,16 +69,13 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, requests: Sequence) -> SamplerOutput:
-        """logits float32 [N, V] (row i for requests[i], scheduler Requests) -> one token per row."""
-        masks = self.grammar.fill(requests) if self.grammar is not None else None
+        """logits float32 [N, V] (row i for requests[i], scheduler Requests or a verify chunk's
+        `VerifyRow`s) -> one token per row. Matchers advance past plain rows' tokens; a verify
+        chunk's advance over the tokens the core accepts (`accept_verified`)."""
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
-        adjusted = self._adjust(logits, requests, params)
-        if masks is not None:
-            adjusted = logits.clone() if adjusted is logits else adjusted
-            apply_bitmask(adjusted, torch.tensor(masks[0]), masks[1])
-        logits = adjusted
+        logits, masks = self._final(logits, requests, params)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -90,10 +87,25 @@ class Sampler:
                 out.logprobs[i] = lp
         if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
             rows, _, out.errors = masks
-            live = [i for i in rows if i not in out.errors]
+            live = [i for i in rows if i not in out.errors and not hasattr(requests[i], "drafts")]
             refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
             out.errors.update({live[k]: error for k, error in refused.items()})
         return out
+
+    def _final(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
+        """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy
+        only when something changes them), and the grammar's masks (`StructuredOutput.fill`) or None.
+        The masks are filled first, on the host, before anything waits on the device."""
+        masks = self.grammar.fill(requests) if self.grammar is not None else None
+        adjusted = self._adjust(logits, requests, params)
+        if masks is not None:
+            adjusted = logits.clone() if adjusted is logits else adjusted
+            apply_bitmask(adjusted, torch.tensor(masks[0]), masks[1])
+        return adjusted, masks
+
+    def accept_verified(self, request, tokens: Sequence[int]) -> MMServeError | None:
+        """Advance a verify chunk's grammar over the tokens accepted from it; why not, if it cannot."""
+        return None if self.grammar is None else self.grammar.advance(request, tokens)
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:
         """Bias, min_tokens and penalties, on a copy only when some row needs one."""
@@ -123,11 +135,11 @@ class Sampler:
     def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
         """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
         the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
-        min_tokens and penalties adjust each row as a plain step would), K greedy drafts -> the kept
-        drafts and one more token, distributed exactly as K + 1 plain draws would be."""
+        min_tokens, penalties and the grammar's mask adjust each row as a plain step would), K greedy
+        drafts -> the kept drafts and one more token, distributed exactly as K + 1 plain draws would be."""
         params = [r.sampling_params for r in rows]
         gen = self._generator(rows[0].request_id, params[0], logits.device)
-        probs = self._probs(self._adjust(logits, rows, params), params)
+        probs = self._probs(self._final(logits, rows, params)[0], params)
         ids = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
         u = torch.rand(len(drafts), generator=gen, device=logits.device, dtype=probs.dtype)
         kept = keeps_draft(u, probs[torch.arange(len(drafts), device=logits.device), ids]).tolist()

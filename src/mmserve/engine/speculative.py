@@ -9,11 +9,11 @@ drafts equal to the target's argmax, plus the target's own next token: the same 
 without speculation, up to K + 1 per step. A random request's chunk is decided by rejection
 sampling (`Sampler.verify`): the target's distribution, exactly.
 
-Every request speculates except those with a grammar (its matcher would have to run ahead over the
-drafts and roll back) or prompt logprobs, and those that opt out (`disable_speculation`): they
-decode one token per step, as before. Penalties, min_tokens and logit_bias apply to each verify
-row as if its drafts were already output (`VerifyRow`); logprobs of a verify chunk's tokens are
-each token's under the target's row that scored it.
+Every request speculates except those that opt out (`disable_speculation`): they decode one token
+per step, as before. Penalties, min_tokens, logit_bias and a grammar's mask apply to each verify
+row as if its drafts were already output (`VerifyRow`); a constrained request's drafts are masked
+by its grammar as they are drafted (structured_output.DraftMasks); logprobs of a verify chunk's
+tokens are each token's under the target's row that scored it.
 """
 
 from __future__ import annotations
@@ -25,20 +25,21 @@ import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.engine.sampling_params import SamplingParams
+from mmserve.engine.structured_output import StructuredOutput
 from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:
-    return not params.disable_speculation and params.response_format is None and not params.prompt_logprobs
+    return not params.disable_speculation
 
 
 @dataclass(frozen=True)
 class VerifyRow:
-    """Row j > 0 of a verify chunk as the sampler sees it: the request with its first j drafts as
-    output, so penalties, min_tokens and logit_bias adjust each row exactly as the step that would
-    have sampled that position alone."""
+    """Row j of a verify chunk as the sampler sees it: the request with its first j drafts
+    (`drafts`) as output, so penalties, min_tokens, logit_bias and the grammar's mask adjust each
+    row exactly as the step that would have sampled that position alone."""
 
     request: Request
     drafts: tuple[int, ...]
@@ -61,8 +62,8 @@ class VerifyRow:
 
 
 def verify_rows(scheduled) -> list:
-    """The sampler's rows of a step: each sampling request, then a VerifyRow per draft it verifies."""
-    return [s.request if j == 0 else VerifyRow(s.request, tuple(s.draft_token_ids[:j]))
+    """The sampler's rows of a step: each plain sampling request, or a verify chunk's 1 + K VerifyRows."""
+    return [VerifyRow(s.request, tuple(s.draft_token_ids[:j])) if s.draft_token_ids else s.request
             for s in scheduled for j in range(1 + len(s.draft_token_ids))]
 
 
@@ -122,8 +123,9 @@ class Speculator:
 
     @torch.inference_mode()
     def propose(self, items: list[DraftFrom], kv: KVCacheManager, kv_caches: list[torch.Tensor],
-                block_size: int) -> list[list[int]]:
-        """Greedy drafts for each item (num_drafts of them), all items batched in every draft step."""
+                block_size: int, *, grammar: StructuredOutput | None = None) -> list[list[int]]:
+        """Greedy drafts for each item (num_drafts of them, fewer where its grammar ends them), all
+        items batched in every draft step; `grammar` masks the constrained items' drafts."""
         if not items:
             return []
         device = self.target.device
@@ -136,10 +138,21 @@ class Speculator:
         rope = self.assistant.rope(torch.tensor([i.num_keys for i in items], device=device), self.target.dtype)
         tokens = torch.tensor([i.token for i in items], device=device)
         hidden = torch.stack([i.hidden for i in items])
+        lengths = [i.num_drafts for i in items]
+        masks = grammar.draft_masks([i.request.request_id for i in items], lengths) if grammar is not None else None
         drafted = []
-        for _ in range(max(i.num_drafts for i in items)):
-            logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
-            tokens = logits.argmax(dim=-1)
-            drafted.append(tokens)
+        try:
+            for step in range(max(lengths)):
+                logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
+                if masks is not None:
+                    masks.apply(logits)
+                tokens = logits.argmax(dim=-1)
+                drafted.append(tokens)
+                if masks is not None:   # a host sync per draft step, only when some item is constrained
+                    masks.advance(step, tokens.tolist())
+        finally:
+            if masks is not None:
+                masks.rollback()
+                lengths = masks.lengths
         rows = torch.stack(drafted, dim=1).tolist()
-        return [row[:i.num_drafts] for row, i in zip(rows, items, strict=True)]
+        return [row[:n] for row, n in zip(rows, lengths, strict=True)]

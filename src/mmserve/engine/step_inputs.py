@@ -106,12 +106,12 @@ class StepInputBuilder:
                 self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
-              rows: np.ndarray, *, pad_to: int | None = None) -> StepInputs:
+              rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
-        `pad_to` (decode-only steps run as a CUDA graph of that many requests): the step is padded
-        with requests of one token at position 0 whose table is all null block, so their K/V land
-        in block 0 slot 0 and they change nothing."""
+        `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
+        requests): the step is padded with requests of `query_len` tokens at positions 0.. whose
+        table is all null block, so their K/V land in block 0 slot 0 and they change nothing."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -166,9 +166,9 @@ class StepInputBuilder:
 
         mm_rows = self._fill_mm_token_index(scheduled, qsl)
         max_query_len, max_seq_len = int(lens.max(initial=1)), int(seq_lens.max(initial=1))
-        if pad_to is not None:
-            self._pad(num_reqs, num_tokens, pad_to)
-            num_reqs = num_tokens = pad_to
+        if pad_to is not None:   # a graph bakes max_query_len in: the capture's all-padding step has it too
+            self._pad(num_reqs, num_tokens, pad_to, query_len)
+            num_reqs, num_tokens, max_query_len = pad_to, pad_to * query_len, query_len
 
         input_ids = self.input_ids.push(num_tokens)
         pos_dev = self.positions.push(num_tokens)
@@ -190,17 +190,22 @@ class StepInputBuilder:
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampled, mm_token_index)
 
-    def _pad(self, num_reqs: int, num_tokens: int, size: int) -> None:
-        """Rows num_reqs..size-1 become one-token requests in the null block (decode steps only)."""
-        if num_tokens != num_reqs:
-            raise ValueError("only decode steps (one token per request) are padded")
-        self.query_start_loc.np[num_reqs + 1: size + 1] = np.arange(num_tokens + 1, num_tokens + 1 + size - num_reqs)
-        self.seq_lens.np[num_reqs:size] = 1
-        self.positions.np[num_tokens:size] = 0
-        self.input_ids.np[num_tokens:size] = 0
+    def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int) -> None:
+        """Requests num_reqs..size-1 become requests of `query_len` tokens in the null block (uniform
+        steps only: every real request schedules `query_len` tokens)."""
+        if num_tokens != num_reqs * query_len:
+            raise ValueError(f"only uniform steps ({query_len} token(s) per request) are padded")
+        end = size * query_len
+        if end > self.max_tokens:
+            raise ValueError(f"a padded step of {end} tokens exceeds the buffers ({self.max_tokens})")
+        pads = size - num_reqs
+        self.query_start_loc.np[num_reqs + 1: size + 1] = num_tokens + query_len * np.arange(1, pads + 1)
+        self.seq_lens.np[num_reqs:size] = query_len
+        self.positions.np[num_tokens:end] = np.tile(np.arange(query_len), pads)
+        self.input_ids.np[num_tokens:end] = 0
         for t in self.specs:
             self.block_table[t].np[num_reqs:size] = 0
-            self.slot_mapping[t].np[num_tokens:size] = 0
+            self.slot_mapping[t].np[num_tokens:end] = 0
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the

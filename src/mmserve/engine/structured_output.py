@@ -7,6 +7,11 @@ allowed-token bitmask is filled on the host in one batched call, before anything
 device, so on a GPU it runs while the forward pass is still executing; the mask is then applied
 to all rows at once on the device. A row whose grammar admits no token, or rejects the sampled
 one, fails that request alone: its step-mates never see it.
+
+Speculative decoding: the drafter's logits are masked as the drafts are made, each matcher run
+ahead over its request's drafts and rolled back after the loop (`DraftMasks`); a verify chunk's row
+j (a row with `drafts`: the j drafts before it) gets the mask of the state after those drafts, and
+the core advances the matcher over the tokens it accepts (`advance`), never over a rejected draft.
 """
 
 from __future__ import annotations
@@ -51,15 +56,31 @@ class StructuredOutput:
     # -- engine core, once per step --------------------------------------------------------------
 
     def fill(self, requests: Sequence) -> tuple[list[int], torch.Tensor, dict[int, InvalidInputError]] | None:
-        """Host side of a step: the constrained rows, their bitmasks and the rows whose grammar admits
-        no token at all (index into `requests` -> why); None if no row is constrained."""
-        rows = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
-        if not rows:
+        """Host side of a step: the constrained rows, their bitmasks (bitmask[k] for rows[k]) and the
+        rows whose grammar admits no token at all (index into `requests` -> why); None if no row is
+        constrained. A verify chunk's row after drafts (a row with `drafts`) is masked in the state after
+        them and never called dead: if acceptance reaches it, `advance` refuses the token it gets."""
+        constrained = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
+        if not constrained:
             return None
+        now = [i for i in constrained if not getattr(requests[i], "drafts", ())]
+        rows = now + [i for i in constrained if getattr(requests[i], "drafts", ())]   # one batched fill of `now`
         if self._bitmask.shape[0] < len(rows):
             self._bitmask = xgr.allocate_token_bitmask(2 * len(rows), self.vocab_size)
         bitmask = self._bitmask[:len(rows)]
         matchers = [self._matchers[requests[i].request_id] for i in rows]
+        self._fill_now(matchers[:len(now)], bitmask[:len(now)], [requests[i] for i in now])
+        for k in range(len(now), len(rows)):
+            self._fill_ahead(matchers[k], tuple(requests[rows[k]].drafts), bitmask, k)
+        dead = {rows[k]: self._stuck(requests[rows[k]])
+                for k in torch.nonzero(~bitmask[:len(now)].any(dim=1)).flatten().tolist()
+                if not matchers[k].is_terminated()}
+        return rows, bitmask, dead
+
+    def _fill_now(self, matchers: list, bitmask: torch.Tensor, requests: list) -> None:
+        """bitmask[k] from matchers[k] in its current state, all in one batched call."""
+        if not matchers:
+            return
         try:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         except Exception:   # find the culprit row by row, so the others keep their masks
@@ -69,10 +90,24 @@ class StructuredOutput:
                 try:
                     matcher.fill_next_token_bitmask(bitmask, k)
                 except Exception:
-                    logger.exception("request %s: grammar mask failed", requests[rows[k]].request_id)
-        dead = {rows[k]: self._stuck(requests[rows[k]]) for k in torch.nonzero(~bitmask.any(dim=1)).flatten().tolist()
-                if not matchers[k].is_terminated()}
-        return rows, bitmask, dead
+                    logger.exception("request %s: grammar mask failed", requests[k].request_id)
+
+    @staticmethod
+    def _fill_ahead(matcher: xgr.GrammarMatcher, drafts: tuple[int, ...], bitmask: torch.Tensor, k: int) -> None:
+        """bitmask[k] for the state after `drafts`, the matcher left as it was. A row after a draft it
+        refuses is left unmasked: acceptance cannot reach it, as the row before was masked against that
+        draft; nor does a row after the stop token count (the request ends at it)."""
+        n = 0
+        try:
+            while n < len(drafts) and matcher.accept_token(drafts[n]):
+                n += 1
+            if n == len(drafts) and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, k)
+            else:   # past the end (a draft was the stop token) or past a refused draft: nothing to mask
+                bitmask[k] = -1
+        finally:
+            if n:
+                matcher.rollback(n)
 
     def accept(self, requests: Sequence, tokens: Sequence[int]) -> dict[int, InvalidInputError]:
         """Advance every constrained row's matcher past its sampled token; the rows (index into
@@ -91,6 +126,21 @@ class StructuredOutput:
                 refused[k] = self._stuck(r)
         return refused
 
+    def advance(self, request, tokens: Sequence[int]) -> InvalidInputError | None:
+        """Advance a verify chunk's matcher over the tokens the core accepted; why not, if it refuses one."""
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None:
+            return None
+        for t in tokens:
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                return self._stuck(request)
+        return None
+
+    def draft_masks(self, request_ids: Sequence[str], num_drafts: Sequence[int]) -> DraftMasks | None:
+        """The grammar of one draft loop over these requests (num_drafts each); None if none is constrained."""
+        rows = [k for k, rid in enumerate(request_ids) if rid in self._matchers]
+        return DraftMasks(self, [self._matchers[request_ids[k]] for k in rows], rows, num_drafts) if rows else None
+
     def _stuck(self, request) -> InvalidInputError:
         fmt = self._formats[request.request_id]
         return InvalidInputError(field_name(fmt), f"after {len(request.output_token_ids)} generated tokens no "
@@ -104,3 +154,51 @@ class StructuredOutput:
     def free(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
         self._formats.pop(request_id, None)
+
+
+class DraftMasks:
+    """Constrained requests' matchers run ahead over their drafts as the draft loop makes them.
+
+    Each draft step's logits are masked by the state after the drafts so far (`apply`), so a draft
+    is one the grammar allows; one it refuses all the same (no token allowed, or after the end)
+    ends its request's drafts there (`advance`), and a draft that ends the grammar is its last.
+    `rollback` returns every matcher to the state before the loop: only accepted tokens advance it."""
+
+    def __init__(self, grammar: StructuredOutput, matchers: list[xgr.GrammarMatcher], rows: list[int],
+                 num_drafts: Sequence[int]):
+        self.grammar = grammar
+        self.matchers = matchers
+        self.rows = rows
+        self.lengths = list(num_drafts)   # per item: the drafts it keeps (only constrained rows shrink)
+        self._open = [num_drafts[r] > 0 for r in rows]
+        self._ahead = [0] * len(rows)   # tokens each matcher accepted in this loop
+        self._bitmask = xgr.allocate_token_bitmask(len(rows), grammar.vocab_size)
+        self._row_index = torch.tensor(rows)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """In place: mask each open constrained item's row of one draft step's logits [items, V]
+        (a closed one's drafts end before this step: its row is left as it is)."""
+        live = [k for k, on in enumerate(self._open) if on]
+        if not live:
+            return
+        self.grammar._batch.batch_fill_next_token_bitmask([self.matchers[k] for k in live], self._bitmask, live)
+        apply_bitmask(logits, self._row_index[live], self._bitmask[live])
+
+    def advance(self, step: int, tokens: list[int]) -> None:
+        """Accept draft `step` (0-based) of every open constrained item (`tokens`: one per item)."""
+        for k, row in enumerate(self.rows):
+            if not self._open[k]:
+                continue
+            matcher = self.matchers[k]
+            if matcher.is_terminated() or not matcher.accept_token(tokens[row]):
+                self.lengths[row], self._open[k] = step, False
+                continue
+            self._ahead[k] += 1
+            if matcher.is_terminated() or step + 1 >= self.lengths[row]:
+                self.lengths[row], self._open[k] = step + 1, False
+
+    def rollback(self) -> None:
+        for k, matcher in enumerate(self.matchers):
+            if self._ahead[k]:
+                matcher.rollback(self._ahead[k])
+            self._ahead[k] = 0

@@ -1,7 +1,11 @@
 """`mmserve perf`: what one step of a model costs per GPU, from its Hugging Face config alone.
 
 Operators use it to sanity-check the MFU/MBU the server reports and to compare with other tools
-(`--accounting upper-bound` bills attention like estimators that ignore the mask).
+(`--accounting upper-bound` bills attention like estimators that ignore the mask). With
+`--speculative-model` it bills the drafting after the step as the server does: every request that
+samples drafts K rows (`--num-speculative-tokens`) over the target's keys before its next token
+(CONTEXT_LEN when the step kept every draft, else the 4th field of --request); a verify chunk is a
+decode request of 1 + K tokens.
 """
 
 from __future__ import annotations
@@ -9,25 +13,49 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from mmserve.errors import MMServeError
 from mmserve.metrics.peaks import lookup, utilization
-from mmserve.metrics.perf_model import ACCOUNTING_MODES, PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.perf_model import (
+    ACCOUNTING_MODES,
+    DraftWork,
+    PerfModel,
+    RequestWork,
+    StepContext,
+    VisionWork,
+)
+from mmserve.model.assistant import load_assistant_spec
 from mmserve.model.spec import load_spec
 
+REQUEST_FORM = "NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS]"
 
-def parse_request(text: str) -> RequestWork:
-    """NUM_TOKENS:CONTEXT_LEN:prefill|decode -> RequestWork."""
+
+@dataclass(frozen=True)
+class PerfRequest:
+    """One --request: its share of the step, and the keys its drafting reads (None: CONTEXT_LEN)."""
+
+    work: RequestWork
+    draft_keys: int | None = None
+
+
+def parse_request(text: str) -> PerfRequest:
+    """NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS] -> PerfRequest."""
     try:
-        tokens, context, phase = text.split(":")
-        if phase not in ("prefill", "decode"):
+        tokens, context, phase, *keys = text.split(":")
+        if phase not in ("prefill", "decode") or len(keys) > 1:
             raise ValueError(phase)
-        work = RequestWork(int(tokens), int(context), phase == "prefill")
+        request = PerfRequest(RequestWork(int(tokens), int(context), phase == "prefill"),
+                              int(keys[0]) if keys else None)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--request {text!r}: expected NUM_TOKENS:CONTEXT_LEN:prefill|decode") from None
+        raise argparse.ArgumentTypeError(f"--request {text!r}: expected {REQUEST_FORM}") from None
+    work = request.work
     if not 0 < work.num_tokens <= work.context_len:
         raise argparse.ArgumentTypeError(f"--request {text!r}: need 0 < NUM_TOKENS <= CONTEXT_LEN")
-    return work
+    if request.draft_keys is not None and not 0 < request.draft_keys <= work.context_len:
+        raise argparse.ArgumentTypeError(f"--request {text!r}: need 0 < DRAFT_KEYS <= CONTEXT_LEN")
+    return request
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -40,12 +68,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="weights' and activations' dtype: sets the bytes moved (default bfloat16)")
     p.add_argument("--accounting", default="exact", choices=list(ACCOUNTING_MODES),
                    help="attention core: pairs the mask keeps, or num_tokens * context_len")
-    p.add_argument("--request", action="append", type=parse_request, required=True,
-                   metavar="NUM_TOKENS:CONTEXT_LEN:prefill|decode", help="one request of the step (repeatable)")
+    p.add_argument("--request", action="append", type=parse_request, required=True, metavar=REQUEST_FORM,
+                   help="one request of the step (repeatable); DRAFT_KEYS: the keys its drafting reads "
+                        "(with --speculative-model; default CONTEXT_LEN, every draft kept)")
     p.add_argument("--frames", type=int, default=0, help="video frames the vision encoder runs this step")
     p.add_argument("--patches-per-frame", type=int, default=0, help="patches per frame (default: the model's full budget)")
     p.add_argument("--device", default="", help="GPU name for MFU/MBU, e.g. H100 (with --step-time-ms)")
     p.add_argument("--step-time-ms", type=float, default=0.0, help="measured step time, to print MFU/MBU")
+    p.add_argument("--speculative-model", default="", metavar="DIR",
+                   help="a Gemma 4 assistant checkpoint directory or its config.json: bill each sampling request's "
+                        "drafting (drafter.*)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="draft steps per sampling request with --speculative-model (default 3, as the server)")
     p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes")
     p.set_defaults(func=run)
 
@@ -56,21 +90,35 @@ def run(args: argparse.Namespace) -> int:
     except MMServeError as exc:
         print(f"mmserve perf: {exc}", file=sys.stderr)
         return 2
-    model = PerfModel(spec, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting)
+    drafter, drafts = None, ()
+    if args.speculative_model:
+        if args.num_speculative_tokens < 1:
+            print("mmserve perf: --num-speculative-tokens must be at least 1", file=sys.stderr)
+            return 2
+        try:
+            path = Path(args.speculative_model)
+            drafter = load_assistant_spec(path.parent if path.name == "config.json" else path)
+        except (MMServeError, ValueError) as exc:
+            print(f"mmserve perf: {exc}", file=sys.stderr)
+            return 2
+        drafts = tuple(DraftWork(args.num_speculative_tokens, r.draft_keys or r.work.context_len)
+                       for r in args.request if r.work.samples)
+    model = PerfModel(spec, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting, drafter=drafter)
     images: tuple[VisionWork, ...] = ()
     if args.frames:
         if spec.vision is None:
             print(f"mmserve perf: {args.hf_config} has no vision encoder; drop --frames", file=sys.stderr)
             return 2
         images = (VisionWork(args.patches_per_frame or spec.vision.default_patches),) * args.frames
-    breakdown = model.step(StepContext(tuple(args.request), images), per_gpu=True)
+    breakdown = model.step(StepContext(tuple(r.work for r in args.request), images, drafts=drafts), per_gpu=True)
     if args.json:
         json.dump(breakdown.as_dict(), sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
+    drafting = f", drafter K={args.num_speculative_tokens}" if drafter is not None else ""
     out.write(f"{spec.model_type}: {spec.num_layers} layers, tp={args.tp} pp={args.pp}, {args.dtype}, "
-              f"{args.accounting} attention; per GPU:\n")
+              f"{args.accounting} attention{drafting}; per GPU:\n")
     for title, items in (("FLOPs", breakdown.flops), ("read bytes", breakdown.read_bytes),
                          ("write bytes", breakdown.write_bytes)):
         out.write(f"  {title}: {sum(items.values()):.4g}\n")
