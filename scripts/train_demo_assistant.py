@@ -12,7 +12,10 @@ checkpoint is the HF format our loader reads. Labels are the target's own greedy
 tokens past the prompt (EOS ignored, as bench/speculative.py decodes), so the caption and what the
 model says after it are both drafted.
 
-Reproducible (seeded, one CPU thread, deterministic kernels); ~5 minutes on a shared 2-core machine.
+Seeded, one CPU thread, deterministic kernels; ~4 minutes on a shared 2-core machine. Two runs agree
+to the float rounding of CPU kernels only (their losses part after ~100 steps), not bit for bit; the
+result does not move: held-out acceptance per draft position 0.97 / 0.97 / 0.97 on the first round
+of a caption, >= 0.94 over the whole caption, >= 0.99 over all 32 tokens, in both runs.
 
     .venv/bin/python scripts/train_demo_assistant.py --out src/mmserve/demo_assistant
 """
