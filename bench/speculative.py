@@ -85,11 +85,11 @@ def hf_requests(model_dir: Path, clips: list[bytes]) -> list:
 class Engine:
     """One LLM over the shared loaded model (speculating or not), warmed up on the level's requests."""
 
-    def __init__(self, model, tokenizer, requests: list, n: int, speculative: bool, k: int):
+    def __init__(self, model, tokenizer, requests: list, n: int, assistant: Path | None, k: int):
         options = dict(device="cpu", attention_backend="sdpa", max_num_seqs=max(n, 2), kv_cache_bytes=192 * 2**20,
                        enable_prefix_caching=False)   # timed runs repeat the warm-up's requests
-        if speculative:
-            options.update(speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=k)
+        if assistant is not None:
+            options.update(speculative_model=str(assistant), num_speculative_tokens=k)
         self.llm = LLM(loaded_model=model, tokenizer=tokenizer, **options)
         self.requests, self.n, self.runs = requests[:n], n, 0
         self.run()
@@ -147,8 +147,8 @@ def hf_from_bytes_run(model, model_dir: Path, clips: list[bytes], max_tokens: in
 
 def level(n: int, args, model, tokenizer, requests, hf_model, hf_assistant, hf_inputs, clips) -> list[dict]:
     """Every system on the first n requests, interleaved, the fastest of repeats(n) each."""
-    engines = {"mmserve": Engine(model, tokenizer, requests, n, False, args.k),
-               "mmserve + assistant": Engine(model, tokenizer, requests, n, True, args.k)}
+    engines = {"mmserve": Engine(model, tokenizer, requests, n, None, args.k),
+               "mmserve + assistant": Engine(model, tokenizer, requests, n, args.assistant, args.k)}
     batch = pad_left(hf_inputs[:n], load_spec(args.model).pad_token_id)
     systems = {name: e.run for name, e in engines.items()}
     systems["transformers padded batch"] = lambda: hf_batch_run(hf_model, batch, args.max_tokens)
@@ -195,7 +195,7 @@ def server_rows(args, clips: list[bytes], references: dict[int, list], speculati
     on, N clients streaming at once, best of repeats(n); after the in-process systems (the same clips)."""
     rows = []
     for speculative in (True,) if speculative_only else (False, True):
-        flags = ["--speculative-model", str(DEMO_ASSISTANT_DIR), "--num-speculative-tokens", str(args.k)] \
+        flags = ["--speculative-model", str(args.assistant), "--num-speculative-tokens", str(args.k)] \
             if speculative else []
         name = "server + assistant" if speculative else "server"
         with tempfile.TemporaryDirectory() as tmp, server_process(
@@ -242,6 +242,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
+    parser.add_argument("--assistant", type=Path, default=DEMO_ASSISTANT_DIR, help="the drafter checkpoint")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_engine_model(EngineConfig(model=str(args.model), device="cpu", attention_backend="sdpa"))
     hf_model = Gemma4ForConditionalGeneration.from_pretrained(str(args.model), dtype=torch.float32,
                                                               attn_implementation="sdpa").eval()
-    hf_assistant = Gemma4AssistantForCausalLM.from_pretrained(str(DEMO_ASSISTANT_DIR), dtype=torch.float32).eval()
+    hf_assistant = Gemma4AssistantForCausalLM.from_pretrained(str(args.assistant), dtype=torch.float32).eval()
     hf_assistant.generation_config.num_assistant_tokens = args.k
     hf_assistant.generation_config.num_assistant_tokens_schedule = "constant"
     inputs = hf_requests(args.model, clips)
