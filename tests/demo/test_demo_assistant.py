@@ -1,18 +1,23 @@
 """The shipped demo assistant (src/mmserve/demo_assistant, from scripts/train_demo_assistant.py) with the
 shipped demo model: it passes the start-up check, and on fresh held-out demo-task clips through the
 engine its drafts are mostly right (the first accepted at least 60% of the time) while the greedy
-tokens stay exactly those decoded without it."""
+tokens stay exactly those decoded without it; served as `make run` serves it, GetModelInfo and
+`mmserve demo` show speculation on (several tokens per streamed chunk)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from loopback_server import LoopbackServer, engine_config
 
-from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
+from mmserve import cli
+from mmserve.clients import Client
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.engine.core import load_engine_model
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
@@ -60,3 +65,22 @@ def test_drafts_are_accepted_and_tokens_unchanged(requests):
     assert spec.verified[0] >= len(SEEDS), f"speculation barely ran: {spec.verified} (seeds {SEEDS})"
     rates = [a / v for a, v in zip(spec.accepted, spec.verified, strict=True)]
     assert rates[0] >= 0.6, f"first-draft acceptance {rates} on seeds {SEEDS}"
+
+
+@pytest.fixture(scope="module")
+def speculating_server():
+    server = LoopbackServer(engine_config(DEMO_MODEL_DIR, speculative_model=str(DEMO_ASSISTANT_DIR)),
+                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2, drain_grace_s=5.0)).start()
+    yield server
+    server.stop()
+
+
+def test_served_demo_shows_speculation(speculating_server, capsys):
+    with Client(speculating_server.address, timeout=60) as client:
+        assert client.model_info().num_speculative_tokens == 3   # --num-speculative-tokens' default
+    assert cli.main(["demo", "--server", speculating_server.address, "--seed", str(SEEDS[0])]) == 0
+    out = capsys.readouterr().out
+    assert f"truth  {demo_task.clip_for(SEEDS[0])[1]}" in out
+    tokens, chunks = map(int, re.search(r"(\d+) tokens in (\d+) streamed chunks \(speculative decoding: up to 4 "
+                                        r"tokens per step\)", out).groups())
+    assert chunks < tokens, out
