@@ -77,7 +77,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         out.write(f"\ntruth  {truth}\n{'MATCH' if text.strip() == truth else 'DIFFERENT'}\n")
     # what speculation looks like from the client: several tokens per streamed chunk
-    note = "" if not drafts else (" (the server speculates, but not under a grammar)" if args.json
-                                  else f" (speculative decoding: up to {drafts + 1} tokens per step)")
+    note = f" (speculative decoding: up to {drafts + 1} tokens per step)" if drafts else ""
     out.write(f"{tokens} tokens in {chunks} streamed chunks{note}\n")
     return 0
