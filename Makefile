@@ -8,6 +8,12 @@ STAMP  := $(VENV)/.installed
 MMSERVE_HOST ?= 127.0.0.1
 MMSERVE_PORT ?= 50051
 ARGS   ?=
+# `make run` drafts with the demo model's trained assistant (speculative decoding, docs/benchmarks.md)
+# unless MMSERVE_SPECULATIVE_MODEL says otherwise: empty (`make run MMSERVE_SPECULATIVE_MODEL=`) serves
+# without; another model (MMSERVE_MODEL set) gets none by default, as the demo assistant fits only the demo model.
+ifeq ($(strip $(MMSERVE_MODEL)),)
+MMSERVE_SPECULATIVE_MODEL ?= src/mmserve/demo_assistant
+endif
 PYTEST_ARGS ?=
 # pytest-xdist workers: the suite spends much of its time waiting on servers and subprocesses, so
 # two workers on two cores take ~0.6x the serial time; TEST_WORKERS=0 runs it in one process.
@@ -27,7 +33,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/mmserve serve --host $(MMSERVE_HOST) --port $(MMSERVE_PORT) $(ARGS)
+	$(BIN)/mmserve serve --host $(MMSERVE_HOST) --port $(MMSERVE_PORT) --speculative-model '$(MMSERVE_SPECULATIVE_MODEL)' $(ARGS)
 
 # The FA4 compile check needs the kernels' packages (~1 GB with triton). For a newcomer a failed
 # install only makes that check skip with its reason; CI (.ci/run sets MMSERVE_REQUIRE_FA4_CHECK=1)

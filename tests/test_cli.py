@@ -77,4 +77,19 @@ def test_make_run_passes_args_and_honours_the_env():
     out = subprocess.run(["make", "-n", "run", "ARGS=--log-level DEBUG --max-num-seqs 4"], capture_output=True,
                          text=True, env=env, cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "mmserve serve --host 0.0.0.0 --port 6123 --log-level DEBUG --max-num-seqs 4" in out.stdout
+    assert ("mmserve serve --host 0.0.0.0 --port 6123 --speculative-model 'src/mmserve/demo_assistant' "
+            "--log-level DEBUG --max-num-seqs 4") in out.stdout
+
+
+@pytest.mark.parametrize("env,flag", [({}, "'src/mmserve/demo_assistant'"),   # the demo model drafts by default
+                                      ({"MMSERVE_SPECULATIVE_MODEL": ""}, "''"),   # the way to serve without
+                                      ({"MMSERVE_MODEL": "/elsewhere"}, "''")])   # the demo assistant fits only it
+def test_make_run_speculates_with_the_demo_assistant(env, flag):
+    import os
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items() if k not in ("MMSERVE_MODEL", "MMSERVE_SPECULATIVE_MODEL")}
+    out = subprocess.run(["make", "-n", "run"], capture_output=True, text=True, env={**base, **env},
+                         cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"--speculative-model {flag}" in out.stdout

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+DEMO_ASSISTANT_DIR = Path(__file__).parent / "demo_assistant"   # its drafter (scripts/train_demo_assistant.py)
 
 
 @dataclass

@@ -62,10 +62,13 @@ def run(args: argparse.Namespace) -> int:
         with Client(args.server, api_key=api_key, timeout=args.timeout) as client:
             constraint = dict(json_schema=CAPTION_SCHEMA, max_tokens=96) if args.json else dict(max_tokens=32)
             stream = client.stream(prompt=PROMPT, video=data, num_frames=NUM_FRAMES, temperature=0.0, **constraint)
+            chunks = 0
             for delta in stream:
                 out.write(delta.text)
                 out.flush()
-            text = stream.result.text
+                chunks += bool(delta.token_ids)
+            text, tokens = stream.result.text, len(stream.result.token_ids)
+            drafts = client.model_info().num_speculative_tokens
     except ClientError as e:
         sys.stderr.write(f"\nerror: {e}\n")
         return 1
@@ -73,4 +76,7 @@ def run(args: argparse.Namespace) -> int:
         out.write(f"\ntruth  {truth}\n{_check_json(text, truth)}\n")
     else:
         out.write(f"\ntruth  {truth}\n{'MATCH' if text.strip() == truth else 'DIFFERENT'}\n")
+    # what speculation looks like from the client: several tokens per streamed chunk
+    note = f" (speculative decoding: up to {drafts + 1} tokens per step)" if drafts else ""
+    out.write(f"{tokens} tokens in {chunks} streamed chunks{note}\n")
     return 0
