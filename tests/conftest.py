@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from loopback_server import LoopbackServer, engine_config
 
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
@@ -23,6 +24,12 @@ from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 TESTS = Path(__file__).parent
 FA4_COMPILE_TESTS = "tests/attention/test_attn_fa4_compile.py"
 _fa4_outcomes: dict[str, str] = {}
+
+# One torch thread in each test process: `make test` runs two pytest workers on two cores, where two
+# OpenMP teams of two spin against each other (a speculative engine test took 38 s, with one thread
+# 1 s). Tests of wider pools set their own (engine/cpu_threads.torch_threads); servers the tests
+# start are other processes and keep their configured threads.
+torch.set_num_threads(1)
 
 
 def pytest_runtest_logreport(report):
