@@ -3,9 +3,10 @@
 Fresh random tiny checkpoints of each variant (dense with K=V full layers whose single KV head is
 replicated, E-style with per-layer embeddings and KV sharing, MoE with the experts split, unified,
 an untied head without soft-cap);
-a chunked prefill whose chunks carry an image and video frames, then decode steps. One spawn of
-two ranks for the whole module (`tp2_runs`); each rank loads only its shard (checked by the bytes
-it read against the bytes it holds).
+a chunked prefill whose chunks carry an image and video frames, then decode steps; and the
+speculative drafter (tied head and centroid head) drafting from a target's sharded K/V through the
+engine's own draft loop. One spawn of two ranks for the whole module (`tp2_runs`); each rank loads
+only its shard (checked by the bytes it read against the bytes it holds).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gemma4_fixtures import (
     VOCAB,
     PagedSequence,
     e_model_config,
+    make_assistant,
     make_checkpoint,
     make_tokenizer,
     moe_config,
@@ -30,8 +32,10 @@ from gemma4_fixtures import (
 )
 from test_model_parity import video_prompt
 
+from mmserve.engine.speculative import DraftBatch, Speculator
 from mmserve.model import load_model
-from mmserve.model.parallel import ParallelGroup, ShardingError, join_group, local_spec
+from mmserve.model.assistant import load_assistant
+from mmserve.model.parallel import SINGLE, ParallelGroup, ShardingError, join_group, local_spec
 from mmserve.model.prompt import build_prompt
 from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import TextTokenizer
@@ -48,6 +52,8 @@ def untied_config() -> dict:
 
 VARIANTS = {"dense": (tiny_config, False), "e_style": (e_model_config, False), "moe": (moe_config, False),
             "unified": (unified_config, True), "untied": (untied_config, False)}
+DRAFTERS = {"lm_head": False, "centroids": True}   # the assistant's head: tied lm_head, or ordered embeddings
+NUM_DRAFTS = 3
 
 
 def run_steps(model, layout, chunk_end: int, decode_ids: list[int]) -> torch.Tensor:
@@ -70,11 +76,36 @@ def state_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
-def _rank_main(rank: int, init_method: str, cases: dict, out_dir: str) -> None:
+def run_drafts(target_path, assistant_path, ids: list[int], first: int, dtype: torch.dtype,
+               group: ParallelGroup = SINGLE) -> dict:
+    """A prefill of `ids`, then one drafting round from `first` through the engine's draft loop
+    (`Speculator.draft`, as every rank runs it): each draft step's logits, the drafts, load accounting."""
+    model = load_model(target_path, dtype=dtype, parallel=group)
+    assistant = load_assistant(assistant_path, model.decoder.spec, dtype=dtype, device=model.device, parallel=group)
+    speculator = Speculator(assistant, model, NUM_DRAFTS)
+    logits, step = [], assistant.step
+
+    def recording_step(*args):   # the real step; its logits kept
+        out = step(*args)
+        logits.append(out[0])
+        return out
+
+    assistant.step = recording_step
+    seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
+    hidden = seq.step(ids)
+    tables = {t: [seq.blocks.tolist()] for t in speculator.stores}
+    batch = DraftBatch([first], [len(ids) - 1], [len(ids)], [NUM_DRAFTS], tables, seq.block_size)
+    drafts = speculator.draft(batch, hidden, seq.kv_caches)
+    return dict(logits=torch.stack(logits)[:, 0], drafts=drafts, bytes_read=assistant.bytes_read,
+                bytes_held=state_bytes(assistant))
+
+
+def _rank_main(rank: int, init_method: str, cases: dict, drafters: dict, out_dir: str) -> None:
     """One rank: load each checkpoint's shard, run the same steps, save logits and load accounting."""
     torch.set_num_threads(1)
     group = join_group(rank, 2, init_method, timeout_s=120)
-    results = {}
+    results = {f"drafter_{name}": {str(dtype): run_drafts(*case, dtype, group) for dtype in (torch.float64, torch.float32)}
+               for name, case in drafters.items()}
     for name, (path, layout, chunk_end, decode_ids) in cases.items():
         exact = run_steps(load_model(path, dtype=torch.float64, parallel=group), layout, chunk_end, decode_ids)
         model = load_model(path, parallel=group)
@@ -103,11 +134,29 @@ def tp_cases(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp2_runs(tp_cases, tmp_path_factory):
+def drafter_cases(tmp_path_factory):
+    """{head: (target, assistant, prompt ids, first token)}: a dense target (its sliding layers' 2 KV
+    heads split, its full layers' one replicated) and a fresh random assistant per head kind; the
+    prompt is longer than both sliding windows."""
+    seed = random.SystemRandom().randrange(2**31)
+    gen = torch.Generator().manual_seed(seed)
+    root = tmp_path_factory.mktemp("tp_drafters")
+    cfg = tiny_config(window=6)
+    make_checkpoint(root / "target", config=cfg, seed=seed)
+    cases = {}
+    for i, (name, ordered) in enumerate(DRAFTERS.items()):
+        make_assistant(root / name, cfg, seed=seed + 1 + i, ordered=ordered)
+        ids = torch.randint(NUM_SPECIALS, VOCAB, (19,), generator=gen).tolist()
+        cases[name] = (root / "target", root / name, ids, int(torch.randint(NUM_SPECIALS, VOCAB, (1,), generator=gen)))
+    return seed, cases
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tp_cases, drafter_cases, tmp_path_factory):
     """Both ranks' results, from one spawn of two gloo processes."""
-    _, cases = tp_cases
     out = tmp_path_factory.mktemp("tp_out")
-    mp.spawn(_rank_main, args=(f"file://{out}/rendezvous", cases, str(out)), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(f"file://{out}/rendezvous", tp_cases[1], drafter_cases[1], str(out)), nprocs=2,
+             join=True)
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -143,6 +192,24 @@ def test_each_rank_reads_only_its_shard(variant, tp_cases, tp2_runs):
         run = tp2_runs[rank][variant]
         assert run["bytes_read"] == run["bytes_held"]
         assert run["bytes_held"] < 0.75 * state_bytes(whole)
+
+
+@pytest.mark.parametrize("head", list(DRAFTERS))
+def test_tp2_drafter_equals_tp1(head, drafter_cases, tp2_runs):
+    """The drafter sharded like its target, reading each rank's shard of the target's K/V: every
+    draft step's logits equal TP=1's (fp64 to 1e-10; fp32 to 1e-5 of the largest logit), on every
+    rank, and every rank drafts TP=1's tokens; each rank read only its shard of the assistant (the
+    replicated projections and norms make it more than half)."""
+    seed, cases = drafter_cases
+    for dtype, bound in ((torch.float64, 1e-10), (torch.float32, 1e-5)):
+        ref = run_drafts(*cases[head], dtype)
+        for rank in range(2):
+            run = tp2_runs[rank][f"drafter_{head}"][str(dtype)]
+            assert run["logits"].shape == ref["logits"].shape == (NUM_DRAFTS, VOCAB)
+            assert max_error(run["logits"], ref["logits"]) < bound, f"seed {seed}, rank {rank}, {dtype}"
+            assert run["drafts"] == ref["drafts"], f"seed {seed}, rank {rank}, {dtype}"
+            if dtype == torch.float32:   # the checkpoint's dtype: bytes read compare with bytes held
+                assert run["bytes_read"] == run["bytes_held"] < 0.8 * ref["bytes_held"]
 
 
 def test_kv_heads_split_or_replicated(tp2_runs):

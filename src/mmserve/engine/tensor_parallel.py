@@ -8,6 +8,10 @@ the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 
 travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
 keep a mirror of those requests and rebuild each step's SchedulerOutput from it.
 
+With a speculative model every rank also holds its shard of the drafter, and each drafting round
+is one more message (a `DraftBatch`, speculative.py) after which every rank runs the same draft
+loop (`Speculator.draft`) over its shards and the hidden states of its own last step.
+
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
 and the engine-crash path ends every request in flight with UNAVAILABLE.
@@ -28,6 +32,7 @@ import time
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.speculative import DraftBatch
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.model.parallel import ParallelGroup, join_group
 from mmserve.scheduler.output import SchedulerOutput
@@ -124,7 +129,13 @@ def check_divisible(config: EngineConfig) -> None:
                          f"--nnodes {config.nnodes}")
     if config.node_rank >= config.nnodes:
         raise ValueError(f"--node-rank {config.node_rank}: there are only --nnodes {config.nnodes}")
-    local_spec(load_spec(config.model), ParallelGroup(0, config.tensor_parallel_size))
+    group = ParallelGroup(0, config.tensor_parallel_size)
+    local_spec(load_spec(config.model), group)
+    if config.speculative_model:
+        from mmserve.model.assistant import Assistant, load_assistant_spec
+
+        with torch.device("meta"):   # the same cuts the ranks make, on no storage
+            Assistant(load_assistant_spec(config.speculative_model), group)
 
 
 class TensorParallelGroup:
@@ -238,6 +249,17 @@ class TensorParallelRunner:
 
         return self.tp.call(step)
 
+    def serve_drafts(self, speculator) -> None:
+        """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
+        def on_ranks(batch, loop):
+            def draft():
+                _broadcast(batch, self.tp.group)
+                return loop()
+
+            return self.tp.call(draft)
+
+        speculator.on_ranks = on_ranks
+
 
 def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
     """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0)
@@ -278,8 +300,11 @@ def runner_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
         if getattr(own, name) != getattr(leader, name):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(own, name)} differs from rank 0's "
                              f"{getattr(leader, name)}: give every node the same engine flags")
+    if bool(own.speculative_model) != bool(leader.speculative_model):
+        raise ValueError(f"--speculative-model is {'set' if leader.speculative_model else 'not set'} on rank 0 "
+                         f"but {'set' if own.speculative_model else 'not set'} here: give every node the same engine flags")
     return dataclasses.replace(leader, model=own.model, device=own.device, node_rank=own.node_rank,
-                               engine_threads=own.engine_threads)
+                               engine_threads=own.engine_threads, speculative_model=own.speculative_model)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -313,10 +338,19 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
                            backend=_use_device(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
         model = load_rank_model(config, group)
         plans, max_model_len, leader = _broadcast()
-        runner = ModelRunner(model, plans, runner_config(config, leader), max_model_len=max_model_len)
-        mirror = StepMirror()
+        own = runner_config(config, leader)
+        speculator = None
+        if own.speculative_model:
+            from mmserve.engine.speculative import Speculator
+
+            speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens)
+        runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
+        mirror, last = StepMirror(), None
         while (msg := _broadcast(group=group)) is not None:
-            runner.execute(mirror.decode(msg))
+            if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
+                speculator.draft(msg, last.hidden, runner.kv_caches)
+            else:
+                last = runner.execute(mirror.decode(msg))
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)
