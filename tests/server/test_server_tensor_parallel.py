@@ -1,8 +1,10 @@
-"""A real server at --tensor-parallel-size 2: the engine process (rank 0) spawns rank 1, both gloo
-processes run their shard of a fresh random E-style checkpoint (per-layer embeddings, KV sharing),
-and a video prompt's greedy tokens equal transformers' (the TP=1 ground truth our TP=1 server is
-tested against in test_server_family.py) with chunked prefill, a prefix-cache hit and n samples;
-GetModelInfo and the metrics report the layout. One server for the module."""
+"""A real server at --tensor-parallel-size 2 with a speculative model: the engine process (rank 0)
+spawns rank 1, both gloo processes run their shard of a fresh random E-style checkpoint (per-layer
+embeddings, KV sharing) and of its assistant, and a video prompt's greedy tokens, drafted and
+verified, equal transformers' (the TP=1 ground truth our TP=1 server is tested against in
+test_server_family.py, without speculation) with chunked prefill, a prefix-cache hit and n samples,
+as do the same request's without speculation; a grammar request does not draft (its masks are
+rank 0's); GetModelInfo and the metrics report the layout. One server for the module."""
 
 from __future__ import annotations
 
@@ -21,18 +23,25 @@ from mmserve.metrics.prometheus import EngineMetrics
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.model.spec import load_spec
 
+MAX_TOKENS = 8
+REPEATS = "the cat sat on the mat and then the cat sat again on the other mat"
+
 
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory, gemma4_fixtures):
     seed = random.SystemRandom().randrange(10_000)
     path = tmp_path_factory.mktemp("tp_e_model")
-    gemma4_fixtures.make_checkpoint(path, config=gemma4_fixtures.e_model_config(), seed=seed)
+    cfg = gemma4_fixtures.e_model_config()
+    hf = gemma4_fixtures.make_checkpoint(path, config=cfg, seed=seed)
+    assistant = tmp_path_factory.mktemp("tp_assistant")
+    gemma4_fixtures.make_assistant(assistant, cfg, seed=seed + 1, copy_from=hf)   # drafts kept and rejected
     (path / "preprocessor_config.json").write_text(json.dumps(
         {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 70}))
     metrics = EngineMetrics(prometheus=True)   # the observer setup_observability builds, with a registry to read
     observer = TelemetryObserver(PerfModel(load_spec(path), dtype="float32", tp=2), metrics=metrics)
     server = LoopbackServer(engine_config(path, max_num_batched_tokens=BUDGET, default_num_frames=3,
-                                          tensor_parallel_size=2),
+                                          tensor_parallel_size=2, speculative_model=str(assistant),
+                                          num_speculative_tokens=3),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2),
                             observer=observer, metrics=metrics).start()
     yield path, server, seed, metrics
@@ -40,19 +49,43 @@ def tp_server(tmp_path_factory, gemma4_fixtures):
     metrics.shutdown()
 
 
+def counter(metrics, name: str) -> float:
+    """The sum of a counter's samples over its labels."""
+    return sum(s.value for family in metrics.registry.collect() for s in family.samples if s.name == name)
+
+
 def test_tp2_server_greedy_matches_transformers(tp_server, make_video):
-    path, server, seed, _ = tp_server
+    path, server, seed, metrics = tp_server
     video = make_video(seed=seed, num_frames=6)
-    layout, expected = reference_greedy(path, video, 3, "What happens?", 5)
+    layout, expected = reference_greedy(path, video, 3, "What happens?", MAX_TOKENS)
     assert len(layout.token_ids) > 2 * BUDGET   # prefill takes several chunks
-    ask = dict(prompt="What happens?", video=video, num_frames=3, max_tokens=5, temperature=0, ignore_eos=True)
+    ask = dict(prompt="What happens?", video=video, num_frames=3, max_tokens=MAX_TOKENS, temperature=0,
+               ignore_eos=True)
     with Client(server.address, timeout=120) as client:
         first = client.generate(**ask)
         again = client.generate(**ask)                 # the prompt's blocks come from the prefix cache
         samples = client.generate(**ask, n=2)
+        plain = client.generate(**ask, disable_speculation=True)
+        text = dict(prompt=REPEATS, max_tokens=24, temperature=0, ignore_eos=True)
+        long_fast, long_plain = client.generate(**text), client.generate(**text, disable_speculation=True)
     assert list(first.token_ids) == expected, f"seed {seed}"
     assert list(again.token_ids) == expected and again.usage.cached_tokens > 0, f"seed {seed}"
     assert [list(s.token_ids) for s in samples.samples] == [expected, expected], f"seed {seed}"
+    assert list(plain.token_ids) == expected, f"seed {seed}"
+    assert list(long_fast.token_ids) == list(long_plain.token_ids), f"seed {seed}"
+    drafts = counter(metrics, "mmserve_speculative_draft_tokens_total")
+    assert drafts >= 4, "each of the 4 speculating requests verified drafts"
+    print(f"seed {seed}: {counter(metrics, 'mmserve_speculative_accepted_tokens_total'):g} of {drafts:g} drafts kept")
+
+
+def test_tp2_grammar_request_does_not_draft(tp_server):
+    """Its grammar masks live on rank 0 alone: at TP > 1 it decodes one token per step, and completes."""
+    _, server, _, metrics = tp_server
+    before = counter(metrics, "mmserve_speculative_draft_tokens_total")
+    with Client(server.address, timeout=120) as client:
+        out = client.generate(prompt="Answer:", max_tokens=8, temperature=0, json_schema='{"type": "boolean"}')
+    assert len(out.token_ids) > 0
+    assert counter(metrics, "mmserve_speculative_draft_tokens_total") == before
 
 
 def test_model_info_and_metrics_report_the_layout(tp_server):
