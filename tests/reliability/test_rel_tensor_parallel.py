@@ -77,6 +77,25 @@ def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(victi
                 os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_a_worker_killed_during_start_up_fails_the_start_naming_it(tiny_checkpoint):
+    """Killed the moment it is spawned (still importing, before it joins the rendezvous, where rank 0
+    used to wait out the 900 s start-up timeout): `serve` exits 1 within seconds, naming the rank."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2")
+    try:
+        deadline = time.monotonic() + 120
+        while not (spawned := WORKER_PID.search(server.log)):
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.01)
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        assert server.proc.wait(60) == 1, server.log
+        assert re.search(r"the engine failed to start: .*tensor-parallel rank 1 \(pid \d+, exit code -9\) died",
+                         server.log), server.log
+    finally:
+        server.stop()
+
+
 def test_a_size_the_model_cannot_split_is_refused_at_start_naming_the_dimension(tiny_checkpoint):
     """The tiny checkpoint's vocabulary (320) does not split 3 ways: `serve` exits 1 before any rank
     is spawned, and the log says which dimension."""

@@ -155,20 +155,19 @@ class TensorParallelGroup:
         self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
                                     args=(rank, config, init_method, log_level, log_format, os.getpid()))
                         for rank in range(1, ranks_per_node(config))]   # this node's other ranks
-        for w in self.workers:
+        for rank, w in enumerate(self.workers, start=1):
             w.start()
+            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
-        try:
+        try:   # a rank that dies before it joins fails the start at once, naming it
             self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
-                                    startup_timeout_s=config.engine_ready_timeout_s)
+                                    startup_timeout_s=config.engine_ready_timeout_s, check_peers=self.check_alive)
         except BaseException:
             self.failed = True
             self.close()
             raise
         self.runner: TensorParallelRunner | None = None
-        for rank, w in enumerate(self.workers, start=1):
-            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
 
     def runner_factory(self, model, plans, config, *, max_model_len: int):
         self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)

@@ -67,20 +67,46 @@ class ParallelGroup:
 SINGLE = ParallelGroup()
 
 
+JOIN_POLL_S = 0.05   # how often a rank waiting in a file rendezvous checks its peers' processes
+
+
 def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 300.0,
-               startup_timeout_s: float | None = None) -> ParallelGroup:
+               startup_timeout_s: float | None = None, check_peers=None) -> ParallelGroup:
     """Join the torch.distributed group of `size` ranks (gloo on CPU, nccl on CUDA) at `init_method`
     (tcp://host:port, file://path or env://). The rendezvous and the default group (start-up hand-offs)
     wait up to `startup_timeout_s` (processes start and load at their own pace); the returned group's
-    collectives, the model's, raise after `timeout_s`."""
+    collectives, the model's, raise after `timeout_s`.
+
+    A file rendezvous (one node) goes through a store every rank first marks itself in, so a rank
+    given `check_peers` (rank 0: raises when a rank's process has died) waits for the others in
+    polls that call it, rather than inside torch's rendezvous until the start-up timeout."""
     import datetime
 
     import torch.distributed as dist
 
     startup = datetime.timedelta(seconds=startup_timeout_s or timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    if init_method.startswith("file://"):
+        store = dist.FileStore(init_method.removeprefix("file://"), size)
+        store.set_timeout(startup)
+        store.set(f"mmserve/joined/{rank}", "1")
+        if check_peers is not None:
+            _wait_joined(store, size, check_peers, startup.total_seconds())
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=startup)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelGroup(rank, size, group)
+
+
+def _wait_joined(store, size: int, check_peers, timeout_s: float) -> None:
+    """Until every rank has marked itself in `store` (or `timeout_s`: torch's rendezvous then says so)."""
+    import time
+
+    keys = [f"mmserve/joined/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        check_peers()
+        time.sleep(JOIN_POLL_S)
 
 
 @dataclass(frozen=True)
