@@ -162,6 +162,45 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
             worker.wait()
 
 
+def free_port() -> int:
+    with socket.socket() as s:   # a free port for node 0's TCP store (ephemeral, loopback)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_rank_lost_on_another_node_is_named(tiny_checkpoint, monkeypatch):
+    """Rank 1 runs on a second "node" (`mmserve worker`, both on 127.0.0.1) and is killed mid-stream:
+    the stream ends UNAVAILABLE naming rank 1 with its node, pid and exit code (node 0 cannot see
+    that process: the worker node reports it through node 0's store), and both nodes exit 1."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+             "--tensor-parallel-timeout-s", str(TIMEOUT_S))
+    server = ServeProcess("--port", "0", "--max-num-seqs", "4", "--worker-threads", "1", *group)
+    node = ServeProcess(*group, "--node-rank", "1", command="worker")
+    try:
+        port = serving_port(server)
+        rank1 = int(WORKER_PID.search(node.log).group(1))
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = pb_grpc.GenerationStub(ch).Generate(text_request("doomed", 500))
+                assert (await call.read()).delta.token_ids
+                os.kill(rank1, signal.SIGKILL)
+                result = await read_stream(call)
+                assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                assert re.search(rf"tensor-parallel rank 1 \(node 1, pid {rank1}, exit code -9\) died",
+                                 result.details), result.details
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) == 1, server.log
+        assert node.proc.wait(60) == 1, node.log
+    finally:
+        server.stop()
+        node.stop()
+
+
 @pytest.mark.slow
 def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
     """No request in flight: the core loop's per-iteration check of the ranks notices the dead worker

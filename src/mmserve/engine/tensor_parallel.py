@@ -14,7 +14,9 @@ loop (`Speculator.draft`) over its shards and the hidden states of its own last 
 
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
-and the engine-crash path ends every request in flight with UNAVAILABLE.
+and the engine-crash path ends every request in flight with UNAVAILABLE. Rank 0 sees its own node's
+ranks exit (its children); a further node's `mmserve worker` reports a rank it lost into node 0's
+TCP store (the rendezvous's, MASTER_ADDR:MASTER_PORT), where rank 0 reads it.
 """
 
 from __future__ import annotations
@@ -44,7 +46,10 @@ JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop mess
 # gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
 WORKER_WAIT_S = 365 * 24 * 3600.0
 ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
-EXIT_SEEN_S = 2.0   # after a failed collective, how long to wait for a dying rank's exit to be seen
+EXIT_SEEN_S = 3.0   # after a failed collective, how long to wait for a dying rank's exit (or report) to be seen
+REMOTE_CHECK_S = 1.0   # how often the idle core loop reads the store for ranks lost on other nodes
+STORE_TIMEOUT_S = 2.0   # a store client's connect and reads (node 0 gone: nothing to report to)
+LOST_KEY = "mmserve/lost/{rank}"   # a further node's report of a rank it lost: "node N, pid P, exit code C"
 
 
 class RankLostError(BaseException):
@@ -96,6 +101,24 @@ def rendezvous(config: EngineConfig, private_dir: str) -> str:
         raise ValueError(f"--nnodes {config.nnodes}: set {' and '.join(missing)} (node 0's address and a free "
                          "port) on every node")
     return "env://"
+
+
+def store_client():
+    """A client of node 0's TCP store, the multi-node rendezvous's (MASTER_ADDR:MASTER_PORT)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+
+
+def report_lost(rank: int, what: str) -> None:
+    """A worker node tells rank 0 which of its ranks died and how (best effort: rank 0 may be gone)."""
+    try:
+        store_client().set(LOST_KEY.format(rank=rank), what)
+    except Exception:
+        logger.debug("could not report rank %d's loss to node 0", rank, exc_info=True)
 
 
 def _use_device(device: str) -> str:
@@ -159,6 +182,10 @@ class TensorParallelGroup:
             w.start()
             logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
+        # the ranks on other nodes (`mmserve worker`), whose losses come through the store
+        self.remote = list(range(ranks_per_node(config), self.size))
+        self._store = None
+        self._next_remote_check = 0.0
         try:   # a rank that dies before it joins fails the start at once, naming it
             self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
@@ -173,14 +200,35 @@ class TensorParallelGroup:
         self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
         return self.runner
 
-    def dead_ranks(self) -> list[str]:
-        return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
+    def dead_ranks(self, remote: bool = True) -> list[str]:
+        """This node's exited worker ranks and (with `remote`) those other nodes reported lost."""
+        dead = [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
+        return dead + self.remote_dead() if remote else dead
+
+    def remote_dead(self) -> list[str]:
+        """The ranks other nodes reported lost (none when the store cannot be read)."""
+        if not self.remote:
+            return []
+        try:
+            if self._store is None:
+                self._store = store_client()
+            keys = {rank: LOST_KEY.format(rank=rank) for rank in self.remote}
+            return [f"rank {rank} ({self._store.get(key).decode()})" for rank, key in keys.items()
+                    if self._store.check([key])]
+        except Exception:
+            logger.debug("could not read the store for lost ranks", exc_info=True)
+            return []
 
     def check_alive(self) -> None:
         """Raise naming every worker rank that has exited (the core loop calls it each iteration, so
-        a rank lost while the server is idle fails the engine too, not only the next step)."""
-        if dead := self.dead_ranks():
+        a rank lost while the server is idle fails the engine too, not only the next step; other
+        nodes' reports are read once per REMOTE_CHECK_S)."""
+        now = time.monotonic()
+        remote = bool(self.remote) and now >= self._next_remote_check
+        if remote:
+            self._next_remote_check = now + REMOTE_CHECK_S
+        if dead := self.dead_ranks(remote):
             self.failed = True
             raise RankLostError(f"tensor-parallel {', '.join(dead)} died")
 
@@ -271,21 +319,22 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
     init_method = rendezvous(config, "")
     ctx = multiprocessing.get_context("spawn")
     first = config.node_rank * ranks_per_node(config)
-    ranks = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
-                         args=(rank, config, init_method, log_level, log_format, os.getpid()))
-             for rank in range(first, first + ranks_per_node(config))]
-    for p in ranks:
+    ranks = {rank: ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                               args=(rank, config, init_method, log_level, log_format, os.getpid()))
+             for rank in range(first, first + ranks_per_node(config))}
+    for rank, p in ranks.items():
         p.start()
-        logger.info("tensor-parallel rank %s: process %d started", p.name.removeprefix("mmserve-tp-rank"), p.pid)
+        logger.info("tensor-parallel rank %d: process %d started", rank, p.pid)
     while ranks:
-        for p in list(ranks):
+        for rank, p in list(ranks.items()):
             p.join(ORPHAN_POLL_S)
             if p.exitcode is None:
                 continue
-            ranks.remove(p)
+            del ranks[rank]
             if p.exitcode != 0:
                 logger.error("%s exited with code %s; stopping this node's other ranks", p.name, p.exitcode)
-                for other in ranks:
+                report_lost(rank, f"node {config.node_rank}, pid {p.pid}, exit code {p.exitcode}")
+                for other in ranks.values():
                     other.kill()
                     other.join()
                 return 1
