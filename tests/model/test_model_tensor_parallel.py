@@ -230,6 +230,20 @@ def test_sizes_that_do_not_divide_are_refused(variant, size, dimension, tp_cases
         local_spec(load_spec(cases[variant][0]), ParallelGroup(0, size))
 
 
+def test_an_assistant_that_does_not_divide_is_refused_before_any_spawn(drafter_cases, tmp_path):
+    """The target splits 4 ways; its 2-head assistant does not: refused naming the assistant's dimension."""
+    from mmserve.config import EngineConfig
+    from mmserve.engine.tensor_parallel import check_divisible
+
+    _, cases = drafter_cases
+    target = cases["lm_head"][0]
+    make_assistant(tmp_path / "narrow", tiny_config(window=6), num_attention_heads=2)
+    config = EngineConfig(model=str(target), speculative_model=str(tmp_path / "narrow"), tensor_parallel_size=4)
+    with pytest.raises(ShardingError, match=re.escape("assistant sliding_attention attention heads (2)")):
+        check_divisible(config)
+    check_divisible(EngineConfig(model=str(target), speculative_model=str(cases["lm_head"][1]), tensor_parallel_size=4))
+
+
 @pytest.mark.parametrize("grouped", [False, True])
 def test_expert_shards_sum_to_all_experts(grouped, monkeypatch):
     """Each rank's experts (a contiguous half) give their share of the routed sum; the two shares add

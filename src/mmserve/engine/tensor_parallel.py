@@ -393,12 +393,12 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
 
             speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens)
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
-        mirror, last = StepMirror(), None
+        mirror, hidden = StepMirror(), None
         while (msg := _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
-                speculator.draft(msg, last.hidden, runner.kv_caches)
-            else:
-                last = runner.execute(mirror.decode(msg))
+                speculator.draft(msg, hidden, runner.kv_caches)
+            else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
+                hidden = runner.execute(mirror.decode(msg)).hidden
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)
