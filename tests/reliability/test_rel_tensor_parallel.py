@@ -202,6 +202,36 @@ def test_a_rank_lost_on_another_node_is_named(tiny_checkpoint, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_rank_lost_on_another_node_during_start_up_fails_the_start_naming_it(tiny_checkpoint, monkeypatch):
+    """Rank 1 (a second "node") killed the moment it is spawned, before it joins: its `mmserve worker`
+    reports it, and `serve` exits 1 naming it within seconds, rather than waiting in the rendezvous
+    for the 900 s start-up timeout."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2")
+    server = ServeProcess("--port", "0", "--worker-threads", "1", *group)
+    node = None
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for 2 ranks to join" not in server.log:   # node 0's store is up
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.01)
+        node = ServeProcess(*group, "--node-rank", "1", command="worker")
+        while not (spawned := WORKER_PID.search(node.log)):
+            assert time.monotonic() < deadline and node.proc.poll() is None, node.log
+            time.sleep(0.01)
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        assert server.proc.wait(60) == 1, server.log
+        assert re.search(rf"the engine failed to start: .*tensor-parallel rank 1 \(node 1, pid {spawned.group(1)}, "
+                         r"exit code -9\) died", server.log), server.log
+        assert node.proc.wait(60) == 1, node.log
+    finally:
+        server.stop()
+        if node is not None:
+            node.stop()
+
+
+@pytest.mark.slow
 def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
     """No request in flight: the core loop's per-iteration check of the ranks notices the dead worker
     (within its 0.5 s idle poll) and the server exits 1 naming it, rather than failing the next request."""

@@ -48,7 +48,8 @@ WORKER_WAIT_S = 365 * 24 * 3600.0
 ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
 EXIT_SEEN_S = 3.0   # after a failed collective, how long to wait for a dying rank's exit (or report) to be seen
 REMOTE_CHECK_S = 1.0   # how often the idle core loop reads the store for ranks lost on other nodes
-STORE_TIMEOUT_S = 2.0   # a store client's connect and reads (node 0 gone: nothing to report to)
+STORE_TIMEOUT_S = 2.0   # rank 0's client of its own store: connect and reads
+REPORT_TIMEOUT_S = 30.0   # a worker node's report of a lost rank: node 0 may still be starting
 LOST_KEY = "mmserve/lost/{rank}"   # a further node's report of a rank it lost: "node N, pid P, exit code C"
 
 
@@ -103,20 +104,20 @@ def rendezvous(config: EngineConfig, private_dir: str) -> str:
     return "env://"
 
 
-def store_client():
+def store_client(timeout_s: float = STORE_TIMEOUT_S):
     """A client of node 0's TCP store, the multi-node rendezvous's (MASTER_ADDR:MASTER_PORT)."""
     import datetime
 
     import torch.distributed as dist
 
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+                         timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def report_lost(rank: int, what: str) -> None:
     """A worker node tells rank 0 which of its ranks died and how (best effort: rank 0 may be gone)."""
     try:
-        store_client().set(LOST_KEY.format(rank=rank), what)
+        store_client(REPORT_TIMEOUT_S).set(LOST_KEY.format(rank=rank), what)
     except Exception:
         logger.debug("could not report rank %d's loss to node 0", rank, exc_info=True)
 
@@ -182,6 +183,7 @@ class TensorParallelGroup:
             w.start()
             logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
+        logger.info("tensor-parallel: waiting for %d ranks to join (%s)", self.size, init_method)
         # the ranks on other nodes (`mmserve worker`), whose losses come through the store
         self.remote = list(range(ranks_per_node(config), self.size))
         self._store = None

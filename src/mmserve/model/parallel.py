@@ -67,7 +67,7 @@ class ParallelGroup:
 SINGLE = ParallelGroup()
 
 
-JOIN_POLL_S = 0.05   # how often a rank waiting in a file rendezvous checks its peers' processes
+JOIN_POLL_S = 0.05   # how often a rank waiting in the rendezvous checks its peers
 
 
 def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 300.0,
@@ -77,25 +77,43 @@ def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo",
     wait up to `startup_timeout_s` (processes start and load at their own pace); the returned group's
     collectives, the model's, raise after `timeout_s`.
 
-    A file rendezvous (one node) goes through a store every rank first marks itself in, so a rank
-    given `check_peers` (rank 0: raises when a rank's process has died) waits for the others in
-    polls that call it, rather than inside torch's rendezvous until the start-up timeout."""
+    The ranks meet in a store every rank first marks itself in (`_rendezvous_store`), so a rank
+    given `check_peers` (rank 0: raises when a rank is known lost) waits for the others in polls
+    that call it, rather than inside torch's rendezvous until the start-up timeout."""
     import datetime
 
     import torch.distributed as dist
 
     startup = datetime.timedelta(seconds=startup_timeout_s or timeout_s)
-    if init_method.startswith("file://"):
-        store = dist.FileStore(init_method.removeprefix("file://"), size)
-        store.set_timeout(startup)
+    store = _rendezvous_store(init_method, rank, size, startup)
+    if store is None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    else:
         store.set(f"mmserve/joined/{rank}", "1")
         if check_peers is not None:
             _wait_joined(store, size, check_peers, startup.total_seconds())
-        dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=startup)
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=size,
+                                timeout=startup)
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelGroup(rank, size, group)
+
+
+def _rendezvous_store(init_method: str, rank: int, size: int, timeout):
+    """The store the ranks meet in, made here rather than by torch's rendezvous so each can mark
+    itself in first: a file (one node), or node 0's TCP store at MASTER_ADDR:MASTER_PORT (env://,
+    hosted by rank 0, as torch's env rendezvous does). None: torch's own (tcp://, torchrun's agent store)."""
+    import os
+
+    import torch.distributed as dist
+
+    if init_method.startswith("file://"):
+        store = dist.FileStore(init_method.removeprefix("file://"), size)
+        store.set_timeout(timeout)
+        return store
+    if init_method == "env://" and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE"):
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=size,
+                             is_master=rank == 0, timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    return None
 
 
 def _wait_joined(store, size: int, check_peers, timeout_s: float) -> None:
