@@ -76,10 +76,29 @@ def state_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
 
+class BestBanned:
+    """A grammar's place in the draft loop (structured_output.DraftMasks' interface), held by rank 0
+    alone as the engine's masks are: it forbids each draft step's unmasked best token, so a rank
+    that drafted from its own unmasked argmax would feed a different token than rank 0."""
+
+    def __init__(self, num_drafts: list[int]):
+        self.lengths = list(num_drafts)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        logits.scatter_(1, logits.argmax(-1, keepdim=True), float("-inf"))
+
+    def advance(self, step: int, tokens: list[int]) -> None:
+        pass
+
+    def rollback(self) -> None:
+        pass
+
+
 def run_drafts(target_path, assistant_path, ids: list[int], first: int, dtype: torch.dtype,
-               group: ParallelGroup = SINGLE) -> dict:
+               group: ParallelGroup = SINGLE, masked: bool = False) -> dict:
     """A prefill of `ids`, then one drafting round from `first` through the engine's draft loop
-    (`Speculator.draft`, as every rank runs it): each draft step's logits, the drafts, load accounting."""
+    (`Speculator.draft`, as every rank runs it): each draft step's logits, the drafts, load accounting.
+    `masked`: rank 0 masks the drafts (BestBanned), as it does a constrained request's."""
     model = load_model(target_path, dtype=dtype, parallel=group)
     assistant = load_assistant(assistant_path, model.decoder.spec, dtype=dtype, device=model.device, parallel=group)
     speculator = Speculator(assistant, model, NUM_DRAFTS)
@@ -87,15 +106,16 @@ def run_drafts(target_path, assistant_path, ids: list[int], first: int, dtype: t
 
     def recording_step(*args):   # the real step; its logits kept
         out = step(*args)
-        logits.append(out[0])
+        logits.append(out[0].clone())   # before any mask
         return out
 
     assistant.step = recording_step
     seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
     hidden = seq.step(ids)
     tables = {t: [seq.blocks.tolist()] for t in speculator.stores}
-    batch = DraftBatch([first], [len(ids) - 1], [len(ids)], [NUM_DRAFTS], tables, seq.block_size)
-    drafts = speculator.draft(batch, hidden, seq.kv_caches)
+    batch = DraftBatch([first], [len(ids) - 1], [len(ids)], [NUM_DRAFTS], tables, seq.block_size, masked=masked)
+    drafts = speculator.draft(batch, hidden, seq.kv_caches,
+                              BestBanned(batch.num_drafts) if masked and group.rank == 0 else None)
     return dict(logits=torch.stack(logits)[:, 0], drafts=drafts, bytes_read=assistant.bytes_read,
                 bytes_held=state_bytes(assistant))
 
@@ -106,6 +126,7 @@ def _rank_main(rank: int, init_method: str, cases: dict, drafters: dict, out_dir
     group = join_group(rank, 2, init_method, timeout_s=120)
     results = {f"drafter_{name}": {str(dtype): run_drafts(*case, dtype, group) for dtype in (torch.float64, torch.float32)}
                for name, case in drafters.items()}
+    results["drafter_masked"] = run_drafts(*drafters["lm_head"], torch.float64, group, masked=True)
     for name, (path, layout, chunk_end, decode_ids) in cases.items():
         exact = run_steps(load_model(path, dtype=torch.float64, parallel=group), layout, chunk_end, decode_ids)
         model = load_model(path, parallel=group)
@@ -227,6 +248,20 @@ def test_sizes_that_do_not_divide_are_refused(variant, size, dimension, tp_cases
     _, cases = tp_cases
     with pytest.raises(ShardingError, match=re.escape(dimension)):
         local_spec(load_spec(cases[variant][0]), ParallelGroup(0, size))
+
+
+def test_tp2_drafts_masked_on_rank_0_reach_every_rank(drafter_cases, tp2_runs):
+    """A constrained round: rank 0 alone masks (a stand-in grammar that bans each step's best
+    token), and its drafts are every rank's: TP=2 equals TP=1 masked the same way (fp64, 1e-10),
+    which it could not if rank 1 fed its own unmasked argmax to the next draft step."""
+    seed, cases = drafter_cases
+    ref = run_drafts(*cases["lm_head"], torch.float64, masked=True)
+    assert ref["drafts"] != run_drafts(*cases["lm_head"], torch.float64)["drafts"]   # the mask changed them
+    for rank in range(2):
+        run = tp2_runs[rank]["drafter_masked"]
+        assert max_error(run["logits"], ref["logits"]) < 1e-10, f"seed {seed}, rank {rank}"
+        assert run["drafts"] == tp2_runs[0]["drafter_masked"]["drafts"]
+    assert tp2_runs[0]["drafter_masked"]["drafts"] == ref["drafts"], f"seed {seed}"
 
 
 def test_an_assistant_that_does_not_divide_is_refused_before_any_spawn(drafter_cases, tmp_path):

@@ -3,13 +3,14 @@ spawns rank 1, both gloo processes run their shard of a fresh random E-style che
 embeddings, KV sharing) and of its assistant, and a video prompt's greedy tokens, drafted and
 verified, equal transformers' (the TP=1 ground truth our TP=1 server is tested against in
 test_server_family.py, without speculation) with chunked prefill, a prefix-cache hit and n samples,
-as do the same request's without speculation; a grammar request does not draft (its masks are
-rank 0's); GetModelInfo and the metrics report the layout. One server for the module."""
+as do the same request's without speculation; a grammar request drafts through rank 0's masks;
+GetModelInfo and the metrics report the layout. One server for the module."""
 
 from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 from loopback_server import LoopbackServer, engine_config
@@ -25,6 +26,9 @@ from mmserve.model.spec import load_spec
 
 MAX_TOKENS = 8
 REPEATS = "the cat sat on the mat and then the cat sat again on the other mat"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["ab", "cd"]}},
+          "required": ["n", "tag"], "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +82,24 @@ def test_tp2_server_greedy_matches_transformers(tp_server, make_video):
     print(f"seed {seed}: {counter(metrics, 'mmserve_speculative_accepted_tokens_total'):g} of {drafts:g} drafts kept")
 
 
-def test_tp2_grammar_request_does_not_draft(tp_server):
-    """Its grammar masks live on rank 0 alone: at TP > 1 it decodes one token per step, and completes."""
-    _, server, _, metrics = tp_server
-    before = counter(metrics, "mmserve_speculative_draft_tokens_total")
+def test_tp2_grammar_request_drafts_through_rank_0s_masks(tp_server):
+    """Only rank 0 holds the grammar: a constrained round's drafts are its masked argmax, which the
+    other rank takes each draft step. Same greedy tokens as with `disable_speculation`, output the
+    grammar allows, drafts verified and some kept (the grammar forces many of its tokens)."""
+    _, server, seed, metrics = tp_server
     with Client(server.address, timeout=120) as client:
-        out = client.generate(prompt="Answer:", max_tokens=8, temperature=0, json_schema='{"type": "boolean"}')
-    assert len(out.token_ids) > 0
-    assert counter(metrics, "mmserve_speculative_draft_tokens_total") == before
+        ask = dict(prompt="Answer:", max_tokens=40, temperature=0, json_schema=SCHEMA)
+        plain = client.generate(**ask, disable_speculation=True)
+        before = [counter(metrics, f"mmserve_speculative_{k}_tokens_total") for k in ("draft", "accepted")]
+        fast = client.generate(**ask)
+    assert list(fast.token_ids) == list(plain.token_ids), f"seed {seed}"
+    if fast.finish_reason == "eos":
+        assert set(json.loads(fast.text)) == {"n", "tag"}, fast.text
+    deadline = time.monotonic() + 30   # the step records reach the metrics just after the reply
+    while time.monotonic() < deadline and (after := [counter(metrics, f"mmserve_speculative_{k}_tokens_total")
+                                                     for k in ("draft", "accepted")]) == before:
+        time.sleep(0.05)
+    assert after[0] > before[0] and after[1] > before[1], (seed, before, after, fast.text)
 
 
 def test_model_info_and_metrics_report_the_layout(tp_server):

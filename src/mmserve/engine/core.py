@@ -39,7 +39,7 @@ from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
-from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, verify_rows
+from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
@@ -375,7 +375,7 @@ class EngineCore:
         for a in accepted:
             first, row = row, row + len(a.scheduled.draft_token_ids) + 1
             request = a.scheduled.request
-            if a.finish_reason or a.error or not self.speculator.speculates(request.sampling_params):
+            if a.finish_reason or a.error or not speculates(request.sampling_params):
                 continue
             if (k := self.speculator.num_drafts(request)) > 0:
                 items.append(DraftFrom(request, a.tokens[-1], first + len(a.tokens) - 1, request.num_computed_tokens, k))

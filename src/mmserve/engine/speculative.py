@@ -20,7 +20,8 @@ the assistant and of the target's K/V: rank 0 turns the round into a `DraftBatch
 its runner broadcasts it (`on_ranks`), and each rank reads its own copy of the step's hidden states
 (replicated by the final all-reduce) by row. The logits each rank takes the argmax of are the same
 all-gathered bits everywhere, so every rank feeds the same drafts to its next step. Grammar masks
-are rank 0's alone, so there a request with a response_format does not draft (`Speculator.speculates`).
+are rank 0's alone: a round that masks some request's drafts (`DraftBatch.masked`) takes each
+draft step's tokens from rank 0 (one broadcast of R ids per draft step).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class DraftBatch:
     num_drafts: list[int]
     block_tables: dict[str, list[list[int]]]   # per layer type the assistant reads, per item
     block_size: int
+    masked: bool = False   # rank 0 masks some item's drafts by its grammar: every rank takes its tokens
 
 
 def _run_here(batch: DraftBatch, loop: Callable[[], list[list[int]]]) -> list[list[int]]:
@@ -139,11 +141,6 @@ class Speculator:
                                    parallel=target.parallel)
         return cls(assistant, target, num_tokens)
 
-    def speculates(self, params: SamplingParams) -> bool:
-        """Whether a request drafts. A grammar's masks live on rank 0 alone, so under tensor
-        parallelism a request with a response_format decodes one token per step."""
-        return speculates(params) and (self.target.parallel.size == 1 or params.response_format is None)
-
     def kv_specs(self, specs: dict[str, LayerAttentionSpec]) -> dict[str, LayerAttentionSpec]:
         """The target's attention specs with each window wide enough for the assistant too: its sliding
         layers read window + 1 keys before the token drafted from, which sliding-window freeing must keep."""
@@ -163,8 +160,7 @@ class Speculator:
                 ) -> list[list[int]]:
         """Greedy drafts for each item (num_drafts of them, fewer where its grammar ends them), all
         items batched in every draft step; `hidden`: the step's hidden states (StepResult.hidden),
-        which the items' rows index; `grammar` masks the constrained items' drafts (on rank 0: under
-        tensor parallelism no constrained item drafts, so no rank needs a mask)."""
+        which the items' rows index; `grammar` masks the constrained items' drafts (on rank 0)."""
         if not items:
             return []
         tables = {t: [kv.block_table(i.request.request_id, t) for i in items]
@@ -172,13 +168,14 @@ class Speculator:
         batch = DraftBatch([i.token for i in items], [i.row for i in items], [i.num_keys for i in items],
                            [i.num_drafts for i in items], tables, block_size)
         masks = grammar.draft_masks([i.request.request_id for i in items], batch.num_drafts) if grammar else None
+        batch.masked = masks is not None
         return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
 
     @torch.inference_mode()
     def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
               masks: DraftMasks | None = None) -> list[list[int]]:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
-        states, its shard of the K/V); `masks` (rank 0's, TP=1 only) the constrained items' grammar."""
+        states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
         device = self.target.device
         shared = {t: gather_shared_kv(kv_caches[self.stores[t]], tables, batch.num_keys,
                                       self.assistant.spec.attention[t].window, batch.block_size)
@@ -194,6 +191,8 @@ class Speculator:
                 if masks is not None:
                     masks.apply(logits)
                 tokens = logits.argmax(dim=-1)
+                if batch.masked:   # only rank 0 applied the masks: its tokens are the drafts
+                    tokens = self.target.parallel.broadcast(tokens)
                 drafted.append(tokens)
                 if masks is not None:   # a host sync per draft step, only when some item is constrained
                     masks.advance(step, tokens.tolist())

@@ -34,6 +34,14 @@ class ParallelGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
         if self.size == 1:
