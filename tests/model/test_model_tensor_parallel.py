@@ -219,9 +219,9 @@ def test_each_rank_reads_only_its_shard(variant, tp_cases, tp2_runs):
 def test_tp2_drafter_equals_tp1(head, drafter_cases, tp2_runs):
     """The drafter sharded like its target, reading each rank's shard of the target's K/V: every
     draft step's logits equal TP=1's in fp64 to 1e-10 (a sharding mistake is O(1)), with TP=1's
-    drafts; in fp32 within 1e-4 (the target's own fp32 TP=2 deviation, ~1e-5 on these random models,
-    reaches the drafter through its hidden state and K/V; seen up to 2e-5), every rank drafting the
-    same tokens; each rank read only its shard of the assistant
+    drafts; in fp32 within 1e-3, every rank drafting the same tokens (the target's own fp32 TP=2
+    deviation, up to ~1e-4 on these ill-conditioned random models, reaches the drafter through its
+    hidden state and K/V: seen from 7e-6 to 1.3e-4; a precision slip, e.g. a bf16 all-reduce, is ~1e-2); each rank read only its shard of the assistant
     (the replicated projections and norms make it more than half)."""
     seed, cases = drafter_cases
     ref64, ref = run_drafts(*cases[head], torch.float64), run_drafts(*cases[head], torch.float32)
@@ -230,7 +230,7 @@ def test_tp2_drafter_equals_tp1(head, drafter_cases, tp2_runs):
         assert run64["logits"].shape == run["logits"].shape == (NUM_DRAFTS, VOCAB)
         assert max_error(run64["logits"], ref64["logits"]) < 1e-10, f"seed {seed}, rank {rank}"
         assert run64["drafts"] == ref64["drafts"], f"seed {seed}, rank {rank}"
-        assert max_error(run["logits"], ref["logits"]) < 1e-4, f"seed {seed}, rank {rank}"
+        assert max_error(run["logits"], ref["logits"]) < 1e-3, f"seed {seed}, rank {rank}"
         assert run["drafts"] == tp2_runs[0][f"drafter_{head}"][str(torch.float32)]["drafts"]
         assert run["bytes_read"] == run["bytes_held"] < 0.8 * ref["bytes_held"]
 
