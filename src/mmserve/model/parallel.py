@@ -118,7 +118,7 @@ def _rendezvous_store(init_method: str, rank: int, size: int, timeout):
         store = dist.FileStore(init_method.removeprefix("file://"), size)
         store.set_timeout(timeout)
         return store
-    if init_method == "env://" and not os.environ.get("TORCHELASTIC_USE_AGENT_STORE"):
+    if init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":   # as torch reads it
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=size,
                              is_master=rank == 0, timeout=timeout, wait_for_workers=False, multi_tenant=True)
     return None
