@@ -22,6 +22,10 @@
              at the serving model's dimensions, against the weight-read floor (bytes / 4.3 TB/s).
 7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
              prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
+8. collectives  tensor parallelism's per-layer collective (issue 26): the all-reduce of [rows, hidden]
+             bf16 over a single-rank NCCL group (TP on one lent GPU is 1) at decode and prefill row
+             counts for each family member's width, per call and per layer / per step; beside it the
+             ring all-reduce's NVLink wire time at TP 2/4/8, a model (bytes / datasheet bandwidth).
 
 Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
 when a call cannot be captured), median of repeats; one call's own event time minus that is
@@ -739,11 +743,79 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) ->
     return _median(samples)
 
 
+# --- 8. collectives: tensor parallelism's all-reduce per layer, on a single-rank NCCL group -----------
+
+TP_MEMBERS = ("e4b", "12b_unified", "26b_a4b", "31b")   # widths and layer counts: tests/fixtures/gemma4_family
+NVLINK_BYTES_PER_S = 450e9   # H100/H200 NVLink 4: 900 GB/s per GPU, both directions together
+TP_SIZES = (2, 4, 8)
+
+
+def tp_layout(name: str) -> dict:
+    """A member's hidden width, layers and all-reduces per layer: after o_proj and the MLP, and the
+    routed experts' on the MoE model (model/decoder.py, model/moe.py)."""
+    text = json.loads((FAMILY / f"{name}.json").read_text())["text_config"]
+    return {"hidden": text["hidden_size"], "layers": text["num_hidden_layers"],
+            "per_layer": 3 if text.get("enable_moe_block") else 2}
+
+
+@contextlib.contextmanager
+def single_rank_group(device: str):
+    """The default process group of one rank: NCCL on CUDA (what the layers' all-reduce calls there),
+    gloo on the smoke run; torn down afterwards so no other section sees it."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as rendezvous:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{rendezvous}/file",
+                                rank=0, world_size=1)
+        try:
+            yield dist.group.WORLD
+        finally:
+            dist.destroy_process_group()
+
+
+def ring_wire_us(nbytes: int, ranks: int) -> float:
+    """A ring all-reduce's time on the wire alone: each GPU sends and receives 2 (N - 1) / N of the
+    tensor (reduce-scatter, then all-gather) at the link's one-direction bandwidth; no latency."""
+    return 2 * (ranks - 1) / ranks * nbytes / NVLINK_BYTES_PER_S * 1e6
+
+
+def collectives(sizes: Sizes, device: str) -> dict:
+    """Per call: the all-reduce of a decode step's (batch rows) or a prefill chunk's rows of hidden
+    states, timed as the other kernels are (graph replays, or back-to-back calls between events);
+    per layer and per step: times the layer's all-reduces (per step: every layer and the embedding's).
+    With one rank NCCL moves nothing over a link: this is the floor a collective adds (launch, the
+    kernel's fixed cost), and it tells whether the layers' collectives can be captured into the
+    decode graphs; the NVLink columns model the bytes a real group would add."""
+    import torch.distributed as dist
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32   # gloo's CPU all-reduce: no bf16
+    rows_list = (*sizes.decode_batches, sizes.chunk)
+    out = []
+    with single_rank_group(device) as group:
+        for name in TP_MEMBERS:
+            layout = tp_layout(name)
+            for rows in rows_list:
+                x = torch.randn(rows, layout["hidden"], dtype=dtype, device=device)
+                timing = device_time(lambda x=x: dist.all_reduce(x, group=group), device, sizes.repeats)
+                row = {"model": name, "rows": rows, "phase": "prefill" if rows == sizes.chunk else "decode",
+                       "bytes": x.numel() * x.element_size()}
+                ms = timing["ms"]
+                add_timing(row, "all_reduce", timing)
+                row.update(per_layer_us=layout["per_layer"] * ms * 1e3,
+                           per_step_ms=(layout["layers"] * layout["per_layer"] + 1) * ms)
+                for n in TP_SIZES:
+                    row[f"nvlink_tp{n}_per_layer_us"] = layout["per_layer"] * ring_wire_us(row["bytes"], n)
+                out.append(row)
+    methods = {r["all_reduce_method"] for r in out}
+    return {"ok": True, "backend": "nccl" if device == "cuda" else "gloo", "dtype": str(dtype),
+            "captured": methods == {"graph"}, "methods": sorted(methods), "rows": out}
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "compiles": compiles, "tiles": tiles, "fallback": fallback,
-    "decode": decode, "serving": serving}
+    "decode": decode, "serving": serving, "collectives": collectives}
 
 
 def machine(device: str) -> dict:

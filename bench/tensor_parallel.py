@@ -11,8 +11,9 @@ Two CPU cores cannot show a real TP speed-up: each rank does half the matmuls bu
 cores TP=1 can already use, and every layer adds collectives (a GPU rank brings its own memory
 bandwidth; a CPU rank brings nothing). What this measures is the overhead: the collectives' share
 of rank 0's step (time in gloo's broadcast/all-reduce/all-gather, which includes waiting for rank 1
-to reach them), and the step times side by side. The GPU section (a single-rank NCCL group on the lent
-GPU) is not written yet.
+to reach them), and the step times side by side. The GPU side (TP on one lent GPU is 1: the per-layer
+all-reduce over a single-rank NCCL group, at decode and prefill row counts) is bench/gpu_check.py's
+`collectives` section.
 """
 
 from __future__ import annotations

@@ -69,3 +69,23 @@ def test_a_graph_run_that_replayed_no_graph_fails(gpu_check):
     assert not gpu_check.graphs_ran({"graphs_enabled": True, "graph_replays": 0}, "cuda")
     assert gpu_check.graphs_ran({"graphs_enabled": True, "graph_replays": 3}, "cuda")
     assert gpu_check.graphs_ran({"graphs_enabled": False, "graph_replays": 0}, "cpu")   # CPU steps are eager
+
+
+def test_the_collectives_section_times_an_all_reduce_per_member_and_phase(gpu_check, tmp_path):
+    """On the smoke run a single-rank gloo group stands in for the GPU's NCCL one: every family
+    member's width at the decode and prefill row counts, and the group torn down afterwards."""
+    import torch.distributed as dist
+
+    out = tmp_path / "collectives.json"
+    assert gpu_check.main(["--smoke", "--only", "collectives", "--out", str(out)]) == 0
+    assert not dist.is_initialized()
+    section = json.loads(out.read_text())["sections"]["collectives"]
+    rows = section["rows"]
+    assert {(r["model"], r["phase"]) for r in rows} == {(m, p) for m in gpu_check.TP_MEMBERS
+                                                        for p in ("decode", "prefill")}
+    for r in rows:
+        layout = gpu_check.tp_layout(r["model"])
+        assert r["bytes"] == r["rows"] * layout["hidden"] * 4 and r["all_reduce_ms"] > 0
+        assert r["per_step_ms"] > r["per_layer_us"] / 1e3
+        assert r["nvlink_tp2_per_layer_us"] < r["nvlink_tp8_per_layer_us"]
+    assert gpu_check.tp_layout("26b_a4b")["per_layer"] == 3 and gpu_check.tp_layout("31b")["per_layer"] == 2

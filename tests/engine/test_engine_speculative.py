@@ -185,16 +185,6 @@ def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
     assert eos not in expected[:2] and eos in expected[2:], "min_tokens must hold EOS back for rows 0-1 only"
 
 
-def test_speculation_with_tensor_parallelism_is_refused_naming_both(models):
-    from mmserve.config import EngineConfig
-    from mmserve.engine.core import EngineCore
-    from mmserve.model.spec import UnsupportedModelError
-
-    (model, _), assistant = models
-    with pytest.raises(UnsupportedModelError, match="--speculative-model with --tensor-parallel-size > 1"):
-        EngineCore(EngineConfig(device="cpu", speculative_model=assistant, tensor_parallel_size=2), model=model)
-
-
 def test_tokens_equal_transformers_assisted_generation_at_batch_1(tmp_path):
     """transformers' generate(assistant_model=...) with the same assistant checkpoint, greedy, batch 1.
     transformers treats a generated image/audio placeholder id as a media slot (the engine does

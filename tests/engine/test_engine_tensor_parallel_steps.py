@@ -79,3 +79,9 @@ def test_a_worker_runner_is_sized_like_rank_0_and_refuses_another_dtype():
     assert (sized.max_num_seqs, sized.max_num_batched_tokens, sized.model, sized.node_rank) == (4, 256, "/elsewhere", 1)
     with pytest.raises(ValueError, match="--dtype bfloat16 differs from rank 0's float32"):
         runner_config(EngineConfig(device="cpu", dtype="bfloat16"), leader)
+    # every rank drafts (its shard of the assistant), so a node without --speculative-model is refused
+    drafting = EngineConfig(device="cpu", dtype="float32", speculative_model="/assistant", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--speculative-model is set on rank 0 but not set here"):
+        runner_config(own, drafting)
+    elsewhere = EngineConfig(model="/m", device="cpu", dtype="float32", speculative_model="/here/assistant")
+    assert runner_config(elsewhere, drafting).speculative_model == "/here/assistant"   # this node's path

@@ -24,7 +24,7 @@ from mmserve.model.spec import load_spec
 def random_assistant(fixtures, tmp_path, rng: random.Random, *, ordered: bool):
     target = fixtures.tiny_config(window=rng.randint(3, 9))
     cfg = fixtures.assistant_config(target, ordered=ordered, hidden=rng.choice([24, 40, 56]),
-                                    intermediate_size=rng.randint(20, 90), num_attention_heads=rng.choice([2, 4, 6]))
+                                    intermediate_size=2 * rng.randint(10, 45), num_attention_heads=rng.choice([2, 4, 6]))
     path = tmp_path / f"assistant-{ordered}"
     path.mkdir()
     Gemma4AssistantConfig(**cfg).to_json_file(str(path / "config.json"))
@@ -34,10 +34,11 @@ def random_assistant(fixtures, tmp_path, rng: random.Random, *, ordered: bool):
     return dict(target["text_config"], model_type="gemma4_text"), spec, model
 
 
-def hand_count(spec, model: Assistant, drafts: list[DraftWork]) -> tuple[float, float]:
-    """(FLOPs, weight bytes at bf16) of the draft steps, from the module's own parameters."""
+def hand_count(spec, model: Assistant, drafts: list[DraftWork], tp: int = 1) -> tuple[float, float]:
+    """(FLOPs, weight bytes at bf16) of the draft steps, from the module's own parameters (one rank's
+    shard at `tp` > 1: the centroid head scores its share of the selected rows, on average)."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
-    head = spec.hidden_size * spec.centroid_top_k * spec.vocab_size // spec.num_centroids \
+    head = spec.hidden_size * spec.centroid_top_k * spec.vocab_size / spec.num_centroids / tp \
         if spec.use_ordered_embeddings else 0 if model.lm_head is not None else model.head_weight.numel()
     flops = weights = 0.0
     for step in range(max(d.num_rows for d in drafts)):
@@ -47,7 +48,7 @@ def hand_count(spec, model: Assistant, drafts: list[DraftWork]) -> tuple[float, 
         for t in spec.layer_types:
             a = spec.attention[t]
             pairs = sum(d.num_keys if a.window is None else min(d.num_keys, a.window + 1) for d in active)
-            flops += 2 * 2 * a.num_heads * a.head_dim * pairs
+            flops += 2 * 2 * a.num_heads / tp * a.head_dim * pairs
     return flops, weights
 
 
@@ -62,6 +63,25 @@ def test_drafter_flops_and_weight_reads_equal_a_hand_count(gemma4_fixtures, tmp_
         assert got.total_flops == flops, (ordered, drafts)
         assert sum(v for k, v in got.read_bytes.items() if k.endswith("_weight")) == weights, (ordered, drafts)
         assert got.write_bytes["drafter.kv_cache"] == 0   # it reads the target's K/V, writes none
+
+
+def test_drafter_per_gpu_at_tp2_equals_a_hand_count_over_one_ranks_shard(gemma4_fixtures, tmp_path):
+    """Under tensor parallelism each rank runs its shard of the drafter (model/assistant.py): per GPU,
+    the model bills that shard's matmuls and weights, not the whole drafter."""
+    from mmserve.model.parallel import ParallelGroup
+
+    rng = random.Random()
+    for ordered in (False, True):
+        target, spec, whole = random_assistant(gemma4_fixtures, tmp_path, rng, ordered=ordered)
+        with torch.device("meta"):
+            shard = Assistant(spec, ParallelGroup(0, 2))
+        perf = PerfModel(load_spec(target), drafter=spec, tp=2)
+        drafts = [DraftWork(rng.randint(1, 4), rng.randint(1, 40)) for _ in range(rng.randint(1, 4))]
+        got = perf.step(StepContext(drafts=tuple(drafts)), per_gpu=True).component("drafter")
+        flops, weights = hand_count(spec, shard, drafts, tp=2)
+        assert got.total_flops == pytest.approx(flops, rel=1e-12), (ordered, drafts)
+        assert sum(v for k, v in got.read_bytes.items() if k.endswith("_weight")) == pytest.approx(weights, rel=1e-12)
+        assert got.total_flops < 0.8 * perf.step(StepContext(drafts=tuple(drafts))).component("drafter").total_flops
 
 
 def test_a_step_without_drafts_is_billed_as_without_a_drafter(gemma4_fixtures, tmp_path):

@@ -21,11 +21,12 @@ ENGINE_PID = re.compile(r"engine process (\d+) started")
 
 
 class ServeProcess:
-    """`python -m mmserve.cli serve` with its log collected on a thread (so the pipe never fills)."""
+    """`python -m mmserve.cli serve` (or another `command`) with its log collected on a thread (so the
+    pipe never fills)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, command: str = "serve") -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", *args], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", command, *args], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.port: int | None = None

@@ -77,6 +77,25 @@ def test_a_lost_rank_fails_in_flight_requests_and_the_server_exits_nonzero(victi
                 os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.slow
+def test_a_worker_killed_during_start_up_fails_the_start_naming_it(tiny_checkpoint):
+    """Killed the moment it is spawned (still importing, before it joins the rendezvous, where rank 0
+    used to wait out the 900 s start-up timeout): `serve` exits 1 within seconds, naming the rank."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2")
+    try:
+        deadline = time.monotonic() + 120
+        while not (spawned := WORKER_PID.search(server.log)):
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.01)
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        assert server.proc.wait(60) == 1, server.log
+        assert re.search(r"the engine failed to start: .*tensor-parallel rank 1 \(pid \d+, exit code -9\) died",
+                         server.log), server.log
+    finally:
+        server.stop()
+
+
 def test_a_size_the_model_cannot_split_is_refused_at_start_naming_the_dimension(tiny_checkpoint):
     """The tiny checkpoint's vocabulary (320) does not split 3 ways: `serve` exits 1 before any rank
     is spawned, and the log says which dimension."""
@@ -141,6 +160,75 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:   # a free port for node 0's TCP store (ephemeral, loopback)
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_rank_lost_on_another_node_is_named(tiny_checkpoint, monkeypatch):
+    """Rank 1 runs on a second "node" (`mmserve worker`, both on 127.0.0.1) and is killed mid-stream:
+    the stream ends UNAVAILABLE naming rank 1 with its node, pid and exit code (node 0 cannot see
+    that process: the worker node reports it through node 0's store), and both nodes exit 1."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2",
+             "--tensor-parallel-timeout-s", str(TIMEOUT_S))
+    server = ServeProcess("--port", "0", "--max-num-seqs", "4", "--worker-threads", "1", *group)
+    node = ServeProcess(*group, "--node-rank", "1", command="worker")
+    try:
+        port = serving_port(server)
+        rank1 = int(WORKER_PID.search(node.log).group(1))
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = pb_grpc.GenerationStub(ch).Generate(text_request("doomed", 500))
+                assert (await call.read()).delta.token_ids
+                os.kill(rank1, signal.SIGKILL)
+                result = await read_stream(call)
+                assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                assert re.search(rf"tensor-parallel rank 1 \(node 1, pid {rank1}, exit code -9\) died",
+                                 result.details), result.details
+
+        asyncio.run(scenario())
+        assert server.proc.wait(60) == 1, server.log
+        assert node.proc.wait(60) == 1, node.log
+    finally:
+        server.stop()
+        node.stop()
+
+
+@pytest.mark.slow
+def test_a_rank_lost_on_another_node_during_start_up_fails_the_start_naming_it(tiny_checkpoint, monkeypatch):
+    """Rank 1 (a second "node") killed the moment it is spawned, before it joins: its `mmserve worker`
+    reports it, and `serve` exits 1 naming it within seconds, rather than waiting in the rendezvous
+    for the 900 s start-up timeout."""
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("GLOO_SOCKET_IFNAME", "lo")):
+        monkeypatch.setenv(name, value)
+    group = ("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2", "--nnodes", "2")
+    server = ServeProcess("--port", "0", "--worker-threads", "1", *group)
+    node = None
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for 2 ranks to join" not in server.log:   # node 0's store is up
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.log
+            time.sleep(0.01)
+        node = ServeProcess(*group, "--node-rank", "1", command="worker")
+        while not (spawned := WORKER_PID.search(node.log)):
+            assert time.monotonic() < deadline and node.proc.poll() is None, node.log
+            time.sleep(0.01)
+        os.kill(int(spawned.group(1)), signal.SIGKILL)
+        assert server.proc.wait(60) == 1, server.log
+        assert re.search(rf"the engine failed to start: .*tensor-parallel rank 1 \(node 1, pid {spawned.group(1)}, "
+                         r"exit code -9\) died", server.log), server.log
+        assert node.proc.wait(60) == 1, node.log
+    finally:
+        server.stop()
+        if node is not None:
+            node.stop()
 
 
 @pytest.mark.slow

@@ -45,7 +45,6 @@ from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
-from mmserve.model.spec import UnsupportedModelError
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
 from mmserve.scheduler.request import Request
@@ -90,9 +89,6 @@ class EngineCore:
     tensor-parallel rank 0 passes its own, engine/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
-        if config.speculative_model and config.tensor_parallel_size > 1:
-            raise UnsupportedModelError("--speculative-model with --tensor-parallel-size > 1 is not supported yet: "
-                                        "the drafter reads the target's whole K/V, which the ranks split by head")
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
@@ -382,10 +378,10 @@ class EngineCore:
             if a.finish_reason or a.error or not speculates(request.sampling_params):
                 continue
             if (k := self.speculator.num_drafts(request)) > 0:
-                items.append(DraftFrom(request, a.tokens[-1], step.hidden[first + len(a.tokens) - 1],
-                                       request.num_computed_tokens, k))
+                items.append(DraftFrom(request, a.tokens[-1], first + len(a.tokens) - 1, request.num_computed_tokens, k))
         for item, drafts in zip(items, self.speculator.propose(items, self.kv, self.runner.kv_caches,
-                                                                self.config.block_size, grammar=self.sampler.grammar),
+                                                                self.config.block_size, hidden=step.hidden,
+                                                                grammar=self.sampler.grammar),
                                 strict=True):
             item.request.draft_token_ids = drafts
         rows = max((i.num_drafts for i in items), default=0)   # the loop runs every item to the longest

@@ -135,6 +135,8 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
         tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None
         core = EngineCore(config, model=load_rank_model(config, tp.group), tokenizer=tokenizer,
                           runner_factory=tp.runner_factory)
+        if core.speculator is not None:
+            tp.runner.serve_drafts(core.speculator)
     spec = core.model.spec
     ready = EngineReady(
         model_name=Path(config.model).name, backend=core.model.attention_backend,

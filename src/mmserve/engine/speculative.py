@@ -14,18 +14,27 @@ per step, as before. Penalties, min_tokens, logit_bias and a grammar's mask appl
 row as if its drafts were already output (`VerifyRow`); a constrained request's drafts are masked
 by its grammar as they are drafted (structured_output.DraftMasks); logprobs of a verify chunk's
 tokens are each token's under the target's row that scored it.
+
+Under tensor parallelism the draft loop (`Speculator.draft`) runs on every rank over its shards of
+the assistant and of the target's K/V: rank 0 turns the round into a `DraftBatch` of plain data,
+its runner broadcasts it (`on_ranks`), and each rank reads its own copy of the step's hidden states
+(replicated by the final all-reduce) by row. The logits each rank takes the argmax of are the same
+all-gathered bits everywhere, so every rank feeds the same drafts to its next step. Grammar masks
+are rank 0's alone: a round that masks some request's drafts (`DraftBatch.masked`) takes each
+draft step's tokens from rank 0 (one broadcast of R ids per draft step).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.engine.sampling_params import SamplingParams
-from mmserve.engine.structured_output import StructuredOutput
+from mmserve.engine.structured_output import DraftMasks, StructuredOutput
 from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.request import Request
@@ -79,13 +88,31 @@ def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
 @dataclass
 class DraftFrom:
     """One request to draft for: `token` (its last, not yet computed) at position `num_keys`, and
-    the target's final hidden state of the row that produced it."""
+    the row of the step's hidden states (`StepResult.hidden`) that produced it."""
 
     request: Request
     token: int
-    hidden: torch.Tensor   # [hidden]
+    row: int
     num_keys: int
     num_drafts: int
+
+
+@dataclass
+class DraftBatch:
+    """One drafting round as plain data: everything a rank needs beside its own shards and its own
+    copy of the step's hidden states (tensor parallelism broadcasts it to every rank)."""
+
+    tokens: list[int]
+    rows: list[int]
+    num_keys: list[int]
+    num_drafts: list[int]
+    block_tables: dict[str, list[list[int]]]   # per layer type the assistant reads, per item
+    block_size: int
+    masked: bool = False   # rank 0 masks some item's drafts by its grammar: every rank takes its tokens
+
+
+def _run_here(batch: DraftBatch, loop: Callable[[], list[list[int]]]) -> list[list[int]]:
+    return loop()
 
 
 class Speculator:
@@ -97,6 +124,9 @@ class Speculator:
         # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
         self.verified = [0] * num_tokens
         self.accepted = [0] * num_tokens
+        # runs a round's loop on every rank: here alone, or (tensor parallelism) rank 0's runner
+        # broadcasting the batch to the workers first (engine/tensor_parallel.py sets it)
+        self.on_ranks: Callable[[DraftBatch, Callable[[], list[list[int]]]], list[list[int]]] = _run_here
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for i in range(num_drafts):
@@ -105,7 +135,11 @@ class Speculator:
 
     @classmethod
     def load(cls, path: str, target, num_tokens: int) -> Speculator:
-        return cls(load_assistant(path, target.spec, dtype=target.dtype, device=target.device), target, num_tokens)
+        """The assistant at `path` for `target` (a rank's shard of it under tensor parallelism: the
+        assistant is sharded by the same group)."""
+        assistant = load_assistant(path, target.decoder.spec, dtype=target.dtype, device=target.device,
+                                   parallel=target.parallel)
+        return cls(assistant, target, num_tokens)
 
     def kv_specs(self, specs: dict[str, LayerAttentionSpec]) -> dict[str, LayerAttentionSpec]:
         """The target's attention specs with each window wide enough for the assistant too: its sliding
@@ -121,25 +155,35 @@ class Speculator:
         left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
         return max(0, min(self.num_tokens, left))
 
-    @torch.inference_mode()
     def propose(self, items: list[DraftFrom], kv: KVCacheManager, kv_caches: list[torch.Tensor],
-                block_size: int, *, grammar: StructuredOutput | None = None) -> list[list[int]]:
+                block_size: int, *, hidden: torch.Tensor, grammar: StructuredOutput | None = None
+                ) -> list[list[int]]:
         """Greedy drafts for each item (num_drafts of them, fewer where its grammar ends them), all
-        items batched in every draft step; `grammar` masks the constrained items' drafts."""
+        items batched in every draft step; `hidden`: the step's hidden states (StepResult.hidden),
+        which the items' rows index; `grammar` masks the constrained items' drafts (on rank 0)."""
         if not items:
             return []
+        tables = {t: [kv.block_table(i.request.request_id, t) for i in items]
+                  for t in self.stores if t in self.assistant.spec.attention}
+        batch = DraftBatch([i.token for i in items], [i.row for i in items], [i.num_keys for i in items],
+                           [i.num_drafts for i in items], tables, block_size)
+        masks = grammar.draft_masks([i.request.request_id for i in items], batch.num_drafts) if grammar else None
+        batch.masked = masks is not None
+        return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
+
+    @torch.inference_mode()
+    def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+              masks: DraftMasks | None = None) -> list[list[int]]:
+        """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
+        states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
         device = self.target.device
-        shared = {}
-        for t, layer in self.stores.items():
-            if t in self.assistant.spec.attention:
-                shared[t] = gather_shared_kv(kv_caches[layer], [kv.block_table(i.request.request_id, t) for i in items],
-                                             [i.num_keys for i in items], self.assistant.spec.attention[t].window,
-                                             block_size)
-        rope = self.assistant.rope(torch.tensor([i.num_keys for i in items], device=device), self.target.dtype)
-        tokens = torch.tensor([i.token for i in items], device=device)
-        hidden = torch.stack([i.hidden for i in items])
-        lengths = [i.num_drafts for i in items]
-        masks = grammar.draft_masks([i.request.request_id for i in items], lengths) if grammar is not None else None
+        shared = {t: gather_shared_kv(kv_caches[self.stores[t]], tables, batch.num_keys,
+                                      self.assistant.spec.attention[t].window, batch.block_size)
+                  for t, tables in batch.block_tables.items()}
+        rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
+        tokens = torch.tensor(batch.tokens, device=device)
+        hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
+        lengths = batch.num_drafts
         drafted = []
         try:
             for step in range(max(lengths)):
@@ -147,6 +191,8 @@ class Speculator:
                 if masks is not None:
                     masks.apply(logits)
                 tokens = logits.argmax(dim=-1)
+                if batch.masked:   # only rank 0 applied the masks: its tokens are the drafts
+                    tokens = self.target.parallel.broadcast(tokens)
                 drafted.append(tokens)
                 if masks is not None:   # a host sync per draft step, only when some item is constrained
                     masks.advance(step, tokens.tolist())

@@ -8,9 +8,15 @@ the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 
 travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
 keep a mirror of those requests and rebuild each step's SchedulerOutput from it.
 
+With a speculative model every rank also holds its shard of the drafter, and each drafting round
+is one more message (a `DraftBatch`, speculative.py) after which every rank runs the same draft
+loop (`Speculator.draft`) over its shards and the hidden states of its own last step.
+
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
-and the engine-crash path ends every request in flight with UNAVAILABLE.
+and the engine-crash path ends every request in flight with UNAVAILABLE. Rank 0 sees its own node's
+ranks exit (its children); a further node's `mmserve worker` reports a rank it lost into node 0's
+TCP store (the rendezvous's, MASTER_ADDR:MASTER_PORT), where rank 0 reads it.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 import torch
 
 from mmserve.config import EngineConfig
+from mmserve.engine.speculative import DraftBatch
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.model.parallel import ParallelGroup, join_group
 from mmserve.scheduler.output import SchedulerOutput
@@ -39,7 +46,11 @@ JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop mess
 # gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
 WORKER_WAIT_S = 365 * 24 * 3600.0
 ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
-EXIT_SEEN_S = 2.0   # after a failed collective, how long to wait for a dying rank's exit to be seen
+EXIT_SEEN_S = 3.0   # after a failed collective, how long to wait for a dying rank's exit (or report) to be seen
+REMOTE_CHECK_S = 1.0   # how often the idle core loop reads the store for ranks lost on other nodes
+STORE_TIMEOUT_S = 2.0   # rank 0's client of its own store: connect and reads
+REPORT_TIMEOUT_S = 30.0   # a worker node's report of a lost rank: node 0 may still be starting
+LOST_KEY = "mmserve/lost/{rank}"   # a further node's report of a rank it lost: "node N, pid P, exit code C"
 
 
 class RankLostError(BaseException):
@@ -93,6 +104,24 @@ def rendezvous(config: EngineConfig, private_dir: str) -> str:
     return "env://"
 
 
+def store_client(timeout_s: float = STORE_TIMEOUT_S):
+    """A client of node 0's TCP store, the multi-node rendezvous's (MASTER_ADDR:MASTER_PORT)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def report_lost(rank: int, what: str) -> None:
+    """A worker node tells rank 0 which of its ranks died and how (best effort: rank 0 may be gone)."""
+    try:
+        store_client(REPORT_TIMEOUT_S).set(LOST_KEY.format(rank=rank), what)
+    except Exception:
+        logger.debug("could not report rank %d's loss to node 0", rank, exc_info=True)
+
+
 def _use_device(device: str) -> str:
     """The collective backend for a rank's device; on CUDA the device is made current first (NCCL
     and broadcast_object_list use the current device, which would be cuda:0 on every rank)."""
@@ -124,7 +153,13 @@ def check_divisible(config: EngineConfig) -> None:
                          f"--nnodes {config.nnodes}")
     if config.node_rank >= config.nnodes:
         raise ValueError(f"--node-rank {config.node_rank}: there are only --nnodes {config.nnodes}")
-    local_spec(load_spec(config.model), ParallelGroup(0, config.tensor_parallel_size))
+    group = ParallelGroup(0, config.tensor_parallel_size)
+    local_spec(load_spec(config.model), group)
+    if config.speculative_model:
+        from mmserve.model.assistant import Assistant, load_assistant_spec
+
+        with torch.device("meta"):   # the same cuts the ranks make, on no storage
+            Assistant(load_assistant_spec(config.speculative_model), group)
 
 
 class TensorParallelGroup:
@@ -144,33 +179,58 @@ class TensorParallelGroup:
         self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
                                     args=(rank, config, init_method, log_level, log_format, os.getpid()))
                         for rank in range(1, ranks_per_node(config))]   # this node's other ranks
-        for w in self.workers:
+        for rank, w in enumerate(self.workers, start=1):
             w.start()
+            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
         self.failed = False   # a collective failed: the group is unusable, nothing more is sent
-        try:
+        logger.info("tensor-parallel: waiting for %d ranks to join (%s)", self.size, init_method)
+        # the ranks on other nodes (`mmserve worker`), whose losses come through the store
+        self.remote = list(range(ranks_per_node(config), self.size))
+        self._store = None
+        self._next_remote_check = 0.0
+        try:   # a rank that dies before it joins fails the start at once, naming it
             self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
-                                    startup_timeout_s=config.engine_ready_timeout_s)
+                                    startup_timeout_s=config.engine_ready_timeout_s, check_peers=self.check_alive)
         except BaseException:
             self.failed = True
             self.close()
             raise
         self.runner: TensorParallelRunner | None = None
-        for rank, w in enumerate(self.workers, start=1):
-            logger.info("tensor-parallel rank %d: process %d started", rank, w.pid)
 
     def runner_factory(self, model, plans, config, *, max_model_len: int):
         self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
         return self.runner
 
-    def dead_ranks(self) -> list[str]:
-        return [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
+    def dead_ranks(self, remote: bool = True) -> list[str]:
+        """This node's exited worker ranks and (with `remote`) those other nodes reported lost."""
+        dead = [f"rank {rank} (pid {w.pid}, exit code {w.exitcode})"
                 for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
+        return dead + self.remote_dead() if remote else dead
+
+    def remote_dead(self) -> list[str]:
+        """The ranks other nodes reported lost (none when the store cannot be read)."""
+        if not self.remote:
+            return []
+        try:
+            if self._store is None:
+                self._store = store_client()
+            keys = {rank: LOST_KEY.format(rank=rank) for rank in self.remote}
+            return [f"rank {rank} ({self._store.get(key).decode()})" for rank, key in keys.items()
+                    if self._store.check([key])]
+        except Exception:
+            logger.debug("could not read the store for lost ranks", exc_info=True)
+            return []
 
     def check_alive(self) -> None:
         """Raise naming every worker rank that has exited (the core loop calls it each iteration, so
-        a rank lost while the server is idle fails the engine too, not only the next step)."""
-        if dead := self.dead_ranks():
+        a rank lost while the server is idle fails the engine too, not only the next step; other
+        nodes' reports are read once per REMOTE_CHECK_S)."""
+        now = time.monotonic()
+        remote = bool(self.remote) and now >= self._next_remote_check
+        if remote:
+            self._next_remote_check = now + REMOTE_CHECK_S
+        if dead := self.dead_ranks(remote):
             self.failed = True
             raise RankLostError(f"tensor-parallel {', '.join(dead)} died")
 
@@ -238,6 +298,17 @@ class TensorParallelRunner:
 
         return self.tp.call(step)
 
+    def serve_drafts(self, speculator) -> None:
+        """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
+        def on_ranks(batch, loop):
+            def draft():
+                _broadcast(batch, self.tp.group)
+                return loop()
+
+            return self.tp.call(draft)
+
+        speculator.on_ranks = on_ranks
+
 
 def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
     """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0)
@@ -250,21 +321,22 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
     init_method = rendezvous(config, "")
     ctx = multiprocessing.get_context("spawn")
     first = config.node_rank * ranks_per_node(config)
-    ranks = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
-                         args=(rank, config, init_method, log_level, log_format, os.getpid()))
-             for rank in range(first, first + ranks_per_node(config))]
-    for p in ranks:
+    ranks = {rank: ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
+                               args=(rank, config, init_method, log_level, log_format, os.getpid()))
+             for rank in range(first, first + ranks_per_node(config))}
+    for rank, p in ranks.items():
         p.start()
-        logger.info("tensor-parallel rank %s: process %d started", p.name.removeprefix("mmserve-tp-rank"), p.pid)
+        logger.info("tensor-parallel rank %d: process %d started", rank, p.pid)
     while ranks:
-        for p in list(ranks):
+        for rank, p in list(ranks.items()):
             p.join(ORPHAN_POLL_S)
             if p.exitcode is None:
                 continue
-            ranks.remove(p)
+            del ranks[rank]
             if p.exitcode != 0:
                 logger.error("%s exited with code %s; stopping this node's other ranks", p.name, p.exitcode)
-                for other in ranks:
+                report_lost(rank, f"node {config.node_rank}, pid {p.pid}, exit code {p.exitcode}")
+                for other in ranks.values():
                     other.kill()
                     other.join()
                 return 1
@@ -278,8 +350,11 @@ def runner_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
         if getattr(own, name) != getattr(leader, name):
             raise ValueError(f"--{name.replace('_', '-')} {getattr(own, name)} differs from rank 0's "
                              f"{getattr(leader, name)}: give every node the same engine flags")
+    if bool(own.speculative_model) != bool(leader.speculative_model):
+        raise ValueError(f"--speculative-model is {'set' if leader.speculative_model else 'not set'} on rank 0 "
+                         f"but {'set' if own.speculative_model else 'not set'} here: give every node the same engine flags")
     return dataclasses.replace(leader, model=own.model, device=own.device, node_rank=own.node_rank,
-                               engine_threads=own.engine_threads)
+                               engine_threads=own.engine_threads, speculative_model=own.speculative_model)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -313,10 +388,19 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
                            backend=_use_device(rank_device(config, rank)), timeout_s=WORKER_WAIT_S)
         model = load_rank_model(config, group)
         plans, max_model_len, leader = _broadcast()
-        runner = ModelRunner(model, plans, runner_config(config, leader), max_model_len=max_model_len)
-        mirror = StepMirror()
+        own = runner_config(config, leader)
+        speculator = None
+        if own.speculative_model:
+            from mmserve.engine.speculative import Speculator
+
+            speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens)
+        runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
+        mirror, hidden = StepMirror(), None
         while (msg := _broadcast(group=group)) is not None:
-            runner.execute(mirror.decode(msg))
+            if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
+                speculator.draft(msg, hidden, runner.kv_caches)
+            else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
+                hidden = runner.execute(mirror.decode(msg)).hidden
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)

@@ -26,7 +26,9 @@ Conventions (documented in docs/tracing.md):
   rows that drafted through pre_projection, its layers (Q only, over the target's K/V: the keys
   before the drafted-from token, the last window + 1 on sliding layers), the MLP, the head (tied or
   centroid) and post_projection; its weights and those keys are read once per draft step. Verify
-  rows are ordinary target rows (a decode request's num_tokens). Speculation runs at tp = pp = 1.
+  rows are ordinary target rows (a decode request's num_tokens). Per GPU it is split as the
+  engine shards it (model/assistant.py): heads, MLP width and the head's vocabulary rows (the
+  centroid head's selected rows, on average) divide by tp; the projections and centroids do not.
 - per GPU = one average GPU of tp * pp: heads, FFN width, experts' width and vocab divide by tp
   (KV heads never below 1, they are replicated); layer counts, the vision encoder (first stage) and the
   unembedding (last stage) divide by pp, so per-GPU figures times the stage count give the whole model.
@@ -208,7 +210,7 @@ class PerfModel:
         if ctx.images and self.spec.vision is not None:
             self._vision(out, self.spec.vision, ctx.images, tp, pp)
         if ctx.drafts and self.drafter is not None:
-            self._drafter(out, self.drafter, ctx.drafts)
+            self._drafter(out, self.drafter, ctx.drafts, tp)
         return out
 
     # -- attention ---------------------------------------------------------------------------------
@@ -369,7 +371,7 @@ class PerfModel:
         out.read_bytes[f"{key}_weight"] += k * n * self.weight_bytes
         out.write_bytes[f"{key}_output"] += rows * n * (out_bytes or self.act_bytes)
 
-    def _drafter(self, out: PerfBreakdown, a: AssistantSpec, drafts: Sequence[DraftWork]) -> None:
+    def _drafter(self, out: PerfBreakdown, a: AssistantSpec, drafts: Sequence[DraftWork], tp: int = 1) -> None:
         """Each draft step batches the requests with a row left; layers reuse the target's formulas."""
         layers = Counter(a.layer_types)
         hidden, backbone = a.hidden_size, a.backbone_hidden_size
@@ -382,15 +384,15 @@ class PerfModel:
                 attn = a.attention[t]
                 seen = [d.num_keys if attn.window is None else min(d.num_keys, attn.window + 1) for d in active]
                 work = tuple(RequestWork(1, d.num_keys, False) for d in active)
-                self._attention(out, attn, False, True, work, count, 1, (sum(seen), sum(seen)),
+                self._attention(out, attn, False, True, work, count, tp, (sum(seen), sum(seen)),
                                 hidden=hidden, component="drafter")
-                self._mlp(out, "", rows, a.intermediate_size, 3, 1.0, count, hidden=hidden, component="drafter")
+                self._mlp(out, "", rows, a.intermediate_size / tp, 3, 1.0, count, hidden=hidden, component="drafter")
             if a.use_ordered_embeddings:   # centroid scores, then only the top-k centroids' vocabulary rows
                 self._linear(out, "drafter.centroids", rows, hidden, a.num_centroids)
-                selected = a.centroid_top_k * a.vocab_size // a.num_centroids
+                selected = a.centroid_top_k * a.vocab_size / a.num_centroids / tp   # a rank scores those it holds
                 out.flops["drafter.head"] += 2 * rows * hidden * selected
                 out.read_bytes["drafter.head_weight"] += rows * selected * hidden * self.weight_bytes
                 out.write_bytes["drafter.head_output"] += rows * a.vocab_size * LOGITS_BYTES
             else:
-                self._linear(out, "drafter.head", rows, hidden, a.vocab_size, LOGITS_BYTES)
+                self._linear(out, "drafter.head", rows, hidden, a.vocab_size / tp, LOGITS_BYTES)
             self._linear(out, "drafter.post_projection", rows, hidden, backbone)

@@ -34,6 +34,14 @@ class ParallelGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` concatenated along `dim`, in rank order."""
         if self.size == 1:
@@ -67,20 +75,64 @@ class ParallelGroup:
 SINGLE = ParallelGroup()
 
 
+JOIN_POLL_S = 0.05   # how often a rank waiting in the rendezvous checks its peers
+
+
 def join_group(rank: int, size: int, init_method: str, *, backend: str = "gloo", timeout_s: float = 300.0,
-               startup_timeout_s: float | None = None) -> ParallelGroup:
+               startup_timeout_s: float | None = None, check_peers=None) -> ParallelGroup:
     """Join the torch.distributed group of `size` ranks (gloo on CPU, nccl on CUDA) at `init_method`
     (tcp://host:port, file://path or env://). The rendezvous and the default group (start-up hand-offs)
     wait up to `startup_timeout_s` (processes start and load at their own pace); the returned group's
-    collectives, the model's, raise after `timeout_s`."""
+    collectives, the model's, raise after `timeout_s`.
+
+    The ranks meet in a store every rank first marks itself in (`_rendezvous_store`), so a rank
+    given `check_peers` (rank 0: raises when a rank is known lost) waits for the others in polls
+    that call it, rather than inside torch's rendezvous until the start-up timeout."""
     import datetime
 
     import torch.distributed as dist
 
     startup = datetime.timedelta(seconds=startup_timeout_s or timeout_s)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    store = _rendezvous_store(init_method, rank, size, startup)
+    if store is None:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=startup)
+    else:
+        store.set(f"mmserve/joined/{rank}", "1")
+        if check_peers is not None:
+            _wait_joined(store, size, check_peers, startup.total_seconds())
+        dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=size,
+                                timeout=startup)
     group = dist.new_group(list(range(size)), timeout=datetime.timedelta(seconds=timeout_s))
     return ParallelGroup(rank, size, group)
+
+
+def _rendezvous_store(init_method: str, rank: int, size: int, timeout):
+    """The store the ranks meet in, made here rather than by torch's rendezvous so each can mark
+    itself in first: a file (one node), or node 0's TCP store at MASTER_ADDR:MASTER_PORT (env://,
+    hosted by rank 0, as torch's env rendezvous does). None: torch's own (tcp://, torchrun's agent store)."""
+    import os
+
+    import torch.distributed as dist
+
+    if init_method.startswith("file://"):
+        store = dist.FileStore(init_method.removeprefix("file://"), size)
+        store.set_timeout(timeout)
+        return store
+    if init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":   # as torch reads it
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=size,
+                             is_master=rank == 0, timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    return None
+
+
+def _wait_joined(store, size: int, check_peers, timeout_s: float) -> None:
+    """Until every rank has marked itself in `store` (or `timeout_s`: torch's rendezvous then says so)."""
+    import time
+
+    keys = [f"mmserve/joined/{r}" for r in range(size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys) and time.monotonic() < deadline:
+        check_peers()
+        time.sleep(JOIN_POLL_S)
 
 
 @dataclass(frozen=True)
