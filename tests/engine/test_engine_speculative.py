@@ -186,26 +186,19 @@ def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
 
 
 def test_tokens_equal_transformers_assisted_generation_at_batch_1(tmp_path):
-    """transformers' generate(assistant_model=...) with the same assistant checkpoint, greedy, batch 1.
-    transformers treats a generated image/audio placeholder id as a media slot (the engine does
-    not), so the prompt is the first of a few whose continuation has none."""
-    from gemma4_fixtures import AUDIO, IMAGE, VIDEO
-
+    """transformers' generate(assistant_model=...) with the same assistant checkpoint, greedy, batch 1,
+    on a fresh random prompt (a sampled media placeholder id embeds as the pad token in both)."""
     cfg = tiny_config(window=6)
     hf = make_checkpoint(tmp_path / "target", config=cfg, seed=91)
     hf_assistant = make_assistant(tmp_path / "assistant", cfg, seed=93, copy_from=hf)
     hf_assistant.generation_config.num_assistant_tokens = 3
-    for seed in range(8):
-        request = build_request("r", [24 + seed], seed=seed, max_tokens=20)
-        ids = torch.tensor([request.prompt_token_ids])
-        with torch.no_grad():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_assistant,
-                              max_new_tokens=20, do_sample=False)
-        theirs = out[0, ids.shape[1]:].tolist()
-        if not {IMAGE, VIDEO, AUDIO} & set(theirs):
-            break
-    else:
-        pytest.fail("every continuation held a media placeholder id")
+    seed = int(torch.randint(0, 1000, ()))
+    request = build_request("r", [24 + seed % 8], seed=seed, max_tokens=20)
+    ids = torch.tensor([request.prompt_token_ids])
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=hf_assistant,
+                          max_new_tokens=20, do_sample=False)
+    theirs = out[0, ids.shape[1]:].tolist()
     model = load_model(tmp_path / "target")
     llm, got = run(((model, None), str(tmp_path / "assistant")), [request], speculate=True)
     assert got["r"].token_ids == theirs
