@@ -345,3 +345,45 @@ def test_prompt_logprobs_requests_speculate_to_the_same_outputs(models):
                                        torch.tensor([b.logprob, *b.top_logprobs]), rtol=1e-4, atol=1e-4)
     verified = {i.request_id for r in recorder.records for i in r.items if i.draft_tokens}
     assert verified == {"long", "short"}
+
+
+def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_held(models):
+    """Reliability: speculating and opted-out requests under a KV budget that preempts, a random
+    third of them aborted at random steps (some mid-verify, with drafts pending). Survivors keep the
+    tokens they have without speculation; at the end every block is free (empty or cached with no
+    reference), every cached key names verified tokens only, no matcher or generator is left."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(int(torch.randint(0, 10_000, ())))
+    requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000), max_tokens=rng.randrange(8, 24),
+                              disable_speculation=i % 3 == 0) for i in range(9)]
+    _, expected = run(models, requests, speculate=False, num_kv_blocks=96)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    preempt, preempted = llm.core.scheduler._preempt, []
+    llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
+    doomed = {r.request_id: rng.randrange(2, 30) for r in rng.sample(requests, 3)}   # aborted at that step
+    for r in requests:
+        llm.add_request(r)
+    tokens = {r.request_id: [] for r in requests}
+    aborted, step = set(), 0
+    while llm.has_work:
+        for rid, item in llm.step():
+            assert not isinstance(item, BaseException), (rid, item)
+            tokens[rid] += item.new_token_ids
+        step += 1
+        for rid, at in doomed.items():
+            if at == step and rid not in aborted and llm.core.abort(rid):
+                llm.processor.forget(rid)
+                aborted.add(rid)
+    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
+    assert aborted, "no request was still running when its abort came"
+    for r in requests:
+        want = expected[r.request_id].token_ids
+        got = tokens[r.request_id]
+        assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
+    assert llm.core.speculator.verified[0] > 0
+    assert_pools_full(llm.core)
+    assert not llm.core.sampler.grammar or not llm.core.sampler.grammar._matchers
+    emitted = {rid: SimpleNamespace(token_ids=ids) for rid, ids in tokens.items()}   # all verified, aborted ones' too
+    assert_only_verified_keys(llm, requests, emitted)
