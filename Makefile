@@ -10,8 +10,9 @@ MMSERVE_PORT ?= 50051
 ARGS   ?=
 # `make run` drafts with the demo model's trained assistant (speculative decoding, docs/benchmarks.md)
 # unless MMSERVE_SPECULATIVE_MODEL says otherwise: empty (`make run MMSERVE_SPECULATIVE_MODEL=`) serves
-# without; another model (MMSERVE_MODEL set) gets none by default, as the demo assistant fits only the demo model.
-ifeq ($(strip $(MMSERVE_MODEL)),)
+# without; another model (MMSERVE_MODEL set, or --model in ARGS) gets none by default, as the demo
+# assistant fits only the demo model.
+ifeq ($(strip $(MMSERVE_MODEL))$(findstring --model,$(ARGS)),)
 MMSERVE_SPECULATIVE_MODEL ?= src/mmserve/demo_assistant
 endif
 PYTEST_ARGS ?=

@@ -83,7 +83,8 @@ def test_make_run_passes_args_and_honours_the_env():
 
 @pytest.mark.parametrize("env,flag", [({}, "'src/mmserve/demo_assistant'"),   # the demo model drafts by default
                                       ({"MMSERVE_SPECULATIVE_MODEL": ""}, "''"),   # the way to serve without
-                                      ({"MMSERVE_MODEL": "/elsewhere"}, "''")])   # the demo assistant fits only it
+                                      ({"MMSERVE_MODEL": "/elsewhere"}, "''"),   # the demo assistant fits only it
+                                      ({"ARGS": "--model /elsewhere"}, "''")])
 def test_make_run_speculates_with_the_demo_assistant(env, flag):
     import os
     import subprocess
