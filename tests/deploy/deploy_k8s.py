@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import kubernetes_validate
 import yaml
 
 K8S_DIR = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
@@ -39,3 +40,19 @@ def config_env(docs: list[dict], deployment: dict, container_name: str) -> dict[
         env.update(cm["data"])
     env.update({e["name"]: e["value"] for e in c.get("env", []) if "value" in e})
     return env
+
+
+# Every Kubernetes minor from 1.30 to the newest schema the validator ships.
+VERSIONS = [f"1.{minor}.0" for minor in range(30, int(kubernetes_validate.latest_version().split(".")[1]) + 1)]
+
+
+def schema_errors(docs: list[dict]) -> list[str]:
+    """Each doc's strict validation errors against every version in VERSIONS, one line each."""
+    errors = []
+    for version in VERSIONS:
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                errors.append(f"k8s {version} {doc['kind']}/{doc['metadata']['name']}: {e.message}")
+    return errors

@@ -7,10 +7,8 @@ MMSERVE_* variables they get are real ones that fit together (group size = --nno
 
 from __future__ import annotations
 
-import kubernetes_validate
 import pytest
-from deploy_k8s import find, render
-from test_deploy_schemas import VERSIONS
+from deploy_k8s import find, render, schema_errors
 
 from mmserve.cli import build_parser
 from mmserve.config import EngineConfig, ServerConfig, env_names
@@ -43,13 +41,7 @@ def test_the_overlay_validates_apart_from_the_crd(multinode):
     docs = [d for d in multinode if d["kind"] != "LeaderWorkerSet"]
     docs += [{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"mmserve-{role}", **t["metadata"]},
               "spec": t["spec"]} for role, t in templates(multinode).items()]
-    errors = []
-    for version in VERSIONS:
-        for doc in docs:
-            try:
-                kubernetes_validate.validate(doc, version, strict=True)
-            except kubernetes_validate.ValidationError as e:
-                errors.append(f"k8s {version} {doc['kind']}/{doc['metadata']['name']}: {e.message}")
+    errors = schema_errors(docs)
     assert not errors, "\n".join(errors)
 
 

@@ -54,8 +54,9 @@ def video_prompt(spec, gen: torch.Generator) -> list[ChatMessage]:
                                  video, "What happens?"])]
 
 
-def run_ours(model, layout, chunk_ends: list[int]) -> torch.Tensor:
-    """Prefill in chunks ending at `chunk_ends` (never inside a range), encoding vision per chunk."""
+def run_ours(model, layout, chunk_ends: list[int], decode_ids: list[int] = ()) -> torch.Tensor:
+    """Logits of every row: prefill in chunks ending at `chunk_ends` (never inside a range), encoding
+    vision per chunk, then one decode step per id of `decode_ids`."""
     seq = PagedSequence(model, ranges=layout.mm_ranges)
     outs, start = [], 0
     for end in chunk_ends + [len(layout.token_ids)]:
@@ -66,6 +67,7 @@ def run_ours(model, layout, chunk_ends: list[int]) -> torch.Tensor:
             embeds = torch.cat(model.encode_vision(pix, pos))
         outs.append(seq.step(layout.token_ids[start:end], embeds))
         start = end
+    outs += [seq.step([t]) for t in decode_ids]
     return model.compute_logits(torch.cat(outs))
 
 

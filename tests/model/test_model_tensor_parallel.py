@@ -30,7 +30,7 @@ from gemma4_fixtures import (
     tiny_config,
     unified_config,
 )
-from test_model_parity import video_prompt
+from test_model_parity import run_ours, video_prompt
 
 from mmserve.engine.speculative import DraftBatch, Speculator
 from mmserve.model import load_model
@@ -39,7 +39,6 @@ from mmserve.model.parallel import SINGLE, ParallelGroup, ShardingError, join_gr
 from mmserve.model.prompt import build_prompt
 from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import TextTokenizer
-from mmserve.model.vision import pad_patches
 
 
 def untied_config() -> dict:
@@ -58,18 +57,7 @@ NUM_DRAFTS = 3
 
 def run_steps(model, layout, chunk_end: int, decode_ids: list[int]) -> torch.Tensor:
     """Logits of every row: prefill in two chunks (vision encoded per chunk), then one decode step per id."""
-    seq = PagedSequence(model, ranges=layout.mm_ranges)
-    hidden, start = [], 0
-    for end in (chunk_end, len(layout.token_ids)):
-        items = [it for (s, _), it in zip(layout.mm_ranges, layout.mm_items, strict=True) if start <= s < end]
-        embeds = None
-        if items:
-            pix, pos = pad_patches([(it.pixel_values, it.position_ids) for it in items])
-            embeds = torch.cat(model.encode_vision(pix, pos))
-        hidden.append(seq.step(layout.token_ids[start:end], embeds))
-        start = end
-    hidden += [seq.step([t]) for t in decode_ids]
-    return model.compute_logits(torch.cat(hidden))
+    return run_ours(model, layout, [chunk_end], decode_ids)
 
 
 def state_bytes(model) -> int:

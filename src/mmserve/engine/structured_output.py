@@ -65,9 +65,7 @@ class StructuredOutput:
             return None
         now = [i for i in constrained if not getattr(requests[i], "drafts", ())]
         rows = now + [i for i in constrained if getattr(requests[i], "drafts", ())]   # one batched fill of `now`
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = xgr.allocate_token_bitmask(2 * len(rows), self.vocab_size)
-        bitmask = self._bitmask[:len(rows)]
+        bitmask = self._scratch_bitmask(len(rows))
         matchers = [self._matchers[requests[i].request_id] for i in rows]
         self._fill_now(matchers[:len(now)], bitmask[:len(now)], [requests[i] for i in now])
         for k in range(len(now), len(rows)):
@@ -76,6 +74,13 @@ class StructuredOutput:
                 for k in torch.nonzero(~bitmask[:len(now)].any(dim=1)).flatten().tolist()
                 if not matchers[k].is_terminated()}
         return rows, bitmask, dead
+
+    def _scratch_bitmask(self, n: int) -> torch.Tensor:
+        """The first n rows of one host bitmask, grown on demand: a step's masks, then its draft loop's
+        (the step's are applied before the loop drafts)."""
+        if self._bitmask.shape[0] < n:
+            self._bitmask = xgr.allocate_token_bitmask(2 * n, self.vocab_size)
+        return self._bitmask[:n]
 
     def _fill_now(self, matchers: list, bitmask: torch.Tensor, requests: list) -> None:
         """bitmask[k] from matchers[k] in its current state, all in one batched call."""
@@ -172,7 +177,7 @@ class DraftMasks:
         self.lengths = list(num_drafts)   # per item: the drafts it keeps (only constrained rows shrink)
         self._open = [num_drafts[r] > 0 for r in rows]
         self._ahead = [0] * len(rows)   # tokens each matcher accepted in this loop
-        self._bitmask = xgr.allocate_token_bitmask(len(rows), grammar.vocab_size)
+        self._bitmask = grammar._scratch_bitmask(len(rows))
         self._row_index = torch.tensor(rows)
 
     def apply(self, logits: torch.Tensor) -> None:
