@@ -16,7 +16,9 @@ A rank that dies or hangs makes rank 0's next collective fail (gloo: closed conn
 `--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
 and the engine-crash path ends every request in flight with UNAVAILABLE. Rank 0 sees its own node's
 ranks exit (its children); a further node's `mmserve worker` reports a rank it lost into node 0's
-TCP store (the rendezvous's, MASTER_ADDR:MASTER_PORT), where rank 0 reads it.
+TCP store (the rendezvous's, MASTER_ADDR:MASTER_PORT), where rank 0 reads it. An error of rank 0's
+own code in a step (not a collective: model/parallel.CollectiveError tells them apart) also ends the
+engine, since the other ranks already wait in that step's collectives; its message says so.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.engine.speculative import DraftBatch
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
-from mmserve.model.parallel import ParallelGroup, join_group
+from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,13 +61,24 @@ class RankLostError(BaseException):
     core loop: the engine-crash path then fails every request in flight with UNAVAILABLE."""
 
 
+def _in_collective(exc: BaseException | None) -> bool:
+    """Whether `exc` is, or was raised while handling, a failed collective."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, CollectiveError):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def _broadcast(obj=None, group: ParallelGroup | None = None):
     """Rank 0 sends `obj`; every other rank returns what rank 0 sent. Over `group` (the model's, with
     the collective timeout), or else the default group (start-up's timeout)."""
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=0, group=None if group is None else group.group)
+    collective(dist.broadcast_object_list, box, src=0, group=None if group is None else group.group)
     return box[0]
 
 
@@ -240,7 +253,10 @@ class TensorParallelGroup:
         try:
             return fn()
         except Exception as exc:
-            self.failed = True
+            self.failed = True   # either way the ranks are out of step: the others wait in a collective
+            if not _in_collective(exc):
+                raise RankLostError(f"tensor-parallel rank 0 failed outside a collective, so the ranks are out "
+                                    f"of step: {type(exc).__name__}: {exc}") from exc
             deadline = time.monotonic() + EXIT_SEEN_S   # a killed rank's socket closes before it is reaped
             while not (dead := self.dead_ranks()) and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -20,6 +20,20 @@ class ShardingError(MMServeError):
     """The model cannot be split over this many ranks (a dimension does not divide)."""
 
 
+class CollectiveError(RuntimeError):
+    """A collective with the other ranks failed: a peer closed its connection or did not answer in
+    time. Raised in place of the backend's plain RuntimeError (gloo and NCCL raise those) so that the
+    group can tell a lost rank from a failure of this rank's own code."""
+
+
+def collective(fn, *args, **kwargs):
+    """Call a torch.distributed collective, turning its failure into a `CollectiveError`."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        raise CollectiveError(str(exc)) from exc
+
+
 @dataclass(frozen=True)
 class ParallelGroup:
     rank: int = 0
@@ -31,7 +45,7 @@ class ParallelGroup:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(x, group=self.group)
+            collective(dist.all_reduce, x, group=self.group)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +53,7 @@ class ParallelGroup:
         if self.size > 1:
             import torch.distributed as dist
 
-            dist.broadcast(x, src=0, group=self.group)
+            collective(dist.broadcast, x, src=0, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -50,7 +64,7 @@ class ParallelGroup:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        collective(dist.all_gather, parts, x, group=self.group)
         return torch.cat(parts, dim)
 
     def shard_range(self, n: int, what: str) -> tuple[int, int]:
