@@ -21,6 +21,7 @@ G4 = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, num_
           num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
           attention_k_eq_v=True, sliding_window=1024, intermediate_size=21504, vocab_size=262144,
           hidden_size_per_layer_input=0, use_bidirectional_attention="vision")
+FAMILY = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 
 
 def random_ranges(rng: random.Random, context: int) -> list[tuple[int, int]]:
@@ -140,6 +141,19 @@ def test_perf_cli_json_keys(tmp_path, capsys):
     assert out == json.loads(json.dumps(want.as_dict()))
 
 
+def test_perf_cli_lists_comm_bytes_at_tp_above_1(capsys):
+    from mmserve.cli import main
+
+    args = ["perf", "--hf-config", str(FAMILY / "31b.json"), "--request", "64:64:prefill"]
+    assert main(args) == 0
+    assert "comm" not in capsys.readouterr().out
+    assert main(args + ["--tp", "4"]) == 0
+    out = capsys.readouterr().out
+    want = PerfModel(load_spec(FAMILY / "31b.json"), tp=4).step(StepContext((RequestWork(64, 64, True),)), per_gpu=True)
+    assert f"comm bytes sent (interconnect, not in MBU): {want.total_comm_bytes:.4g}" in out
+    assert f"comm.o_proj_all_reduce       {want.comm_bytes['comm.o_proj_all_reduce']:.4g}" in out
+
+
 def test_expert_weights_are_read_once_per_distinct_expert():
     """26B-A4B at its published dimensions: a step reads the weights of the experts it touched (as the
     model reports them), else at most min(experts, tokens * top_k) of them; routing FLOPs follow top_k."""
@@ -187,8 +201,6 @@ def test_perf_cli_refuses_other_architectures(tmp_path, capsys):
     assert main(["perf", "--hf-config", str(tmp_path), "--request", "1:8:decode"]) == 2
     assert "model_type='llama'" in capsys.readouterr().err
 
-
-FAMILY = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 
 
 @pytest.mark.parametrize("name", ["e2b", "26b_a4b", "31b"])

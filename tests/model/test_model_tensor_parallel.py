@@ -9,7 +9,8 @@ engine's own draft loop. One spawn of two ranks for the whole module (`tp2_runs`
 only its shard (checked by the bytes it read against the bytes it holds). The same ranks count
 the bytes of every collective they really call, per call site, while running steps as the
 engine's runner takes them (`runner_steps`) and a drafting round: the perf model's communication
-component must bill exactly those.
+component must bill exactly those; and its per-GPU vision and PLE bytes must be what each rank
+holds (the tower replicated, the PLE table and projection split).
 """
 
 from __future__ import annotations
@@ -237,6 +238,7 @@ def _rank_main(rank: int, init_method: str, cases: dict, drafters: dict, out_dir
                              bytes_read=model.bytes_read, bytes_held=state_bytes(model),
                              kv_heads={t: a.num_kv_heads for t, a in model.spec.attention_specs.items()},
                              vision_bytes=state_bytes(model.vision),
+                             param_bytes={n: t.numel() * t.element_size() for n, t in model.named_parameters()},
                              comm={str(m.dtype): run_counted(m, layout, chunk_end, decode_ids) for m in (model, model64)})
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     torch.distributed.destroy_process_group()
@@ -355,6 +357,22 @@ def test_vision_is_replicated_and_billed_whole(variant, tp_cases, tp2_runs):
     per_gpu = PerfModel(spec, tp=2).step(frames, per_gpu=True).component("vision")
     assert per_gpu.total_flops > 0
     assert per_gpu.as_dict() == PerfModel(spec).step(frames).component("vision").as_dict()
+
+
+def test_ple_weights_billed_as_each_rank_holds_them(tp_cases, tp2_runs):
+    """E-style at tp=2: the perf model's per-GPU PLE bytes are the rank's own parameters: half the
+    model-level projection and half of each token-table row (split along the per-layer width), and
+    every layer's whole gate and projection (replicated)."""
+    _, cases = tp_cases
+    spec = load_spec(cases["e_style"][0])
+    billed = PerfModel(spec, dtype="float32", tp=2).step(StepContext((RequestWork(1, 12, False),)), per_gpu=True)
+    for rank in range(2):
+        held = tp2_runs[rank]["e_style"]["param_bytes"]
+        assert billed.read_bytes["ple.model_projection_weight"] == held["decoder.ple.per_layer_model_projection.weight"]
+        assert billed.read_bytes["ple.token_rows"] == held["decoder.ple.embed_tokens_per_layer.weight"] / spec.ple.vocab_size
+        gates = [n for n in held if re.fullmatch(r"decoder\.layers\.\d+\.ple\.per_layer_(input_gate|projection)\.weight", n)]
+        assert len(gates) == 2 * spec.num_layers
+        assert billed.read_bytes["ple.layer_weight"] == sum(held[n] for n in gates)
 
 
 def test_kv_heads_split_or_replicated(tp2_runs):
