@@ -22,7 +22,8 @@ Conventions (documented in docs/tracing.md):
   reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
 - KV-sharing layers run every row of a step that holds a verify chunk (a decode request of 1 + K
   tokens: the runner then takes the full path, engine/model_runner.py); a step with prompt
-  logprobs does too, which the step context does not say (billed as the sampled rows).
+  logprobs does too, which the step context does not say (billed as the sampled rows; the extra
+  logits rows of prompt logprobs are not billed either, nor their all-gathers).
 - per-layer embeddings (E2B/E4B): the model-level projection (first stage) and each layer's gate
   and projection; the token table is a gather (bytes of the rows read, no FLOPs). Under tp the
   table and the projection are split along the per-layer width (model/ple.py), the gates are not.
