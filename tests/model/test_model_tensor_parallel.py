@@ -40,7 +40,7 @@ from test_model_parity import run_ours, video_prompt
 
 from mmserve.engine.speculative import DraftBatch, Speculator
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext, VisionWork
-from mmserve.model import load_model
+from mmserve.model import load_model, parallel
 from mmserve.model.assistant import load_assistant, load_assistant_spec
 from mmserve.model.decoder import SampledRows
 from mmserve.model.parallel import SINGLE, ParallelGroup, ShardingError, join_group, local_spec
@@ -94,7 +94,7 @@ def counted_collectives():
 
     def site(kind: str) -> str:
         frame = sys._getframe(2)
-        while frame.f_code.co_filename.endswith("parallel.py"):
+        while frame.f_code.co_filename == parallel.__file__:   # ParallelGroup's methods, `collective`
             frame = frame.f_back
         caller, drafting = frame.f_code.co_qualname, False
         while frame is not None:
