@@ -1,17 +1,19 @@
 """Attention accounting against the dense reference mask, window clamping, per-layer head dims,
-tensor/pipeline splits and the `mmserve perf --json` contract."""
+tensor/pipeline splits, communication bytes and the `mmserve perf --json` contract. (The
+communication bytes against the collectives a real TP=2 model calls: tests/model/test_model_tensor_parallel.py.)"""
 
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 from mmserve.attention.mask import keep
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
-from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
+from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model.spec import load_spec
 
 # A Gemma-4-31B-like text stack: sliding head_dim 256 with 16 KV heads, full head_dim 512 with 4, K=V.
@@ -19,6 +21,7 @@ G4 = dict(model_type="gemma4_text", hidden_size=5376, num_hidden_layers=60, num_
           num_key_value_heads=16, head_dim=256, global_head_dim=512, num_global_key_value_heads=4,
           attention_k_eq_v=True, sliding_window=1024, intermediate_size=21504, vocab_size=262144,
           hidden_size_per_layer_input=0, use_bidirectional_attention="vision")
+FAMILY = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 
 
 def random_ranges(rng: random.Random, context: int) -> list[tuple[int, int]]:
@@ -127,15 +130,28 @@ def test_perf_cli_json_keys(tmp_path, capsys):
     assert main(["perf", "--hf-config", str(path), "--tp", "2", "--request", "512:2048:prefill",
                  "--request", "1:4096:decode", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out) == {"flops", "read_bytes", "write_bytes"}
+    assert set(out) == {"flops", "read_bytes", "write_bytes", "comm_bytes"}
     assert {k for k in out["flops"] if k.startswith("attn.")} == {"attn.qkv_proj", "attn.attn_qk", "attn.attn_av", "attn.out_proj"}
     assert {k for k in out["read_bytes"] if k.startswith("attn.")} == {
         "attn.qkv_input", "attn.qkv_weight", "attn.attn_input", "attn.out_input", "attn.out_weight"}
     assert {k for k in out["write_bytes"] if k.startswith("attn.")} == {"attn.qkv_output", "attn.kv_cache", "attn.out_output"}
-    assert {k.split(".")[0] for kind in out.values() for k in kind} == {"attn", "ffn", "unembed"}
+    assert {k.split(".")[0] for kind in out.values() for k in kind} == {"attn", "ffn", "unembed", "comm"}
     want = PerfModel(load_spec(G4), tp=2).step(
         StepContext((RequestWork(512, 2048, True), RequestWork(1, 4096, False))), per_gpu=True)
     assert out == json.loads(json.dumps(want.as_dict()))
+
+
+def test_perf_cli_lists_comm_bytes_at_tp_above_1(capsys):
+    from mmserve.cli import main
+
+    args = ["perf", "--hf-config", str(FAMILY / "31b.json"), "--request", "64:64:prefill"]
+    assert main(args) == 0
+    assert "comm" not in capsys.readouterr().out
+    assert main(args + ["--tp", "4"]) == 0
+    out = capsys.readouterr().out
+    want = PerfModel(load_spec(FAMILY / "31b.json"), tp=4).step(StepContext((RequestWork(64, 64, True),)), per_gpu=True)
+    assert f"comm bytes sent (interconnect, not in MBU): {want.total_comm_bytes:.4g}" in out
+    assert f"comm.o_proj_all_reduce       {want.comm_bytes['comm.o_proj_all_reduce']:.4g}" in out
 
 
 def test_expert_weights_are_read_once_per_distinct_expert():
@@ -184,3 +200,65 @@ def test_perf_cli_refuses_other_architectures(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
     assert main(["perf", "--hf-config", str(tmp_path), "--request", "1:8:decode"]) == 2
     assert "model_type='llama'" in capsys.readouterr().err
+
+
+
+@pytest.mark.parametrize("name", ["e2b", "26b_a4b", "31b"])
+def test_one_gpu_communicates_nothing(name):
+    """At tp=1 (and in the whole-model view at any tp) no comm item exists, drafting included; at
+    tp=2 each collective site appears, and none of it is in the HBM bytes MBU divides."""
+    spec = load_spec(FAMILY / f"{name}.json")
+    ctx = StepContext((RequestWork(300, 900, True), RequestWork(1, 4000, False)),
+                      images=(VisionWork(spec.vision.default_patches),))
+    for model, per_gpu in ((PerfModel(spec), True), (PerfModel(spec, tp=4), False)):
+        got = model.step(ctx, per_gpu=per_gpu)
+        assert got.comm_bytes == {} and got.total_comm_bytes == 0 and got.component("comm").as_dict()["flops"] == {}
+    one, two = PerfModel(spec).step(ctx, per_gpu=True), PerfModel(spec, tp=2).step(ctx, per_gpu=True)
+    sites = {"comm.embed_all_reduce", "comm.o_proj_all_reduce", "comm.mlp_all_reduce", "comm.logits_all_gather"}
+    sites |= {"comm.ple_all_gather"} if name == "e2b" else {"comm.moe_all_reduce"} if name == "26b_a4b" else set()
+    assert set(two.comm_bytes) == sites
+    assert two.total_bytes < one.total_bytes   # the comm bytes did not leak into read/write
+
+
+def test_ring_bytes_per_gpu():
+    """31B decode at batch 64: per layer and row the o_proj all-reduce moves hidden x 2 bytes, of which
+    each GPU sends 2(tp-1)/tp; the logits' all-gather (the gathered bf16 rows) (tp-1)/tp."""
+    spec = load_spec(FAMILY / "31b.json")
+    ctx = StepContext(tuple(RequestWork(1, 4096, False) for _ in range(64)))
+    for tp in (2, 4, 8):
+        got = PerfModel(spec, tp=tp).step(ctx, per_gpu=True).comm_bytes
+        assert got["comm.o_proj_all_reduce"] == 2 * (tp - 1) / tp * 64 * 5376 * 2 * 60
+        assert got["comm.mlp_all_reduce"] == got["comm.o_proj_all_reduce"]
+        assert got["comm.embed_all_reduce"] == 2 * (tp - 1) / tp * 64 * 5376 * 2
+        assert got["comm.logits_all_gather"] == (tp - 1) / tp * 64 * 262144 * 2
+
+
+def test_a_verify_chunk_runs_kv_sharing_layers_on_every_row():
+    """E2B: beside a prefill chunk, KV-sharing layers run its last row only; a verify chunk in the
+    step (a decode request of 1 + K tokens) makes the runner take the full path, so they run every
+    row of the step, the prefill chunk's included (engine/model_runner.py)."""
+    spec = load_spec(FAMILY / "e2b.json")
+    model = PerfModel(spec, tp=2)
+    prefill, decode, verify = RequestWork(100, 100, True), RequestWork(1, 50, False), RequestWork(4, 50, False)
+    consumers = sum(layer.shares_kv for layer in spec.layers)
+    per_row = 2 * (2 - 1) / 2 * spec.hidden_size * 2   # one row's o_proj all-reduce, bytes a GPU sends, per layer
+    plain = model.step(StepContext((prefill, decode)), per_gpu=True).comm_bytes["comm.o_proj_all_reduce"]
+    assert plain == per_row * (101 * (spec.num_layers - consumers) + 2 * consumers)
+    mixed = model.step(StepContext((prefill, verify)), per_gpu=True).comm_bytes["comm.o_proj_all_reduce"]
+    assert mixed == per_row * 104 * spec.num_layers
+
+
+def test_constrained_drafting_broadcasts_the_drafts():
+    """A drafting round with a constrained request broadcasts each draft step's R int64 ids."""
+    from mmserve.model.assistant import AssistantSpec, DraftAttention
+
+    spec = load_spec(FAMILY / "31b.json")
+    drafter = AssistantSpec("gemma4_assistant", ("sliding_attention",), {"sliding_attention": DraftAttention(8, 16, 256, 512)},
+                            {}, 1024, 5376, 4096, 262144, 1e-6, True, False, 0, 0)
+    model = PerfModel(spec, tp=4, drafter=drafter)
+    free = [DraftWork(3, 1000), DraftWork(3, 2000)]
+    plain = model.step(StepContext(drafts=tuple(free)), per_gpu=True).comm_bytes
+    assert "comm.drafter_token_broadcast" not in plain
+    constrained = model.step(StepContext(drafts=(free[0], DraftWork(3, 2000, constrained=True))), per_gpu=True).comm_bytes
+    assert constrained.pop("comm.drafter_token_broadcast") == 3 * 2 * 8 * 3 / 4
+    assert constrained == plain

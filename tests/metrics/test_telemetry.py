@@ -301,3 +301,43 @@ def test_vision_span_covers_the_encoder_call_and_bills_weights_once_per_step():
     assert vision[2].attributes["mmserve.vision.useful_flops"] == pytest.approx(useful_b.total_flops)
     # Over the step the encoder's bytes add up to one call: weights read once, not once per request.
     assert sum(s.attributes["mmserve.perf.read_bytes"] for s in vision.values()) == pytest.approx(call.total_read_bytes)
+
+
+def test_step_span_and_counter_carry_the_comm_bytes():
+    """At tp=2 the step span's `mmserve.perf.comm_bytes` and `mmserve_perf_comm_bytes_total` are the
+    step's interconnect bytes per GPU: the target's collectives plus the drafting round's, whose
+    constrained request adds the drafts' broadcast; the HBM bytes (MBU's) are those of tp=2 alone."""
+    import prometheus_client
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from mmserve.engine.sampling_params import ResponseFormat
+    from mmserve.metrics.perf_model import DraftWork
+    from mmserve.model.assistant import AssistantSpec, DraftAttention
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    drafter = AssistantSpec("gemma4_assistant", ("sliding_attention",),
+                            {"sliding_attention": DraftAttention(4, 2, 16, 7)}, {}, 40, 64, 56, 512, 1e-6, True,
+                            False, 0, 0)
+    perf = PerfModel(load_spec(CONFIG), dtype="float32", tp=2, drafter=drafter)
+    metrics = EngineMetrics(prometheus=True)
+    observer = TelemetryObserver(perf, PEAKS, tracer=provider.get_tracer("t"), metrics=metrics, step_trace_ratio=1.0)
+    free = Request("free", list(range(9)), SamplingParams())
+    constrained = Request("constrained", list(range(5)), SamplingParams(response_format=ResponseFormat("regex", "a+")))
+    keys = random.randint(6, 30)
+    observer.on_step(StepClock().step([ScheduledItem("free", 9, 9, True, 0, free, draft_rows=3, draft_keys=9),
+                                       ScheduledItem("constrained", 1, keys, False, 0, constrained, draft_rows=3,
+                                                     draft_keys=keys)]))
+    text = perf.step(StepContext((RequestWork(9, 9, True), RequestWork(1, keys, False))), per_gpu=True)
+    drafting = perf.step(StepContext(drafts=(DraftWork(3, 9), DraftWork(3, keys, constrained=True))), per_gpu=True)
+    assert drafting.comm_bytes["comm.drafter_token_broadcast"] == 3 * 2 * 8 / 2
+    want = text.total_comm_bytes + drafting.total_comm_bytes
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "mmserve.engine.step"]
+    assert span.attributes["mmserve.perf.comm_bytes"] == pytest.approx(want)
+    assert span.attributes["mmserve.perf.read_bytes"] == pytest.approx(text.total_read_bytes + drafting.total_read_bytes)
+    exposition = prometheus_client.generate_latest(metrics.registry).decode()
+    (line,) = [x for x in exposition.splitlines() if x.startswith("mmserve_perf_comm_bytes_total{")]
+    assert 'phase="mixed"' in line and float(line.rsplit(" ", 1)[1]) == pytest.approx(want)
+    metrics.shutdown()

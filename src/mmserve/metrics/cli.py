@@ -5,7 +5,9 @@ Operators use it to sanity-check the MFU/MBU the server reports and to compare w
 `--speculative-model` it bills the drafting after the step as the server does: every request that
 samples drafts K rows (`--num-speculative-tokens`) over the target's keys before its next token
 (CONTEXT_LEN when the step kept every draft, else the 4th field of --request); a verify chunk is a
-decode request of 1 + K tokens.
+decode request of 1 + K tokens. At --tp > 1 it lists the bytes each GPU sends per collective site
+(comm bytes: ring algorithms, the module docstring of mmserve.metrics.perf_model), apart from the
+HBM bytes MBU divides.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "drafting (drafter.*)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft steps per sampling request with --speculative-model (default 3, as the server)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes")
+    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes")
     p.set_defaults(func=run)
 
 
@@ -119,11 +121,14 @@ def run(args: argparse.Namespace) -> int:
     drafting = f", drafter K={args.num_speculative_tokens}" if drafter is not None else ""
     out.write(f"{spec.model_type}: {spec.num_layers} layers, tp={args.tp} pp={args.pp}, {args.dtype}, "
               f"{args.accounting} attention{drafting}; per GPU:\n")
-    for title, items in (("FLOPs", breakdown.flops), ("read bytes", breakdown.read_bytes),
-                         ("write bytes", breakdown.write_bytes)):
+    sections = [("FLOPs", breakdown.flops), ("read bytes", breakdown.read_bytes), ("write bytes", breakdown.write_bytes)]
+    if args.tp > 1:
+        sections.append(("comm bytes sent (interconnect, not in MBU)", breakdown.comm_bytes))
+    for title, items in sections:
         out.write(f"  {title}: {sum(items.values()):.4g}\n")
+        width = max([28, *map(len, items)])
         for key in sorted(items):
-            out.write(f"    {key:<28} {items[key]:.4g}\n")
+            out.write(f"    {key:<{width}} {items[key]:.4g}\n")
     out.write(f"  attention core FLOPs: sliding {breakdown.attn_flops_sliding:.4g}, full {breakdown.attn_flops_full:.4g}\n")
     if args.step_time_ms and args.device:
         peaks = lookup(args.device, args.dtype)

@@ -20,8 +20,13 @@ Conventions (documented in docs/tracing.md):
 - MoE (Gemma 4 26B-A4B): the router, each token's top_k expert MLPs and the dense MLP beside them;
   expert weights are read once per distinct expert the step touches: the count the model
   reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
+- KV-sharing layers run every row of a step that holds a verify chunk (a decode request of 1 + K
+  tokens: the runner then takes the full path, engine/model_runner.py); a step with prompt
+  logprobs does too, which the step context does not say (billed as the sampled rows; the extra
+  logits rows of prompt logprobs are not billed either, nor their all-gathers).
 - per-layer embeddings (E2B/E4B): the model-level projection (first stage) and each layer's gate
-  and projection; the token table is a gather (bytes of the rows read, no FLOPs). Not split by tp.
+  and projection; the token table is a gather (bytes of the rows read, no FLOPs). Under tp the
+  table and the projection are split along the per-layer width (model/ple.py), the gates are not.
 - the speculative drafter (Gemma 4 assistant, its own "drafter" component): per draft step, the
   rows that drafted through pre_projection, its layers (Q only, over the target's K/V: the keys
   before the drafted-from token, the last window + 1 on sliding layers), the MLP, the head (tied or
@@ -29,9 +34,30 @@ Conventions (documented in docs/tracing.md):
   rows are ordinary target rows (a decode request's num_tokens). Per GPU it is split as the
   engine shards it (model/assistant.py): heads, MLP width and the head's vocabulary rows (the
   centroid head's selected rows, on average) divide by tp; the projections and centroids do not.
-- per GPU = one average GPU of tp * pp: heads, FFN width, experts' width and vocab divide by tp
-  (KV heads never below 1, they are replicated); layer counts, the vision encoder (first stage) and the
-  unembedding (last stage) divide by pp, so per-GPU figures times the stage count give the whole model.
+- per GPU = one average GPU of tp * pp: heads, FFN width, experts' width, vocab and the PLE width
+  divide by tp (KV heads never below 1, they are replicated); what the engine replicates on every
+  rank is billed whole on every GPU: the vision encoder (model/loader.py: every rank encodes), the
+  router, the PLE gates, the drafter's projections and centroids. Layer counts, the vision encoder
+  (first stage) and the unembedding (last stage) divide by pp, so per-GPU figures times the stage
+  count give the whole model.
+- communication (`comm_bytes`, component "comm"; per GPU at tp > 1 only, none in the whole-model
+  view, which is one device): the bytes one GPU sends over the interconnect for each collective our
+  code calls (model/parallel.py), per call site. A collective's payload N is the tensor it moves,
+  in the dtype it has there (activations in the model dtype; logits are gathered before `.float()`;
+  draft token ids are int64); an all-gather's N is the gathered size. Under ring algorithms a GPU
+  sends 2(tp-1)/tp * N per all-reduce (reduce-scatter, then all-gather), (tp-1)/tp * N per
+  all-gather, and for a broadcast the (tp-1) * N the group sends in all, averaged over its tp GPUs:
+  (tp-1)/tp * N (`sent_per_gpu`). Sites: `comm.embed_all_reduce` (vocab-parallel lookup, every row),
+  `comm.o_proj_all_reduce` and `comm.mlp_all_reduce` (per layer, the rows it runs),
+  `comm.moe_all_reduce` (routed experts), `comm.ple_all_gather` (token and context parts, [2, T, L, P]),
+  `comm.logits_all_gather` (the sampled rows); the drafter's per draft step
+  `comm.drafter_embed_all_reduce` (the target's embedding of the drafted-from tokens),
+  `comm.drafter_o_proj_all_reduce`, `comm.drafter_mlp_all_reduce`, `comm.drafter_logits_all_gather`
+  (tied head) or `comm.drafter_centroid_scores_all_reduce` (the selected rows' scores), and
+  `comm.drafter_token_broadcast` when a drafting request is constrained (rank 0's masked drafts).
+  Not in the bytes MBU divides (those are HBM traffic). Not billed: the step's plain-data message
+  from rank 0 (pickled scheduler output, pixels once; engine/tensor_parallel.py), pipeline stages'
+  sends, a CUDA graph's padding rows.
 """
 
 from __future__ import annotations
@@ -48,9 +74,16 @@ from mmserve.model.spec import ModelSpec, MoeSpec, VisionSpec
 if TYPE_CHECKING:
     from mmserve.model.assistant import AssistantSpec
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 ACCOUNTING_MODES = ("exact", "upper-bound")
 LOGITS_BYTES = 4  # logits are produced in float32 (soft-capping and sampling need it)
+TOKEN_ID_BYTES = 8  # int64 token ids (the argmax of a draft step)
+RING_SENT = {"all_reduce": 2.0, "all_gather": 1.0, "broadcast": 1.0}   # x (tp - 1) / tp of the payload
+
+
+def sent_per_gpu(kind: str, payload: float, tp: int) -> float:
+    """Bytes one GPU of `tp` sends for a collective of `kind` moving `payload` bytes (module docstring)."""
+    return RING_SENT[kind] * (tp - 1) / tp * payload
 
 
 @dataclass(frozen=True)
@@ -95,10 +128,12 @@ class VisionWork:
 @dataclass(frozen=True)
 class DraftWork:
     """One request's drafting after the step: `num_rows` draft steps of the assistant, each over the
-    target's `num_keys` cached positions before the token it drafts from."""
+    target's `num_keys` cached positions before the token it drafts from. `constrained`: its output
+    follows a grammar, which rank 0 alone applies (each draft step then broadcasts the drafts)."""
 
     num_rows: int
     num_keys: int
+    constrained: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,11 +153,13 @@ class StepContext:
 
 @dataclass
 class PerfBreakdown:
-    """FLOPs and bytes per "component.item"; attention core FLOPs also split by layer kind."""
+    """FLOPs and bytes per "component.item"; attention core FLOPs also split by layer kind;
+    `comm_bytes`: bytes sent over the interconnect per collective site (not HBM traffic)."""
 
     flops: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     read_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     write_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    comm_bytes: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     attn_flops_sliding: float = 0.0
     attn_flops_full: float = 0.0
     # (query, key) pairs the mask keeps in one layer of each kind, per head ("exact" accounting only):
@@ -144,19 +181,26 @@ class PerfBreakdown:
 
     @property
     def total_bytes(self) -> float:
+        """HBM bytes (read + write), what MBU divides; communication is not in it."""
         return self.total_read_bytes + self.total_write_bytes
 
+    @property
+    def total_comm_bytes(self) -> float:
+        return sum(self.comm_bytes.values())
+
     def component(self, name: str) -> PerfBreakdown:
-        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "drafter")."""
+        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "drafter", "comm")."""
         out = PerfBreakdown()
-        for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes)):
+        for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes),
+                         (self.comm_bytes, out.comm_bytes)):
             dst.update({k: v for k, v in src.items() if k.split(".", 1)[0] == name})
         if name == "attn":
             out.attn_flops_sliding, out.attn_flops_full = self.attn_flops_sliding, self.attn_flops_full
         return out
 
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {"flops": dict(self.flops), "read_bytes": dict(self.read_bytes), "write_bytes": dict(self.write_bytes)}
+        return {"flops": dict(self.flops), "read_bytes": dict(self.read_bytes), "write_bytes": dict(self.write_bytes),
+                "comm_bytes": dict(self.comm_bytes)}
 
 
 class PerfModel:
@@ -192,8 +236,10 @@ class PerfModel:
         tp, pp = (self.tp, self.pp) if per_gpu else (1, 1)
         tokens = ctx.num_tokens
         if tokens:
-            # KV-sharing layers run only the rows that sample (see decoder.SampledRows)
-            sampled = tuple(_sampled_rows(r) for r in ctx.requests if r.num_logits)
+            # KV-sharing layers run only the rows that sample (see decoder.SampledRows), unless a
+            # verify chunk makes the runner take the full path
+            verify = any(not r.is_prefill and r.num_tokens > 1 for r in ctx.requests)
+            sampled = ctx.requests if verify else tuple(_sampled_rows(r) for r in ctx.requests if r.num_logits)
             caches: dict[bool, dict[tuple, tuple[int, int]]] = {False: {}, True: {}}
             for (attn, k_eq_v, shares_kv, width, moe), count in self.groups.items():
                 if shares_kv and not sampled:
@@ -203,15 +249,32 @@ class PerfModel:
                 self._attention(out, attn, k_eq_v, shares_kv, rows, layers, tp,
                                 self._pairs_and_keys(attn, rows, caches[shares_kv]))
                 self._ffn(out, width, moe, sum(r.num_tokens for r in rows), ctx.experts_touched, layers, tp)
+                if tp > 1:   # o_proj and down_proj row-parallel, the experts' partial sums: [rows, hidden] each
+                    activations = sum(r.num_tokens for r in rows) * self.spec.hidden_size * self.act_bytes * layers
+                    for site in ("o_proj", "mlp") + (("moe",) if moe is not None else ()):
+                        self._comm(out, f"{site}_all_reduce", "all_reduce", activations, tp)
+            logits = sum(r.num_logits for r in ctx.requests)
             if self.spec.ple is not None:
                 consumers = sum(layer.shares_kv for layer in self.spec.layers)
-                self._ple(out, tokens, sum(r.num_tokens for r in sampled), consumers, pp)
-            self._unembed(out, sum(r.num_logits for r in ctx.requests), tp, pp)
+                self._ple(out, tokens, sum(r.num_tokens for r in sampled), consumers, tp, pp)
+            self._unembed(out, logits, tp, pp)
+            if tp > 1:
+                ba, hidden = self.act_bytes, self.spec.hidden_size
+                self._comm(out, "embed_all_reduce", "all_reduce", tokens * hidden * ba / pp, tp)
+                if self.spec.ple is not None:
+                    self._comm(out, "ple_all_gather", "all_gather",
+                               2 * tokens * self.spec.num_layers * self.spec.ple.dim * ba / pp, tp)
+                if logits:
+                    self._comm(out, "logits_all_gather", "all_gather", logits * self.spec.vocab_size * ba / pp, tp)
         if ctx.images and self.spec.vision is not None:
-            self._vision(out, self.spec.vision, ctx.images, tp, pp)
+            self._vision(out, self.spec.vision, ctx.images, pp)
         if ctx.drafts and self.drafter is not None:
             self._drafter(out, self.drafter, ctx.drafts, tp)
         return out
+
+    @staticmethod
+    def _comm(out: PerfBreakdown, site: str, kind: str, payload: float, tp: int) -> None:
+        out.comm_bytes[f"comm.{site}"] += sent_per_gpu(kind, payload, tp)
 
     # -- attention ---------------------------------------------------------------------------------
 
@@ -301,17 +364,18 @@ class PerfModel:
 
     # -- per-layer embeddings ----------------------------------------------------------------------
 
-    def _ple(self, out: PerfBreakdown, tokens: int, sampled: int, consumers: int, pp: int) -> None:
+    def _ple(self, out: PerfBreakdown, tokens: int, sampled: int, consumers: int, tp: int, pp: int) -> None:
         ple, hidden, ba, bw = self.spec.ple, self.spec.hidden_size, self.act_bytes, self.weight_bytes
         n = self.spec.num_layers
         f, r, w = out.flops, out.read_bytes, out.write_bytes
-        # model level (first stage): token table rows (a gather) + projection of the main embeddings
-        f["ple.model_projection"] += 2 * tokens * hidden * n * ple.dim / pp
-        r["ple.token_rows"] += tokens * n * ple.dim * bw / pp
-        r["ple.model_projection_weight"] += hidden * n * ple.dim * bw / pp
+        # model level (first stage): token table rows (a gather) + projection of the main embeddings,
+        # both this rank's dim / tp columns; the gathered inputs are whole on every rank
+        f["ple.model_projection"] += 2 * tokens * hidden * n * ple.dim / tp / pp
+        r["ple.token_rows"] += tokens * n * ple.dim * bw / tp / pp
+        r["ple.model_projection_weight"] += hidden * n * ple.dim * bw / tp / pp
         r["ple.model_projection_input"] += tokens * hidden * ba / pp
         w["ple.layer_inputs"] += tokens * n * ple.dim * ba / pp
-        # per layer: gate (hidden -> dim) and projection (dim -> hidden); KV-sharing layers' rows only
+        # per layer (replicated): gate (hidden -> dim) and projection (dim -> hidden); KV-sharing layers' rows only
         rows = (tokens * (n - consumers) + sampled * consumers) / pp   # Σ over layers of the rows each runs
         f["ple.gate"] += 2 * rows * hidden * ple.dim
         f["ple.projection"] += 2 * rows * ple.dim * hidden
@@ -330,10 +394,10 @@ class PerfModel:
         out.read_bytes["unembed.weight"] += hidden * vocab * self.weight_bytes / pp
         out.write_bytes["unembed.output"] += logits * vocab * LOGITS_BYTES / pp
 
-    def _vision(self, out: PerfBreakdown, v: VisionSpec, images: Iterable[VisionWork], tp: int, pp: int) -> None:
+    def _vision(self, out: PerfBreakdown, v: VisionSpec, images: Iterable[VisionWork], pp: int) -> None:
+        """The whole encoder on every GPU of a stage: tensor parallelism replicates it."""
         ba, bw = self.act_bytes, self.weight_bytes
-        q, kv, d = v.num_heads / tp, max(1.0, v.num_kv_heads / tp), v.head_dim
-        width = v.intermediate / tp
+        q, kv, d, width = v.num_heads, v.num_kv_heads, v.head_dim, v.intermediate
         f, r, w = out.flops, out.read_bytes, out.write_bytes
         weights_read = False
         for img in images:
@@ -353,14 +417,14 @@ class PerfModel:
                 w["vision.activations"] += act
             if v.pool_kernel > 1:
                 f["vision.pool"] += 2 * (p // (v.pool_kernel ** 2)) * p * v.hidden / pp
-            f["vision.projector"] += 2 * t * v.hidden * v.projector_out / tp / pp
+            f["vision.projector"] += 2 * t * v.hidden * v.projector_out / pp
             r["vision.input"] += p * v.patch_dim * ba / pp
             w["vision.output"] += t * v.projector_out * ba / pp
             weights_read = True
         if weights_read:  # the encoder's weights are read once per step, however many frames it encodes
             per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * 3
             r["vision.weight"] += (per_layer * v.num_layers + v.patch_dim * v.hidden
-                                   + v.hidden * v.projector_out / tp) * bw / pp
+                                   + v.hidden * v.projector_out) * bw / pp
 
     # -- speculative drafter -----------------------------------------------------------------------
 
@@ -372,12 +436,16 @@ class PerfModel:
         out.write_bytes[f"{key}_output"] += rows * n * (out_bytes or self.act_bytes)
 
     def _drafter(self, out: PerfBreakdown, a: AssistantSpec, drafts: Sequence[DraftWork], tp: int = 1) -> None:
-        """Each draft step batches the requests with a row left; layers reuse the target's formulas."""
+        """Each draft step batches the requests with a row left (the engine reports every drafting
+        request with the round's longest, as its loop runs them); layers reuse the target's formulas."""
         layers = Counter(a.layer_types)
         hidden, backbone = a.hidden_size, a.backbone_hidden_size
+        constrained = any(d.constrained for d in drafts)
         for step in range(max(d.num_rows for d in drafts)):
             active = [d for d in drafts if d.num_rows > step]
             rows = len(active)
+            if tp > 1:
+                self._drafter_comm(out, a, rows, constrained, tp)
             out.read_bytes["drafter.token_rows"] += rows * backbone * self.weight_bytes   # the target's embedding
             self._linear(out, "drafter.pre_projection", rows, 2 * backbone, hidden)
             for t, count in layers.items():
@@ -396,3 +464,18 @@ class PerfModel:
             else:
                 self._linear(out, "drafter.head", rows, hidden, a.vocab_size / tp, LOGITS_BYTES)
             self._linear(out, "drafter.post_projection", rows, hidden, backbone)
+
+    def _drafter_comm(self, out: PerfBreakdown, a: AssistantSpec, rows: int, constrained: bool, tp: int) -> None:
+        """One draft step's collectives over its `rows` (model/assistant.py, engine/speculative.py)."""
+        ba = self.act_bytes
+        self._comm(out, "drafter_embed_all_reduce", "all_reduce", rows * a.backbone_hidden_size * ba, tp)
+        per_layers = rows * a.hidden_size * ba * len(a.layer_types)
+        self._comm(out, "drafter_o_proj_all_reduce", "all_reduce", per_layers, tp)
+        self._comm(out, "drafter_mlp_all_reduce", "all_reduce", per_layers, tp)
+        if a.use_ordered_embeddings:   # the selected rows' scores, zero where another rank holds the row
+            selected = a.centroid_top_k * (a.vocab_size // a.num_centroids)
+            self._comm(out, "drafter_centroid_scores_all_reduce", "all_reduce", rows * selected * ba, tp)
+        else:
+            self._comm(out, "drafter_logits_all_gather", "all_gather", rows * a.vocab_size * ba, tp)
+        if constrained:   # rank 0's masked argmax to every rank
+            self._comm(out, "drafter_token_broadcast", "broadcast", rows * TOKEN_ID_BYTES, tp)

@@ -44,6 +44,7 @@ PROMETHEUS_NAMES = {
     "mmserve.generation_tokens": "mmserve_generation_tokens_total",
     "mmserve.perf.flops": "mmserve_perf_flops_total",
     "mmserve.perf.bytes": "mmserve_perf_bytes_total",
+    "mmserve.perf.comm_bytes": "mmserve_perf_comm_bytes_total",
     "mmserve.engine.step_duration": "mmserve_engine_step_duration_seconds_total",
     "mmserve.requests.finished": "mmserve_requests_finished_total",
     "mmserve.prefix_cache.queries": "mmserve_prefix_cache_queries_total",
@@ -72,6 +73,7 @@ class StepMetrics:
     flops: float
     bytes: float
     seconds: float
+    comm_bytes: float = 0.0   # sent over the interconnect per GPU (tensor parallelism), not in `bytes`
 
 
 class EngineMetrics:
@@ -135,6 +137,9 @@ class EngineMetrics:
         self.flops = meter.create_counter("mmserve.perf.flops", description="estimated model FLOPs per GPU, by step phase")
         self.bytes = meter.create_counter("mmserve.perf.bytes",
                                           description="estimated bytes read and written per GPU, by step phase")
+        self.comm_bytes = meter.create_counter(
+            "mmserve.perf.comm_bytes",
+            description="estimated bytes each GPU sends to the others (tensor parallelism's collectives), by step phase")
         self.step_duration = meter.create_counter("mmserve.engine.step_duration", unit="s",
                                                   description="time spent in engine steps, by step phase")
         self.rpc_requests = meter.create_counter("mmserve.rpc.requests",
@@ -212,6 +217,7 @@ class EngineMetrics:
         phase = {"phase": step.phase}
         self.flops.add(step.flops, phase)
         self.bytes.add(step.bytes, phase)
+        self.comm_bytes.add(step.comm_bytes, phase)
         self.step_duration.add(step.seconds, phase)
 
     def record_speculation(self, items) -> None:

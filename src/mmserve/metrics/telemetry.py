@@ -13,8 +13,9 @@ request its own frames, bills the speculative drafter's steps after it to the re
   write_bytes, mfu, mbu, attn_flops.sliding, attn_flops.full}; mfu/mbu there are the utilisation of
   the steps the span covers (the request's share of work over the whole steps' time would
   understate a batch).
-- `mmserve.engine.step`, for one step in `1 / step_trace_ratio`, with the step's totals and links to
-  the spans of the requests in the batch.
+- `mmserve.engine.step`, for one step in `1 / step_trace_ratio`, with the step's totals (its
+  interconnect bytes per GPU, `mmserve.perf.comm_bytes`, among them) and links to the spans of the
+  requests in the batch.
 - metrics (TTFT, TPOT, e2e, queue time, running/waiting/KV usage per pool, MFU/MBU, token counters,
   FLOPs/bytes/step time by step phase); the latency histograms are recorded in the request's trace
   context, so their exemplars name its trace.
@@ -159,7 +160,8 @@ class TelemetryObserver:
         text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
                               per_gpu=True)
         vision = self._vision(record)
-        drafts = tuple(DraftWork(i.draft_rows, i.draft_keys) for i in record.items if getattr(i, "draft_rows", 0))
+        drafts = tuple(DraftWork(i.draft_rows, i.draft_keys, _constrained(i.request))
+                       for i in record.items if getattr(i, "draft_rows", 0))
         drafter = self.perf.step(StepContext(drafts=drafts), per_gpu=True) if drafts else None
         step = PerfBreakdown()
         _merge(step, text)
@@ -217,7 +219,7 @@ class TelemetryObserver:
             self.metrics.record_step(StepMetrics(
                 record.num_running, record.num_waiting, dict(getattr(record, "kv_usage_by_pool", None) or {}),
                 mfu, mbu, "mixed" if prefill and decode else "prefill" if prefill else "decode",
-                step.total_flops, step.total_bytes, seconds))
+                step.total_flops, step.total_bytes, seconds, step.total_comm_bytes))
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
@@ -366,6 +368,7 @@ class TelemetryObserver:
             "mmserve.perf.write_bytes": step.total_write_bytes, "mmserve.perf.mfu": mfu, "mmserve.perf.mbu": mbu,
             "mmserve.perf.attn_flops.sliding": step.attn_flops_sliding,
             "mmserve.perf.attn_flops.full": step.attn_flops_full,
+            "mmserve.perf.comm_bytes": step.total_comm_bytes,
             "mmserve.perf.peak_flops": self.peaks.flops, "mmserve.perf.peak_bandwidth": self.peaks.bandwidth,
             "mmserve.attention.kept_pairs.sliding": step.kept_pairs_sliding,
             "mmserve.attention.kept_pairs.full": step.kept_pairs_full,
@@ -389,8 +392,14 @@ def _context(request: Any) -> Any:
     return getattr(request, "trace_context", None)
 
 
+def _constrained(request: Any) -> bool:
+    """The request's output follows a response_format (its drafts are masked on rank 0)."""
+    return getattr(getattr(request, "sampling_params", None), "response_format", None) is not None
+
+
 def _merge(into: PerfBreakdown, part: PerfBreakdown) -> None:
-    for dst, src in ((into.flops, part.flops), (into.read_bytes, part.read_bytes), (into.write_bytes, part.write_bytes)):
+    for dst, src in ((into.flops, part.flops), (into.read_bytes, part.read_bytes), (into.write_bytes, part.write_bytes),
+                     (into.comm_bytes, part.comm_bytes)):
         for key, value in src.items():
             dst[key] += value
     into.attn_flops_sliding += part.attn_flops_sliding
