@@ -8,4 +8,4 @@ cp .gpu_bundle/part-b "$B/" && verify part-b "$B/part-b" && unpack || exit 2
 use_site
 $PY scripts/gpu_lease/import_check.py --site "$B/site" ${GPU_LEASE_DRY_RUN:+--dry-run} | tee "$OUT/imports.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 4
-run_check call2 500 parity compiles tiles tokens speculation
+run_check call2 535 parity compiles tiles tokens speculation

@@ -35,8 +35,9 @@ use_site() {   # the cutlass .pth is not read for a PYTHONPATH folder: add its d
   export PYTHONPATH=$PWD/src:$site:$site/nvidia_cutlass_dsl/dsl_packages
 }
 
-run_check() {   # run_check NAME SECTION...: gpu_check's sections, JSON and log under $OUT
-  local name=$1 limit=$2 pre=; shift 2
+run_check() {   # run_check NAME DEADLINE SECTION...: gpu_check's sections until DEADLINE s after the
+  local name=$1 limit=$(( $2 - SECONDS )) pre=; shift 2   # call began; JSON and log under $OUT
+  (( limit > 10 )) || limit=10   # (timeout 0 would mean no limit at all)
   # the dry run's calls before use_site: the bundle's packages blocked, as on the device
   [ -n "${GPU_LEASE_DRY_RUN:-}" ] && [ -z "${SITE_ON:-}" ] && pre="scripts/gpu_lease/image_only.py .gpu_bundle/site"
   timeout "$limit" $PY $pre bench/gpu_check.py ${GPU_LEASE_SMOKE:+--smoke} --only "$@" --out "$OUT/$name.json" \

@@ -53,7 +53,7 @@ def test_the_calls_fit_the_device_and_cover_every_section(kit):
         timeout_s = int(re.search(r"timeout_s (\d+)", header).group(1))
         assert timeout_s <= 600
         run = re.search(r"run_check call\d (\d+) (.+)", text)
-        assert int(run.group(1)) < timeout_s - 20, name   # its sections end before the call's limit
+        assert int(run.group(1)) < timeout_s - 20, name   # its sections end (a deadline from the call's start) before its limit
         sections += [w for w in run.group(2).split() if not w.startswith(("-", '"'))]
         carried = re.findall(r"\.gpu_bundle/[\w.-]+", header)
         assert all(re.fullmatch(r"\.gpu_bundle/(part-[a-z]|manifest\.json)", c) for c in carried), carried
