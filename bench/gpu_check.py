@@ -10,9 +10,9 @@
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
              points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
              have been enabled and replayed: a failed capture runs eagerly and would pass vacuously).
-2b. speculation  the same requests with a random assistant drafting K = 3: verify-step graphs
-             against eager verify steps, identical tokens; drafts must have been verified and
-             verify graphs replayed.
+2b. speculation  the same requests with the demo assistant drafting K = 3: verify-step graphs
+             against eager verify steps, identical tokens; drafts must have been verified and some
+             accepted (the accept path ran), and verify graphs replayed.
 3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
              new kernel after the first step of each kind); caches sized from each step.
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
@@ -68,7 +68,7 @@ import torch
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.attention.selection import choose_backends, device_arch
-from mmserve.config import DEMO_MODEL_DIR
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR
 
 log = logging.getLogger("bench.gpu_check")
 ROOT = Path(__file__).resolve().parents[1]
@@ -518,30 +518,12 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
 
 def graph_use(llm) -> dict:
     """Whether decode graphs were on, how many steps replayed one (verify steps apart), and how
-    many drafts the target verified (0 without speculation)."""
+    many drafts the target verified and accepted (0 without speculation)."""
     graphs, speculator = llm.core.runner.graphs, llm.core.speculator
     return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays,
             "verify_replays": sum(n for q, n in graphs.replays_by_query_len.items() if q > 1),
-            "drafts_verified": sum(speculator.verified) if speculator is not None else 0}
-
-
-def random_assistant(target: Path, out_dir: Path) -> Path:
-    """A random Gemma 4 assistant for `target` (one sliding and one full KV-sharing layer, the
-    target's head dims): its drafts are seldom accepted, which does not matter to a check that
-    verify steps run as CUDA graphs with eager's tokens."""
-    from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM
-
-    text = AutoConfig.from_pretrained(target).get_text_config().to_dict()
-    full = [str(i) for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
-    overrides = text.pop("per_layer_config", None) or {}   # the full layers' own head dim and KV heads
-    text.update(model_type="gemma4_text", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                num_kv_shared_layers=2, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                enable_moe_block=False, use_double_wide_mlp=False,
-                per_layer_config={"1": overrides[full[-1]]} if full and full[-1] in overrides else {})
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=text["hidden_size"])
-    torch.manual_seed(0)
-    Gemma4AssistantForCausalLM(config).save_pretrained(str(out_dir))
-    return out_dir
+            "drafts_verified": sum(speculator.verified) if speculator is not None else 0,
+            "drafts_accepted": sum(speculator.accepted) if speculator is not None else 0}
 
 
 def graphs_ran(use: dict, device: str) -> bool:
@@ -582,24 +564,22 @@ def tokens(sizes: Sizes, device: str) -> dict:
 
 
 def speculation(sizes: Sizes, device: str) -> dict:
-    """The tokens section's video requests with a random assistant drafting K = 3: verify steps
+    """The tokens section's video requests with the demo assistant drafting K = 3: verify steps
     (K + 1 rows per request) as CUDA graphs against eager verify steps. Identical tokens count only
-    if drafts were verified (else speculation never ran) and, on CUDA, verify graphs replayed."""
+    if drafts were verified and some accepted (else speculation, or its accept path, never ran)
+    and, on CUDA, verify graphs replayed."""
     requests = video_requests(sizes, device)
     fast, low = ("fa4", "bfloat16") if device == "cuda" else ("sdpa", "float32")
     out, use = {}, {}
-    with tempfile.TemporaryDirectory() as tmp:
-        assistant = str(random_assistant(DEMO_MODEL_DIR, Path(tmp)))
-        for name, eager in (("graphs", False), ("eager", True)):
-            out[name], use[name] = greedy_tokens(requests, device, dtype=low, attention_backend=fast,
-                                                 enforce_eager=eager, speculative_model=assistant,
-                                                 num_speculative_tokens=3)
+    for name, eager in (("graphs", False), ("eager", True)):
+        out[name], use[name] = greedy_tokens(requests, device, dtype=low, attention_backend=fast, enforce_eager=eager,
+                                             speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=3)
     equal = out["graphs"] == out["eager"]
-    drafted = use["graphs"]["drafts_verified"] > 0 and use["eager"]["drafts_verified"] > 0
+    accepted = all(u["drafts_verified"] > 0 and u["drafts_accepted"] > 0 for u in use.values())
     verify_replayed = device != "cuda" or use["graphs"]["verify_replays"] > 0
     return {"requests": len(requests), "backend": fast, "graphs_equal_eager": equal, "graphs": use["graphs"],
-            "eager": use["eager"], "drafts_verified": drafted, "verify_graphs_replayed": verify_replayed,
-            "ok": equal and drafted and verify_replayed}
+            "eager": use["eager"], "drafts_accepted": accepted, "verify_graphs_replayed": verify_replayed,
+            "ok": equal and accepted and verify_replayed}
 
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
