@@ -21,7 +21,8 @@
 5. fallback  head dim 512: flex against gather + SDPA on 64 decodes and one prefill chunk: K/V bytes
              and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
-             at the serving model's dimensions, against the weight-read floor (bytes / 4.3 TB/s);
+             at the serving model's dimensions, against the floor (the bytes the perf model says
+             the step moves / 4.3 TB/s);
              every timed graph step must have replayed a graph.
 7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
              prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
@@ -685,16 +686,19 @@ def serving(sizes: Sizes, device: str) -> dict:
             "ok": graphs_ran(graphs, device)}
 
 
-# --- 5b. decode: one decode step, graphs against eager, against the weight-read floor -----------------
+# --- 5b. decode: one decode step, graphs against eager, against the bytes it must move ------------
 
 H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
 
 
 def decode(sizes: Sizes, device: str) -> dict:
     """Decode step time at each batch size with CUDA graphs (the default) and with --enforce-eager,
-    at the serving model's dimensions: a step reads every weight once, so weight bytes over the
-    H200's copy bandwidth is the floor no version beats (KV reads add a little at 128 tokens)."""
+    at the serving model's dimensions, against the floor no version beats: the bytes the step moves
+    by the engine's perf model (each decoder weight once, the K/V it attends to, the rows it gathers
+    of the per-layer embedding table: not the whole table, nor the vision tower, which
+    `weight_bytes` counts) over the H200's copy bandwidth."""
     from mmserve.engine.llm import LLM
+    from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     prompt_len = 128 if device == "cuda" else 16
@@ -706,17 +710,18 @@ def decode(sizes: Sizes, device: str) -> dict:
             options["kv_cache_bytes"] = 8 * 2**30
         llm = LLM(model=str(model_dir), **options)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+        perf = PerfModel(llm.core.model.spec, dtype=llm.config.dtype)
         for batch in sizes.decode_batches:
             step_ms, replays = decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)
-            rows.append({"batch": batch, "graphs": not eager, "step_ms": step_ms, "graph_replays": replays})
+            context = prompt_len + 3 + sizes.decode_steps // 2   # the timed steps' middle one
+            moved = perf.step(StepContext(tuple(RequestWork(1, context, False) for _ in range(batch)))).total_bytes
+            floor_ms = moved / H200_BANDWIDTH * 1e3
+            rows.append({"batch": batch, "graphs": not eager, "step_ms": step_ms, "graph_replays": replays,
+                         "step_bytes": moved, "floor_ms": floor_ms, "over_floor": step_ms / floor_ms})
         use["eager" if eager else "graphs"] = graph_use(llm)
         del llm
         if device == "cuda":
             torch.cuda.empty_cache()
-    floor_ms = weight_bytes / H200_BANDWIDTH * 1e3
-    for row in rows:
-        row["weight_floor_ms"] = floor_ms
-        row["over_floor"] = row["step_ms"] / floor_ms
     # every timed step of a graph row must have replayed one (a batch past the captured sizes runs eagerly)
     replayed = device != "cuda" or all(r["graph_replays"] >= sizes.decode_steps for r in rows if r["graphs"])
     return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
