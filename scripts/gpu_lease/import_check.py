@@ -24,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_MODULES = ["flash_attn.cute.interface", "cutlass.cute", "quack", "tvm_ffi", "torch_c_dlpack_ext",
-                  "transformers", "av", "xgrammar", "zmq", "pydantic", "opentelemetry.sdk",
+                  "transformers", "av", "xgrammar", "zmq", "pydantic", "opentelemetry.trace", "opentelemetry.sdk",
                   "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "grpc_health.v1.health",
                   "grpc_reflection.v1alpha.reflection", "smg_grpc_proto", "mmserve.server.app"]
-REQUIRED = {"flash_attn.cute.interface", "cutlass.cute", "transformers", "av"}   # gpu_check's sections need
+# gpu_check's sections need these (the engine: xgrammar for structured output, opentelemetry for tracing)
+REQUIRED = {"flash_attn.cute.interface", "cutlass.cute", "transformers", "av", "xgrammar", "opentelemetry.trace"}
 SELF_CONTAINED_CP312 = ["pydantic", "zmq", "av", "tvm_ffi"]   # import with only pure helpers beside them
 PURE_FA4 = ["flash_attn", "quack"]                              # FA4's own sources in the bundle
 
