@@ -210,3 +210,12 @@ def test_the_dry_runs_call_1_cannot_import_what_the_bundle_brings(tmp_path):
     proc = subprocess.run([sys.executable, str(KIT / "image_only.py"), str(site), str(script)], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.split() == ["blocked", "google.rpc"], proc.stderr
+
+
+def test_a_part_and_the_working_tree_fit_one_call(kit):
+    """A call carries the repository's working tree and one part: 64 MiB together at most. A large
+    committed file (a checkpoint, say) would make calls 1 and 2 fail on the device before running."""
+    bundle, _ = kit
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree = sum((ROOT / p).stat().st_size for p in tracked.decode().split("\0") if p and (ROOT / p).is_file())
+    assert tree + bundle.PART_BYTES + 2**16 < 64 * 2**20, f"the tracked tree is {tree / 2**20:.1f} MiB"
