@@ -22,8 +22,7 @@
              and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
              at the serving model's dimensions, against the floor (the bytes the perf model says
-             the step moves / 4.3 TB/s);
-             every timed graph step must have replayed a graph.
+             the step moves / 4.3 TB/s); every timed graph step must have replayed a graph.
 7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
              prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
 8. collectives  tensor parallelism's per-layer collective (issue 26): the all-reduce of [rows, hidden]

@@ -104,9 +104,9 @@ KIT_MODULES = [p.stem for p in KIT.glob("*.py")]   # the import check imports bu
 DEVICE_CODE = [*(ROOT / "src" / "mmserve").rglob("*.py"), ROOT / "bench" / "gpu_check.py", KIT / "import_check.py"]
 
 
-def third_party_imports() -> dict[str, str]:
-    """Every absolute import outside the standard library and mmserve -> one file importing it."""
-    found = {}
+def third_party_imports() -> dict[str, set[str]]:
+    """Every absolute import outside the standard library and mmserve -> the files importing it."""
+    found: dict[str, set[str]] = {}
     for path in DEVICE_CODE:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -117,7 +117,7 @@ def third_party_imports() -> dict[str, str]:
                 continue
             for name in names:
                 if name.split(".")[0] not in (*sys.stdlib_module_names, "mmserve", *KIT_MODULES):
-                    found.setdefault(name, str(path.relative_to(ROOT)))
+                    found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found
 
 
@@ -163,12 +163,12 @@ def test_every_import_resolves_to_the_image_or_the_bundle(kit):
     provided = set(bundle.image_packages()) | set(bundle.pinned())
     index = installed_owners(bundle.normalise)
     missing = {}
-    for module, path in third_party_imports().items():
-        if TOOLS_ONLY.get(module.split(".")[0]) == path:
+    for module, paths in third_party_imports().items():
+        if paths == {TOOLS_ONLY.get(module.split(".")[0])}:
             continue
         dists = owners(module, index)
         if not dists & provided:
-            missing[module] = f"{path} imports it; from {sorted(dists) or 'no installed distribution'}"
+            missing[module] = f"{sorted(paths)} import it; from {sorted(dists) or 'no installed distribution'}"
     assert not missing, f"add these to scripts/gpu_lease/bundle.py's WHEELS: {missing}"
 
 
