@@ -27,6 +27,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 PART_BYTES = 48 * 2**20 - 2**16   # under the 48 MiB a part may have, so a part plus the repo fits one call
+LEASE_PARTS = 2   # the lease's calls carry part a (call 1) and part b (call 2); a third needs a re-plan
 IMAGE_PACKAGES = Path(__file__).with_name("device_image_packages.txt")
 WHEELS = [
     # FA4 b36 and the CuTe DSL it compiles with (cu13: the image's CUDA)
@@ -185,7 +186,11 @@ def main() -> int:
     print(f"{len(manifest['wheels'])} wheels, {sum(w['bytes'] for w in manifest['wheels']) / 1e6:.1f} MB; site "
           f"{manifest['site_bytes'] / 1e6:.0f} MB; tar.xz {manifest['archive_bytes'] / 1e6:.1f} MB in parts of {mib} MiB")
     if manifest["unmet_requirements"]:
-        print("requirements neither bundled nor in the image:", ", ".join(manifest["unmet_requirements"]))
+        print("requirements the device would not meet:", ", ".join(manifest["unmet_requirements"]))
+    if len(manifest["parts"]) > LEASE_PARTS:
+        print(f"{len(manifest['parts'])} parts, but the lease's calls carry {LEASE_PARTS}: carry the rest in call 3 "
+              "and unpack there, or drop a wheel (scripts/gpu_lease/, docs/benchmarks.md)")
+        return 1
     return 0
 
 

@@ -43,8 +43,8 @@ def kit():
 
 
 def test_the_calls_fit_the_device_and_cover_every_section(kit):
-    _, check = kit
-    sections = []
+    bundle, check = kit
+    sections, carried_parts = [], []
     for i, name in enumerate(CALLS, 1):
         text = (KIT / name).read_text()
         assert len(text) < 2000, name   # pasted whole, a call's command must stay under 2,000 characters
@@ -57,7 +57,9 @@ def test_the_calls_fit_the_device_and_cover_every_section(kit):
         sections += [w for w in run.group(2).split() if not w.startswith(("-", '"'))]
         carried = re.findall(r"\.gpu_bundle/[\w.-]+", header)
         assert all(re.fullmatch(r"\.gpu_bundle/(part-[a-z]|manifest\.json)", c) for c in carried), carried
+        carried_parts += [c.removeprefix(".gpu_bundle/") for c in carried if "part-" in c]
     assert sorted(sections) == sorted(check.SECTIONS)
+    assert sorted(carried_parts) == [f"part-{chr(ord('a') + i)}" for i in range(bundle.LEASE_PARTS)]
     subprocess.run(["bash", "-n", *(str(KIT / n) for n in [*CALLS, "env.sh", "dry_run.sh"])], check=True)
 
 
