@@ -4,13 +4,15 @@
              against the dense float32 reference on random paged steps with frames shorter and
              longer than the window: varlen prefill, chunked prefill, decode, mixed, text only
              (bf16, max error relative to the output's largest value < 2e-2); FA4's mask_mod must
-             change exactly the rows the reference says the frames change.
+             change exactly the rows the reference says the frames change; on CUDA `auto` must
+             have chosen FA4 and flex (without FA4 both would be flex, and parity vacuous for FA4).
 2. tokens    the demo checkpoint end to end on video requests, greedy: FA4 and SDPA in bf16, each
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
              points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
-             have been enabled and replayed: a failed capture runs eagerly and would pass vacuously);
-             the same with speculation (a random assistant, K = 3): verify-step graphs against
-             eager verify steps, identical tokens, and verify graphs must have replayed.
+             have been enabled and replayed: a failed capture runs eagerly and would pass vacuously).
+2b. speculation  the same requests with the demo assistant drafting K = 3: verify-step graphs
+             against eager verify steps, identical tokens; drafts must have been verified and some
+             accepted (the accept path ran), and verify graphs replayed.
 3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
              new kernel after the first step of each kind); caches sized from each step.
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
@@ -19,19 +21,22 @@
 5. fallback  head dim 512: flex against gather + SDPA on 64 decodes and one prefill chunk: K/V bytes
              and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
-             at the serving model's dimensions, against the weight-read floor (bytes / 4.3 TB/s).
+             at the serving model's dimensions, against the floor (the bytes the perf model says
+             the step moves / 4.3 TB/s); every timed graph step must have replayed a graph.
 7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
              prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
 8. collectives  tensor parallelism's per-layer collective (issue 26): the all-reduce of [rows, hidden]
              bf16 over a single-rank NCCL group (TP on one lent GPU is 1) at decode and prefill row
              counts for each family member's width, per call and per layer / per step; beside it the
              ring all-reduce's NVLink wire time at TP 2/4/8, a model (bytes / datasheet bandwidth).
+             One rank moves no bytes (and the engine calls no collective at TP 1): this is NCCL's
+             fixed cost and whether it captures into a graph, not what TP costs.
 
 Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
 when a call cannot be captured), median of repeats; one call's own event time minus that is
 reported as its host overhead (`*_host_ms`). The report is rewritten after every section, so a run
-killed at its time limit keeps the sections it finished; `--only` runs some sections alone
-(scripts/gpu_lease/ runs them in the lease's calls).
+killed at its time limit keeps the sections it finished; `--only` runs some sections alone, in
+its order (scripts/gpu_lease/ runs them in the lease's calls, each call's slowest last).
 
     python bench/gpu_check.py                       # on the GPU machine: bench/results/gpu_check.json
     python bench/gpu_check.py --only parity tiles --out /tmp/a.json
@@ -63,7 +68,7 @@ import torch
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.attention.selection import choose_backends, device_arch
-from mmserve.config import DEMO_MODEL_DIR
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR
 
 log = logging.getLogger("bench.gpu_check")
 ROOT = Path(__file__).resolve().parents[1]
@@ -248,7 +253,18 @@ def parity(sizes: Sizes, device: str) -> dict:
                     row["mask_mod_active"] = bool(moved > 1e-2) == bool(ref_moved > 1e-2)
                     row["ok"] = row["ok"] and row["mask_mod_active"]
                 rows.append(row)
-    return {"backends": chosen, "tolerance": BF16_TOL, "rows": rows, "ok": all(r["ok"] for r in rows)}
+    as_planned = backends_as_planned(chosen, device)
+    return {"backends": chosen, "backends_as_planned": as_planned, "tolerance": BF16_TOL, "rows": rows,
+            "ok": as_planned and all(r["ok"] for r in rows)}
+
+
+GPU_BACKENDS = {SLIDING: "fa4", FULL: "flex"}   # what a GPU run must check: FA4, and flex for head dim 512
+
+
+def backends_as_planned(chosen: dict[str, str], device: str) -> bool:
+    """On CUDA `auto` must pick FA4 for the sliding layers and flex for the full ones: without FA4
+    (not installed, or not runnable here) both would run flex and parity would pass without FA4."""
+    return device != "cuda" or chosen == GPU_BACKENDS
 
 
 # --- 3. compiles: one FA4 kernel per kind of step ----------------------------------------------------
@@ -272,7 +288,7 @@ def compiles(sizes: Sizes, device: str) -> dict:
                            "under FakeTensorMode on CPU"}
     spec = sizes.sliding
     gen = torch.Generator().manual_seed(7)
-    counts = []
+    counts, earlier = [], fa4_kernels()   # kernels an earlier section of the call (parity) compiled
     for n in sizes.frame_counts:
         for kind, reqs in (("prefill", video_chunk(sizes, n)),
                            ("decode", [Req(300 * n + 7 * i, 1) for i in range(1 + n % 5)])):
@@ -282,7 +298,7 @@ def compiles(sizes: Sizes, device: str) -> dict:
             run_backend("fa4", batch, spec)
             counts.append({"frames": n, "step": kind, "new_kernels": fa4_kernels() - before})
     later = [c["new_kernels"] for c in counts[2:]]   # the first prefill and decode steps compile
-    return {"rows": counts, "total_kernels": fa4_kernels(), "ok": sum(later) == 0}
+    return {"rows": counts, "kernels_before": earlier, "total_kernels": fa4_kernels(), "ok": sum(later) == 0}
 
 
 # --- 4. tiles: FA4's visited key tiles with windowed page tables ------------------------------------
@@ -501,28 +517,13 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
 
 
 def graph_use(llm) -> dict:
-    graphs = llm.core.runner.graphs
+    """Whether decode graphs were on, how many steps replayed one (verify steps apart), and how
+    many drafts the target verified and accepted (0 without speculation)."""
+    graphs, speculator = llm.core.runner.graphs, llm.core.speculator
     return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays,
-            "verify_replays": sum(n for q, n in graphs.replays_by_query_len.items() if q > 1)}
-
-
-def random_assistant(target: Path, out_dir: Path) -> Path:
-    """A random Gemma 4 assistant for `target` (one sliding and one full KV-sharing layer, the
-    target's head dims): its drafts are seldom accepted, which does not matter to a check that
-    verify steps run as CUDA graphs with eager's tokens."""
-    from transformers import AutoConfig, Gemma4AssistantConfig, Gemma4AssistantForCausalLM
-
-    text = AutoConfig.from_pretrained(target).get_text_config().to_dict()
-    full = [str(i) for i, t in enumerate(text["layer_types"]) if t == "full_attention"]
-    overrides = text.pop("per_layer_config", None) or {}   # the full layers' own head dim and KV heads
-    text.update(model_type="gemma4_text", num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
-                num_kv_shared_layers=2, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
-                enable_moe_block=False, use_double_wide_mlp=False,
-                per_layer_config={"1": overrides[full[-1]]} if full and full[-1] in overrides else {})
-    config = Gemma4AssistantConfig(text_config=text, backbone_hidden_size=text["hidden_size"])
-    torch.manual_seed(0)
-    Gemma4AssistantForCausalLM(config).save_pretrained(str(out_dir))
-    return out_dir
+            "verify_replays": sum(n for q, n in graphs.replays_by_query_len.items() if q > 1),
+            "drafts_verified": sum(speculator.verified) if speculator is not None else 0,
+            "drafts_accepted": sum(speculator.accepted) if speculator is not None else 0}
 
 
 def graphs_ran(use: dict, device: str) -> bool:
@@ -556,19 +557,29 @@ def tokens(sizes: Sizes, device: str) -> dict:
     agree = {name: prefix_agreement(out[name], out["reference"]) for name in runs if name != "reference"}
     graphs_equal = out[fast + " graphs"] == out[fast + " eager"]
     replayed = graphs_ran(use[fast + " graphs"], device)
-    with tempfile.TemporaryDirectory() as tmp:   # speculation: verify steps of K + 1 rows per request
-        assistant = str(random_assistant(DEMO_MODEL_DIR, Path(tmp)))
-        for name in (fast + " graphs", fast + " eager"):
-            out["spec " + name], use["spec " + name] = greedy_tokens(
-                requests, device, speculative_model=assistant, num_speculative_tokens=3, **runs[name])
-    spec_equal = out["spec " + fast + " graphs"] == out["spec " + fast + " eager"]
-    verify_replayed = device != "cuda" or use["spec " + fast + " graphs"]["verify_replays"] > 0
     return {"requests": len(requests), "frames": sizes.token_frames, "max_tokens": sizes.max_tokens,
             "agreement_with_fp32": agree, "graphs_equal_eager": graphs_equal, "graphs": use[fast + " graphs"],
-            "graphs_replayed": replayed, "spec_graphs_equal_eager": spec_equal,
-            "spec_graphs": use["spec " + fast + " graphs"], "verify_graphs_replayed": verify_replayed,
-            "ok": replayed and graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10
-            and spec_equal and verify_replayed}
+            "graphs_replayed": replayed,
+            "ok": replayed and graphs_equal and agree[fast + " graphs"] >= agree["sdpa"] - 0.10}
+
+
+def speculation(sizes: Sizes, device: str) -> dict:
+    """The tokens section's video requests with the demo assistant drafting K = 3: verify steps
+    (K + 1 rows per request) as CUDA graphs against eager verify steps. Identical tokens count only
+    if drafts were verified and some accepted (else speculation, or its accept path, never ran)
+    and, on CUDA, verify graphs replayed."""
+    requests = video_requests(sizes, device)
+    fast, low = ("fa4", "bfloat16") if device == "cuda" else ("sdpa", "float32")
+    out, use = {}, {}
+    for name, eager in (("graphs", False), ("eager", True)):
+        out[name], use[name] = greedy_tokens(requests, device, dtype=low, attention_backend=fast, enforce_eager=eager,
+                                             speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=3)
+    equal = out["graphs"] == out["eager"]
+    accepted = all(u["drafts_verified"] > 0 and u["drafts_accepted"] > 0 for u in use.values())
+    verify_replayed = device != "cuda" or use["graphs"]["verify_replays"] > 0
+    return {"requests": len(requests), "backend": fast, "graphs_equal_eager": equal, "graphs": use["graphs"],
+            "eager": use["eager"], "drafts_accepted": accepted, "verify_graphs_replayed": verify_replayed,
+            "ok": equal and accepted and verify_replayed}
 
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
@@ -674,16 +685,19 @@ def serving(sizes: Sizes, device: str) -> dict:
             "ok": graphs_ran(graphs, device)}
 
 
-# --- 5b. decode: one decode step, graphs against eager, against the weight-read floor -----------------
+# --- 5b. decode: one decode step, graphs against eager, against the bytes it must move ------------
 
 H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
 
 
 def decode(sizes: Sizes, device: str) -> dict:
     """Decode step time at each batch size with CUDA graphs (the default) and with --enforce-eager,
-    at the serving model's dimensions: a step reads every weight once, so weight bytes over the
-    H200's copy bandwidth is the floor no version beats (KV reads add a little at 128 tokens)."""
+    at the serving model's dimensions, against the floor no version beats: the bytes the step moves
+    by the engine's perf model (each decoder weight once, the K/V it attends to, the rows it gathers
+    of the per-layer embedding table: not the whole table, nor the vision tower, which
+    `weight_bytes` counts) over the H200's copy bandwidth."""
     from mmserve.engine.llm import LLM
+    from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     prompt_len = 128 if device == "cuda" else 16
@@ -695,24 +709,29 @@ def decode(sizes: Sizes, device: str) -> dict:
             options["kv_cache_bytes"] = 8 * 2**30
         llm = LLM(model=str(model_dir), **options)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
+        perf = PerfModel(llm.core.model.spec, dtype=llm.config.dtype)
         for batch in sizes.decode_batches:
-            rows.append({"batch": batch, "graphs": not eager,
-                         "step_ms": decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)})
+            step_ms, replays = decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)
+            context = prompt_len + 3 + sizes.decode_steps // 2   # the timed steps' middle one
+            moved = perf.step(StepContext(tuple(RequestWork(1, context, False) for _ in range(batch)))).total_bytes
+            floor_ms = moved / H200_BANDWIDTH * 1e3
+            rows.append({"batch": batch, "graphs": not eager, "step_ms": step_ms, "graph_replays": replays,
+                         "step_bytes": moved, "floor_ms": floor_ms, "over_floor": step_ms / floor_ms})
         use["eager" if eager else "graphs"] = graph_use(llm)
         del llm
         if device == "cuda":
             torch.cuda.empty_cache()
-    floor_ms = weight_bytes / H200_BANDWIDTH * 1e3
-    for row in rows:
-        row["weight_floor_ms"] = floor_ms
-        row["over_floor"] = row["step_ms"] / floor_ms
+    # every timed step of a graph row must have replayed one (a batch past the captured sizes runs eagerly)
+    replayed = device != "cuda" or all(r["graph_replays"] >= sizes.decode_steps for r in rows if r["graphs"])
     return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
-            "graph_use": use, "rows": rows, "ok": graphs_ran(use["graphs"], device)}
+            "graph_use": use, "rows": rows, "every_batch_replayed": replayed,
+            "ok": graphs_ran(use["graphs"], device) and replayed}
 
 
-def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) -> float:
+def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, int]:
     """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
-    on the host, so its wall time is its latency), after their prefill and two warm steps."""
+    on the host, so its wall time is its latency), after their prefill and two warm steps; and how
+    many of the timed steps replayed a graph."""
     from mmserve.engine.sampling_params import SamplingParams
     from mmserve.engine.types import EngineRequest
 
@@ -732,15 +751,16 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) ->
             produced[rid] += len(item.new_token_ids)
     while min(produced.values()) < 3:   # prefill done, and two decode steps to warm up
         step()
-    samples = []
+    samples, replays = [], llm.core.runner.graphs.replays
     for _ in range(steps):
         synchronize(device)
         begin = time.perf_counter()
         step()
         samples.append((time.perf_counter() - begin) * 1e3)
+    replays = llm.core.runner.graphs.replays - replays
     while llm.has_work:   # let them finish, so the next batch size starts on an empty engine
         step()
-    return _median(samples)
+    return _median(samples), replays
 
 
 # --- 8. collectives: tensor parallelism's all-reduce per layer, on a single-rank NCCL group -----------
@@ -807,15 +827,17 @@ def collectives(sizes: Sizes, device: str) -> dict:
                     row[f"nvlink_tp{n}_per_layer_us"] = layout["per_layer"] * ring_wire_us(row["bytes"], n)
                 out.append(row)
     methods = {r["all_reduce_method"] for r in out}
-    return {"ok": True, "backend": "nccl" if device == "cuda" else "gloo", "dtype": str(dtype),
+    return {"ok": True, "backend": "nccl" if device == "cuda" else "gloo", "dtype": str(dtype), "world_size": 1,
+            "measures": "one rank: NCCL's fixed cost per call and whether it captures into a graph, not TP's "
+                        "cost (the engine issues no collective at TP 1; nvlink_* columns are a bytes model)",
             "captured": methods == {"graph"}, "methods": sorted(methods), "rows": out}
 
 
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
-    "parity": parity, "tokens": tokens, "compiles": compiles, "tiles": tiles, "fallback": fallback,
-    "decode": decode, "serving": serving, "collectives": collectives}
+    "parity": parity, "tokens": tokens, "speculation": speculation, "compiles": compiles, "tiles": tiles,
+    "fallback": fallback, "decode": decode, "serving": serving, "collectives": collectives}
 
 
 def machine(device: str) -> dict:
@@ -831,15 +853,13 @@ def machine(device: str) -> dict:
 
 
 def run_sections(sizes: Sizes, device: str, only: list[str] | None, report: dict, out: Path) -> dict:
-    """Run the sections in order, writing the whole report after each one: a run killed at its time
-    limit still leaves the sections it finished."""
+    """Run the sections (`only`'s, in its order: a lease call puts its slowest last), writing the
+    whole report after each one: a run killed at its time limit still leaves the sections it finished."""
     results = report["sections"]
-    for name, section in SECTIONS.items():
-        if only and name not in only:
-            continue
+    for name in dict.fromkeys(only) if only else SECTIONS:
         start = time.perf_counter()
         try:
-            results[name] = section(sizes, device)
+            results[name] = SECTIONS[name](sizes, device)
         except Exception as exc:   # one broken section must not hide the others' numbers
             log.exception("section %s failed", name)
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}

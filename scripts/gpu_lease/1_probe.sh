@@ -4,4 +4,4 @@ set -u
 . scripts/gpu_lease/env.sh
 mkdir -p "$B" && cp .gpu_bundle/part-a .gpu_bundle/manifest.json "$B/" && verify part-a "$B/part-a" || exit 2
 probe | tee "$OUT/probe.txt"
-run_check call1 270 fallback collectives
+run_check call1 275 fallback collectives

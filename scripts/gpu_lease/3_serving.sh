@@ -5,4 +5,4 @@ set -u
 . scripts/gpu_lease/env.sh
 [ -d "$B/site" ] || { echo "no unpacked bundle here: the machine was not warm; run calls 1 and 2 again"; exit 3; }
 use_site
-run_check call3 550 decode serving --serving-model "${SERVING_MODEL:-12b_unified}"
+run_check call3 555 decode serving --serving-model "${SERVING_MODEL:-12b_unified}"

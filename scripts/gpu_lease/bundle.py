@@ -23,8 +23,11 @@ import tarfile
 import zipfile
 from pathlib import Path
 
+from packaging.requirements import Requirement
+
 ROOT = Path(__file__).resolve().parents[2]
 PART_BYTES = 48 * 2**20 - 2**16   # under the 48 MiB a part may have, so a part plus the repo fits one call
+LEASE_PARTS = 2   # the lease's calls carry part a (call 1) and part b (call 2); a third needs a re-plan
 IMAGE_PACKAGES = Path(__file__).with_name("device_image_packages.txt")
 WHEELS = [
     # FA4 b36 and the CuTe DSL it compiles with (cu13: the image's CUDA)
@@ -39,13 +42,19 @@ WHEELS = [
     "opentelemetry-exporter-otlp-proto-http==1.45.2", "opentelemetry-exporter-otlp-proto-common==1.45.2",
     "opentelemetry-exporter-otlp-common==0.66b2", "opentelemetry-exporter-http-transport==0.66b2",
     "opentelemetry-proto==1.45.2", "grpcio-health-checking==1.81.1", "grpcio-reflection==1.81.1",
-    "googleapis-common-protos==1.76.0",
+    "googleapis-common-protos==1.76.0", "smg-grpc-proto==0.4.28",
 ]
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35, 39)] + ["manylinux2014_x86_64",
                                                                                       "manylinux1_x86_64"]
 # The cutlass wheel's .pth adds this folder to sys.path; a PYTHONPATH folder's .pth files are not
 # read, so the lease scripts add it themselves (else fa4_installed() is True and FA4's import fails).
 CUTLASS_PATH = "nvidia_cutlass_dsl/dsl_packages"
+# nvidia-cutlass-dsl requires its CUDA 12 libraries by default; the bundle carries the -cu13 build instead
+CUTLASS_CU12 = "nvidia-cutlass-dsl-libs-cu12"
+# the device's Python, for requirement markers ("extra" empty: no extras are installed)
+DEVICE_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
+                  "platform_python_implementation": "CPython", "sys_platform": "linux", "platform_system": "Linux",
+                  "platform_machine": "x86_64", "os_name": "posix", "extra": ""}
 
 
 def normalise(name: str) -> str:
@@ -69,27 +78,45 @@ def download(wheels_dir: Path) -> list[Path]:
     return wheels
 
 
-def unmet_requirements(wheels: list[Path]) -> list[str]:
-    """Requirements (no extras) of the bundled wheels that neither the bundle nor the image has."""
-    image = {normalise(line) for line in IMAGE_PACKAGES.read_text().split("\n") if line and not line.startswith("#")}
-    metas = []
+def image_packages() -> dict[str, str | None]:
+    """The device image's packages: normalised name -> version where KINDS.md gave one, else None."""
+    lines = [line for line in IMAGE_PACKAGES.read_text().split("\n") if line and not line.startswith("#")]
+    return {normalise(name): version or None for name, _, version in (line.partition("==") for line in lines)}
+
+
+def pinned() -> dict[str, str]:
+    """The bundle's packages: normalised name -> pinned version."""
+    return {normalise(name): version for name, _, version in (w.partition("==") for w in WHEELS)}
+
+
+def unmet_requirements(needs: dict[str, list[str]], have: dict[str, str | None] | None = None) -> list[str]:
+    """Of `needs` (who -> their requirement strings), those that the device would not meet: markers
+    evaluated for its Python, the bundle's pins first (they come first on PYTHONPATH), then the
+    image's packages, version ranges checked where the version is known (an unknown one passes:
+    the lease's import check, which passes what is installed there as `have`, checks it)."""
+    have = image_packages() | pinned() if have is None else have
+    unmet = set()
+    for who, requirements in needs.items():
+        for text in requirements:
+            req = Requirement(text)
+            name = normalise(req.name)
+            if (req.marker and not req.marker.evaluate(DEVICE_MARKERS)) or name == CUTLASS_CU12:
+                continue
+            if name not in have:
+                unmet.add(f"{req} (needed by {who}): neither bundled nor in the image")
+            elif have[name] and not req.specifier.contains(have[name], prereleases=True):
+                unmet.add(f"{req} (needed by {who}): the device would have {have[name]}")
+    return sorted(unmet)
+
+
+def wheel_requirements(wheels: list[Path]) -> dict[str, list[str]]:
+    needs = {}
     for wheel in wheels:
         with zipfile.ZipFile(wheel) as z:
             meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-            metas.append(email.parser.Parser().parsestr(z.read(meta).decode()))
-    bundled = {normalise(m["Name"]) for m in metas}
-    unmet = set()
-    for m in metas:
-        for req in m.get_all("Requires-Dist") or []:
-            if "extra ==" in req:
-                continue
-            marker = req.split(";", 1)[1] if ";" in req else ""
-            if ("python_version" in marker and "<" in marker) or "pypy" in marker:
-                continue   # a backport for older Pythons than the image's 3.12, or PyPy's
-            name = normalise(re.match(r"[A-Za-z0-9_.-]+", req).group())
-            if name not in bundled | image and not name.startswith("nvidia-cutlass-dsl-libs"):
-                unmet.add(f"{name} (needed by {m['Name']})")
-    return sorted(unmet)
+            parsed = email.parser.Parser().parsestr(z.read(meta).decode())
+        needs[parsed["Name"]] = parsed.get_all("Requires-Dist") or []
+    return needs
 
 
 def sha256(path: Path) -> str:
@@ -113,7 +140,7 @@ def build(out: Path) -> dict:
         shutil.rmtree(cache)
     manifest = pack(site, out)
     manifest["wheels"] = [{"name": w.name, "bytes": w.stat().st_size, "sha256": sha256(w)} for w in wheels]
-    manifest["unmet_requirements"] = unmet_requirements(wheels)
+    manifest["unmet_requirements"] = unmet_requirements(wheel_requirements(wheels))
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
@@ -159,7 +186,11 @@ def main() -> int:
     print(f"{len(manifest['wheels'])} wheels, {sum(w['bytes'] for w in manifest['wheels']) / 1e6:.1f} MB; site "
           f"{manifest['site_bytes'] / 1e6:.0f} MB; tar.xz {manifest['archive_bytes'] / 1e6:.1f} MB in parts of {mib} MiB")
     if manifest["unmet_requirements"]:
-        print("requirements neither bundled nor in the image:", ", ".join(manifest["unmet_requirements"]))
+        print("requirements the device would not meet:", ", ".join(manifest["unmet_requirements"]))
+    if len(manifest["parts"]) > LEASE_PARTS:
+        print(f"{len(manifest['parts'])} parts, but the lease's calls carry {LEASE_PARTS}: carry the rest in call 3 "
+              "and unpack there, or drop a wheel (scripts/gpu_lease/, docs/benchmarks.md)")
+        return 1
     return 0
 
 

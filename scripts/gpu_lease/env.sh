@@ -30,13 +30,17 @@ with tarfile.open(sys.argv[1]) as t: t.extractall(sys.argv[2], filter="data")' "
 
 use_site() {   # the cutlass .pth is not read for a PYTHONPATH folder: add its dsl_packages ourselves
   local site=$B/site
+  SITE_ON=1
   [ -n "${GPU_LEASE_DRY_RUN:-}" ] && return   # cp312 builds: this CPU's Python cannot load them
   export PYTHONPATH=$PWD/src:$site:$site/nvidia_cutlass_dsl/dsl_packages
 }
 
-run_check() {   # run_check NAME SECTION...: gpu_check's sections, JSON and log under $OUT
-  local name=$1 limit=$2; shift 2
-  timeout "$limit" $PY bench/gpu_check.py ${GPU_LEASE_SMOKE:+--smoke} --only "$@" --out "$OUT/$name.json" \
+run_check() {   # run_check NAME DEADLINE SECTION...: gpu_check's sections until DEADLINE s after the
+  local name=$1 limit=$(( $2 - SECONDS )) pre=; shift 2   # call began; JSON and log under $OUT
+  (( limit > 10 )) || limit=10   # (timeout 0 would mean no limit at all)
+  # the dry run's calls before use_site: the bundle's packages blocked, as on the device
+  [ -n "${GPU_LEASE_DRY_RUN:-}" ] && [ -z "${SITE_ON:-}" ] && pre="scripts/gpu_lease/image_only.py .gpu_bundle/site"
+  timeout "$limit" $PY $pre bench/gpu_check.py ${GPU_LEASE_SMOKE:+--smoke} --only "$@" --out "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   local rc=$?
   grep -v " INFO " "$OUT/$name.log" | tail -50

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -23,10 +24,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE_MODULES = ["flash_attn.cute.interface", "cutlass.cute", "quack", "tvm_ffi", "torch_c_dlpack_ext",
-                  "transformers", "av", "xgrammar", "zmq", "pydantic", "opentelemetry.sdk",
+                  "transformers", "av", "xgrammar", "zmq", "pydantic", "opentelemetry.trace", "opentelemetry.sdk",
                   "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", "grpc_health.v1.health",
-                  "grpc_reflection.v1alpha.reflection"]
-REQUIRED = {"flash_attn.cute.interface", "cutlass.cute", "transformers", "av"}   # gpu_check's sections need
+                  "grpc_reflection.v1alpha.reflection", "smg_grpc_proto", "mmserve.server.app"]
+# gpu_check's sections need these (the engine: xgrammar for structured output, opentelemetry for tracing)
+REQUIRED = {"flash_attn.cute.interface", "cutlass.cute", "transformers", "av", "xgrammar", "opentelemetry.trace"}
 SELF_CONTAINED_CP312 = ["pydantic", "zmq", "av", "tvm_ffi"]   # import with only pure helpers beside them
 PURE_FA4 = ["flash_attn", "quack"]                              # FA4's own sources in the bundle
 
@@ -44,10 +46,11 @@ def on_device(site: Path) -> int:
             continue
         top = sys.modules[name.split(".")[0]]
         where = Path(getattr(top, "__file__", "") or next(iter(getattr(top, "__path__", [""]))))
-        bundled = site.resolve() in where.resolve().parents
+        bundled = site.resolve() in where.resolve().parents or name.startswith("mmserve.")
         print(f"{'ok  ' if bundled else 'IMAGE'} {name} {getattr(top, '__version__', '')} {where}")
         failed += name == "transformers" and not bundled   # 5.17 from the image would not do
         del module
+    requirements_met(site)
     from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
     from mmserve.attention.fa4 import fa4_installed
     from mmserve.attention.selection import choose_backends, device_arch
@@ -58,6 +61,23 @@ def on_device(site: Path) -> int:
           choose_backends(specs, device_type="cuda", arch=device_arch("cuda"), dtype=torch.bfloat16,
                           fa4_installed=fa4_installed()))
     return 1 if failed or not fa4_installed() else 0
+
+
+def requirements_met(site: Path) -> None:
+    """The bundled packages' requirements against what this machine really has (the image's versions
+    KINDS.md does not list: grpcio, protobuf, ...), bundle first as on sys.path; reported, not fatal:
+    gpu_check's sections fail by themselves if one matters."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import bundle
+
+    have: dict[str, str | None] = {}
+    for dist in importlib.metadata.distributions():   # sys.path order: the first of a name is the one imported
+        have.setdefault(bundle.normalise(dist.metadata["Name"]), dist.version)
+    needs = {d.metadata["Name"]: d.requires or [] for d in importlib.metadata.distributions(path=[str(site)])}
+    for unmet in bundle.unmet_requirements(needs, have):
+        print("warn requirement", unmet)
+    print("image:", ", ".join(f"{n} {have.get(n)}" for n in ("torch", "triton", "grpcio", "protobuf", "huggingface-hub",
+                                                              "tokenizers", "safetensors", "numpy", "pillow")))
 
 
 def python312() -> str | None:

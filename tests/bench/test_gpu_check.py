@@ -89,3 +89,24 @@ def test_the_collectives_section_times_an_all_reduce_per_member_and_phase(gpu_ch
         assert r["per_step_ms"] > r["per_layer_us"] / 1e3
         assert r["nvlink_tp2_per_layer_us"] < r["nvlink_tp8_per_layer_us"]
     assert gpu_check.tp_layout("26b_a4b")["per_layer"] == 3 and gpu_check.tp_layout("31b")["per_layer"] == 2
+
+
+def test_only_runs_the_sections_in_its_order(gpu_check, tmp_path, monkeypatch):
+    """A lease call lists its slowest section last, so a call cut at its limit keeps the others."""
+    ran = []
+
+    def section(name):
+        return lambda sizes, device: ran.append(name) or {"ok": True}
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", {n: section(n) for n in ("a", "b", "c")})
+    assert gpu_check.main(["--smoke", "--only", "c", "a", "--out", str(tmp_path / "r.json")]) == 0
+    assert ran == ["c", "a"] and list(json.loads((tmp_path / "r.json").read_text())["sections"]) == ["c", "a"]
+
+
+def test_parity_on_a_gpu_fails_unless_fa4_and_flex_were_chosen(gpu_check):
+    """Without FA4 `auto` gives flex to both layer types, and parity would pass without FA4."""
+    sliding, full = gpu_check.SLIDING, gpu_check.FULL
+    assert gpu_check.backends_as_planned({sliding: "fa4", full: "flex"}, "cuda")
+    assert not gpu_check.backends_as_planned({sliding: "flex", full: "flex"}, "cuda")
+    assert not gpu_check.backends_as_planned({sliding: "fa4", full: "sdpa"}, "cuda")
+    assert gpu_check.backends_as_planned({sliding: "sdpa", full: "sdpa"}, "cpu")   # the smoke run's stand-ins

@@ -2,12 +2,15 @@
 
 The real dry run (`bash scripts/gpu_lease/dry_run.sh`) needs `make gpu-bundle`'s ~150 MB download,
 so CI runs it in pieces instead: the calls' structure against gpu_check's sections and the device's
-limits, and the shell steps every call shares (verify a part, reassemble, unpack) on a tiny bundle
-packed by the same code.
+limits, the shell steps every call shares (verify a part, reassemble, unpack) on a tiny bundle
+packed by the same code, and, so the kit cannot rot as the code grows, every package the code
+imports and every requirement it brings resolved against the device image's list and the bundle's.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import importlib.util
 import json
 import re
@@ -40,8 +43,8 @@ def kit():
 
 
 def test_the_calls_fit_the_device_and_cover_every_section(kit):
-    _, check = kit
-    sections = []
+    bundle, check = kit
+    sections, carried_parts = [], []
     for i, name in enumerate(CALLS, 1):
         text = (KIT / name).read_text()
         assert len(text) < 2000, name   # pasted whole, a call's command must stay under 2,000 characters
@@ -50,11 +53,13 @@ def test_the_calls_fit_the_device_and_cover_every_section(kit):
         timeout_s = int(re.search(r"timeout_s (\d+)", header).group(1))
         assert timeout_s <= 600
         run = re.search(r"run_check call\d (\d+) (.+)", text)
-        assert int(run.group(1)) < timeout_s - 20, name   # its sections end before the call's limit
+        assert int(run.group(1)) < timeout_s - 20, name   # its sections end (a deadline from the call's start) before its limit
         sections += [w for w in run.group(2).split() if not w.startswith(("-", '"'))]
         carried = re.findall(r"\.gpu_bundle/[\w.-]+", header)
         assert all(re.fullmatch(r"\.gpu_bundle/(part-[a-z]|manifest\.json)", c) for c in carried), carried
+        carried_parts += [c.removeprefix(".gpu_bundle/") for c in carried if "part-" in c]
     assert sorted(sections) == sorted(check.SECTIONS)
+    assert sorted(carried_parts) == [f"part-{chr(ord('a') + i)}" for i in range(bundle.LEASE_PARTS)]
     subprocess.run(["bash", "-n", *(str(KIT / n) for n in [*CALLS, "env.sh", "dry_run.sh"])], check=True)
 
 
@@ -93,3 +98,126 @@ def test_a_call_verifies_reassembles_and_unpacks_the_parts(kit, tmp_path):
     (device / "part-a").write_bytes(bytes(corrupt))
     failed = shell('verify part-a "$B/part-a"')
     assert failed.returncode != 0 and "differs from the manifest" in failed.stderr
+
+
+# Imported only by tools that never run on the device: module -> the one file allowed to import it.
+TOOLS_ONLY = {"grpc_tools": "src/mmserve/protogen.py"}
+KIT_MODULES = [p.stem for p in KIT.glob("*.py")]   # the import check imports bundle.py beside it
+DEVICE_CODE = [*(ROOT / "src" / "mmserve").rglob("*.py"), ROOT / "bench" / "gpu_check.py", KIT / "import_check.py"]
+
+
+def third_party_imports() -> dict[str, set[str]]:
+    """Every absolute import outside the standard library and mmserve -> the files importing it."""
+    found: dict[str, set[str]] = {}
+    for path in DEVICE_CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:   # `from a import b`: b may be a module
+                names = [f"{node.module}.{alias.name}" for alias in node.names if alias.name != "*"] or [node.module]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] not in (*sys.stdlib_module_names, "mmserve", *KIT_MODULES):
+                    found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def installed_owners(normalise) -> dict[Path, set[str]]:
+    """Each installed module file (as `dir/name`, suffixes dropped) and each package folder above it,
+    up to its sys.path entry -> the distributions that installed files there."""
+    roots = {Path(p).resolve() for p in sys.path if p}
+    index: dict[Path, set[str]] = {}
+    for dist in importlib.metadata.distributions():
+        name = normalise(dist.metadata["Name"])
+        for f in dist.files or []:
+            if f.suffix not in (".py", ".so"):
+                continue
+            path = Path(dist.locate_file(f)).resolve()
+            index.setdefault(path.with_name(path.name.split(".")[0]), set()).add(name)
+            for folder in path.parents:
+                if folder in roots:
+                    break
+                index.setdefault(folder, set()).add(name)
+    return index
+
+
+def owners(module: str, index: dict[Path, set[str]]) -> set[str]:
+    """The distributions that installed `module` (its deepest package or file found): namespace
+    packages (opentelemetry.*, google.*) span several, and a package that a .pth puts on the path
+    (cutlass) is in no distribution's top-level list."""
+    spec = importlib.util.find_spec(module.split(".")[0])   # a top-level name: found, not imported
+    if spec is None:
+        return set()
+    roots = [Path(p).resolve() for p in spec.submodule_search_locations or [Path(spec.origin).parent]]
+    parts = module.split(".")[1:] if spec.submodule_search_locations else [module]
+    for depth in range(len(parts), -1, -1):
+        for root in roots:
+            if hits := index.get(root.joinpath(*parts[:depth])):
+                return hits
+    return set()
+
+
+def test_every_import_resolves_to_the_image_or_the_bundle(kit):
+    """A package that src/mmserve, gpu_check or the import check imports must be in the device
+    image or in the bundle: else the first call that reaches it fails on the lent machine."""
+    bundle, _ = kit
+    provided = set(bundle.image_packages()) | set(bundle.pinned())
+    index = installed_owners(bundle.normalise)
+    missing = {}
+    for module, paths in third_party_imports().items():
+        if paths == {TOOLS_ONLY.get(module.split(".")[0])}:
+            continue
+        dists = owners(module, index)
+        if not dists & provided:
+            missing[module] = f"{sorted(paths)} import it; from {sorted(dists) or 'no installed distribution'}"
+    assert not missing, f"add these to scripts/gpu_lease/bundle.py's WHEELS: {missing}"
+
+
+def test_the_device_meets_every_runtime_requirement(kit):
+    """mmserve's own requirements and those of each bundled package (read from this venv, which
+    must hold the very versions the bundle pins: the device runs what CI tested) are met by the
+    bundle's pins or the image's packages, version ranges checked where the image's version is known."""
+    bundle, _ = kit
+    needs = {"mmserve": tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for name, version in bundle.pinned().items():
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            assert name == "nvidia-cutlass-dsl-libs-cu13", name   # this CPU venv holds the cu12 build
+            continue
+        assert dist.version == version, f"the bundle pins {name}=={version}; this venv (CI) has {dist.version}"
+        needs[name] = dist.requires or []
+    assert bundle.unmet_requirements(needs) == []
+    # and the check does catch a package or a version the device lacks
+    assert bundle.unmet_requirements({"x": ["huggingface-hub>=2", "no-such-package", "torch<2; python_version < '3'"]}) == [
+        "huggingface-hub>=2 (needed by x): the device would have 1.33.0",
+        "no-such-package (needed by x): neither bundled nor in the image"]
+
+
+def test_the_dry_runs_call_1_cannot_import_what_the_bundle_brings(tmp_path):
+    """Call 1 runs before the bundle is unpacked: in the dry run image_only.py blocks the bundle's
+    packages (a namespace's bundled subpackages only, and the CuTe DSL's .pth-added cutlass)."""
+    image_only = load("gpu_lease_image_only", KIT / "image_only.py")
+    site = tmp_path / "site"
+    for folder in ("pydantic", "google/rpc", "nvidia_cutlass_dsl/dsl_packages/cutlass", "av.libs", "x-1.dist-info"):
+        (site / folder).mkdir(parents=True)
+    (site / "pydantic" / "__init__.py").touch()
+    (site / "typing_inspection.py").touch()
+    assert image_only.bundled_modules(site) == {"pydantic", "google.rpc", "cutlass", "typing_inspection",
+                                                "nvidia_cutlass_dsl.dsl_packages"}
+    script = tmp_path / "script.py"
+    script.write_text("import google.protobuf, json\ntry:\n    import google.rpc.status_pb2\nexcept ImportError as e:\n"
+                      "    print('blocked', e.name)\n")
+    proc = subprocess.run([sys.executable, str(KIT / "image_only.py"), str(site), str(script)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split() == ["blocked", "google.rpc"], proc.stderr
+
+
+def test_a_part_and_the_working_tree_fit_one_call(kit):
+    """A call carries the repository's working tree and one part: 64 MiB together at most. A large
+    committed file (a checkpoint, say) would make calls 1 and 2 fail on the device before running."""
+    bundle, _ = kit
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tree = sum((ROOT / p).stat().st_size for p in tracked.decode().split("\0") if p and (ROOT / p).is_file())
+    assert tree + bundle.PART_BYTES + 2**16 < 64 * 2**20, f"the tracked tree is {tree / 2**20:.1f} MiB"
