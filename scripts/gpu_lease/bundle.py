@@ -119,6 +119,22 @@ def wheel_requirements(wheels: list[Path]) -> dict[str, list[str]]:
     return needs
 
 
+def drift() -> list[str]:
+    """Bundled packages whose version in this environment differs from the pin: the device would
+    run another version than the tests here did (pyproject's ranges let a new release in)."""
+    import importlib.metadata
+
+    out = []
+    for name, version in pinned().items():
+        try:
+            have = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if have != version:
+            out.append(f"{name}: the bundle pins {version}, this environment has {have}")
+    return out
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -187,6 +203,8 @@ def main() -> int:
           f"{manifest['site_bytes'] / 1e6:.0f} MB; tar.xz {manifest['archive_bytes'] / 1e6:.1f} MB in parts of {mib} MiB")
     if manifest["unmet_requirements"]:
         print("requirements the device would not meet:", ", ".join(manifest["unmet_requirements"]))
+    for line in drift():
+        print(f"version drift (re-pin WHEELS to test what the device runs): {line}")
     if len(manifest["parts"]) > LEASE_PARTS:
         print(f"{len(manifest['parts'])} parts, but the lease's calls carry {LEASE_PARTS}: carry the rest in call 3 "
               "and unpack there, or drop a wheel (scripts/gpu_lease/, docs/benchmarks.md)")
