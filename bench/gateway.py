@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         shared = clips(args.videos, args.routing_frames)
         routed = [routing(replicas, dead, policy, shared, args.questions) for policy in policies]
     finally:
+        for r in (single, *replicas):   # all drain at once, then each is waited for
+            r.terminate()
         for r in (single, *replicas):
             r.stop()
         dead.close()

@@ -115,34 +115,38 @@ def probe_after(server: LoopbackServer):
     return server.app._executor.submit(time.perf_counter)
 
 
+@pytest.fixture(scope="module")
+def patient_server(served_model, slow_decode):
+    """One server for both ways of stopping: each test checks the decode worker is busy before it stops."""
+    server = start(served_model, slow_decode[0], video_decode_timeout_s=120.0)
+    yield server
+    server.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", ["client cancel", "Abort"])
-def test_stopping_a_request_stops_its_decode_within_a_second(served_model, slow_decode, stop):
-    media, media_id = slow_decode
-    server = start(served_model, media, video_decode_timeout_s=120.0)
-    try:
-        with Client(server.address, timeout=120) as client:
-            stream = client.stream(video=MediaRef(media_id), request_id=f"big-{stop}", **ASK)
-            errors = []
-            reader = threading.Thread(target=lambda: errors.append(_drain(stream)))
-            reader.start()
-            time.sleep(1.0)
-            probe = probe_after(server)
-            time.sleep(0.3)
-            assert not probe.done(), "the decode was not running"
-            stopped = time.perf_counter()
-            if stop == "Abort":
-                assert client.abort(f"big-{stop}")
-            else:
-                stream.cancel()
-            freed = probe.result(timeout=30)
-            reader.join(30)
-        print(f"{stop}: decode worker free {freed - stopped:.3f} s after the stop")
-        assert freed - stopped < 1.0
+def test_stopping_a_request_stops_its_decode_within_a_second(patient_server, slow_decode, stop):
+    server, (_, media_id) = patient_server, slow_decode
+    with Client(server.address, timeout=120) as client:
+        stream = client.stream(video=MediaRef(media_id), request_id=f"big-{stop}", **ASK)
+        errors = []
+        reader = threading.Thread(target=lambda: errors.append(_drain(stream)))
+        reader.start()
+        time.sleep(1.0)
+        probe = probe_after(server)
+        time.sleep(0.3)
+        assert not probe.done(), "the decode was not running"
+        stopped = time.perf_counter()
         if stop == "Abort":
-            assert errors[0].code == grpc.StatusCode.CANCELLED
-    finally:
-        server.stop()
+            assert client.abort(f"big-{stop}")
+        else:
+            stream.cancel()
+        freed = probe.result(timeout=30)
+        reader.join(30)
+    print(f"{stop}: decode worker free {freed - stopped:.3f} s after the stop")
+    assert freed - stopped < 1.0
+    if stop == "Abort":
+        assert errors[0].code == grpc.StatusCode.CANCELLED
 
 
 def _drain(stream) -> ClientError | None:
@@ -155,8 +159,11 @@ def _drain(stream) -> ClientError | None:
 
 
 @pytest.mark.slow
-def test_the_decode_time_limit_stops_the_work(served_model, slow_decode):
-    media, media_id = slow_decode
+def test_the_decode_time_limit_stops_the_work(served_model, slow_decode, tmp_path):
+    shared, media_id = slow_decode
+    media = tmp_path / "media"   # its own directory (patient_server holds the shared one), the same file
+    media.mkdir()
+    os.link(shared / media_id, media / media_id)
     server = start(served_model, media, video_decode_timeout_s=1.0)
     try:
         with Client(server.address, timeout=120) as client, pytest.raises(ClientError) as e:
