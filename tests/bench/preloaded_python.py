@@ -6,7 +6,8 @@ script's folder first on sys.path, its own stdout/stderr files and an ordinary i
 (atexit handlers, non-daemon threads joined). Forking after these imports is the path PyTorch's
 DataLoader workers take; nothing here has started a thread pool, a channel or a model.
 
-Protocol, one line each way per run: the parent writes `SCRIPT<TAB>STDOUT_FILE<TAB>STDERR_FILE<TAB>ARGS...`
+`python preloaded_python.py [MODULE...]` imports MODULEs instead of PRELOAD (the runner's own tests
+use a light one). Protocol, one line each way per run: the parent writes `SCRIPT<TAB>STDOUT_FILE<TAB>STDERR_FILE<TAB>ARGS...`
 and reads back `started PID`, then `exit CODE` (the negated signal number when one ended it).
 """
 
@@ -30,10 +31,10 @@ def _run_child(script: str, out: str, err: str, args: list[str]) -> None:
     runpy.run_path(script, run_name="__main__")   # its SystemExit (or exception) ends this child
 
 
-def serve() -> None:
+def serve(modules: tuple[str, ...] | list[str]) -> None:
     import importlib
 
-    for name in PRELOAD:
+    for name in modules:
         importlib.import_module(name)
     for line in sys.stdin:
         script, out, err, *args = line.rstrip("\n").split("\t")
@@ -48,4 +49,4 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[1:] or PRELOAD)

@@ -8,6 +8,7 @@ script itself runs exactly as `python bench/SCRIPT --smoke` would, minus ~4 s of
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
@@ -41,32 +42,47 @@ def _results_digest() -> dict[str, str]:
 class Preloaded:
     """preloaded_python.py as a child: `run` forks one script from it and waits for its exit."""
 
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(PRELOADED)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, *modules: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(PRELOADED), *modules], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, env=dict(os.environ, OMP_NUM_THREADS="2"))
-        self.replies: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self.replies.put(line) for line in self.proc.stdout], daemon=True).start()
+        self.replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def _reply(self, deadline: float) -> str:
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.replies.put(line)
+        self.replies.put(None)   # EOF: the process is gone, no further answer will come
+
+    def _reply(self, word: str, deadline: float) -> int:
+        """The number in the next answer, `word NUMBER` ("started PID", "exit CODE")."""
         try:
-            return self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            line = self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise AssertionError(f"no answer from the preloaded python in {TIMEOUT_S}s (exit {self.proc.poll()})") from None
+            raise AssertionError(f"no '{word}' from the preloaded python in time (exit {self.proc.poll()})") from None
+        if line is None:
+            self.replies.put(None)   # for the runs after this one
+            raise AssertionError(f"the preloaded python exited ({self.proc.wait()}) before its '{word}'")
+        said, number = line.split()
+        assert said == word, f"the preloaded python answered {line!r}, expected '{word} ...'"
+        return int(number)
 
     def run(self, script: Path, stdout: Path, stderr: Path, *args: str) -> int:
         deadline = time.monotonic() + TIMEOUT_S
-        self.proc.stdin.write("\t".join([str(script), str(stdout), str(stderr), *args]) + "\n")
-        self.proc.stdin.flush()
-        pid = int(self._reply(deadline).split()[1])
+        if self.proc.poll() is None:   # else the write would raise BrokenPipeError: the reply says why
+            self.proc.stdin.write("\t".join([str(script), str(stdout), str(stderr), *args]) + "\n")
+            self.proc.stdin.flush()
+        pid = self._reply("started", deadline)
         try:
-            return int(self._reply(deadline).split()[1])
+            return self._reply("exit", deadline)
         except AssertionError:
-            os.kill(pid, signal.SIGKILL)   # past TIMEOUT_S: end the script, fail the test
-            self._reply(time.monotonic() + 30)   # its "exit -9", so the next run reads its own answers
+            if self.proc.poll() is None:   # past TIMEOUT_S: end the script (still the process's child), fail the test
+                os.kill(pid, signal.SIGKILL)
+                self._reply("exit", time.monotonic() + 30)   # its "exit -9", so the next run reads its own answers
             raise
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):   # a process that died already
+            self.proc.stdin.close()
         self.proc.wait(30)
 
 
@@ -90,3 +106,17 @@ def test_bench_script_smoke(script, preloaded, tmp_path):
     assert code == 0, f"{script} --smoke failed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     assert stdout.strip(), f"{script} --smoke printed no table"
     assert _results_digest() == before, f"{script} --smoke changed committed files in bench/results/"
+
+
+def test_a_preloaded_python_that_dies_mid_run_fails_the_run_at_once(tmp_path, monkeypatch):
+    """If the forking process dies while a script runs, no answer will come: the run must fail then,
+    saying so, not wait out TIMEOUT_S (300 s a script); and the next run must fail the same way."""
+    monkeypatch.setattr(sys.modules[__name__], "TIMEOUT_S", 20)
+    script = tmp_path / "kill_parent.py"
+    script.write_text("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n")
+    python = Preloaded("json")   # a light preload: the protocol is the same
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    with pytest.raises(AssertionError, match=r"the preloaded python exited \(-9\)"):
+        python.run(script, out, err)
+    with pytest.raises(AssertionError, match=r"the preloaded python exited \(-9\)"):
+        python.run(script, out, err)

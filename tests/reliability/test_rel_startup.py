@@ -87,7 +87,8 @@ def test_the_front_end_leaves_the_model_code_to_the_engine_process():
     """The front end needs only the model package's light parts (messages, prompt, spec); importing
     the package once pulled in transformers' Gemma 4 modelling and our vision tower: ~2.5 s of CPU
     on every server start, for code only the engine process runs."""
-    heavy = ("mmserve.model.vision", "mmserve.model.loader", "transformers.models.gemma4.modeling_gemma4")
+    heavy = ("mmserve.model.vision", "mmserve.model.loader", "mmserve.model.decoder",
+             "transformers.models.gemma4.modeling_gemma4")
     probe = f"import sys, mmserve.server.app; print([m for m in {heavy!r} if m in sys.modules])"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
