@@ -234,3 +234,17 @@ def test_bundle_reports_a_pin_this_environment_does_not_hold(kit, monkeypatch):
     monkeypatch.setattr(bundle, "WHEELS", [w for w in bundle.WHEELS if not w.startswith(name)] + [f"{name}==0.0.1"])
     assert [line for line in bundle.drift() if line.startswith(name)] == [
         f"{name}: the bundle pins 0.0.1, this environment has {importlib.metadata.version(name)}"]
+
+
+def test_call_2s_torch_probes_catch_an_old_torch_and_a_broken_grouped_gemm(monkeypatch, capsys):
+    """The import check's probes of the image's torch (2.11), here on CPU without the CUDA graph: they
+    pass on this torch, name a torch below pyproject's floor, and catch a grouped GEMM that drops a group."""
+    import torch
+
+    probes = load("gpu_lease_import_check", KIT / "import_check.py").torch_probes
+    assert probes("cpu") == [] and "torch probes passed" in capsys.readouterr().out
+    monkeypatch.setattr(torch, "__version__", "2.10.0+cu128")
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: real(a, b, offs=offs.roll(1)))
+    old, broken = probes("cpu")
+    assert "torch 2.10.0+cu128 is outside pyproject's" in old and "MoE grouped GEMM on cpu" in broken
