@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,20 @@ _fa4_outcomes: dict[str, str] = {}
 # 1 s). Tests of wider pools set their own (engine/cpu_threads.torch_threads); servers the tests
 # start are other processes and keep their configured threads.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A command's main() run in-process (cli.main, `mmserve demo`, `mmserve perf`) points root logging
+    at that test's captured stderr (logs.configure_logging); a later test's server thread then logged
+    into the closed stream ("--- Logging error ---", and a progress-bar test reading stderr failed).
+    Remove what a test added (plain StreamHandlers only: pytest's own are subclasses) and its level."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if type(h) is logging.StreamHandler and h not in before]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 def pytest_runtest_logreport(report):
