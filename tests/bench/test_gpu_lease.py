@@ -230,7 +230,8 @@ def test_bundle_reports_a_pin_this_environment_does_not_hold(kit, monkeypatch):
     """A release newer than a pin (pyproject's ranges let it into a fresh venv) is reported by
     `make gpu-bundle`, not failed in CI: the device would run the pin, not what the tests ran."""
     bundle, _ = kit
-    name = next(n for n in bundle.pinned() if n == "transformers")
+    name = "transformers"
+    assert name in bundle.pinned()
     monkeypatch.setattr(bundle, "WHEELS", [w for w in bundle.WHEELS if not w.startswith(name)] + [f"{name}==0.0.1"])
     assert [line for line in bundle.drift() if line.startswith(name)] == [
         f"{name}: the bundle pins 0.0.1, this environment has {importlib.metadata.version(name)}"]

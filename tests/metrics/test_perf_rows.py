@@ -25,7 +25,8 @@ from engine_helpers import build_request, make_llm  # noqa: E402
 from gemma4_fixtures import e_model_config, make_assistant, make_checkpoint  # noqa: E402
 
 from mmserve.engine.observer import NullObserver  # noqa: E402
-from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext  # noqa: E402
+from mmserve.metrics.perf_model import PerfModel, StepContext  # noqa: E402
+from mmserve.metrics.telemetry import draft_work, request_work  # noqa: E402
 from mmserve.model import load_model  # noqa: E402
 from mmserve.model.assistant import load_assistant_spec  # noqa: E402
 from mmserve.model.spec import load_spec  # noqa: E402
@@ -33,18 +34,14 @@ from mmserve.model.tokenizer import load_tokenizer  # noqa: E402
 
 
 class StepWork(NullObserver):
-    """Each step's requests as the perf model sees them, read when the step is reported (as
-    metrics/telemetry.py reads them: a prefill chunk samples when it reaches the request's known tokens)."""
+    """Each step's requests as the perf model sees them, read when the step is reported, by the
+    conversion metrics/telemetry.py bills with."""
 
     def __init__(self):
         self.steps = []
 
     def on_step(self, record) -> None:
-        work = tuple(RequestWork(i.num_tokens, i.context_len, i.is_prefill,
-                                 samples=not i.is_prefill or i.context_len >= i.request.num_tokens)
-                     for i in record.items)
-        drafts = tuple(DraftWork(i.draft_rows, i.draft_keys) for i in record.items if i.draft_rows)
-        self.steps.append(StepContext(work, drafts=drafts))
+        self.steps.append(StepContext(tuple(map(request_work, record.items)), drafts=draft_work(record)))
 
 
 def counted_run(tmp_path, seed: int):

@@ -306,24 +306,20 @@ class TensorParallelRunner:
         return getattr(self.local, name)
 
     def execute(self, out: SchedulerOutput):
-        msg = self._encoder.encode(out)
-
-        def step():
-            _broadcast(msg, self.tp.group)
-            return self.local.execute(out)
-
-        return self.tp.call(step)
+        return self._on_ranks(self._encoder.encode(out), lambda: self.local.execute(out))
 
     def serve_drafts(self, speculator) -> None:
         """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
-        def on_ranks(batch, loop):
-            def draft():
-                _broadcast(batch, self.tp.group)
-                return loop()
+        speculator.on_ranks = self._on_ranks
 
-            return self.tp.call(draft)
+    def _on_ranks(self, msg, run):
+        """Send `msg` to the workers, then `run()` rank 0's part (each worker runs its own on `msg`);
+        a failure names the lost rank or says rank 0's code failed (`TensorParallelGroup.call`)."""
+        def both():
+            _broadcast(msg, self.tp.group)
+            return run()
 
-        speculator.on_ranks = on_ranks
+        return self.tp.call(both)
 
 
 def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:

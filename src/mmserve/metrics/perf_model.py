@@ -188,19 +188,29 @@ class PerfBreakdown:
     def total_comm_bytes(self) -> float:
         return sum(self.comm_bytes.values())
 
+    TABLES = ("flops", "read_bytes", "write_bytes", "comm_bytes")   # the per-item tables, one place
+    TOTALS = ("attn_flops_sliding", "attn_flops_full", "kept_pairs_sliding", "kept_pairs_full")
+
     def component(self, name: str) -> PerfBreakdown:
         """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "drafter", "comm")."""
         out = PerfBreakdown()
-        for src, dst in ((self.flops, out.flops), (self.read_bytes, out.read_bytes), (self.write_bytes, out.write_bytes),
-                         (self.comm_bytes, out.comm_bytes)):
-            dst.update({k: v for k, v in src.items() if k.split(".", 1)[0] == name})
+        for table in self.TABLES:
+            getattr(out, table).update({k: v for k, v in getattr(self, table).items() if k.split(".", 1)[0] == name})
         if name == "attn":
             out.attn_flops_sliding, out.attn_flops_full = self.attn_flops_sliding, self.attn_flops_full
         return out
 
+    def add(self, part: PerfBreakdown) -> None:
+        """Sum `part` into this breakdown (a step's text, vision and drafter parts into one)."""
+        for table in self.TABLES:
+            into = getattr(self, table)
+            for key, value in getattr(part, table).items():
+                into[key] += value
+        for total in self.TOTALS:
+            setattr(self, total, getattr(self, total) + getattr(part, total))
+
     def as_dict(self) -> dict[str, dict[str, float]]:
-        return {"flops": dict(self.flops), "read_bytes": dict(self.read_bytes), "write_bytes": dict(self.write_bytes),
-                "comm_bytes": dict(self.comm_bytes)}
+        return {table: dict(getattr(self, table)) for table in self.TABLES}
 
 
 class PerfModel:

@@ -156,19 +156,18 @@ class TelemetryObserver:
 
     def on_step(self, record: Any) -> None:
         seconds = record.duration_s
-        requests = tuple(self._work(item) for item in record.items)
+        requests = tuple(map(request_work, record.items))
         text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
                               per_gpu=True)
         vision = self._vision(record)
-        drafts = tuple(DraftWork(i.draft_rows, i.draft_keys, _constrained(i.request))
-                       for i in record.items if getattr(i, "draft_rows", 0))
+        drafts = draft_work(record)
         drafter = self.perf.step(StepContext(drafts=drafts), per_gpu=True) if drafts else None
         step = PerfBreakdown()
-        _merge(step, text)
+        step.add(text)
         if vision is not None:
-            _merge(step, vision.executed)
+            step.add(vision.executed)
         if drafter is not None:
-            _merge(step, drafter)
+            step.add(drafter)
         draft_rows = sum(d.num_rows for d in drafts) or 1
         mfu = utilization(step.total_flops, seconds, self.peaks.flops, "MFU")
         mbu = utilization(step.total_bytes, seconds, self.peaks.bandwidth, "MBU")
@@ -262,15 +261,6 @@ class TelemetryObserver:
             self.metrics.record_idle()
 
     # -- helpers -----------------------------------------------------------------------------------
-
-    def _work(self, item: Any) -> RequestWork:
-        request = item.request
-        ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
-        # A prefill chunk samples when it reaches the request's last known token (the engine calls
-        # on_step before appending this step's token; after preemption that includes earlier outputs).
-        known = getattr(request, "num_tokens", 0)
-        return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
-                           samples=not item.is_prefill or item.context_len >= known)
 
     def _frames(self, item: Any) -> list[tuple[int, VisionWork]]:
         """(rows as batched, useful work) of the frames whose ranges start inside this chunk: the rows
@@ -392,20 +382,26 @@ def _context(request: Any) -> Any:
     return getattr(request, "trace_context", None)
 
 
+def request_work(item: Any) -> RequestWork:
+    """One scheduled item of a step record as the perf model bills it."""
+    request = item.request
+    ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
+    # A prefill chunk samples when it reaches the request's last known token (the engine calls
+    # on_step before appending this step's token; after preemption that includes earlier outputs).
+    known = getattr(request, "num_tokens", 0)
+    return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
+                       samples=not item.is_prefill or item.context_len >= known)
+
+
+def draft_work(record: Any) -> tuple[DraftWork, ...]:
+    """The drafting after a step, per request that drafted (constrained: its drafts are masked by
+    its grammar, on rank 0 under tensor parallelism)."""
+    return tuple(DraftWork(i.draft_rows, i.draft_keys, _constrained(i.request))
+                 for i in record.items if getattr(i, "draft_rows", 0))
+
+
 def _constrained(request: Any) -> bool:
-    """The request's output follows a response_format (its drafts are masked on rank 0)."""
     return getattr(getattr(request, "sampling_params", None), "response_format", None) is not None
-
-
-def _merge(into: PerfBreakdown, part: PerfBreakdown) -> None:
-    for dst, src in ((into.flops, part.flops), (into.read_bytes, part.read_bytes), (into.write_bytes, part.write_bytes),
-                     (into.comm_bytes, part.comm_bytes)):
-        for key, value in src.items():
-            dst[key] += value
-    into.attn_flops_sliding += part.attn_flops_sliding
-    into.attn_flops_full += part.attn_flops_full
-    into.kept_pairs_sliding += part.kept_pairs_sliding
-    into.kept_pairs_full += part.kept_pairs_full
 
 
 def _end(span: Span, error: BaseException | None, failed: bool, finish_reason: str | None) -> None:

@@ -230,10 +230,13 @@ class CentroidHead(nn.Module):
         top = torch.topk(self.centroids(h), k=self.top_k, dim=-1).indices              # [R, top_k]
         per_centroid = self.token_ordering.long().view(self.num_centroids, -1)
         rows = per_centroid[top].flatten(1)                                             # [R, top_k * V / C]
-        local = rows - first_row
-        mine = (local >= 0) & (local < head.shape[0])
-        selected = torch.einsum("rd,rkd->rk", h, head[local.where(mine, 0)]) * mine.to(h.dtype)
-        selected = self.group.all_reduce(selected)
+        if self.group.size == 1:   # every row is this rank's: no masking (a draft step's hot path)
+            selected = torch.einsum("rd,rkd->rk", h, head[rows])
+        else:
+            local = rows - first_row
+            mine = (local >= 0) & (local < head.shape[0])
+            selected = torch.einsum("rd,rkd->rk", h, head[local.where(mine, 0)]) * mine.to(h.dtype)
+            selected = self.group.all_reduce(selected)
         out = (selected.min(dim=-1, keepdim=True).values - 1.0).expand(-1, self.vocab_size).clone()
         return out.scatter_(1, rows, selected)
 

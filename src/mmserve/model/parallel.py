@@ -23,7 +23,8 @@ class ShardingError(MMServeError):
 class CollectiveError(RuntimeError):
     """A collective with the other ranks failed: a peer closed its connection or did not answer in
     time. Raised in place of the backend's plain RuntimeError (gloo and NCCL raise those) so that the
-    group can tell a lost rank from a failure of this rank's own code."""
+    group can tell a lost rank from a failure of this rank's own code outside the collectives. torch's
+    own argument checks inside a collective raise RuntimeError too and are reported the same way."""
 
 
 def collective(fn, *args, **kwargs):
