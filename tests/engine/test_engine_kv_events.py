@@ -227,7 +227,7 @@ def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
     """No recursion over a chain (a long video is thousands of blocks), and a removal reaches every
     descendant, once."""
     from mmserve.engine.kv_events import KvEventHub
-    from mmserve.scheduler.kv_events import BlockRemoved, BlockStored
+    from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored
 
     hub = KvEventHub(block_size=BS, max_buffered=10**6)   # no core: this test feeds it
 
@@ -251,7 +251,7 @@ def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
 
 def test_a_snapshot_larger_than_the_buffer_does_not_drop_its_subscriber():
     from mmserve.engine.kv_events import KvEventHub
-    from mmserve.scheduler.kv_events import BlockStored
+    from mmserve.ipc.kv_cache_events import BlockStored
 
     hub = KvEventHub(block_size=BS, max_buffered=4)   # no core: this test feeds it
     keys = [bytes([i]) + bytes(31) for i in range(12)]

@@ -11,8 +11,8 @@ import pytest
 import torch
 import zmq
 
-from mmserve.engine import serial
-from mmserve.engine.protocol import AddRequest, CoreOutput, EngineCoreOutputs
+from mmserve.ipc import serial
+from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput, Usage
 from mmserve.errors import InvalidInputError, LimitExceededError

@@ -13,7 +13,7 @@ import numpy as np
 from sched_helpers import FULL, make_request, make_scheduler, run_to_completion, step
 
 from mmserve.scheduler.block_hash import ROOT_KEY
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
+from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
 
 
 class Replay:

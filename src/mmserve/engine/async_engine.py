@@ -21,7 +21,7 @@ from mmserve.engine.core_client import CoreClient
 from mmserve.engine.kv_events import KvBatch, KvEventHub
 from mmserve.engine.observer import EngineObserver
 from mmserve.engine.output_processor import Event, OutputProcessor
-from mmserve.engine.protocol import EngineCoreOutputs, EngineReady
+from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady
 from mmserve.engine.types import EngineRequest, LoadInfo, ModelInfo, RequestOutput
 from mmserve.errors import EngineDeadError, EngineUnavailableError, InvalidInputError
 

@@ -36,7 +36,7 @@ from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
-from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
+from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.engine.sampling_params import check_vocab
 from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
@@ -219,7 +219,7 @@ class EngineCore:
 
     def set_kv_events(self, on: bool) -> bool:
         """Build the prefix cache's key-change events (a router subscribed) or stop; switching on
-        starts them with a snapshot of the cache (scheduler/kv_events.py)."""
+        starts them with a snapshot of the cache (ipc/kv_cache_events.py)."""
         self.kv.set_events(on)
         return on
 

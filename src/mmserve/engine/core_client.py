@@ -29,9 +29,9 @@ import zmq
 import zmq.asyncio
 
 from mmserve.config import EngineConfig
-from mmserve.engine import serial
+from mmserve.ipc import serial
 from mmserve.engine.core_proc import CoreAddresses, run_core, run_engine_process
-from mmserve.engine.protocol import (
+from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
     EngineCoreOutputs,

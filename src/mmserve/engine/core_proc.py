@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import zmq
 
 from mmserve.config import EngineConfig
-from mmserve.engine import serial
-from mmserve.engine.protocol import (
+from mmserve.ipc import serial
+from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
     CoreOutput,

@@ -1,6 +1,6 @@
 """The prefix cache as routers see it: a mirror of the published blocks, and its subscribers.
 
-The engine core reports its key changes (scheduler/kv_events.py); this hub, in the front end,
+The engine core reports its key changes (ipc/kv_cache_events.py); this hub, in the front end,
 turns them into blocks a router can match and streams them to every subscriber, each starting with
 a snapshot of what is cached now.
 
@@ -47,7 +47,7 @@ from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import LimitExceededError
 from mmserve.scheduler.block_hash import block_hashes
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
+from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 
 from mmserve.engine.observer import EngineObserver, NullObserver
-from mmserve.engine.protocol import CoreOutput, EngineCoreOutputs
+from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.request_state import RequestState
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, RequestAbortedError

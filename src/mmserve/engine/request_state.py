@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from mmserve.engine.logprobs import TokenLogprobs
-from mmserve.engine.protocol import CoreOutput
+from mmserve.ipc.protocol import CoreOutput
 from mmserve.engine.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
 from mmserve.scheduler.request import Request

@@ -29,7 +29,7 @@ import numpy as np
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.scheduler.block_hash import block_hashes
 from mmserve.scheduler.block_pool import NULL_BLOCK, BlockPool
-from mmserve.scheduler.kv_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
+from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.scheduler.output import BlockUpdate
 from mmserve.scheduler.request import Request
 
@@ -142,7 +142,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
         self.pools = {t: BlockPool(p.num_blocks) for t, p in plans.items()}
-        # The pool whose keys are published (scheduler/kv_events.py says why only one).
+        # The pool whose keys are published (ipc/kv_cache_events.py says why only one).
         self.published_pool = next((t for t, p in plans.items() if p.window is None), next(iter(plans)))
         # Events are built only while `events_on` (a router listens); what a snapshot needs to describe a
         # cached block of that pool is kept regardless: its tokens and its parent's key, per block id.

@@ -3,7 +3,7 @@
 Front end -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
 iteration that changed anything (admissions, tokens, ends, a step record, utility results).
-`mmserve.engine.serial` serialises all of these generically: a field added to any of them (or to
+`mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
 EngineRequest, SamplingParams, StepRecord ...) crosses with no change here.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.observer import StepRecord
 from mmserve.engine.types import EngineRequest, LoadInfo
-from mmserve.scheduler.kv_events import KvEvent
+from mmserve.ipc.kv_cache_events import KvEvent
 
 
 @dataclass
@@ -81,7 +81,7 @@ class EngineCoreOutputs:
     """Everything one engine iteration produced, in the order it happened: `aborted` acknowledges
     every requested abort (known or not), `admitted` lists requests queued (a refused one comes as an
     output with an error instead), then the step and its outputs. `load` is the state after it.
-    `kv_events`: the prefix cache's key changes in this iteration (scheduler/kv_events.py)."""
+    `kv_events`: the prefix cache's key changes in this iteration (ipc/kv_cache_events.py)."""
 
     load: LoadInfo
     aborted: list[str] = field(default_factory=list)
