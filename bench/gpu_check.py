@@ -488,7 +488,7 @@ def video_requests(sizes: Sizes, device: str) -> list:
     """Video + text prompts for the demo checkpoint, built by the server's own input processor."""
     from mmserve.config import EngineConfig
     from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
     from mmserve.multimodal.synthetic import make_clip
 
     sampling = SamplingParams(max_tokens=sizes.max_tokens, ignore_eos=True)
@@ -643,7 +643,7 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
 def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str
                      ) -> tuple[float, list, dict]:
     from mmserve.engine.llm import LLM
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
 
     batch, prompt = prompts.shape
     options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
@@ -732,7 +732,7 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) ->
     """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
     on the host, so its wall time is its latency), after their prefill and two warm steps; and how
     many of the timed steps replayed a graph."""
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
     from mmserve.engine.types import EngineRequest
 
     vocab = llm.core.model.spec.vocab_size

@@ -28,11 +28,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.engine.block_table import BlockTables
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.step_inputs import StepInputBuilder, fill_query_ranges
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import ScheduledRequest
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 logger = logging.getLogger("bench.metadata")
 RESULTS = Path(__file__).resolve().parent / "results" / "metadata.json"

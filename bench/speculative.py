@@ -48,7 +48,7 @@ from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.core import load_engine_model
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.model.spec import load_spec
 from mmserve.multimodal import demo_task
 from mmserve.multimodal.demo_task import VisionParams, reference_inputs

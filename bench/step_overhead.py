@@ -33,7 +33,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.core import EngineCore
 from mmserve.engine.observer import NullObserver
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 
 logger = logging.getLogger("bench.step_overhead")

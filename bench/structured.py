@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
-from mmserve.engine.sampling_params import ResponseFormat, SamplingParams
+from mmserve.sampling_params import ResponseFormat, SamplingParams
 from mmserve.multimodal.demo_task import CAPTION_SCHEMA, NUM_FRAMES, PROMPT, clip_for
 from mmserve.multimodal.synthetic import COLOURS
 

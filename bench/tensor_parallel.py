@@ -32,10 +32,10 @@ import torch
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.model_runner import ModelRunner
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.scheduler.kv_cache_manager import plan_pools
 from mmserve.scheduler.output import BlockUpdate, ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 logger = logging.getLogger("bench.tensor_parallel")
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"

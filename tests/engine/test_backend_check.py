@@ -21,7 +21,7 @@ from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 from mmserve.engine.backend_check import BackendCheckError, check_attention, graphs_mismatch
 from mmserve.engine.llm import LLM
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver

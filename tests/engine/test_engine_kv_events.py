@@ -23,8 +23,8 @@ from mmserve.engine.kv_events import Cleared, KvEventsLagError, Removed, Stored,
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineUnavailableError
-from mmserve.scheduler.block_hash import block_hashes
-from mmserve.scheduler.request import Request
+from mmserve.block_hash import block_hashes
+from mmserve.request import Request
 
 BS = 4
 

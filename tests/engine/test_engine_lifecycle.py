@@ -18,7 +18,7 @@ from mmserve.errors import (
     LimitExceededError,
     RequestAbortedError,
 )
-from mmserve.scheduler.request import MultiModalInput
+from mmserve.request import MultiModalInput
 
 
 class Recorder(NullObserver):

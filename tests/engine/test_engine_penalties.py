@@ -11,7 +11,7 @@ import torch
 from engine_helpers import PROMPTS, build_request, make_llm
 
 from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
 
 

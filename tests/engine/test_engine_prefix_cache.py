@@ -24,10 +24,10 @@ from mmserve.attention.backend import FULL, SLIDING
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.observer import NullObserver
-from mmserve.engine.sampling_params import SamplingParams
-from mmserve.scheduler.block_hash import block_hashes
+from mmserve.sampling_params import SamplingParams
+from mmserve.block_hash import block_hashes
 from mmserve.scheduler.kv_cache_manager import NULL_BLOCK
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 BS = 4
 

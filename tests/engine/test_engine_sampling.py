@@ -8,9 +8,9 @@ import torch
 from engine_helpers import build_request, make_llm
 
 from mmserve.engine.sampler import Sampler, filter_logits
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 def rows(ids: list[str], params: list[SamplingParams]) -> list[Request]:

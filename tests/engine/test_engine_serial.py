@@ -13,10 +13,10 @@ import zmq
 
 from mmserve.ipc import serial
 from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput, Usage
 from mmserve.errors import InvalidInputError, LimitExceededError
-from mmserve.scheduler.request import MultiModalInput
+from mmserve.request import MultiModalInput
 
 
 def through_zmq(obj):

@@ -20,11 +20,11 @@ from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint
 from test_engine_batching import assert_pools_full
 
 from mmserve.engine.observer import NullObserver
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.model import load_model
 from mmserve.model.tokenizer import load_tokenizer
-from mmserve.scheduler.block_hash import block_hashes
-from mmserve.scheduler.request import Request
+from mmserve.block_hash import block_hashes
+from mmserve.request import Request
 
 BS = 4
 
@@ -283,7 +283,7 @@ def test_constrained_requests_speculate_with_drafts_the_grammar_allows(models):
 
     import xgrammar as xgr
 
-    from mmserve.engine.sampling_params import ResponseFormat
+    from mmserve.sampling_params import ResponseFormat
 
     formats = [ResponseFormat("json_schema", json.dumps(SCHEMA)), ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\.")]
     seed = int(torch.randint(0, 1000, ()))

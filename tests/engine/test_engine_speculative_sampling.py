@@ -19,7 +19,7 @@ from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_ch
 
 import mmserve.engine.sampler as sampler_module
 from mmserve.engine.penalties import apply_penalties
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
 
@@ -105,12 +105,12 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
 
     from mmserve.engine.format_compiler import FormatCompiler
     from mmserve.engine.sampler import Sampler
-    from mmserve.engine.sampling_params import ResponseFormat
+    from mmserve.sampling_params import ResponseFormat
     from mmserve.engine.speculative import verify_rows
     from mmserve.engine.structured_output import StructuredOutput
     from mmserve.model.tokenizer import load_tokenizer
     from mmserve.scheduler.output import ScheduledRequest
-    from mmserve.scheduler.request import Request
+    from mmserve.request import Request
 
     gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
     tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB

@@ -13,7 +13,7 @@ import re
 import pytest
 from engine_helpers import build_request, make_llm
 
-from mmserve.engine.sampling_params import ResponseFormat, SamplingParams
+from mmserve.sampling_params import ResponseFormat, SamplingParams
 from mmserve.errors import InvalidInputError
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["ab", "cd"]}},

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.scheduler.output import BlockUpdate, ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import MultiModalInput, Request
+from mmserve.request import MultiModalInput, Request
 
 
 def assert_same_to_the_runner(ours: SchedulerOutput, theirs: SchedulerOutput) -> None:

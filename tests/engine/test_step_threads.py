@@ -15,7 +15,7 @@ from mmserve.engine import step_threads
 from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 def step(num_requests: int, tokens_each: int = 1, *, prefill: bool = False, frames: bool = False) -> SchedulerOutput:

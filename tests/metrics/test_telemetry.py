@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.engine.backend_check import BackendCheck
 from mmserve.engine.observer import ScheduledItem, StepRecord
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -30,7 +30,7 @@ from mmserve.metrics.tracing import (
     start_request_span,
 )
 from mmserve.model.spec import load_spec
-from mmserve.scheduler.request import MultiModalInput, Request
+from mmserve.request import MultiModalInput, Request
 
 CONFIG = dict(
     model_type="gemma4",
@@ -311,7 +311,7 @@ def test_step_span_and_counter_carry_the_comm_bytes():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from mmserve.engine.sampling_params import ResponseFormat
+    from mmserve.sampling_params import ResponseFormat
     from mmserve.metrics.perf_model import DraftWork
     from mmserve.model.assistant import AssistantSpec, DraftAttention
 

@@ -123,7 +123,7 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
     engine's for the same prompt; stopping the server ends the worker node with exit 0."""
     from mmserve import LLM
     from mmserve.clients import Client
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
     from mmserve.model.messages import ChatMessage
     from mmserve.model.prompt import build_prompt
     from mmserve.model.spec import load_spec

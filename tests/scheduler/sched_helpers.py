@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 from mmserve.scheduler.scheduler import Scheduler
 
 SPECS = {

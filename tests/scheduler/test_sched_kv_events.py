@@ -12,7 +12,7 @@ import random
 import numpy as np
 from sched_helpers import FULL, make_request, make_scheduler, run_to_completion, step
 
-from mmserve.scheduler.block_hash import ROOT_KEY
+from mmserve.block_hash import ROOT_KEY
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
 
 

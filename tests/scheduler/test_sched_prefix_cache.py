@@ -10,11 +10,11 @@ import pytest
 import torch
 from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_completion, step
 
-from mmserve.engine.sampling_params import SamplingParams
-from mmserve.scheduler.block_hash import block_hashes
+from mmserve.sampling_params import SamplingParams
+from mmserve.block_hash import block_hashes
 from mmserve.scheduler.block_pool import BlockPool
 from mmserve.scheduler.kv_cache_manager import NULL_BLOCK, KVCacheManager, PoolPlan
-from mmserve.scheduler.request import MultiModalInput, Request
+from mmserve.request import MultiModalInput, Request
 
 
 def item(seed: int, patches: int = 4) -> MultiModalInput:

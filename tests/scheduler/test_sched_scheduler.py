@@ -8,7 +8,7 @@ import pytest
 from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion, step
 
 from mmserve.errors import LimitExceededError
-from mmserve.scheduler.request import RequestStatus
+from mmserve.request import RequestStatus
 from mmserve.scheduler.scheduler import align_chunk
 
 

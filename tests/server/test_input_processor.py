@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.model.prompt import timestamp_text
 from mmserve.multimodal.limits import MediaLimits

@@ -91,7 +91,7 @@ def eval_offline(model_path: str, seeds: list[int], *, how: str = "none", **engi
     from mmserve.engine.core import load_engine_model
     from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
     from mmserve.engine.llm import LLM
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
 
     if how not in BREAKS:
         raise ValueError(f"unknown break {how!r}; choose from {BREAKS}")

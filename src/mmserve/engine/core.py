@@ -38,7 +38,7 @@ from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
-from mmserve.engine.sampling_params import check_vocab
+from mmserve.sampling_params import check_vocab
 from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.engine.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
@@ -47,7 +47,7 @@ from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceeded
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 from mmserve.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import xgrammar as xgr
 
 from mmserve.engine.grammar_check import dead_rules
-from mmserve.engine.sampling_params import ResponseFormat
+from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError, LimitExceededError
 
 ERROR_BYTES = 256   # what a cached refusal counts against the byte budget

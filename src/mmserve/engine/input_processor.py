@@ -24,7 +24,7 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.fair_pool import FairPool
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
@@ -38,7 +38,7 @@ from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.memory import return_large_buffers
 from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
-from mmserve.scheduler.request import MultiModalInput
+from mmserve.request import MultiModalInput
 
 # How long past the time limit the event loop still waits for a worker stuck inside one packet.
 DECODE_GRACE_S = 1.0

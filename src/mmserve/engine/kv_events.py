@@ -46,9 +46,9 @@ from enum import Enum
 from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import LimitExceededError
-from mmserve.scheduler.block_hash import block_hashes
+from mmserve.block_hash import block_hashes
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 logger = logging.getLogger(__name__)
 

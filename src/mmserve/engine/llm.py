@@ -13,7 +13,7 @@ from mmserve.engine.core import EngineCore, load_engine_model
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, Timings, Usage
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mmserve.metrics.peaks import DevicePeaks
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 @dataclass(frozen=True)

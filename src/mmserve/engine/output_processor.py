@@ -26,7 +26,7 @@ from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.request_state import RequestState
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, RequestAbortedError
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 logger = logging.getLogger(__name__)
 

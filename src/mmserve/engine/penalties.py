@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -13,7 +13,7 @@ from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.ipc.protocol import CoreOutput
 from mmserve.engine.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
 

@@ -22,7 +22,7 @@ import torch
 
 from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
 from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.structured_output import StructuredOutput, apply_bitmask
 from mmserve.errors import MMServeError
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.structured_output import DraftMasks, StructuredOutput
 from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:

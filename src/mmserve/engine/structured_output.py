@@ -23,7 +23,7 @@ import torch
 import xgrammar as xgr
 
 from mmserve.engine.format_compiler import FormatCompiler, field_name
-from mmserve.engine.sampling_params import ResponseFormat
+from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError
 
 logger = logging.getLogger(__name__)

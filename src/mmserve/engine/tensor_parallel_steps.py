@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 @dataclass

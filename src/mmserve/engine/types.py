@@ -8,9 +8,9 @@ from typing import Any
 
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.routing_prompt import RoutingPrompt
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
-from mmserve.scheduler.request import MultiModalInput
+from mmserve.request import MultiModalInput
 
 
 @dataclass(frozen=True)

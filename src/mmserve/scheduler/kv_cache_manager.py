@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mmserve.attention.backend import LayerAttentionSpec
-from mmserve.scheduler.block_hash import block_hashes
+from mmserve.block_hash import block_hashes
 from mmserve.scheduler.block_pool import NULL_BLOCK, BlockPool
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.scheduler.output import BlockUpdate
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 logger = logging.getLogger(__name__)
 

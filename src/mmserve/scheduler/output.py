@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 
 @dataclass

@@ -24,7 +24,7 @@ import numpy as np
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.scheduler.kv_cache_manager import KVCacheManager
 from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
-from mmserve.scheduler.request import Request, RequestStatus
+from mmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from PIL import Image
 from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.errors import EngineUnavailableError
 from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit

@@ -19,7 +19,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input_processor import InputProcessor
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.parallel_sampling import check_client_id, generate_samples
-from mmserve.engine.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, MMServeError
 from mmserve.logs import bind_request, unbind_request

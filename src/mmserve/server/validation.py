@@ -18,7 +18,7 @@ from mmserve.api import pb
 from mmserve.config import EngineConfig
 from mmserve.engine.format_compiler import FormatCompiler
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
-from mmserve.engine.sampling_params import (
+from mmserve.sampling_params import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_TOP_LOGPROBS,

@@ -17,7 +17,7 @@ from pathlib import Path
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.config import EngineConfig
-from mmserve.engine.sampling_params import (
+from mmserve.sampling_params import (
     MAX_TOP_LOGPROBS,
     ResponseFormat,
     SamplingParams,

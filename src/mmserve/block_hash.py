@@ -15,7 +15,7 @@ import hashlib
 
 import numpy as np
 
-from mmserve.scheduler.request import Request
+from mmserve.request import Request
 
 ROOT_KEY = hashlib.sha256(b"mmserve-prefix-v1").digest()
 

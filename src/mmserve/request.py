@@ -13,7 +13,7 @@ import torch
 from mmserve.multimodal.content_hash import content_hash
 
 if TYPE_CHECKING:  # the engine owns sampling; the scheduler only carries the object
-    from mmserve.engine.sampling_params import SamplingParams
+    from mmserve.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
