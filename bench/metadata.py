@@ -30,8 +30,8 @@ from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.engine.block_table import BlockTables
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.step_inputs import StepInputBuilder, fill_query_ranges
-from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
-from mmserve.scheduler.output import ScheduledRequest
+from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.sched.output import ScheduledRequest
 from mmserve.request import Request
 
 logger = logging.getLogger("bench.metadata")

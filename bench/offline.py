@@ -137,7 +137,7 @@ def hf_batch(model_dir: Path, videos: list[bytes], num_frames: int, n: int) -> H
 
 
 def bench_model(name: str, model_dir: Path, args) -> dict:
-    from mmserve.engine.core import load_engine_model
+    from mmserve.core.engine_core import load_engine_model
 
     videos = clips(max(args.concurrency), args.num_frames)
     requests = engine_requests(model_dir, videos, args.num_frames, args.max_tokens)

@@ -45,7 +45,7 @@ from serving import TokenClock, hf_generate, machine, pad_left, server_process
 from serving import run_level as server_level
 
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
-from mmserve.engine.core import load_engine_model
+from mmserve.core.engine_core import load_engine_model
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams

@@ -31,7 +31,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.core import EngineCore
+from mmserve.core.engine_core import EngineCore
 from mmserve.engine.observer import NullObserver
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest

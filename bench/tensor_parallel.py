@@ -33,8 +33,8 @@ import torch
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.model_runner import ModelRunner
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduler.kv_cache_manager import plan_pools
-from mmserve.scheduler.output import BlockUpdate, ScheduledRequest, SchedulerOutput
+from mmserve.core.kv_cache.manager import plan_pools
+from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
 
 logger = logging.getLogger("bench.tensor_parallel")

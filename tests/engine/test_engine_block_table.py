@@ -9,7 +9,7 @@ from sched_helpers import make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.engine.block_table import BlockTables
-from mmserve.scheduler.output import ScheduledRequest
+from mmserve.core.sched.output import ScheduledRequest
 
 
 def test_runner_rows_mirror_the_tables_through_growth_and_reuse():

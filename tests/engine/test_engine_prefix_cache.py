@@ -26,7 +26,7 @@ from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInp
 from mmserve.engine.observer import NullObserver
 from mmserve.sampling_params import SamplingParams
 from mmserve.block_hash import block_hashes
-from mmserve.scheduler.kv_cache_manager import NULL_BLOCK
+from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.request import Request
 
 BS = 4

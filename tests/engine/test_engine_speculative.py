@@ -162,7 +162,7 @@ def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
     exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
     from mmserve.engine.sampler import Sampler
     from mmserve.engine.speculative import verify_rows
-    from mmserve.scheduler.output import ScheduledRequest
+    from mmserve.core.sched.output import ScheduledRequest
 
     eos = 1
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))

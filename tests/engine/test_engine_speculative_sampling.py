@@ -109,7 +109,7 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     from mmserve.engine.speculative import verify_rows
     from mmserve.engine.structured_output import StructuredOutput
     from mmserve.model.tokenizer import load_tokenizer
-    from mmserve.scheduler.output import ScheduledRequest
+    from mmserve.core.sched.output import ScheduledRequest
     from mmserve.request import Request
 
     gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))

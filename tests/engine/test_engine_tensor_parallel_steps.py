@@ -14,7 +14,7 @@ import torch
 
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
-from mmserve.scheduler.output import BlockUpdate, ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.request import MultiModalInput, Request
 
 

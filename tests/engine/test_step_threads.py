@@ -14,7 +14,7 @@ from gemma4_fixtures import make_checkpoint, tiny_config
 from mmserve.engine import step_threads
 from mmserve.engine.cpu_threads import torch_threads
 from mmserve.engine.step_threads import StepThreads, size_class
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
 
 

@@ -102,7 +102,7 @@ def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
     each KV-sharing layer its producer's tensor."""
     from mmserve.config import EngineConfig
     from mmserve.engine.model_runner import ModelRunner
-    from mmserve.scheduler.kv_cache_manager import plan_pools
+    from mmserve.core.kv_cache.manager import plan_pools
 
     model, _ = variant
     spec = model.spec

@@ -6,10 +6,10 @@ import random
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.sampling_params import SamplingParams
-from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
-from mmserve.scheduler.output import SchedulerOutput
+from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.sched.output import SchedulerOutput
 from mmserve.request import Request
-from mmserve.scheduler.scheduler import Scheduler
+from mmserve.core.sched.scheduler import Scheduler
 
 SPECS = {
     SLIDING: LayerAttentionSpec(SLIDING, 4, 2, 16, window=8, bidirectional=True),

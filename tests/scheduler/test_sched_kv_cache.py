@@ -5,7 +5,7 @@ from __future__ import annotations
 from sched_helpers import LAYER_TYPES, SPECS, make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.scheduler.kv_cache_manager import NULL_BLOCK, plan_pools
+from mmserve.core.kv_cache.manager import NULL_BLOCK, plan_pools
 
 
 def test_pools_sized_from_bytes_get_equal_block_counts():
@@ -64,8 +64,8 @@ def test_windowed_pool_is_capped_and_its_bytes_go_to_the_full_pool():
 
     from sched_helpers import random_ranges, run_to_completion
 
-    from mmserve.scheduler.kv_cache_manager import KVCacheManager
-    from mmserve.scheduler.scheduler import Scheduler
+    from mmserve.core.kv_cache.manager import KVCacheManager
+    from mmserve.core.sched.scheduler import Scheduler
 
     per_block = {SLIDING: 4 * 2 * 4 * 2 * 16 * 4, FULL: 2 * 2 * 4 * 1 * 32 * 4}
     budget = 400 * sum(per_block.values())

@@ -12,8 +12,8 @@ from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_complet
 
 from mmserve.sampling_params import SamplingParams
 from mmserve.block_hash import block_hashes
-from mmserve.scheduler.block_pool import BlockPool
-from mmserve.scheduler.kv_cache_manager import NULL_BLOCK, KVCacheManager, PoolPlan
+from mmserve.core.kv_cache.block_pool import BlockPool
+from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager, PoolPlan
 from mmserve.request import MultiModalInput, Request
 
 

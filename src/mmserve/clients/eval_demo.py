@@ -88,7 +88,7 @@ def _broken_model(model, how: str) -> Callable[[list], list]:
 def eval_offline(model_path: str, seeds: list[int], *, how: str = "none", **engine_options) -> EvalResult:
     """Greedy captions through `mmserve.LLM` (the server's engine core, no transport)."""
     from mmserve.config import EngineConfig
-    from mmserve.engine.core import load_engine_model
+    from mmserve.core.engine_core import load_engine_model
     from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams

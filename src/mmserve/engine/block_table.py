@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from mmserve.scheduler.output import ScheduledRequest
+from mmserve.core.sched.output import ScheduledRequest
 
 NULL_BLOCK = 0
 

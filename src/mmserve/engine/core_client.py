@@ -30,7 +30,7 @@ import zmq.asyncio
 
 from mmserve.config import EngineConfig
 from mmserve.ipc import serial
-from mmserve.engine.core_proc import CoreAddresses, run_core, run_engine_process
+from mmserve.core.process import CoreAddresses, run_core, run_engine_process
 from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
-from mmserve.engine.core import EngineCore, load_engine_model
+from mmserve.core.engine_core import EngineCore, load_engine_model
 from mmserve.engine.logprobs import TokenLogprobs
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out

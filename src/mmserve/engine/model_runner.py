@@ -46,8 +46,8 @@ from mmserve.engine.sampled_rows import SampledRowsBuilder
 from mmserve.engine.step_inputs import StepInputBuilder
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
-from mmserve.scheduler.kv_cache_manager import PoolPlan
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.kv_cache.manager import PoolPlan
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

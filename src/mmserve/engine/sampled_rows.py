@@ -18,7 +18,7 @@ import numpy as np
 from mmserve.attention import PoolConfig
 from mmserve.engine.step_inputs import StepInputBuilder, StepInputs
 from mmserve.model.decoder import SampledRows
-from mmserve.scheduler.output import ScheduledRequest
+from mmserve.core.sched.output import ScheduledRequest
 
 
 class SampledRowsBuilder:

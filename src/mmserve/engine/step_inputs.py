@@ -17,7 +17,7 @@ import torch
 
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 from mmserve.attention.buffers import StagedBuffer
-from mmserve.scheduler.output import ScheduledRequest
+from mmserve.core.sched.output import ScheduledRequest
 
 
 def fill_query_ranges(

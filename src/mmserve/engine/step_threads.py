@@ -29,7 +29,7 @@ import statistics
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from mmserve.scheduler.output import SchedulerOutput
+from mmserve.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.speculative import DraftBatch
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
-from mmserve.scheduler.output import SchedulerOutput
+from mmserve.core.sched.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

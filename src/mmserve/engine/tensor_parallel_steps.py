@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
 
 

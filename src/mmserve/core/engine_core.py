@@ -45,10 +45,10 @@ from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks
-from mmserve.scheduler.kv_cache_manager import KVCacheManager, plan_pools
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
-from mmserve.scheduler.scheduler import Scheduler
+from mmserve.core.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

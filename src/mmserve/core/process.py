@@ -124,7 +124,7 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
 
     import torch
 
-    from mmserve.engine.core import EngineCore
+    from mmserve.core.engine_core import EngineCore
 
     if tp is None:
         core = EngineCore(config, model=model)

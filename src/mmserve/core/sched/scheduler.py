@@ -22,8 +22,8 @@ import logging
 import numpy as np
 
 from mmserve.errors import InvalidInputError, LimitExceededError
-from mmserve.scheduler.kv_cache_manager import KVCacheManager
-from mmserve.scheduler.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
