@@ -171,7 +171,7 @@ def test_fa4_matches_reference(head_dim):
 
 def verify_step(spec: LayerAttentionSpec, num_reqs: int, query_len: int) -> fa4.Fa4Metadata:
     """Shapes of a frame-free step of `num_reqs` requests of `query_len` rows each, as a decode or
-    verify CUDA graph captures it (engine/cuda_graphs.py: max_seqlen_q is the graph's query length)."""
+    verify CUDA graph captures it (worker/cuda_graphs.py: max_seqlen_q is the graph's query length)."""
     T = num_reqs * query_len
     common = CommonAttentionMetadata(
         num_actual_tokens=T, num_reqs=num_reqs, max_query_len=query_len, max_seq_len=4096,
@@ -191,7 +191,7 @@ def test_verify_graph_steps_compile_for_every_capture_size(fake_arch):
     max_seqlen_q = 4 baked in) runs FA4's sliding path on the target arch with decode's own kernel
     (max_seqlen_q = 1): capturing the verify graphs compiles nothing more. Shapes and compiles only:
     a graph's capture, flex's Triton kernels (the full layers) and numerics need a GPU (bench/gpu_check.py)."""
-    from mmserve.engine.cuda_graphs import capture_sizes
+    from mmserve.worker.cuda_graphs import capture_sizes
 
     with fake_arch():
         call(GEMMA_SLIDING, verify_step(GEMMA_SLIDING, 8, 1))   # decode's kernel

@@ -1,4 +1,4 @@
-"""The start-up self-check (engine/backend_check.py): a selected kernel that fails or disagrees with
+"""The start-up self-check (worker/backend_check.py): a selected kernel that fails or disagrees with
 the dense reference is replaced by its fallback before the first request, reported in GetModelInfo
 and /metrics, and --strict-backends makes that a start-up failure.
 
@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmserve.attention import flex
 from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
-from mmserve.engine.backend_check import BackendCheckError, check_attention, graphs_mismatch
+from mmserve.worker.backend_check import BackendCheckError, check_attention, graphs_mismatch
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.perf_model import PerfModel

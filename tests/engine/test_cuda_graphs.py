@@ -16,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from mmserve.engine.cuda_graphs import DecodeGraphs, capture_sizes, graph_query_lens, uniform_query_len
+from mmserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, graph_query_lens, uniform_query_len
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
@@ -67,7 +67,7 @@ def test_replay_reads_the_persistent_inputs_of_its_size():
 
 
 def test_graphs_only_on_cuda_without_enforce_eager_and_with_capturable_backends():
-    from mmserve.engine.cuda_graphs import graphs_enabled
+    from mmserve.worker.cuda_graphs import graphs_enabled
 
     assert graphs_enabled("cuda", False, [True, True])
     assert not graphs_enabled("cuda", True, [True, True])       # --enforce-eager
@@ -79,8 +79,8 @@ def decode_step(num_reqs: int, drafts: int = 0):
     """A scheduler past its prefills (every request now schedules one token) and the runner's tables."""
     from sched_helpers import SPECS, make_request, make_scheduler
 
-    from mmserve.engine.block_table import BlockTables
-    from mmserve.engine.step_inputs import StepInputBuilder
+    from mmserve.worker.block_table import BlockTables
+    from mmserve.worker.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=256, max_num_seqs=16)
     for i in range(num_reqs):   # prompts share no block: one that did would wait for the first to compute it
@@ -138,7 +138,7 @@ def test_graph_inputs_sit_at_the_same_addresses_every_step_of_a_size():
 
 
 def test_enforce_eager_reaches_the_runner(monkeypatch):
-    from mmserve.engine import model_runner
+    from mmserve.worker import model_runner
     from mmserve.engine.llm import LLM
 
     seen = []
@@ -202,7 +202,7 @@ def test_verify_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path, mon
     from engine_helpers import build_request, make_llm
     from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
 
-    from mmserve.engine import model_runner
+    from mmserve.worker import model_runner
     from mmserve.model import load_model
 
     cfg = tiny_config(window=6)

@@ -8,7 +8,7 @@ import random
 from sched_helpers import make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.engine.block_table import BlockTables
+from mmserve.worker.block_table import BlockTables
 from mmserve.core.sched.output import ScheduledRequest
 
 

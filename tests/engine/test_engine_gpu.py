@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.gpu,
 def test_cuda_step_inputs_match_cpu():
     from sched_helpers import SPECS, make_request, make_scheduler
 
-    from mmserve.engine.block_table import BlockTables
-    from mmserve.engine.step_inputs import StepInputBuilder
+    from mmserve.worker.block_table import BlockTables
+    from mmserve.worker.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=48)
     for i in range(5):

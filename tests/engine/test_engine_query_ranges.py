@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sched_helpers import random_ranges
 
-from mmserve.engine.step_inputs import fill_query_ranges
+from mmserve.worker.step_inputs import fill_query_ranges
 
 POISON = 7777
 

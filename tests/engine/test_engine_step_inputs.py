@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mmserve.attention import PoolConfig
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.attention.sdpa import MODES, SdpaMetadataBuilder
-from mmserve.engine.block_table import BlockTables
-from mmserve.engine.step_inputs import StepInputBuilder
+from mmserve.worker.block_table import BlockTables
+from mmserve.worker.step_inputs import StepInputBuilder
 
 
 class Inputs:

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from mmserve.engine.cpu_threads import available_cores, cgroup_cpu_limit, engine_threads, torch_threads
+from mmserve.worker.cpu_threads import available_cores, cgroup_cpu_limit, engine_threads, torch_threads
 
 
 def test_cgroup_v2_quota(tmp_path):

@@ -236,7 +236,7 @@ def test_ring_bytes_per_gpu():
 def test_a_verify_chunk_runs_kv_sharing_layers_on_every_row():
     """E2B: beside a prefill chunk, KV-sharing layers run its last row only; a verify chunk in the
     step (a decode request of 1 + K tokens) makes the runner take the full path, so they run every
-    row of the step, the prefill chunk's included (engine/model_runner.py)."""
+    row of the step, the prefill chunk's included (worker/model_runner.py)."""
     spec = load_spec(FAMILY / "e2b.json")
     model = PerfModel(spec, tp=2)
     prefill, decode, verify = RequestWork(100, 100, True), RequestWork(1, 50, False), RequestWork(4, 50, False)

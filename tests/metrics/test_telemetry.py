@@ -14,7 +14,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from mmserve.engine.backend_check import BackendCheck
+from mmserve.worker.backend_check import BackendCheck
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks

@@ -125,7 +125,7 @@ def counted_collectives():
 
 
 def runner_step(model, seq: PagedSequence, ids: list[int], items: list, sampled: list[int]) -> torch.Tensor:
-    """One request's step as engine/model_runner.py takes it: its frames encoded; with KV-sharing
+    """One request's step as worker/model_runner.py takes it: its frames encoded; with KV-sharing
     layers and a row that does not sample, those layers on the `sampled` rows alone (a prompt's
     last row, or none for a chunk that does not end its prompt), else every row; the logits of the
     `sampled` rows."""

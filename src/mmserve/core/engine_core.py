@@ -30,17 +30,17 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.cpu_threads import torch_threads
+from mmserve.worker.cpu_threads import torch_threads
 from mmserve.engine.format_compiler import FormatCompiler
 from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
-from mmserve.engine.model_runner import ModelRunner, StepResult
+from mmserve.worker.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
-from mmserve.engine.step_threads import StepThreads, size_class
+from mmserve.worker.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError

@@ -62,7 +62,7 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         configure_logging(logging.getLevelName(log_level), "json")
     else:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
-    from mmserve.engine.cpu_threads import configure_torch_threads
+    from mmserve.worker.cpu_threads import configure_torch_threads
     from mmserve.engine.tensor_parallel import rank_threads
 
     threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores

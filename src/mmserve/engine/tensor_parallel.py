@@ -89,7 +89,7 @@ def ranks_per_node(config: EngineConfig) -> int:
 def rank_threads(config: EngineConfig) -> int:
     """One rank's torch threads: the ranks of a node share its engine threads (at least one each;
     a size check_divisible refuses still gets one, so the refusal is the error the user sees)."""
-    from mmserve.engine.cpu_threads import engine_threads
+    from mmserve.worker.cpu_threads import engine_threads
 
     return max(1, engine_threads(config.engine_threads) // max(1, ranks_per_node(config)))
 
@@ -292,7 +292,7 @@ class TensorParallelRunner:
     Everything else (encoder cache, backend checks, ...) is the local runner's."""
 
     def __init__(self, tp: TensorParallelGroup, model, plans, config: EngineConfig, *, max_model_len: int):
-        from mmserve.engine.model_runner import ModelRunner
+        from mmserve.worker.model_runner import ModelRunner
 
         self.tp = tp
         self._encoder = StepEncoder()
@@ -391,8 +391,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     else:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s tp-rank{rank}[%(process)d] "
                                                     "%(name)s: %(message)s")
-    from mmserve.engine.cpu_threads import configure_torch_threads
-    from mmserve.engine.model_runner import ModelRunner
+    from mmserve.worker.cpu_threads import configure_torch_threads
+    from mmserve.worker.model_runner import ModelRunner
 
     configure_torch_threads(rank_threads(config))
     try:

@@ -21,7 +21,7 @@ Conventions (documented in docs/tracing.md):
   expert weights are read once per distinct expert the step touches: the count the model
   reported when the step context has it, else the upper bound min(num_experts, tokens * top_k).
 - KV-sharing layers run every row of a step that holds a verify chunk (a decode request of 1 + K
-  tokens: the runner then takes the full path, engine/model_runner.py); a step with prompt
+  tokens: the runner then takes the full path, worker/model_runner.py); a step with prompt
   logprobs does too, which the step context does not say (billed as the sampled rows; the extra
   logits rows of prompt logprobs are not billed either, nor their all-gathers).
 - per-layer embeddings (E2B/E4B): the model-level projection (first stage) and each layer's gate

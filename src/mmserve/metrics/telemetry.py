@@ -144,7 +144,7 @@ class TelemetryObserver:
             self.metrics.set_parallel_layout(self.perf.tp)
 
     def on_backends_checked(self, checks: tuple) -> None:
-        """The start-up self-check's results (engine/backend_check.py), exported as an info metric."""
+        """The start-up self-check's results (worker/backend_check.py), exported as an info metric."""
         if self.metrics is not None:
             self.metrics.set_backend_checks(checks)
 

@@ -25,25 +25,25 @@ import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
-from mmserve.engine.backend_check import (
+from mmserve.worker.backend_check import (
     BackendCheck,
     check_attention,
     fallen_back,
     graphs_mismatch,
     should_check,
 )
-from mmserve.engine.block_table import BlockTables
-from mmserve.engine.cuda_graphs import (
+from mmserve.worker.block_table import BlockTables
+from mmserve.worker.cuda_graphs import (
     DecodeGraphs,
     capture_sizes,
     graph_query_lens,
     graphs_enabled,
     uniform_query_len,
 )
-from mmserve.engine.encoder_cache import EncoderCache, default_encoder_cache_bytes
+from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
-from mmserve.engine.sampled_rows import SampledRowsBuilder
-from mmserve.engine.step_inputs import StepInputBuilder
+from mmserve.worker.sampled_rows import SampledRowsBuilder
+from mmserve.worker.step_inputs import StepInputBuilder
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
 from mmserve.core.kv_cache.manager import PoolPlan
@@ -98,7 +98,7 @@ class ModelRunner:
             check_attention(model, pools, self.kv_caches, strict=config.strict_backends) if self.self_check else [])
         backends = {t: get_backend(name) for t, name in model.attention_backends.items()}   # after fallbacks
         self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
-        # KV-sharing layers run only the rows that sample (engine/sampled_rows.py)
+        # KV-sharing layers run only the rows that sample (worker/sampled_rows.py)
         self.sampled_rows = None
         if any(layer.shares_kv for layer in spec.layers):
             self.sampled_rows = SampledRowsBuilder(spec, backends, pools, max_num_seqs=config.max_num_seqs,

@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 
 from mmserve.attention import PoolConfig
-from mmserve.engine.step_inputs import StepInputBuilder, StepInputs
+from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
 from mmserve.model.decoder import SampledRows
 from mmserve.core.sched.output import ScheduledRequest
 
