@@ -10,7 +10,7 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, make_llm
 
-from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
 

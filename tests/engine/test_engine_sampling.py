@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_helpers import build_request, make_llm
 
-from mmserve.engine.sampler import Sampler, filter_logits
+from mmserve.sample.sampler import Sampler, filter_logits
 from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request

@@ -160,7 +160,7 @@ def test_kv_sharing_and_expert_targets_give_the_same_greedy_tokens(tmp_path, var
 def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
     """Penalties, min_tokens and logit_bias of verify row j count the j drafts before it as output,
     exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
-    from mmserve.engine.sampler import Sampler
+    from mmserve.sample.sampler import Sampler
     from mmserve.engine.speculative import verify_rows
     from mmserve.core.sched.output import ScheduledRequest
 

@@ -17,8 +17,8 @@ import torch
 from engine_helpers import make_llm
 from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
 
-import mmserve.engine.sampler as sampler_module
-from mmserve.engine.penalties import apply_penalties
+import mmserve.sample.sampler as sampler_module
+from mmserve.sample.penalties import apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
@@ -104,7 +104,7 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     import gemma4_fixtures
 
     from mmserve.engine.format_compiler import FormatCompiler
-    from mmserve.engine.sampler import Sampler
+    from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
     from mmserve.engine.speculative import verify_rows
     from mmserve.engine.structured_output import StructuredOutput

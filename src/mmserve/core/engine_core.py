@@ -32,12 +32,12 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.worker.cpu_threads import torch_threads
 from mmserve.engine.format_compiler import FormatCompiler
-from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
+from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
 from mmserve.worker.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
-from mmserve.engine.sampler import Sampler, SamplerOutput
+from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.worker.step_threads import StepThreads, size_class

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
 from mmserve.core.engine_core import EngineCore, load_engine_model
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.output_processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out
 from mmserve.sampling_params import SamplingParams

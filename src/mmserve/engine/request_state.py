@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.ipc.protocol import CoreOutput
 from mmserve.engine.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.observer import StepRecord
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.ipc.kv_cache_events import KvEvent

@@ -41,7 +41,7 @@ from mmserve.worker.cuda_graphs import (
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
-from mmserve.engine.logprobs import TokenLogprobs, prompt_logprobs
+from mmserve.sample.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.worker.sampled_rows import SampledRowsBuilder
 from mmserve.worker.step_inputs import StepInputBuilder
 from mmserve.model.compiled import set_compiled

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from mmserve.engine.logprobs import TokenLogprobs
+from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.types import RequestOutput
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.engine.logprobs import TokenLogprobs, token_logprobs
-from mmserve.engine.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
+from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.structured_output import StructuredOutput, apply_bitmask
 from mmserve.errors import MMServeError

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler, penalties and bias, log-probabilities (engine-core process)."""
