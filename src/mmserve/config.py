@@ -112,7 +112,7 @@ class EngineConfig:
     perf_accounting: str = field(default="exact", metadata={"help": "attention FLOPs/bytes accounting",
                                                                        "choices": ("exact", "upper-bound")})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced", "min": 0, "max": 1})
-    # Speculative decoding (engine/speculative.py).
+    # Speculative decoding (spec_decode/speculator.py).
     speculative_model: str = field(default="", metadata={
         "help": "a gemma4_assistant / gemma4_unified_assistant checkpoint directory that drafts tokens for "
                 "the target to verify (greedy requests); empty = off"})

@@ -106,7 +106,7 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     from mmserve.engine.format_compiler import FormatCompiler
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
-    from mmserve.engine.speculative import verify_rows
+    from mmserve.spec_decode.speculator import verify_rows
     from mmserve.engine.structured_output import StructuredOutput
     from mmserve.model.tokenizer import load_tokenizer
     from mmserve.core.sched.output import ScheduledRequest

@@ -38,7 +38,7 @@ from gemma4_fixtures import (
 )
 from test_model_parity import run_ours, video_prompt
 
-from mmserve.engine.speculative import DraftBatch, Speculator
+from mmserve.spec_decode.speculator import DraftBatch, Speculator
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model import load_model, parallel
 from mmserve.model.assistant import load_assistant, load_assistant_spec

@@ -39,7 +39,7 @@ from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
-from mmserve.engine.speculative import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
+from mmserve.spec_decode.speculator import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.worker.step_threads import StepThreads, size_class
 from mmserve.engine.structured_output import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo

@@ -36,7 +36,7 @@ import time
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.speculative import DraftBatch
+from mmserve.spec_decode.speculator import DraftBatch
 from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.core.sched.output import SchedulerOutput
@@ -403,7 +403,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         own = runner_config(config, leader)
         speculator = None
         if own.speculative_model:
-            from mmserve.engine.speculative import Speculator
+            from mmserve.spec_decode.speculator import Speculator
 
             speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens)
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)

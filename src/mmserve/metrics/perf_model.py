@@ -476,7 +476,7 @@ class PerfModel:
             self._linear(out, "drafter.post_projection", rows, hidden, backbone)
 
     def _drafter_comm(self, out: PerfBreakdown, a: AssistantSpec, rows: int, constrained: bool, tp: int) -> None:
-        """One draft step's collectives over its `rows` (model/assistant.py, engine/speculative.py)."""
+        """One draft step's collectives over its `rows` (model/assistant.py, spec_decode/speculator.py)."""
         ba = self.act_bytes
         self._comm(out, "drafter_embed_all_reduce", "all_reduce", rows * a.backbone_hidden_size * ba, tp)
         per_layers = rows * a.hidden_size * ba * len(a.layer_types)
