@@ -97,7 +97,7 @@ class EngineConfig:
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
     max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
-    # Structured output (response_format): bounded before and while compiling (engine/format_compiler.py).
+    # Structured output (response_format): bounded before and while compiling (structured_output/compiler.py).
     max_response_format_chars: int = field(default=64 * 1024, metadata={
         "help": "longest response_format (JSON schema, regex or grammar text), in characters", "min": 1})
     max_response_format_depth: int = field(default=64, metadata={

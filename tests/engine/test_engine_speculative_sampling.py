@@ -103,11 +103,11 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     draft with probability 2 p(draft) fails the same test (p = 0.80 exact, 2e-82 biased; seeds fixed)."""
     import gemma4_fixtures
 
-    from mmserve.engine.format_compiler import FormatCompiler
+    from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
     from mmserve.spec_decode.speculator import verify_rows
-    from mmserve.engine.structured_output import StructuredOutput
+    from mmserve.structured_output.manager import StructuredOutput
     from mmserve.model.tokenizer import load_tokenizer
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.request import Request

@@ -167,7 +167,7 @@ def test_compile_time_limit_refuses_the_slow_and_skips_abandoned_work(load_backe
     nobody waiting for it any more, is never compiled."""
     import asyncio
 
-    from mmserve.engine.format_compiler import FormatCompiler
+    from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.errors import LimitExceededError
 
     model, tok = load_backend("sdpa")

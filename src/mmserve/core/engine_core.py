@@ -31,7 +31,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.worker.cpu_threads import torch_threads
-from mmserve.engine.format_compiler import FormatCompiler
+from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
 from mmserve.worker.model_runner import ModelRunner, StepResult
 from mmserve.engine.observer import ScheduledItem, StepRecord
@@ -41,7 +41,7 @@ from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
 from mmserve.worker.step_threads import StepThreads, size_class
-from mmserve.engine.structured_output import StructuredOutput
+from mmserve.structured_output.manager import StructuredOutput
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.metrics.peaks import detect as detect_peaks

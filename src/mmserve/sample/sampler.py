@@ -23,7 +23,7 @@ import torch
 from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
 from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
-from mmserve.engine.structured_output import StructuredOutput, apply_bitmask
+from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 from mmserve.errors import MMServeError
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.engine.format_compiler import FormatCompiler
+from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
 from mmserve.sampling_params import (
     MAX_BIAS,

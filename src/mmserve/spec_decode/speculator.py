@@ -34,7 +34,7 @@ import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.sampling_params import SamplingParams
-from mmserve.engine.structured_output import DraftMasks, StructuredOutput
+from mmserve.structured_output.manager import DraftMasks, StructuredOutput
 from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.request import Request

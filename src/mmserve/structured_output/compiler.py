@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
-from mmserve.engine.grammar_check import dead_rules
+from mmserve.structured_output.grammar_check import dead_rules
 from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError, LimitExceededError
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from mmserve.engine.format_compiler import FormatCompiler, field_name
+from mmserve.structured_output.compiler import FormatCompiler, field_name
 from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError
 
