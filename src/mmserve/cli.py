@@ -33,7 +33,7 @@ SUBCOMMANDS = {
     "perf": "mmserve.metrics.cli",
     "demo-video": "mmserve.multimodal.synthetic",
     "eval-demo": "mmserve.clients.eval_demo",
-    "worker": "mmserve.engine.worker_cli",
+    "worker": "mmserve.executor.worker_cli",
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.tensor_parallel import RankLostError, TensorParallelGroup
+from mmserve.executor.tensor_parallel import RankLostError, TensorParallelGroup
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective
 
 

@@ -1,4 +1,4 @@
-"""What a tensor-parallel worker rebuilds from rank 0's step messages (engine/tensor_parallel_steps.py):
+"""What a tensor-parallel worker rebuilds from rank 0's step messages (executor/step_messages.py):
 through pickling, as broadcast_object_list sends them, each step's SchedulerOutput must read the
 same to the runner as rank 0's: the chunk's tokens, `num_tokens`/`samples`, frames, block updates,
 the pixels; across decode, preemption and recompute, a rollback that replaces output tokens, and a
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmserve.sampling_params import SamplingParams
-from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
+from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.request import MultiModalInput, Request
 
@@ -69,7 +69,7 @@ def test_the_mirror_reads_like_rank_0_step_after_step():
 
 def test_a_worker_runner_is_sized_like_rank_0_and_refuses_another_dtype():
     from mmserve.config import EngineConfig
-    from mmserve.engine.tensor_parallel import runner_config
+    from mmserve.executor.tensor_parallel import runner_config
 
     leader = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
                           tensor_parallel_size=2, nnodes=2)

@@ -86,7 +86,7 @@ def load_engine_model(config: EngineConfig):
 class EngineCore:
     """`tokenizer` (the checkpoint's) builds structured-output masks; without one, requests with a
     response_format are refused. `runner_factory` builds the runner (ModelRunner's signature; the
-    tensor-parallel rank 0 passes its own, engine/tensor_parallel.py)."""
+    tensor-parallel rank 0 passes its own, executor/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
         if model is None:

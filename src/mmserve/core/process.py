@@ -63,7 +63,7 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
     else:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
     from mmserve.worker.cpu_threads import configure_torch_threads
-    from mmserve.engine.tensor_parallel import rank_threads
+    from mmserve.executor.tensor_parallel import rank_threads
 
     threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores
     parent = os.getppid()
@@ -91,7 +91,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
             if config.tensor_parallel_size > 1 or config.nnodes > 1:
                 if model is not None:
                     raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
-                from mmserve.engine.tensor_parallel import TensorParallelGroup
+                from mmserve.executor.tensor_parallel import TensorParallelGroup
 
                 tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel(), log_format)
             core, ready = _start(config, model, torch_threads, tp)
@@ -129,7 +129,7 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
     if tp is None:
         core = EngineCore(config, model=model)
     else:
-        from mmserve.engine.tensor_parallel import load_rank_model
+        from mmserve.executor.tensor_parallel import load_rank_model
         from mmserve.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None

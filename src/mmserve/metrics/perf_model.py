@@ -56,7 +56,7 @@ Conventions (documented in docs/tracing.md):
   (tied head) or `comm.drafter_centroid_scores_all_reduce` (the selected rows' scores), and
   `comm.drafter_token_broadcast` when a drafting request is constrained (rank 0's masked drafts).
   Not in the bytes MBU divides (those are HBM traffic). Not billed: the step's plain-data message
-  from rank 0 (pickled scheduler output, pixels once; engine/tensor_parallel.py), pipeline stages'
+  from rank 0 (pickled scheduler output, pixels once; executor/tensor_parallel.py), pipeline stages'
   sends, a CUDA graph's padding rows.
 """
 

@@ -125,7 +125,7 @@ class Speculator:
         self.verified = [0] * num_tokens
         self.accepted = [0] * num_tokens
         # runs a round's loop on every rank: here alone, or (tensor parallelism) rank 0's runner
-        # broadcasting the batch to the workers first (engine/tensor_parallel.py sets it)
+        # broadcasting the batch to the workers first (executor/tensor_parallel.py sets it)
         self.on_ranks: Callable[[DraftBatch, Callable[[], list[list[int]]]], list[list[int]]] = _run_here
 
     def record(self, num_drafts: int, num_accepted: int) -> None:

@@ -1,4 +1,4 @@
-"""The plain data a tensor-parallel step travels as (engine/tensor_parallel.py broadcasts it).
+"""The plain data a tensor-parallel step travels as (executor/tensor_parallel.py broadcasts it).
 
 Rank 0's `StepEncoder` turns each SchedulerOutput into a `StepMessage`: a request's prompt, sampling
 parameters and pixels the first step it is scheduled, then only the output tokens the workers lack

@@ -37,7 +37,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.spec_decode.speculator import DraftBatch
-from mmserve.engine.tensor_parallel_steps import StepEncoder, StepMirror
+from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.core.sched.output import SchedulerOutput
 
