@@ -487,7 +487,7 @@ def host_time(fn: Callable[[], object], device: str, repeats: int) -> float:
 def video_requests(sizes: Sizes, device: str) -> list:
     """Video + text prompts for the demo checkpoint, built by the server's own input processor."""
     from mmserve.config import EngineConfig
-    from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+    from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
     from mmserve.sampling_params import SamplingParams
     from mmserve.multimodal.synthetic import make_clip
 

@@ -43,7 +43,7 @@ from serving import (
 )
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
-from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams
 from mmserve.model.spec import load_spec

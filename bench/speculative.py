@@ -46,7 +46,7 @@ from serving import run_level as server_level
 
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.core.engine_core import load_engine_model
-from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
 from mmserve.sampling_params import SamplingParams
 from mmserve.model.spec import load_spec

@@ -109,7 +109,7 @@ def bench_libraries(runs: int) -> list[dict]:
 
 
 def _requests(llm, config, n: int, sampling: SamplingParams) -> list:
-    from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+    from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 
     clips = [clip_for(1_000_000 + i)[0] for i in range(n)]
     with ThreadPoolExecutor(2) as pool:

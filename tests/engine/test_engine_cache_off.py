@@ -7,7 +7,7 @@ import random
 
 from test_engine_prefix_cache import engine, process, processor  # noqa: F401  (processor is a fixture)
 
-from mmserve.engine.input_processor import TextInput, VideoInput
+from mmserve.engine.input.processor import TextInput, VideoInput
 
 
 def test_without_prefix_caching_a_repeated_video_is_encoded_and_prefilled_again(load_backend, processor,  # noqa: F811

@@ -19,7 +19,7 @@ from gemma4_fixtures import VIDEO
 
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.kv_events import Cleared, KvEventsLagError, Removed, Stored, block_id
+from mmserve.engine.kv_event_hub import Cleared, KvEventsLagError, Removed, Stored, block_id
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineUnavailableError
@@ -226,7 +226,7 @@ def test_a_subscriber_that_does_not_read_is_dropped(load_backend):
 def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
     """No recursion over a chain (a long video is thousands of blocks), and a removal reaches every
     descendant, once."""
-    from mmserve.engine.kv_events import KvEventHub
+    from mmserve.engine.kv_event_hub import KvEventHub
     from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored
 
     hub = KvEventHub(block_size=BS, max_buffered=10**6)   # no core: this test feeds it
@@ -250,7 +250,7 @@ def test_a_long_chain_and_its_descendants_leave_with_the_key_they_rest_on():
 
 
 def test_a_snapshot_larger_than_the_buffer_does_not_drop_its_subscriber():
-    from mmserve.engine.kv_events import KvEventHub
+    from mmserve.engine.kv_event_hub import KvEventHub
     from mmserve.ipc.kv_cache_events import BlockStored
 
     hub = KvEventHub(block_size=BS, max_buffered=4)   # no core: this test feeds it

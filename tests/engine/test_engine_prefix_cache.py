@@ -22,7 +22,7 @@ from test_engine_batching import assert_pools_full
 
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.config import EngineConfig
-from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.observer import NullObserver
 from mmserve.sampling_params import SamplingParams
 from mmserve.block_hash import block_hashes

@@ -6,7 +6,7 @@ import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from mmserve.engine.fair_pool import FairPool
+from mmserve.engine.input.fair_pool import FairPool
 
 
 def test_a_newcomer_starts_while_one_request_has_many_jobs_queued():

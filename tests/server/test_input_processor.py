@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from mmserve.config import EngineConfig
-from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
+from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.model.prompt import timestamp_text
@@ -202,7 +202,7 @@ def test_cancelling_a_request_stops_decoding_its_frames(tiny_checkpoint, monkeyp
     import threading
     import time
 
-    from mmserve.engine import input_processor
+    from mmserve.engine.input import processor as input_processor
 
     calls, first = [], threading.Event()
     real = input_processor.decode_image

@@ -8,7 +8,7 @@ import pytest
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.engine.input_processor import ImageInput, TextInput, VideoInput
+from mmserve.engine.input.processor import ImageInput, TextInput, VideoInput
 from mmserve.errors import InvalidInputError
 from mmserve.server.validation import DEFAULT_MAX_TOKENS, validate_request
 

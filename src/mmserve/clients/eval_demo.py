@@ -89,7 +89,7 @@ def eval_offline(model_path: str, seeds: list[int], *, how: str = "none", **engi
     """Greedy captions through `mmserve.LLM` (the server's engine core, no transport)."""
     from mmserve.config import EngineConfig
     from mmserve.core.engine_core import load_engine_model
-    from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
+    from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams
 

@@ -18,9 +18,9 @@ from pathlib import Path
 
 from mmserve.config import EngineConfig
 from mmserve.engine.core_client import CoreClient
-from mmserve.engine.kv_events import KvBatch, KvEventHub
+from mmserve.engine.kv_event_hub import KvBatch, KvEventHub
 from mmserve.engine.observer import EngineObserver
-from mmserve.engine.output_processor import Event, OutputProcessor
+from mmserve.engine.output.processor import Event, OutputProcessor
 from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady
 from mmserve.engine.types import EngineRequest, LoadInfo, ModelInfo, RequestOutput
 from mmserve.errors import EngineDeadError, EngineUnavailableError, InvalidInputError
@@ -181,7 +181,7 @@ class AsyncEngine:
         return True
 
     def subscribe_kv_events(self) -> AsyncIterator[KvBatch]:
-        """What the prefix cache holds, then its changes, as routers see them (engine/kv_events.py)."""
+        """What the prefix cache holds, then its changes, as routers see them (engine/kv_event_hub.py)."""
         if not self.is_running:
             raise self.dead_error or EngineUnavailableError("the engine is not running")
         return self.kv_events.subscribe()

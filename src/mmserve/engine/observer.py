@@ -1,6 +1,6 @@
 """Hooks the metrics/tracing layer implements, and the per-step record they get.
 
-The front end calls them (mmserve.engine.output_processor), from the plain-data records the engine
+The front end calls them (mmserve.engine.output.processor), from the plain-data records the engine
 core sends with each step's outputs; the engine process itself never runs an observer.
 """
 

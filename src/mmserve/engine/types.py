@@ -37,7 +37,7 @@ class EngineRequest:
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
-    # The prompt as a gateway sent it, when that differs from ours (engine/kv_events.py): front end only.
+    # The prompt as a gateway sent it, when that differs from ours (engine/kv_event_hub.py): front end only.
     routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
     # Front end only (never cross): when the server received it (timings count from here, so TTFT
     # includes decoding its media), how long input processing took, what each video sampled, and

@@ -1,6 +1,6 @@
 """What the prefix cache tells the outside about itself: a block got a key, a key was dropped, all
 keys were dropped. Plain data; the engine ships these with each step's outputs, and the front end
-turns them into the routers' view (engine/kv_events.py).
+turns them into the routers' view (engine/kv_event_hub.py).
 
 Built only while the front end asks for them (a router is subscribed): `KVCacheManager.set_events`.
 Switching them on starts with `EventsStarted` and a `BlockStored` for every block cached then

@@ -19,7 +19,7 @@ container, its file and the payload's bytes: multimodal/video.py closes it); and
 traceback, which holds every frame it passed with their locals (the request and its media):
 grpc's AbortError, kept on the call's state that the handler's frame holds (server/status.py's
 `end_with` sets the status without raising), a task held in a local of a frame its own error passed
-(server/in_flight.py, engine/input_processor.py's `_all_or_none`) or in asyncio.wait_for's frame
+(server/in_flight.py, engine/input/processor.py's `_all_or_none`) or in asyncio.wait_for's frame
 (asyncio.timeout instead). What is left per call is grpc's own handler lookup (a few small objects,
 freed by young collections). Freezing the objects that live for the whole process after warm-up
 (torch, the model's modules, grpc) keeps the collections that still run automatically short.

@@ -25,7 +25,7 @@ from PIL import Image
 
 from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.input_processor import ImageInput, InputMessage, InputProcessor, TextInput
+from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.sampling_params import SamplingParams
 from mmserve.errors import EngineUnavailableError
 from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects

@@ -18,7 +18,7 @@ import grpc
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.input_processor import ImageInput, InputMessage, VideoInput
+from mmserve.engine.input.processor import ImageInput, InputMessage, VideoInput
 from mmserve.errors import (
     InvalidInputError,
     LimitExceededError,

@@ -16,7 +16,7 @@ import grpc
 
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
-from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.input.processor import InputProcessor
 from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.parallel_sampling import check_client_id, generate_samples
 from mmserve.sampling_params import SamplingParams

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from mmserve.api import pb
 from mmserve.config import EngineConfig
 from mmserve.structured_output.compiler import FormatCompiler
-from mmserve.engine.input_processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
+from mmserve.engine.input.processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
 from mmserve.sampling_params import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,

@@ -3,10 +3,10 @@
 A subscription starts with a snapshot (a `KvCacheCleared`, then every cached block, parents first)
 numbered with the last batch's sequence (never 0), then one batch per engine step that changed the
 cache, numbered on from there. The engine builds events only while someone is subscribed (and
-`LINGER_S` after the last one left; engine/kv_events.py). `start_sequence_number` is not honoured (we keep no history): every
+`LINGER_S` after the last one left; engine/kv_event_hub.py). `start_sequence_number` is not honoured (we keep no history): every
 subscriber resyncs from the snapshot, which the leading clear makes safe. Each block is its own
 `KvBlocksStored` (its `parent_block_hash` places it), from the first full-attention pool, in the
-tokens the router itself sends (engine/kv_events.py). A subscriber that leaves more than
+tokens the router itself sends (engine/kv_event_hub.py). A subscriber that leaves more than
 --kv-events-buffer blocks of batches unread is ended with RESOURCE_EXHAUSTED (SMG reconnects and
 resyncs); the engine's end ends every stream (UNAVAILABLE).
 """
@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 from smg_grpc_proto.generated import common_pb2
 
-from mmserve.engine.kv_events import Cleared, KvBatch, Removed, Stored
+from mmserve.engine.kv_event_hub import Cleared, KvBatch, Removed, Stored
 from mmserve.errors import InvalidInputError, MMServeError
 from mmserve.server.status import abort_with
 

@@ -4,7 +4,7 @@ The gateway forwards each OpenAI `image_url`/`video_url` verbatim. This server f
 `data:<mime>;base64,...` is decoded here, `file://` is read only inside `--allowed-local-media-path`
 (resolved, so neither `..` nor a symlink leaves it), and every other scheme (http, https, ...) is
 refused with INVALID_ARGUMENT naming the item. The bytes then take exactly the `mmserve.v1` path
-(engine/input_processor.py), so the same limits and statuses apply.
+(engine/input/processor.py), so the same limits and statuses apply.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from mmserve.engine.input_processor import ImageInput, VideoInput
+from mmserve.engine.input.processor import ImageInput, VideoInput
 from mmserve.engine.types import SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES

@@ -19,7 +19,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.input_processor import InputProcessor
+from mmserve.engine.input.processor import InputProcessor
 from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt, media_anchors
 from mmserve.engine.types import EngineRequest, RequestOutput
@@ -209,7 +209,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
 def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec,
                     ranges_per_item: list[int]) -> RoutingPrompt | None:
-    """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_events.py):
+    """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_event_hub.py):
     media item k (the k-th anchor) became `ranges_per_item[k]` ranges (1, or one per frame sampled)."""
     if not request.mm_ranges or list(gateway_ids) == list(request.prompt_token_ids):
         return None   # the same tokens as ours (text, or a prompt the gateway expanded itself)

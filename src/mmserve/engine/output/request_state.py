@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.ipc.protocol import CoreOutput
-from mmserve.engine.stopping import check_stop
+from mmserve.engine.output.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
 from mmserve.request import Request
 

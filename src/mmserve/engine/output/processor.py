@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from mmserve.engine.observer import EngineObserver, NullObserver
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
-from mmserve.engine.request_state import RequestState
+from mmserve.engine.output.request_state import RequestState
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, RequestAbortedError
 from mmserve.request import Request

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mmserve.config import EngineConfig
-from mmserve.engine.fair_pool import FairPool
+from mmserve.engine.input.fair_pool import FairPool
 from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError

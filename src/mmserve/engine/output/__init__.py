@@ -1,0 +1,1 @@
+"""Output processing in the front end: detokenise, stop strings, per-request state and timings."""
