@@ -488,8 +488,8 @@ def video_requests(sizes: Sizes, device: str) -> list:
     """Video + text prompts for the demo checkpoint, built by the server's own input processor."""
     from mmserve.config import EngineConfig
     from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
-    from mmserve.sampling_params import SamplingParams
     from mmserve.multimodal.synthetic import make_clip
+    from mmserve.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=sizes.max_tokens, ignore_eos=True)
     with ThreadPoolExecutor(2) as pool:
@@ -732,8 +732,8 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) ->
     """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
     on the host, so its wall time is its latency), after their prefill and two warm steps; and how
     many of the timed steps replayed a graph."""
-    from mmserve.sampling_params import SamplingParams
     from mmserve.engine.types import EngineRequest
+    from mmserve.sampling_params import SamplingParams
 
     vocab = llm.core.model.spec.vocab_size
     sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True)

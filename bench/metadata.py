@@ -27,12 +27,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.worker.block_table import BlockTables
-from mmserve.sampling_params import SamplingParams
-from mmserve.worker.step_inputs import StepInputBuilder, fill_query_ranges
 from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
 from mmserve.core.sched.output import ScheduledRequest
 from mmserve.request import Request
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.block_table import BlockTables
+from mmserve.worker.step_inputs import StepInputBuilder, fill_query_ranges
 
 logger = logging.getLogger("bench.metadata")
 RESULTS = Path(__file__).resolve().parent / "results" / "metadata.json"

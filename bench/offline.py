@@ -45,9 +45,9 @@ from serving import (
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
-from mmserve.sampling_params import SamplingParams
 from mmserve.model.spec import load_spec
 from mmserve.multimodal.demo_task import PROMPT
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("bench.offline")
 RESULTS = Path(__file__).resolve().parent / "results" / "offline.json"

@@ -48,10 +48,10 @@ from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.core.engine_core import load_engine_model
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
-from mmserve.sampling_params import SamplingParams
 from mmserve.model.spec import load_spec
 from mmserve.multimodal import demo_task
 from mmserve.multimodal.demo_task import VisionParams, reference_inputs
+from mmserve.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative.json"
 FROM_BYTES = "transformers batch, from bytes"   # the server's reference: its time counts decoding the clips

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.engine.async_engine import AsyncEngine
 from mmserve.core.engine_core import EngineCore
+from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.observer import NullObserver
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
+from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("bench.step_overhead")
 RESULTS = Path(__file__).resolve().parent / "results" / "step_overhead.json"

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
-from mmserve.sampling_params import ResponseFormat, SamplingParams
 from mmserve.multimodal.demo_task import CAPTION_SCHEMA, NUM_FRAMES, PROMPT, clip_for
 from mmserve.multimodal.synthetic import COLOURS
+from mmserve.sampling_params import ResponseFormat, SamplingParams
 
 logger = logging.getLogger("bench.structured")
 RESULTS = Path(__file__).resolve().parent / "results" / "structured.json"

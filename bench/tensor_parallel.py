@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
-from mmserve.worker.model_runner import ModelRunner
-from mmserve.sampling_params import SamplingParams
 from mmserve.core.kv_cache.manager import plan_pools
 from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("bench.tensor_parallel")
 RESULTS = Path(__file__).resolve().parent / "results" / "tensor_parallel.json"

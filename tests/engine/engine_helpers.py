@@ -10,10 +10,10 @@ import torch
 from gemma4_fixtures import BOI, BOS, EOI, IMAGE, NUM_SPECIALS, VIDEO, VOCAB, patchify
 
 from mmserve.engine.llm import LLM
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.model.vision import pad_patches
 from mmserve.request import MultiModalInput
+from mmserve.sampling_params import SamplingParams
 
 # (height, width) -> soft tokens with patch 4 and pooling 2: (h/8) * (w/8)
 FRAME_SHAPES = {1: (8, 8), 2: (8, 16), 4: (16, 16), 6: (16, 24), 8: (16, 32), 9: (24, 24)}

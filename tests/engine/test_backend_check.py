@@ -19,13 +19,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmserve.attention import flex
 from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
-from mmserve.worker.backend_check import BackendCheckError, check_attention, graphs_mismatch
 from mmserve.engine.llm import LLM
-from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.model.spec import load_spec
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.backend_check import BackendCheckError, check_attention, graphs_mismatch
 
 OPTIONS = dict(device="cpu", dtype="float32", attention_backend="flex", backend_self_check="on",
                max_num_seqs=4, max_num_batched_tokens=128, prefill_batched_tokens=0, kv_cache_bytes=8 * 2**20)

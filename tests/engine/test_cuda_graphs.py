@@ -138,8 +138,8 @@ def test_graph_inputs_sit_at_the_same_addresses_every_step_of_a_size():
 
 
 def test_enforce_eager_reaches_the_runner(monkeypatch):
-    from mmserve.worker import model_runner
     from mmserve.engine.llm import LLM
+    from mmserve.worker import model_runner
 
     seen = []
     real = model_runner.graphs_enabled
@@ -202,8 +202,8 @@ def test_verify_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path, mon
     from engine_helpers import build_request, make_llm
     from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
 
-    from mmserve.worker import model_runner
     from mmserve.model import load_model
+    from mmserve.worker import model_runner
 
     cfg = tiny_config(window=6)
     hf = make_checkpoint(tmp_path / "target", config=cfg, seed=61)

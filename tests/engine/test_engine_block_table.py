@@ -8,8 +8,8 @@ import random
 from sched_helpers import make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.worker.block_table import BlockTables
 from mmserve.core.sched.output import ScheduledRequest
+from mmserve.worker.block_table import BlockTables
 
 
 def test_runner_rows_mirror_the_tables_through_growth_and_reuse():

@@ -17,13 +17,13 @@ import pytest
 from engine_helpers import build_request, serve
 from gemma4_fixtures import VIDEO
 
+from mmserve.block_hash import block_hashes
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.kv_event_hub import Cleared, KvEventsLagError, Removed, Stored, block_id
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineUnavailableError
-from mmserve.block_hash import block_hashes
 from mmserve.request import Request
 
 BS = 4

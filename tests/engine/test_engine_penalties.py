@@ -10,9 +10,9 @@ import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, make_llm
 
+from mmserve.errors import InvalidInputError
 from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
-from mmserve.errors import InvalidInputError
 
 
 def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tensor:

@@ -21,13 +21,13 @@ from gemma4_fixtures import NUM_SPECIALS, VOCAB
 from test_engine_batching import assert_pools_full
 
 from mmserve.attention.backend import FULL, SLIDING
+from mmserve.block_hash import block_hashes
 from mmserve.config import EngineConfig
+from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.observer import NullObserver
-from mmserve.sampling_params import SamplingParams
-from mmserve.block_hash import block_hashes
-from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.request import Request
+from mmserve.sampling_params import SamplingParams
 
 BS = 4
 

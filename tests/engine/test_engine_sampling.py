@@ -7,10 +7,10 @@ import pytest
 import torch
 from engine_helpers import build_request, make_llm
 
-from mmserve.sample.sampler import Sampler, filter_logits
-from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request
+from mmserve.sample.sampler import Sampler, filter_logits
+from mmserve.sampling_params import SamplingParams
 
 
 def rows(ids: list[str], params: list[SamplingParams]) -> list[Request]:

@@ -11,12 +11,12 @@ import pytest
 import torch
 import zmq
 
-from mmserve.ipc import serial
-from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput, Usage
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.ipc import serial
+from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs
 from mmserve.request import MultiModalInput
+from mmserve.sampling_params import SamplingParams
 
 
 def through_zmq(obj):

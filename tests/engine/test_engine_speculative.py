@@ -19,12 +19,12 @@ from engine_helpers import build_request, make_llm
 from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
 from test_engine_batching import assert_pools_full
 
+from mmserve.block_hash import block_hashes
 from mmserve.engine.observer import NullObserver
-from mmserve.sampling_params import SamplingParams
 from mmserve.model import load_model
 from mmserve.model.tokenizer import load_tokenizer
-from mmserve.block_hash import block_hashes
 from mmserve.request import Request
+from mmserve.sampling_params import SamplingParams
 
 BS = 4
 
@@ -160,9 +160,9 @@ def test_kv_sharing_and_expert_targets_give_the_same_greedy_tokens(tmp_path, var
 def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
     """Penalties, min_tokens and logit_bias of verify row j count the j drafts before it as output,
     exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
+    from mmserve.core.sched.output import ScheduledRequest
     from mmserve.sample.sampler import Sampler
     from mmserve.spec_decode.speculator import verify_rows
-    from mmserve.core.sched.output import ScheduledRequest
 
     eos = 1
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))

@@ -18,10 +18,10 @@ from engine_helpers import make_llm
 from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
 
 import mmserve.sample.sampler as sampler_module
-from mmserve.sample.penalties import apply_penalties
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
+from mmserve.sample.penalties import apply_penalties
+from mmserve.sampling_params import SamplingParams
 
 VOCAB = NUM_SPECIALS + 8
 TEMPERATURE = 1.3
@@ -103,14 +103,14 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     draft with probability 2 p(draft) fails the same test (p = 0.80 exact, 2e-82 biased; seeds fixed)."""
     import gemma4_fixtures
 
-    from mmserve.structured_output.compiler import FormatCompiler
+    from mmserve.core.sched.output import ScheduledRequest
+    from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.request import Request
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
     from mmserve.spec_decode.speculator import verify_rows
+    from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.structured_output.manager import StructuredOutput
-    from mmserve.model.tokenizer import load_tokenizer
-    from mmserve.core.sched.output import ScheduledRequest
-    from mmserve.request import Request
 
     gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
     tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB

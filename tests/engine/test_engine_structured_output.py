@@ -13,8 +13,8 @@ import re
 import pytest
 from engine_helpers import build_request, make_llm
 
-from mmserve.sampling_params import ResponseFormat, SamplingParams
 from mmserve.errors import InvalidInputError
+from mmserve.sampling_params import ResponseFormat, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["ab", "cd"]}},
           "required": ["n", "tag"], "additionalProperties": False}
@@ -167,8 +167,8 @@ def test_compile_time_limit_refuses_the_slow_and_skips_abandoned_work(load_backe
     nobody waiting for it any more, is never compiled."""
     import asyncio
 
-    from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.errors import LimitExceededError
+    from mmserve.structured_output.compiler import FormatCompiler
 
     model, tok = load_backend("sdpa")
     compiler = FormatCompiler(tok, model.spec.vocab_size, model.spec.eos_token_ids, cache_bytes=2**26, timeout_s=0.2)

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
-from mmserve.sampling_params import SamplingParams
-from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
+from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.request import MultiModalInput, Request
+from mmserve.sampling_params import SamplingParams
 
 
 def assert_same_to_the_runner(ours: SchedulerOutput, theirs: SchedulerOutput) -> None:

@@ -11,11 +11,11 @@ import torch
 from engine_helpers import PROMPTS, build_request, make_llm, run_recording_logits
 from gemma4_fixtures import make_checkpoint, tiny_config
 
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.request import Request
 from mmserve.worker import step_threads
 from mmserve.worker.cpu_threads import torch_threads
 from mmserve.worker.step_threads import StepThreads, size_class
-from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
-from mmserve.request import Request
 
 
 def step(num_requests: int, tokens_each: int = 1, *, prefill: bool = False, frames: bool = False) -> SchedulerOutput:

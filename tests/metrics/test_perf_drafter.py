@@ -108,10 +108,10 @@ def test_telemetry_bills_each_request_its_draft_rows_and_the_step_its_useful_tok
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from mmserve.engine.observer import ScheduledItem, StepRecord
-    from mmserve.sampling_params import SamplingParams
     from mmserve.metrics.peaks import DevicePeaks
     from mmserve.metrics.telemetry import TelemetryObserver
     from mmserve.request import Request
+    from mmserve.sampling_params import SamplingParams
 
     target, spec, _ = random_assistant(gemma4_fixtures, tmp_path, random.Random(), ordered=False)
     exporter = InMemorySpanExporter()

@@ -14,9 +14,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from mmserve.worker.backend_check import BackendCheck
 from mmserve.engine.observer import ScheduledItem, StepRecord
-from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -31,6 +29,8 @@ from mmserve.metrics.tracing import (
 )
 from mmserve.model.spec import load_spec
 from mmserve.request import MultiModalInput, Request
+from mmserve.sampling_params import SamplingParams
+from mmserve.worker.backend_check import BackendCheck
 
 CONFIG = dict(
     model_type="gemma4",
@@ -311,9 +311,9 @@ def test_step_span_and_counter_carry_the_comm_bytes():
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from mmserve.sampling_params import ResponseFormat
     from mmserve.metrics.perf_model import DraftWork
     from mmserve.model.assistant import AssistantSpec, DraftAttention
+    from mmserve.sampling_params import ResponseFormat
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmserve.attention import create_impl
+from mmserve.core.kv_cache.manager import plan_pools
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.spec import load_spec
-from mmserve.core.kv_cache.manager import plan_pools
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 # published total, whether it covers the vision/audio encoders, KV bytes per token in bf16

@@ -38,7 +38,6 @@ from gemma4_fixtures import (
 )
 from test_model_parity import run_ours, video_prompt
 
-from mmserve.spec_decode.speculator import DraftBatch, Speculator
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model import load_model, parallel
 from mmserve.model.assistant import load_assistant, load_assistant_spec
@@ -48,6 +47,7 @@ from mmserve.model.prompt import build_prompt
 from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import TextTokenizer
 from mmserve.model.vision import pad_patches
+from mmserve.spec_decode.speculator import DraftBatch, Speculator
 
 
 def untied_config() -> dict:

@@ -123,11 +123,11 @@ def test_two_nodes_serve_the_tokens_one_device_does(tiny_checkpoint, monkeypatch
     engine's for the same prompt; stopping the server ends the worker node with exit 0."""
     from mmserve import LLM
     from mmserve.clients import Client
-    from mmserve.sampling_params import SamplingParams
     from mmserve.model.messages import ChatMessage
     from mmserve.model.prompt import build_prompt
     from mmserve.model.spec import load_spec
     from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.sampling_params import SamplingParams
 
     with socket.socket() as s:   # a free port for node 0's TCP store (ephemeral, loopback)
         s.bind(("127.0.0.1", 0))

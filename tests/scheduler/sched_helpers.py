@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.sampling_params import SamplingParams
 from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
 from mmserve.core.sched.output import SchedulerOutput
-from mmserve.request import Request
 from mmserve.core.sched.scheduler import Scheduler
+from mmserve.request import Request
+from mmserve.sampling_params import SamplingParams
 
 SPECS = {
     SLIDING: LayerAttentionSpec(SLIDING, 4, 2, 16, window=8, bidirectional=True),

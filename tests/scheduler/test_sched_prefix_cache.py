@@ -10,11 +10,11 @@ import pytest
 import torch
 from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_completion, step
 
-from mmserve.sampling_params import SamplingParams
 from mmserve.block_hash import block_hashes
 from mmserve.core.kv_cache.block_pool import BlockPool
 from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager, PoolPlan
 from mmserve.request import MultiModalInput, Request
+from mmserve.sampling_params import SamplingParams
 
 
 def item(seed: int, patches: int = 4) -> MultiModalInput:

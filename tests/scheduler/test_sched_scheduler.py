@@ -7,9 +7,9 @@ import random
 import pytest
 from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion, step
 
+from mmserve.core.sched.scheduler import align_chunk
 from mmserve.errors import LimitExceededError
 from mmserve.request import RequestStatus
-from mmserve.core.sched.scheduler import align_chunk
 
 
 def test_align_chunk_moves_boundary_before_the_frame():

@@ -13,12 +13,12 @@ from PIL import Image
 
 from mmserve.config import EngineConfig
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
-from mmserve.sampling_params import SamplingParams
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.model.prompt import timestamp_text
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images
 from mmserve.multimodal.video import decode_video
+from mmserve.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

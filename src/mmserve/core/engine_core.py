@@ -30,25 +30,25 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.worker.cpu_threads import torch_threads
-from mmserve.structured_output.compiler import FormatCompiler
-from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
-from mmserve.worker.model_runner import ModelRunner, StepResult
+from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.scheduler import Scheduler
 from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
+from mmserve.engine.types import EngineRequest, LoadInfo
+from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
+from mmserve.metrics.peaks import detect as detect_peaks
+from mmserve.request import Request
+from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
 from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
-from mmserve.worker.step_threads import StepThreads, size_class
+from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
-from mmserve.engine.types import EngineRequest, LoadInfo
-from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.metrics.peaks import detect as detect_peaks
-from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
-from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
-from mmserve.request import Request
-from mmserve.core.sched.scheduler import Scheduler
+from mmserve.worker.cpu_threads import torch_threads
+from mmserve.worker.model_runner import ModelRunner, StepResult
+from mmserve.worker.step_threads import StepThreads, size_class
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.errors import EngineInternalError, EngineUnavailableError, MMServeError
 from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
@@ -32,7 +33,6 @@ from mmserve.ipc.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from mmserve.errors import EngineInternalError, EngineUnavailableError, MMServeError
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,8 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         configure_logging(logging.getLevelName(log_level), "json")
     else:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
-    from mmserve.worker.cpu_threads import configure_torch_threads
     from mmserve.executor.tensor_parallel import rank_threads
+    from mmserve.worker.cpu_threads import configure_torch_threads
 
     threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores
     parent = os.getppid()

@@ -29,8 +29,10 @@ import zmq
 import zmq.asyncio
 
 from mmserve.config import EngineConfig
-from mmserve.ipc import serial
 from mmserve.core.process import CoreAddresses, run_core, run_engine_process
+from mmserve.engine.types import EngineRequest
+from mmserve.errors import EngineDeadError, EngineInternalError
+from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
@@ -40,8 +42,6 @@ from mmserve.ipc.protocol import (
     Shutdown,
     UtilityCall,
 )
-from mmserve.engine.types import EngineRequest
-from mmserve.errors import EngineDeadError, EngineInternalError
 
 logger = logging.getLogger(__name__)
 

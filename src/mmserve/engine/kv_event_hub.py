@@ -43,10 +43,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from mmserve.block_hash import block_hashes
 from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import LimitExceededError
-from mmserve.block_hash import block_hashes
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.request import Request
 

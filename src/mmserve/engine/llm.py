@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
 from mmserve.core.engine_core import EngineCore, load_engine_model
-from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.output.processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, Timings, Usage
+from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.sampling_params import SamplingParams
 
 
 @dataclass

@@ -6,11 +6,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.routing_prompt import RoutingPrompt
-from mmserve.sampling_params import SamplingParams
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.request import MultiModalInput
+from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

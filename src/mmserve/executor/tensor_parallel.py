@@ -36,10 +36,10 @@ import time
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.spec_decode.speculator import DraftBatch
+from mmserve.core.sched.output import SchedulerOutput
 from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
-from mmserve.core.sched.output import SchedulerOutput
+from mmserve.spec_decode.speculator import DraftBatch
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.observer import StepRecord
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.ipc.kv_cache_events import KvEvent
+from mmserve.sample.logprobs import TokenLogprobs
 
 
 @dataclass

@@ -26,9 +26,9 @@ from PIL import Image
 from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput
-from mmserve.sampling_params import SamplingParams
 from mmserve.errors import EngineUnavailableError
 from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects
+from mmserve.sampling_params import SamplingParams
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
 from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.drain import UNGATED_GRACE_S, UPLOAD_METHOD, DrainGate, ShutdownSignals, drain

@@ -17,13 +17,13 @@ import grpc
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input.processor import InputProcessor
-from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.engine.parallel_sampling import check_client_id, generate_samples
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, MMServeError
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
+from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.sampling_params import SamplingParams
 from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with, end_with

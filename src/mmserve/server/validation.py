@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
+from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
@@ -25,8 +25,8 @@ from mmserve.sampling_params import (
     ResponseFormat,
     SamplingParams,
 )
-from mmserve.errors import InvalidInputError
 from mmserve.server.media_store import MEDIA_ID
+from mmserve.structured_output.compiler import FormatCompiler
 
 ROLES = ("system", "user", "assistant")
 IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp",

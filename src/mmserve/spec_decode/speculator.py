@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
+from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
-from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
-from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.request import Request
 
 
 def speculates(params: SamplingParams) -> bool:

@@ -27,9 +27,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
 
-from mmserve.structured_output.grammar_check import dead_rules
-from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.sampling_params import ResponseFormat
+from mmserve.structured_output.grammar_check import dead_rules
 
 ERROR_BYTES = 256   # what a cached refusal counts against the byte budget
 COMPILE_NICENESS = 5   # added to the compile thread's nice value: background work beside the step loop

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from mmserve.structured_output.compiler import FormatCompiler, field_name
-from mmserve.sampling_params import ResponseFormat
 from mmserve.errors import InvalidInputError
+from mmserve.sampling_params import ResponseFormat
+from mmserve.structured_output.compiler import FormatCompiler, field_name
 
 logger = logging.getLogger(__name__)
 

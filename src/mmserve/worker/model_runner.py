@@ -25,6 +25,11 @@ import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
+from mmserve.core.kv_cache.manager import PoolPlan
+from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.model.compiled import set_compiled
+from mmserve.model.vision import pad_patches
+from mmserve.sample.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
     check_attention,
@@ -41,13 +46,8 @@ from mmserve.worker.cuda_graphs import (
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
-from mmserve.sample.logprobs import TokenLogprobs, prompt_logprobs
 from mmserve.worker.sampled_rows import SampledRowsBuilder
 from mmserve.worker.step_inputs import StepInputBuilder
-from mmserve.model.compiled import set_compiled
-from mmserve.model.vision import pad_patches
-from mmserve.core.kv_cache.manager import PoolPlan
-from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

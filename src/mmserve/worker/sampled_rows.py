@@ -16,9 +16,9 @@ import dataclasses
 import numpy as np
 
 from mmserve.attention import PoolConfig
-from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
-from mmserve.model.decoder import SampledRows
 from mmserve.core.sched.output import ScheduledRequest
+from mmserve.model.decoder import SampledRows
+from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
 
 
 class SampledRowsBuilder:

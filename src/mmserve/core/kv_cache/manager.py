@@ -29,8 +29,8 @@ import numpy as np
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.block_hash import block_hashes
 from mmserve.core.kv_cache.block_pool import NULL_BLOCK, BlockPool
-from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.core.sched.output import BlockUpdate
+from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.request import Request
 
 logger = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ import logging
 
 import numpy as np
 
-from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)

@@ -24,7 +24,6 @@ from typing import Any
 
 from mmserve.config import EngineConfig
 from mmserve.engine.input.fair_pool import FairPool
-from mmserve.sampling_params import SamplingParams
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
@@ -39,6 +38,7 @@ from mmserve.multimodal.memory import return_large_buffers
 from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
 from mmserve.request import MultiModalInput
+from mmserve.sampling_params import SamplingParams
 
 # How long past the time limit the event loop still waits for a worker stuck inside one packet.
 DECODE_GRACE_S = 1.0

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 
 from mmserve.engine.observer import EngineObserver, NullObserver
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.engine.output.request_state import RequestState
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineInternalError, InvalidInputError, RequestAbortedError
+from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
 from mmserve.request import Request
 
 logger = logging.getLogger(__name__)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mmserve.sample.logprobs import TokenLogprobs
-from mmserve.ipc.protocol import CoreOutput
 from mmserve.engine.output.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
+from mmserve.ipc.protocol import CoreOutput
 from mmserve.request import Request
+from mmserve.sample.logprobs import TokenLogprobs
 
 NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
 

@@ -17,12 +17,12 @@ from pathlib import Path
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.config import EngineConfig
+from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import (
     MAX_TOP_LOGPROBS,
     ResponseFormat,
     SamplingParams,
 )
-from mmserve.errors import InvalidInputError
 from mmserve.server.validation import MAX_STOP_STRING_CHARS, check_logit_bias, nesting_depth
 
 WHERE = "sampling_params"
