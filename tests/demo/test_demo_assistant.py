@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from loopback_server import LoopbackServer, engine_config
-from mmserve.engine.core import load_engine_model
+from mmserve.core.engine_core import load_engine_model
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.sampling_params import SamplingParams
 
