@@ -5,7 +5,7 @@ frame ranges (plain causal/sliding: the floor the frames are measured against), 
 backend against the reference, and counts work: the exact kept (q, k) pairs against the pairs
 flex's block mask visits (and the share of its blocks that are full, i.e. mask-free), an ideal
 128x128 tile list, and FA4 with a mask_mod on the windowed pieces fa4.py gives it (every tile of each
-piece, SM100's 128-key tiles: tiles.fa4_visited_pairs).
+piece, SM100's 128-key tiles: bench/tile_analysis.py `fa4_visited_pairs`).
 
 A second table ("batching") times sdpa's two plans on multi-request steps: one padded call per
 group of requests ("batched") against one call per request ("loop"), and what the auto plan
@@ -30,12 +30,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from tile_analysis import fa4_visited_pairs, kept_pairs, varlen_tiles
 
 from mmserve.attention import create_builder, create_impl
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.attention.fa4 import piece_len
 from mmserve.attention.synthetic import Batch, Req, frames, make_batch, pool_for
-from mmserve.attention.tiles import fa4_visited_pairs, kept_pairs, varlen_tiles
 
 log = logging.getLogger("bench.attention")
 RESULTS = Path(__file__).resolve().parent / "results" / "attention.json"

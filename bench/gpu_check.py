@@ -339,8 +339,9 @@ def add_timing(row: dict, name: str, timing: dict) -> None:
 def tiles(sizes: Sizes, device: str) -> dict:
     """Visited tile work / minimum tile work / kept pairs, FA4's tiles on each architecture; plus
     on a GPU the time of the step with frames against the same step without (FA4's plain path)."""
+    from tile_analysis import fa4_visited_pairs, kept_pairs, varlen_tiles
+
     from mmserve.attention.synthetic import make_batch
-    from mmserve.attention.tiles import fa4_visited_pairs, kept_pairs, varlen_tiles
 
     spec = sizes.sliding
     rows = []

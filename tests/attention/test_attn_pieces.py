@@ -4,13 +4,16 @@ the builder's pieces, emulated in torch, gives the reference output; and the til
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from attn_batches import SPECS, Req, frames, make_batch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))   # tile_analysis (analysis code, not serving)
 from mmserve.attention.backend import SLIDING, LayerAttentionSpec
 from mmserve.attention.mask import batch_dense_mask
 from mmserve.attention.page_tables import windowed_pieces, windowed_tables
@@ -69,7 +72,7 @@ def test_whole_request_pieces_are_the_windowed_tables():
 def test_fa4_visits_at_most_1_3x_the_minimum_tile_work_at_64_frames(budget):
     """The last chunk of a 64-frame video (Gemma 4: 70 soft tokens a frame, window 1024, 2 query heads per
     KV head): FA4's tiles over the windowed pieces against the block-sparse minimum, SM90 and SM100 tiles."""
-    from mmserve.attention.tiles import fa4_visited_pairs, varlen_tiles
+    from tile_analysis import fa4_visited_pairs, varlen_tiles
 
     spec = replace(SPECS[0], num_heads=2, num_kv_heads=1, head_dim=8, window=1024)   # tiles ignore head dim
     ranges = frames(20, 64, 70, 8)

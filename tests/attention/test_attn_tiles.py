@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from attn_batches import SLIDING_SPEC, SPECS, Req, frames, make_batch, standard_batches
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))   # tile_analysis (analysis code, not serving)
+from tile_analysis import kept_pairs, varlen_tiles
+
 from mmserve.attention.mask import batch_dense_mask
-from mmserve.attention.tiles import kept_pairs, varlen_tiles
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}")

@@ -14,13 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from loopback_server import LoopbackServer, engine_config
-from mmserve.core.engine_core import load_engine_model
 from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.sampling_params import SamplingParams
 
 from mmserve import cli
 from mmserve.clients import Client
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
+from mmserve.core.engine_core import load_engine_model
 from mmserve.engine.llm import LLM
 from mmserve.model.assistant import load_assistant
 from mmserve.model.spec import load_spec

@@ -42,11 +42,11 @@ from mmserve.attention.backend import (
     PoolConfig,
 )
 from mmserve.attention.buffers import StagedBuffer
+from mmserve.attention.mask import NO_WINDOW
 from mmserve.attention.page_tables import windowed_pieces
 from mmserve.attention.paged import write_kv
 from mmserve.attention.selection import device_arch, fa4_runs
 
-NO_WINDOW = 2**30
 QUERY_TILE = 128   # packed query rows of FA4's query tile at head dim 256 on SM90 and SM100
 SEQS_PER_CALL = 256   # b36's BIN_BATCH_SEARCH_THRESH: more sequences in one call take another kernel
 

@@ -16,7 +16,7 @@ once per KV head (its 16 - g padding rows are free in a memory-bound step), a pr
 more than before.
 
 The block mask lists, per query block, only the physical blocks some row can keep: every row keeps
-one interval of keys (row_key_bounds: its window and its frame), a block's rows are consecutive
+one interval of keys (mask.key_bounds: its window and its frame), a block's rows are consecutive
 tokens of one request, so its blocks are one interval of that request's table, split into the
 interior every row keeps whole (listed as full: no mask_mod) and the edges. Both lists are gathered
 from the table on the device, O(query blocks x table width): no cache-wide matrix, no sort.
@@ -43,14 +43,12 @@ from mmserve.attention.backend import (
     PoolConfig,
 )
 from mmserve.attention.buffers import StagedBuffer
-from mmserve.attention.mask import keep, token_request_ids
+from mmserve.attention.mask import NO_WINDOW, keep, key_bounds, token_request_ids
 from mmserve.attention.paged import write_kv
-from mmserve.attention.tiles import row_key_bounds
 
 Q_BLOCK = 16        # query rows per block-mask block (and Triton's BLOCK_M on CUDA)
 KV_TILE = 16        # Triton's key tile on CUDA: must divide the cache block size
 MIN_BLOCKS_PER_REQ = 64
-NO_WINDOW = 2**30
 # One graph per (layer type, dtype, head dim, capacity) shares flex_attention's frame; leave room.
 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
 _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -219,7 +217,7 @@ class FlexMetadataBuilder:
         if T == 0:
             return
         device = md.positions.device
-        lo_key, hi_key = row_key_bounds(md, self.spec)                         # [T] inclusive, per token
+        lo_key, hi_key = key_bounds(md, self.spec)                         # [T] inclusive, per token
         tok_row = self.tok_row.dev[:T]
         spans = [torch.minimum(tok_row // Q_BLOCK + k, (tok_row + g - 1) // Q_BLOCK)
                  for k in range((g - 1) // Q_BLOCK + 2)]                         # each token's query blocks

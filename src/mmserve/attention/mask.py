@@ -12,6 +12,9 @@ import torch
 
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 
+# A window no context reaches: the kernels that take the window as a number get this for "none".
+NO_WINDOW = 2**30
+
 
 def keep(q, k, r_start, r_end, *, window, bidirectional: bool, clamp):
     """keep(q, k) for absolute positions q, k and q's own inclusive range [r_start, r_end] ((-1, -1) = none).
@@ -84,3 +87,20 @@ def batch_dense_mask(metadata: CommonAttentionMetadata, spec: LayerAttentionSpec
     mask = keep_for_spec(q, k, r_start, r_end, spec)
     req = token_request_ids(metadata.query_start_loc, T)
     return mask & key_valid(metadata, num_keys)[req]
+
+
+def key_bounds(md: CommonAttentionMetadata, spec: LayerAttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inclusive [lo, hi] key positions each query row of a step may keep (int64 [T] each, on the
+    metadata's device; `page_tables.key_bounds_np` is the host twin over numpy arrays)."""
+    T = md.num_actual_tokens
+    q = md.positions[:T].long()
+    req = token_request_ids(md.query_start_loc, T)
+    hi = q.clone()
+    lo = (q - spec.window + 1).clamp(min=0) if spec.window is not None else torch.zeros_like(q)
+    if md.query_ranges is not None and spec.bidirectional:
+        rs, re = md.query_ranges[:T, 0].long(), md.query_ranges[:T, 1].long()
+        inside = rs >= 0
+        hi = torch.where(inside, torch.maximum(hi, re), hi)
+        if not spec.clamp_bidirectional:
+            lo = torch.where(inside, torch.minimum(lo, rs), lo)
+    return lo, torch.minimum(hi, md.seq_lens.long()[req] - 1)

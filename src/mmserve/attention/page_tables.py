@@ -83,9 +83,9 @@ def _window_rows(block_table: np.ndarray, rows: np.ndarray, first_block: np.ndar
     return table
 
 
-def row_key_bounds(spec: LayerAttentionSpec, positions: np.ndarray, seq_lens: np.ndarray,
+def key_bounds_np(spec: LayerAttentionSpec, positions: np.ndarray, seq_lens: np.ndarray,
                    ranges: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-    """Inclusive [lo, hi] keys each query row may keep (host int64 arrays; tiles.row_key_bounds on device).
+    """Inclusive [lo, hi] keys each query row may keep (host int64 arrays; mask.key_bounds is the device twin).
 
     `seq_lens` per row: its request's context after the step; `ranges` the [T, 2] range table or None.
     """
@@ -125,7 +125,7 @@ def windowed_pieces(spec: LayerAttentionSpec, block_size: int, query_start_loc: 
     num_reqs = len(seq_lens)
     qsl = query_start_loc[: num_reqs + 1].astype(np.int64)
     q_lens = np.diff(qsl)
-    lo, hi = row_key_bounds(spec, positions[: qsl[-1]], np.repeat(seq_lens, q_lens), ranges)
+    lo, hi = key_bounds_np(spec, positions[: qsl[-1]], np.repeat(seq_lens, q_lens), ranges)
     per_req = -(-q_lens // piece_len)
     request = np.repeat(np.arange(num_reqs), per_req)
     starts = qsl[request] + (np.arange(len(request)) - np.repeat(np.cumsum(per_req) - per_req, per_req)) * piece_len

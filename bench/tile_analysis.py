@@ -1,4 +1,4 @@
-"""Which (query tile, key tile) pairs of a step can hold a kept pair, derived from mask semantics.
+"""Analysis for benchmarks and tests (no serving path uses it): which (query tile, key tile) pairs of a step can hold a kept pair, derived from mask semantics.
 
 Every query row keeps only keys in [lo, hi]: lo = q - W + 1 (or its range start when the range
 term is unclamped), hi = max(q, range end). Each interval contains q itself and a tile's rows are
@@ -16,23 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
-from mmserve.attention.mask import batch_dense_mask, token_request_ids
-
-
-def row_key_bounds(md: CommonAttentionMetadata, spec: LayerAttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inclusive [lo, hi] key positions each query row may keep (int64 [T] each)."""
-    T = md.num_actual_tokens
-    q = md.positions[:T].long()
-    req = token_request_ids(md.query_start_loc, T)
-    hi = q.clone()
-    lo = (q - spec.window + 1).clamp(min=0) if spec.window is not None else torch.zeros_like(q)
-    if md.query_ranges is not None and spec.bidirectional:
-        rs, re = md.query_ranges[:T, 0].long(), md.query_ranges[:T, 1].long()
-        inside = rs >= 0
-        hi = torch.where(inside, torch.maximum(hi, re), hi)
-        if not spec.clamp_bidirectional:
-            lo = torch.where(inside, torch.minimum(lo, rs), lo)
-    return lo, torch.minimum(hi, md.seq_lens.long()[req] - 1)
+from mmserve.attention.mask import batch_dense_mask, key_bounds, token_request_ids
 
 
 @dataclass
@@ -67,7 +51,7 @@ def varlen_tiles(md: CommonAttentionMetadata, spec: LayerAttentionSpec, tile_q: 
     req = token_request_ids(md.query_start_loc, T)
     local_row = torch.arange(T, device=device) - md.query_start_loc.long()[req]
     tile = cu_m.to(device)[req] + local_row // tile_q
-    lo, hi = row_key_bounds(md, spec)
+    lo, hi = key_bounds(md, spec)
     n_lo = torch.full((total_m,), 2**62, dtype=torch.long, device=device).scatter_reduce(
         0, tile, lo // tile_k, "amin")
     n_hi = torch.full((total_m,), -1, dtype=torch.long, device=device).scatter_reduce(
