@@ -1,7 +1,7 @@
 """Train the embedded demo model's assistant: a tiny `gemma4_assistant` drafter, distilled from it.
 
 The frozen demo model (src/mmserve/demo_model) captions demo-task clips greedily; the drafter
-learns to predict its next tokens from exactly what serving gives it (engine/speculative.py,
+learns to predict its next tokens from exactly what serving gives it (spec_decode/speculator.py,
 transformers' Gemma4AssistantCandidateGenerator): the target's final hidden state of the row that
 produced the last token, that token's target embedding, and cross-attention over the target's
 K/V of its last sliding and last full layer (keys before the token), at the token's position,

@@ -14,17 +14,17 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from loopback_server import LoopbackServer, engine_config
-from mmserve.engine.input_processor import InputMessage, InputProcessor, TextInput, VideoInput
-from mmserve.engine.sampling_params import SamplingParams
 
 from mmserve import cli
 from mmserve.clients import Client
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.core.engine_core import load_engine_model
+from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
 from mmserve.model.assistant import load_assistant
 from mmserve.model.spec import load_spec
 from mmserve.multimodal import demo_task
+from mmserve.sampling_params import SamplingParams
 
 # fresh clips each run, never the training ones (seeds below HELDOUT_SEED_BASE) nor the script's eval ones
 SEEDS = random.Random().sample(range(demo_task.HELDOUT_SEED_BASE + 10_000, 2 * demo_task.HELDOUT_SEED_BASE), 16)
