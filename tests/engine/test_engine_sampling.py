@@ -121,14 +121,14 @@ def test_a_request_whose_sampling_fails_ends_alone(load_backend):
     llm = make_llm(load_backend("reference"))
     mate = build_request("mate", [20], seed=3, max_tokens=6, temperature=0.0)
     alone = llm.generate([mate])[0].token_ids
-    generator = llm.core.sampler._generator
+    generator = llm.core.sampler.generator
 
     def failing(request_id, params, device):
         if request_id == "doomed":
             raise RuntimeError("injected: doomed and mate share this step")
         return generator(request_id, params, device)
 
-    llm.core.sampler._generator = failing
+    llm.core.sampler.generator = failing
     llm.add_request(mate)
     llm.add_request(build_request("doomed", [20], seed=4, max_tokens=6, temperature=1.0))
     tokens, errors = [], {}

@@ -17,7 +17,7 @@ import torch
 from engine_helpers import make_llm
 from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
 
-import mmserve.sample.sampler as sampler_module
+import mmserve.sample.rejection_sampler as sampler_module
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
 from mmserve.sample.penalties import apply_penalties
@@ -106,9 +106,10 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.model.tokenizer import load_tokenizer
     from mmserve.request import Request
+    from mmserve.sample.rejection_sampler import RejectionSampler
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
-    from mmserve.spec_decode.speculator import verify_rows
+    from mmserve.spec_decode.verify import verify_rows
     from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.structured_output.manager import StructuredOutput
 
@@ -129,7 +130,7 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     rows = verify_rows([ScheduledRequest(request, 3, 0, False, draft_token_ids=drafts)])
 
     def first_tokens() -> torch.Tensor:
-        firsts = [Sampler(seed, grammar=grammar).verify(logits, rows, drafts)[0] for seed in range(N)]
+        firsts = [RejectionSampler(Sampler(seed, grammar=grammar)).verify(logits, rows, drafts)[0] for seed in range(N)]
         return torch.bincount(torch.tensor(firsts), minlength=vocab).double()
 
     counts = first_tokens()

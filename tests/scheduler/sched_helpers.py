@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.request import Request

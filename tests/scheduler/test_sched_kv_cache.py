@@ -5,7 +5,8 @@ from __future__ import annotations
 from sched_helpers import LAYER_TYPES, SPECS, make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.core.kv_cache.manager import NULL_BLOCK, plan_pools
+from mmserve.core.kv_cache.manager import NULL_BLOCK
+from mmserve.core.kv_cache.planner import plan_pools
 
 
 def test_pools_sized_from_bytes_get_equal_block_counts():

@@ -12,7 +12,8 @@ from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_complet
 
 from mmserve.block_hash import block_hashes
 from mmserve.core.kv_cache.block_pool import BlockPool
-from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager, PoolPlan
+from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager
+from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.request import MultiModalInput, Request
 from mmserve.sampling_params import SamplingParams
 

@@ -8,8 +8,7 @@ Random rows draw exponential noise from their request's own `torch.Generator` an
 argmax(probs / noise) (an exact draw from probs), so a seeded request samples the same tokens
 whatever else shares its batch, and after preemption. The noise is the only per-row work.
 A verify chunk of a random request (speculative decoding) is decided by rejection sampling
-(`verify`), which keeps the target's distribution exactly: the drafter is greedy, so each draft d
-is kept with probability p(d), and the first one rejected is replaced by a draw from p without d.
+(`rejection_sampler.py`), from this sampler's generators and final logits.
 """
 
 from __future__ import annotations
@@ -42,11 +41,6 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def keeps_draft(u: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
-    """Keep a greedy draft with probability min(1, p(d) / q(d)) = p(d) (q is one-hot on d): u ~ U[0, 1)."""
-    return u < p_draft
-
-
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -61,7 +55,7 @@ class Sampler:
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar = grammar
 
-    def _generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
+    def generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
         gen = self._generators.get(request_id)
         if gen is None:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
@@ -75,7 +69,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
-        logits, masks = self._final(logits, requests, params)
+        logits, masks = self.final_logits(logits, requests, params)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -92,7 +86,7 @@ class Sampler:
             out.errors.update({live[k]: error for k, error in refused.items()})
         return out
 
-    def _final(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
+    def final_logits(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
         """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy
         only when something changes them), and the grammar's masks (`StructuredOutput.fill`) or None.
         The masks are filled first, on the host, before anything waits on the device."""
@@ -122,7 +116,7 @@ class Sampler:
         return any(p.logit_bias or p.min_tokens or p.has_penalties for p in params)
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """softmax(filter(logits / temperature)) per row: the distribution a random row draws from."""
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
@@ -132,31 +126,13 @@ class Sampler:
                                    torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
         return torch.softmax(scaled, dim=-1)
 
-    def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
-        """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
-        the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
-        min_tokens, penalties and the grammar's mask adjust each row as a plain step would), K greedy
-        drafts -> the kept drafts and one more token, distributed exactly as K + 1 plain draws would be."""
-        params = [r.sampling_params for r in rows]
-        gen = self._generator(rows[0].request_id, params[0], logits.device)
-        probs = self._probs(self._final(logits, rows, params)[0], params)
-        ids = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
-        u = torch.rand(len(drafts), generator=gen, device=logits.device, dtype=probs.dtype)
-        kept = keeps_draft(u, probs[torch.arange(len(drafts), device=logits.device), ids]).tolist()
-        n = kept.index(False) if False in kept else len(drafts)
-        last = probs[n].clone()
-        if n < len(drafts):   # the residual max(0, p - q) for a one-hot q: p without the rejected draft
-            last[drafts[n]] = 0.0
-        noise = torch.empty_like(last).exponential_(generator=gen)
-        return drafts[:n] + [int((last / noise).argmax())]
-
     def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
         """One draw per row from softmax(filter(logits / temperature)), each with its request's generator."""
         dev = logits.device
-        probs = self._probs(logits, [r.sampling_params for r in requests])
+        probs = self.probs(logits, [r.sampling_params for r in requests])
         noise = torch.empty_like(probs)
         for row, r in zip(noise, requests, strict=True):
-            row.exponential_(generator=self._generator(r.request_id, r.sampling_params, dev))
+            row.exponential_(generator=self.generator(r.request_id, r.sampling_params, dev))
         return (probs / noise).argmax(dim=-1)
 
     def grammar_complete(self, request_id: str) -> bool:

@@ -25,7 +25,7 @@ import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
-from mmserve.core.kv_cache.manager import PoolPlan
+from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches

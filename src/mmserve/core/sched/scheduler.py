@@ -110,6 +110,23 @@ class Scheduler:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
                     "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
+        if request.sampling_params.n > 1 and request.fork_of is None:
+            self._check_samples_fit(request)
+
+    def _check_samples_fit(self, request: Request) -> None:
+        """Refuse (it can never fit) n samples of prompt + max_tokens that need more KV blocks than a
+        pool has: the prompt's full blocks are shared, everything after them is per sample."""
+        n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
+        one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
+        shared = prompt_len // self.kv.block_size
+        for pool, blocks in one.items():
+            own = blocks - (shared if self.kv.plans[pool].window is None else 0)
+            need = blocks + (n - 1) * own
+            usable = self.kv.pools[pool].num_usable
+            if need > usable:
+                raise InvalidInputError(
+                    "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens need {need} KV "
+                    f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
     def add_request(self, request: Request) -> None:
         self.check_admissible(request)
