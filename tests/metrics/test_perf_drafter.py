@@ -107,7 +107,7 @@ def test_telemetry_bills_each_request_its_draft_rows_and_the_step_its_useful_tok
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from mmserve.engine.observer import ScheduledItem, StepRecord
+    from mmserve.ipc.records import ScheduledItem, StepRecord
     from mmserve.metrics.peaks import DevicePeaks
     from mmserve.metrics.telemetry import TelemetryObserver
     from mmserve.request import Request

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from mmserve.engine.observer import ScheduledItem, StepRecord
+from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server

@@ -2,7 +2,7 @@
 
 The core owns the model, the KV caches, the scheduler and the sampler, and is driven from one thread
 (the engine process's main thread, or the offline LLM's caller). It speaks plain data: an
-`EngineRequest` in, one `EngineCoreOutputs` per step out (new token ids, "eos"/"length" ends,
+`EngineCoreRequest` in, one `EngineCoreOutputs` per step out (new token ids, "eos"/"length" ends,
 per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and the observer live in
 the front end (`engine/output/processor.py`), off this loop's critical path.
 
@@ -35,10 +35,9 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
-from mmserve.engine.observer import ScheduledItem, StepRecord
-from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs, TokenLogprobs
+from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs, EngineCoreRequest, LoadInfo, TokenLogprobs
+from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
 from mmserve.sample.rejection_sampler import Accepted, RejectionSampler
@@ -126,7 +125,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests or self._aborted or self._admitted)
 
-    def add_request(self, req: EngineRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> None:
         """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
         if len(req.mm_inputs) != len(req.mm_ranges):
             raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")

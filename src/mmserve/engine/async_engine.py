@@ -21,9 +21,9 @@ from mmserve.engine.core_client import CoreClient
 from mmserve.engine.kv_event_hub import KvBatch, KvEventHub
 from mmserve.engine.observer import EngineObserver
 from mmserve.engine.output.processor import Event, OutputProcessor
-from mmserve.engine.types import EngineRequest, LoadInfo, ModelInfo, RequestOutput
+from mmserve.engine.types import EngineRequest, ModelInfo, RequestOutput
 from mmserve.errors import EngineDeadError, EngineUnavailableError, InvalidInputError
-from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady
+from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady, LoadInfo
 
 logger = logging.getLogger(__name__)
 

@@ -161,7 +161,7 @@ class CoreClient:
     # -- requests ----------------------------------------------------------------------------------
 
     def add(self, request: EngineRequest) -> None:
-        self._post(AddRequest(request))
+        self._post(AddRequest(request.core_request()))
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and not self.exited.is_set():

@@ -12,15 +12,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.observer import StepRecord
-from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.ipc.kv_cache_events import KvEvent
-from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.ipc.records import StepRecord
+from mmserve.request import MultiModalInput
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A fully prepared prompt, as the engine core takes it: token ids with each image/frame's
+    placeholder run as an inclusive absolute [start, end] range and its pixels in `mm_inputs`
+    (same order). The front end's `EngineRequest` adds what never crosses."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    num_frames: int = 0      # video frames in the prompt (images are not frames)
+    num_mm_tokens: int = 0   # placeholder tokens over all images and frames
+    fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the chosen token, its log-probability and 1-based rank (1 = most likely), and the
+    `top` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    running: int
+    waiting: int
+    kv_usage: float       # share of usable KV blocks in use, over all pools, in [0, 1]
+    max_num_seqs: int
+    kv_cached_usage: float = 0.0   # share of usable blocks free but holding cached prefixes (fullest pool)
+
 
 
 @dataclass
 class AddRequest:
-    request: EngineRequest
+    request: EngineCoreRequest
 
 
 @dataclass

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.errors import MMServeError
-from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
+from mmserve.ipc.protocol import TokenLogprobs
+from mmserve.sample.logprobs import token_logprobs
 from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask

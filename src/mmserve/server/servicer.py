@@ -20,9 +20,9 @@ from mmserve.engine.input.processor import InputProcessor
 from mmserve.engine.parallel_sampling import check_client_id, generate_samples
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, MMServeError
+from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
-from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
 from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.media import MediaService

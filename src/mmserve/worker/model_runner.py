@@ -27,9 +27,10 @@ from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
-from mmserve.sample.logprobs import TokenLogprobs, prompt_logprobs
+from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
     check_attention,

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 from mmserve.engine.output.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
-from mmserve.ipc.protocol import CoreOutput
+from mmserve.ipc.protocol import CoreOutput, TokenLogprobs
 from mmserve.request import Request
-from mmserve.sample.logprobs import TokenLogprobs
 
 NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
 
