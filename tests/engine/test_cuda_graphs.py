@@ -77,14 +77,14 @@ def test_graphs_only_on_cuda_without_enforce_eager_and_with_capturable_backends(
 
 def decode_step(num_reqs: int, drafts: int = 0):
     """A scheduler past its prefills (every request now schedules one token) and the runner's tables."""
-    from sched_helpers import SPECS, make_request, make_scheduler
+    from sched_helpers import SPECS, admit, make_request, make_scheduler
 
     from mmserve.worker.block_table import BlockTables
     from mmserve.worker.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=256, max_num_seqs=16)
     for i in range(num_reqs):   # prompts share no block: one that did would wait for the first to compute it
-        sched.add_request(make_request(f"r{i}", 5 + 3 * i, max_tokens=8, first=3 + 100 * i))
+        admit(sched, make_request(f"r{i}", 5 + 3 * i, max_tokens=8, first=3 + 100 * i))
     tables = BlockTables(SPECS, sched.kv.max_blocks_per_req)
     builder = StepInputBuilder(SPECS, max_num_tokens=256, max_num_seqs=16, max_blocks_per_req=sched.kv.max_blocks_per_req,
                                block_size=sched.kv.block_size, device="cpu")

@@ -10,7 +10,7 @@ import hashlib
 import random
 
 import numpy as np
-from sched_helpers import FULL, make_request, make_scheduler, run_to_completion, step
+from sched_helpers import FULL, admit, make_request, make_scheduler, run_to_completion, step
 
 from mmserve.block_hash import ROOT_KEY
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
@@ -59,7 +59,7 @@ def test_events_replay_to_the_published_pool_under_eviction_and_flush():
     for _ in range(12):
         for _ in range(rng.randint(1, 4)):
             # a few prompt families sharing prefixes (same `first`), of random lengths
-            sched.add_request(make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
+            admit(sched, make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
                                            max_tokens=rng.randint(1, 9)))
             n += 1
         run_to_completion(sched, on_step=lambda out: replay.apply(sched.kv.take_events()))
@@ -75,14 +75,14 @@ def test_flush_is_refused_while_a_request_holds_blocks():
     sched = make_scheduler(num_blocks=64, block_size=4)
     sched.kv.set_events(True)
     assert sched.kv.take_events() == [EventsStarted()]   # nothing cached yet
-    sched.add_request(make_request("a", 20, max_tokens=8))
+    admit(sched, make_request("a", 20, max_tokens=8))
     step(sched)
     assert sched.kv.take_events(), "a computed prompt block publishes a key"
     assert not sched.kv.flush() and sched.kv.take_events() == []
     run_to_completion(sched)
     assert sched.kv.flush()
     assert sched.kv.take_events()[-1] == CacheCleared()
-    sched.add_request(make_request("b", 20, max_tokens=1))   # same prompt: computed again, nothing reused
+    admit(sched, make_request("b", 20, max_tokens=1))   # same prompt: computed again, nothing reused
     assert step(sched).scheduled[0].num_computed_tokens == 0
 
 
@@ -96,7 +96,7 @@ def test_no_event_is_built_while_off_and_switching_on_snapshots_the_whole_cache(
         nonlocal n
         for _ in range(rounds):
             for _ in range(rng.randint(1, 4)):
-                sched.add_request(make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
+                admit(sched, make_request(f"r{n}", rng.randint(3, 40), first=rng.choice([3, 100, 200]),
                                                max_tokens=rng.randint(1, 9)))
                 n += 1
             run_to_completion(sched, on_step=lambda out: built.extend(sched.kv.take_events()))

@@ -96,7 +96,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                   max_waiting_requests=config.max_waiting_requests,
                                    policy=config.scheduling_policy)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)

@@ -40,11 +40,6 @@ class ScheduledRequest:
         """Tokens in the KV cache after this step."""
         return self.num_computed_tokens + self.num_tokens
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.seq_len - len(self.draft_token_ids) == self.request.num_tokens
-
 
 @dataclass
 class SchedulerOutput:

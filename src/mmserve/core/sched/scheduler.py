@@ -59,7 +59,6 @@ class Scheduler:
         max_num_seqs: int,
         prefill_batched_tokens: int = 0,
         max_model_len: int,
-        max_waiting_requests: int = 256,
         policy: str = "fcfs",
     ):
         if policy not in ("fcfs", "priority"):
@@ -69,7 +68,6 @@ class Scheduler:
         self.prefill_batched_tokens = max(prefill_batched_tokens, max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_waiting_requests = max_waiting_requests
         self.policy = policy
         self.waiting: list[Request] = []     # sorted by _order_key
         self.running: list[Request] = []     # admission order
@@ -128,23 +126,11 @@ class Scheduler:
                     "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens need {need} KV "
                     f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
-    def add_request(self, request: Request) -> None:
-        self.check_admissible(request)
-        if request.request_id in self._by_id:
-            raise InvalidInputError("request_id", f"{request.request_id!r} is already in flight")
-        if len(self.waiting) >= self.max_waiting_requests:
-            raise LimitExceededError(
-                f"{len(self.waiting)} requests are already waiting", "--max-waiting-requests", retryable=True)
-        self.enqueue(request)
-
     def enqueue(self, request: Request) -> None:
         """Queue an already admitted request (the engine checks admission on the caller's thread)."""
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order_key)
-
-    def get(self, request_id: str) -> Request | None:
-        return self._by_id.get(request_id)
 
     def finish(self, request_id: str) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks. None if it is not here."""
@@ -159,12 +145,6 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self._finished_since_step.append(request_id)
         return request
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._by_id)
-
-    # -- one step ------------------------------------------------------------------------------------------
 
     def _chunk(self, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
