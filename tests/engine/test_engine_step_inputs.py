@@ -89,9 +89,9 @@ def test_fields_match_per_token_python(num_blocks):
         md = inp.common[SLIDING]
         assert md.query_start_loc[-1] == row == md.num_actual_tokens
         assert inp.common[FULL].query_ranges is None   # full layers are causal-only
-        assert [samples(out.scheduled[i]) for i in inp.sampled] == [True] * len(inp.sampled)
+        assert [samples(out.scheduled[i]) for i in inp.sampling_index] == [True] * len(inp.sampling_index)
         ends = md.query_start_loc[1:].tolist()
-        assert inp.logits_indices.tolist() == [ends[i] - 1 for i in inp.sampled]
+        assert inp.logits_indices.tolist() == [ends[i] - 1 for i in inp.sampling_index]
         if md.query_ranges is not None:
             assert not (md.query_ranges == 9999).any()
         # nothing stale survives past this step's rows

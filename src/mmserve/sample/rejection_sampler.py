@@ -52,7 +52,7 @@ class RejectionSampler:
         self.sampler = sampler
         self.record = record
 
-    def accept(self, scheduled: Sequence[ScheduledRequest], sampled: SamplerOutput, logits: torch.Tensor,
+    def accept(self, scheduled: Sequence[ScheduledRequest], sampler_out: SamplerOutput, logits: torch.Tensor,
                rows: list, eos_token_ids: frozenset[int]) -> list[Accepted]:
         """Each sampling request's new tokens, appended to it (`rows`: the sampler's row objects,
         one per logits row, as `spec_decode.verify.verify_rows` lays them out)."""
@@ -62,10 +62,10 @@ class RejectionSampler:
             n_rows = 1 + len(drafts)
             first, row = row, row + n_rows
             # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
-            if (error := next((sampled.errors[r] for r in range(first, row) if r in sampled.errors), None)) is not None:
+            if (error := next((sampler_out.errors[r] for r in range(first, row) if r in sampler_out.errors), None)) is not None:
                 accepted.append(Accepted(s, [], None, None, len(drafts), error))
                 continue
-            targets = sampled.token_ids[first:first + n_rows]
+            targets = sampler_out.token_ids[first:first + n_rows]
             params = request.sampling_params
             if drafts and not params.greedy:
                 targets = self.verify(logits[first:first + n_rows], rows[first:first + n_rows], drafts)
@@ -77,7 +77,7 @@ class RejectionSampler:
                 accepted.append(Accepted(s, [], None, None, len(drafts), error))
                 continue
             request.output_token_ids += tokens
-            logprobs = None if sampled.logprobs[first] is None else [sampled.logprobs[first]]
+            logprobs = None if sampler_out.logprobs[first] is None else [sampler_out.logprobs[first]]
             if n_rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
                 logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
                                           [params.num_logprobs] * len(tokens))

@@ -40,7 +40,7 @@ from mmserve.worker.backend_check import (
 )
 from mmserve.worker.block_table import BlockTables
 from mmserve.worker.cuda_graphs import (
-    DecodeGraphs,
+    UniformStepGraphs,
     capture_sizes,
     graph_query_lens,
     graphs_enabled,
@@ -58,7 +58,7 @@ class StepResult:
     logits: torch.Tensor            # float32 [L, vocab]
     # the requests that sample, in row order: 1 + len(draft_token_ids) consecutive rows each (one
     # without drafts; a verify chunk's rows score its last token and each draft)
-    sampled: list[ScheduledRequest]
+    sampling: list[ScheduledRequest]
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
@@ -108,7 +108,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs = DecodeGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
+        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
             device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]),
             query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0),
             max_tokens=max_tokens)
@@ -138,7 +138,7 @@ class ModelRunner:
             logger.debug("CUDA graph capture failed", exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
         if reason is not None:
-            self.graphs = DecodeGraphs((), enabled=False)
+            self.graphs = UniformStepGraphs((), enabled=False)
             self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
                                                    self.strict_backends))
         elif self.self_check:
@@ -210,4 +210,4 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded, encode_perf, hidden)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, encode_perf, hidden)

@@ -66,7 +66,7 @@ class StepInputs:
     positions: torch.Tensor            # int64 [T]
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
     logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
-    sampled: np.ndarray                # int64 [S]: the scheduled requests that sample (index into the step)
+    sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
 
 
@@ -140,9 +140,9 @@ class StepInputBuilder:
             if s.draft_token_ids:
                 ids[known:bounds[i + 1]] = s.draft_token_ids
         totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
-        sampled = np.flatnonzero(seq_lens == totals)
-        num_rows = 1 + drafts[sampled]
-        ends = qsl[1:num_reqs + 1][sampled]
+        sampling_index = np.flatnonzero(seq_lens == totals)
+        num_rows = 1 + drafts[sampling_index]
+        ends = qsl[1:num_reqs + 1][sampling_index]
         num_logits = int(num_rows.sum())
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
@@ -188,7 +188,7 @@ class StepInputBuilder:
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
-        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampled, mm_token_index)
+        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index)
 
     def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int) -> None:
         """Requests num_reqs..size-1 become requests of `query_len` tokens in the null block (uniform
