@@ -17,7 +17,8 @@ from torch import nn
 from transformers import Gemma4AssistantConfig
 
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext
-from mmserve.model.assistant import Assistant, load_assistant_spec
+from mmserve.model.assistant import Assistant
+from mmserve.model.assistant_spec import load_assistant_spec
 from mmserve.model.spec import load_spec
 
 

@@ -312,7 +312,7 @@ def test_step_span_and_counter_carry_the_comm_bytes():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from mmserve.metrics.perf_model import DraftWork
-    from mmserve.model.assistant import AssistantSpec, DraftAttention
+    from mmserve.model.assistant_spec import AssistantSpec, DraftAttention
     from mmserve.sampling_params import ResponseFormat
 
     exporter = InMemorySpanExporter()

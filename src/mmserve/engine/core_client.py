@@ -29,13 +29,13 @@ import zmq
 import zmq.asyncio
 
 from mmserve.config import EngineConfig
-from mmserve.core.process import CoreAddresses, run_core, run_engine_process
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineDeadError, EngineInternalError
 from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
+    CoreAddresses,
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
@@ -92,6 +92,9 @@ class CoreClient:
 
     async def start(self) -> EngineReady:
         """Start the core and wait for READY; raises EngineDeadError if it fails or dies first."""
+        # The engine core's entry points, imported only to start it: no front-end module imports the core.
+        from mmserve.core.process import run_core, run_engine_process
+
         if self.in_process:
             def started(core) -> None:
                 self.core = core

@@ -57,6 +57,15 @@ class LoadInfo:
 
 
 
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ipc endpoints in the front end's private (0700) directory. Each sending side connects (its
+    messages queue until the peer is there); each receiving side binds."""
+
+    inputs: str    # front end PUSH (connects) -> core PULL (binds)
+    outputs: str   # core PUSH (connects) -> front end PULL (binds)
+
+
 @dataclass
 class AddRequest:
     request: EngineCoreRequest

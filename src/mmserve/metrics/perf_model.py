@@ -72,7 +72,7 @@ from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
 from mmserve.model.spec import ModelSpec, MoeSpec, VisionSpec
 
 if TYPE_CHECKING:
-    from mmserve.model.assistant import AssistantSpec
+    from mmserve.model.assistant_spec import AssistantSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 ACCOUNTING_MODES = ("exact", "upper-bound")

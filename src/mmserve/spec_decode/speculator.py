@@ -34,7 +34,8 @@ import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
+from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant
+from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
 
