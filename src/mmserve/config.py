@@ -55,6 +55,9 @@ class EngineConfig:
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
+    emulate_cuda_graphs: bool = field(default=False, metadata={
+        "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
+                "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})
     backend_self_check: str = field(default="auto", metadata={
         "help": "at start-up, run each selected fa4/flex attention kernel (and the decode CUDA graphs) once "
                 "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})

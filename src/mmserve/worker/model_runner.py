@@ -33,8 +33,10 @@ from mmserve.model.vision import pad_patches
 from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
+    CheckStep,
     check_attention,
     fallen_back,
+    graph_check_step,
     graphs_mismatch,
     should_check,
 )
@@ -42,8 +44,8 @@ from mmserve.worker.block_table import BlockTables
 from mmserve.worker.cuda_graphs import (
     UniformStepGraphs,
     capture_sizes,
+    graph_mode,
     graph_query_lens,
-    graphs_enabled,
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
@@ -108,9 +110,11 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
-            device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]),
-            query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0),
+        self.max_model_len = max_model_len
+        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), mode=graph_mode(
+            device.type, config.enforce_eager, config.emulate_cuda_graphs, [b.cuda_graphs for b in backends.values()]),
+            query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0,
+                                        config.block_size),
             max_tokens=max_tokens)
         if self.graphs.enabled:
             self._capture_graphs()
@@ -118,31 +122,85 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """One graph per (capture size, query length) over an all-padding step (its contents do not
-        matter); with the self-check on, each query length's smallest graph must replay the eager forward."""
+        matter); with the self-check on, each query length's graph must run a step of real-looking
+        requests as the eager forward does (`_check_graphs`)."""
         def forward_for(size: int, query_len: int):
             inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size,
                                        query_len=query_len)
-            metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
+            metadata = self._metadata(inputs)
             return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
         reason = None
         try:
             self.graphs.capture_all(forward_for)
             if self.self_check:
-                for q, sizes in self.graphs.by_query_len.items():
-                    if sizes and reason is None:
-                        eager = forward_for(sizes[0], q)().clone()
-                        reason = graphs_mismatch(self.graphs.replay(sizes[0], q).clone(), eager)
+                reason = self._check_graphs()
                 self.graphs.replays = 0
                 self.graphs.replays_by_query_len.clear()
         except Exception as exc:   # e.g. a host sync in some layer: such a model simply runs eagerly
             logger.debug("CUDA graph capture failed", exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
         if reason is not None:
-            self.graphs = UniformStepGraphs((), enabled=False)
+            self.graphs = UniformStepGraphs((), mode=None)
             self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
                                                    self.strict_backends))
         elif self.self_check:
             self.backend_checks.append(BackendCheck("cuda_graphs", "cuda_graphs", "cuda_graphs"))
+
+    def _check_graphs(self) -> str | None:
+        """Why the graphs are not fit to serve, or None: per query length, requests of their own
+        context (private blocks), one fewer than the graph's size so padding runs beside them, replayed
+        and run eagerly unpadded; their rows must agree and the padding rows be finite."""
+        for q, sizes in self.graphs.by_query_len.items():
+            if not sizes:
+                continue
+            size = self.graphs.size_for(min(4, sizes[-1]), q)
+            step = graph_check_step(max(1, size - 1), q, pools=self.pools, vocab_size=self.model.spec.vocab_size,
+                                    max_model_len=self.max_model_len)
+            if step is not None and (reason := self._graph_check(step, size, q)) is not None:
+                return f"{q} row(s) per request: {reason}"
+        return None
+
+    def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
+        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
+        used = torch.tensor([0, *step.blocks], device=self.model.device)
+        saved = [c[:, used].clone() for c in caches]   # the cache as the runner made it
+        gen = torch.Generator().manual_seed(0)
+
+        def garbage(t: torch.Tensor) -> torch.Tensor:
+            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
+        try:
+            for c in caches:   # the requests' context K/V, and whatever a step before left in block 0
+                c[:, used] = garbage(c[:, used])
+            context = [c[:, used].clone() for c in caches]
+            inputs = self.inputs.build(step.scheduled, step.tables, step.rows)
+            n = inputs.num_tokens
+            eager = self.model.forward(inputs.input_ids, inputs.positions, self._metadata(inputs),
+                                       self.kv_caches)[:n].clone()
+            replays = []
+            for again in (False, True):
+                for c, ctx in zip(caches, context, strict=True):
+                    c[:, used] = ctx
+                    if again:
+                        c[:, 0] = garbage(c[:, 0])
+                _, hidden = self._replay(step.scheduled, step.tables, step.rows, size, query_len)
+                replays.append(hidden[:size * query_len].clone())
+            return graphs_mismatch(replays[0][:n], eager, replays[0][n:], replays[1][n:])
+        finally:
+            for c, s in zip(caches, saved, strict=True):
+                c[:, used] = s
+
+    def _metadata(self, inputs) -> dict:
+        """Each pool's backend metadata for the step (refilling the builders' persistent buffers)."""
+        return {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
+
+    def _replay(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+                size: int, query_len: int):
+        """Fill the persistent inputs of a padded uniform step and replay its graph: (inputs, hidden)."""
+        inputs = self.inputs.build(scheduled, tables, rows, pad_to=size, query_len=query_len)
+        self._metadata(inputs)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return inputs, self.graphs.replay(size, query_len)   # reads the buffers just refilled, at their addresses
 
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
@@ -190,19 +248,19 @@ class ModelRunner:
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
-        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
-                                   query_len=query_len or 1)
-        attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
-        sampled = None   # graph steps are uniform decode steps: the full path
-        # (a verify chunk samples several rows: KV-sharing layers then run every row)
-        if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
-            sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
-        if self._inputs_copied is not None:
-            self._inputs_copied.record()
+        encoded, encode_perf = {}, None
+        sampled = None   # graph steps are uniform steps without frames: the full path
         if graph_size is not None:
-            hidden = self.graphs.replay(graph_size, query_len)   # reads the buffers just refilled, at their addresses
+            inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len)
         else:
+            inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
+            attn_metadata = self._metadata(inputs)
+            mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
+            # (a verify chunk samples several rows: KV-sharing layers then run every row)
+            if self.sampled_rows is not None and not any(s.draft_token_ids for s in out.scheduled):
+                sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
+            if self._inputs_copied is not None:
+                self._inputs_copied.record()
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
                                         mm_embeds, inputs.mm_token_index, sampled)
         prompt_lp = {}   # a step with prompt-logprobs requests always takes the full path (sampled is None)

@@ -110,8 +110,8 @@ class StepInputBuilder:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
-        requests): the step is padded with requests of `query_len` tokens at positions 0.. whose
-        table is all null block, so their K/V land in block 0 slot 0 and they change nothing."""
+        requests): the step is padded with requests of `query_len` tokens that live in the null
+        block alone (`_pad`)."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -167,8 +167,9 @@ class StepInputBuilder:
         mm_rows = self._fill_mm_token_index(scheduled, qsl)
         max_query_len, max_seq_len = int(lens.max(initial=1)), int(seq_lens.max(initial=1))
         if pad_to is not None:   # a graph bakes max_query_len in: the capture's all-padding step has it too
-            self._pad(num_reqs, num_tokens, pad_to, query_len)
+            self._pad(num_reqs, num_tokens, pad_to, query_len, ranges_rows > 0)
             num_reqs, num_tokens, max_query_len = pad_to, pad_to * query_len, query_len
+            max_seq_len = max(max_seq_len, query_len)
 
         input_ids = self.input_ids.push(num_tokens)
         pos_dev = self.positions.push(num_tokens)
@@ -190,22 +191,34 @@ class StepInputBuilder:
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index)
 
-    def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int) -> None:
-        """Requests num_reqs..size-1 become requests of `query_len` tokens in the null block (uniform
-        steps only: every real request schedules `query_len` tokens)."""
+    def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int, with_ranges: bool) -> None:
+        """Requests num_reqs..size-1 become padding (uniform steps only: every real request schedules
+        `query_len` tokens): token id 0 at positions 0..q-1, an all-null table, and each token at the
+        slot its position names in the null block 0 (slot p). Every padding request so computes the
+        same rows and writes the same K/V to the same slots, and attends over exactly the q keys it
+        has just written: it reads nothing a real request or an earlier step left in block 0, and
+        duplicate writes (index_copy_ is unordered on CUDA) all carry the same bits. What padding
+        leaves in block 0 is therefore finite and step-independent; real rows, which load block 0
+        only where a freed sliding-window entry lies in a kernel tile and weigh it by 0, never see
+        padding (tests/engine/test_cuda_graphs.py fills every buffer with NaN to check it)."""
         if num_tokens != num_reqs * query_len:
             raise ValueError(f"only uniform steps ({query_len} token(s) per request) are padded")
+        if query_len > self.block_size:
+            raise ValueError(f"padding of {query_len} tokens per request needs a block size >= {query_len}")
         end = size * query_len
         if end > self.max_tokens:
             raise ValueError(f"a padded step of {end} tokens exceeds the buffers ({self.max_tokens})")
         pads = size - num_reqs
+        positions = np.tile(np.arange(query_len), pads)
         self.query_start_loc.np[num_reqs + 1: size + 1] = num_tokens + query_len * np.arange(1, pads + 1)
         self.seq_lens.np[num_reqs:size] = query_len
-        self.positions.np[num_tokens:end] = np.tile(np.arange(query_len), pads)
+        self.positions.np[num_tokens:end] = positions
         self.input_ids.np[num_tokens:end] = 0
+        if with_ranges:
+            self.query_ranges.np[num_tokens:end] = -1
         for t in self.specs:
             self.block_table[t].np[num_reqs:size] = 0
-            self.slot_mapping[t].np[num_tokens:end] = 0
+            self.slot_mapping[t].np[num_tokens:end] = positions   # block 0, offset p
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
