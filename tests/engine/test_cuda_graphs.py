@@ -13,6 +13,8 @@ tests/attention/test_attn_fa4_compile.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -213,11 +215,15 @@ def assert_padding_reads_only_what_it_writes(inputs, specs, num_real: int, query
         assert all(len(w) == 1 for w in writers.values()), {s: w for s, w in writers.items() if len(w) > 1}
 
 
-def test_verify_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path):
-    """Flex (capturable, and it runs on a CPU) under emulated graphs: greedy speculating requests
-    give the same tokens as --enforce-eager, and verify steps (4 rows per request) did run as graphs."""
+def test_speculating_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path):
+    """Flex (capturable, and it runs on a CPU) under emulated graphs: speculating requests, greedy and
+    seeded random, whose draft counts differ step to step (max_tokens staggered, so each nears its
+    end at another time) give the tokens of --enforce-eager, and every step in which they all
+    decode replays a graph: the scheduler pads each chunk to K + 1 rows (pads never sampled, always
+    rolled back), where before a single shorter chunk made the step eager. Every block is free at the end."""
     from engine_helpers import build_request, make_llm
     from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
+    from test_engine_batching import assert_pools_full
 
     from mmserve.model import load_model
 
@@ -225,17 +231,33 @@ def test_verify_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path):
     hf = make_checkpoint(tmp_path / "target", config=cfg, seed=61)
     make_assistant(tmp_path / "assistant", cfg, seed=63, copy_from=hf)
     model = load_model(tmp_path / "target", dtype="float32", device="cpu", attention_backend="flex")
-    requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=24) for i in range(3)]
-    runs = {}
+    requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=[9, 14, 20][i]) for i in range(3)]
+    requests[1].sampling = dataclasses.replace(requests[1].sampling, temperature=1.0, seed=7)
+    runs, steps = {}, []
     for eager in (True, False):
         llm = make_llm((model, None), attention_backend="flex", max_num_seqs=4, enforce_eager=eager,
                        emulate_cuda_graphs=True, speculative_model=str(tmp_path / "assistant"),
                        num_speculative_tokens=3)
+        runner = llm.core.runner
+        execute = runner.execute
+
+        def recording(out, runner=runner, execute=execute):
+            replays = runner.graphs.replays
+            result = execute(out)
+            steps.append((not any(s.is_prefill for s in out.scheduled), runner.graphs.replays > replays,
+                          {len(s.draft_token_ids) for s in out.scheduled}))
+            return result
+
+        runner.execute = recording
         runs[eager] = {c.request_id: c.token_ids for c in llm.generate(requests)}
+        assert_pools_full(llm.core)
+        if eager:
+            steps.clear()
     assert runs[False] == runs[True]
-    graphs = llm.core.runner.graphs
-    assert graphs.by_query_len.get(4) and graphs.replays_by_query_len.get(4, 0) > 0, graphs.replays_by_query_len
-    assert llm.core.speculator.accepted[0] > 0
+    decode_steps = [(replayed, drafts) for decoding, replayed, drafts in steps if decoding]
+    assert all(replayed for replayed, _ in decode_steps), decode_steps
+    assert any(len(drafts) > 1 for _, drafts in decode_steps), "steps mixed draft counts"
+    assert llm.core.runner.graphs.replays_by_query_len.get(4, 0) > 0 and llm.core.speculator.accepted[0] > 0
 
 
 @pytest.fixture(scope="module")

@@ -93,11 +93,11 @@ class EngineCore:
                            max_chunk=config.max_step_tokens)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
+        self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                   policy=config.scheduling_policy)
-        self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
+                                   policy=config.scheduling_policy, verify_width=self.runner.verify_graph_rows)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),

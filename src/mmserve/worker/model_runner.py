@@ -202,6 +202,12 @@ class ModelRunner:
             self._inputs_copied.record()
         return inputs, self.graphs.replay(size, query_len)   # reads the buffers just refilled, at their addresses
 
+    @property
+    def verify_graph_rows(self) -> int:
+        """1 + K when verify steps have graphs (the scheduler then pads every speculating request's
+        chunk to those rows, so a speculating batch replays one graph), else 0."""
+        return max((q for q, sizes in self.graphs.by_query_len.items() if q > 1 and sizes), default=0)
+
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
 
@@ -257,7 +263,7 @@ class ModelRunner:
             attn_metadata = self._metadata(inputs)
             mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
             # (a verify chunk samples several rows: KV-sharing layers then run every row)
-            if self.sampled_rows is not None and not any(s.draft_token_ids for s in out.scheduled):
+            if self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled):
                 sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
             if self._inputs_copied is not None:
                 self._inputs_copied.record()

@@ -66,6 +66,7 @@ class StepInputs:
     positions: torch.Tensor            # int64 [T]
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
     logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
+                                       # (a verify chunk's pad positions are not)
     sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
 
@@ -133,16 +134,21 @@ class StepInputBuilder:
 
         ids = self.input_ids.np
         drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
         bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
-        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, then the drafts
-            known = bounds[i + 1] - len(s.draft_token_ids)
-            ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
+        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, the drafts, pad positions
+            real_end = bounds[i + 1] - s.num_pad_drafts
+            known = real_end - len(s.draft_token_ids)
+            ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens,
+                                                             s.num_computed_tokens + known - bounds[i])
             if s.draft_token_ids:
-                ids[known:bounds[i + 1]] = s.draft_token_ids
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
+                ids[known:real_end] = s.draft_token_ids
+            if s.num_pad_drafts:
+                ids[real_end:bounds[i + 1]] = 0
+        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts + pads
         sampling_index = np.flatnonzero(seq_lens == totals)
         num_rows = 1 + drafts[sampling_index]
-        ends = qsl[1:num_reqs + 1][sampling_index]
+        ends = qsl[1:num_reqs + 1][sampling_index] - pads[sampling_index]   # pad rows are never sampled
         num_logits = int(num_rows.sum())
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)

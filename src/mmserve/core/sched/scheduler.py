@@ -11,7 +11,11 @@ and it is recomputed later.
 Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
-verified tokens are ever cached.
+verified tokens are ever cached. With `verify_width` (1 + K, when the runner has graphs for verify
+steps) a speculating request with fewer than K drafts (near max_tokens, cut by its grammar) is
+padded to that width with pad positions, which the step never samples and always rolls back, so a
+speculating batch stays uniform and replays one graph; pads go first when the budget, KV or the
+context length is short.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class Scheduler:
         prefill_batched_tokens: int = 0,
         max_model_len: int,
         policy: str = "fcfs",
+        verify_width: int = 0,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
@@ -69,6 +74,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
         self.waiting: list[Request] = []     # sorted by _order_key
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -146,16 +152,23 @@ class Scheduler:
         self._finished_since_step.append(request_id)
         return request
 
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _chunk(self, request: Request, budget: int) -> tuple[int, int]:
+        """Tokens of the request's next chunk, and the pad positions that fill a verify chunk to
+        `verify_width` rows (when the budget and context length allow the whole width)."""
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 del request.draft_token_ids[budget - 1:]
                 n += len(request.draft_token_ids)
-            return n
+            pads = self.verify_width - n
+            fits = n + pads <= budget and start + n + pads <= self.max_model_len
+            decode = request.num_tokens - start == 1   # not an output token recomputed after preemption
+            if pads > 0 and fits and decode and not request.sampling_params.disable_speculation:
+                return n, pads
+            return n, 0
         request.draft_token_ids.clear()
-        return align_chunk(request.mm_ranges_np, start, n)
+        return align_chunk(request.mm_ranges_np, start, n), 0
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -193,12 +206,15 @@ class Scheduler:
         for request in order:
             if request.status != RequestStatus.RUNNING or budget == 0:
                 continue   # preempted earlier in this loop
-            n = self._chunk(request, budget)
+            n, pads = self._chunk(request, budget)
             if n == 0:
                 self._frame_blocked.add(request.request_id)
                 continue
-            while not self.kv.allocate(request, n):
-                if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+            while not self.kv.allocate(request, n + pads):
+                if pads:   # short of KV: no pads, then no drafts, rather than preempt anyone
+                    pads = 0
+                    continue
+                if request.draft_token_ids:
                     n -= len(request.draft_token_ids)
                     request.draft_token_ids.clear()
                     continue
@@ -211,8 +227,8 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            scheduled[request.request_id] = self._scheduled(request, n)
-            budget -= n
+            scheduled[request.request_id] = self._scheduled(request, n, pads)
+            budget -= n + pads
 
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -239,17 +255,18 @@ class Scheduler:
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
         drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
         return ScheduledRequest(
-            request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill, frames=frames,
-            block_updates=self.kv.take_block_updates(request.request_id), draft_token_ids=drafts)
+            request=request, num_tokens=n + pads, num_computed_tokens=start, is_prefill=request.is_prefill,
+            frames=frames, block_updates=self.kv.take_block_updates(request.request_id), draft_token_ids=drafts,
+            num_pad_drafts=pads)
 
     def update(self, output: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
         """Advance each scheduled request past the tokens the step just computed, less the `rejected`
-        draft positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
+        draft and pad positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
         filled to the prefix cache (only now is their K/V written). With speculation the engine
         appends a step's accepted tokens before this, so the keys name verified tokens only."""
         rejected = rejected or {}
