@@ -156,8 +156,9 @@ def test_enforce_eager_reaches_the_runner(monkeypatch):
     monkeypatch.setattr(model_runner, "graph_mode", lambda *args: seen.append(args) or real(*args))
     for eager in (True, False):
         llm = LLM(device="cpu", enforce_eager=eager, max_num_seqs=4)
-        assert not llm.core.runner.graphs.enabled   # CPU steps are eager unless emulated
-    assert [args[:3] for args in seen] == [("cpu", True, False), ("cpu", False, False)]
+        assert not llm.core.runner.graphs.enabled and not llm.core.runner.piecewise.enabled   # eager unless emulated
+    # the uniform graphs, then the piecewise ones
+    assert [args[:3] for args in seen] == [("cpu", True, False)] * 2 + [("cpu", False, False)] * 2
 
 
 def test_a_padded_verify_step_pads_with_null_block_requests_of_k_plus_1_rows():
@@ -289,7 +290,8 @@ def fa4_paging_model(root, monkeypatch):
 def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target, monkeypatch):
     """The H200's verify-graph failure, on a CPU: FA4's paging (the null block is a page like any
     other; duplicate K/V writes land in any order) under emulated graphs, with every persistent buffer
-    (step inputs, the backend's tables, the graphs' static output) and the null block the padding
+    (step inputs, the backend's tables, the graphs' static outputs, the piecewise graphs' embeddings
+    and attention outputs, so every padding row of a piecewise step) and the null block the padding
     requests' tables name filled with garbage (NaN, random ints) before capture and before every
     step. Real rows must give the eager engine's tokens; padding must read nothing but what it
     writes itself: its rows finite, and what it leaves in the null block (where a kernel tile may
@@ -308,8 +310,10 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
         buffers += [t for b in runner.attn_builders.values() for t in b.buffers()]
         for t in buffers:
             t.copy_(torch.randint(-2**20, 2**20, t.shape, generator=gen))
-        if runner.graphs._static is not None:
-            runner.graphs._static.fill_(float("nan"))
+        pieces = runner.piecewise
+        for t in (runner.graphs._static, pieces._static, pieces._attn_out, pieces.embeds):
+            if t is not None:
+                t.fill_(float("nan"))
         for cache in runner.kv_caches:
             cache[:, 0] = float("nan")
 
@@ -338,6 +342,7 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
         runs[eager] = {c.request_id: c.token_ids for c in llm.generate(requests)}
     assert runs[False] == runs[True]
     assert 4 in {q for q, _, _ in padding}, "verify graphs ran beside padding"
+    assert llm.core.runner.piecewise.replays > 0, "prefill steps ran as piecewise graphs, their padding rows NaN"
     for q, rows, null_block in padding:
         assert rows.isfinite().all(), f"padding rows of a {q}-row graph read garbage"
         assert all(c.isfinite().all() for c in null_block), f"padding of a {q}-row graph left garbage in block 0"
@@ -347,7 +352,8 @@ def test_the_graph_self_check_replays_real_requests_against_eager(paged_target, 
     """The start-up check of the graphs, on FA4's paging with unordered K/V writes: it passes, as the
     graphs serve correctly (on the H200 it compared only the all-padding capture step's rows, whose
     raced writes differ run to run: "max error 0.208"); and it fails, with --strict-backends refusing
-    to start, when a graph's real rows differ from the eager forward."""
+    to start, when a graph's real rows differ from the eager forward: uniform graphs, then piecewise
+    ones (each reported as its own component, the other still serving)."""
     from engine_helpers import make_llm
 
     from mmserve.worker.backend_check import BackendCheckError
@@ -358,6 +364,7 @@ def test_the_graph_self_check_replays_real_requests_against_eager(paged_target, 
     llm = make_llm((model, None), **opts)
     checks = {c.component: c for c in llm.core.runner.backend_checks}
     assert checks["cuda_graphs"].running == "cuda_graphs", checks["cuda_graphs"].reason
+    assert checks["piecewise_graphs"].running == "piecewise_graphs", checks["piecewise_graphs"].reason
     assert llm.core.runner.graphs.replays == 0 and all(
         (c[:, 0] == 0).all() for c in llm.core.runner.kv_caches), "the check leaves no trace"
 
@@ -375,3 +382,127 @@ def test_the_graph_self_check_replays_real_requests_against_eager(paged_target, 
     assert not llm.core.runner.graphs.enabled
     with pytest.raises(BackendCheckError, match="cuda_graphs"):
         make_llm((model, None), strict_backends=True, **opts)
+    monkeypatch.undo()
+    fa4_paging_model(paged_target, monkeypatch)
+
+    from mmserve.worker.piecewise_graphs import PiecewiseGraphs
+
+    real_attend = PiecewiseGraphs._attend   # pieces whose attention result never reaches the next piece
+    monkeypatch.setattr(PiecewiseGraphs, "_attend", lambda self, call, md: real_attend(self, call, md).zero_())
+    llm = make_llm((model, None), **opts)
+    checks = {c.component: c for c in llm.core.runner.backend_checks}
+    assert checks["cuda_graphs"].running == "cuda_graphs"
+    assert checks["piecewise_graphs"].running == "eager" and "differs from the eager" in checks["piecewise_graphs"].reason
+    assert not llm.core.runner.piecewise.enabled
+    with pytest.raises(BackendCheckError, match="piecewise_graphs"):
+        make_llm((model, None), strict_backends=True, **opts)
+
+
+@pytest.fixture(scope="module")
+def speculating_target(tmp_path_factory):
+    """A tiny target with its tokenizer (grammars) and an assistant, loaded on flex (capturable)."""
+    from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
+
+    from mmserve.model import load_model
+    from mmserve.model.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("speculating_target")
+    cfg = tiny_config(window=6)
+    hf = make_checkpoint(root / "target", config=cfg, seed=81)
+    make_assistant(root / "assistant", cfg, seed=83, copy_from=hf)
+    model = load_model(root / "target", dtype="float32", device="cpu", attention_backend="flex")
+    return model, load_tokenizer(root / "target"), str(root / "assistant")
+
+
+def mixed_workload():
+    """(arrival step, request): decoding requests (greedy, seeded random, a regex grammar, one that
+    opts out of speculation), then a video whose prefill chunks and frames land among their decodes."""
+    from engine_helpers import PROMPTS, build_request
+
+    from mmserve.sampling_params import ResponseFormat
+
+    reqs = [build_request("greedy", [14], seed=1, max_tokens=18),
+            build_request("seeded", [11], seed=2, max_tokens=16),
+            build_request("grammar", [9], seed=3, max_tokens=20),
+            build_request("no-spec", [12], seed=4, max_tokens=14, disable_speculation=True),
+            build_request("video", PROMPTS["video"], seed=5, max_tokens=8)]
+    reqs[1].sampling = dataclasses.replace(reqs[1].sampling, temperature=1.0, seed=7)
+    reqs[2].sampling = dataclasses.replace(reqs[2].sampling, ignore_eos=False,
+                                           response_format=ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\."))
+    return [(0, r) for r in reqs[:4]] + [(3, reqs[4])]
+
+
+def run_arrivals(llm, workload) -> dict[str, list[int]]:
+    tokens, step = {r.request_id: [] for _, r in workload}, 0
+    pending = list(workload)
+    while pending or llm.has_work:
+        for at, r in [p for p in pending if p[0] <= step]:
+            llm.add_request(r)
+            pending.remove((at, r))
+        for rid, item in llm.step():
+            assert not isinstance(item, BaseException), (rid, item)
+            tokens[rid] += item.new_token_ids
+        step += 1
+    return tokens
+
+
+def test_a_mixed_workload_replays_a_graph_nearly_every_step(speculating_target):
+    """Video arriving while others decode, speculation on, a grammar request, a seeded random one, a
+    disable_speculation one, under emulated graphs: at least 95% of the steps that ran the model
+    replayed a graph (uniform verify steps whole; prefill chunks, frames and mixed lengths as
+    piecewise graphs), with the eager engine's tokens, and every block free at the end."""
+    from engine_helpers import make_llm
+    from test_engine_batching import assert_pools_full
+
+    model, tok, assistant = speculating_target
+    runs, steps = {}, {}
+    for eager in (True, False):
+        llm = make_llm((model, tok), attention_backend="flex", max_num_seqs=8, enforce_eager=eager,
+                       emulate_cuda_graphs=True, speculative_model=assistant, num_speculative_tokens=3)
+        runner = llm.core.runner
+        execute, ran = runner.execute, []
+
+        def counting(out, runner=runner, execute=execute, ran=ran):
+            before = runner.graphs.replays + runner.piecewise.replays
+            result = execute(out)
+            ran.append((runner.graphs.replays + runner.piecewise.replays > before,
+                        any(s.frames for s in out.scheduled), any(s.is_prefill for s in out.scheduled)))
+            return result
+
+        runner.execute = counting
+        runs[eager], steps[eager] = run_arrivals(llm, mixed_workload()), ran
+        assert_pools_full(llm.core)
+    assert runs[False] == runs[True]
+    assert all(len(t) > 0 for t in runs[False].values())
+    ran = steps[False]
+    assert any(frames for _, frames, _ in ran) and sum(prefill for _, _, prefill in ran) >= 3
+    share = sum(replayed for replayed, _, _ in ran) / len(ran)
+    assert share >= 0.95, f"{share:.0%} of {len(ran)} steps replayed a graph"
+    assert llm.core.runner.graphs.replays > 0 and llm.core.runner.piecewise.replays > 0
+
+
+def test_piecewise_buckets_cover_every_step_size():
+    from mmserve.worker.piecewise_graphs import piecewise_sizes
+
+    sizes = piecewise_sizes(2048)
+    assert sizes[:12] == (1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32) and sizes[-1] == 2048 and len(sizes) == 36
+    assert all((b - a - 1) / b < 0.2 for a, b in zip(sizes[3:], sizes[4:], strict=False))   # a step past 8 tokens
+    assert piecewise_sizes(100)[-1] == 100 and piecewise_sizes(3) == (1, 2, 3)
+
+
+def test_piecewise_steps_on_sdpa_give_the_eager_tokens(load_backend):
+    """Piecewise graphs need no capturable attention (it runs eagerly between the pieces): on sdpa,
+    the CPU default, text and image and video prompts chunked beside decodes replay pieces, with
+    the tokens of the eager engine."""
+    from engine_helpers import PROMPTS, build_request, make_llm
+
+    model_tok = load_backend("sdpa")
+    requests = [build_request(f"r{i}", PROMPTS[kind], seed=i, max_tokens=6) for i, kind in enumerate(PROMPTS)]
+    runs = {}
+    for eager in (True, False):
+        llm = make_llm(model_tok, attention_backend="sdpa", enforce_eager=eager, emulate_cuda_graphs=True,
+                       max_num_batched_tokens=24)
+        runs[eager] = {c.request_id: c.token_ids for c in llm.generate(requests)}
+    runner = llm.core.runner
+    assert not runner.graphs.enabled and runner.piecewise.replays >= llm.core.step_index - 1
+    assert runs[False] == runs[True]

@@ -162,10 +162,11 @@ class CheckStep:
     blocks: list[int]               # every block the step's requests hold, in every pool
 
 
-def graph_check_step(num_reqs: int, query_len: int, *, pools: dict[str, PoolConfig], vocab_size: int,
+def graph_check_step(query_lens: list[int], *, pools: dict[str, PoolConfig], vocab_size: int,
                      max_model_len: int, seed: int = 0) -> CheckStep | None:
-    """`num_reqs` requests of contexts over one to a few blocks, partial ones included, or None when
-    some pool has too few blocks (a pool this small serves nothing either; the first request will tell)."""
+    """Requests scheduling `query_lens` tokens each, over contexts of one to a few blocks (partial
+    ones included), or None when some pool has too few blocks (a pool this small serves nothing
+    either; the first request will tell)."""
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.request import Request
     from mmserve.sampling_params import SamplingParams
@@ -173,8 +174,9 @@ def graph_check_step(num_reqs: int, query_len: int, *, pools: dict[str, PoolConf
     pool = next(iter(pools.values()))
     bs, width = pool.block_size, pool.max_blocks_per_req
     rng = np.random.default_rng(seed)
+    num_reqs = len(query_lens)
     scheduled, tables, blocks = [], {t: np.zeros((num_reqs, width), dtype=np.int32) for t in pools}, []
-    for i in range(num_reqs):
+    for i, query_len in enumerate(query_lens):
         context = min(max_model_len - query_len, bs * (i + 1) + 2 * i + 1)
         if context < 0:
             return None

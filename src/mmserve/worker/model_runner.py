@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,6 +50,7 @@ from mmserve.worker.cuda_graphs import (
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
+from mmserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
 from mmserve.worker.step_inputs import StepInputBuilder
 
@@ -118,6 +120,15 @@ class ModelRunner:
             max_tokens=max_tokens)
         if self.graphs.enabled:
             self._capture_graphs()
+        # Every other step (prefill chunks, frames, mixed lengths) replays its dense pieces
+        # (piecewise_graphs.py); attention runs eagerly between them, so any backend serves.
+        self.piecewise = PiecewiseGraphs(
+            piecewise_sizes(max_tokens), mode=graph_mode(device.type, config.enforce_eager, config.emulate_cuda_graphs, ()),
+            attn_width=max(a.num_heads * a.head_dim for a in spec.attention_specs.values()), dtype=dtype,
+            device=device, hidden_size=spec.hidden_size)
+        if self.piecewise.enabled:
+            self.piecewise.wrap(model)
+            self._capture_piecewise()
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
@@ -154,40 +165,89 @@ class ModelRunner:
             if not sizes:
                 continue
             size = self.graphs.size_for(min(4, sizes[-1]), q)
-            step = graph_check_step(max(1, size - 1), q, pools=self.pools, vocab_size=self.model.spec.vocab_size,
-                                    max_model_len=self.max_model_len)
+            step = self._check_step([q] * max(1, size - 1))
             if step is not None and (reason := self._graph_check(step, size, q)) is not None:
                 return f"{q} row(s) per request: {reason}"
         return None
 
-    def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
-        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
-        used = torch.tensor([0, *step.blocks], device=self.model.device)
-        saved = [c[:, used].clone() for c in caches]   # the cache as the runner made it
-        gen = torch.Generator().manual_seed(0)
+    def _check_step(self, query_lens: list[int]) -> CheckStep | None:
+        return graph_check_step(query_lens, pools=self.pools, vocab_size=self.model.spec.vocab_size,
+                                max_model_len=self.max_model_len)
 
-        def garbage(t: torch.Tensor) -> torch.Tensor:
-            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
-        try:
-            for c in caches:   # the requests' context K/V, and whatever a step before left in block 0
-                c[:, used] = garbage(c[:, used])
-            context = [c[:, used].clone() for c in caches]
-            inputs = self.inputs.build(step.scheduled, step.tables, step.rows)
-            n = inputs.num_tokens
-            eager = self.model.forward(inputs.input_ids, inputs.positions, self._metadata(inputs),
-                                       self.kv_caches)[:n].clone()
+    def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
+        with self._check_cache(step) as garbage:
+            eager = self._eager_rows(step)
             replays = []
             for again in (False, True):
+                garbage(again)
+                _, hidden = self._replay(step.scheduled, step.tables, step.rows, size, query_len)
+                replays.append(hidden[:size * query_len].clone())
+        n = eager.shape[0]
+        return graphs_mismatch(replays[0][:n], eager, replays[0][n:], replays[1][n:])
+
+    @torch.inference_mode()
+    def _capture_piecewise(self) -> None:
+        """Capture every token bucket's pieces; with the self-check on, a step of mixed lengths (a
+        chunk beside decodes) replayed over garbage in every padding row must give the eager rows."""
+        def forward_for(size: int):
+            ids, positions = self.inputs.input_ids.dev[:size], self.inputs.positions.dev[:size]
+            embeds, anything = self.piecewise.embeds[:size], dict.fromkeys(self.attn_builders)
+            return lambda: self.model.forward(ids, positions, anything, self.kv_caches, inputs_embeds=embeds)
+        reason = None
+        try:
+            self.piecewise.capture_all(forward_for)
+            if self.self_check and (step := self._check_step([5, 1, 1])) is not None:
+                with self._check_cache(step) as garbage:
+                    eager = self._eager_rows(step)
+                    garbage(True)
+                    self.piecewise._attn_out.fill_(float("nan"))   # what padding rows carry: anything
+                    inputs, hidden = self._run_pieces(step.scheduled, step.tables, step.rows)
+                    empty = hidden[:0]
+                    reason = graphs_mismatch(hidden[:inputs.num_tokens].clone(), eager, empty, empty)
+                self.piecewise.replays = 0
+        except Exception as exc:   # e.g. a host sync in a dense layer: such a model runs those steps eagerly
+            logger.debug("piecewise CUDA graph capture failed", exc_info=True)
+            reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if reason is not None:
+            self.piecewise = PiecewiseGraphs((), mode=None, attn_width=0, dtype=self.model.dtype,
+                                             device=self.model.device, hidden_size=0)
+            self.backend_checks.append(fallen_back("piecewise_graphs", "piecewise_graphs", "eager", reason,
+                                                   self.strict_backends))
+        elif self.self_check:
+            self.backend_checks.append(BackendCheck("piecewise_graphs", "piecewise_graphs", "piecewise_graphs"))
+
+    @contextmanager
+    def _check_cache(self, step: CheckStep):
+        """Random context K/V in the check step's private blocks and garbage in the null block while
+        it runs; `garbage(again)` restores the context (a step rewrites its own slots) and, again,
+        puts other garbage in the null block. The cache is as the runner made it afterwards."""
+        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
+        used = torch.tensor([0, *step.blocks], device=self.model.device)
+        saved = [c[:, used].clone() for c in caches]
+        gen = torch.Generator().manual_seed(0)
+
+        def random_like(t: torch.Tensor) -> torch.Tensor:
+            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
+        try:
+            for c in caches:
+                c[:, used] = random_like(c[:, used])
+            context = [c[:, used].clone() for c in caches]
+
+            def garbage(again: bool) -> None:
                 for c, ctx in zip(caches, context, strict=True):
                     c[:, used] = ctx
                     if again:
-                        c[:, 0] = garbage(c[:, 0])
-                _, hidden = self._replay(step.scheduled, step.tables, step.rows, size, query_len)
-                replays.append(hidden[:size * query_len].clone())
-            return graphs_mismatch(replays[0][:n], eager, replays[0][n:], replays[1][n:])
+                        c[:, 0] = random_like(c[:, 0])
+            yield garbage
         finally:
             for c, s in zip(caches, saved, strict=True):
                 c[:, used] = s
+
+    def _eager_rows(self, step: CheckStep) -> torch.Tensor:
+        """The check step's rows, eagerly and unpadded (the context restored after)."""
+        inputs = self.inputs.build(step.scheduled, step.tables, step.rows)
+        return self.model.forward(inputs.input_ids, inputs.positions, self._metadata(inputs),
+                                  self.kv_caches)[:inputs.num_tokens].clone()
 
     def _metadata(self, inputs) -> dict:
         """Each pool's backend metadata for the step (refilling the builders' persistent buffers)."""
@@ -201,6 +261,21 @@ class ModelRunner:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         return inputs, self.graphs.replay(size, query_len)   # reads the buffers just refilled, at their addresses
+
+    def _run_pieces(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+                    mm=None):
+        """A step as piecewise graphs: its inputs padded to the bucket's rows, the embeddings eagerly
+        into the first piece's buffer, then the pieces with attention between. (inputs, hidden)."""
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        size = self.piecewise.size_for(num_tokens)
+        inputs = self.inputs.build(scheduled, tables, rows, pad_tokens_to=size)
+        metadata = self._metadata(inputs)
+        mm_embeds = mm() if mm is not None else None
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        embeds = self.piecewise.embeds[:size]
+        embeds.copy_(self.model.embed(inputs.input_ids, mm_embeds, inputs.mm_token_index))
+        return inputs, self.piecewise.run(size, num_tokens, metadata)
 
     @property
     def verify_graph_rows(self) -> int:
@@ -252,12 +327,19 @@ class ModelRunner:
         query_len = uniform_query_len([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled),
                                       any(s.is_prefill for s in out.scheduled))
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
+        pieces = graph_size is None and self.piecewise.size_for(out.num_batched_tokens) is not None
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
         encoded, encode_perf = {}, None
-        sampled = None   # graph steps are uniform steps without frames: the full path
+        sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:
             inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len)
+        elif pieces:
+            def encode():
+                nonlocal encoded, encode_perf
+                mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
+                return mm_embeds
+            inputs, hidden = self._run_pieces(out.scheduled, self.block_tables.rows, rows, encode)
         else:
             inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
             attn_metadata = self._metadata(inputs)

@@ -62,8 +62,8 @@ class StepInputs:
     """Everything the model runner feeds the model for one step (views of persistent buffers)."""
 
     num_tokens: int
-    input_ids: torch.Tensor            # int64 [T]
-    positions: torch.Tensor            # int64 [T]
+    input_ids: torch.Tensor            # int64 [T] (a piecewise step: [bucket], padding rows past T)
+    positions: torch.Tensor            # int64 [T] (likewise)
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
     logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
                                        # (a verify chunk's pad positions are not)
@@ -107,12 +107,15 @@ class StepInputBuilder:
                 self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
-              rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1) -> StepInputs:
+              rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1,
+              pad_tokens_to: int | None = None) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
         requests): the step is padded with requests of `query_len` tokens that live in the null
-        block alone (`_pad`)."""
+        block alone (`_pad`). `pad_tokens_to` (a piecewise graph's bucket): `input_ids` and `positions`
+        cover that many rows, the rows past the step's tokens id 0 at position 0; the attention
+        metadata keeps the step's own tokens (padding rows never enter attention)."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -177,8 +180,15 @@ class StepInputBuilder:
             num_reqs, num_tokens, max_query_len = pad_to, pad_to * query_len, query_len
             max_seq_len = max(max_seq_len, query_len)
 
-        input_ids = self.input_ids.push(num_tokens)
-        pos_dev = self.positions.push(num_tokens)
+        dense_rows = num_tokens
+        if pad_tokens_to is not None:
+            if pad_tokens_to > self.max_tokens or pad_tokens_to < num_tokens:
+                raise ValueError(f"{num_tokens} tokens cannot be padded to {pad_tokens_to} rows")
+            self.input_ids.np[num_tokens:pad_tokens_to] = 0
+            self.positions.np[num_tokens:pad_tokens_to] = 0
+            dense_rows = pad_tokens_to
+        input_ids = self.input_ids.push(dense_rows)
+        pos_dev = self.positions.push(dense_rows)
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
         seq_lens_dev = self.seq_lens.push(num_reqs)
         logits_indices = self.logits_indices.push(num_logits)
@@ -189,7 +199,7 @@ class StepInputBuilder:
             with_ranges = query_ranges is not None and spec.bidirectional
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev,
+                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
                 block_table=self.block_table[t].push(num_reqs), slot_mapping=self.slot_mapping[t].push(num_tokens),
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
