@@ -49,6 +49,38 @@ class SamplerOutput:
     errors: dict[int, MMServeError] = field(default_factory=dict)   # row -> why its token is void
 
 
+class PendingSample:
+    """A step's tokens drawn on the device (`tokens`), on their way to the host through one pinned,
+    non-blocking copy; `result()` waits for that copy (an event, not the whole device)."""
+
+    def __init__(self, sampler: Sampler, requests: list, tokens: torch.Tensor, raw: torch.Tensor | None,
+                 want_lp: list[int], masks):
+        self.sampler, self.requests, self.tokens = sampler, requests, tokens
+        self._raw, self._want_lp, self._masks = raw, want_lp, masks
+        self._host, self._copied = tokens, None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        params = [r.sampling_params for r in self.requests]
+        out = SamplerOutput(self._host.tolist(), [None] * len(params))
+        if self._want_lp:
+            lps = token_logprobs(self._raw, self.tokens[self._want_lp], [params[i].num_logprobs for i in self._want_lp])
+            for i, lp in zip(self._want_lp, lps, strict=True):
+                out.logprobs[i] = lp
+        if self._masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
+            rows, _, out.errors = self._masks
+            live = [i for i in rows if i not in out.errors and not hasattr(self.requests[i], "drafts")]
+            refused = self.sampler.grammar.accept([self.requests[i] for i in live], [out.token_ids[i] for i in live])
+            out.errors.update({live[k]: error for k, error in refused.items()})
+        return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
         self._seeds = random.Random(seed)
@@ -67,6 +99,12 @@ class Sampler:
         """logits float32 [N, V] (row i for requests[i], scheduler Requests or a verify chunk's
         `VerifyRow`s) -> one token per row. Matchers advance past plain rows' tokens; a verify
         chunk's advance over the tokens the core accepts (`accept_verified`)."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: Sequence) -> PendingSample:
+        """`sample`'s device work, queued without waiting for it: the tokens stay on the device (the
+        next step's inputs can take them there) and start one copy to the host; `result()` waits
+        for that copy alone and finishes on the host (logprobs, matchers)."""
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
@@ -75,17 +113,7 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
-        out = SamplerOutput(tokens.tolist(), [None] * len(params))
-        if want_lp:
-            for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
-                             strict=True):
-                out.logprobs[i] = lp
-        if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
-            rows, _, out.errors = masks
-            live = [i for i in rows if i not in out.errors and not hasattr(requests[i], "drafts")]
-            refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
-            out.errors.update({live[k]: error for k, error in refused.items()})
-        return out
+        return PendingSample(self, list(requests), tokens, raw, want_lp, masks)
 
     def final_logits(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
         """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy

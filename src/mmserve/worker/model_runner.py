@@ -52,7 +52,7 @@ from mmserve.worker.cuda_graphs import (
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
-from mmserve.worker.step_inputs import StepInputBuilder
+from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,15 @@ class StepResult:
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled token ids, still on the device (async scheduling), and each request's row
+    among them: the next step's inputs take a token in flight from there (`ModelRunner.execute`)."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
 
 
 class ModelRunner:
@@ -253,22 +262,33 @@ class ModelRunner:
         """Each pool's backend metadata for the step (refilling the builders' persistent buffers)."""
         return {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
 
+    def _build(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+               prev: SampledTokens | None = None, **padding) -> StepInputs:
+        """The step's inputs in the persistent buffers; a last input that the step in flight samples
+        (async scheduling) is copied there on the device, from `prev`."""
+        inputs = self.inputs.build(scheduled, tables, rows, prev_rows=prev.rows if prev is not None else None,
+                                   **padding)
+        if inputs.prev_token is not None:
+            dst, src = inputs.prev_token
+            self.inputs.input_ids.dev.index_copy_(0, dst, prev.tokens.index_select(0, src))
+        return inputs
+
     def _replay(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
-                size: int, query_len: int):
+                size: int, query_len: int, prev: SampledTokens | None = None):
         """Fill the persistent inputs of a padded uniform step and replay its graph: (inputs, hidden)."""
-        inputs = self.inputs.build(scheduled, tables, rows, pad_to=size, query_len=query_len)
+        inputs = self._build(scheduled, tables, rows, prev, pad_to=size, query_len=query_len)
         self._metadata(inputs)
         if self._inputs_copied is not None:
             self._inputs_copied.record()
         return inputs, self.graphs.replay(size, query_len)   # reads the buffers just refilled, at their addresses
 
     def _run_pieces(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
-                    mm=None):
+                    mm=None, prev: SampledTokens | None = None):
         """A step as piecewise graphs: its inputs padded to the bucket's rows, the embeddings eagerly
         into the first piece's buffer, then the pieces with attention between. (inputs, hidden)."""
         num_tokens = sum(s.num_tokens for s in scheduled)
         size = self.piecewise.size_for(num_tokens)
-        inputs = self.inputs.build(scheduled, tables, rows, pad_tokens_to=size)
+        inputs = self._build(scheduled, tables, rows, prev, pad_tokens_to=size)
         metadata = self._metadata(inputs)
         mm_embeds = mm() if mm is not None else None
         if self._inputs_copied is not None:
@@ -320,7 +340,9 @@ class ModelRunner:
         return (torch.cat(parts) if parts else None), encoded, encode_perf
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> StepResult:
+        """Queue the step's forward and logits (nothing here waits for the device, but prompt
+        logprobs); `prev` (async scheduling): the tokens the step before samples, still on the device."""
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)
@@ -333,20 +355,21 @@ class ModelRunner:
         encoded, encode_perf = {}, None
         sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:
-            inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len)
+            inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len, prev)
         elif pieces:
             def encode():
                 nonlocal encoded, encode_perf
                 mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
                 return mm_embeds
-            inputs, hidden = self._run_pieces(out.scheduled, self.block_tables.rows, rows, encode)
+            inputs, hidden = self._run_pieces(out.scheduled, self.block_tables.rows, rows, encode, prev)
         else:
-            inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows)
+            inputs = self._build(out.scheduled, self.block_tables.rows, rows, prev)
             attn_metadata = self._metadata(inputs)
             mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
             # (a verify chunk samples several rows: KV-sharing layers then run every row)
             if self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled):
-                sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
+                sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows,
+                                                  prev.rows if prev is not None else None)
             if self._inputs_copied is not None:
                 self._inputs_copied.record()
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,

@@ -69,6 +69,8 @@ class StepInputs:
                                        # (a verify chunk's pad positions are not)
     sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
+    # async scheduling: (rows of input_ids, rows of the previous step's sampled tokens) to copy on the device
+    prev_token: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepInputBuilder:
@@ -96,6 +98,8 @@ class StepInputBuilder:
         self.logits_indices = StagedBuffer((max(n, s),), torch.int64, device)   # a verify step samples 1 + K rows each
         self.mm_token_index = StagedBuffer((n,), torch.int64, device)
         self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
+        self.prev_token_dst = StagedBuffer((s,), torch.int64, device)
+        self.prev_token_src = StagedBuffer((s,), torch.int64, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
         self.block_table = {t: StagedBuffer((s, self.max_blocks), torch.int32, device) for t in specs}
         self.query_ranges.np.fill(-1)
@@ -104,18 +108,22 @@ class StepInputBuilder:
 
     def buffers(self) -> list[StagedBuffer]:
         return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.logits_indices,
-                self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
+                self.mm_token_index, self.query_ranges, self.prev_token_dst, self.prev_token_src,
+                *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
               rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1,
-              pad_tokens_to: int | None = None) -> StepInputs:
+              pad_tokens_to: int | None = None, prev_rows: dict[str, int] | None = None) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
         requests): the step is padded with requests of `query_len` tokens that live in the null
         block alone (`_pad`). `pad_tokens_to` (a piecewise graph's bucket): `input_ids` and `positions`
         cover that many rows, the rows past the step's tokens id 0 at position 0; the attention
-        metadata keeps the step's own tokens (padding rows never enter attention)."""
+        metadata keeps the step's own tokens (padding rows never enter attention). `prev_rows` (async
+        scheduling): each request's row among the tokens the step in flight samples; a request
+        whose last input is one of them gets id 0 here, and `StepInputs.prev_token_dst/src` say
+        where the runner copies it from on the device."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -139,17 +147,26 @@ class StepInputBuilder:
         drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
         pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
         bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
+        in_flight = 0
         for i, s in enumerate(scheduled):   # a verify chunk: its last known token, the drafts, pad positions
             real_end = bounds[i + 1] - s.num_pad_drafts
             known = real_end - len(s.draft_token_ids)
-            ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens,
-                                                             s.num_computed_tokens + known - bounds[i])
+            start, end = s.num_computed_tokens, s.num_computed_tokens + known - bounds[i]
+            have = min(end, s.request.num_tokens)
+            ids[bounds[i]:bounds[i] + have - start] = s.request.token_ids_slice(start, have)
+            if have < end:   # async: the last input is a token the step in flight samples: taken on the device
+                if end - have > 1 or prev_rows is None or s.request.request_id not in prev_rows:
+                    raise ValueError(f"request {s.request.request_id}: {end - have} input token(s) not sampled yet")
+                ids[bounds[i] + have - start:known] = 0
+                self.prev_token_dst.np[in_flight] = bounds[i] + have - start
+                self.prev_token_src.np[in_flight] = prev_rows[s.request.request_id]
+                in_flight += 1
             if s.draft_token_ids:
                 ids[known:real_end] = s.draft_token_ids
             if s.num_pad_drafts:
                 ids[real_end:bounds[i + 1]] = 0
         totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts + pads
-        sampling_index = np.flatnonzero(seq_lens == totals)
+        sampling_index = np.flatnonzero(seq_lens >= totals)   # > with a token in flight as the last input
         num_rows = 1 + drafts[sampling_index]
         ends = qsl[1:num_reqs + 1][sampling_index] - pads[sampling_index]   # pad rows are never sampled
         num_logits = int(num_rows.sum())
@@ -192,6 +209,7 @@ class StepInputBuilder:
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
         seq_lens_dev = self.seq_lens.push(num_reqs)
         logits_indices = self.logits_indices.push(num_logits)
+        prev_token = (self.prev_token_dst.push(in_flight), self.prev_token_src.push(in_flight)) if in_flight else None
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}
@@ -205,7 +223,8 @@ class StepInputBuilder:
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
-        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index)
+        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index,
+                          prev_token)
 
     def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int, with_ranges: bool) -> None:
         """Requests num_reqs..size-1 become padding (uniform steps only: every real request schedules

@@ -16,6 +16,12 @@ steps) a speculating request with fewer than K drafts (near max_tokens, cut by i
 padded to that width with pad positions, which the step never samples and always rolls back, so a
 speculating batch stays uniform and replays one graph; pads go first when the budget, KV or the
 context length is short.
+Async scheduling (`async_scheduling`): the next step is scheduled while this one runs, before its
+tokens reach the host. Each chunk advances `num_computed_tokens` when it is scheduled, and a chunk
+that samples adds a placeholder (`Request.num_output_placeholders`) that counts as the request's
+next token: the next step decodes it, its id taken on the device. A request with all of its
+max_tokens in flight is not scheduled again; one with a placeholder waits off the waiting queue
+until its token lands. `update` then only keys the filled blocks.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         verify_width: int = 0,
+        async_scheduling: bool = False,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
@@ -75,6 +82,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.policy = policy
         self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
+        self.async_scheduling = async_scheduling
         self.waiting: list[Request] = []     # sorted by _order_key
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -156,14 +164,15 @@ class Scheduler:
         """Tokens of the request's next chunk, and the pad positions that fill a verify chunk to
         `verify_width` rows (when the budget and context length allow the whole width)."""
         start = request.num_computed_tokens
-        n = min(request.num_tokens - start, budget)
+        total = request.num_tokens + request.num_output_placeholders
+        n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 del request.draft_token_ids[budget - 1:]
                 n += len(request.draft_token_ids)
             pads = self.verify_width - n
             fits = n + pads <= budget and start + n + pads <= self.max_model_len
-            decode = request.num_tokens - start == 1   # not an output token recomputed after preemption
+            decode = total - start == 1   # not an output token recomputed after preemption
             if pads > 0 and fits and decode and not request.sampling_params.disable_speculation:
                 return n, pads
             return n, 0
@@ -204,8 +213,8 @@ class Scheduler:
         blocked, self._frame_blocked = self._frame_blocked, set()
         order = sorted(self.running, key=lambda r: r.request_id not in blocked)
         for request in order:
-            if request.status != RequestStatus.RUNNING or budget == 0:
-                continue   # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or budget == 0 or self._all_in_flight(request):
+                continue   # preempted earlier in this loop, or every token it may still make is on its way
             n, pads = self._chunk(request, budget)
             if n == 0:
                 self._frame_blocked.add(request.request_id)
@@ -233,6 +242,9 @@ class Scheduler:
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[i]
+            if request.num_output_placeholders:   # preempted with a token on its way: recompute once it lands
+                i += 1
+                continue
             hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 i += 1
@@ -253,7 +265,18 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_since_step = self._finished_since_step, []
+        if self.async_scheduling:   # the step's computed tokens, and a placeholder for each token it samples
+            for s in scheduled.values():
+                r = s.request
+                if s.seq_len >= r.num_tokens + r.num_output_placeholders:
+                    r.num_output_placeholders += 1
+                r.num_computed_tokens = s.seq_len
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+
+    def _all_in_flight(self, request: Request) -> bool:
+        """Async: every token the request may still make (max_tokens) is sampled by a step in flight."""
+        placeholders = request.num_output_placeholders
+        return placeholders > 0 and len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
 
     def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -272,5 +295,6 @@ class Scheduler:
         rejected = rejected or {}
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
+                if not self.async_scheduling:   # async: advanced when scheduled
+                    s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
                 self.kv.cache_blocks(s.request)
