@@ -21,7 +21,7 @@ import torch
 
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
-from mmserve.sample.logprobs import token_logprobs
+from mmserve.sample.logprobs import logprob_table, read_logprobs
 from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
@@ -53,14 +53,17 @@ class PendingSample:
     """A step's tokens drawn on the device (`tokens`), on their way to the host through one pinned,
     non-blocking copy; `result()` waits for that copy (an event, not the whole device)."""
 
-    def __init__(self, sampler: Sampler, requests: list, tokens: torch.Tensor, raw: torch.Tensor | None,
+    def __init__(self, sampler: Sampler, requests: list, tokens: torch.Tensor, logprobs: torch.Tensor | None,
                  want_lp: list[int], masks):
         self.sampler, self.requests, self.tokens = sampler, requests, tokens
-        self._raw, self._want_lp, self._masks = raw, want_lp, masks
-        self._host, self._copied = tokens, None
+        self._want_lp, self._masks = want_lp, masks
+        self._host, self._lp_host, self._copied = tokens, logprobs, None
         if tokens.is_cuda:
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
+            if logprobs is not None:   # the same copy's wait covers them
+                self._lp_host = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                self._lp_host.copy_(logprobs, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
 
@@ -70,7 +73,8 @@ class PendingSample:
         params = [r.sampling_params for r in self.requests]
         out = SamplerOutput(self._host.tolist(), [None] * len(params))
         if self._want_lp:
-            lps = token_logprobs(self._raw, self.tokens[self._want_lp], [params[i].num_logprobs for i in self._want_lp])
+            lps = read_logprobs(self._lp_host, [out.token_ids[i] for i in self._want_lp],
+                                [params[i].num_logprobs for i in self._want_lp])
             for i, lp in zip(self._want_lp, lps, strict=True):
                 out.logprobs[i] = lp
         if self._masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
@@ -113,7 +117,10 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
-        return PendingSample(self, list(requests), tokens, raw, want_lp, masks)
+        logprobs = None
+        if want_lp:   # computed now, on the device: the host only reads them (PendingSample.result)
+            logprobs = logprob_table(raw, tokens[want_lp], max(params[i].num_logprobs for i in want_lp))
+        return PendingSample(self, list(requests), tokens, logprobs, want_lp, masks)
 
     def final_logits(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
         """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy
