@@ -330,8 +330,8 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
             fill_garbage(runner)
             return execute(out)
 
-        def replay_recording(scheduled, tables, rows, size, query_len, runner=runner, replay=replay):
-            inputs, hidden = replay(scheduled, tables, rows, size, query_len)
+        def replay_recording(scheduled, tables, rows, size, query_len, prev=None, runner=runner, replay=replay):
+            inputs, hidden = replay(scheduled, tables, rows, size, query_len, prev)
             real = sum(s.num_tokens for s in scheduled)
             if real < size * query_len:
                 padding.append((query_len, hidden[real:size * query_len].clone(),

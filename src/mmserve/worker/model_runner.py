@@ -96,7 +96,7 @@ class ModelRunner:
         set_compiled(config.compile_dense)
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
-        self.block_tables = BlockTables(plans, max_blocks)
+        self.block_tables = BlockTables(plans, max_blocks, device=device)
         self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_tokens,
                                        max_num_seqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
                                        block_size=config.block_size, device=device)
@@ -267,6 +267,7 @@ class ModelRunner:
         """The step's inputs in the persistent buffers; a last input that the step in flight samples
         (async scheduling) is copied there on the device, from `prev`."""
         inputs = self.inputs.build(scheduled, tables, rows, prev_rows=prev.rows if prev is not None else None,
+                                   gather_from=self.block_tables if tables is self.block_tables.rows else None,
                                    **padding)
         if inputs.prev_token is not None:
             dst, src = inputs.prev_token
@@ -343,6 +344,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> StepResult:
         """Queue the step's forward and logits (nothing here waits for the device, but prompt
         logprobs); `prev` (async scheduling): the tokens the step before samples, still on the device."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)
@@ -350,8 +353,6 @@ class ModelRunner:
                                       any(s.is_prefill for s in out.scheduled))
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
         pieces = graph_size is None and self.piecewise.size_for(out.num_batched_tokens) is not None
-        if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
         encoded, encode_perf = {}, None
         sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:

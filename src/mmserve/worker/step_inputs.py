@@ -18,6 +18,7 @@ import torch
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 from mmserve.attention.buffers import StagedBuffer
 from mmserve.core.sched.output import ScheduledRequest
+from mmserve.worker.block_table import BlockTables
 
 
 def fill_query_ranges(
@@ -98,6 +99,7 @@ class StepInputBuilder:
         self.logits_indices = StagedBuffer((max(n, s),), torch.int64, device)   # a verify step samples 1 + K rows each
         self.mm_token_index = StagedBuffer((n,), torch.int64, device)
         self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
+        self.row_index = StagedBuffer((s,), torch.int64, device)   # the scheduled requests' rows of BlockTables
         self.prev_token_dst = StagedBuffer((s,), torch.int64, device)
         self.prev_token_src = StagedBuffer((s,), torch.int64, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
@@ -108,12 +110,13 @@ class StepInputBuilder:
 
     def buffers(self) -> list[StagedBuffer]:
         return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.logits_indices,
-                self.mm_token_index, self.query_ranges, self.prev_token_dst, self.prev_token_src,
+                self.mm_token_index, self.query_ranges, self.row_index, self.prev_token_dst, self.prev_token_src,
                 *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
               rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1,
-              pad_tokens_to: int | None = None, prev_rows: dict[str, int] | None = None) -> StepInputs:
+              pad_tokens_to: int | None = None, prev_rows: dict[str, int] | None = None,
+              gather_from: BlockTables | None = None) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
@@ -123,7 +126,9 @@ class StepInputBuilder:
         metadata keeps the step's own tokens (padding rows never enter attention). `prev_rows` (async
         scheduling): each request's row among the tokens the step in flight samples; a request
         whose last input is one of them gets id 0 here, and `StepInputs.prev_token_dst/src` say
-        where the runner copies it from on the device."""
+        where the runner copies it from on the device. `gather_from` (the runner's `BlockTables`, whose
+        device tables mirror `block_tables`): the step's device block tables are gathered there, not
+        copied from the host at the tables' full width."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -204,6 +209,10 @@ class StepInputBuilder:
             self.input_ids.np[num_tokens:pad_tokens_to] = 0
             self.positions.np[num_tokens:pad_tokens_to] = 0
             dense_rows = pad_tokens_to
+        device_tables = gather_from is not None and self.row_index.dev is not self.row_index.cpu
+        if device_tables:
+            self.row_index.np[:len(scheduled)] = rows
+            rows_dev = self.row_index.push(len(scheduled))
         input_ids = self.input_ids.push(dense_rows)
         pos_dev = self.positions.push(dense_rows)
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
@@ -215,10 +224,16 @@ class StepInputBuilder:
         common = {}
         for t, spec in self.specs.items():
             with_ranges = query_ranges is not None and spec.bidirectional
+            if device_tables:   # gathered on the device; padding rows (a graph's) all null block
+                gather_from.gather(t, rows_dev, self.block_table[t].dev[:len(scheduled)])
+                self.block_table[t].dev[len(scheduled):num_reqs].zero_()
+                table_dev = self.block_table[t].dev[:num_reqs]
+            else:
+                table_dev = self.block_table[t].push(num_reqs)
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
                 max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
-                block_table=self.block_table[t].push(num_reqs), slot_mapping=self.slot_mapping[t].push(num_tokens),
+                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(num_tokens),
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
