@@ -415,8 +415,8 @@ def speculating_target(tmp_path_factory):
 
 
 def mixed_workload():
-    """(arrival step, request): decoding requests (greedy, seeded random, a regex grammar, one that
-    opts out of speculation), then a video whose prefill chunks and frames land among their decodes."""
+    """Requests and their arrival steps: decoding ones (greedy, seeded random, a regex grammar, one that
+    opts out of speculation) first, then a video whose prefill chunks and frames land among their decodes."""
     from engine_helpers import PROMPTS, build_request
 
     from mmserve.sampling_params import ResponseFormat
@@ -429,21 +429,7 @@ def mixed_workload():
     reqs[1].sampling = dataclasses.replace(reqs[1].sampling, temperature=1.0, seed=7)
     reqs[2].sampling = dataclasses.replace(reqs[2].sampling, ignore_eos=False,
                                            response_format=ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\."))
-    return [(0, r) for r in reqs[:4]] + [(3, reqs[4])]
-
-
-def run_arrivals(llm, workload) -> dict[str, list[int]]:
-    tokens, step = {r.request_id: [] for _, r in workload}, 0
-    pending = list(workload)
-    while pending or llm.has_work:
-        for at, r in [p for p in pending if p[0] <= step]:
-            llm.add_request(r)
-            pending.remove((at, r))
-        for rid, item in llm.step():
-            assert not isinstance(item, BaseException), (rid, item)
-            tokens[rid] += item.new_token_ids
-        step += 1
-    return tokens
+    return reqs, {"video": 3}
 
 
 def test_a_mixed_workload_replays_a_graph_nearly_every_step(speculating_target):
@@ -451,7 +437,7 @@ def test_a_mixed_workload_replays_a_graph_nearly_every_step(speculating_target):
     disable_speculation one, under emulated graphs: at least 95% of the steps that ran the model
     replayed a graph (uniform verify steps whole; prefill chunks, frames and mixed lengths as
     piecewise graphs), with the eager engine's tokens, and every block free at the end."""
-    from engine_helpers import make_llm
+    from engine_helpers import make_llm, step_through
     from test_engine_batching import assert_pools_full
 
     model, tok, assistant = speculating_target
@@ -470,7 +456,8 @@ def test_a_mixed_workload_replays_a_graph_nearly_every_step(speculating_target):
             return result
 
         runner.execute = counting
-        runs[eager], steps[eager] = run_arrivals(llm, mixed_workload()), ran
+        requests, arrivals = mixed_workload()
+        runs[eager], steps[eager] = step_through(llm, requests, arrivals=arrivals)[0], ran
         assert_pools_full(llm.core)
     assert runs[False] == runs[True]
     assert all(len(t) > 0 for t in runs[False].values())

@@ -15,7 +15,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, build_request, make_llm
+from engine_helpers import PROMPTS, build_request, make_llm, step_through
 from test_engine_batching import assert_pools_full, random_requests
 
 from mmserve.sampling_params import ResponseFormat
@@ -119,19 +119,7 @@ def test_cancellations_and_preemptions_under_async_scheduling_leave_nothing_held
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.num_output_placeholders), preempt(victim))
     doomed = {r.request_id: rng.randrange(2, 25) for r in rng.sample(requests, 3)}
-    for r in requests:
-        llm.add_request(r)
-    tokens = {r.request_id: [] for r in requests}
-    aborted, step = set(), 0
-    while llm.has_work:
-        for rid, item in llm.step():
-            assert not isinstance(item, BaseException), (rid, item)
-            tokens[rid] += item.new_token_ids
-        step += 1
-        for rid, at in doomed.items():
-            if at == step and rid not in aborted and llm.core.abort(rid):
-                llm.processor.forget(rid)
-                aborted.add(rid)
+    tokens, aborted = step_through(llm, requests, aborts=doomed)
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert aborted, "no request was still running when its abort came"
     for r in requests:

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import build_request, make_llm
+from engine_helpers import build_request, make_llm, step_through
 from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
 from test_engine_batching import assert_pools_full
 
@@ -366,19 +366,7 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
     doomed = {r.request_id: rng.randrange(2, 30) for r in rng.sample(requests, 3)}   # aborted at that step
-    for r in requests:
-        llm.add_request(r)
-    tokens = {r.request_id: [] for r in requests}
-    aborted, step = set(), 0
-    while llm.has_work:
-        for rid, item in llm.step():
-            assert not isinstance(item, BaseException), (rid, item)
-            tokens[rid] += item.new_token_ids
-        step += 1
-        for rid, at in doomed.items():
-            if at == step and rid not in aborted and llm.core.abort(rid):
-                llm.processor.forget(rid)
-                aborted.add(rid)
+    tokens, aborted = step_through(llm, requests, aborts=doomed)
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert aborted, "no request was still running when its abort came"
     for r in requests:

@@ -2,10 +2,15 @@
 
 Per step: apply the scheduler's block-table changes (block_table.py), fill the step inputs once
 (step_inputs.py: ids, positions, slots, one CommonAttentionMetadata per KV pool), let each pool's
-attention metadata builder prepare its backend's state once, then run the model: eagerly, or on
-CUDA as the captured graph of a uniform decode step's padded size (one token per request, or with
-speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
-out of them have run (a CUDA event, not a device-wide sync).
+attention metadata builder prepare its backend's state once, then run the model: on CUDA a uniform
+step (one token per request, or with speculation K + 1: a verify step) replays the captured graph
+of its padded size (cuda_graphs.py), every other step its dense pieces per token bucket with
+attention between them (piecewise_graphs.py); eagerly with --enforce-eager, on a CPU unless
+emulated, or past the largest bucket. With async scheduling a step's last input may be a token the
+step before is still sampling: it is copied into the inputs on the device (`SampledTokens`). Nothing
+here waits for the device (prompt logprobs aside); the host staging buffers are rewritten only once
+the previous step's copies out of them have run (a CUDA event, not a device-wide sync). With the
+self-check on, the graphs are replayed at start-up against the eager forward (backend_check.py).
 
 Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
 the largest frame), except those whose content the cross-request encoder cache still holds; new
