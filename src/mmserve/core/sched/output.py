@@ -25,7 +25,7 @@ class ScheduledRequest:
     request: Request
     num_tokens: int
     num_computed_tokens: int      # tokens already in the KV cache before this step
-    is_prefill: bool
+    is_prefill: bool              # Request.is_prefill when scheduled (the one definition; ScheduledItem carries it on)
     frames: list[int] = field(default_factory=list)
     block_updates: dict[str, BlockUpdate] = field(default_factory=dict)   # per pool; only pools that changed
     # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
