@@ -16,6 +16,12 @@ With a speculative model (`speculative.py`) a step may verify drafts: its sample
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
 tokens before the step ends.
+
+Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
+never sample, and report their computed tokens after each step that advanced them. They hold their
+blocks until aborted (the session's prefix cannot be evicted while it lives); a session's contexts
+share one reservation, room for two full histories (the context answering and the one a roll-over
+rebuilds), and all sessions' reservations together stay within `--live-kv-share` of each pool.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +43,7 @@ from mmserve.engine.observer import ScheduledItem, StepRecord
 from mmserve.engine.parallel_sampling import check_samples_fit
 from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
+from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs, ExtendRequest
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
 from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
@@ -67,6 +73,36 @@ class _Accepted:
     rejected: int
     error: MMServeError | None = None
     num_accepted: int = 0   # drafts the target kept (speculation), before any EOS/max_tokens cut
+
+
+@dataclass
+class _LiveReservation:
+    """A live session's KV reservation (blocks per pool) and the contexts that share it."""
+
+    blocks: dict[str, int]
+    contexts: set[str] = field(default_factory=set)
+
+
+def _check_extension(request: Request, msg: ExtendRequest, step_budget: int) -> None:
+    """Raise unless `msg` may extend `request`: an open prompt, within its declared size, its ranges
+    inside the new tokens, sorted, each with its pixels and within one step's budget."""
+    rid = request.request_id
+    if not request.open_prompt:
+        raise InvalidInputError("request_id", f"{rid!r} is not a live context")
+    start, end = request.num_prompt_tokens, request.num_prompt_tokens + len(msg.token_ids)
+    if end > request.open_prompt:
+        raise LimitExceededError(f"live context {rid} would hold {end} tokens, more than its {request.open_prompt}",
+                                 "max_history_frames", can_never_fit=True)
+    if len(msg.mm_inputs) != len(msg.mm_ranges):
+        raise InvalidInputError("mm_inputs", f"{len(msg.mm_inputs)} pixel inputs for {len(msg.mm_ranges)} ranges")
+    last = request.mm_ranges[-1][1] if request.mm_ranges else -1
+    for a, b in msg.mm_ranges:
+        if not (start <= a <= b < end) or a <= last:
+            raise InvalidInputError("mm_ranges", "an extension's ranges must lie in its own tokens, sorted and disjoint")
+        if b - a + 1 > step_budget:
+            raise LimitExceededError(f"a frame of {b - a + 1} tokens cannot fit one step's budget of {step_budget} tokens",
+                                     "--max-num-batched-tokens", can_never_fit=True)
+        last = b
 
 
 def load_engine_model(config: EngineConfig):
@@ -127,6 +163,7 @@ class EngineCore:
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._forks: dict[str, list[Request]] = {}   # parent id -> samples waiting for its prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
+        self._live: dict[str, _LiveReservation] = {}  # live session id -> its contexts' reservation
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -151,8 +188,11 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of,
+                          open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
+        if req.open_prompt:
+            self._reserve_live(req)
         if req.sampling.n > 1 and req.fork_of is None:
             check_samples_fit(self.kv, request.num_prompt_tokens, req.sampling.max_tokens, req.sampling.n,
                               self.config.max_step_tokens)
@@ -167,6 +207,44 @@ class EngineCore:
         if compiled is not None:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
         self._queue(request)
+
+    def _reserve_live(self, req: EngineRequest) -> None:
+        """Admit a live context: the first of its session reserves blocks for two contexts of
+        `open_prompt` tokens in every pool; refused when that is more than `--live-kv-share` of a pool
+        (never fits) or than what other sessions left of it (retryable)."""
+        if req.open_prompt > self.max_model_len:
+            raise LimitExceededError(f"a live context of {req.open_prompt} tokens exceeds the context length "
+                                     f"{self.max_model_len}", "--max-model-len", can_never_fit=True)
+        session = self._live.get(req.session_id)
+        if session is None:
+            need = {t: 2 * n for t, n in self.kv.max_blocks_needed(req.open_prompt, self.config.max_step_tokens).items()}
+            for t, n in need.items():
+                share = int(self.kv.pools[t].num_usable * self.config.live_kv_share)
+                taken = sum(r.blocks[t] for r in self._live.values())
+                if n > share:
+                    raise LimitExceededError(
+                        f"a live session of {req.open_prompt} tokens of history reserves {n} KV blocks in pool {t} "
+                        f"(two contexts), more than live sessions may hold ({share})", "--live-kv-share",
+                        can_never_fit=True)
+                if taken + n > share:
+                    raise LimitExceededError(
+                        f"live sessions already reserve {taken} of the {share} KV blocks they may hold in pool {t}",
+                        "--live-kv-share", retryable=True)
+            session = self._live[req.session_id] = _LiveReservation(need)
+        session.contexts.add(req.request_id)
+
+    def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
+        """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
+        An id no longer here (aborted since) is ignored."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return
+        try:
+            _check_extension(request, msg, self.scheduler.max_num_batched_tokens)
+        except MMServeError as exc:
+            self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
+            return
+        request.extend_prompt(list(msg.token_ids), [tuple(r) for r in msg.mm_ranges], list(msg.mm_inputs))
 
     def _queue(self, request: Request) -> None:
         parent = self.requests.get(request.fork_of) if request.fork_of else None
@@ -233,6 +311,10 @@ class EngineCore:
         front end ended it: `output` None)."""
         request = self.requests.pop(rid)
         self._compiling.pop(rid, None)
+        for session_id, session in list(self._live.items()):
+            session.contexts.discard(rid)
+            if not session.contexts:
+                del self._live[session_id]
         if request in self._forks.get(request.fork_of, ()):
             self._forks[request.fork_of].remove(request)
         self.prompt_logprobs.pop(rid, None)
@@ -296,6 +378,8 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
+        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.request.num_computed_tokens)
+                              for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling

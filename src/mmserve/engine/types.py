@@ -37,6 +37,11 @@ class EngineRequest:
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+    # > 0: a live session's context that may grow to this many tokens (AsyncEngine.extend); it never
+    # samples, streams its progress (RequestOutput.prefilled_tokens) and ends only when aborted.
+    open_prompt: int = 0
+    # The live session a context belongs to: its contexts share one KV reservation (EngineCore).
+    session_id: str = ""
     # The prompt as a gateway sent it, when that differs from ours (engine/kv_event_hub.py): front end only.
     routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
     # Front end only (never cross): when the server received it (timings count from here, so TTFT
@@ -85,6 +90,7 @@ class RequestOutput:
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)
     videos: list[SampledVideo] | None = None   # on the last output: each video part's sampled frames
+    prefilled_tokens: int = 0   # an open prompt's tokens in the KV cache, after the step that computed them
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one (a reader that lagged gets one message): list

@@ -1,6 +1,6 @@
 """What crosses between the front end and the engine core, in both directions. Plain data only.
 
-Front end -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
 iteration that changed anything (admissions, tokens, ends, a step record, utility results).
 `mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
@@ -29,6 +29,16 @@ class AbortRequests:
     (`EngineCoreOutputs.aborted`), so their id may be reused safely."""
 
     request_ids: list[str]
+
+
+@dataclass
+class ExtendRequest:
+    """Append tokens (and the images/frames of their ranges, absolute positions) to an open prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list = field(default_factory=list)   # MultiModalInput, one per range
 
 
 @dataclass
@@ -63,6 +73,7 @@ class CoreOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_detail: str | None = None
     num_cached_tokens: int = 0
+    prefilled_tokens: int = 0   # an open prompt's computed tokens after this step (it never has new tokens)
 
     @property
     def finished(self) -> bool:

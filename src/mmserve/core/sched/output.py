@@ -42,8 +42,9 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """True when this chunk reaches the request's last token, so a new token is sampled."""
-        return self.seq_len - len(self.draft_token_ids) == self.request.num_tokens
+        """True when this chunk reaches the request's last token, so a new token is sampled (never
+        for an open prompt: a live context only grows)."""
+        return not self.request.open_prompt and self.seq_len - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
