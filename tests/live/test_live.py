@@ -22,6 +22,7 @@ from loopback_server import LoopbackServer, engine_config
 from PIL import Image
 
 from mmserve.api import pb, pb_grpc
+from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR
 from mmserve.engine.types import EngineRequest
 from mmserve.model.messages import ChatMessage, TextPart, VideoPart
@@ -193,10 +194,13 @@ def test_blocks_are_free_after_cancel_and_a_vanished_client(server, stub):
     s.call.cancel()   # the client cancels mid-answer
     wait_all_free(server)
 
-    with grpc.insecure_channel(server.address) as channel:   # a client that vanishes (its channel closes)
-        s = Session(pb_grpc.GenerationStub(channel), pb.LiveOpen())
-        s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))) for _ in range(2)))
-        s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 2)
+    with Client(server.address) as client:   # a client that vanishes: its channel closes mid-session
+        call = client.live(pb.LiveOpen(), timeout=60)
+        call.frame(png(rng), 0.0)
+        call.frame(png(rng), 0.5)
+        for response in call:
+            if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == 2:
+                break
     wait_all_free(server)
 
 

@@ -212,6 +212,8 @@ class EngineCore:
         """Admit a live context: the first of its session reserves blocks for two contexts of
         `open_prompt` tokens in every pool; refused when that is more than `--live-kv-share` of a pool
         (never fits) or than what other sessions left of it (retryable)."""
+        if self.config.tensor_parallel_size > 1:   # the workers' step messages carry a prompt once
+            raise InvalidInputError("open", "live sessions are not served with --tensor-parallel-size > 1 yet")
         if req.open_prompt > self.max_model_len:
             raise LimitExceededError(f"a live context of {req.open_prompt} tokens exceeds the context length "
                                      f"{self.max_model_len}", "--max-model-len", can_never_fit=True)
