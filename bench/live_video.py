@@ -87,6 +87,8 @@ class Live:
     def wait(self, cond, timeout=300):
         deadline = time.perf_counter() + timeout
         while not cond(self.progress):
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the session ended: {self.call.code()} {self.call.details()}")
             if time.perf_counter() > deadline:
                 raise TimeoutError(str(self.progress))
             time.sleep(0.002)
@@ -115,7 +117,7 @@ class Live:
 
 def ttft_table(stub, rng) -> None:
     frames = [png(rng) for _ in range(64)]
-    s = Live(stub, pb.LiveOpen(max_history_frames=64))
+    s = Live(stub, pb.LiveOpen(max_history_frames=64, max_tokens_per_frame=4))
     print("\n## TTFT: a question at frame N (live) vs a one-shot Generate of the same frames + question")
     print("| frames | live TTFT (ms) | one-shot TTFT (ms) | same tokens | live / one-shot |")
     print("|---|---|---|---|---|")
@@ -136,7 +138,7 @@ def ttft_table(stub, rng) -> None:
 
 def absorb(stub, rng) -> None:
     frames = [png(rng) for _ in range(48)]
-    s = Live(stub, pb.LiveOpen(max_history_frames=64, fall_behind=pb.LIVE_FALL_BEHIND_BUFFER, max_pending_frames=64))
+    s = Live(stub, pb.LiveOpen(max_history_frames=64, max_tokens_per_frame=4, fall_behind=pb.LIVE_FALL_BEHIND_BUFFER, max_pending_frames=64))
     start = time.perf_counter()
     for f in frames:
         s.out.put(pb.LiveRequest(frame=pb.LiveFrame(image=f)))
@@ -192,7 +194,8 @@ def rollover(stub, rng) -> None:
 
 def main() -> None:
     server = LoopbackServer(engine_config(DEMO_MODEL_DIR, max_frames_per_video=64, engine_threads=0,
-                                          kv_cache_bytes=64 * 2**20)).start()
+                                          kv_cache_bytes=64 * 2**20, live_max_history_frames=64,
+                                          live_max_pending_frames=64)).start()
     print(f"# Live video on {platform.processor() or platform.machine()} (demo model, float32, CPU, "
           f"{SIZE[0]}x{SIZE[1]} frames)")
     try:
