@@ -97,6 +97,22 @@ class EngineConfig:
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
     max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
+    # Live video sessions (Generation.Live, engine/live_session.py; docs/security.md).
+    live_max_sessions: int = field(default=16, metadata={"help": "live sessions open at once, all clients", "min": 0})
+    live_max_sessions_per_client: int = field(default=4, metadata={
+        "help": "live sessions open at once per API key (all clients alike without keys)", "min": 1})
+    live_max_history_frames: int = field(default=32, metadata={
+        "help": "frames a live session keeps in its context at most (LiveOpen.max_history_frames may ask fewer)",
+        "min": 1})
+    live_max_pending_frames: int = field(default=16, metadata={
+        "help": "frames a live session may have received and not yet prefilled at most (LiveOpen.max_pending_frames "
+                "may ask fewer); past it the session's fall_behind policy drops frames or ends it", "min": 1})
+    live_max_questions: int = field(default=4, metadata={"help": "questions one live session may have in flight", "min": 1})
+    live_idle_timeout_s: float = field(default=60.0, metadata={
+        "help": "a live session that sends nothing for this long is ended (RESOURCE_EXHAUSTED, as an idle upload)", "min": 0.001})
+    live_kv_share: float = field(default=0.5, metadata={
+        "help": "share of each KV pool live sessions may reserve together (each reserves room for two contexts of "
+                "its history); the rest stays for other requests", "min": 0, "max": 1})
     # Structured output (response_format): bounded before and while compiling (structured_output/compiler.py).
     max_response_format_chars: int = field(default=64 * 1024, metadata={
         "help": "longest response_format (JSON schema, regex or grammar text), in characters", "min": 1})

@@ -52,6 +52,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Any = None
     fork_of: str | None = None   # another sample of this request's prompt: admit on its KV blocks
+    # A live session's context (engine/live_session.py): its prompt grows (`extend_prompt`) up to this
+    # many tokens, it never samples and never ends by itself; 0 = an ordinary request.
+    open_prompt: int = 0
     preprocess_s: float = 0.0    # the front end's input processing, inside arrival_time's count (observers)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -70,6 +73,16 @@ class Request:
         if len(self.mm_inputs) not in (0, len(self.mm_ranges)):
             raise ValueError(f"{self.request_id}: {len(self.mm_inputs)} mm inputs for {len(self.mm_ranges)} ranges")
         # [K, 2] int64 so the metadata builder can clip ranges with numpy instead of Python loops.
+        self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
+
+    def extend_prompt(self, token_ids: list[int], mm_ranges: list[tuple[int, int]],
+                      mm_inputs: list[MultiModalInput]) -> None:
+        """Append to an open prompt (ranges absolute, after every earlier one). Block keys already
+        computed stay valid: a key names its block's tokens and the items overlapping it, and only
+        whole blocks of known tokens are ever keyed."""
+        self.prompt_token_ids.extend(token_ids)
+        self.mm_ranges.extend(mm_ranges)
+        self.mm_inputs.extend(mm_inputs)
         self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -222,6 +223,43 @@ class GenerateStream(_StreamBase):
                 self._call = self._start()
 
 
+class LiveCall:
+    """One live session from a blocking client: `frame()` and `ask()` queue messages (sent in order
+    by grpc's own thread), iterating yields the server's `pb.LiveResponse`s, `close()` half-closes
+    (the server ends the session once every question is answered), `cancel()` ends it at once."""
+
+    def __init__(self, method, open_: pb.LiveOpen, timeout: float | None, metadata) -> None:
+        self._out: queue.Queue = queue.Queue()
+        self._out.put(pb.LiveRequest(open=open_))
+        self._call = method(iter(self._out.get, None), timeout=timeout, metadata=metadata)
+
+    def frame(self, image: bytes, time_s: float | None = None) -> None:
+        frame = pb.LiveFrame(image=image)
+        if time_s is not None:
+            frame.time_s = time_s
+        self._out.put(pb.LiveRequest(frame=frame))
+
+    def ask(self, text: str, *, question_id: str = "", max_tokens: int = 0, temperature: float | None = None,
+            join_context: bool = False) -> None:
+        sampling = pb.SamplingParams(max_tokens=max_tokens)
+        if temperature is not None:
+            sampling.temperature = temperature
+        self._out.put(pb.LiveRequest(question=pb.LiveQuestion(
+            question_id=question_id, messages=[user_message(text)], sampling=sampling, join_context=join_context)))
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[pb.LiveResponse]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from e
+
+
 class Client(_Base):
     """Blocking client. Use as a context manager or call close()."""
 
@@ -286,6 +324,11 @@ class Client(_Base):
         for _ in stream:
             pass
         return stream.result
+
+    def live(self, open_: pb.LiveOpen | None = None, *, timeout: float | None = None) -> LiveCall:
+        """Open a live video session (Generation.Live, docs/api.md): send frames and questions on the
+        returned call, iterate it for `pb.LiveResponse`s (progress, answers), `close()` when done."""
+        return LiveCall(self._stub.Live, open_ or pb.LiveOpen(), timeout, self._metadata)
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout).found

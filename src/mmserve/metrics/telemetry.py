@@ -388,9 +388,10 @@ def request_work(item: Any) -> RequestWork:
     ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
     # A prefill chunk samples when it reaches the request's last known token (the engine calls
     # on_step before appending this step's token; after preemption that includes earlier outputs).
+    # A live session's context (an open prompt) never samples: billed as the prefill chunk it is.
     known = getattr(request, "num_tokens", 0)
-    return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
-                       samples=not item.is_prefill or item.context_len >= known)
+    samples = not getattr(request, "open_prompt", 0) and (not item.is_prefill or item.context_len >= known)
+    return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges, samples=samples)
 
 
 def draft_work(record: Any) -> tuple[DraftWork, ...]:

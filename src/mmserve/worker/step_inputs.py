@@ -139,7 +139,9 @@ class StepInputBuilder:
             ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
             if s.draft_token_ids:
                 ids[known:bounds[i + 1]] = s.draft_token_ids
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
+        # the total a sampling chunk reaches: never, for an open prompt (a live context never samples)
+        totals = np.fromiter((-1 if s.request.open_prompt else s.request.num_tokens for s in scheduled),
+                             dtype=np.int64, count=num_reqs) + drafts
         sampling_index = np.flatnonzero(seq_lens == totals)
         num_rows = 1 + drafts[sampling_index]
         ends = qsl[1:num_reqs + 1][sampling_index]

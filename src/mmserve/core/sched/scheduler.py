@@ -12,6 +12,8 @@ Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`)
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
 verified tokens are ever cached.
+Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
+come last in a step, after waiting requests, and never sample.
 """
 
 from __future__ import annotations
@@ -187,32 +189,13 @@ class Scheduler:
         preempted: list[str] = []
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
-        # steady stream of decodes can never starve it.
+        # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
+        # every other request, waiting ones included: a frame waits a step, a question's token does not.
         blocked, self._frame_blocked = self._frame_blocked, set()
         order = sorted(self.running, key=lambda r: r.request_id not in blocked)
         for request in order:
-            if request.status != RequestStatus.RUNNING or budget == 0:
-                continue   # preempted earlier in this loop
-            n = self._chunk(request, budget)
-            if n == 0:
-                self._frame_blocked.add(request.request_id)
-                continue
-            while not self.kv.allocate(request, n):
-                if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
-                    n -= len(request.draft_token_ids)
-                    request.draft_token_ids.clear()
-                    continue
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_tokens
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
-            scheduled[request.request_id] = self._scheduled(request, n)
-            budget -= n
+            if not request.open_prompt:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
 
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -236,8 +219,39 @@ class Scheduler:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
+        for request in order:
+            if request.open_prompt and request.num_computed_tokens < request.num_tokens:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
+
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+
+    def _schedule_running(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+                          preempted: list[str]) -> int:
+        """Schedule a running request's next chunk, preempting others when KV blocks run out;
+        returns the budget left."""
+        if request.status != RequestStatus.RUNNING or budget == 0:
+            return budget   # preempted earlier in this step
+        n = self._chunk(request, budget)
+        if n == 0:
+            self._frame_blocked.add(request.request_id)
+            return budget
+        while not self.kv.allocate(request, n):
+            if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+                n -= len(request.draft_token_ids)
+                request.draft_token_ids.clear()
+                continue
+            victim = self._pick_victim()
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                break
+        if request.status != RequestStatus.RUNNING:
+            return budget
+        scheduled[request.request_id] = self._scheduled(request, n)
+        return budget - n
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

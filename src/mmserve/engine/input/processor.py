@@ -167,6 +167,20 @@ class InputProcessor:
                                    trace_context=trace_context, num_frames=num_frames,
                                    max_tokens_to_context=max_tokens_to_context, arrival=arrival, media=decoded)
 
+    async def process_frame(self, owner: object, data: bytes, max_soft_tokens: int) -> tuple[MultiModalInput, int]:
+        """One live frame (an encoded image) -> its vision input and soft-token count, decoded in the
+        pool under `owner`'s fair share, straight to the size `max_soft_tokens` allows; a frame
+        rendered like a VideoFrames frame of the same image (same pixels, same content hash)."""
+        def work(control: DecodeControl) -> tuple[MultiModalInput, int]:
+            control.check()
+            try:
+                image = decode_image(data, self.limits, fit=self._fit(max_soft_tokens))
+            except InvalidInputError as e:
+                raise InvalidInputError("frame.image", str(e).removeprefix(f"{e.field}: ")) from e
+            batch = self._patchify([image], max_soft_tokens, resized=True)
+            return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), int(batch.num_soft_tokens[0])
+        return await self._in_pool(owner, "frame", work)
+
     async def process_layout(self, layout: PromptLayout, request_id: str, sampling: SamplingParams, *, num_frames: int,
                              max_tokens_to_context: bool = False, priority: int = 0,
                              trace_context: Any = None) -> EngineRequest:
