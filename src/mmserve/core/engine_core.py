@@ -31,7 +31,6 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.forks import HeldForks
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import plan_pools
+from mmserve.core.live import LiveReservations, check_extension
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
@@ -68,36 +68,6 @@ from mmserve.worker.step_threads import StepThreads, size_class
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
-
-
-@dataclass
-class _LiveReservation:
-    """A live session's KV reservation (blocks per pool) and the contexts that share it."""
-
-    blocks: dict[str, int]
-    contexts: set[str] = field(default_factory=set)
-
-
-def _check_extension(request: Request, msg: ExtendRequest, step_budget: int) -> None:
-    """Raise unless `msg` may extend `request`: an open prompt, within its declared size, its ranges
-    inside the new tokens, sorted, each with its pixels and within one step's budget."""
-    rid = request.request_id
-    if not request.open_prompt:
-        raise InvalidInputError("request_id", f"{rid!r} is not a live context")
-    start, end = request.num_prompt_tokens, request.num_prompt_tokens + len(msg.token_ids)
-    if end > request.open_prompt:
-        raise LimitExceededError(f"live context {rid} would hold {end} tokens, more than its {request.open_prompt}",
-                                 "max_history_frames", can_never_fit=True)
-    if len(msg.mm_inputs) != len(msg.mm_ranges):
-        raise InvalidInputError("mm_inputs", f"{len(msg.mm_inputs)} pixel inputs for {len(msg.mm_ranges)} ranges")
-    last = request.mm_ranges[-1][1] if request.mm_ranges else -1
-    for a, b in msg.mm_ranges:
-        if not (start <= a <= b < end) or a <= last:
-            raise InvalidInputError("mm_ranges", "an extension's ranges must lie in its own tokens, sorted and disjoint")
-        if b - a + 1 > step_budget:
-            raise LimitExceededError(f"a frame of {b - a + 1} tokens cannot fit one step's budget of {step_budget} tokens",
-                                     "--max-num-batched-tokens", can_never_fit=True)
-        last = b
 
 
 def load_engine_model(config: EngineConfig):
@@ -158,7 +128,7 @@ class EngineCore:
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._forks = HeldForks()                # n > 1: samples waiting for their prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
-        self._live: dict[str, _LiveReservation] = {}  # live session id -> its contexts' reservation
+        self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -187,7 +157,7 @@ class EngineCore:
                           open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
         if req.open_prompt:
-            self._reserve_live(req)
+            self._live.reserve(req)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
@@ -200,33 +170,6 @@ class EngineCore:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
         self._queue(request)
 
-    def _reserve_live(self, req: EngineCoreRequest) -> None:
-        """Admit a live context: the first of its session reserves blocks for two contexts of
-        `open_prompt` tokens in every pool; refused when that is more than `--live-kv-share` of a pool
-        (never fits) or than what other sessions left of it (retryable)."""
-        if self.config.tensor_parallel_size > 1:   # the workers' step messages carry a prompt once
-            raise InvalidInputError("open", "live sessions are not served with --tensor-parallel-size > 1 yet")
-        if req.open_prompt > self.max_model_len:
-            raise LimitExceededError(f"a live context of {req.open_prompt} tokens exceeds the context length "
-                                     f"{self.max_model_len}", "--max-model-len", can_never_fit=True)
-        session = self._live.get(req.session_id)
-        if session is None:
-            need = {t: 2 * n for t, n in self.kv.max_blocks_needed(req.open_prompt, self.config.max_step_tokens).items()}
-            for t, n in need.items():
-                share = int(self.kv.pools[t].num_usable * self.config.live_kv_share)
-                taken = sum(r.blocks[t] for r in self._live.values())
-                if n > share:
-                    raise LimitExceededError(
-                        f"a live session of {req.open_prompt} tokens of history reserves {n} KV blocks in pool {t} "
-                        f"(two contexts), more than live sessions may hold ({share})", "--live-kv-share",
-                        can_never_fit=True)
-                if taken + n > share:
-                    raise LimitExceededError(
-                        f"live sessions already reserve {taken} of the {share} KV blocks they may hold in pool {t}",
-                        "--live-kv-share", retryable=True)
-            session = self._live[req.session_id] = _LiveReservation(need)
-        session.contexts.add(req.request_id)
-
     def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
         """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
         An id no longer here (aborted since) is ignored."""
@@ -234,7 +177,7 @@ class EngineCore:
         if request is None:
             return
         try:
-            _check_extension(request, msg, self.scheduler.max_num_batched_tokens)
+            check_extension(request, msg, self.scheduler.max_num_batched_tokens)
         except MMServeError as exc:
             self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
             return
@@ -303,10 +246,7 @@ class EngineCore:
         request = self.requests.pop(rid)
         self._compiling.pop(rid, None)
         self._forks.discard(request)
-        for session_id, session in list(self._live.items()):
-            session.contexts.discard(rid)
-            if not session.contexts:
-                del self._live[session_id]
+        self._live.release(rid)
         self.prompt_logprobs.pop(rid, None)
         self.scheduler.finish(rid)
         self.sampler.free(rid)
