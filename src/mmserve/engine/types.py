@@ -8,7 +8,7 @@ from typing import Any
 
 from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.metrics.peaks import DevicePeaks
-from mmserve.request import MultiModalInput
+from mmserve.request import EncoderInput
 from mmserve.sample.logprobs import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
 
@@ -30,7 +30,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     mm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    mm_inputs: list[EncoderInput] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     trace_context: Any = field(default=None, metadata={"local": True})   # front end only: never crosses
