@@ -88,6 +88,9 @@ class EngineConfig:
     default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none", "min": 1})
     max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload", "min": 1})
     max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
+    max_audio_duration_s: float = field(default=600.0, metadata={
+        "help": "longest audio part, or video soundtrack window (use_audio_in_video), in seconds; refused from the "
+                "header before decoding (30 s of audio is 750 tokens)", "min": 0})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
     max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
     max_pixels_per_request: int = field(default=128 * 2**20, metadata={

@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve.ipc.kv_cache_events import KvEvent
 from mmserve.ipc.records import StepRecord
-from mmserve.request import MultiModalInput
+from mmserve.request import EncoderInput
 from mmserve.sampling_params import SamplingParams
 
 
@@ -27,7 +27,7 @@ class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     mm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    mm_inputs: list[EncoderInput] = field(default_factory=list)   # pixels or audio features, one per range
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     num_frames: int = 0      # video frames in the prompt (images are not frames)

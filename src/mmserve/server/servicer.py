@@ -214,7 +214,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model_name=info.name, context_length=info.context_length,
             max_frames_per_video=self._config.max_frames_per_video,
             max_frames_per_request=self._config.max_frames_per_request,
-            tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
+            tokens_per_frame=info.tokens_per_frame, supported_inputs=list(self._processor().spec.modalities),
             attention_backend=info.backend, dtype=info.dtype,
             peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
                                  source=peaks.source, spread=peaks.spread) if peaks else None,

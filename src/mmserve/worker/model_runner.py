@@ -7,10 +7,11 @@ CUDA as the captured graph of a uniform decode step's padded size (one token per
 speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
 out of them have run (a CUDA event, not a device-wide sync).
 
-Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame), except those whose content the cross-request encoder cache still holds; new
-embeddings go into that cache (LRU in bytes, keyed by content hash), so a video seen before costs no
-vision work even when its K/V blocks were evicted.
+Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
+(one batched call per tower, padded to the largest item), except those whose content the
+cross-request encoder cache still holds; new embeddings go into that cache (LRU in bytes, keyed by
+content hash), so a video or a clip heard before costs no encoder work even when its K/V blocks
+were evicted.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
+from mmserve.request import AudioFeatures
 from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
@@ -149,23 +151,31 @@ class ModelRunner:
 
     def _encode(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
-        """Embeddings of this step's frames in (request, frame) order, encoding only those whose
-        content is neither cached nor repeated in this step; how many frames each request encoded;
-        and when the vision tower ran (perf_counter start, end), if it did."""
+        """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
+        those whose content is neither cached nor repeated in this step (an audio segment split between
+        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded;
+        and when the towers ran (perf_counter start, end), if they did."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo, encoded, encode_perf = [], {}, None
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(input, key)]
+        encoded, encode_perf = {}, None
         for s in scheduled:
             for f in s.frames:
-                key = s.request.mm_inputs[f].content_hash
+                item = s.request.mm_inputs[f]
+                key = item.content_hash
                 if key not in step:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
-                        todo.append((s.request, f, key))
+                        todo[isinstance(item, AudioFeatures)].append((item, key))
                         encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
-        if todo:
+        if todo[False] or todo[True]:
             began = time.perf_counter()
-            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
-            for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
+            embeds = []
+            if todo[False]:
+                pix, pos = pad_patches([(m.pixel_values, m.position_ids) for m, _ in todo[False]])
+                embeds += zip(todo[False], self.model.encode_vision(pix, pos), strict=True)
+            if todo[True]:
+                embeds += zip(todo[True], self.model.encode_audio([m.features for m, _ in todo[True]]), strict=True)
+            for (_, key), e in embeds:
                 step[key] = e
                 self.encoder_cache.put(key, e)
             encode_perf = (began, time.perf_counter())
@@ -176,8 +186,8 @@ class ModelRunner:
                 start, end = s.request.mm_ranges[f]
                 if e.shape[0] != end - start + 1:
                     raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
-                                     f"tokens but its pixels give {e.shape[0]} embeddings")
-                parts.append(e)
+                                     f"tokens but its input gives {e.shape[0]} embeddings")
+                parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
         return (torch.cat(parts) if parts else None), encoded, encode_perf
 
     @torch.inference_mode()

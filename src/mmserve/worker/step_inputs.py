@@ -159,7 +159,7 @@ class StepInputBuilder:
         ranges_rows = 0
         if self._any_bidirectional:   # models without bidirectional layers never need the table
             ranges_rows = fill_query_ranges(
-                self.query_ranges.np, qsl, computed, [s.request.mm_ranges_np for s in scheduled])
+                self.query_ranges.np, qsl, computed, [s.request.vision_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
             self.query_ranges.np[:self._high_water] = -1
         elif num_tokens < self._high_water:
@@ -211,13 +211,16 @@ class StepInputBuilder:
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
-        runner concatenates their embeddings in."""
+        runner concatenates their embeddings in. A range is clipped to its request's chunk (an audio
+        segment split between chunks; images and frames lie wholly inside)."""
         starts, lengths = [], []
         for i, s in enumerate(scheduled):
             if s.frames:
                 sel = s.request.mm_ranges_np[s.frames]
-                starts.append(sel[:, 0] - s.num_computed_tokens + qsl[i])
-                lengths.append(sel[:, 1] - sel[:, 0] + 1)
+                first = np.maximum(sel[:, 0], s.num_computed_tokens)
+                last = np.minimum(sel[:, 1], s.seq_len - 1)
+                starts.append(first - s.num_computed_tokens + qsl[i])
+                lengths.append(last - first + 1)
         if not starts:
             return 0
         st, ln = np.concatenate(starts), np.concatenate(lengths)

@@ -20,7 +20,8 @@ class BlockUpdate:
 @dataclass
 class ScheduledRequest:
     """`num_tokens` positions starting at `num_computed_tokens` enter the model this step; the frames
-    listed (indices into request.mm_ranges) have all their tokens inside that chunk and are encoded now."""
+    listed (indices into request.mm_ranges) have tokens inside that chunk, and their embeddings go to
+    those tokens: all of an image's or frame's tokens, or an audio segment's share of the chunk."""
 
     request: Request
     num_tokens: int

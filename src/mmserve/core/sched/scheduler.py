@@ -1,5 +1,8 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
+(An audio segment's soft tokens are causal, so a chunk may end inside one: the segment is encoded
+whole when its first token is scheduled, and each chunk takes its rows.)
+
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
@@ -44,10 +47,11 @@ def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
 
 
 def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
-    """Indices of ranges that begin inside [start, start + num_tokens)."""
+    """Indices of ranges with a token inside [start, start + num_tokens). An image's or frame's range
+    lies wholly inside (align_chunk); an audio segment's may begin in an earlier chunk or end later."""
     if not len(ranges):
         return []
-    lo = int(np.searchsorted(ranges[:, 0], start, side="left"))
+    lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
     hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
     return list(range(lo, hi))
 
@@ -94,7 +98,9 @@ class Scheduler:
                 raise InvalidInputError("mm_ranges", "a range is empty or lies outside the prompt")
             if (ranges[1:, 0] <= ranges[:-1, 1]).any():
                 raise InvalidInputError("mm_ranges", "ranges must be sorted and disjoint")
-            longest = int((ranges[:, 1] - ranges[:, 0] + 1).max())
+        whole = request.vision_ranges_np   # the ranges a chunk never splits
+        if len(whole):
+            longest = int((whole[:, 1] - whole[:, 0] + 1).max())
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
@@ -157,7 +163,7 @@ class Scheduler:
                 n += len(request.draft_token_ids)
             return n
         request.draft_token_ids.clear()
-        return align_chunk(request.mm_ranges_np, start, n)
+        return align_chunk(request.vision_ranges_np, start, n)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -205,7 +211,7 @@ class Scheduler:
                 i += 1
                 continue
             start = hit.num_tokens
-            n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+            n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.pop(i)

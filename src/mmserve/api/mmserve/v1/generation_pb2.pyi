@@ -28,16 +28,18 @@ LIVE_FALL_BEHIND_DROP: LiveFallBehind
 LIVE_FALL_BEHIND_BUFFER: LiveFallBehind
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "priority")
+    __slots__ = ("request_id", "messages", "sampling", "priority", "use_audio_in_video")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     sampling: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    use_audio_in_video: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("role", "parts")
@@ -70,12 +72,18 @@ class Image(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., media_id: _Optional[str] = ...) -> None: ...
 
 class Audio(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "mime_type", "media_id", "start_s", "end_s")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    media_id: str
+    start_s: float
+    end_s: float
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., media_id: _Optional[str] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ...) -> None: ...
 
 class Video(_message.Message):
     __slots__ = ("data", "frames", "media_id", "mime_type", "num_frames", "fps", "start_s", "end_s")
