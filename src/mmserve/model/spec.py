@@ -307,7 +307,9 @@ def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None
     `feature_extractor`, or a Gemma 4 feature extractor's own preprocessor_config.json; else
     transformers' defaults, which are the released models')."""
     ac = getattr(config, "audio_config", None)
-    if ac is None:
+    # Only E2B/E4B's conformer tower is served; gemma4_unified's encoder-free audio embedder
+    # (`gemma4_unified_audio`) is not yet, so such a model refuses audio like one without a tower.
+    if ac is None or getattr(ac, "model_type", "gemma4_audio") != "gemma4_audio":
         return None
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
