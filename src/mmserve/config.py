@@ -275,6 +275,11 @@ class ServerConfig:
                 "same port as mmserve.v1"})
     allowed_local_media_path: str = field(default="", metadata={
         "help": "directory whose files VllmEngine media_refs may name as file:// URLs; empty = file:// refused"})
+    kv_events_max_subscribers: int = field(default=16, metadata={
+        "help": "SubscribeKvEvents streams open at once, of all clients; beyond it RESOURCE_EXHAUSTED", "min": 1})
+    kv_events_max_subscribers_per_client: int = field(default=4, metadata={
+        "help": "SubscribeKvEvents streams open at once from one client address; beyond it RESOURCE_EXHAUSTED",
+        "min": 1})
     gateway_media: str = field(default="worker", metadata={
         "help": "who decodes the media of VllmEngine requests: worker = this server (the gateway forwards "
                 "media_refs); gateway = advertise no media processor, so the gateway preprocesses and sends "
