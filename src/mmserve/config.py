@@ -275,6 +275,11 @@ class ServerConfig:
                 "same port as mmserve.v1"})
     allowed_local_media_path: str = field(default="", metadata={
         "help": "directory whose files VllmEngine media_refs may name as file:// URLs; empty = file:// refused"})
+    kv_events_config: str = field(default="", metadata={
+        "help": "publish KV cache events over ZMQ in vLLM's wire format, for llm-d's precise prefix-cache "
+                "routing: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (fields endpoint, replay_endpoint, "
+                "buffer_steps, hwm, max_queue_size, topic; vLLM's defaults); empty = off"})
     kv_events_max_subscribers: int = field(default=16, metadata={
         "help": "SubscribeKvEvents streams open at once, of all clients; beyond it RESOURCE_EXHAUSTED", "min": 1})
     kv_events_max_subscribers_per_client: int = field(default=4, metadata={

@@ -56,7 +56,12 @@ PROMETHEUS_NAMES = {
     "mmserve.perf.peak_bandwidth": "mmserve_perf_peak_bandwidth",
     "mmserve.device_peaks_info": "mmserve_device_peaks_info",
     "mmserve.backend_info": "mmserve_backend_info",
+    "mmserve.kv_events.dropped": "mmserve_kv_events_dropped_total",
 }
+
+# Label values known when the metrics are made: their counters are exported at 0 from the start, so a
+# rate() over them is 0, not empty, until the first one counts.
+KV_EVENT_DROP_REASONS = ("publisher_queue_full", "publisher_lagging")
 
 
 @dataclass
@@ -162,6 +167,12 @@ class EngineMetrics:
         self.frames_encoded = meter.create_counter("mmserve.vision.frames_encoded",
                                                    description="images/frames run through the vision tower "
                                                                "(encoder-cache and prefix-cache hits excluded)")
+        self.kv_events_dropped = meter.create_counter(
+            "mmserve.kv_events.dropped",
+            description="times the ZMQ KV event publisher (--kv-events-config) dropped the batches it held and "
+                        "resynced its subscribers from a snapshot, by reason")
+        for reason in KV_EVENT_DROP_REASONS:
+            self.kv_events_dropped.add(0, {"reason": reason})
         self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
         self._pools: set[str] = set()   # KV pools seen, for record_idle
         self._vllm_compat = None        # the watched engine's collector (watch_engine)
@@ -188,6 +199,9 @@ class EngineMetrics:
                                                 enable_prefix_caching=enable_prefix_caching,
                                                 prefix_totals=lambda: tuple(self._prefix_totals))
         self.registry.register(self._vllm_compat)
+
+    def count_kv_events_dropped(self, reason: str) -> None:
+        self.kv_events_dropped.add(1, {"reason": reason})
 
     def count_rpc(self, rpc: str, code: str) -> None:
         self.rpc_requests.add(1, {"rpc": rpc, "code": code})
