@@ -399,7 +399,8 @@ class EngineCore:
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                                accepted_drafts=kept.get(s.request.request_id, 0),
                                emitted_tokens=new.get(s.request.request_id, 0),
-                               draft_rows=draft[0], draft_keys=draft[1])
+                               draft_rows=draft[0], draft_keys=draft[1],
+                               encoded_by_modality=step.encoded_by_modality.get(s.request.request_id, {}))
                  for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()

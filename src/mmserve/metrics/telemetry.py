@@ -43,7 +43,7 @@ from mmserve.metrics.perf_model import (
     StepContext,
     VisionWork,
 )
-from mmserve.metrics.prometheus import EngineMetrics, StepMetrics
+from mmserve.metrics.prometheus import MODALITIES, EngineMetrics, StepMetrics
 from mmserve.metrics.tracing import get_tracer
 from mmserve.request import AudioFeatures
 
@@ -237,6 +237,8 @@ class TelemetryObserver:
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
+            for modality, (queries, hits) in self._encoder_cache(record).items():
+                self.metrics.record_encoder_cache(modality, queries, hits)
             self.metrics.record_speculation(record.items)
             if not self._requests:   # the core counted requests the front end has ended (an abort in flight)
                 self.metrics.record_idle()
@@ -276,6 +278,25 @@ class TelemetryObserver:
             self.metrics.record_idle()
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _encoder_cache(self, record: Any) -> dict[str, tuple[int, int]]:
+        """modality -> (encoder-cache queries, hits) of the step: every image, frame and audio segment
+        with a token in a request's chunk was looked up (its K/V is computed now; an audio segment split
+        between chunks, in each); those the core did not encode were found."""
+        spec = self.perf.spec
+        queries: dict[str, int] = dict.fromkeys(MODALITIES, 0)
+        encoded: dict[str, int] = dict.fromkeys(MODALITIES, 0)
+        for item in record.items:
+            first = item.context_len - item.num_tokens
+            ids = getattr(item.request, "prompt_token_ids", ())
+            for start, end in getattr(item.request, "mm_ranges", ()):
+                if end >= first and start < item.context_len:
+                    token = ids[start] if start < len(ids) else None
+                    queries["video" if token == spec.video_token_id else
+                            "audio" if token is not None and token == spec.audio_token_id else "image"] += 1
+            for modality, n in getattr(item, "encoded_by_modality", {}).items():
+                encoded[modality] = encoded.get(modality, 0) + n
+        return {m: (queries[m], max(0, queries[m] - encoded.get(m, 0))) for m in queries}
 
     def _frames(self, item: Any) -> list[tuple[int, VisionWork]]:
         """(rows as batched, useful work) of the frames whose ranges start inside this chunk: the rows

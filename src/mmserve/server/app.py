@@ -85,7 +85,9 @@ class MMServer:
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
-                                 enable_prefix_caching=engine_config.enable_prefix_caching)
+                                 enable_prefix_caching=engine_config.enable_prefix_caching,
+                                 num_speculative_tokens=engine_config.num_speculative_tokens
+                                 if engine_config.speculative_model else 0)
         chain.insert(0, ClosingStreamsInterceptor())   # outermost: a stream ends with its call (handlers.py)
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,

@@ -64,6 +64,8 @@ class StepResult:
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
+    # ... the same per request id and modality ("image", "video", "audio")
+    encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
 
@@ -150,14 +152,14 @@ class ModelRunner:
         self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
+                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None]:
         """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
         those whose content is neither cached nor repeated in this step (an audio segment split between
-        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded;
-        and when the towers ran (perf_counter start, end), if they did."""
+        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
+        in all and by modality; and when the towers ran (perf_counter start, end), if they did."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
         todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(input, key)]
-        encoded, encode_perf = {}, None
+        encoded, by_modality, encode_perf = {}, {}, None
         for s in scheduled:
             for f in s.frames:
                 item = s.request.mm_inputs[f]
@@ -165,8 +167,14 @@ class ModelRunner:
                 if key not in step:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
-                        todo[isinstance(item, AudioFeatures)].append((item, key))
-                        encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
+                        audio = isinstance(item, AudioFeatures)
+                        todo[audio].append((item, key))
+                        rid = s.request.request_id
+                        encoded[rid] = encoded.get(rid, 0) + 1
+                        modality = "audio" if audio else "video" if s.request.prompt_token_ids[
+                            s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
+                        counts = by_modality.setdefault(rid, {})
+                        counts[modality] = counts.get(modality, 0) + 1
         if todo[False] or todo[True]:
             began = time.perf_counter()
             embeds = []
@@ -188,7 +196,7 @@ class ModelRunner:
                     raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
                                      f"tokens but its input gives {e.shape[0]} embeddings")
                 parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
-        return (torch.cat(parts) if parts else None), encoded, encode_perf
+        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -203,7 +211,7 @@ class ModelRunner:
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
                                    query_len=query_len or 1)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
+        mm_embeds, encoded, by_modality, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are uniform decode steps: the full path
         # (a verify chunk samples several rows: KV-sharing layers then run every row)
         if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
@@ -220,4 +228,5 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, encode_perf, hidden)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
+                          encode_perf, hidden)
