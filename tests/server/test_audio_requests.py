@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import types
+import urllib.request
 
 import grpc
 import numpy as np
@@ -45,9 +47,12 @@ def server(model_dir):
 
     from mmserve.config import ServerConfig
 
+    with socket.socket() as s:   # a free port for its /metrics
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
     server = LoopbackServer(engine_config(model_dir, max_num_batched_tokens=BUDGET, default_num_frames=2,
                                           max_audio_duration_s=60.0),
-                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2)).start()
+                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield server
     server.stop()
 
@@ -187,3 +192,36 @@ def test_model_info_lists_audio(server, mmserve_server):
         with pytest.raises(ClientError) as e:
             client.generate([message("user", audio_part(wav(tones(1, 0.5))))], max_tokens=1)
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "has no audio tower" in e.value.message
+
+
+def _counters(server) -> dict[tuple[str, str], float]:
+    """(sample name, modality) -> value of the encoder-cache and frames-encoded counters on the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port = server.observability.metrics_port
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {(sample.name, sample.labels.get("modality", "")): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name.startswith(("mmserve_encoder_cache_", "mmserve_vision_frames_encoded"))}
+
+
+def test_encoder_cache_counts_audio_segments_in_each_chunk_they_reach(server):
+    """A segment split between two prefill chunks is looked up in both: encoded in the first, found in
+    the second; the same sound after other text is found whole. Misses are the encoder's real runs."""
+    sound = wav(tones(int(np.random.randint(1000)), 2.0))
+    before = _counters(server)
+    _served(server, [audio_part(sound), text_part("What is this?")])
+    first = _counters(server)
+    _served(server, [text_part("Listen carefully."), audio_part(sound)])   # other text first: no KV hit
+    second = _counters(server)
+
+    def delta(a, b, name, modality="audio"):
+        return b.get((name, modality), 0) - a.get((name, modality), 0)
+
+    q1, h1 = delta(before, first, "mmserve_encoder_cache_queries_total"), delta(before, first, "mmserve_encoder_cache_hits_total")
+    q2, h2 = delta(first, second, "mmserve_encoder_cache_queries_total"), delta(first, second, "mmserve_encoder_cache_hits_total")
+    assert q1 >= 2 and h1 == q1 - 1, (q1, h1)   # one run of the tower, the later chunks found it
+    assert q2 >= 2 and h2 == q2, (q2, h2)
+    assert delta(before, second, "mmserve_vision_frames_encoded_total", "") == (q1 - h1) + (q2 - h2)
+    for modality in ("image", "video"):
+        assert delta(before, second, "mmserve_encoder_cache_queries_total", modality) == 0
