@@ -21,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -142,6 +144,9 @@ def test_the_config_is_vllms_and_a_bad_one_is_refused_by_name():
                         ('{"publisher": "kafka"}', "kafka")):
         with pytest.raises(ValueError, match=named):
             KvEventsConfig.parse(text)
+    serve = subprocess.run([sys.executable, "-m", "mmserve.cli", "serve", "--port", "0", "--kv-events-config",
+                            '{"hwm": "10"}'], capture_output=True, text=True, timeout=120)
+    assert serve.returncode == 2 and "hwm must be int" in serve.stderr + serve.stdout, serve.stderr[-2000:]
 
 
 def _ipc(directory: str, name: str) -> str:
