@@ -257,7 +257,12 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
                                input_ids=_prompt(tokenizer, "", video_anchor)),
                                media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.VIDEO,
                                                                             url=data_url(junk, "video/mp4"))])))
-    assert v1 == ours and v1[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-video-bytes" in v1[1]
+    assert v1 == ours and v1[0] == grpc.StatusCode.INVALID_ARGUMENT and "--max-video-bytes" in v1[1]
+    # through SMG: a permanent refusal is 400, which it never retries (RESOURCE_EXHAUSTED was 429,
+    # which SMG retried 5 times and the openai SDK twice more, decoding and refusing each time)
+    with pytest.raises(openai.BadRequestError, match="--max-video-bytes"):
+        client.chat.completions.create(model=model, max_tokens=4, messages=[
+            {"role": "user", "content": media_request("What happens?", video=junk)[1]}])
     # n too large, and an unknown/unsupported constraint: INVALID_ARGUMENT naming the field
     text_ids = vpb.TokenizedInput(input_ids=_prompt(tokenizer, "Hi"))
     v1, ours = _both_doors(address, pb.GenerateRequest(messages=[message("user", text_part("Hi"))],

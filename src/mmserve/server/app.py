@@ -44,6 +44,10 @@ from mmserve.server.vllm_engine import VLLM_ENGINE_SERVICE, add_vllm_engine
 logger = logging.getLogger(__name__)
 
 QUERY_METHODS = tuple(f"/mmserve.v1.Generation/{name}" for name in ("Abort", "GetModelInfo", "GetServerLoad"))
+# Every VllmEngine method but Generate: a few ids at most (a gateway aborts one request per call).
+VLLM_ENGINE_QUERY_METHODS = tuple(f"/{VLLM_ENGINE_SERVICE}/{name}" for name in (
+    "Abort", "Embed", "HealthCheck", "FlushCache", "StartProfile", "StopProfile", "GetModelInfo", "GetServerInfo",
+    "GetLoads", "GetTokenizer", "SubscribeKvEvents"))
 QUERY_MESSAGE_BYTES = 16 * 2**10
 
 
@@ -109,13 +113,13 @@ class MMServer:
         self.port = 0
 
     def _admission(self) -> MessageAdmission:
-        """Message limits: --max-message-bytes for Generate, one chunk for UploadMedia, a few KiB for the
-        queries (their requests are an id at most), and the in-flight byte budget."""
+        """Message limits: --max-message-bytes for Generate (both doors), one chunk for UploadMedia, 16 KiB
+        for the queries and Aborts of both doors, and the in-flight byte budget."""
         chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
                             f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
-        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a request id at most")
+        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a few request ids at most: abort fewer at once")
         return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
-                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS, query)})
+                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS + VLLM_ENGINE_QUERY_METHODS, query)})
 
     @property
     def address(self) -> str:

@@ -60,15 +60,18 @@ def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> 
     if scheme == "data":
         mime, data = _data_url(url, f"{where}.url", max_bytes, kind)
         if mime and mime not in mime_types:
-            raise InvalidInputError(f"{where}.url", f"unsupported {kind} type {mime!r}; use one of "
+            raise InvalidInputError(f"{where}.url", f"unsupported {kind} type {_preview(mime)!r}; use one of "
                                                     f"{', '.join(sorted(mime_types))}")
         return ImageInput(data=data, mime_type=mime) if kind == "image" else VideoInput(data=data, mime_type=mime)
     if scheme == "file":
         path = _local_file(url, f"{where}.url", root, max_bytes, kind)
         return ImageInput(path=str(path)) if kind == "image" else VideoInput(path=str(path))
-    shown = url[:MAX_URL_PREVIEW] + ("..." if len(url) > MAX_URL_PREVIEW else "")
-    raise InvalidInputError(f"{where}.url", f"{scheme or 'a URL without a'} scheme refused ({shown!r}): this server "
+    raise InvalidInputError(f"{where}.url", f"{scheme[:16] or 'a URL without a'} scheme refused ({_preview(url)!r}): this server "
                                             "fetches nothing; send the media inline as a data: URL (base64)")
+
+
+def _preview(text: str) -> str:
+    return text[:MAX_URL_PREVIEW] + ("..." if len(text) > MAX_URL_PREVIEW else "")
 
 
 def _data_url(url: str, where: str, max_bytes: int, kind: str) -> tuple[str, bytes]:
@@ -94,15 +97,18 @@ def _local_file(url: str, where: str, root: Path | None, max_bytes: int, kind: s
                                        "--allowed-local-media-path; send the media as a data: URL")
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise InvalidInputError(where, f"file:// URL names host {parts.netloc!r}; only local files are read")
+        raise InvalidInputError(where, f"file:// URL names host {_preview(parts.netloc)!r}; only local files are read")
     spelled = unquote(parts.path)
     if "\0" in spelled:   # resolve() would raise ValueError, which no status maps
         raise InvalidInputError(where, "the file:// path holds a NUL byte")
+    # Messages quote the path as the client spelled it (bounded), never as resolved: that would show
+    # where a symlink points, the server's working directory or the allowed directory itself.
     path = Path(spelled).resolve()
     if not path.is_relative_to(root):
-        raise InvalidInputError(where, f"{path} is outside --allowed-local-media-path ({root})")
+        raise InvalidInputError(where, f"{_preview(spelled)!r} is outside the directory this server reads media "
+                                       "from (--allowed-local-media-path)")
     if not path.is_file():
-        raise InvalidInputError(where, f"{path} is not a file")
+        raise InvalidInputError(where, f"{_preview(spelled)!r} is not a file")
     size = os.path.getsize(path)
     if size > max_bytes:
         raise LimitExceededError(f"{kind} is {size} bytes, more than the limit of {max_bytes}", "--max-video-bytes")

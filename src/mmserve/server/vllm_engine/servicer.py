@@ -28,7 +28,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
 from mmserve.server.in_flight import InFlightRequests, caller_key
-from mmserve.server.status import abort_with, end_with
+from mmserve.server.status import abort_with, bounded, end_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, kv_events, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
@@ -185,7 +185,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         try:
             chunks = await self._tokenizer.chunks()
         except OSError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot serve the tokenizer: {e}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, bounded(f"cannot serve the tokenizer: {e}"))
         logger.info("sending the tokenizer archive (%d chunks, sha256 %s)", len(chunks), chunks[-1].sha256)
         for piece in chunks:
             yield piece
