@@ -311,3 +311,14 @@ def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):
     assert unpacked == expected
     # SMG registered its tokenizer from this archive (HF_ENDPOINT refuses, so nothing else could serve it)
     assert any("sending the tokenizer archive" in r.log for r in fleet.replicas)
+
+
+def test_a_tiny_temperature_answers_as_greedy_through_smg(client, model):
+    """The OpenAI door of the probe: temperature 1e-38 (valid JSON, a float32 on the wire to us) gave pad
+    tokens up to max_tokens; below 1e-5 it is greedy now (tests/server/test_sampling_api.py: both
+    gRPC doors, and the bound)."""
+    kwargs = dict(model=model, max_tokens=6, messages=[{"role": "user", "content": "Name a colour."}])
+    greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0]
+    tiny = client.chat.completions.create(temperature=1e-38, **kwargs).choices[0]
+    assert greedy.message.content.strip()
+    assert (tiny.message.content, tiny.finish_reason) == (greedy.message.content, greedy.finish_reason)
