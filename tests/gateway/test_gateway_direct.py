@@ -194,3 +194,23 @@ def test_abort_mid_stream_frees_the_request_at_once(server, stub, model):
     assert e.value.code() == grpc.StatusCode.CANCELLED
     held = server.call(server.engine.held_resources())
     assert not any(held.values()), held   # both samples' blocks, states and streams: nothing left
+
+
+def test_the_advertised_media_limits_are_the_ones_admission_holds(stub, server, model):
+    """GetServerInfo said 64 images per request (the frame limit) where the server refuses a 17th
+    image: a gateway sizing requests by it got INVALID_ARGUMENT."""
+    tok, spec = model
+    info = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
+    limits = dict(item.split("=") for item in info.mm_item_limits.split(","))
+    config = server.engine_config
+    assert limits == {"image": str(config.max_images_per_request), "video": str(config.max_frames_per_request)}
+    image = "data:image/png;base64," + base64.b64encode(png(4, size=16)).decode()
+    over = config.max_images_per_request + 1
+    request = vpb.GenerateRequest(
+        request_id="too-many", sampling_params=vpb.SamplingParams(max_tokens=1),
+        tokenized=vpb.TokenizedInput(input_ids=turn(tok, [*tok.encode("user\n"), *[spec.image_token_id] * over])),
+        media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.IMAGE, url=image)] * over))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {config.max_images_per_request}" in e.value.details() and "--max-images-per-request" in e.value.details()
