@@ -214,3 +214,47 @@ def test_the_advertised_media_limits_are_the_ones_admission_holds(stub, server, 
         list(stub.Generate(request, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"at most {config.max_images_per_request}" in e.value.details() and "--max-images-per-request" in e.value.details()
+
+
+def test_a_large_data_url_is_decoded_off_the_event_loop(server, monkeypatch):
+    """The probe: 4 data: URLs of 47 MiB, base64-decoded on the event loop, stalled every other call
+    for 1.2 s. Scaled down: while a 12 MiB one decodes, the server's loop must keep running: a tick of
+    it in the middle of the decode proves it (on the loop, the decode would leave no tick inside)."""
+    import asyncio
+    import os
+    import time
+
+    from mmserve.server.vllm_engine import servicer
+
+    windows, real = [], servicer.media_inputs
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            windows.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(servicer, "media_inputs", timed)
+    stamps, done = [], asyncio.Event()
+
+    async def tick():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            await asyncio.sleep(0.0005)
+
+    ticking = asyncio.run_coroutine_threadsafe(tick(), server._loop)
+    url = "data:image/png;base64," + base64.b64encode(os.urandom(12 * 2**20)).decode()
+    request = vpb.GenerateRequest(request_id="big-url", sampling_params=vpb.SamplingParams(max_tokens=1),
+                                  tokenized=vpb.TokenizedInput(input_ids=[2, 4, 8, 5]),
+                                  media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.IMAGE, url=url)]))
+    with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 32 * 2**20)]) as channel:
+        with pytest.raises(grpc.RpcError) as e:   # random bytes: decoded from base64, then not an image
+            list(vpb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+    server._loop.call_soon_threadsafe(done.set)
+    ticking.result(timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    (started, ended), = windows
+    took = ended - started
+    middle = [t for t in stamps if started + 0.25 * took < t < ended - 0.05 * took]
+    assert middle, f"the event loop never ran in the middle of a {took:.3f}s data: URL decode"

@@ -9,6 +9,7 @@ the other door; errors leave through `server/status.py`, so a cause gets the sam
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -86,8 +87,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             _check_request_id(request_id)
             token_ids = _prompt_ids(request, processor)
             preprocessed = preprocessed_media(request, processor.spec) if _has_mm_inputs(request) else None
-            media = media_inputs(request.media_refs, max_bytes=self._config.max_video_bytes,
-                                 allowed_local_media_path=self._server_config.allowed_local_media_path)
+            media = await asyncio.to_thread(   # decodes data: URLs (up to --max-video-bytes each): off the loop
+                media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
+                allowed_local_media_path=self._server_config.allowed_local_media_path)
             sampling = map_sampling(request.sampling_params, self._config, self._defaults,
                                     processor.spec.eos_token_ids)
             await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
