@@ -293,6 +293,11 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, max_tokens=4, n=17, messages=[{"role": "user", "content": "Hi"}])
     assert "n" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:   # SMG's own cap, below our --max-n (16): docs/gateway.md
+        client.chat.completions.create(model=model, max_tokens=4, n=11, messages=[{"role": "user", "content": "Hi"}])
+    assert "--max-n" not in str(e.value)
+    assert len(client.chat.completions.create(model=model, max_tokens=2, n=10, messages=[
+        {"role": "user", "content": "Hi"}]).choices) == 10
     with pytest.raises(ClientError):   # and mmserve.v1 says the same for n
         with Client(address) as c:
             c.generate(prompt="Hi", n=17)
