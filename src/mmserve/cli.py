@@ -19,6 +19,7 @@ Serve a Gemma 4 video+text model over gRPC, and talk to it.
   mmserve demo                        ask a running server (`make run`) about a generated clip and
                                       print its caption next to the truth
   mmserve worker --node-rank 1 ...    a further node's ranks of a multi-node tensor-parallel group
+  mmserve traces                      print each request's span tree, received over OTLP (no Jaeger)
 
 `mmserve SUBCOMMAND --help` lists a subcommand's flags; --log-level and --log-format may be given
 before or after the subcommand.
@@ -35,6 +36,7 @@ SUBCOMMANDS = {
     "demo-video": "mmserve.multimodal.synthetic",
     "eval-demo": "mmserve.clients.eval_demo",
     "worker": "mmserve.executor.worker_cli",
+    "traces": "mmserve.clients.trace_viewer",
 }
 
 
