@@ -216,6 +216,21 @@ def test_a_vision_encoder_failure_ends_only_its_request(server):
         assert ids == text_alone[0][1:]   # greedy: the same tokens as alone (the first was read before)
     assert poisoned[1] == grpc.StatusCode.INTERNAL and "enc-poisoned" in poisoned[2], poisoned
     assert "vision encoder" in poisoned[2] and "enc-good" not in poisoned[2]
+    assert _quiet(server) == {}   # the poisoned request's KV blocks went back with it
+
+
+def _quiet(server, timeout_s: float = 30.0) -> dict:
+    """What the engine still holds once every request has ended (requests, blocks): {} when nothing."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = asyncio.run_coroutine_threadsafe(server.engine.held_resources(), server._loop).result(30)
+        left = {k: v for k, v in held.items() if k in ("requests", "front_end_requests", "running", "waiting") and v}
+        left.update({f"blocks {pool}": n for pool, n in held["kv_blocks_held"].items() if n})
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.02)
 
 
 def test_the_vision_tower_refuses_positions_past_its_table_before_indexing(server, model):
