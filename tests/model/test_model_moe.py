@@ -136,7 +136,7 @@ def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
     weights["model.language_model.layers.4.self_attn.k_proj.weight"] = torch.zeros(32, 72)
     weights["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.zeros(16)
     save_file(weights, str(tmp_path / "e" / "model.safetensors"))
-    assert load_model(tmp_path / "e").decoder.layers[4].self_attn.k_proj is None
+    assert load_model(tmp_path / "e").decoder.layers[4].self_attn.projects_kv is False
 
 
 def test_grouped_path_never_syncs_with_the_host(monkeypatch):

@@ -32,7 +32,7 @@ from mmserve.attention.backend import AttentionImpl
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
-from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_merged, mark_shard
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
 from mmserve.model.rope import RotaryEmbedding, norm_rope
 from mmserve.model.spec import LayerSpec, ModelSpec
@@ -49,7 +49,12 @@ class SampledRows:
 
 
 class Attention(nn.Module):
-    """This rank's query heads (and the KV heads they read); o_proj's partial sums are all-reduced."""
+    """This rank's query heads (and the KV heads they read); o_proj's partial sums are all-reduced.
+
+    q, k and v are one GEMM (`qkv_proj`, stacked at load time from the checkpoint's three): at
+    decode's few rows a projection is a read of its weights, and one wide read streams at bandwidth
+    where three thin ones do not. K=V layers stack q and k only (V is k_proj's raw output);
+    KV-sharing layers project q alone."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl, group: ParallelGroup = SINGLE):
         super().__init__()
@@ -59,33 +64,32 @@ class Attention(nn.Module):
         q0, q1 = group.shard_range(attn.num_heads, f"{layer.layer_type} attention heads")
         k0, k1 = group.kv_heads(attn.num_kv_heads, attn.num_heads, layer.layer_type)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+        self.projects_kv, self.k_eq_v = not layer.shares_kv, layer.k_eq_v
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
-        mark_shard(self.q_proj.weight, group, 0, q0 * d, q1 * d, attn.num_heads * d)
+        parts = [("q_proj", q0 * d, q1 * d, attn.num_heads * d)]
+        if self.projects_kv:
+            kv = ("k_proj",) if layer.k_eq_v else ("k_proj", "v_proj")
+            parts += [(name, k0 * d, k1 * d, attn.num_kv_heads * d) for name in kv]
+        self.split = [end - start for _, start, end, _ in parts]
+        self.qkv_proj = nn.Linear(hidden, sum(self.split), bias=False)
+        mark_merged(self.qkv_proj.weight, group, parts)
         self.q_norm = RMSNorm(d, eps)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
         mark_shard(self.o_proj.weight, group, 1, q0 * d, q1 * d, attn.num_heads * d)
-        self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
-        if not layer.shares_kv:
-            kv_width = self.num_kv_heads * d
-            self.k_proj = nn.Linear(hidden, kv_width, bias=False)
-            # K=V layers (full layers of the big models) take V from k_proj's raw output.
-            self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, kv_width, bias=False)
-            for proj in (self.k_proj, self.v_proj):
-                if proj is not None:
-                    mark_shard(proj.weight, group, 0, k0 * d, k1 * d, attn.num_kv_heads * d)
+        self.k_norm = self.v_norm = None
+        if self.projects_kv:
             self.k_norm = RMSNorm(d, eps)
             self.v_norm = RMSNorm(d, eps, with_scale=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata) -> torch.Tensor:
         t = x.shape[0]
-        q_raw = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        q = norm_rope(q_raw, self.q_norm.weight, self.q_norm.eps, cos, sin)
+        q_raw, *kv_raw = self.qkv_proj(x).split(self.split, dim=-1)
+        q = norm_rope(q_raw.view(t, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
         k = v = None
-        if self.k_proj is not None:
-            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.projects_kv:
+            k_raw = kv_raw[0].view(t, self.num_kv_heads, self.head_dim)
+            v_raw = k_raw if self.k_eq_v else kv_raw[1].view(t, self.num_kv_heads, self.head_dim)
             k = norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin)
             v = self.v_norm(v_raw)
         out = self.impl.forward(q, k, v, kv_cache, metadata)
@@ -93,20 +97,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """gate/up column-parallel, down row-parallel: this rank's slice of the width, one all-reduce."""
+    """gate/up column-parallel (one GEMM, `gate_up_proj`, stacked at load time), down row-parallel:
+    this rank's slice of the width, one all-reduce."""
 
     def __init__(self, hidden: int, intermediate: int, group: ParallelGroup = SINGLE, *, what: str = "MLP width"):
         super().__init__()
         self.group = group
         i0, i1 = group.shard_range(intermediate, what)
-        self.gate_proj = nn.Linear(hidden, i1 - i0, bias=False)
-        self.up_proj = nn.Linear(hidden, i1 - i0, bias=False)
-        self.down_proj = nn.Linear(i1 - i0, hidden, bias=False)
-        for proj, dim in ((self.gate_proj, 0), (self.up_proj, 0), (self.down_proj, 1)):
-            mark_shard(proj.weight, group, dim, i0, i1, intermediate)
+        self.width = i1 - i0
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.width, bias=False)
+        mark_merged(self.gate_up_proj.weight, group, [(name, i0, i1, intermediate) for name in ("gate_proj", "up_proj")])
+        self.down_proj = nn.Linear(self.width, hidden, bias=False)
+        mark_shard(self.down_proj.weight, group, 1, i0, i1, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x))))
+        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
+        return self.group.all_reduce(self.down_proj(gelu_gate(gate, up)))
 
 
 class DecoderLayer(nn.Module):
