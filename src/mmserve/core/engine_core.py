@@ -277,7 +277,7 @@ class EngineCore:
                 step = self.runner.execute(out)
                 rows = verify_rows(step.sampled)
                 sampled = self._sample(step.logits, rows)
-                accepted = self._accept(step.sampled, sampled, step.logits, rows)
+                accepted = self._accept(step.sampled, sampled, step.logits)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -299,8 +299,8 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
-        fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
-        drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
+        fails ends alone (with an error in its row) and its step-mates still get their tokens (a seeded
+        row draws the same noise again; an unseeded one draws anew)."""
         try:
             return self.sampler.sample(logits, requests)
         except Exception:
@@ -327,10 +327,10 @@ class EngineCore:
                 for request in self._forks.pop(parent_id):
                     self.scheduler.enqueue(request)
 
-    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor, sampler_rows: list) -> list[_Accepted]:
+    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor) -> list[_Accepted]:
         """Each sampling request's new tokens, appended to it: its row's token, or for a verify chunk
-        the drafts its rows confirm plus the target's next token (greedy: the longest prefix equal
-        to the rows' argmax; random: rejection sampling), cut at EOS and max_tokens."""
+        the drafts its rows confirm plus the target's next token (the longest prefix equal to the
+        rows' tokens, argmax or draw), cut at EOS and max_tokens."""
         eos = self.eos_token_ids
         accepted, row = [], 0
         for s in scheduled:
@@ -341,10 +341,10 @@ class EngineCore:
             if (error := next((sampled.errors[r] for r in range(first, row) if r in sampled.errors), None)) is not None:
                 accepted.append(_Accepted(s, [], None, None, len(drafts), error))
                 continue
+            # greedy or random alike: a draft stays while its row's token equals it (sampler.py says why
+            # that is exact rejection sampling for a random row)
             targets = sampled.token_ids[first:first + rows]
             params = request.sampling_params
-            if drafts and not params.greedy:
-                targets = self.sampler.verify(logits[first:first + rows], sampler_rows[first:first + rows], drafts)
             tokens, finish = [], None
             num_accepted = accepted_prefix(drafts, targets)
             if drafts:
