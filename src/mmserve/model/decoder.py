@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl
+from mmserve.model.layer_pieces import attn_in, layer_out, mlp_in
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
 from mmserve.model.parallel import SINGLE, ParallelGroup, mark_merged, mark_shard
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
-from mmserve.model.rope import RotaryEmbedding, norm_rope
+from mmserve.model.rope import RotaryEmbedding
 from mmserve.model.spec import LayerSpec, ModelSpec
 
 
@@ -81,19 +82,19 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, eps)
             self.v_norm = RMSNorm(d, eps, with_scale=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, input_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, metadata) -> torch.Tensor:
-        t = x.shape[0]
-        q_raw, *kv_raw = self.qkv_proj(x).split(self.split, dim=-1)
-        q = norm_rope(q_raw.view(t, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps, cos, sin)
-        k = v = None
+        """The layer's input h -> o_proj's output, all-reduced. The layer's K/V are written to its
+        cache by `attn_in` (fused into the kernel that norms them), so the backend attends only."""
+        kv = None
         if self.projects_kv:
-            k_raw = kv_raw[0].view(t, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.k_eq_v else kv_raw[1].view(t, self.num_kv_heads, self.head_dim)
-            k = norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin)
-            v = self.v_norm(v_raw)
-        out = self.impl.forward(q, k, v, kv_cache, metadata)
-        return self.group.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
+            common = metadata.common
+            kv = (common.slot_mapping[:common.num_actual_tokens], self.k_norm.weight, kv_cache)
+        slots, k_norm, cache = kv or (None, None, None)
+        q = attn_in(h, cos, sin, slots, input_norm, self.qkv_proj.weight, self.q_norm.weight, k_norm, cache,
+                    self.q_norm.eps, tuple(self.split), self.head_dim)
+        out = self.impl.forward(q, None, None, kv_cache, metadata)
+        return self.group.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class MLP(nn.Module):
@@ -114,6 +115,13 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
         return self.group.all_reduce(self.down_proj(gelu_gate(gate, up)))
 
+    def after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_attn_norm: RMSNorm, pre_ff_norm: RMSNorm
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's residual after attention, and its MLP's output (all-reduced), as one piece."""
+        h, dense = mlp_in(h, attn, post_attn_norm.weight, pre_ff_norm.weight, self.gate_up_proj.weight,
+                          self.down_proj.weight, pre_ff_norm.eps)
+        return h, self.group.all_reduce(dense)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl, group: ParallelGroup = SINGLE):
@@ -133,14 +141,18 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 metadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata))
-        ffn = self.mlp(self.pre_feedforward_layernorm(h))
+        """Sandwich-normed attention and MLP (+ experts, + per-layer input) in the pieces of
+        layer_pieces.py: compiled on CUDA, each a few fused kernels between the GEMMs."""
+        attn = self.self_attn(h, self.input_layernorm.weight, cos, sin, kv_cache, metadata)
+        h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         if self.moe is not None:
             ffn = self.moe(h, ffn)
-        h = h + self.post_feedforward_layernorm(ffn)
-        if self.ple is not None:
-            h = self.ple(h, layer_input)
-        return h * self.layer_scalar
+        ple = self.ple
+        return layer_out(h, ffn, layer_input, self.post_feedforward_layernorm.weight, self.layer_scalar,
+                         None if ple is None else ple.per_layer_input_gate.weight,
+                         None if ple is None else ple.per_layer_projection.weight,
+                         None if ple is None else ple.post_per_layer_input_norm.weight,
+                         self.post_feedforward_layernorm.eps)
 
 
 class TextDecoder(nn.Module):

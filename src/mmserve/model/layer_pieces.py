@@ -1,0 +1,84 @@
+"""A decoder layer's work between its attention call and its collectives, as functions of plain
+tensors ("pieces"), so that on CUDA each compiles (inductor) into a few fused kernels around its GEMMs.
+
+One layer, in order:
+    attn_in  input RMSNorm -> merged qkv GEMM -> q and k RMSNorm + RoPE, v RMSNorm, K/V written to
+             the paged cache (the attention backend is then called attend-only)
+    (the backend's attention)
+    o_proj   the output GEMM (+ all-reduce under tensor parallelism)
+    mlp_in   residual + post-attention RMSNorm, pre-FFN RMSNorm -> merged gate/up GEMM -> GELU x up
+             -> down GEMM (+ all-reduce)
+    (routed experts, MoE layers)
+    layer_out post-FFN RMSNorm (of the dense + routed sum on MoE layers) + residual, the per-layer
+             input (E2B/E4B), the layer scalar
+A piece never spans the attention call or a collective, and each boundary falls right after a GEMM,
+where a kernel ends anyway: splitting there costs no launch (bench/kernel_count.py counts them).
+
+On CUDA the pieces run compiled (`compiled.layer_piece`: one graph for one row, one for any other
+count, so every CUDA-graph size reuses them); on CPU they run eagerly with the dense kernels, which
+bench/offline.py measured faster there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mmserve.model.compiled import layer_piece
+from mmserve.model.mlp import gelu_gate
+from mmserve.model.norm import rms_norm
+from mmserve.model.rope import norm_rope
+
+
+@layer_piece(token_args=4)
+def attn_in(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None,
+            norm_w: torch.Tensor, qkv_w: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor | None,
+            kv_cache: torch.Tensor | None, eps: float, split: tuple[int, ...], head_dim: int,
+            ) -> torch.Tensor:
+    """h [T, H] -> q [T, heads, D], normed and rotated. A layer that projects K/V (`k_norm_w` given;
+    `split` has 3 parts, or 2 on K=V layers whose V is k's raw projection) writes them into
+    `kv_cache` ([2, blocks, block_size, Hkv, D]) at `slots` (the step's first len(slots) rows)."""
+    t = h.shape[0]
+    q_raw, *kv_raw = F.linear(rms_norm(h, norm_w, eps), qkv_w).split(split, dim=-1)
+    q = norm_rope(q_raw.view(t, -1, head_dim), q_norm_w, eps, cos, sin)
+    if k_norm_w is not None:
+        k_raw = kv_raw[0].view(t, -1, head_dim)
+        v_raw = k_raw if len(kv_raw) == 1 else kv_raw[1].view(t, -1, head_dim)
+        n = slots.shape[0]
+        k = norm_rope(k_raw, k_norm_w, eps, cos, sin)[:n]
+        v = rms_norm(v_raw, None, eps)[:n]
+        write_kv(kv_cache, k, v, slots)
+    return q
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """K and V ([n, Hkv, D]) into the paged cache at `slots`, as ONE index_put_ on the cache tensor
+    itself: compiled, that is a scatter into the cache in place (an index_copy_ into the views
+    cache[0] / cache[1] compiles to a copy of the whole cache, then a scatter, then a copy back)."""
+    n, block_size = slots.shape[0], kv_cache.shape[2]
+    which = torch.arange(2, device=slots.device).repeat_interleave(n)
+    blocks, offsets = (slots // block_size).repeat(2), (slots % block_size).repeat(2)
+    kv_cache.index_put_((which, blocks, offsets), torch.cat([k, v]).to(kv_cache.dtype))
+
+
+@layer_piece(token_args=2)
+def mlp_in(h: torch.Tensor, attn: torch.Tensor, post_attn_w: torch.Tensor, pre_ff_w: torch.Tensor,
+           gate_up_w: torch.Tensor, down_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h (the layer's input), attn (o_proj's all-reduced output) -> (the residual after attention,
+    this rank's share of the dense MLP's output)."""
+    h = h + rms_norm(attn, post_attn_w, eps)
+    gate, up = F.linear(rms_norm(h, pre_ff_w, eps), gate_up_w).chunk(2, dim=-1)
+    return h, F.linear(gelu_gate(gate, up), down_w)
+
+
+@layer_piece(token_args=3)
+def layer_out(h: torch.Tensor, ffn: torch.Tensor, layer_input: torch.Tensor | None, post_ff_w: torch.Tensor,
+              scalar: torch.Tensor, ple_gate_w: torch.Tensor | None, ple_proj_w: torch.Tensor | None,
+              ple_norm_w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The layer's output: h + post-FFN norm of `ffn` (all-reduced), then the per-layer input's gate
+    (E2B/E4B: h += norm(proj(gelu_tanh(gate(h)) * layer_input))), times the layer scalar."""
+    h = h + rms_norm(ffn, post_ff_w, eps)
+    if layer_input is not None:
+        gated = F.gelu(F.linear(h, ple_gate_w), approximate="tanh") * layer_input
+        h = h + rms_norm(F.linear(gated, ple_proj_w), ple_norm_w, eps)
+    return h * scalar
