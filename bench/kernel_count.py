@@ -117,6 +117,8 @@ def build_layer(spec: ModelSpec, layer: LayerSpec, dtype: torch.dtype) -> decode
     module = module.to_empty(device="cpu").to(dtype)
     for p in module.parameters():
         p.data.normal_(0, 0.02)   # finite values: softmax/top-k of uninitialised memory may be NaN
+    if module.moe is not None:
+        module.moe.experts.touched.zero_()   # its buffer is allocated once, not by a step
     return module.eval()
 
 
@@ -134,7 +136,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
     sin = torch.randn(rows, attn.head_dim, dtype=dtype)
     layer_input = None if spec.ple is None else torch.randn(rows, spec.ple.dim, dtype=dtype)
     counter = EagerLaunches()
-    originals = {name: getattr(layer_pieces, name) for name in PIECES if hasattr(layer_pieces, name)}
+    originals = {name: getattr(moe if name == "moe_in" else layer_pieces, name) for name in PIECES}
 
     def counted(name, piece):
         def run(*args):
@@ -147,10 +149,12 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
 
     compiled.set_compiled(False, layers=True)
     patched = [(mod, name) for mod in (decoder, moe, layer_pieces) for name in originals if hasattr(mod, name)]
+    patched.append((moe, "uses_grouped_mm"))   # the experts' CUDA dispatch (this torch runs it on a CPU too)
     saved = {(mod, name): getattr(mod, name) for mod, name in patched}
     try:
-        for mod, name in patched:
+        for mod, name in patched[:-1]:
             setattr(mod, name, counted(name, originals[name]))
+        moe.uses_grouped_mm = lambda x: True
         metadata = stub_metadata(rows, block_size)
         with torch.inference_mode(), counter:
             module(h, cos, sin, kv_cache, metadata, layer_input)

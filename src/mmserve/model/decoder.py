@@ -145,14 +145,14 @@ class DecoderLayer(nn.Module):
         layer_pieces.py: compiled on CUDA, each a few fused kernels between the GEMMs."""
         attn = self.self_attn(h, self.input_layernorm.weight, cos, sin, kv_cache, metadata)
         h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
-        if self.moe is not None:
-            ffn = self.moe(h, ffn)
-        ple = self.ple
-        return layer_out(h, ffn, layer_input, self.post_feedforward_layernorm.weight, self.layer_scalar,
-                         None if ple is None else ple.per_layer_input_gate.weight,
-                         None if ple is None else ple.per_layer_projection.weight,
-                         None if ple is None else ple.post_per_layer_input_norm.weight,
-                         self.post_feedforward_layernorm.eps)
+        moe, ple = self.moe, self.ple
+        routed = None if moe is None else moe(h)
+        moe_norms = None if moe is None else (moe.post_feedforward_layernorm_1.weight,
+                                              moe.post_feedforward_layernorm_2.weight)
+        ple_w = None if ple is None else (ple.per_layer_input_gate.weight, ple.per_layer_projection.weight,
+                                          ple.post_per_layer_input_norm.weight)
+        return layer_out(h, ffn, routed, layer_input, self.post_feedforward_layernorm.weight, self.layer_scalar,
+                         moe_norms, ple_w, self.post_feedforward_layernorm.eps)
 
 
 class TextDecoder(nn.Module):

@@ -8,9 +8,9 @@ One layer, in order:
     o_proj   the output GEMM (+ all-reduce under tensor parallelism)
     mlp_in   residual + post-attention RMSNorm, pre-FFN RMSNorm -> merged gate/up GEMM -> GELU x up
              -> down GEMM (+ all-reduce)
-    (routed experts, MoE layers)
-    layer_out post-FFN RMSNorm (of the dense + routed sum on MoE layers) + residual, the per-layer
-             input (E2B/E4B), the layer scalar
+    moe_in   (MoE layers, in moe.py) router, pre-norm, the experts' grouped GEMMs (+ all-reduce)
+    layer_out post-FFN RMSNorm (of norm_1(dense) + norm_2(routed) on MoE layers) + residual, the
+             per-layer input (E2B/E4B), the layer scalar
 A piece never spans the attention call or a collective, and each boundary falls right after a GEMM,
 where a kernel ends anyway: splitting there costs no launch (bench/kernel_count.py counts them).
 
@@ -71,14 +71,18 @@ def mlp_in(h: torch.Tensor, attn: torch.Tensor, post_attn_w: torch.Tensor, pre_f
     return h, F.linear(gelu_gate(gate, up), down_w)
 
 
-@layer_piece(token_args=3)
-def layer_out(h: torch.Tensor, ffn: torch.Tensor, layer_input: torch.Tensor | None, post_ff_w: torch.Tensor,
-              scalar: torch.Tensor, ple_gate_w: torch.Tensor | None, ple_proj_w: torch.Tensor | None,
-              ple_norm_w: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The layer's output: h + post-FFN norm of `ffn` (all-reduced), then the per-layer input's gate
-    (E2B/E4B: h += norm(proj(gelu_tanh(gate(h)) * layer_input))), times the layer scalar."""
+@layer_piece(token_args=4)
+def layer_out(h: torch.Tensor, ffn: torch.Tensor, routed: torch.Tensor | None, layer_input: torch.Tensor | None,
+              post_ff_w: torch.Tensor, scalar: torch.Tensor, moe_norm_w: tuple[torch.Tensor, torch.Tensor] | None,
+              ple_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, eps: float) -> torch.Tensor:
+    """The layer's output: h + post-FFN norm of `ffn` (the dense MLP's, all-reduced; on MoE layers
+    norm_1(dense) + norm_2(routed)), then the per-layer input's gate (E2B/E4B, `ple_w` = gate,
+    projection, norm: h += norm(proj(gelu_tanh(gate(h)) * layer_input))), times the layer scalar."""
+    if routed is not None:
+        ffn = rms_norm(ffn, moe_norm_w[0], eps) + rms_norm(routed, moe_norm_w[1], eps)
     h = h + rms_norm(ffn, post_ff_w, eps)
     if layer_input is not None:
-        gated = F.gelu(F.linear(h, ple_gate_w), approximate="tanh") * layer_input
-        h = h + rms_norm(F.linear(gated, ple_proj_w), ple_norm_w, eps)
+        gate_w, proj_w, norm_w = ple_w
+        gated = F.gelu(F.linear(h, gate_w), approximate="tanh") * layer_input
+        h = h + rms_norm(F.linear(gated, proj_w), norm_w, eps)
     return h * scalar
