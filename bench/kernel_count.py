@@ -157,7 +157,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
         moe.uses_grouped_mm = lambda x: True
         metadata = stub_metadata(rows, block_size)
         with torch.inference_mode(), counter:
-            module(h, cos, sin, kv_cache, metadata, layer_input)
+            module(h, h, cos, sin, kv_cache, metadata, layer_input, module.input_layernorm)
     finally:
         for (mod, name), fn in saved.items():
             setattr(mod, name, fn)

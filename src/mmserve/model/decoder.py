@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl
-from mmserve.model.layer_pieces import attn_in, layer_out, mlp_in
+from mmserve.model.layer_pieces import attn_in, input_norm, layer_out, mlp_in
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
@@ -82,16 +82,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, eps)
             self.v_norm = RMSNorm(d, eps, with_scale=False)
 
-    def forward(self, h: torch.Tensor, input_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata) -> torch.Tensor:
-        """The layer's input h -> o_proj's output, all-reduced. The layer's K/V are written to its
-        cache by `attn_in` (fused into the kernel that norms them), so the backend attends only."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata) -> torch.Tensor:
+        """The layer's normed input x -> o_proj's output, all-reduced. The layer's K/V are written to
+        its cache by `attn_in` (fused into the kernel that norms them), so the backend attends only."""
         kv = None
         if self.projects_kv:
             common = metadata.common
             kv = (common.slot_mapping[:common.num_actual_tokens], self.k_norm.weight, kv_cache)
         slots, k_norm, cache = kv or (None, None, None)
-        q = attn_in(h, cos, sin, slots, input_norm, self.qkv_proj.weight, self.q_norm.weight, k_norm, cache,
+        q = attn_in(x, cos, sin, slots, self.qkv_proj.weight, self.q_norm.weight, k_norm, cache,
                     self.q_norm.eps, tuple(self.split), self.head_dim)
         out = self.impl.forward(q, None, None, kv_cache, metadata)
         return self.group.all_reduce(self.o_proj(out.flatten(1)))
@@ -139,11 +139,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                metadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        """Sandwich-normed attention and MLP (+ experts, + per-layer input) in the pieces of
-        layer_pieces.py: compiled on CUDA, each a few fused kernels between the GEMMs."""
-        attn = self.self_attn(h, self.input_layernorm.weight, cos, sin, kv_cache, metadata)
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata, layer_input: torch.Tensor | None, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, x = input_layernorm(h)) -> (the layer's output, `next_norm` of it): sandwich-normed
+        attention and MLP (+ experts, + per-layer input) in the pieces of layer_pieces.py, compiled
+        on CUDA, each a few fused kernels between the GEMMs."""
+        attn = self.self_attn(x, cos, sin, kv_cache, metadata)
         h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         moe, ple = self.moe, self.ple
         routed = None if moe is None else moe(h)
@@ -152,7 +153,7 @@ class DecoderLayer(nn.Module):
         ple_w = None if ple is None else (ple.per_layer_input_gate.weight, ple.per_layer_projection.weight,
                                           ple.post_per_layer_input_norm.weight)
         return layer_out(h, ffn, routed, layer_input, self.post_feedforward_layernorm.weight, self.layer_scalar,
-                         moe_norms, ple_w, self.post_feedforward_layernorm.eps)
+                         moe_norms, ple_w, next_norm.weight, self.post_feedforward_layernorm.eps)
 
 
 class TextDecoder(nn.Module):
@@ -228,20 +229,24 @@ class TextDecoder(nn.Module):
         if self.ple is not None:
             layer_inputs = self.ple(self._text_ids(input_ids), h)
         rope = {t: self._cos_sin(t, positions, h.dtype) for t in attn_metadata}
+        first = self.layers[0].input_layernorm
+        x = input_norm(h, first.weight, first.eps)   # x: the next layer's normed input, then the final norm's
         for i, layer in enumerate(self.layers):
             if sampled is not None and layer.kv_source != i:   # the first KV-sharing layer: keep sampled rows
                 if not sampled.index.numel():
                     return self.norm(h[:0])
-                h, positions, attn_metadata = h[sampled.index], positions[sampled.index], sampled.attn_metadata
+                h, x, positions = h[sampled.index], x[sampled.index], positions[sampled.index]
+                attn_metadata = sampled.attn_metadata
                 layer_inputs = None if layer_inputs is None else layer_inputs[sampled.index]
                 rope = {t: (cos[sampled.index], sin[sampled.index]) for t, (cos, sin) in rope.items()}
                 sampled = None
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
-                      None if layer_inputs is None else layer_inputs[:, i])
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = layer(h, x, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
+                         None if layer_inputs is None else layer_inputs[:, i], next_norm)
         if sampled is not None:   # no KV-sharing layer: every row ran
-            h = h[sampled.index]
-        return self.norm(h)
+            x = x[sampled.index]
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,8 +1,8 @@
 """A decoder layer's work between its attention call and its collectives, as functions of plain
 tensors ("pieces"), so that on CUDA each compiles (inductor) into a few fused kernels around its GEMMs.
 
-One layer, in order:
-    attn_in  input RMSNorm -> merged qkv GEMM -> q and k RMSNorm + RoPE, v RMSNorm, K/V written to
+One layer, in order (its input RMSNorm comes fused in the previous layer's layer_out):
+    attn_in  merged qkv GEMM -> q and k RMSNorm + RoPE, v RMSNorm, K/V written to
              the paged cache (the attention backend is then called attend-only)
     (the backend's attention)
     o_proj   the output GEMM (+ all-reduce under tensor parallelism)
@@ -10,7 +10,8 @@ One layer, in order:
              -> down GEMM (+ all-reduce)
     moe_in   (MoE layers, in moe.py) router, pre-norm, the experts' grouped GEMMs (+ all-reduce)
     layer_out post-FFN RMSNorm (of norm_1(dense) + norm_2(routed) on MoE layers) + residual, the
-             per-layer input (E2B/E4B), the layer scalar
+             per-layer input (E2B/E4B), the layer scalar, and the next layer's input RMSNorm (the
+             decoder's final norm after the last layer)
 A piece never spans the attention call or a collective, and each boundary falls right after a GEMM,
 where a kernel ends anyway: splitting there costs no launch (bench/kernel_count.py counts them).
 
@@ -30,16 +31,23 @@ from mmserve.model.norm import rms_norm
 from mmserve.model.rope import norm_rope
 
 
+@layer_piece(token_args=1)
+def input_norm(h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The first layer's input RMSNorm (every later layer's comes fused in its predecessor's layer_out)."""
+    return rms_norm(h, norm_w, eps)
+
+
 @layer_piece(token_args=4)
-def attn_in(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None,
-            norm_w: torch.Tensor, qkv_w: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor | None,
+def attn_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None,
+            qkv_w: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor | None,
             kv_cache: torch.Tensor | None, eps: float, split: tuple[int, ...], head_dim: int,
             ) -> torch.Tensor:
-    """h [T, H] -> q [T, heads, D], normed and rotated. A layer that projects K/V (`k_norm_w` given;
-    `split` has 3 parts, or 2 on K=V layers whose V is k's raw projection) writes them into
-    `kv_cache` ([2, blocks, block_size, Hkv, D]) at `slots` (the step's first len(slots) rows)."""
-    t = h.shape[0]
-    q_raw, *kv_raw = F.linear(rms_norm(h, norm_w, eps), qkv_w).split(split, dim=-1)
+    """x [T, H] (the layer's input, normed) -> q [T, heads, D], normed and rotated. A layer that
+    projects K/V (`k_norm_w` given; `split` has 3 parts, or 2 on K=V layers whose V is k's raw
+    projection) writes them into `kv_cache` ([2, blocks, block_size, Hkv, D]) at `slots` (the
+    step's first len(slots) rows)."""
+    t = x.shape[0]
+    q_raw, *kv_raw = F.linear(x, qkv_w).split(split, dim=-1)
     q = norm_rope(q_raw.view(t, -1, head_dim), q_norm_w, eps, cos, sin)
     if k_norm_w is not None:
         k_raw = kv_raw[0].view(t, -1, head_dim)
@@ -74,10 +82,13 @@ def mlp_in(h: torch.Tensor, attn: torch.Tensor, post_attn_w: torch.Tensor, pre_f
 @layer_piece(token_args=4)
 def layer_out(h: torch.Tensor, ffn: torch.Tensor, routed: torch.Tensor | None, layer_input: torch.Tensor | None,
               post_ff_w: torch.Tensor, scalar: torch.Tensor, moe_norm_w: tuple[torch.Tensor, torch.Tensor] | None,
-              ple_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, eps: float) -> torch.Tensor:
-    """The layer's output: h + post-FFN norm of `ffn` (the dense MLP's, all-reduced; on MoE layers
-    norm_1(dense) + norm_2(routed)), then the per-layer input's gate (E2B/E4B, `ple_w` = gate,
-    projection, norm: h += norm(proj(gelu_tanh(gate(h)) * layer_input))), times the layer scalar."""
+              ple_w: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, next_norm_w: torch.Tensor, eps: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's output and, fused with it, the next layer's normed input (`next_norm_w`: its input
+    norm, or the decoder's final norm after the last layer). The output: h + post-FFN norm of `ffn`
+    (the dense MLP's, all-reduced; on MoE layers norm_1(dense) + norm_2(routed)), then the per-layer
+    input's gate (E2B/E4B, `ple_w` = gate, projection, norm: h += norm(proj(gelu_tanh(gate(h)) *
+    layer_input))), times the layer scalar."""
     if routed is not None:
         ffn = rms_norm(ffn, moe_norm_w[0], eps) + rms_norm(routed, moe_norm_w[1], eps)
     h = h + rms_norm(ffn, post_ff_w, eps)
@@ -85,4 +96,5 @@ def layer_out(h: torch.Tensor, ffn: torch.Tensor, routed: torch.Tensor | None, l
         gate_w, proj_w, norm_w = ple_w
         gated = F.gelu(F.linear(h, gate_w), approximate="tanh") * layer_input
         h = h + rms_norm(F.linear(gated, proj_w), norm_w, eps)
-    return h * scalar
+    h = h * scalar
+    return h, rms_norm(h, next_norm_w, eps)
