@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.errors import MMServeError
-from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
+from mmserve.sample.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
@@ -119,11 +119,17 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
-        out = SamplerOutput(tokens.tolist(), [None] * len(params))
-        if want_lp:
-            for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
-                             strict=True):
+        out = SamplerOutput([], [None] * len(params))
+        if want_lp:   # the logprobs ride in the tokens' one transfer to the host (float64 holds ids exactly)
+            num_top = [params[i].num_logprobs for i in want_lp]
+            table = logprob_table(raw, tokens[want_lp], max(num_top))
+            host = torch.cat([tokens.double(), table.flatten()]).cpu()
+            out.token_ids = host[:len(params)].long().tolist()
+            lps = read_logprobs(host[len(params):].view(table.shape), [out.token_ids[i] for i in want_lp], num_top)
+            for i, lp in zip(want_lp, lps, strict=True):
                 out.logprobs[i] = lp
+        else:
+            out.token_ids = tokens.tolist()
         if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
             rows, _, out.errors = masks
             live = [i for i in rows if i not in out.errors and not hasattr(requests[i], "drafts")]
