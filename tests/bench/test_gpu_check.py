@@ -4,26 +4,18 @@ no graph fail, and any section runs alone. The GPU numbers themselves need a GPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 from mmserve.attention.synthetic import Req, make_batch
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", BENCH_DIR / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("gpu_check") as module:
+        yield module
 
 
 def test_the_compiles_decode_step_at_64_frames_fits_its_cache(gpu_check):

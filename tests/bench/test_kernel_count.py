@@ -6,12 +6,12 @@ both checks; slow)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import bench_script
 from transformers import Gemma4Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -20,18 +20,13 @@ from gemma4_fixtures import tiny_config  # noqa: E402
 from mmserve.model import compiled, decoder, layer_pieces  # noqa: E402
 from mmserve.model.spec import load_spec  # noqa: E402
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 MAX_DENSE = 12   # #34: kernels per dense layer per decode step
 
 
 @pytest.fixture(scope="module")
 def kernel_count():
-    spec = importlib.util.spec_from_file_location("bench_kernel_count", BENCH_DIR / "kernel_count.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("kernel_count") as module:
+        yield module
 
 
 @pytest.mark.slow
