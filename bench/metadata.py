@@ -27,7 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import ScheduledRequest
 from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams

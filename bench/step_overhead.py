@@ -104,7 +104,7 @@ def measure(model_dir: Path, num_reqs: int, steps: int, backend: str, size: str,
     timers = {name: Timer(obj, attr) for name, (obj, attr) in {
         "schedule": (core.scheduler, "schedule"), "build_metadata": (core.runner.inputs, "build"),
         "forward": (core.model, "forward"), "logits": (core.model, "compute_logits"),
-        "sample": (core.sampler, "sample"), "accept": (core, "_accept"), "outputs": (core, "_emit")}.items()}
+        "sample": (core.sampler, "sample"), "accept": (core.rejection, "accept"), "outputs": (core, "_emit")}.items()}
     per_step = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
-from mmserve.core.kv_cache.manager import plan_pools
+from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams

@@ -71,7 +71,7 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
 
     def recording_execute(out):
         result = execute(out)
-        for row, s in zip(result.logits, result.sampled, strict=True):
+        for row, s in zip(result.logits, result.sampling, strict=True):
             logits[s.request.request_id].append(row.clone())
         return result
 

@@ -16,19 +16,19 @@ import dataclasses
 import pytest
 import torch
 
-from mmserve.worker.cuda_graphs import DecodeGraphs, capture_sizes, graph_query_lens, uniform_query_len
+from mmserve.worker.cuda_graphs import UniformStepGraphs, capture_sizes, graph_query_lens, uniform_query_len
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs():
     assert capture_sizes(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
     assert capture_sizes(20) == (1, 2, 4, 8, 16, 20)
     assert capture_sizes(3) == (1, 2, 3)
-    graphs = DecodeGraphs(capture_sizes(20), enabled=True)
+    graphs = UniformStepGraphs(capture_sizes(20), enabled=True)
     assert [graphs.size_for(n) for n in (1, 2, 3, 5, 8, 9, 17, 20, 21)] == [1, 2, 4, 8, 8, 16, 20, 20, None]
 
 
 def test_disabled_graphs_run_everything_eagerly():
-    graphs = DecodeGraphs(capture_sizes(64), enabled=False)
+    graphs = UniformStepGraphs(capture_sizes(64), enabled=False)
     assert not graphs.enabled and graphs.size_for(1) is None
 
 
@@ -44,13 +44,13 @@ def test_uniform_steps_without_frames_take_a_graph_of_their_query_length():
 
 def test_verify_graphs_are_captured_for_k_plus_1_rows_within_the_token_buffers():
     assert graph_query_lens(0) == (1,) and graph_query_lens(3) == (1, 4)
-    graphs = DecodeGraphs(capture_sizes(20), enabled=True, query_lens=graph_query_lens(3), max_tokens=48)
+    graphs = UniformStepGraphs(capture_sizes(20), enabled=True, query_lens=graph_query_lens(3), max_tokens=48)
     assert graphs.by_query_len == {1: (1, 2, 4, 8, 16, 20), 4: (1, 2, 4, 8)}
     assert [graphs.size_for(n, 4) for n in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, None]
     assert graphs.size_for(3, 2) is None and graphs.size_for(17) == 20
     rows = [s * q for s, q in graphs.keys]
     assert rows == sorted(rows, reverse=True) and len(graphs.keys) == 10   # most rows first: one memory pool
-    assert DecodeGraphs(capture_sizes(20), enabled=False, query_lens=(1, 4)).size_for(1, 4) is None
+    assert UniformStepGraphs(capture_sizes(20), enabled=False, query_lens=(1, 4)).size_for(1, 4) is None
 
 
 @pytest.mark.gpu
@@ -58,7 +58,7 @@ def test_verify_graphs_are_captured_for_k_plus_1_rows_within_the_token_buffers()
 def test_replay_reads_the_persistent_inputs_of_its_size():
     x = torch.zeros(8, 4, device="cuda")
     weight = torch.randn(4, 4, device="cuda")
-    graphs = DecodeGraphs((2, 8), enabled=True)
+    graphs = UniformStepGraphs((2, 8), enabled=True)
     graphs.capture_all(lambda size, query_len: (lambda: torch.tanh(x[:size] @ weight)))
     for size in (2, 8):
         x.copy_(torch.randn_like(x))
@@ -77,14 +77,14 @@ def test_graphs_only_on_cuda_without_enforce_eager_and_with_capturable_backends(
 
 def decode_step(num_reqs: int, drafts: int = 0):
     """A scheduler past its prefills (every request now schedules one token) and the runner's tables."""
-    from sched_helpers import SPECS, make_request, make_scheduler
+    from sched_helpers import SPECS, admit, make_request, make_scheduler
 
     from mmserve.worker.block_table import BlockTables
     from mmserve.worker.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=256, max_num_seqs=16)
     for i in range(num_reqs):   # prompts share no block: one that did would wait for the first to compute it
-        sched.add_request(make_request(f"r{i}", 5 + 3 * i, max_tokens=8, first=3 + 100 * i))
+        admit(sched, make_request(f"r{i}", 5 + 3 * i, max_tokens=8, first=3 + 100 * i))
     tables = BlockTables(SPECS, sched.kv.max_blocks_per_req)
     builder = StepInputBuilder(SPECS, max_num_tokens=256, max_num_seqs=16, max_blocks_per_req=sched.kv.max_blocks_per_req,
                                block_size=sched.kv.block_size, device="cpu")
@@ -182,7 +182,7 @@ def test_a_padded_verify_step_pads_with_null_block_requests_of_k_plus_1_rows():
         builder.build(out.scheduled, tables.rows, rows, pad_to=8)   # 4 tokens per request, padded as 1
 
 
-class ReplayedClosures(DecodeGraphs):
+class ReplayedClosures(UniformStepGraphs):
     """Each "graph" is the forward closure built over its all-padding capture step, run again at
     replay: what a CUDA graph reads (the capture's input views and metadata objects, refilled in
     place by each later step), on a CPU."""
@@ -209,7 +209,7 @@ def test_verify_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path, mon
     hf = make_checkpoint(tmp_path / "target", config=cfg, seed=61)
     make_assistant(tmp_path / "assistant", cfg, seed=63, copy_from=hf)
     model = load_model(tmp_path / "target", dtype="float32", device="cpu", attention_backend="flex")
-    monkeypatch.setattr(model_runner, "DecodeGraphs", ReplayedClosures)
+    monkeypatch.setattr(model_runner, "UniformStepGraphs", ReplayedClosures)
     monkeypatch.setattr(model_runner, "graphs_enabled", lambda device, eager, capturable: not eager and all(capturable))
     requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=24) for i in range(3)]
     runs = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 import torch
 from engine_helpers import build_request, make_llm
 
@@ -13,6 +14,7 @@ from mmserve.attention.backend import FULL, SLIDING
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.observer import NullObserver
+from mmserve.errors import LimitExceededError
 
 
 def random_requests(n: int, seed: int, max_tokens=(1, 8)):
@@ -124,3 +126,14 @@ def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
     # every frame is encoded exactly once, in the step its tokens enter
     assert sum(cached) == 20
     assert_pools_full(llm.core)
+
+
+def test_waiting_queue_is_bounded_and_retryable(load_backend):
+    """The core's admission (the one path every door takes) bounds the waiting queue: the next
+    request is refused with a retryable error, which a client may try again later."""
+    llm = make_llm(load_backend("reference"), max_waiting_requests=3)
+    for i in range(3):
+        llm.core.add_request(build_request(f"r{i}", [5], seed=i).core_request())
+    with pytest.raises(LimitExceededError, match="--max-waiting-requests") as e:
+        llm.core.add_request(build_request("r3", [5], seed=3).core_request())
+    assert e.value.retryable and not e.value.can_never_fit

@@ -12,14 +12,14 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_cuda_step_inputs_match_cpu():
-    from sched_helpers import SPECS, make_request, make_scheduler
+    from sched_helpers import SPECS, admit, make_request, make_scheduler
 
     from mmserve.worker.block_table import BlockTables
     from mmserve.worker.step_inputs import StepInputBuilder
 
     sched = make_scheduler(max_num_batched_tokens=48)
     for i in range(5):
-        sched.add_request(make_request(f"r{i}", 20 + 7 * i, [(3, 9), (12, 19)], max_tokens=3))
+        admit(sched, make_request(f"r{i}", 20 + 7 * i, [(3, 9), (12, 19)], max_tokens=3))
     width = sched.kv.max_blocks_per_req
     opts = dict(max_num_tokens=48, max_num_seqs=sched.max_num_seqs, max_blocks_per_req=width,
                 block_size=sched.kv.block_size)

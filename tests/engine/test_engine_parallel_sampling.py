@@ -66,7 +66,7 @@ def test_cancel_mid_stream_frees_every_block(load_backend):
     for sub in fan_out(req):
         core.abort(sub.request_id)
     llm.step()
-    assert core.kv.usage() == 0 and not core.requests and not core._forks and not core.scheduler.num_unfinished
+    assert core.kv.usage() == 0 and not core.requests and not core._forks and not (core.scheduler.running or core.scheduler.waiting)
     assert not llm.processor.states and not llm.processor.aborting
 
 

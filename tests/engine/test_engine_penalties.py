@@ -14,7 +14,7 @@ from mmserve.errors import InvalidInputError
 from mmserve.request import Request
 from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
-from mmserve.spec_decode.speculator import VerifyRow
+from mmserve.spec_decode.verify import VerifyRow
 
 
 def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tensor:

@@ -53,7 +53,7 @@ def engine(model_tok, **options):
 
     def recording(out):
         result = execute(out)
-        for row, s in zip(result.logits, result.sampled, strict=True):
+        for row, s in zip(result.logits, result.sampling, strict=True):
             llm.logits.setdefault(s.request.request_id, []).append(row.clone())
         return result
 

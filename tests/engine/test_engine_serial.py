@@ -11,10 +11,10 @@ import pytest
 import torch
 import zmq
 
-from mmserve.engine.types import EngineRequest, LoadInfo, RequestOutput, Usage
+from mmserve.engine.types import EngineRequest, RequestOutput, Usage
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.ipc import serial
-from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs
+from mmserve.ipc.protocol import AddRequest, CoreOutput, EngineCoreOutputs, LoadInfo
 from mmserve.request import MultiModalInput
 from mmserve.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ def through_zmq(obj):
         ctx.term()
 
 
-def test_requests_cross_with_pixels_and_without_the_trace_context():
+def test_requests_cross_with_pixels_and_without_the_front_ends_fields():
     seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     pixels = torch.rand(int(torch.randint(50, 400, (), generator=gen)), 48, generator=gen)
@@ -42,11 +42,10 @@ def test_requests_cross_with_pixels_and_without_the_trace_context():
     req = EngineRequest("r", [1, 2, 3, 4], [(1, 2)], [MultiModalInput(pixels, positions)],
                         SamplingParams(max_tokens=7, stop=("x",), seed=seed), priority=3,
                         trace_context=object(), num_frames=1, num_mm_tokens=2)
-    got = through_zmq(AddRequest(req)).request
-    assert got.trace_context is None      # local: a live OTel context never crosses
+    got = through_zmq(AddRequest(req.core_request())).request
+    assert not hasattr(got, "trace_context")      # front end only: a live OTel context never crosses
     assert torch.equal(got.mm_inputs[0].pixel_values, pixels) and torch.equal(got.mm_inputs[0].position_ids, positions)
-    assert dataclasses.replace(got, mm_inputs=[], trace_context=None) == dataclasses.replace(
-        req, mm_inputs=[], trace_context=None)
+    assert dataclasses.replace(got, mm_inputs=[]) == dataclasses.replace(req.core_request(), mm_inputs=[])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool])

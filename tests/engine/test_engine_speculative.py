@@ -162,7 +162,7 @@ def test_each_verify_row_is_adjusted_as_the_plain_step_at_its_position():
     exactly as the step that would have sampled position j alone (greedy rows: the same argmax)."""
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.sample.sampler import Sampler
-    from mmserve.spec_decode.speculator import verify_rows
+    from mmserve.spec_decode.verify import verify_rows
 
     eos = 1
     gen = torch.Generator().manual_seed(int(torch.randint(0, 1000, ())))
@@ -238,7 +238,7 @@ def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, mon
     """Fault injection (a sampler bug on one request's later verify rows): the batch is sampled
     again row by row, the request's first row succeeds and its later rows fail. Their tokens are
     placeholders, so the request ends with the error; its step-mate keeps its solo tokens."""
-    from mmserve.spec_decode.speculator import VerifyRow
+    from mmserve.spec_decode.verify import VerifyRow
 
     def requests():
         return [build_request("victim", [20], seed=1, max_tokens=12), build_request("mate", [22], seed=2, max_tokens=12)]

@@ -107,10 +107,9 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
 
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.model.tokenizer import load_tokenizer
-    from mmserve.request import Request
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
-    from mmserve.spec_decode.speculator import verify_rows
+    from mmserve.spec_decode.verify import verify_rows
     from mmserve.structured_output.compiler import FormatCompiler
     from mmserve.structured_output.manager import StructuredOutput
 

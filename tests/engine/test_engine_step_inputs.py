@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 import torch
-from sched_helpers import SPECS, make_request, make_scheduler, random_ranges
+from sched_helpers import SPECS, admit, make_request, make_scheduler, random_ranges, samples
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention import PoolConfig
@@ -44,14 +44,14 @@ def busy_scheduler(seed: int, budget: int = 48, num_blocks: int = 128):
     sched = make_scheduler(max_num_batched_tokens=budget, max_num_seqs=6, num_blocks=num_blocks)
     for i in range(8):
         n = rng.randint(1, 70)
-        sched.add_request(make_request(f"r{i}", n, random_ranges(rng, n, max_len=10), max_tokens=rng.randint(1, 6)))
+        admit(sched, make_request(f"r{i}", n, random_ranges(rng, n, max_len=10), max_tokens=rng.randint(1, 6)))
     return sched
 
 
 def advance(sched, out):
     sched.update(out)
     for s in out.scheduled:
-        if s.samples:
+        if samples(s):
             s.request.output_token_ids.append(100 + len(s.request.output_token_ids))
             if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
                 sched.finish(s.request.request_id)
@@ -66,7 +66,7 @@ def test_fields_match_per_token_python(num_blocks):
     inputs = Inputs(sched)
     inputs.builder.query_ranges.np.fill(9999)   # poison: any row the builder forgets shows up
     steps = preempted = 0
-    while sched.num_unfinished:
+    while sched.running or sched.waiting:
         out = sched.schedule()
         preempted += len(out.preempted_ids)
         inp = inputs.build(out)
@@ -89,9 +89,9 @@ def test_fields_match_per_token_python(num_blocks):
         md = inp.common[SLIDING]
         assert md.query_start_loc[-1] == row == md.num_actual_tokens
         assert inp.common[FULL].query_ranges is None   # full layers are causal-only
-        assert [out.scheduled[i].samples for i in inp.sampled] == [True] * len(inp.sampled)
+        assert [samples(out.scheduled[i]) for i in inp.sampling_index] == [True] * len(inp.sampling_index)
         ends = md.query_start_loc[1:].tolist()
-        assert inp.logits_indices.tolist() == [ends[i] - 1 for i in inp.sampled]
+        assert inp.logits_indices.tolist() == [ends[i] - 1 for i in inp.sampling_index]
         if md.query_ranges is not None:
             assert not (md.query_ranges == 9999).any()
         # nothing stale survives past this step's rows
@@ -105,7 +105,7 @@ def test_fields_match_per_token_python(num_blocks):
 
 def test_mm_token_index_covers_exactly_the_frames_entering():
     sched = make_scheduler(max_num_batched_tokens=16)
-    sched.add_request(make_request("v", 30, [(2, 5), (8, 15), (20, 27)]))
+    admit(sched, make_request("v", 30, [(2, 5), (8, 15), (20, 27)]))
     inputs = Inputs(sched)
     out = sched.schedule()          # chunk [0, 16) holds the first two frames
     inp = inputs.build(out)
@@ -132,7 +132,7 @@ class _StorageRecorder(TorchDispatchMode):
 def drive(sched, inputs, attn, on_build) -> int:
     """Step the scheduler to the end, building step inputs and every backend's metadata each step."""
     steps = 0
-    while sched.num_unfinished:
+    while sched.running or sched.waiting:
         out = sched.schedule()
         inp = on_build(lambda o=out: _build_all(inputs, attn, o))
         assert inp.num_tokens > 0
@@ -210,7 +210,7 @@ def test_causal_only_models_get_no_range_table():
 
     specs = {t: dataclasses.replace(s, bidirectional=False) for t, s in SPECS.items()}
     sched = make_scheduler(max_num_batched_tokens=32)
-    sched.add_request(make_request("v", 30, [(2, 9), (12, 20)]))
+    admit(sched, make_request("v", 30, [(2, 9), (12, 20)]))
     inp = Inputs(sched, specs).build(sched.schedule())
     assert all(md.query_ranges is None for md in inp.common.values())
     assert inp.mm_token_index is not None   # the frames still take their vision embeddings

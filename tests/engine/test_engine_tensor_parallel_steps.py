@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from sched_helpers import samples
 
 from mmserve.core.sched.output import BlockUpdate, ScheduledRequest, SchedulerOutput
 from mmserve.executor.step_messages import StepEncoder, StepMirror
@@ -23,8 +24,8 @@ def assert_same_to_the_runner(ours: SchedulerOutput, theirs: SchedulerOutput) ->
     assert len(ours.scheduled) == len(theirs.scheduled)
     for a, b in zip(ours.scheduled, theirs.scheduled, strict=True):
         ra, rb = a.request, b.request
-        assert (ra.request_id, a.num_tokens, a.num_computed_tokens, a.frames, a.block_updates, a.samples) == \
-               (rb.request_id, b.num_tokens, b.num_computed_tokens, b.frames, b.block_updates, b.samples)
+        assert (ra.request_id, a.num_tokens, a.num_computed_tokens, a.frames, a.block_updates, samples(a)) == \
+               (rb.request_id, b.num_tokens, b.num_computed_tokens, b.frames, b.block_updates, samples(b))
         assert ra.token_ids_slice(a.num_computed_tokens, a.seq_len) == rb.token_ids_slice(b.num_computed_tokens, b.seq_len)
         assert ra.num_tokens == rb.num_tokens and ra.sampling_params == rb.sampling_params
         assert ra.mm_ranges == rb.mm_ranges

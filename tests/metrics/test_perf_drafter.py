@@ -17,7 +17,8 @@ from torch import nn
 from transformers import Gemma4AssistantConfig
 
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext
-from mmserve.model.assistant import Assistant, load_assistant_spec
+from mmserve.model.assistant import Assistant
+from mmserve.model.assistant_spec import load_assistant_spec
 from mmserve.model.spec import load_spec
 
 
@@ -107,7 +108,7 @@ def test_telemetry_bills_each_request_its_draft_rows_and_the_step_its_useful_tok
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from mmserve.engine.observer import ScheduledItem, StepRecord
+    from mmserve.ipc.records import ScheduledItem, StepRecord
     from mmserve.metrics.peaks import DevicePeaks
     from mmserve.metrics.telemetry import TelemetryObserver
     from mmserve.request import Request

@@ -250,7 +250,7 @@ def test_a_verify_chunk_runs_kv_sharing_layers_on_every_row():
 
 def test_constrained_drafting_broadcasts_the_drafts():
     """A drafting round with a constrained request broadcasts each draft step's R int64 ids."""
-    from mmserve.model.assistant import AssistantSpec, DraftAttention
+    from mmserve.model.assistant_spec import AssistantSpec, DraftAttention
 
     spec = load_spec(FAMILY / "31b.json")
     drafter = AssistantSpec("gemma4_assistant", ("sliding_attention",), {"sliding_attention": DraftAttention(8, 16, 256, 512)},

@@ -28,7 +28,7 @@ from mmserve.engine.observer import NullObserver  # noqa: E402
 from mmserve.metrics.perf_model import PerfModel, StepContext  # noqa: E402
 from mmserve.metrics.telemetry import draft_work, request_work  # noqa: E402
 from mmserve.model import load_model  # noqa: E402
-from mmserve.model.assistant import load_assistant_spec  # noqa: E402
+from mmserve.model.assistant_spec import load_assistant_spec  # noqa: E402
 from mmserve.model.spec import load_spec  # noqa: E402
 from mmserve.model.tokenizer import load_tokenizer  # noqa: E402
 

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from mmserve.engine.observer import ScheduledItem, StepRecord
+from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -312,7 +312,7 @@ def test_step_span_and_counter_carry_the_comm_bytes():
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from mmserve.metrics.perf_model import DraftWork
-    from mmserve.model.assistant import AssistantSpec, DraftAttention
+    from mmserve.model.assistant_spec import AssistantSpec, DraftAttention
     from mmserve.sampling_params import ResponseFormat
 
     exporter = InMemorySpanExporter()

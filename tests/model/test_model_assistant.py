@@ -14,13 +14,8 @@ import torch
 from gemma4_fixtures import PagedSequence, make_assistant, make_checkpoint, tiny_config
 
 from mmserve.model import load_model
-from mmserve.model.assistant import (
-    check_compatible,
-    gather_shared_kv,
-    load_assistant,
-    load_assistant_spec,
-    storing_layers,
-)
+from mmserve.model.assistant import gather_shared_kv, load_assistant
+from mmserve.model.assistant_spec import check_compatible, load_assistant_spec, storing_layers
 from mmserve.model.spec import UnsupportedModelError
 
 NUM_DRAFTS = 3

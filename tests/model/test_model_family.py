@@ -101,7 +101,7 @@ def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
     """The planner counts only KV-holding layers; the runner allocates their caches alone and hands
     each KV-sharing layer its producer's tensor."""
     from mmserve.config import EngineConfig
-    from mmserve.core.kv_cache.manager import plan_pools
+    from mmserve.core.kv_cache.planner import plan_pools
     from mmserve.worker.model_runner import ModelRunner
 
     model, _ = variant

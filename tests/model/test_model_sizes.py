@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mmserve.attention import create_impl
-from mmserve.core.kv_cache.manager import plan_pools
+from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.spec import load_spec
 

@@ -40,7 +40,8 @@ from test_model_parity import run_ours, video_prompt
 
 from mmserve.metrics.perf_model import DraftWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model import load_model, parallel
-from mmserve.model.assistant import load_assistant, load_assistant_spec
+from mmserve.model.assistant import load_assistant
+from mmserve.model.assistant_spec import load_assistant_spec
 from mmserve.model.decoder import SampledRows
 from mmserve.model.parallel import SINGLE, ParallelGroup, ShardingError, join_group, local_spec
 from mmserve.model.prompt import build_prompt

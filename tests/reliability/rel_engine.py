@@ -14,7 +14,7 @@ import loopback_server
 from loopback_server import LoopbackServer
 
 from mmserve.config import EngineConfig
-from mmserve.engine.observer import StepRecord
+from mmserve.ipc.records import StepRecord
 
 
 class RecordingObserver:

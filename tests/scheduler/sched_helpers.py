@@ -5,7 +5,8 @@ from __future__ import annotations
 import random
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
-from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.request import Request
@@ -49,6 +50,18 @@ def make_scheduler(num_blocks: int = 256, block_size: int = 4, **kw) -> Schedule
     return Scheduler(make_kv(num_blocks, block_size, opts["max_model_len"]), **opts)
 
 
+def admit(sched: Scheduler, request: Request) -> None:
+    """The scheduler's part of admission, as EngineCore.add_request runs it: refuse what can never
+    run, then queue (the core's own checks, ids and the waiting limit, need a model: tests/engine)."""
+    sched.check_admissible(request)
+    sched.enqueue(request)
+
+
+def samples(s) -> bool:
+    """True when a scheduled chunk reaches its request's last token, so a new token is sampled."""
+    return s.seq_len - len(s.draft_token_ids) == s.request.num_tokens
+
+
 def step(sched: Scheduler, on_step=None) -> SchedulerOutput:
     """One step without a model: every sampling chunk 'generates' token 7. `on_step(out)` sees the
     output before the scheduler is updated."""
@@ -57,7 +70,7 @@ def step(sched: Scheduler, on_step=None) -> SchedulerOutput:
         on_step(out)
     sched.update(out)
     for s in out.scheduled:
-        if s.samples:
+        if samples(s):
             s.request.output_token_ids.append(7)
     return out
 
@@ -65,7 +78,7 @@ def step(sched: Scheduler, on_step=None) -> SchedulerOutput:
 def run_to_completion(sched: Scheduler, on_step=None, max_steps: int = 10_000) -> int:
     """Step without a model until every request has its max_tokens. Returns the number of steps."""
     for n in range(max_steps):
-        if not sched.num_unfinished:
+        if not (sched.running or sched.waiting):
             return n
         for s in step(sched, on_step).scheduled:   # only a sampled request's output grew
             if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:

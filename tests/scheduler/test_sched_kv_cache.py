@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from sched_helpers import LAYER_TYPES, SPECS, make_kv, make_request
+from sched_helpers import LAYER_TYPES, SPECS, admit, make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.core.kv_cache.manager import NULL_BLOCK, plan_pools
+from mmserve.core.kv_cache.manager import NULL_BLOCK
+from mmserve.core.kv_cache.planner import plan_pools
 
 
 def test_pools_sized_from_bytes_get_equal_block_counts():
@@ -79,7 +80,7 @@ def test_windowed_pool_is_capped_and_its_bytes_go_to_the_full_pool():
                       max_model_len=512)
     rng = random.Random(1)
     for i in range(12):
-        sched.add_request(make_request(f"r{i}", 150, random_ranges(rng, 150, max_len=10), max_tokens=20))
+        admit(sched, make_request(f"r{i}", 150, random_ranges(rng, 150, max_len=10), max_tokens=20))
     preempted = []
     run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
     assert preempted == []

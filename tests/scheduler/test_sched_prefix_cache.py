@@ -9,10 +9,12 @@ import random
 import pytest
 import torch
 from sched_helpers import FULL, SLIDING, make_kv, make_scheduler, run_to_completion, step
+from sched_helpers import admit as schedule_admit
 
 from mmserve.block_hash import block_hashes
 from mmserve.core.kv_cache.block_pool import BlockPool
-from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager, PoolPlan
+from mmserve.core.kv_cache.manager import NULL_BLOCK, KVCacheManager
+from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.request import MultiModalInput, Request
 from mmserve.sampling_params import SamplingParams
 
@@ -177,7 +179,7 @@ def test_a_request_waits_for_the_prefix_a_running_one_is_computing():
     doc = list(range(3, 63))                      # 60 shared tokens: three steps for the first request
     for r in (request("a", doc + [70], max_tokens=2), request("b", doc + [71], max_tokens=2),
               request("c", list(range(100, 110)), max_tokens=2)):
-        sched.add_request(r)
+        schedule_admit(sched, r)
     admitted, steps = {}, [0]
 
     def note(out):
@@ -261,7 +263,7 @@ def test_random_load_only_ever_reuses_blocks_holding_the_same_prefix(seed):
                 cut = s
         kept = [k for k, (_, e) in enumerate(ranges) if e < cut]
         suffix = [rng.randrange(20, 60) for _ in range(rng.randint(1, 12))]   # ... and a question of its own
-        sched.add_request(request(f"r{i}", tokens[:cut] + suffix, [ranges[k] for k in kept],
+        schedule_admit(sched, request(f"r{i}", tokens[:cut] + suffix, [ranges[k] for k in kept],
                                   [items[k] for k in kept], max_tokens=rng.randint(1, 6)))
     written = {FULL: {}, SLIDING: {}}
     reused = preempted = 0
@@ -287,14 +289,14 @@ def test_random_load_only_ever_reuses_blocks_holding_the_same_prefix(seed):
                         written[t][block] = _identity(r, j, bs)
 
     for _ in range(10_000):
-        if not sched.num_unfinished:
+        if not (sched.running or sched.waiting):
             break
         out = step(sched, check)
         record(out)
         for s in out.scheduled:
             if len(s.request.output_token_ids) >= s.request.sampling_params.max_tokens:
                 sched.finish(s.request.request_id)
-    assert not sched.num_unfinished
+    assert not (sched.running or sched.waiting)
     assert reused > 0 and preempted > 0, (reused, preempted)
     for p in sched.kv.pools.values():
         assert p.num_free == p.num_usable and not any(p.ref_cnt)

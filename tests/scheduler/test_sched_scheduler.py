@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from sched_helpers import make_request, make_scheduler, random_ranges, run_to_completion, step
+from sched_helpers import admit, make_request, make_scheduler, random_ranges, run_to_completion, step
 
 from mmserve.core.sched.scheduler import align_chunk
 from mmserve.errors import LimitExceededError
@@ -30,7 +30,7 @@ def test_budget_and_chunks_never_split_a_frame(seed):
     for i in range(12):
         n = rng.randint(1, 90)
         r = make_request(f"r{i}", n, random_ranges(rng, n, max_len=budget), max_tokens=rng.randint(1, 5))
-        sched.add_request(r)
+        admit(sched, r)
         reqs.append(r)
     seen_tokens = {r.request_id: 0 for r in reqs}
 
@@ -60,28 +60,19 @@ def test_budget_and_chunks_never_split_a_frame(seed):
 def test_frame_longer_than_budget_is_an_admission_error():
     sched = make_scheduler(max_num_batched_tokens=16)
     with pytest.raises(LimitExceededError, match="--max-num-batched-tokens") as e:
-        sched.add_request(make_request("big", 40, [(3, 19)]))
+        admit(sched, make_request("big", 40, [(3, 19)]))
     assert not e.value.retryable and e.value.can_never_fit
-    assert sched.num_unfinished == 0
+    assert not (sched.running or sched.waiting)
 
 
 def test_context_and_kv_limits_are_admission_errors():
     sched = make_scheduler(max_model_len=64)
     with pytest.raises(LimitExceededError, match="--max-model-len") as too_long:
-        sched.add_request(make_request("long", 60, max_tokens=8))
+        admit(sched, make_request("long", 60, max_tokens=8))
     tiny = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(LimitExceededError, match="--kv-cache-bytes") as too_fat:
-        tiny.add_request(make_request("fat", 40))
+        admit(tiny, make_request("fat", 40))
     assert too_long.value.can_never_fit and too_fat.value.can_never_fit
-
-
-def test_waiting_queue_is_bounded_and_retryable():
-    sched = make_scheduler(max_waiting_requests=3)
-    for i in range(3):
-        sched.add_request(make_request(f"r{i}", 5))
-    with pytest.raises(LimitExceededError, match="--max-waiting-requests") as e:
-        sched.add_request(make_request("r3", 5))
-    assert e.value.retryable and not e.value.can_never_fit
 
 
 def test_preemption_frees_and_recomputes():
@@ -89,7 +80,7 @@ def test_preemption_frees_and_recomputes():
     sched = make_scheduler(num_blocks=17, block_size=4, max_num_batched_tokens=64)
     reqs = [make_request(f"r{i}", 30, [(4, 9)], max_tokens=10) for i in range(3)]
     for r in reqs:
-        sched.add_request(r)
+        admit(sched, r)
     preempted = []
     run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
     assert preempted, "the tiny cache should force a preemption"
@@ -100,7 +91,7 @@ def test_preemption_frees_and_recomputes():
 def test_priority_policy_admits_highest_value_first():
     sched = make_scheduler(max_num_seqs=1, policy="priority")
     for rid, prio in [("late", -5), ("urgent", 1), ("normal", 0), ("normal2", 0)]:
-        sched.add_request(make_request(rid, 4, priority=prio))
+        admit(sched, make_request(rid, 4, priority=prio))
     order = []
     run_to_completion(sched, lambda out: order.extend(
         s.request.request_id for s in out.scheduled if s.num_computed_tokens == 0))
@@ -111,10 +102,10 @@ def test_priority_policy_preempts_the_lowest_priority_latest_arrival():
     # 16 usable blocks of 4 tokens; three requests growing to 28 tokens (7 blocks) each cannot all stay.
     sched = make_scheduler(num_blocks=17, block_size=4, max_num_batched_tokens=64, max_num_seqs=3, policy="priority")
     for rid in ("low1", "low2"):
-        sched.add_request(make_request(rid, 8, max_tokens=20, priority=-1))
+        admit(sched, make_request(rid, 8, max_tokens=20, priority=-1))
     preempted: list[str] = []
     step(sched)                               # both low requests run before the urgent one arrives
-    sched.add_request(make_request("high", 8, max_tokens=20, priority=5))   # admitted last
+    admit(sched, make_request("high", 8, max_tokens=20, priority=5))   # admitted last
     run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
     assert preempted and preempted[0] == "low2"
     assert "high" not in preempted
@@ -122,7 +113,7 @@ def test_priority_policy_preempts_the_lowest_priority_latest_arrival():
 
 def test_finish_of_waiting_request_and_unknown_id():
     sched = make_scheduler()
-    sched.add_request(make_request("a", 4))
+    admit(sched, make_request("a", 4))
     assert sched.finish("a") is not None
     assert sched.finish("a") is None
     assert sched.schedule().finished_ids == ["a"]
@@ -132,11 +123,11 @@ def test_a_frame_blocked_by_decodes_is_not_starved():
     # Seven decoders take 7 of 16 tokens every step; a 14-token frame needs a step of its own.
     sched = make_scheduler(max_num_batched_tokens=16, max_num_seqs=8)
     for i in range(7):
-        sched.add_request(make_request(f"d{i}", 2, max_tokens=200))
+        admit(sched, make_request(f"d{i}", 2, max_tokens=200))
     while any(r.is_prefill for r in sched.running) or sched.waiting:
         step(sched)
     frame = make_request("f", 20, [(3, 16)], max_tokens=1)
-    sched.add_request(frame)
+    admit(sched, frame)
     steps = 0
     while frame.num_computed_tokens <= 16 and steps < 4:
         steps += 1
@@ -152,7 +143,7 @@ def test_a_step_carrying_a_decode_stays_within_the_base_budget(seed):
     sched = make_scheduler(max_num_batched_tokens=16, prefill_batched_tokens=96, max_num_seqs=6, num_blocks=512)
     for i in range(10):
         n = rng.randint(5, 70)
-        sched.add_request(make_request(f"r{i}", n, random_ranges(rng, n, max_len=8), max_tokens=rng.randint(1, 8)))
+        admit(sched, make_request(f"r{i}", n, random_ranges(rng, n, max_len=8), max_tokens=rng.randint(1, 8)))
     sizes = []
 
     def check(out):
@@ -166,7 +157,7 @@ def test_a_step_carrying_a_decode_stays_within_the_base_budget(seed):
 def test_prefill_budget_shrinks_once_the_first_request_decodes():
     sched = make_scheduler(max_num_batched_tokens=16, prefill_batched_tokens=64)
     for i in range(3):   # prompts that share no block, so nobody waits for another's prefix
-        sched.add_request(make_request(f"r{i}", 30, max_tokens=4, first=3 + 100 * i))
+        admit(sched, make_request(f"r{i}", 30, max_tokens=4, first=3 + 100 * i))
     assert step(sched).num_batched_tokens == 64      # 30 + 30 + 4, nobody decodes yet
     out = step(sched)                                 # r0 and r1 now decode
     assert out.num_batched_tokens == 16 and sum(not s.is_prefill for s in out.scheduled) == 2

@@ -20,7 +20,7 @@ from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import get_tracer
-from mmserve.model.assistant import load_assistant_spec
+from mmserve.model.assistant_spec import load_assistant_spec
 from mmserve.model.spec import load_spec
 
 # the last one is longer than a step's budget (256 tokens: the warm-up image's size): chunked prefill

@@ -2,20 +2,27 @@
 
 The core owns the model, the KV caches, the scheduler and the sampler, and is driven from one thread
 (the engine process's main thread, or the offline LLM's caller). It speaks plain data: an
-`EngineRequest` in, one `EngineCoreOutputs` per step out (new token ids, "eos"/"length" ends,
+`EngineCoreRequest` in, one `EngineCoreOutputs` per step out (new token ids, "eos"/"length" ends,
 per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and the observer live in
-the front end (`output_processor.py`), off this loop's critical path.
+the front end (`engine/output/processor.py`), off this loop's critical path.
 
 A failing step fails only the requests it scheduled; the loop keeps serving. A request whose own
 sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
 request with a response_format not compiled yet waits off the scheduler while the compile worker
-runs (`format_compiler.py`): the step loop never compiles.
+runs (`structured_output/compiler.py`): the step loop never compiles.
 
-With a speculative model (`speculative.py`) a step may verify drafts: its sampled rows are accepted
-(longest matching prefix + the target's next token, cut at EOS and max_tokens), the tokens are
+With a speculative model (`spec_decode/`) a step may verify drafts: its sampled rows are accepted
+(`sample/rejection_sampler.py`: longest matching prefix + the target's next token, cut at EOS and
+max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
 tokens before the step ends.
+
+Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
+never sample, and report their computed tokens after each step that advanced them. They hold their
+blocks until aborted (the session's prefix cannot be evicted while it lives); a session's contexts
+share one reservation, room for two full histories (the context answering and the one a roll-over
+rebuilds), and all sessions' reservations together stay within `--live-kv-share` of each pool.
 """
 
 from __future__ import annotations
@@ -24,26 +31,34 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.core.kv_cache.manager import KVCacheManager, plan_pools
-from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.forks import HeldForks
+from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import plan_pools
+from mmserve.core.live import LiveReservations, check_extension
+from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
-from mmserve.engine.observer import ScheduledItem, StepRecord
-from mmserve.engine.parallel_sampling import check_samples_fit
-from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs
+from mmserve.ipc.protocol import (
+    CoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ExtendRequest,
+    LoadInfo,
+    TokenLogprobs,
+)
+from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
-from mmserve.sample.logprobs import TokenLogprobs, token_logprobs
+from mmserve.sample.rejection_sampler import Accepted, RejectionSampler
 from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
-from mmserve.spec_decode.speculator import DraftFrom, Speculator, accepted_prefix, speculates, verify_rows
+from mmserve.spec_decode.speculator import DraftFrom, Speculator
+from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
 from mmserve.worker.cpu_threads import torch_threads
@@ -53,20 +68,6 @@ from mmserve.worker.step_threads import StepThreads, size_class
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
-
-
-@dataclass
-class _Accepted:
-    """One sampling request's outcome of a step: its new tokens, and how many of its chunk's
-    positions (rejected drafts, or those past an end) the scheduler rolls back."""
-
-    scheduled: ScheduledRequest
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None] | None
-    finish_reason: str | None
-    rejected: int
-    error: MMServeError | None = None
-    num_accepted: int = 0   # drafts the target kept (speculation), before any EOS/max_tokens cut
 
 
 def load_engine_model(config: EngineConfig):
@@ -109,7 +110,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                   max_waiting_requests=config.max_waiting_requests,
                                    policy=config.scheduling_policy)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
@@ -118,6 +118,7 @@ class EngineCore:
                                                    cache_bytes=config.grammar_cache_bytes, timeout_s=math.inf))
                    if tokenizer is not None else None)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
+        self.rejection = RejectionSampler(self.sampler, self.speculator.record if self.speculator else None)
         self.threads = StepThreads(torch.get_num_threads(), adaptive=config.adaptive_threads and model.device.type == "cpu")
         self.requests: dict[str, Request] = {}   # admitted and not yet ended
         self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}   # entry j: prompt token j + 1, when asked
@@ -125,8 +126,9 @@ class EngineCore:
         self.idle_step = False                   # the last step scheduled nothing
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
-        self._forks: dict[str, list[Request]] = {}   # parent id -> samples waiting for its prompt's KV
+        self._forks = HeldForks()                # n > 1: samples waiting for their prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
+        self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -137,7 +139,7 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.requests or self._aborted or self._admitted)
 
-    def add_request(self, req: EngineRequest) -> None:
+    def add_request(self, req: EngineCoreRequest) -> None:
         """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
         if len(req.mm_inputs) != len(req.mm_ranges):
             raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
@@ -151,11 +153,11 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of,
+                          open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
-        if req.sampling.n > 1 and req.fork_of is None:
-            check_samples_fit(self.kv, request.num_prompt_tokens, req.sampling.max_tokens, req.sampling.n,
-                              self.config.max_step_tokens)
+        if req.open_prompt:
+            self._live.reserve(req)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
@@ -168,11 +170,21 @@ class EngineCore:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
         self._queue(request)
 
+    def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
+        """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
+        An id no longer here (aborted since) is ignored."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return
+        try:
+            check_extension(request, msg, self.scheduler.max_num_batched_tokens)
+        except MMServeError as exc:
+            self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
+            return
+        request.extend_prompt(list(msg.token_ids), [tuple(r) for r in msg.mm_ranges], list(msg.mm_inputs))
+
     def _queue(self, request: Request) -> None:
-        parent = self.requests.get(request.fork_of) if request.fork_of else None
-        if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
-            self._forks.setdefault(request.fork_of, []).append(request)   # until its prompt is computed
-        else:
+        if not (request.fork_of and self._forks.hold(request, self.requests.get(request.fork_of))):
             self.scheduler.enqueue(request)
 
     def _queue_compiled(self, outputs: list[CoreOutput]) -> None:
@@ -201,7 +213,7 @@ class EngineCore:
         return True
 
     def load(self) -> LoadInfo:
-        forks = sum(len(f) for f in self._forks.values()) + len(self._compiling)
+        forks = len(self._forks) + len(self._compiling)
         return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + forks,
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs,
                         kv_cached_usage=self.kv.cached_usage())
@@ -233,8 +245,8 @@ class EngineCore:
         front end ended it: `output` None)."""
         request = self.requests.pop(rid)
         self._compiling.pop(rid, None)
-        if request in self._forks.get(request.fork_of, ()):
-            self._forks[request.fork_of].remove(request)
+        self._forks.discard(request)
+        self._live.release(rid)
         self.prompt_logprobs.pop(rid, None)
         self.scheduler.finish(rid)
         self.sampler.free(rid)
@@ -275,9 +287,9 @@ class EngineCore:
         try:
             with torch_threads(threads):
                 step = self.runner.execute(out)
-                rows = verify_rows(step.sampled)
-                sampled = self._sample(step.logits, rows)
-                accepted = self._accept(step.sampled, sampled, step.logits)
+                rows = verify_rows(step.sampling)
+                sampler_out = self._sample(step.logits, rows)
+                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -296,11 +308,13 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
+        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.request.num_computed_tokens)
+                              for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
-        fails ends alone (with an error in its row) and its step-mates still get their tokens (a seeded
-        row draws the same noise again; an unseeded one draws anew)."""
+        fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
+        drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
         try:
             return self.sampler.sample(logits, requests)
         except Exception:
@@ -321,54 +335,10 @@ class EngineCore:
 
     def _release_forks(self) -> None:
         """Queue the samples whose parent has computed its prompt (or has ended)."""
-        for parent_id in [p for p, forks in self._forks.items() if forks or p not in self.requests]:
-            parent = self.requests.get(parent_id)
-            if parent is None or parent.num_computed_tokens >= parent.num_prompt_tokens:
-                for request in self._forks.pop(parent_id):
-                    self.scheduler.enqueue(request)
+        for request in self._forks.release(self.requests):
+            self.scheduler.enqueue(request)
 
-    def _accept(self, scheduled, sampled: SamplerOutput, logits: torch.Tensor) -> list[_Accepted]:
-        """Each sampling request's new tokens, appended to it: its row's token, or for a verify chunk
-        the drafts its rows confirm plus the target's next token (the longest prefix equal to the
-        rows' tokens, argmax or draw), cut at EOS and max_tokens."""
-        eos = self.eos_token_ids
-        accepted, row = [], 0
-        for s in scheduled:
-            request, drafts = s.request, s.draft_token_ids
-            rows = 1 + len(drafts)
-            first, row = row, row + rows
-            # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
-            if (error := next((sampled.errors[r] for r in range(first, row) if r in sampled.errors), None)) is not None:
-                accepted.append(_Accepted(s, [], None, None, len(drafts), error))
-                continue
-            # greedy or random alike: a draft stays while its row's token equals it (sampler.py says why
-            # that is exact rejection sampling for a random row)
-            targets = sampled.token_ids[first:first + rows]
-            params = request.sampling_params
-            tokens, finish = [], None
-            num_accepted = accepted_prefix(drafts, targets)
-            if drafts:
-                self.speculator.record(len(drafts), num_accepted)
-            for token in targets[:num_accepted + 1]:
-                tokens.append(token)
-                if token in eos and not params.ignore_eos:
-                    finish = "eos"
-                elif len(request.output_token_ids) + len(tokens) >= params.max_tokens:
-                    finish = "length"
-                if finish:
-                    break
-            if drafts and (error := self.sampler.accept_verified(request, tokens)) is not None:
-                accepted.append(_Accepted(s, [], None, None, len(drafts), error))
-                continue
-            request.output_token_ids += tokens
-            logprobs = None if sampled.logprobs[first] is None else [sampled.logprobs[first]]
-            if rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
-                logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
-                                          [params.num_logprobs] * len(tokens))
-            accepted.append(_Accepted(s, tokens, logprobs, finish, rows - len(tokens), num_accepted=num_accepted))
-        return accepted
-
-    def _draft(self, step: StepResult, accepted: list[_Accepted]) -> dict[str, tuple[int, int]]:
+    def _draft(self, step: StepResult, accepted: list[Accepted]) -> dict[str, tuple[int, int]]:
         """The next step's drafts for every request that goes on and speculates; returns, per request
         that drafted, (draft steps the batched loop ran, keys each read) for the perf model."""
         items, row = [], 0
@@ -387,7 +357,7 @@ class EngineCore:
         rows = max((i.num_drafts for i in items), default=0)   # the loop runs every item to the longest
         return {i.request.request_id: (rows, i.num_keys) for i in items}
 
-    def _emit(self, accepted: list[_Accepted], outputs: list[CoreOutput]) -> None:
+    def _emit(self, accepted: list[Accepted], outputs: list[CoreOutput]) -> None:
         for a in accepted:
             request = a.scheduled.request
             rid = request.request_id
@@ -416,7 +386,7 @@ class EngineCore:
                     f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
-                start_ns: int, end_ns: int, accepted: list[_Accepted],
+                start_ns: int, end_ns: int, accepted: list[Accepted],
                 drafted: dict[str, tuple[int, int]]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
         prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
@@ -429,7 +399,8 @@ class EngineCore:
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                                accepted_drafts=kept.get(s.request.request_id, 0),
                                emitted_tokens=new.get(s.request.request_id, 0),
-                               draft_rows=draft[0], draft_keys=draft[1])
+                               draft_rows=draft[0], draft_keys=draft[1],
+                               encoded_by_modality=step.encoded_by_modality.get(s.request.request_id, {}))
                  for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
@@ -26,9 +25,11 @@ from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
+    CoreAddresses,
     CoreOutput,
     EngineDead,
     EngineReady,
+    ExtendRequest,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -40,15 +41,6 @@ UTILITIES = frozenset({"held_resources", "flush_prefix_cache", "set_kv_events"})
 IDLE_POLL_MS = 500    # how long an idle core sleeps between liveness checks of its parent
 BLOCKED_POLL_MS = 1   # requests in flight but nothing schedulable: do not busy-loop
 LINGER_MS = 4000      # let the last outputs (or the death message) reach the front end on exit
-
-
-@dataclass(frozen=True)
-class CoreAddresses:
-    """ipc endpoints in the front end's private (0700) directory. Each sending side connects (its
-    messages queue until the peer is there); each receiving side binds."""
-
-    inputs: str    # front end PUSH (connects) -> core PULL (binds)
-    outputs: str   # core PUSH (connects) -> front end PULL (binds)
 
 
 def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int, log_format: str = "text") -> None:
@@ -210,6 +202,8 @@ class CoreLoop:
             except Exception as exc:
                 logger.exception("request %s: admission failed", rid)
                 self._refused.append(CoreOutput(rid, error=EngineInternalError(f"request {rid}: admission failed: {exc!r}")))
+        elif isinstance(message, ExtendRequest):
+            self.core.extend_request(message, self._refused)
         elif isinstance(message, AbortRequests):
             for rid in message.request_ids:
                 self.core.abort(rid)

@@ -29,16 +29,17 @@ import zmq
 import zmq.asyncio
 
 from mmserve.config import EngineConfig
-from mmserve.core.process import CoreAddresses, run_core, run_engine_process
 from mmserve.engine.types import EngineRequest
 from mmserve.errors import EngineDeadError, EngineInternalError
 from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
     AddRequest,
+    CoreAddresses,
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
+    ExtendRequest,
     Shutdown,
     UtilityCall,
 )
@@ -92,6 +93,9 @@ class CoreClient:
 
     async def start(self) -> EngineReady:
         """Start the core and wait for READY; raises EngineDeadError if it fails or dies first."""
+        # The engine core's entry points, imported only to start it: no front-end module imports the core.
+        from mmserve.core.process import run_core, run_engine_process
+
         if self.in_process:
             def started(core) -> None:
                 self.core = core
@@ -161,7 +165,10 @@ class CoreClient:
     # -- requests ----------------------------------------------------------------------------------
 
     def add(self, request: EngineRequest) -> None:
-        self._post(AddRequest(request))
+        self._post(AddRequest(request.core_request()))
+
+    def extend(self, message: ExtendRequest) -> None:
+        self._post(message)
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and not self.exited.is_set():

@@ -13,7 +13,7 @@ from mmserve.core.engine_core import EngineCore, load_engine_model
 from mmserve.engine.output.processor import OutputProcessor
 from mmserve.engine.parallel_sampling import fan_out
 from mmserve.engine.types import EngineRequest, Timings, Usage
-from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sampling_params import SamplingParams
 
 
@@ -114,7 +114,7 @@ class LLM:
         """Queue one request (raises admission errors at once, before anything is queued)."""
         self.processor.add(request)
         try:
-            self.core.add_request(request)
+            self.core.add_request(request.core_request())
         except BaseException:
             self.processor.forget(request.request_id)
             raise

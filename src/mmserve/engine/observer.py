@@ -1,4 +1,4 @@
-"""Hooks the metrics/tracing layer implements, and the per-step record they get.
+"""Hooks the metrics/tracing layer implements (the per-step record they get is ipc/records.py).
 
 The front end calls them (mmserve.engine.output.processor), from the plain-data records the engine
 core sends with each step's outputs; the engine process itself never runs an observer.
@@ -6,55 +6,11 @@ core sends with each step's outputs; the engine process itself never runs an obs
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from mmserve.ipc.records import StepRecord
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.request import Request
-
-
-@dataclass(frozen=True)
-class ScheduledItem:
-    request_id: str
-    num_tokens: int
-    context_len: int            # tokens in the KV cache after this step
-    is_prefill: bool
-    num_frames_encoded: int     # frames the vision tower ran on (encoder-cache hits excluded)
-    # The front end's view of the request (None while the record crosses from the engine process).
-    request: Any = field(default=None, repr=False, compare=False)
-    prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
-    prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
-    draft_tokens: int = 0       # a verify chunk (speculative decoding): the drafts it scored
-    accepted_drafts: int = 0    # ... and how many of them the target kept (a prefix of them)
-    emitted_tokens: int = 0     # tokens this step appended to the request (accepted drafts + the target's own)
-    draft_rows: int = 0         # draft steps the assistant ran for it after this step (the batch's longest)
-    draft_keys: int = 0         # ... each over this many of the target's cached positions
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step: both clocks, so spans (ns epoch) and durations (perf_counter) line up.
-    The interval covers the runner (vision, forward, logits) and sampling, not scheduling; the
-    vision encoder's own call is [encode_start_perf, encode_end_perf] when the step encoded frames."""
-
-    step_index: int
-    start_perf: float
-    end_perf: float
-    start_ns: int
-    end_ns: int
-    items: list[ScheduledItem]
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    experts_touched: float | None = None   # distinct experts per MoE layer this step (mean); None: no MoE
-    kv_usage_by_pool: dict[str, float] = field(default_factory=dict)
-    num_preempted: int = 0
-    encode_start_perf: float | None = None   # the step's vision encoder call (perf_counter), None: none ran
-    encode_end_perf: float | None = None
-
-    @property
-    def duration_s(self) -> float:
-        return self.end_perf - self.start_perf
 
 
 class EngineObserver(Protocol):

@@ -40,21 +40,6 @@ def check_client_id(request_id: str) -> None:
                                 f"ids of parallel samples (sampling.n)")
 
 
-def check_samples_fit(kv, prompt_len: int, max_tokens: int, n: int, max_chunk: int) -> None:
-    """Raise INVALID_ARGUMENT (it can never fit) when n samples of prompt + max_tokens need more KV blocks than a pool has:
-    the prompt's full blocks are shared, everything after them is per sample."""
-    one = kv.max_blocks_needed(prompt_len + max_tokens, max_chunk)
-    shared = prompt_len // kv.block_size
-    for pool, blocks in one.items():
-        own = blocks - (shared if kv.plans[pool].window is None else 0)
-        need = blocks + (n - 1) * own
-        usable = kv.pools[pool].num_usable
-        if need > usable:
-            raise InvalidInputError(
-                "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens need {need} KV "
-                f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
-
-
 def fan_out(request: EngineRequest) -> list[EngineRequest]:
     """The engine requests of a request's samples (just the request itself when n == 1)."""
     n = request.sampling.n

@@ -1,4 +1,4 @@
-"""Plain data crossing the engine's edge: what the server submits and what it streams back."""
+"""The front end's request and what it streams back (what crosses to the core: ipc/protocol.py)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmserve.engine.routing_prompt import RoutingPrompt
+from mmserve.ipc.protocol import EngineCoreRequest, TokenLogprobs
 from mmserve.metrics.peaks import DevicePeaks
-from mmserve.request import MultiModalInput
-from mmserve.sample.logprobs import TokenLogprobs
-from mmserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -23,29 +21,22 @@ class SampledVideo:
 
 
 @dataclass
-class EngineRequest:
-    """A fully prepared prompt: token ids with each image/frame's placeholder run as an inclusive
-    absolute [start, end] range and its pixels in `mm_inputs` (same order)."""
+class EngineRequest(EngineCoreRequest):
+    """The front end's request: what crosses to the engine core (`EngineCoreRequest`, sent as
+    `core_request()`) plus what only the front end keeps: the trace context, the gateway's view of
+    the prompt (engine/kv_event_hub.py), when the server received it (timings count from there, so
+    TTFT includes decoding its media), how long input processing took, what each video sampled,
+    and whether the observer sees it (the warm-up request is in no metric)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    mm_inputs: list[MultiModalInput] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    priority: int = 0
-    trace_context: Any = field(default=None, metadata={"local": True})   # front end only: never crosses
-    num_frames: int = 0      # video frames in the prompt (images are not frames)
-    num_mm_tokens: int = 0   # placeholder tokens over all images and frames
-    fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
-    # The prompt as a gateway sent it, when that differs from ours (engine/kv_event_hub.py): front end only.
-    routing_prompt: RoutingPrompt | None = field(default=None, metadata={"local": True})
-    # Front end only (never cross): when the server received it (timings count from here, so TTFT
-    # includes decoding its media), how long input processing took, what each video sampled, and
-    # whether the observer sees it (the warm-up request is in no metric).
-    arrival_time: float | None = field(default=None, metadata={"local": True})
-    preprocess_s: float = field(default=0.0, metadata={"local": True})
-    videos: list[SampledVideo] = field(default_factory=list, metadata={"local": True})
-    observed: bool = field(default=True, metadata={"local": True})
+    trace_context: Any = None
+    routing_prompt: RoutingPrompt | None = None
+    arrival_time: float | None = None
+    preprocess_s: float = 0.0
+    videos: list[SampledVideo] = field(default_factory=list)
+    observed: bool = True
+
+    def core_request(self) -> EngineCoreRequest:
+        return EngineCoreRequest(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineCoreRequest)})
 
 
 @dataclass(frozen=True)
@@ -85,6 +76,7 @@ class RequestOutput:
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)
     videos: list[SampledVideo] | None = None   # on the last output: each video part's sampled frames
+    prefilled_tokens: int = 0   # an open prompt's tokens in the KV cache, after the step that computed them
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one (a reader that lagged gets one message): list
@@ -94,15 +86,6 @@ class RequestOutput:
             a, b = getattr(self, f.name), getattr(later, f.name)
             values[f.name] = a + b if (isinstance(a, list) and isinstance(b, list)) or f.name == "new_text" else b
         return RequestOutput(**values)
-
-
-@dataclass(frozen=True)
-class LoadInfo:
-    running: int
-    waiting: int
-    kv_usage: float       # share of usable KV blocks in use, over all pools, in [0, 1]
-    max_num_seqs: int
-    kv_cached_usage: float = 0.0   # share of usable blocks free but holding cached prefixes (fullest pool)
 
 
 @dataclass(frozen=True)

@@ -169,7 +169,8 @@ def check_divisible(config: EngineConfig) -> None:
     group = ParallelGroup(0, config.tensor_parallel_size)
     local_spec(load_spec(config.model), group)
     if config.speculative_model:
-        from mmserve.model.assistant import Assistant, load_assistant_spec
+        from mmserve.model.assistant import Assistant
+        from mmserve.model.assistant_spec import load_assistant_spec
 
         with torch.device("meta"):   # the same cuts the ranks make, on no storage
             Assistant(load_assistant_spec(config.speculative_model), group)

@@ -1,6 +1,6 @@
 """What crosses between the front end and the engine core, in both directions. Plain data only.
 
-Front end -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
 iteration that changed anything (admissions, tokens, ends, a step record, utility results).
 `mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
@@ -12,15 +12,68 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmserve.engine.observer import StepRecord
-from mmserve.engine.types import EngineRequest, LoadInfo
 from mmserve.ipc.kv_cache_events import KvEvent
-from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.ipc.records import StepRecord
+from mmserve.request import EncoderInput
+from mmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreRequest:
+    """A fully prepared prompt, as the engine core takes it: token ids with each image/frame's
+    placeholder run as an inclusive absolute [start, end] range and its pixels in `mm_inputs`
+    (same order). The front end's `EngineRequest` adds what never crosses."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list[EncoderInput] = field(default_factory=list)   # pixels or audio features, one per range
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    num_frames: int = 0      # video frames in the prompt (images are not frames)
+    num_mm_tokens: int = 0   # placeholder tokens over all images and frames
+    fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+    # > 0: a live session's context that may grow to this many tokens (AsyncEngine.extend); it never
+    # samples, streams its progress (RequestOutput.prefilled_tokens) and ends only when aborted.
+    open_prompt: int = 0
+    # The live session a context belongs to: its contexts share one KV reservation (EngineCore).
+    session_id: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One position: the chosen token, its log-probability and 1-based rank (1 = most likely), and the
+    `top` most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class LoadInfo:
+    running: int
+    waiting: int
+    kv_usage: float       # share of usable KV blocks in use, over all pools, in [0, 1]
+    max_num_seqs: int
+    kv_cached_usage: float = 0.0   # share of usable blocks free but holding cached prefixes (fullest pool)
+
+
+
+@dataclass(frozen=True)
+class CoreAddresses:
+    """ipc endpoints in the front end's private (0700) directory. Each sending side connects (its
+    messages queue until the peer is there); each receiving side binds."""
+
+    inputs: str    # front end PUSH (connects) -> core PULL (binds)
+    outputs: str   # core PUSH (connects) -> front end PULL (binds)
 
 
 @dataclass
 class AddRequest:
-    request: EngineRequest
+    request: EngineCoreRequest
 
 
 @dataclass
@@ -29,6 +82,16 @@ class AbortRequests:
     (`EngineCoreOutputs.aborted`), so their id may be reused safely."""
 
     request_ids: list[str]
+
+
+@dataclass
+class ExtendRequest:
+    """Append tokens (and the images/frames of their ranges, absolute positions) to an open prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list = field(default_factory=list)   # MultiModalInput, one per range
 
 
 @dataclass
@@ -63,6 +126,7 @@ class CoreOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_detail: str | None = None
     num_cached_tokens: int = 0
+    prefilled_tokens: int = 0   # an open prompt's computed tokens after this step (it never has new tokens)
 
     @property
     def finished(self) -> bool:

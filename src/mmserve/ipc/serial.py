@@ -10,15 +10,14 @@ Why out of band: pixel tensors are megabytes. Protocol 5 hands their memory to z
 (`send_multipart(copy=False)`: no copy into the pickle stream) and the receiver wraps each frame with
 `torch.frombuffer`. Small tensors stay inline, where one frame is cheaper than many.
 
-Two kinds of object get their own reduction: mmserve errors (their constructors take other arguments
-than `args`, so the default pickling would lose `retryable`, `field` ...), and dataclasses with fields
-marked `metadata={"local": True}` (front-end only, like a live OTel context): those arrive as their default.
+mmserve errors get their own reduction: their constructors take other arguments than `args`, so the
+default pickling would lose `retryable`, `field` ... What must never cross (a live OTel context, the
+front end's timings) is not in the crossing types at all (`EngineCoreRequest` vs the front end's
+`EngineRequest`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import io
 import pickle
 from typing import Any
@@ -44,19 +43,6 @@ def _rebuild_error(cls: type, args: tuple, state: dict) -> BaseException:
     return error
 
 
-def _rebuild_dataclass(cls: type, state: dict) -> Any:
-    obj = cls.__new__(cls)
-    obj.__dict__.update(state)
-    for f in _local_fields(cls):
-        obj.__dict__[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return obj
-
-
-@functools.cache
-def _local_fields(cls: type) -> tuple[dataclasses.Field, ...]:
-    return tuple(f for f in dataclasses.fields(cls) if f.metadata.get("local"))
-
-
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj):   # not called for plain ints, strs, lists, dicts ... (fast)
         if isinstance(obj, torch.Tensor):
@@ -67,10 +53,6 @@ class _Pickler(pickle.Pickler):
             return _rebuild_tensor, (b"", t.dtype, tuple(t.shape))
         if isinstance(obj, MMServeError):
             return _rebuild_error, (type(obj), obj.args, dict(obj.__dict__))
-        cls = type(obj)
-        if dataclasses.is_dataclass(cls) and _local_fields(cls):
-            local = {f.name for f in _local_fields(cls)}
-            return _rebuild_dataclass, (cls, {k: v for k, v in obj.__dict__.items() if k not in local})
         return NotImplemented
 
 

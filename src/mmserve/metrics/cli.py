@@ -28,7 +28,7 @@ from mmserve.metrics.perf_model import (
     StepContext,
     VisionWork,
 )
-from mmserve.model.assistant import load_assistant_spec
+from mmserve.model.assistant_spec import load_assistant_spec
 from mmserve.model.spec import load_spec
 
 REQUEST_FORM = "NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS]"

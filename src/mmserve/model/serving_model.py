@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.model.audio import AudioEncoder
 from mmserve.model.decoder import SampledRows, TextDecoder
 from mmserve.model.parallel import SINGLE, ParallelGroup
 from mmserve.model.spec import ModelSpec
@@ -12,10 +13,12 @@ from mmserve.model.vision import VisionEncoder
 
 
 class Gemma4ServingModel(nn.Module):
-    """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
+    """Our paged text decoder plus transformers' vision (and, on E2B/E4B, audio) tower, loaded from
+    one checkpoint."""
 
     def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None,
-                 attention_backends: dict[str, str] | str = "reference", parallel: ParallelGroup = SINGLE):
+                 attention_backends: dict[str, str] | str = "reference", parallel: ParallelGroup = SINGLE, *,
+                 audio: AudioEncoder | None = None):
         super().__init__()
         self.spec = spec   # with tensor parallelism: this rank's attention heads (parallel.local_spec)
         self.parallel = parallel
@@ -25,6 +28,7 @@ class Gemma4ServingModel(nn.Module):
         self.attention_backends = attention_backends   # layer type -> the backend its layers' impls belong to
         self.decoder = decoder
         self.vision = vision
+        self.audio = audio
         self._touched_host: torch.Tensor | None = None   # see experts_touched
 
     @property
@@ -82,3 +86,9 @@ class Gemma4ServingModel(nn.Module):
         if self.vision is None:
             raise ValueError("this checkpoint has no vision tower (vision_config is null)")
         return self.vision(pixel_values, position_ids)
+
+    def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Audio segments' log-mel features [frames_i, bins] -> one [soft_tokens_i, hidden] tensor each."""
+        if self.audio is None:
+            raise ValueError("this checkpoint has no audio tower (audio_config is null)")
+        return self.audio(features)

@@ -46,6 +46,10 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("embed_vision.", "vision.embed_vision."),
     ("model.vision_embedder.", "vision.vision_embedder."),
     ("vision_embedder.", "vision.vision_embedder."),
+    ("model.audio_tower.", "audio.audio_tower."),
+    ("audio_tower.", "audio.audio_tower."),
+    ("model.embed_audio.", "audio.embed_audio."),
+    ("embed_audio.", "audio.embed_audio."),
 )
 # Our modules group a concept's tensors under one submodule (decoder.ple.*, layers.N.moe.*).
 _REGROUP: tuple[tuple[re.Pattern, str], ...] = (
@@ -58,8 +62,8 @@ _REGROUP: tuple[tuple[re.Pattern, str], ...] = (
 )
 # One expert's matrix in a per-expert checkpoint -> (packed tensor, expert, which rows of it).
 _PER_EXPERT = re.compile(r"^(?P<layer>.*\.moe\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
-# Tensors that exist in some checkpoints but that we never use (the audio tower: audio input is refused).
-_IGNORED = re.compile(r"(^|\.)(audio_tower|embed_audio)\.|embed_vision\.embedding\.")
+# Tensors that exist in some checkpoints but that we never use.
+_IGNORED = re.compile(r"embed_vision\.embedding\.")
 
 
 class WeightLoadError(MMServeError):

@@ -7,21 +7,9 @@ as vLLM's default "raw" logprobs do. The engine returns ids and floats; text is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One position: the chosen token, its log-probability and 1-based rank (1 = most likely), and the
-    `top` most likely tokens, best first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
+from mmserve.ipc.protocol import TokenLogprobs
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.errors import MMServeError
-from mmserve.sample.logprobs import TokenLogprobs, logprob_table, read_logprobs
+from mmserve.ipc.protocol import TokenLogprobs
+from mmserve.sample.logprobs import logprob_table, read_logprobs
 from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask

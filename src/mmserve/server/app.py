@@ -85,7 +85,9 @@ class MMServer:
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
-                                 enable_prefix_caching=engine_config.enable_prefix_caching)
+                                 enable_prefix_caching=engine_config.enable_prefix_caching,
+                                 num_speculative_tokens=engine_config.num_speculative_tokens
+                                 if engine_config.speculative_model else 0)
         chain.insert(0, ClosingStreamsInterceptor())   # outermost: a stream ends with its call (handlers.py)
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
@@ -101,6 +103,7 @@ class MMServer:
         if server_config.enable_vllm_engine_api:   # the gateway door (SMG, llm-d): docs/gateway.md
             add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,
                             lambda: self.gate.draining, in_flight)
+        self.kv_publisher = kv_event_publisher(server_config, engine_config, metrics)
         self.health.add_to_server(self.server)
         enable_reflection(self.server, (VLLM_ENGINE_SERVICE,) if server_config.enable_vllm_engine_api else ())
         self.port = 0
@@ -162,6 +165,8 @@ class MMServer:
 
     async def _load(self) -> None:
         await self.engine.start()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start(self.engine.subscribe_kv_events)
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
                                                    context_length=self.engine.model_info.context_length,
                                                    workers=self.server_config.worker_threads)
@@ -203,6 +208,8 @@ class MMServer:
 
     async def _close(self) -> None:
         await self.engine.shutdown()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._media_sweeper is not None:
             self._media_sweeper.cancel()
@@ -236,6 +243,18 @@ class MMServer:
         await self.server.stop(UNGATED_GRACE_S)
         await self._close()
         raise error
+
+
+def kv_event_publisher(server_config: ServerConfig, engine_config: EngineConfig, metrics=None):
+    """The ZMQ publisher --kv-events-config asks for (server/kv_event_publisher.py), its sockets open;
+    None when off."""
+    from mmserve.server.kv_event_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    config = KvEventsConfig.parse(server_config.kv_events_config)
+    if not config.enabled:
+        return None
+    return ZmqKvEventPublisher(config, engine_config.block_size,
+                               on_drop=metrics.count_kv_events_dropped if metrics is not None else None)
 
 
 def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,

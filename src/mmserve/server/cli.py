@@ -35,6 +35,13 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(engine_config.model) / "config.json").is_file():
         logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", engine_config.model)
         return 2
+    from mmserve.server.kv_event_publisher import KvEventsConfig
+
+    try:
+        KvEventsConfig.parse(server_config.kv_events_config)
+    except ValueError as e:
+        logger.error("mmserve serve: %s", e)
+        return 2
     from mmserve.server.app import serve  # torch and the model stack load only when really serving
 
     try:

@@ -7,12 +7,12 @@ one constant position, so they need no scheduling and no metadata. The next step
 `[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
 drafts equal to the target's argmax, plus the target's own next token: the same tokens as
 without speculation, up to K + 1 per step. A random request's chunk is accepted the same way,
-against its rows' draws (sampler.py: rejection sampling for a one-hot draft, the target's
-distribution exactly).
+against its rows' draws (`sample/rejection_sampler.py`: rejection sampling for a one-hot draft,
+the target's distribution exactly).
 
 Every request speculates except those that opt out (`disable_speculation`): they decode one token
 per step, as before. Penalties, min_tokens, logit_bias and a grammar's mask apply to each verify
-row as if its drafts were already output (`VerifyRow`); a constrained request's drafts are masked
+row as if its drafts were already output (`verify.VerifyRow`); a constrained request's drafts are masked
 by its grammar as they are drafted (structured_output.DraftMasks); logprobs of a verify chunk's
 tokens are each token's under the target's row that scored it.
 
@@ -35,55 +35,10 @@ import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant, storing_layers
+from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant
+from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
-from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
-
-
-def speculates(params: SamplingParams) -> bool:
-    return not params.disable_speculation
-
-
-@dataclass(frozen=True)
-class VerifyRow:
-    """Row j of a verify chunk as the sampler sees it: the request with its first j drafts
-    (`drafts`) as output, so penalties, min_tokens, logit_bias and the grammar's mask adjust each
-    row exactly as the step that would have sampled that position alone."""
-
-    request: Request
-    drafts: tuple[int, ...]
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def sampling_params(self) -> SamplingParams:
-        return self.request.sampling_params
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.request.prompt_token_ids
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.request.output_token_ids + list(self.drafts)
-
-
-def verify_rows(scheduled) -> list:
-    """The sampler's rows of a step: each plain sampling request, or a verify chunk's 1 + K VerifyRows."""
-    return [VerifyRow(s.request, tuple(s.draft_token_ids[:j])) if s.draft_token_ids else s.request
-            for s in scheduled for j in range(1 + len(s.draft_token_ids))]
-
-
-def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
-    """How many leading drafts equal the target's tokens at their positions (targets[i] follows
-    the i-th verified token)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return n
 
 
 @dataclass

@@ -9,7 +9,7 @@ The design (vLLM v1's full graphs for uniform decode batches, speculative ones i
   scores its last token and K drafts), a size taken only while size x query length fits the
   step's token buffers. A uniform step of R requests (every request schedules the same q tokens,
   no frames: `uniform_query_len`) runs the graph of the smallest size >= R captured for q
-  (`DecodeGraphs.size_for`), padded: rows past R are requests of q tokens with no keys of their
+  (`UniformStepGraphs.size_for`), padded: rows past R are requests of q tokens with no keys of their
   own whose K/V land in the null block 0, so they change nothing. A step that mixes query lengths
   (plain decodes beside verify chunks, a verify chunk cut short by the budget), prefill, frames and
   larger steps run eagerly, and so does everything with `--enforce-eager`, on a CPU, or with a
@@ -67,8 +67,9 @@ def graph_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
     return (1, 1 + num_speculative_tokens) if num_speculative_tokens else (1,)
 
 
-class DecodeGraphs:
-    """The captured decode forwards, by (batch size, query length); empty when disabled (CPU or
+class UniformStepGraphs:
+    """The captured forwards of uniform steps (every request the same number of rows: 1 for decode,
+    K + 1 for a verify chunk), by (batch size, query length); empty when disabled (CPU or
     --enforce-eager). A size is captured for a query length while size x length <= max_tokens."""
 
     def __init__(self, sizes: tuple[int, ...], *, enabled: bool, query_lens: tuple[int, ...] = (1,),

@@ -7,10 +7,11 @@ CUDA as the captured graph of a uniform decode step's padded size (one token per
 speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
 out of them have run (a CUDA event, not a device-wide sync).
 
-Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame), except those whose content the cross-request encoder cache still holds; new
-embeddings go into that cache (LRU in bytes, keyed by content hash), so a video seen before costs no
-vision work even when its K/V blocks were evicted.
+Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
+(one batched call per tower, padded to the largest item), except those whose content the
+cross-request encoder cache still holds; new embeddings go into that cache (LRU in bytes, keyed by
+content hash), so a video or a clip heard before costs no encoder work even when its K/V blocks
+were evicted.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ import torch
 
 from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
-from mmserve.core.kv_cache.manager import PoolPlan
+from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
-from mmserve.sample.logprobs import TokenLogprobs, prompt_logprobs
+from mmserve.request import AudioFeatures
+from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
     check_attention,
@@ -39,7 +42,7 @@ from mmserve.worker.backend_check import (
 )
 from mmserve.worker.block_table import BlockTables
 from mmserve.worker.cuda_graphs import (
-    DecodeGraphs,
+    UniformStepGraphs,
     capture_sizes,
     graph_query_lens,
     graphs_enabled,
@@ -57,10 +60,12 @@ class StepResult:
     logits: torch.Tensor            # float32 [L, vocab]
     # the requests that sample, in row order: 1 + len(draft_token_ids) consecutive rows each (one
     # without drafts; a verify chunk's rows score its last token and each draft)
-    sampled: list[ScheduledRequest]
+    sampling: list[ScheduledRequest]
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
+    # ... the same per request id and modality ("image", "video", "audio")
+    encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
 
@@ -107,7 +112,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs = DecodeGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
+        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
             device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]),
             query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0),
             max_tokens=max_tokens)
@@ -137,7 +142,7 @@ class ModelRunner:
             logger.debug("CUDA graph capture failed", exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
         if reason is not None:
-            self.graphs = DecodeGraphs((), enabled=False)
+            self.graphs = UniformStepGraphs((), enabled=False)
             self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
                                                    self.strict_backends))
         elif self.self_check:
@@ -147,24 +152,38 @@ class ModelRunner:
         self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
-        """Embeddings of this step's frames in (request, frame) order, encoding only those whose
-        content is neither cached nor repeated in this step; how many frames each request encoded;
-        and when the vision tower ran (perf_counter start, end), if it did."""
+                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None]:
+        """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
+        those whose content is neither cached nor repeated in this step (an audio segment split between
+        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
+        in all and by modality; and when the towers ran (perf_counter start, end), if they did."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo, encoded, encode_perf = [], {}, None
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(input, key)]
+        encoded, by_modality, encode_perf = {}, {}, None
         for s in scheduled:
             for f in s.frames:
-                key = s.request.mm_inputs[f].content_hash
+                item = s.request.mm_inputs[f]
+                key = item.content_hash
                 if key not in step:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
-                        todo.append((s.request, f, key))
-                        encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
-        if todo:
+                        audio = isinstance(item, AudioFeatures)
+                        todo[audio].append((item, key))
+                        rid = s.request.request_id
+                        encoded[rid] = encoded.get(rid, 0) + 1
+                        modality = "audio" if audio else "video" if s.request.prompt_token_ids[
+                            s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
+                        counts = by_modality.setdefault(rid, {})
+                        counts[modality] = counts.get(modality, 0) + 1
+        if todo[False] or todo[True]:
             began = time.perf_counter()
-            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
-            for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
+            embeds = []
+            if todo[False]:
+                pix, pos = pad_patches([(m.pixel_values, m.position_ids) for m, _ in todo[False]])
+                embeds += zip(todo[False], self.model.encode_vision(pix, pos), strict=True)
+            if todo[True]:
+                embeds += zip(todo[True], self.model.encode_audio([m.features for m, _ in todo[True]]), strict=True)
+            for (_, key), e in embeds:
                 step[key] = e
                 self.encoder_cache.put(key, e)
             encode_perf = (began, time.perf_counter())
@@ -175,9 +194,9 @@ class ModelRunner:
                 start, end = s.request.mm_ranges[f]
                 if e.shape[0] != end - start + 1:
                     raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
-                                     f"tokens but its pixels give {e.shape[0]} embeddings")
-                parts.append(e)
-        return (torch.cat(parts) if parts else None), encoded, encode_perf
+                                     f"tokens but its input gives {e.shape[0]} embeddings")
+                parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
+        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -192,7 +211,7 @@ class ModelRunner:
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
                                    query_len=query_len or 1)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
+        mm_embeds, encoded, by_modality, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are uniform decode steps: the full path
         # (a verify chunk samples several rows: KV-sharing layers then run every row)
         if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
@@ -209,4 +228,5 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampled], prompt_lp, encoded, encode_perf, hidden)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
+                          encode_perf, hidden)

@@ -32,11 +32,11 @@ class SampledRowsBuilder:
     def build(self, scheduled: list[ScheduledRequest], step: StepInputs, block_tables: dict[str, np.ndarray],
               rows: np.ndarray) -> SampledRows | None:
         """The sampled rows of `step` and their metadata, or None when the full path is as cheap or needed."""
-        if step.num_tokens == len(step.sampled) or any(s.request.sampling_params.prompt_logprobs for s in scheduled):
+        if step.num_tokens == len(step.sampling_index) or any(s.request.sampling_params.prompt_logprobs for s in scheduled):
             return None
-        if not len(step.sampled):
+        if not len(step.sampling_index):
             return SampledRows(step.logits_indices, {})   # no row samples: the KV-sharing layers do not run
         last_rows = [dataclasses.replace(scheduled[i], num_computed_tokens=scheduled[i].seq_len - 1, num_tokens=1,
-                                         frames=[], block_updates={}) for i in step.sampled]
-        small = self.inputs.build(last_rows, block_tables, rows[step.sampled])
+                                         frames=[], block_updates={}) for i in step.sampling_index]
+        small = self.inputs.build(last_rows, block_tables, rows[step.sampling_index])
         return SampledRows(step.logits_indices, {t: b.build(small.common[t]) for t, b in self.builders.items()})

@@ -66,7 +66,7 @@ class StepInputs:
     positions: torch.Tensor            # int64 [T]
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
     logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
-    sampled: np.ndarray                # int64 [S]: the scheduled requests that sample (index into the step)
+    sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
 
 
@@ -139,10 +139,12 @@ class StepInputBuilder:
             ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
             if s.draft_token_ids:
                 ids[known:bounds[i + 1]] = s.draft_token_ids
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
-        sampled = np.flatnonzero(seq_lens == totals)
-        num_rows = 1 + drafts[sampled]
-        ends = qsl[1:num_reqs + 1][sampled]
+        # the total a sampling chunk reaches: never, for an open prompt (a live context never samples)
+        totals = np.fromiter((-1 if s.request.open_prompt else s.request.num_tokens for s in scheduled),
+                             dtype=np.int64, count=num_reqs) + drafts
+        sampling_index = np.flatnonzero(seq_lens == totals)
+        num_rows = 1 + drafts[sampling_index]
+        ends = qsl[1:num_reqs + 1][sampling_index]
         num_logits = int(num_rows.sum())
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
@@ -157,7 +159,7 @@ class StepInputBuilder:
         ranges_rows = 0
         if self._any_bidirectional:   # models without bidirectional layers never need the table
             ranges_rows = fill_query_ranges(
-                self.query_ranges.np, qsl, computed, [s.request.mm_ranges_np for s in scheduled])
+                self.query_ranges.np, qsl, computed, [s.request.vision_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
             self.query_ranges.np[:self._high_water] = -1
         elif num_tokens < self._high_water:
@@ -188,7 +190,7 @@ class StepInputBuilder:
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
-        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampled, mm_token_index)
+        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index)
 
     def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int) -> None:
         """Requests num_reqs..size-1 become requests of `query_len` tokens in the null block (uniform
@@ -209,13 +211,16 @@ class StepInputBuilder:
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
-        runner concatenates their embeddings in."""
+        runner concatenates their embeddings in. A range is clipped to its request's chunk (an audio
+        segment split between chunks; images and frames lie wholly inside)."""
         starts, lengths = [], []
         for i, s in enumerate(scheduled):
             if s.frames:
                 sel = s.request.mm_ranges_np[s.frames]
-                starts.append(sel[:, 0] - s.num_computed_tokens + qsl[i])
-                lengths.append(sel[:, 1] - sel[:, 0] + 1)
+                first = np.maximum(sel[:, 0], s.num_computed_tokens)
+                last = np.minimum(sel[:, 1], s.seq_len - 1)
+                starts.append(first - s.num_computed_tokens + qsl[i])
+                lengths.append(last - first + 1)
         if not starts:
             return 0
         st, ln = np.concatenate(starts), np.concatenate(lengths)

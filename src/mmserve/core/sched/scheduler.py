@@ -1,5 +1,8 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
+(An audio segment's soft tokens are causal, so a chunk may end inside one: the segment is encoded
+whole when its first token is scheduled, and each chunk takes its rows.)
+
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
@@ -12,6 +15,8 @@ Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`)
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
 verified tokens are ever cached.
+Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
+come last in a step, after waiting requests, and never sample.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
 
 
 def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
-    """Indices of ranges that begin inside [start, start + num_tokens)."""
+    """Indices of ranges with a token inside [start, start + num_tokens). An image's or frame's range
+    lies wholly inside (align_chunk); an audio segment's may begin in an earlier chunk or end later."""
     if not len(ranges):
         return []
-    lo = int(np.searchsorted(ranges[:, 0], start, side="left"))
+    lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
     hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
     return list(range(lo, hi))
 
@@ -59,7 +65,6 @@ class Scheduler:
         max_num_seqs: int,
         prefill_batched_tokens: int = 0,
         max_model_len: int,
-        max_waiting_requests: int = 256,
         policy: str = "fcfs",
     ):
         if policy not in ("fcfs", "priority"):
@@ -69,7 +74,6 @@ class Scheduler:
         self.prefill_batched_tokens = max(prefill_batched_tokens, max_num_batched_tokens)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        self.max_waiting_requests = max_waiting_requests
         self.policy = policy
         self.waiting: list[Request] = []     # sorted by _order_key
         self.running: list[Request] = []     # admission order
@@ -94,7 +98,9 @@ class Scheduler:
                 raise InvalidInputError("mm_ranges", "a range is empty or lies outside the prompt")
             if (ranges[1:, 0] <= ranges[:-1, 1]).any():
                 raise InvalidInputError("mm_ranges", "ranges must be sorted and disjoint")
-            longest = int((ranges[:, 1] - ranges[:, 0] + 1).max())
+        whole = request.vision_ranges_np   # the ranges a chunk never splits
+        if len(whole):
+            longest = int((whole[:, 1] - whole[:, 0] + 1).max())
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
@@ -110,24 +116,29 @@ class Scheduler:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
                     "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
+        if request.sampling_params.n > 1 and request.fork_of is None:
+            self._check_samples_fit(request)
 
-    def add_request(self, request: Request) -> None:
-        self.check_admissible(request)
-        if request.request_id in self._by_id:
-            raise InvalidInputError("request_id", f"{request.request_id!r} is already in flight")
-        if len(self.waiting) >= self.max_waiting_requests:
-            raise LimitExceededError(
-                f"{len(self.waiting)} requests are already waiting", "--max-waiting-requests", retryable=True)
-        self.enqueue(request)
+    def _check_samples_fit(self, request: Request) -> None:
+        """Refuse (it can never fit) n samples of prompt + max_tokens that need more KV blocks than a
+        pool has: the prompt's full blocks are shared, everything after them is per sample."""
+        n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
+        one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
+        shared = prompt_len // self.kv.block_size
+        for pool, blocks in one.items():
+            own = blocks - (shared if self.kv.plans[pool].window is None else 0)
+            need = blocks + (n - 1) * own
+            usable = self.kv.pools[pool].num_usable
+            if need > usable:
+                raise InvalidInputError(
+                    "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens need {need} KV "
+                    f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
     def enqueue(self, request: Request) -> None:
         """Queue an already admitted request (the engine checks admission on the caller's thread)."""
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
         bisect.insort(self.waiting, request, key=self._order_key)
-
-    def get(self, request_id: str) -> Request | None:
-        return self._by_id.get(request_id)
 
     def finish(self, request_id: str) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks. None if it is not here."""
@@ -143,12 +154,6 @@ class Scheduler:
         self._finished_since_step.append(request_id)
         return request
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self._by_id)
-
-    # -- one step ------------------------------------------------------------------------------------------
-
     def _chunk(self, request: Request, budget: int) -> int:
         start = request.num_computed_tokens
         n = min(request.num_tokens - start, budget)
@@ -158,7 +163,7 @@ class Scheduler:
                 n += len(request.draft_token_ids)
             return n
         request.draft_token_ids.clear()
-        return align_chunk(request.mm_ranges_np, start, n)
+        return align_chunk(request.vision_ranges_np, start, n)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -190,32 +195,13 @@ class Scheduler:
         preempted: list[str] = []
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
-        # steady stream of decodes can never starve it.
+        # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
+        # every other request, waiting ones included: a frame waits a step, a question's token does not.
         blocked, self._frame_blocked = self._frame_blocked, set()
         order = sorted(self.running, key=lambda r: r.request_id not in blocked)
         for request in order:
-            if request.status != RequestStatus.RUNNING or budget == 0:
-                continue   # preempted earlier in this loop
-            n = self._chunk(request, budget)
-            if n == 0:
-                self._frame_blocked.add(request.request_id)
-                continue
-            while not self.kv.allocate(request, n):
-                if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
-                    n -= len(request.draft_token_ids)
-                    request.draft_token_ids.clear()
-                    continue
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_tokens
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
-            scheduled[request.request_id] = self._scheduled(request, n)
-            budget -= n
+            if not request.open_prompt:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
 
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -225,7 +211,7 @@ class Scheduler:
                 i += 1
                 continue
             start = hit.num_tokens
-            n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+            n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.pop(i)
@@ -239,8 +225,39 @@ class Scheduler:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
+        for request in order:
+            if request.open_prompt and request.num_computed_tokens < request.num_tokens:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
+
         finished, self._finished_since_step = self._finished_since_step, []
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+
+    def _schedule_running(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+                          preempted: list[str]) -> int:
+        """Schedule a running request's next chunk, preempting others when KV blocks run out;
+        returns the budget left."""
+        if request.status != RequestStatus.RUNNING or budget == 0:
+            return budget   # preempted earlier in this step
+        n = self._chunk(request, budget)
+        if n == 0:
+            self._frame_blocked.add(request.request_id)
+            return budget
+        while not self.kv.allocate(request, n):
+            if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+                n -= len(request.draft_token_ids)
+                request.draft_token_ids.clear()
+                continue
+            victim = self._pick_victim()
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                break
+        if request.status != RequestStatus.RUNNING:
+            return budget
+        scheduled[request.request_id] = self._scheduled(request, n)
+        return budget - n
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 
 from mmserve.engine.output.stopping import check_stop
 from mmserve.engine.types import RequestOutput, SampledVideo, Timings, Usage
-from mmserve.ipc.protocol import CoreOutput
+from mmserve.ipc.protocol import CoreOutput, TokenLogprobs
 from mmserve.request import Request
-from mmserve.sample.logprobs import TokenLogprobs
 
 NO_EOS: frozenset[int] = frozenset()   # the core ends requests on EOS; the front end looks for stop strings
 
@@ -83,7 +82,7 @@ class RequestState:
         finished = reason is not None
         return RequestOutput(
             request_id=r.request_id, new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs,
-            finished=finished, finish_reason=reason,
+            finished=finished, finish_reason=reason, prefilled_tokens=out.prefilled_tokens,
             matched_stop=decision.matched_stop if reason == "stop" else None,
             finish_detail=out.finish_detail if finished and reason == engine_finish else None,
             usage=self.usage() if finished else None, timings=self.timings(time.monotonic()) if finished else None,

@@ -15,7 +15,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 import mmserve
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.types import LoadInfo, ModelInfo
+from mmserve.engine.types import ModelInfo
+from mmserve.ipc.protocol import LoadInfo
 from mmserve.model.spec import ModelSpec
 from mmserve.server.vllm_engine.media_refs import schemes
 from mmserve.server.vllm_engine.sampling import CheckpointDefaults

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.engine.types import RequestOutput
-from mmserve.sample.logprobs import TokenLogprobs
+from mmserve.ipc.protocol import TokenLogprobs
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 VIDEO_FRAMES_KEY = "mmserve-video-frames"

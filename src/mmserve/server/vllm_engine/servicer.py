@@ -60,6 +60,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._in_flight = in_flight   # shared with mmserve.v1: one id namespace, Abort by owner
         self._started = time.monotonic()
         self._last_request = 0.0
+        self.kv_events = kv_events.KvEventStreams(
+            engine, engine_config.block_size, max_subscribers=server_config.kv_events_max_subscribers,
+            max_per_client=server_config.kv_events_max_subscribers_per_client)
 
     def _ready(self) -> InputProcessor:
         processor = self._processor()
@@ -188,13 +191,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             yield piece
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
-                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
-        async for batch in kv_events.subscribe(self._engine, request, context):
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Serialized KvEventBatch messages (registered without a serializer: kv_events.py says why)."""
+        async for batch in self.kv_events.subscribe(request, context):
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        return await kv_events.flush_cache(self._engine, request, context)
+        return await self.kv_events.flush_cache(request, context)
 
     async def Embed(self, request, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generative model")

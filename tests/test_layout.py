@@ -1,0 +1,79 @@
+"""The package layout says which process runs a file (docs/architecture.md, "Layout"), and src/ holds
+no code that only tests use. Both are checked here, so a move or an import that breaks them fails."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "mmserve"
+
+# What the server process (the front end) must never import: the engine-core process's code, the
+# worker's, tensor parallelism's, sampling, drafting, the grammar matchers, the model's heavy parts.
+ENGINE_SIDE = ("mmserve.core", "mmserve.worker", "mmserve.executor", "mmserve.sample", "mmserve.spec_decode",
+               "mmserve.structured_output.manager", "mmserve.model.decoder", "mmserve.model.loader",
+               "mmserve.model.vision", "mmserve.model.assistant")
+FRONT_END = ("server", "engine", "clients", "ipc")
+# The offline API runs the engine core in the caller's process by design (vLLM's LLM does too).
+BOTH_IN_ONE = {"mmserve.engine.llm"}
+
+# Entry points that nothing inside the package imports: the `mmserve` command (pyproject's
+# [project.scripts]), `make proto` (python -m mmserve.protogen), the stubs' packages.
+ENTRY_POINTS = {"mmserve.cli", "mmserve.protogen", "mmserve.api.mmserve", "mmserve.api.mmserve.v1",
+                "mmserve.__init__"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_front_end_module_imports_engine_side_code():
+    """Import every front-end module in a fresh interpreter, one at a time, and name any that pulls
+    in the engine core's, the worker's or the model's heavy code."""
+    modules = sorted(_module_name(p) for p in SRC.rglob("*.py")
+                     if p.relative_to(SRC).parts[0] in FRONT_END and _module_name(p) not in BOTH_IN_ONE)
+    probe = (
+        "import importlib, sys\n"
+        f"side = {ENGINE_SIDE!r}\n"
+        f"for name in {modules!r}:\n"
+        "    before = set(sys.modules)\n"
+        "    importlib.import_module(name)\n"
+        "    pulled = sorted(m for m in set(sys.modules) - before if any(m == s or m.startswith(s + '.') for s in side))\n"
+        "    if pulled:\n"
+        "        print(name, '->', pulled[:3])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(modules) > 30 and "mmserve.server.app" in modules and "mmserve.engine.async_engine" in modules
+    assert done.stdout == "", f"front-end modules import engine-side code:\n{done.stdout}"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports (absolute names; `from a import b` counts a and a.b), and the
+    dotted names in its strings (registries that import by name: attention backends, subcommands)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("mmserve."):
+            out.add(node.value)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_every_module_in_src_serves_the_package():
+    """A module that nothing in src/ imports (and that is no entry point) exists only for tests or
+    benchmarks: analysis code belongs in bench/, test helpers in tests/."""
+    files = list(SRC.rglob("*.py"))
+    used = set().union(*(_imports(p) for p in files))
+    # a package counts as used when any of its modules is imported
+    used |= {name.rsplit(".", i)[0] for name in used for i in range(1, name.count(".") + 1)}
+    unused = sorted(name for p in files
+                    if (name := _module_name(p)) not in used and name not in ENTRY_POINTS
+                    and not name.startswith("mmserve.api.") and name != "mmserve")
+    assert not unused, f"modules no part of the package imports: {unused}"
