@@ -37,7 +37,7 @@ NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reli
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 GATEWAY_URL = "http://127.0.0.1:8000/v1"
 KV_EVENTS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")   # the docs' ZMQ publisher and its replay socket
-NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |mmserve serve\b|smg )", re.M)
+NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |(?:\.venv/bin/)?(?:mmserve serve\b|smg ))", re.M)
 CLIENT_LINE = re.compile(r"^\s*(?:\.venv/bin/)?mmserve (?:generate|upload|demo)\b.*$", re.M)
 COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?(?:mmserve|grpcurl|make|docker|kubectl) ", re.M)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)

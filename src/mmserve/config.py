@@ -286,6 +286,9 @@ class ServerConfig:
     kv_events_max_subscribers_per_client: int = field(default=4, metadata={
         "help": "SubscribeKvEvents streams open at once from one client address; beyond it RESOURCE_EXHAUSTED",
         "min": 1})
+    openai_port: int = field(default=0, metadata={
+        "help": "also serve the OpenAI HTTP API on this port: the SMG gateway (the smg package) started in front "
+                "of this server once it is ready, stopped with it; 0 = off", "min": 0, "max": 65535})
     gateway_media: str = field(default="worker", metadata={
         "help": "who decodes the media of VllmEngine requests: worker = this server (the gateway forwards "
                 "media_refs); gateway = advertise no media processor, so the gateway preprocesses and sends "

@@ -7,7 +7,8 @@ per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and t
 the front end (`engine/output/processor.py`), off this loop's critical path.
 
 A failing step fails only the requests it scheduled; the loop keeps serving. A request whose own
-sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
+sampling fails (its grammar cannot go on), or whose media an encoder fails on (the runner's
+`StepResult.media_failed`), ends alone, and no error names another request. A
 request with a response_format not compiled yet waits off the scheduler while the compile worker
 runs (`structured_output/compiler.py`): the step loop never compiles.
 
@@ -68,6 +69,19 @@ from mmserve.worker.step_threads import StepThreads, size_class
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
+
+
+def _media_error(request_id: str, why: str) -> EngineInternalError:
+    return EngineInternalError(f"request {request_id}: {why}; details in the server log")
+
+
+def _media_failed(a: Accepted, failed: dict[str, str]) -> Accepted:
+    """`a` as an error when its request's media failed to encode this step (its tokens came from zero
+    embeddings); its step-mates keep theirs."""
+    rid = a.scheduled.request.request_id
+    if rid not in failed or a.error is not None:
+        return a
+    return Accepted(a.scheduled, [], None, None, a.scheduled.num_tokens, _media_error(rid, failed[rid]))
 
 
 def load_engine_model(config: EngineConfig):
@@ -297,7 +311,12 @@ class EngineCore:
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
+        for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
+            if s.request.request_id in step.media_failed:
+                rejected[s.request.request_id] = s.num_tokens
+        accepted = [_media_failed(a, step.media_failed) for a in accepted]
+        self.scheduler.update(out, rejected)
         self._release_forks()
         drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
@@ -308,6 +327,9 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
+        for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
+            if rid in self.requests:
+                self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), result.outputs)
         result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.request.num_computed_tokens)
                               for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
 

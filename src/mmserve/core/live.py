@@ -40,7 +40,7 @@ class LiveReservations:
             raise InvalidInputError("open", "live sessions are not served with --tensor-parallel-size > 1 yet")
         if req.open_prompt > self.max_model_len:
             raise LimitExceededError(f"a live context of {req.open_prompt} tokens exceeds the context length "
-                                     f"{self.max_model_len}", "--max-model-len", can_never_fit=True)
+                                     f"{self.max_model_len}", "--max-model-len")
         session = self._sessions.get(req.session_id)
         if session is None:
             need = {t: 2 * n for t, n in self.kv.max_blocks_needed(req.open_prompt, self.config.max_step_tokens).items()}
@@ -50,8 +50,7 @@ class LiveReservations:
                 if n > share:
                     raise LimitExceededError(
                         f"a live session of {req.open_prompt} tokens of history reserves {n} KV blocks in pool {t} "
-                        f"(two contexts), more than live sessions may hold ({share})", "--live-kv-share",
-                        can_never_fit=True)
+                        f"(two contexts), more than live sessions may hold ({share})", "--live-kv-share")
                 if taken + n > share:
                     raise LimitExceededError(
                         f"live sessions already reserve {taken} of the {share} KV blocks they may hold in pool {t}",
@@ -76,7 +75,7 @@ def check_extension(request: Request, msg: ExtendRequest, step_budget: int) -> N
     start, end = request.num_prompt_tokens, request.num_prompt_tokens + len(msg.token_ids)
     if end > request.open_prompt:
         raise LimitExceededError(f"live context {rid} would hold {end} tokens, more than its {request.open_prompt}",
-                                 "max_history_frames", can_never_fit=True)
+                                 "max_history_frames")
     if len(msg.mm_inputs) != len(msg.mm_ranges):
         raise InvalidInputError("mm_inputs", f"{len(msg.mm_inputs)} pixel inputs for {len(msg.mm_ranges)} ranges")
     last = request.mm_ranges[-1][1] if request.mm_ranges else -1
@@ -85,5 +84,5 @@ def check_extension(request: Request, msg: ExtendRequest, step_budget: int) -> N
             raise InvalidInputError("mm_ranges", "an extension's ranges must lie in its own tokens, sorted and disjoint")
         if b - a + 1 > step_budget:
             raise LimitExceededError(f"a frame of {b - a + 1} tokens cannot fit one step's budget of {step_budget} tokens",
-                                     "--max-num-batched-tokens", can_never_fit=True)
+                                     "--max-num-batched-tokens")
         last = b

@@ -229,7 +229,7 @@ class LiveSession:
                 raise LimitExceededError(
                     f"{len(self._waiting)} frames are waiting to be prefilled, more than max_pending_frames "
                     f"({self.options.max_pending_frames}): the server cannot keep up with this frame rate",
-                    "max_pending_frames")
+                    "max_pending_frames", retryable=True)   # may pass later, on a less loaded server
             self._drop_oldest()
         task = asyncio.ensure_future(self._decode(data, time_s - self._start_time, now, index))
         self._decoding.append((index, task))

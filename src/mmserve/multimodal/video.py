@@ -565,7 +565,7 @@ def _check_request(num_frames: int | None, fps: float | None, start_s: float, en
     if num_frames is not None and num_frames > limits.max_frames_per_video:
         raise LimitExceededError(
             f"asked for {num_frames} frames, more than the limit of {limits.max_frames_per_video} per video",
-            "--max-frames-per-video", can_never_fit=True)
+            "--max-frames-per-video")
     return _Request(num_frames, fps, start_s, end_s)
 
 

@@ -36,6 +36,7 @@ from mmserve.server.handlers import ClosingStreamsInterceptor
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.in_flight import InFlightRequests
 from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
+from mmserve.server.openai_gateway import OpenAIGateway
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
@@ -44,6 +45,10 @@ from mmserve.server.vllm_engine import VLLM_ENGINE_SERVICE, add_vllm_engine
 logger = logging.getLogger(__name__)
 
 QUERY_METHODS = tuple(f"/mmserve.v1.Generation/{name}" for name in ("Abort", "GetModelInfo", "GetServerLoad"))
+# Every VllmEngine method but Generate: a few ids at most (a gateway aborts one request per call).
+VLLM_ENGINE_QUERY_METHODS = tuple(f"/{VLLM_ENGINE_SERVICE}/{name}" for name in (
+    "Abort", "Embed", "HealthCheck", "FlushCache", "StartProfile", "StopProfile", "GetModelInfo", "GetServerInfo",
+    "GetLoads", "GetTokenizer", "SubscribeKvEvents"))
 QUERY_MESSAGE_BYTES = 16 * 2**10
 
 
@@ -109,13 +114,13 @@ class MMServer:
         self.port = 0
 
     def _admission(self) -> MessageAdmission:
-        """Message limits: --max-message-bytes for Generate, one chunk for UploadMedia, a few KiB for the
-        queries (their requests are an id at most), and the in-flight byte budget."""
+        """Message limits: --max-message-bytes for Generate (both doors), one chunk for UploadMedia, 16 KiB
+        for the queries and Aborts of both doors, and the in-flight byte budget."""
         chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
                             f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
-        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a request id at most")
+        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a few request ids at most: abort fewer at once")
         return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
-                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS, query)})
+                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS + VLLM_ENGINE_QUERY_METHODS, query)})
 
     @property
     def address(self) -> str:
@@ -278,13 +283,19 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     observability = setup_observability(engine_config, server_config)
     engine = AsyncEngine(engine_config, observer=observability.observer)
     server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
+    gateway = None
     try:
         if not await server.start_unless(signals.requested):
             await server.stop()
             return True
+        if server_config.openai_port:   # the OpenAI door: SMG in front of this replica (openai_gateway.py)
+            gateway = OpenAIGateway(server_config.host, server_config.openai_port, f"127.0.0.1:{server.port}")
+            await gateway.wait_ready()
         return await server.run_until_stopped(signals)
     except BaseException:
         await server.stop()
         raise
     finally:
+        if gateway is not None:
+            gateway.stop()
         observability.close()

@@ -306,4 +306,5 @@ async def _next(requests: AsyncIterator, timeout_s: float):
 
 
 def _idle_error(idle: float) -> BaseException:
-    return LimitExceededError(f"the live session sent nothing for {idle:g}s; it was ended", "--live-idle-timeout-s")
+    return LimitExceededError(f"the live session sent nothing for {idle:g}s; it was ended", "--live-idle-timeout-s",
+                              retryable=True)   # may pass later: a session that keeps sending

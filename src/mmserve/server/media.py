@@ -159,7 +159,7 @@ class MediaService:
                 return await anext(requests, None)
         except TimeoutError:
             raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload was "
-                                     f"dropped", "--upload-idle-timeout-s") from None
+                                     f"dropped: send it again", "--upload-idle-timeout-s", retryable=True) from None
 
     def _ref(self, entry: MediaEntry) -> pb.MediaRef:
         return pb.MediaRef(id=entry.id, size_bytes=entry.size, mime_type=entry.mime_type, ttl_s=self.store.ttl_s)

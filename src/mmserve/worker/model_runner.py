@@ -16,6 +16,7 @@ were evicted.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -68,6 +69,8 @@ class StepResult:
     encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
+    # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
+    media_failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -152,13 +155,16 @@ class ModelRunner:
         self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None]:
+                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
+                       dict[str, str]]:
         """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
         those whose content is neither cached nor repeated in this step (an audio segment split between
         chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
-        in all and by modality; and when the towers ran (perf_counter start, end), if they did."""
+        in all and by modality; when the towers ran (perf_counter start, end), if they did; and the
+        requests whose media failed to encode (id -> why): their ranges get zero embeddings so the
+        step's other rows go on, and the core ends those requests alone."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(input, key)]
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
         encoded, by_modality, encode_perf = {}, {}, None
         for s in scheduled:
             for f in s.frames:
@@ -168,35 +174,66 @@ class ModelRunner:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
                         audio = isinstance(item, AudioFeatures)
-                        todo[audio].append((item, key))
                         rid = s.request.request_id
+                        todo[audio].append((rid, item, key))
                         encoded[rid] = encoded.get(rid, 0) + 1
                         modality = "audio" if audio else "video" if s.request.prompt_token_ids[
                             s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
                         counts = by_modality.setdefault(rid, {})
                         counts[modality] = counts.get(modality, 0) + 1
+        failed: dict[str, str] = {}
         if todo[False] or todo[True]:
             began = time.perf_counter()
             embeds = []
             if todo[False]:
-                pix, pos = pad_patches([(m.pixel_values, m.position_ids) for m, _ in todo[False]])
-                embeds += zip(todo[False], self.model.encode_vision(pix, pos), strict=True)
+                embeds += zip(todo[False], self._run_tower("vision", todo[False], failed), strict=True)
             if todo[True]:
-                embeds += zip(todo[True], self.model.encode_audio([m.features for m, _ in todo[True]]), strict=True)
-            for (_, key), e in embeds:
+                embeds += zip(todo[True], self._run_tower("audio", todo[True], failed), strict=True)
+            for (_, _, key), e in embeds:
                 step[key] = e
-                self.encoder_cache.put(key, e)
+                if e is not None:
+                    self.encoder_cache.put(key, e)
             encode_perf = (began, time.perf_counter())
         parts = []
         for s in scheduled:
             for f in s.frames:
                 e = step[s.request.mm_inputs[f].content_hash]
                 start, end = s.request.mm_ranges[f]
-                if e.shape[0] != end - start + 1:
-                    raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
-                                     f"tokens but its input gives {e.shape[0]} embeddings")
+                if e is None or e.shape[0] != end - start + 1:
+                    rid = s.request.request_id
+                    if e is not None:
+                        logger.error("request %s: range %d has %d placeholder tokens but its input gives %d "
+                                     "embeddings", rid, f, end - start + 1, e.shape[0])
+                    failed.setdefault(rid, "its media gave other embeddings than their placeholders")
+                    e = torch.zeros(end - start + 1, self.model.spec.hidden_size, dtype=self.model.dtype,
+                                    device=self.model.device)
                 parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
-        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf
+        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf, failed
+
+    def _run_tower(self, kind: str, todo: list, failed: dict[str, str]) -> list[torch.Tensor | None]:
+        """The vision or audio tower over `todo`'s (request id, input, key) in one batched call; if that
+        raises, request by request, so a failure is that request's alone (None for its inputs, its id
+        and the exception's type into `failed`; the message, which may quote the batch, goes to the log)."""
+        def run(items: list) -> list[torch.Tensor]:
+            if kind == "audio":
+                return self.model.encode_audio([m.features for _, m, _ in items])
+            return self.model.encode_vision(*pad_patches([(m.pixel_values, m.position_ids) for _, m, _ in items]))
+        try:
+            return run(todo)
+        except Exception:
+            logger.warning("the %s encoder failed on a batch of %d inputs; encoding request by request", kind,
+                           len(todo), exc_info=True)
+        what = "audio" if kind == "audio" else "images/frames"
+        out: list[torch.Tensor | None] = []
+        for rid, group in itertools.groupby(todo, key=lambda item: item[0]):
+            items = list(group)
+            try:
+                out += run(items)
+            except Exception as exc:
+                logger.error("request %s: the %s encoder failed on its media", rid, kind, exc_info=exc)
+                failed[rid] = f"the {kind} encoder failed on its {what} ({type(exc).__name__})"
+                out += [None] * len(items)
+        return out
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -211,7 +248,7 @@ class ModelRunner:
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
                                    query_len=query_len or 1)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, by_modality, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
+        mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are uniform decode steps: the full path
         # (a verify chunk samples several rows: KV-sharing layers then run every row)
         if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
@@ -229,4 +266,4 @@ class ModelRunner:
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
-                          encode_perf, hidden)
+                          encode_perf, hidden, failed)

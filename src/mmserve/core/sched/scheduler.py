@@ -104,18 +104,18 @@ class Scheduler:
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
-                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens", can_never_fit=True)
+                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens")
         total = n + request.sampling_params.max_tokens
         if total > self.max_model_len:
             raise LimitExceededError(
                 f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
-                f"the context length {self.max_model_len}", "--max-model-len", can_never_fit=True)
+                f"the context length {self.max_model_len}", "--max-model-len")
         for t, blocks in self.kv.max_blocks_needed(total, self.prefill_batched_tokens).items():
             usable = self.kv.pools[t].num_usable
             if blocks > usable:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
-                    "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
+                    "--kv-cache-bytes or --num-kv-blocks")
         if request.sampling_params.n > 1 and request.fork_of is None:
             self._check_samples_fit(request)
 
