@@ -29,7 +29,8 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"help": "attention kernels",
                                                              "choices": ("auto", "reference", "sdpa", "flex", "fa4")})
     compile_dense: bool = field(default=False, metadata={
-        "help": "torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per process)"})
+        "help": "CPU: torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per "
+                "process); on CUDA the decoder's layers are compiled (fused) at every step size regardless"})
     sdpa_batching: str = field(default="auto", metadata={
         "help": "sdpa backend: auto (one padded call per layer type unless padding costs more), batched, loop "
                 "(one call per request)", "choices": ("auto", "batched", "loop")})

@@ -303,7 +303,7 @@ class EngineCore:
                 step = self.runner.execute(out)
                 rows = verify_rows(step.sampling)
                 sampler_out = self._sample(step.logits, rows)
-                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, rows, self.eos_token_ids)
+                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)

@@ -29,6 +29,7 @@ class Gemma4ServingModel(nn.Module):
         self.decoder = decoder
         self.vision = vision
         self.audio = audio
+        self._touched_host: torch.Tensor | None = None   # see experts_touched
 
     @property
     def attention_backend(self) -> str:
@@ -54,19 +55,31 @@ class Gemma4ServingModel(nn.Module):
         `attn_metadata[layer_type]` is what that layer type's backend builder made for this step.
         `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
         """
-        return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
+        hidden = self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
+        self._copy_experts_touched()
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> soft-capped float32 logits [N, vocab]."""
         return self.decoder.compute_logits(hidden)
 
+    def _copy_experts_touched(self) -> None:
+        """Queue the copy of this forward's mean distinct experts per MoE layer to a host buffer
+        (pinned on CUDA, so the copy is asynchronous and a captured graph replays it too)."""
+        counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
+        if not counts:
+            return
+        if self._touched_host is None:
+            self._touched_host = torch.zeros((), dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        self._touched_host.copy_(torch.stack(counts).double().mean(), non_blocking=True)
+
     def experts_touched(self) -> float | None:
         """Distinct experts each MoE layer ran in the last forward (mean over layers), for the perf
-        model's expert weight bytes; None without experts. Called after the step's sampled tokens
-        reached the host, so its one device read waits for nothing."""
-        counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
-        return torch.stack(counts).double().mean().item() if counts else None
+        model's expert weight bytes; None without experts. Read from the host buffer the forward's
+        copy filled: called after the step's sampled tokens reached the host (which waited for that
+        copy on the same stream), it issues no device read of its own."""
+        return None if self._touched_host is None else float(self._touched_host)
 
     def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""

@@ -87,7 +87,7 @@ class ModelRunner:
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
                 backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
-        set_compiled(config.compile_dense)
+        set_compiled(config.compile_dense, layers=device.type == "cuda")   # fused layer pieces: CUDA always
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
         self.block_tables = BlockTables(plans, max_blocks)
