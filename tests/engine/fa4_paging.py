@@ -5,8 +5,9 @@ What it shares with FA4 (attention/fa4.py on the frame-free path) and not with o
   backends drop its keys: mask.key_valid, flex's logical_block[0] = -1);
 - every key of [0, seq_len) is loaded and a masked one weighs 0, so a NaN loaded beside kept keys
   reaches the row (0 x NaN), as in any tiled kernel;
-- K/V writes to one slot from several tokens land in no fixed order (`index_copy_` on CUDA):
-  `write_order` is reshuffled on every call.
+- K/V writes to one slot from several tokens land in no fixed order (an index_put_ on CUDA):
+  `register` makes the model's writes (`layer_pieces.write_kv`) take their rows in a fresh random
+  order every call (`write_order`).
 Every tensor it reads is a persistent buffer refilled in place, so emulated graphs can replay it.
 No ranges (frames): graph steps carry none. Registered as backend "fa4_paging" by `register`.
 """
@@ -20,18 +21,17 @@ import torch
 
 from mmserve.attention.backend import AttentionBackend, CommonAttentionMetadata, PoolConfig
 from mmserve.attention.mask import token_request_ids
+from mmserve.model import layer_pieces
 
 write_order = torch.Generator().manual_seed(0)
+_write_kv = layer_pieces.write_kv
 
 
-def write_kv_unordered(kv_cache: torch.Tensor, k, v, md: CommonAttentionMetadata) -> None:
-    if k is None:
-        return
-    n = md.num_actual_tokens
-    order = torch.randperm(n, generator=write_order)   # the last writer of a slot wins: which one varies
-    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, md.slot_mapping[:n][order], k[:n][order].to(kv_cache.dtype))
-    flat[1].index_copy_(0, md.slot_mapping[:n][order], v[:n][order].to(kv_cache.dtype))
+def write_kv_unordered(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """The model's K/V write (layer_pieces.write_kv, inside attn_in) with its rows in a fresh random
+    order: the last writer of a slot wins, and which one varies, as on CUDA."""
+    order = torch.randperm(slots.shape[0], generator=write_order)
+    _write_kv(kv_cache, k[order], v[order], slots[order])
 
 
 @dataclass
@@ -64,8 +64,7 @@ class PagingImpl:
         self.spec = spec
 
     def forward(self, q, k, v, kv_cache, md: PagingMetadata):
-        common = md.common
-        write_kv_unordered(kv_cache, k, v, common)
+        common = md.common   # (the model wrote this step's K/V before: attn_in)
         T, bs = common.num_actual_tokens, common.block_size
         _, num_blocks, _, hkv, d = kv_cache.shape
         keys = torch.arange(md.table.shape[1] * bs)
@@ -90,7 +89,9 @@ BACKEND = AttentionBackend("fa4_paging", PagingImpl, PagingBuilder, cuda_graphs=
 
 
 def register(monkeypatch) -> None:
+    """The backend by name, and the model's K/V writes unordered."""
     from mmserve import attention
 
     monkeypatch.setitem(attention._BACKENDS, "fa4_paging", __name__)
+    monkeypatch.setattr(layer_pieces, "write_kv", write_kv_unordered)
     sys.modules.setdefault(__name__, sys.modules[__name__])

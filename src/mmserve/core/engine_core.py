@@ -7,7 +7,8 @@ per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and t
 the front end (`engine/output/processor.py`), off this loop's critical path.
 
 A failing step fails only the requests it scheduled; the loop keeps serving. A request whose own
-sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
+sampling fails (its grammar cannot go on), or whose media an encoder fails on (the runner's
+`StepResult.media_failed`), ends alone, and no error names another request. A
 request with a response_format not compiled yet waits off the scheduler while the compile worker
 runs (`structured_output/compiler.py`): the step loop never compiles.
 
@@ -17,6 +18,12 @@ max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
 tokens before the step ends.
+
+Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
+never sample, and report their computed tokens after each step that advanced them. They hold their
+blocks until aborted (the session's prefix cannot be evicted while it lives); a session's contexts
+share one reservation, room for two full histories (the context answering and the one a roll-over
+rebuilds), and all sessions' reservations together stay within `--live-kv-share` of each pool.
 """
 
 from __future__ import annotations
@@ -34,10 +41,18 @@ from mmserve.config import EngineConfig
 from mmserve.core.forks import HeldForks
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import plan_pools
+from mmserve.core.live import LiveReservations, check_extension
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs, EngineCoreRequest, LoadInfo, TokenLogprobs
+from mmserve.ipc.protocol import (
+    CoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ExtendRequest,
+    LoadInfo,
+    TokenLogprobs,
+)
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
@@ -83,6 +98,19 @@ class InFlight:
     tokens: SampledTokens
     start_perf: float
     start_ns: int
+
+
+def _media_error(request_id: str, why: str) -> EngineInternalError:
+    return EngineInternalError(f"request {request_id}: {why}; details in the server log")
+
+
+def _media_failed(a: Accepted, failed: dict[str, str]) -> Accepted:
+    """`a` as an error when its request's media failed to encode this step (its tokens came from zero
+    embeddings); its step-mates keep theirs."""
+    rid = a.scheduled.request.request_id
+    if rid not in failed or a.error is not None:
+        return a
+    return Accepted(a.scheduled, [], None, None, a.scheduled.num_tokens, _media_error(rid, failed[rid]))
 
 
 def load_engine_model(config: EngineConfig):
@@ -146,6 +174,7 @@ class EngineCore:
         self._forks = HeldForks()                # n > 1: samples waiting for their prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
         self._in_flight: InFlight | None = None      # async scheduling: the step launched, not yet finished
+        self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -170,8 +199,11 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of,
+                          open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
+        if req.open_prompt:
+            self._live.reserve(req)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
@@ -183,6 +215,19 @@ class EngineCore:
         if compiled is not None:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
         self._queue(request)
+
+    def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
+        """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
+        An id no longer here (aborted since) is ignored."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return
+        try:
+            check_extension(request, msg, self.scheduler.max_num_batched_tokens)
+        except MMServeError as exc:
+            self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
+            return
+        request.extend_prompt(list(msg.token_ids), [tuple(r) for r in msg.mm_ranges], list(msg.mm_inputs))
 
     def _queue(self, request: Request) -> None:
         if not (request.fork_of and self._forks.hold(request, self.requests.get(request.fork_of))):
@@ -247,6 +292,7 @@ class EngineCore:
         request = self.requests.pop(rid)
         self._compiling.pop(rid, None)
         self._forks.discard(request)
+        self._live.release(rid)
         self.prompt_logprobs.pop(rid, None)
         self.scheduler.finish(rid)
         self.sampler.free(rid)
@@ -293,15 +339,28 @@ class EngineCore:
                 step = self.runner.execute(out)
                 rows = verify_rows(step.sampling)
                 sampler_out = self._sample(step.logits, rows)
-                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, rows, self.eos_token_ids)
+                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
-            for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
-                start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
-                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
+        self._conclude(out, step, accepted, start_perf, start_ns, result)
+
+    def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
+                  start_ns: int, result: EngineCoreOutputs) -> None:
+        """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
+        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting, the step
+        record, the outputs."""
+        for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
+            if rid in self.requests:
+                start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
+                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
+        for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
+            if s.request.request_id in step.media_failed:
+                rejected[s.request.request_id] = s.num_tokens
+        accepted = [_media_failed(a, step.media_failed) for a in accepted]
+        self.scheduler.update(out, rejected)
         self._release_forks()
         drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
@@ -312,6 +371,11 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
+        for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
+            if rid in self.requests:
+                self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), result.outputs)
+        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.seq_len)
+                              for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
 
     def _step_async(self, result: EngineCoreOutputs) -> None:
         """One iteration of the async loop: schedule and launch step N+1 (its forward queued, its
@@ -359,8 +423,8 @@ class EngineCore:
                         start_perf, start_ns)
 
     def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
-        """Step N's end, while N+1 runs: its tokens reach the host, then acceptance, the scheduler's
-        update, the step record and the outputs, as the synchronous loop does them."""
+        """Step N's end, while N+1 runs: its tokens reach the host (the one wait), then what the
+        synchronous loop does after sampling (`_conclude`), for the requests still running."""
         try:
             sampler_out = step.pending if isinstance(step.pending, SamplerOutput) else step.pending.result()
         except Exception:
@@ -370,21 +434,12 @@ class EngineCore:
             s.request.num_output_placeholders -= 1
         live = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
         if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
-            step.sampling, step.rows = [step.sampling[i] for i in live], [step.rows[i] for i in live]
+            step.sampling = [step.sampling[i] for i in live]
             sampler_out = SamplerOutput([sampler_out.token_ids[i] for i in live],
                                         [sampler_out.logprobs[i] for i in live],
                                         {k: sampler_out.errors[i] for k, i in enumerate(live) if i in sampler_out.errors})
-            step.logits = step.logits[torch.tensor(live, dtype=torch.long, device=step.logits.device)]
-        accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, step.rows, self.eos_token_ids)
-        for rid, logprobs in step.step.prompt_logprobs.items():
-            if rid in self.requests:
-                start = next(s.num_computed_tokens for s in step.out.scheduled if s.request.request_id == rid)
-                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
-        self.scheduler.update(step.out, {a.scheduled.request.request_id: a.rejected for a in accepted})
-        self._release_forks()
-        result.step = self._record(step.out, step.step, step.start_perf, time.perf_counter(), step.start_ns,
-                                   time.time_ns(), accepted, {})
-        self._emit(accepted, result.outputs)
+        accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
+        self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
@@ -478,7 +533,8 @@ class EngineCore:
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                                accepted_drafts=kept.get(s.request.request_id, 0),
                                emitted_tokens=new.get(s.request.request_id, 0),
-                               draft_rows=draft[0], draft_keys=draft[1])
+                               draft_rows=draft[0], draft_keys=draft[1],
+                               encoded_by_modality=step.encoded_by_modality.get(s.request.request_id, {}))
                  for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()

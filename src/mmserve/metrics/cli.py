@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.errors import MMServeError
-from mmserve.metrics.peaks import lookup, utilization
+from mmserve.metrics.peaks import known_devices, lookup, utilization
 from mmserve.metrics.perf_model import (
     ACCOUNTING_MODES,
     DraftWork,
@@ -82,7 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "drafting (drafter.*)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft steps per sampling request with --speculative-model (default 3, as the server)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes")
+    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes, "
+                   "and mfu/mbu/peak_flops/peak_bandwidth with --device and --step-time-ms")
     p.set_defaults(func=run)
 
 
@@ -105,6 +106,16 @@ def run(args: argparse.Namespace) -> int:
             return 2
         drafts = tuple(DraftWork(args.num_speculative_tokens, r.draft_keys or r.work.context_len)
                        for r in args.request if r.work.samples)
+    peaks = None
+    if args.step_time_ms or args.device:   # MFU/MBU: a measured step time on a known GPU
+        if not (args.step_time_ms and args.device):
+            print("mmserve perf: MFU/MBU need both --device and --step-time-ms", file=sys.stderr)
+            return 2
+        peaks = lookup(args.device, args.dtype)
+        if peaks is None:
+            print(f"mmserve perf: no peak table entry for {args.device!r}; known: {', '.join(known_devices())}",
+                  file=sys.stderr)
+            return 2
     model = PerfModel(spec, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting, drafter=drafter)
     images: tuple[VisionWork, ...] = ()
     if args.frames:
@@ -113,8 +124,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
         images = (VisionWork(args.patches_per_frame or spec.vision.default_patches),) * args.frames
     breakdown = model.step(StepContext(tuple(r.work for r in args.request), images, drafts=drafts), per_gpu=True)
+    use = None
+    if peaks is not None:
+        seconds = args.step_time_ms / 1e3
+        use = {"mfu": utilization(breakdown.total_flops, seconds, peaks.flops, "MFU"),
+               "mbu": utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU"),
+               "peak_flops": peaks.flops, "peak_bandwidth": peaks.bandwidth}
     if args.json:
-        json.dump(breakdown.as_dict(), sys.stdout, indent=2, sort_keys=True)
+        json.dump({**breakdown.as_dict(), **(use or {})}, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
@@ -130,14 +147,7 @@ def run(args: argparse.Namespace) -> int:
         for key in sorted(items):
             out.write(f"    {key:<{width}} {items[key]:.4g}\n")
     out.write(f"  attention core FLOPs: sliding {breakdown.attn_flops_sliding:.4g}, full {breakdown.attn_flops_full:.4g}\n")
-    if args.step_time_ms and args.device:
-        peaks = lookup(args.device, args.dtype)
-        if peaks is None:
-            print(f"mmserve perf: no peak table entry for {args.device!r}", file=sys.stderr)
-            return 2
-        seconds = args.step_time_ms / 1e3
-        mfu = utilization(breakdown.total_flops, seconds, peaks.flops, "MFU")
-        mbu = utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU")
-        out.write(f"  MFU {100 * mfu:.1f}%  MBU {100 * mbu:.1f}%  (peaks {peaks.flops:.4g} FLOP/s, "
-                  f"{peaks.bandwidth:.4g} B/s)\n")
+    if use is not None:
+        out.write(f"  MFU {100 * use['mfu']:.1f}%  MBU {100 * use['mbu']:.1f}%  (peaks {use['peak_flops']:.4g} FLOP/s, "
+                  f"{use['peak_bandwidth']:.4g} B/s)\n")
     return 0

@@ -12,14 +12,16 @@ here waits for the device (prompt logprobs aside); the host staging buffers are 
 the previous step's copies out of them have run (a CUDA event, not a device-wide sync). With the
 self-check on, the graphs are replayed at start-up against the eager forward (backend_check.py).
 
-Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame), except those whose content the cross-request encoder cache still holds; new
-embeddings go into that cache (LRU in bytes, keyed by content hash), so a video seen before costs no
-vision work even when its K/V blocks were evicted.
+Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
+(one batched call per tower, padded to the largest item), except those whose content the
+cross-request encoder cache still holds; new embeddings go into that cache (LRU in bytes, keyed by
+content hash), so a video or a clip heard before costs no encoder work even when its K/V blocks
+were evicted.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -36,6 +38,7 @@ from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
+from mmserve.request import AudioFeatures
 from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
@@ -55,7 +58,7 @@ from mmserve.worker.cuda_graphs import (
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
-from mmserve.worker.piecewise_graphs import PiecewiseGraphs, piecewise_sizes
+from mmserve.worker.piecewise_graphs import DenseStep, PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
 from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
 
@@ -71,8 +74,12 @@ class StepResult:
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
+    # ... the same per request id and modality ("image", "video", "audio")
+    encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
+    # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
+    media_failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -98,7 +105,7 @@ class ModelRunner:
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
                 backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
-        set_compiled(config.compile_dense)
+        set_compiled(config.compile_dense, layers=device.type == "cuda")   # fused layer pieces: CUDA always
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
         self.block_tables = BlockTables(plans, max_blocks, device=device)
@@ -205,8 +212,12 @@ class ModelRunner:
         chunk beside decodes) replayed over garbage in every padding row must give the eager rows."""
         def forward_for(size: int):
             ids, positions = self.inputs.input_ids.dev[:size], self.inputs.positions.dev[:size]
-            embeds, anything = self.piecewise.embeds[:size], dict.fromkeys(self.attn_builders)
-            return lambda: self.model.forward(ids, positions, anything, self.kv_caches, inputs_embeds=embeds)
+            dense = {t: DenseStep(self.inputs.slot_mapping[t].dev[:size], size) for t in self.attn_builders}
+            return lambda: self.model.forward(ids, positions, dense, self.kv_caches,
+                                              inputs_embeds=self.piecewise.embeds[:size])
+        for buffer in self.inputs.slot_mapping.values():   # capture's K/V writes: all to the null block
+            buffer.np[:] = 0
+            buffer.push(buffer.np.shape[0])
         reason = None
         try:
             self.piecewise.capture_all(forward_for)
@@ -313,37 +324,85 @@ class ModelRunner:
         self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
-        """Embeddings of this step's frames in (request, frame) order, encoding only those whose
-        content is neither cached nor repeated in this step; how many frames each request encoded;
-        and when the vision tower ran (perf_counter start, end), if it did."""
+                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
+                       dict[str, str]]:
+        """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
+        those whose content is neither cached nor repeated in this step (an audio segment split between
+        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
+        in all and by modality; when the towers ran (perf_counter start, end), if they did; and the
+        requests whose media failed to encode (id -> why): their ranges get zero embeddings so the
+        step's other rows go on, and the core ends those requests alone."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo, encoded, encode_perf = [], {}, None
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
+        encoded, by_modality, encode_perf = {}, {}, None
         for s in scheduled:
             for f in s.frames:
-                key = s.request.mm_inputs[f].content_hash
+                item = s.request.mm_inputs[f]
+                key = item.content_hash
                 if key not in step:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
-                        todo.append((s.request, f, key))
-                        encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
-        if todo:
+                        audio = isinstance(item, AudioFeatures)
+                        rid = s.request.request_id
+                        todo[audio].append((rid, item, key))
+                        encoded[rid] = encoded.get(rid, 0) + 1
+                        modality = "audio" if audio else "video" if s.request.prompt_token_ids[
+                            s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
+                        counts = by_modality.setdefault(rid, {})
+                        counts[modality] = counts.get(modality, 0) + 1
+        failed: dict[str, str] = {}
+        if todo[False] or todo[True]:
             began = time.perf_counter()
-            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
-            for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
+            embeds = []
+            if todo[False]:
+                embeds += zip(todo[False], self._run_tower("vision", todo[False], failed), strict=True)
+            if todo[True]:
+                embeds += zip(todo[True], self._run_tower("audio", todo[True], failed), strict=True)
+            for (_, _, key), e in embeds:
                 step[key] = e
-                self.encoder_cache.put(key, e)
+                if e is not None:
+                    self.encoder_cache.put(key, e)
             encode_perf = (began, time.perf_counter())
         parts = []
         for s in scheduled:
             for f in s.frames:
                 e = step[s.request.mm_inputs[f].content_hash]
                 start, end = s.request.mm_ranges[f]
-                if e.shape[0] != end - start + 1:
-                    raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
-                                     f"tokens but its pixels give {e.shape[0]} embeddings")
-                parts.append(e)
-        return (torch.cat(parts) if parts else None), encoded, encode_perf
+                if e is None or e.shape[0] != end - start + 1:
+                    rid = s.request.request_id
+                    if e is not None:
+                        logger.error("request %s: range %d has %d placeholder tokens but its input gives %d "
+                                     "embeddings", rid, f, end - start + 1, e.shape[0])
+                    failed.setdefault(rid, "its media gave other embeddings than their placeholders")
+                    e = torch.zeros(end - start + 1, self.model.spec.hidden_size, dtype=self.model.dtype,
+                                    device=self.model.device)
+                parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
+        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf, failed
+
+    def _run_tower(self, kind: str, todo: list, failed: dict[str, str]) -> list[torch.Tensor | None]:
+        """The vision or audio tower over `todo`'s (request id, input, key) in one batched call; if that
+        raises, request by request, so a failure is that request's alone (None for its inputs, its id
+        and the exception's type into `failed`; the message, which may quote the batch, goes to the log)."""
+        def run(items: list) -> list[torch.Tensor]:
+            if kind == "audio":
+                return self.model.encode_audio([m.features for _, m, _ in items])
+            return self.model.encode_vision(*pad_patches([(m.pixel_values, m.position_ids) for _, m, _ in items]))
+        try:
+            return run(todo)
+        except Exception:
+            logger.warning("the %s encoder failed on a batch of %d inputs; encoding request by request", kind,
+                           len(todo), exc_info=True)
+        what = "audio" if kind == "audio" else "images/frames"
+        out: list[torch.Tensor | None] = []
+        for rid, group in itertools.groupby(todo, key=lambda item: item[0]):
+            items = list(group)
+            try:
+                out += run(items)
+            except Exception as exc:
+                logger.error("request %s: the %s encoder failed on its media", rid, kind, exc_info=exc)
+                failed[rid] = f"the {kind} encoder failed on its {what} ({type(exc).__name__})"
+                out += [None] * len(items)
+        return out
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> StepResult:
@@ -358,20 +417,20 @@ class ModelRunner:
                                       any(s.is_prefill for s in out.scheduled))
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
         pieces = graph_size is None and self.piecewise.size_for(out.num_batched_tokens) is not None
-        encoded, encode_perf = {}, None
+        encoded, by_modality, encode_perf, failed = {}, {}, None, {}
         sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:
             inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len, prev)
         elif pieces:
             def encode():
-                nonlocal encoded, encode_perf
-                mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
+                nonlocal encoded, by_modality, encode_perf, failed
+                mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
                 return mm_embeds
             inputs, hidden = self._run_pieces(out.scheduled, self.block_tables.rows, rows, encode, prev)
         else:
             inputs = self._build(out.scheduled, self.block_tables.rows, rows, prev)
             attn_metadata = self._metadata(inputs)
-            mm_embeds, encoded, encode_perf = self._encode(out.scheduled)
+            mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
             # (a verify chunk samples several rows: KV-sharing layers then run every row)
             if self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled):
                 sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows,
@@ -385,4 +444,5 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, encode_perf, hidden)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
+                          encode_perf, hidden, failed)

@@ -17,9 +17,11 @@ The design (vLLM v1's piecewise compile, which splits the model at attention):
   the order captured. Between two pieces the layer's attention runs eagerly, on the step's own
   metadata (any backend: sdpa and reference too) and on the real rows only: q/k/v are the rows
   the piece before left at its output addresses ([:T] of them), and the result is copied into a
-  persistent buffer the piece after reads. Padding rows never enter attention, so they write no
-  K/V and no real row attends to them; the dense pieces treat each row alone, so whatever the
-  padding rows hold (stale attention outputs, NaN included) stays in them.
+  persistent buffer the piece after reads, its padding rows zeroed. No real row attends to a
+  padding row, and the dense pieces treat each row alone. The pieces write every row's K/V (the
+  model's `attn_in` does, before attention): a padding row's goes to the null block's slot 0, and
+  since every padding row starts from id 0 at position 0 and gets zeros from attention, all of
+  them write the same finite values there, whatever any buffer held before.
 - The embedding runs eagerly before the first piece, into a persistent [B, hidden] buffer: the
   number of vision rows it writes changes every step (`Gemma4ServingModel.forward(inputs_embeds=)`).
 - KV-sharing layers (E2B/E4B) run every row on a piecewise step: the sampled-rows pruning changes
@@ -68,6 +70,21 @@ class AttentionCall:
     v: torch.Tensor | None
     kv_cache: torch.Tensor
     out: torch.Tensor
+
+
+@dataclass
+class DenseStep:
+    """What a piecewise forward's dense pieces read of a layer type's attention metadata (`attn_in`
+    writes every row's K/V at its slot, inside the piece): all of the bucket's rows, the padding
+    rows' slots in the null block (`StepInputBuilder.build(pad_tokens_to=)`). The attention between
+    the pieces gets the step's own metadata."""
+
+    slot_mapping: torch.Tensor
+    num_actual_tokens: int
+
+    @property
+    def common(self) -> DenseStep:   # read as a backend's metadata is: metadata.common.slot_mapping
+        return self
 
 
 # The piecewise forward running on this thread, if any: what a SplitAttention call belongs to. (Not
@@ -199,6 +216,7 @@ class PiecewiseGraphs:
         v = None if call.v is None else call.v[:n]
         result = call.impl.forward(call.q[:n], k, v, call.kv_cache, metadata)
         call.out[:n].copy_(result[:n])
+        call.out[n:].zero_()   # padding rows: the same finite values in every row and step, whatever came before
         return call.out
 
     def _split(self, split: SplitAttention, q, k, v, kv_cache, metadata) -> torch.Tensor:

@@ -121,8 +121,10 @@ class StepInputBuilder:
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
         requests): the step is padded with requests of `query_len` tokens that live in the null
-        block alone (`_pad`). `pad_tokens_to` (a piecewise graph's bucket): `input_ids` and `positions`
-        cover that many rows, the rows past the step's tokens id 0 at position 0; the attention
+        block alone (`_pad`). `pad_tokens_to` (a piecewise graph's bucket): `input_ids`, `positions`
+        and the slot mappings' device buffers cover that many rows, the rows past the step's tokens
+        id 0 at position 0, their K/V slot the null block's slot 0 (the dense pieces write every
+        row's K/V; padding rows all compute the same finite values, `PiecewiseGraphs`); the attention
         metadata keeps the step's own tokens (padding rows never enter attention). `prev_rows` (async
         scheduling): each request's row among the tokens the step in flight samples; a request
         whose last input is one of them gets id 0 here, and `StepInputs.prev_token_dst/src` say
@@ -170,8 +172,12 @@ class StepInputBuilder:
                 ids[known:real_end] = s.draft_token_ids
             if s.num_pad_drafts:
                 ids[real_end:bounds[i + 1]] = 0
+        # the total a sampling chunk reaches (> it with a token in flight as its last input, async);
+        # an open prompt (a live context) never samples
         totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts + pads
-        sampling_index = np.flatnonzero(seq_lens >= totals)   # > with a token in flight as the last input
+        samples = (seq_lens >= totals) & ~np.fromiter((bool(s.request.open_prompt) for s in scheduled), dtype=bool,
+                                                      count=num_reqs)
+        sampling_index = np.flatnonzero(samples)
         num_rows = 1 + drafts[sampling_index]
         ends = qsl[1:num_reqs + 1][sampling_index] - pads[sampling_index]   # pad rows are never sampled
         num_logits = int(num_rows.sum())
@@ -188,7 +194,7 @@ class StepInputBuilder:
         ranges_rows = 0
         if self._any_bidirectional:   # models without bidirectional layers never need the table
             ranges_rows = fill_query_ranges(
-                self.query_ranges.np, qsl, computed, [s.request.mm_ranges_np for s in scheduled])
+                self.query_ranges.np, qsl, computed, [s.request.vision_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
             self.query_ranges.np[:self._high_water] = -1
         elif num_tokens < self._high_water:
@@ -208,6 +214,8 @@ class StepInputBuilder:
                 raise ValueError(f"{num_tokens} tokens cannot be padded to {pad_tokens_to} rows")
             self.input_ids.np[num_tokens:pad_tokens_to] = 0
             self.positions.np[num_tokens:pad_tokens_to] = 0
+            for t in self.specs:   # a piece writes every row's K/V: padding rows' to the null block's slot 0
+                self.slot_mapping[t].np[num_tokens:pad_tokens_to] = 0
             dense_rows = pad_tokens_to
         device_tables = gather_from is not None and self.row_index.dev is not self.row_index.cpu
         if device_tables:
@@ -233,7 +241,7 @@ class StepInputBuilder:
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
                 max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
-                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(num_tokens),
+                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(dense_rows)[:num_tokens],
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
@@ -272,13 +280,16 @@ class StepInputBuilder:
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
-        runner concatenates their embeddings in."""
+        runner concatenates their embeddings in. A range is clipped to its request's chunk (an audio
+        segment split between chunks; images and frames lie wholly inside)."""
         starts, lengths = [], []
         for i, s in enumerate(scheduled):
             if s.frames:
                 sel = s.request.mm_ranges_np[s.frames]
-                starts.append(sel[:, 0] - s.num_computed_tokens + qsl[i])
-                lengths.append(sel[:, 1] - sel[:, 0] + 1)
+                first = np.maximum(sel[:, 0], s.num_computed_tokens)
+                last = np.minimum(sel[:, 1], s.seq_len - 1)
+                starts.append(first - s.num_computed_tokens + qsl[i])
+                lengths.append(last - first + 1)
         if not starts:
             return 0
         st, ln = np.concatenate(starts), np.concatenate(lengths)

@@ -1,5 +1,8 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
+(An audio segment's soft tokens are causal, so a chunk may end inside one: the segment is encoded
+whole when its first token is scheduled, and each chunk takes its rows.)
+
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
@@ -22,6 +25,8 @@ that samples adds a placeholder (`Request.num_output_placeholders`) that counts 
 next token: the next step decodes it, its id taken on the device. A request with all of its
 max_tokens in flight is not scheduled again; one with a placeholder waits off the waiting queue
 until its token lands. `update` then only keys the filled blocks.
+Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
+come last in a step, after waiting requests, and never sample.
 """
 
 from __future__ import annotations
@@ -52,10 +57,11 @@ def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
 
 
 def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
-    """Indices of ranges that begin inside [start, start + num_tokens)."""
+    """Indices of ranges with a token inside [start, start + num_tokens). An image's or frame's range
+    lies wholly inside (align_chunk); an audio segment's may begin in an earlier chunk or end later."""
     if not len(ranges):
         return []
-    lo = int(np.searchsorted(ranges[:, 0], start, side="left"))
+    lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
     hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
     return list(range(lo, hi))
 
@@ -106,22 +112,24 @@ class Scheduler:
                 raise InvalidInputError("mm_ranges", "a range is empty or lies outside the prompt")
             if (ranges[1:, 0] <= ranges[:-1, 1]).any():
                 raise InvalidInputError("mm_ranges", "ranges must be sorted and disjoint")
-            longest = int((ranges[:, 1] - ranges[:, 0] + 1).max())
+        whole = request.vision_ranges_np   # the ranges a chunk never splits
+        if len(whole):
+            longest = int((whole[:, 1] - whole[:, 0] + 1).max())
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
-                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens", can_never_fit=True)
+                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens")
         total = n + request.sampling_params.max_tokens
         if total > self.max_model_len:
             raise LimitExceededError(
                 f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
-                f"the context length {self.max_model_len}", "--max-model-len", can_never_fit=True)
+                f"the context length {self.max_model_len}", "--max-model-len")
         for t, blocks in self.kv.max_blocks_needed(total, self.prefill_batched_tokens).items():
             usable = self.kv.pools[t].num_usable
             if blocks > usable:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
-                    "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
+                    "--kv-cache-bytes or --num-kv-blocks")
         if request.sampling_params.n > 1 and request.fork_of is None:
             self._check_samples_fit(request)
 
@@ -177,7 +185,7 @@ class Scheduler:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
-        return align_chunk(request.mm_ranges_np, start, n), 0
+        return align_chunk(request.vision_ranges_np, start, n), 0
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -209,35 +217,13 @@ class Scheduler:
         preempted: list[str] = []
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
-        # steady stream of decodes can never starve it.
+        # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
+        # every other request, waiting ones included: a frame waits a step, a question's token does not.
         blocked, self._frame_blocked = self._frame_blocked, set()
         order = sorted(self.running, key=lambda r: r.request_id not in blocked)
         for request in order:
-            if request.status != RequestStatus.RUNNING or budget == 0 or self._all_in_flight(request):
-                continue   # preempted earlier in this loop, or every token it may still make is on its way
-            n, pads = self._chunk(request, budget)
-            if n == 0:
-                self._frame_blocked.add(request.request_id)
-                continue
-            while not self.kv.allocate(request, n + pads):
-                if pads:   # short of KV: no pads, then no drafts, rather than preempt anyone
-                    pads = 0
-                    continue
-                if request.draft_token_ids:
-                    n -= len(request.draft_token_ids)
-                    request.draft_token_ids.clear()
-                    continue
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_tokens
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
-            scheduled[request.request_id] = self._scheduled(request, n, pads)
-            budget -= n + pads
+            if not request.open_prompt:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
 
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -250,7 +236,7 @@ class Scheduler:
                 i += 1
                 continue
             start = hit.num_tokens
-            n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+            n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.pop(i)
@@ -264,11 +250,15 @@ class Scheduler:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
+        for request in order:
+            if request.open_prompt and request.num_computed_tokens < request.num_tokens:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
+
         finished, self._finished_since_step = self._finished_since_step, []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder for each token it samples
             for s in scheduled.values():
                 r = s.request
-                if s.seq_len >= r.num_tokens + r.num_output_placeholders:
+                if s.seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
                     r.num_output_placeholders += 1
                 r.num_computed_tokens = s.seq_len
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
@@ -277,6 +267,36 @@ class Scheduler:
         """Async: every token the request may still make (max_tokens) is sampled by a step in flight."""
         placeholders = request.num_output_placeholders
         return placeholders > 0 and len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+
+    def _schedule_running(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+                          preempted: list[str]) -> int:
+        """Schedule a running request's next chunk (and the pads that fill a verify chunk's width),
+        preempting others when KV blocks run out; returns the budget left."""
+        if request.status != RequestStatus.RUNNING or budget == 0 or self._all_in_flight(request):
+            return budget   # preempted earlier in this step, or every token it may still make is on its way
+        n, pads = self._chunk(request, budget)
+        if n == 0:
+            self._frame_blocked.add(request.request_id)
+            return budget
+        while not self.kv.allocate(request, n + pads):
+            if pads:   # short of KV: no pads, then no drafts, rather than preempt anyone
+                pads = 0
+                continue
+            if request.draft_token_ids:
+                n -= len(request.draft_token_ids)
+                request.draft_token_ids.clear()
+                continue
+            victim = self._pick_victim()
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                break
+        if request.status != RequestStatus.RUNNING:
+            return budget
+        scheduled[request.request_id] = self._scheduled(request, n, pads)
+        return budget - n - pads
 
     def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -295,6 +315,7 @@ class Scheduler:
         rejected = rejected or {}
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                if not self.async_scheduling:   # async: advanced when scheduled
-                    s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
+                back = rejected.get(s.request.request_id, 0)
+                if back or not self.async_scheduling:   # async: advanced when scheduled (a rollback ends it)
+                    s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)

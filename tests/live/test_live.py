@@ -1,0 +1,250 @@
+"""Generation.Live against a real server on 127.0.0.1: answers equal a one-shot request's, blocks are
+freed however a session ends, bad input gets a status a person can act on, fall-behind policies.
+
+References: a one-shot Generate of the same frames (VideoFrames, same timestamps) and question,
+computed without the prefix cache (prompt_logprobs reads nothing from it), so the session's context
+cannot lend it K/V; after a roll-over (timestamps no longer start at 0, which VideoFrames cannot say),
+the engine-level one-shot path: `build_prompt` of the kept frames as one VideoPart + the question.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import queue
+import time
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from loopback_server import LoopbackServer, engine_config
+from PIL import Image
+
+from mmserve.api import pb, pb_grpc
+from mmserve.clients import Client
+from mmserve.config import DEMO_MODEL_DIR
+from mmserve.engine.types import EngineRequest
+from mmserve.model.messages import ChatMessage, TextPart, VideoPart
+from mmserve.model.prompt import build_prompt
+from mmserve.sampling_params import SamplingParams
+
+QUESTION = "What moves?"
+FPS = 2.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = LoopbackServer(engine_config(DEMO_MODEL_DIR, live_idle_timeout_s=5.0)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(server.address) as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+def png(rng: np.random.Generator, size=(16, 16)) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def question(qid: str, *, max_tokens: int = 12, join: bool = False, parts=None) -> pb.LiveRequest:
+    return pb.LiveRequest(question=pb.LiveQuestion(
+        question_id=qid, join_context=join,
+        messages=[pb.Message(role="user", parts=parts or [pb.Part(text=QUESTION)])],
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0)))
+
+
+class Session:
+    """A Live call driven from the test: `send` messages, `until` a response matches."""
+
+    def __init__(self, stub, open_: pb.LiveOpen, *, timeout: float = 120.0):
+        self._out: queue.Queue = queue.Queue()
+        self._out.put(pb.LiveRequest(open=open_))
+        self.call = stub.Live(iter(self._out.get, None), timeout=timeout)
+        self.progress: pb.LiveProgress | None = None
+        self.answers: dict[str, list[pb.LiveAnswer]] = {}
+
+    def send(self, *messages: pb.LiveRequest) -> None:
+        for m in messages:
+            self._out.put(m)
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def until(self, done) -> None:
+        for response in self.call:
+            kind = response.WhichOneof("kind")
+            if kind == "progress":
+                self.progress = response.progress
+            elif kind == "answer":
+                self.answers.setdefault(response.answer.question_id, []).append(response.answer)
+            if done(self):
+                return
+        raise AssertionError("the session ended before the condition held")
+
+    def answered(self, qid: str) -> bool:
+        return any(a.WhichOneof("kind") in ("final", "error") for a in self.answers.get(qid, ()))
+
+    def tokens(self, qid: str) -> list[int]:
+        return [t for a in self.answers[qid] if a.WhichOneof("kind") == "delta" for t in a.delta.token_ids]
+
+    def final(self, qid: str) -> pb.Final:
+        return next(a.final for a in self.answers[qid] if a.WhichOneof("kind") == "final")
+
+
+def generate_tokens(stub, frames: list[bytes]) -> tuple[list[int], pb.Final]:
+    request = pb.GenerateRequest(messages=[pb.Message(role="user", parts=[
+        pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=f) for f in frames], fps=FPS))),
+        pb.Part(text=QUESTION)])], sampling=pb.SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=True))
+    tokens, final = [], None
+    for r in stub.Generate(request, timeout=120):
+        if r.WhichOneof("kind") == "delta":
+            tokens += r.delta.token_ids
+        else:
+            final = r.final
+    return tokens, final
+
+
+def held(server) -> dict:
+    return asyncio.run_coroutine_threadsafe(server.engine.held_resources(), server._loop).result(30)
+
+
+def wait_all_free(server) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        h = held(server)
+        if not (h["requests"] or h["kv_blocks_held"] or h["front_end_requests"] or h["streams"]):
+            return
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("num_frames", [1, 4, 9])
+def test_answer_equals_one_shot_generate(server, stub, num_frames):
+    rng = np.random.default_rng(1000 + num_frames)
+    frames = [png(rng) for _ in range(num_frames)]
+    s = Session(stub, pb.LiveOpen())
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f, time_s=100 + i / FPS)) for i, f in enumerate(frames)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_in_context == num_frames)
+    s.send(question("q"))
+    s.until(lambda s: s.answered("q"))
+    s.close()
+    list(s.call)
+    assert s.call.code() == grpc.StatusCode.OK
+    live_final = s.final("q")
+    expected, final = generate_tokens(stub, frames)
+    assert s.tokens("q") == expected and expected
+    assert live_final.usage.prompt_tokens == final.usage.prompt_tokens
+    assert list(live_final.videos[0].timestamps_s) == [i / FPS for i in range(num_frames)]
+    # the context's blocks served the question: at most the last frame and the question were computed
+    tokens_per_frame = final.usage.multimodal_tokens // num_frames
+    assert live_final.usage.cached_tokens >= final.usage.prompt_tokens - 2 * tokens_per_frame - 48
+    wait_all_free(server)
+
+
+def test_rollover_answer_equals_one_shot_of_the_kept_frames(server, stub):
+    rng = np.random.default_rng(7)
+    frames = [png(rng) for _ in range(7)]
+    s = Session(stub, pb.LiveOpen(max_history_frames=4))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f, time_s=i / FPS)) for i, f in enumerate(frames)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 7 and s.progress.rollovers >= 1
+            and s.progress.frames_in_context > 0)
+    s.send(question("q"))
+    s.until(lambda s: s.answered("q"))
+    s.close()
+    list(s.call)
+    seen = list(s.final("q").videos[0].timestamps_s)
+    assert 0 < len(seen) <= 4 and seen == [i / FPS for i in range(7 - len(seen), 7)], seen
+    expected = one_shot_engine(server, frames[7 - len(seen):], seen)
+    assert s.tokens("q") == expected and expected
+    wait_all_free(server)
+
+
+def one_shot_engine(server, frames: list[bytes], timestamps: list[float]) -> list[int]:
+    """The kept frames and the question through build_prompt and the engine, bypassing the prefix cache."""
+    processor = server.app._processor
+
+    async def run():
+        owner = object()
+        decoded = [await processor.process_frame(owner, f, processor.spec.video_max_soft_tokens) for f in frames]
+        video = VideoPart(torch.stack([m.pixel_values for m, _ in decoded]),
+                          torch.stack([m.position_ids for m, _ in decoded]), [n for _, n in decoded], timestamps)
+        layout = build_prompt(processor.tokenizer, processor.spec,
+                              [ChatMessage("user", [video, TextPart(QUESTION)])])
+        request = EngineRequest("one-shot", layout.token_ids, layout.mm_ranges, [m for m, _ in decoded],
+                                SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=True))
+        return [t async for out in server.engine.generate(request) for t in out.new_token_ids]
+
+    return asyncio.run_coroutine_threadsafe(run(), server._loop).result(120)
+
+
+def test_blocks_are_free_after_cancel_and_a_vanished_client(server, stub):
+    rng = np.random.default_rng(11)
+    s = Session(stub, pb.LiveOpen())
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))) for _ in range(3)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 3)
+    s.send(question("long", max_tokens=200))
+    s.until(lambda s: "long" in s.answers)
+    assert held(server)["kv_blocks_held"]
+    s.call.cancel()   # the client cancels mid-answer
+    wait_all_free(server)
+
+    with Client(server.address) as client:   # a client that vanishes: its channel closes mid-session
+        call = client.live(pb.LiveOpen(), timeout=60)
+        call.frame(png(rng), 0.0)
+        call.frame(png(rng), 0.5)
+        for response in call:
+            if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == 2:
+                break
+    wait_all_free(server)
+
+
+def test_a_bad_question_fails_alone_and_bad_sessions_get_clear_statuses(server, stub):
+    rng = np.random.default_rng(3)
+    s = Session(stub, pb.LiveOpen())
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))),
+           question("img", parts=[pb.Part(image=pb.Image(data=png(rng)))]), question("ok"))
+    s.until(lambda s: s.answered("img") and s.answered("ok"))
+    error = s.answers["img"][-1].error
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "text parts only" in error.message
+    assert s.final("ok").finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=b"not an image")))
+    with pytest.raises(grpc.RpcError) as e:
+        s.until(lambda s: False)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "frame.image" in e.value.details()
+
+    for first, words in ((pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))), "first message"),
+                         (pb.LiveRequest(open=pb.LiveOpen(max_history_frames=10_000)), "max_history_frames"),
+                         (pb.LiveRequest(open=pb.LiveOpen(max_tokens_per_frame=17)), "max_tokens_per_frame")):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Live(iter([first]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details(), e.value.details()
+    wait_all_free(server)
+
+
+def test_fall_behind_policies(server, stub):
+    """BUFFER refuses past max_pending_frames with RESOURCE_EXHAUSTED; DROP drops the oldest and goes on.
+    A bystander Generate is served meanwhile (its latency is the benchmark's to measure)."""
+    rng = np.random.default_rng(5)
+    burst = [png(rng) for _ in range(12)]
+    s = Session(stub, pb.LiveOpen(fall_behind=pb.LIVE_FALL_BEHIND_BUFFER, max_pending_frames=2))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f)) for f in burst))
+    with pytest.raises(grpc.RpcError) as e:
+        s.until(lambda s: False)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_pending_frames" in e.value.details()
+
+    s = Session(stub, pb.LiveOpen(fall_behind=pb.LIVE_FALL_BEHIND_DROP, max_pending_frames=2))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f)) for f in burst))
+    bystander, _ = generate_tokens(stub, burst[:2])
+    s.until(lambda s: s.progress is not None
+            and s.progress.frames_prefilled + s.progress.frames_dropped == len(burst))
+    assert s.progress.frames_dropped > 0 and bystander
+    s.close()
+    list(s.call)
+    assert s.call.code() == grpc.StatusCode.OK
+    wait_all_free(server)
