@@ -232,7 +232,7 @@ def test_speculating_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path
     hf = make_checkpoint(tmp_path / "target", config=cfg, seed=61)
     make_assistant(tmp_path / "assistant", cfg, seed=63, copy_from=hf)
     model = load_model(tmp_path / "target", dtype="float32", device="cpu", attention_backend="flex")
-    requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=[9, 14, 20][i]) for i in range(3)]
+    requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=[7, 10, 14][i]) for i in range(3)]
     requests[1].sampling = dataclasses.replace(requests[1].sampling, temperature=1.0, seed=7)
     runs, steps = {}, []
     for eager in (True, False):
@@ -301,7 +301,7 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
     from engine_helpers import build_request, make_llm
 
     model = fa4_paging_model(paged_target, monkeypatch)
-    requests = [build_request(f"r{i}", [9 + 4 * i], seed=i, max_tokens=14) for i in range(3)]
+    requests = [build_request(f"r{i}", [9 + 4 * i], seed=i, max_tokens=10) for i in range(3)]
     gen = torch.Generator().manual_seed(5)
 
     @torch.inference_mode()
