@@ -24,6 +24,7 @@ from PIL import Image
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
 from mmserve.config import DEMO_MODEL_DIR
+from mmserve.engine.live_session import MIN_QUESTION_ROOM, LivePrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.model.messages import ChatMessage, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
@@ -247,4 +248,32 @@ def test_fall_behind_policies(server, stub):
     s.close()
     list(s.call)
     assert s.call.code() == grpc.StatusCode.OK
+    wait_all_free(server)
+
+
+def test_a_history_is_sized_exactly_as_build_prompt_renders_it(server, stub):
+    """The most frames a session may keep is the most whose one-shot prompt (build_prompt: the system
+    turn, a video of that many frames at the per-frame budget) leaves MIN_QUESTION_ROOM tokens of the
+    context; that many open, one more is refused naming it."""
+    processor = server.app._processor
+    tok, spec, context = processor.tokenizer, processor.spec, processor.max_model_len
+    system = " ".join(["Watch the shapes and say which way each one moves."] * 8)
+    per_frame = spec.video_max_soft_tokens
+    closing = len(LivePrompt(tok, spec).question("", ""))
+
+    def history(n: int) -> int:   # the one-shot prompt of n frames, before the question
+        part = VideoPart(torch.zeros(n, 1, 1), torch.zeros(n, 1, 2), [per_frame] * n, [i / FPS for i in range(n)])
+        return len(build_prompt(tok, spec, [ChatMessage("system", [TextPart(system)]),
+                                            ChatMessage("user", [part])]).token_ids) - closing
+
+    fit = max(n for n in range(1, 64) if history(n) + MIN_QUESTION_ROOM <= context)
+    assert fit < 32   # the server's --live-max-history-frames: the context is what bounds it here
+    opened = next(iter(stub.Live(iter([pb.LiveRequest(open=pb.LiveOpen(system_prompt=system, max_history_frames=fit))]),
+                                 timeout=60)))
+    assert opened.opened.max_history_frames == fit
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Live(iter([pb.LiveRequest(open=pb.LiveOpen(system_prompt=system, max_history_frames=fit + 1))]),
+                       timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"keep at most {fit} frames" in e.value.details(), e.value.details()
     wait_all_free(server)

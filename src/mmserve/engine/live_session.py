@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -45,8 +46,8 @@ from mmserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 PIPELINE_FRAMES = 4   # frames sent to the engine and not yet prefilled, at most; later ones batch up
-MIN_QUESTION_ROOM = 64   # tokens a full history must leave in the context for a question and its answer
-FRAME_TEXT_TOKENS = 12   # at most, per frame: its timestamp text and image delimiters
+MIN_QUESTION_ROOM = 64   # tokens every context leaves free for a question and its answer
+TIMESTAMP_MINUTES = 100  # a history is sized for timestamps "00:00".."99:59"; later ones may roll over sooner
 LIVE_PART = "live"    # SampledVideo.part of an answer's frames
 
 
@@ -69,14 +70,29 @@ class LivePrompt:
         self.pending = ROLES["user"] + "\n"   # text not yet tokenized (it merges with what follows)
         self.after_frame = False              # the pending text follows a frame in the same turn
 
+    def _frame_text(self, time_s: float) -> str:
+        return self.pending + (" " if self.after_frame else "") + timestamp_text(time_s) + " "
+
     def frame(self, time_s: float, num_soft_tokens: int) -> tuple[list[int], tuple[int, int]]:
         """One frame's ids and its soft-token range relative to them."""
-        text = self.pending + (" " if self.after_frame else "") + timestamp_text(time_s) + " "
-        ids = [*self.tok.encode(text), self.spec.boi_token_id]
+        ids = [*self.tok.encode(self._frame_text(time_s)), self.spec.boi_token_id]
         start = len(ids)
         ids += [self.spec.video_token_id] * num_soft_tokens + [self.spec.eoi_token_id]
         self.pending, self.after_frame = "", True
         return ids, (start, start + num_soft_tokens - 1)
+
+    def frames_tokens(self, frames: list[tuple[float, int]]) -> int:
+        """How many ids `frame()` would render for `frames` ((time_s, soft tokens) each), from here."""
+        texts = [self._frame_text(t) if i == 0 else " " + timestamp_text(t) + " " for i, (t, _) in enumerate(frames)]
+        return sum(len(self.tok.encode(text)) + 2 + n for text, (_, n) in zip(texts, frames, strict=True))
+
+    def history_tokens(self, num_frames: int, soft_tokens: int) -> int:
+        """The most ids `num_frames` frames of at most `soft_tokens` soft tokens each render as a user
+        turn's frames, whatever their timestamps below TIMESTAMP_MINUTES minutes."""
+        if not num_frames:
+            return 0
+        first, later = widest_frame_texts(self.tok)
+        return first + (num_frames - 1) * later + num_frames * (2 + soft_tokens)
 
     def question(self, text: str, pending: str) -> list[int]:
         """The ids that end a prompt with `text` asked (after `pending`, the text pending where it is
@@ -91,6 +107,16 @@ class LivePrompt:
                self.turn_open]
         self.pending, self.after_frame = ROLES["user"] + "\n", False
         return ids
+
+
+@functools.lru_cache(maxsize=8)
+def widest_frame_texts(tokenizer) -> tuple[int, int]:
+    """The most ids a user turn's first frame's text ("user\nmm:ss ") and a later frame's (" mm:ss ")
+    tokenize to, over every timestamp below TIMESTAMP_MINUTES minutes. Computed once per tokenizer
+    (a fraction of a second: the server calls it off the event loop before a session opens)."""
+    stamps = [timestamp_text(60.0 * m + s) for m in range(TIMESTAMP_MINUTES) for s in range(60)]
+    return (max(len(tokenizer.encode(ROLES["user"] + "\n" + t + " ")) for t in stamps),
+            max(len(tokenizer.encode(" " + t + " ")) for t in stamps))
 
 
 @dataclass(frozen=True)
@@ -195,18 +221,24 @@ class LiveSession:
     # -- frames -------------------------------------------------------------------------------------
 
     def _capacity(self, max_model_len: int) -> int:
-        """Most tokens one context may hold: the header and a full history of frames at the per-frame
-        budget, plus room for joined questions (a quarter of the context), within the context length.
-        Raises when the history alone leaves a question no room."""
+        """Most tokens one context may hold: the header and a full history of frames (exactly as they
+        render at the per-frame budget, LivePrompt.history_tokens), plus room for joined questions (a
+        quarter of the context), leaving MIN_QUESTION_ROOM of the context for a question. Raises when
+        the history alone leaves a question no room, naming how many frames fit."""
         prompt = LivePrompt(self.tokenizer, self.spec, self.options.system_prompt)
-        per_frame = len(self.tokenizer.encode(prompt.pending + " 59:59 ")) + 2 + self.options.max_tokens_per_frame
-        history = len(prompt.header) + self.options.max_history_frames * per_frame
-        if history + MIN_QUESTION_ROOM > max_model_len:
-            fit = max(0, (max_model_len - MIN_QUESTION_ROOM - len(prompt.header)) // per_frame)
-            raise InvalidInputError("open.max_history_frames", f"{self.options.max_history_frames} frames of up to "
-                                    f"{per_frame} tokens leave a question no room in the context of {max_model_len} "
-                                    f"tokens: keep at most {fit} frames, or fewer tokens per frame")
-        return min(max_model_len, history + max_model_len // 4)
+        room = max_model_len - MIN_QUESTION_ROOM - len(prompt.header)
+        per_frame = self.options.max_tokens_per_frame
+
+        def history(num_frames: int) -> int:
+            return prompt.history_tokens(num_frames, per_frame)
+
+        frames = self.options.max_history_frames
+        if history(frames) > room:
+            fit = next(n for n in range(frames, -1, -1) if history(n) <= room)
+            raise InvalidInputError("open.max_history_frames", f"{frames} frames of {per_frame} soft tokens take "
+                                    f"{history(frames)} tokens and leave a question no room in the context of "
+                                    f"{max_model_len} tokens: keep at most {fit} frames, or fewer tokens per frame")
+        return min(max_model_len - MIN_QUESTION_ROOM, len(prompt.header) + history(frames) + max_model_len // 4)
 
     def _fits(self, context: _Context, num_tokens: int) -> bool:
         return len(context.token_ids) + num_tokens <= self.capacity
@@ -285,8 +317,8 @@ class LiveSession:
         frames = context.frames + batch
         if len(frames) + 1 > self.options.max_history_frames:
             return True
-        room = sum(f.num_soft_tokens + FRAME_TEXT_TOKENS for f in (*batch, frame))
-        if not self._fits(context, room):   # joined questions filled it
+        room = context.prompt.frames_tokens([(f.time_s, f.num_soft_tokens) for f in (*batch, frame)])
+        if not self._fits(context, room):   # joined questions filled it, or timestamps past TIMESTAMP_MINUTES
             return True
         return bool(frames and self.options.max_history_s and frame.time_s - frames[0].time_s > self.options.max_history_s)
 
@@ -451,7 +483,7 @@ class LiveSession:
         context = self._contexts[-1]
         before = context.prompt.pending, context.prompt.after_frame
         ids = context.prompt.joined(text, answer)
-        if not self._fits(context, len(ids) + MIN_QUESTION_ROOM):
+        if not self._fits(context, len(ids)):
             logger.info("session %s: a joined question does not fit the context; it was not joined", self.session_id)
             context.prompt.pending, context.prompt.after_frame = before   # the frames' turn goes on
             return

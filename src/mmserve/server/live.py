@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.engine.live_session import LiveOptions, LiveSession, LiveStats
+from mmserve.engine.live_session import LiveOptions, LiveSession, LiveStats, widest_frame_texts
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.logs import bind_request, unbind_request
@@ -118,6 +118,7 @@ class LiveService:
                 raise InvalidInputError("open", "the first message of a Live stream must be LiveRequest.open")
             session_id = _request_id(first.open.session_id)
             options = self._options(first.open, processor)
+            await asyncio.to_thread(widest_frame_texts, processor.tokenizer)   # once per tokenizer, off the loop
             self._in_flight.add(session_id, owner, 1)
         except (MMServeError, TimeoutError) as e:
             end_with(context, _idle_error(idle) if isinstance(e, TimeoutError) else e, session_id)
