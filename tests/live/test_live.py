@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import io
 import queue
+import socket
 import time
+import urllib.request
 
 import grpc
 import numpy as np
@@ -20,10 +22,11 @@ import pytest
 import torch
 from loopback_server import LoopbackServer, engine_config
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
-from mmserve.config import DEMO_MODEL_DIR
+from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 from mmserve.engine.live_session import MIN_QUESTION_ROOM, LivePrompt
 from mmserve.engine.types import EngineRequest
 from mmserve.model.messages import ChatMessage, TextPart, VideoPart
@@ -36,7 +39,11 @@ FPS = 2.0
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LoopbackServer(engine_config(DEMO_MODEL_DIR, live_idle_timeout_s=5.0)).start()
+    with socket.socket() as probe:   # a free port for the server's /metrics
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
+    srv = LoopbackServer(engine_config(DEMO_MODEL_DIR, live_idle_timeout_s=5.0),
+                         ServerConfig(port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield srv
     srv.stop()
 
@@ -68,6 +75,7 @@ class Session:
         self._out.put(pb.LiveRequest(open=open_))
         self.call = stub.Live(iter(self._out.get, None), timeout=timeout)
         self.progress: pb.LiveProgress | None = None
+        self.reports = 0   # LiveProgress messages received
         self.answers: dict[str, list[pb.LiveAnswer]] = {}
 
     def send(self, *messages: pb.LiveRequest) -> None:
@@ -82,6 +90,7 @@ class Session:
             kind = response.WhichOneof("kind")
             if kind == "progress":
                 self.progress = response.progress
+                self.reports += 1
             elif kind == "answer":
                 self.answers.setdefault(response.answer.question_id, []).append(response.answer)
             if done(self):
@@ -276,4 +285,38 @@ def test_a_history_is_sized_exactly_as_build_prompt_renders_it(server, stub):
                        timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"keep at most {fit} frames" in e.value.details(), e.value.details()
+    wait_all_free(server)
+
+
+def scrape(server) -> dict[str, float]:
+    """The server's /metrics, parsed by prometheus_client: sample name -> value (label-free samples)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.observability.metrics_port}/metrics", timeout=10)
+    return {sample.name: sample.value for family in text_string_to_metric_families(text.read().decode())
+            for sample in family.samples if not sample.labels}
+
+
+def test_live_metrics_count_what_the_session_reports(server, stub):
+    """Prometheus' live metrics move by exactly what the session's own LiveProgress reports: sessions
+    open, frames prefilled and dropped (DROP), one lag observation per progress report."""
+    rng = np.random.default_rng(13)
+    before = scrape(server)
+    s = Session(stub, pb.LiveOpen(fall_behind=pb.LIVE_FALL_BEHIND_DROP, max_pending_frames=2))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))) for _ in range(10)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled + s.progress.frames_dropped == 10)
+    during = scrape(server)
+    s.close()
+    reports = s.reports + sum(r.WhichOneof("kind") == "progress" for r in s.call)
+    deadline = time.monotonic() + 10
+    while (after := scrape(server))["mmserve_live_sessions"] != before.get("mmserve_live_sessions", 0):
+        assert time.monotonic() < deadline, after["mmserve_live_sessions"]
+        time.sleep(0.05)
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert during["mmserve_live_sessions"] == before.get("mmserve_live_sessions", 0) + 1
+    assert s.progress.frames_dropped > 0
+    assert delta("mmserve_live_frames_prefilled_total") == s.progress.frames_prefilled
+    assert delta("mmserve_live_frames_dropped_total") == s.progress.frames_dropped
+    assert delta("mmserve_live_lag_seconds_count") == reports
     wait_all_free(server)

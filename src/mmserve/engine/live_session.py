@@ -201,7 +201,7 @@ class LiveSession:
         self._process_frame, self._emit, self._fail = process_frame, emit, fail
         self.max_questions = max_questions
         self.trace_context = trace_context
-        self.observer = observer          # metrics hooks (metrics/prometheus.py LiveMetrics), optional
+        self.observer = observer          # metrics hooks (EngineMetrics.live_event), optional
         self.stats = LiveStats()
         self.capacity = self._capacity(max_model_len)
         self._owner = object()            # this session's share of the decode pool
@@ -388,6 +388,8 @@ class LiveSession:
             for index in lost:
                 del self._waiting[index]
             self.stats.frames_dropped += len(lost)
+            if lost:
+                self._note("frames_dropped", len(lost))
         if context.task is not None:
             context.task.cancel()   # leaving generate() aborts the context in the engine
         self.engine.abort(context.request_id)

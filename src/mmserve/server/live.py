@@ -54,7 +54,7 @@ class _SessionEnded(Exception):
 
 class LiveService:
     """The sessions of one server. `processor()` is the InputProcessor (None while loading); `observer`
-    has `live_event(what, value)` and `live_sessions(delta)` hooks (metrics), optional."""
+    has `live_event(what, value)` and `live_sessions(delta)` hooks (metrics.prometheus.EngineMetrics), optional."""
 
     def __init__(self, engine, config: EngineConfig, processor: Callable, draining: Callable[[], bool],
                  in_flight: InFlightRequests, observer=None) -> None:
