@@ -13,9 +13,12 @@ import asyncio
 import io
 import queue
 import socket
+import threading
 import time
 import urllib.request
+from fractions import Fraction
 
+import av
 import grpc
 import numpy as np
 import pytest
@@ -42,7 +45,8 @@ def server():
     with socket.socket() as probe:   # a free port for the server's /metrics
         probe.bind(("127.0.0.1", 0))
         metrics_port = probe.getsockname()[1]
-    srv = LoopbackServer(engine_config(DEMO_MODEL_DIR, live_idle_timeout_s=5.0),
+    srv = LoopbackServer(engine_config(DEMO_MODEL_DIR, live_idle_timeout_s=5.0, max_image_pixels=64 * 64,
+                                       live_max_stream_buffer_bytes=64 * 1024),
                          ServerConfig(port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield srv
     srv.stop()
@@ -320,3 +324,86 @@ def test_live_metrics_count_what_the_session_reports(server, stub):
     assert delta("mmserve_live_frames_dropped_total") == s.progress.frames_dropped
     assert delta("mmserve_live_lag_seconds_count") == reports
     wait_all_free(server)
+
+
+def live_stream(frames: list[np.ndarray], fps: float, container: str) -> bytes:
+    """`frames` encoded as a live encoder sends them: x264 without frame reordering or lookahead, in
+    MPEG-TS or fragmented MP4 (a fragment per keyframe, every 4 frames)."""
+    out = io.BytesIO()
+    fmt, options = {"mpegts": ("mpegts", {}),
+                    "fmp4": ("mp4", {"movflags": "frag_keyframe+empty_moov+default_base_moof"})}[container]
+    with av.open(out, "w", format=fmt, options=options) as box:
+        stream = box.add_stream("libx264", rate=Fraction(fps).limit_denominator(1000),
+                                options={"tune": "zerolatency", "preset": "ultrafast", "crf": "18"})
+        stream.height, stream.width = frames[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.gop_size = 4
+        for frame in frames:
+            box.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        box.mux(stream.encode())
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("container", ["mpegts", "fmp4"])
+def test_stream_chunks_answer_as_a_one_shot_of_the_same_file(server, stub, container):
+    """A PyAV-encoded stream sent in random chunks: frames are decoded as they complete, sampled at
+    stream_fps by presentation time, and a question's answer equals a one-shot Generate of the whole
+    file sampled at that rate over the frames the question saw (same tokens, same timestamps)."""
+    rng = np.random.default_rng({"mpegts": 21, "fmp4": 22}[container])
+    frames = [rng.integers(0, 255, (24, 32, 3), dtype=np.uint8) for _ in range(12)]
+    data = live_stream(frames, 16.0, container)
+    cuts = sorted(set(rng.integers(1, len(data), 12).tolist()))
+    chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    s = Session(stub, pb.LiveOpen(stream_fps=8))
+    s.send(*(pb.LiveRequest(stream_chunk=c) for c in chunks))
+    # every sampled frame but (MPEG-TS) the last, whose packet ends only when the next one starts
+    s.until(lambda s: s.progress is not None and s.progress.frames_in_context >= 5)
+    s.send(question("q"))
+    s.until(lambda s: s.answered("q"))
+    s.close()
+    list(s.call)
+    assert s.call.code() == grpc.StatusCode.OK
+    seen = list(s.final("q").videos[0].timestamps_s)
+    assert seen == [i / 8 for i in range(len(seen))], seen   # every other frame of the 16 fps stream
+
+    request = pb.GenerateRequest(messages=[pb.Message(role="user", parts=[
+        pb.Part(video=pb.Video(data=data, fps=8, end_s=len(seen) / 8)), pb.Part(text=QUESTION)])],
+        sampling=pb.SamplingParams(max_tokens=12, temperature=0, prompt_logprobs=True))
+    expected, final = [], None
+    for r in stub.Generate(request, timeout=120):
+        if r.WhichOneof("kind") == "delta":
+            expected += r.delta.token_ids
+        else:
+            final = r.final
+    assert list(final.videos[0].timestamps_s) == seen
+    assert s.tokens("q") == expected and expected
+    wait_all_free(server)
+
+
+def test_bad_streams_end_the_session_with_a_clear_status(server, stub):
+    """What is not a stream we read, frames over --max-image-pixels (checked from the stream's declared
+    size, before decoding), more bytes waiting than --live-max-stream-buffer-bytes, and a stream after
+    images: each ends its session with a status that names the cause."""
+    rng = np.random.default_rng(23)
+    big = [rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)] * 4   # 7680 pixels, over the module's 4096
+    cases = [([b"\x00" * 600], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
+             ([png(rng)], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
+             ([live_stream(big, 8.0, "mpegts")], grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-image-pixels"),
+             ([live_stream(big[:1], 8.0, "fmp4")[:700], bytes(70_000)], grpc.StatusCode.RESOURCE_EXHAUSTED,
+              "--live-max-stream-buffer-bytes")]
+    for chunks, code, words in cases:
+        s = Session(stub, pb.LiveOpen())
+        s.send(*(pb.LiveRequest(stream_chunk=c) for c in chunks))
+        with pytest.raises(grpc.RpcError) as e:
+            s.until(lambda s: False)
+        assert e.value.code() == code and words in e.value.details(), e.value.details()
+    s = Session(stub, pb.LiveOpen())   # images, then a stream
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))), pb.LiveRequest(stream_chunk=b"\x47" * 10))
+    with pytest.raises(grpc.RpcError) as e:
+        s.until(lambda s: False)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "come as images" in e.value.details()
+    wait_all_free(server)
+    deadline = time.monotonic() + 10   # and no stream's decoding thread outlives its session
+    while any(t.name == "mmserve-live-stream" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
+        time.sleep(0.05)

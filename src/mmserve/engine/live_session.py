@@ -37,9 +37,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError, MMServeError
 from mmserve.model.prompt import ROLES, TURN_CLOSE, TURN_OPEN, timestamp_text
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.live_stream import StreamDecoder
 from mmserve.request import MultiModalInput
 from mmserve.sampling_params import SamplingParams
 
@@ -127,6 +131,8 @@ class LiveOptions:
     max_tokens_per_frame: int = 0    # the checkpoint's video budget when 0 (the server resolves it)
     max_pending_frames: int = 16
     fall_behind: str = "drop"        # "drop" | "buffer"
+    stream_fps: float = 8.0          # frames per second sampled from an encoded stream's chunks
+    max_stream_buffer_bytes: int = 8 * 2**20   # a stream's bytes received and not yet demuxed, at most
 
 
 @dataclass
@@ -190,12 +196,16 @@ class LiveStats:
 class LiveSession:
     """One session. `emit(item)` receives what the client is sent: `LiveStats` after progress, and per
     question `(question_id, RequestOutput | BaseException)`. `fail(error)` ends the session (its
-    context failed, or BUFFER overflowed). `process_frame(owner, data, max_soft_tokens)` decodes a frame
-    (InputProcessor.process_frame). Call `close()` however it ends: it aborts everything it started."""
+    context failed, BUFFER overflowed, its stream cannot be decoded). `process_frame(owner, frame,
+    max_soft_tokens)` turns an encoded image or a stream's RGB frame into the model's input
+    (InputProcessor.process_frame). Frames come as images (`add_frame`) or as one encoded stream
+    (`add_stream_chunk`, decoded under `media_limits`), not both. Call `close()` however it ends: it
+    aborts everything it started. Created on the event loop it then runs on."""
 
     def __init__(self, engine, tokenizer, spec, session_id: str, options: LiveOptions, *,
                  process_frame: Callable, emit: Callable[[object], None], fail: Callable[[BaseException], None],
-                 max_model_len: int, max_questions: int = 4, trace_context=None, observer=None):
+                 max_model_len: int, max_questions: int = 4, trace_context=None, observer=None,
+                 media_limits: MediaLimits | None = None):
         self.engine, self.tokenizer, self.spec = engine, tokenizer, spec
         self.session_id, self.options = session_id, options
         self._process_frame, self._emit, self._fail = process_frame, emit, fail
@@ -205,6 +215,9 @@ class LiveSession:
         self.stats = LiveStats()
         self.capacity = self._capacity(max_model_len)
         self._owner = object()            # this session's share of the decode pool
+        self._loop = asyncio.get_running_loop()
+        self._media_limits = media_limits or MediaLimits()
+        self._stream: StreamDecoder | None = None   # when frames come as one encoded stream
         self._ids = itertools.count()
         self._start_time: float | None = None   # the first frame's capture time (timestamps count from it)
         self._last_time = float("-inf")
@@ -244,7 +257,33 @@ class LiveSession:
         return len(context.token_ids) + num_tokens <= self.capacity
 
     def add_frame(self, data: bytes, time_s: float | None) -> None:
-        """A frame arrived: decode it (in order) and prefill it when the engine has room."""
+        """An encoded image arrived: decode it (in order) and prefill it when the engine has room."""
+        if self._stream is not None:
+            raise InvalidInputError("frame", "this session's frames come as an encoded stream; it takes no images")
+        self._add(data, time_s)
+
+    def add_stream_chunk(self, data: bytes) -> None:
+        """The next bytes of the session's encoded stream: its frames are decoded as they complete,
+        sampled at `stream_fps` by their presentation times, and added as frames of that time."""
+        if self._stream is None:
+            if self.stats.frames_received:
+                raise InvalidInputError("stream_chunk", "this session's frames come as images; it takes no stream")
+            self._stream = StreamDecoder(
+                fps=self.options.stream_fps, limits=self._media_limits,
+                max_buffered_bytes=self.options.max_stream_buffer_bytes,
+                on_frame=lambda rgb, t: self._loop.call_soon_threadsafe(self._stream_frame, rgb, t),
+                on_error=lambda e: self._loop.call_soon_threadsafe(self._closed_with, e))
+        self._stream.feed(data)
+
+    def _stream_frame(self, rgb: np.ndarray, time_s: float) -> None:
+        if self._closed:
+            return
+        try:
+            self._add(rgb, time_s)
+        except MMServeError as e:   # BUFFER overflowed: the session ends
+            self._closed_with(e)
+
+    def _add(self, data: bytes | np.ndarray, time_s: float | None) -> None:
         now = time.monotonic()
         if time_s is None:
             time_s = now
@@ -280,7 +319,7 @@ class LiveSession:
         self.stats.frames_dropped += 1
         self._note("frames_dropped", 1)
 
-    async def _decode(self, data: bytes, time_s: float, arrival: float, index: int) -> LiveFrame:
+    async def _decode(self, data: bytes | np.ndarray, time_s: float, arrival: float, index: int) -> LiveFrame:
         mm, n = await self._process_frame(self._owner, data, self.options.max_tokens_per_frame)
         return LiveFrame(mm, n, time_s, arrival, index)
 
@@ -525,6 +564,8 @@ class LiveSession:
         """End everything the session started: decodes, questions, contexts (their blocks are freed
         within a step)."""
         self._closed = True
+        if self._stream is not None:
+            self._stream.close()
         for _, task in self._decoding:
             task.cancel()
         self._decoding.clear()
