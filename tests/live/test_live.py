@@ -69,11 +69,12 @@ def png(rng: np.random.Generator, size=(16, 16)) -> bytes:
     return out.getvalue()
 
 
-def question(qid: str, *, max_tokens: int = 12, join: bool = False, parts=None) -> pb.LiveRequest:
+def question(qid: str, *, max_tokens: int = 12, join: bool = False, parts=None,
+             prompt_logprobs: bool = False) -> pb.LiveRequest:
     return pb.LiveRequest(question=pb.LiveQuestion(
         question_id=qid, join_context=join,
         messages=[pb.Message(role="user", parts=parts or [pb.Part(text=QUESTION)])],
-        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0)))
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0, prompt_logprobs=prompt_logprobs)))
 
 
 class Session:
@@ -186,20 +187,83 @@ def test_rollover_answer_equals_one_shot_of_the_kept_frames(server, stub):
 
 def one_shot_engine(server, frames: list[bytes], timestamps: list[float]) -> list[int]:
     """The kept frames and the question through build_prompt and the engine, bypassing the prefix cache."""
+    return conversation_engine(server, [("user", [(frames, timestamps), QUESTION])])[0]
+
+
+def conversation_engine(server, turns: list[tuple[str, list]]) -> tuple[list[int], list[int]]:
+    """The greedy tokens and the prompt ids of a one-shot prompt of `turns` ((role, parts): a part is
+    a text, or (frame images, their timestamps) for a video), through build_prompt and the engine,
+    bypassing the prefix cache."""
     processor = server.app._processor
 
     async def run():
-        owner = object()
-        decoded = [await processor.process_frame(owner, f, processor.spec.video_max_soft_tokens) for f in frames]
-        video = VideoPart(torch.stack([m.pixel_values for m, _ in decoded]),
-                          torch.stack([m.position_ids for m, _ in decoded]), [n for _, n in decoded], timestamps)
-        layout = build_prompt(processor.tokenizer, processor.spec,
-                              [ChatMessage("user", [video, TextPart(QUESTION)])])
-        request = EngineRequest("one-shot", layout.token_ids, layout.mm_ranges, [m for m, _ in decoded],
+        owner, messages, inputs = object(), [], []
+        for role, parts in turns:
+            rendered = []
+            for part in parts:
+                if isinstance(part, str):
+                    rendered.append(TextPart(part))
+                    continue
+                frames, timestamps = part
+                decoded = [await processor.process_frame(owner, f, processor.spec.video_max_soft_tokens)
+                           for f in frames]
+                rendered.append(VideoPart(torch.stack([m.pixel_values for m, _ in decoded]),
+                                          torch.stack([m.position_ids for m, _ in decoded]),
+                                          [n for _, n in decoded], timestamps))
+                inputs += [m for m, _ in decoded]
+            messages.append(ChatMessage(role, rendered))
+        layout = build_prompt(processor.tokenizer, processor.spec, messages)
+        request = EngineRequest("one-shot", layout.token_ids, layout.mm_ranges, inputs,
                                 SamplingParams(max_tokens=12, temperature=0.0, prompt_logprobs=True))
-        return [t async for out in server.engine.generate(request) for t in out.new_token_ids]
+        tokens = [t async for out in server.engine.generate(request) for t in out.new_token_ids]
+        return tokens, layout.token_ids
 
     return asyncio.run_coroutine_threadsafe(run(), server._loop).result(120)
+
+
+def test_max_history_s_rolls_over_to_the_frames_within_it(server, stub):
+    """Frames 1 s apart in a 2 s history: each frame past it starts a context of the kept frames within
+    2 s of it; the answer equals a one-shot of exactly those frames at their timestamps."""
+    rng = np.random.default_rng(17)
+    frames = [png(rng) for _ in range(6)]
+    s = Session(stub, pb.LiveOpen(max_history_s=2.0))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f, time_s=50.0 + i)) for i, f in enumerate(frames)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled + s.progress.frames_dropped == 6
+            and s.progress.frames_in_context == 3)
+    assert s.progress.rollovers == 3
+    s.send(question("q"))
+    s.until(lambda s: s.answered("q"))
+    s.close()
+    list(s.call)
+    assert list(s.final("q").videos[0].timestamps_s) == [3.0, 4.0, 5.0]
+    expected = one_shot_engine(server, frames[3:], [3.0, 4.0, 5.0])
+    assert s.tokens("q") == expected and expected
+    wait_all_free(server)
+
+
+def test_a_joined_question_and_its_answer_join_the_context(server, stub):
+    """join_context: the question and its answer become turns of the context, and a frame sent
+    meanwhile waits for them and opens the next user turn: a later question's answer equals a one-shot
+    of that conversation ([frames 1-2, question] [answer] [frame 3, question])."""
+    rng = np.random.default_rng(19)
+    frames = [png(rng) for _ in range(3)]
+    s = Session(stub, pb.LiveOpen())
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f, time_s=i / FPS)) for i, f in enumerate(frames[:2])))
+    s.until(lambda s: s.progress is not None and s.progress.frames_in_context == 2)
+    s.send(question("joined", join=True), pb.LiveRequest(frame=pb.LiveFrame(image=frames[2], time_s=2 / FPS)))
+    s.until(lambda s: s.answered("joined") and s.progress.frames_in_context == 3)
+    answer = "".join(a.delta.text for a in s.answers["joined"] if a.WhichOneof("kind") == "delta")
+    s.send(question("after", prompt_logprobs=True))
+    s.until(lambda s: s.answered("after"))
+    s.close()
+    list(s.call)
+    final = s.final("after")
+    assert list(final.videos[0].timestamps_s) == [0.0, 0.5, 1.0]
+    expected, prompt = conversation_engine(server, [("user", [(frames[:2], [0.0, 0.5]), QUESTION]),
+                                                    ("assistant", [answer]), ("user", [(frames[2:], [1.0]), QUESTION])])
+    assert [lp.token_id for lp in final.prompt_logprobs] == prompt[1:] and answer.strip()
+    assert s.tokens("after") == expected and expected
+    wait_all_free(server)
 
 
 def test_blocks_are_free_after_cancel_and_a_vanished_client(server, stub):
