@@ -79,17 +79,21 @@ def ask(qid: str, text: str = QUESTION) -> pb.LiveRequest:
         sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)))
 
 
-def one_shot(stub, frames: list[bytes]) -> tuple[float, list[int]]:
-    """(TTFT, tokens) of a Generate of `frames` at 8 fps + the question, computed without the prefix cache."""
+def one_shot(stub, frames: list[bytes], margins: list[float] | None = None) -> tuple[float, list[int]]:
+    """(TTFT, tokens) of a Generate of `frames` at 8 fps + the question, computed without the prefix cache.
+    `margins` receives each token's logprob lead over the runner-up (how close greedy was to a tie)."""
     request = pb.GenerateRequest(messages=[pb.Message(role="user", parts=[
         pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=f) for f in frames], fps=FPS))),
-        pb.Part(text=QUESTION)])],
-        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, prompt_logprobs=True))
+        pb.Part(text=QUESTION)])], sampling=pb.SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0, prompt_logprobs=True, logprobs=margins is not None,
+            top_logprobs=2 if margins is not None else 0))
     start, first, tokens = time.perf_counter(), None, []
     for r in stub.Generate(request, timeout=300):
         if r.WhichOneof("kind") == "delta":
             first = first or time.perf_counter()
             tokens += r.delta.token_ids
+            if margins is not None:
+                margins += [lp.top[0].logprob - lp.top[1].logprob for lp in r.delta.logprobs]
     return first - start, tokens
 
 
@@ -164,6 +168,7 @@ def ttft_table(stub, rng, repeats: int) -> None:
     live: dict[int, list[float]] = {n: [] for n in points}
     base: dict[int, list[float]] = {n: [] for n in points}
     same: dict[int, list[bool]] = {n: [] for n in points}
+    ties: list[str] = []   # where live and one-shot differ: how close the one-shot's pick was
     for _ in range(repeats):
         frames = [png(rng) for _ in range(64)]
         s = Live(stub, pb.LiveOpen(max_history_frames=64))
@@ -175,9 +180,15 @@ def ttft_table(stub, rng, repeats: int) -> None:
                 s.wait(lambda p, i=i: p.frames_in_context >= i)
                 took, tokens = s.ttft(f"q{i}")
                 live[i].append(took)
-                took, expected = one_shot(stub, frames[:i])
+                margins: list[float] = []
+                took, expected = one_shot(stub, frames[:i], margins)
                 base[i].append(took)
                 same[i].append(tokens == expected)
+                if tokens != expected:
+                    n = min(len(tokens), len(expected))
+                    k = next((j for j in range(n) if tokens[j] != expected[j]), n)
+                    margin = f"{margins[k]:.4f}" if k < len(margins) else "?"
+                    ties.append(f"{i} frames, token {k}: the one-shot's top two {margin} apart in logprob")
                 start = time.perf_counter() - i / FPS   # resume filming after the pause
         s.close()
     print(f"\n## TTFT: a question at frame N (live) vs a one-shot Generate of the same frames + question "
@@ -189,6 +200,8 @@ def ttft_table(stub, rng, repeats: int) -> None:
         print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {sum(same[n])}/{repeats} | {a / b:.2f}x |")
     flat = statistics.median(live[64]) / statistics.median(live[8])
     print(f"live TTFT at 64 frames / at 8 frames: {flat:.2f}x")
+    for tie in ties:
+        print(f"answers differ at {tie}")
 
 
 def absorb(stub, rng) -> None:
