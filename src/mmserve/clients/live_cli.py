@@ -28,6 +28,7 @@ from mmserve.api import pb
 from mmserve.clients.cli import add_connection_args, connect
 from mmserve.clients.client import LiveCall
 from mmserve.clients.types import ClientError
+from mmserve.multimodal.live_stream import FpsSampler
 
 STDIN_CHUNK_BYTES = 64 * 1024
 JPEG_QUALITY = 90
@@ -164,17 +165,14 @@ def _timed_question(value: str) -> tuple[float, str]:
 
 def file_frames(path: Path, fps: float) -> Iterator[tuple[float, bytes]]:
     """(time in seconds from the first frame, JPEG) of the file's frames sampled at `fps` (0 = every
-    frame) by presentation time: the rule the server applies to a stream."""
+    frame) by presentation time, as the server samples a stream."""
+    sampler = FpsSampler(fps)
+    first = None
     with av.open(str(path)) as container:
-        stream = container.streams.video[0]
-        first, taken = None, 0
-        for frame in container.decode(stream):
-            if frame.time is None:
+        for frame in container.decode(container.streams.video[0]):
+            if frame.time is None or not sampler.keep(frame.time):
                 continue
             first = frame.time if first is None else first
-            if fps and frame.time - first < taken / fps - 1e-6:
-                continue
-            taken = math.floor((frame.time - first) * fps + 1e-6) + 1 if fps else taken + 1
             out = io.BytesIO()
             Image.fromarray(frame.to_ndarray(format="rgb24")).save(out, "JPEG", quality=JPEG_QUALITY)
             yield frame.time - first, out.getvalue()

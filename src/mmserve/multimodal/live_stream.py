@@ -3,8 +3,7 @@
 A camera or an encoder (`ffmpeg ... -f mpegts -`) sends one continuous stream cut into arbitrary
 chunks. FFmpeg's demuxers read from a file, so the chunks go into a bounded pipe that a decoding
 thread reads from, blocking until the next chunk; the thread demuxes and decodes with PyAV, samples
-frames at `fps` by their presentation times (the rule decode_video's fps sampling follows on a
-finished file: frame i * rate/fps of a constant-rate stream) and hands each sampled frame, upright RGB
+frames at `fps` by their presentation times (FpsSampler) and hands each sampled frame, upright RGB
 as decode_video converts it, to `on_frame` with its time in seconds. Sizes are checked before
 decoding: the stream's declared frame size at open, the codec's before each packet, every frame's
 before it is converted. One thread per stream: a stream's packets decode in order, and live sessions
@@ -32,6 +31,26 @@ STREAM_FORMATS = {"mpegts": "MPEG-TS", "mov": "fragmented MP4"}   # demuxers tha
 # Open as soon as the stream's header is in: probing further would wait for data that comes in real time.
 OPEN_OPTIONS = {"enable_drefs": "0", "probesize": "32", "analyzeduration": "0"}
 READ_BYTES = 4096   # the demuxer's read size: a small chunk is decoded without waiting for more
+
+
+class FpsSampler:
+    """Frames at `fps` by presentation time: the first, then the first at or after each 1/fps step from
+    it (0 = every frame). On a constant-rate stream, frame i * rate/fps, as decode_video's fps sampling
+    picks from a finished file."""
+
+    def __init__(self, fps: float):
+        self.fps = fps
+        self._first: float | None = None
+        self._taken = 0
+
+    def keep(self, time_s: float) -> bool:
+        self._first = time_s if self._first is None else self._first
+        if not self.fps:
+            return True
+        if time_s - self._first < self._taken / self.fps - 1e-6:
+            return False
+        self._taken = math.floor((time_s - self._first) * self.fps + 1e-6) + 1
+        return True
 
 
 class _Pipe:
@@ -120,8 +139,7 @@ class StreamDecoder:
     def _decode(self, container) -> None:
         stream = _video_stream(container, self.limits)   # its declared frame size, checked before decoding
         codec = stream.codec_context
-        first: float | None = None
-        taken = 0   # frames sampled: the next is the first at or after first + taken / fps
+        sampler = FpsSampler(self.fps)
         for packet in container.demux(stream):
             if self._closed:
                 return
@@ -131,10 +149,8 @@ class StreamDecoder:
                 if frame.time is None:
                     continue
                 _check_dimensions(frame.width, frame.height, self.limits)
-                first = frame.time if first is None else first
-                if frame.time - first < taken / self.fps - 1e-6:
+                if not sampler.keep(frame.time):
                     continue
-                taken = math.floor((frame.time - first) * self.fps + 1e-6) + 1
                 rgb, _ = _rgb(frame, self.limits)
                 if self._closed:
                     return
