@@ -457,7 +457,7 @@ def test_bad_streams_end_the_session_with_a_clear_status(server, stub):
     big = [rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)] * 4   # 7680 pixels, over the module's 4096
     cases = [([b"\x00" * 600], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
              ([png(rng)], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
-             ([live_stream(big, 8.0, "mpegts")], grpc.StatusCode.RESOURCE_EXHAUSTED, "--max-image-pixels"),
+             ([live_stream(big, 8.0, "mpegts")], grpc.StatusCode.INVALID_ARGUMENT, "--max-image-pixels"),
              ([live_stream(big[:1], 8.0, "fmp4")[:700], bytes(70_000)], grpc.StatusCode.RESOURCE_EXHAUSTED,
               "--live-max-stream-buffer-bytes")]
     for chunks, code, words in cases:

@@ -342,12 +342,16 @@ def test_counters_with_known_labels_start_at_zero_and_match_ours(run, served_mod
 
 def test_live_session_metrics(run):
     """The live session of the load: Prometheus stored it open while it ran, then closed, and every
-    frame it sent prefilled, none dropped, its lag observed at each progress report."""
+    frame it sent prefilled, its lag observed at each progress report; each series was there at 0
+    before the session."""
     p = run.prometheus
     assert _value(p, "max_over_time(mmserve_live_sessions[2m])") == 1
     _poll("the live session closed", lambda: _value(p, "mmserve_live_sessions") == 0)
     assert _value(p, "mmserve_live_frames_prefilled_total") == LIVE_FRAMES
     assert _value(p, "mmserve_live_lag_seconds_count") >= 1
+    for name in ("mmserve_live_frames_prefilled_total", "mmserve_live_frames_dropped_total",
+                 "mmserve_live_rollovers_total", "mmserve_live_sessions"):   # exported at 0 from the start
+        assert _value(p, f"min_over_time({name}[10m])") == 0, name
 
 
 def test_every_shipped_rule_evaluates(run):

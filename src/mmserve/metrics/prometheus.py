@@ -243,6 +243,9 @@ class EngineMetrics:
                 description="how long a live session's oldest frame not yet prefilled has waited, at each "
                             "progress report (0 = caught up)").record,
         }
+        self.live_sessions_open.add(0)   # exported at 0 from the start, as the counters with known labels
+        for what in ("frames_prefilled", "frames_dropped", "rollovers"):
+            self._live_events[what](0)
 
     def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool,
                      num_speculative_tokens: int = 0) -> None:

@@ -67,7 +67,8 @@ class _Pipe:
             if len(self._buffer) + len(data) > self.max_bytes:
                 raise LimitExceededError(
                     f"{len(self._buffer) + len(data)} bytes of the stream are waiting to be decoded, more than "
-                    f"{self.max_bytes}: it arrives faster than the server decodes it", "--live-max-stream-buffer-bytes")
+                    f"{self.max_bytes}: it arrives faster than the server decodes it", "--live-max-stream-buffer-bytes",
+                    retryable=True)   # may pass later, on a less loaded server
             self._buffer += data
             self._cond.notify_all()
 
