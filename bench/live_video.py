@@ -9,7 +9,10 @@ then render alike and a greedy answer is the same tokens on both paths.
    is prefilled) it asks a question, greedy, and the time from the question to its first token is set
    against a one-shot Generate of the same frames and question (VideoFrames at 8 fps: today's path,
    prompt_logprobs on so the prefix cache lends it nothing). `--repeats` sessions; medians. One line
-   per frame count, ending in the ratio live/one-shot as `N.NNx`. The answers' tokens must agree.
+   per frame count, ending in the ratio live/one-shot as `N.NNx`, with the tokens a live question
+   computes (its prompt less what the prefix cache served: a number load cannot blur) and the TTFT the
+   server measured beside the client's. The answers' tokens must agree (where they do not, the
+   one-shot's top-two logprob gap at the first difference is printed).
 2. Absorbable rate: one session is sent 48 frames at once (BUFFER with a deep queue); frames
    prefilled per second.
 3. Load: 4 sessions at 8 fps for 8 s plus a one-frame Generate every 0.5 s: whether each session
@@ -135,8 +138,8 @@ class Live:
                 raise TimeoutError(str(self.progress))
             time.sleep(0.002)
 
-    def answer(self, qid: str) -> tuple[float, list[int]]:
-        """(first-token time, tokens) of a question just asked."""
+    def answer(self, qid: str) -> tuple[float, list[int], pb.Final]:
+        """(first-token time, tokens, Final) of a question just asked."""
         first, tokens = None, []
         while True:
             at, r = self.events.get(timeout=300)
@@ -150,13 +153,14 @@ class Live:
                 elif kind == "error":
                     raise RuntimeError(r.answer.error.message)
                 else:
-                    return first, tokens
+                    return first, tokens, r.answer.final
 
-    def ttft(self, qid: str, text: str = QUESTION) -> tuple[float, list[int]]:
+    def ttft(self, qid: str, text: str = QUESTION) -> tuple[float, list[int], pb.Final]:
+        """(time from asking to the first token, tokens, Final) of a question."""
         asked = time.perf_counter()
         self.out.put(ask(qid, text))
-        first, tokens = self.answer(qid)
-        return first - asked, tokens
+        first, tokens, final = self.answer(qid)
+        return first - asked, tokens, final
 
     def close(self):
         self.out.put(None)
@@ -168,6 +172,8 @@ def ttft_table(stub, rng, repeats: int) -> None:
     live: dict[int, list[float]] = {n: [] for n in points}
     base: dict[int, list[float]] = {n: [] for n in points}
     same: dict[int, list[bool]] = {n: [] for n in points}
+    server: dict[int, list[float]] = {n: [] for n in points}   # the live TTFT the server measured
+    computed: dict[int, list[tuple[int, int]]] = {n: [] for n in points}   # (prompt, cached) tokens
     ties: list[str] = []   # where live and one-shot differ: how close the one-shot's pick was
     for _ in range(repeats):
         frames = [png(rng) for _ in range(64)]
@@ -178,8 +184,10 @@ def ttft_table(stub, rng, repeats: int) -> None:
             s.frame(frame, (i - 1) / FPS)
             if i in points:
                 s.wait(lambda p, i=i: p.frames_in_context >= i)
-                took, tokens = s.ttft(f"q{i}")
+                took, tokens, final = s.ttft(f"q{i}")
                 live[i].append(took)
+                server[i].append(final.timings.time_to_first_token_s)
+                computed[i].append((final.usage.prompt_tokens, final.usage.cached_tokens))
                 margins: list[float] = []
                 took, expected = one_shot(stub, frames[:i], margins)
                 base[i].append(took)
@@ -193,11 +201,15 @@ def ttft_table(stub, rng, repeats: int) -> None:
         s.close()
     print(f"\n## TTFT: a question at frame N (live) vs a one-shot Generate of the same frames + question "
           f"(median of {repeats})")
-    print("| frames | live TTFT (ms) | one-shot TTFT (ms) | same tokens | live / one-shot |")
-    print("|---|---|---|---|---|")
+    print("| frames | prompt tokens | computed by a live question (cached) | live TTFT (ms) | (server-side) | "
+          "one-shot TTFT (ms) | same tokens | live / one-shot |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in points:
         a, b = statistics.median(live[n]), statistics.median(base[n])
-        print(f"| {n} | {a * 1e3:.1f} | {b * 1e3:.1f} | {sum(same[n])}/{repeats} | {a / b:.2f}x |")
+        prompt = computed[n][0][0]
+        work = sorted({f"{p - c}" for p, c in computed[n]}, key=int)
+        print(f"| {n} | {prompt} | {'/'.join(work)} | {a * 1e3:.1f} | {statistics.median(server[n]) * 1e3:.1f} | "
+              f"{b * 1e3:.1f} | {sum(same[n])}/{repeats} | {a / b:.2f}x |")
     flat = statistics.median(live[64]) / statistics.median(live[8])
     print(f"live TTFT at 64 frames / at 8 frames: {flat:.2f}x")
     for tie in ties:
