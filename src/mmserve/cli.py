@@ -18,6 +18,9 @@ Serve a Gemma 4 video+text model over gRPC, and talk to it.
                                       ask a running server about a video (or an image)
   mmserve demo                        ask a running server (`make run`) about a generated clip and
                                       print its caption next to the truth
+  mmserve live clip.mp4 --ask 2:"What moves?"
+                                      stream a video into a live session, ask as it plays
+  mmserve demo-live                   a live session on a clip whose shape turns back half way
   mmserve worker --node-rank 1 ...    a further node's ranks of a multi-node tensor-parallel group
   mmserve traces                      print each request's span tree, received over OTLP (no Jaeger)
 
@@ -32,6 +35,8 @@ SUBCOMMANDS = {
     "generate": "mmserve.clients.cli",
     "upload": "mmserve.clients.upload_cli",
     "demo": "mmserve.clients.demo",
+    "live": "mmserve.clients.live_cli",
+    "demo-live": "mmserve.clients.demo_live",
     "perf": "mmserve.metrics.cli",
     "demo-video": "mmserve.multimodal.synthetic",
     "eval-demo": "mmserve.clients.eval_demo",

@@ -121,6 +121,12 @@ class EngineConfig:
     live_max_questions: int = field(default=4, metadata={"help": "questions one live session may have in flight", "min": 1})
     live_idle_timeout_s: float = field(default=60.0, metadata={
         "help": "a live session that sends nothing for this long is ended (RESOURCE_EXHAUSTED, as an idle upload)", "min": 0.001})
+    live_max_stream_fps: float = field(default=8.0, metadata={
+        "help": "frames per second a live session samples from its encoded stream at most (LiveOpen.stream_fps "
+                "may ask fewer)", "min": 0.001})
+    live_max_stream_buffer_bytes: int = field(default=8 * 2**20, metadata={
+        "help": "bytes of a live session's encoded stream received and not yet decoded at most; past it the "
+                "session ends (RESOURCE_EXHAUSTED)", "min": 1})
     live_kv_share: float = field(default=0.5, metadata={
         "help": "share of each KV pool live sessions may reserve together (each reserves room for two contexts of "
                 "its history); the rest stays for other requests", "min": 0, "max": 1})

@@ -57,6 +57,7 @@ from local_prometheus import (  # noqa: E402
 LATENCY_HISTOGRAMS = ("mmserve_time_to_first_token_seconds", "mmserve_time_per_output_token_seconds",
                       "mmserve_e2e_request_latency_seconds", "mmserve_request_queue_time_seconds")
 MAX_NUM_SEQS = 2   # with more long requests than this, some wait: the waiting gauges must show it
+LIVE_FRAMES = 3
 
 
 def _require_prometheus() -> None:
@@ -181,7 +182,24 @@ def _mixed_load(run: Run, video: bytes, image: bytes) -> None:
             client.generate(prompt="hi", max_tokens=-1)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
-    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused]
+    def live_session() -> None:
+        """A live session of LIVE_FRAMES frames and a question: the live metrics' series."""
+        client, trace_id = _traced_client(run.address)   # its question's latencies are exemplars too
+        with client:
+            call = client.live()
+            for i in range(LIVE_FRAMES):
+                image = io.BytesIO()
+                Image.new("RGB", (16, 16), (40 * i, 80, 120)).save(image, "PNG")
+                call.frame(image.getvalue(), i / 2)
+            for response in call:
+                if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == LIVE_FRAMES:
+                    break
+            call.ask("What moves?", max_tokens=4)
+            call.close()
+            assert any(r.WhichOneof("kind") == "answer" and r.answer.WhichOneof("kind") == "final" for r in call)
+        run.traced.add(trace_id)
+
+    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused, live_session]
     with ThreadPoolExecutor(len(jobs)) as pool:
         for future in [pool.submit(job) for job in jobs]:
             future.result()
@@ -320,6 +338,20 @@ def test_counters_with_known_labels_start_at_zero_and_match_ours(run, served_mod
     for position in range(positions):
         assert _value(p, f'sum(vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}})') == \
             _value(p, f'sum(mmserve_speculative_accepted_tokens_total{{position="{position}"}})')
+
+
+def test_live_session_metrics(run):
+    """The live session of the load: Prometheus stored it open while it ran, then closed, and every
+    frame it sent prefilled, its lag observed at each progress report; each series was there at 0
+    before the session."""
+    p = run.prometheus
+    assert _value(p, "max_over_time(mmserve_live_sessions[2m])") == 1
+    _poll("the live session closed", lambda: _value(p, "mmserve_live_sessions") == 0)
+    assert _value(p, "mmserve_live_frames_prefilled_total") == LIVE_FRAMES
+    assert _value(p, "mmserve_live_lag_seconds_count") >= 1
+    for name in ("mmserve_live_frames_prefilled_total", "mmserve_live_frames_dropped_total",
+                 "mmserve_live_rollovers_total", "mmserve_live_sessions"):   # exported at 0 from the start
+        assert _value(p, f"min_over_time({name}[10m])") == 0, name
 
 
 def test_every_shipped_rule_evaluates(run):

@@ -242,6 +242,10 @@ class LiveCall:
             frame.time_s = time_s
         self._out.put(pb.LiveRequest(frame=frame))
 
+    def stream_chunk(self, data: bytes) -> None:
+        """The next bytes of an encoded stream (MPEG-TS or fragmented MP4), instead of frames."""
+        self._out.put(pb.LiveRequest(stream_chunk=data))
+
     def ask(self, text: str, *, question_id: str = "", max_tokens: int = 0, temperature: float | None = None,
             join_context: bool = False) -> None:
         sampling = pb.SamplingParams(max_tokens=max_tokens)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -36,17 +37,21 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError, MMServeError
 from mmserve.model.prompt import ROLES, TURN_CLOSE, TURN_OPEN, timestamp_text
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.live_stream import StreamDecoder
 from mmserve.request import MultiModalInput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 PIPELINE_FRAMES = 4   # frames sent to the engine and not yet prefilled, at most; later ones batch up
-MIN_QUESTION_ROOM = 64   # tokens a full history must leave in the context for a question and its answer
-FRAME_TEXT_TOKENS = 12   # at most, per frame: its timestamp text and image delimiters
+MIN_QUESTION_ROOM = 64   # tokens every context leaves free for a question and its answer
+TIMESTAMP_MINUTES = 100  # a history is sized for timestamps "00:00".."99:59"; later ones may roll over sooner
 LIVE_PART = "live"    # SampledVideo.part of an answer's frames
 
 
@@ -69,14 +74,29 @@ class LivePrompt:
         self.pending = ROLES["user"] + "\n"   # text not yet tokenized (it merges with what follows)
         self.after_frame = False              # the pending text follows a frame in the same turn
 
+    def _frame_text(self, time_s: float) -> str:
+        return self.pending + (" " if self.after_frame else "") + timestamp_text(time_s) + " "
+
     def frame(self, time_s: float, num_soft_tokens: int) -> tuple[list[int], tuple[int, int]]:
         """One frame's ids and its soft-token range relative to them."""
-        text = self.pending + (" " if self.after_frame else "") + timestamp_text(time_s) + " "
-        ids = [*self.tok.encode(text), self.spec.boi_token_id]
+        ids = [*self.tok.encode(self._frame_text(time_s)), self.spec.boi_token_id]
         start = len(ids)
         ids += [self.spec.video_token_id] * num_soft_tokens + [self.spec.eoi_token_id]
         self.pending, self.after_frame = "", True
         return ids, (start, start + num_soft_tokens - 1)
+
+    def frames_tokens(self, frames: list[tuple[float, int]]) -> int:
+        """How many ids `frame()` would render for `frames` ((time_s, soft tokens) each), from here."""
+        texts = [self._frame_text(t) if i == 0 else " " + timestamp_text(t) + " " for i, (t, _) in enumerate(frames)]
+        return sum(len(self.tok.encode(text)) + 2 + n for text, (_, n) in zip(texts, frames, strict=True))
+
+    def history_tokens(self, num_frames: int, soft_tokens: int) -> int:
+        """The most ids `num_frames` frames of at most `soft_tokens` soft tokens each render as a user
+        turn's frames, whatever their timestamps below TIMESTAMP_MINUTES minutes."""
+        if not num_frames:
+            return 0
+        first, later = widest_frame_texts(self.tok)
+        return first + (num_frames - 1) * later + num_frames * (2 + soft_tokens)
 
     def question(self, text: str, pending: str) -> list[int]:
         """The ids that end a prompt with `text` asked (after `pending`, the text pending where it is
@@ -93,6 +113,16 @@ class LivePrompt:
         return ids
 
 
+@functools.lru_cache(maxsize=8)
+def widest_frame_texts(tokenizer) -> tuple[int, int]:
+    """The most ids a user turn's first frame's text ("user\nmm:ss ") and a later frame's (" mm:ss ")
+    tokenize to, over every timestamp below TIMESTAMP_MINUTES minutes. Computed once per tokenizer
+    (a fraction of a second: the server calls it off the event loop before a session opens)."""
+    stamps = [timestamp_text(60.0 * m + s) for m in range(TIMESTAMP_MINUTES) for s in range(60)]
+    return (max(len(tokenizer.encode(ROLES["user"] + "\n" + t + " ")) for t in stamps),
+            max(len(tokenizer.encode(" " + t + " ")) for t in stamps))
+
+
 @dataclass(frozen=True)
 class LiveOptions:
     system_prompt: str = ""
@@ -101,6 +131,8 @@ class LiveOptions:
     max_tokens_per_frame: int = 0    # the checkpoint's video budget when 0 (the server resolves it)
     max_pending_frames: int = 16
     fall_behind: str = "drop"        # "drop" | "buffer"
+    stream_fps: float = 8.0          # frames per second sampled from an encoded stream's chunks
+    max_stream_buffer_bytes: int = 8 * 2**20   # a stream's bytes received and not yet demuxed, at most
 
 
 @dataclass
@@ -164,21 +196,28 @@ class LiveStats:
 class LiveSession:
     """One session. `emit(item)` receives what the client is sent: `LiveStats` after progress, and per
     question `(question_id, RequestOutput | BaseException)`. `fail(error)` ends the session (its
-    context failed, or BUFFER overflowed). `process_frame(owner, data, max_soft_tokens)` decodes a frame
-    (InputProcessor.process_frame). Call `close()` however it ends: it aborts everything it started."""
+    context failed, BUFFER overflowed, its stream cannot be decoded). `process_frame(owner, frame,
+    max_soft_tokens)` turns an encoded image or a stream's RGB frame into the model's input
+    (InputProcessor.process_frame). Frames come as images (`add_frame`) or as one encoded stream
+    (`add_stream_chunk`, decoded under `media_limits`), not both. Call `close()` however it ends: it
+    aborts everything it started. Created on the event loop it then runs on."""
 
     def __init__(self, engine, tokenizer, spec, session_id: str, options: LiveOptions, *,
                  process_frame: Callable, emit: Callable[[object], None], fail: Callable[[BaseException], None],
-                 max_model_len: int, max_questions: int = 4, trace_context=None, observer=None):
+                 max_model_len: int, max_questions: int = 4, trace_context=None, observer=None,
+                 media_limits: MediaLimits | None = None):
         self.engine, self.tokenizer, self.spec = engine, tokenizer, spec
         self.session_id, self.options = session_id, options
         self._process_frame, self._emit, self._fail = process_frame, emit, fail
         self.max_questions = max_questions
         self.trace_context = trace_context
-        self.observer = observer          # metrics hooks (metrics/prometheus.py LiveMetrics), optional
+        self.observer = observer          # metrics hooks (EngineMetrics.live_event), optional
         self.stats = LiveStats()
         self.capacity = self._capacity(max_model_len)
         self._owner = object()            # this session's share of the decode pool
+        self._loop = asyncio.get_running_loop()
+        self._media_limits = media_limits or MediaLimits()
+        self._stream: StreamDecoder | None = None   # when frames come as one encoded stream
         self._ids = itertools.count()
         self._start_time: float | None = None   # the first frame's capture time (timestamps count from it)
         self._last_time = float("-inf")
@@ -195,24 +234,56 @@ class LiveSession:
     # -- frames -------------------------------------------------------------------------------------
 
     def _capacity(self, max_model_len: int) -> int:
-        """Most tokens one context may hold: the header and a full history of frames at the per-frame
-        budget, plus room for joined questions (a quarter of the context), within the context length.
-        Raises when the history alone leaves a question no room."""
+        """Most tokens one context may hold: the header and a full history of frames (exactly as they
+        render at the per-frame budget, LivePrompt.history_tokens), plus room for joined questions (a
+        quarter of the context), leaving MIN_QUESTION_ROOM of the context for a question. Raises when
+        the history alone leaves a question no room, naming how many frames fit."""
         prompt = LivePrompt(self.tokenizer, self.spec, self.options.system_prompt)
-        per_frame = len(self.tokenizer.encode(prompt.pending + " 59:59 ")) + 2 + self.options.max_tokens_per_frame
-        history = len(prompt.header) + self.options.max_history_frames * per_frame
-        if history + MIN_QUESTION_ROOM > max_model_len:
-            fit = max(0, (max_model_len - MIN_QUESTION_ROOM - len(prompt.header)) // per_frame)
-            raise InvalidInputError("open.max_history_frames", f"{self.options.max_history_frames} frames of up to "
-                                    f"{per_frame} tokens leave a question no room in the context of {max_model_len} "
-                                    f"tokens: keep at most {fit} frames, or fewer tokens per frame")
-        return min(max_model_len, history + max_model_len // 4)
+        room = max_model_len - MIN_QUESTION_ROOM - len(prompt.header)
+        per_frame = self.options.max_tokens_per_frame
+
+        def history(num_frames: int) -> int:
+            return prompt.history_tokens(num_frames, per_frame)
+
+        frames = self.options.max_history_frames
+        if history(frames) > room:
+            fit = next(n for n in range(frames, -1, -1) if history(n) <= room)
+            raise InvalidInputError("open.max_history_frames", f"{frames} frames of {per_frame} soft tokens take "
+                                    f"{history(frames)} tokens and leave a question no room in the context of "
+                                    f"{max_model_len} tokens: keep at most {fit} frames, or fewer tokens per frame")
+        return min(max_model_len - MIN_QUESTION_ROOM, len(prompt.header) + history(frames) + max_model_len // 4)
 
     def _fits(self, context: _Context, num_tokens: int) -> bool:
         return len(context.token_ids) + num_tokens <= self.capacity
 
     def add_frame(self, data: bytes, time_s: float | None) -> None:
-        """A frame arrived: decode it (in order) and prefill it when the engine has room."""
+        """An encoded image arrived: decode it (in order) and prefill it when the engine has room."""
+        if self._stream is not None:
+            raise InvalidInputError("frame", "this session's frames come as an encoded stream; it takes no images")
+        self._add(data, time_s)
+
+    def add_stream_chunk(self, data: bytes) -> None:
+        """The next bytes of the session's encoded stream: its frames are decoded as they complete,
+        sampled at `stream_fps` by their presentation times, and added as frames of that time."""
+        if self._stream is None:
+            if self.stats.frames_received:
+                raise InvalidInputError("stream_chunk", "this session's frames come as images; it takes no stream")
+            self._stream = StreamDecoder(
+                fps=self.options.stream_fps, limits=self._media_limits,
+                max_buffered_bytes=self.options.max_stream_buffer_bytes,
+                on_frame=lambda rgb, t: self._loop.call_soon_threadsafe(self._stream_frame, rgb, t),
+                on_error=lambda e: self._loop.call_soon_threadsafe(self._closed_with, e))
+        self._stream.feed(data)
+
+    def _stream_frame(self, rgb: np.ndarray, time_s: float) -> None:
+        if self._closed:
+            return
+        try:
+            self._add(rgb, time_s)
+        except MMServeError as e:   # BUFFER overflowed: the session ends
+            self._closed_with(e)
+
+    def _add(self, data: bytes | np.ndarray, time_s: float | None) -> None:
         now = time.monotonic()
         if time_s is None:
             time_s = now
@@ -248,7 +319,7 @@ class LiveSession:
         self.stats.frames_dropped += 1
         self._note("frames_dropped", 1)
 
-    async def _decode(self, data: bytes, time_s: float, arrival: float, index: int) -> LiveFrame:
+    async def _decode(self, data: bytes | np.ndarray, time_s: float, arrival: float, index: int) -> LiveFrame:
         mm, n = await self._process_frame(self._owner, data, self.options.max_tokens_per_frame)
         return LiveFrame(mm, n, time_s, arrival, index)
 
@@ -285,8 +356,8 @@ class LiveSession:
         frames = context.frames + batch
         if len(frames) + 1 > self.options.max_history_frames:
             return True
-        room = sum(f.num_soft_tokens + FRAME_TEXT_TOKENS for f in (*batch, frame))
-        if not self._fits(context, room):   # joined questions filled it
+        room = context.prompt.frames_tokens([(f.time_s, f.num_soft_tokens) for f in (*batch, frame)])
+        if not self._fits(context, room):   # joined questions filled it, or timestamps past TIMESTAMP_MINUTES
             return True
         return bool(frames and self.options.max_history_s and frame.time_s - frames[0].time_s > self.options.max_history_s)
 
@@ -356,6 +427,8 @@ class LiveSession:
             for index in lost:
                 del self._waiting[index]
             self.stats.frames_dropped += len(lost)
+            if lost:
+                self._note("frames_dropped", len(lost))
         if context.task is not None:
             context.task.cancel()   # leaving generate() aborts the context in the engine
         self.engine.abort(context.request_id)
@@ -451,7 +524,7 @@ class LiveSession:
         context = self._contexts[-1]
         before = context.prompt.pending, context.prompt.after_frame
         ids = context.prompt.joined(text, answer)
-        if not self._fits(context, len(ids) + MIN_QUESTION_ROOM):
+        if not self._fits(context, len(ids)):
             logger.info("session %s: a joined question does not fit the context; it was not joined", self.session_id)
             context.prompt.pending, context.prompt.after_frame = before   # the frames' turn goes on
             return
@@ -491,6 +564,8 @@ class LiveSession:
         """End everything the session started: decodes, questions, contexts (their blocks are freed
         within a step)."""
         self._closed = True
+        if self._stream is not None:
+            self._stream.close()
         for _, task in self._decoding:
             task.cancel()
         self._decoding.clear()

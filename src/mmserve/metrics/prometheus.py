@@ -59,6 +59,11 @@ PROMETHEUS_NAMES = {
     "mmserve.kv_events.dropped": "mmserve_kv_events_dropped_total",
     "mmserve.encoder_cache.queries": "mmserve_encoder_cache_queries_total",
     "mmserve.encoder_cache.hits": "mmserve_encoder_cache_hits_total",
+    "mmserve.live.sessions": "mmserve_live_sessions",
+    "mmserve.live.frames_prefilled": "mmserve_live_frames_prefilled_total",
+    "mmserve.live.frames_dropped": "mmserve_live_frames_dropped_total",
+    "mmserve.live.rollovers": "mmserve_live_rollovers_total",
+    "mmserve.live.lag": "mmserve_live_lag_seconds",
 }
 
 # Label values known when the metrics are made (or, for draft positions, when speculation is set up):
@@ -221,6 +226,26 @@ class EngineMetrics:
                                                 "the selected and the running backend and why it fell back")
         self.tensor_parallel_size = meter.create_gauge(
             "mmserve.tensor_parallel_size", description="ranks the decoder is split over; MFU/MBU are per rank")
+        # Live video sessions (server/live.py, engine/live_session.py call live_sessions / live_event).
+        self.live_sessions_open = meter.create_up_down_counter("mmserve.live.sessions",
+                                                               description="live video sessions open")
+        self._live_events = {
+            "frames_prefilled": meter.create_counter(
+                "mmserve.live.frames_prefilled",
+                description="live sessions' frames whose K/V reached their context; rate() is frames/s absorbed").add,
+            "frames_dropped": meter.create_counter(
+                "mmserve.live.frames_dropped",
+                description="live frames dropped to keep up (DROP policy; a rebuild's unprefilled frames)").add,
+            "rollovers": meter.create_counter("mmserve.live.rollovers",
+                                              description="live contexts rebuilt from their newest frames").add,
+            "lag_s": meter.create_histogram(
+                "mmserve.live.lag", unit="s", explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS,
+                description="how long a live session's oldest frame not yet prefilled has waited, at each "
+                            "progress report (0 = caught up)").record,
+        }
+        self.live_sessions_open.add(0)   # exported at 0 from the start, as the counters with known labels
+        for what in ("frames_prefilled", "frames_dropped", "rollovers"):
+            self._live_events[what](0)
 
     def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool,
                      num_speculative_tokens: int = 0) -> None:
@@ -251,6 +276,15 @@ class EngineMetrics:
 
     def count_kv_events_dropped(self, reason: str) -> None:
         self.kv_events_dropped.add(1, {"reason": reason})
+
+    def live_sessions(self, delta: int) -> None:
+        """A live session opened (+1) or ended (-1)."""
+        self.live_sessions_open.add(delta)
+
+    def live_event(self, what: str, value: float) -> None:
+        """A live session's progress: `what` is frames_prefilled, frames_dropped or rollovers (counts),
+        or lag_s (seconds, at each progress report)."""
+        self._live_events[what](value)
 
     def count_rpc(self, rpc: str, code: str) -> None:
         self.rpc_requests.add(1, {"rpc": rpc, "code": code})

@@ -103,7 +103,7 @@ class MMServer:
                                       maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
         self.in_flight = in_flight = InFlightRequests(engine)   # both doors': one id namespace, Abort by owner
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
-                                      self.media, in_flight)
+                                      self.media, in_flight, live_observer=metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         if server_config.enable_vllm_engine_api:   # the gateway door (SMG, llm-d): docs/gateway.md
             add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,

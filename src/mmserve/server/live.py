@@ -1,7 +1,7 @@
 """Generation.Live: a bidirectional stream per live video session (engine/live_session.py).
 
-The first message opens the session (LiveOpen); then one task reads frames, questions and cancels
-while the handler writes what the session emits: LiveProgress after frames are prefilled, each
+The first message opens the session (LiveOpen); then one task reads frames (images, or the chunks of
+one encoded stream), questions and cancels while the handler writes what the session emits: LiveProgress after frames are prefilled, each
 question's deltas and Final, or its LiveError (a failed question never ends the session). The
 session ends with a status as Generate does: OK when the client half-closes and every question is
 answered, the mapped error when its context fails or BUFFER overflows, RESOURCE_EXHAUSTED (as an
@@ -24,7 +24,7 @@ from opentelemetry import trace
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.engine.live_session import LiveOptions, LiveSession, LiveStats
+from mmserve.engine.live_session import LiveOptions, LiveSession, LiveStats, widest_frame_texts
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.logs import bind_request, unbind_request
@@ -54,7 +54,7 @@ class _SessionEnded(Exception):
 
 class LiveService:
     """The sessions of one server. `processor()` is the InputProcessor (None while loading); `observer`
-    has `live_event(what, value)` and `live_sessions(delta)` hooks (metrics), optional."""
+    has `live_event(what, value)` and `live_sessions(delta)` hooks (metrics.prometheus.EngineMetrics), optional."""
 
     def __init__(self, engine, config: EngineConfig, processor: Callable, draining: Callable[[], bool],
                  in_flight: InFlightRequests, observer=None) -> None:
@@ -76,13 +76,18 @@ class LiveService:
                 raise InvalidInputError(f"open.{name}", f"must be in 0..{limit} (0 = {limit}), got {value}")
         if open_.max_history_s < 0:
             raise InvalidInputError("open.max_history_s", f"must be >= 0 (0 = no time bound), got {open_.max_history_s}")
+        if not 0 <= open_.stream_fps <= c.live_max_stream_fps:
+            raise InvalidInputError("open.stream_fps", f"must be in 0..{c.live_max_stream_fps:g} "
+                                    f"(0 = {c.live_max_stream_fps:g}), got {open_.stream_fps:g}")
         if processor.tokenizer.min_tokens(len(open_.system_prompt)) >= processor.max_model_len:
             raise InvalidInputError("open.system_prompt", "longer than the context can hold")
         return LiveOptions(system_prompt=open_.system_prompt,
                            max_history_frames=open_.max_history_frames or c.live_max_history_frames,
                            max_history_s=open_.max_history_s, max_tokens_per_frame=open_.max_tokens_per_frame or tokens,
                            max_pending_frames=open_.max_pending_frames or c.live_max_pending_frames,
-                           fall_behind=POLICIES.get(open_.fall_behind, "drop"))
+                           fall_behind=POLICIES.get(open_.fall_behind, "drop"),
+                           stream_fps=open_.stream_fps or c.live_max_stream_fps,
+                           max_stream_buffer_bytes=c.live_max_stream_buffer_bytes)
 
     def _admit(self, owner: bytes) -> None:
         c = self._config
@@ -118,6 +123,7 @@ class LiveService:
                 raise InvalidInputError("open", "the first message of a Live stream must be LiveRequest.open")
             session_id = _request_id(first.open.session_id)
             options = self._options(first.open, processor)
+            await asyncio.to_thread(widest_frame_texts, processor.tokenizer)   # once per tokenizer, off the loop
             self._in_flight.add(session_id, owner, 1)
         except (MMServeError, TimeoutError) as e:
             end_with(context, _idle_error(idle) if isinstance(e, TimeoutError) else e, session_id)
@@ -134,7 +140,7 @@ class LiveService:
                                       fail=lambda e: outbox.put_nowait(_SessionEnded(e)),
                                       max_model_len=processor.max_model_len,
                                       max_questions=self._config.live_max_questions, trace_context=trace_context,
-                                      observer=self._observer)
+                                      observer=self._observer, media_limits=processor.limits)
             except BaseException:
                 self._release(owner)
                 raise
@@ -154,7 +160,7 @@ class LiveService:
             yield pb.LiveResponse(opened=pb.LiveOpened(
                 session_id=session_id, max_history_frames=options.max_history_frames,
                 max_history_s=options.max_history_s, max_tokens_per_frame=options.max_tokens_per_frame,
-                max_pending_frames=options.max_pending_frames,
+                max_pending_frames=options.max_pending_frames, stream_fps=options.stream_fps,
                 fall_behind=pb.LIVE_FALL_BEHIND_BUFFER if options.fall_behind == "buffer" else pb.LIVE_FALL_BEHIND_DROP))
             while True:
                 if self._draining():
@@ -220,6 +226,8 @@ class LiveService:
                     await self._ask(session, message.question, processor, outbox, trace_context, question_spans)
                 elif kind == "cancel_question_id":
                     session.cancel_question(message.cancel_question_id)
+                elif kind == "stream_chunk":
+                    session.add_stream_chunk(message.stream_chunk)
                 else:
                     raise InvalidInputError("open", "a Live stream is opened once, by its first message")
         except TimeoutError:

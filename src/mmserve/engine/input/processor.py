@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mmserve.config import EngineConfig
 from mmserve.engine.input.fair_pool import FairPool
 from mmserve.engine.types import EngineRequest, SampledVideo
@@ -188,12 +190,17 @@ class InputProcessor:
                                    trace_context=trace_context, num_frames=num_frames,
                                    max_tokens_to_context=max_tokens_to_context, arrival=arrival, media=decoded)
 
-    async def process_frame(self, owner: object, data: bytes, max_soft_tokens: int) -> tuple[MultiModalInput, int]:
-        """One live frame (an encoded image) -> its vision input and soft-token count, decoded in the
-        pool under `owner`'s fair share, straight to the size `max_soft_tokens` allows; a frame
-        rendered like a VideoFrames frame of the same image (same pixels, same content hash)."""
+    async def process_frame(self, owner: object, data: bytes | np.ndarray,
+                            max_soft_tokens: int) -> tuple[MultiModalInput, int]:
+        """One live frame -> its vision input and soft-token count, in the pool under `owner`'s fair
+        share. An encoded image is decoded straight to the size `max_soft_tokens` allows, like a
+        VideoFrames frame of the same image; RGB pixels (a live stream's decoded frame) are resized as
+        decode_video's frames are (same pixels, same content hash as a one-shot of that video)."""
         def work(control: DecodeControl) -> tuple[MultiModalInput, int]:
             control.check()
+            if isinstance(data, np.ndarray):
+                batch = self._patchify([data], max_soft_tokens)
+                return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), int(batch.num_soft_tokens[0])
             try:
                 image = decode_image(data, self.limits, fit=self._fit(max_soft_tokens))
             except InvalidInputError as e:

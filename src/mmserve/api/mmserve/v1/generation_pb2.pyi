@@ -435,19 +435,21 @@ class MediaRef(_message.Message):
     def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., mime_type: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class LiveRequest(_message.Message):
-    __slots__ = ("open", "frame", "question", "cancel_question_id")
+    __slots__ = ("open", "frame", "question", "cancel_question_id", "stream_chunk")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     FRAME_FIELD_NUMBER: _ClassVar[int]
     QUESTION_FIELD_NUMBER: _ClassVar[int]
     CANCEL_QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_CHUNK_FIELD_NUMBER: _ClassVar[int]
     open: LiveOpen
     frame: LiveFrame
     question: LiveQuestion
     cancel_question_id: str
-    def __init__(self, open: _Optional[_Union[LiveOpen, _Mapping]] = ..., frame: _Optional[_Union[LiveFrame, _Mapping]] = ..., question: _Optional[_Union[LiveQuestion, _Mapping]] = ..., cancel_question_id: _Optional[str] = ...) -> None: ...
+    stream_chunk: bytes
+    def __init__(self, open: _Optional[_Union[LiveOpen, _Mapping]] = ..., frame: _Optional[_Union[LiveFrame, _Mapping]] = ..., question: _Optional[_Union[LiveQuestion, _Mapping]] = ..., cancel_question_id: _Optional[str] = ..., stream_chunk: _Optional[bytes] = ...) -> None: ...
 
 class LiveOpen(_message.Message):
-    __slots__ = ("session_id", "system_prompt", "max_history_frames", "max_history_s", "max_tokens_per_frame", "fall_behind", "max_pending_frames")
+    __slots__ = ("session_id", "system_prompt", "max_history_frames", "max_history_s", "max_tokens_per_frame", "fall_behind", "max_pending_frames", "stream_fps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_HISTORY_FRAMES_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +457,7 @@ class LiveOpen(_message.Message):
     MAX_TOKENS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
     FALL_BEHIND_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     system_prompt: str
     max_history_frames: int
@@ -462,7 +465,8 @@ class LiveOpen(_message.Message):
     max_tokens_per_frame: int
     fall_behind: LiveFallBehind
     max_pending_frames: int
-    def __init__(self, session_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ..., max_pending_frames: _Optional[int] = ...) -> None: ...
+    stream_fps: float
+    def __init__(self, session_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ..., max_pending_frames: _Optional[int] = ..., stream_fps: _Optional[float] = ...) -> None: ...
 
 class LiveFrame(_message.Message):
     __slots__ = ("image", "time_s")
@@ -495,20 +499,22 @@ class LiveResponse(_message.Message):
     def __init__(self, opened: _Optional[_Union[LiveOpened, _Mapping]] = ..., progress: _Optional[_Union[LiveProgress, _Mapping]] = ..., answer: _Optional[_Union[LiveAnswer, _Mapping]] = ...) -> None: ...
 
 class LiveOpened(_message.Message):
-    __slots__ = ("session_id", "max_history_frames", "max_history_s", "max_tokens_per_frame", "max_pending_frames", "fall_behind")
+    __slots__ = ("session_id", "max_history_frames", "max_history_s", "max_tokens_per_frame", "max_pending_frames", "fall_behind", "stream_fps")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_HISTORY_FRAMES_FIELD_NUMBER: _ClassVar[int]
     MAX_HISTORY_S_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_FRAMES_FIELD_NUMBER: _ClassVar[int]
     FALL_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FPS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_history_frames: int
     max_history_s: float
     max_tokens_per_frame: int
     max_pending_frames: int
     fall_behind: LiveFallBehind
-    def __init__(self, session_id: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., max_pending_frames: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ...) -> None: ...
+    stream_fps: float
+    def __init__(self, session_id: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., max_pending_frames: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ..., stream_fps: _Optional[float] = ...) -> None: ...
 
 class LiveProgress(_message.Message):
     __slots__ = ("frames_received", "frames_prefilled", "frames_dropped", "frames_in_context", "lag_s", "rollovers")
