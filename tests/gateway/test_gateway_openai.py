@@ -9,9 +9,11 @@ token sequence (each logprob entry's bytes against our token ids' decoding), sam
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
+import random
 import time
 import uuid
 import zipfile
@@ -19,6 +21,7 @@ import zipfile
 import grpc
 import openai
 import pytest
+from audio_clips import tones, wav
 from gateway_cases import assert_same, data_url, media_request, png, streamed_text
 from otlp_receiver import OtlpReceiver
 from smg_grpc_proto.generated import common_pb2
@@ -28,7 +31,7 @@ from smg_harness import Fleet
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
-from mmserve.clients.messages import message, text_part, video_part
+from mmserve.clients.messages import audio_part, message, text_part, video_part
 from mmserve.clients.types import ClientError
 from mmserve.config import DEMO_MODEL_DIR
 from mmserve.model.tokenizer import load_tokenizer
@@ -301,6 +304,20 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
     with pytest.raises(ClientError):   # and mmserve.v1 says the same for n
         with Client(address) as c:
             c.generate(prompt="Hi", n=17)
+
+
+def test_audio_on_a_model_without_an_audio_tower_is_refused_naming_it(fleet, client, model):
+    """SMG forwards an `input_audio` part (a `media_refs` AUDIO item) even when the template renders no
+    anchor for it; the demo model has no audio tower, so both doors refuse it by name (400 at SMG)."""
+    clip = wav(tones(random.randrange(10**6), 0.5))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
+            {"type": "text", "text": "What is this sound?"}]}])
+    assert "demo_model has no audio tower: it takes text, image, video" in str(e.value), str(e.value)
+    with Client(fleet.replicas[0].address) as c, pytest.raises(ClientError) as v1:
+        c.generate([message("user", audio_part(clip), text_part("What is this sound?"))], max_tokens=4)
+    assert v1.value.code == grpc.StatusCode.INVALID_ARGUMENT and "demo_model has no audio tower" in v1.value.message
 
 
 def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):

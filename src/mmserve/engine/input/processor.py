@@ -116,6 +116,12 @@ class DecodedMedia:
     duration_s: float = 0.0  # a container's (0 for images and given frames)
     audio: list[Segment] = dataclasses.field(default_factory=list)
 
+    @property
+    def num_ranges(self) -> int:
+        """The soft-token runs this part becomes in the prompt: one per image, frame and audio segment."""
+        visual = 0 if self.batch is None else len(self.timestamps_s) if self.timestamps_s is not None else 1
+        return visual + len(self.audio)
+
 
 async def _all_or_none(coroutines: list) -> list:
     """Run concurrently; when one fails, cancel the others (so their decodes stop) and raise."""
@@ -261,7 +267,8 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=list(layout.token_ids), mm_ranges=list(layout.mm_ranges),
             mm_inputs=mm_inputs, sampling=sampling, priority=priority, trace_context=trace_context,
             num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges),
-            arrival_time=arrival, preprocess_s=time.monotonic() - arrival, videos=videos)
+            arrival_time=arrival, preprocess_s=time.monotonic() - arrival, videos=videos,
+            ranges_per_part={where: d.num_ranges for where, d in (media or {}).items()})
 
     @staticmethod
     def _layout_blocking(render: Callable[[], PromptLayout],
@@ -280,7 +287,7 @@ class InputProcessor:
             if self.spec.audio is None and (isinstance(part, AudioInput)
                                             or isinstance(part, VideoInput) and part.with_audio):
                 raise InvalidInputError(f"{where}.audio" if isinstance(part, AudioInput) else "use_audio_in_video",
-                                        f"{self._model_name()} has no audio tower: it takes "
+                                        f"{self.model_name} has no audio tower: it takes "
                                         f"{', '.join(self.spec.modalities)}")
         images = sum(isinstance(part, ImageInput) for _, part in jobs)
         if images > self.limits.max_images_per_request:
@@ -291,7 +298,8 @@ class InputProcessor:
             raise InvalidInputError("messages", f"{frames} video frames given, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
 
-    def _model_name(self) -> str:
+    @property
+    def model_name(self) -> str:
         return Path(self.config.model).name or str(self.config.model)
 
     def _headers_blocking(self, jobs: list[tuple[str, MediaInput]], control: DecodeControl) -> int:
