@@ -50,8 +50,10 @@ def server(model_dir):
     with socket.socket() as s:   # a free port for its /metrics
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
+    # The engine core on a thread of this process (the same core and IPC, no second interpreter to
+    # start: this module's own start-up was mostly a spawned process importing torch again).
     server = LoopbackServer(engine_config(model_dir, max_num_batched_tokens=BUDGET, default_num_frames=2,
-                                          max_audio_duration_s=60.0),
+                                          max_audio_duration_s=60.0, engine_process=False),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield server
     server.stop()
