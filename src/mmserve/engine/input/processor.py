@@ -30,7 +30,12 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input.fair_pool import FairPool
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
-from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
+from mmserve.metrics.tracing import (
+    audio_decode_span,
+    set_audio_decode_result,
+    set_video_decode_result,
+    video_decode_span,
+)
 from mmserve.model.messages import AudioPart, AudioSegment, ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
 from mmserve.model.spec import ModelSpec, load_spec
@@ -121,6 +126,14 @@ class DecodedMedia:
         """The soft-token runs this part becomes in the prompt: one per image, frame and audio segment."""
         visual = 0 if self.batch is None else len(self.timestamps_s) if self.timestamps_s is not None else 1
         return visual + len(self.audio)
+
+
+def _encoded(part: VideoInput | AudioInput) -> tuple[bytes | Path, int]:
+    """A container part's bytes, or its spooled file, and its size."""
+    if part.path:
+        path = Path(part.path)
+        return path, path.stat().st_size
+    return part.data, len(part.data)
 
 
 async def _all_or_none(coroutines: list) -> list:
@@ -388,11 +401,13 @@ class InputProcessor:
         control.check()  # the limit may have passed while this job waited for a worker
         try:
             if isinstance(part, AudioInput):
-                audio = decode_audio(Path(part.path) if part.path else part.data,
-                                     rate=self.spec.audio.sampling_rate, start_s=part.start_s,
-                                     end_s=part.end_s or None, limits=self.limits, control=control)
-                return DecodedMedia(None, None, audio.duration_s,
-                                    self.featurizer.segments(audio.samples, part.start_s, control))
+                source, num_bytes = _encoded(part)
+                with audio_decode_span(trace_context, num_bytes=num_bytes) as span:
+                    audio = decode_audio(source, rate=self.spec.audio.sampling_rate, start_s=part.start_s,
+                                         end_s=part.end_s or None, limits=self.limits, control=control)
+                    segments = self.featurizer.segments(audio.samples, part.start_s, control)
+                    set_audio_decode_result(span, audio, segments)
+                return DecodedMedia(None, None, audio.duration_s, segments)
             if isinstance(part, ImageInput):
                 image = decode_image(Path(part.path) if part.path else part.data, self.limits,
                                      fit=self._fit(self.spec.image_max_soft_tokens))
@@ -402,22 +417,21 @@ class InputProcessor:
                 return DecodedMedia(self._patchify(self._frames(part.frames, control), self.spec.video_max_soft_tokens,
                                                    count=len(part.frames), resized=True),
                                     [k / rate for k in range(len(part.frames))])
-            source = Path(part.path) if part.path else part.data
-            num_bytes = source.stat().st_size if part.path else len(part.data)
+            source, num_bytes = _encoded(part)
+            rate = self.spec.audio.sampling_rate if part.with_audio else 0
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
                 video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
                                      fps=part.fps or None, start_s=part.start_s, end_s=part.end_s or None,
-                                     limits=self.limits, control=control,
-                                     audio_rate=self.spec.audio.sampling_rate if part.with_audio else None)
-                set_video_decode_result(span, video)
+                                     limits=self.limits, control=control, audio_rate=rate or None)
+                soundtrack = []
+                if video.soundtrack is not None:
+                    check_audible(video.soundtrack, rate, "the video's soundtrack")
+                    soundtrack = self.featurizer.segments(video.soundtrack, video.soundtrack_start_s, control)
+                set_video_decode_result(span, video, sample_rate=rate, soundtrack=soundtrack)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames
                 frames, times = [frames[k] for k in keep], [times[k] for k in keep]
-            soundtrack = []
-            if video.soundtrack is not None:
-                check_audible(video.soundtrack, self.spec.audio.sampling_rate, "the video's soundtrack")
-                soundtrack = self.featurizer.segments(video.soundtrack, video.soundtrack_start_s, control)
             return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times), video.duration_s,
                                 soundtrack)
         except InvalidInputError as e:
