@@ -306,18 +306,25 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
             c.generate(prompt="Hi", n=17)
 
 
-def test_audio_on_a_model_without_an_audio_tower_is_refused_naming_it(fleet, client, model):
-    """SMG forwards an `input_audio` part (a `media_refs` AUDIO item) even when the template renders no
-    anchor for it; the demo model has no audio tower, so both doors refuse it by name (400 at SMG)."""
+def test_audio_on_a_model_without_an_audio_tower_is_refused(fleet, client, model, tokenizer):
+    """The demo model has no audio tower (its config has no audio_config): SMG 1.13.0 refuses an
+    `input_audio` part itself (400, observed), and a gateway that forwards one anyway gets
+    INVALID_ARGUMENT naming the model, as mmserve.v1 does."""
     clip = wav(tones(random.randrange(10**6), 0.5))
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
             {"type": "text", "text": "What is this sound?"}]}])
-    assert "demo_model has no audio tower: it takes text, image, video" in str(e.value), str(e.value)
-    with Client(fleet.replicas[0].address) as c, pytest.raises(ClientError) as v1:
-        c.generate([message("user", audio_part(clip), text_part("What is this sound?"))], max_tokens=4)
-    assert v1.value.code == grpc.StatusCode.INVALID_ARGUMENT and "demo_model has no audio tower" in v1.value.message
+    assert "modality audio is not supported" in str(e.value), str(e.value)
+    request = vpb.GenerateRequest(request_id="audio", tokenized=vpb.TokenizedInput(
+        input_ids=_prompt(tokenizer, "What is this sound?")), media_refs=vpb.MediaRefs(
+        items=[vpb.MediaRef(modality=common_pb2.AUDIO, url=data_url(clip, "audio/wav"))]))
+    v1, ours = _both_doors(fleet.replicas[0].address,
+                           pb.GenerateRequest(messages=[message("user", audio_part(clip), text_part("What is this sound?"))]),
+                           request)
+    assert v1[0] == ours[0] == grpc.StatusCode.INVALID_ARGUMENT
+    for _, message_ in (v1, ours):
+        assert "demo_model has no audio tower: it takes text, image, video" in message_, (v1, ours)
 
 
 def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):
