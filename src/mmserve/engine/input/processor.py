@@ -15,6 +15,7 @@ and so its tokens), and only then decoding, one image at a time.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import time
@@ -126,6 +127,14 @@ class DecodedMedia:
         """The soft-token runs this part becomes in the prompt: one per image, frame and audio segment."""
         visual = 0 if self.batch is None else len(self.timestamps_s) if self.timestamps_s is not None else 1
         return visual + len(self.audio)
+
+
+def _naming(field: str, e: LimitExceededError) -> LimitExceededError:
+    """The same limit error (its flag and status) with the request field it came from in front, as
+    InvalidInputError names its field: a request with several audio parts learns which one."""
+    named = copy.copy(e)
+    named.args = (f"{field}: {e}",)
+    return named
 
 
 def _encoded(part: VideoInput | AudioInput) -> tuple[bytes | Path, int]:
@@ -328,6 +337,8 @@ class InputProcessor:
                     declared = probe_duration(Path(part.path) if part.path else part.data, self.limits)
                 except InvalidInputError as e:
                     raise InvalidInputError(f"{where}.audio", str(e).removeprefix(f"{e.field}: ")) from e
+                except LimitExceededError as e:
+                    raise _naming(f"{where}.audio", e) from e
                 if declared is not None:
                     end = min(declared, part.end_s or declared)
                     tokens += self._audio_tokens(max(0.0, end - part.start_s))
@@ -438,6 +449,10 @@ class InputProcessor:
             # Re-anchor the decoder's error at the request field, keeping its explanation.
             kind = {ImageInput: "image", VideoInput: "video", AudioInput: "audio"}[type(part)]
             raise InvalidInputError(f"{where}.{kind}", str(e).removeprefix(f"{e.field}: ")) from e
+        except LimitExceededError as e:
+            if isinstance(part, AudioInput):   # a clip that decodes past the duration limit: which one
+                raise _naming(f"{where}.audio", e) from e
+            raise
 
     def _frames(self, frames: tuple[bytes, ...], control: DecodeControl):
         """Given frame images decoded one at a time, as the patchifier asks for the next, each straight
