@@ -25,9 +25,6 @@ from mmserve.clients.messages import audio_part, message, text_part
 
 CONTEXT = 1024            # the tiny checkpoint's max_position_embeddings
 HOURS_6 = 6 * 3600.0
-# A refused duration is RESOURCE_EXHAUSTED on main today; #42 (permanent refusals are
-# INVALID_ARGUMENT) changes this one constant.
-DURATION_LIMIT_CODE = grpc.StatusCode.RESOURCE_EXHAUSTED
 REFUSED_RSS_BUDGET = 16 * 2**20   # a refused request holds its message and nothing decoded from it
 FRESH = itertools.count(int(np.random.default_rng().integers(10**6)))
 WORDS = "a red blue green purple tone rises falls high low beep square circle moves up down and the".split()
@@ -104,7 +101,7 @@ def test_six_hours_declared_are_refused_before_decoding(server, kind):
     hostile = [message("user", *[audio_part(declaring()) for _ in range(4)], text_part("What is this?"))]
     errors, growth, idle, beside = run_beside(server, bystander, hostile, copies=8)
     for e in errors:
-        assert e is not None and e.code == DURATION_LIMIT_CODE, e
+        assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "--max-audio-duration-s" in e.message and "21600.0 s" in e.message, e.message
         assert "messages[0].parts[0].audio" in e.message and len(e.message) < 400, e.message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
