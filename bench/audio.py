@@ -15,8 +15,10 @@ E-model: the demo model's text and vision sizes (width 64, 6 layers, per-layer e
 3 sharing KV) with a tower of width 64 (2 blocks) as its ears. The clip is generated here: 30 s of
 64x64 video at 2 fps (MPEG-4 Part 2) with 30 s of PCM tones, in Matroska. Each request samples 8
 frames and asks one question; `use_audio_in_video` adds the clip's 750 audio tokens after the
-frames. TTFT is the server's own Final.timings (arrival to first token: decode, features, towers,
-prefill), after one warm-up request each; the repeats alternate (frames, frames + soundtrack, frames,
+frames. Every request sends a clip of its own (frames and tones from a new seed), so nothing comes
+from the prefix or encoder cache: the TTFT of a clip seen for the first time. TTFT is the server's
+own Final.timings (arrival to first token: decode, features, towers, prefill), after one warm-up
+request each; the repeats alternate (frames, frames + soundtrack, frames,
 ...) so that load from other processes falls on both alike, and the table gives their median and
 range. The machine's load average before and after is printed and kept with the results: on a
 shared machine the numbers are upper bounds on time.
@@ -102,20 +104,25 @@ def ttft(model_dir: Path, clip_s: float, repeats: int) -> dict:
     from mmserve.clients.messages import message, text_part, video_part
     from mmserve.config import ServerConfig
 
-    frames = render(plan(1, size=64, num_frames=int(clip_s * 2)), size=64, num_frames=int(clip_s * 2))
-    clip = av_clip(frames, 2, tones(1, clip_s))
+    def request(seed: int) -> list:
+        """A clip never seen before (its own frames and tones): no prefix- or encoder-cache hit."""
+        frames = render(plan(seed, size=64, num_frames=int(clip_s * 2)), size=64, num_frames=int(clip_s * 2))
+        clip = av_clip(frames, 2, tones(seed, clip_s))
+        return [message("user", video_part(clip, num_frames=8), text_part("What happens?"))]
+
     server = LoopbackServer(engine_config(model_dir, engine_threads=0, max_model_len=4096),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2)).start()
     kinds = {"frames": False, "frames+soundtrack": True}
-    request = [message("user", video_part(clip, num_frames=8), text_part("What happens?"))]
     results: dict[str, list] = {label: [] for label in kinds}
+    seeds = iter(range(1, 10**6))
     try:
         with Client(server.address, timeout=300) as client:
             for with_audio in kinds.values():   # warm-up
-                client.generate(request, max_tokens=1, use_audio_in_video=with_audio)
+                client.generate(request(next(seeds)), max_tokens=1, use_audio_in_video=with_audio)
             for _ in range(repeats):   # alternating, so load drift falls on both
                 for label, with_audio in kinds.items():
-                    results[label].append(client.generate(request, max_tokens=1, use_audio_in_video=with_audio))
+                    results[label].append(client.generate(request(next(seeds)), max_tokens=1,
+                                                          use_audio_in_video=with_audio))
     finally:
         server.stop()
     out = {}
@@ -123,7 +130,8 @@ def ttft(model_dir: Path, clip_s: float, repeats: int) -> dict:
         ttfts = [r.timings.time_to_first_token_s for r in runs]
         out[label] = {"ttft_s": statistics.median(ttfts), "ttft_min_s": min(ttfts), "ttft_max_s": max(ttfts),
                       "ttfts_s": ttfts, "preprocess_s": statistics.median(r.timings.preprocess_s for r in runs),
-                      "prompt_tokens": runs[0].usage.prompt_tokens}
+                      "prompt_tokens": runs[0].usage.prompt_tokens,
+                      "cached_tokens_max": max(r.usage.cached_tokens for r in runs)}
     return out
 
 
@@ -151,10 +159,11 @@ def main() -> int:
         for row in rows:
             print(f"{tower:<12} {row['segments']:>8} {row['seconds']:>8.3f} {row['audio_s_per_s']:>10.1f}")
     print(f"\n{clip_s:g} s clip, 8 frames, {repeats} alternating runs   {'TTFT s (min-max)':>22} {'preprocess s':>13} "
-          f"{'prompt tokens':>14}")
+          f"{'prompt tokens':>14} {'cached':>7}")
     for label, row in result["ttft"].items():
         spread = f"{row['ttft_s']:.3f} ({row['ttft_min_s']:.3f}-{row['ttft_max_s']:.3f})"
-        print(f"{label:<41} {spread:>22} {row['preprocess_s']:>13.3f} {row['prompt_tokens']:>14}")
+        print(f"{label:<41} {spread:>22} {row['preprocess_s']:>13.3f} {row['prompt_tokens']:>14} "
+              f"{row['cached_tokens_max']:>7}")
     print(f"\nload average (1, 5, 15 min) before {result['load_average_before']}, after "
           f"{result['load_average_after']}, on {result['cpus']} CPUs; {result['wall_s']:.0f} s of wall time")
     path = Path(tempfile.mkstemp(suffix=".json")[1]) if args.smoke else RESULTS
