@@ -37,13 +37,7 @@ def server(tmp_path_factory, gemma4_fixtures):
     proc = ServeProcess("--port", "0", "--model", str(model), "--device", "cpu", "--dtype", "float32",
                         "--worker-threads", "2", "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
-        port = proc.wait_port(300)
-
-        async def ready():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await proc.wait_serving(channel, timeout_s=300)
-
-        asyncio.run(ready())
+        proc.wait_ready(300)
         yield proc
     finally:
         proc.stop()

@@ -43,13 +43,7 @@ def server():
                         "--max-images-per-request", str(MAX_IMAGES), "--max-pixels-per-request", str(PIXEL_BUDGET),
                         "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
-        port = proc.wait_port(300)
-
-        async def ready():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await proc.wait_serving(channel, timeout_s=300)
-
-        asyncio.run(ready())
+        proc.wait_ready(300)
         yield proc
     finally:
         proc.stop()
