@@ -160,11 +160,16 @@ def busy_processes(count: int) -> Iterator[list[subprocess.Popen]]:
 
 # --- the workload ---------------------------------------------------------------------------------
 
+def story_prompts(count: int) -> list[str]:
+    """The text workload's prompts: distinct, a dozen tokens each."""
+    return [f"Write a short story about the number {i}." for i in range(count)]
+
+
 def workloads(names: list[str], concurrency: int, num_frames: int) -> dict[str, list]:
     """Per workload, one message per request: distinct texts; distinct synthetic clips."""
     out = {}
     if "text" in names:
-        out["text"] = [user_message(f"Write a short story about the number {i}.") for i in range(concurrency)]
+        out["text"] = [user_message(text) for text in story_prompts(concurrency)]
     if "video" in names:
         out["video"] = [user_message(PROMPT, video=v, num_frames=num_frames) for v in clips(concurrency, num_frames)]
     return out

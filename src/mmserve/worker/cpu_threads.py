@@ -11,8 +11,8 @@ times before it sleeps, and in a decode step of small ops the next parallel regi
 than that, so a team thread never leaves its core. Beside anything else that wants that core (the
 front end's decode and gRPC work, another process) the spinning takes the time the others need, and
 the team's barriers wait for whichever of its threads the scheduler set aside: on 2 cores with a
-busy process beside the server, a spinning 2-thread engine served 4-10x fewer tokens per second
-and spent 4-5x the CPU per token of the same pool waiting passively (docs/benchmarks.md, "Noisy
+busy process beside the server, a spinning 2-thread engine served 2-8x fewer tokens per second
+and spent 3.5-4.8x the CPU per token of the same pool waiting passively (docs/benchmarks.md, "Noisy
 neighbours"). So the engine process starts with OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps
 at once) unless the user chose a wait policy; libgomp reads it as it loads, so it is set in the
 environment of the processes about to start.
