@@ -84,6 +84,7 @@ class RequestSample:
     token_ids: tuple[int, ...]
     mfu: float
     mbu: float
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -181,12 +182,17 @@ def server_process(model: str, *, threads: int | None, max_num_seqs: int, log_pa
             logger.info("server for %s ready in %.1f s (log: %s)", model, time.perf_counter() - start, log_path)
             yield address
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM (a server drains), then SIGKILL after `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def wait_ready(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -229,6 +235,7 @@ async def stream_request(client: AsyncClient, message, *, max_tokens: int, reque
         token_ids=result.token_ids,
         mfu=result.perf.mfu,
         mbu=result.perf.mbu,
+        prompt_tokens=result.usage.prompt_tokens,
     )
 
 
