@@ -12,7 +12,7 @@ work that is not this benchmark's ("others": /proc/stat's busy time minus this r
 a table made on a shared machine says how shared it was.
 
     python bench/cpu_contention.py            # minutes: 55M model, busy 0,1,2; text and video; 2 rounds
-    python bench/cpu_contention.py --smoke    # seconds: demo model, busy 0,1; 2 short requests
+    python bench/cpu_contention.py --smoke    # seconds: demo model, one server, busy 1; 2 short requests
     python bench/cpu_contention.py --setting "main=PYTHONPATH=/path/to/old/src"   # another tree's default
 
 A setting is `LABEL=ARGS`: leading NAME=VALUE words are environment variables for that server (e.g.
@@ -232,7 +232,7 @@ def table(results: list[Measurement], default: str) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="seconds-long run: demo model, busy 0,1, 2 requests of 4 tokens")
+    p.add_argument("--smoke", action="store_true", help="seconds-long run: demo model, the first setting, busy 1, 2 requests of 4 tokens")
     p.add_argument("--setting", action="append", default=[], metavar="LABEL=ARGS",
                    help=f"a server to measure (repeatable; the first is the one compared); default {DEFAULT_SETTINGS}")
     p.add_argument("--busy", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
@@ -247,9 +247,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help=f"JSON output (default {DEFAULT_OUT}; smoke: a temp file)")
     args = p.parse_args(argv)
     args.setting = [parse_setting(s) for s in (args.setting or DEFAULT_SETTINGS)]
-    if args.smoke:
-        args.busy, args.concurrency, args.rounds, args.text_tokens, args.video_tokens = [0, 1], 2, 1, 4, 4
-        args.setting = args.setting[:2]
+    if args.smoke:   # one server (a start is most of a smoke run's time), one busy process, 2 short requests
+        args.busy, args.concurrency, args.rounds, args.text_tokens, args.video_tokens = [1], 2, 1, 4, 4
+        args.setting = args.setting[:1]
         args.model = args.model or DEMO_MODEL_DIR
     return args
 
