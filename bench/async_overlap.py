@@ -91,7 +91,7 @@ def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, steps: 
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="sdpa",
                           max_num_seqs=num_reqs, max_num_batched_tokens=max(256, 4 * num_reqs), block_size=16,
                           num_kv_blocks=num_reqs * (-(-(8 + max_tokens) // 16) + 2) + 8,
-                          async_scheduling="on" if loop == "async" and not speculate else "off", adaptive_threads=False,
+                          async_scheduling="on" if loop == "async" and not speculate else "off",
                           **(dict(speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=3)
                              if speculate else {}))
     core = EngineCore(config)

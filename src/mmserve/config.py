@@ -73,11 +73,8 @@ class EngineConfig:
     engine_process: bool = field(default=True, metadata={
         "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})
     engine_threads: int = field(default=0, metadata={
-        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)", "min": 0})
-    adaptive_threads: bool = field(default=True, metadata={
-        "help": "on a CPU, run each step size on the whole torch pool or one thread fewer (a core left to the "
-                "front end), whichever its steps measured faster; the last core must make steps 1 + 0.25/(cores - 1) "
-                "times faster (1.25x on 2 cores)"})
+        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup "
+                "quota, affinity); they wait for work passively (OMP_WAIT_POLICY=PASSIVE unless set)", "min": 0})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load, warm up and report ready", "min": 0})
     tensor_parallel_size: int = field(default=1, metadata={

@@ -63,9 +63,7 @@ from mmserve.spec_decode.speculator import DraftFrom, Speculator
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
-from mmserve.worker.cpu_threads import torch_threads
 from mmserve.worker.model_runner import ModelRunner, SampledTokens, StepResult
-from mmserve.worker.step_threads import StepThreads, size_class
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +162,6 @@ class EngineCore:
                    if tokenizer is not None else None)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
         self.rejection = RejectionSampler(self.sampler, self.speculator.record if self.speculator else None)
-        self.threads = StepThreads(torch.get_num_threads(), adaptive=config.adaptive_threads and model.device.type == "cpu")
         self.requests: dict[str, Request] = {}   # admitted and not yet ended
         self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}   # entry j: prompt token j + 1, when asked
         self.step_index = 0
@@ -332,15 +329,11 @@ class EngineCore:
                 wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
-        size = size_class(out)
-        threads = self.threads.threads_for(size)
         try:
-            with torch_threads(threads):
-                step = self.runner.execute(out)
-                rows = verify_rows(step.sampling)
-                sampler_out = self._sample(step.logits, rows)
-                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
-            self.threads.record(size, threads, time.perf_counter() - start_perf)
+            step = self.runner.execute(out)
+            rows = verify_rows(step.sampling)
+            sampler_out = self._sample(step.logits, rows)
+            accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
