@@ -21,6 +21,7 @@ tokens before the step ends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -87,10 +88,15 @@ class EngineCore:
         self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
-        plans = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
-                           dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
-                           kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                           max_chunk=config.max_step_tokens)
+        plan = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
+                          dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
+                          kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
+                          max_step_tokens=config.max_step_tokens, max_model_len=self.max_model_len,
+                          num_speculative_tokens=self.speculator.num_tokens if self.speculator else 0)
+        if plan.max_num_seqs < config.max_num_seqs:   # the KV cache holds windows for fewer (logged)
+            self.config = config = dataclasses.replace(config, max_num_seqs=plan.max_num_seqs)
+        plans = plan.pools
+        logger.info("%s", plan.describe(config.block_size, self.max_model_len))
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,

@@ -28,7 +28,7 @@ import numpy as np
 
 from mmserve.block_hash import block_hashes
 from mmserve.core.kv_cache.block_pool import NULL_BLOCK, BlockPool
-from mmserve.core.kv_cache.planner import PoolPlan, sliding_blocks_per_request
+from mmserve.core.kv_cache.planner import PoolPlan, window_hold_blocks
 from mmserve.core.sched.output import BlockUpdate
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.request import Request
@@ -95,6 +95,7 @@ class KVCacheManager:
             self.pools[self.published_pool].on_evict = self._evicted
         self._held: dict[str, _Held] = {}
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
+        self.refusals: Counter[str] = Counter()   # allocations refused, by the pool that lacked blocks
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -124,15 +125,11 @@ class KVCacheManager:
         return max((p.num_cached_free / p.num_usable for p in self.pools.values()), default=0.0)
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
-        """Most blocks one request of `num_tokens` ever holds per pool (sliding pools stay bounded)."""
+        """Most blocks one request of `num_tokens` ever holds per pool, given steps of at most
+        `max_chunk` tokens (a windowed pool: its window and one chunk; planner.window_hold_blocks)."""
         full = math.ceil(num_tokens / self.block_size)
-        out = {}
-        for t, plan in self.plans.items():
-            if plan.window is None:
-                out[t] = full
-            else:
-                out[t] = min(full, sliding_blocks_per_request(plan.window, max_chunk, self.block_size))
-        return out
+        return {t: full if plan.window is None else min(full, window_hold_blocks(plan.window, max_chunk, self.block_size))
+                for t, plan in self.plans.items()}
 
     # -- prefix reuse --------------------------------------------------------------------------------------
 
@@ -330,6 +327,7 @@ class KVCacheManager:
                 if held is None:
                     available -= pool.num_taken_by_touch(table.blocks)
                 if missing > available:
+                    self.refusals[t] += 1
                     return False
             reclaim_to[t] = upto
         if held is None:
@@ -342,23 +340,43 @@ class KVCacheManager:
                 held.in_flight_end = len(held.keys)
                 self._in_flight.update(held.keys[k:])
         for t, pool in self.pools.items():
+            self._reclaim(request, held, t, reclaim_to[t])
             table = tables[t]
-            a, b = table.num_reclaimed, reclaim_to[t]
-            if b > a:
-                # Blocks the window left behind: a later prompt seldom ends right after them, so they
-                # are evicted first; unless they came from a hit (a shared prefix ends there) or hold
-                # the window of a hit ending after the prompt's media (a new question about it).
-                hit = held.num_hit
-                keep = self._media_end_window(request, t)
-                pool.release(table.blocks[a:min(b, hit)])
-                for j in range(max(a, hit), b):
-                    pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
-                table.blocks[a:b] = [NULL_BLOCK] * (b - a)
-                table.num_reclaimed = b
             have = len(table.blocks)
             if needed_len > have:
                 table.blocks.extend(pool.take(needed_len - have))
         return True
+
+    def release_out_of_window(self, request: Request) -> None:
+        """Return the windowed pools' blocks that no query from the request's next position on can
+        reach. The scheduler calls it for every running request before each step, so a request the
+        step leaves out holds only its window, never the chunk it computed last (what the planner's
+        windowed reservation assumes: planner.window_pool_blocks)."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return
+        for t, plan in self.plans.items():
+            table = held.tables[t]
+            if plan.window is not None and table.blocks:
+                first = self._first_needed(request, request.num_computed_tokens, plan.window)
+                self._reclaim(request, held, t, min(first // self.block_size, len(table.blocks)))
+
+    def _reclaim(self, request: Request, held: _Held, layer_type: str, upto: int) -> None:
+        """Release a windowed table's entries before `upto` (those not released yet) to the pool."""
+        table = held.tables[layer_type]
+        a = table.num_reclaimed
+        if upto <= a:
+            return
+        # Blocks the window left behind: a later prompt seldom ends right after them, so they are
+        # evicted first; unless they came from a hit (a shared prefix ends there) or hold the window
+        # of a hit ending after the prompt's media (a new question about it).
+        pool, hit = self.pools[layer_type], held.num_hit
+        keep = self._media_end_window(request, layer_type)
+        pool.release(table.blocks[a:min(upto, hit)])
+        for j in range(max(a, hit), upto):
+            pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
+        table.blocks[a:upto] = [NULL_BLOCK] * (upto - a)
+        table.num_reclaimed = upto
 
     def take_block_updates(self, request_id: str) -> dict[str, BlockUpdate]:
         """The changes to the request's tables since the last call, per pool that changed (a hit's

@@ -165,7 +165,7 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, victim, key=self._order_key)
-        logger.debug("preempted %s (KV blocks exhausted)", victim.request_id)
+        logger.debug("preempted %s (KV blocks exhausted: refusals by pool %s)", victim.request_id, dict(self.kv.refusals))
 
     def _pick_victim(self) -> Request:
         """The running request that would be served last: lowest priority, latest arrival."""
@@ -185,6 +185,8 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        for request in self.running:   # one this step leaves out holds its window, not its last chunk
+            self.kv.release_out_of_window(request)
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
         # steady stream of decodes can never starve it.
