@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.core.forks import HeldForks
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import SchedulerOutput
@@ -118,7 +117,6 @@ class EngineCore:
         self.idle_step = False                   # the last step scheduled nothing
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
-        self._forks = HeldForks()                # n > 1: samples waiting for their prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
@@ -156,11 +154,7 @@ class EngineCore:
             return
         if compiled is not None:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
-        self._queue(request)
-
-    def _queue(self, request: Request) -> None:
-        if not (request.fork_of and self._forks.hold(request, self.requests.get(request.fork_of))):
-            self.scheduler.enqueue(request)
+        self.scheduler.enqueue(request)
 
     def _queue_compiled(self, outputs: list[CoreOutput]) -> None:
         """Queue the requests whose grammar has compiled since the last step; end those refused."""
@@ -177,7 +171,7 @@ class EngineCore:
                 self._end(rid, CoreOutput(rid, error=EngineInternalError(
                     f"request {rid}: its response_format failed to compile ({type(exc).__name__})")), outputs)
                 continue
-            self._queue(request)
+            self.scheduler.enqueue(request)
 
     def abort(self, request_id: str) -> bool:
         """Free a request the front end has ended; acknowledged with the next step. False if unknown."""
@@ -188,8 +182,8 @@ class EngineCore:
         return True
 
     def load(self) -> LoadInfo:
-        forks = len(self._forks) + len(self._compiling)
-        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + forks,
+        held = len(self.scheduler.forks) + len(self._compiling)
+        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + held,
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs,
                         kv_cached_usage=self.kv.cached_usage())
 
@@ -218,13 +212,11 @@ class EngineCore:
     def _end(self, rid: str, output: CoreOutput | None, outputs: list[CoreOutput]) -> None:
         """The single exit of every admitted request: free everything, report it once (unless the
         front end ended it: `output` None)."""
-        request = self.requests.pop(rid)
+        self.requests.pop(rid)
         self._compiling.pop(rid, None)
-        self._forks.discard(request)
         self.prompt_logprobs.pop(rid, None)
-        self.scheduler.finish(rid)
+        self.scheduler.finish(rid)   # samples held for its prompt queue then
         self.sampler.free(rid)
-        self._release_forks()
         if output is not None:
             outputs.append(output)
 
@@ -271,8 +263,7 @@ class EngineCore:
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})
-        self._release_forks()
+        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})   # samples join
         drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
             try:
@@ -304,11 +295,6 @@ class EngineCore:
             if 0 in row.errors:
                 out.errors[i] = row.errors[0]
         return out
-
-    def _release_forks(self) -> None:
-        """Queue the samples whose parent has computed its prompt (or has ended)."""
-        for request in self._forks.release(self.requests):
-            self.scheduler.enqueue(request)
 
     def _draft(self, step: StepResult, accepted: list[Accepted]) -> dict[str, tuple[int, int]]:
         """The next step's drafts for every request that goes on and speculates; returns, per request

@@ -80,6 +80,9 @@ class ModelRunner:
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
                 backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
+        # each pool's caches, one per layer holding KV (block copies go through every one)
+        self.pool_caches = {t: [self.kv_caches[layer.index] for layer in spec.layers
+                                if layer.layer_type == t and not layer.shares_kv] for t in plans}
         set_compiled(config.compile_dense)
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
@@ -180,8 +183,18 @@ class ModelRunner:
                 parts.append(e)
         return (torch.cat(parts) if parts else None), encoded, encode_perf
 
+    def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
+        """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
+        parent's partial last prompt block), before the step writes to either."""
+        for t, pairs in copies.items():
+            src = torch.tensor([p[0] for p in pairs], device=self.model.device)
+            dst = torch.tensor([p[1] for p in pairs], device=self.model.device)
+            for cache in self.pool_caches[t]:   # (2, blocks, block_size, heads, dim)
+                cache[:, dst] = cache[:, src]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        self._copy_blocks(out.block_copies)
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)

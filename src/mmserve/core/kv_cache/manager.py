@@ -46,6 +46,9 @@ class PrefixHit:
     # The block after the hit is being computed by a running request: admitted a little later, the
     # request would reuse it instead of computing the same prefix beside it.
     next_in_flight: bool = False
+    # A hit ending inside a block (`share_prefix`): per pool, the block holding its keys there, which
+    # `allocate` copies into the request's own block (the request writes its own tokens after them).
+    copy_from: dict[str, int] = field(default_factory=dict)
 
 
 NO_HIT = PrefixHit()
@@ -96,6 +99,7 @@ class KVCacheManager:
         self._held: dict[str, _Held] = {}
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
         self.refusals: Counter[str] = Counter()   # allocations refused, by the pool that lacked blocks
+        self._copies: dict[str, list[tuple[int, int]]] = {}   # for the runner (take_block_copies)
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -161,18 +165,31 @@ class KVCacheManager:
         return hit
 
     def share_prefix(self, parent: Request, child: Request) -> PrefixHit:
-        """A hit for `child` (holding no blocks, same prompt and media as `parent`) on the parent's
-        full computed blocks, shared by reference once `allocate(child, n, hit)` takes it: how `n`
-        parallel samples of one prompt share its K/V, with or without prefix caching."""
+        """A hit for `child` (a parallel sample: same prompt and media as `parent`, holding no blocks)
+        on the parent's K/V of all of its prompt but the last token, whose logits the child computes
+        itself: the whole blocks shared by reference, the block holding the rest copied into the
+        child's own (`PrefixHit.copy_from`), so no prompt token and no frame is computed twice, with
+        or without prefix caching. A hit never ends inside an image/frame (it then ends at its start).
+        NO_HIT when the parent no longer holds those keys (it ended, or its window moved past them)."""
         if child.request_id in self._held:
             raise ValueError(f"{child.request_id} already holds blocks")
-        held = self._held[parent.request_id]
-        bs = self.block_size
-        k = min(parent.num_computed_tokens // bs, (child.num_tokens - 1) // bs)
-        if parent.token_ids_slice(0, k * bs) != child.token_ids_slice(0, k * bs):
-            raise ValueError(f"{child.request_id} does not share {parent.request_id}'s first {k * bs} tokens")
-        found = {t: [None if b == NULL_BLOCK else b for b in table.blocks[:k]] for t, table in held.tables.items()}
-        return self._usable_prefix(child, found)
+        held = self._held.get(parent.request_id)
+        n = _outside_range(child.mm_ranges_np, child.num_tokens - 1)
+        if held is None or n == 0 or parent.num_computed_tokens < n:
+            return NO_HIT
+        if parent.token_ids_slice(0, n) != child.token_ids_slice(0, n):
+            raise ValueError(f"{child.request_id} does not share {parent.request_id}'s first {n} tokens")
+        k, partial = divmod(n, self.block_size)
+        blocks, copy_from = {}, {}
+        for t, table in held.tables.items():
+            first = self._first_kept(t, n) // self.block_size
+            needed = table.blocks[first:k + (partial > 0)]
+            if len(needed) < k + (partial > 0) - first or NULL_BLOCK in needed:
+                return NO_HIT
+            blocks[t] = [NULL_BLOCK] * first + table.blocks[first:k]
+            if partial:
+                copy_from[t] = table.blocks[k]
+        return PrefixHit(n, blocks, copy_from=copy_from)
 
     def _usable_prefix(self, request: Request, found: dict[str, list[int | None]]) -> PrefixHit:
         """The longest k such that blocks [0, k) can serve `request`: every unwindowed pool has all
@@ -345,7 +362,15 @@ class KVCacheManager:
             have = len(table.blocks)
             if needed_len > have:
                 table.blocks.extend(pool.take(needed_len - have))
+        for t, src in hit.copy_from.items():   # the hit's partial block: the runner copies it before the next step
+            self._copies.setdefault(t, []).append((src, tables[t].blocks[start // self.block_size]))
         return True
+
+    def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
+        """The (source, destination) block copies per pool that taken hits asked for since the last
+        call: the runner makes them before its next forward, before anything writes to either block."""
+        copies, self._copies = self._copies, {}
+        return copies
 
     def release_out_of_window(self, request: Request) -> None:
         """Return the windowed pools' blocks that no query from the request's next position on can
@@ -413,6 +438,13 @@ def _hit_runs(found: list) -> list[int]:
         run = run + 1 if b is not None else 0
         runs.append(run)
     return runs
+
+
+def _outside_range(ranges: np.ndarray, pos: int) -> int:
+    """`pos`, or the start of the range it lies inside (a chunk may start at a range's first token,
+    never after it: the range's tokens attend to each other both ways and are encoded together)."""
+    i = int(np.searchsorted(ranges[:, 0], pos, side="left")) - 1 if len(ranges) else -1
+    return int(ranges[i, 0]) if i >= 0 and ranges[i, 1] >= pos else pos
 
 
 def _outside_ranges(ranges: np.ndarray, k: int, block_size: int) -> int:

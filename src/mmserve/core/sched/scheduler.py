@@ -8,6 +8,8 @@ a running request is computing right now waits for it (the budget goes to the ne
 instead of computing it a second time.
 When KV blocks run out, the request that would be served last is preempted: its blocks are freed
 and it is recomputed later.
+Parallel samples (`n > 1`): samples i > 0 are held (core/forks.py) until sample 0 has computed the
+prompt, then join the running batch on its K/V; a running sample 0 keeps a seat free for each.
 Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
@@ -21,6 +23,7 @@ import logging
 
 import numpy as np
 
+from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.errors import InvalidInputError, LimitExceededError
@@ -74,6 +77,7 @@ class Scheduler:
         self._by_id: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._frame_blocked: set[str] = set()
+        self.forks = HeldForks()             # parallel samples waiting for their parent's prompt
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -127,22 +131,51 @@ class Scheduler:
                     f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
     def enqueue(self, request: Request) -> None:
-        """Queue an already admitted request (the engine checks admission on the caller's thread)."""
+        """Queue an already admitted request (the engine checks admission on the caller's thread); a
+        parallel sample whose parent is here is held until the parent's prompt is computed, or joins
+        it at once if it is."""
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
-        bisect.insort(self.waiting, request, key=self._order_key)
+        parent = self._by_id.get(request.fork_of) if request.fork_of else None
+        if parent is not None and not prompt_done(parent):
+            self.forks.hold(request)
+        elif parent is None or not self._join(request, parent):
+            bisect.insort(self.waiting, request, key=self._order_key)
+
+    def _join(self, fork: Request, parent: Request) -> bool:
+        """Run a parallel sample from now on, on its running parent's K/V of the prompt (the last
+        token its own); False if there is no seat, or the parent no longer holds that K/V."""
+        if parent.status != RequestStatus.RUNNING or len(self.running) >= self.max_num_seqs:
+            return False
+        hit = self.kv.share_prefix(parent, fork)
+        if not hit.num_tokens or not self.kv.allocate(fork, 0, hit):
+            return False
+        fork.num_computed_tokens = hit.num_tokens
+        fork.num_cached_tokens = hit.num_tokens if self.kv.enable_prefix_caching else 0
+        fork.status = RequestStatus.RUNNING
+        self.running.append(fork)
+        return True
+
+    def _release_forks(self, parent: Request) -> None:
+        """The samples held for `parent` (its prompt computed, or it ended): each joins it, or queues."""
+        for fork in self.forks.release(parent.request_id):
+            if not self._join(fork, parent):
+                bisect.insort(self.waiting, fork, key=self._order_key)
 
     def finish(self, request_id: str) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks. None if it is not here."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return None
+        request.status = RequestStatus.FINISHED
+        if self.forks.discard(request):   # it never ran
+            return request
+        self._release_forks(request)   # samples still waiting for its prompt compute it themselves
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
-        request.status = RequestStatus.FINISHED
         self._finished_since_step.append(request_id)
         return request
 
@@ -216,9 +249,14 @@ class Scheduler:
             scheduled[request.request_id] = self._scheduled(request, n)
             budget -= n
 
+        # a seat for every sample held for a running parent: it joins the batch once the prompt is computed
+        seats = len(self.running) + sum(len(self.forks.of(r.request_id)) for r in self.running)
         i = 0
-        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and i < len(self.waiting) and budget > 0 and seats < self.max_num_seqs:
             request = self.waiting[i]
+            needs = 1 + len(self.forks.of(request.request_id))
+            if seats + needs > self.max_num_seqs and seats:   # (more samples than seats: alone, and the rest queue)
+                break
             hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 i += 1
@@ -233,13 +271,16 @@ class Scheduler:
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += needs
             scheduled[request.request_id] = self._scheduled(request, n)
             if self.kv.enable_prefix_caching:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
         finished, self._finished_since_step = self._finished_since_step, []
-        return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+        copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
+        return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
+                               block_copies=copies)
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -259,3 +300,5 @@ class Scheduler:
             if s.request.status == RequestStatus.RUNNING:
                 s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
                 self.kv.cache_blocks(s.request)
+                if prompt_done(s.request) and self.forks.of(s.request.request_id):
+                    self._release_forks(s.request)
