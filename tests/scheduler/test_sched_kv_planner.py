@@ -81,10 +81,9 @@ def test_windowed_pools_get_what_they_can_hold_and_full_pools_the_rest(name, sea
         else:   # every full pool the same blocks: a request needs as many in each
             assert p.num_blocks == next(q.num_blocks for q in plan.pools.values() if q.window is None)
     assert plan.num_bytes + plan.unused_bytes == kw["kv_cache_bytes"]
-    full = [p for p in plan.pools.values() if p.window is None]
-    capped = full[0].num_blocks == 1 + plan.max_num_seqs * context_blocks
-    assert plan.unused_bytes < full_cost(plan) or capped   # the rest went to full attention, up to its use
-    assert plan.full_context_requests(16, max_len) >= 1
+    assert plan.unused_bytes < full_cost(plan)   # the rest went to full attention
+    full = next(p for p in plan.pools.values() if p.window is None)
+    assert full.num_blocks - 1 >= context_blocks and plan.full_context_requests(16, max_len) >= 1
     if plan.max_num_seqs < seats:   # fewer seats only when one more would leave no full-context request
         more = plan_for(spec, **{**kw, "num_kv_blocks": 0, "max_num_seqs": plan.max_num_seqs + 1})
         assert more.max_num_seqs == plan.max_num_seqs
@@ -174,3 +173,22 @@ def test_no_admissible_schedule_runs_a_windowed_pool_dry(name, seats, budget, pr
             if len(r.output_token_ids) >= r.sampling_params.max_tokens or rng.random() < 0.003:   # done, or aborted
                 sched.finish(r.request_id)
     assert not any(kv.refusals[t] for t in windowed)
+
+
+def test_mmserve_perf_prints_the_planners_split(capsys):
+    import json
+
+    from mmserve.cli import main
+
+    path = str(FAMILY[[p.stem for p in FAMILY].index("12b_unified")])
+    assert main(["perf", "--hf-config", path, "--kv-cache-gib", "40", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["kv_plan"]
+    plan = plan_for(SPECS["12b_unified"], block_size=16, kv_cache_bytes=40 * GiB, max_num_seqs=64,
+                    max_step_tokens=2048, max_model_len=262144)
+    assert {t: p["tokens"] for t, p in got["pools"].items()} == plan.pool_tokens(16)
+    assert got["full_context_requests"] == 4 and got["max_num_seqs"] == 64
+    assert main(["perf", "--hf-config", path, "--kv-cache-gib", "40", "--request", "1:8192:decode"]) == 0
+    text = capsys.readouterr().out
+    assert "FLOPs" in text and "4 requests of 262144 tokens fit; 64 run at once" in text
+    assert main(["perf", "--hf-config", path, "--kv-cache-gib", "1"]) == 2   # refused, naming the numbers
+    assert "cannot hold one request of the full context" in capsys.readouterr().err

@@ -32,11 +32,17 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
-from mmserve.ipc.protocol import CoreOutput, EngineCoreOutputs, EngineCoreRequest, LoadInfo, TokenLogprobs
+from mmserve.ipc.protocol import (
+    CoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KvCapacity,
+    LoadInfo,
+    TokenLogprobs,
+)
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
@@ -47,7 +53,9 @@ from mmserve.spec_decode.speculator import DraftFrom, Speculator
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
+from mmserve.worker.backend_check import merge_checks
 from mmserve.worker.cpu_threads import torch_threads
+from mmserve.worker.memory_profile import device_baseline, size_kv_cache
 from mmserve.worker.model_runner import ModelRunner, StepResult
 from mmserve.worker.step_threads import StepThreads, size_class
 
@@ -76,6 +84,9 @@ class EngineCore:
     tensor-parallel rank 0 passes its own, executor/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
+        from mmserve.model.loader import resolve_device
+
+        memory, baseline = device_baseline(config, model.device if model is not None else resolve_device(config.device))
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
@@ -83,19 +94,18 @@ class EngineCore:
         self.tokenizer = tokenizer
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
-        dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
         self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
-        plan = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
-                          dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
-                          kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                          max_step_tokens=config.max_step_tokens, max_model_len=self.max_model_len,
-                          num_speculative_tokens=self.speculator.num_tokens if self.speculator else 0)
+        # from the device's memory (a profiling step: worker/memory_profile.py) unless a size is given
+        plan, sized_by, profiled_checks = size_kv_cache(model, config, kv_specs, max_model_len=self.max_model_len,
+                                                        speculator=self.speculator, memory=memory, baseline=baseline)
         if plan.max_num_seqs < config.max_num_seqs:   # the KV cache holds windows for fewer (logged)
             self.config = config = dataclasses.replace(config, max_num_seqs=plan.max_num_seqs)
         plans = plan.pools
-        logger.info("%s", plan.describe(config.block_size, self.max_model_len))
+        self.kv_capacity = KvCapacity(plan.pool_tokens(config.block_size),
+                                      plan.full_context_requests(config.block_size, self.max_model_len),
+                                      plan.num_bytes, plan.max_num_seqs, sized_by)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
@@ -103,6 +113,8 @@ class EngineCore:
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    policy=config.scheduling_policy)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
+        if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
+            self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),

@@ -7,7 +7,7 @@ A windowed (sliding) pool needs a bounded number of blocks whatever the context:
 holds only the keys its next query can reach plus its chunk of the current step, and all requests
 together schedule at most one step budget (`window_pool_blocks`). It gets exactly that many for
 `max_num_seqs` requests, never more (a block beyond it could never be used); every other byte goes
-to the full-attention pools, which hold the long contexts. When the bytes cannot hold those windows
+to the full-attention pools, which hold the long contexts (and, past them, cached prefixes). When the bytes cannot hold those windows
 and one request of the full context beside them, fewer requests run at once (`KVCachePlan.max_num_seqs`)
 so that no schedule the scheduler admits can run a windowed pool dry; when they cannot hold even one,
 the plan is refused, naming what would fit.
@@ -35,6 +35,9 @@ class PoolPlan:
     num_layers: int
     bytes_per_block: int
     window: int | None       # blocks wholly older than this many tokens are reclaimed
+    # what the runner allocates per block beyond its K/V (attention buffers that grow with the pool:
+    # measured by worker/memory_profile.py; 0 when the bytes were given)
+    overhead_per_block: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,11 +47,12 @@ class KVCachePlan:
 
     pools: dict[str, PoolPlan]
     max_num_seqs: int
-    unused_bytes: int = 0    # beyond what every pool can use (all requests at max_model_len)
+    unused_bytes: int = 0    # less than a block of every full-attention pool (all of it without one)
 
     @property
     def num_bytes(self) -> int:
-        return sum(p.num_blocks * p.bytes_per_block for p in self.pools.values())
+        """What the pools cost: their K/V and the runner's per-block overhead."""
+        return sum(p.num_blocks * (p.bytes_per_block + p.overhead_per_block) for p in self.pools.values())
 
     def pool_tokens(self, block_size: int) -> dict[str, int]:
         """Tokens of K/V each pool holds (its usable blocks; a windowed pool's are recycled as windows move)."""
@@ -64,11 +68,17 @@ class KVCachePlan:
     def describe(self, block_size: int, max_model_len: int) -> str:
         """One line for the start-up log and `mmserve perf`: each pool's blocks, bytes and tokens."""
         pools = ", ".join(
-            f"{t} {p.num_blocks - 1} blocks x {p.num_layers} layers = {p.num_blocks * p.bytes_per_block / GiB:.2f} GiB, "
+            f"{t} {p.num_blocks - 1} blocks x {p.num_layers} layers = "
+            f"{size_text(p.num_blocks * (p.bytes_per_block + p.overhead_per_block))}, "
             f"{(p.num_blocks - 1) * block_size} tokens" for t, p in self.pools.items())
-        return (f"KV cache {self.num_bytes / GiB:.2f} GiB: {pools}; "
+        return (f"KV cache {size_text(self.num_bytes)}: {pools}; "
                 f"{self.full_context_requests(block_size, max_model_len)} requests of {max_model_len} tokens fit, "
                 f"{self.max_num_seqs} run at once")
+
+
+def size_text(n: int) -> str:
+    """Bytes for people: GiB from 1 GiB up, else MiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.2f} MiB"
 
 
 class KVCacheTooSmall(ValueError):
@@ -114,23 +124,28 @@ def plan_pools(
     max_step_tokens: int = 0,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    block_overhead: dict[str, int] | None = None,
 ) -> KVCachePlan:
     """Size the pools. With `num_kv_blocks` every pool gets that many (tests, debugging). Otherwise
     `kv_cache_bytes` buys each windowed pool what `max_num_seqs` requests can hold at once (given
     `max_step_tokens` per step and `num_speculative_tokens` drafts) and the full-attention pools the
-    rest, the same number of blocks each (every request needs as many in each), up to what
-    `max_num_seqs` requests of `max_model_len` can use. Only layers that hold KV are listed in
-    `kv_layer_types` (`ModelSpec.kv_layer_types`): KV-sharing consumers get no blocks."""
+    rest, the same number of blocks each (every request needs as many in each; what running requests
+    do not hold keeps cached prefixes). Only layers that hold KV are listed in
+    `kv_layer_types` (`ModelSpec.kv_layer_types`): KV-sharing consumers get no blocks.
+    `block_overhead`: per pool, what the runner allocates per block beyond its K/V; a block then
+    costs both (the bytes are the pools' memory, not the K/V alone)."""
     counts = {t: kv_layer_types.count(t) for t in attention_specs if t in kv_layer_types}
-    per_block = {
+    kv_bytes = {
         t: 2 * block_size * attention_specs[t].num_kv_heads * attention_specs[t].head_dim * dtype_bytes * n
         for t, n in counts.items()
     }
+    overhead = {t: (block_overhead or {}).get(t, 0) for t in counts}
+    per_block = {t: kv_bytes[t] + overhead[t] for t in counts}
 
     def plan(blocks: dict[str, int], seats: int, unused: int = 0) -> KVCachePlan:
         if min(blocks.values(), default=0) < 2:
             raise KVCacheTooSmall(f"KV cache too small: {blocks} blocks per pool (need >= 2; block 0 is reserved)")
-        return KVCachePlan({t: PoolPlan(t, blocks[t], counts[t], per_block[t], attention_specs[t].window)
+        return KVCachePlan({t: PoolPlan(t, blocks[t], counts[t], kv_bytes[t], attention_specs[t].window, overhead[t])
                             for t in counts}, seats, unused)
 
     if num_kv_blocks > 0:
@@ -162,13 +177,13 @@ def plan_pools(
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
         seats = lo
-        logger.warning("the KV cache (%.2f GiB) holds sliding windows for %d requests beside one of the full "
-                       "context, not --max-num-seqs %d: at most %d run at once", kv_cache_bytes / GiB, seats,
-                       max_num_seqs, seats)
+        logger.warning("the KV cache (%s) holds sliding windows for %d requests beside one of the full "
+                       "context, not --max-num-seqs %d: at most %d run at once (a lower --max-model-len leaves "
+                       "room for more)", size_text(kv_cache_bytes), seats, max_num_seqs, seats)
     blocks = window_blocks(seats)
     left = kv_cache_bytes - window_bytes(seats)
-    if full:
-        blocks.update(dict.fromkeys(full, min(left // full_cost, 1 + seats * context_blocks)))
+    if full:   # beyond what running requests hold, blocks keep cached prefixes
+        blocks.update(dict.fromkeys(full, left // full_cost))
     unused = left - sum(blocks[t] * per_block[t] for t in full)
     return plan(blocks, seats, unused)
 
@@ -178,9 +193,11 @@ def _too_small(kv_cache_bytes: int, window_bytes: int, full_cost: int, block_siz
     """The refusal: what one full-context request needs, and the longest context that would fit."""
     need = window_bytes + (1 + math.ceil(max_model_len / block_size)) * full_cost
     fit_blocks = (kv_cache_bytes - window_bytes) // full_cost - 1 if full_cost else 0
-    hint = (f"; lower --max-model-len to at most {fit_blocks * block_size}" if fit_blocks > 0 else "")
+    hint = (f"; lower --max-model-len to at most {fit_blocks * block_size}" if fit_blocks > 0 else
+            "; not even one request's sliding window and one step fit: lower --prefill-batched-tokens and "
+            "--max-num-batched-tokens")
     return KVCacheTooSmall(
-        f"the KV cache ({kv_cache_bytes / GiB:.3f} GiB) cannot hold one request of the full context "
-        f"({max_model_len} tokens): it needs {need / GiB:.3f} GiB ({window_bytes / GiB:.3f} GiB of sliding window "
-        f"for one request and one step, {(need - window_bytes) / GiB:.3f} GiB of full-attention blocks); give the "
+        f"the KV cache ({size_text(kv_cache_bytes)}) cannot hold one request of the full context "
+        f"({max_model_len} tokens): it needs {size_text(need)} ({size_text(window_bytes)} of sliding window "
+        f"for one request and one step, {size_text(need - window_bytes)} of full-attention blocks); give the "
         f"cache more memory (--gpu-memory-utilization on CUDA, or --kv-cache-bytes){hint}")
