@@ -25,6 +25,7 @@ import numpy as np
 
 from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import window_pool_blocks
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
@@ -117,13 +118,19 @@ class Scheduler:
 
     def _check_samples_fit(self, request: Request) -> None:
         """Refuse (it can never fit) n samples of prompt + max_tokens that need more KV blocks than a
-        pool has: the prompt's full blocks are shared, everything after them is per sample."""
+        pool has: in a full-attention pool the prompt's whole blocks are shared and everything after
+        them is per sample; a windowed pool holds n windows and one step's tokens between them
+        (the planner's bound, planner.window_pool_blocks)."""
         n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
         one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
         shared = prompt_len // self.kv.block_size
         for pool, blocks in one.items():
-            own = blocks - (shared if self.kv.plans[pool].window is None else 0)
-            need = blocks + (n - 1) * own
+            window = self.kv.plans[pool].window
+            if window is None:
+                need = blocks + (n - 1) * (blocks - shared)
+            else:
+                need = min(n * blocks, window_pool_blocks(window, block_size=self.kv.block_size, max_num_seqs=n,
+                                                          max_step_tokens=self.prefill_batched_tokens) - 1)
             usable = self.kv.pools[pool].num_usable
             if need > usable:
                 raise InvalidInputError(
