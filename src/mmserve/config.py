@@ -55,6 +55,11 @@ class EngineConfig:
     kv_cache_bytes: int = field(default=0, metadata={
         "help": "KV cache memory for all pools; 0 = on CUDA what --gpu-memory-utilization leaves, on a CPU 256 MiB",
         "min": 0})
+    window_cache_share: float = field(default=0.1, metadata={
+        "help": "share of the KV cache left beyond the sliding pools' room for running requests and one request "
+                "of the full context that keeps the sliding windows of cached prefixes (a prefix hit, e.g. a "
+                "follow-up question about a video, needs the window before its end); the rest holds "
+                "full-attention context. Unused with prefix caching off", "min": 0.0, "max": 1.0})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "CUDA: the share of the device's memory this engine may use in all (weights, activations, KV cache), "
                 "as vLLM's flag; the KV cache gets what a profiling step at the largest step leaves of it "

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sched_helpers import admit, random_ranges
 
+from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import KVCacheTooSmall, plan_pools, window_pool_blocks
 from mmserve.core.sched.scheduler import Scheduler
@@ -90,12 +91,29 @@ def test_windowed_pools_get_what_they_can_hold_and_full_pools_the_rest(name, sea
 
 
 def test_12b_at_40_gib_holds_a_million_tokens_of_full_context():
-    """The issue's figure: 64 requests with a 2048-token step; the old split left the full pool 125k tokens."""
+    """The issue's figure: 64 requests with a 2048-token step, the server's window cache share; the old
+    split left the full pool 125k tokens."""
     spec = SPECS["12b_unified"]
     plan = plan_for(spec, block_size=16, kv_cache_bytes=40 * GiB, max_num_seqs=64, max_step_tokens=2048,
-                    max_model_len=spec.max_model_len)
+                    max_model_len=spec.max_model_len, window_cache_share=EngineConfig.window_cache_share)
     assert plan.pool_tokens(16)["full_attention"] >= 1_000_000
     assert plan.max_num_seqs == 64 and plan.full_context_requests(16, spec.max_model_len) == 4
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(SPECS)), share=st.floats(0.01, 1), gib=st.floats(8, 160))
+def test_the_window_cache_share_of_what_one_full_context_leaves_keeps_cached_windows(name, share, gib):
+    spec = SPECS[name]
+    kw = dict(block_size=16, kv_cache_bytes=int(gib * GiB), max_num_seqs=16, max_step_tokens=2048, max_model_len=32768)
+    try:
+        bare = plan_for(spec, **kw)
+    except KVCacheTooSmall:
+        return
+    plan = plan_for(spec, window_cache_share=share, **kw)
+    spare = kw["kv_cache_bytes"] - window_bytes(bare) - (1 + 32768 // 16) * full_cost(bare)
+    assert abs(window_bytes(plan) - window_bytes(bare) - share * spare) <= sum(p.bytes_per_block for p in plan.pools.values())
+    assert plan.full_context_requests(16, 32768) >= 1 and plan.unused_bytes < full_cost(plan)
+    assert plan.max_num_seqs == bare.max_num_seqs
 
 
 @pytest.mark.parametrize("name", ["12b_unified", "e4b"])
@@ -184,7 +202,7 @@ def test_mmserve_perf_prints_the_planners_split(capsys):
     assert main(["perf", "--hf-config", path, "--kv-cache-gib", "40", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)["kv_plan"]
     plan = plan_for(SPECS["12b_unified"], block_size=16, kv_cache_bytes=40 * GiB, max_num_seqs=64,
-                    max_step_tokens=2048, max_model_len=262144)
+                    max_step_tokens=2048, max_model_len=262144, window_cache_share=EngineConfig.window_cache_share)
     assert {t: p["tokens"] for t, p in got["pools"].items()} == plan.pool_tokens(16)
     assert got["full_context_requests"] == 4 and got["max_num_seqs"] == 64
     assert main(["perf", "--hf-config", path, "--kv-cache-gib", "40", "--request", "1:8192:decode"]) == 0

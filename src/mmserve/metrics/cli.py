@@ -22,6 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.planner import GiB, KVCachePlan, KVCacheTooSmall, plan_pools
 from mmserve.errors import MMServeError
 from mmserve.metrics.peaks import lookup, utilization
@@ -95,18 +96,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the most tokens one step schedules (the larger step budget), for --kv-cache-gib")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block, for --kv-cache-gib")
     p.add_argument("--max-model-len", type=int, default=0, help="context length cap for --kv-cache-gib; 0 = the model's")
+    p.add_argument("--window-cache-share", type=float, default=EngineConfig.window_cache_share,
+                   help="the server's --window-cache-share, for --kv-cache-gib (0: prefix caching off)")
     p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes "
                                                        "(and kv_plan with --kv-cache-gib)")
     p.set_defaults(func=run)
 
 
 def kv_plan(spec, *, gib: float, max_num_seqs: int, max_step_tokens: int, block_size: int, max_model_len: int,
-            num_speculative_tokens: int = 0, dtype_bytes: int = 2) -> KVCachePlan:
-    """The planner's split of `gib` GiB for `spec` (as the engine plans it, without the runner's
-    per-block overhead, which only a profile on the device measures)."""
+            num_speculative_tokens: int = 0, dtype_bytes: int = 2,
+            window_cache_share: float = EngineConfig.window_cache_share) -> KVCachePlan:
+    """The planner's split of `gib` GiB for `spec` (as the engine plans it with prefix caching on,
+    without the runner's per-block overhead, which only a profile on the device measures)."""
     return plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=block_size, dtype_bytes=dtype_bytes,
                       kv_cache_bytes=int(gib * GiB), max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
-                      max_model_len=max_model_len or spec.max_model_len, num_speculative_tokens=num_speculative_tokens)
+                      max_model_len=max_model_len or spec.max_model_len, num_speculative_tokens=num_speculative_tokens,
+                      window_cache_share=window_cache_share)
 
 
 def kv_plan_dict(plan: KVCachePlan, block_size: int, max_model_len: int) -> dict:
@@ -122,7 +127,8 @@ def write_kv_plan(out, plan: dict, gib: float, args: argparse.Namespace) -> None
               f"{args.max_step_tokens}-token steps, max_model_len {plan['max_model_len']}:\n")
     width = max(len(t) for t in plan["pools"])
     for t, p in plan["pools"].items():
-        held = "full contexts" if p["window"] is None else f"windows of {plan['max_num_seqs']} requests + one step"
+        held = ("full contexts" if p["window"] is None
+                else f"windows of {plan['max_num_seqs']} requests + one step + cached prefixes' windows")
         out.write(f"    {t:<{width}} {p['blocks']:>9} blocks {p['bytes'] / GiB:8.2f} GiB {p['tokens']:>10} tokens ({held})\n")
     out.write(f"    {plan['full_context_requests']} requests of {plan['max_model_len']} tokens fit; "
               f"{plan['max_num_seqs']} run at once\n")
@@ -144,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
             plan = kv_plan_dict(kv_plan(spec, gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
                                         max_step_tokens=args.max_step_tokens, block_size=args.block_size,
                                         max_model_len=max_len, dtype_bytes=2 if args.dtype != "float32" else 4,
-                                        num_speculative_tokens=args.num_speculative_tokens if args.speculative_model else 0),
+                                        num_speculative_tokens=args.num_speculative_tokens if args.speculative_model else 0,
+                                        window_cache_share=args.window_cache_share),
                                 args.block_size, max_len)
         except (KVCacheTooSmall, ValueError) as exc:
             print(f"mmserve perf: {exc}", file=sys.stderr)

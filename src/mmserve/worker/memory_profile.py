@@ -271,6 +271,7 @@ def size_kv_cache(model, config: EngineConfig, kv_specs: dict, *, max_model_len:
     plan = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size, dtype_bytes=model.dtype.itemsize,
                       num_kv_blocks=config.num_kv_blocks, kv_cache_bytes=kv_bytes, max_num_seqs=config.max_num_seqs,
                       max_step_tokens=config.max_step_tokens, max_model_len=max_model_len,
-                      num_speculative_tokens=speculator.num_tokens if speculator else 0, block_overhead=overhead)
+                      num_speculative_tokens=speculator.num_tokens if speculator else 0, block_overhead=overhead,
+                      window_cache_share=config.window_cache_share if config.enable_prefix_caching else 0.0)
     logger.info("%s (sized by %s)", plan.describe(config.block_size, max_model_len), sized_by)
     return plan, sized_by, checks

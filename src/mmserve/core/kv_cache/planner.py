@@ -124,13 +124,16 @@ def plan_pools(
     max_step_tokens: int = 0,
     max_model_len: int = 0,
     num_speculative_tokens: int = 0,
+    window_cache_share: float = 0.0,
     block_overhead: dict[str, int] | None = None,
 ) -> KVCachePlan:
     """Size the pools. With `num_kv_blocks` every pool gets that many (tests, debugging). Otherwise
     `kv_cache_bytes` buys each windowed pool what `max_num_seqs` requests can hold at once (given
     `max_step_tokens` per step and `num_speculative_tokens` drafts) and the full-attention pools the
     rest, the same number of blocks each (every request needs as many in each; what running requests
-    do not hold keeps cached prefixes). Only layers that hold KV are listed in
+    do not hold keeps cached prefixes), except `window_cache_share` of what is left beyond one
+    full-context request: the windowed pools keep the windows of cached prefixes with it (a prefix
+    hit needs the window before its end; prefix caching off: 0). Only layers that hold KV are listed in
     `kv_layer_types` (`ModelSpec.kv_layer_types`): KV-sharing consumers get no blocks.
     `block_overhead`: per pool, what the runner allocates per block beyond its K/V; a block then
     costs both (the bytes are the pools' memory, not the K/V alone)."""
@@ -180,8 +183,12 @@ def plan_pools(
         logger.warning("the KV cache (%s) holds sliding windows for %d requests beside one of the full "
                        "context, not --max-num-seqs %d: at most %d run at once (a lower --max-model-len leaves "
                        "room for more)", size_text(kv_cache_bytes), seats, max_num_seqs, seats)
-    blocks = window_blocks(seats)
-    left = kv_cache_bytes - window_bytes(seats)
+    blocks, reserved = window_blocks(seats), window_bytes(seats)
+    spare = kv_cache_bytes - reserved - (1 + context_blocks) * full_cost   # beyond one full-context request
+    cache = int(spare * window_cache_share) if full else (spare if window_cache_share > 0 else 0)
+    for t in windowed:   # each windowed pool as many more windows, for cached prefixes
+        blocks[t] += cache * blocks[t] // reserved
+    left = kv_cache_bytes - sum(blocks[t] * per_block[t] for t in windowed)
     if full:   # beyond what running requests hold, blocks keep cached prefixes
         blocks.update(dict.fromkeys(full, left // full_cost))
     unused = left - sum(blocks[t] * per_block[t] for t in full)
