@@ -24,14 +24,23 @@ TEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
-# CPU torch first (the pinned wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build),
-# then the package itself, editable, with the dev tools. Re-runs only when pyproject.toml changes.
+# torch first, then the package itself, editable, with the dev tools; one progress line per step (the
+# whole takes minutes). Re-runs only when pyproject.toml changes. torch: pip takes a CPU-only 2.13.0 wheel
+# where it finds one (this project's machines keep it on disk); elsewhere PyPI's default build, which on
+# Linux is the large CUDA one. TORCH_INDEX_URL=<an index of CPU-only wheels> makes pip take torch from
+# there (README.md, "Setup").
+TORCH_INDEX_URL ?=
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@echo "setup 1/4: virtual environment $(VENV)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "setup 2/4: pip"
+	@$(BIN)/pip install --quiet --upgrade pip
+	@echo "setup 3/4: torch 2.13.0$(if $(TORCH_INDEX_URL), from $(TORCH_INDEX_URL), (a CPU-only wheel if pip finds one; else PyPI's default build: large))"
+	@$(BIN)/pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	@echo "setup 4/4: mmserve and its dev tools (editable: pip install -e '.[dev]')"
+	@$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $(STAMP)
+	@echo "setup done: $(BIN)/mmserve"
 
 run: setup
 	$(BIN)/mmserve serve --host $(MMSERVE_HOST) --port $(MMSERVE_PORT) --speculative-model '$(MMSERVE_SPECULATIVE_MODEL)' $(ARGS)

@@ -22,9 +22,15 @@
              and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
              at the serving model's dimensions, against the floor (the bytes the perf model says
-             the step moves / 4.3 TB/s); every timed graph step must have replayed a graph.
+             the step moves / 4.3 TB/s); beside it the forward alone (`forward_ms`: the replay of
+             that batch's captured graph); every timed graph step must have replayed a graph.
+6b. profile  three decode steps under torch.profiler with CUDA activities at the serving model's
+             dimensions, batch 1 and 64: kernels per step and per layer (target <= 12), the top 15
+             kernels by time, GEMM time against the rest.
 7. serving   output tokens/s of mmserve.LLM against transformers' batched generate on N identical
-             prompts, random weights at Gemma 4 12B (default) or E4B dimensions; graphs must replay.
+             prompts, random weights at Gemma 4 12B (default), E4B, 26B-A4B or 31B dimensions
+             (transformers' audio tower, E2B/E4B, runs eager attention: it refuses SDPA); graphs
+             must replay.
 7b. capacity the serving model with no memory flag (issue 36): the KV cache sized by
              --gpu-memory-utilization 0.9's profiling step with the CUDA defaults; what start-up
              reported (tokens per pool, full-context requests that fit), then 64 concurrent requests of
@@ -58,6 +64,7 @@ import copy
 import json
 import logging
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -619,12 +626,23 @@ def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
     return out_dir
 
 
+def hf_attention(model_dir: Path) -> dict[str, str]:
+    """transformers' attention per sub-model: SDPA, but eager for the audio tower (E2B/E4B), which
+    refuses SDPA (and never runs here: the prompts are text)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    present = [k for k in ("text_config", "vision_config", "audio_config") if getattr(config, k, None) is not None]
+    return {k: "eager" if k == "audio_config" else "sdpa" for k in present}
+
+
 def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str) -> tuple[float, list]:
     """transformers' generate over the whole batch (identical prompts need no padding): (seconds, tokens)."""
     from transformers import AutoModelForImageTextToText
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype,
+                                                        attn_implementation=hf_attention(model_dir))
     model = model.to(device).eval()
     config = copy.deepcopy(model.generation_config)
     # Exactly max_tokens new tokens, like ignore_eos: an EOS id past the vocabulary is never chosen.
@@ -746,6 +764,7 @@ def capacity(sizes: Sizes, device: str) -> dict:
 
 # --- 5b. decode: one decode step, graphs against eager, against the bytes it must move ------------
 
+SERVING_MODELS = ("12b_unified", "e4b", "26b_a4b", "31b")   # tests/fixtures/gemma4_family
 H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
 
 
@@ -770,12 +789,15 @@ def decode(sizes: Sizes, device: str) -> dict:
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
         perf = PerfModel(llm.core.model.spec, dtype=llm.config.dtype)
         for batch in sizes.decode_batches:
-            step_ms, replays = decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device)
+            step_ms, replays, forward_ms = decode_step_ms(llm, batch, prompt_len, sizes.decode_steps, device,
+                                                          sizes.repeats)
             context = prompt_len + 3 + sizes.decode_steps // 2   # the timed steps' middle one
             moved = perf.step(StepContext(tuple(RequestWork(1, context, False) for _ in range(batch)))).total_bytes
             floor_ms = moved / H200_BANDWIDTH * 1e3
             rows.append({"batch": batch, "graphs": not eager, "step_ms": step_ms, "graph_replays": replays,
-                         "step_bytes": moved, "floor_ms": floor_ms, "over_floor": step_ms / floor_ms})
+                         "forward_ms": forward_ms, "step_bytes": moved, "floor_ms": floor_ms,
+                         "over_floor": step_ms / floor_ms,
+                         "forward_over_floor": None if forward_ms is None else forward_ms / floor_ms})
         use["eager" if eager else "graphs"] = graph_use(llm)
         del llm
         if device == "cuda":
@@ -787,10 +809,47 @@ def decode(sizes: Sizes, device: str) -> dict:
             "ok": graphs_ran(use["graphs"], device) and replayed}
 
 
-def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) -> tuple[float, int]:
+def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str, repeats: int
+                   ) -> tuple[float, int, float | None]:
     """Median wall ms of one decode step of `batch` requests (each step ends with the sampled tokens
-    on the host, so its wall time is its latency), after their prefill and two warm steps; and how
-    many of the timed steps replayed a graph."""
+    on the host, so its wall time is its latency), after their prefill and two warm steps; how many
+    of the timed steps replayed a graph; and the forward alone: the replay of that batch's graph
+    (device time, `device_time`), None where no graph holds it (eager, CPU)."""
+    step = start_decoding(llm, batch, prompt_len, steps)
+    samples, replays = [], llm.core.runner.graphs.replays
+    for _ in range(steps):
+        synchronize(device)
+        begin = time.perf_counter()
+        step()
+        samples.append((time.perf_counter() - begin) * 1e3)
+    replays = llm.core.runner.graphs.replays - replays
+    graphs, forward_ms = llm.core.runner.graphs, None
+    size = graphs.size_for(batch) if graphs.enabled else None
+    if size is not None:   # the inputs of the last step are still in its buffers: replaying recomputes it
+        forward_ms = replay_ms(lambda: graphs.replay(size), repeats)
+    while llm.has_work:   # let them finish, so the next batch size starts on an empty engine
+        step()
+    return _median(samples), replays, forward_ms
+
+
+def replay_ms(replay: Callable[[], object], repeats: int) -> float:
+    """Device ms of one replay of a captured graph: GRAPH_CALLS back-to-back replays between two
+    events (a replay's host cost, one launch, is far below its kernels'), median of `repeats`."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(GRAPH_CALLS):
+            replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / GRAPH_CALLS)
+    return _median(samples)
+
+
+def start_decoding(llm, batch: int, prompt_len: int, steps: int) -> Callable[[], None]:
+    """Add `batch` random prompts, run their prefill and two decode steps (warm-up); returns one
+    engine step (which raises a request's error)."""
     from mmserve.engine.types import EngineRequest
     from mmserve.sampling_params import SamplingParams
 
@@ -810,16 +869,93 @@ def decode_step_ms(llm, batch: int, prompt_len: int, steps: int, device: str) ->
             produced[rid] += len(item.new_token_ids)
     while min(produced.values()) < 3:   # prefill done, and two decode steps to warm up
         step()
-    samples, replays = [], llm.core.runner.graphs.replays
-    for _ in range(steps):
+    return step
+
+
+# --- 6b. profile: the kernels of a decode step -------------------------------------------------------
+
+PROFILE_STEPS = 3
+TOP_KERNELS = 15
+MAX_KERNELS_PER_DENSE_LAYER = 12   # issue 34's target (bench/kernel_count.py counts it on a CPU)
+_NO_KERNEL = {"view", "as_strided", "empty", "empty_strided", "result_type", "to", "_reshape_alias", "detach",
+              "slice", "select", "unsqueeze", "squeeze", "t", "transpose", "expand", "reshape", "split", "chunk",
+              "lift_fresh", "resolve_conj", "resolve_neg", "is_nonzero", "item", "_local_scalar_dense"}
+_GEMM = re.compile(r"gemm|gemv|cutlass|cublas|xmma|nvjet|splitk|aten::(?:mm|addmm|bmm|_grouped_mm)", re.I)
+
+
+def profile(sizes: Sizes, device: str) -> dict:
+    """PROFILE_STEPS decode steps under torch.profiler (with CUDA activities on a GPU: the kernels of
+    the replayed graphs) at the serving model's dimensions, at the smallest and largest decode batch:
+    kernels per step and per decoder layer (all of a step's kernels over its layers: the head and
+    sampler's few included), the TOP_KERNELS by time, GEMM time against everything else. On the
+    smoke run the CPU's leaf ATen ops stand in for kernels (the plumbing, not the numbers)."""
+    from torch.profiler import ProfilerActivity
+
+    from mmserve.engine.llm import LLM
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    prompt_len = 128 if device == "cuda" else 16
+    batches = sorted({sizes.decode_batches[0], sizes.decode_batches[-1]})
+    options = dict(device=device, max_num_seqs=batches[-1], strict_backends=True,
+                   max_model_len=prompt_len + 3 + PROFILE_STEPS + 16)
+    if device == "cuda":
+        options["kv_cache_bytes"] = 8 * 2**30
+    llm = LLM(model=str(model_dir), **options)
+    layers = llm.core.model.spec.num_layers
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    rows = []
+    for batch in batches:
+        step = start_decoding(llm, batch, prompt_len, PROFILE_STEPS)
+        replays = llm.core.runner.graphs.replays
         synchronize(device)
-        begin = time.perf_counter()
-        step()
-        samples.append((time.perf_counter() - begin) * 1e3)
-    replays = llm.core.runner.graphs.replays - replays
-    while llm.has_work:   # let them finish, so the next batch size starts on an empty engine
-        step()
-    return _median(samples), replays
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(PROFILE_STEPS):
+                step()
+            synchronize(device)
+        replays = llm.core.runner.graphs.replays - replays
+        while llm.has_work:
+            step()
+        rows.append({"batch": batch, "graph_replays": replays, **kernel_table(kernel_events(prof, device), layers)})
+    use = graph_use(llm)
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    per_layer = max(r["kernels_per_layer"] for r in rows)
+    replayed = device != "cuda" or all(r["graph_replays"] >= PROFILE_STEPS for r in rows)
+    return {"model": sizes.serving_model or "demo-sized", "layers": layers, "steps": PROFILE_STEPS,
+            "checkpoint_build_s": build_s, "rows": rows, "max_kernels_per_layer": per_layer,
+            "target_kernels_per_layer": MAX_KERNELS_PER_DENSE_LAYER,
+            "target_met": per_layer <= MAX_KERNELS_PER_DENSE_LAYER, "graph_use": use,
+            "ok": graphs_ran(use, device) and replayed}
+
+
+def kernel_events(prof, device: str) -> list[tuple[str, float]]:
+    """(name, device ms) of every kernel the profile saw; on a CPU, every ATen op with no ATen op
+    inside it (host ms)."""
+    from torch.autograd import DeviceType
+
+    events = prof.events()
+    if device == "cuda":
+        return [(e.name, e.device_time_total / 1e3) for e in events if e.device_type == DeviceType.CUDA]
+    return [(e.name, e.cpu_time_total / 1e3) for e in events if e.name.startswith("aten::")
+            and e.name.removeprefix("aten::") not in _NO_KERNEL
+            and not any(child.name.startswith("aten::") for child in e.cpu_children)]
+
+
+def kernel_table(kernels: list[tuple[str, float]], layers: int) -> dict:
+    """Per step: kernels, per layer, GEMM ms against the rest, and the TOP_KERNELS names by time."""
+    by_name: dict[str, list[float]] = {}
+    for name, ms in kernels:
+        by_name.setdefault(name, []).append(ms)
+    gemm = sum(ms for name, ms in kernels if _GEMM.search(name))
+    total = sum(ms for _, ms in kernels)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
+    per_step = len(kernels) / PROFILE_STEPS
+    return {"kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
+            "kernel_ms_per_step": total / PROFILE_STEPS, "gemm_ms_per_step": gemm / PROFILE_STEPS,
+            "other_ms_per_step": (total - gemm) / PROFILE_STEPS, "gemm_share": gemm / total if total else 0.0,
+            "top": [{"name": name[:120], "calls_per_step": len(times) / PROFILE_STEPS,
+                     "ms_per_step": sum(times) / PROFILE_STEPS} for name, times in top]}
 
 
 # --- 8. collectives: tensor parallelism's all-reduce per layer, on a single-rank NCCL group -----------
@@ -896,7 +1032,8 @@ def collectives(sizes: Sizes, device: str) -> dict:
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "speculation": speculation, "compiles": compiles, "tiles": tiles,
-    "fallback": fallback, "decode": decode, "serving": serving, "capacity": capacity, "collectives": collectives}
+    "fallback": fallback, "decode": decode, "profile": profile, "serving": serving, "capacity": capacity,
+    "collectives": collectives}
 
 
 def machine(device: str) -> dict:
@@ -952,7 +1089,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="CPU plumbing on tiny shapes; JSON to a temp file")
     p.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run just these sections")
-    p.add_argument("--serving-model", default=GPU.serving_model, choices=["12b_unified", "e4b"],
+    p.add_argument("--serving-model", default=GPU.serving_model, choices=list(SERVING_MODELS),
                    help="family member whose dimensions the serving section's random checkpoint has")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--fallback-plans", action="store_true",

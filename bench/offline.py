@@ -7,6 +7,8 @@ compiles and buffer growth are excluded; runs interleaved, best of --repeats):
   batched     + one padded SDPA call per layer type and step kind where it pays (--sdpa-batching auto)
   budget      + the larger token budget while nothing decodes (--prefill-batched-tokens 2048)
   compiled    + torch.compile'd RMSNorm / norm+RoPE / gated GELU on large steps (--compile-dense)
+  layers      budget's options with the decoder's layer pieces compiled at every step size, as CUDA
+              runs them (model/layer_pieces.py; the engine never does this on a CPU: this decides it)
 Inputs are decoded and patchified beforehand on both sides; timings cover generation only.
 Greedy tokens are compared with transformers' on every variant (the same work on both sides).
 
@@ -45,6 +47,7 @@ from serving import (
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.llm import LLM
+from mmserve.model import compiled
 from mmserve.model.spec import load_spec
 from mmserve.multimodal.demo_task import PROMPT
 from mmserve.sampling_params import SamplingParams
@@ -56,7 +59,18 @@ VARIANTS = {
     "batched": dict(sdpa_batching="auto", compile_dense=False, prefill_batched_tokens=0),
     "budget": dict(sdpa_batching="auto", compile_dense=False, prefill_batched_tokens=2048),
     "compiled": dict(sdpa_batching="auto", compile_dense=True, prefill_batched_tokens=2048),
+    "layers": dict(sdpa_batching="auto", compile_dense=False, prefill_batched_tokens=2048, compile_layers=True),
 }
+
+
+def with_pieces(options: dict, run):
+    """run() with the layer pieces compiled as `options` says (a process-wide switch the runner sets
+    when an engine starts, so each interleaved variant sets it again around its own runs)."""
+    compiled.set_compiled(options["compile_dense"], layers=options.get("compile_layers", False))
+    try:
+        return run()
+    finally:
+        compiled.set_compiled(False)
 
 
 class Inline(concurrent.futures.Executor):
@@ -80,11 +94,14 @@ def engine_requests(model_dir: Path, videos: list[bytes], num_frames: int, max_t
 
 
 def make_llm(model, tokenizer, requests, options: dict, n: int) -> LLM:
+    engine_options = {k: v for k, v in options.items() if k != "compile_layers"}
     llm = LLM(loaded_model=model, tokenizer=tokenizer, device="cpu", attention_backend="sdpa",
-              max_num_seqs=max(n, 2), kv_cache_bytes=192 * 2**20, enable_prefix_caching=False, **options)
+              max_num_seqs=max(n, 2), kv_cache_bytes=192 * 2**20, enable_prefix_caching=False, **engine_options)
+    llm.bench_options = options
     # Compiles and grows every persistent buffer outside the timings. No prefix cache: the timed runs
     # repeat the warm-up's requests, and a cache would skip the prefill transformers does.
-    llm.generate([dataclasses.replace(r, request_id=f"warm-{i}") for i, r in enumerate(requests[:n])])
+    with_pieces(options, lambda: llm.generate([dataclasses.replace(r, request_id=f"warm-{i}")
+                                               for i, r in enumerate(requests[:n])]))
     return llm
 
 
@@ -93,7 +110,7 @@ def timed_generate(llm: LLM, requests, n: int, repeat: int) -> tuple[float, int,
     batch = [dataclasses.replace(r, request_id=f"{r.request_id}-{n}-{repeat}") for r in requests[:n]]
     first_step = llm.core.step_index
     start = time.perf_counter()
-    done = llm.generate(batch)
+    done = with_pieces(llm.bench_options, lambda: llm.generate(batch))
     return time.perf_counter() - start, llm.core.step_index - first_step, [tuple(c.token_ids) for c in done]
 
 

@@ -18,8 +18,11 @@ def test_stubs_import_and_describe_the_service():
     from mmserve.api import pb, pb_grpc
 
     service = pb.DESCRIPTOR.services_by_name["Generation"]
-    assert {m.name for m in service.methods} == {"Generate", "Abort", "GetModelInfo", "GetServerLoad", "UploadMedia"}
+    assert {m.name for m in service.methods} == {"Generate", "Abort", "GetModelInfo", "GetServerLoad", "UploadMedia",
+                                                      "Live"}
     assert service.methods_by_name["Generate"].server_streaming
+    live = service.methods_by_name["Live"]
+    assert live.client_streaming and live.server_streaming
     upload = service.methods_by_name["UploadMedia"]
     assert upload.client_streaming and not upload.server_streaming
     assert hasattr(pb_grpc, "GenerationServicer")

@@ -94,3 +94,14 @@ def test_make_run_speculates_with_the_demo_assistant(env, flag):
                          cwd=str(__import__("pathlib").Path(__file__).parent.parent), timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"--speculative-model {flag}" in out.stdout
+
+
+def test_version_imports_no_torch():
+    """`mmserve --version` took 2.5-3 s: it registered every subcommand, and `serve` imports torch."""
+    import subprocess
+    import sys
+
+    code = "import sys; from mmserve.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n    pass\n" \
+           "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["mmserve", "0.1.0", "False"], out

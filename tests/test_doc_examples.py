@@ -8,7 +8,9 @@ default `--server` get it), `.venv/bin/` (the test's interpreter runs `mmserve`)
 `make test`, `make prometheus`, `mmserve serve`, `smg launch`, `docker`, `kubectl`), which the suite covers elsewhere
 (tests/test_cli.py checks `make run`'s command, tests/deploy the manifests, tests/gateway SMG):
 of those blocks the client commands (`mmserve generate|upload|demo`, as docs/deploy.md's) still run.
-docs/gateway.md's OpenAI example runs against a real SMG in front of the session's server. Blocks
+docs/gateway.md's OpenAI example runs against a real SMG in front of the session's server, its KV
+events subscriber against a server publishing them over ZMQ (on ipc endpoints in a private
+directory instead of the doc's TCP ports). Blocks
 that need what only a deployment has (docs/security.md's certificates and keys) and diagrams
 (no line starting with a command) are not examples.
 """
@@ -34,7 +36,8 @@ DOCS = ("README.md", "docs/api.md", "docs/deploy.md", "docs/operations.md", "doc
 NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reliability/test_rel_tls.py, _auth.py
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 GATEWAY_URL = "http://127.0.0.1:8000/v1"
-NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |mmserve serve\b|smg )", re.M)
+KV_EVENTS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")   # the docs' ZMQ publisher and its replay socket
+NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |(?:\.venv/bin/)?(?:mmserve serve\b|smg ))", re.M)
 CLIENT_LINE = re.compile(r"^\s*(?:\.venv/bin/)?mmserve (?:generate|upload|demo)\b.*$", re.M)
 COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?(?:mmserve|grpcurl|make|docker|kubectl) ", re.M)
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
@@ -54,14 +57,16 @@ def _blocks(lang: str):
                 yield doc, text.count("\n", 0, m.start()) + 1, block
 
 
-def examples(lang: str, *, gateway: bool = False) -> list[pytest.param]:
+def examples(lang: str, *, gateway: bool = False, kv_events: bool = False) -> list[pytest.param]:
     """Runnable examples; of a block that starts servers or clusters, its client lines only.
-    `gateway`: the examples that talk to an OpenAI gateway (GATEWAY_URL), else the others."""
+    `gateway`: the examples that talk to an OpenAI gateway (GATEWAY_URL); `kv_events`: those that
+    subscribe to KV events over ZMQ (KV_EVENTS); else the others."""
     found = []
     for doc, line, block in _blocks(lang):
         if NOT_HERE.search(block):
             block = "\n".join(m.group(0) for m in CLIENT_LINE.finditer(block))
-        if block.strip() and (GATEWAY_URL in block) == gateway:
+        subscribes = any(endpoint in block for endpoint in KV_EVENTS)
+        if block.strip() and (GATEWAY_URL in block) == gateway and subscribes == kv_events:
             found.append(pytest.param(block, id=f"{doc}:{line}"))
     return found
 
@@ -86,6 +91,7 @@ def adapted_shell(block: str, address: str) -> str:
 
 def test_the_docs_have_examples():
     assert len(examples("sh")) >= 6 and len(examples("python")) >= 2 and examples("python", gateway=True)
+    assert examples("python", kv_events=True)
     ran = {p.id.split(":")[0] for kind in ("sh", "python") for p in examples(kind) + examples(kind, gateway=True)}
     assert {"README.md", "docs/api.md", "docs/deploy.md", "docs/gateway.md"} <= ran
 
@@ -129,3 +135,39 @@ def test_gateway_example_runs(block, gateway, workdir):
     code = block.replace(GATEWAY_URL, gateway.base_url + "/v1")
     out = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def kv_events_server(served_model, tmp_path_factory):
+    """A server publishing KV events over ZMQ as docs/gateway.md starts one, on ipc endpoints; it has
+    served one request, so its snapshot holds blocks. Returns (server, the endpoints, in KV_EVENTS' order)."""
+    import json
+
+    from loopback_server import LoopbackServer, engine_config
+
+    from mmserve.clients import Client
+    from mmserve.config import ServerConfig
+
+    d = tmp_path_factory.mktemp("kv-events")
+    endpoints = (f"ipc://{d}/pub", f"ipc://{d}/replay")
+    config = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoints[0],
+                         "replay_endpoint": endpoints[1], "topic": "kv@pod-0@demo_model"})
+    server = LoopbackServer(engine_config(served_model), ServerConfig(host="127.0.0.1", port=0, worker_threads=2,
+                                                                      kv_events_config=config)).start()
+    try:
+        with Client(server.address) as client:
+            client.generate(prompt="Count the red squares in the picture, then say which way they move.", max_tokens=2)
+        yield server, endpoints
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("block", examples("python", kv_events=True))
+def test_kv_events_example_runs(block, kv_events_server, workdir):
+    _, endpoints = kv_events_server
+    code = block
+    for ours, doc in zip(endpoints, KV_EVENTS, strict=True):
+        code = code.replace(doc, ours)
+    out = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert "kv@pod-0@demo_model" in out.stdout, out.stdout[-2000:]   # it printed stored blocks

@@ -91,7 +91,7 @@ def torch_probes(device: str) -> list[str]:
     import torch
     from packaging.requirements import Requirement
 
-    from mmserve.model.moe import Experts
+    from mmserve.model.moe import Experts, grouped, per_expert
     from mmserve.model.spec import MoeSpec
 
     failures = []
@@ -107,8 +107,9 @@ def torch_probes(device: str) -> list[str]:
         experts.down_proj.normal_(0, 0.2)
         rows, counts = torch.randn(12, 64, device=device, dtype=dtype), torch.tensor([5, 0, 3, 0, 0, 4, 0, 0], device=device)
         try:
-            grouped = experts._grouped(rows, counts)
-            torch.testing.assert_close(grouped, experts._per_expert(rows, counts.tolist()), rtol=5e-2, atol=5e-2)
+            torch.testing.assert_close(grouped(rows, counts, experts.gate_up_proj, experts.down_proj),
+                                       per_expert(rows, counts.tolist(), experts.gate_up_proj, experts.down_proj),
+                                       rtol=5e-2, atol=5e-2)
             if device == "cuda":
                 x = torch.randn(16, 64, device=device, dtype=dtype)
                 weights, ids = torch.rand(16, 2, device=device), torch.randint(0, 8, (16, 2), device=device)

@@ -7,6 +7,9 @@ every layer; a frame's tokens see the whole frame bidirectionally, and its conte
 of it. Every field has a fixed width, so no two different inputs encode alike. A block overlapping
 an item without a content hash gets no key, nor does any block after it: what cannot be named is
 never shared.
+
+`mm_extra_keys` names the same inputs the way vLLM's KV events do (per block, `(identifier,
+offset)` of each image/frame overlapping it), so a router can fold them into its own hashes.
 """
 
 from __future__ import annotations
@@ -42,3 +45,17 @@ def block_hashes(request: Request, block_size: int, num_blocks: int) -> list[byt
             k += 1
         keys.append(h.digest())
     return keys
+
+
+def mm_extra_keys(request: Request, block_index: int, block_size: int) -> tuple[tuple[str, int], ...] | None:
+    """vLLM's `extra_keys` entry for one block: `(content hash hex, range start - block start)` of each
+    image/frame range overlapping it, in order (the offset is negative for a range begun in an earlier
+    block); None for a block of text only."""
+    ranges = request.mm_ranges_np
+    first, end = block_index * block_size, (block_index + 1) * block_size
+    i = int(np.searchsorted(ranges[:, 1], first, side="left"))
+    keys = []
+    while i < len(ranges) and ranges[i, 0] < end:
+        keys.append((request.mm_inputs[i].content_hash.hex(), int(ranges[i, 0]) - first))
+        i += 1
+    return tuple(keys) or None

@@ -16,8 +16,13 @@ Serve a Gemma 4 video+text model over gRPC, and talk to it.
   mmserve serve                       start a server (the embedded demo model by default)
   mmserve generate --prompt ... --video clip.mp4
                                       ask a running server about a video (or an image)
-  mmserve demo                        a first run: start, ask, print, stop
+  mmserve demo                        ask a running server (`make run`) about a generated clip and
+                                      print its caption next to the truth
+  mmserve live clip.mp4 --ask 2:"What moves?"
+                                      stream a video into a live session, ask as it plays
+  mmserve demo-live                   a live session on a clip whose shape turns back half way
   mmserve worker --node-rank 1 ...    a further node's ranks of a multi-node tensor-parallel group
+  mmserve traces                      print each request's span tree, received over OTLP (no Jaeger)
 
 `mmserve SUBCOMMAND --help` lists a subcommand's flags; --log-level and --log-format may be given
 before or after the subcommand.
@@ -30,10 +35,13 @@ SUBCOMMANDS = {
     "generate": "mmserve.clients.cli",
     "upload": "mmserve.clients.upload_cli",
     "demo": "mmserve.clients.demo",
+    "live": "mmserve.clients.live_cli",
+    "demo-live": "mmserve.clients.demo_live",
     "perf": "mmserve.metrics.cli",
     "demo-video": "mmserve.multimodal.synthetic",
     "eval-demo": "mmserve.clients.eval_demo",
     "worker": "mmserve.executor.worker_cli",
+    "traces": "mmserve.clients.trace_viewer",
 }
 
 
@@ -79,6 +87,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     _add_global_flags(parser, None)
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
     wanted = next((a for a in argv if a in SUBCOMMANDS), None)
+    if wanted is None and "--version" in argv:
+        return parser   # it prints and exits before any subcommand is needed: import none (serve imports torch)
     for name, module in SUBCOMMANDS.items():
         if wanted is None or name == wanted:
             importlib.import_module(module).register(sub)

@@ -37,7 +37,8 @@ class EngineConfig:
     attention_backend: str = field(default="auto", metadata={"help": "attention kernels",
                                                              "choices": ("auto", "reference", "sdpa", "flex", "fa4")})
     compile_dense: bool = field(default=False, metadata={
-        "help": "torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per process)"})
+        "help": "CPU: torch.compile RMSNorm, norm+RoPE and gated GELU for steps of >= 128 tokens (once per "
+                "process); on CUDA the decoder's layers are compiled (fused) at every step size regardless"})
     sdpa_batching: str = field(default="auto", metadata={
         "help": "sdpa backend: auto (one padded call per layer type unless padding costs more), batched, loop "
                 "(one call per request)", "choices": ("auto", "batched", "loop")})
@@ -110,6 +111,9 @@ class EngineConfig:
     default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none", "min": 1})
     max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload", "min": 1})
     max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
+    max_audio_duration_s: float = field(default=600.0, metadata={
+        "help": "longest audio part, or video soundtrack window (use_audio_in_video), in seconds; refused from the "
+                "header before decoding (30 s of audio is 750 tokens)", "min": 0})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
     max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
     max_pixels_per_request: int = field(default=128 * 2**20, metadata={
@@ -119,6 +123,28 @@ class EngineConfig:
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
     max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
+    # Live video sessions (Generation.Live, engine/live_session.py; docs/security.md).
+    live_max_sessions: int = field(default=16, metadata={"help": "live sessions open at once, all clients", "min": 0})
+    live_max_sessions_per_client: int = field(default=4, metadata={
+        "help": "live sessions open at once per API key (all clients alike without keys)", "min": 1})
+    live_max_history_frames: int = field(default=32, metadata={
+        "help": "frames a live session keeps in its context at most (LiveOpen.max_history_frames may ask fewer)",
+        "min": 1})
+    live_max_pending_frames: int = field(default=16, metadata={
+        "help": "frames a live session may have received and not yet prefilled at most (LiveOpen.max_pending_frames "
+                "may ask fewer); past it the session's fall_behind policy drops frames or ends it", "min": 1})
+    live_max_questions: int = field(default=4, metadata={"help": "questions one live session may have in flight", "min": 1})
+    live_idle_timeout_s: float = field(default=60.0, metadata={
+        "help": "a live session that sends nothing for this long is ended (RESOURCE_EXHAUSTED, as an idle upload)", "min": 0.001})
+    live_max_stream_fps: float = field(default=8.0, metadata={
+        "help": "frames per second a live session samples from its encoded stream at most (LiveOpen.stream_fps "
+                "may ask fewer)", "min": 0.001})
+    live_max_stream_buffer_bytes: int = field(default=8 * 2**20, metadata={
+        "help": "bytes of a live session's encoded stream received and not yet decoded at most; past it the "
+                "session ends (RESOURCE_EXHAUSTED)", "min": 1})
+    live_kv_share: float = field(default=0.5, metadata={
+        "help": "share of each KV pool live sessions may reserve together (each reserves room for two contexts of "
+                "its history); the rest stays for other requests", "min": 0, "max": 1})
     # Structured output (response_format): bounded before and while compiling (structured_output/compiler.py).
     max_response_format_chars: int = field(default=64 * 1024, metadata={
         "help": "longest response_format (JSON schema, regex or grammar text), in characters", "min": 1})
@@ -286,6 +312,19 @@ class ServerConfig:
                 "same port as mmserve.v1"})
     allowed_local_media_path: str = field(default="", metadata={
         "help": "directory whose files VllmEngine media_refs may name as file:// URLs; empty = file:// refused"})
+    kv_events_config: str = field(default="", metadata={
+        "help": "publish KV cache events over ZMQ in vLLM's wire format, for llm-d's precise prefix-cache "
+                "routing: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (fields endpoint, replay_endpoint, "
+                "buffer_steps, hwm, max_queue_size, topic; vLLM's defaults); empty = off"})
+    kv_events_max_subscribers: int = field(default=16, metadata={
+        "help": "SubscribeKvEvents streams open at once, of all clients; beyond it RESOURCE_EXHAUSTED", "min": 1})
+    kv_events_max_subscribers_per_client: int = field(default=4, metadata={
+        "help": "SubscribeKvEvents streams open at once from one client address; beyond it RESOURCE_EXHAUSTED",
+        "min": 1})
+    openai_port: int = field(default=0, metadata={
+        "help": "also serve the OpenAI HTTP API on this port: the SMG gateway (the smg package) started in front "
+                "of this server once it is ready, stopped with it; 0 = off", "min": 0, "max": 65535})
     gateway_media: str = field(default="worker", metadata={
         "help": "who decodes the media of VllmEngine requests: worker = this server (the gateway forwards "
                 "media_refs); gateway = advertise no media processor, so the gateway preprocesses and sends "

@@ -18,18 +18,17 @@ class InvalidInputError(MMServeError):
 class LimitExceededError(MMServeError):
     """A configured limit was hit. `flag` names the option that raises the limit.
 
-    -> RESOURCE_EXHAUSTED for size limits, and for a full queue when `retryable` (the same request
-    may succeed later). -> INVALID_ARGUMENT when `can_never_fit`: the request needs more than this
-    configuration can ever give it (a frame above the step budget, more tokens than the context,
-    more KV than the whole cache), so only a smaller request or a bigger server helps."""
+    -> RESOURCE_EXHAUSTED only when `retryable`: the same request may pass later (a full queue, a
+    busy worker, a full spool). Otherwise -> INVALID_ARGUMENT: the request is over a limit of this
+    configuration (media bytes, duration, pixels, frames, the context, one step's budget, the whole
+    KV cache), so resending it can never succeed; only a smaller request or a server started with
+    the flag raised helps. Gateways retry RESOURCE_EXHAUSTED (SMG: HTTP 429, 5 attempts), so a
+    permanent refusal under that code would be redone each time."""
 
-    def __init__(self, message: str, flag: str = "", *, retryable: bool = False, can_never_fit: bool = False):
-        if retryable and can_never_fit:
-            raise ValueError("a limit cannot be both retryable and never fit")
+    def __init__(self, message: str, flag: str = "", *, retryable: bool = False):
         super().__init__(message + (f" (raise it with {flag})" if flag else ""))
         self.flag = flag
         self.retryable = retryable
-        self.can_never_fit = can_never_fit
 
 
 class EngineUnavailableError(MMServeError):

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from mmserve.multimodal.content_hash import content_hash
+from mmserve.multimodal.content_hash import audio_content_hash, content_hash
 
 if TYPE_CHECKING:  # the engine owns sampling; the scheduler only carries the object
     from mmserve.sampling_params import SamplingParams
@@ -38,20 +38,42 @@ class MultiModalInput:
             self.content_hash = content_hash(self.pixel_values, self.position_ids)
 
 
+@dataclass
+class AudioFeatures:
+    """One audio segment (at most the processor's 750 soft tokens, 30 s): the audio tower's input for
+    one placeholder range. Its soft tokens attend causally in the decoder, so unlike an image's a
+    range of them may be split between prefill chunks; the tower still runs on the whole segment,
+    once, and each chunk takes its rows (worker/model_runner.py)."""
+
+    features: torch.Tensor   # [mel frames, bins] log-mel, real frames only
+    content_hash: bytes = b""
+
+    def __post_init__(self) -> None:
+        if not self.content_hash:
+            self.content_hash = audio_content_hash(self.features)
+
+
+EncoderInput = MultiModalInput | AudioFeatures
+
+
 @dataclass(eq=False)
 class Request:
     """`mm_ranges` are inclusive absolute [start, end] placeholder runs, sorted and disjoint;
-    `mm_inputs[i]` is the pixel input of `mm_ranges[i]`. A higher `priority` runs first."""
+    `mm_inputs[i]` is the encoder input of `mm_ranges[i]` (pixels, or an audio segment's features).
+    A higher `priority` runs first."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     mm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    mm_inputs: list[EncoderInput] = field(default_factory=list)
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Any = None
     fork_of: str | None = None   # another sample of this request's prompt: admit on its KV blocks
+    # A live session's context (engine/live_session.py): its prompt grows (`extend_prompt`) up to this
+    # many tokens, it never samples and never ends by itself; 0 = an ordinary request.
+    open_prompt: int = 0
     preprocess_s: float = 0.0    # the front end's input processing, inside arrival_time's count (observers)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -70,6 +92,20 @@ class Request:
         if len(self.mm_inputs) not in (0, len(self.mm_ranges)):
             raise ValueError(f"{self.request_id}: {len(self.mm_inputs)} mm inputs for {len(self.mm_ranges)} ranges")
         # [K, 2] int64 so the metadata builder can clip ranges with numpy instead of Python loops.
+        self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
+        # The image/frame ranges: each attends within itself (bidirectional layers) and is never split
+        # between chunks. Audio ranges are causal and may be.
+        audio = [isinstance(m, AudioFeatures) for m in self.mm_inputs]
+        self.vision_ranges_np = self.mm_ranges_np[~np.asarray(audio, dtype=bool)] if any(audio) else self.mm_ranges_np
+
+    def extend_prompt(self, token_ids: list[int], mm_ranges: list[tuple[int, int]],
+                      mm_inputs: list[MultiModalInput]) -> None:
+        """Append to an open prompt (ranges absolute, after every earlier one). Block keys already
+        computed stay valid: a key names its block's tokens and the items overlapping it, and only
+        whole blocks of known tokens are ever keyed."""
+        self.prompt_token_ids.extend(token_ids)
+        self.mm_ranges.extend(mm_ranges)
+        self.mm_inputs.extend(mm_inputs)
         self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
 
     @property

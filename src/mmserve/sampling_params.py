@@ -11,6 +11,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300          # entries per request (the OpenAI API's bound)
 MAX_BIAS = 100.0              # |bias| per entry
 RESPONSE_FORMAT_KINDS = ("json_schema", "regex", "grammar")
+# Temperatures below this are greedy (vLLM's bound): logits / 1e-38 overflow to inf, their softmax to
+# NaN, and the sampler would draw pad tokens up to max_tokens.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,8 @@ class ResponseFormat:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean "no cut"; seed None draws from the engine's seed.
+    """temperature 0 means greedy (so does any below GREEDY_TEMPERATURE: it becomes 0 here, whichever
+    door it came through); top_k 0 and top_p 1.0 mean "no cut"; seed None draws from the engine's seed.
 
     Penalties follow vLLM: `repetition_penalty` divides positive (multiplies negative) logits of
     tokens seen in the prompt or output; `frequency_penalty` subtracts once per occurrence in the
@@ -62,8 +66,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidInputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:   # NaN too
             raise InvalidInputError("temperature", f"must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidInputError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

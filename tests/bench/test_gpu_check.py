@@ -4,26 +4,18 @@ no graph fail, and any section runs alone. The GPU numbers themselves need a GPU
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 from mmserve.attention.synthetic import Req, make_batch
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("bench_gpu_check", BENCH_DIR / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module   # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("gpu_check") as module:
+        yield module
 
 
 def test_the_compiles_decode_step_at_64_frames_fits_its_cache(gpu_check):
@@ -110,3 +102,21 @@ def test_parity_on_a_gpu_fails_unless_fa4_and_flex_were_chosen(gpu_check):
     assert not gpu_check.backends_as_planned({sliding: "flex", full: "flex"}, "cuda")
     assert not gpu_check.backends_as_planned({sliding: "fa4", full: "sdpa"}, "cuda")
     assert gpu_check.backends_as_planned({sliding: "sdpa", full: "sdpa"}, "cpu")   # the smoke run's stand-ins
+
+
+def test_the_profile_section_counts_kernels_per_step_and_layer_and_splits_gemm_time(gpu_check, tmp_path):
+    """The smoke run profiles the demo-sized model's decode steps (CPU ops standing in for kernels);
+    the table's arithmetic on CUDA-like kernel names: GEMMs (cuBLAS/CUTLASS names) apart from the rest."""
+    out = tmp_path / "profile.json"
+    assert gpu_check.main(["--smoke", "--only", "profile", "--out", str(out)]) == 0
+    section = json.loads(out.read_text())["sections"]["profile"]
+    assert section["ok"] and [r["batch"] for r in section["rows"]] == [2]
+    row = section["rows"][0]
+    assert row["kernels_per_step"] > 0 and row["kernels_per_layer"] == row["kernels_per_step"] / section["layers"]
+    assert 0 < len(row["top"]) <= gpu_check.TOP_KERNELS
+    kernels = [("sm90_xmma_gemm_bf16bf16_bf16f32", 0.030), ("triton_per_fused_add_mean_mul_pow_0", 0.002),
+               ("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 0.020), ("flash_fwd_kernel", 0.010)] * gpu_check.PROFILE_STEPS
+    table = gpu_check.kernel_table(kernels, layers=2)
+    assert table["kernels_per_step"] == 4 and table["kernels_per_layer"] == 2
+    assert table["gemm_ms_per_step"] == pytest.approx(0.050) and table["other_ms_per_step"] == pytest.approx(0.012)
+    assert table["top"][0]["name"].startswith("sm90_xmma_gemm") and table["top"][0]["calls_per_step"] == 1

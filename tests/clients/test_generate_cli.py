@@ -46,6 +46,14 @@ def test_unreachable_server_is_unavailable():
     assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
 
 
+def test_demo_without_a_server_says_how_to_start_one():
+    """A newcomer ran `mmserve demo` first (its help said it starts a server) and got a bare UNAVAILABLE."""
+    out = mmserve("demo", "--server", "127.0.0.1:1", "--timeout", "5")
+    assert out.returncode == 1 and "UNAVAILABLE" in out.stderr
+    assert "make run" in out.stderr and "127.0.0.1:1" in out.stderr
+    assert "running server" in mmserve("--help").stdout.split("mmserve demo", 1)[1].split("\n")[0]
+
+
 def test_sampling_flags_reach_the_server(mmserve_server, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -12,8 +12,11 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 from deploy_dockerfile import parse as parse_dockerfile
-from deploy_k8s import container, find, render
+from deploy_k8s import config_env, container, find, render
+
+from mmserve.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,3 +122,37 @@ def test_the_llm_d_overlay_validates_apart_from_the_crd(llm_d):
     for doc in llm_d:
         if doc["kind"] != "InferencePool":   # a CRD: its fields are checked above
             kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_llm_d_pods_publish_kv_events_where_the_scorer_subscribes(llm_d):
+    """Each pod's --kv-events-config parses as the server parses it (POD_IP defined before the value
+    that expands it), binds the ports the pods declare; the EPP config's precise prefix-cache scorer
+    finds those pods by label and subscribes to those ports with a matching topic filter and block size."""
+    from mmserve.server.kv_event_publisher import KvEventsConfig
+
+    deployment = find(llm_d, "Deployment", "mmserve")
+    c = container(deployment, "mmserve")
+    names = [e["name"] for e in c["env"]]
+    assert names.index("POD_IP") < names.index("MMSERVE_KV_EVENTS_CONFIG")
+    pod_ip = next(e for e in c["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    text = next(e["value"] for e in c["env"] if e["name"] == "MMSERVE_KV_EVENTS_CONFIG")
+    events = KvEventsConfig.parse(text.replace("$(POD_IP)", "10.0.0.7"))
+    assert events.enabled and events.topic == "kv@10.0.0.7@demo_model"   # the served model's name
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert events.endpoint == f"tcp://*:{ports['kv-events']}" and events.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
+
+    epp = yaml.safe_load(find(llm_d, "ConfigMap", "mmserve-epp-config")["data"]["epp-config.yaml"])
+    assert epp["kind"] == "EndpointPickerConfig"
+    scorer = next(p for p in epp["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
+    kv = scorer["kvEventsConfig"]
+    assert kv["discoverPods"] and events.topic.startswith(kv["topicFilter"])
+    discovery = kv["podDiscoveryConfig"]
+    assert (discovery["socketPort"], discovery["replaySocketPort"]) == (ports["kv-events"], ports["kv-replay"])
+    selector = dict(s.split("=", 1) for s in discovery["podLabelSelector"].split(","))
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert discovery["podNamespace"] == deployment["metadata"]["namespace"]
+    block_size = int(config_env(llm_d, deployment, "mmserve").get("MMSERVE_BLOCK_SIZE", EngineConfig().block_size))
+    assert scorer["tokenProcessorConfig"]["blockSize"] == block_size
+    profile = {p["pluginRef"] for prof in epp["schedulingProfiles"] for p in prof["plugins"]}
+    assert {p["type"] for p in epp["plugins"]} == profile | {"single-profile-handler"}

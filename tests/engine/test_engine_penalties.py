@@ -11,8 +11,10 @@ import torch
 from engine_helpers import PROMPTS, build_request, make_llm
 
 from mmserve.errors import InvalidInputError
-from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.request import Request
+from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
+from mmserve.spec_decode.verify import VerifyRow
 
 
 def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tensor:
@@ -52,10 +54,34 @@ def test_batched_adjustments_equal_the_per_row_reference():
     got = logits.clone()
     apply_logit_bias(got, params)
     apply_min_tokens(got, params, [len(o) for o in outputs], eos)
-    apply_penalties(got, params, prompts, outputs)
+    requests = [Request(f"r{i}", prompt, p, output_token_ids=list(output))
+                for i, (prompt, p, output) in enumerate(zip(prompts, params, outputs, strict=True))]
+    apply_penalties(got, params, requests, PenaltyState())
     want = reference(logits, params, prompts, outputs, eos)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-4)
+
+
+def test_penalty_state_kept_across_steps_equals_the_reference_each_step():
+    """The per-request device state grows with each step's new output tokens (verify rows' drafts
+    counted on a copy only): every step's penalised logits equal the reference on the full history."""
+    rng = random.Random()
+    vocab = 48
+    params = [SamplingParams(repetition_penalty=rng.uniform(1.1, 2.0), frequency_penalty=rng.uniform(-1, 1),
+                             presence_penalty=rng.uniform(-1, 1)) for _ in range(3)]
+    requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))], p)
+                for i, p in enumerate(params)]
+    state = PenaltyState()
+    for _ in range(6):
+        drafts = tuple(rng.randrange(vocab) for _ in range(rng.randrange(0, 3)))
+        rows = [requests[0], VerifyRow(requests[1], drafts), requests[2]]
+        logits = torch.randn(3, vocab) * 4
+        got = logits.clone()
+        apply_penalties(got, params, rows, state)
+        want = reference(logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows], [])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        for r in requests:   # this step's tokens join the output (drafts never do)
+            r.output_token_ids += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
 
 
 def test_repeated_bias_entries_for_one_token_keep_the_last():

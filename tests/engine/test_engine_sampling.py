@@ -1,15 +1,17 @@
-"""Sampling and stopping: filters against hand-derived sets, seeded draws independent of the batch,
-stop strings on detokenized text, EOS, max_tokens."""
+"""Sampling and stopping: the sort-free filters against a sort-based reference and draws against the
+reference distribution (chi-square), seeded draws independent of the batch, stop strings on
+detokenized text, EOS, max_tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from engine_helpers import build_request, make_llm
+from test_engine_speculative_sampling import chi_square_p
 
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request
-from mmserve.sample.sampler import Sampler, filter_logits
+from mmserve.sample.sampler import Sampler, filtered_probs
 from mmserve.sampling_params import SamplingParams
 
 
@@ -21,23 +23,57 @@ def draw(sampler: Sampler, logits: torch.Tensor, ids: list[str], params: list[Sa
     return sampler.sample(logits, rows(ids, params)).token_ids
 
 
-def test_top_k_and_top_p_keep_the_hand_derived_sets():
-    logits = torch.randn(50)
-    order = torch.argsort(logits, descending=True)
-    def keep(top_k, top_p):
-        return torch.isfinite(filter_logits(logits[None], torch.tensor([top_k]), torch.tensor([top_p])))[0]
+def sorted_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row's sampling distribution by the definition, with a full sort in float64: softmax of
+    logits / T, top-k (ties with the k-th stay), renormalised, then the nucleus: the tokens the mass
+    strictly above which is below top_p (the smallest top set reaching top_p; ties at its edge stay)."""
+    scaled = logits.double() / p.temperature
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if 0 < p.top_k < len(scaled):
+        keep &= scaled >= torch.topk(scaled, p.top_k).values[-1]
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), -1)
+    if p.top_p < 1.0:
+        above = torch.stack([probs[probs > x].sum() for x in probs])
+        probs = probs * (above < p.top_p)
+    return probs / probs.sum()
 
-    kept = keep(7, 1.0)
-    assert set(torch.nonzero(kept).flatten().tolist()) == set(order[:7].tolist())
-    probs = torch.softmax(logits, -1)
-    top_p = 0.6
-    # smallest prefix of the sorted tokens whose mass reaches top_p
-    mass, n = 0.0, 0
-    while mass < top_p:
-        mass += probs[order[n]].item()
-        n += 1
-    kept = keep(0, top_p)
-    assert set(torch.nonzero(kept).flatten().tolist()) == set(order[:n].tolist())
+
+def random_params(gen: torch.Generator, vocab: int) -> SamplingParams:
+    pick = torch.rand(3, generator=gen).tolist()
+    return SamplingParams(temperature=0.3 + 1.5 * pick[0],
+                          top_k=int(torch.randint(1, vocab + 8, (), generator=gen)) if pick[1] < 0.6 else 0,
+                          top_p=0.05 + 0.9 * pick[2] if pick[2] < 0.7 else 1.0)
+
+
+def test_sort_free_filters_keep_the_sorted_reference_sets():
+    """Fresh random rows (some with tied logits) and filters: the kept sets equal the sort-based ones."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab = 300
+    logits = torch.randn(64, vocab, generator=gen) * 3
+    logits[::4, 1:20] = logits[::4, :1]   # ties, some at the k-th or the nucleus' edge
+    params = [random_params(gen, vocab) for _ in range(64)]
+    got = filtered_probs(logits, params) > 0
+    want = torch.stack([sorted_reference(row, p) > 0 for row, p in zip(logits, params, strict=True)])
+    assert torch.equal(got, want), [p for p, g, w in zip(params, got, want, strict=True) if not torch.equal(g, w)][:3]
+
+
+def test_top_k_top_p_draws_follow_the_reference_distribution(monkeypatch):
+    """4000 unseeded draws (one batched generator) of one row under top-k + top-p follow the
+    sort-based reference distribution by a chi-square test; the same test rejects draws that skip
+    the nucleus (seeds fixed: p = 0.38 exact, 2e-30 without top-p)."""
+    vocab, n = 40, 4000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    p = SamplingParams(temperature=1.2, top_k=12, top_p=0.8)
+    expected = sorted_reference(logits[0], p)
+
+    def counts() -> torch.Tensor:
+        out = Sampler(seed=1).sample(logits.expand(n, vocab), rows([f"r{i}" for i in range(n)], [p] * n))
+        return torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
+
+    assert chi_square_p(counts(), expected) > 0.01
+    import mmserve.sample.sampler as sampler_module
+    monkeypatch.setattr(sampler_module, "nucleus", lambda probs, top_p: torch.ones_like(probs, dtype=torch.bool))
+    assert chi_square_p(counts(), expected) < 0.01
 
 
 def test_seeded_draws_do_not_depend_on_the_batch():
@@ -113,7 +149,7 @@ def test_streamed_text_never_shows_a_stop_string(load_backend):
 
 
 def test_a_request_whose_sampling_fails_ends_alone(load_backend):
-    """Fault injection (no real input makes the sampler raise for one request): its generator raises
+    """Fault injection (no real input makes the sampler raise for one request): its draw raises
     for one request id. That request ends with an error naming only itself; its greedy step-mate
     gets its solo run's tokens."""
     from mmserve.errors import EngineInternalError
@@ -121,14 +157,14 @@ def test_a_request_whose_sampling_fails_ends_alone(load_backend):
     llm = make_llm(load_backend("reference"))
     mate = build_request("mate", [20], seed=3, max_tokens=6, temperature=0.0)
     alone = llm.generate([mate])[0].token_ids
-    generator = llm.core.sampler.generator
+    draw_rows = llm.core.sampler._draw
 
-    def failing(request_id, params, device):
-        if request_id == "doomed":
+    def failing(logits, requests):
+        if any(r.request_id == "doomed" for r in requests):
             raise RuntimeError("injected: doomed and mate share this step")
-        return generator(request_id, params, device)
+        return draw_rows(logits, requests)
 
-    llm.core.sampler.generator = failing
+    llm.core.sampler._draw = failing
     llm.add_request(mate)
     llm.add_request(build_request("doomed", [20], seed=4, max_tokens=6, temperature=1.0))
     tokens, errors = [], {}

@@ -65,15 +65,15 @@ def test_large_tensors_travel_out_of_band():
 
 def test_errors_keep_what_the_status_mapping_reads():
     refused = LimitExceededError("queue full", "--max-waiting-requests", retryable=True)
-    never = LimitExceededError("too big", "--kv-cache-bytes", can_never_fit=True)
+    never = LimitExceededError("too big", "--kv-cache-bytes")
     bad = InvalidInputError("messages", "no such frame")
     out = through_zmq(EngineCoreOutputs(LoadInfo(1, 2, 0.5, 8), admitted=["a"], outputs=[
         CoreOutput("a", error=refused), CoreOutput("b", error=never), CoreOutput("c", error=bad),
         CoreOutput("d", [5], "eos")]))
     a, b, c, d = out.outputs
-    assert type(a.error) is LimitExceededError and a.error.retryable and not a.error.can_never_fit
+    assert type(a.error) is LimitExceededError and a.error.retryable
     assert str(a.error) == str(refused) and a.error.flag == "--max-waiting-requests"
-    assert b.error.can_never_fit and not b.error.retryable
+    assert b.error.flag == "--kv-cache-bytes" and not b.error.retryable
     assert type(c.error) is InvalidInputError and c.error.field == "messages" and str(c.error) == str(bad)
     assert d == CoreOutput("d", [5], "eos") and out.load == LoadInfo(1, 2, 0.5, 8) and out.admitted == ["a"]
 

@@ -387,3 +387,35 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     assert not llm.core.sampler.grammar or not llm.core.sampler.grammar._matchers
     emitted = {rid: SimpleNamespace(token_ids=ids) for rid, ids in tokens.items()}   # all verified, aborted ones' too
     assert_only_verified_keys(llm, requests, emitted)
+
+
+def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(models):
+    """A seeded random request (temperature 1) gives the same tokens alone and behind three decoding
+    requests and before long prompts, which cut its step budget and its KV (fewer drafts, or none,
+    on some steps), with speculation off and on: its draws are keyed by output position, and a
+    verify row is drawn once, as the plain step at that position would be."""
+    model_tok, assistant = models
+    seed = int(torch.randint(0, 1000, ()))
+    victim = build_request("victim", [11], seed=seed, max_tokens=16)
+    victim = dataclasses.replace(victim, sampling=SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))
+    mates = [build_request(f"mate{i}", [6], seed=seed + 1 + i, max_tokens=20 + 3 * i) for i in range(3)]
+    longs = [build_request(f"long{i}", [40 + 8 * i], seed=seed + 5 + i, max_tokens=4) for i in range(4)]
+    tokens, victim_rows = {}, []
+    for speculate in (False, True):
+        options = dict(speculative_model=assistant, num_speculative_tokens=3) if speculate else {}
+        for crowded in (False, True):
+            llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=14, num_kv_blocks=64, **options)
+            execute = llm.core.runner.execute
+
+            def counting(out, execute=execute):
+                victim_rows.extend(1 + len(s.draft_token_ids) for s in out.scheduled if s.request.request_id == "victim"
+                                   and s.num_computed_tokens >= s.request.num_prompt_tokens)
+                return execute(out)
+
+            llm.core.runner.execute = counting
+            done = llm.generate(mates + [victim] + longs if crowded else [victim])
+            tokens[speculate, crowded] = next(c.token_ids for c in done if c.request_id == "victim")
+    assert set(victim_rows) > {1, 4}, "the crowded runs must cut some verify chunks short"
+    for speculate in (False, True):
+        assert tokens[speculate, True] == tokens[speculate, False], f"speculation {speculate}: batch-mates changed it"
+    assert tokens[True, False] == tokens[False, False], "speculation changed a seeded request's tokens"

@@ -1,13 +1,13 @@
-"""Rejection sampling keeps the target's distribution exactly (temperature > 0 with speculation).
+"""Speculation keeps the target's distribution exactly (temperature > 0).
 
 A fresh random tiny Gemma 4 with a 24-token vocabulary and a tiny assistant that mostly drafts the
 token it is given: many seeded requests of one prompt each emit 3 tokens, the second of which is
-decided by verifying a draft (kept with probability p(draft), else replaced by a draw from p
-without it). Its empirical distribution must match the target's marginal,
+decided by verifying a draft (kept when its row's draw equals it; else the row's draw, which is
+then a draw from p without the draft). Its empirical distribution must match the target's marginal,
 sum_t p(t | prompt) p(x | prompt, t), by a chi-square test; the same test rejects a deliberately
-biased rule (keeping drafts with probability 2 p(draft)) on the same seeds. The marginal comes from
-our decoder run alone (PagedSequence): transformers gives the same logits for text tokens but
-treats a sampled image/audio placeholder id (8, 9, 12 here) as a media slot, which the engine does not.
+broken sampler (a request drawing the same noise at every output position) on the same seeds. The marginal comes from our decoder run
+alone (PagedSequence): transformers gives the same logits for text tokens but treats a sampled
+image/audio placeholder id (8, 9, 12 here) as a media slot, which the engine does not.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import torch
 from engine_helpers import make_llm
 from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
 
-import mmserve.sample.rejection_sampler as sampler_module
+import mmserve.sample.sampler as sampler_module
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
-from mmserve.sample.penalties import apply_penalties
+from mmserve.request import Request
+from mmserve.sample.penalties import PenaltyState, apply_penalties
 from mmserve.sampling_params import SamplingParams
 
 VOCAB = NUM_SPECIALS + 8
 TEMPERATURE = 1.3
 N = 1000
-BOUND = 0.01   # p-value; every seed is fixed, so the test is deterministic (p = 0.15 exact, 0.0035 biased)
+BOUND = 0.01   # p-value; every seed is fixed, so the test is deterministic
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def target_marginal(model, prompt: list[int], params: SamplingParams) -> torch.T
     """p(second token = x) under the target at TEMPERATURE, with `params`' penalties applied."""
     def probs(ids, output):
         logits = model.compute_logits(PagedSequence(model).step(ids)[-1:]).clone()
-        apply_penalties(logits, [params], [prompt], [output])
+        apply_penalties(logits, [params], [Request("m", prompt, params, output_token_ids=output)], PenaltyState())
         return torch.softmax(logits[0] / TEMPERATURE, -1)
     nexts = torch.stack([probs(prompt + [t], [t]) for t in range(VOCAB)])
     return (probs(prompt, [])[:, None] * nexts).sum(0).double()
@@ -90,23 +91,22 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_vocab, monkey
     assert p_exact > BOUND, f"speculative sampling departs from the target's distribution (p = {p_exact:.2g})"
     if case != "plain":
         return
-    monkeypatch.setattr(sampler_module, "keeps_draft", lambda u, p: u < (2 * p).clamp(max=1.0))
+    position_seed = sampler_module.position_seed   # the bug: every position of a request draws the same noise
+    monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: position_seed(seed, 0))
     biased, _ = second_tokens(model, assistant, prompt, penalties)
     p_biased = chi_square_p(biased, expected)
-    assert p_biased < BOUND, f"the test cannot tell a biased acceptance rule apart (p = {p_biased:.2g})"
+    assert p_biased < BOUND, f"the test cannot tell a broken sampler apart (p = {p_biased:.2g})"
 
 
 def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_path, monkeypatch):
     """A constrained random request's verify chunk (real xgrammar, regex `[a-f][0-9]x`, two valid
     drafts): its first emitted token (the kept draft, or the draw that replaces it) must follow the
-    target's first row under the grammar's mask, by the chi-square test over fixed seeds; keeping the
-    draft with probability 2 p(draft) fails the same test (p = 0.80 exact, 2e-82 biased; seeds fixed)."""
+    target's first row under the grammar's mask, by the chi-square test over fixed seeds; draws that
+    skip the mask fail the same test (seeds fixed)."""
     import gemma4_fixtures
 
     from mmserve.core.sched.output import ScheduledRequest
     from mmserve.model.tokenizer import load_tokenizer
-    from mmserve.request import Request
-    from mmserve.sample.rejection_sampler import RejectionSampler
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
     from mmserve.spec_decode.verify import verify_rows
@@ -130,13 +130,14 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     rows = verify_rows([ScheduledRequest(request, 3, 0, False, draft_token_ids=drafts)])
 
     def first_tokens() -> torch.Tensor:
-        firsts = [RejectionSampler(Sampler(seed, grammar=grammar)).verify(logits, rows, drafts)[0] for seed in range(N)]
+        # the first emitted token is row 0's draw whether it keeps the first draft (equal to it) or not
+        firsts = [Sampler(seed, grammar=grammar).sample(logits, rows).token_ids[0] for seed in range(N)]
         return torch.bincount(torch.tensor(firsts), minlength=vocab).double()
 
     counts = first_tokens()
     assert counts[ids["c"]] < N and set(torch.nonzero(counts).flatten().tolist()) <= {ids[ch] for ch in "abcdef"}
     p_exact = chi_square_p(counts, expected)
     assert p_exact > BOUND, f"rejection sampling under a grammar departs from the masked distribution (p = {p_exact:.2g})"
-    monkeypatch.setattr(sampler_module, "keeps_draft", lambda u, p: u < (2 * p).clamp(max=1.0))
+    monkeypatch.setattr(sampler_module, "apply_bitmask", lambda logits, bitmask, rows: None)
     p_biased = chi_square_p(first_tokens(), expected)
-    assert p_biased < BOUND, f"the test cannot tell a biased acceptance rule apart (p = {p_biased:.2g})"
+    assert p_biased < BOUND, f"the test cannot tell draws without the mask apart (p = {p_biased:.2g})"

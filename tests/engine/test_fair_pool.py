@@ -54,3 +54,28 @@ def test_a_cancelled_wait_gives_its_turn_away():
             assert waiting.cancelled() and pool._busy == 0 and not pool._waiting
 
     asyncio.run(main())
+
+
+def test_cancelling_one_owners_waiting_jobs_together_hands_no_slot_to_a_cancelled_wait():
+    """Two waiting jobs of one owner cancelled at once (a live session closing, a request with many
+    images aborted) just as the first was granted a slot: handing that slot on must skip the other,
+    already cancelled, turn instead of granting it (InvalidStateError, and the slot leaked)."""
+    async def main():
+        with ThreadPoolExecutor(2) as executor:
+            pool = FairPool(executor, 2)   # one slot per owner
+            gate = threading.Event()
+            running = asyncio.ensure_future(pool.run("A", lambda: gate.wait(10)))
+            waiting = [asyncio.ensure_future(pool.run("A", lambda: "late")) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            gate.set()
+            while len(pool._waiting.get("A", ())) == 2:   # until the first waiter is granted the freed slot
+                await asyncio.sleep(0)
+            for task in waiting:   # before the granted waiter has run
+                task.cancel()
+            await running
+            results = await asyncio.gather(*waiting, return_exceptions=True)
+            assert all(isinstance(r, asyncio.CancelledError) for r in results), results
+            assert await pool.run("B", lambda: "next") == "next"
+            assert pool._busy == 0 and not pool._waiting and not pool._held
+
+    asyncio.run(main())

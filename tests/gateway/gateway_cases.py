@@ -9,6 +9,8 @@ import random
 
 import pytest
 from PIL import Image
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.clients.messages import image_part, text_part, video_part
 
@@ -61,3 +63,21 @@ def streamed_text(stream) -> tuple[str, list[str], list]:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     return text, reasons, [c.usage for c in chunks if c.usage]
+
+
+def turn(tok, body: list[int]) -> list[int]:
+    """`body` as one user turn of the documented prompt layout (docs/architecture.md), as ids."""
+    return [2, 4, *body, 5, *tok.encode("\n"), 4, *tok.encode("model\n")]
+
+
+def tensor_data(t) -> vpb.TensorData:
+    return vpb.TensorData(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), inline=t.numpy().tobytes())
+
+
+def mm_batch(modality, batch, placeholders) -> vpb.MultimodalInputs:
+    """A `VisionBatch` as a gateway's preprocessed `mm_inputs`, with (offset, length) placeholders."""
+    key = "pixel_position_ids_videos" if modality == common_pb2.VIDEO else "image_position_ids"
+    return vpb.MultimodalInputs(pixel_values=tensor_data(batch.pixel_values),
+                                model_specific_tensors={key: tensor_data(batch.position_ids)},
+                                mm_placeholders=[vpb.PlaceholderRange(offset=o, length=n) for o, n in placeholders],
+                                modality=modality)

@@ -17,7 +17,7 @@ import base64
 
 import grpc
 import pytest
-from gateway_cases import png
+from gateway_cases import mm_batch, png, turn
 from loopback_server import LoopbackServer, engine_config
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -57,22 +57,6 @@ def model():
     return load_tokenizer(DEMO_MODEL_DIR), load_spec(DEMO_MODEL_DIR)
 
 
-def _turn(tok, body: list[int]) -> list[int]:
-    return [2, 4, *body, 5, *tok.encode("\n"), 4, *tok.encode("model\n")]
-
-
-def _tensor(t) -> vpb.TensorData:
-    return vpb.TensorData(shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."), inline=t.numpy().tobytes())
-
-
-def _batch(modality, batch, placeholders) -> vpb.MultimodalInputs:
-    key = "pixel_position_ids_videos" if modality == common_pb2.VIDEO else "image_position_ids"
-    return vpb.MultimodalInputs(pixel_values=_tensor(batch.pixel_values),
-                                model_specific_tensors={key: _tensor(batch.position_ids)},
-                                mm_placeholders=[vpb.PlaceholderRange(offset=o, length=n) for o, n in placeholders],
-                                modality=modality)
-
-
 def _preprocessed(model, image: bytes, video: bytes, question: str):
     """(expanded ids, mm_inputs image batch, extra video batch): image, then video, then the question."""
     tok, spec = model
@@ -91,8 +75,8 @@ def _preprocessed(model, image: bytes, video: bytes, question: str):
         frame_runs.append((len(body) + 2, n))
         body += [spec.video_token_id] * n + [spec.eoi_token_id]
     body += tok.encode(question)
-    return (_turn(tok, body), _batch(common_pb2.IMAGE, images, image_runs),
-            _batch(common_pb2.VIDEO, frames, frame_runs))
+    return (turn(tok, body), mm_batch(common_pb2.IMAGE, images, image_runs),
+            mm_batch(common_pb2.VIDEO, frames, frame_runs))
 
 
 def _generate(stub, request) -> vpb.GenerateComplete:
@@ -106,7 +90,7 @@ def test_preprocessed_image_and_video_equal_media_refs(stub, model, make_video):
     sampling = vpb.SamplingParams(temperature=0, max_tokens=12)
     by_reference = _generate(stub, vpb.GenerateRequest(
         request_id="refs", sampling_params=sampling,
-        tokenized=vpb.TokenizedInput(input_ids=_turn(tok, [*tok.encode("user\n"), spec.image_token_id,
+        tokenized=vpb.TokenizedInput(input_ids=turn(tok, [*tok.encode("user\n"), spec.image_token_id,
                                                             spec.video_token_id, *tok.encode(question)])),
         media_refs=vpb.MediaRefs(items=[
             vpb.MediaRef(modality=common_pb2.IMAGE, url="data:image/png;base64," + base64.b64encode(image).decode()),
@@ -150,7 +134,7 @@ def test_tensors_not_in_our_layout_are_refused(stub, model, make_video):
 
 def test_prompt_logprobs_and_cached_tokens_as_mmserve_v1(server, stub, model):
     tok, _ = model
-    ids = _turn(tok, tok.encode("user\nName a colour"))
+    ids = turn(tok, tok.encode("user\nName a colour"))
     with Client(server.address) as c:
         ours = c.generate(prompt="Name a colour", max_tokens=2, temperature=0, prompt_logprobs=True, top_logprobs=2)
     complete = _generate(stub, vpb.GenerateRequest(
@@ -186,7 +170,7 @@ def test_frames_sampled_per_video_come_back_as_through_mmserve_v1(server, stub, 
 
     call = stub.Generate(vpb.GenerateRequest(
         request_id="frames", sampling_params=vpb.SamplingParams(temperature=0, max_tokens=2),
-        tokenized=vpb.TokenizedInput(input_ids=_turn(tok, [*tok.encode("user\n"), spec.video_token_id,
+        tokenized=vpb.TokenizedInput(input_ids=turn(tok, [*tok.encode("user\n"), spec.video_token_id,
                                                             spec.image_token_id, spec.video_token_id,
                                                             *tok.encode("Hm?")])),
         media_refs=vpb.MediaRefs(items=[ref(common_pb2.VIDEO, long, "video/mp4"), ref(common_pb2.IMAGE, image, "image/png"),
@@ -200,7 +184,7 @@ def test_abort_mid_stream_frees_the_request_at_once(server, stub, model):
     """Abort(request_ids) while the stream runs: the stream ends and the engine holds nothing of it."""
     tok, _ = model
     stream = stub.Generate(vpb.GenerateRequest(
-        request_id="to-abort", stream=True, tokenized=vpb.TokenizedInput(input_ids=_turn(tok, tok.encode("user\nGo"))),
+        request_id="to-abort", stream=True, tokenized=vpb.TokenizedInput(input_ids=turn(tok, tok.encode("user\nGo"))),
         sampling_params=vpb.SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, n=2)), timeout=120)
     next(stream)
     stub.Abort(vpb.AbortRequest(request_ids=["to-abort"]), timeout=10)
@@ -210,3 +194,67 @@ def test_abort_mid_stream_frees_the_request_at_once(server, stub, model):
     assert e.value.code() == grpc.StatusCode.CANCELLED
     held = server.call(server.engine.held_resources())
     assert not any(held.values()), held   # both samples' blocks, states and streams: nothing left
+
+
+def test_the_advertised_media_limits_are_the_ones_admission_holds(stub, server, model):
+    """GetServerInfo said 64 images per request (the frame limit) where the server refuses a 17th
+    image: a gateway sizing requests by it got INVALID_ARGUMENT."""
+    tok, spec = model
+    info = stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=30)
+    limits = dict(item.split("=") for item in info.mm_item_limits.split(","))
+    config = server.engine_config
+    assert limits == {"image": str(config.max_images_per_request), "video": str(config.max_frames_per_request)}
+    image = "data:image/png;base64," + base64.b64encode(png(4, size=16)).decode()
+    over = config.max_images_per_request + 1
+    request = vpb.GenerateRequest(
+        request_id="too-many", sampling_params=vpb.SamplingParams(max_tokens=1),
+        tokenized=vpb.TokenizedInput(input_ids=turn(tok, [*tok.encode("user\n"), *[spec.image_token_id] * over])),
+        media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.IMAGE, url=image)] * over))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"at most {config.max_images_per_request}" in e.value.details() and "--max-images-per-request" in e.value.details()
+
+
+def test_a_large_data_url_is_decoded_off_the_event_loop(server, monkeypatch):
+    """The probe: 4 data: URLs of 47 MiB, base64-decoded on the event loop, stalled every other call
+    for 1.2 s. Scaled down: while a 12 MiB one decodes, the server's loop must keep running: a tick of
+    it in the middle of the decode proves it (on the loop, the decode would leave no tick inside)."""
+    import asyncio
+    import os
+    import time
+
+    from mmserve.server.vllm_engine import servicer
+
+    windows, real = [], servicer.media_inputs
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            windows.append((started, time.perf_counter()))
+
+    monkeypatch.setattr(servicer, "media_inputs", timed)
+    stamps, done = [], asyncio.Event()
+
+    async def tick():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+            await asyncio.sleep(0.0005)
+
+    ticking = asyncio.run_coroutine_threadsafe(tick(), server._loop)
+    url = "data:image/png;base64," + base64.b64encode(os.urandom(12 * 2**20)).decode()
+    request = vpb.GenerateRequest(request_id="big-url", sampling_params=vpb.SamplingParams(max_tokens=1),
+                                  tokenized=vpb.TokenizedInput(input_ids=[2, 4, 8, 5]),
+                                  media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.IMAGE, url=url)]))
+    with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 32 * 2**20)]) as channel:
+        with pytest.raises(grpc.RpcError) as e:   # random bytes: decoded from base64, then not an image
+            list(vpb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+    server._loop.call_soon_threadsafe(done.set)
+    ticking.result(timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    (started, ended), = windows
+    took = ended - started
+    middle = [t for t in stamps if started + 0.25 * took < t < ended - 0.05 * took]
+    assert middle, f"the event loop never ran in the middle of a {took:.3f}s data: URL decode"

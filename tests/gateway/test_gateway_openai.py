@@ -257,7 +257,12 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
                                input_ids=_prompt(tokenizer, "", video_anchor)),
                                media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.VIDEO,
                                                                             url=data_url(junk, "video/mp4"))])))
-    assert v1 == ours and v1[0] == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-video-bytes" in v1[1]
+    assert v1 == ours and v1[0] == grpc.StatusCode.INVALID_ARGUMENT and "--max-video-bytes" in v1[1]
+    # through SMG: a permanent refusal is 400, which it never retries (RESOURCE_EXHAUSTED was 429,
+    # which SMG retried 5 times and the openai SDK twice more, decoding and refusing each time)
+    with pytest.raises(openai.BadRequestError, match="--max-video-bytes"):
+        client.chat.completions.create(model=model, max_tokens=4, messages=[
+            {"role": "user", "content": media_request("What happens?", video=junk)[1]}])
     # n too large, and an unknown/unsupported constraint: INVALID_ARGUMENT naming the field
     text_ids = vpb.TokenizedInput(input_ids=_prompt(tokenizer, "Hi"))
     v1, ours = _both_doors(address, pb.GenerateRequest(messages=[message("user", text_part("Hi"))],
@@ -288,6 +293,11 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, max_tokens=4, n=17, messages=[{"role": "user", "content": "Hi"}])
     assert "n" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:   # SMG's own cap, below our --max-n (16): docs/gateway.md
+        client.chat.completions.create(model=model, max_tokens=4, n=11, messages=[{"role": "user", "content": "Hi"}])
+    assert "--max-n" not in str(e.value)
+    assert len(client.chat.completions.create(model=model, max_tokens=2, n=10, messages=[
+        {"role": "user", "content": "Hi"}]).choices) == 10
     with pytest.raises(ClientError):   # and mmserve.v1 says the same for n
         with Client(address) as c:
             c.generate(prompt="Hi", n=17)
@@ -306,3 +316,14 @@ def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):
     assert unpacked == expected
     # SMG registered its tokenizer from this archive (HF_ENDPOINT refuses, so nothing else could serve it)
     assert any("sending the tokenizer archive" in r.log for r in fleet.replicas)
+
+
+def test_a_tiny_temperature_answers_as_greedy_through_smg(client, model):
+    """The OpenAI door of the probe: temperature 1e-38 (valid JSON, a float32 on the wire to us) gave pad
+    tokens up to max_tokens; below 1e-5 it is greedy now (tests/server/test_sampling_api.py: both
+    gRPC doors, and the bound)."""
+    kwargs = dict(model=model, max_tokens=6, messages=[{"role": "user", "content": "Name a colour."}])
+    greedy = client.chat.completions.create(temperature=0, **kwargs).choices[0]
+    tiny = client.chat.completions.create(temperature=1e-38, **kwargs).choices[0]
+    assert greedy.message.content.strip()
+    assert (tiny.message.content, tiny.finish_reason) == (greedy.message.content, greedy.finish_reason)

@@ -262,3 +262,24 @@ def test_constrained_drafting_broadcasts_the_drafts():
     constrained = model.step(StepContext(drafts=(free[0], DraftWork(3, 2000, constrained=True))), per_gpu=True).comm_bytes
     assert constrained.pop("comm.drafter_token_broadcast") == 3 * 2 * 8 * 3 / 4
     assert constrained == plain
+
+
+def test_perf_cli_mfu_mbu_in_json_and_unknown_devices_listed(tmp_path, capsys):
+    """--json dropped MFU/MBU; an unknown --device said only that it was unknown."""
+    from mmserve.cli import main
+    from mmserve.metrics.peaks import lookup
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(G4))
+    args = ["perf", "--hf-config", str(path), "--request", "512:2048:prefill", "--device", "H100", "--step-time-ms", "4"]
+    assert main(args + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    peaks = lookup("H100")
+    want = PerfModel(load_spec(G4)).step(StepContext((RequestWork(512, 2048, True),)), per_gpu=True)
+    assert out["mfu"] == pytest.approx(want.total_flops / 4e-3 / peaks.flops)
+    assert out["mbu"] == pytest.approx(want.total_bytes / 4e-3 / peaks.bandwidth)
+    assert main(args) == 0
+    assert f"MFU {100 * out['mfu']:.1f}%  MBU {100 * out['mbu']:.1f}%" in capsys.readouterr().out
+    assert main(args[:-4] + ["--device", "TPU v5", "--step-time-ms", "4"]) == 2
+    assert "'TPU v5'" in (err := capsys.readouterr().err) and "H100" in err and "A100 80GB" in err
+    assert main(args[:-2]) == 2 and "--step-time-ms" in capsys.readouterr().err

@@ -15,8 +15,10 @@ Prometheus is absent, unless CI is set (.ci/run installs it through `make setup-
 
 from __future__ import annotations
 
+import io
 import math
 import os
+import random
 import re
 import signal
 import subprocess
@@ -32,9 +34,12 @@ import pytest
 import yaml
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+from PIL import Image
 
 from mmserve.clients import Client
+from mmserve.clients.messages import image_part, message, text_part, video_part
 from mmserve.clients.types import ClientError
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.metrics.tracing import inject_trace_context
 from mmserve.server.health import GENERATION_SERVICE
 
@@ -52,6 +57,7 @@ from local_prometheus import (  # noqa: E402
 LATENCY_HISTOGRAMS = ("mmserve_time_to_first_token_seconds", "mmserve_time_per_output_token_seconds",
                       "mmserve_e2e_request_latency_seconds", "mmserve_request_queue_time_seconds")
 MAX_NUM_SEQS = 2   # with more long requests than this, some wait: the waiting gauges must show it
+LIVE_FRAMES = 3
 
 
 def _require_prometheus() -> None:
@@ -127,7 +133,14 @@ def _traced_client(address: str) -> tuple[Client, str]:
     return Client(address, timeout=120, metadata=metadata), format(span.get_span_context().trace_id, "032x")
 
 
-def _mixed_load(run: Run, video: bytes) -> None:
+def _png(seed: int, size: int = 48) -> bytes:
+    rng = random.Random(seed)
+    out = io.BytesIO()
+    Image.frombytes("RGB", (size, size), rng.randbytes(size * size * 3)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _mixed_load(run: Run, video: bytes, image: bytes) -> None:
     """Long text streams (more than MAX_NUM_SEQS at once), a video asked twice (the second hits the
     prefix cache), a stream cancelled while decoding and two refused requests, concurrently."""
 
@@ -145,6 +158,13 @@ def _mixed_load(run: Run, video: bytes) -> None:
                 result = client.generate(prompt="What happens?", video=video, num_frames=4, max_tokens=8, temperature=0)
             run.traced.add(trace_id)
         assert result.usage.cached_tokens > 0
+        client, trace_id = _traced_client(run.address)   # other text first: the frames' K/V is computed again,
+        with client:                                     # their embeddings come from the encoder cache
+            client.generate([message("user", text_part("Before you answer, think."), video_part(video, num_frames=4))],
+                            max_tokens=4, temperature=0)
+            for question in ("What is this?", "Describe it."):   # an image, then the same after other text
+                client.generate([message("user", text_part(question), image_part(image))], max_tokens=4, temperature=0)
+        run.traced.add(trace_id)
 
     def cancelled() -> None:
         client, trace_id = _traced_client(run.address)
@@ -162,7 +182,24 @@ def _mixed_load(run: Run, video: bytes) -> None:
             client.generate(prompt="hi", max_tokens=-1)
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
 
-    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused]
+    def live_session() -> None:
+        """A live session of LIVE_FRAMES frames and a question: the live metrics' series."""
+        client, trace_id = _traced_client(run.address)   # its question's latencies are exemplars too
+        with client:
+            call = client.live()
+            for i in range(LIVE_FRAMES):
+                image = io.BytesIO()
+                Image.new("RGB", (16, 16), (40 * i, 80, 120)).save(image, "PNG")
+                call.frame(image.getvalue(), i / 2)
+            for response in call:
+                if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == LIVE_FRAMES:
+                    break
+            call.ask("What moves?", max_tokens=4)
+            call.close()
+            assert any(r.WhichOneof("kind") == "answer" and r.answer.WhichOneof("kind") == "final" for r in call)
+        run.traced.add(trace_id)
+
+    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused, live_session]
     with ThreadPoolExecutor(len(jobs)) as pool:
         for future in [pool.submit(job) for job in jobs]:
             future.result()
@@ -192,9 +229,10 @@ def run(tmp_path_factory, make_video, served_model):
     receiver = OtlpReceiver()   # tracing on: only sampled requests' histograms carry exemplars
     metrics_port = free_port()
     target = f"127.0.0.1:{metrics_port}"
+    drafter = ("--speculative-model", str(DEMO_ASSISTANT_DIR)) if served_model == DEMO_MODEL_DIR else ()
     server = ServeProcess("--model", str(served_model), "--host", "127.0.0.1", "--port", "0",
                           "--metrics-port", str(metrics_port), "--otlp-traces-endpoint", receiver.endpoint, "--max-num-seqs", str(MAX_NUM_SEQS),
-                          "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1")
+                          "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1", *drafter)
     prometheus = LocalPrometheus([target], rule_files=[_quick_rules(tmp_path_factory.mktemp("rules"))],
                                  interval_s=1.0)
     try:
@@ -202,7 +240,7 @@ def run(tmp_path_factory, make_video, served_model):
         address = server.wait_serving()
         _poll("the server's target is up", lambda: prometheus.target_health() == ["up"])
         state = Run(prometheus, server, address, target)
-        _mixed_load(state, make_video(seed=11, num_frames=8))
+        _mixed_load(state, make_video(seed=11, num_frames=8), _png(12))
         state.load_end = time.time()
         yield state
     finally:
@@ -266,6 +304,54 @@ def test_vllm_gauges_follow_the_load_and_return_to_idle(run):
         assert vllm == _value(p, f"sum(mmserve_prefix_cache_{name}_total)") and vllm > 0, name
     (series,) = p.query("vllm:num_requests_running")
     assert set(series["metric"]) >= {"model_name", "engine"}
+
+
+def test_counters_with_known_labels_start_at_zero_and_match_ours(run, served_model):
+    """The encoder cache by modality, speculation under vLLM's names and the KV event drops: every
+    series with a label value known at start was scraped at 0 before it counted (min over the run is
+    0), and each carries the meaning it claims (encoder-cache misses are the frames the vision tower
+    ran; vLLM's speculation counters are ours, position for position)."""
+    p = run.prometheus
+    _poll("a scrape after the load", lambda: _value(p, "timestamp(up)") >= run.load_end + 1.0)
+    for modality in ("image", "video", "audio"):
+        for name in ("queries", "hits"):
+            series = f'mmserve_encoder_cache_{name}_total{{modality="{modality}"}}'
+            assert _value(p, f"min_over_time({series}[10m])") == 0, series
+    for modality in ("image", "video"):
+        assert _value(p, f'mmserve_encoder_cache_hits_total{{modality="{modality}"}}') > 0, modality
+    misses = _value(p, "sum(mmserve_encoder_cache_queries_total) - sum(mmserve_encoder_cache_hits_total)")
+    assert misses == _value(p, "mmserve_vision_frames_encoded_total") > 0
+    for reason in ("publisher_queue_full", "publisher_lagging"):
+        assert _value(p, f'max_over_time(mmserve_kv_events_dropped_total{{reason="{reason}"}}[10m])') == 0
+    if served_model != DEMO_MODEL_DIR:
+        return   # no drafter for another model
+    positions = EngineConfig().num_speculative_tokens
+    for name in ("mmserve_speculative_accepted_tokens_total", "mmserve_speculative_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+        series = p.query(f"min_over_time({name}[10m])")
+        assert sorted(int(s["metric"]["position"]) for s in series) == list(range(positions)), name
+        assert all(float(s["value"][1]) == 0 for s in series), name
+    for ours, theirs in (("mmserve_speculative_verify_chunks_total", "vllm:spec_decode_num_drafts_total"),
+                         ("sum(mmserve_speculative_draft_tokens_total)", "vllm:spec_decode_num_draft_tokens_total"),
+                         ("sum(mmserve_speculative_accepted_tokens_total)", "vllm:spec_decode_num_accepted_tokens_total")):
+        assert _value(p, f"sum({theirs})") == _value(p, ours) > 0, theirs
+    for position in range(positions):
+        assert _value(p, f'sum(vllm:spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}})') == \
+            _value(p, f'sum(mmserve_speculative_accepted_tokens_total{{position="{position}"}})')
+
+
+def test_live_session_metrics(run):
+    """The live session of the load: Prometheus stored it open while it ran, then closed, and every
+    frame it sent prefilled, its lag observed at each progress report; each series was there at 0
+    before the session."""
+    p = run.prometheus
+    assert _value(p, "max_over_time(mmserve_live_sessions[2m])") == 1
+    _poll("the live session closed", lambda: _value(p, "mmserve_live_sessions") == 0)
+    assert _value(p, "mmserve_live_frames_prefilled_total") == LIVE_FRAMES
+    assert _value(p, "mmserve_live_lag_seconds_count") >= 1
+    for name in ("mmserve_live_frames_prefilled_total", "mmserve_live_frames_dropped_total",
+                 "mmserve_live_rollovers_total", "mmserve_live_sessions"):   # exported at 0 from the start
+        assert _value(p, f"min_over_time({name}[10m])") == 0, name
 
 
 def test_every_shipped_rule_evaluates(run):

@@ -217,6 +217,9 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, r)], waiting=waiting, kv=0.5))
     observer.on_request_finished(r, "length", None)
     metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})  # the server's interceptor counts RPCs
+    metrics.live_sessions(1)   # a live session's hooks (server/live.py, engine/live_session.py)
+    for what, value in (("frames_prefilled", 3), ("frames_dropped", 1), ("rollovers", 1), ("lag_s", 0.2)):
+        metrics.live_event(what, value)
 
     server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
 
@@ -246,6 +249,8 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     assert samples["mmserve_time_per_output_token_seconds_count"] == 1
     assert samples["mmserve_perf_flops_total"] > 0 and samples["mmserve_perf_bytes_total"] > 0
     assert samples["mmserve_engine_step_duration_seconds_total"] > 0
+    assert (samples["mmserve_live_sessions"], samples["mmserve_live_frames_prefilled_total"],
+            samples["mmserve_live_lag_seconds_count"]) == (1, 3, 1)
 
     metrics.provider.force_flush()
     with otlp_receiver.cond:

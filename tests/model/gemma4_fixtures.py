@@ -51,12 +51,24 @@ def tiny_config(*, window: int = 6, vocab: int = VOCAB, **text_overrides) -> dic
                 eoa_token_index=EOA)
 
 
-def e_model_config(**text_overrides) -> dict:
+def audio_config() -> dict:
+    """A tiny Gemma4AudioConfig: the real 128 mel bins (the first conv's channels must match them),
+    2 conformer blocks of width 16, local attention over chunks of 4 with 4 keys of left context,
+    clipped linears (their bounds are checkpoint buffers, as in E2B's)."""
+    return dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 4],
+                conv_kernel_size=3, attention_chunk_size=4, attention_context_left=5, attention_context_right=0,
+                output_proj_dims=24, use_clipped_linears=True)
+
+
+def e_model_config(*, audio: bool = True, **text_overrides) -> dict:
     """E2B-like: per-layer embeddings, the last 3 of 6 layers share KV (double-wide MLPs there),
-    separate V projections, causal frames (E-models ship use_bidirectional_attention=None)."""
-    return tiny_config(window=5, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
-                       num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=False,
-                       use_bidirectional_attention=None, **text_overrides)
+    separate V projections, causal frames (E-models ship use_bidirectional_attention=None), and an
+    audio tower (`audio=False`: none)."""
+    cfg = tiny_config(window=5, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+                      num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=False,
+                      use_bidirectional_attention=None, **text_overrides)
+    cfg["audio_config"] = audio_config() if audio else None
+    return cfg
 
 
 def moe_config(**text_overrides) -> dict:
@@ -99,9 +111,13 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-            if not t.is_floating_point() or "inv_freq" in name or "embed_scale" in name:
-                continue
+            if not t.is_floating_point() or any(k in name for k in ("inv_freq", "embed_scale", "inv_timescales",
+                                                                       "softcap")):
+                continue   # derived buffers, not saved: the checkpoint must load into what was saved
             noise = torch.randn(t.shape, generator=gen)
+            if name.endswith(("input_min", "output_min", "input_max", "output_max")):   # clip bounds, wide
+                t.copy_((2.0 + noise.abs()) * (-1 if name.endswith("min") else 1))
+                continue
             if name.endswith(("norm.weight", "ln1.weight", "ln2.weight")) or "layer_scalar" in name \
                     or "std_scale" in name:
                 t.copy_(1.0 + 0.2 * noise if "layer_scalar" not in name else 0.9 + 0.05 * noise)

@@ -40,8 +40,8 @@ def variant(request, tmp_path_factory):
     model = load_model(path)
     layers = model.decoder.layers
     if request.param == "e_model":   # the variant's parts really are in play
-        assert model.decoder.ple is not None and layers[3].self_attn.k_proj is None and layers[3].kv_source == 1
-        assert layers[3].mlp.gate_proj.out_features == 2 * layers[0].mlp.gate_proj.out_features
+        assert model.decoder.ple is not None and not layers[3].self_attn.projects_kv and layers[3].kv_source == 1
+        assert layers[3].mlp.width == 2 * layers[0].mlp.width
     elif request.param == "moe":
         assert all(layer.moe is not None for layer in layers)
     else:

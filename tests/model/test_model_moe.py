@@ -101,7 +101,9 @@ def test_grouped_gemm_path_equals_the_per_expert_loop():
         experts.down_proj.normal_(0, 0.3)
         rows = torch.randn(11, 24)
         counts = torch.tensor([3, 0, 4, 0, 0, 2, 2])
-        torch.testing.assert_close(experts._grouped(rows, counts), experts._per_expert(rows, counts.tolist()))
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        torch.testing.assert_close(moe_module.grouped(rows, counts, gate_up, down),
+                                   moe_module.per_expert(rows, counts.tolist(), gate_up, down))
 
 
 def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
@@ -136,7 +138,7 @@ def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
     weights["model.language_model.layers.4.self_attn.k_proj.weight"] = torch.zeros(32, 72)
     weights["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.zeros(16)
     save_file(weights, str(tmp_path / "e" / "model.safetensors"))
-    assert load_model(tmp_path / "e").decoder.layers[4].self_attn.k_proj is None
+    assert load_model(tmp_path / "e").decoder.layers[4].self_attn.projects_kv is False
 
 
 def test_grouped_path_never_syncs_with_the_host(monkeypatch):
@@ -149,13 +151,13 @@ def test_grouped_path_never_syncs_with_the_host(monkeypatch):
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.3)
-        residual, dense = torch.randn(rng.randint(1, 20), hidden), torch.randn(1, hidden)
-        reference = block(residual, dense)
+        residual = torch.randn(rng.randint(1, 20), hidden)
+        reference = block(residual)
         distinct = len(set(block.router(residual)[1].flatten().tolist()))
         block.experts.touched.zero_()
         monkeypatch.setattr(moe_module, "uses_grouped_mm", lambda x: True)
         with NoHostRead(), NoHostSync():
-            out = block(residual, dense)
+            out = block(residual)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
     assert int(block.experts.touched) == distinct
 

@@ -149,3 +149,16 @@ def test_fit_resizes_while_decoding_exactly_as_preprocessing_does() -> None:
     pixels = np.random.default_rng().integers(0, 256, (97, 61, 3), dtype=np.uint8)
     got = decode_image(encoded(Image.fromarray(pixels), "PNG"), LIMITS, fit=lambda h, w: (48, 32))
     assert np.array_equal(got, _resize(pixels, 48, 32))
+
+
+def test_the_pixel_limit_that_refuses_an_image_is_the_flag_that_raises_it() -> None:
+    """A 120 M-pixel header was refused by Pillow's own bomb guard ("more pixels than Pillow decodes
+    safely", naming --max-image-pixels, which could not raise it). Now --max-image-pixels alone decides,
+    from the header, before any pixel is decoded."""
+    from mmserve.multimodal.image import read_header
+
+    data = png_claiming(12_000, 10_000)
+    with pytest.raises(LimitExceededError, match="120000000 pixels, more than the limit of 16777216") as e:
+        read_header(data, MediaLimits())
+    assert e.value.flag == "--max-image-pixels"
+    assert read_header(data, MediaLimits(max_image_pixels=120_000_000)).pixels == 120_000_000

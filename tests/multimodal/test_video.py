@@ -153,20 +153,20 @@ def test_num_frames_and_fps_together_are_refused(clip20: bytes) -> None:
         decode_video(clip20, fps=float("nan"), limits=LIMITS)
 
 
-@pytest.mark.parametrize("limits,kwargs,flag,never_fits", [
-    (MediaLimits(max_video_bytes=100), {}, "--max-video-bytes", False),
-    (MediaLimits(max_frames_per_video=4), {"num_frames": 5}, "--max-frames-per-video", True),
-    (MediaLimits(max_video_duration_s=1.5), {}, "--max-video-duration-s", False),
-    (MediaLimits(max_image_pixels=32 * 48 - 1), {}, "--max-image-pixels", False),
-    (MediaLimits(max_packets=10), {"seek": False}, "", False),  # the packet count bounds the scan's work
+@pytest.mark.parametrize("limits,kwargs,flag", [
+    (MediaLimits(max_video_bytes=100), {}, "--max-video-bytes"),
+    (MediaLimits(max_frames_per_video=4), {"num_frames": 5}, "--max-frames-per-video"),
+    (MediaLimits(max_video_duration_s=1.5), {}, "--max-video-duration-s"),
+    (MediaLimits(max_image_pixels=32 * 48 - 1), {}, "--max-image-pixels"),
+    (MediaLimits(max_packets=10), {"seek": False}, ""),  # the packet count bounds the scan's work
 ])
-def test_limits(clip20: bytes, limits: MediaLimits, kwargs: dict, flag: str, never_fits: bool) -> None:
-    """Size limits are RESOURCE_EXHAUSTED at the edge; asking for more frames than allowed is a
-    request this server can never serve (INVALID_ARGUMENT, as docs/security.md says)."""
+def test_limits(clip20: bytes, limits: MediaLimits, kwargs: dict, flag: str) -> None:
+    """Every media limit is permanent (INVALID_ARGUMENT at the edge, as docs/security.md says): the
+    same video can never pass, so it is not retryable."""
     with pytest.raises(LimitExceededError) as e:
         decode_video(clip20, limits=limits, **kwargs)
     assert e.value.flag == flag
-    assert e.value.can_never_fit == never_fits and not e.value.retryable
+    assert not e.value.retryable
 
 
 def test_decompression_bomb_refused_from_metadata() -> None:

@@ -170,7 +170,7 @@ def test_the_decode_time_limit_stops_the_work(served_model, slow_decode, tmp_pat
             client.generate(video=MediaRef(media_id), **ASK)
         refused = time.perf_counter()
         freed = probe_after(server).result(timeout=30)
-        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT   # the decode itself ran out: resending redoes it
         assert "took longer than 1s" in e.value.message and "--video-decode-timeout-s" in e.value.message
         print(f"decode worker free {freed - refused:.3f} s after the time-limit error")
         assert freed - refused < 1.0

@@ -13,7 +13,7 @@ from rel_engine import read_stream
 from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 
-INVALID, EXHAUSTED = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def _req(*parts: pb.Part, **sampling) -> pb.GenerateRequest:
@@ -30,17 +30,17 @@ def _cases(cfg, make_video) -> dict[str, tuple[pb.GenerateRequest, grpc.StatusCo
     clip = make_video(seed=5, num_frames=4)
     mp4_head = clip[:64]
     return {
-        "message size": (_req(_video(secrets.token_bytes(4 * 2**20 + 2**19))), EXHAUSTED,
+        "message size": (_req(_video(secrets.token_bytes(4 * 2**20 + 2**19))), INVALID,
                          [f"limit of {4 * 2**20} bytes", "--max-message-bytes"]),
-        "video bytes": (_req(_video(mp4_head + secrets.token_bytes(2**20))), EXHAUSTED,
+        "video bytes": (_req(_video(mp4_head + secrets.token_bytes(2**20))), INVALID,
                         [f"limit of {2**20}", "--max-video-bytes"]),
         "frames per video": (_req(_video(clip, num_frames=cfg.max_frames_per_video + 1)), INVALID,
                              [f"at most {cfg.max_frames_per_video}", "--max-frames-per-video"]),
         "frames per request": (_req(_video(clip, 4), _video(clip, 3)), INVALID,
                                ["7 video frames", f"at most {cfg.max_frames_per_request}", "--max-frames-per-request"]),
-        "resolution": (_req(_video(make_video(seed=6, num_frames=2, size=64))), EXHAUSTED,
+        "resolution": (_req(_video(make_video(seed=6, num_frames=2, size=64))), INVALID,
                        ["64x64", f"limit of {cfg.max_image_pixels}", "--max-image-pixels"]),
-        "duration": (_req(_video(make_video(seed=7, num_frames=3, fps=0.25))), EXHAUSTED,
+        "duration": (_req(_video(make_video(seed=7, num_frames=3, fps=0.25))), INVALID,
                      ["longer than the limit of 10 s", "--max-video-duration-s"]),
         "context length": (_req(max_tokens=1020), INVALID, ["context length 1024"]),
         "max_tokens": (_req(max_tokens=cfg.max_tokens_limit + 1), INVALID,
@@ -75,3 +75,28 @@ def test_limit(outcomes, limit):
     for needle in needles:
         assert needle in result.details, f"{limit}: {needle!r} not in {result.details!r}"
     assert not result.token_ids and result.final is None
+
+
+def test_a_decode_time_limit_is_retryable_only_when_the_time_went_waiting_for_a_worker(monkeypatch):
+    """Permanent when the decode itself ran out of time (resending would redo that work, and a gateway
+    retries RESOURCE_EXHAUSTED); retryable when most of it went waiting for a worker (other requests'
+    decodes). A fake clock: 10 s limits, the worker starting 1 s or 8 s after the request."""
+    from mmserve.multimodal import decode_control
+    from mmserve.server.status import map_error
+
+    now = [100.0]
+    monkeypatch.setattr(decode_control.time, "monotonic", lambda: now[0])
+
+    def timed_out(start_after: float) -> Exception:
+        control = decode_control.DecodeControl(10.0, label="messages[0].parts[1]")
+        now[0] += start_after
+        control.check()   # the worker starts
+        now[0] += 10.0
+        with pytest.raises(Exception) as e:
+            control.check()
+        return e.value
+
+    decoding, queued = timed_out(1.0), timed_out(8.0)
+    assert map_error(decoding).code == INVALID and "decoding took longer than 10s" in str(decoding)
+    assert map_error(queued).code == grpc.StatusCode.RESOURCE_EXHAUSTED and queued.retryable
+    assert "--video-decode-timeout-s" in str(queued) and "waited 8.0s" in str(queued)

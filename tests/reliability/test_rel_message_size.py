@@ -1,4 +1,5 @@
-"""Oversize request messages get RESOURCE_EXHAUSTED naming --max-message-bytes, before parsing."""
+"""Oversize request messages get INVALID_ARGUMENT naming --max-message-bytes, before parsing (grpc's own
+refusal of one far over the limit stays RESOURCE_EXHAUSTED)."""
 
 from __future__ import annotations
 
@@ -34,15 +35,15 @@ def test_message_size_limit():
             assert (await stream_status(stub.Generate(small)))[0] == grpc.StatusCode.UNIMPLEMENTED
             over = _request(LIMIT + 100)
             code, message = await stream_status(stub.Generate(over))
-            assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert code == grpc.StatusCode.INVALID_ARGUMENT   # resending it can never succeed
             assert f"{over.ByteSize()} bytes" in message and f"limit of {LIMIT} bytes" in message
             assert "--max-message-bytes" in message and "UploadMedia" in message and "client.upload(" in message
-            # Unary methods too; far beyond the limit, grpc itself refuses (same code, its own words).
+            # Unary methods too; far beyond the limit, grpc itself refuses (RESOURCE_EXHAUSTED, its own words).
             try:
                 await stub.Abort(generation_pb2.AbortRequest(request_id="x" * (LIMIT + 1)))
                 raise AssertionError("an oversize Abort was accepted")
             except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-message-bytes" in e.details()
+                assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-message-bytes" in e.details()
             code, message = await stream_status(stub.Generate(_request(LIMIT + TRANSPORT_HEADROOM_BYTES + 1)))
             assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in message
 

@@ -10,10 +10,12 @@ import hashlib
 import random
 
 import numpy as np
-from sched_helpers import FULL, admit, make_request, make_scheduler, run_to_completion, step
+import torch
+from sched_helpers import FULL, admit, make_request, make_scheduler, random_ranges, run_to_completion, step
 
 from mmserve.block_hash import ROOT_KEY
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted
+from mmserve.request import MultiModalInput
 
 
 class Replay:
@@ -120,3 +122,51 @@ def test_no_event_is_built_while_off_and_switching_on_snapshots_the_whole_cache(
     built.clear()
     load(3)
     assert built == [] and sched.kv.take_events() == []
+
+
+
+def _key(parent: bytes | None, tokens, extra_keys) -> bytes:
+    """block_hash's key as its docstring defines it, from what an event publishes."""
+    h = hashlib.sha256(parent if parent is not None else ROOT_KEY)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    for identifier, offset in extra_keys or ():
+        h.update(bytes.fromhex(identifier))
+        h.update(offset.to_bytes(8, "little", signed=True))
+    return h.digest()
+
+
+def test_stored_blocks_carry_their_images_as_extra_keys_that_rebuild_the_key():
+    """Each stored block names the images/frames overlapping it as vLLM publishes them, (content
+    hash hex, range start - block start): with its tokens and parent they are exactly what went into
+    its key, in the live events and in a snapshot. Two prompts with the same tokens and placeholder
+    runs but other pixels share only the blocks before the first image."""
+    rng = random.Random(5)
+    bs = 4
+    sched = make_scheduler(num_blocks=256, block_size=bs, max_num_batched_tokens=64)
+    sched.kv.set_events(True)
+    sched.kv.take_events()
+    ranges = random_ranges(rng, 70, max_len=9, density=0.3)
+    assert any(s // bs != e // bs for s, e in ranges), "a range should span blocks (negative offsets)"
+    stored: dict[str, list[BlockStored]] = {}
+    hashes: dict[str, list[bytes]] = {}
+    for rid in ("a", "b"):   # same tokens, same ranges, other content
+        hashes[rid] = [rng.randbytes(32) for _ in ranges]
+        items = [MultiModalInput(torch.zeros(1, 1), torch.zeros(1, 2), content_hash=h) for h in hashes[rid]]
+        admit(sched, make_request(rid, 72, ranges, max_tokens=2, mm_inputs=items))
+        run_to_completion(sched)
+        stored[rid] = [e for e in sched.kv.take_events() if isinstance(e, BlockStored)]
+    for rid, events in stored.items():
+        for e in events:
+            first = e.index * bs
+            want = tuple((h.hex(), start - first) for (start, end), h in zip(ranges, hashes[rid], strict=True)
+                         if start < first + bs and end >= first)
+            assert e.extra_keys == (want or None)
+            assert e.key == _key(e.parent, e.token_ids, e.extra_keys)
+    a_keys = {e.key for e in stored["a"]}
+    first_image = ranges[0][0] // bs
+    assert [e.index for e in stored["b"]][0] == first_image, "b reuses a's blocks before the first image"
+    assert not a_keys & {e.key for e in stored["b"]}
+    assert any(e.extra_keys and e.extra_keys[0][1] < 0 for e in stored["a"])
+    sched.kv.set_events(True)   # a snapshot carries the same extra keys
+    snapshot = {e.key: e.extra_keys for e in sched.kv.take_events() if isinstance(e, BlockStored)}
+    assert snapshot == {e.key: e.extra_keys for events in stored.values() for e in events}

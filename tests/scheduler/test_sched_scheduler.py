@@ -61,7 +61,7 @@ def test_frame_longer_than_budget_is_an_admission_error():
     sched = make_scheduler(max_num_batched_tokens=16)
     with pytest.raises(LimitExceededError, match="--max-num-batched-tokens") as e:
         admit(sched, make_request("big", 40, [(3, 19)]))
-    assert not e.value.retryable and e.value.can_never_fit
+    assert not e.value.retryable
     assert not (sched.running or sched.waiting)
 
 
@@ -72,7 +72,7 @@ def test_context_and_kv_limits_are_admission_errors():
     tiny = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(LimitExceededError, match="--kv-cache-bytes") as too_fat:
         admit(tiny, make_request("fat", 40))
-    assert too_long.value.can_never_fit and too_fat.value.can_never_fit
+    assert not too_long.value.retryable and not too_fat.value.retryable
 
 
 def test_preemption_frees_and_recomputes():

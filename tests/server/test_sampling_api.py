@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from mmserve.clients import AsyncClient, Client, ClientError
+from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.demo_task import CAPTION_SCHEMA, NUM_FRAMES, PROMPT, clip_for
 from mmserve.multimodal.synthetic import COLOURS, DIRECTIONS, SHAPES
 
@@ -124,3 +125,44 @@ def test_abort_by_id_stops_every_sample(client):
     while client.server_load().running_requests and time.monotonic() < deadline:
         time.sleep(0.05)
     assert client.server_load().running_requests == 0
+
+
+def test_temperatures_below_the_greedy_bound_become_greedy_exactly_there():
+    """vLLM's bound, 1e-5: below it a temperature is 0 (greedy) in SamplingParams itself, whichever door
+    built it; at and above it, it stays what was asked."""
+    from mmserve.sampling_params import GREEDY_TEMPERATURE, SamplingParams
+
+    assert GREEDY_TEMPERATURE == 1e-5
+    for tiny in (1e-45, 1e-38, 1e-10, 9.99e-6):
+        assert SamplingParams(temperature=tiny).temperature == 0.0 and SamplingParams(temperature=tiny).greedy
+    for kept in (1e-5, 1e-4, 0.7):
+        assert SamplingParams(temperature=kept).temperature == kept and not SamplingParams(temperature=kept).greedy
+
+
+def test_tiny_temperatures_answer_as_greedy_through_both_grpc_doors(client, mmserve_server):
+    """The probe: temperature 1e-38 or 1e-45 (valid by the docs) overflowed logits / T to inf, the
+    softmax to NaN, and the stream was pad tokens up to max_tokens. Now each answers with the greedy
+    tokens, through mmserve.v1 and through the VllmEngine door (the OpenAI one, SMG, sends the latter:
+    tests/gateway/test_gateway_openai.py)."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    def v1(temperature):
+        return client.generate(prompt="Name a colour.", max_tokens=8, ignore_eos=True, temperature=temperature).token_ids
+
+    tok = load_tokenizer(mmserve_server.engine_config.model)
+    prompt = [2, 4, *tok.encode("user\nName a colour."), 5, *tok.encode("\n"), 4, *tok.encode("model\n")]
+
+    def door(temperature):
+        request = vpb.GenerateRequest(request_id=f"tiny-{temperature}", tokenized=vpb.TokenizedInput(
+            input_ids=prompt), sampling_params=vpb.SamplingParams(
+            temperature=temperature, max_tokens=8, ignore_eos=True))
+        with grpc.insecure_channel(mmserve_server.address) as channel:
+            (response,) = list(vpb_grpc.VllmEngineStub(channel).Generate(request, timeout=60))
+        return list(response.complete.output_ids)
+
+    greedy_v1, greedy_door = v1(0.0), door(0.0)
+    assert len(set(greedy_v1)) > 1   # not one token repeated: a real answer to compare with
+    for tiny in (1e-38, 1e-45):
+        assert v1(tiny) == greedy_v1, tiny
+        assert door(tiny) == greedy_door, tiny

@@ -34,6 +34,19 @@ def test_missing_checkpoint_is_a_clear_error(tmp_path):
     assert f"no checkpoint at {tmp_path}" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_a_hub_id_as_model_gets_the_download_hint(tmp_path, monkeypatch):
+    """`--model google/gemma-4-E2B-it` (what a vLLM user types) said only that config.json was missing."""
+    from mmserve.server.cli import missing_checkpoint
+
+    monkeypatch.chdir(tmp_path)
+    hint = missing_checkpoint("google/gemma-4-E2B-it")
+    assert "Hugging Face Hub id" in hint and "huggingface-cli download google/gemma-4-E2B-it --local-dir" in hint
+    assert "downloads nothing" in hint
+    (tmp_path / "org").mkdir()
+    for local in ("org", str(tmp_path / "missing"), "./a/b"):
+        assert "Hub id" not in missing_checkpoint(local), local
+
+
 def test_dtype_auto_is_bfloat16_on_cuda_and_float32_on_cpu(monkeypatch):
     import torch
 

@@ -27,9 +27,8 @@ def _details(mapped) -> status_pb2.Status:
 @pytest.mark.parametrize("exc, code", [
     (InvalidInputError("sampling.top_k", "must be >= 0"), grpc.StatusCode.INVALID_ARGUMENT),
     (LimitExceededError("queue full", "--max-waiting-requests", retryable=True), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LimitExceededError("video too big", "--max-video-bytes"), grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (LimitExceededError("frame above the step budget", "--max-num-batched-tokens", can_never_fit=True),
-     grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitExceededError("video too big", "--max-video-bytes"), grpc.StatusCode.INVALID_ARGUMENT),
+    (LimitExceededError("frame above the step budget", "--max-num-batched-tokens"), grpc.StatusCode.INVALID_ARGUMENT),
     (EngineUnavailableError("engine stopped"), grpc.StatusCode.UNAVAILABLE),
     (RequestAbortedError("aborted"), grpc.StatusCode.CANCELLED),
     (EngineInternalError("step failed"), grpc.StatusCode.INTERNAL),
@@ -75,3 +74,25 @@ def test_a_request_larger_than_the_whole_kv_cache_is_invalid_argument(start_serv
     assert "--kv-cache-bytes or --num-kv-blocks" in refused.value.message
     assert refused.value.retry_delay_s is None
     assert len(fits.token_ids) == 8
+
+
+def test_a_message_quoting_9_kb_of_the_clients_input_arrives_bounded_through_both_doors(mmserve_server):
+    """The probe: an invalid 9 KB json_schema whose parser error quotes it whole. grpc caps a status's
+    metadata at 16 KiB, so the client got RESOURCE_EXHAUSTED "metadata size exceeds hard limit"
+    instead of the real INVALID_ARGUMENT; now the message and its field violation are cut at 1 KiB."""
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    schema = '{"type": "' + "t" * 9000 + '"}'
+    with Client(mmserve_server.address, timeout=60) as client, pytest.raises(ClientError) as v1:
+        client.generate(prompt="hello", max_tokens=2, json_schema=schema)
+    with grpc.insecure_channel(mmserve_server.address) as channel, pytest.raises(grpc.RpcError) as door:
+        list(vpb_grpc.VllmEngineStub(channel).Generate(vpb.GenerateRequest(
+            request_id="bounded", tokenized=vpb.TokenizedInput(input_ids=[2, 4, 10]),
+            sampling_params=vpb.SamplingParams(max_tokens=2, json_schema=schema)), timeout=60))
+    for code, message in ((v1.value.code, v1.value.message), (door.value.code(), door.value.details())):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, message[:200])
+        assert "Unsupported type" in message and "bytes cut" in message and len(message.encode()) <= 1024
+    assert v1.value.field == "sampling.response_format.json_schema"
+    status = _details(map_error(InvalidInputError("f" * 5000, "é" * 5000)))   # non-ASCII: bytes, not characters
+    assert len(status.message.encode()) <= 1024 and len(status.SerializeToString()) < 3 * 1024

@@ -179,9 +179,9 @@ def _bad_uploads(clip: bytes) -> dict[str, tuple[list, grpc.StatusCode, list[str
         "hash mismatch": (chunked(clip, sha256="ab" * 32), INVALID,
                           ["metadata.sha256", f"hash to {hashlib.sha256(clip).hexdigest()}"]),
         "empty": ([metadata()], INVALID, ["chunk: the upload holds no bytes"]),
-        "declared too large": (chunked(clip, size_bytes=MAX_UPLOAD + 1), EXHAUSTED,
+        "declared too large": (chunked(clip, size_bytes=MAX_UPLOAD + 1), INVALID,
                                [f"declares {MAX_UPLOAD + 1} bytes", "--max-upload-bytes"]),
-        "chunk too large": ([metadata(), pb.UploadMediaRequest(chunk=bytes(2**20 + 1))], EXHAUSTED,
+        "chunk too large": ([metadata(), pb.UploadMediaRequest(chunk=bytes(2**20 + 1))], INVALID,
                             [f"{2**20 + 1} bytes is more than the limit of {2**20}", f"chunks of {2**20}"]),
     }
 
@@ -207,7 +207,7 @@ def test_the_upload_limit_refuses_as_soon_as_it_is_crossed(server, stub):
             yield pb.UploadMediaRequest(chunk=bytes(100_000))
 
     got, details = status(lambda: stub.UploadMedia(endless(), timeout=30))
-    assert got == EXHAUSTED and f"more than {MAX_UPLOAD} bytes" in details and "--max-upload-bytes" in details
+    assert got == INVALID and f"more than {MAX_UPLOAD} bytes" in details and "--max-upload-bytes" in details
     assert next(sent) < 250, "the server waited for far more than the limit before refusing"
     assert wait_until(lambda: not incoming(server))
 

@@ -148,7 +148,12 @@ def _one(part: pb.Part, role: str = "user") -> pb.GenerateRequest:
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames()))), "messages[0].parts[0].video.frames.frames"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f"), pb.Image()])))),
      "messages[0].parts[0].video.frames.frames[1].data"),
-    (_one(pb.Part(audio=pb.Audio(data=b"RIFF", mime_type="audio/wav"))), "messages[0].parts[0].audio"),
+    (_one(pb.Part(audio=pb.Audio())), "messages[0].parts[0].audio.data"),
+    (_one(pb.Part(audio=pb.Audio(data=b"RIFF", mime_type="video/mp4"))), "messages[0].parts[0].audio.mime_type"),
+    (_one(pb.Part(audio=pb.Audio(data=b"RIFF", media_id="ab"))), "messages[0].parts[0].audio.media_id"),
+    (_one(pb.Part(audio=pb.Audio(data=b"RIFF", start_s=2.0, end_s=1.0))), "messages[0].parts[0].audio.end_s"),
+    (pb.GenerateRequest(use_audio_in_video=True, messages=[pb.Message(role="user", parts=[pb.Part(
+        video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")])))])]), "messages[0].parts[0].video.frames"),
     (pb.GenerateRequest(request_id="x" * 1000, messages=[pb.Message(role="user", parts=[pb.Part(text="a")])]),
      "request_id"),
 ])

@@ -93,3 +93,15 @@ def test_listed_by_reflection():
             assert "vllm.grpc.engine.VllmEngine" in {s.name for s in responses[0].list_services_response.service}
             assert responses[1].file_descriptor_response.file_descriptor_proto
     _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)
+
+
+def test_an_abort_is_bounded_like_mmserve_v1s():
+    """The probe sent an 8 MiB Abort of 100k ids: refused unread (INVALID_ARGUMENT naming the method's
+    16 KiB limit, as mmserve.v1's Abort); one gateway-sized id still goes through."""
+    async def check(server, stub):
+        ids = [f"chatcmpl-{i:06d}-{'x' * 64}" for i in range(100_000)]
+        code, message = await _code(lambda: stub.Abort(vpb.AbortRequest(request_ids=ids)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "Abort message" in message and str(16 * 2**10) in message
+        assert len(message) < 400
+        await stub.Abort(vpb.AbortRequest(request_ids=[ids[0]]))
+    _listening(ServerConfig(host="127.0.0.1", port=0, worker_threads=1), check)

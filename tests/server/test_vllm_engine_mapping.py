@@ -135,3 +135,25 @@ def test_preprocessed_media_for_a_model_without_vision_is_refused_before_its_lay
     with pytest.raises(InvalidInputError, match="takes no images or video") as e:
         _prompt_ids(request, processor(dataclasses.replace(spec, vision=None)))
     assert e.value.field == "mm_inputs"
+
+
+def test_file_url_refusals_quote_the_path_as_sent_bounded_never_resolved(tmp_path, monkeypatch):
+    """The probe: a 6 KB file:// path came back whole, and the messages showed where a symlink points
+    and the server's working directory (a relative-looking path resolved). Now: the spelled path,
+    cut to a preview; no resolved path, target, working directory or allowed directory."""
+    allowed, secret = tmp_path / "media", tmp_path / "secret-target"
+    allowed.mkdir()
+    secret.mkdir()
+    (allowed / "link.mp4").symlink_to(secret / "key.mp4")
+    (secret / "key.mp4").write_bytes(b"k")
+    workdir = tmp_path / "server-workdir"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+    long = "file://" + "/a" * 3000 + ".mp4"
+    for url in (long, f"file://{allowed}/link.mp4", "file:relative/clip.mp4"):
+        with pytest.raises(InvalidInputError) as e:
+            media_inputs(refs(url), max_bytes=100, allowed_local_media_path=str(allowed))
+        message = str(e.value)
+        assert len(message) < 300, len(message)
+        for hidden in (str(secret), str(workdir), str(allowed) if str(allowed) not in url else str(secret)):
+            assert hidden not in message, (hidden, message)

@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--video", type=Path, help="a video file (mp4, webm, mkv, ...); uploaded first (with a progress "
                                               "bar) when larger than the server takes inline")
     p.add_argument("--image", type=Path, help="an image file (png, jpeg, ...); uploaded first when too large inline")
+    p.add_argument("--audio", type=Path, help="an audio file (wav, flac, mp3, ogg, m4a) for a model that hears "
+                   "(Gemma 4 E2B/E4B); uploaded first when too large inline")
+    p.add_argument("--use-audio-in-video", action="store_true",
+                   help="the model also hears the video's soundtrack (the window's, after its frames)")
     p.add_argument("--num-frames", type=int, default=0, help="frames to sample from the video; 0 = server default")
     p.add_argument("--fps", type=float, default=0.0, help="sample frames at this rate instead (at most the "
                    "server's max frames per video, then spread uniformly)")
@@ -136,14 +140,15 @@ def _client_span(enabled: bool) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    missing = [path for path in (args.video, args.image) if path is not None and not path.is_file()]
+    missing = [path for path in (args.video, args.image, args.audio) if path is not None and not path.is_file()]
     if missing:
         print(f"mmserve generate: no such file: {missing[0]}", file=sys.stderr)
         return 2
     with _client_span(args.trace), connect(args, trace=args.trace) as client:
         try:
             # The client reads the files, or uploads those larger than the server takes inline.
-            stream = client.stream(prompt=args.prompt, video=args.video, image=args.image, system=args.system,
+            stream = client.stream(prompt=args.prompt, video=args.video, image=args.image, audio=args.audio,
+                                   use_audio_in_video=args.use_audio_in_video, system=args.system,
                                    num_frames=args.num_frames, fps=args.fps, start_s=args.start, end_s=args.end,
                                    ignore_eos=args.ignore_eos, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def channel_credentials(root_certificates: bytes | None, private_key: bytes | No
 
 def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str | None = None,
                   video: bytes | MediaRef | None = None, image: bytes | MediaRef | None = None,
+                  audio: bytes | MediaRef | None = None, use_audio_in_video: bool = False,
                   system: str | None = None, start_s: float = 0.0, end_s: float = 0.0, max_tokens: int = 0,
                   temperature: float | None = None, top_p: float | None = None, top_k: int = 0,
                   seed: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
@@ -77,16 +79,17 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
                   logit_bias: Mapping[int, float] | None = None, json_schema: str | Mapping | None = None,
                   regex: str | None = None, grammar: str | None = None, n: int = 0,
                   disable_speculation: bool = False) -> pb.GenerateRequest:
-    """Either explicit `messages`, or one user turn from prompt/video/image (after a `system` turn,
-    when given; start_s/end_s: the video's window). At most one of `json_schema` (a dict or JSON
-    text), `regex` and `grammar` (EBNF) constrains the output."""
+    """Either explicit `messages`, or one user turn from prompt/video/image/audio (after a `system`
+    turn, when given; start_s/end_s: the video's window). `use_audio_in_video`: the model also hears
+    each video's soundtrack. At most one of `json_schema` (a dict or JSON text), `regex` and
+    `grammar` (EBNF) constrains the output."""
     if messages is None:
-        messages = [user_message(prompt, video=video, image=image, num_frames=num_frames, fps=fps, start_s=start_s,
-                                 end_s=end_s)]
+        messages = [user_message(prompt, video=video, image=image, audio=audio, num_frames=num_frames, fps=fps,
+                                 start_s=start_s, end_s=end_s)]
         if system is not None:
             messages.insert(0, message("system", text_part(system)))
-    elif prompt is not None or video is not None or image is not None or system is not None:
-        raise ValueError("pass either messages or prompt/video/image/system, not both")
+    elif prompt is not None or video is not None or image is not None or audio is not None or system is not None:
+        raise ValueError("pass either messages or prompt/video/image/audio/system, not both")
     sampling = pb.SamplingParams(max_tokens=max_tokens, top_k=top_k, stop=list(stop), ignore_eos=ignore_eos,
                                  logprobs=logprobs, top_logprobs=top_logprobs, prompt_logprobs=prompt_logprobs,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -105,7 +108,8 @@ def build_request(messages: Sequence[pb.Message] | None = None, *, prompt: str |
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
-    return pb.GenerateRequest(request_id=request_id, messages=list(messages), sampling=sampling, priority=priority)
+    return pb.GenerateRequest(request_id=request_id, messages=list(messages), sampling=sampling, priority=priority,
+                              use_audio_in_video=use_audio_in_video)
 
 
 class _Collector:
@@ -222,6 +226,47 @@ class GenerateStream(_StreamBase):
                 self._call = self._start()
 
 
+class LiveCall:
+    """One live session from a blocking client: `frame()` and `ask()` queue messages (sent in order
+    by grpc's own thread), iterating yields the server's `pb.LiveResponse`s, `close()` half-closes
+    (the server ends the session once every question is answered), `cancel()` ends it at once."""
+
+    def __init__(self, method, open_: pb.LiveOpen, timeout: float | None, metadata) -> None:
+        self._out: queue.Queue = queue.Queue()
+        self._out.put(pb.LiveRequest(open=open_))
+        self._call = method(iter(self._out.get, None), timeout=timeout, metadata=metadata)
+
+    def frame(self, image: bytes, time_s: float | None = None) -> None:
+        frame = pb.LiveFrame(image=image)
+        if time_s is not None:
+            frame.time_s = time_s
+        self._out.put(pb.LiveRequest(frame=frame))
+
+    def stream_chunk(self, data: bytes) -> None:
+        """The next bytes of an encoded stream (MPEG-TS or fragmented MP4), instead of frames."""
+        self._out.put(pb.LiveRequest(stream_chunk=data))
+
+    def ask(self, text: str, *, question_id: str = "", max_tokens: int = 0, temperature: float | None = None,
+            join_context: bool = False) -> None:
+        sampling = pb.SamplingParams(max_tokens=max_tokens)
+        if temperature is not None:
+            sampling.temperature = temperature
+        self._out.put(pb.LiveRequest(question=pb.LiveQuestion(
+            question_id=question_id, messages=[user_message(text)], sampling=sampling, join_context=join_context)))
+
+    def close(self) -> None:
+        self._out.put(None)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[pb.LiveResponse]:
+        try:
+            yield from self._call
+        except grpc.RpcError as e:
+            raise ClientError.from_rpc_error(e) from e
+
+
 class Client(_Base):
     """Blocking client. Use as a context manager or call close()."""
 
@@ -243,8 +288,8 @@ class Client(_Base):
 
     def stream(self, messages: Sequence[pb.Message] | None = None, *, timeout: float | None = None,
                **kwargs) -> GenerateStream:
-        """Start a request; keyword arguments are those of `build_request`, except that `video=` and
-        `image=` may also be a path, and bytes or a file larger than the server takes in one message
+        """Start a request; keyword arguments are those of `build_request`, except that `video=`,
+        `image=` and `audio=` may also be a path, and bytes or a file larger than the server takes in one message
         are uploaded first (with a progress bar on a terminal). A `video=`/`image=` MediaRef the
         server no longer has is uploaded again from its file, once."""
         kwargs = dict(kwargs)
@@ -286,6 +331,11 @@ class Client(_Base):
         for _ in stream:
             pass
         return stream.result
+
+    def live(self, open_: pb.LiveOpen | None = None, *, timeout: float | None = None) -> LiveCall:
+        """Open a live video session (Generation.Live, docs/api.md): send frames and questions on the
+        returned call, iterate it for `pb.LiveResponse`s (progress, answers), `close()` when done."""
+        return LiveCall(self._stub.Live, open_ or pb.LiveOpen(), timeout, self._metadata)
 
     def abort(self, request_id: str, timeout: float | None = None) -> bool:
         return self._unary(self._stub.Abort, pb.AbortRequest(request_id=request_id), timeout).found

@@ -12,13 +12,16 @@ import json
 import os
 import sys
 
+import grpc
+
 from mmserve.clients.client import Client
 from mmserve.clients.types import ClientError
 from mmserve.multimodal.demo_task import CAPTION_SCHEMA, NUM_FRAMES, PROMPT, clip_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="send a generated video to a server and print its caption next to the truth",
+    p = subparsers.add_parser("demo", help="send a generated video to a running server (`make run`) and print its "
+                              "caption next to the truth",
                               description=__doc__)
     p.add_argument("--server", default="127.0.0.1:50051", help="HOST:PORT of a running `mmserve serve`")
     p.add_argument("--seed", type=int, default=None, help="clip seed (default: a random held-out one)")
@@ -71,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
             drafts = client.model_info().num_speculative_tokens
     except ClientError as e:
         sys.stderr.write(f"\nerror: {e}\n")
+        if e.code == grpc.StatusCode.UNAVAILABLE:
+            sys.stderr.write(f"is a server running at {args.server}? Start one with `make run` (or `mmserve serve`) "
+                             "in another terminal, wait for 'ready: serving', then run this again\n")
         return 1
     if args.json:
         out.write(f"\ntruth  {truth}\n{_check_json(text, truth)}\n")

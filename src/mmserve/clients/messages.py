@@ -36,6 +36,17 @@ def video_part(data: bytes | MediaRef, mime_type: str = "", *, num_frames: int =
     return pb.Part(video=video)
 
 
+def audio_part(data: bytes | MediaRef, mime_type: str = "", *, start_s: float = 0.0, end_s: float = 0.0) -> pb.Part:
+    """An audio clip (WAV, FLAC, MP3, Ogg, M4A, WebM) as bytes, or uploaded (`Client.upload`);
+    start_s/end_s: hear only that window (end_s 0 = to the end)."""
+    audio = pb.Audio(mime_type=mime_type, start_s=start_s, end_s=end_s)
+    if isinstance(data, MediaRef):
+        audio.media_id = data.id
+    else:
+        audio.data = data
+    return pb.Part(audio=audio)
+
+
 def frames_part(frames: Sequence[bytes], fps: float = 0.0, mime_type: str = "") -> pb.Part:
     """A video given as already decoded frame images (PNG/JPEG bytes); fps sets their timestamps."""
     images = [pb.Image(data=f, mime_type=mime_type) for f in frames]
@@ -47,14 +58,17 @@ def message(role: str, *parts: pb.Part) -> pb.Message:
 
 
 def user_message(text: str | None = None, *, video: bytes | MediaRef | None = None,
-                 image: bytes | MediaRef | None = None, video_mime_type: str = "", image_mime_type: str = "",
-                 num_frames: int = 0, fps: float = 0.0, start_s: float = 0.0, end_s: float = 0.0) -> pb.Message:
-    """One user turn: image, then video, then text (each optional)."""
+                 image: bytes | MediaRef | None = None, audio: bytes | MediaRef | None = None,
+                 video_mime_type: str = "", image_mime_type: str = "", num_frames: int = 0, fps: float = 0.0,
+                 start_s: float = 0.0, end_s: float = 0.0) -> pb.Message:
+    """One user turn: image, then video, then audio, then text (each optional)."""
     parts = []
     if image is not None:
         parts.append(image_part(image, image_mime_type))
     if video is not None:
         parts.append(video_part(video, video_mime_type, num_frames=num_frames, fps=fps, start_s=start_s, end_s=end_s))
+    if audio is not None:
+        parts.append(audio_part(audio))
     if text is not None:
         parts.append(text_part(text))
     return message("user", *parts)

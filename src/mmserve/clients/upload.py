@@ -27,7 +27,7 @@ from mmserve.api import pb
 from mmserve.clients.types import ClientError, MediaRef
 
 CHUNK_BYTES = 2**20  # the size the server recommends (ModelInfo.max_upload_chunk_bytes is the most)
-MEDIA_KWARGS = ("video", "image")
+MEDIA_KWARGS = ("video", "image", "audio")
 UploadSource = str | os.PathLike | BinaryIO
 
 
@@ -101,7 +101,7 @@ def media_ref(response: pb.MediaRef, source: OpenedSource, bar: tqdm) -> MediaRe
 
 
 def local_media(kwargs: dict) -> Iterator[tuple[str, Path | bytes, int]]:
-    """The `video=`/`image=` arguments given as bytes or a path: (key, the bytes or Path, size)."""
+    """The `video=`/`image=`/`audio=` arguments given as bytes or a path: (key, the bytes or Path, size)."""
     for key in MEDIA_KWARGS:
         value = kwargs.get(key)
         if value is None or isinstance(value, MediaRef):
@@ -123,7 +123,7 @@ def names_uploaded_media(request: pb.GenerateRequest) -> bool:
     for message in request.messages:
         for part in message.parts:
             kind = part.WhichOneof("content")
-            if kind == "video" and part.video.media_id or kind == "image" and part.image.media_id:
+            if kind in ("video", "image", "audio") and getattr(part, kind).media_id:
                 return True
     return False
 

@@ -7,7 +7,8 @@ per-request errors, a `StepRecord`). Detokenisation, stop strings, timings and t
 the front end (`engine/output/processor.py`), off this loop's critical path.
 
 A failing step fails only the requests it scheduled; the loop keeps serving. A request whose own
-sampling fails (its grammar cannot go on) ends alone, and no error names another request. A
+sampling fails (its grammar cannot go on), or whose media an encoder fails on (the runner's
+`StepResult.media_failed`), ends alone, and no error names another request. A
 request with a response_format not compiled yet waits off the scheduler while the compile worker
 runs (`structured_output/compiler.py`): the step loop never compiles.
 
@@ -17,6 +18,12 @@ max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
 tokens before the step ends.
+
+Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
+never sample, and report their computed tokens after each step that advanced them. They hold their
+blocks until aborted (the session's prefix cannot be evicted while it lives); a session's contexts
+share one reservation, room for two full histories (the context answering and the one a roll-over
+rebuilds), and all sessions' reservations together stay within `--live-kv-share` of each pool.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.live import LiveReservations, check_extension
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
@@ -39,6 +47,7 @@ from mmserve.ipc.protocol import (
     CoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ExtendRequest,
     KvCapacity,
     LoadInfo,
     TokenLogprobs,
@@ -62,6 +71,19 @@ from mmserve.worker.step_threads import StepThreads, size_class
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
+
+
+def _media_error(request_id: str, why: str) -> EngineInternalError:
+    return EngineInternalError(f"request {request_id}: {why}; details in the server log")
+
+
+def _media_failed(a: Accepted, failed: dict[str, str]) -> Accepted:
+    """`a` as an error when its request's media failed to encode this step (its tokens came from zero
+    embeddings); its step-mates keep theirs."""
+    rid = a.scheduled.request.request_id
+    if rid not in failed or a.error is not None:
+        return a
+    return Accepted(a.scheduled, [], None, None, a.scheduled.num_tokens, _media_error(rid, failed[rid]))
 
 
 def load_engine_model(config: EngineConfig):
@@ -130,6 +152,7 @@ class EngineCore:
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
+        self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
@@ -154,8 +177,11 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of,
+                          open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
+        if req.open_prompt:
+            self._live.reserve(req)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
@@ -167,6 +193,19 @@ class EngineCore:
         if compiled is not None:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
         self.scheduler.enqueue(request)
+
+    def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
+        """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
+        An id no longer here (aborted since) is ignored."""
+        request = self.requests.get(msg.request_id)
+        if request is None:
+            return
+        try:
+            check_extension(request, msg, self.scheduler.max_num_batched_tokens)
+        except MMServeError as exc:
+            self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
+            return
+        request.extend_prompt(list(msg.token_ids), [tuple(r) for r in msg.mm_ranges], list(msg.mm_inputs))
 
     def _queue_compiled(self, outputs: list[CoreOutput]) -> None:
         """Queue the requests whose grammar has compiled since the last step; end those refused."""
@@ -226,6 +265,7 @@ class EngineCore:
         front end ended it: `output` None)."""
         self.requests.pop(rid)
         self._compiling.pop(rid, None)
+        self._live.release(rid)
         self.prompt_logprobs.pop(rid, None)
         self.scheduler.finish(rid)   # samples held for its prompt queue then
         self.sampler.free(rid)
@@ -267,7 +307,7 @@ class EngineCore:
                 step = self.runner.execute(out)
                 rows = verify_rows(step.sampling)
                 sampler_out = self._sample(step.logits, rows)
-                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, rows, self.eos_token_ids)
+                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
             self.threads.record(size, threads, time.perf_counter() - start_perf)
             for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -275,7 +315,12 @@ class EngineCore:
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
-        self.scheduler.update(out, {a.scheduled.request.request_id: a.rejected for a in accepted})   # samples join
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
+        for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
+            if s.request.request_id in step.media_failed:
+                rejected[s.request.request_id] = s.num_tokens
+        accepted = [_media_failed(a, step.media_failed) for a in accepted]
+        self.scheduler.update(out, rejected)   # parallel samples whose prompt is now computed join here
         drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
             try:
@@ -285,6 +330,11 @@ class EngineCore:
         end_perf, end_ns = time.perf_counter(), time.time_ns()
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
         self._emit(accepted, result.outputs)
+        for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
+            if rid in self.requests:
+                self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), result.outputs)
+        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.request.num_computed_tokens)
+                              for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
@@ -369,7 +419,8 @@ class EngineCore:
                                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                                accepted_drafts=kept.get(s.request.request_id, 0),
                                emitted_tokens=new.get(s.request.request_id, 0),
-                               draft_rows=draft[0], draft_keys=draft[1])
+                               draft_rows=draft[0], draft_keys=draft[1],
+                               encoded_by_modality=step.encoded_by_modality.get(s.request.request_id, {}))
                  for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()

@@ -29,6 +29,7 @@ from mmserve.ipc.protocol import (
     CoreOutput,
     EngineDead,
     EngineReady,
+    ExtendRequest,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -201,6 +202,8 @@ class CoreLoop:
             except Exception as exc:
                 logger.exception("request %s: admission failed", rid)
                 self._refused.append(CoreOutput(rid, error=EngineInternalError(f"request {rid}: admission failed: {exc!r}")))
+        elif isinstance(message, ExtendRequest):
+            self.core.extend_request(message, self._refused)
         elif isinstance(message, AbortRequests):
             for rid in message.request_ids:
                 self.core.abort(rid)

@@ -23,7 +23,8 @@ from mmserve.engine.observer import EngineObserver
 from mmserve.engine.output.processor import Event, OutputProcessor
 from mmserve.engine.types import EngineRequest, ModelInfo, RequestOutput
 from mmserve.errors import EngineDeadError, EngineUnavailableError, InvalidInputError
-from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady, LoadInfo
+from mmserve.ipc.protocol import EngineCoreOutputs, EngineReady, ExtendRequest, LoadInfo
+from mmserve.request import MultiModalInput
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,16 @@ class AsyncEngine:
             self.kv_events.forget(rid)
             if not finished:
                 self.abort(rid)
+
+    def extend(self, request_id: str, token_ids: list[int], mm_ranges: list[tuple[int, int]],
+               mm_inputs: list[MultiModalInput]) -> None:
+        """Append to an open prompt (a live context that `generate` is streaming): the tokens are
+        computed in the steps that follow, its stream reports them as `prefilled_tokens`."""
+        state = self.processor.states.get(request_id) if self.processor is not None else None
+        if state is None or not state.request.open_prompt:
+            raise InvalidInputError("request_id", f"{request_id!r} is not a live context in flight")
+        state.request.extend_prompt(token_ids, mm_ranges, mm_inputs)   # the observer's view, for the perf model
+        self.client.extend(ExtendRequest(request_id, token_ids, mm_ranges, mm_inputs))
 
     def abort(self, request_id: str) -> bool:
         """Stop a request within one step. False if it is not in flight."""

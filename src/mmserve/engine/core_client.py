@@ -39,6 +39,7 @@ from mmserve.ipc.protocol import (
     EngineCoreOutputs,
     EngineDead,
     EngineReady,
+    ExtendRequest,
     Shutdown,
     UtilityCall,
 )
@@ -165,6 +166,9 @@ class CoreClient:
 
     def add(self, request: EngineRequest) -> None:
         self._post(AddRequest(request.core_request()))
+
+    def extend(self, message: ExtendRequest) -> None:
+        self._post(message)
 
     def abort(self, request_ids: list[str]) -> None:
         if self.alive and not self.exited.is_set():

@@ -28,6 +28,12 @@ the last subscriber leaves, events go on for `linger_s` (a gateway that was drop
 reconnects within a fraction of a second, and resyncs from the mirror), then stop and the mirror
 is dropped.
 
+A block is published only after its parent (a router places it at its parent's position + 1, so
+one whose parent is gone could never be matched from position 0): the mirror's insertion order is
+then always parents first, so a snapshot is the mirror's blocks in order, built once per change of
+the mirror and shared by every subscriber that starts from it (the gRPC door serializes it once,
+off the event loop: server/vllm_engine/kv_events.py).
+
 Memory: one entry per published block (at most a few per cached engine block); a subscriber
 buffers at most `max_buffered` blocks of live events and is dropped with `KvEventsLagError` past it.
 """
@@ -76,9 +82,12 @@ def block_id(key: bytes) -> int:
 
 @dataclass(frozen=True)
 class Stored:
+    """`extra_keys`: the block's images/frames as vLLM publishes them (block_hash.mm_extra_keys)."""
+
     block_hash: int
     parent: int | None
     token_ids: tuple[int, ...]
+    extra_keys: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -103,8 +112,7 @@ class KvBatch:
 
 @dataclass
 class _Block:
-    parent: int | None
-    token_ids: tuple[int, ...]
+    op: Stored   # how it was published (immutable: snapshots share it)
     children: set[int] = field(default_factory=set)
 
 
@@ -131,7 +139,9 @@ class _GatewayView:
             self._needed.append(self._needed[-1] + 1)
 
     def ready_blocks(self) -> list[tuple[int, int | None, tuple[int, ...], bytes]]:
-        """Gateway blocks newly backed by cached engine blocks: (hash, parent, tokens, resting key)."""
+        """Gateway blocks newly backed by cached engine blocks: (hash, parent, tokens, resting key).
+        They carry no extra keys: a gateway sends one anchor per video and none of its content, so no
+        router could fold our frames' hashes into its own (docs/gateway.md#llm-d)."""
         out = []
         bs = self.block_size
         while (self.published + 1) * bs < len(self._needed):
@@ -207,7 +217,8 @@ class KvEventHub:
         self.max_buffered = max_buffered
         self.linger_s = linger_s
         self.sequence = 0
-        self._blocks: dict[int, _Block] = {}
+        self._blocks: dict[int, _Block] = {}       # insertion order: parents first
+        self._snapshot: KvBatch | None = None       # of the mirror as it is now, once asked for
         self._resting: dict[bytes, set[int]] = {}   # engine key -> published blocks resting on it
         self._views: dict[str, _GatewayView] = {}   # requests in flight with a gateway's view
         self._subs: set[_Subscription] = set()
@@ -292,6 +303,7 @@ class KvEventHub:
     def _drop_mirror(self) -> None:
         self._blocks.clear()
         self._resting.clear()
+        self._snapshot = None
         for view in self._views.values():
             view.reset()
 
@@ -308,27 +320,31 @@ class KvEventHub:
         view = self._views.get(event.request_id)
         if view is None:
             parent = block_id(event.parent) if event.parent is not None else None
-            self._add(block_id(event.key), parent, event.token_ids, event.key, ops)
+            self._add(block_id(event.key), parent, event.token_ids, event.key, ops, event.extra_keys)
             return
         view.stored_upto = max(view.stored_upto, event.index + 1)
         for h, parent, tokens, key in view.ready_blocks():
             self._add(h, parent, tokens, key, ops)
 
-    def _add(self, h: int, parent: int | None, tokens: tuple[int, ...], key: bytes, ops: list) -> None:
-        if h in self._blocks:
-            return
-        self._blocks[h] = _Block(parent, tokens)
-        if parent in self._blocks:
+    def _add(self, h: int, parent: int | None, tokens: tuple[int, ...], key: bytes, ops: list,
+             extra_keys: tuple[tuple[str, int], ...] | None = None) -> None:
+        if h in self._blocks or (parent is not None and parent not in self._blocks):
+            return   # published already, or unreachable from position 0 (its parent is gone)
+        op = Stored(h, parent, tokens, extra_keys)
+        self._blocks[h] = _Block(op)
+        if parent is not None:
             self._blocks[parent].children.add(h)
         self._resting.setdefault(key, set()).add(h)
-        ops.append(Stored(h, parent, tokens))
+        self._snapshot = None
+        ops.append(op)
 
     def _remove(self, h: int, removed: list[int]) -> None:
         block = self._blocks.get(h)
         if block is None:
             return
-        if block.parent in self._blocks:
-            self._blocks[block.parent].children.discard(h)
+        self._snapshot = None
+        if block.op.parent in self._blocks:
+            self._blocks[block.op.parent].children.discard(h)
         stack = [h]   # the block and its descendants (chains are thousands of blocks long: no recursion)
         while stack:
             h = stack.pop()
@@ -340,16 +356,12 @@ class KvEventHub:
     # -- subscribers ------------------------------------------------------------------------------------
 
     def snapshot(self) -> KvBatch:
-        """Everything published now, parents before children, after a `Cleared`."""
-        ops: list[Stored | Removed | Cleared] = [Cleared()]
-        roots = [h for h, b in self._blocks.items() if b.parent not in self._blocks]
-        stack = list(reversed(roots))
-        while stack:
-            h = stack.pop()
-            block = self._blocks[h]
-            ops.append(Stored(h, block.parent, block.token_ids))
-            stack.extend(c for c in sorted(block.children) if c in self._blocks)
-        return KvBatch(self.sequence, time.time(), tuple(ops), snapshot=True)
+        """Everything published now, parents before children (the mirror's order), after a `Cleared`;
+        the same object until the mirror changes."""
+        if self._snapshot is None:
+            ops = (Cleared(), *(block.op for block in self._blocks.values()))
+            self._snapshot = KvBatch(self.sequence, time.time(), ops, snapshot=True)
+        return self._snapshot
 
     async def subscribe(self) -> AsyncIterator[KvBatch]:
         """A snapshot of what is cached, then every later batch, until the engine stops (its error) or

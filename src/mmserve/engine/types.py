@@ -76,6 +76,7 @@ class RequestOutput:
     timings: Timings | None = None
     perf: dict[str, Any] = field(default_factory=dict)
     videos: list[SampledVideo] | None = None   # on the last output: each video part's sampled frames
+    prefilled_tokens: int = 0   # an open prompt's tokens in the KV cache, after the step that computed them
 
     def merged(self, later: RequestOutput) -> RequestOutput:
         """This delta followed by `later`, as one (a reader that lagged gets one message): list

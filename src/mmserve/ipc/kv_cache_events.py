@@ -19,13 +19,16 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class BlockStored:
     """Block `index` of `request_id`'s sequence now holds the prefix `key` names (chained on `parent`,
-    None for block 0); `token_ids` are its block_size tokens."""
+    None for block 0); `token_ids` are its block_size tokens; `extra_keys` the images/frames that went
+    into its key beside them (block_hash.mm_extra_keys: what tells two videos with the same
+    placeholder tokens apart), None for text."""
 
     key: bytes
     parent: bytes | None
     index: int
     token_ids: tuple[int, ...]
     request_id: str
+    extra_keys: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What crosses between the front end and the engine core, in both directions. Plain data only.
 
-Front end -> core: `AddRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
 iteration that changed anything (admissions, tokens, ends, a step record, utility results).
 `mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
@@ -14,7 +14,7 @@ from typing import Any
 
 from mmserve.ipc.kv_cache_events import KvEvent
 from mmserve.ipc.records import StepRecord
-from mmserve.request import MultiModalInput
+from mmserve.request import EncoderInput
 from mmserve.sampling_params import SamplingParams
 
 
@@ -27,12 +27,17 @@ class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     mm_ranges: list[tuple[int, int]] = field(default_factory=list)
-    mm_inputs: list[MultiModalInput] = field(default_factory=list)
+    mm_inputs: list[EncoderInput] = field(default_factory=list)   # pixels or audio features, one per range
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)
+    # > 0: a live session's context that may grow to this many tokens (AsyncEngine.extend); it never
+    # samples, streams its progress (RequestOutput.prefilled_tokens) and ends only when aborted.
+    open_prompt: int = 0
+    # The live session a context belongs to: its contexts share one KV reservation (EngineCore).
+    session_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,16 @@ class AbortRequests:
 
 
 @dataclass
+class ExtendRequest:
+    """Append tokens (and the images/frames of their ranges, absolute positions) to an open prompt."""
+
+    request_id: str
+    token_ids: list[int]
+    mm_ranges: list[tuple[int, int]] = field(default_factory=list)
+    mm_inputs: list = field(default_factory=list)   # MultiModalInput, one per range
+
+
+@dataclass
 class UtilityCall:
     """Ask the core for something outside the step loop (`core_proc.UTILITIES` names what is allowed)."""
 
@@ -111,6 +126,7 @@ class CoreOutput:
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_detail: str | None = None
     num_cached_tokens: int = 0
+    prefilled_tokens: int = 0   # an open prompt's computed tokens after this step (it never has new tokens)
 
     @property
     def finished(self) -> bool:

@@ -26,6 +26,8 @@ class ScheduledItem:
     emitted_tokens: int = 0     # tokens this step appended to the request (accepted drafts + the target's own)
     draft_rows: int = 0         # draft steps the assistant ran for it after this step (the batch's longest)
     draft_keys: int = 0         # ... each over this many of the target's cached positions
+    # Of num_frames_encoded, how many per modality ("image", "video", "audio"): encoder-cache misses.
+    encoded_by_modality: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.planner import GiB, KVCachePlan, KVCacheTooSmall, plan_pools
 from mmserve.errors import MMServeError
-from mmserve.metrics.peaks import lookup, utilization
+from mmserve.metrics.peaks import known_devices, lookup, utilization
 from mmserve.metrics.perf_model import (
     ACCOUNTING_MODES,
     DraftWork,
@@ -98,8 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=0, help="context length cap for --kv-cache-gib; 0 = the model's")
     p.add_argument("--window-cache-share", type=float, default=EngineConfig.window_cache_share,
                    help="the server's --window-cache-share, for --kv-cache-gib (0: prefix caching off)")
-    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes "
-                                                       "(and kv_plan with --kv-cache-gib)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes, "
+                   "mfu/mbu/peak_flops/peak_bandwidth with --device and --step-time-ms, and kv_plan with --kv-cache-gib")
     p.set_defaults(func=run)
 
 
@@ -177,6 +177,16 @@ def run(args: argparse.Namespace) -> int:
             return 2
         drafts = tuple(DraftWork(args.num_speculative_tokens, r.draft_keys or r.work.context_len)
                        for r in args.request if r.work.samples)
+    peaks = None
+    if args.step_time_ms or args.device:   # MFU/MBU: a measured step time on a known GPU
+        if not (args.step_time_ms and args.device):
+            print("mmserve perf: MFU/MBU need both --device and --step-time-ms", file=sys.stderr)
+            return 2
+        peaks = lookup(args.device, args.dtype)
+        if peaks is None:
+            print(f"mmserve perf: no peak table entry for {args.device!r}; known: {', '.join(known_devices())}",
+                  file=sys.stderr)
+            return 2
     model = PerfModel(spec, dtype=args.dtype, tp=args.tp, pp=args.pp, accounting=args.accounting, drafter=drafter)
     images: tuple[VisionWork, ...] = ()
     if args.frames:
@@ -185,8 +195,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
         images = (VisionWork(args.patches_per_frame or spec.vision.default_patches),) * args.frames
     breakdown = model.step(StepContext(tuple(r.work for r in args.request), images, drafts=drafts), per_gpu=True)
+    use = None
+    if peaks is not None:
+        seconds = args.step_time_ms / 1e3
+        use = {"mfu": utilization(breakdown.total_flops, seconds, peaks.flops, "MFU"),
+               "mbu": utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU"),
+               "peak_flops": peaks.flops, "peak_bandwidth": peaks.bandwidth}
     if args.json:
-        json.dump(breakdown.as_dict() | ({"kv_plan": plan} if plan else {}), sys.stdout, indent=2, sort_keys=True)
+        json.dump({**breakdown.as_dict(), **(use or {}), **({"kv_plan": plan} if plan else {})}, sys.stdout,
+                  indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
@@ -202,16 +219,9 @@ def run(args: argparse.Namespace) -> int:
         for key in sorted(items):
             out.write(f"    {key:<{width}} {items[key]:.4g}\n")
     out.write(f"  attention core FLOPs: sliding {breakdown.attn_flops_sliding:.4g}, full {breakdown.attn_flops_full:.4g}\n")
-    if args.step_time_ms and args.device:
-        peaks = lookup(args.device, args.dtype)
-        if peaks is None:
-            print(f"mmserve perf: no peak table entry for {args.device!r}", file=sys.stderr)
-            return 2
-        seconds = args.step_time_ms / 1e3
-        mfu = utilization(breakdown.total_flops, seconds, peaks.flops, "MFU")
-        mbu = utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU")
-        out.write(f"  MFU {100 * mfu:.1f}%  MBU {100 * mbu:.1f}%  (peaks {peaks.flops:.4g} FLOP/s, "
-                  f"{peaks.bandwidth:.4g} B/s)\n")
+    if use is not None:
+        out.write(f"  MFU {100 * use['mfu']:.1f}%  MBU {100 * use['mbu']:.1f}%  (peaks {use['peak_flops']:.4g} FLOP/s, "
+                  f"{use['peak_bandwidth']:.4g} B/s)\n")
     if plan is not None:
         write_kv_plan(out, plan, args.kv_cache_gib, args)
     return 0

@@ -82,6 +82,11 @@ _TABLE: tuple[tuple[str, _Sku], ...] = (
 )
 
 
+def known_devices() -> list[str]:
+    """The table's GPUs as a person names them (for a refusal listing what `lookup` knows)."""
+    return [re.sub(r"\\b", "", pattern).replace(".*", " ") for pattern, _ in _TABLE]
+
+
 def lookup(device_name: str, dtype: str = "bfloat16") -> DevicePeaks | None:
     """Table peaks for a CUDA device name (as torch.cuda.get_device_name() reports it), or None."""
     for pattern, sku in _TABLE:

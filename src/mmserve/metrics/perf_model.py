@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING
 
 from mmserve.attention.backend import LayerAttentionSpec
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
-from mmserve.model.spec import ModelSpec, MoeSpec, VisionSpec
+from mmserve.model.spec import AudioSpec, ModelSpec, MoeSpec, VisionSpec
 
 if TYPE_CHECKING:
     from mmserve.model.assistant_spec import AssistantSpec
@@ -126,6 +126,15 @@ class VisionWork:
 
 
 @dataclass(frozen=True)
+class AudioWork:
+    """One audio segment through the audio tower: its log-mel frames as run (padding included) and
+    the soft tokens it yields (0 = frames subsampled 4x by the two stride-2 convs)."""
+
+    num_frames: int
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class DraftWork:
     """One request's drafting after the step: `num_rows` draft steps of the assistant, each over the
     target's `num_keys` cached positions before the token it drafts from. `constrained`: its output
@@ -143,6 +152,7 @@ class StepContext:
 
     requests: tuple[RequestWork, ...] = ()
     images: tuple[VisionWork, ...] = ()
+    audio: tuple[AudioWork, ...] = ()
     experts_touched: float | None = None
     drafts: tuple[DraftWork, ...] = ()
 
@@ -192,7 +202,7 @@ class PerfBreakdown:
     TOTALS = ("attn_flops_sliding", "attn_flops_full", "kept_pairs_sliding", "kept_pairs_full")
 
     def component(self, name: str) -> PerfBreakdown:
-        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "drafter", "comm")."""
+        """Only the items of one component ("attn", "ffn", "ple", "unembed", "vision", "audio", "drafter", "comm")."""
         out = PerfBreakdown()
         for table in self.TABLES:
             getattr(out, table).update({k: v for k, v in getattr(self, table).items() if k.split(".", 1)[0] == name})
@@ -278,6 +288,8 @@ class PerfModel:
                     self._comm(out, "logits_all_gather", "all_gather", logits * self.spec.vocab_size * ba / pp, tp)
         if ctx.images and self.spec.vision is not None:
             self._vision(out, self.spec.vision, ctx.images, pp)
+        if ctx.audio and self.spec.audio is not None:
+            self._audio(out, self.spec.audio, ctx.audio, pp)
         if ctx.drafts and self.drafter is not None:
             self._drafter(out, self.drafter, ctx.drafts, tp)
         return out
@@ -435,6 +447,35 @@ class PerfModel:
             per_layer = v.hidden * (q + 2 * kv) * d + q * d * v.hidden + v.hidden * width * 3
             r["vision.weight"] += (per_layer * v.num_layers + v.patch_dim * v.hidden
                                    + v.hidden * v.projector_out) * bw / pp
+
+    def _audio(self, out: PerfBreakdown, a: AudioSpec, segments: Iterable[AudioWork], pp: int) -> None:
+        """The audio tower on every GPU of a stage (replicated, like the vision tower): two stride-2
+        3x3 convs over the [frames, bins] log-mel grid, then per block two 4x-wide feed-forwards, Q/K/V
+        and output projections, chunked local attention (each query sees `context` keys, plus the
+        relative-position term over half of them), the light conv (GLU projection, depthwise conv,
+        output projection); then the output projection and the embedder's projection to the text width."""
+        ba, bw = self.act_bytes, self.weight_bytes
+        h, (c0, c1), bins, layers = a.hidden, a.conv_channels, a.feature_size, a.num_layers / pp
+        f, r, w = out.flops, out.read_bytes, out.write_bytes
+        for seg in segments:
+            frames = seg.num_frames
+            t = seg.num_tokens or ((frames + 1) // 2 + 1) // 2
+            f["audio.subsample"] += (2 * 9 * c0 * ((frames + 1) // 2) * (bins // 2)
+                                     + 2 * 9 * c0 * c1 * t * (bins // 4) + 2 * t * (bins // 4) * c1 * h) / pp
+            f["audio.ffn"] += 2 * 2 * (2 * t * h * 4 * h) * layers
+            f["audio.attn_proj"] += 4 * (2 * t * h * h) * layers
+            f["audio.attn_core"] += (2 * 2 * t * a.context * h + 2 * t * (a.context // 2 + 1) * h) * layers
+            f["audio.lconv"] += (2 * t * h * 2 * h + 2 * t * h * h + 2 * t * h * a.conv_kernel) * layers
+            f["audio.projector"] += (2 * t * h * a.output_dim + 2 * t * a.output_dim * a.projector_out) / pp
+            # per block: each matmul's input and output once (FFNs 4x wide), the attention context's K/V
+            act = t * h * (2 * 2 * 5 + 2 * 4 + 2 * a.context + 6) * ba * layers
+            r["audio.activations"] += act
+            w["audio.activations"] += act
+            r["audio.input"] += frames * bins * ba / pp
+            w["audio.output"] += t * a.projector_out * ba / pp
+        per_block = 2 * 2 * h * 4 * h + 5 * h * h + 3 * h * h + h * a.conv_kernel
+        r["audio.weight"] += (per_block * a.num_layers + 9 * c0 + 9 * c0 * c1 + (bins // 4) * c1 * h
+                              + h * a.output_dim + a.output_dim * a.projector_out) * bw / pp
 
     # -- speculative drafter -----------------------------------------------------------------------
 

@@ -56,7 +56,21 @@ PROMETHEUS_NAMES = {
     "mmserve.perf.peak_bandwidth": "mmserve_perf_peak_bandwidth",
     "mmserve.device_peaks_info": "mmserve_device_peaks_info",
     "mmserve.backend_info": "mmserve_backend_info",
+    "mmserve.kv_events.dropped": "mmserve_kv_events_dropped_total",
+    "mmserve.encoder_cache.queries": "mmserve_encoder_cache_queries_total",
+    "mmserve.encoder_cache.hits": "mmserve_encoder_cache_hits_total",
+    "mmserve.live.sessions": "mmserve_live_sessions",
+    "mmserve.live.frames_prefilled": "mmserve_live_frames_prefilled_total",
+    "mmserve.live.frames_dropped": "mmserve_live_frames_dropped_total",
+    "mmserve.live.rollovers": "mmserve_live_rollovers_total",
+    "mmserve.live.lag": "mmserve_live_lag_seconds",
 }
+
+# Label values known when the metrics are made (or, for draft positions, when speculation is set up):
+# their counters are exported at 0 from the start, so a rate() over them is 0, not empty, until the
+# first one counts (a drafter that is never right still shows an acceptance of 0).
+KV_EVENT_DROP_REASONS = ("publisher_queue_full", "publisher_lagging")
+MODALITIES = ("image", "video", "audio")
 
 
 @dataclass
@@ -74,6 +88,27 @@ class StepMetrics:
     bytes: float
     seconds: float
     comm_bytes: float = 0.0   # sent over the interconnect per GPU (tensor parallelism), not in `bytes`
+
+
+class SpeculationTotals:
+    """Speculative decoding since start, as vLLM counts it (vllm/v1/spec_decode/metrics.py): drafts =
+    verify chunks (a request's drafts scored in one step), draft tokens, accepted tokens, and accepted
+    tokens per 0-based draft position."""
+
+    def __init__(self) -> None:
+        self.drafts = self.draft_tokens = self.accepted_tokens = 0
+        self.accepted_per_position: list[int] = []
+
+    def positions(self, n: int) -> None:
+        self.accepted_per_position += [0] * (n - len(self.accepted_per_position))
+
+    def add(self, draft_tokens: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += draft_tokens
+        self.accepted_tokens += accepted
+        self.positions(draft_tokens)
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
 
 
 class EngineMetrics:
@@ -159,10 +194,27 @@ class EngineMetrics:
         self.verify_chunks = meter.create_counter(
             "mmserve.speculative.verify_chunks",
             description="verify chunks run; tokens per chunk = (accepted tokens + verify chunks) / verify chunks")
+        self.encoder_cache_queries = meter.create_counter(
+            "mmserve.encoder_cache.queries",
+            description="images/frames a step computed the K/V of, looked up in the encoder cache, by modality")
+        self.encoder_cache_hits = meter.create_counter(
+            "mmserve.encoder_cache.hits",
+            description="of those, embeddings found there (or earlier in the same step): the vision tower did "
+                        "not run on them; misses = queries - hits")
+        for modality in MODALITIES:
+            self.encoder_cache_queries.add(0, {"modality": modality})
+            self.encoder_cache_hits.add(0, {"modality": modality})
         self.frames_encoded = meter.create_counter("mmserve.vision.frames_encoded",
                                                    description="images/frames run through the vision tower "
                                                                "(encoder-cache and prefix-cache hits excluded)")
+        self.kv_events_dropped = meter.create_counter(
+            "mmserve.kv_events.dropped",
+            description="times the ZMQ KV event publisher (--kv-events-config) dropped the batches it held and "
+                        "resynced its subscribers from a snapshot, by reason")
+        for reason in KV_EVENT_DROP_REASONS:
+            self.kv_events_dropped.add(0, {"reason": reason})
         self._prefix_totals = [0, 0]   # queries, hits: the gauge's numerator and denominator
+        self.speculation = SpeculationTotals()   # what the vllm:spec_decode_* counters read
         self._pools: set[str] = set()   # KV pools seen, for record_idle
         self._vllm_compat = None        # the watched engine's collector (watch_engine)
         self.peak_flops = meter.create_gauge("mmserve.perf.peak_flops", description="the FLOP/s MFU divides by")
@@ -174,20 +226,65 @@ class EngineMetrics:
                                                 "the selected and the running backend and why it fell back")
         self.tensor_parallel_size = meter.create_gauge(
             "mmserve.tensor_parallel_size", description="ranks the decoder is split over; MFU/MBU are per rank")
+        # Live video sessions (server/live.py, engine/live_session.py call live_sessions / live_event).
+        self.live_sessions_open = meter.create_up_down_counter("mmserve.live.sessions",
+                                                               description="live video sessions open")
+        self._live_events = {
+            "frames_prefilled": meter.create_counter(
+                "mmserve.live.frames_prefilled",
+                description="live sessions' frames whose K/V reached their context; rate() is frames/s absorbed").add,
+            "frames_dropped": meter.create_counter(
+                "mmserve.live.frames_dropped",
+                description="live frames dropped to keep up (DROP policy; a rebuild's unprefilled frames)").add,
+            "rollovers": meter.create_counter("mmserve.live.rollovers",
+                                              description="live contexts rebuilt from their newest frames").add,
+            "lag_s": meter.create_histogram(
+                "mmserve.live.lag", unit="s", explicit_bucket_boundaries_advisory=_LATENCY_BUCKETS,
+                description="how long a live session's oldest frame not yet prefilled has waited, at each "
+                            "progress report (0 = caught up)").record,
+        }
+        self.live_sessions_open.add(0)   # exported at 0 from the start, as the counters with known labels
+        for what in ("frames_prefilled", "frames_dropped", "rollovers"):
+            self._live_events[what](0)
 
-    def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool) -> None:
+    def watch_engine(self, engine, *, block_size: int, enable_prefix_caching: bool,
+                     num_speculative_tokens: int = 0) -> None:
         """Also serve the vLLM-named compatibility set (metrics/vllm_compat.py) of `engine`, an AsyncEngine,
-        read at scrape time. Prometheus exposition only; a no-op without it."""
+        read at scrape time. Prometheus exposition only; a no-op without it. `num_speculative_tokens`:
+        the draft positions when the engine speculates (0: it does not); their counters start at 0."""
         from mmserve.metrics.vllm_compat import VllmCompatCollector
 
+        if num_speculative_tokens:
+            self.speculates(num_speculative_tokens)
         if self.registry is None:
             return
         if self._vllm_compat is not None:   # a server restarted on these metrics: one engine's set, not two
             self.registry.unregister(self._vllm_compat)
         self._vllm_compat = VllmCompatCollector(engine, block_size=block_size,
                                                 enable_prefix_caching=enable_prefix_caching,
-                                                prefix_totals=lambda: tuple(self._prefix_totals))
+                                                prefix_totals=lambda: tuple(self._prefix_totals),
+                                                speculation=self.speculation if num_speculative_tokens else None)
         self.registry.register(self._vllm_compat)
+
+    def speculates(self, num_tokens: int) -> None:
+        """The engine drafts up to `num_tokens` per step: every position's counters exist from now on."""
+        self.verify_chunks.add(0)
+        for position in range(num_tokens):
+            self.draft_tokens.add(0, {"position": str(position)})
+            self.accepted_tokens.add(0, {"position": str(position)})
+        self.speculation.positions(num_tokens)
+
+    def count_kv_events_dropped(self, reason: str) -> None:
+        self.kv_events_dropped.add(1, {"reason": reason})
+
+    def live_sessions(self, delta: int) -> None:
+        """A live session opened (+1) or ended (-1)."""
+        self.live_sessions_open.add(delta)
+
+    def live_event(self, what: str, value: float) -> None:
+        """A live session's progress: `what` is frames_prefilled, frames_dropped or rollovers (counts),
+        or lag_s (seconds, at each progress report)."""
+        self._live_events[what](value)
 
     def count_rpc(self, rpc: str, code: str) -> None:
         self.rpc_requests.add(1, {"rpc": rpc, "code": code})
@@ -225,10 +322,16 @@ class EngineMetrics:
         for item in items:
             if item.draft_tokens:
                 self.verify_chunks.add(1)
+                self.speculation.add(item.draft_tokens, item.accepted_drafts)
                 for position in range(item.draft_tokens):
                     self.draft_tokens.add(1, {"position": str(position)})
                     if position < item.accepted_drafts:
                         self.accepted_tokens.add(1, {"position": str(position)})
+
+    def record_encoder_cache(self, modality: str, queries: int, hits: int) -> None:
+        if queries:
+            self.encoder_cache_queries.add(queries, {"modality": modality})
+            self.encoder_cache_hits.add(hits, {"modality": modality})
 
     def record_idle(self) -> None:
         """The last request in flight ended: no step follows to update the gauges, so set them to what

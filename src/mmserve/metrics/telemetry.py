@@ -29,11 +29,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Status, StatusCode, Tracer
 
 from mmserve.metrics.peaks import DevicePeaks, utilization
 from mmserve.metrics.perf_model import (
+    AudioWork,
     DraftWork,
     PerfBreakdown,
     PerfModel,
@@ -41,14 +43,16 @@ from mmserve.metrics.perf_model import (
     StepContext,
     VisionWork,
 )
-from mmserve.metrics.prometheus import EngineMetrics, StepMetrics
+from mmserve.metrics.prometheus import MODALITIES, EngineMetrics, StepMetrics
 from mmserve.metrics.tracing import get_tracer
+from mmserve.request import AudioFeatures
 
 logger = logging.getLogger(__name__)
 
 PREFILL_SPAN = "mmserve.prefill"
 DECODE_SPAN = "mmserve.decode"
 VISION_SPAN = "mmserve.vision.encode"
+AUDIO_SPAN = "mmserve.audio.encode"
 STEP_SPAN = "mmserve.engine.step"
 ERROR_FINISH_REASONS = frozenset({"abort", "aborted", "cancelled", "error"})
 UNKNOWN_PEAKS = DevicePeaks("unknown", 0.0, 0.0, "none")  # utilization() reports 0 against a 0 peak
@@ -160,12 +164,16 @@ class TelemetryObserver:
         text = self.perf.step(StepContext(requests, experts_touched=getattr(record, "experts_touched", None)),
                               per_gpu=True)
         vision = self._vision(record)
+        audio = {item.request_id: self._audio(item) for item in record.items if item.num_frames_encoded}
+        audio = {rid: self.perf.step(StepContext(audio=works), per_gpu=True) for rid, works in audio.items() if works}
         drafts = draft_work(record)
         drafter = self.perf.step(StepContext(drafts=drafts), per_gpu=True) if drafts else None
         step = PerfBreakdown()
         step.add(text)
         if vision is not None:
             step.add(vision.executed)
+        for part in audio.values():
+            step.add(part)
         if drafter is not None:
             step.add(drafter)
         draft_rows = sum(d.num_rows for d in drafts) or 1
@@ -197,6 +205,13 @@ class TelemetryObserver:
                                "mmserve.vision.padded_patches": vision.padded_patches,
                                "mmserve.vision.useful_flops": frames.useful_flops,
                            }, interval=(start_ns, end_ns) if call_s else None)
+            heard = audio.get(item.request_id)
+            if heard is not None:   # its segments as one encoder call's share (segments batch like frames)
+                state.total.add(heard, 1.0, PerfBreakdown(), 0.0)
+                start_ns, end_ns, call_s = _encode_interval(record)
+                self._span(AUDIO_SPAN, item, record, heard, 1.0, step, call_s or seconds,
+                           {"mmserve.audio.num_segments": len(self._audio(item))},
+                           interval=(start_ns, end_ns) if call_s else None)
             if item.is_prefill:
                 attributes = {
                     "mmserve.prefill.chunk_index": state.prefill_chunks,
@@ -222,6 +237,8 @@ class TelemetryObserver:
             self.metrics.record_prefix_cache(sum(i.prefix_queried for i in record.items),
                                              sum(i.prefix_hit for i in record.items))
             self.metrics.frames_encoded.add(sum(i.num_frames_encoded for i in record.items))
+            for modality, (queries, hits) in self._encoder_cache(record).items():
+                self.metrics.record_encoder_cache(modality, queries, hits)
             self.metrics.record_speculation(record.items)
             if not self._requests:   # the core counted requests the front end has ended (an abort in flight)
                 self.metrics.record_idle()
@@ -262,6 +279,25 @@ class TelemetryObserver:
 
     # -- helpers -----------------------------------------------------------------------------------
 
+    def _encoder_cache(self, record: Any) -> dict[str, tuple[int, int]]:
+        """modality -> (encoder-cache queries, hits) of the step: every image, frame and audio segment
+        with a token in a request's chunk was looked up (its K/V is computed now; an audio segment split
+        between chunks, in each); those the core did not encode were found."""
+        spec = self.perf.spec
+        queries: dict[str, int] = dict.fromkeys(MODALITIES, 0)
+        encoded: dict[str, int] = dict.fromkeys(MODALITIES, 0)
+        for item in record.items:
+            first = item.context_len - item.num_tokens
+            ids = getattr(item.request, "prompt_token_ids", ())
+            for start, end in getattr(item.request, "mm_ranges", ()):
+                if end >= first and start < item.context_len:
+                    token = ids[start] if start < len(ids) else None
+                    queries["video" if token == spec.video_token_id else
+                            "audio" if token is not None and token == spec.audio_token_id else "image"] += 1
+            for modality, n in getattr(item, "encoded_by_modality", {}).items():
+                encoded[modality] = encoded.get(modality, 0) + n
+        return {m: (queries[m], max(0, queries[m] - encoded.get(m, 0))) for m in queries}
+
     def _frames(self, item: Any) -> list[tuple[int, VisionWork]]:
         """(rows as batched, useful work) of the frames whose ranges start inside this chunk: the rows
         include the preprocessor's padding patches, the useful work counts only real patches."""
@@ -270,6 +306,8 @@ class TelemetryObserver:
         inputs = list(getattr(request, "mm_inputs", ()))
         found = []
         for i, (start, end) in enumerate(getattr(request, "mm_ranges", ())):
+            if i < len(inputs) and isinstance(inputs[i], AudioFeatures):
+                continue   # the audio tower's: _audio
             if first <= start < item.context_len:
                 if i < len(inputs):
                     rows = int(inputs[i].pixel_values.shape[0])
@@ -277,15 +315,27 @@ class TelemetryObserver:
                 else:
                     rows = real = self.patches_per_frame
                 found.append((rows, VisionWork(real, end - start + 1)))
-        found = found[:item.num_frames_encoded]
-        missing = item.num_frames_encoded - len(found)
+        encoded = item.num_frames_encoded - len(self._audio(item))   # the rest went through the audio tower
+        found = found[:encoded]
+        missing = encoded - len(found)
         return found + [(self.patches_per_frame, VisionWork(self.patches_per_frame))] * missing
+
+    @staticmethod
+    def _audio(item: Any) -> tuple[AudioWork, ...]:
+        """The audio segments this chunk encoded: those starting in it (a segment split between chunks
+        is encoded with its first), at most as many as the step encoded for the request."""
+        request, first = item.request, item.context_len - item.num_tokens
+        inputs = list(getattr(request, "mm_inputs", ()))
+        return tuple(AudioWork(int(inputs[i].features.shape[0]), end - start + 1)
+                     for i, (start, end) in enumerate(getattr(request, "mm_ranges", ()))
+                     if i < len(inputs) and isinstance(inputs[i], AudioFeatures) and first <= start < item.context_len
+                     )[:item.num_frames_encoded]
 
     def _vision(self, record: Any) -> _VisionStep | None:
         """The step's encoder call priced as executed (every frame padded to the longest, then to the
         pooling window: the runner batches them so), the encoder's weights read once for the call and
         shared among requests by frame count, and each request's useful (unpadded) FLOPs beside it."""
-        frames = {item.request_id: self._frames(item) for item in record.items if item.num_frames_encoded}
+        frames = {item.request_id: fs for item in record.items if item.num_frames_encoded and (fs := self._frames(item))}
         vision = self.perf.spec.vision
         if not frames or vision is None:
             return None
@@ -385,12 +435,15 @@ def _context(request: Any) -> Any:
 def request_work(item: Any) -> RequestWork:
     """One scheduled item of a step record as the perf model bills it."""
     request = item.request
-    ranges = tuple(tuple(r) for r in getattr(request, "mm_ranges", ()))
+    # the ranges that attend within themselves: images and frames (audio is causal)
+    ranges = tuple(map(tuple, getattr(request, "vision_ranges_np", np.asarray(getattr(request, "mm_ranges", ()))
+                                      ).reshape(-1, 2).tolist()))
     # A prefill chunk samples when it reaches the request's last known token (the engine calls
     # on_step before appending this step's token; after preemption that includes earlier outputs).
+    # A live session's context (an open prompt) never samples: billed as the prefill chunk it is.
     known = getattr(request, "num_tokens", 0)
-    return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges,
-                       samples=not item.is_prefill or item.context_len >= known)
+    samples = not getattr(request, "open_prompt", 0) and (not item.is_prefill or item.context_len >= known)
+    return RequestWork(item.num_tokens, item.context_len, item.is_prefill, ranges, samples=samples)
 
 
 def draft_work(record: Any) -> tuple[DraftWork, ...]:

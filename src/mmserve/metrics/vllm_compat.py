@@ -10,7 +10,12 @@ for vLLM read `vllm:prefix_cache_{queries,hits}_total`. The names, types, labels
   on their way to the engine process, so a burst shows before the next step);
 - kv_cache_usage_perc: share of KV blocks in use, 0..1 despite the name; cached blocks nobody holds
   count as free, as in vLLM (our fullest pool, the one that limits admission);
-- prefix_cache_queries / hits: counters of tokens looked up in the prefix cache at admission / found.
+- prefix_cache_queries / hits: counters of tokens looked up in the prefix cache at admission / found;
+- spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos
+  (with `--speculative-model` only, as vLLM has them only with a speculative config): verify chunks
+  (one request's drafts scored in one step), draft tokens, accepted drafts, and accepted drafts per
+  0-based draft position (`position`, every position from the start);
+- cache_config_info: 1, labelled with the cache's block_size, num_gpu_blocks and enable_prefix_caching.
 
 The gauges are read from the engine's load at scrape time, not set per step, so they return to idle
 after the last request ends (no step runs then). Prometheus exposition only: OTLP carries ours.
@@ -39,11 +44,12 @@ class VllmCompatCollector(Collector):
     totals `prefix_totals()` returns (queries, hits). Serves nothing until the engine has started."""
 
     def __init__(self, engine, *, block_size: int, enable_prefix_caching: bool,
-                 prefix_totals: Callable[[], tuple[int, int]]):
+                 prefix_totals: Callable[[], tuple[int, int]], speculation=None):
         self.engine = engine
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._prefix_totals = prefix_totals
+        self._speculation = speculation   # a prometheus.SpeculationTotals when the engine speculates
         self._last_load = None
 
     def collect(self) -> Iterator[Metric]:
@@ -75,6 +81,21 @@ class VllmCompatCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=_LABELS)
             counter.add_metric(labels, value)
             yield counter
+        spec = self._speculation
+        if spec is None:
+            return
+        for name, help_text, value in (
+                ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", spec.drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", spec.draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", spec.accepted_tokens)):
+            counter = CounterMetricFamily(name, help_text, labels=_LABELS)
+            counter.add_metric(labels, value)
+            yield counter
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
+        for position, value in enumerate(list(spec.accepted_per_position)):
+            per_position.add_metric([*labels, str(position)], value)
+        yield per_position
 
     def _read_load(self):
         """The engine's load. It sums over a dict the event loop mutates, so a read from the scrape

@@ -44,10 +44,10 @@ from mmserve.model.assistant_spec import (
 )
 from mmserve.model.decoder import MLP
 from mmserve.model.norm import RMSNorm
-from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard, shards_of
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard, merged_of, shards_of
 from mmserve.model.rope import RotaryEmbedding, norm_rope
 from mmserve.model.spec import ModelSpec
-from mmserve.model.weights import WeightLoadError, checkpoint_files, iter_tensors
+from mmserve.model.weights import WeightLoadError, checkpoint_files, copy_merged, iter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -220,18 +220,23 @@ def load_assistant(path: str | Path, target: ModelSpec, *, dtype: torch.dtype, d
     check_compatible(spec, target)
     with torch.device("meta"):
         model = Assistant(spec, parallel)
-    expected = model.state_dict()
-    files = checkpoint_files(path)
-    names = {n for n in files if not (spec.tie_word_embeddings and n == "lm_head.weight")}
-    missing, unexpected = sorted(set(expected) - names), sorted(names - set(expected))
+    shapes = {name: t.shape for name, t in model.state_dict().items()}
+    merged = merged_of(model)   # the MLP's gate_up_proj, stacked from the checkpoint's gate_proj and up_proj
+    expected = (set(shapes) - {into for into, _ in merged.values()}) | set(merged)
+    names = {n for n in checkpoint_files(path) if not (spec.tie_word_embeddings and n == "lm_head.weight")}
+    missing, unexpected = sorted(expected - names), sorted(names - expected)
     if missing or unexpected:
         raise WeightLoadError(f"{path}: assistant checkpoint does not match its config: missing {missing[:8]}, "
                               f"unexpected {unexpected[:8]}")
+    shards = shards_of(model) | {name: part.shard for name, (_, part) in merged.items() if part.shard is not None}
     state = {}
-    for name, _, tensor in iter_tensors(path, {n: n for n in expected}, shards_of(model)):
-        if tensor.shape != expected[name].shape:
-            raise WeightLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+    for name, _, tensor in iter_tensors(path, {n: n for n in expected}, shards):
         model.bytes_read += tensor.numel() * tensor.element_size()
+        if name in merged:
+            copy_merged(state, shapes, name, *merged[name], tensor, dtype, device)
+            continue
+        if tensor.shape != shapes[name]:
+            raise WeightLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")
         state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.eval()

@@ -29,12 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmserve.attention.backend import AttentionImpl
+from mmserve.model.layer_pieces import attn_in, input_norm, layer_out, mlp_in
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.moe import MoeBlock
 from mmserve.model.norm import RMSNorm
-from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
+from mmserve.model.parallel import SINGLE, ParallelGroup, mark_merged, mark_shard
 from mmserve.model.ple import LayerInputGate, PerLayerEmbeddings
-from mmserve.model.rope import RotaryEmbedding, norm_rope
+from mmserve.model.rope import RotaryEmbedding
 from mmserve.model.spec import LayerSpec, ModelSpec
 
 
@@ -49,7 +50,12 @@ class SampledRows:
 
 
 class Attention(nn.Module):
-    """This rank's query heads (and the KV heads they read); o_proj's partial sums are all-reduced."""
+    """This rank's query heads (and the KV heads they read); o_proj's partial sums are all-reduced.
+
+    q, k and v are one GEMM (`qkv_proj`, stacked at load time from the checkpoint's three): at
+    decode's few rows a projection is a read of its weights, and one wide read streams at bandwidth
+    where three thin ones do not. K=V layers stack q and k only (V is k_proj's raw output);
+    KV-sharing layers project q alone."""
 
     def __init__(self, spec: ModelSpec, layer: LayerSpec, impl: AttentionImpl, group: ParallelGroup = SINGLE):
         super().__init__()
@@ -59,54 +65,62 @@ class Attention(nn.Module):
         q0, q1 = group.shard_range(attn.num_heads, f"{layer.layer_type} attention heads")
         k0, k1 = group.kv_heads(attn.num_kv_heads, attn.num_heads, layer.layer_type)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
+        self.projects_kv, self.k_eq_v = not layer.shares_kv, layer.k_eq_v
         hidden, eps = spec.hidden_size, spec.rms_norm_eps
-        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
-        mark_shard(self.q_proj.weight, group, 0, q0 * d, q1 * d, attn.num_heads * d)
+        parts = [("q_proj", q0 * d, q1 * d, attn.num_heads * d)]
+        if self.projects_kv:
+            kv = ("k_proj",) if layer.k_eq_v else ("k_proj", "v_proj")
+            parts += [(name, k0 * d, k1 * d, attn.num_kv_heads * d) for name in kv]
+        self.split = [end - start for _, start, end, _ in parts]
+        self.qkv_proj = nn.Linear(hidden, sum(self.split), bias=False)
+        mark_merged(self.qkv_proj.weight, group, parts)
         self.q_norm = RMSNorm(d, eps)
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
         mark_shard(self.o_proj.weight, group, 1, q0 * d, q1 * d, attn.num_heads * d)
-        self.k_proj = self.v_proj = self.k_norm = self.v_norm = None
-        if not layer.shares_kv:
-            kv_width = self.num_kv_heads * d
-            self.k_proj = nn.Linear(hidden, kv_width, bias=False)
-            # K=V layers (full layers of the big models) take V from k_proj's raw output.
-            self.v_proj = None if layer.k_eq_v else nn.Linear(hidden, kv_width, bias=False)
-            for proj in (self.k_proj, self.v_proj):
-                if proj is not None:
-                    mark_shard(proj.weight, group, 0, k0 * d, k1 * d, attn.num_kv_heads * d)
+        self.k_norm = self.v_norm = None
+        if self.projects_kv:
             self.k_norm = RMSNorm(d, eps)
             self.v_norm = RMSNorm(d, eps, with_scale=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, metadata) -> torch.Tensor:
-        t = x.shape[0]
-        q_raw = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        q = norm_rope(q_raw, self.q_norm.weight, self.q_norm.eps, cos, sin)
-        k = v = None
-        if self.k_proj is not None:
-            k_raw = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-            k = norm_rope(k_raw, self.k_norm.weight, self.k_norm.eps, cos, sin)
-            v = self.v_norm(v_raw)
-        out = self.impl.forward(q, k, v, kv_cache, metadata)
-        return self.group.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata) -> torch.Tensor:
+        """The layer's normed input x -> o_proj's output, all-reduced. The layer's K/V are written to
+        its cache by `attn_in` (fused into the kernel that norms them), so the backend attends only."""
+        kv = None
+        if self.projects_kv:
+            common = metadata.common
+            kv = (common.slot_mapping[:common.num_actual_tokens], self.k_norm.weight, kv_cache)
+        slots, k_norm, cache = kv or (None, None, None)
+        q = attn_in(x, cos, sin, slots, self.qkv_proj.weight, self.q_norm.weight, k_norm, cache,
+                    self.q_norm.eps, tuple(self.split), self.head_dim)
+        out = self.impl.forward(q, None, None, kv_cache, metadata)
+        return self.group.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class MLP(nn.Module):
-    """gate/up column-parallel, down row-parallel: this rank's slice of the width, one all-reduce."""
+    """gate/up column-parallel (one GEMM, `gate_up_proj`, stacked at load time), down row-parallel:
+    this rank's slice of the width, one all-reduce."""
 
     def __init__(self, hidden: int, intermediate: int, group: ParallelGroup = SINGLE, *, what: str = "MLP width"):
         super().__init__()
         self.group = group
         i0, i1 = group.shard_range(intermediate, what)
-        self.gate_proj = nn.Linear(hidden, i1 - i0, bias=False)
-        self.up_proj = nn.Linear(hidden, i1 - i0, bias=False)
-        self.down_proj = nn.Linear(i1 - i0, hidden, bias=False)
-        for proj, dim in ((self.gate_proj, 0), (self.up_proj, 0), (self.down_proj, 1)):
-            mark_shard(proj.weight, group, dim, i0, i1, intermediate)
+        self.width = i1 - i0
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.width, bias=False)
+        mark_merged(self.gate_up_proj.weight, group, [(name, i0, i1, intermediate) for name in ("gate_proj", "up_proj")])
+        self.down_proj = nn.Linear(self.width, hidden, bias=False)
+        mark_shard(self.down_proj.weight, group, 1, i0, i1, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(gelu_gate(self.gate_proj(x), self.up_proj(x))))
+        gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
+        return self.group.all_reduce(self.down_proj(gelu_gate(gate, up)))
+
+    def after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_attn_norm: RMSNorm, pre_ff_norm: RMSNorm
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's residual after attention, and its MLP's output (all-reduced), as one piece."""
+        h, dense = mlp_in(h, attn, post_attn_norm.weight, pre_ff_norm.weight, self.gate_up_proj.weight,
+                          self.down_proj.weight, pre_ff_norm.eps)
+        return h, self.group.all_reduce(dense)
 
 
 class DecoderLayer(nn.Module):
@@ -125,16 +139,21 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                metadata, layer_input: torch.Tensor | None = None) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, metadata))
-        ffn = self.mlp(self.pre_feedforward_layernorm(h))
-        if self.moe is not None:
-            ffn = self.moe(h, ffn)
-        h = h + self.post_feedforward_layernorm(ffn)
-        if self.ple is not None:
-            h = self.ple(h, layer_input)
-        return h * self.layer_scalar
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                metadata, layer_input: torch.Tensor | None, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, x = input_layernorm(h)) -> (the layer's output, `next_norm` of it): sandwich-normed
+        attention and MLP (+ experts, + per-layer input) in the pieces of layer_pieces.py, compiled
+        on CUDA, each a few fused kernels between the GEMMs."""
+        attn = self.self_attn(x, cos, sin, kv_cache, metadata)
+        h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+        moe, ple = self.moe, self.ple
+        routed = None if moe is None else moe(h)
+        moe_norms = None if moe is None else (moe.post_feedforward_layernorm_1.weight,
+                                              moe.post_feedforward_layernorm_2.weight)
+        ple_w = None if ple is None else (ple.per_layer_input_gate.weight, ple.per_layer_projection.weight,
+                                          ple.post_per_layer_input_norm.weight)
+        return layer_out(h, ffn, routed, layer_input, self.post_feedforward_layernorm.weight, self.layer_scalar,
+                         moe_norms, ple_w, next_norm.weight, self.post_feedforward_layernorm.eps)
 
 
 class TextDecoder(nn.Module):
@@ -210,20 +229,24 @@ class TextDecoder(nn.Module):
         if self.ple is not None:
             layer_inputs = self.ple(self._text_ids(input_ids), h)
         rope = {t: self._cos_sin(t, positions, h.dtype) for t in attn_metadata}
+        first = self.layers[0].input_layernorm
+        x = input_norm(h, first.weight, first.eps)   # x: the next layer's normed input, then the final norm's
         for i, layer in enumerate(self.layers):
             if sampled is not None and layer.kv_source != i:   # the first KV-sharing layer: keep sampled rows
                 if not sampled.index.numel():
                     return self.norm(h[:0])
-                h, positions, attn_metadata = h[sampled.index], positions[sampled.index], sampled.attn_metadata
+                h, x, positions = h[sampled.index], x[sampled.index], positions[sampled.index]
+                attn_metadata = sampled.attn_metadata
                 layer_inputs = None if layer_inputs is None else layer_inputs[sampled.index]
                 rope = {t: (cos[sampled.index], sin[sampled.index]) for t, (cos, sin) in rope.items()}
                 sampled = None
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
-                      None if layer_inputs is None else layer_inputs[:, i])
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x = layer(h, x, cos, sin, kv_caches[layer.kv_source], attn_metadata[layer.layer_type],
+                         None if layer_inputs is None else layer_inputs[:, i], next_norm)
         if sampled is not None:   # no KV-sharing layer: every row ran
-            h = h[sampled.index]
-        return self.norm(h)
+            x = x[sampled.index]
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

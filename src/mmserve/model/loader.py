@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from mmserve.config import default_dtype
+from mmserve.model.audio import AudioEncoder
 from mmserve.model.decoder import TextDecoder
 from mmserve.model.parallel import SINGLE, ParallelGroup, local_spec
 from mmserve.model.serving_model import Gemma4ServingModel
@@ -56,7 +57,7 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     type's backend is `model.attention_backends[layer_type]` (the runner builds that backend's metadata):
     FA4 where it runs the layer type, the batched fallback elsewhere (attention/selection.py).
     With a `parallel` group of size N this rank loads only its shard of the decoder (the vision
-    tower is replicated); `model.spec` then carries this rank's attention heads, which size its KV
+    and audio towers are replicated); `model.spec` then carries this rank's attention heads, which size its KV
     pools and kernels."""
     from mmserve.attention import create_impl, resolve_backend
     from mmserve.attention.fa4 import fa4_installed
@@ -81,7 +82,11 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
     elif spec.vision is not None:
         with torch.device(torch_device):
             vision = VisionEncoder(spec.hf_config)
-    model = Gemma4ServingModel(spec, decoder, vision, backends, parallel)
+    audio = None
+    if spec.audio is not None:
+        with torch.device(torch_device):
+            audio = AudioEncoder(spec.hf_config)
+    model = Gemma4ServingModel(spec, decoder, vision, backends, parallel, audio=audio)
     model.bytes_read = load_weights(model, path, dtype=torch_dtype, device=torch_device,
                                     tied=spec.tie_word_embeddings, ignore=_consumer_kv_weights(spec))
     model.eval()
@@ -91,6 +96,6 @@ def load_model(path: str | Path, *, dtype: str | torch.dtype = "float32", device
                 spec.num_layers, f", {consumers} sharing KV (no cache)" if consumers else "",
                 ", per-layer embeddings" if spec.ple else "",
                 f", {spec.layers[0].moe.num_experts} experts top-{spec.layers[0].moe.top_k}" if spec.layers[0].moe else "",
-                "+vision" if vision else "text-only", torch_dtype, torch_device, backends,
+                ("+vision" if vision else "text-only") + ("+audio" if audio else ""), torch_dtype, torch_device, backends,
                 time.perf_counter() - start)
     return model

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmserve.model.norm import RMSNorm
+from mmserve.model.compiled import layer_piece
+from mmserve.model.norm import RMSNorm, rms_norm
 from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
 from mmserve.model.spec import MoeSpec
 
@@ -32,6 +33,79 @@ from mmserve.model.spec import MoeSpec
 def uses_grouped_mm(x: torch.Tensor) -> bool:
     """The grouped-GEMM path runs on CUDA (this torch also runs it on CPU; tests force it there)."""
     return x.is_cuda and hasattr(torch, "_grouped_mm")
+
+
+def route(x: torch.Tensor, norm_eps: float, scale: torch.Tensor, proj_w: torch.Tensor,
+          per_expert_scale: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] -> (weights float32 [T, k], expert ids int64 [T, k])."""
+    scores = F.linear(rms_norm(x, None, norm_eps) * scale * x.shape[-1] ** -0.5, proj_w)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * per_expert_scale[experts], experts
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+             down: torch.Tensor, touched: torch.Tensor, first_expert: int, sharded: bool) -> torch.Tensor:
+    """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H] over the experts
+    `gate_up` [E, 2I, H] / `down` [E, H, I] hold (ids first_expert..first_expert + E); writes how
+    many of them ran into `touched` (0-d, in place)."""
+    k, num_experts = experts.shape[1], gate_up.shape[0]
+    flat = experts.flatten()
+    mine = None
+    if sharded:   # other ranks' experts -> bucket num_experts, sorted last
+        flat = flat - first_expert
+        mine = (flat >= 0) & (flat < num_experts)
+        flat = torch.where(mine, flat, num_experts)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    # scatter_add_, not bincount: CUDA's bincount reads the maximum on the host.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
+    rows = x[token]
+    if uses_grouped_mm(x):
+        hidden = grouped(rows, counts, gate_up, down)
+    else:
+        hidden = per_expert(rows, counts.tolist(), gate_up, down)
+    touched.copy_((counts > 0).sum())
+    hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
+    if mine is not None:   # rows past the last local expert were never computed
+        hidden = torch.where(mine[order, None], hidden, 0.0)
+    return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
+
+
+def _act(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def per_expert(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One matmul pair per expert that has rows (rows sorted by expert, `counts` on the host)."""
+    out = rows.new_empty(rows.shape)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            chunk = rows[start:start + n]
+            out[start:start + n] = F.linear(_act(F.linear(chunk, gate_up[e])), down[e])
+            start += n
+    return out
+
+
+def grouped(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The same as two grouped GEMMs over every expert (zero-size groups), `counts` on the device."""
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    hidden = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
+    return torch._grouped_mm(_act(hidden), down.transpose(1, 2), offs=offsets)
+
+
+@layer_piece(token_args=1)
+def moe_in(h: torch.Tensor, router_scale: torch.Tensor, router_w: torch.Tensor, per_expert_scale: torch.Tensor,
+           pre_norm_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, touched: torch.Tensor, eps: float,
+           top_k: int, first_expert: int, sharded: bool) -> torch.Tensor:
+    """A decoder-layer piece (layer_pieces.py): the residual after attention -> this rank's routed
+    experts' sum: route, then the pre-normed rows dispatched by expert."""
+    weights, experts = route(h, eps, router_scale, router_w, per_expert_scale, top_k)
+    return dispatch(rms_norm(h, pre_norm_w, eps), weights, experts, gate_up, down, touched, first_expert, sharded)
 
 
 class Router(nn.Module):
@@ -42,15 +116,10 @@ class Router(nn.Module):
         self.proj = nn.Linear(hidden, moe.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(hidden))
         self.per_expert_scale = nn.Parameter(torch.ones(moe.num_experts))
-        self.root_size = hidden ** -0.5
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights float32 [T, k], expert ids int64 [T, k])."""
-        scores = self.proj(self.norm(x) * self.scale * self.root_size)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[experts], experts
+        return route(x, self.norm.eps, self.scale, self.proj.weight, self.per_expert_scale, self.top_k)
 
 
 class Experts(nn.Module):
@@ -69,65 +138,24 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H] over this rank's experts."""
-        k = experts.shape[1]
-        flat = experts.flatten()
-        mine = None
-        if self.sharded:   # other ranks' experts -> bucket num_experts, sorted last
-            flat = flat - self.first_expert
-            mine = (flat >= 0) & (flat < self.num_experts)
-            flat = torch.where(mine, flat, self.num_experts)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        # scatter_add_, not bincount: CUDA's bincount reads the maximum on the host.
-        counts = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
-            0, flat, torch.ones_like(flat))[:self.num_experts]
-        rows = x[token]
-        if uses_grouped_mm(x):
-            hidden = self._grouped(rows, counts)
-        else:
-            hidden = self._per_expert(rows, counts.tolist())
-        self._touched_buffer(x.device).copy_((counts > 0).sum())
-        hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
-        if mine is not None:   # rows past the last local expert were never computed
-            hidden = torch.where(mine[order, None], hidden, 0.0)
-        return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
+        return dispatch(x, weights, experts, self.gate_up_proj, self.down_proj, self.touched, self.first_expert,
+                        self.sharded)
 
     @property
     def touched(self) -> torch.Tensor:
         """Distinct experts the last forward ran (a 0-d device tensor: the perf model bills their
         weights and reads it after the step). A fixed buffer written in place, so a replayed CUDA
-        graph updates it too."""
-        return self._touched_buffer(self.gate_up_proj.device)
-
-    def _touched_buffer(self, device: torch.device) -> torch.Tensor:
-        # Not a registered buffer: the loader builds modules on the meta device and assigns only
-        # checkpoint tensors.
+        graph updates it too. Not a registered buffer: the loader builds modules on the meta device
+        and assigns only checkpoint tensors."""
+        device = self.gate_up_proj.device
         if self._touched is None or self._touched.device != device:
             self._touched = torch.zeros((), dtype=torch.int64, device=device)
         return self._touched
 
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
-
-    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        out = rows.new_empty(rows.shape)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                chunk = rows[start:start + n]
-                out[start:start + n] = F.linear(self._act(F.linear(chunk, self.gate_up_proj[e])), self.down_proj[e])
-                start += n
-        return out
-
-    def _grouped(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
-        gate_up = torch._grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
-        return torch._grouped_mm(self._act(gate_up), self.down_proj.transpose(1, 2), offs=offsets)
-
 
 class MoeBlock(nn.Module):
-    """Router + experts + the three norms that join them to the dense MLP's output."""
+    """Router + experts, and the three norms that join them to the dense MLP's output (applied by
+    layer_pieces.layer_out, fused with the layer's residual add)."""
 
     def __init__(self, hidden: int, moe: MoeSpec, eps: float, group: ParallelGroup = SINGLE):
         super().__init__()
@@ -138,8 +166,10 @@ class MoeBlock(nn.Module):
         self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
 
-    def forward(self, residual: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """residual: the layer's state after attention; dense: the dense MLP's output."""
-        weights, experts = self.router(residual)
-        routed = self.group.all_reduce(self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts))
-        return self.post_feedforward_layernorm_1(dense) + self.post_feedforward_layernorm_2(routed)
+    def forward(self, residual: torch.Tensor) -> torch.Tensor:
+        """residual: the layer's state after attention -> the routed experts' sum, all-reduced (not
+        yet normed): router, pre-norm and dispatch as one piece (`moe_in`)."""
+        r, e = self.router, self.experts
+        routed = moe_in(residual, r.scale, r.proj.weight, r.per_expert_scale, self.pre_feedforward_layernorm_2.weight,
+                        e.gate_up_proj, e.down_proj, e.touched, r.norm.eps, r.top_k, e.first_expert, e.sharded)
+        return self.group.all_reduce(routed)

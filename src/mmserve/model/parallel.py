@@ -187,6 +187,43 @@ def shards_of(module: torch.nn.Module) -> dict[str, Shard]:
     return {name: p.shard for name, p in module.named_parameters() if hasattr(p, "shard")}
 
 
+@dataclass(frozen=True)
+class MergedPart:
+    """One checkpoint tensor stacked into a merged parameter (q/k/v into qkv_proj, gate/up into
+    gate_up_proj): `name` is its module's name beside the merged one (`q_proj`), its rows are
+    [start, end) of the merged parameter, read as `shard` of the checkpoint tensor (None: whole)."""
+
+    name: str
+    start: int
+    end: int
+    shard: Shard | None
+
+
+def mark_merged(param: torch.Tensor, group: ParallelGroup, parts: list[tuple[str, int, int, int]]) -> None:
+    """Record on a (meta) parameter that it stacks, along dim 0 and in order, this rank's rows
+    [start, end) of each checkpoint tensor in `parts` = [(name, start, end, full rows)]: one GEMM
+    where the checkpoint has several (the weight loader fills each slice)."""
+    merged, offset = [], 0
+    for name, start, end, full in parts:
+        shard = Shard(0, start, end, full) if group.size > 1 else None
+        merged.append(MergedPart(name, offset, offset + end - start, shard))
+        offset += end - start
+    if offset != param.shape[0]:
+        raise ValueError(f"merged parts cover {offset} rows of a parameter of {param.shape[0]}")
+    param.merged = tuple(merged)
+
+
+def merged_of(module: torch.nn.Module) -> dict[str, tuple[str, MergedPart]]:
+    """{our name of a checkpoint tensor: (the merged parameter holding it, where)} for `module`."""
+    out = {}
+    for name, p in module.named_parameters():
+        prefix, _, leaf = name.rpartition(".")
+        owner = prefix.rpartition(".")[0]
+        for part in getattr(p, "merged", ()):
+            out[f"{owner}.{part.name}.{leaf}" if owner else f"{part.name}.{leaf}"] = (name, part)
+    return out
+
+
 def local_spec(spec, group: ParallelGroup):
     """The spec one rank's modules, KV pools and attention kernels are built from: per layer type
     its own query and KV heads; every other dimension as in the checkpoint (vocab and widths are cut

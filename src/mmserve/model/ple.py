@@ -51,14 +51,11 @@ class PerLayerEmbeddings(nn.Module):
 
 
 class LayerInputGate(nn.Module):
-    """One layer's use of its per-layer input, added to the residual stream."""
+    """One layer's weights for its per-layer input, added to the residual stream by
+    layer_pieces.layer_out (fused there with the layer's other elementwise work)."""
 
     def __init__(self, hidden: int, dim: int, eps: float):
         super().__init__()
         self.per_layer_input_gate = nn.Linear(hidden, dim, bias=False)
         self.per_layer_projection = nn.Linear(dim, hidden, bias=False)
         self.post_per_layer_input_norm = RMSNorm(hidden, eps)
-
-    def forward(self, h: torch.Tensor, layer_input: torch.Tensor) -> torch.Tensor:
-        gated = F.gelu(self.per_layer_input_gate(h), approximate="tanh") * layer_input
-        return h + self.post_per_layer_input_norm(self.per_layer_projection(gated))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.model.audio import AudioEncoder
 from mmserve.model.decoder import SampledRows, TextDecoder
 from mmserve.model.parallel import SINGLE, ParallelGroup
 from mmserve.model.spec import ModelSpec
@@ -12,10 +13,12 @@ from mmserve.model.vision import VisionEncoder
 
 
 class Gemma4ServingModel(nn.Module):
-    """Our paged text decoder plus transformers' vision tower, loaded from one checkpoint."""
+    """Our paged text decoder plus transformers' vision (and, on E2B/E4B, audio) tower, loaded from
+    one checkpoint."""
 
     def __init__(self, spec: ModelSpec, decoder: TextDecoder, vision: VisionEncoder | None,
-                 attention_backends: dict[str, str] | str = "reference", parallel: ParallelGroup = SINGLE):
+                 attention_backends: dict[str, str] | str = "reference", parallel: ParallelGroup = SINGLE, *,
+                 audio: AudioEncoder | None = None):
         super().__init__()
         self.spec = spec   # with tensor parallelism: this rank's attention heads (parallel.local_spec)
         self.parallel = parallel
@@ -25,6 +28,8 @@ class Gemma4ServingModel(nn.Module):
         self.attention_backends = attention_backends   # layer type -> the backend its layers' impls belong to
         self.decoder = decoder
         self.vision = vision
+        self.audio = audio
+        self._touched_host: torch.Tensor | None = None   # see experts_touched
 
     @property
     def attention_backend(self) -> str:
@@ -50,22 +55,40 @@ class Gemma4ServingModel(nn.Module):
         `attn_metadata[layer_type]` is what that layer type's backend builder made for this step.
         `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
         """
-        return self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
+        hidden = self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
+        self._copy_experts_touched()
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> soft-capped float32 logits [N, vocab]."""
         return self.decoder.compute_logits(hidden)
 
+    def _copy_experts_touched(self) -> None:
+        """Queue the copy of this forward's mean distinct experts per MoE layer to a host buffer
+        (pinned on CUDA, so the copy is asynchronous and a captured graph replays it too)."""
+        counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
+        if not counts:
+            return
+        if self._touched_host is None:
+            self._touched_host = torch.zeros((), dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        self._touched_host.copy_(torch.stack(counts).double().mean(), non_blocking=True)
+
     def experts_touched(self) -> float | None:
         """Distinct experts each MoE layer ran in the last forward (mean over layers), for the perf
-        model's expert weight bytes; None without experts. Called after the step's sampled tokens
-        reached the host, so its one device read waits for nothing."""
-        counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
-        return torch.stack(counts).double().mean().item() if counts else None
+        model's expert weight bytes; None without experts. Read from the host buffer the forward's
+        copy filled: called after the step's sampled tokens reached the host (which waited for that
+        copy on the same stream), it issues no device read of its own."""
+        return None if self._touched_host is None else float(self._touched_host)
 
     def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""
         if self.vision is None:
             raise ValueError("this checkpoint has no vision tower (vision_config is null)")
         return self.vision(pixel_values, position_ids)
+
+    def encode_audio(self, features: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Audio segments' log-mel features [frames_i, bins] -> one [soft_tokens_i, hidden] tensor each."""
+        if self.audio is None:
+            raise ValueError("this checkpoint has no audio tower (audio_config is null)")
+        return self.audio(features)

@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_IMAGE_MAX_SOFT_TOKENS = 280
 DEFAULT_VIDEO_MAX_SOFT_TOKENS = 70
 DEFAULT_VIDEO_NUM_FRAMES = 32
+DEFAULT_AUDIO_SEQ_LENGTH = 750      # the processor's cap on one audio segment's soft tokens
+DEFAULT_AUDIO_MS_PER_TOKEN = 40     # 10 ms mel frames, subsampled 4x by the tower's two stride-2 convs
 END_OF_TURN = "<turn|>"
 SERVED_MODEL_TYPES = ("gemma4", "gemma4_unified", "gemma4_text", "gemma4_unified_text")
 
@@ -105,6 +107,44 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class AudioSpec:
+    """The audio path (E2B/E4B): transformers' conformer tower (two stride-2 convs over log-mel
+    frames, then `num_layers` blocks of width `hidden` with chunked local attention), projected to
+    the text width; and the feature extractor's settings, which fix how many soft tokens a clip
+    costs (one per `ms_per_token` ms, at most `max_soft_tokens` per segment)."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    conv_channels: tuple[int, int]
+    conv_kernel: int          # the depthwise conv of each block
+    chunk_size: int           # local attention: queries per chunk and the keys each chunk sees
+    context: int
+    output_dim: int           # the tower's output, before the embedder's projection
+    projector_out: int        # the text model's hidden size
+    sampling_rate: int
+    feature_size: int         # mel bins
+    frame_length: int         # samples per mel frame's window
+    hop_length: int           # samples between mel frames
+    ms_per_token: int
+    max_soft_tokens: int
+    feature_extractor: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def segment_samples(self) -> int:
+        """The longest audio one segment holds (30 s at the defaults)."""
+        return self.max_soft_tokens * self.ms_per_token * self.sampling_rate // 1000
+
+    def num_soft_tokens(self, num_samples: int) -> int:
+        """Soft tokens of `num_samples` samples (<= segment_samples), as the processor counts them:
+        mel frames whose window holds only real samples, then two stride-2 convs."""
+        frames = (num_samples + self.frame_length // 2 - (self.frame_length + 1)) // self.hop_length + 1
+        if frames <= 0:
+            return 0
+        return min(((frames + 1) // 2 + 1) // 2, self.max_soft_tokens)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the engine, scheduler and perf model need to know about the checkpoint."""
 
@@ -122,14 +162,16 @@ class ModelSpec:
     max_model_len: int
     ple: PleSpec | None
     vision: VisionSpec | None
-    has_audio: bool              # the checkpoint has an audio tower (never loaded; audio input is refused)
+    audio: AudioSpec | None      # E2B/E4B's audio tower and its feature extractor; None: audio is refused
     pad_token_id: int
     bos_token_id: int
     boi_token_id: int
     eoi_token_id: int
     image_token_id: int
     video_token_id: int
-    audio_token_id: int | None   # no audio input is served, but the model may still sample this id
+    audio_token_id: int | None   # a model without an audio tower may still sample this id
+    boa_token_id: int | None     # `<|audio>` and `<audio|>`: around each audio segment's soft tokens
+    eoa_token_id: int | None
     eos_token_ids: tuple[int, ...]
     patch_size: int              # pixels per side of one patch as preprocessing cuts it
     pooling_kernel_size: int
@@ -149,6 +191,15 @@ class ModelSpec:
     @property
     def has_vision(self) -> bool:
         return self.vision is not None
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio is not None
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """The inputs this model takes, as GetModelInfo lists them."""
+        return ("text",) + (("image", "video") if self.has_vision else ()) + (("audio",) if self.has_audio else ())
 
     @property
     def placeholder_token_ids(self) -> tuple[int, ...]:
@@ -251,6 +302,38 @@ def _vision(config: Any, text_hidden: int, video_budget: int) -> VisionSpec | No
                       default_patches=video_budget * k * k)
 
 
+def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None:
+    """The audio tower's shape and the feature extractor's settings (processor_config.json's nested
+    `feature_extractor`, or a Gemma 4 feature extractor's own preprocessor_config.json; else
+    transformers' defaults, which are the released models')."""
+    ac = getattr(config, "audio_config", None)
+    # Only E2B/E4B's conformer tower is served; gemma4_unified's encoder-free audio embedder
+    # (`gemma4_unified_audio`) is not yet, so such a model refuses audio like one without a tower.
+    if ac is None or getattr(ac, "model_type", "gemma4_audio") != "gemma4_audio":
+        return None
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+    settings = _processor_settings(root, "feature_extractor", "preprocessor_config.json")
+    if settings.get("feature_extractor_type", "Gemma4AudioFeatureExtractor") != "Gemma4AudioFeatureExtractor":
+        settings = {}
+    settings = {k: v for k, v in settings.items() if k not in ("feature_extractor_type", "processor_class")}
+    fe = Gemma4AudioFeatureExtractor(**settings)
+    processor = _read_json(root / "processor_config.json" if root else None)
+    if fe.feature_size != ac.subsampling_conv_channels[0]:
+        raise UnsupportedModelError(f"the feature extractor's {fe.feature_size} mel bins do not match the audio "
+                                    f"tower's first conv ({ac.subsampling_conv_channels[0]} channels)")
+    return AudioSpec(
+        num_layers=int(ac.num_hidden_layers), hidden=int(ac.hidden_size), num_heads=int(ac.num_attention_heads),
+        conv_channels=(int(ac.subsampling_conv_channels[0]), int(ac.subsampling_conv_channels[1])),
+        conv_kernel=int(ac.conv_kernel_size), chunk_size=int(ac.attention_chunk_size),
+        context=int(ac.attention_chunk_size + ac.attention_context_left - 1 + ac.attention_context_right),
+        output_dim=int(ac.output_proj_dims), projector_out=text_hidden, sampling_rate=int(fe.sampling_rate),
+        feature_size=int(fe.feature_size), frame_length=int(fe.frame_length), hop_length=int(fe.hop_length),
+        ms_per_token=int(processor.get("audio_ms_per_token") or DEFAULT_AUDIO_MS_PER_TOKEN),
+        max_soft_tokens=int(processor.get("audio_seq_length") or DEFAULT_AUDIO_SEQ_LENGTH),
+        feature_extractor=settings)
+
+
 def _read_json(path: Path | None) -> dict[str, Any]:
     return json.loads(path.read_text()) if path is not None and path.is_file() else {}
 
@@ -338,7 +421,7 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
         max_model_len=text.max_position_embeddings,
         ple=PleSpec(ple_dim, int(text.vocab_size_per_layer_input)) if ple_dim else None,
         vision=_vision(config, text.hidden_size, video_budget),
-        has_audio=getattr(config, "audio_config", None) is not None,
+        audio=_audio(config, root, text.hidden_size),
         pad_token_id=int(text.pad_token_id or 0),
         bos_token_id=int(generation.get("bos_token_id", text.bos_token_id)),
         boi_token_id=int(config.boi_token_id),
@@ -346,6 +429,8 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
         image_token_id=int(config.image_token_id),
         video_token_id=int(config.video_token_id),
         audio_token_id=_optional_id(getattr(config, "audio_token_id", None)),
+        boa_token_id=_optional_id(getattr(config, "boa_token_id", None)),
+        eoa_token_id=_optional_id(getattr(config, "eoa_token_index", getattr(config, "eoa_token_id", None))),
         eos_token_ids=tuple(eos),
         patch_size=patch_size,
         pooling_kernel_size=pooling,

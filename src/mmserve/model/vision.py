@@ -31,6 +31,15 @@ def pad_patches(items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     return pixels, positions
 
 
+def check_positions(position_ids: torch.Tensor, table_size: int) -> None:
+    """Refuse (ValueError) patch positions outside [0, table_size) other than padding's (-1, -1),
+    before they index the tower's position table: past it a GPU raises a device-side assert that
+    ends the whole engine, not one request. Checked on the host tensor, before the copy to the device."""
+    if position_ids.numel() and (int(position_ids.max()) >= table_size or int(position_ids.min()) < -1):
+        raise ValueError(f"patch positions must lie in [0, {table_size}) (padding (-1, -1)); got "
+                         f"[{int(position_ids.min())}, {int(position_ids.max())}]")
+
+
 class VisionEncoder(nn.Module):
     def __init__(self, config: Gemma4Config, attn_implementation: str = "sdpa"):
         super().__init__()
@@ -53,6 +62,7 @@ class VisionEncoder(nn.Module):
         if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
                              f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
+        check_positions(position_ids, self.vision_tower.patch_embedder.position_embedding_size)
         device = self.embed_vision.embedding_projection.weight.device
         pixel_values = pixel_values.to(device=device, dtype=self.dtype)
         position_ids = position_ids.to(device=device, dtype=torch.long)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mmserve.model.norm import RMSNorm
+from mmserve.model.vision import check_positions
 
 
 class PatchEmbedder(nn.Module):
@@ -63,6 +64,7 @@ class UnifiedVisionEncoder(nn.Module):
         if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
             raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
                              f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
+        check_positions(position_ids, self.vision_embedder.pos_embedding.shape[0])
         weight = self.embed_vision.embedding_projection.weight
         pixel_values = pixel_values.to(device=weight.device, dtype=weight.dtype)
         position_ids = position_ids.to(device=weight.device, dtype=torch.long)

@@ -8,7 +8,9 @@ one tensor, not the model. Names are accepted in the hub / transformers-5.x layo
 `vision_tower.*`, `embed_vision.*`). Experts load packed (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I], transformers' layout) or per expert (`experts.{e}.gate_proj` /
 `up_proj` / `down_proj`), which are copied into their slice of one packed tensor as they stream,
-so no second copy of the experts is ever held.
+so no second copy of the experts is ever held. Merged projections (`qkv_proj`, `gate_up_proj`:
+parallel.mark_merged) are filled the same way, each checkpoint tensor (`q_proj`, `k_proj`, ...)
+copied into its rows as it streams.
 Tensor parallel: a parameter marked with a `Shard` (parallel.py) is read as that slice of its
 checkpoint tensor (safetensors' `get_slice`), and per-expert matrices of other ranks' experts are
 never opened, so no rank materialises another rank's shard; `load_weights` returns the bytes read.
@@ -28,7 +30,7 @@ from safetensors import safe_open
 from torch import nn
 
 from mmserve.errors import MMServeError
-from mmserve.model.parallel import Shard, shards_of
+from mmserve.model.parallel import MergedPart, Shard, merged_of, shards_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,10 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("embed_vision.", "vision.embed_vision."),
     ("model.vision_embedder.", "vision.vision_embedder."),
     ("vision_embedder.", "vision.vision_embedder."),
+    ("model.audio_tower.", "audio.audio_tower."),
+    ("audio_tower.", "audio.audio_tower."),
+    ("model.embed_audio.", "audio.embed_audio."),
+    ("embed_audio.", "audio.embed_audio."),
 )
 # Our modules group a concept's tensors under one submodule (decoder.ple.*, layers.N.moe.*).
 _REGROUP: tuple[tuple[re.Pattern, str], ...] = (
@@ -56,8 +62,8 @@ _REGROUP: tuple[tuple[re.Pattern, str], ...] = (
 )
 # One expert's matrix in a per-expert checkpoint -> (packed tensor, expert, which rows of it).
 _PER_EXPERT = re.compile(r"^(?P<layer>.*\.moe\.experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
-# Tensors that exist in some checkpoints but that we never use (the audio tower: audio input is refused).
-_IGNORED = re.compile(r"(^|\.)(audio_tower|embed_audio)\.|embed_vision\.embedding\.")
+# Tensors that exist in some checkpoints but that we never use.
+_IGNORED = re.compile(r"embed_vision\.embedding\.")
 
 
 class WeightLoadError(MMServeError):
@@ -126,6 +132,15 @@ def _copy_expert(packed: torch.Tensor, part: ExpertSlice, tensor: torch.Tensor) 
     target.copy_(tensor)
 
 
+def copy_merged(state: dict[str, torch.Tensor], shapes: dict, name: str, into: str, part: MergedPart,
+                 tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """Copy checkpoint tensor `name` into its rows of the merged parameter `into`."""
+    target = state.setdefault(into, torch.empty(shapes[into], dtype=dtype, device=device))[part.start:part.end]
+    if tensor.shape != target.shape:
+        raise WeightLoadError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+    target.copy_(tensor)
+
+
 def iter_tensors(path: str | Path, wanted: dict[str, str], shards: dict[str, Shard] | None = None
                  ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield (checkpoint_name, our_name, tensor) for `wanted` = {checkpoint_name: our_name}, one file
@@ -161,6 +176,7 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     """
     expected = set(model.state_dict().keys())
     shards = shards_of(model)
+    merged = merged_of(model)   # our name of a checkpoint tensor -> (the merged parameter, its rows)
     wanted: dict[str, str] = {}
     parts: dict[str, ExpertSlice] = {}
     unexpected: list[str] = []
@@ -177,11 +193,12 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
         if part is not None and part.packed in expected:
             parts[ckpt_name] = part
             wanted[ckpt_name] = part.packed
-        elif name in expected:
+        elif name in expected or name in merged:
             wanted[ckpt_name] = name
         else:
             unexpected.append(ckpt_name)
-    missing = sorted(expected - set(wanted.values()))
+    merged_into = {m for m, _ in merged.values()}
+    missing = sorted((expected - merged_into - set(wanted.values())) | (set(merged) - set(wanted.values())))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     for packed in {part.packed for part in parts.values()}:
         need = shapes[packed][0] * (1 if packed.endswith("down_proj") else 2)
@@ -198,10 +215,14 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     read = 0
     per_expert = {p.packed for p in parts.values()}   # whole matrices, own experts only: never sliced
     sliced = {k: v for k, v in shards.items() if k not in per_expert}
+    sliced.update({name: part.shard for name, (_, part) in merged.items() if part.shard is not None})
     for ckpt_name, name, tensor in iter_tensors(path, wanted, sliced):
         read += tensor.numel() * tensor.element_size()
         if ckpt_name in parts:
             _copy_expert(state[name], parts[ckpt_name], tensor)
+            continue
+        if name in merged:
+            copy_merged(state, shapes, name, *merged[name], tensor, dtype, device)
             continue
         if tensor.shape != shapes[name]:
             raise WeightLoadError(f"{path}: {name} has shape {tuple(tensor.shape)}, expected {tuple(shapes[name])}")

@@ -1,4 +1,4 @@
-"""The identity of one image or video frame: a hash of exactly what determines its embeddings.
+"""The identity of one image, video frame or audio segment: a hash of exactly what determines its embeddings.
 
 The vision tower's output is a function of the patchified pixels and their grid positions, so
 hashing those two arrays (with dtype and shape) covers every way two inputs can differ: other
@@ -26,4 +26,14 @@ def content_hash(pixel_values: torch.Tensor, position_ids: torch.Tensor) -> byte
         t = t.detach().to("cpu").contiguous()
         h.update(f"{t.dtype}{tuple(t.shape)};".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.digest()
+
+
+def audio_content_hash(features: torch.Tensor) -> bytes:
+    """32 bytes naming one audio segment's input: its log-mel frames (the tower's whole input), under
+    a prefix of its own so no audio can ever name the same entry as pixels."""
+    h = hashlib.sha256(b"mmserve-audio-v1;")
+    t = features.detach().to("cpu").contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)};".encode())
+    h.update(t.reshape(-1).view(torch.uint8).numpy())
     return h.digest()

@@ -22,7 +22,9 @@ class DecodeControl:
     def __init__(self, timeout_s: float | None = None, *, label: str = "video") -> None:
         self.timeout_s = timeout_s
         self.label = label
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._created = time.monotonic()
+        self._started: float | None = None   # the worker's first check: when the decode itself began
+        self._deadline = None if timeout_s is None else self._created + timeout_s
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -38,12 +40,19 @@ class DecodeControl:
 
     def check(self) -> None:
         """Raise RequestAbortedError after cancel(), LimitExceededError once past the deadline."""
+        if self._started is None:
+            self._started = time.monotonic()
         if self._cancelled.is_set():
             raise RequestAbortedError(f"{self.label}: decoding was cancelled")
         if self.expired():
             raise self.timeout_error()
 
     def timeout_error(self) -> LimitExceededError:
-        return LimitExceededError(f"{self.label}: decoding (with any wait for a free decode worker) took longer "
-                                  f"than {self.timeout_s:g}s", TIMEOUT_FLAG)
+        """Retryable when most of the time went waiting for a free worker (other requests' decodes: it
+        may pass later); permanent when the decode itself used most of it (resending redoes that work)."""
+        waited = (self._started if self._started is not None else time.monotonic()) - self._created
+        if 2 * waited > self.timeout_s:
+            return LimitExceededError(f"{self.label}: waited {waited:.1f}s of the {self.timeout_s:g}s decode time "
+                                      "limit for a free decode worker", TIMEOUT_FLAG, retryable=True)
+        return LimitExceededError(f"{self.label}: decoding took longer than {self.timeout_s:g}s", TIMEOUT_FLAG)
 

@@ -16,6 +16,7 @@ class MediaLimits:
     max_frames_per_video: int = 32
     default_num_frames: int = 8
     max_video_duration_s: float = 4 * 3600.0
+    max_audio_duration_s: float = 600.0  # an audio part, or a video's soundtrack window
     max_image_pixels: int = 4096 * 4096
     max_images_per_request: int = 16
     max_pixels_per_request: int = 128 * 2**20  # images and given frame images, read from their headers
@@ -34,6 +35,7 @@ class MediaLimits:
             max_frames_per_video=config.max_frames_per_video,
             default_num_frames=config.default_num_frames,
             max_video_duration_s=config.max_video_duration_s,
+            max_audio_duration_s=config.max_audio_duration_s,
             max_image_pixels=config.max_image_pixels,
             max_images_per_request=config.max_images_per_request,
             max_pixels_per_request=config.max_pixels_per_request,

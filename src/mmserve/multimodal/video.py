@@ -17,16 +17,12 @@ name a window (`start_s`, `end_s`): only frames inside it are sampled, reached b
 their timestamps stay measured from the clip's first frame. Animated GIF and WebP go to
 `multimodal/animated.py`.
 
-Formats are sniffed from magic bytes and the demuxer is forced, so FFmpeg never probes its way into
-playlist or concat demuxers that would open URLs or server-side files; a file is handed to PyAV as
-an open Python file, never as a name FFmpeg would parse.
+Formats are sniffed from magic bytes and the demuxer is forced (multimodal/container.py).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
-import io
 import logging
 import math
 import os
@@ -39,16 +35,17 @@ import numpy as np
 
 from mmserve.errors import InvalidInputError, LimitExceededError, RequestAbortedError
 from mmserve.multimodal import animated
+from mmserve.multimodal.audio import audio_stream, check_duration, read_track
+from mmserve.multimodal.container import MediaSource, open_container, read_head
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.limits import MediaLimits
 
 logger = logging.getLogger(__name__)
 
 FIELD = "video"
-VideoSource = bytes | str | os.PathLike
+VideoSource = MediaSource
 SNIFF_BYTES = 3 * 188  # enough for three MPEG-TS sync bytes
 SEEKABLE = frozenset({"mov", "matroska", "avi"})  # demuxers with a seek index
-FILE_BUFFER_BYTES = 64 * 1024  # larger buffers cost more per seek (each refills it)
 # A seek landing after its target (pts/dts skew at a GOP boundary) is retried this much earlier,
 # doubling each time, before the stream is scanned instead.
 SEEK_BACKOFF_FRAMES = 16
@@ -70,6 +67,10 @@ class DecodedVideo:
     frames_decoded: int = 0
     rotation_deg: int = 0
     deinterlaced: bool = False
+    # use_audio_in_video: the window's sound, mono float32 at the rate asked, from `soundtrack_start_s`
+    # (seconds from the first frame: the window's start)
+    soundtrack: np.ndarray | None = None
+    soundtrack_start_s: float = 0.0
 
 
 def sniff_container(data: bytes) -> str | None:
@@ -154,24 +155,6 @@ def _read(path: str | os.PathLike, limits: MediaLimits) -> bytes:
                                  "--max-video-bytes")
     with open(path, "rb") as f:
         return f.read()
-
-
-def _head(source: VideoSource) -> bytes:
-    if isinstance(source, bytes):
-        return source[:SNIFF_BYTES]
-    with open(source, "rb") as f:
-        return f.read(SNIFF_BYTES)
-
-
-@contextlib.contextmanager
-def _opened(source: VideoSource, fmt: str) -> Iterator[av.container.InputContainer]:
-    with contextlib.ExitStack() as stack:
-        if isinstance(source, bytes):
-            file, buffer = io.BytesIO(source), 32768
-        else:
-            file, buffer = stack.enter_context(open(source, "rb")), FILE_BUFFER_BYTES
-        yield stack.enter_context(av.open(file, mode="r", format=fmt, options={"enable_drefs": "0"},
-                                          buffer_size=buffer))
 
 
 def _check_dimensions(width: int, height: int, limits: MediaLimits) -> None:
@@ -259,6 +242,39 @@ class _Converted:
               decoded: int) -> DecodedVideo:
         return DecodedVideo(frames=frames, timestamps_s=times, duration_s=duration_s, method=method,
                             frames_decoded=decoded, rotation_deg=self.rotation_deg, deinterlaced=self.deinterlaced)
+
+
+# ---- the soundtrack (use_audio_in_video) -------------------------------------------------------
+
+
+@dataclass
+class _Soundtrack:
+    """The window's sound, read from the container the frames come from (opened once): its audio
+    stream is found, and the window's length checked against the audio limit, before any frame is
+    decoded; its samples are read after the frames, from the window's start on the container clock."""
+
+    container: av.container.InputContainer
+    stream: av.audio.AudioStream
+    window: tuple[float, float]
+    limits: MediaLimits
+    rate: int
+
+    @classmethod
+    def open(cls, container, window: tuple[float, float], duration_s: float, limits: MediaLimits,
+             rate: int | None) -> _Soundtrack | None:
+        if rate is None:
+            return None
+        stream = audio_stream(container, limits, "video (use_audio_in_video)")
+        check_duration(_window_s(window, duration_s), limits, "video's soundtrack window")
+        return cls(container, stream, window, limits, rate)
+
+    def read(self, first_frame_s: float, control: DecodeControl) -> np.ndarray:
+        """The window's samples; `first_frame_s` is the first frame's time on the container clock
+        (the window counts from it)."""
+        begin, end = self.window
+        return read_track(self.container, self.stream, rate=self.rate, begin_s=first_frame_s + begin,
+                          end_s=None if math.isinf(end) else first_frame_s + end, limits=self.limits, control=control,
+                          rewind=True)
 
 
 # ---- seeking ------------------------------------------------------------------------------------
@@ -388,8 +404,8 @@ class _Imprecise(Exception):
 
 
 def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits: MediaLimits,
-                       control: DecodeControl) -> DecodedVideo | None:
-    with _opened(source, fmt) as container:
+                       control: DecodeControl, audio_rate: int | None = None) -> DecodedVideo | None:
+    with open_container(source, fmt) as container:
         stream = _video_stream(container, limits)
         info = _metadata(container, stream)
         if info is None:
@@ -397,6 +413,7 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
             return None
         _check_duration(info.duration_s, limits)
         window = request.window(info.duration_s, info.fps)
+        sound = _Soundtrack.open(container, window, info.duration_s, limits, audio_rate)
         times = _ConstantRate(info.num_frames, info.fps)
         indices = _window_indices(times, window, request.count(_window_s(window, info.duration_s), limits))
         convert = _Converted(limits)
@@ -410,8 +427,11 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
             return None
         finally:
             seeker.close()
-    return convert.video([f for f, _ in sampled], [max(0.0, t - info.start_s) for _, t in sampled],
-                         info.duration_s, "seek", seeker.decoded)
+        video = convert.video([f for f, _ in sampled], [max(0.0, t - info.start_s) for _, t in sampled],
+                              info.duration_s, "seek", seeker.decoded)
+        if sound is not None:
+            video.soundtrack, video.soundtrack_start_s = sound.read(info.start_s, control), window[0]
+    return video
 
 
 # ---- scanning -----------------------------------------------------------------------------------
@@ -419,7 +439,7 @@ def _sample_by_seeking(source: VideoSource, fmt: str, request: _Request, limits:
 
 def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeControl) -> _StreamInfo:
     """Count frames by demuxing only; refuse by metadata before decoding anything."""
-    with _opened(source, fmt) as container:
+    with open_container(source, fmt) as container:
         stream = _video_stream(container, limits)
         tb = float(stream.time_base) if stream.time_base else 0.0
         count, first_pts, last_pts, pts = 0, None, None, []
@@ -456,16 +476,21 @@ def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeCo
 
 
 def _decode_selected(source: VideoSource, fmt: str, wanted: list[int], fps: float, limits: MediaLimits,
-                     control: DecodeControl, convert: _Converted) -> tuple[list[np.ndarray], list[float], int]:
-    """Decode in order, converting only the wanted indices. Returns frames, times, frames seen."""
+                     control: DecodeControl, convert: _Converted, sound: tuple | None = None
+                     ) -> tuple[list[np.ndarray], list[float], int, np.ndarray | None]:
+    """Decode in order, converting only the wanted indices. Returns frames, times, frames seen and,
+    given `sound` (_Soundtrack.open's arguments after the container), the window's soundtrack, read
+    from the same container after the frames."""
     wanted_set = set(wanted)
     last_wanted = max(wanted)
     frames: list[np.ndarray] = []
     times: list[float] = []
     start: float | None = None
     seen = 0
-    with _opened(source, fmt) as container:
+    with open_container(source, fmt) as container:
         stream = _video_stream(container, limits)
+        track = _Soundtrack.open(container, *sound) if sound else None
+        done = False
         for packet in container.demux(stream):
             control.check()
             for frame in packet.decode():
@@ -476,29 +501,36 @@ def _decode_selected(source: VideoSource, fmt: str, wanted: list[int], fps: floa
                     frames.append(convert(frame))
                     times.append(max(0.0, float(t - start)))
                 seen += 1
-                if seen > last_wanted or seen >= limits.max_decoded_frames:
-                    return frames, times, seen
-    return frames, times, seen
+                done = seen > last_wanted or seen >= limits.max_decoded_frames
+                if done:
+                    break
+            if done:
+                break
+        soundtrack = None if track is None else track.read(start or 0.0, control)
+    return frames, times, seen, soundtrack
 
 
 def _sample_by_scanning(source: VideoSource, fmt: str, request: _Request, limits: MediaLimits,
-                        control: DecodeControl) -> DecodedVideo:
+                        control: DecodeControl, audio_rate: int | None = None) -> DecodedVideo:
     info = _probe(source, fmt, limits, control)
     window = request.window(info.duration_s, info.fps)
     wanted = request.count(_window_s(window, info.duration_s), limits)
     indices = _window_indices(info.times_s, window, wanted)
     total = info.num_frames
     convert = _Converted(limits)
-    frames, times, seen = _decode_selected(source, fmt, indices, info.fps, limits, control, convert)
+    sound = (window, info.duration_s, limits, audio_rate) if audio_rate else None
+    frames, times, seen, soundtrack = _decode_selected(source, fmt, indices, info.fps, limits, control, convert, sound)
     decoded = seen
     if len(frames) < len(indices) and 0 < seen < total and window == (0.0, math.inf):
         # Fewer frames decode than packets demuxed (e.g. a decoder drops a damaged frame):
         # resample over what really decodes rather than returning a short, skewed sample.
         logger.debug("video: %d packets but %d decodable frames; resampling", total, seen)
-        frames, times, again = _decode_selected(source, fmt, sample_indices(seen, wanted), info.fps, limits, control,
-                                                convert)
+        frames, times, again, _ = _decode_selected(source, fmt, sample_indices(seen, wanted), info.fps, limits, control,
+                                                   convert)
         decoded += again
-    return convert.video(frames, times, info.duration_s, "scan", decoded)
+    video = convert.video(frames, times, info.duration_s, "scan", decoded)
+    video.soundtrack, video.soundtrack_start_s = soundtrack, window[0]
+    return video
 
 
 # ---- animations ---------------------------------------------------------------------------------
@@ -533,13 +565,14 @@ def _check_request(num_frames: int | None, fps: float | None, start_s: float, en
     if num_frames is not None and num_frames > limits.max_frames_per_video:
         raise LimitExceededError(
             f"asked for {num_frames} frames, more than the limit of {limits.max_frames_per_video} per video",
-            "--max-frames-per-video", can_never_fit=True)
+            "--max-frames-per-video")
     return _Request(num_frames, fps, start_s, end_s)
 
 
 def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: float | None = None,
                  start_s: float = 0.0, end_s: float | None = None, limits: MediaLimits,
-                 control: DecodeControl | None = None, seek: bool = True) -> DecodedVideo:
+                 control: DecodeControl | None = None, seek: bool = True,
+                 audio_rate: int | None = None) -> DecodedVideo:
     """Decode `source` (the bytes, or the path of a whole mp4/mov, webm/mkv, avi, mpeg-ts file, or an
     animated GIF/WebP) and sample its frames inside the window [start_s, end_s) (None = to the end).
 
@@ -548,6 +581,8 @@ def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: flo
     `limits.max_frames_per_video` (an fps asking more gets that many, spread uniformly; a
     `num_frames` above it is refused) and never more than the window holds (a 1-frame clip gives 1).
     `control` stops the work from another thread; `seek=False` forces the scan (for comparisons).
+    `audio_rate` (use_audio_in_video): also read the window's soundtrack from the same container,
+    mono at that rate (`DecodedVideo.soundtrack`); a video without an audio stream is refused.
     Raises InvalidInputError for undecodable input, LimitExceededError for limits and the time
     limit, RequestAbortedError when cancelled.
     """
@@ -562,8 +597,10 @@ def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: flo
             raise LimitExceededError(
                 f"video is {len(source)} bytes, more than the limit of {limits.max_video_bytes}", "--max-video-bytes")
     control.check()
-    head = _head(source)
+    head = read_head(source, SNIFF_BYTES)
     if animated.sniff_animated(head):
+        if audio_rate:
+            raise InvalidInputError(FIELD, "an animated GIF/WebP has no soundtrack (use_audio_in_video)")
         try:
             return _sample_animation(source if isinstance(source, bytes) else _read(source, limits), request, limits,
                                      control)
@@ -578,11 +615,11 @@ def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: flo
     try:
         video = None
         if seek and fmt in SEEKABLE:
-            video = _sample_by_seeking(source, fmt, request, limits, control)
+            video = _sample_by_seeking(source, fmt, request, limits, control, audio_rate)
         elif seek:
             logger.info("video: %s has no seek index; decoding it from the start", fmt)
         if video is None:
-            video = _sample_by_scanning(source, fmt, request, limits, control)
+            video = _sample_by_scanning(source, fmt, request, limits, control, audio_rate)
     except (InvalidInputError, LimitExceededError, RequestAbortedError):
         raise
     except Exception as e:  # noqa: BLE001 - any decoder failure is the payload's fault, never a crash

@@ -16,15 +16,23 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[
     """logits [R, V] (raw), token_ids [R] chosen per row, num_top[r] alternatives for row r."""
     if not len(num_top):
         return []
+    return read_logprobs(logprob_table(logits, token_ids, max(num_top)).cpu(), token_ids.tolist(), num_top)
+
+
+def logprob_table(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """On the logits' device, float64 [R, 2 + 2k]: each row's chosen logprob, its rank, the top k
+    logprobs and their ids (float64 holds the ids exactly), so one transfer brings all of it."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, token_ids.view(-1, 1).to(logp.device)).squeeze(1)
     rank = (logp > chosen.unsqueeze(1)).sum(dim=1) + 1
-    k = max(num_top)
     top_vals, top_ids = (torch.topk(logp, k, dim=-1, sorted=True) if k else (logp[:, :0], logp[:, :0].long()))
-    # one device-to-host transfer for everything (float64 holds the ids exactly)
     parts = [chosen.unsqueeze(1), rank.unsqueeze(1), top_vals, top_ids]
-    host = torch.cat([p.double() for p in parts], dim=1).cpu()
-    ids = token_ids.tolist()
+    return torch.cat([p.double() for p in parts], dim=1)
+
+
+def read_logprobs(host: torch.Tensor, ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """`logprob_table`'s rows, on the host, as TokenLogprobs (row r keeps its num_top[r] best)."""
+    k = (host.shape[1] - 2) // 2
     out = []
     for r, n in enumerate(num_top):
         row = host[r]

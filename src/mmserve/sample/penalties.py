@@ -1,7 +1,8 @@
 """Logit adjustments before sampling, each one batched over the rows that asked for it.
 
 Rows are gathered into index tensors on the host (one pass over the step's requests), then every
-adjustment is a handful of tensor ops on the logits' device: no per-row device work.
+adjustment is a handful of tensor ops on the logits' device. The penalties read per-request token
+statistics kept on the device across steps (`PenaltyState`).
 vLLM's semantics: `logit_bias` adds to a token's logit; `min_tokens` sets end-of-sequence tokens to
 -inf until a row has that many output tokens; `repetition_penalty` divides a positive (multiplies a
 negative) logit of every token seen in the prompt or the output; then `frequency_penalty` subtracts
@@ -40,29 +41,75 @@ def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], num
         float("-inf")
 
 
-def _padded(seqs: Sequence[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
-    width = max((len(s) for s in seqs), default=0)
-    return torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.int64,
-                        device=device).view(len(seqs), width)
+class PenaltyState:
+    """What the penalties read, per request, kept on the logits' device across steps: a bitmask of the
+    prompt's tokens (built once, and only for a repetition penalty) and the counts of each token in
+    its output so far (each step adds only the tokens new since the last). So a step costs O(vocab)
+    per penalised row, never O(prompt): a 30k-token video prompt is not rebuilt into a tensor every
+    step. A verify row's drafts (`drafts`: output it has not committed) are added to a copy."""
+
+    def __init__(self):
+        self._prompt: dict[str, torch.Tensor] = {}
+        self._counts: dict[str, torch.Tensor] = {}
+        self._counted: dict[str, int] = {}
+
+    def rows(self, requests: Sequence, vocab: int, device: torch.device, with_prompt: bool
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(prompt bitmask [R, vocab] bool or None, output counts [R, vocab] float32) of `requests`
+        (scheduler Requests or verify rows, whose drafts count as output)."""
+        counts, extra_rows, extra_tokens = [], [], []
+        for i, r in enumerate(requests):
+            drafts = getattr(r, "drafts", ())
+            output = r.output_token_ids
+            counts.append(self._output_counts(r.request_id, output[:len(output) - len(drafts)], vocab, device))
+            extra_rows += [i] * len(drafts)
+            extra_tokens += drafts
+        counts = torch.stack(counts)
+        if extra_rows:
+            counts.index_put_((torch.tensor(extra_rows, device=device), torch.tensor(extra_tokens, device=device)),
+                              torch.ones(len(extra_rows), device=device), accumulate=True)
+        prompt = None
+        if with_prompt:
+            prompt = torch.stack([self._prompt_mask(r.request_id, r.prompt_token_ids, vocab, device) for r in requests])
+        return prompt, counts
+
+    def _output_counts(self, request_id: str, committed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+        counts = self._counts.get(request_id)
+        if counts is None:
+            counts = self._counts[request_id] = torch.zeros(vocab, device=device)
+            self._counted[request_id] = 0
+        new = committed[self._counted[request_id]:]
+        if new:
+            counts.index_put_((torch.tensor(list(new), device=device),), torch.ones(len(new), device=device),
+                              accumulate=True)
+            self._counted[request_id] = len(committed)
+        return counts
+
+    def _prompt_mask(self, request_id: str, prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+        mask = self._prompt.get(request_id)
+        if mask is None:
+            mask = self._prompt[request_id] = torch.zeros(vocab, dtype=torch.bool, device=device)
+            mask[torch.tensor([t for t in prompt if 0 <= t < vocab], dtype=torch.int64, device=device)] = True
+        return mask
+
+    def free(self, request_id: str) -> None:
+        for table in (self._prompt, self._counts, self._counted):
+            table.pop(request_id, None)
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], prompt_ids: Sequence[Sequence[int]],
-                    output_ids: Sequence[Sequence[int]]) -> None:
+def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], requests: Sequence,
+                    state: PenaltyState) -> None:
     """In place: repetition, frequency and presence penalties on the rows that set any."""
     rows = [r for r, p in enumerate(params) if p.has_penalties]
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[1]
+    repetition = any(params[r].repetition_penalty != 1.0 for r in rows)   # host values: no device read
+    prompt, counts = state.rows([requests[r] for r in rows], vocab, dev, with_prompt=repetition)
     sub = logits[rows]
-    # counts of each token in the output; column `vocab` soaks up the padding
-    out = _padded([output_ids[r] for r in rows], vocab, dev)
-    counts = torch.zeros(len(rows), vocab + 1, device=dev).scatter_add_(1, out, torch.ones_like(out, dtype=torch.float32))
-    counts = counts[:, :vocab]
-    rep = torch.tensor([params[r].repetition_penalty for r in rows], device=dev).unsqueeze(1)
-    if (rep != 1.0).any():
-        prompt = _padded([prompt_ids[r] for r in rows], vocab, dev)
-        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=dev).scatter_(1, prompt, True)[:, :vocab]
-        seen |= counts > 0
+    if repetition:
+        rep = torch.tensor([params[r].repetition_penalty for r in rows], device=dev).unsqueeze(1)
+        seen = prompt | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     freq = torch.tensor([params[r].frequency_penalty for r in rows], device=dev).unsqueeze(1)
     pres = torch.tensor([params[r].presence_penalty for r in rows], device=dev).unsqueeze(1)

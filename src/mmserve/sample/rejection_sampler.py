@@ -1,12 +1,14 @@
 """Acceptance: a step's sampled rows turned into each request's new tokens.
 
 A plain request takes its row's token. A verify chunk (speculative decoding: `[last, d1..dK]`,
-one row per position) keeps the longest prefix of drafts the target confirms plus the target's
-own next token: greedy requests compare the drafts with the rows' argmax; random ones are decided
-by rejection sampling (`verify`), which keeps the target's distribution exactly: the drafter is
-greedy (its proposal q is one-hot on d), so each draft d is kept with probability p(d), and the
-first one rejected is replaced by a draw from p without d. Either way the tokens are cut at EOS and
-`max_tokens`; the positions after the cut are what the scheduler rolls back.
+one row per position) keeps the longest prefix of drafts equal to its rows' tokens plus the row
+after it, greedy and random requests alike. For a random request that is rejection sampling: each
+row was drawn once, exactly as the plain step at its position would be (sampler.py), and the
+drafter is greedy (its proposal is one-hot on d), so a draft is kept with probability p(d), and
+when not, the row's token is a draw from p conditioned on not being d: the residual, the target's
+distribution exactly. It uses no randomness of its own, so a seeded request gives the same tokens
+with speculation on and off, whatever rows its batch-mates left it. Either way the tokens are cut at
+EOS and `max_tokens`; the positions after the cut are what the scheduler rolls back.
 """
 
 from __future__ import annotations
@@ -24,11 +26,6 @@ from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.spec_decode.verify import accepted_prefix
 
 
-def keeps_draft(u: torch.Tensor, p_draft: torch.Tensor) -> torch.Tensor:
-    """Keep a greedy draft with probability min(1, p(d) / q(d)) = p(d) (q is one-hot on d): u ~ U[0, 1)."""
-    return u < p_draft
-
-
 @dataclass
 class Accepted:
     """One sampling request's outcome of a step: its new tokens, and how many of its chunk's
@@ -44,18 +41,18 @@ class Accepted:
 
 
 class RejectionSampler:
-    """Accepts a step's rows with `sampler`'s generators and final logits (so a verify row is adjusted,
-    masked and drawn exactly as a plain step's row would be); `record(drafts, kept)` hears every
-    verify chunk scored (the speculator's acceptance statistics)."""
+    """Accepts a step's rows as `sampler` drew them (a verify row adjusted, masked and drawn exactly
+    as a plain step's row would be); `record(drafts, kept)` hears every verify chunk scored (the
+    speculator's acceptance statistics)."""
 
     def __init__(self, sampler: Sampler, record: Callable[[int, int], None] | None = None):
         self.sampler = sampler
         self.record = record
 
     def accept(self, scheduled: Sequence[ScheduledRequest], sampler_out: SamplerOutput, logits: torch.Tensor,
-               rows: list, eos_token_ids: frozenset[int]) -> list[Accepted]:
-        """Each sampling request's new tokens, appended to it (`rows`: the sampler's row objects,
-        one per logits row, as `spec_decode.verify.verify_rows` lays them out)."""
+               eos_token_ids: frozenset[int]) -> list[Accepted]:
+        """Each sampling request's new tokens, appended to it (the sampler's rows laid out as
+        `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row)."""
         accepted, row = [], 0
         for s in scheduled:
             request, drafts = s.request, s.draft_token_ids
@@ -67,8 +64,6 @@ class RejectionSampler:
                 continue
             targets = sampler_out.token_ids[first:first + n_rows]
             params = request.sampling_params
-            if drafts and not params.greedy:
-                targets = self.verify(logits[first:first + n_rows], rows[first:first + n_rows], drafts)
             num_accepted = accepted_prefix(drafts, targets)
             if drafts and self.record is not None:
                 self.record(len(drafts), num_accepted)
@@ -83,24 +78,6 @@ class RejectionSampler:
                                           [params.num_logprobs] * len(tokens))
             accepted.append(Accepted(s, tokens, logprobs, finish, n_rows - len(tokens), num_accepted=num_accepted))
         return accepted
-
-    def verify(self, logits: torch.Tensor, rows: Sequence, drafts: list[int]) -> list[int]:
-        """Rejection sampling of a random request's verify chunk: raw logits [1 + K, V] (row i follows
-        the i-th verified token; `rows[i]` is the request with its first i drafts as output, so bias,
-        min_tokens, penalties and the grammar's mask adjust each row as a plain step would), K greedy
-        drafts -> the kept drafts and one more token, distributed exactly as K + 1 plain draws would be."""
-        params = [r.sampling_params for r in rows]
-        gen = self.sampler.generator(rows[0].request_id, params[0], logits.device)
-        probs = self.sampler.probs(self.sampler.final_logits(logits, rows, params)[0], params)
-        ids = torch.tensor(drafts, dtype=torch.int64, device=logits.device)
-        u = torch.rand(len(drafts), generator=gen, device=logits.device, dtype=probs.dtype)
-        kept = keeps_draft(u, probs[torch.arange(len(drafts), device=logits.device), ids]).tolist()
-        n = kept.index(False) if False in kept else len(drafts)
-        last = probs[n].clone()
-        if n < len(drafts):   # the residual max(0, p - q) for a one-hot q: p without the rejected draft
-            last[drafts[n]] = 0.0
-        noise = torch.empty_like(last).exponential_(generator=gen)
-        return drafts[:n] + [int((last / noise).argmax())]
 
 
 def _cut(request, candidates: list[int], eos_token_ids: frozenset[int]) -> tuple[list[int], str | None]:

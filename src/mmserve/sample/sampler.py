@@ -4,16 +4,27 @@ and logprobs, batched on the logits' device.
 Grammar masks (structured output) are filled on the host first, before anything waits on the
 device, so on a GPU that work overlaps the step's forward pass. A row whose grammar cannot go on
 comes back in `SamplerOutput.errors`: the core ends that request alone.
-Random rows draw exponential noise from their request's own `torch.Generator` and take
-argmax(probs / noise) (an exact draw from probs), so a seeded request samples the same tokens
-whatever else shares its batch, and after preemption. The noise is the only per-row work.
-A verify chunk of a random request (speculative decoding) is decided by rejection sampling
-(`rejection_sampler.py`), from this sampler's generators and final logits.
+
+A random row takes argmax(probs / noise) with exponential noise (an exact draw from probs; the
+scale of probs does not matter, so the top-k/top-p filters need no renormalisation). Unseeded rows
+draw their noise together from one generator (one kernel for the batch). A seeded row's noise for
+output position j comes from a generator seeded by (seed, j) alone, so its tokens depend neither on
+its batch-mates nor on how many rows a step gave it (speculation's verify chunks, preemption).
+
+Speculative decoding needs no second draw: row j of a verify chunk is sampled like a plain step
+at that position, and a greedy draft is kept exactly when its row's draw equals it (the core's
+`accepted_prefix`, as for greedy requests). That is rejection sampling for a one-hot draft: kept
+with probability p(d), and when not, the row's token is a draw from p conditioned on not being d,
+the residual. So the target's distribution is kept exactly, and a seeded request gives the same
+tokens with speculation on and off.
+
+Top-k takes `torch.topk` of the largest k asked for (a sort of k values, not of the vocabulary);
+top-p finds each row's nucleus threshold by bisection over float32 bit patterns (monotone for
+non-negative floats): 31 masked row sums, no sort, no host sync.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -21,25 +32,64 @@ import torch
 
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
-from mmserve.sample.logprobs import token_logprobs
-from mmserve.sample.penalties import apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.sample.logprobs import logprob_table, read_logprobs
+from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
+_MASK64 = 2**64 - 1
+_FLOAT32_BITS = 31   # a non-negative float32's bit pattern is below 2^31
 
-def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits [N, V], top_k [N] (0 = off), top_p [N] (1 = off) -> logits with everything outside each
-    row's top-k / nucleus set to -inf. Ties with the k-th logit stay; the top token always stays."""
-    vocab = logits.shape[-1]
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).to(torch.int64)
-    kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))
-    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    # drop a token when the mass before it already reaches top_p
-    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p.unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw at output position `position`: splitmix64 of
+    both, so nearby positions and seeds give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
+    """logits [N, V], top_k [N] (0 or >= V: off), k_max: the largest k a row asks for (< V) -> logits
+    with everything below each row's k-th largest set to -inf (ties with it stay)."""
+    largest = torch.topk(logits, k_max, dim=-1).values   # sorted: k_max values per row, not V
+    on = (top_k > 0) & (top_k < logits.shape[-1])
+    kth = largest.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1))
+    return logits.masked_fill(on.unsqueeze(1) & (logits < kth), float("-inf"))
+
+
+def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] float32 (each row's distribution, summing to 1), top_p [N] -> keep [N, V]: the
+    tokens whose probability reaches each row's threshold t, the largest value with
+    mass(probs >= t) >= top_p (the smallest set of top tokens holding top_p; ties with t stay)."""
+    bits = probs.contiguous().view(torch.int32)
+    n = probs.shape[0]
+    lo = torch.zeros(n, 1, dtype=torch.int32, device=probs.device)            # mass(>= 0) = 1 >= top_p
+    hi = bits.max(dim=-1, keepdim=True).values + 1                          # mass(> max) = 0 < top_p
+    target = top_p.to(probs.dtype).unsqueeze(1)
+    for _ in range(_FLOAT32_BITS):
+        mid = lo + (hi - lo) // 2
+        reaches = torch.where(bits >= mid, probs, 0.0).sum(-1, keepdim=True) >= target
+        lo, hi = torch.where(reaches, mid, lo), torch.where(reaches, hi, mid)
+    return bits >= lo
+
+
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """softmax(logits / temperature) with each row's top-k, then top-p, filter applied (zeros outside;
+    rows are not renormalised): the distribution a random row draws from, up to its scale."""
+    dev, vocab = logits.device, logits.shape[-1]
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
+    scaled = logits / temps.unsqueeze(1)
+    k_max = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    if k_max:
+        scaled = mask_top_k(scaled, torch.tensor([p.top_k for p in params], device=dev), k_max)
+    probs = torch.softmax(scaled, dim=-1)
+    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus_rows:
+        top_p = torch.tensor([params[i].top_p for i in nucleus_rows], dtype=probs.dtype, device=dev)
+        probs[nucleus_rows] = probs[nucleus_rows] * nucleus(probs[nucleus_rows], top_p)
+    return probs
 
 
 @dataclass
@@ -51,17 +101,12 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
-        self._seeds = random.Random(seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._seed = seed
+        self._batch_generators: dict[torch.device, torch.Generator] = {}   # every unseeded row's noise
+        self._keyed_generators: dict[torch.device, torch.Generator] = {}   # reseeded per seeded row
+        self.penalties = PenaltyState()
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar = grammar
-
-    def generator(self, request_id: str, params: SamplingParams, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            gen = self._generators[request_id] = torch.Generator(device=device).manual_seed(seed % 2**64)
-        return gen
 
     def sample(self, logits: torch.Tensor, requests: Sequence) -> SamplerOutput:
         """logits float32 [N, V] (row i for requests[i], scheduler Requests or a verify chunk's
@@ -70,16 +115,22 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
-        logits, masks = self.final_logits(logits, requests, params)
+        logits, masks = self._final(logits, requests, params)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
-        out = SamplerOutput(tokens.tolist(), [None] * len(params))
-        if want_lp:
-            for i, lp in zip(want_lp, token_logprobs(raw, tokens[want_lp], [params[i].num_logprobs for i in want_lp]),
-                             strict=True):
+        out = SamplerOutput([], [None] * len(params))
+        if want_lp:   # the logprobs ride in the tokens' one transfer to the host (float64 holds ids exactly)
+            num_top = [params[i].num_logprobs for i in want_lp]
+            table = logprob_table(raw, tokens[want_lp], max(num_top))
+            host = torch.cat([tokens.double(), table.flatten()]).cpu()
+            out.token_ids = host[:len(params)].long().tolist()
+            lps = read_logprobs(host[len(params):].view(table.shape), [out.token_ids[i] for i in want_lp], num_top)
+            for i, lp in zip(want_lp, lps, strict=True):
                 out.logprobs[i] = lp
+        else:
+            out.token_ids = tokens.tolist()
         if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
             rows, _, out.errors = masks
             live = [i for i in rows if i not in out.errors and not hasattr(requests[i], "drafts")]
@@ -87,7 +138,7 @@ class Sampler:
             out.errors.update({live[k]: error for k, error in refused.items()})
         return out
 
-    def final_logits(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
+    def _final(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
         """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy
         only when something changes them), and the grammar's masks (`StructuredOutput.fill`) or None.
         The masks are filled first, on the host, before anything waits on the device."""
@@ -104,43 +155,38 @@ class Sampler:
 
     def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:
         """Bias, min_tokens and penalties, on a copy only when some row needs one."""
-        if not self._adjusts(params):
+        if not any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
             return logits
         logits = logits.clone()
         apply_logit_bias(logits, params)
         apply_min_tokens(logits, params, [len(r.output_token_ids) for r in requests], self.eos_token_ids)
-        apply_penalties(logits, params, [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests])
+        apply_penalties(logits, params, requests, self.penalties)
         return logits
 
-    @staticmethod
-    def _adjusts(params: list[SamplingParams]) -> bool:
-        return any(p.logit_bias or p.min_tokens or p.has_penalties for p in params)
-
-    @staticmethod
-    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """softmax(filter(logits / temperature)) per row: the distribution a random row draws from."""
-        dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)
-        scaled = logits / temps.unsqueeze(1)
-        if any(p.top_k or p.top_p < 1.0 for p in params):
-            scaled = filter_logits(scaled, torch.tensor([p.top_k for p in params], device=dev),
-                                   torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=dev))
-        return torch.softmax(scaled, dim=-1)
-
     def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
-        """One draw per row from softmax(filter(logits / temperature)), each with its request's generator."""
+        """One draw per row from its filtered distribution: unseeded rows' noise from the batch
+        generator in one call, each seeded row's from its (seed, output position) stream."""
         dev = logits.device
-        probs = self.probs(logits, [r.sampling_params for r in requests])
-        noise = torch.empty_like(probs)
+        probs = filtered_probs(logits, [r.sampling_params for r in requests])
+        noise = torch.empty_like(probs).exponential_(generator=self._generator(self._batch_generators, dev))
         for row, r in zip(noise, requests, strict=True):
-            row.exponential_(generator=self.generator(r.request_id, r.sampling_params, dev))
+            if r.sampling_params.seed is not None:
+                keyed = self._generator(self._keyed_generators, dev)
+                keyed.manual_seed(position_seed(r.sampling_params.seed, len(r.output_token_ids)))
+                row.exponential_(generator=keyed)
         return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, table: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
+        gen = table.get(device)
+        if gen is None:
+            gen = table[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return gen
 
     def grammar_complete(self, request_id: str) -> bool:
         """False when the request has a response_format that its output does not complete yet."""
         return self.grammar is None or self.grammar.is_complete(request_id)
 
     def free(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self.penalties.free(request_id)
         if self.grammar is not None:
             self.grammar.free(request_id)

@@ -6,7 +6,8 @@ which names neither the option nor what to do. So the transport limit sits a lit
 prefix, before buffering them) and this interceptor's deserializer sees the raw bytes first:
 
 - a message above its method's limit (`--max-message-bytes`; an UploadMedia message: one chunk) is
-  refused with RESOURCE_EXHAUSTED naming the limit, without parsing it;
+  refused with INVALID_ARGUMENT naming the limit, without parsing it (resending it cannot succeed;
+  grpc's own refusal, for a message more than the headroom over the limit, stays RESOURCE_EXHAUSTED);
 - bytes that do not parse are refused with INVALID_ARGUMENT and one rate-limited log line (grpc
   would answer UNKNOWN and log a traceback per message: log flooding for the price of a packet);
 - a unary request's bytes are held against `--max-inflight-message-bytes` from receipt to the end
@@ -134,9 +135,9 @@ class MessageAdmission(grpc.aio.ServerInterceptor):
         def deserialize(raw: bytes) -> object:
             size = len(raw)
             if own is None and size > self.limit:
-                return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, too_large_message(size, self.limit))
+                return _Refused(grpc.StatusCode.INVALID_ARGUMENT, too_large_message(size, self.limit))
             if own is not None and size > own.max_bytes:
-                return _Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                return _Refused(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"a {method.rsplit('/', 1)[-1]} message of {size} bytes is more than its limit of "
                                 f"{own.max_bytes} bytes; {own.advice}")
             if hold and not self.inflight.take(size):

@@ -36,6 +36,7 @@ from mmserve.server.handlers import ClosingStreamsInterceptor
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.in_flight import InFlightRequests
 from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
+from mmserve.server.openai_gateway import OpenAIGateway
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
@@ -44,6 +45,10 @@ from mmserve.server.vllm_engine import VLLM_ENGINE_SERVICE, add_vllm_engine
 logger = logging.getLogger(__name__)
 
 QUERY_METHODS = tuple(f"/mmserve.v1.Generation/{name}" for name in ("Abort", "GetModelInfo", "GetServerLoad"))
+# Every VllmEngine method but Generate: a few ids at most (a gateway aborts one request per call).
+VLLM_ENGINE_QUERY_METHODS = tuple(f"/{VLLM_ENGINE_SERVICE}/{name}" for name in (
+    "Abort", "Embed", "HealthCheck", "FlushCache", "StartProfile", "StopProfile", "GetModelInfo", "GetServerInfo",
+    "GetLoads", "GetTokenizer", "SubscribeKvEvents"))
 QUERY_MESSAGE_BYTES = 16 * 2**10
 
 
@@ -85,7 +90,9 @@ class MMServer:
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too
             chain.insert(0, RpcMetricsInterceptor(metrics.count_rpc))
             metrics.watch_engine(engine, block_size=engine_config.block_size,
-                                 enable_prefix_caching=engine_config.enable_prefix_caching)
+                                 enable_prefix_caching=engine_config.enable_prefix_caching,
+                                 num_speculative_tokens=engine_config.num_speculative_tokens
+                                 if engine_config.speculative_model else 0)
         chain.insert(0, ClosingStreamsInterceptor())   # outermost: a stream ends with its call (handlers.py)
         self._credentials = credentials if credentials is not None else server_credentials(server_config)
         self._executor = ThreadPoolExecutor(max_workers=server_config.worker_threads,
@@ -96,23 +103,24 @@ class MMServer:
                                       maximum_concurrent_rpcs=server_config.max_concurrent_rpcs)
         self.in_flight = in_flight = InFlightRequests(engine)   # both doors': one id namespace, Abort by owner
         servicer = GenerationServicer(engine, engine_config, lambda: self._processor, lambda: self.gate.draining,
-                                      self.media, in_flight)
+                                      self.media, in_flight, live_observer=metrics)
         pb_grpc.add_GenerationServicer_to_server(servicer, self.server)
         if server_config.enable_vllm_engine_api:   # the gateway door (SMG, llm-d): docs/gateway.md
             add_vllm_engine(self.server, engine, engine_config, server_config, lambda: self._processor,
                             lambda: self.gate.draining, in_flight)
+        self.kv_publisher = kv_event_publisher(server_config, engine_config, metrics)
         self.health.add_to_server(self.server)
         enable_reflection(self.server, (VLLM_ENGINE_SERVICE,) if server_config.enable_vllm_engine_api else ())
         self.port = 0
 
     def _admission(self) -> MessageAdmission:
-        """Message limits: --max-message-bytes for Generate, one chunk for UploadMedia, a few KiB for the
-        queries (their requests are an id at most), and the in-flight byte budget."""
+        """Message limits: --max-message-bytes for Generate (both doors), one chunk for UploadMedia, 16 KiB
+        for the queries and Aborts of both doors, and the in-flight byte budget."""
         chunk = MethodLimit(self.media.max_chunk_bytes + UPLOAD_FRAMING_BYTES,
                             f"send the upload in chunks of {RECOMMENDED_CHUNK_BYTES} bytes")
-        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a request id at most")
+        query = MethodLimit(QUERY_MESSAGE_BYTES, "its request carries a few request ids at most: abort fewer at once")
         return MessageAdmission(self.server_config.max_message_bytes, self.server_config.max_inflight_message_bytes,
-                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS, query)})
+                                {UPLOAD_METHOD: chunk, **dict.fromkeys(QUERY_METHODS + VLLM_ENGINE_QUERY_METHODS, query)})
 
     @property
     def address(self) -> str:
@@ -162,6 +170,8 @@ class MMServer:
 
     async def _load(self) -> None:
         await self.engine.start()
+        if self.kv_publisher is not None:
+            self.kv_publisher.start(self.engine.subscribe_kv_events)
         processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
                                                    context_length=self.engine.model_info.context_length,
                                                    workers=self.server_config.worker_threads)
@@ -203,6 +213,8 @@ class MMServer:
 
     async def _close(self) -> None:
         await self.engine.shutdown()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self._media_sweeper is not None:
             self._media_sweeper.cancel()
@@ -238,6 +250,18 @@ class MMServer:
         raise error
 
 
+def kv_event_publisher(server_config: ServerConfig, engine_config: EngineConfig, metrics=None):
+    """The ZMQ publisher --kv-events-config asks for (server/kv_event_publisher.py), its sockets open;
+    None when off."""
+    from mmserve.server.kv_event_publisher import KvEventsConfig, ZmqKvEventPublisher
+
+    config = KvEventsConfig.parse(server_config.kv_events_config)
+    if not config.enabled:
+        return None
+    return ZmqKvEventPublisher(config, engine_config.block_size,
+                               on_drop=metrics.count_kv_events_dropped if metrics is not None else None)
+
+
 def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None, metrics=None) -> MMServer:
@@ -259,13 +283,19 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     observability = setup_observability(engine_config, server_config)
     engine = AsyncEngine(engine_config, observer=observability.observer)
     server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
+    gateway = None
     try:
         if not await server.start_unless(signals.requested):
             await server.stop()
             return True
+        if server_config.openai_port:   # the OpenAI door: SMG in front of this replica (openai_gateway.py)
+            gateway = OpenAIGateway(server_config.host, server_config.openai_port, f"127.0.0.1:{server.port}")
+            await gateway.wait_ready()
         return await server.run_until_stopped(signals)
     except BaseException:
         await server.stop()
         raise
     finally:
+        if gateway is not None:
+            gateway.stop()
         observability.close()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
 from mmserve.errors import MMServeError
+from mmserve.server import openai_gateway
+from mmserve.server.auth import load_api_keys
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +32,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def missing_checkpoint(model: str) -> str:
+    """Why --model is not a checkpoint, and what to do; a Hub id (`org/name`) gets the download hint,
+    since this server reads local folders only and downloads nothing."""
+    message = f"no checkpoint at {model} (config.json is missing); pass --model DIR, a checkpoint folder"
+    path = Path(model)
+    if not path.exists() and len(path.parts) == 2 and not model.startswith((".", "/", "~")):
+        message += (f". {model!r} looks like a Hugging Face Hub id: this server downloads nothing. Fetch it "
+                    f"where the Hub is reachable, `huggingface-cli download {model} --local-dir DIR` (copy DIR "
+                    "here if need be), then --model DIR (README.md, 'Serving a real Gemma 4')")
+    return message
+
+
+def _has_api_keys(config: ServerConfig) -> bool:
+    if not config.openai_port:
+        return False
+    try:
+        return bool(load_api_keys(config.api_keys_file))
+    except ValueError:   # an unreadable keys file: serve() refuses to start, naming it
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     engine_config, server_config = from_args(EngineConfig, args), from_args(ServerConfig, args)
     if not (Path(engine_config.model) / "config.json").is_file():
-        logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", engine_config.model)
+        logger.error("%s", missing_checkpoint(engine_config.model))
+        return 2
+    if why := openai_gateway.refusal(server_config, api_keys=_has_api_keys(server_config)):
+        logger.error("%s", why)
+        return 2
+    from mmserve.server.kv_event_publisher import KvEventsConfig
+
+    try:
+        KvEventsConfig.parse(server_config.kv_events_config)
+    except ValueError as e:
+        logger.error("mmserve serve: %s", e)
         return 2
     from mmserve.server.app import serve  # torch and the model stack load only when really serving
 

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/mmserve.v1.Generation/Generate"
 UPLOAD_METHOD = "/mmserve.v1.Generation/UploadMedia"
+LIVE_METHOD = "/mmserve.v1.Generation/Live"   # a session in flight ends itself when the drain starts (server/live.py)
 VLLM_GENERATE_METHOD = "/vllm.grpc.engine.VllmEngine/Generate"   # the gateway door (server/vllm_engine/)
 UNGATED_GRACE_S = 1.0
 DRAINING_MESSAGE = "server is draining (shutting down); retry on another replica"
@@ -31,7 +32,8 @@ DRAINING_MESSAGE = "server is draining (shutting down); retry on another replica
 class DrainGate(grpc.aio.ServerInterceptor):
     """Counts in-flight calls of the gated methods; once draining, refuses new ones with UNAVAILABLE."""
 
-    def __init__(self, gated_methods: Iterable[str] = (GENERATE_METHOD, UPLOAD_METHOD, VLLM_GENERATE_METHOD)):
+    def __init__(self, gated_methods: Iterable[str] = (GENERATE_METHOD, UPLOAD_METHOD, LIVE_METHOD,
+                                                              VLLM_GENERATE_METHOD)):
         self._gated = frozenset(gated_methods)
         self._inflight = 0
         self._idle = asyncio.Event()

@@ -18,7 +18,7 @@ import grpc
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig, ServerConfig
-from mmserve.engine.input.processor import ImageInput, InputMessage, VideoInput
+from mmserve.engine.input.processor import AudioInput, ImageInput, InputMessage, VideoInput
 from mmserve.errors import (
     InvalidInputError,
     LimitExceededError,
@@ -59,12 +59,12 @@ class MediaLeases:
             raise
 
     def _resolve(self, part, where: str):
-        if not isinstance(part, ImageInput | VideoInput) or not part.media_id:
+        if not isinstance(part, ImageInput | VideoInput | AudioInput) or not part.media_id:
             return part
         try:
             entry = self._store.acquire(part.media_id)
         except NotFoundError as e:
-            kind = "image" if isinstance(part, ImageInput) else "video"
+            kind = {ImageInput: "image", VideoInput: "video", AudioInput: "audio"}[type(part)]
             raise NotFoundError(f"{where}.{kind}.media_id: {e}", resource_type=e.resource_type,
                                 resource_name=e.resource_name) from None
         self._held.append(entry.id)
@@ -159,7 +159,7 @@ class MediaService:
                 return await anext(requests, None)
         except TimeoutError:
             raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload was "
-                                     f"dropped", "--upload-idle-timeout-s") from None
+                                     f"dropped: send it again", "--upload-idle-timeout-s", retryable=True) from None
 
     def _ref(self, entry: MediaEntry) -> pb.MediaRef:
         return pb.MediaRef(id=entry.id, size_bytes=entry.size, mime_type=entry.mime_type, ttl_s=self.store.ttl_s)

@@ -7,6 +7,7 @@ when the client goes away (cancel, deadline), with an abort in the engine so not
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -114,13 +115,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """`processor()` returns the InputProcessor once the model is loaded (None before)."""
 
     def __init__(self, engine, config: EngineConfig, processor: Callable[[], InputProcessor | None],
-                 draining: Callable[[], bool], media: MediaService, in_flight: InFlightRequests) -> None:
+                 draining: Callable[[], bool], media: MediaService, in_flight: InFlightRequests,
+                 live_observer=None) -> None:
         self._engine = engine
         self._config = config
         self._processor = processor
         self._draining = draining
         self._media = media
         self._in_flight = in_flight   # shared with the VllmEngine door: one id namespace
+        from mmserve.server.live import LiveService  # live.py builds on this module's Final mapping
+
+        self.live = LiveService(engine, config, processor, draining, in_flight, observer=live_observer)
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -185,6 +190,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # refused request's media (decode_video's frames hold the bytes) until a full collection.
             error = None
 
+    async def Live(self, requests: AsyncIterator[pb.LiveRequest],
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LiveResponse]:
+        async with contextlib.aclosing(self.live.live(requests, context)) as responses:
+            async for response in responses:
+                yield response
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         """Abort the caller's own request with exactly this id (another key's request is not found)."""
         return pb.AbortResponse(found=self._in_flight.abort(request.request_id, caller_key(context)))
@@ -203,7 +214,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model_name=info.name, context_length=info.context_length,
             max_frames_per_video=self._config.max_frames_per_video,
             max_frames_per_request=self._config.max_frames_per_request,
-            tokens_per_frame=info.tokens_per_frame, supported_inputs=["text", "image", "video"],
+            tokens_per_frame=info.tokens_per_frame, supported_inputs=list(self._processor().spec.modalities),
             attention_backend=info.backend, dtype=info.dtype,
             peaks=pb.DevicePeaks(device=peaks.name, flops=peaks.flops, bandwidth=peaks.bandwidth,
                                  source=peaks.source, spread=peaks.spread) if peaks else None,

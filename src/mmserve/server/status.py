@@ -5,6 +5,11 @@ cause whichever RPC raised it. Besides the code and message, the status carries 
 `google.rpc` details (BadRequest.FieldViolation for bad input, RetryInfo for retryable limits,
 ResourceInfo for what was not found) in `grpc-status-details-bin`, which grpc clients in every
 language know how to read.
+
+Every text that leaves here is bounded (`bounded`): a message may quote the client's input (a schema,
+a path, a parser's excerpt), and the status travels in metadata, which grpc caps at 16 KiB in all;
+over it the client would get "metadata size exceeds hard limit" (RESOURCE_EXHAUSTED) instead of the
+real status.
 """
 
 from __future__ import annotations
@@ -30,17 +35,33 @@ from mmserve.errors import (
 logger = logging.getLogger(__name__)
 
 DETAILS_KEY = "grpc-status-details-bin"
+# A status message's UTF-8 bytes at most: it travels percent-encoded in grpc-message and again inside
+# the details' base64, so even a message of non-ASCII text stays far below grpc's 16 KiB of metadata.
+MAX_MESSAGE_BYTES = 1024
+MAX_FIELD_BYTES = 256
 # How long a client should back off before retrying a request refused by a retryable limit.
 RETRY_DELAY_S = 1.0
 
 
+def bounded(text: str, limit: int = MAX_MESSAGE_BYTES) -> str:
+    """`text` cut to at most `limit` UTF-8 bytes (on a character boundary), saying how much was cut."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    kept = data[:limit - 32].decode("utf-8", "ignore")
+    return f"{kept}... ({len(data) - len(kept.encode())} bytes cut)"
+
+
 @dataclass(frozen=True)
 class MappedStatus:
-    """A gRPC status ready to send: code, message and the google.rpc details to attach."""
+    """A gRPC status ready to send: code, message (bounded) and the google.rpc details to attach."""
 
     code: grpc.StatusCode
     message: str
     details: tuple[any_pb2.Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "message", bounded(self.message))
 
     def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
         if not self.details:
@@ -62,7 +83,8 @@ def _pack(message) -> any_pb2.Any:
 def map_error(exc: BaseException, request_id: str = "") -> MappedStatus:
     """Translate an exception into the status the client sees."""
     if isinstance(exc, InvalidInputError):
-        violation = error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=str(exc))
+        violation = error_details_pb2.BadRequest.FieldViolation(field=bounded(exc.field, MAX_FIELD_BYTES),
+                                                                description=bounded(str(exc)))
         return MappedStatus(grpc.StatusCode.INVALID_ARGUMENT, str(exc),
                             (_pack(error_details_pb2.BadRequest(field_violations=[violation])),))
     if isinstance(exc, LimitExceededError):
@@ -72,11 +94,11 @@ def map_error(exc: BaseException, request_id: str = "") -> MappedStatus:
             return MappedStatus(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"{exc}; retry after {RETRY_DELAY_S:g}s with backoff",
                                 (_pack(error_details_pb2.RetryInfo(retry_delay=delay)),))
-        code = grpc.StatusCode.INVALID_ARGUMENT if exc.can_never_fit else grpc.StatusCode.RESOURCE_EXHAUSTED
-        return MappedStatus(code, str(exc))
+        return MappedStatus(grpc.StatusCode.INVALID_ARGUMENT, str(exc))   # permanent: retrying cannot help
     if isinstance(exc, NotFoundError):
-        info = error_details_pb2.ResourceInfo(resource_type=exc.resource_type, resource_name=exc.resource_name,
-                                              description=str(exc))
+        info = error_details_pb2.ResourceInfo(resource_type=exc.resource_type,
+                                              resource_name=bounded(exc.resource_name, MAX_FIELD_BYTES),
+                                              description=bounded(str(exc)))
         return MappedStatus(grpc.StatusCode.NOT_FOUND, str(exc), (_pack(info),))
     if isinstance(exc, EngineUnavailableError):
         return MappedStatus(grpc.StatusCode.UNAVAILABLE, str(exc) or "engine unavailable")

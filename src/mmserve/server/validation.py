@@ -7,6 +7,7 @@ the proto path (`messages[0].parts[1].video.mime_type`) so a client author can f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -16,7 +17,14 @@ from dataclasses import dataclass
 
 from mmserve.api import pb
 from mmserve.config import EngineConfig
-from mmserve.engine.input.processor import ImageInput, InputMessage, InputPart, TextInput, VideoInput
+from mmserve.engine.input.processor import (
+    AudioInput,
+    ImageInput,
+    InputMessage,
+    InputPart,
+    TextInput,
+    VideoInput,
+)
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import (
     MAX_BIAS,
@@ -35,6 +43,9 @@ IMAGE_MIME_TYPES = frozenset({"image/png", "image/jpeg", "image/jpg", "image/web
 VIDEO_MIME_TYPES = frozenset({"video/mp4", "video/quicktime", "video/3gpp", "video/webm", "video/x-matroska",
                               "video/matroska", "video/x-msvideo", "video/avi", "video/msvideo", "video/mp2t",
                               "image/gif", "image/webp"})  # animations sent as a video are decoded as one
+AUDIO_MIME_TYPES = frozenset({"audio/wav", "audio/x-wav", "audio/wave", "audio/vnd.wave", "audio/flac",
+                              "audio/x-flac", "audio/mpeg", "audio/mp3", "audio/ogg", "audio/opus", "audio/vorbis",
+                              "audio/mp4", "audio/m4a", "audio/x-m4a", "audio/aac", "audio/webm"})
 DEFAULT_MAX_TOKENS = 16
 MAX_REQUEST_ID_CHARS = 128
 MAX_STOP_STRING_CHARS = 256
@@ -50,7 +61,7 @@ class ValidatedRequest:
 
 def validate_request(request: pb.GenerateRequest, config: EngineConfig) -> ValidatedRequest:
     """Check a GenerateRequest and convert it; raises InvalidInputError naming the field."""
-    messages = _messages(request.messages, config)
+    messages = _messages(request.messages, config, with_audio=request.use_audio_in_video)
     return ValidatedRequest(
         request_id=_request_id(request.request_id),
         messages=messages,
@@ -69,7 +80,8 @@ def _request_id(value: str) -> str:
     return value
 
 
-def _messages(messages, config: EngineConfig) -> tuple[InputMessage, ...]:
+def _messages(messages, config: EngineConfig, *, with_audio: bool = False) -> tuple[InputMessage, ...]:
+    """`with_audio` (use_audio_in_video): every video part also brings its soundtrack."""
     if not messages:
         raise InvalidInputError("messages", "at least one message is required")
     out = []
@@ -80,14 +92,14 @@ def _messages(messages, config: EngineConfig) -> tuple[InputMessage, ...]:
             raise InvalidInputError(f"{where}.role", f"unknown role {message.role!r}; use one of {', '.join(ROLES)}")
         if not message.parts:
             raise InvalidInputError(f"{where}.parts", "a message needs at least one part")
-        parts = tuple(_part(part, f"{where}.parts[{j}]", config) for j, part in enumerate(message.parts))
+        parts = tuple(_part(part, f"{where}.parts[{j}]", config, with_audio) for j, part in enumerate(message.parts))
         # Frames known before decoding: explicit counts and given frames. Defaults and fps sampling
         # depend on the clip, so the input processor checks the decoded total again.
         requested_frames += sum(len(p.frames) or (0 if p.fps else p.num_frames) for p in parts
                                 if isinstance(p, VideoInput))
         out.append(InputMessage(role=message.role, parts=parts))
     if not any(_has_content(p) for m in out for p in m.parts):
-        raise InvalidInputError("messages", "the prompt is empty: give some text, an image or a video")
+        raise InvalidInputError("messages", "the prompt is empty: give some text, an image, a video or audio")
     if requested_frames > config.max_frames_per_request:
         raise InvalidInputError("messages", f"{requested_frames} video frames requested, at most "
                                 f"{config.max_frames_per_request} per request (--max-frames-per-request)")
@@ -98,18 +110,34 @@ def _has_content(part: InputPart) -> bool:
     return not isinstance(part, TextInput) or bool(part.text.strip())
 
 
-def _part(part: pb.Part, where: str, config: EngineConfig) -> InputPart:
+def _part(part: pb.Part, where: str, config: EngineConfig, with_audio: bool = False) -> InputPart:
     kind = part.WhichOneof("content")
     if kind == "text":
         return TextInput(part.text)
     if kind == "image":
         return _image(part.image, f"{where}.image")
     if kind == "video":
-        return _video(part.video, f"{where}.video", config)
+        video = _video(part.video, f"{where}.video", config)
+        if with_audio and video.frames:
+            raise InvalidInputError(f"{where}.video.frames", "use_audio_in_video hears a container's soundtrack; "
+                                    "given frames carry no sound (send the container, or an audio part beside them)")
+        return dataclasses.replace(video, with_audio=with_audio)
     if kind == "audio":
-        raise InvalidInputError(f"{where}.audio", "audio input is not supported: this server serves text, images "
-                                                  "and video (send the audio's transcript as text)")
-    raise InvalidInputError(where, "empty part: set one of text, image or video")
+        return _audio(part.audio, f"{where}.audio")
+    raise InvalidInputError(where, "empty part: set one of text, image, video or audio")
+
+
+def _audio(audio: pb.Audio, where: str) -> AudioInput:
+    _mime(audio.mime_type, AUDIO_MIME_TYPES, f"{where}.mime_type")
+    _window(audio, where)
+    window = dict(mime_type=audio.mime_type, start_s=audio.start_s, end_s=audio.end_s)
+    if audio.media_id:
+        if audio.data:
+            raise InvalidInputError(f"{where}.media_id", "set data or media_id, not both")
+        return AudioInput(media_id=_media_id(audio.media_id, f"{where}.media_id"), **window)
+    if not audio.data:
+        raise InvalidInputError(f"{where}.data", "empty audio bytes")
+    return AudioInput(data=audio.data, **window)
 
 
 def _image(image: pb.Image, where: str) -> ImageInput:
@@ -167,16 +195,16 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
     raise InvalidInputError(f"{where}.source", "set one of data (container bytes), frames or media_id")
 
 
-def _window(video: pb.Video, where: str) -> None:
-    """The window's own consistency; whether it fits the video is known only once it is opened."""
-    if not math.isfinite(video.start_s) or video.start_s < 0:
-        raise InvalidInputError(f"{where}.start_s", f"must be a number of seconds >= 0, got {video.start_s}")
-    if not math.isfinite(video.end_s) or video.end_s < 0:
+def _window(media: pb.Video | pb.Audio, where: str) -> None:
+    """The window's own consistency; whether it fits the clip is known only once it is opened."""
+    if not math.isfinite(media.start_s) or media.start_s < 0:
+        raise InvalidInputError(f"{where}.start_s", f"must be a number of seconds >= 0, got {media.start_s}")
+    if not math.isfinite(media.end_s) or media.end_s < 0:
         raise InvalidInputError(f"{where}.end_s", f"must be a number of seconds >= 0 (0 = to the end), got "
-                                f"{video.end_s}")
-    if video.end_s and video.end_s <= video.start_s:
-        raise InvalidInputError(f"{where}.end_s", f"the window ends ({video.end_s:g} s) at or before it starts "
-                                f"({video.start_s:g} s)")
+                                f"{media.end_s}")
+    if media.end_s and media.end_s <= media.start_s:
+        raise InvalidInputError(f"{where}.end_s", f"the window ends ({media.end_s:g} s) at or before it starts "
+                                f"({media.start_s:g} s)")
 
 
 def _mime(mime_type: str, allowed: frozenset[str], where: str) -> None:

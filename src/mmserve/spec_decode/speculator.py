@@ -6,8 +6,9 @@ layers, positions before the token drafted from) are gathered once, and the K st
 one constant position, so they need no scheduling and no metadata. The next step verifies
 `[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
 drafts equal to the target's argmax, plus the target's own next token: the same tokens as
-without speculation, up to K + 1 per step. A random request's chunk is decided by rejection
-sampling (`sample/rejection_sampler.py`): the target's distribution, exactly.
+without speculation, up to K + 1 per step. A random request's chunk is accepted the same way,
+against its rows' draws (`sample/rejection_sampler.py`: rejection sampling for a one-hot draft,
+the target's distribution exactly).
 
 Every request speculates except those that opt out (`disable_speculation`): they decode one token
 per step, as before. Penalties, min_tokens, logit_bias and a grammar's mask apply to each verify

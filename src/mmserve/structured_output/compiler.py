@@ -30,6 +30,7 @@ import xgrammar as xgr
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.sampling_params import ResponseFormat
 from mmserve.structured_output.grammar_check import dead_rules
+from mmserve.structured_output.json_strings import json_safe_strings
 
 ERROR_BYTES = 256   # what a cached refusal counts against the byte budget
 COMPILE_NICENESS = 5   # added to the compile thread's nice value: background work beside the step loop
@@ -151,7 +152,8 @@ class FormatCompiler:
         compiler = self._xgrammar()
         try:
             if fmt.kind == "json_schema":
-                grammar = xgr.Grammar.from_json_schema(fmt.spec, any_whitespace=False, separators=(",", ":"))
+                grammar = json_safe_strings(xgr.Grammar.from_json_schema(fmt.spec, any_whitespace=False,
+                                                                         separators=(",", ":")))
             elif fmt.kind == "regex":
                 grammar = xgr.Grammar.from_regex(fmt.spec)
             else:

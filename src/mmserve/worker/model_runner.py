@@ -7,14 +7,16 @@ CUDA as the captured graph of a uniform decode step's padded size (one token per
 speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
 out of them have run (a CUDA event, not a device-wide sync).
 
-Vision: the frames whose tokens enter a step are encoded in that step (one batched call, padded to
-the largest frame), except those whose content the cross-request encoder cache still holds; new
-embeddings go into that cache (LRU in bytes, keyed by content hash), so a video seen before costs no
-vision work even when its K/V blocks were evicted.
+Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
+(one batched call per tower, padded to the largest item), except those whose content the
+cross-request encoder cache still holds; new embeddings go into that cache (LRU in bytes, keyed by
+content hash), so a video or a clip heard before costs no encoder work even when its K/V blocks
+were evicted.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -30,6 +32,7 @@ from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
+from mmserve.request import AudioFeatures
 from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
@@ -62,8 +65,12 @@ class StepResult:
     # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
+    # ... the same per request id and modality ("image", "video", "audio")
+    encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
     encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
+    # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
+    media_failed: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -83,7 +90,7 @@ class ModelRunner:
         # each pool's caches, one per layer holding KV (block copies go through every one)
         self.pool_caches = {t: [self.kv_caches[layer.index] for layer in spec.layers
                                 if layer.layer_type == t and not layer.shares_kv] for t in plans}
-        set_compiled(config.compile_dense)
+        set_compiled(config.compile_dense, layers=device.type == "cuda")   # fused layer pieces: CUDA always
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
         self.block_tables = BlockTables(plans, max_blocks)
@@ -151,37 +158,85 @@ class ModelRunner:
         self.block_tables.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[torch.Tensor | None, dict[str, int], tuple[float, float] | None]:
-        """Embeddings of this step's frames in (request, frame) order, encoding only those whose
-        content is neither cached nor repeated in this step; how many frames each request encoded;
-        and when the vision tower ran (perf_counter start, end), if it did."""
+                ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
+                       dict[str, str]]:
+        """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
+        those whose content is neither cached nor repeated in this step (an audio segment split between
+        chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
+        in all and by modality; when the towers ran (perf_counter start, end), if they did; and the
+        requests whose media failed to encode (id -> why): their ranges get zero embeddings so the
+        step's other rows go on, and the core ends those requests alone."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
-        todo, encoded, encode_perf = [], {}, None
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
+        encoded, by_modality, encode_perf = {}, {}, None
         for s in scheduled:
             for f in s.frames:
-                key = s.request.mm_inputs[f].content_hash
+                item = s.request.mm_inputs[f]
+                key = item.content_hash
                 if key not in step:
                     step[key] = self.encoder_cache.get(key)
                     if step[key] is None:
-                        todo.append((s.request, f, key))
-                        encoded[s.request.request_id] = encoded.get(s.request.request_id, 0) + 1
-        if todo:
+                        audio = isinstance(item, AudioFeatures)
+                        rid = s.request.request_id
+                        todo[audio].append((rid, item, key))
+                        encoded[rid] = encoded.get(rid, 0) + 1
+                        modality = "audio" if audio else "video" if s.request.prompt_token_ids[
+                            s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
+                        counts = by_modality.setdefault(rid, {})
+                        counts[modality] = counts.get(modality, 0) + 1
+        failed: dict[str, str] = {}
+        if todo[False] or todo[True]:
             began = time.perf_counter()
-            pix, pos = pad_patches([(r.mm_inputs[f].pixel_values, r.mm_inputs[f].position_ids) for r, f, _ in todo])
-            for (_, _, key), e in zip(todo, self.model.encode_vision(pix, pos), strict=True):
+            embeds = []
+            if todo[False]:
+                embeds += zip(todo[False], self._run_tower("vision", todo[False], failed), strict=True)
+            if todo[True]:
+                embeds += zip(todo[True], self._run_tower("audio", todo[True], failed), strict=True)
+            for (_, _, key), e in embeds:
                 step[key] = e
-                self.encoder_cache.put(key, e)
+                if e is not None:
+                    self.encoder_cache.put(key, e)
             encode_perf = (began, time.perf_counter())
         parts = []
         for s in scheduled:
             for f in s.frames:
                 e = step[s.request.mm_inputs[f].content_hash]
                 start, end = s.request.mm_ranges[f]
-                if e.shape[0] != end - start + 1:
-                    raise ValueError(f"request {s.request.request_id}: range {f} has {end - start + 1} placeholder "
-                                     f"tokens but its pixels give {e.shape[0]} embeddings")
-                parts.append(e)
-        return (torch.cat(parts) if parts else None), encoded, encode_perf
+                if e is None or e.shape[0] != end - start + 1:
+                    rid = s.request.request_id
+                    if e is not None:
+                        logger.error("request %s: range %d has %d placeholder tokens but its input gives %d "
+                                     "embeddings", rid, f, end - start + 1, e.shape[0])
+                    failed.setdefault(rid, "its media gave other embeddings than their placeholders")
+                    e = torch.zeros(end - start + 1, self.model.spec.hidden_size, dtype=self.model.dtype,
+                                    device=self.model.device)
+                parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
+        return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf, failed
+
+    def _run_tower(self, kind: str, todo: list, failed: dict[str, str]) -> list[torch.Tensor | None]:
+        """The vision or audio tower over `todo`'s (request id, input, key) in one batched call; if that
+        raises, request by request, so a failure is that request's alone (None for its inputs, its id
+        and the exception's type into `failed`; the message, which may quote the batch, goes to the log)."""
+        def run(items: list) -> list[torch.Tensor]:
+            if kind == "audio":
+                return self.model.encode_audio([m.features for _, m, _ in items])
+            return self.model.encode_vision(*pad_patches([(m.pixel_values, m.position_ids) for _, m, _ in items]))
+        try:
+            return run(todo)
+        except Exception:
+            logger.warning("the %s encoder failed on a batch of %d inputs; encoding request by request", kind,
+                           len(todo), exc_info=True)
+        what = "audio" if kind == "audio" else "images/frames"
+        out: list[torch.Tensor | None] = []
+        for rid, group in itertools.groupby(todo, key=lambda item: item[0]):
+            items = list(group)
+            try:
+                out += run(items)
+            except Exception as exc:
+                logger.error("request %s: the %s encoder failed on its media", rid, kind, exc_info=exc)
+                failed[rid] = f"the {kind} encoder failed on its {what} ({type(exc).__name__})"
+                out += [None] * len(items)
+        return out
 
     def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
@@ -206,7 +261,7 @@ class ModelRunner:
         inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
                                    query_len=query_len or 1)
         attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, encode_perf = self._encode(out.scheduled)   # decode steps encode nothing
+        mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)   # decode steps encode nothing
         sampled = None   # graph steps are uniform decode steps: the full path
         # (a verify chunk samples several rows: KV-sharing layers then run every row)
         if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
@@ -223,4 +278,5 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, encode_perf, hidden)
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
+                          encode_perf, hidden, failed)

@@ -139,7 +139,9 @@ class StepInputBuilder:
             ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
             if s.draft_token_ids:
                 ids[known:bounds[i + 1]] = s.draft_token_ids
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts
+        # the total a sampling chunk reaches: never, for an open prompt (a live context never samples)
+        totals = np.fromiter((-1 if s.request.open_prompt else s.request.num_tokens for s in scheduled),
+                             dtype=np.int64, count=num_reqs) + drafts
         sampling_index = np.flatnonzero(seq_lens == totals)
         num_rows = 1 + drafts[sampling_index]
         ends = qsl[1:num_reqs + 1][sampling_index]
@@ -157,7 +159,7 @@ class StepInputBuilder:
         ranges_rows = 0
         if self._any_bidirectional:   # models without bidirectional layers never need the table
             ranges_rows = fill_query_ranges(
-                self.query_ranges.np, qsl, computed, [s.request.mm_ranges_np for s in scheduled])
+                self.query_ranges.np, qsl, computed, [s.request.vision_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
             self.query_ranges.np[:self._high_water] = -1
         elif num_tokens < self._high_water:
@@ -209,13 +211,16 @@ class StepInputBuilder:
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the
-        runner concatenates their embeddings in."""
+        runner concatenates their embeddings in. A range is clipped to its request's chunk (an audio
+        segment split between chunks; images and frames lie wholly inside)."""
         starts, lengths = [], []
         for i, s in enumerate(scheduled):
             if s.frames:
                 sel = s.request.mm_ranges_np[s.frames]
-                starts.append(sel[:, 0] - s.num_computed_tokens + qsl[i])
-                lengths.append(sel[:, 1] - sel[:, 0] + 1)
+                first = np.maximum(sel[:, 0], s.num_computed_tokens)
+                last = np.minimum(sel[:, 1], s.seq_len - 1)
+                starts.append(first - s.num_computed_tokens + qsl[i])
+                lengths.append(last - first + 1)
         if not starts:
             return 0
         st, ln = np.concatenate(starts), np.concatenate(lengths)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmserve.block_hash import block_hashes
+from mmserve.block_hash import block_hashes, mm_extra_keys
 from mmserve.core.kv_cache.block_pool import NULL_BLOCK, BlockPool
 from mmserve.core.kv_cache.planner import PoolPlan, window_hold_blocks
 from mmserve.core.sched.output import BlockUpdate
@@ -88,12 +88,14 @@ class KVCacheManager:
         # The pool whose keys are published (ipc/kv_cache_events.py says why only one).
         self.published_pool = next((t for t, p in plans.items() if p.window is None), next(iter(plans)))
         # Events are built only while `events_on` (a router listens); what a snapshot needs to describe a
-        # cached block of that pool is kept regardless: its tokens and its parent's key, per block id.
+        # cached block of that pool is kept regardless: its tokens, its parent's key and its images/frames
+        # (block_hash.mm_extra_keys), per block id.
         self.events_on = False
         self._events: list[KvEvent] = []
         published = plans[self.published_pool].num_blocks
         self._block_tokens = np.zeros((published, block_size), dtype=np.int32)
         self._block_parent: list[bytes | None] = [None] * published
+        self._block_extra: list[tuple[tuple[str, int], ...] | None] = [None] * published
         if enable_prefix_caching:
             self.pools[self.published_pool].on_evict = self._evicted
         self._held: dict[str, _Held] = {}
@@ -243,9 +245,10 @@ class KVCacheManager:
                     tokens = request.token_ids_slice(j * bs, (j + 1) * bs)
                     self._block_tokens[block] = tokens
                     self._block_parent[block] = keys[j - 1] if j else None
+                    self._block_extra[block] = extra = mm_extra_keys(request, j, bs) if request.mm_ranges else None
                     if self.events_on:
                         self._events.append(BlockStored(keys[j], keys[j - 1] if j else None, j, tuple(tokens),
-                                                        request.request_id))
+                                                        request.request_id, extra))
         self._done_in_flight(held, len(keys))
         held.num_keyed = max(held.num_keyed, len(keys))
 
@@ -272,7 +275,8 @@ class KVCacheManager:
         stack = [(key, block, 0) for key, block in reversed(children.get(None, ()))]
         while stack:   # depth first, no recursion: a long video's chain is thousands of blocks
             key, block, index = stack.pop()
-            out.append(BlockStored(key, self._block_parent[block], index, tuple(self._block_tokens[block].tolist()), ""))
+            out.append(BlockStored(key, self._block_parent[block], index, tuple(self._block_tokens[block].tolist()), "",
+                                   self._block_extra[block]))
             stack.extend((k, b, index + 1) for k, b in reversed(children.get(key, ())))
         return out
 
@@ -303,7 +307,7 @@ class KVCacheManager:
         if window is None or pos == 0:
             return 0
         first = max(0, pos - window + 1)
-        ranges = request.mm_ranges_np
+        ranges = request.vision_ranges_np   # an audio segment is causal: a chunk may end inside it
         if len(ranges):
             # A range still open at `pos` keeps its start (un-clamped bidirectional layers need it).
             i = int(np.searchsorted(ranges[:, 0], pos, side="right")) - 1

@@ -20,12 +20,13 @@ class BlockUpdate:
 @dataclass
 class ScheduledRequest:
     """`num_tokens` positions starting at `num_computed_tokens` enter the model this step; the frames
-    listed (indices into request.mm_ranges) have all their tokens inside that chunk and are encoded now."""
+    listed (indices into request.mm_ranges) have tokens inside that chunk, and their embeddings go to
+    those tokens: all of an image's or frame's tokens, or an audio segment's share of the chunk."""
 
     request: Request
     num_tokens: int
     num_computed_tokens: int      # tokens already in the KV cache before this step
-    is_prefill: bool
+    is_prefill: bool              # Request.is_prefill when scheduled (the one definition; ScheduledItem carries it on)
     frames: list[int] = field(default_factory=list)
     block_updates: dict[str, BlockUpdate] = field(default_factory=dict)   # per pool; only pools that changed
     # Set on the step that admits the request with prefix caching on: the tokens whose K/V came

@@ -1,5 +1,8 @@
 """Continuous batching with chunked prefill that never ends a chunk inside an image or frame.
 
+(An audio segment's soft tokens are causal, so a chunk may end inside one: the segment is encoded
+whole when its first token is scheduled, and each chunk takes its rows.)
+
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
 admission order), then waiting ones (FCFS, or higher priority first). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
@@ -14,6 +17,8 @@ Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`)
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
 verified tokens are ever cached.
+Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
+come last in a step, after waiting requests, and never sample.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
 
 
 def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
-    """Indices of ranges that begin inside [start, start + num_tokens)."""
+    """Indices of ranges with a token inside [start, start + num_tokens). An image's or frame's range
+    lies wholly inside (align_chunk); an audio segment's may begin in an earlier chunk or end later."""
     if not len(ranges):
         return []
-    lo = int(np.searchsorted(ranges[:, 0], start, side="left"))
+    lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
     hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
     return list(range(lo, hi))
 
@@ -97,22 +103,24 @@ class Scheduler:
                 raise InvalidInputError("mm_ranges", "a range is empty or lies outside the prompt")
             if (ranges[1:, 0] <= ranges[:-1, 1]).any():
                 raise InvalidInputError("mm_ranges", "ranges must be sorted and disjoint")
-            longest = int((ranges[:, 1] - ranges[:, 0] + 1).max())
+        whole = request.vision_ranges_np   # the ranges a chunk never splits
+        if len(whole):
+            longest = int((whole[:, 1] - whole[:, 0] + 1).max())
             if longest > self.max_num_batched_tokens:
                 raise LimitExceededError(
                     f"an image/frame of {longest} tokens cannot fit one step's budget of "
-                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens", can_never_fit=True)
+                    f"{self.max_num_batched_tokens} tokens", "--max-num-batched-tokens")
         total = n + request.sampling_params.max_tokens
         if total > self.max_model_len:
             raise LimitExceededError(
                 f"prompt ({n}) + max_tokens ({request.sampling_params.max_tokens}) = {total} tokens exceeds "
-                f"the context length {self.max_model_len}", "--max-model-len", can_never_fit=True)
+                f"the context length {self.max_model_len}", "--max-model-len")
         for t, blocks in self.kv.max_blocks_needed(total, self.prefill_batched_tokens).items():
             usable = self.kv.pools[t].num_usable
             if blocks > usable:
                 raise LimitExceededError(
                     f"{total} tokens need {blocks} KV blocks in pool {t} but it has {usable}",
-                    "--kv-cache-bytes or --num-kv-blocks", can_never_fit=True)
+                    "--kv-cache-bytes or --num-kv-blocks")
         if request.sampling_params.n > 1 and request.fork_of is None:
             self._check_samples_fit(request)
 
@@ -195,7 +203,7 @@ class Scheduler:
                 n += len(request.draft_token_ids)
             return n
         request.draft_token_ids.clear()
-        return align_chunk(request.mm_ranges_np, start, n)
+        return align_chunk(request.vision_ranges_np, start, n)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -229,32 +237,13 @@ class Scheduler:
             self.kv.release_out_of_window(request)
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
-        # steady stream of decodes can never starve it.
+        # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
+        # every other request, waiting ones included: a frame waits a step, a question's token does not.
         blocked, self._frame_blocked = self._frame_blocked, set()
         order = sorted(self.running, key=lambda r: r.request_id not in blocked)
         for request in order:
-            if request.status != RequestStatus.RUNNING or budget == 0:
-                continue   # preempted earlier in this loop
-            n = self._chunk(request, budget)
-            if n == 0:
-                self._frame_blocked.add(request.request_id)
-                continue
-            while not self.kv.allocate(request, n):
-                if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
-                    n -= len(request.draft_token_ids)
-                    request.draft_token_ids.clear()
-                    continue
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id).num_tokens
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    break
-            if request.status != RequestStatus.RUNNING:
-                continue
-            scheduled[request.request_id] = self._scheduled(request, n)
-            budget -= n
+            if not request.open_prompt:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
 
         # a seat for every sample held for a running parent: it joins the batch once the prompt is computed
         seats = len(self.running) + sum(len(self.forks.of(r.request_id)) for r in self.running)
@@ -269,7 +258,7 @@ class Scheduler:
                 i += 1
                 continue
             start = hit.num_tokens
-            n = align_chunk(request.mm_ranges_np, start, min(request.num_tokens - start, budget))
+            n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.pop(i)
@@ -284,10 +273,41 @@ class Scheduler:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
+        for request in order:
+            if request.open_prompt and request.num_computed_tokens < request.num_tokens:
+                budget = self._schedule_running(request, budget, scheduled, preempted)
+
         finished, self._finished_since_step = self._finished_since_step, []
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
                                block_copies=copies)
+
+    def _schedule_running(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
+                          preempted: list[str]) -> int:
+        """Schedule a running request's next chunk, preempting others when KV blocks run out;
+        returns the budget left."""
+        if request.status != RequestStatus.RUNNING or budget == 0:
+            return budget   # preempted earlier in this step
+        n = self._chunk(request, budget)
+        if n == 0:
+            self._frame_blocked.add(request.request_id)
+            return budget
+        while not self.kv.allocate(request, n):
+            if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+                n -= len(request.draft_token_ids)
+                request.draft_token_ids.clear()
+                continue
+            victim = self._pick_victim()
+            if victim.request_id in scheduled:
+                budget += scheduled.pop(victim.request_id).num_tokens
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                break
+        if request.status != RequestStatus.RUNNING:
+            return budget
+        scheduled[request.request_id] = self._scheduled(request, n)
+        return budget - n
 
     def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
         start = request.num_computed_tokens

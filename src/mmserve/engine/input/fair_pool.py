@@ -107,9 +107,11 @@ class FairPool:
                 turn = queue.popleft()
                 if queue:
                     self._waiting[owner] = queue  # back of the line
+                progressed = True
+                if turn.done():   # cancelled while it waited (its waiter has not run yet): skip it
+                    break
                 self._take(owner)
                 turn.set_result(None)
-                progressed = True
                 break
 
     def _forget(self, owner: Hashable, turn: asyncio.Future) -> None:

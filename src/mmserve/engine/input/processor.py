@@ -2,12 +2,14 @@
 
 The edge validates the wire format and hands over `InputMessage`s; here the heavy work happens off
 the event loop: decode videos and images in a worker pool under a time limit, turn pixels into
-vision patches, render the prompt layout, and check the result against the context length and the
-configured limits before the engine ever sees it.
+vision patches, decode audio (and, with use_audio_in_video, each video's soundtrack) and cut it into
+segments of log-mel features, render the prompt layout, and check the result against the context
+length and the configured limits before the engine ever sees it.
 
 Work is bounded before it is done, cheapest check first: the text's length against the fewest
 tokens it can become (on the loop, no tokenizing), then counts of images and frames, then every
-image's header (pixels and soft tokens, no decoding), and only then decoding, one image at a time.
+image's header (pixels and soft tokens, no decoding) and every audio clip's (its declared duration
+and so its tokens), and only then decoding, one image at a time.
 """
 
 from __future__ import annotations
@@ -22,22 +24,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mmserve.config import EngineConfig
 from mmserve.engine.input.fair_pool import FairPool
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
-from mmserve.model.messages import ChatMessage, ImagePart, TextPart, VideoPart
+from mmserve.model.messages import AudioPart, AudioSegment, ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
 from mmserve.model.spec import ModelSpec, load_spec
 from mmserve.model.tokenizer import load_tokenizer
+from mmserve.multimodal.audio import AudioFeaturizer, Segment, check_audible, decode_audio, probe_duration
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.image import decode_image, read_header
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.memory import return_large_buffers
 from mmserve.multimodal.preprocess import VisionBatch, num_soft_tokens, preprocess_images, target_size
 from mmserve.multimodal.video import decode_video, sample_indices
-from mmserve.request import MultiModalInput
+from mmserve.request import AudioFeatures, MultiModalInput
 from mmserve.sampling_params import SamplingParams
 
 # How long past the time limit the event loop still waits for a worker stuck inside one packet.
@@ -75,9 +80,24 @@ class VideoInput:
     path: str = ""
     start_s: float = 0.0  # the window [start_s, end_s) to sample from; end_s 0 = to the end
     end_s: float = 0.0
+    with_audio: bool = False  # use_audio_in_video: also hear the window's soundtrack (a container only)
 
 
-InputPart = TextInput | ImageInput | VideoInput
+@dataclass(frozen=True)
+class AudioInput:
+    """An audio clip as encoded bytes (`data`), or uploaded media (`media_id` and its spooled `path`),
+    heard in the window [start_s, end_s) (end_s 0 = to the end)."""
+
+    data: bytes = b""
+    mime_type: str = ""
+    media_id: str = ""
+    path: str = ""
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+
+MediaInput = ImageInput | VideoInput | AudioInput
+InputPart = TextInput | MediaInput
 
 
 @dataclass(frozen=True)
@@ -88,11 +108,13 @@ class InputMessage:
 
 @dataclass
 class DecodedMedia:
-    """One image or video after decoding and patchifying: one VisionBatch row per image/frame."""
+    """One image or video after decoding and patchifying (one VisionBatch row per image/frame), or
+    one audio clip after decoding and cutting (`audio`: its segments; a video's: its soundtrack's)."""
 
-    batch: VisionBatch
-    timestamps_s: list[float] | None  # None for an image
+    batch: VisionBatch | None
+    timestamps_s: list[float] | None  # None for an image or an audio clip
     duration_s: float = 0.0  # a container's (0 for images and given frames)
+    audio: list[Segment] = dataclasses.field(default_factory=list)
 
 
 async def _all_or_none(coroutines: list) -> list:
@@ -121,6 +143,7 @@ class InputProcessor:
         self.pool = FairPool(executor, workers or getattr(executor, "_max_workers", 1))
         self.max_model_len = max_model_len
         self.limits = MediaLimits.from_config(config)
+        self.featurizer = AudioFeaturizer(spec.audio) if spec.audio is not None else None
         return_large_buffers()  # decoded frames and payloads must not stay resident after a request
 
     @classmethod
@@ -147,7 +170,7 @@ class InputProcessor:
         return await self._request(owner, request_id, render, sampling, priority=priority,
                                    trace_context=trace_context, num_frames=num_frames, arrival=arrival, media=media)
 
-    async def process_tokens(self, request_id: str, token_ids: Sequence[int], media: Sequence[ImageInput | VideoInput],
+    async def process_tokens(self, request_id: str, token_ids: Sequence[int], media: Sequence[MediaInput],
                              sampling: SamplingParams, *, where: str = "media", max_tokens_to_context: bool = False,
                              priority: int = 0, trace_context: Any = None,
                              arrival_time: float | None = None) -> EngineRequest:
@@ -167,6 +190,25 @@ class InputProcessor:
                                    trace_context=trace_context, num_frames=num_frames,
                                    max_tokens_to_context=max_tokens_to_context, arrival=arrival, media=decoded)
 
+    async def process_frame(self, owner: object, data: bytes | np.ndarray,
+                            max_soft_tokens: int) -> tuple[MultiModalInput, int]:
+        """One live frame -> its vision input and soft-token count, in the pool under `owner`'s fair
+        share. An encoded image is decoded straight to the size `max_soft_tokens` allows, like a
+        VideoFrames frame of the same image; RGB pixels (a live stream's decoded frame) are resized as
+        decode_video's frames are (same pixels, same content hash as a one-shot of that video)."""
+        def work(control: DecodeControl) -> tuple[MultiModalInput, int]:
+            control.check()
+            if isinstance(data, np.ndarray):
+                batch = self._patchify([data], max_soft_tokens)
+                return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), int(batch.num_soft_tokens[0])
+            try:
+                image = decode_image(data, self.limits, fit=self._fit(max_soft_tokens))
+            except InvalidInputError as e:
+                raise InvalidInputError("frame.image", str(e).removeprefix(f"{e.field}: ")) from e
+            batch = self._patchify([image], max_soft_tokens, resized=True)
+            return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), int(batch.num_soft_tokens[0])
+        return await self._in_pool(owner, "frame", work)
+
     async def process_layout(self, layout: PromptLayout, request_id: str, sampling: SamplingParams, *, num_frames: int,
                              max_tokens_to_context: bool = False, priority: int = 0,
                              trace_context: Any = None) -> EngineRequest:
@@ -183,13 +225,13 @@ class InputProcessor:
                                    trace_context=trace_context, num_frames=num_frames,
                                    max_tokens_to_context=max_tokens_to_context)
 
-    async def _decode_all(self, owner: object, jobs: list[tuple[str, ImageInput | VideoInput]], text_tokens: int,
+    async def _decode_all(self, owner: object, jobs: list[tuple[str, MediaInput]], text_tokens: int,
                           sampling: SamplingParams, trace_context: Any) -> tuple[dict[str, DecodedMedia], int]:
         """Check what is known before decoding (length lower bounds, counts, headers), decode every
         (field, part) concurrently, then check the request's decoded frame total."""
         self._check_length(text_tokens, sampling, at_least=True)
         self._check_counts(jobs)
-        if any(self._header_sources(jobs)):
+        if any(self._header_sources(jobs)) or any(isinstance(part, AudioInput) for _, part in jobs):
             media_tokens = await self._in_pool(owner, "messages", functools.partial(self._headers_blocking, jobs))
             self._check_length(text_tokens + media_tokens, sampling, at_least=True)
         decoded = await _all_or_none([self._decode(owner, where, part, trace_context) for where, part in jobs])
@@ -228,11 +270,18 @@ class InputProcessor:
         encoder caches' key), in the worker pool: hashing megabytes of pixels must not block the loop."""
         control.check()  # the request may have ended while this job waited for a worker
         layout = render()
-        return layout, [MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
+        return layout, [AudioFeatures(item.features) if item.kind == "audio"
+                        else MultiModalInput(pixel_values=item.pixel_values, position_ids=item.position_ids)
                         for item in layout.mm_items]
 
-    def _check_counts(self, jobs: list[tuple[str, ImageInput | VideoInput]]) -> None:
-        """Image and given-frame counts, known before anything is read."""
+    def _check_counts(self, jobs: list[tuple[str, MediaInput]]) -> None:
+        """What this model cannot hear, image and given-frame counts: known before anything is read."""
+        for where, part in jobs:
+            if self.spec.audio is None and (isinstance(part, AudioInput)
+                                            or isinstance(part, VideoInput) and part.with_audio):
+                raise InvalidInputError(f"{where}.audio" if isinstance(part, AudioInput) else "use_audio_in_video",
+                                        f"{self._model_name()} has no audio tower: it takes "
+                                        f"{', '.join(self.spec.modalities)}")
         images = sum(isinstance(part, ImageInput) for _, part in jobs)
         if images > self.limits.max_images_per_request:
             raise InvalidInputError("messages", f"{images} images, at most {self.limits.max_images_per_request} per "
@@ -242,11 +291,25 @@ class InputProcessor:
             raise InvalidInputError("messages", f"{frames} video frames given, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
 
-    def _headers_blocking(self, jobs: list[tuple[str, ImageInput | VideoInput]], control: DecodeControl) -> int:
+    def _model_name(self) -> str:
+        return Path(self.config.model).name or str(self.config.model)
+
+    def _headers_blocking(self, jobs: list[tuple[str, MediaInput]], control: DecodeControl) -> int:
         """Read every image's and given frame's header (no pixels): refuse the request once their pixels
-        exceed its budget; return their soft tokens, so the context check precedes decoding. A
-        container video is bounded while it decodes (frames downscaled, counted after)."""
+        exceed its budget; and every audio clip's (its declared duration, refused over the limit);
+        return their soft tokens, so the context check precedes decoding. A container video is
+        bounded while it decodes (frames downscaled, counted after)."""
         pixels = tokens = 0
+        for where, part in jobs:
+            if isinstance(part, AudioInput):
+                control.check()
+                try:
+                    declared = probe_duration(Path(part.path) if part.path else part.data, self.limits)
+                except InvalidInputError as e:
+                    raise InvalidInputError(f"{where}.audio", str(e).removeprefix(f"{e.field}: ")) from e
+                if declared is not None:
+                    end = min(declared, part.end_s or declared)
+                    tokens += self._audio_tokens(max(0.0, end - part.start_s))
         for field, source, max_soft in self._header_sources(jobs):
             control.check()
             try:
@@ -261,7 +324,14 @@ class InputProcessor:
                                       pooling_kernel_size=self.spec.pooling_kernel_size, max_soft_tokens=max_soft)
         return tokens
 
-    def _header_sources(self, jobs: list[tuple[str, ImageInput | VideoInput]]):
+    def _audio_tokens(self, seconds: float) -> int:
+        """Soft tokens of `seconds` of audio cut into segments (a lower bound: rounding down)."""
+        spec = self.spec.audio
+        samples = int(seconds * spec.sampling_rate)
+        whole, rest = divmod(samples, spec.segment_samples)
+        return whole * spec.max_soft_tokens + spec.num_soft_tokens(rest)
+
+    def _header_sources(self, jobs: list[tuple[str, MediaInput]]):
         """(field, encoded image, its soft-token cap) for each image and given frame."""
         for where, part in jobs:
             if isinstance(part, ImageInput):
@@ -282,8 +352,7 @@ class InputProcessor:
                                     f"{sampling.max_tokens} exceeds the context length {self.max_model_len}; "
                                     f"ask for at most {self.max_model_len - prompt_tokens}")
 
-    async def _decode(self, owner: object, where: str, part: ImageInput | VideoInput,
-                      trace_context: Any) -> DecodedMedia:
+    async def _decode(self, owner: object, where: str, part: MediaInput, trace_context: Any) -> DecodedMedia:
         return await self._in_pool(owner, where, functools.partial(self._decode_blocking, where, part, trace_context))
 
     async def _in_pool(self, owner: object, label: str, work: Callable[[DecodeControl], Any], *,
@@ -306,10 +375,16 @@ class InputProcessor:
         finally:
             control.cancel()  # no-op once the worker returned; stops it when we stopped waiting
 
-    def _decode_blocking(self, where: str, part: ImageInput | VideoInput, trace_context: Any,
+    def _decode_blocking(self, where: str, part: MediaInput, trace_context: Any,
                          control: DecodeControl) -> DecodedMedia:
         control.check()  # the limit may have passed while this job waited for a worker
         try:
+            if isinstance(part, AudioInput):
+                audio = decode_audio(Path(part.path) if part.path else part.data,
+                                     rate=self.spec.audio.sampling_rate, start_s=part.start_s,
+                                     end_s=part.end_s or None, limits=self.limits, control=control)
+                return DecodedMedia(None, None, audio.duration_s,
+                                    self.featurizer.segments(audio.samples, part.start_s, control))
             if isinstance(part, ImageInput):
                 image = decode_image(Path(part.path) if part.path else part.data, self.limits,
                                      fit=self._fit(self.spec.image_max_soft_tokens))
@@ -324,16 +399,22 @@ class InputProcessor:
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
                 video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
                                      fps=part.fps or None, start_s=part.start_s, end_s=part.end_s or None,
-                                     limits=self.limits, control=control)
+                                     limits=self.limits, control=control,
+                                     audio_rate=self.spec.audio.sampling_rate if part.with_audio else None)
                 set_video_decode_result(span, video)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames
                 frames, times = [frames[k] for k in keep], [times[k] for k in keep]
-            return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times), video.duration_s)
+            soundtrack = []
+            if video.soundtrack is not None:
+                check_audible(video.soundtrack, self.spec.audio.sampling_rate, "the video's soundtrack")
+                soundtrack = self.featurizer.segments(video.soundtrack, video.soundtrack_start_s, control)
+            return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times), video.duration_s,
+                                soundtrack)
         except InvalidInputError as e:
             # Re-anchor the decoder's error at the request field, keeping its explanation.
-            kind = "image" if isinstance(part, ImageInput) else "video"
+            kind = {ImageInput: "image", VideoInput: "video", AudioInput: "audio"}[type(part)]
             raise InvalidInputError(f"{where}.{kind}", str(e).removeprefix(f"{e.field}: ")) from e
 
     def _frames(self, frames: tuple[bytes, ...], control: DecodeControl):
@@ -360,6 +441,10 @@ class InputProcessor:
             return TextPart(part.text)
         decoded = media[where]
         batch = decoded.batch
+        segments = [AudioSegment(s.features, s.num_soft_tokens, s.start_s) for s in decoded.audio]
+        if isinstance(part, AudioInput):
+            return AudioPart(segments)
         if decoded.timestamps_s is None:
             return ImagePart(batch.pixel_values[0], batch.position_ids[0], batch.num_soft_tokens[0])
-        return VideoPart(batch.pixel_values, batch.position_ids, list(batch.num_soft_tokens), decoded.timestamps_s)
+        return VideoPart(batch.pixel_values, batch.position_ids, list(batch.num_soft_tokens), decoded.timestamps_s,
+                         segments)

@@ -56,7 +56,7 @@ class OutputProcessor:
             raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
                           mm_inputs=list(req.mm_inputs), priority=req.priority, trace_context=req.trace_context,
-                          fork_of=req.fork_of, preprocess_s=req.preprocess_s)
+                          fork_of=req.fork_of, preprocess_s=req.preprocess_s, open_prompt=req.open_prompt)
         if req.arrival_time is not None:
             request.arrival_time = req.arrival_time  # the server's arrival: timings include decoding
         detok = None
@@ -159,7 +159,7 @@ class OutputProcessor:
             self._end(rid, delta, done.events)
             if not out.finished:
                 self._stopped(rid, done)
-        elif delta.new_token_ids:
+        elif delta.new_token_ids or delta.prefilled_tokens:
             done.events.append((rid, delta))
 
     def _live(self, rid: str) -> RequestState | None:

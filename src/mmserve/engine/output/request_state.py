@@ -82,7 +82,7 @@ class RequestState:
         finished = reason is not None
         return RequestOutput(
             request_id=r.request_id, new_token_ids=new_tokens, new_text=new_text, new_logprobs=new_logprobs,
-            finished=finished, finish_reason=reason,
+            finished=finished, finish_reason=reason, prefilled_tokens=out.prefilled_tokens,
             matched_stop=decision.matched_stop if reason == "stop" else None,
             finish_detail=out.finish_detail if finished and reason == engine_finish else None,
             usage=self.usage() if finished else None, timings=self.timings(time.monotonic()) if finished else None,

@@ -9,6 +9,7 @@ the other door; errors leave through `server/status.py`, so a cause gets the sam
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -28,7 +29,7 @@ from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
 from mmserve.server.in_flight import InFlightRequests, caller_key
-from mmserve.server.status import abort_with, end_with
+from mmserve.server.status import abort_with, bounded, end_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
 from mmserve.server.vllm_engine import info, kv_events, outputs
 from mmserve.server.vllm_engine.media_refs import WHERE as MEDIA_WHERE
@@ -60,6 +61,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._in_flight = in_flight   # shared with mmserve.v1: one id namespace, Abort by owner
         self._started = time.monotonic()
         self._last_request = 0.0
+        self.kv_events = kv_events.KvEventStreams(
+            engine, engine_config.block_size, max_subscribers=server_config.kv_events_max_subscribers,
+            max_per_client=server_config.kv_events_max_subscribers_per_client)
 
     def _ready(self) -> InputProcessor:
         processor = self._processor()
@@ -83,8 +87,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             _check_request_id(request_id)
             token_ids = _prompt_ids(request, processor)
             preprocessed = preprocessed_media(request, processor.spec) if _has_mm_inputs(request) else None
-            media = media_inputs(request.media_refs, max_bytes=self._config.max_video_bytes,
-                                 allowed_local_media_path=self._server_config.allowed_local_media_path)
+            media = await asyncio.to_thread(   # decodes data: URLs (up to --max-video-bytes each): off the loop
+                media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
+                allowed_local_media_path=self._server_config.allowed_local_media_path)
             sampling = map_sampling(request.sampling_params, self._config, self._defaults,
                                     processor.spec.eos_token_ids)
             await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
@@ -182,19 +187,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         try:
             chunks = await self._tokenizer.chunks()
         except OSError as e:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot serve the tokenizer: {e}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, bounded(f"cannot serve the tokenizer: {e}"))
         logger.info("sending the tokenizer archive (%d chunks, sha256 %s)", len(chunks), chunks[-1].sha256)
         for piece in chunks:
             yield piece
 
     async def SubscribeKvEvents(self, request: common_pb2.SubscribeKvEventsRequest,
-                                context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.KvEventBatch]:
-        async for batch in kv_events.subscribe(self._engine, request, context):
+                                context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Serialized KvEventBatch messages (registered without a serializer: kv_events.py says why)."""
+        async for batch in self.kv_events.subscribe(request, context):
             yield batch
 
     async def FlushCache(self, request: common_pb2.FlushCacheRequest,
                          context: grpc.aio.ServicerContext) -> common_pb2.FlushCacheResponse:
-        return await kv_events.flush_cache(self._engine, request, context)
+        return await self.kv_events.flush_cache(request, context)
 
     async def Embed(self, request, context: grpc.aio.ServicerContext):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "embeddings are not served: this is a generative model")

@@ -13,22 +13,33 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+
+class LiveFallBehind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LIVE_FALL_BEHIND_UNSPECIFIED: _ClassVar[LiveFallBehind]
+    LIVE_FALL_BEHIND_DROP: _ClassVar[LiveFallBehind]
+    LIVE_FALL_BEHIND_BUFFER: _ClassVar[LiveFallBehind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
+LIVE_FALL_BEHIND_UNSPECIFIED: LiveFallBehind
+LIVE_FALL_BEHIND_DROP: LiveFallBehind
+LIVE_FALL_BEHIND_BUFFER: LiveFallBehind
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "messages", "sampling", "priority")
+    __slots__ = ("request_id", "messages", "sampling", "priority", "use_audio_in_video")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    USE_AUDIO_IN_VIDEO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     messages: _containers.RepeatedCompositeFieldContainer[Message]
     sampling: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    use_audio_in_video: bool
+    def __init__(self, request_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., use_audio_in_video: _Optional[bool] = ...) -> None: ...
 
 class Message(_message.Message):
     __slots__ = ("role", "parts")
@@ -61,12 +72,18 @@ class Image(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., media_id: _Optional[str] = ...) -> None: ...
 
 class Audio(_message.Message):
-    __slots__ = ("data", "mime_type")
+    __slots__ = ("data", "mime_type", "media_id", "start_s", "end_s")
     DATA_FIELD_NUMBER: _ClassVar[int]
     MIME_TYPE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_ID_FIELD_NUMBER: _ClassVar[int]
+    START_S_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     mime_type: str
-    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ...) -> None: ...
+    media_id: str
+    start_s: float
+    end_s: float
+    def __init__(self, data: _Optional[bytes] = ..., mime_type: _Optional[str] = ..., media_id: _Optional[str] = ..., start_s: _Optional[float] = ..., end_s: _Optional[float] = ...) -> None: ...
 
 class Video(_message.Message):
     __slots__ = ("data", "frames", "media_id", "mime_type", "num_frames", "fps", "start_s", "end_s")
@@ -439,3 +456,121 @@ class MediaRef(_message.Message):
     mime_type: str
     ttl_s: float
     def __init__(self, id: _Optional[str] = ..., size_bytes: _Optional[int] = ..., mime_type: _Optional[str] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class LiveRequest(_message.Message):
+    __slots__ = ("open", "frame", "question", "cancel_question_id", "stream_chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    FRAME_FIELD_NUMBER: _ClassVar[int]
+    QUESTION_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: LiveOpen
+    frame: LiveFrame
+    question: LiveQuestion
+    cancel_question_id: str
+    stream_chunk: bytes
+    def __init__(self, open: _Optional[_Union[LiveOpen, _Mapping]] = ..., frame: _Optional[_Union[LiveFrame, _Mapping]] = ..., question: _Optional[_Union[LiveQuestion, _Mapping]] = ..., cancel_question_id: _Optional[str] = ..., stream_chunk: _Optional[bytes] = ...) -> None: ...
+
+class LiveOpen(_message.Message):
+    __slots__ = ("session_id", "system_prompt", "max_history_frames", "max_history_s", "max_tokens_per_frame", "fall_behind", "max_pending_frames", "stream_fps")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    FALL_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    system_prompt: str
+    max_history_frames: int
+    max_history_s: float
+    max_tokens_per_frame: int
+    fall_behind: LiveFallBehind
+    max_pending_frames: int
+    stream_fps: float
+    def __init__(self, session_id: _Optional[str] = ..., system_prompt: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ..., max_pending_frames: _Optional[int] = ..., stream_fps: _Optional[float] = ...) -> None: ...
+
+class LiveFrame(_message.Message):
+    __slots__ = ("image", "time_s")
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    TIME_S_FIELD_NUMBER: _ClassVar[int]
+    image: bytes
+    time_s: float
+    def __init__(self, image: _Optional[bytes] = ..., time_s: _Optional[float] = ...) -> None: ...
+
+class LiveQuestion(_message.Message):
+    __slots__ = ("question_id", "messages", "sampling", "join_context")
+    QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    JOIN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    question_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[Message]
+    sampling: SamplingParams
+    join_context: bool
+    def __init__(self, question_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[Message, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., join_context: _Optional[bool] = ...) -> None: ...
+
+class LiveResponse(_message.Message):
+    __slots__ = ("opened", "progress", "answer")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    opened: LiveOpened
+    progress: LiveProgress
+    answer: LiveAnswer
+    def __init__(self, opened: _Optional[_Union[LiveOpened, _Mapping]] = ..., progress: _Optional[_Union[LiveProgress, _Mapping]] = ..., answer: _Optional[_Union[LiveAnswer, _Mapping]] = ...) -> None: ...
+
+class LiveOpened(_message.Message):
+    __slots__ = ("session_id", "max_history_frames", "max_history_s", "max_tokens_per_frame", "max_pending_frames", "fall_behind", "stream_fps")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_S_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_FRAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    FALL_BEHIND_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    max_history_frames: int
+    max_history_s: float
+    max_tokens_per_frame: int
+    max_pending_frames: int
+    fall_behind: LiveFallBehind
+    stream_fps: float
+    def __init__(self, session_id: _Optional[str] = ..., max_history_frames: _Optional[int] = ..., max_history_s: _Optional[float] = ..., max_tokens_per_frame: _Optional[int] = ..., max_pending_frames: _Optional[int] = ..., fall_behind: _Optional[_Union[LiveFallBehind, str]] = ..., stream_fps: _Optional[float] = ...) -> None: ...
+
+class LiveProgress(_message.Message):
+    __slots__ = ("frames_received", "frames_prefilled", "frames_dropped", "frames_in_context", "lag_s", "rollovers")
+    FRAMES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_PREFILLED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_IN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    ROLLOVERS_FIELD_NUMBER: _ClassVar[int]
+    frames_received: int
+    frames_prefilled: int
+    frames_dropped: int
+    frames_in_context: int
+    lag_s: float
+    rollovers: int
+    def __init__(self, frames_received: _Optional[int] = ..., frames_prefilled: _Optional[int] = ..., frames_dropped: _Optional[int] = ..., frames_in_context: _Optional[int] = ..., lag_s: _Optional[float] = ..., rollovers: _Optional[int] = ...) -> None: ...
+
+class LiveAnswer(_message.Message):
+    __slots__ = ("question_id", "delta", "final", "error")
+    QUESTION_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    question_id: str
+    delta: Delta
+    final: Final
+    error: LiveError
+    def __init__(self, question_id: _Optional[str] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ..., error: _Optional[_Union[LiveError, _Mapping]] = ...) -> None: ...
+
+class LiveError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...

@@ -62,6 +62,11 @@ class GenerationStub:
                 request_serializer=mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.SerializeToString,
                 response_deserializer=mmserve_dot_v1_dot_generation__pb2.MediaRef.FromString,
                 _registered_method=True)
+        self.Live = channel.stream_stream(
+                '/mmserve.v1.Generation/Live',
+                request_serializer=mmserve_dot_v1_dot_generation__pb2.LiveRequest.SerializeToString,
+                response_deserializer=mmserve_dot_v1_dot_generation__pb2.LiveResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -107,6 +112,16 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Live(self, request_iterator, context):
+        """A live video session (docs/api.md, "Live video"): the first message opens it (LiveOpen), then
+        frames arrive as they are filmed and questions at any time; each frame is prefilled into the
+        session's context as it arrives, so a question pays only for itself. Answers, frame
+        acknowledgements and per-question errors come back on the same stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +149,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.UploadMedia,
                     request_deserializer=mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.FromString,
                     response_serializer=mmserve_dot_v1_dot_generation__pb2.MediaRef.SerializeToString,
+            ),
+            'Live': grpc.stream_stream_rpc_method_handler(
+                    servicer.Live,
+                    request_deserializer=mmserve_dot_v1_dot_generation__pb2.LiveRequest.FromString,
+                    response_serializer=mmserve_dot_v1_dot_generation__pb2.LiveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -274,6 +294,33 @@ class Generation:
             '/mmserve.v1.Generation/UploadMedia',
             mmserve_dot_v1_dot_generation__pb2.UploadMediaRequest.SerializeToString,
             mmserve_dot_v1_dot_generation__pb2.MediaRef.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Live(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mmserve.v1.Generation/Live',
+            mmserve_dot_v1_dot_generation__pb2.LiveRequest.SerializeToString,
+            mmserve_dot_v1_dot_generation__pb2.LiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,69 @@
+"""bench/kernel_count.py: a dense decoder layer's decode step on the CUDA code path (layer pieces
+compiled by inductor, here for the CPU) launches at most 12 kernels, and the count is honest: the
+same layer with one piece left uncompiled (its norms, residual add and GELU unfused) counts more.
+The compiled pieces also compute what the eager ones do, on fresh random inputs (one compile serves
+both checks; slow)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from bench_scripts import bench_script
+from transformers import Gemma4Config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+from gemma4_fixtures import tiny_config  # noqa: E402
+
+from mmserve.model import compiled, decoder, layer_pieces  # noqa: E402
+from mmserve.model.spec import load_spec  # noqa: E402
+
+MAX_DENSE = 12   # #34: kernels per dense layer per decode step
+
+
+@pytest.fixture(scope="module")
+def kernel_count():
+    with bench_script("kernel_count") as module:
+        yield module
+
+
+@pytest.mark.slow
+def test_a_dense_layer_fits_twelve_kernels_and_unfusing_counts_more(kernel_count, monkeypatch):
+    spec = load_spec(Gemma4Config(**tiny_config(window=6)))
+    kind, layer = next((k, v) for k, v in kernel_count.layer_kinds(spec).items() if k == "sliding_attention")
+    fused = kernel_count.count_layer("tiny", spec, kind, layer, rows=1, dtype=torch.float32)
+    assert fused.total <= MAX_DENSE, fused
+    assert fused.line() == f"tiny sliding_attention: {fused.total} kernels per layer"
+    # attn_in: qkv GEMM, one fused kernel (q/k norm + RoPE, v norm, K/V scatter); mlp_in: norms, gate/up
+    # GEMM, GELU x up, down GEMM; layer_out: one kernel (post-FFN norm, residual, scalar, next input norm)
+    assert [len(fused.pieces[p]) for p in ("attn_in", "mlp_in", "layer_out")] == [2, 4, 1], fused.pieces
+    assert fused.eager == ["linear"], "o_proj is the only launch outside the pieces"
+
+    # The compiled pieces (compiled just now, for one row) equal the eager ones on fresh inputs.
+    module = kernel_count.build_layer(spec, layer, torch.float32)
+    attn = spec.attention_specs[layer.layer_type]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    h, o, cos, sin = (torch.randn(1, n, generator=gen)
+                      for n in (spec.hidden_size, spec.hidden_size, attn.head_dim, attn.head_dim))
+    a = module.self_attn
+    for piece, args in [
+        (layer_pieces.attn_in, lambda cache: (h, cos, sin, torch.tensor([5]), a.qkv_proj.weight, a.q_norm.weight,
+                                              a.k_norm.weight, cache, 1e-6, tuple(a.split), a.head_dim)),
+        (layer_pieces.mlp_in, lambda cache: (h, o, module.post_attention_layernorm.weight,
+                                             module.pre_feedforward_layernorm.weight,
+                                             module.mlp.gate_up_proj.weight, module.mlp.down_proj.weight, 1e-6)),
+    ]:
+        caches = [torch.zeros(2, 3, 4, attn.num_kv_heads, attn.head_dim) for _ in range(2)]
+        with torch.inference_mode():
+            got, want = piece.compiled(*args(caches[0])), piece.eager(*args(caches[1]))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(caches[0], caches[1], rtol=1e-5, atol=1e-5)   # the K/V written in place
+
+    # Unfused: mlp_in runs eagerly (its norms, residual add and GELU each one launch): the count rises.
+    monkeypatch.setattr(kernel_count, "PIECES", ("attn_in", "layer_out"))
+    monkeypatch.setattr(decoder, "mlp_in", layer_pieces.mlp_in.eager)
+    unfused = kernel_count.count_layer("tiny", spec, kind, layer, rows=1, dtype=torch.float32)
+    assert unfused.total > fused.total + 4, (unfused.eager, fused.pieces["mlp_in"])
+    assert compiled.layers_compiled() is False   # the count leaves the process as it found it
