@@ -8,8 +8,8 @@ batch; then the sampler with top-k/top-p, and with a speculative model one draft
 request) on a runner whose pools hold just that step, except the full-attention pools, which hold
 one full context so that attention work sized by the cache (flex's block mask) is measured at
 serving size. The allocator's peak over what that runner held before the step is the activation
-peak. Two more runners, each with one pool larger, tell what a runner allocates per block beyond
-the K/V (buffers that grow with the pool); the planner prices blocks with it. The KV cache gets what
+peak. Two more runners, each with one pool 256 blocks larger, tell what a runner allocates per block
+beyond the K/V (buffers that grow with the pool); the planner prices blocks with it. The KV cache gets what
 the weights, the runner's fixed buffers, the activation peak and the memory that appeared outside
 torch's allocator since start-up (cuBLAS and NCCL workspaces) leave of the budget. CUDA graphs' own
 pool is not in the profile (vLLM's flag did not count it either): 1 - utilization is its room.
@@ -162,19 +162,25 @@ def profiling_step(requests: list[Request], kv: KVCacheManager, config: EngineCo
     return out
 
 
-def _profile_plans(model, config: EngineConfig, requests: list[Request], max_model_len: int,
+OVERHEAD_PROBE_BLOCKS = 256   # blocks one pool grows by to measure a runner's per-block overhead
+
+
+def _profile_plans(model, config: EngineConfig, requests: list[Request], max_model_len: int, free_bytes: int,
                    larger: str | None = None):
-    """Pools for the profiling step: each request's blocks, a full-attention pool one full context.
-    `larger`: that pool with twice the blocks (the per-block overhead's second point)."""
+    """Pools for the profiling step: each request's blocks, a full-attention pool one full context
+    (or what a quarter of the free memory holds, when less: a device too small for more would refuse
+    the plan anyway). `larger`: that pool OVERHEAD_PROBE_BLOCKS larger (the overhead's second point)."""
     bs = config.block_size
     step_blocks = 1 + sum(math.ceil(r.num_tokens / bs) for r in requests)
     spec = model.spec
     plan = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=bs, dtype_bytes=model.dtype.itemsize,
                       num_kv_blocks=step_blocks)
-    pools = {t: dataclasses.replace(p, num_blocks=max(step_blocks, 1 + math.ceil(max_model_len / bs))
-                                    if p.window is None else step_blocks) for t, p in plan.pools.items()}
+    full_cost = sum(p.bytes_per_block for p in plan.pools.values() if p.window is None) or 1
+    context = min(1 + math.ceil(max_model_len / bs), free_bytes // 4 // full_cost)
+    pools = {t: dataclasses.replace(p, num_blocks=max(step_blocks, context) if p.window is None else step_blocks)
+             for t, p in plan.pools.items()}
     if larger is not None:
-        pools[larger] = dataclasses.replace(pools[larger], num_blocks=2 * pools[larger].num_blocks)
+        pools[larger] = dataclasses.replace(pools[larger], num_blocks=pools[larger].num_blocks + OVERHEAD_PROBE_BLOCKS)
     return pools
 
 
@@ -195,10 +201,11 @@ def profile_memory(model, config: EngineConfig, *, max_model_len: int, memory: D
     profile_config = dataclasses.replace(config, enforce_eager=True)   # graphs are captured after sizing
     requests = profiling_requests(model.spec, config, max_model_len)
     memory.release()
-    weights = memory.snapshot().allocated
+    before = memory.snapshot()
+    weights = before.allocated
 
     def runner_bytes(larger: str | None):
-        pools = _profile_plans(model, config, requests, max_model_len, larger)
+        pools = _profile_plans(model, config, requests, max_model_len, before.free, larger)
         quiet = profile_config if larger is None else dataclasses.replace(profile_config, backend_self_check="off")
         runner = ModelRunner(model, pools, quiet, max_model_len=max_model_len)
         return runner, pools, memory.snapshot().allocated - weights
