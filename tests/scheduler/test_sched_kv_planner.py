@@ -144,7 +144,7 @@ def _traffic(rng: random.Random, n: int, window: int, budget: int, max_len: int)
     return out
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(name=st.sampled_from(sorted(SPECS)), seats=st.integers(1, 10), budget=st.sampled_from([64, 256, 1024]),
        prefill=st.sampled_from([0, 2048]), drafts=st.sampled_from([0, 1, 3]), caching=st.booleans(),
        spare=st.floats(0, 3), seed=st.integers(0, 2**32))
