@@ -1,7 +1,8 @@
 """Audio: the audio tower's encode throughput, and the TTFT of a 30 s clip with and without its soundtrack.
 
-    python bench/audio.py            # JSON to bench/results/audio.json
-    python bench/audio.py --smoke    # fewer repeats, a 10 s clip; JSON to a temp file
+    python bench/audio.py              # JSON to bench/results/audio.json
+    python bench/audio.py --repeats 7  # more repeats of each measurement
+    python bench/audio.py --smoke      # 1 repeat, a 10 s clip; JSON to a temp file
 
 Throughput: transformers' Gemma 4 audio tower (our AudioEncoder) encoding 30 s segments of log-mel
 features, in seconds of audio per second of wall time, for two towers with random weights: the
@@ -14,8 +15,13 @@ E-model: the demo model's text and vision sizes (width 64, 6 layers, per-layer e
 3 sharing KV) with a tower of width 64 (2 blocks) as its ears. The clip is generated here: 30 s of
 64x64 video at 2 fps (MPEG-4 Part 2) with 30 s of PCM tones, in Matroska. Each request samples 8
 frames and asks one question; `use_audio_in_video` adds the clip's 750 audio tokens after the
-frames. TTFT is the server's own Final.timings (arrival to first token: decode, features, towers,
-prefill), median of the repeats after one warm-up request each.
+frames. Every request sends a clip of its own (frames and tones from a new seed), so nothing comes
+from the prefix or encoder cache: the TTFT of a clip seen for the first time. TTFT is the server's
+own Final.timings (arrival to first token: decode, features, towers, prefill), after one warm-up
+request each; the repeats alternate (frames, frames + soundtrack, frames,
+...) so that load from other processes falls on both alike, and the table gives their median and
+range. The machine's load average before and after is printed and kept with the results: on a
+shared machine the numbers are upper bounds on time.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -97,47 +104,68 @@ def ttft(model_dir: Path, clip_s: float, repeats: int) -> dict:
     from mmserve.clients.messages import message, text_part, video_part
     from mmserve.config import ServerConfig
 
-    frames = render(plan(1, size=64, num_frames=int(clip_s * 2)), size=64, num_frames=int(clip_s * 2))
-    clip = av_clip(frames, 2, tones(1, clip_s))
+    def request(seed: int) -> list:
+        """A clip never seen before (its own frames and tones): no prefix- or encoder-cache hit."""
+        frames = render(plan(seed, size=64, num_frames=int(clip_s * 2)), size=64, num_frames=int(clip_s * 2))
+        clip = av_clip(frames, 2, tones(seed, clip_s))
+        return [message("user", video_part(clip, num_frames=8), text_part("What happens?"))]
+
     server = LoopbackServer(engine_config(model_dir, engine_threads=0, max_model_len=4096),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2)).start()
-    out = {}
+    kinds = {"frames": False, "frames+soundtrack": True}
+    results: dict[str, list] = {label: [] for label in kinds}
+    seeds = iter(range(1, 10**6))
     try:
         with Client(server.address, timeout=300) as client:
-            for label, with_audio in (("frames", False), ("frames+soundtrack", True)):
-                request = [message("user", video_part(clip, num_frames=8), text_part("What happens?"))]
-                client.generate(request, max_tokens=1, use_audio_in_video=with_audio)   # warm-up
-                results = [client.generate(request, max_tokens=1, use_audio_in_video=with_audio)
-                           for _ in range(repeats)]
-                out[label] = {"ttft_s": statistics.median(r.timings.time_to_first_token_s for r in results),
-                              "preprocess_s": statistics.median(r.timings.preprocess_s for r in results),
-                              "prompt_tokens": results[0].usage.prompt_tokens}
+            for with_audio in kinds.values():   # warm-up
+                client.generate(request(next(seeds)), max_tokens=1, use_audio_in_video=with_audio)
+            for _ in range(repeats):   # alternating, so load drift falls on both
+                for label, with_audio in kinds.items():
+                    results[label].append(client.generate(request(next(seeds)), max_tokens=1,
+                                                          use_audio_in_video=with_audio))
     finally:
         server.stop()
+    out = {}
+    for label, runs in results.items():
+        ttfts = [r.timings.time_to_first_token_s for r in runs]
+        out[label] = {"ttft_s": statistics.median(ttfts), "ttft_min_s": min(ttfts), "ttft_max_s": max(ttfts),
+                      "ttfts_s": ttfts, "preprocess_s": statistics.median(r.timings.preprocess_s for r in runs),
+                      "prompt_tokens": runs[0].usage.prompt_tokens,
+                      "cached_tokens_max": max(r.usage.cached_tokens for r in runs)}
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="fewer repeats, a 10 s clip")
+    parser.add_argument("--smoke", action="store_true", help="1 repeat, a 10 s clip")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of each measurement (default 5)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.manual_seed(0)
-    repeats = 1 if args.smoke else 3
+    repeats = 1 if args.smoke else args.repeats
     clip_s = 10.0 if args.smoke else 30.0
+    load_before, started = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         demo = Path(tmp) / "demo_e"
         make_checkpoint(demo, config=demo_e_config(), seed=0)
         result = {"throughput": {"demo-sized": throughput(load_model(demo).encode_audio, repeats),
                                  "E2B-shaped": throughput(e2b_audio_tower(), repeats, batches=(1,))},
-                  "ttft": ttft(demo, clip_s, repeats), "clip_s": clip_s, "threads": torch.get_num_threads()}
+                  "ttft": ttft(demo, clip_s, repeats), "clip_s": clip_s, "repeats": repeats,
+                  "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
+    result.update(load_average_before=load_before, load_average_after=os.getloadavg(),
+                  wall_s=time.perf_counter() - started)
     print(f"{'tower':<12} {'segments':>8} {'s/call':>8} {'audio s/s':>10}")
     for tower, rows in result["throughput"].items():
         for row in rows:
             print(f"{tower:<12} {row['segments']:>8} {row['seconds']:>8.3f} {row['audio_s_per_s']:>10.1f}")
-    print(f"\n{clip_s:g} s clip, 8 frames      {'TTFT s':>8} {'preprocess s':>13} {'prompt tokens':>14}")
+    print(f"\n{clip_s:g} s clip, 8 frames, {repeats} alternating runs   {'TTFT s (min-max)':>22} {'preprocess s':>13} "
+          f"{'prompt tokens':>14} {'cached':>7}")
     for label, row in result["ttft"].items():
-        print(f"{label:<26} {row['ttft_s']:>8.3f} {row['preprocess_s']:>13.3f} {row['prompt_tokens']:>14}")
+        spread = f"{row['ttft_s']:.3f} ({row['ttft_min_s']:.3f}-{row['ttft_max_s']:.3f})"
+        print(f"{label:<41} {spread:>22} {row['preprocess_s']:>13.3f} {row['prompt_tokens']:>14} "
+              f"{row['cached_tokens_max']:>7}")
+    print(f"\nload average (1, 5, 15 min) before {result['load_average_before']}, after "
+          f"{result['load_average_after']}, on {result['cpus']} CPUs; {result['wall_s']:.0f} s of wall time")
     path = Path(tempfile.mkstemp(suffix=".json")[1]) if args.smoke else RESULTS
     path.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {path}")

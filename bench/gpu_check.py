@@ -41,6 +41,13 @@
              ring all-reduce's NVLink wire time at TP 2/4/8, a model (bytes / datasheet bandwidth).
              One rank moves no bytes (and the engine calls no collective at TP 1): this is NCCL's
              fixed cost and whether it captures into a graph, not what TP costs.
+9. video_prefill  (#35) 32-frame videos at the serving model's dimensions (random weights, the vision
+             tower included) prefilled through the engine: frames/s and the FLOP floor's share of the
+             wall time (perf model FLOPs / 790 TFLOP/s; target >= 0.6), every step a graph; and 16
+             decoding requests' step time while such a video prefills beside them against alone
+             (target <= 1.5x).
+10. mixed    (#35) one 2048-token prefill chunk beside 63 decodes: the step against its own floor,
+             max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (target <= 1.4x), replayed as piecewise graphs.
 
 Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
 when a call cannot be captured), median of repeats; one call's own event time minus that is
@@ -108,8 +115,13 @@ class Sizes:
     decode_batches: tuple[int, ...]   # the decode section's batch sizes
     decode_steps: int                 # timed decode steps per batch size
     repeats: int
-    capacity_batch: int = 64          # the capacity section's concurrent requests
-    capacity_prompt: int = 8192       # and their prompt tokens
+    video_frames: int = 32            # video_prefill: frames per video
+    video_requests: int = 4           # video_prefill: videos prefilled together
+    itl_decodes: int = 16             # video_prefill: requests decoding while a video prefills
+    mixed_chunk: int = 2048           # mixed: the prefill chunk beside the decodes
+    mixed_decodes: int = 63
+    capacity_batch: int = 64          # capacity: concurrent requests
+    capacity_prompt: int = 8192       # capacity: their prompt tokens
 
 
 GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirectional=True),
@@ -121,7 +133,8 @@ SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirecti
               full=LayerAttentionSpec(FULL, 4, 1, 64, window=None, bidirectional=False),
               frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
               serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4,
-              decode_batches=(2,), decode_steps=2, repeats=1, capacity_batch=4, capacity_prompt=48)
+              decode_batches=(2,), decode_steps=2, repeats=1, video_frames=2, video_requests=2, itl_decodes=2,
+              mixed_chunk=32, mixed_decodes=3, capacity_batch=4, capacity_prompt=48)
 
 
 # --- shared helpers -----------------------------------------------------------------------------
@@ -1028,12 +1041,206 @@ def collectives(sizes: Sizes, device: str) -> dict:
             "captured": methods == {"graph"}, "methods": sorted(methods), "rows": out}
 
 
+# --- 9. video_prefill and mixed: every step a graph (#35) ------------------------------------------
+
+H200_FLOPS = 790e12   # bf16 dense tensor-core FLOP/s a step's FLOP floor divides by (datasheet, no sparsity)
+
+
+def graph_engine(model_dir: Path, device: str, **options):
+    """An LLM as served (graphs on CUDA, strict backends: a failed capture must fail the section);
+    on the CPU smoke run the graphs are emulated, so the piecewise plumbing runs too."""
+    from mmserve.engine.llm import LLM
+
+    if device == "cuda":
+        options.setdefault("kv_cache_bytes", 24 * 2**30)
+    return LLM(model=str(model_dir), device=device, strict_backends=True, emulate_cuda_graphs=device != "cuda",
+               **options)
+
+
+def video_request(spec, rid: str, num_frames: int, max_tokens: int, seed: int):
+    """A prompt of `num_frames` random 360x640 frames through the server's preprocessing (the model's
+    video soft-token budget per frame), a text token before each and a question after."""
+    import numpy as np
+
+    from mmserve.engine.types import EngineRequest
+    from mmserve.multimodal.preprocess import preprocess_images
+    from mmserve.request import MultiModalInput
+    from mmserve.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    frames = preprocess_images([rng.integers(0, 256, (360, 640, 3), dtype=np.uint8) for _ in range(num_frames)],
+                               patch_size=spec.patch_size, pooling_kernel_size=spec.pooling_kernel_size,
+                               max_soft_tokens=spec.video_max_soft_tokens)
+    text = lambda n: rng.integers(min(1000, spec.vocab_size // 2), spec.vocab_size, n).tolist()   # noqa: E731
+    ids, ranges = [spec.bos_token_id], []
+    for n in frames.num_soft_tokens:
+        ids += text(1) + [spec.boi_token_id]
+        ranges.append((len(ids), len(ids) + n - 1))
+        ids += [spec.video_token_id] * n + [spec.eoi_token_id]
+    ids += text(8)
+    inputs = [MultiModalInput(frames.pixel_values[i], frames.position_ids[i]) for i in range(num_frames)]
+    return EngineRequest(rid, ids, ranges, inputs, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         num_frames=num_frames, num_mm_tokens=sum(frames.num_soft_tokens))
+
+
+def prefill_flops(perf, request) -> float:
+    """The perf model's FLOPs of prefilling a whole prompt (its frames through the vision tower too)."""
+    from mmserve.metrics.perf_model import RequestWork, StepContext, VisionWork
+
+    n = len(request.prompt_token_ids)
+    images = tuple(VisionWork(int((m.position_ids[:, 0] >= 0).sum()), e - s + 1)
+                   for m, (s, e) in zip(request.mm_inputs, request.mm_ranges, strict=True))
+    return perf.step(StepContext((RequestWork(n, n, True, tuple(request.mm_ranges)),), images)).total_flops
+
+
+def graph_steps(llm) -> tuple[int, int]:
+    runner = llm.core.runner
+    return runner.graphs.replays, runner.piecewise.replays
+
+
+def video_prefill(sizes: Sizes, device: str) -> dict:
+    """(a) `video_requests` videos of `video_frames` frames prefilled together through the engine:
+    frames per second and the FLOP floor's share of the wall time (the perf model's FLOPs, vision
+    tower included, / 790 TFLOP/s; target >= 0.6); every step replays a graph (piecewise).
+    (b) the inter-token latency of `itl_decodes` decoding requests while one such video prefills
+    beside them, against their latency alone (target <= 1.5x)."""
+    from mmserve.metrics.perf_model import PerfModel
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    llm = graph_engine(model_dir, device, max_num_seqs=max(sizes.video_requests, sizes.itl_decodes + 1),
+                       max_num_batched_tokens=sizes.chunk, prefill_batched_tokens=sizes.chunk)
+    spec = llm.core.model.spec
+    perf = PerfModel(spec, dtype=llm.config.dtype if llm.config.dtype != "auto" else
+                     ("bfloat16" if device == "cuda" else "float32"))
+    llm.generate([video_request(spec, "warm", 2, 1, seed=99)])   # encoder, pieces and sampler warm
+    videos = [video_request(spec, f"video-{i}", sizes.video_frames, 1, seed=i) for i in range(sizes.video_requests)]
+    before = graph_steps(llm)
+    steps = llm.core.step_index
+    synchronize(device)
+    start = time.perf_counter()
+    llm.generate(videos)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    replayed = sum(graph_steps(llm)) - sum(before)
+    ran = llm.core.step_index - steps
+    floor_s = sum(prefill_flops(perf, v) for v in videos) / H200_FLOPS
+    frames = sizes.video_frames * sizes.video_requests
+    prefill = {"videos": sizes.video_requests, "frames_each": sizes.video_frames,
+               "tokens_each": len(videos[0].prompt_token_ids), "seconds": seconds, "frames_per_s": frames / seconds,
+               "flop_floor_s": floor_s, "of_floor": floor_s / seconds, "steps": ran, "graph_steps": replayed}
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    itl = decode_beside_video(model_dir, device, sizes)
+    ok = device != "cuda" or (prefill["graph_steps"] == prefill["steps"] and prefill["of_floor"] >= 0.6
+                              and itl["ratio"] <= 1.5)
+    return {"model": sizes.serving_model or "demo-sized", "checkpoint_build_s": build_s, "prefill": prefill,
+            "itl": itl, "ok": ok}
+
+
+def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
+    """Median step time of `itl_decodes` decoding requests alone, then of the steps that also carry
+    a chunk of one video's prompt (the server's default 512-token budget)."""
+    from mmserve.engine.types import EngineRequest
+    from mmserve.sampling_params import SamplingParams
+
+    budget = 512 if device == "cuda" else 32
+    llm = graph_engine(model_dir, device, max_num_seqs=sizes.itl_decodes + 1, max_num_batched_tokens=budget,
+                       prefill_batched_tokens=0)
+    spec = llm.core.model.spec
+    vocab = spec.vocab_size
+    sampling = SamplingParams(max_tokens=100_000 if device == "cuda" else 400, ignore_eos=True)
+    gen = torch.Generator().manual_seed(7)
+    for i in range(sizes.itl_decodes):
+        prompt = torch.randint(min(1000, vocab // 2), vocab, (64,), generator=gen).tolist()
+        llm.add_request(EngineRequest(f"decode-{i}", prompt, sampling=sampling))
+
+    def timed_step() -> float:
+        synchronize(device)
+        begin = time.perf_counter()
+        for _, item in llm.step():
+            if isinstance(item, BaseException):
+                raise item
+        synchronize(device)
+        return (time.perf_counter() - begin) * 1e3
+
+    while any(r.is_prefill for r in llm.core.scheduler.running) or llm.core.scheduler.waiting:
+        llm.step()
+    alone = [timed_step() for _ in range(8 if device == "cuda" else 2)]
+    llm.add_request(video_request(spec, "video", sizes.video_frames, 1, seed=5))
+    video, beside = llm.core.requests["video"], []
+    while video.num_computed_tokens < video.num_prompt_tokens and "video" in llm.core.requests:
+        computed = video.num_computed_tokens
+        ms = timed_step()
+        if video.num_computed_tokens > computed:   # the step carried one of its chunks
+            beside.append(ms)
+    result = {"decodes": sizes.itl_decodes, "budget": budget, "alone_ms": _median(alone),
+              "beside_video_ms": _median(beside) if beside else None, "video_steps": len(beside)}
+    result["ratio"] = result["beside_video_ms"] / result["alone_ms"] if beside else float("inf")
+    llm = None   # (not del: timed_step closes over it) frees its caches before the next section
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def mixed(sizes: Sizes, device: str) -> dict:
+    """One `mixed_chunk`-token prefill chunk beside `mixed_decodes` decodes at the serving model's
+    dimensions: the step's wall time against its own floor, max(bytes / 4.3 TB/s, FLOPs / 790
+    TFLOP/s) by the perf model (target <= 1.4x), and whether it replayed a piecewise graph."""
+    from mmserve.engine.types import EngineRequest
+    from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
+    from mmserve.sampling_params import SamplingParams
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    decode_prompt = 128 if device == "cuda" else 8
+    llm = graph_engine(model_dir, device, max_num_seqs=sizes.mixed_decodes + 1,
+                       max_num_batched_tokens=sizes.mixed_chunk + sizes.mixed_decodes, prefill_batched_tokens=0)
+    spec = llm.core.model.spec
+    perf = PerfModel(spec, dtype="bfloat16" if device == "cuda" else "float32")
+    vocab = spec.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    text = lambda n: torch.randint(min(1000, vocab // 2), vocab, (n,), generator=gen).tolist()   # noqa: E731
+    long_sampling = SamplingParams(max_tokens=100_000 if device == "cuda" else 400, ignore_eos=True)
+    for i in range(sizes.mixed_decodes):
+        llm.add_request(EngineRequest(f"decode-{i}", [spec.bos_token_id] + text(decode_prompt - 1),
+                                      sampling=long_sampling))
+    while any(r.is_prefill for r in llm.core.scheduler.running) or llm.core.scheduler.waiting:
+        llm.step()
+    rows = []
+    for k in range(3 if device == "cuda" else 1):
+        rid = f"chunk-{k}"
+        llm.add_request(EngineRequest(rid, [spec.bos_token_id] + text(sizes.mixed_chunk - 1),
+                                      sampling=SamplingParams(max_tokens=1, ignore_eos=True)))
+        before = graph_steps(llm)[1]
+        contexts = [r.num_computed_tokens + 1 for r in llm.core.scheduler.running]
+        synchronize(device)
+        begin = time.perf_counter()
+        llm.step()
+        synchronize(device)
+        ms = (time.perf_counter() - begin) * 1e3
+        work = tuple(RequestWork(1, c, False) for c in contexts) + (RequestWork(sizes.mixed_chunk, sizes.mixed_chunk, True),)
+        breakdown = perf.step(StepContext(work))
+        floor_ms = max(breakdown.total_bytes / H200_BANDWIDTH, breakdown.total_flops / H200_FLOPS) * 1e3
+        rows.append({"step_ms": ms, "floor_ms": floor_ms, "over_floor": ms / floor_ms,
+                     "bytes": breakdown.total_bytes, "flops": breakdown.total_flops,
+                     "piecewise_replayed": graph_steps(llm)[1] > before})
+        while any(r.request_id == rid for r in llm.core.scheduler.running + llm.core.scheduler.waiting):
+            llm.step()   # its sampled token; the decodes go on
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    best = min(r["over_floor"] for r in rows)
+    ok = device != "cuda" or (all(r["piecewise_replayed"] for r in rows) and best <= 1.4)
+    return {"model": sizes.serving_model or "demo-sized", "chunk": sizes.mixed_chunk, "decodes": sizes.mixed_decodes,
+            "checkpoint_build_s": build_s, "best_over_floor": best, "rows": rows, "ok": ok}
+
+
 # --- driver ------------------------------------------------------------------------------------
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "speculation": speculation, "compiles": compiles, "tiles": tiles,
-    "fallback": fallback, "decode": decode, "profile": profile, "serving": serving, "capacity": capacity,
-    "collectives": collectives}
+    "fallback": fallback, "decode": decode, "profile": profile, "serving": serving, "collectives": collectives,
+    "video_prefill": video_prefill, "mixed": mixed, "capacity": capacity}
 
 
 def machine(device: str) -> dict:

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -84,6 +84,7 @@ class RequestSample:
     token_ids: tuple[int, ...]
     mfu: float
     mbu: float
+    prompt_tokens: int = 0
 
 
 @dataclass
@@ -153,21 +154,27 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Path,
-                   src: Path | None = None, flags: Sequence[str] = (), prefix_caching: bool = False) -> Iterator[str]:
+def server_process(model: str, *, threads: int | None, max_num_seqs: int, log_path: Path,
+                   src: Path | None = None, flags: Sequence[str] = (), prefix_caching: bool = False,
+                   env: Mapping[str, str] | None = None) -> Iterator[str]:
     """`mmserve serve` on a free loopback port (from the mmserve source in `src` when given); yields
-    its address once readiness is SERVING. Prefix caching is off unless asked for: this bench's levels
-    reuse clips (level 64's first 16 are level 16's), so a cache would skip work transformers does;
-    bench/prefix_cache.py measures the cache. (Older trees ignore the setting.)"""
+    its address once readiness is SERVING. `threads` sets OMP_NUM_THREADS (None: unset, the
+    server's own thread policy decides); `env` is added to the environment. Prefix caching is off unless
+    asked for: this bench's levels reuse clips (level 64's first 16 are level 16's), so a cache would
+    skip work transformers does; bench/prefix_cache.py measures the cache. (Older trees ignore it.)"""
     port = free_port()
     cmd = [sys.executable, "-m", "mmserve.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1",
            "--port", str(port), "--model", model, "--device", "cpu", "--max-num-seqs", str(max_num_seqs),
            "--max-waiting-requests", str(4 * max_num_seqs), *flags]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MMSERVE_ENABLE_PREFIX_CACHING=str(int(prefix_caching)))
+    environ = dict(os.environ, MMSERVE_ENABLE_PREFIX_CACHING=str(int(prefix_caching)))
+    environ.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        environ["OMP_NUM_THREADS"] = str(threads)
     if src is not None:
-        env["PYTHONPATH"] = str(src)
+        environ["PYTHONPATH"] = str(src)
+    environ.update(env or {})
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ)
         try:
             address = f"127.0.0.1:{port}"
             start = time.perf_counter()
@@ -175,12 +182,17 @@ def server_process(model: str, *, threads: int, max_num_seqs: int, log_path: Pat
             logger.info("server for %s ready in %.1f s (log: %s)", model, time.perf_counter() - start, log_path)
             yield address
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """SIGTERM (a server drains), then SIGKILL after `timeout_s`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def wait_ready(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -200,7 +212,12 @@ async def wait_ready(address: str, proc: subprocess.Popen, timeout_s: float) -> 
 
 async def one_request(client: AsyncClient, video: bytes, *, max_tokens: int, num_frames: int,
                       request_id: str) -> RequestSample:
-    message = user_message(PROMPT, video=video, num_frames=num_frames)
+    return await stream_request(client, user_message(PROMPT, video=video, num_frames=num_frames),
+                                max_tokens=max_tokens, request_id=request_id)
+
+
+async def stream_request(client: AsyncClient, message, *, max_tokens: int, request_id: str) -> RequestSample:
+    """One greedy request of exactly `max_tokens` tokens, timed as the client sees it."""
     start = time.perf_counter()
     stamps: list[float] = []
     stream = client.stream([message], max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
@@ -218,6 +235,7 @@ async def one_request(client: AsyncClient, video: bytes, *, max_tokens: int, num
         token_ids=result.token_ids,
         mfu=result.perf.mfu,
         mbu=result.perf.mbu,
+        prompt_tokens=result.usage.prompt_tokens,
     )
 
 

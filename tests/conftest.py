@@ -28,8 +28,7 @@ _fa4_outcomes: dict[str, str] = {}
 
 # One torch thread in each test process: `make test` runs two pytest workers on two cores, where two
 # OpenMP teams of two spin against each other (a speculative engine test took 38 s, with one thread
-# 1 s). Tests of wider pools set their own (engine/cpu_threads.torch_threads); servers the tests
-# start are other processes and keep their configured threads.
+# 1 s). Servers the tests start are other processes and keep their configured threads.
 torch.set_num_threads(1)
 
 

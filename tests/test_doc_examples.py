@@ -10,7 +10,8 @@ default `--server` get it), `.venv/bin/` (the test's interpreter runs `mmserve`)
 of those blocks the client commands (`mmserve generate|upload|demo`, as docs/deploy.md's) still run.
 docs/gateway.md's OpenAI example runs against a real SMG in front of the session's server, its KV
 events subscriber against a server publishing them over ZMQ (on ipc endpoints in a private
-directory instead of the doc's TCP ports). Blocks
+directory instead of the doc's TCP ports), docs/api.md's audio examples (the blocks naming
+speech.wav or talk.mp4) against a tiny random E-model (the demo model has no audio tower). Blocks
 that need what only a deployment has (docs/security.md's certificates and keys) and diagrams
 (no line starting with a command) are not examples.
 """
@@ -37,6 +38,7 @@ NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reli
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 GATEWAY_URL = "http://127.0.0.1:8000/v1"
 KV_EVENTS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")   # the docs' ZMQ publisher and its replay socket
+AUDIO_FILES = ("speech.wav", "talk.mp4")   # the audio examples' files: they need a model with an audio tower
 NOT_HERE = re.compile(r"^\s*(\S+=\S+ )*(make (?!demo\b)|docker |kubectl |(?:\.venv/bin/)?(?:mmserve serve\b|smg ))", re.M)
 CLIENT_LINE = re.compile(r"^\s*(?:\.venv/bin/)?mmserve (?:generate|upload|demo)\b.*$", re.M)
 COMMAND = re.compile(r"^\s*(?:\.venv/bin/)?(?:mmserve|grpcurl|make|docker|kubectl) ", re.M)
@@ -57,25 +59,32 @@ def _blocks(lang: str):
                 yield doc, text.count("\n", 0, m.start()) + 1, block
 
 
-def examples(lang: str, *, gateway: bool = False, kv_events: bool = False) -> list[pytest.param]:
+def examples(lang: str, *, gateway: bool = False, kv_events: bool = False, audio: bool = False) -> list[pytest.param]:
     """Runnable examples; of a block that starts servers or clusters, its client lines only.
     `gateway`: the examples that talk to an OpenAI gateway (GATEWAY_URL); `kv_events`: those that
-    subscribe to KV events over ZMQ (KV_EVENTS); else the others."""
+    subscribe to KV events over ZMQ (KV_EVENTS); `audio`: those that send audio (AUDIO_FILES); else
+    the others."""
     found = []
     for doc, line, block in _blocks(lang):
         if NOT_HERE.search(block):
             block = "\n".join(m.group(0) for m in CLIENT_LINE.finditer(block))
         subscribes = any(endpoint in block for endpoint in KV_EVENTS)
-        if block.strip() and (GATEWAY_URL in block) == gateway and subscribes == kv_events:
+        hears = any(name in block for name in AUDIO_FILES)
+        if block.strip() and (GATEWAY_URL in block) == gateway and subscribes == kv_events and hears == audio:
             found.append(pytest.param(block, id=f"{doc}:{line}"))
     return found
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    """The files the examples name: clip.mp4, meeting.mp4 (longer), cat.png, schema.json."""
+    """The files the examples name: clip.mp4, meeting.mp4 (longer), cat.png, schema.json, speech.wav
+    (2 s of tones) and talk.mp4 (a clip with a soundtrack)."""
+    from audio_clips import av_clip, tones, wav
+
     path = tmp_path_factory.mktemp("docs")
     (path / "clip.mp4").write_bytes(make_clip(7).data)
+    (path / "speech.wav").write_bytes(wav(tones(7, 2.0)))
+    (path / "talk.mp4").write_bytes(av_clip(make_clip(9, num_frames=8).frames, 4, tones(9, 2.0), fmt="mp4"))
     (path / "meeting.mp4").write_bytes(make_clip(8, num_frames=64, fps=2).data)
     Image.new("RGB", (48, 32), (200, 40, 40)).save(path / "cat.png")
     (path / "schema.json").write_text('{"type": "object", "properties": {"ok": {"type": "boolean"}}, '
@@ -91,26 +100,60 @@ def adapted_shell(block: str, address: str) -> str:
 
 def test_the_docs_have_examples():
     assert len(examples("sh")) >= 6 and len(examples("python")) >= 2 and examples("python", gateway=True)
-    assert examples("python", kv_events=True)
+    assert examples("python", kv_events=True) and examples("sh", audio=True) and examples("python", audio=True)
     ran = {p.id.split(":")[0] for kind in ("sh", "python") for p in examples(kind) + examples(kind, gateway=True)}
     assert {"README.md", "docs/api.md", "docs/deploy.md", "docs/gateway.md"} <= ran
 
 
-@pytest.mark.parametrize("block", examples("sh"))
-def test_shell_example_runs(block, mmserve_server, workdir):
+def run_shell(block: str, address: str, workdir: Path) -> None:
     grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
     prelude = (f'mmserve() {{ "{sys.executable}" -m mmserve.cli "$@"; }}\n'
                f'grpcurl() {{ "{grpcurl}" "$@"; }}\nset -e -o pipefail\n')
-    out = subprocess.run(["bash", "-c", prelude + adapted_shell(block, mmserve_server.address)], cwd=workdir,
+    out = subprocess.run(["bash", "-c", prelude + adapted_shell(block, address)], cwd=workdir,
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("block", examples("python"))
-def test_python_example_runs(block, mmserve_server, workdir):
-    code = block.replace(DEFAULT_ADDRESS, mmserve_server.address)
+def run_python(block: str, address: str, workdir: Path) -> None:
+    code = block.replace(DEFAULT_ADDRESS, address)
     out = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("block", examples("sh"))
+def test_shell_example_runs(block, mmserve_server, workdir):
+    run_shell(block, mmserve_server.address, workdir)
+
+
+@pytest.mark.parametrize("block", examples("python"))
+def test_python_example_runs(block, mmserve_server, workdir):
+    run_python(block, mmserve_server.address, workdir)
+
+
+@pytest.fixture(scope="module")
+def audio_server(tmp_path_factory, gemma4_fixtures):
+    """A tiny random E-model (an audio tower) for the audio examples, its engine core on a thread of
+    this process (cheap to start)."""
+    from loopback_server import LoopbackServer, engine_config
+
+    from mmserve.config import ServerConfig
+
+    model = tmp_path_factory.mktemp("doc-e-model")
+    gemma4_fixtures.make_checkpoint(model, config=gemma4_fixtures.e_model_config(), seed=7)
+    server = LoopbackServer(engine_config(model, default_num_frames=2, engine_process=False),
+                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2)).start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("block", examples("sh", audio=True))
+def test_audio_shell_example_runs(block, audio_server, workdir):
+    run_shell(block, audio_server.address, workdir)
+
+
+@pytest.mark.parametrize("block", examples("python", audio=True))
+def test_audio_python_example_runs(block, audio_server, workdir):
+    run_python(block, audio_server.address, workdir)
 
 
 @pytest.fixture(scope="module")

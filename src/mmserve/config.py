@@ -78,6 +78,13 @@ class EngineConfig:
         "help": "vision embeddings kept across requests, keyed by image/frame content (LRU); "
                 "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
+    async_scheduling: str = field(default="auto", metadata={
+        "help": "schedule and launch step N+1 while step N runs, its sampled tokens fed to N+1 on the device and "
+                "reaching the front end one step late: auto (on CUDA, without --speculative-model or tensor "
+                "parallelism) | on | off", "choices": ("auto", "on", "off")})
+    emulate_cuda_graphs: bool = field(default=False, metadata={
+        "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
+                "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})
     backend_self_check: str = field(default="auto", metadata={
         "help": "at start-up, run each selected fa4/flex attention kernel (and the decode CUDA graphs) once "
                 "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})
@@ -88,11 +95,8 @@ class EngineConfig:
     engine_process: bool = field(default=True, metadata={
         "help": "run the engine core in its own process (off: a thread of the server process, for debugging)"})
     engine_threads: int = field(default=0, metadata={
-        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup quota, affinity)", "min": 0})
-    adaptive_threads: bool = field(default=True, metadata={
-        "help": "on a CPU, run each step size on the whole torch pool or one thread fewer (a core left to the "
-                "front end), whichever its steps measured faster; the last core must make steps 1 + 0.25/(cores - 1) "
-                "times faster (1.25x on 2 cores)"})
+        "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup "
+                "quota, affinity); they wait for work passively (OMP_WAIT_POLICY=PASSIVE unless set)", "min": 0})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load, warm up and report ready", "min": 0})
     tensor_parallel_size: int = field(default=1, metadata={

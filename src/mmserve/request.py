@@ -85,6 +85,10 @@ class Request:
     # (set by the engine after each step; the scheduler schedules them with the last token, or some or
     # none when the budget or KV is short, and drops them on preemption).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Async scheduling: tokens sampled by steps whose results have not reached the host yet. The
+    # scheduler counts them as the request's next tokens (the next step computes them, its runner
+    # taking their ids on the device); the engine replaces each with its id as the step's result lands.
+    num_output_placeholders: int = 0
     # Observers (metrics, tracing) accumulate per-request numbers here; the engine never reads it.
     perf: dict[str, Any] = field(default_factory=dict)
 
@@ -132,4 +136,5 @@ class Request:
     @property
     def is_prefill(self) -> bool:
         """True while the tokens left to compute are more than the one fresh decode token."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+        total = self.num_tokens + self.num_output_placeholders
+        return self.num_computed_tokens < total - 1 or not (self.output_token_ids or self.num_output_placeholders)

@@ -109,3 +109,26 @@ def serve(engine, body):
             await engine.shutdown()
 
     return asyncio.run(main())
+
+
+def step_through(llm: LLM, requests: list[EngineRequest], *, arrivals: dict[str, int] | None = None,
+                 aborts: dict[str, int] | None = None) -> tuple[dict[str, list[int]], set[str]]:
+    """Step `llm` until it is idle: each request added at its arrival step (0 when not in
+    `arrivals`), each in `aborts` aborted after that step if it still runs then. Returns every
+    request's emitted tokens and the ids it aborted; any error a step reports fails the test."""
+    arrivals, aborts = arrivals or {}, aborts or {}
+    tokens = {r.request_id: [] for r in requests}
+    pending, aborted, step = list(requests), set(), 0
+    while pending or llm.has_work:
+        for r in [r for r in pending if arrivals.get(r.request_id, 0) <= step]:
+            llm.add_request(r)
+            pending.remove(r)
+        for rid, item in llm.step():
+            assert not isinstance(item, BaseException), (rid, item)
+            tokens[rid] += item.new_token_ids
+        step += 1
+        for rid, at in aborts.items():
+            if at == step and rid not in aborted and llm.core.abort(rid):
+                llm.processor.forget(rid)
+                aborted.add(rid)
+    return tokens, aborted

@@ -74,13 +74,17 @@ def test_a_wrong_result_is_a_failure_and_a_right_one_passes(monkeypatch):
 
 
 def test_graph_replay_comparison():
-    eager = torch.randn(4, 8)
-    assert graphs_mismatch(eager.clone(), eager) is None
-    assert "max error" in graphs_mismatch(eager * 1.5, eager)
-    padded = eager.clone()
-    padded[3] = float("nan")
-    assert graphs_mismatch(padded, padded.clone()) is None
-    assert "NaN" in graphs_mismatch(padded, eager)
+    """Real rows against the eager forward (NaN where it is NaN); padding rows finite and the same
+    over other garbage in the null block."""
+    eager, pad = torch.randn(4, 8), torch.randn(2, 8)
+    assert graphs_mismatch(eager.clone(), eager, pad, pad.clone()) is None
+    assert "max error" in graphs_mismatch(eager * 1.5, eager, pad, pad.clone())
+    nan_row = eager.clone()
+    nan_row[3] = float("nan")
+    assert graphs_mismatch(nan_row, nan_row.clone(), pad, pad.clone()) is None
+    assert "NaN" in graphs_mismatch(nan_row, eager, pad, pad.clone())
+    assert "not finite" in graphs_mismatch(eager.clone(), eager, nan_row, nan_row)
+    assert "null block" in graphs_mismatch(eager.clone(), eager, pad, pad * 2)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """The runner's block tables follow the KV manager's through the deltas alone (growth, sliding
-reclamation, frees and row reuse), so the runner never reads scheduler internals."""
+reclamation, frees and row reuse), so the runner never reads scheduler internals; its device tables
+follow the host's through the changed entries alone (a separate tensor here, as on a GPU)."""
 
 from __future__ import annotations
 
 import random
 
+import torch
 from sched_helpers import make_kv, make_request
 
 from mmserve.attention.backend import FULL, SLIDING
@@ -35,12 +37,16 @@ def test_runner_rows_mirror_the_tables_through_growth_and_reuse():
                 table = kv.block_table(rid, t)
                 assert runner.rows[t][row, :len(table)].tolist() == table
                 assert not runner.rows[t][row, len(table):].any()
+                assert runner.dev[t][row].tolist() == runner.rows[t][row].tolist()
             assert kv.take_block_updates(rid) == {}   # reported once
     assert runner.rows[SLIDING].shape[0] > 16, "the test should have made the row array grow"
+    assert any(kv.block_table(rid, SLIDING)[:1] == [0] for rid in live), "sliding entries were reclaimed"
+    for t in (SLIDING, FULL):   # every row, live or reused, equal on the device
+        assert torch.equal(runner.dev[t], torch.from_numpy(runner.rows[t]))
     for rid in list(live):
         runner.free(rid)
     for t in (SLIDING, FULL):
-        assert not runner.rows[t].any()
+        assert not runner.rows[t].any() and not runner.dev[t].any()
 
 
 def torch_free_seed() -> int:

@@ -60,7 +60,7 @@ def test_a_gateway_prompt_maps_onto_our_expansion(parts, seed):
         if not any(start < j <= end for start, end, _ in routing.runs):
             shift = sum(length - (end - start) for start, end, length in routing.runs if end < j or end == j)
             assert needed[j] == j + shift
-    assert media_anchors(ids, spec.image_token_id, spec.video_token_id, counts) == list(zip(anchors, counts, strict=True))
+    assert media_anchors(ids, (spec.image_token_id, spec.video_token_id), counts) == list(zip(anchors, counts, strict=True))
 
 
 def test_two_videos_map_by_their_frame_counts(parts):
@@ -73,15 +73,15 @@ def test_two_videos_map_by_their_frame_counts(parts):
         counts = [len(p.timestamps_s) for p in items]
         if counts[0] != counts[1]:
             break
-    anchors = media_anchors(ids, spec.image_token_id, spec.video_token_id, counts)
+    anchors = media_anchors(ids, (spec.image_token_id, spec.video_token_id), counts)
     routing = gateway_routing_prompt(ids, ours.token_ids, ours.mm_ranges, anchors)
     assert routing is not None and len(routing.runs) == 2
     first_end = ours.mm_ranges[counts[0] - 1][1] + 2
     assert routing.ours_needed()[routing.runs[0][1]] == first_end
-    swapped = media_anchors(ids, spec.image_token_id, spec.video_token_id, counts[::-1])
+    swapped = media_anchors(ids, (spec.image_token_id, spec.video_token_id), counts[::-1])
     wrong = gateway_routing_prompt(ids, ours.token_ids, ours.mm_ranges, swapped)
     assert wrong is None or wrong.ours_needed()[wrong.runs[0][1]] != first_end
-    assert media_anchors(ids, spec.image_token_id, spec.video_token_id, counts[:1]) is None
+    assert media_anchors(ids, (spec.image_token_id, spec.video_token_id), counts[:1]) is None
 
 
 def test_a_prompt_that_is_not_the_expansion_is_refused(parts):

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import build_request, make_llm
+from engine_helpers import build_request, make_llm, step_through
 from gemma4_fixtures import NUM_SPECIALS, VOCAB, make_assistant, make_checkpoint, tiny_config
 from test_engine_batching import assert_pools_full
 
@@ -129,6 +129,7 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(models):
     requests = [build_request(f"r{i}", [28 + 3 * i], seed=70 + i, max_tokens=20) for i in range(4)]
     _, expected = run(models, requests, speculate=False, num_kv_blocks=60)
     llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
     got = {c.request_id: c for c in llm.generate(requests)}
@@ -349,7 +350,8 @@ def test_prompt_logprobs_requests_speculate_to_the_same_outputs(models):
 
 def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_held(models):
     """Reliability: speculating and opted-out requests under a KV budget that preempts, a random
-    third of them aborted at random steps (some mid-verify, with drafts pending). Survivors keep the
+    third of them aborted at random steps (some mid-verify, with drafts pending), every speculating
+    chunk padded to 1 + K rows (pad positions take KV and are rolled back). Survivors keep the
     tokens they have without speculation; at the end every block is free (empty or cached with no
     reference), every cached key names verified tokens only, no matcher or generator is left."""
     import random
@@ -360,22 +362,11 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
                               disable_speculation=i % 3 == 0) for i in range(9)]
     _, expected = run(models, requests, speculate=False, num_kv_blocks=96)
     llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
     doomed = {r.request_id: rng.randrange(2, 30) for r in rng.sample(requests, 3)}   # aborted at that step
-    for r in requests:
-        llm.add_request(r)
-    tokens = {r.request_id: [] for r in requests}
-    aborted, step = set(), 0
-    while llm.has_work:
-        for rid, item in llm.step():
-            assert not isinstance(item, BaseException), (rid, item)
-            tokens[rid] += item.new_token_ids
-        step += 1
-        for rid, at in doomed.items():
-            if at == step and rid not in aborted and llm.core.abort(rid):
-                llm.processor.forget(rid)
-                aborted.add(rid)
+    tokens, aborted = step_through(llm, requests, aborts=doomed)
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert aborted, "no request was still running when its abort came"
     for r in requests:

@@ -64,6 +64,9 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def second_tokens(model, assistant: str, prompt: list[int], penalties: dict) -> tuple[torch.Tensor, list[int]]:
     llm = make_llm((model, None), speculative_model=assistant, num_speculative_tokens=2, max_num_seqs=64,
                    max_num_batched_tokens=256, num_kv_blocks=512, max_waiting_requests=N)
+    # Chunks padded to 1 + K rows, as with verify graphs: the second token's chunk holds one draft
+    # (max_tokens 3 leaves room for one) and one pad position, which must never be sampled.
+    llm.core.scheduler.verify_width = 3
     requests = [EngineRequest(f"s{i}", prompt, [], [],
                               SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=i, ignore_eos=True, **penalties))
                 for i in range(N)]

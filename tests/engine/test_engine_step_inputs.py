@@ -169,6 +169,8 @@ def test_steady_state_builds_allocate_no_tensors():
     for builders in attn.values():
         for b in builders:
             owned |= b.ws.storages()
+    # the runner's device block tables and the buffers their changes are staged in
+    owned |= {t.untyped_storage().data_ptr() for t in inputs.tables.dev.values()} | inputs.tables._staged.storages()
     recorder.storages.clear()
     tracemalloc.start()
     worst = [0]

@@ -12,7 +12,7 @@ from PIL import Image
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from mmserve.clients.messages import image_part, text_part, video_part
+from mmserve.clients.messages import audio_part, image_part, text_part, video_part
 
 
 def png(seed: int, size: int = 48) -> bytes:
@@ -31,8 +31,10 @@ def data_url(data: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def media_request(question: str, image: bytes | None = None, video: bytes | None = None) -> tuple[list, list]:
-    """(mmserve.v1 parts, OpenAI content) of one user turn: image, video, then the question."""
+def media_request(question: str, image: bytes | None = None, video: bytes | None = None,
+                  audio: tuple[bytes, ...] = ()) -> tuple[list, list]:
+    """(mmserve.v1 parts, OpenAI content) of one user turn: image, video, each WAV clip of `audio` (as
+    OpenAI `input_audio` parts), then the question."""
     v1, content = [], []
     if image is not None:
         v1.append(image_part(image, "image/png"))
@@ -40,6 +42,10 @@ def media_request(question: str, image: bytes | None = None, video: bytes | None
     if video is not None:
         v1.append(video_part(video, "video/mp4"))
         content.append({"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}})
+    for clip in audio:
+        v1.append(audio_part(clip, "audio/wav"))
+        content.append({"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(),
+                                                               "format": "wav"}})
     v1.append(text_part(question))
     content.append({"type": "text", "text": question})
     return v1, content

@@ -32,8 +32,7 @@ SMG = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
 # Small, CPU-friendly replica options (the same as tests/loopback_server.py's engine_config).
 REPLICA_ARGS = ("--device", "cpu", "--dtype", "float32", "--max-num-batched-tokens", "256", "--max-num-seqs", "8",
                 "--prefill-batched-tokens", "0", "--kv-cache-bytes", str(16 * 2**20), "--default-num-frames", "4",
-                "--engine-threads", "1", "--worker-threads", "2", "--drain-grace-s", "1",
-                "--no-adaptive-threads")
+                "--engine-threads", "1", "--worker-threads", "2", "--drain-grace-s", "1")
 
 
 def free_port() -> int:

@@ -9,9 +9,11 @@ token sequence (each logprob entry's bytes against our token ids' decoding), sam
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
+import random
 import time
 import uuid
 import zipfile
@@ -19,6 +21,7 @@ import zipfile
 import grpc
 import openai
 import pytest
+from audio_clips import tones, wav
 from gateway_cases import assert_same, data_url, media_request, png, streamed_text
 from otlp_receiver import OtlpReceiver
 from smg_grpc_proto.generated import common_pb2
@@ -28,7 +31,7 @@ from smg_harness import Fleet
 
 from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
-from mmserve.clients.messages import message, text_part, video_part
+from mmserve.clients.messages import audio_part, message, text_part, video_part
 from mmserve.clients.types import ClientError
 from mmserve.config import DEMO_MODEL_DIR
 from mmserve.model.tokenizer import load_tokenizer
@@ -301,6 +304,27 @@ def test_bad_input_gets_the_same_statuses_through_both_doors(fleet, client, mode
     with pytest.raises(ClientError):   # and mmserve.v1 says the same for n
         with Client(address) as c:
             c.generate(prompt="Hi", n=17)
+
+
+def test_audio_on_a_model_without_an_audio_tower_is_refused(fleet, client, model, tokenizer):
+    """The demo model has no audio tower (its config has no audio_config): SMG 1.13.0 refuses an
+    `input_audio` part itself (400, observed), and a gateway that forwards one anyway gets
+    INVALID_ARGUMENT naming the model, as mmserve.v1 does."""
+    clip = wav(tones(random.randrange(10**6), 0.5))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(clip).decode(), "format": "wav"}},
+            {"type": "text", "text": "What is this sound?"}]}])
+    assert "modality audio is not supported" in str(e.value), str(e.value)
+    request = vpb.GenerateRequest(request_id="audio", tokenized=vpb.TokenizedInput(
+        input_ids=_prompt(tokenizer, "What is this sound?")), media_refs=vpb.MediaRefs(
+        items=[vpb.MediaRef(modality=common_pb2.AUDIO, url=data_url(clip, "audio/wav"))]))
+    v1, ours = _both_doors(fleet.replicas[0].address,
+                           pb.GenerateRequest(messages=[message("user", audio_part(clip), text_part("What is this sound?"))]),
+                           request)
+    assert v1[0] == ours[0] == grpc.StatusCode.INVALID_ARGUMENT
+    for _, message_ in (v1, ours):
+        assert "demo_model has no audio tower: it takes text, image, video" in message_, (v1, ours)
 
 
 def test_get_tokenizer_archive_is_the_checkpoint_byte_for_byte(fleet):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmserve.server.health import GENERATION_SERVICE
@@ -47,6 +48,16 @@ class ServeProcess:
         if not self._port_seen.wait(timeout_s):
             raise AssertionError("no 'listening on' line:\n" + "".join(self.lines[-30:]))
         return self.port
+
+    def wait_ready(self, timeout_s: float = 300) -> None:
+        """Block until the server listens and its engine serves (loaded and warmed up)."""
+        port = self.wait_port(timeout_s)
+
+        async def ready():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                await self.wait_serving(channel, timeout_s=timeout_s)
+
+        asyncio.run(ready())
 
     async def wait_serving(self, channel, timeout_s: float = 180) -> None:
         """Poll readiness until the engine has loaded and warmed up."""

@@ -1,12 +1,11 @@
 """Hostile inputs (issue #27, findings 3, 4, 5, 10) against one real `mmserve serve` process.
 
-Each test sends the probe's request scaled down, beside a bystander: a normal stream sent right
-after it on the same channel (the fairness test waits until the server's RSS shows the hostile
-decode running, as in the probe) that must finish with its usual tokens and, where the hostile
-request is refused, a TTFT within 2x of an idle run measured in the same test (a hostile request
-that is served shares the engine with it by design). Memory is the serving process's peak RSS
-(VmHWM, reset before the hostile requests) over its RSS before them, per hostile request, against
-the per-request budgets docs/security.md states. On the code before the fix every test here fails.
+Each test sends the probe's request scaled down, beside a bystander (rel_bystander.run_beside: a
+normal stream right after it that must keep its tokens and, where the hostile request is refused,
+a TTFT within 2x of idle; the fairness test waits until the server's RSS shows the hostile decode
+running, as in the probe). Memory is the serving process's peak RSS growth per hostile request,
+against the per-request budgets docs/security.md states. On the code before the fix every test
+here fails. The audio flood is test_rel_audio_flood.py (a model with an audio tower).
 """
 
 from __future__ import annotations
@@ -15,16 +14,16 @@ import asyncio
 import functools
 import io
 import struct
-import time
 import zlib
 
 import grpc
 import numpy as np
 import pytest
 from PIL import Image
+from rel_bystander import outcome, run_beside
 from rel_process import ServeProcess
 
-from mmserve.clients import AsyncClient, ClientError
+from mmserve.clients import AsyncClient
 from mmserve.clients.messages import frames_part, image_part, message, text_part
 
 WORKERS = 2
@@ -36,7 +35,6 @@ PIXEL_BUDGET = 256 * 2**20  # room for MAX_IMAGES images of 4096^2
 TEXT_RSS_BUDGET = 16 * 2**20
 FRAMES_RSS_BUDGET = 24 * 2**20
 IMAGES_RSS_BUDGET = 16 * 2**20
-ATTEMPTS = 3  # the machine is shared: a bystander run slowed by someone else's load is retried
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +43,7 @@ def server():
                         "--max-images-per-request", str(MAX_IMAGES), "--max-pixels-per-request", str(PIXEL_BUDGET),
                         "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
-        port = proc.wait_port(300)
-
-        async def ready():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                await proc.wait_serving(channel, timeout_s=300)
-
-        asyncio.run(ready())
+        proc.wait_ready(300)
         yield proc
     finally:
         proc.stop()
@@ -81,38 +73,6 @@ def small_image(seed: int) -> bytes:
     return encoded(Image.fromarray(pixels))
 
 
-def rss(pid: int, field: str) -> int:
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak(pid: int) -> int:
-    """VmHWM := VmRSS; returns that RSS."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
-    return rss(pid, "VmRSS")
-
-
-async def timed_stream(client: AsyncClient, **ask) -> tuple[float, tuple[int, ...]]:
-    """(TTFT in seconds, the token ids) of one stream."""
-    started, first, ids = time.perf_counter(), None, []
-    async for delta in client.stream(timeout=120, **ask):
-        first = first or time.perf_counter()
-        ids.extend(delta.token_ids)
-    assert first is not None
-    return first - started, tuple(ids)
-
-
-async def outcome(client: AsyncClient, messages) -> ClientError | None:
-    try:
-        await client.generate(messages, timeout=120, max_tokens=4, temperature=0)
-    except ClientError as e:
-        return e
-    return None
-
-
 FRESH = iter(range(1, 10**6))  # bystander prompts never seen before: TTFT includes a real prefill
 WORDS = "a red blue green purple white yellow circle square triangle moves up down left right and the".split()
 
@@ -125,45 +85,10 @@ def bystander() -> dict:
                 temperature=0)
 
 
-def run_beside(server, hostile_messages, copies: int = 1, attempts: int = ATTEMPTS,
-               decoding_from_rss: int = 0) -> tuple[list, int, float, float]:
-    """Idle bystander runs, then `copies` hostile requests with another bystander right behind them
-    on one channel, whose output is then compared with the same request run alone. Returns (hostile
-    outcomes, peak RSS growth over the RSS before them, idle TTFT, bystander TTFT); retried up to
-    `attempts` times while the bystander misses 2x of idle (1 where only memory is asserted: a rerun
-    reuses memory the first attempt took). `decoding_from_rss`: start the bystander only once the
-    server's RSS grew that much (the hostile request is being decoded, as in the probe)."""
-    pid = server.proc.pid
-
-    async def attempt():
-        async with AsyncClient(f"127.0.0.1:{server.port}", timeout=120) as client:
-            idle = sorted([(await timed_stream(client, **bystander()))[0] for _ in range(3)])[1]  # the median
-            before = reset_peak(pid)
-            hostile = [asyncio.ensure_future(outcome(client, hostile_messages)) for _ in range(copies)]
-            deadline = time.monotonic() + 30
-            while decoding_from_rss and rss(pid, "VmRSS") - before < decoding_from_rss:
-                assert time.monotonic() < deadline and not all(h.done() for h in hostile), "no decode seen"
-                await asyncio.sleep(0.005)
-            ask = bystander()
-            beside, got = await timed_stream(client, **ask)
-            errors = await asyncio.gather(*hostile)
-            growth = rss(pid, "VmHWM") - before
-            _, alone = await timed_stream(client, **ask)
-        assert got == alone, "the bystander's output changed beside the hostile request"
-        return errors, growth, idle, beside
-
-    for _ in range(attempts):
-        errors, growth, idle, beside = asyncio.run(attempt())
-        print(f"idle TTFT {idle * 1e3:.0f} ms, beside {beside * 1e3:.0f} ms, RSS growth {growth / 2**20:.1f} MiB")
-        if beside <= 2 * idle:
-            break
-    return errors, growth, idle, beside
-
-
 def test_an_oversize_word_is_refused_before_tokenizing(server):
     """Finding 3, scaled from 4 MB to 1 MB: one word far beyond the 1024-token context."""
     word = "triangle" * (2**20 // 8)
-    errors, growth, idle, beside = run_beside(server, [message("user", text_part(word))])
+    errors, growth, idle, beside = run_beside(server, bystander, [message("user", text_part(word))])
     for e in errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "at least" in e.message and "context length is 1024" in e.message, e.message
@@ -176,7 +101,7 @@ def test_given_frames_are_decoded_one_at_a_time(server):
     concurrent requests holds about one decoded frame, not all eight."""
     frame = blank_png(2048)
     frames = [message("user", frames_part([frame] * 8, fps=1.0), text_part("Describe the video."))]
-    errors, growth, _, _ = run_beside(server, frames, copies=3, attempts=1)
+    errors, growth, _, _ = run_beside(server, bystander, frames, copies=3, attempts=1)
     assert errors == [None, None, None]
     assert growth / 3 <= FRAMES_RSS_BUDGET, f"{growth / 3 / 2**20:.0f} MiB per request"
 
@@ -184,7 +109,7 @@ def test_given_frames_are_decoded_one_at_a_time(server):
 def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
     """Finding 4: 17 frames of 4096^2 = 272 Mi pixels, over the 256 Mi budget: refused before any decode."""
     frames = [message("user", frames_part([blank_png(4096)] * 17, fps=1.0), text_part("Describe the video."))]
-    errors, growth, idle, beside = run_beside(server, frames)
+    errors, growth, idle, beside = run_beside(server, bystander, frames)
     for e in errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "--max-pixels-per-request" in e.message, e.message
@@ -195,7 +120,7 @@ def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
 def test_too_many_images_are_refused_before_decoding(server):
     """Finding 5, scaled from 300 images of 4096^2 pixels to 40 of 2048^2: refused by count, nothing decoded."""
     images = [message("user", *[image_part(blank_png(2048)) for _ in range(40)], text_part("Compare them."))]
-    errors, growth, idle, beside = run_beside(server, images)
+    errors, growth, idle, beside = run_beside(server, bystander, images)
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
     assert "--max-images-per-request" in errors[0].message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
@@ -208,7 +133,7 @@ def test_one_request_cannot_take_every_decode_worker(server):
     engine) hold one worker; the bystander's image gets the other at once."""
     slow = [blank_png(4096)] * (MAX_IMAGES - 1) + [blank_png(4096, rows_kept=0.97)]
     images = [message("user", *[image_part(data) for data in slow], text_part("Compare them."))]
-    errors, _, idle, beside = run_beside(server, images, decoding_from_rss=32 * 2**20)  # one image: 48 MiB
+    errors, _, idle, beside = run_beside(server, bystander, images, decoding_from_rss=32 * 2**20)  # one image: 48 MiB
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
     assert f"parts[{MAX_IMAGES - 1}].image" in errors[0].message, errors[0].message
     assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"

@@ -161,3 +161,54 @@ def test_prefill_budget_shrinks_once_the_first_request_decodes():
     assert step(sched).num_batched_tokens == 64      # 30 + 30 + 4, nobody decodes yet
     out = step(sched)                                 # r0 and r1 now decode
     assert out.num_batched_tokens == 16 and sum(not s.is_prefill for s in out.scheduled) == 2
+
+
+def test_speculating_chunks_are_padded_to_the_verify_width_and_pads_go_first():
+    """With verify graphs (verify_width 1 + K = 4) every speculating decode is a 4-row chunk whatever
+    its drafts (3, 1, none: near max_tokens or cut by a grammar); a disable_speculation request stays
+    one row. Pads are rolled back like rejected drafts, and go before drafts when the budget, the KV
+    cache or the context length is short."""
+    from mmserve.sampling_params import SamplingParams
+
+    def decoding(sched, specs, max_tokens=20):
+        reqs = []
+        for i, (drafts, opt_out) in enumerate(specs):
+            r = make_request(f"r{i}", 6, first=3 + 50 * i)
+            r.sampling_params = SamplingParams(max_tokens=max_tokens, disable_speculation=opt_out)
+            admit(sched, r)
+            reqs.append((r, drafts))
+        step(sched)                                  # prompts computed, one token each
+        for r, drafts in reqs:
+            r.draft_token_ids = list(range(30, 30 + drafts))
+        return [r for r, _ in reqs]
+
+    sched = make_scheduler(max_num_batched_tokens=64, verify_width=4)
+    reqs = decoding(sched, [(3, False), (1, False), (0, False), (0, True)])
+    out = sched.schedule()
+    got = {s.request.request_id: (s.num_tokens, len(s.draft_token_ids), s.num_pad_drafts) for s in out.scheduled}
+    assert got == {"r0": (4, 3, 0), "r1": (4, 1, 2), "r2": (4, 0, 3), "r3": (1, 0, 0)}
+    before = {r.request_id: r.num_computed_tokens for r in reqs}
+    # r0 and r1 kept their first draft and the target's next token, r2 and r3 one token: appended
+    # first (as the engine does), then the rest of each chunk (rejected drafts, pads) rolls back
+    for r, n in zip(reqs, (2, 2, 1, 1), strict=True):
+        r.output_token_ids += [7] * n
+    sched.update(out, {"r0": 2, "r1": 2, "r2": 3, "r3": 0})
+    assert {r.request_id: r.num_computed_tokens - before[r.request_id] for r in reqs} == {
+        "r0": 2, "r1": 2, "r2": 1, "r3": 1}
+
+    # budget: 4 + 4 fit, the third request's chunk keeps its drafts and no pads (a partial width buys nothing)
+    sched = make_scheduler(max_num_batched_tokens=10, prefill_batched_tokens=64, verify_width=4)
+    decoding(sched, [(3, False), (0, False), (1, False)])
+    assert [(s.num_tokens, s.num_pad_drafts) for s in sched.schedule().scheduled] == [(4, 0), (4, 3), (2, 0)]
+
+    # KV: pools of 2 blocks hold its 6 + 2 tokens (what admission counted) but not 2 pads past them
+    sched = make_scheduler(num_blocks=3, max_num_batched_tokens=64, verify_width=4)
+    decoding(sched, [(1, False)], max_tokens=2)
+    (s,) = sched.schedule().scheduled
+    assert (s.num_tokens, len(s.draft_token_ids), s.num_pad_drafts) == (2, 1, 0)
+
+    # the context length: no pad position past max_model_len
+    sched = make_scheduler(max_num_batched_tokens=64, verify_width=4, max_model_len=8)
+    decoding(sched, [(0, False)], max_tokens=2)
+    (s,) = sched.schedule().scheduled
+    assert (s.num_tokens, s.num_pad_drafts) == (1, 0)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import socket
 import types
 import urllib.request
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -50,8 +52,10 @@ def server(model_dir):
     with socket.socket() as s:   # a free port for its /metrics
         s.bind(("127.0.0.1", 0))
         metrics_port = s.getsockname()[1]
+    # The engine core on a thread of this process (the same core and IPC, no second interpreter to
+    # start: this module's own start-up was mostly a spawned process importing torch again).
     server = LoopbackServer(engine_config(model_dir, max_num_batched_tokens=BUDGET, default_num_frames=2,
-                                          max_audio_duration_s=60.0),
+                                          max_audio_duration_s=60.0, engine_process=False),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield server
     server.stop()
@@ -173,6 +177,72 @@ def test_bad_audio_gets_a_clear_status_and_holds_nothing(server, case):
     assert len(e.value.message) < 400
     held = server.call(server.engine.held_resources())
     assert not held["requests"], held
+
+
+def _documented(present: str) -> dict[str, set[str]]:
+    """docs/tracing.md's span table rows present only on `present` requests: span -> attribute names."""
+    rows: dict[str, set[str]] = {}
+    for line in (Path(__file__).parents[2] / "docs" / "tracing.md").read_text().splitlines():
+        if m := re.match(rf"^\| `(mmserve\.[a-z_.]+)` \| `([a-z_.]+)` \| {present} \|", line):
+            rows.setdefault(m.group(1), set()).add(m.group(2))
+    return rows
+
+
+def test_audio_spans_under_the_request_span_as_documented(server):
+    """The front end's `mmserve.audio.decode` span (PyAV decode, resampling, log-mel features) and the
+    engine's `mmserve.audio.encode` are children of the request's span, with what the window gave
+    and docs/tracing.md's attribute names; a video's soundtrack is read in its `mmserve.video.decode`
+    span (the same pass); a refused clip's span is an error with the reason."""
+    from otlp_receiver import OtlpReceiver, global_traces_to
+
+    seed = int(np.random.randint(1000))
+    frames = render(plan(seed, size=32, num_frames=8), size=32, num_frames=8)
+    asks = {"audio": dict(parts=[audio_part(wav(tones(seed, 3.0)), start_s=0.5, end_s=2.5), text_part("Hear.")]),
+            "video": dict(parts=[video_part(av_clip(frames, 4, tones(seed + 1, 2.0)), num_frames=2)],
+                          use_audio_in_video=True),
+            "silent": dict(parts=[audio_part(wav(np.zeros(8000, np.int16)))])}
+    receiver = OtlpReceiver()
+    try:
+        with global_traces_to(receiver):
+            served = {}
+            for name, ask in asks.items():
+                try:
+                    served[name] = _served(server, request_id=f"span-{name}-{seed}", **ask)
+                except ClientError as e:
+                    served[name] = e
+        def tree(spans, name, child):
+            roots = [s for s in spans if s.name == "mmserve.generate"
+                     and s.attributes.get("mmserve.request.id") == f"span-{name}-{seed}"]
+            return [s for s in spans if roots and s.parent_span_id == roots[0].span_id and s.name == child]
+
+        wanted = (("audio", "mmserve.audio.decode"), ("audio", "mmserve.audio.encode"), ("video", "mmserve.video.decode"),
+                  ("silent", "mmserve.audio.decode"))
+        spans = receiver.wait_for(lambda spans: all(tree(spans, n, c) for n, c in wanted))
+    finally:
+        receiver.stop()
+    (audio,) = tree(spans, "audio", "mmserve.audio.decode")
+    encodes = tree(spans, "audio", "mmserve.audio.encode")
+    docs = _documented("audio")
+    assert set(docs) == {"mmserve.audio.decode", "mmserve.audio.encode"}
+    assert set(audio.attributes) == docs["mmserve.audio.decode"]
+    assert all(set(e.attributes) == docs["mmserve.audio.encode"] for e in encodes)
+    assert sum(e.attributes["mmserve.audio.num_segments"] for e in encodes) == 1
+    assert all(e.attributes["mmserve.perf.flops"] > 0 and e.attributes["mmserve.perf.attn_flops.sliding"] == 0
+               == e.attributes["mmserve.perf.attn_flops.full"] for e in encodes)
+    a = audio.attributes
+    assert not audio.is_error and a["mmserve.audio.input_bytes"] == len(wav(tones(seed, 3.0)))
+    assert a["mmserve.audio.duration_s"] == pytest.approx(3.0) and a["mmserve.audio.start_s"] == 0.5
+    assert a["mmserve.audio.heard_s"] == pytest.approx(2.0, abs=1e-3) and a["mmserve.audio.segments"] == 1
+    assert a["mmserve.audio.sample_bytes"] == 4 * 32000
+    assert a["mmserve.audio.soft_tokens"] == served["audio"].usage.multimodal_tokens
+    (video,) = tree(spans, "video", "mmserve.video.decode")
+    assert _documented("soundtrack") == {"mmserve.video.decode": {"mmserve.video.soundtrack_s",
+                                                                  "mmserve.video.soundtrack_segments"}}
+    assert {"mmserve.video.soundtrack_s", "mmserve.video.soundtrack_segments"} <= set(video.attributes)
+    assert video.attributes["mmserve.video.soundtrack_s"] == pytest.approx(2.0, abs=0.05)
+    assert video.attributes["mmserve.video.soundtrack_segments"] == 1 and video.attributes["mmserve.video.num_frames"] == 2
+    (silent,) = tree(spans, "silent", "mmserve.audio.decode")
+    assert isinstance(served["silent"], ClientError) and silent.is_error and "silent" in silent.status_message
 
 
 def test_video_without_sound_or_only_sound_is_refused_with_use_audio_in_video(server):

@@ -15,6 +15,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
+from mmserve.engine.input.processor import AudioInput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.model.spec import load_spec
 from mmserve.server.vllm_engine.media_refs import media_inputs
@@ -44,14 +45,23 @@ def test_data_urls_decode_and_are_bounded_before_decoding():
         assert e.value.field == "media_refs.items[0].url"
 
 
+def test_audio_items_are_audio_inputs():
+    """SMG sends an OpenAI `input_audio` part as `data:audio/<its format>;base64,...`."""
+    data = os.urandom(64)
+    (audio,) = media_inputs(refs("data:audio/mp3;base64," + base64.b64encode(data).decode(), modality=common_pb2.AUDIO),
+                            max_bytes=64, allowed_local_media_path="")
+    assert isinstance(audio, AudioInput) and (audio.data, audio.mime_type) == (data, "audio/mp3")
+    with pytest.raises(InvalidInputError, match="unsupported audio type 'audio/midi'") as e:
+        media_inputs(refs("data:audio/midi;base64,AAAA", modality=common_pb2.AUDIO), max_bytes=10,
+                     allowed_local_media_path="")
+    assert e.value.field == "media_refs.items[0].url"
+
+
 def test_remote_schemes_are_refused_naming_the_item():
     for url in ("http://127.0.0.1/x.mp4", "HTTPS://example.com/x.mp4", "s3://b/k", "no-scheme"):
         with pytest.raises(InvalidInputError, match="fetches nothing") as e:
             media_inputs(refs("data:video/mp4;base64,AAAA", url), max_bytes=1000, allowed_local_media_path="")
         assert e.value.field == "media_refs.items[1].url"
-    with pytest.raises(InvalidInputError, match="AUDIO"):
-        media_inputs(refs("data:audio/wav;base64,AAAA", modality=common_pb2.AUDIO), max_bytes=10,
-                     allowed_local_media_path="")
     with pytest.raises(InvalidInputError, match="99 is not served") as e:   # a modality newer than our stubs
         media_inputs(refs("data:video/mp4;base64,AAAA", modality=99), max_bytes=10, allowed_local_media_path="")
     assert e.value.field == "media_refs.items[0].modality"
@@ -121,19 +131,14 @@ def test_unsupported_or_out_of_range_fields_are_refused_by_name(fields, name):
 
 def test_preprocessed_media_for_a_model_without_vision_is_refused_before_its_layout_is_read():
     """A gateway's mm_inputs, however well laid out, never reach a model with no vision tower (the
-    demo checkpoint's spec with its vision dropped stands in for a text-only one; the processor is a
-    stand-in holding just what `_prompt_ids` reads)."""
+    demo checkpoint's spec with its vision dropped stands in for a text-only one)."""
     spec = load_spec(DEMO_MODEL_DIR)
     request = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[2, spec.image_token_id]),
                                   mm_inputs=vpb.MultimodalInputs(modality=common_pb2.IMAGE))
 
-    def processor(spec):
-        return SimpleNamespace(spec=spec, max_model_len=spec.max_model_len,
-                               tokenizer=SimpleNamespace(vocab_size=spec.vocab_size))
-
-    assert _prompt_ids(request, processor(spec)) == [2, spec.image_token_id]
+    assert _prompt_ids(request, _processor(spec)) == [2, spec.image_token_id]
     with pytest.raises(InvalidInputError, match="takes no images or video") as e:
-        _prompt_ids(request, processor(dataclasses.replace(spec, vision=None)))
+        _prompt_ids(request, _processor(dataclasses.replace(spec, vision=None)))
     assert e.value.field == "mm_inputs"
 
 
@@ -157,3 +162,25 @@ def test_file_url_refusals_quote_the_path_as_sent_bounded_never_resolved(tmp_pat
         assert len(message) < 300, len(message)
         for hidden in (str(secret), str(workdir), str(allowed) if str(allowed) not in url else str(secret)):
             assert hidden not in message, (hidden, message)
+
+
+def test_audio_is_refused_by_a_model_without_an_audio_tower_and_never_taken_preprocessed():
+    """The demo checkpoint has no audio tower: an audio item is refused naming the model, before the
+    anchors are paired (its template renders no `<|audio|>`); preprocessed audio is never taken."""
+    spec = load_spec(DEMO_MODEL_DIR)
+    request = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[2, 4, 20]),
+                                  media_refs=refs("data:audio/wav;base64,AAAA", modality=common_pb2.AUDIO))
+    with pytest.raises(InvalidInputError, match="demo_model has no audio tower: it takes text, image, video") as e:
+        _prompt_ids(request, _processor(spec))
+    assert e.value.field == "media_refs.items"
+    preprocessed = vpb.GenerateRequest(request_id="r", tokenized=vpb.TokenizedInput(input_ids=[2, spec.audio_token_id]),
+                                       mm_inputs=vpb.MultimodalInputs(modality=common_pb2.AUDIO))
+    with pytest.raises(InvalidInputError, match="preprocessed audio is not taken") as e:
+        _prompt_ids(preprocessed, _processor(spec))
+    assert e.value.field == "mm_inputs"
+
+
+def _processor(spec):
+    """A stand-in holding just what `_prompt_ids` reads."""
+    return SimpleNamespace(spec=spec, max_model_len=spec.max_model_len, model_name=DEMO_MODEL_DIR.name,
+                           tokenizer=SimpleNamespace(vocab_size=spec.vocab_size))

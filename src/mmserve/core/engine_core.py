@@ -33,6 +33,7 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,21 +57,47 @@ from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
 from mmserve.sample.rejection_sampler import Accepted, RejectionSampler
-from mmserve.sample.sampler import Sampler, SamplerOutput
+from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
 from mmserve.worker.backend_check import merge_checks
-from mmserve.worker.cpu_threads import torch_threads
 from mmserve.worker.memory_profile import device_baseline, size_kv_cache
-from mmserve.worker.model_runner import ModelRunner, StepResult
-from mmserve.worker.step_threads import StepThreads, size_class
+from mmserve.worker.model_runner import ModelRunner, SampledTokens, StepResult
 
 logger = logging.getLogger(__name__)
 
 COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (the offline loop would spin)
+
+
+def uses_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """`--async-scheduling`: auto is on CUDA (where the device runs a step while the host prepares
+    the next), without a speculative model or tensor parallelism, which it does not serve yet."""
+    why_not = ("--speculative-model" if config.speculative_model
+               else "--tensor-parallel-size > 1" if config.tensor_parallel_size > 1 or config.nnodes > 1 else None)
+    if config.async_scheduling == "on" and why_not:
+        raise ValueError(f"--async-scheduling on does not serve {why_not} yet")
+    return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda"
+                                                and why_not is None)
+
+
+@dataclass
+class InFlight:
+    """A step launched and not finished (async scheduling): what was scheduled, the runner's result
+    (logits on the device), the requests sampled and their sampler rows, the sampling on its way to
+    the host (or its result, when it ran row by row), its tokens on the device, and when it began."""
+
+    out: SchedulerOutput
+    step: StepResult
+    sampling: list
+    rows: list
+    logits: torch.Tensor
+    pending: PendingSample | SamplerOutput
+    tokens: SampledTokens
+    start_perf: float
+    start_ns: int
 
 
 def _media_error(request_id: str, why: str) -> EngineInternalError:
@@ -116,6 +143,7 @@ class EngineCore:
         self.tokenizer = tokenizer
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
+        self.async_scheduling = uses_async_scheduling(config, model.device)
         self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
@@ -130,13 +158,14 @@ class EngineCore:
                                       plan.num_bytes, plan.max_num_seqs, sized_by)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
-                                   prefill_batched_tokens=config.prefill_batched_tokens,
-                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
-                                   policy=config.scheduling_policy)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
             self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
+                                   prefill_batched_tokens=config.prefill_batched_tokens,
+                                   max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                   policy=config.scheduling_policy, verify_width=self.runner.verify_graph_rows,
+                                   async_scheduling=self.async_scheduling)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
@@ -144,7 +173,6 @@ class EngineCore:
                    if tokenizer is not None else None)
         self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
         self.rejection = RejectionSampler(self.sampler, self.speculator.record if self.speculator else None)
-        self.threads = StepThreads(torch.get_num_threads(), adaptive=config.adaptive_threads and model.device.type == "cpu")
         self.requests: dict[str, Request] = {}   # admitted and not yet ended
         self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}   # entry j: prompt token j + 1, when asked
         self.step_index = 0
@@ -152,6 +180,7 @@ class EngineCore:
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
+        self._in_flight: InFlight | None = None      # async scheduling: the step launched, not yet finished
         self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
@@ -161,7 +190,7 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.requests or self._aborted or self._admitted)
+        return bool(self.requests or self._aborted or self._admitted or self._in_flight)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
@@ -283,9 +312,13 @@ class EngineCore:
         result = self._collect()
         try:
             self._queue_compiled(result.outputs)
-            self._step(result)
+            if self.async_scheduling:
+                self._step_async(result)
+            else:
+                self._step(result)
         except Exception as exc:   # a bug outside the model step: the core's state is suspect
             logger.exception("engine loop error; failing every request in flight")
+            self._in_flight = None
             self.fail_all(EngineInternalError(f"engine error ({type(exc).__name__}; details in the server log)"),
                           result.outputs)
         result.load = self.load()
@@ -300,21 +333,25 @@ class EngineCore:
                 wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
-        size = size_class(out)
-        threads = self.threads.threads_for(size)
         try:
-            with torch_threads(threads):
-                step = self.runner.execute(out)
-                rows = verify_rows(step.sampling)
-                sampler_out = self._sample(step.logits, rows)
-                accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
-            self.threads.record(size, threads, time.perf_counter() - start_perf)
-            for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
-                start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
-                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
+            step = self.runner.execute(out)
+            rows = verify_rows(step.sampling)
+            sampler_out = self._sample(step.logits, rows)
+            accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
+        self._conclude(out, step, accepted, start_perf, start_ns, result)
+
+    def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
+                  start_ns: int, result: EngineCoreOutputs) -> None:
+        """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
+        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting, the step
+        record, the outputs."""
+        for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
+            if rid in self.requests:
+                start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
+                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
         for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
             if s.request.request_id in step.media_failed:
@@ -333,8 +370,72 @@ class EngineCore:
         for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
             if rid in self.requests:
                 self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), result.outputs)
-        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.request.num_computed_tokens)
+        result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.seq_len)
                               for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
+
+    def _step_async(self, result: EngineCoreOutputs) -> None:
+        """One iteration of the async loop: schedule and launch step N+1 (its forward queued, its
+        inputs taking step N's tokens on the device), then finish step N (wait for its tokens: one
+        pinned copy; accept, update, emit: what the device would otherwise idle through), then
+        queue N+1's sampling, which needs N's tokens in the matchers and penalties. The front end
+        hears of a step's tokens one iteration after it was launched."""
+        out = self.scheduler.schedule()
+        prev, self._in_flight = self._in_flight, None
+        self.idle_step = out.is_empty and prev is None
+        if self.idle_step:
+            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
+                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+            return
+        launched = None
+        if not out.is_empty:
+            start_perf, start_ns = time.perf_counter(), time.time_ns()
+            try:
+                launched = (out, self.runner.execute(out, prev.tokens if prev is not None else None),
+                            start_perf, start_ns)
+            except Exception as exc:   # one bad step must not take the engine down
+                self._fail_step(out, exc, result.outputs)
+        if prev is not None:
+            self._finish(prev, result)
+        if launched is not None:
+            self._in_flight = self._launch_sampling(*launched)
+
+    def _launch_sampling(self, out: SchedulerOutput, step: StepResult, start_perf: float, start_ns: int) -> InFlight:
+        """Queue the sampling of a launched step's rows (those of requests still running: the step
+        before may have ended some); its tokens stay on the device for the next step's inputs."""
+        keep = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
+        logits = step.logits if len(keep) == len(step.sampling) else step.logits[
+            torch.tensor(keep, dtype=torch.long, device=step.logits.device)]
+        sampling = [step.sampling[i] for i in keep]
+        rows = verify_rows(sampling)
+        try:
+            pending = self.sampler.launch(logits, rows)
+            tokens = pending.tokens
+        except Exception:
+            logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
+            pending = self._sample_rows(logits, rows)
+            tokens = torch.tensor(pending.token_ids, dtype=torch.long, device=logits.device)
+        return InFlight(out, step, sampling, rows, logits, pending,
+                        SampledTokens(tokens, {s.request.request_id: i for i, s in enumerate(sampling)}),
+                        start_perf, start_ns)
+
+    def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
+        """Step N's end, while N+1 runs: its tokens reach the host (the one wait), then what the
+        synchronous loop does after sampling (`_conclude`), for the requests still running."""
+        try:
+            sampler_out = step.pending if isinstance(step.pending, SamplerOutput) else step.pending.result()
+        except Exception:
+            logger.exception("step %d: sampling failed; sampling row by row", self.step_index)
+            sampler_out = self._sample_rows(step.logits, step.rows)
+        for s in step.step.sampling:   # each sampling chunk's placeholder: its token is here now
+            s.request.num_output_placeholders -= 1
+        live = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
+        if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
+            step.sampling = [step.sampling[i] for i in live]
+            sampler_out = SamplerOutput([sampler_out.token_ids[i] for i in live],
+                                        [sampler_out.logprobs[i] for i in live],
+                                        {k: sampler_out.errors[i] for k, i in enumerate(live) if i in sampler_out.errors})
+        accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
+        self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result)
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
@@ -344,6 +445,10 @@ class EngineCore:
             return self.sampler.sample(logits, requests)
         except Exception:
             logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
+        return self._sample_rows(logits, requests)
+
+    def _sample_rows(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
+        """Row by row: a request whose own sampling fails ends alone (an error in its row)."""
         out = SamplerOutput([], [])
         for i, request in enumerate(requests):
             try:
@@ -434,6 +539,7 @@ class EngineCore:
 
     def shutdown(self, error: BaseException) -> EngineCoreOutputs:
         """End every request in flight with `error`; the last outputs to report."""
+        self._in_flight = None
         result = self._collect()
         self.fail_all(error, result.outputs)
         result.load = self.load()

@@ -5,16 +5,19 @@ tricks): it sets the one torch pool, loads the model, measures the device peaks,
 and runs `CoreLoop` on its main thread, the only thread that ever runs torch here. The same loop can
 run on a thread of the server process instead (`run_core`; --no-engine-process, or a preloaded model).
 
-Each iteration drains every queued message (adds, aborts, utility calls), runs one step and sends
-one `EngineCoreOutputs`. Nothing here is per-request Python beyond the core itself.
+Each iteration drains every queued message (adds, aborts, utility calls), runs one step and hands
+one `EngineCoreOutputs` to the output thread (`OutputSender`), which pickles and sends it while the
+next step runs. Nothing here is per-request Python beyond the core itself.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 import zmq
@@ -94,12 +97,16 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
         if started is not None:
             started(core)
         outputs.send_multipart(serial.encode(ready))
+        sender = OutputSender(outputs)
         try:
-            CoreLoop(core, inputs, outputs, parent_alive, tp.check_alive if tp is not None else None).run()
+            CoreLoop(core, inputs, sender, parent_alive, tp.check_alive if tp is not None else None).run()
         except BaseException as exc:
             logger.exception("engine loop died")
+            sender.close()
             outputs.send_multipart(serial.encode(EngineDead(f"the engine loop failed: {exc!r}")))
             return 1
+        finally:
+            sender.close()
         return 0
     finally:
         if tp is not None:
@@ -141,8 +148,44 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
     return core, ready
 
 
+class OutputSender:
+    """Serialises and sends the core's outputs on a thread of its own, so pickling a step's outputs
+    and zmq's send overlap the next step instead of delaying it. The socket is this thread's alone
+    while it runs; `close()` sends what is queued, in order, and stops it (idempotent). An output
+    that cannot be sent stops the thread, and the next `send` raises why: the loop then dies as it
+    did when it sent on its own thread, and the front end fails every request (never a silent hang)."""
+
+    _STOP = object()
+
+    def __init__(self, socket: zmq.Socket):
+        self.socket = socket
+        self.error: BaseException | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="mmserve-core-output", daemon=True)
+        self._thread.start()
+
+    def send(self, message) -> None:
+        if self.error is not None:
+            raise EngineInternalError(f"the output thread failed: {self.error!r}") from self.error
+        self._queue.put(message)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(self._STOP)
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not self._STOP:
+            try:
+                self.socket.send_multipart(serial.encode(message), copy=False)
+            except BaseException as exc:
+                logger.exception("could not send a %s to the front end", type(message).__name__)
+                self.error = exc
+                return
+
+
 class CoreLoop:
-    def __init__(self, core, inputs: zmq.Socket, outputs: zmq.Socket, parent_alive: Callable[[], bool],
+    def __init__(self, core, inputs: zmq.Socket, outputs: OutputSender, parent_alive: Callable[[], bool],
                  check_ranks: Callable[[], None] | None = None):
         self.core = core
         self.check_ranks = check_ranks   # raises when a tensor-parallel worker rank is gone
@@ -181,7 +224,7 @@ class CoreLoop:
                 self._send(result)
 
     def _send(self, message) -> None:
-        self.outputs.send_multipart(serial.encode(message), copy=False)
+        self.outputs.send(message)
 
     def _drain(self) -> None:
         """Handle every message already queued (several adds and aborts per step, in order)."""

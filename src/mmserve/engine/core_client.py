@@ -95,6 +95,7 @@ class CoreClient:
         """Start the core and wait for READY; raises EngineDeadError if it fails or dies first."""
         # The engine core's entry points, imported only to start it: no front-end module imports the core.
         from mmserve.core.process import run_core, run_engine_process
+        from mmserve.worker.cpu_threads import passive_openmp_waits
 
         if self.in_process:
             def started(core) -> None:
@@ -105,6 +106,7 @@ class CoreClient:
                                            name="mmserve-engine", daemon=True)
             self.thread.start()
         else:
+            passive_openmp_waits()   # read by the engine's OpenMP runtime as it loads
             ctx = multiprocessing.get_context("spawn")
             self.process = ctx.Process(target=run_engine_process, name="mmserve-engine",
                                        args=(self.config, self.addresses, logging.getLogger("mmserve").getEffectiveLevel(),

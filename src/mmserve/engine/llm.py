@@ -41,8 +41,6 @@ class LLM:
                  **engine_options):
         if model is not None:
             engine_options["model"] = model
-        # Nothing shares the caller's cores with the engine here, and a fixed pool keeps reruns bit-reproducible.
-        engine_options.setdefault("adaptive_threads", False)
         names = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = set(engine_options) - names
         if unknown:

@@ -1,15 +1,16 @@
 """The prompt a gateway routed on, mapped onto ours, so KV events can speak the gateway's tokens.
 
 A gateway that renders the chat template itself (SMG with `mm_processor: inprocess`) sends ONE
-anchor token per image or video; we expand each into its layout (frame timestamps, soft-token runs),
-and re-tokenize the text just before a video anchor together with the first timestamp. So the two
-prompts agree token for token except in a few runs, each ending at an anchor on the gateway's side
-and at the item's last `<image|>` on ours: `RoutingPrompt.runs`.
+anchor token per image, video or audio clip; we expand each into its layout (frame timestamps,
+soft-token runs, audio segments), and re-tokenize the text just before a video anchor together with
+the first timestamp. So the two prompts agree token for token except in a few runs, each ending at
+an anchor on the gateway's side and at the item's last `<image|>` (or `<audio|>`) on ours:
+`RoutingPrompt.runs`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -54,7 +55,7 @@ class RoutingPrompt:
 def gateway_routing_prompt(gateway_ids: Sequence[int], ours: Sequence[int], mm_ranges: Sequence[tuple[int, int]],
                            anchors: Sequence[tuple[int, int]]) -> RoutingPrompt | None:
     """Map a gateway's prompt onto our expansion of it. `anchors`: (position in `gateway_ids`, how
-    many of our image/frame ranges that item became: 1 for an image, its frames for a video), in
+    many of our ranges that item became: 1 for an image, its frames for a video, its segments for audio), in
     order. None if the two do not line up (then only our own tokens are published)."""
     runs, i, j, r = [], 0, 0, 0
     for at, num_ranges in anchors:
@@ -63,7 +64,7 @@ def gateway_routing_prompt(gateway_ids: Sequence[int], ours: Sequence[int], mm_r
         r += num_ranges
         if num_ranges < 1 or r > len(mm_ranges):
             return None
-        end = mm_ranges[r - 1][1] + 2   # past the item's last range and its `<image|>`
+        end = mm_ranges[r - 1][1] + 2   # past the item's last range and its `<image|>` / `<audio|>`
         if end < j:
             return None
         runs.append((i, at + 1, end - j))
@@ -72,12 +73,12 @@ def gateway_routing_prompt(gateway_ids: Sequence[int], ours: Sequence[int], mm_r
     return routing if r == len(mm_ranges) and routing.maps_onto(ours) else None
 
 
-def media_anchors(gateway_ids: Sequence[int], image_token_id: int, video_token_id: int,
+def media_anchors(gateway_ids: Sequence[int], anchor_ids: Collection[int],
                   ranges_per_item: Sequence[int]) -> list[tuple[int, int]] | None:
-    """`gateway_routing_prompt`'s anchors: each anchor of `gateway_ids`, in order, with how many of our
-    ranges its item became (1 for a still image, the frames it sampled for a video). None if the
-    counts do not pair with the anchors one to one."""
-    at = [i for i, t in enumerate(gateway_ids) if t in (image_token_id, video_token_id)]
+    """`gateway_routing_prompt`'s anchors: each anchor of `gateway_ids` (a token of `anchor_ids`), in
+    order, with how many of our ranges its item became (1 for a still image, the frames it sampled
+    for a video, its segments for audio). None if the counts do not pair with the anchors one to one."""
+    at = [i for i, t in enumerate(gateway_ids) if t in anchor_ids]
     if len(at) != len(ranges_per_item):
         return None
     return list(zip(at, ranges_per_item, strict=True))

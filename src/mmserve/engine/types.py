@@ -26,13 +26,15 @@ class EngineRequest(EngineCoreRequest):
     `core_request()`) plus what only the front end keeps: the trace context, the gateway's view of
     the prompt (engine/kv_event_hub.py), when the server received it (timings count from there, so
     TTFT includes decoding its media), how long input processing took, what each video sampled,
-    and whether the observer sees it (the warm-up request is in no metric)."""
+    how many of `mm_ranges` each media part became (a gateway's anchors are mapped onto ours with
+    it) and whether the observer sees it (the warm-up request is in no metric)."""
 
     trace_context: Any = None
     routing_prompt: RoutingPrompt | None = None
     arrival_time: float | None = None
     preprocess_s: float = 0.0
     videos: list[SampledVideo] = field(default_factory=list)
+    ranges_per_part: dict[str, int] = field(default_factory=dict)
     observed: bool = True
 
     def core_request(self) -> EngineCoreRequest:

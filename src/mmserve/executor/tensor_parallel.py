@@ -328,10 +328,13 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
     or one of them fails (the others are killed, 1)."""
     import multiprocessing
 
+    from mmserve.worker.cpu_threads import passive_openmp_waits
+
     check_divisible(config)
     if config.node_rank == 0:
         raise ValueError("--node-rank 0 is `mmserve serve`'s node; give a worker node 1 .. nnodes - 1")
     init_method = rendezvous(config, "")
+    passive_openmp_waits()   # read by each rank's OpenMP runtime as it loads
     ctx = multiprocessing.get_context("spawn")
     first = config.node_rank * ranks_per_node(config)
     ranks = {rank: ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 TRACER_NAME = "mmserve"
 REQUEST_SPAN = "mmserve.generate"
 VIDEO_DECODE_SPAN = "mmserve.video.decode"
+AUDIO_DECODE_SPAN = "mmserve.audio.decode"
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent/tracestate, whatever OTEL_PROPAGATORS says
 
 
@@ -167,20 +168,46 @@ def end_request_span(span: Span, *, error: BaseException | None = None, cancelle
 
 
 @contextlib.contextmanager
-def video_decode_span(parent: Context | None, *, num_bytes: int, tracer: Tracer | None = None) -> Iterator[Span]:
-    """Wrap one video's decode (the input processor calls this in its worker thread). The caller adds
-    what it decoded with `set_video_decode_result`; an exception marks the span as an error."""
+def _decode_span(name: str, kind: str, parent: Context | None, num_bytes: int, tracer: Tracer | None) -> Iterator[Span]:
     tracer = tracer or get_tracer()
-    with tracer.start_as_current_span(VIDEO_DECODE_SPAN, context=parent, record_exception=True,
+    with tracer.start_as_current_span(name, context=parent, record_exception=True,
                                       set_status_on_exception=True) as span:
-        span.set_attribute("mmserve.video.input_bytes", num_bytes)
+        span.set_attribute(f"mmserve.{kind}.input_bytes", num_bytes)
         yield span
 
 
-def set_video_decode_result(span: Span, video: Any) -> None:
+def video_decode_span(parent: Context | None, *, num_bytes: int, tracer: Tracer | None = None):
+    """Wrap one video's decode (the input processor calls this in its worker thread). The caller adds
+    what it decoded with `set_video_decode_result`; an exception marks the span as an error."""
+    return _decode_span(VIDEO_DECODE_SPAN, "video", parent, num_bytes, tracer)
+
+
+def audio_decode_span(parent: Context | None, *, num_bytes: int, tracer: Tracer | None = None):
+    """Wrap one audio part's decode, resampling and log-mel features (in the worker thread); the
+    caller adds what came out with `set_audio_decode_result`. A refusal (a lying header, silence, the
+    duration limit) marks the span as an error with the reason."""
+    return _decode_span(AUDIO_DECODE_SPAN, "audio", parent, num_bytes, tracer)
+
+
+def set_audio_decode_result(span: Span, audio: Any, segments: Sequence[Any]) -> None:
+    """What one audio part's decode produced (a `multimodal.audio.DecodedAudio` and its `Segment`s):
+    the clip's duration, the window heard, the samples written and what the tower will take. CPU work
+    outside the model: no FLOPs here (the engine's `mmserve.audio.encode` bills the tower)."""
+    span.set_attributes({
+        "mmserve.audio.duration_s": float(audio.duration_s),
+        "mmserve.audio.start_s": float(audio.start_s),
+        "mmserve.audio.heard_s": audio.samples.size / audio.rate,
+        "mmserve.audio.sample_bytes": int(audio.samples.nbytes),
+        "mmserve.audio.segments": len(segments),
+        "mmserve.audio.soft_tokens": int(sum(s.num_soft_tokens for s in segments)),
+    })
+
+
+def set_video_decode_result(span: Span, video: Any, *, sample_rate: int = 0, soundtrack: Sequence[Any] = ()) -> None:
     """What one video's decode produced (a `multimodal.video.DecodedVideo`): how frames were reached
     (seek or scan) and how many the decoder produced, the sampled frames, their size, the clip's
-    duration and the RGB bytes written. Decoding is CPU work outside the model, so
+    duration and the RGB bytes written; with use_audio_in_video, the seconds of soundtrack heard
+    (read in the same pass, at `sample_rate`) and its segments. Decoding is CPU work outside the model, so
     the span carries no FLOPs or MFU (there is nothing honest to divide)."""
     frames = video.frames
     attributes = {
@@ -194,4 +221,7 @@ def set_video_decode_result(span: Span, video: Any) -> None:
     }
     if frames:
         attributes["mmserve.video.height"], attributes["mmserve.video.width"] = map(int, frames[0].shape[:2])
+    if getattr(video, "soundtrack", None) is not None and sample_rate:
+        attributes["mmserve.video.soundtrack_s"] = video.soundtrack.size / sample_rate
+        attributes["mmserve.video.soundtrack_segments"] = len(soundtrack)
     span.set_attributes(attributes)

@@ -222,9 +222,11 @@ class TextDecoder(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: dict, kv_caches: list[torch.Tensor],
                 mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None,
-                sampled: SampledRows | None = None) -> torch.Tensor:
-        """Final-normed hidden states of every row, or with `sampled` of those rows only."""
-        h = self.embed(input_ids, mm_embeds, mm_token_index)
+                sampled: SampledRows | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states of every row, or with `sampled` of those rows only. `inputs_embeds`
+        (what `embed` gives, computed by the caller) replaces the embedding step: a piecewise CUDA
+        graph starts after it, where the number of vision rows varies (worker/piecewise_graphs.py)."""
+        h = self.embed(input_ids, mm_embeds, mm_token_index) if inputs_embeds is None else inputs_embeds
         layer_inputs = None
         if self.ple is not None:
             layer_inputs = self.ple(self._text_ids(input_ids), h)

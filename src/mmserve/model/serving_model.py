@@ -48,16 +48,25 @@ class Gemma4ServingModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: dict, kv_caches: list[torch.Tensor],
                 mm_embeds: torch.Tensor | None = None, mm_token_index: torch.Tensor | None = None,
-                sampled: SampledRows | None = None) -> torch.Tensor:
+                sampled: SampledRows | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One step over T flattened tokens -> final-normed hidden states [T, hidden], or with
         `sampled` those rows' only [S, hidden] (KV-sharing layers then run on them alone).
 
         `attn_metadata[layer_type]` is what that layer type's backend builder made for this step.
         `mm_token_index` are flat indices into this step's tokens that take the rows of `mm_embeds`.
+        `inputs_embeds` [T, hidden]: `embed`'s result, computed beforehand (then mm_* are unused).
         """
-        hidden = self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled)
+        hidden = self.decoder(input_ids, positions, attn_metadata, kv_caches, mm_embeds, mm_token_index, sampled,
+                              inputs_embeds)
         self._copy_experts_touched()
         return hidden
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+              mm_token_index: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's input embeddings [T, hidden]: token embeddings, vision embeddings written over
+        their placeholder rows (what `forward` starts from)."""
+        return self.decoder.embed(input_ids, mm_embeds, mm_token_index)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

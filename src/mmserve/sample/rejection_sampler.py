@@ -1,7 +1,8 @@
 """Acceptance: a step's sampled rows turned into each request's new tokens.
 
-A plain request takes its row's token. A verify chunk (speculative decoding: `[last, d1..dK]`,
-one row per position) keeps the longest prefix of drafts equal to its rows' tokens plus the row
+A plain request takes its row's token. A verify chunk (speculative decoding: `[last, d1..dk]`,
+one row per position, then pad positions that fill it to the step's uniform 1 + K rows, which the
+runner never samples) keeps the longest prefix of drafts equal to its rows' tokens plus the row
 after it, greedy and random requests alike. For a random request that is rejection sampling: each
 row was drawn once, exactly as the plain step at its position would be (sampler.py), and the
 drafter is greedy (its proposal is one-hot on d), so a draft is kept with probability p(d), and
@@ -29,7 +30,7 @@ from mmserve.spec_decode.verify import accepted_prefix
 @dataclass
 class Accepted:
     """One sampling request's outcome of a step: its new tokens, and how many of its chunk's
-    positions (rejected drafts, or those past an end) the scheduler rolls back."""
+    positions (rejected drafts, pad positions, or those past an end) the scheduler rolls back."""
 
     scheduled: ScheduledRequest
     tokens: list[int]
@@ -60,7 +61,7 @@ class RejectionSampler:
             first, row = row, row + n_rows
             # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
             if (error := next((sampler_out.errors[r] for r in range(first, row) if r in sampler_out.errors), None)) is not None:
-                accepted.append(Accepted(s, [], None, None, len(drafts), error))
+                accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             targets = sampler_out.token_ids[first:first + n_rows]
             params = request.sampling_params
@@ -69,14 +70,15 @@ class RejectionSampler:
                 self.record(len(drafts), num_accepted)
             tokens, finish = _cut(request, targets[:num_accepted + 1], eos_token_ids)
             if drafts and (error := self.sampler.accept_verified(request, tokens)) is not None:
-                accepted.append(Accepted(s, [], None, None, len(drafts), error))
+                accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             request.output_token_ids += tokens
             logprobs = None if sampler_out.logprobs[first] is None else [sampler_out.logprobs[first]]
             if n_rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
                 logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
                                           [params.num_logprobs] * len(tokens))
-            accepted.append(Accepted(s, tokens, logprobs, finish, n_rows - len(tokens), num_accepted=num_accepted))
+            accepted.append(Accepted(s, tokens, logprobs, finish, n_rows + s.num_pad_drafts - len(tokens),
+                                     num_accepted=num_accepted))
         return accepted
 
 

@@ -99,6 +99,45 @@ class SamplerOutput:
     errors: dict[int, MMServeError] = field(default_factory=dict)   # row -> why its token is void
 
 
+class PendingSample:
+    """A step's tokens drawn on the device (`tokens`), on their way to the host with the logprobs
+    asked for (float64 holds the ids exactly) in one pinned, non-blocking transfer; `result()` waits
+    for that transfer's event, not for whatever the device queued after it."""
+
+    def __init__(self, sampler: Sampler, requests: list, tokens: torch.Tensor, table: torch.Tensor | None,
+                 want_lp: list[int], num_top: list[int], masks):
+        self.sampler, self.requests, self.tokens = sampler, requests, tokens
+        self._table_shape = None if table is None else table.shape
+        self._want_lp, self._num_top, self._masks = want_lp, num_top, masks
+        payload = tokens if table is None else torch.cat([tokens.double(), table.flatten()])
+        self._host, self._copied = payload, None
+        if payload.is_cuda:
+            self._host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            self._host.copy_(payload, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        n = len(self.requests)
+        out = SamplerOutput([], [None] * n)
+        if self._want_lp:
+            out.token_ids = self._host[:n].long().tolist()
+            lps = read_logprobs(self._host[n:].view(self._table_shape), [out.token_ids[i] for i in self._want_lp],
+                                self._num_top)
+            for i, lp in zip(self._want_lp, lps, strict=True):
+                out.logprobs[i] = lp
+        else:
+            out.token_ids = self._host.tolist()
+        if self._masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
+            rows, _, out.errors = self._masks
+            live = [i for i in rows if i not in out.errors and not hasattr(self.requests[i], "drafts")]
+            refused = self.sampler.grammar.accept([self.requests[i] for i in live], [out.token_ids[i] for i in live])
+            out.errors.update({live[k]: error for k, error in refused.items()})
+        return out
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
         self._seed = seed
@@ -112,6 +151,12 @@ class Sampler:
         """logits float32 [N, V] (row i for requests[i], scheduler Requests or a verify chunk's
         `VerifyRow`s) -> one token per row. Matchers advance past plain rows' tokens; a verify
         chunk's advance over the tokens the core accepts (`accept_verified`)."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: Sequence) -> PendingSample:
+        """`sample`'s device work, queued without waiting for it: the tokens stay on the device (the
+        next step's inputs can take them there, async scheduling) and start their one transfer to
+        the host; `PendingSample.result()` waits for that transfer alone and finishes on the host."""
         params = [r.sampling_params for r in requests]
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         raw = logits[want_lp] if want_lp else None   # a copy: the adjustments below never touch it
@@ -120,23 +165,9 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(logits[random_rows], [requests[i] for i in random_rows])
-        out = SamplerOutput([], [None] * len(params))
-        if want_lp:   # the logprobs ride in the tokens' one transfer to the host (float64 holds ids exactly)
-            num_top = [params[i].num_logprobs for i in want_lp]
-            table = logprob_table(raw, tokens[want_lp], max(num_top))
-            host = torch.cat([tokens.double(), table.flatten()]).cpu()
-            out.token_ids = host[:len(params)].long().tolist()
-            lps = read_logprobs(host[len(params):].view(table.shape), [out.token_ids[i] for i in want_lp], num_top)
-            for i, lp in zip(want_lp, lps, strict=True):
-                out.logprobs[i] = lp
-        else:
-            out.token_ids = tokens.tolist()
-        if masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
-            rows, _, out.errors = masks
-            live = [i for i in rows if i not in out.errors and not hasattr(requests[i], "drafts")]
-            refused = self.grammar.accept([requests[i] for i in live], [out.token_ids[i] for i in live])
-            out.errors.update({live[k]: error for k, error in refused.items()})
-        return out
+        num_top = [params[i].num_logprobs for i in want_lp]
+        table = logprob_table(raw, tokens[want_lp], max(num_top)) if want_lp else None
+        return PendingSample(self, list(requests), tokens, table, want_lp, num_top, masks)
 
     def _final(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
         """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy

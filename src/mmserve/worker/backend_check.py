@@ -7,9 +7,11 @@ and on the runner's own KV cache (so the kernels compiled here are the ones serv
 is also their warm-up): a prefill chunk with frames beside two decodes, then frame-free decodes.
 Each is compared with the dense float32 reference on the same (dtype-rounded) inputs. A compile or
 launch error, or a max error over the reference's largest value above BF16_TOLERANCE, falls back
-along FALLBACK (fa4 -> flex -> sdpa), checking the fallback in turn. CUDA graphs: after capture one
-replay is compared with the eager forward on the same inputs (model_runner.py); a failed capture
-or a mismatch runs decode eagerly. `--strict-backends` turns every fallback into a start-up error.
+along FALLBACK (fa4 -> flex -> sdpa), checking the fallback in turn. CUDA graphs: after capture,
+for each query length, a step of real-looking requests on private blocks (`graph_check_step`: a
+context of their own, one request short of the graph's size so padding runs beside them) runs as
+the padded graph and eagerly unpadded, and their rows are compared (model_runner.py); a failed
+capture or a mismatch runs those steps eagerly. `--strict-backends` turns every fallback into a start-up error.
 Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` metric.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from mmserve.attention import PoolConfig, create_builder, create_impl
@@ -157,14 +160,70 @@ def _run(name: str, pool: PoolConfig, batch, cache: torch.Tensor) -> torch.Tenso
     return create_impl(name, pool.spec).forward(batch.q, batch.k, batch.v, cache, metadata)
 
 
-def graphs_mismatch(replayed: torch.Tensor, eager: torch.Tensor) -> str | None:
-    """Why a graph replay's hidden states differ from the eager forward's on the same inputs, or None.
-    Padding rows attend to no key: both must agree there too, NaN where the other is NaN."""
+@dataclass
+class CheckStep:
+    """A step of real-looking requests for the graph check: each has a context of its own on private
+    blocks (blocks 1.., never the null block) and schedules `query_len` tokens (a verify chunk's
+    last token and drafts when above one)."""
+
+    scheduled: list
+    tables: dict[str, np.ndarray]   # per pool: one table row per request (the runner's layout)
+    rows: np.ndarray                # each request's row in `tables`
+    blocks: list[int]               # every block the step's requests hold, in every pool
+
+
+def graph_check_step(query_lens: list[int], *, pools: dict[str, PoolConfig], vocab_size: int,
+                     max_model_len: int, seed: int = 0) -> CheckStep | None:
+    """Requests scheduling `query_lens` tokens each, over contexts of one to a few blocks (partial
+    ones included), or None when some pool has too few blocks (a pool this small serves nothing
+    either; the first request will tell)."""
+    from mmserve.core.sched.output import ScheduledRequest
+    from mmserve.request import Request
+    from mmserve.sampling_params import SamplingParams
+
+    pool = next(iter(pools.values()))
+    bs, width = pool.block_size, pool.max_blocks_per_req
+    rng = np.random.default_rng(seed)
+    num_reqs = len(query_lens)
+    scheduled, tables, blocks = [], {t: np.zeros((num_reqs, width), dtype=np.int32) for t in pools}, []
+    for i, query_len in enumerate(query_lens):
+        context = min(max_model_len - query_len, bs * (i + 1) + 2 * i + 1)
+        if context < 0:
+            return None
+        own = list(range(len(blocks) + 1, len(blocks) + 1 + -(-(context + query_len) // bs)))
+        blocks += own
+        for table in tables.values():
+            table[i, :len(own)] = own
+        prompt = rng.integers(0, vocab_size, context + 1).tolist()
+        drafts = rng.integers(0, vocab_size, query_len - 1).tolist()
+        request = Request(f"graph-check-{i}", prompt, SamplingParams(max_tokens=query_len))
+        scheduled.append(ScheduledRequest(request, num_tokens=query_len, num_computed_tokens=context,
+                                          is_prefill=False, draft_token_ids=drafts))
+    if any(len(blocks) >= p.num_blocks for p in pools.values()):
+        return None
+    return CheckStep(scheduled, tables, np.arange(num_reqs), blocks)
+
+
+def graphs_mismatch(replayed: torch.Tensor, eager: torch.Tensor, padding: torch.Tensor,
+                    padding_again: torch.Tensor) -> str | None:
+    """Why a graph replay is not fit to serve, or None: its real rows (`replayed`) must match the eager
+    forward's (`eager`, the same requests unpadded), NaN where the other is NaN; its padding rows must
+    be finite and the same in a second replay over other garbage in the null block (`padding_again`):
+    padding reads only what it writes itself, and leaves its K/V in the null block, which a kernel
+    tile may load beside a real row's keys."""
     nan = replayed.isnan()
     if not torch.equal(nan, eager.isnan()):
         return "graph replay and eager forward disagree on which outputs are NaN"
-    a, b = replayed[~nan].float(), eager[~nan].float()
-    if a.numel() == 0:
-        return None
-    err = float((a - b).abs().max() / b.abs().max().clamp(min=1e-6))
-    return None if err <= BF16_TOLERANCE else f"graph replay differs from the eager forward: max error {err:.3g}"
+    if not bool(padding.isfinite().all() and padding_again.isfinite().all()):
+        return "a graph replay's padding rows are not finite"
+    if (err := _relative_error(padding_again, padding)) > BF16_TOLERANCE:
+        return f"a graph replay's padding rows depend on what the null block held: max error {err:.3g}"
+    if (err := _relative_error(replayed[~nan], eager[~nan])) > BF16_TOLERANCE:
+        return f"graph replay differs from the eager forward: max error {err:.3g}"
+    return None
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    if want.numel() == 0:
+        return 0.0
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6))

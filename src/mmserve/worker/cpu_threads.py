@@ -1,23 +1,34 @@
-"""How many cores this container really has, and the one torch intra-op pool sized from it.
+"""The engine process's one torch pool: how many threads, and how they wait.
 
-`os.cpu_count()` reports the host's cores, not the container's: a pod limited to 2 CPUs on a 64-core
-node would start 64 OpenMP threads that fight over 2 cores. The cgroup quota (`cpu.max`, or v1's
-`cpu.cfs_quota_us / cpu.cfs_period_us`) and the CPU affinity mask say what this process may use;
-the smaller wins.
+How many: `--engine-threads` when set, else OMP_NUM_THREADS when set, else the cores this container
+really has. `os.cpu_count()` reports the host's cores, not the container's: a pod limited to 2 CPUs
+on a 64-core node would start 64 OpenMP threads that fight over 2 cores. The cgroup quota (`cpu.max`,
+or v1's `cpu.cfs_quota_us / cpu.cfs_period_us`) and the CPU affinity mask say what this process may
+use; the smaller wins.
+
+How they wait: torch's OpenMP runtime (GNU libgomp) lets a thread that waits for work spin ~300,000
+times before it sleeps, and in a decode step of small ops the next parallel region comes sooner
+than that, so a team thread never leaves its core. Beside anything else that wants that core (the
+front end's decode and gRPC work, another process) the spinning takes the time the others need, and
+the team's barriers wait for whichever of its threads the scheduler set aside: on 2 cores with a
+busy process beside the server, a spinning 2-thread engine served 2-8x fewer tokens per second
+and spent 3.5-4.8x the CPU per token of the same pool waiting passively (docs/benchmarks.md, "Noisy
+neighbours"). So the engine process starts with OMP_WAIT_POLICY=PASSIVE (a waiting thread sleeps
+at once) unless the user chose a wait policy; libgomp reads it as it loads, so it is set in the
+environment of the processes about to start.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 CGROUP = Path("/sys/fs/cgroup")
+WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")   # a user's choice of how OpenMP threads wait
 
 
 def cgroup_cpu_limit(root: Path = CGROUP) -> float | None:
@@ -47,7 +58,7 @@ def available_cores(root: Path = CGROUP) -> int:
     return max(1, cores)
 
 
-def engine_threads(requested: int) -> int:
+def engine_threads(requested: int, root: Path = CGROUP) -> int:
     """The engine's torch pool size: `--engine-threads` when set, else OMP_NUM_THREADS when the user set
     it, else the container's cores."""
     if requested > 0:
@@ -55,7 +66,15 @@ def engine_threads(requested: int) -> int:
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return available_cores()
+    return available_cores(root)
+
+
+def passive_openmp_waits() -> None:
+    """Processes started from here on (the engine process, its tensor-parallel ranks) get
+    OMP_WAIT_POLICY=PASSIVE, unless the user set a wait policy. This process's own OpenMP runtime,
+    loaded already, keeps the policy it read then."""
+    if not any(name in os.environ for name in WAIT_POLICY_VARS):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 def configure_torch_threads(num_threads: int) -> int:
@@ -67,22 +86,6 @@ def configure_torch_threads(num_threads: int) -> int:
         torch.set_num_interop_threads(1)
     except RuntimeError:   # already set, or inter-op work already ran in this process
         pass
-    logger.info("torch: %d intra-op threads", torch.get_num_threads())
+    logger.info("torch: %d intra-op threads (OpenMP waits: %s)", torch.get_num_threads(),
+                os.environ.get("OMP_WAIT_POLICY", "libgomp's default, spinning first"))
     return torch.get_num_threads()
-
-
-@contextlib.contextmanager
-def torch_threads(num_threads: int) -> Iterator[None]:
-    """torch's intra-op pool set to `num_threads` inside the block and restored after it, so whoever
-    else runs torch in this process keeps the pool it configured (a no-op when it is that size already)."""
-    import torch
-
-    before = torch.get_num_threads()
-    if num_threads == before:
-        yield
-        return
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: one captured model forward per (batch size, rows per request).
+"""CUDA graphs for uniform steps: one captured model forward per (batch size, rows per request).
 
 Why: a decode step runs a handful of small kernels per layer, and on a GPU the Python and launch
 cost of issuing them is most of its time. Replaying a graph issues the whole forward at once.
@@ -9,21 +9,31 @@ The design (vLLM v1's full graphs for uniform decode batches, speculative ones i
   scores its last token and K drafts), a size taken only while size x query length fits the
   step's token buffers. A uniform step of R requests (every request schedules the same q tokens,
   no frames: `uniform_query_len`) runs the graph of the smallest size >= R captured for q
-  (`UniformStepGraphs.size_for`), padded: rows past R are requests of q tokens with no keys of their
-  own whose K/V land in the null block 0, so they change nothing. A step that mixes query lengths
-  (plain decodes beside verify chunks, a verify chunk cut short by the budget), prefill, frames and
-  larger steps run eagerly, and so does everything with `--enforce-eager`, on a CPU, or with a
-  backend whose inputs change shape per step (SDPA's padded gathers).
+  (`UniformStepGraphs.size_for`), padded with requests that live in the null block alone
+  (`StepInputBuilder._pad`: each padding token at the slot its position names, so padding reads
+  only what it has just written and real rows never read padding). A step that mixes query
+  lengths (plain decodes beside verify chunks, a verify chunk cut short by the budget), prefill,
+  frames and larger steps run eagerly, and so does everything with `--enforce-eager`, on a CPU
+  unless emulated, or with a backend whose inputs change shape per step (SDPA's padded gathers).
 - Inputs: a graph reads device memory at the addresses it was captured with, so every tensor the
   forward reads is a view of a persistent buffer at a fixed offset: the step-input builder's
   device buffers (ids, positions, query_start_loc, seq_lens, slot mapping) and the attention
   metadata builders' own (page tables, block masks), refilled in place each step. Python values a
   kernel launch bakes in are fixed per graph: max_seqlen_q = its query length, max_seqlen_k = max_model_len.
 - Output: the hidden states [size x q, hidden] each graph wrote at capture live in the graph's
-  memory pool; replay overwrites them. Logits and sampling run eagerly on the real rows.
+  memory pool, which every graph shares: a replay's output is valid until the next replay (of any
+  graph). Logits and sampling run eagerly on the real rows.
 - Capture runs the most token rows first so every later (smaller) graph fits in the first one's
   memory pool, after warm-up forwards that compile kernels (FA4, torch.compile) outside the graph.
   If a capture fails (a layer that syncs with the host), the runner logs it and runs eagerly.
+
+Emulation (`--emulate-cuda-graphs`, a CPU): the same capture set, bucketing, padding and
+persistent buffers, with each "graph" being the forward closure built over its capture step (it
+reads what a CUDA graph reads: the capture's input views and metadata objects, refilled in place
+by every later step) run again at replay, its output copied into one static buffer that every
+replay overwrites, as the shared memory pool would. It checks a graph path's tokens, coverage and
+buffer discipline without a GPU; it cannot check capture itself (a host sync inside the forward),
+graph memory or kernel numerics: the start-up self-check and bench/gpu_check.py do that on a GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 log = logging.getLogger(__name__)
 
 WARMUP_RUNS = 2
+CUDA, EMULATED = "cuda", "emulated"
 
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -45,10 +56,15 @@ def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def graphs_enabled(device_type: str, enforce_eager: bool, capturable: Iterable[bool]) -> bool:
-    """Decode graphs run on CUDA, unless --enforce-eager, when every layer type's backend can be
-    captured (its inputs are persistent buffers: FA4, flex; SDPA's padded gathers change shape)."""
-    return device_type == "cuda" and not enforce_eager and all(capturable)
+def graph_mode(device_type: str, enforce_eager: bool, emulate: bool, capturable: Iterable[bool]) -> str | None:
+    """How uniform steps run: as CUDA graphs (on CUDA), emulated ones (`--emulate-cuda-graphs` on a
+    CPU), or None (eagerly): never with --enforce-eager, and only when every layer type's backend can
+    be captured (its inputs are persistent buffers: FA4, flex; SDPA's padded gathers change shape)."""
+    if enforce_eager or not all(capturable):
+        return None
+    if device_type == "cuda":
+        return CUDA
+    return EMULATED if emulate else None
 
 
 def uniform_query_len(num_scheduled_tokens: list[int], has_frames: bool, has_prefill: bool) -> int | None:
@@ -62,23 +78,28 @@ def uniform_query_len(num_scheduled_tokens: list[int], has_frames: bool, has_pre
     return None if q > 1 and has_prefill else q
 
 
-def graph_query_lens(num_speculative_tokens: int) -> tuple[int, ...]:
-    """Query lengths graphs are captured for: decode, and with speculation a full verify chunk."""
-    return (1, 1 + num_speculative_tokens) if num_speculative_tokens else (1,)
+def graph_query_lens(num_speculative_tokens: int, block_size: int) -> tuple[int, ...]:
+    """Query lengths graphs are captured for: decode, and with speculation a full verify chunk, while
+    a padding request's K + 1 tokens fit the null block (one slot per position)."""
+    q = 1 + num_speculative_tokens
+    return (1, q) if num_speculative_tokens and q <= block_size else (1,)
 
 
 class UniformStepGraphs:
     """The captured forwards of uniform steps (every request the same number of rows: 1 for decode,
-    K + 1 for a verify chunk), by (batch size, query length); empty when disabled (CPU or
-    --enforce-eager). A size is captured for a query length while size x length <= max_tokens."""
+    K + 1 for a verify chunk), by (batch size, query length); empty when `mode` is None (eager).
+    A size is captured for a query length while size x length <= max_tokens."""
 
-    def __init__(self, sizes: tuple[int, ...], *, enabled: bool, query_lens: tuple[int, ...] = (1,),
+    def __init__(self, sizes: tuple[int, ...], *, mode: str | None, query_lens: tuple[int, ...] = (1,),
                  max_tokens: int | None = None):
-        self.sizes = tuple(sorted(sizes)) if enabled else ()
+        self.mode = mode
+        self.sizes = tuple(sorted(sizes)) if mode else ()
         self.by_query_len = {q: tuple(s for s in self.sizes if max_tokens is None or s * q <= max_tokens)
-                             for q in query_lens} if enabled else {}
+                             for q in query_lens} if mode else {}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self._closures: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}   # emulated
+        self._static: torch.Tensor | None = None   # emulated: the shared output every replay overwrites
         self._pool = None
         self.replays = 0   # graph steps run so far: a check that graphs ran counts these, not tokens
         self.replays_by_query_len: dict[int, int] = {}
@@ -105,6 +126,9 @@ class UniformStepGraphs:
         the hidden states)."""
         for key in self.keys:
             forward = forward_for(*key)
+            if self.mode == EMULATED:
+                self._closures[key] = forward
+                continue
             for _ in range(WARMUP_RUNS):   # compiles and autotunes outside the graph
                 forward()
             torch.cuda.synchronize()
@@ -113,13 +137,23 @@ class UniformStepGraphs:
                 self._outputs[key] = forward()
             self._pool = graph.pool()
             self._graphs[key] = graph
-        log.info("captured CUDA graphs for batch sizes %s", "; ".join(
+        log.info("%s CUDA graphs for batch sizes %s", "emulated" if self.mode == EMULATED else "captured", "; ".join(
             f"{', '.join(map(str, sizes))} at {q} row(s) per request" for q, sizes in self.by_query_len.items()))
 
     def replay(self, size: int, query_len: int = 1) -> torch.Tensor:
         """Run the graph of (`size`, `query_len`) on whatever its persistent inputs hold now; returns
-        its hidden states."""
-        self._graphs[size, query_len].replay()
+        its hidden states, valid until the next replay."""
+        key = (size, query_len)
+        if self.mode == EMULATED:
+            out = self._closures[key]()
+            rows = max(s * q for s, q in self.keys)
+            if self._static is None or self._static.shape[1:] != out.shape[1:] or self._static.dtype != out.dtype:
+                self._static = torch.empty((rows, *out.shape[1:]), dtype=out.dtype, device=out.device)
+            static = self._static[:out.shape[0]]
+            static.copy_(out)
+        else:
+            self._graphs[key].replay()
+            static = self._outputs[key]
         self.replays += 1
         self.replays_by_query_len[query_len] = self.replays_by_query_len.get(query_len, 0) + 1
-        return self._outputs[size, query_len]
+        return static

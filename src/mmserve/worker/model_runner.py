@@ -2,10 +2,15 @@
 
 Per step: apply the scheduler's block-table changes (block_table.py), fill the step inputs once
 (step_inputs.py: ids, positions, slots, one CommonAttentionMetadata per KV pool), let each pool's
-attention metadata builder prepare its backend's state once, then run the model: eagerly, or on
-CUDA as the captured graph of a uniform decode step's padded size (one token per request, or with
-speculation K + 1 per request: a verify step; cuda_graphs.py; --enforce-eager turns graphs off). The host staging buffers are rewritten only once the previous step's copies
-out of them have run (a CUDA event, not a device-wide sync).
+attention metadata builder prepare its backend's state once, then run the model: on CUDA a uniform
+step (one token per request, or with speculation K + 1: a verify step) replays the captured graph
+of its padded size (cuda_graphs.py), every other step its dense pieces per token bucket with
+attention between them (piecewise_graphs.py); eagerly with --enforce-eager, on a CPU unless
+emulated, or past the largest bucket. With async scheduling a step's last input may be a token the
+step before is still sampling: it is copied into the inputs on the device (`SampledTokens`). Nothing
+here waits for the device (prompt logprobs aside); the host staging buffers are rewritten only once
+the previous step's copies out of them have run (a CUDA event, not a device-wide sync). With the
+self-check on, the graphs are replayed at start-up against the eager forward (backend_check.py).
 
 Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
 (one batched call per tower, padded to the largest item), except those whose content the
@@ -20,6 +25,7 @@ import itertools
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,8 +42,10 @@ from mmserve.request import AudioFeatures
 from mmserve.sample.logprobs import prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
+    CheckStep,
     check_attention,
     fallen_back,
+    graph_check_step,
     graphs_mismatch,
     should_check,
 )
@@ -45,13 +53,14 @@ from mmserve.worker.block_table import BlockTables
 from mmserve.worker.cuda_graphs import (
     UniformStepGraphs,
     capture_sizes,
+    graph_mode,
     graph_query_lens,
-    graphs_enabled,
     uniform_query_len,
 )
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
+from mmserve.worker.piecewise_graphs import DenseStep, PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
-from mmserve.worker.step_inputs import StepInputBuilder
+from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +80,15 @@ class StepResult:
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
     # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
     media_failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled token ids, still on the device (async scheduling), and each request's row
+    among them: the next step's inputs take a token in flight from there (`ModelRunner.execute`)."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
 
 
 class ModelRunner:
@@ -93,7 +111,7 @@ class ModelRunner:
         set_compiled(config.compile_dense, layers=device.type == "cuda")   # fused layer pieces: CUDA always
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
-        self.block_tables = BlockTables(plans, max_blocks)
+        self.block_tables = BlockTables(plans, max_blocks, device=device)
         self.inputs = StepInputBuilder(spec.attention_specs, max_num_tokens=max_tokens,
                                        max_num_seqs=config.max_num_seqs, max_blocks_per_req=max_blocks,
                                        block_size=config.block_size, device=device)
@@ -118,41 +136,192 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
-        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), enabled=graphs_enabled(
-            device.type, config.enforce_eager, [b.cuda_graphs for b in backends.values()]),
-            query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0),
+        self.max_model_len = max_model_len
+        self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), mode=graph_mode(
+            device.type, config.enforce_eager, config.emulate_cuda_graphs, [b.cuda_graphs for b in backends.values()]),
+            query_lens=graph_query_lens(config.num_speculative_tokens if config.speculative_model else 0,
+                                        config.block_size),
             max_tokens=max_tokens)
         if self.graphs.enabled:
             self._capture_graphs()
+        # Every other step (prefill chunks, frames, mixed lengths) replays its dense pieces
+        # (piecewise_graphs.py); attention runs eagerly between them, so any backend serves.
+        self.piecewise = PiecewiseGraphs(
+            piecewise_sizes(max_tokens), mode=graph_mode(device.type, config.enforce_eager, config.emulate_cuda_graphs, ()),
+            attn_width=max(a.num_heads * a.head_dim for a in spec.attention_specs.values()), dtype=dtype,
+            device=device, hidden_size=spec.hidden_size)
+        if self.piecewise.enabled:
+            self.piecewise.wrap(model)
+            self._capture_piecewise()
 
     @torch.inference_mode()
     def _capture_graphs(self) -> None:
         """One graph per (capture size, query length) over an all-padding step (its contents do not
-        matter); with the self-check on, each query length's smallest graph must replay the eager forward."""
+        matter); with the self-check on, each query length's graph must run a step of real-looking
+        requests as the eager forward does (`_check_graphs`)."""
         def forward_for(size: int, query_len: int):
             inputs = self.inputs.build([], self.block_tables.rows, np.empty(0, dtype=np.int64), pad_to=size,
                                        query_len=query_len)
-            metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
+            metadata = self._metadata(inputs)
             return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
         reason = None
         try:
             self.graphs.capture_all(forward_for)
             if self.self_check:
-                for q, sizes in self.graphs.by_query_len.items():
-                    if sizes and reason is None:
-                        eager = forward_for(sizes[0], q)().clone()
-                        reason = graphs_mismatch(self.graphs.replay(sizes[0], q).clone(), eager)
+                reason = self._check_graphs()
                 self.graphs.replays = 0
                 self.graphs.replays_by_query_len.clear()
         except Exception as exc:   # e.g. a host sync in some layer: such a model simply runs eagerly
             logger.debug("CUDA graph capture failed", exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
         if reason is not None:
-            self.graphs = UniformStepGraphs((), enabled=False)
+            self.graphs = UniformStepGraphs((), mode=None)
             self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
                                                    self.strict_backends))
         elif self.self_check:
             self.backend_checks.append(BackendCheck("cuda_graphs", "cuda_graphs", "cuda_graphs"))
+
+    def _check_graphs(self) -> str | None:
+        """Why the graphs are not fit to serve, or None: per query length, requests of their own
+        context (private blocks), one fewer than the graph's size so padding runs beside them, replayed
+        and run eagerly unpadded; their rows must agree and the padding rows be finite."""
+        for q, sizes in self.graphs.by_query_len.items():
+            if not sizes:
+                continue
+            size = self.graphs.size_for(min(4, sizes[-1]), q)
+            step = self._check_step([q] * max(1, size - 1))
+            if step is not None and (reason := self._graph_check(step, size, q)) is not None:
+                return f"{q} row(s) per request: {reason}"
+        return None
+
+    def _check_step(self, query_lens: list[int]) -> CheckStep | None:
+        return graph_check_step(query_lens, pools=self.pools, vocab_size=self.model.spec.vocab_size,
+                                max_model_len=self.max_model_len)
+
+    def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
+        with self._check_cache(step) as garbage:
+            eager = self._eager_rows(step)
+            replays = []
+            for again in (False, True):
+                garbage(again)
+                _, hidden = self._replay(step.scheduled, step.tables, step.rows, size, query_len)
+                replays.append(hidden[:size * query_len].clone())
+        n = eager.shape[0]
+        return graphs_mismatch(replays[0][:n], eager, replays[0][n:], replays[1][n:])
+
+    @torch.inference_mode()
+    def _capture_piecewise(self) -> None:
+        """Capture every token bucket's pieces; with the self-check on, a step of mixed lengths (a
+        chunk beside decodes) replayed over garbage in every padding row must give the eager rows."""
+        def forward_for(size: int):
+            ids, positions = self.inputs.input_ids.dev[:size], self.inputs.positions.dev[:size]
+            dense = {t: DenseStep(self.inputs.slot_mapping[t].dev[:size], size) for t in self.attn_builders}
+            return lambda: self.model.forward(ids, positions, dense, self.kv_caches,
+                                              inputs_embeds=self.piecewise.embeds[:size])
+        for buffer in self.inputs.slot_mapping.values():   # capture's K/V writes: all to the null block
+            buffer.np[:] = 0
+            buffer.push(buffer.np.shape[0])
+        reason = None
+        try:
+            self.piecewise.capture_all(forward_for)
+            if self.self_check and (step := self._check_step([5, 1, 1])) is not None:
+                with self._check_cache(step) as garbage:
+                    eager = self._eager_rows(step)
+                    garbage(True)
+                    self.piecewise._attn_out.fill_(float("nan"))   # what padding rows carry: anything
+                    inputs, hidden = self._run_pieces(step.scheduled, step.tables, step.rows)
+                    empty = hidden[:0]
+                    reason = graphs_mismatch(hidden[:inputs.num_tokens].clone(), eager, empty, empty)
+                self.piecewise.replays = 0
+        except Exception as exc:   # e.g. a host sync in a dense layer: such a model runs those steps eagerly
+            logger.debug("piecewise CUDA graph capture failed", exc_info=True)
+            reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
+        if reason is not None:
+            self.piecewise = PiecewiseGraphs((), mode=None, attn_width=0, dtype=self.model.dtype,
+                                             device=self.model.device, hidden_size=0)
+            self.backend_checks.append(fallen_back("piecewise_graphs", "piecewise_graphs", "eager", reason,
+                                                   self.strict_backends))
+        elif self.self_check:
+            self.backend_checks.append(BackendCheck("piecewise_graphs", "piecewise_graphs", "piecewise_graphs"))
+
+    @contextmanager
+    def _check_cache(self, step: CheckStep):
+        """Random context K/V in the check step's private blocks and garbage in the null block while
+        it runs; `garbage(again)` restores the context (a step rewrites its own slots) and, again,
+        puts other garbage in the null block. The cache is as the runner made it afterwards."""
+        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
+        used = torch.tensor([0, *step.blocks], device=self.model.device)
+        saved = [c[:, used].clone() for c in caches]
+        gen = torch.Generator().manual_seed(0)
+
+        def random_like(t: torch.Tensor) -> torch.Tensor:
+            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
+        try:
+            for c in caches:
+                c[:, used] = random_like(c[:, used])
+            context = [c[:, used].clone() for c in caches]
+
+            def garbage(again: bool) -> None:
+                for c, ctx in zip(caches, context, strict=True):
+                    c[:, used] = ctx
+                    if again:
+                        c[:, 0] = random_like(c[:, 0])
+            yield garbage
+        finally:
+            for c, s in zip(caches, saved, strict=True):
+                c[:, used] = s
+
+    def _eager_rows(self, step: CheckStep) -> torch.Tensor:
+        """The check step's rows, eagerly and unpadded (the context restored after)."""
+        inputs = self.inputs.build(step.scheduled, step.tables, step.rows)
+        return self.model.forward(inputs.input_ids, inputs.positions, self._metadata(inputs),
+                                  self.kv_caches)[:inputs.num_tokens].clone()
+
+    def _metadata(self, inputs) -> dict:
+        """Each pool's backend metadata for the step (refilling the builders' persistent buffers)."""
+        return {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
+
+    def _build(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+               prev: SampledTokens | None = None, **padding) -> StepInputs:
+        """The step's inputs in the persistent buffers; a last input that the step in flight samples
+        (async scheduling) is copied there on the device, from `prev`."""
+        inputs = self.inputs.build(scheduled, tables, rows, prev_rows=prev.rows if prev is not None else None,
+                                   gather_from=self.block_tables if tables is self.block_tables.rows else None,
+                                   **padding)
+        if inputs.prev_token is not None:
+            dst, src = inputs.prev_token
+            self.inputs.input_ids.dev.index_copy_(0, dst, prev.tokens.index_select(0, src))
+        return inputs
+
+    def _replay(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+                size: int, query_len: int, prev: SampledTokens | None = None):
+        """Fill the persistent inputs of a padded uniform step and replay its graph: (inputs, hidden)."""
+        inputs = self._build(scheduled, tables, rows, prev, pad_to=size, query_len=query_len)
+        self._metadata(inputs)
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        return inputs, self.graphs.replay(size, query_len)   # reads the buffers just refilled, at their addresses
+
+    def _run_pieces(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
+                    mm=None, prev: SampledTokens | None = None):
+        """A step as piecewise graphs: its inputs padded to the bucket's rows, the embeddings eagerly
+        into the first piece's buffer, then the pieces with attention between. (inputs, hidden)."""
+        num_tokens = sum(s.num_tokens for s in scheduled)
+        size = self.piecewise.size_for(num_tokens)
+        inputs = self._build(scheduled, tables, rows, prev, pad_tokens_to=size)
+        metadata = self._metadata(inputs)
+        mm_embeds = mm() if mm is not None else None
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+        embeds = self.piecewise.embeds[:size]
+        embeds.copy_(self.model.embed(inputs.input_ids, mm_embeds, inputs.mm_token_index))
+        return inputs, self.piecewise.run(size, num_tokens, metadata)
+
+    @property
+    def verify_graph_rows(self) -> int:
+        """1 + K when verify steps have graphs (the scheduler then pads every speculating request's
+        chunk to those rows, so a speculating batch replays one graph), else 0."""
+        return max((q for q, sizes in self.graphs.by_query_len.items() if q > 1 and sizes), default=0)
 
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
@@ -241,14 +410,20 @@ class ModelRunner:
     def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
         parent's partial last prompt block), before the step writes to either."""
+        device = self.model.device
         for t, pairs in copies.items():
-            src = torch.tensor([p[0] for p in pairs], device=self.model.device)
-            dst = torch.tensor([p[1] for p in pairs], device=self.model.device)
+            index = torch.tensor(pairs, dtype=torch.long)   # [n, 2]: source, destination
+            if device.type == "cuda":   # from pinned memory: the copy waits for no step in flight
+                index = index.pin_memory().to(device, non_blocking=True)
             for cache in self.pool_caches[t]:   # (2, blocks, block_size, heads, dim)
-                cache[:, dst] = cache[:, src]
+                cache[:, index[:, 1]] = cache[:, index[:, 0]]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> StepResult:
+        """Queue the step's forward and logits (nothing here waits for the device, but prompt
+        logprobs); `prev` (async scheduling): the tokens the step before samples, still on the device."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
         self._copy_blocks(out.block_copies)
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
@@ -256,21 +431,27 @@ class ModelRunner:
         query_len = uniform_query_len([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled),
                                       any(s.is_prefill for s in out.scheduled))
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
-        if self._inputs_copied is not None:
-            self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
-        inputs = self.inputs.build(out.scheduled, self.block_tables.rows, rows, pad_to=graph_size,
-                                   query_len=query_len or 1)
-        attn_metadata = {t: builder.build(inputs.common[t]) for t, builder in self.attn_builders.items()}
-        mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)   # decode steps encode nothing
-        sampled = None   # graph steps are uniform decode steps: the full path
-        # (a verify chunk samples several rows: KV-sharing layers then run every row)
-        if self.sampled_rows is not None and graph_size is None and not any(s.draft_token_ids for s in out.scheduled):
-            sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows)
-        if self._inputs_copied is not None:
-            self._inputs_copied.record()
+        pieces = graph_size is None and self.piecewise.size_for(out.num_batched_tokens) is not None
+        encoded, by_modality, encode_perf, failed = {}, {}, None, {}
+        sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:
-            hidden = self.graphs.replay(graph_size, query_len)   # reads the buffers just refilled, at their addresses
+            inputs, hidden = self._replay(out.scheduled, self.block_tables.rows, rows, graph_size, query_len, prev)
+        elif pieces:
+            def encode():
+                nonlocal encoded, by_modality, encode_perf, failed
+                mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
+                return mm_embeds
+            inputs, hidden = self._run_pieces(out.scheduled, self.block_tables.rows, rows, encode, prev)
         else:
+            inputs = self._build(out.scheduled, self.block_tables.rows, rows, prev)
+            attn_metadata = self._metadata(inputs)
+            mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
+            # (a verify chunk samples several rows: KV-sharing layers then run every row)
+            if self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled):
+                sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows,
+                                                  prev.rows if prev is not None else None)
+            if self._inputs_copied is not None:
+                self._inputs_copied.record()
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
                                         mm_embeds, inputs.mm_token_index, sampled)
         prompt_lp = {}   # a step with prompt-logprobs requests always takes the full path (sampled is None)

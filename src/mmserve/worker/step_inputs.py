@@ -18,6 +18,7 @@ import torch
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 from mmserve.attention.buffers import StagedBuffer
 from mmserve.core.sched.output import ScheduledRequest
+from mmserve.worker.block_table import BlockTables
 
 
 def fill_query_ranges(
@@ -62,12 +63,15 @@ class StepInputs:
     """Everything the model runner feeds the model for one step (views of persistent buffers)."""
 
     num_tokens: int
-    input_ids: torch.Tensor            # int64 [T]
-    positions: torch.Tensor            # int64 [T]
+    input_ids: torch.Tensor            # int64 [T] (a piecewise step: [bucket], padding rows past T)
+    positions: torch.Tensor            # int64 [T] (likewise)
     common: dict[str, CommonAttentionMetadata]   # per KV pool (layer type)
     logits_indices: torch.Tensor       # int64 [L]: flat rows whose logits are sampled, 1 + drafts per sampled request
+                                       # (a verify chunk's pad positions are not)
     sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
+    # async scheduling: (rows of input_ids, rows of the previous step's sampled tokens) to copy on the device
+    prev_token: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepInputBuilder:
@@ -95,6 +99,9 @@ class StepInputBuilder:
         self.logits_indices = StagedBuffer((max(n, s),), torch.int64, device)   # a verify step samples 1 + K rows each
         self.mm_token_index = StagedBuffer((n,), torch.int64, device)
         self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
+        self.row_index = StagedBuffer((s,), torch.int64, device)   # the scheduled requests' rows of BlockTables
+        self.prev_token_dst = StagedBuffer((s,), torch.int64, device)
+        self.prev_token_src = StagedBuffer((s,), torch.int64, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
         self.block_table = {t: StagedBuffer((s, self.max_blocks), torch.int32, device) for t in specs}
         self.query_ranges.np.fill(-1)
@@ -103,15 +110,27 @@ class StepInputBuilder:
 
     def buffers(self) -> list[StagedBuffer]:
         return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.logits_indices,
-                self.mm_token_index, self.query_ranges, *self.slot_mapping.values(), *self.block_table.values()]
+                self.mm_token_index, self.query_ranges, self.row_index, self.prev_token_dst, self.prev_token_src,
+                *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
-              rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1) -> StepInputs:
+              rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1,
+              pad_tokens_to: int | None = None, prev_rows: dict[str, int] | None = None,
+              gather_from: BlockTables | None = None) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
         `pad_to` (uniform steps of `query_len` tokens per request, run as a CUDA graph of that many
-        requests): the step is padded with requests of `query_len` tokens at positions 0.. whose
-        table is all null block, so their K/V land in block 0 slot 0 and they change nothing."""
+        requests): the step is padded with requests of `query_len` tokens that live in the null
+        block alone (`_pad`). `pad_tokens_to` (a piecewise graph's bucket): `input_ids`, `positions`
+        and the slot mappings' device buffers cover that many rows, the rows past the step's tokens
+        id 0 at position 0, their K/V slot the null block's slot 0 (the dense pieces write every
+        row's K/V; padding rows all compute the same finite values, `PiecewiseGraphs`); the attention
+        metadata keeps the step's own tokens (padding rows never enter attention). `prev_rows` (async
+        scheduling): each request's row among the tokens the step in flight samples; a request
+        whose last input is one of them gets id 0 here, and `StepInputs.prev_token_dst/src` say
+        where the runner copies it from on the device. `gather_from` (the runner's `BlockTables`, whose
+        device tables mirror `block_tables`): the step's device block tables are gathered there, not
+        copied from the host at the tables' full width."""
         num_reqs = len(scheduled)
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
@@ -133,18 +152,34 @@ class StepInputBuilder:
 
         ids = self.input_ids.np
         drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
         bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
-        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, then the drafts
-            known = bounds[i + 1] - len(s.draft_token_ids)
-            ids[bounds[i]:known] = s.request.token_ids_slice(s.num_computed_tokens, s.seq_len - len(s.draft_token_ids))
+        in_flight = 0
+        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, the drafts, pad positions
+            real_end = bounds[i + 1] - s.num_pad_drafts
+            known = real_end - len(s.draft_token_ids)
+            start, end = s.num_computed_tokens, s.num_computed_tokens + known - bounds[i]
+            have = min(end, s.request.num_tokens)
+            ids[bounds[i]:bounds[i] + have - start] = s.request.token_ids_slice(start, have)
+            if have < end:   # async: the last input is a token the step in flight samples: taken on the device
+                if end - have > 1 or prev_rows is None or s.request.request_id not in prev_rows:
+                    raise ValueError(f"request {s.request.request_id}: {end - have} input token(s) not sampled yet")
+                ids[bounds[i] + have - start:known] = 0
+                self.prev_token_dst.np[in_flight] = bounds[i] + have - start
+                self.prev_token_src.np[in_flight] = prev_rows[s.request.request_id]
+                in_flight += 1
             if s.draft_token_ids:
-                ids[known:bounds[i + 1]] = s.draft_token_ids
-        # the total a sampling chunk reaches: never, for an open prompt (a live context never samples)
-        totals = np.fromiter((-1 if s.request.open_prompt else s.request.num_tokens for s in scheduled),
-                             dtype=np.int64, count=num_reqs) + drafts
-        sampling_index = np.flatnonzero(seq_lens == totals)
+                ids[known:real_end] = s.draft_token_ids
+            if s.num_pad_drafts:
+                ids[real_end:bounds[i + 1]] = 0
+        # the total a sampling chunk reaches (> it with a token in flight as its last input, async);
+        # an open prompt (a live context) never samples
+        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts + pads
+        samples = (seq_lens >= totals) & ~np.fromiter((bool(s.request.open_prompt) for s in scheduled), dtype=bool,
+                                                      count=num_reqs)
+        sampling_index = np.flatnonzero(samples)
         num_rows = 1 + drafts[sampling_index]
-        ends = qsl[1:num_reqs + 1][sampling_index]
+        ends = qsl[1:num_reqs + 1][sampling_index] - pads[sampling_index]   # pad rows are never sampled
         num_logits = int(num_rows.sum())
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
@@ -169,45 +204,79 @@ class StepInputBuilder:
         mm_rows = self._fill_mm_token_index(scheduled, qsl)
         max_query_len, max_seq_len = int(lens.max(initial=1)), int(seq_lens.max(initial=1))
         if pad_to is not None:   # a graph bakes max_query_len in: the capture's all-padding step has it too
-            self._pad(num_reqs, num_tokens, pad_to, query_len)
+            self._pad(num_reqs, num_tokens, pad_to, query_len, ranges_rows > 0)
             num_reqs, num_tokens, max_query_len = pad_to, pad_to * query_len, query_len
+            max_seq_len = max(max_seq_len, query_len)
 
-        input_ids = self.input_ids.push(num_tokens)
-        pos_dev = self.positions.push(num_tokens)
+        dense_rows = num_tokens
+        if pad_tokens_to is not None:
+            if pad_tokens_to > self.max_tokens or pad_tokens_to < num_tokens:
+                raise ValueError(f"{num_tokens} tokens cannot be padded to {pad_tokens_to} rows")
+            self.input_ids.np[num_tokens:pad_tokens_to] = 0
+            self.positions.np[num_tokens:pad_tokens_to] = 0
+            for t in self.specs:   # a piece writes every row's K/V: padding rows' to the null block's slot 0
+                self.slot_mapping[t].np[num_tokens:pad_tokens_to] = 0
+            dense_rows = pad_tokens_to
+        device_tables = gather_from is not None and self.row_index.dev is not self.row_index.cpu
+        if device_tables:
+            self.row_index.np[:len(scheduled)] = rows
+            rows_dev = self.row_index.push(len(scheduled))
+        input_ids = self.input_ids.push(dense_rows)
+        pos_dev = self.positions.push(dense_rows)
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
         seq_lens_dev = self.seq_lens.push(num_reqs)
         logits_indices = self.logits_indices.push(num_logits)
+        prev_token = (self.prev_token_dst.push(in_flight), self.prev_token_src.push(in_flight)) if in_flight else None
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}
         for t, spec in self.specs.items():
             with_ranges = query_ranges is not None and spec.bidirectional
+            if device_tables:   # gathered on the device; padding rows (a graph's) all null block
+                gather_from.gather(t, rows_dev, self.block_table[t].dev[:len(scheduled)])
+                self.block_table[t].dev[len(scheduled):num_reqs].zero_()
+                table_dev = self.block_table[t].dev[:num_reqs]
+            else:
+                table_dev = self.block_table[t].push(num_reqs)
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev,
-                block_table=self.block_table[t].push(num_reqs), slot_mapping=self.slot_mapping[t].push(num_tokens),
+                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
+                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(dense_rows)[:num_tokens],
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
-        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index)
+        return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index,
+                          prev_token)
 
-    def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int) -> None:
-        """Requests num_reqs..size-1 become requests of `query_len` tokens in the null block (uniform
-        steps only: every real request schedules `query_len` tokens)."""
+    def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int, with_ranges: bool) -> None:
+        """Requests num_reqs..size-1 become padding (uniform steps only: every real request schedules
+        `query_len` tokens): token id 0 at positions 0..q-1, an all-null table, and each token at the
+        slot its position names in the null block 0 (slot p). Every padding request so computes the
+        same rows and writes the same K/V to the same slots, and attends over exactly the q keys it
+        has just written: it reads nothing a real request or an earlier step left in block 0, and
+        duplicate writes (index_copy_ is unordered on CUDA) all carry the same bits. What padding
+        leaves in block 0 is therefore finite and step-independent; real rows, which load block 0
+        only where a freed sliding-window entry lies in a kernel tile and weigh it by 0, never see
+        padding (tests/engine/test_cuda_graphs.py fills every buffer with NaN to check it)."""
         if num_tokens != num_reqs * query_len:
             raise ValueError(f"only uniform steps ({query_len} token(s) per request) are padded")
+        if query_len > self.block_size:
+            raise ValueError(f"padding of {query_len} tokens per request needs a block size >= {query_len}")
         end = size * query_len
         if end > self.max_tokens:
             raise ValueError(f"a padded step of {end} tokens exceeds the buffers ({self.max_tokens})")
         pads = size - num_reqs
+        positions = np.tile(np.arange(query_len), pads)
         self.query_start_loc.np[num_reqs + 1: size + 1] = num_tokens + query_len * np.arange(1, pads + 1)
         self.seq_lens.np[num_reqs:size] = query_len
-        self.positions.np[num_tokens:end] = np.tile(np.arange(query_len), pads)
+        self.positions.np[num_tokens:end] = positions
         self.input_ids.np[num_tokens:end] = 0
+        if with_ranges:
+            self.query_ranges.np[num_tokens:end] = -1
         for t in self.specs:
             self.block_table[t].np[num_reqs:size] = 0
-            self.slot_mapping[t].np[num_tokens:end] = 0
+            self.slot_mapping[t].np[num_tokens:end] = positions   # block 0, offset p
 
     def _fill_mm_token_index(self, scheduled: Sequence[ScheduledRequest], qsl: np.ndarray) -> int:
         """Flat rows of the frames encoded this step, in (request, frame) order: the order the

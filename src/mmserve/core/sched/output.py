@@ -32,9 +32,17 @@ class ScheduledRequest:
     # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
     # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
     num_cached_tokens: int | None = None
-    # A verify chunk (speculative decoding): the drafts that follow the request's last token, the
-    # chunk's last len(draft_token_ids) positions; each of the 1 + len rows is sampled.
+    # A verify chunk (speculative decoding): the drafts that follow the request's last token; each of
+    # the 1 + len rows is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Positions after the drafts that fill a verify chunk to 1 + K rows, so every speculating request
+    # of a step has the same rows and the step replays one graph: never sampled, always rolled back.
+    num_pad_drafts: int = 0
+
+    @property
+    def is_verify(self) -> bool:
+        """A verify chunk: the last token, drafts and pad positions (`num_tokens` of them)."""
+        return bool(self.draft_token_ids) or self.num_pad_drafts > 0
 
     @property
     def seq_len(self) -> int:

@@ -16,7 +16,17 @@ prompt, then join the running batch on its K/V; a running sample 0 keeps a seat 
 Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
-verified tokens are ever cached.
+verified tokens are ever cached. With `verify_width` (1 + K, when the runner has graphs for verify
+steps) a speculating request with fewer than K drafts (near max_tokens, cut by its grammar) is
+padded to that width with pad positions, which the step never samples and always rolls back, so a
+speculating batch stays uniform and replays one graph; pads go first when the budget, KV or the
+context length is short.
+Async scheduling (`async_scheduling`): the next step is scheduled while this one runs, before its
+tokens reach the host. Each chunk advances `num_computed_tokens` when it is scheduled, and a chunk
+that samples adds a placeholder (`Request.num_output_placeholders`) that counts as the request's
+next token: the next step decodes it, its id taken on the device. A request with all of its
+max_tokens in flight is not scheduled again; one with a placeholder waits off the waiting queue
+until its token lands. `update` then only keys the filled blocks.
 Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
 come last in a step, after waiting requests, and never sample.
 """
@@ -70,6 +80,8 @@ class Scheduler:
         prefill_batched_tokens: int = 0,
         max_model_len: int,
         policy: str = "fcfs",
+        verify_width: int = 0,
+        async_scheduling: bool = False,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
@@ -79,6 +91,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.policy = policy
+        self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
+        self.async_scheduling = async_scheduling
         self.waiting: list[Request] = []     # sorted by _order_key
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -194,16 +208,24 @@ class Scheduler:
         self._finished_since_step.append(request_id)
         return request
 
-    def _chunk(self, request: Request, budget: int) -> int:
+    def _chunk(self, request: Request, budget: int) -> tuple[int, int]:
+        """Tokens of the request's next chunk, and the pad positions that fill a verify chunk to
+        `verify_width` rows (when the budget and context length allow the whole width)."""
         start = request.num_computed_tokens
-        n = min(request.num_tokens - start, budget)
+        total = request.num_tokens + request.num_output_placeholders
+        n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 del request.draft_token_ids[budget - 1:]
                 n += len(request.draft_token_ids)
-            return n
+            pads = self.verify_width - n
+            fits = n + pads <= budget and start + n + pads <= self.max_model_len
+            decode = total - start == 1   # not an output token recomputed after preemption
+            if pads > 0 and fits and decode and not request.sampling_params.disable_speculation:
+                return n, pads
+            return n, 0
         request.draft_token_ids.clear()
-        return align_chunk(request.vision_ranges_np, start, n)
+        return align_chunk(request.vision_ranges_np, start, n), 0
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -250,6 +272,9 @@ class Scheduler:
         i = 0
         while not preempted and i < len(self.waiting) and budget > 0 and seats < self.max_num_seqs:
             request = self.waiting[i]
+            if request.num_output_placeholders:   # preempted with a token on its way: recompute once it lands
+                i += 1
+                continue
             needs = 1 + len(self.forks.of(request.request_id))
             if seats + needs > self.max_num_seqs and seats:   # (more samples than seats: alone, and the rest queue)
                 break
@@ -278,22 +303,36 @@ class Scheduler:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
         finished, self._finished_since_step = self._finished_since_step, []
+        if self.async_scheduling:   # the step's computed tokens, and a placeholder for each token it samples
+            for s in scheduled.values():
+                r = s.request
+                if s.seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
+                    r.num_output_placeholders += 1
+                r.num_computed_tokens = s.seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
                                block_copies=copies)
 
+    def _all_in_flight(self, request: Request) -> bool:
+        """Async: every token the request may still make (max_tokens) is sampled by a step in flight."""
+        placeholders = request.num_output_placeholders
+        return placeholders > 0 and len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+
     def _schedule_running(self, request: Request, budget: int, scheduled: dict[str, ScheduledRequest],
                           preempted: list[str]) -> int:
-        """Schedule a running request's next chunk, preempting others when KV blocks run out;
-        returns the budget left."""
-        if request.status != RequestStatus.RUNNING or budget == 0:
-            return budget   # preempted earlier in this step
-        n = self._chunk(request, budget)
+        """Schedule a running request's next chunk (and the pads that fill a verify chunk's width),
+        preempting others when KV blocks run out; returns the budget left."""
+        if request.status != RequestStatus.RUNNING or budget == 0 or self._all_in_flight(request):
+            return budget   # preempted earlier in this step, or every token it may still make is on its way
+        n, pads = self._chunk(request, budget)
         if n == 0:
             self._frame_blocked.add(request.request_id)
             return budget
-        while not self.kv.allocate(request, n):
-            if request.draft_token_ids:   # short of KV: verify nothing rather than preempt anyone
+        while not self.kv.allocate(request, n + pads):
+            if pads:   # short of KV: no pads, then no drafts, rather than preempt anyone
+                pads = 0
+                continue
+            if request.draft_token_ids:
                 n -= len(request.draft_token_ids)
                 request.draft_token_ids.clear()
                 continue
@@ -306,26 +345,29 @@ class Scheduler:
                 break
         if request.status != RequestStatus.RUNNING:
             return budget
-        scheduled[request.request_id] = self._scheduled(request, n)
-        return budget - n
+        scheduled[request.request_id] = self._scheduled(request, n, pads)
+        return budget - n - pads
 
-    def _scheduled(self, request: Request, n: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
         drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
         return ScheduledRequest(
-            request=request, num_tokens=n, num_computed_tokens=start, is_prefill=request.is_prefill, frames=frames,
-            block_updates=self.kv.take_block_updates(request.request_id), draft_token_ids=drafts)
+            request=request, num_tokens=n + pads, num_computed_tokens=start, is_prefill=request.is_prefill,
+            frames=frames, block_updates=self.kv.take_block_updates(request.request_id), draft_token_ids=drafts,
+            num_pad_drafts=pads)
 
     def update(self, output: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
         """Advance each scheduled request past the tokens the step just computed, less the `rejected`
-        draft positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
+        draft and pad positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
         filled to the prefix cache (only now is their K/V written). With speculation the engine
         appends a step's accepted tokens before this, so the keys name verified tokens only."""
         rejected = rejected or {}
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                s.request.num_computed_tokens = s.seq_len - rejected.get(s.request.request_id, 0)
+                back = rejected.get(s.request.request_id, 0)
+                if back or not self.async_scheduling:   # async: advanced when scheduled (a rollback ends it)
+                    s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)
                 if prompt_done(s.request) and self.forks.of(s.request.request_id):
                     self._release_forks(s.request)

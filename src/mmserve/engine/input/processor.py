@@ -15,6 +15,7 @@ and so its tokens), and only then decoding, one image at a time.
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import functools
 import time
@@ -30,7 +31,12 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input.fair_pool import FairPool
 from mmserve.engine.types import EngineRequest, SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
-from mmserve.metrics.tracing import set_video_decode_result, video_decode_span
+from mmserve.metrics.tracing import (
+    audio_decode_span,
+    set_audio_decode_result,
+    set_video_decode_result,
+    video_decode_span,
+)
 from mmserve.model.messages import AudioPart, AudioSegment, ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
 from mmserve.model.spec import ModelSpec, load_spec
@@ -115,6 +121,28 @@ class DecodedMedia:
     timestamps_s: list[float] | None  # None for an image or an audio clip
     duration_s: float = 0.0  # a container's (0 for images and given frames)
     audio: list[Segment] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_ranges(self) -> int:
+        """The soft-token runs this part becomes in the prompt: one per image, frame and audio segment."""
+        visual = 0 if self.batch is None else len(self.timestamps_s) if self.timestamps_s is not None else 1
+        return visual + len(self.audio)
+
+
+def _naming(field: str, e: LimitExceededError) -> LimitExceededError:
+    """The same limit error (its flag and status) with the request field it came from in front, as
+    InvalidInputError names its field: a request with several audio parts learns which one."""
+    named = copy.copy(e)
+    named.args = (f"{field}: {e}",)
+    return named
+
+
+def _encoded(part: VideoInput | AudioInput) -> tuple[bytes | Path, int]:
+    """A container part's bytes, or its spooled file, and its size."""
+    if part.path:
+        path = Path(part.path)
+        return path, path.stat().st_size
+    return part.data, len(part.data)
 
 
 async def _all_or_none(coroutines: list) -> list:
@@ -261,7 +289,8 @@ class InputProcessor:
             request_id=request_id, prompt_token_ids=list(layout.token_ids), mm_ranges=list(layout.mm_ranges),
             mm_inputs=mm_inputs, sampling=sampling, priority=priority, trace_context=trace_context,
             num_frames=num_frames, num_mm_tokens=sum(end - start + 1 for start, end in layout.mm_ranges),
-            arrival_time=arrival, preprocess_s=time.monotonic() - arrival, videos=videos)
+            arrival_time=arrival, preprocess_s=time.monotonic() - arrival, videos=videos,
+            ranges_per_part={where: d.num_ranges for where, d in (media or {}).items()})
 
     @staticmethod
     def _layout_blocking(render: Callable[[], PromptLayout],
@@ -280,7 +309,7 @@ class InputProcessor:
             if self.spec.audio is None and (isinstance(part, AudioInput)
                                             or isinstance(part, VideoInput) and part.with_audio):
                 raise InvalidInputError(f"{where}.audio" if isinstance(part, AudioInput) else "use_audio_in_video",
-                                        f"{self._model_name()} has no audio tower: it takes "
+                                        f"{self.model_name} has no audio tower: it takes "
                                         f"{', '.join(self.spec.modalities)}")
         images = sum(isinstance(part, ImageInput) for _, part in jobs)
         if images > self.limits.max_images_per_request:
@@ -291,7 +320,8 @@ class InputProcessor:
             raise InvalidInputError("messages", f"{frames} video frames given, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
 
-    def _model_name(self) -> str:
+    @property
+    def model_name(self) -> str:
         return Path(self.config.model).name or str(self.config.model)
 
     def _headers_blocking(self, jobs: list[tuple[str, MediaInput]], control: DecodeControl) -> int:
@@ -307,6 +337,8 @@ class InputProcessor:
                     declared = probe_duration(Path(part.path) if part.path else part.data, self.limits)
                 except InvalidInputError as e:
                     raise InvalidInputError(f"{where}.audio", str(e).removeprefix(f"{e.field}: ")) from e
+                except LimitExceededError as e:
+                    raise _naming(f"{where}.audio", e) from e
                 if declared is not None:
                     end = min(declared, part.end_s or declared)
                     tokens += self._audio_tokens(max(0.0, end - part.start_s))
@@ -380,11 +412,13 @@ class InputProcessor:
         control.check()  # the limit may have passed while this job waited for a worker
         try:
             if isinstance(part, AudioInput):
-                audio = decode_audio(Path(part.path) if part.path else part.data,
-                                     rate=self.spec.audio.sampling_rate, start_s=part.start_s,
-                                     end_s=part.end_s or None, limits=self.limits, control=control)
-                return DecodedMedia(None, None, audio.duration_s,
-                                    self.featurizer.segments(audio.samples, part.start_s, control))
+                source, num_bytes = _encoded(part)
+                with audio_decode_span(trace_context, num_bytes=num_bytes) as span:
+                    audio = decode_audio(source, rate=self.spec.audio.sampling_rate, start_s=part.start_s,
+                                         end_s=part.end_s or None, limits=self.limits, control=control)
+                    segments = self.featurizer.segments(audio.samples, part.start_s, control)
+                    set_audio_decode_result(span, audio, segments)
+                return DecodedMedia(None, None, audio.duration_s, segments)
             if isinstance(part, ImageInput):
                 image = decode_image(Path(part.path) if part.path else part.data, self.limits,
                                      fit=self._fit(self.spec.image_max_soft_tokens))
@@ -394,28 +428,31 @@ class InputProcessor:
                 return DecodedMedia(self._patchify(self._frames(part.frames, control), self.spec.video_max_soft_tokens,
                                                    count=len(part.frames), resized=True),
                                     [k / rate for k in range(len(part.frames))])
-            source = Path(part.path) if part.path else part.data
-            num_bytes = source.stat().st_size if part.path else len(part.data)
+            source, num_bytes = _encoded(part)
+            rate = self.spec.audio.sampling_rate if part.with_audio else 0
             with video_decode_span(trace_context, num_bytes=num_bytes) as span:
                 video = decode_video(source, num_frames=None if part.fps else (part.num_frames or None),
                                      fps=part.fps or None, start_s=part.start_s, end_s=part.end_s or None,
-                                     limits=self.limits, control=control,
-                                     audio_rate=self.spec.audio.sampling_rate if part.with_audio else None)
-                set_video_decode_result(span, video)
+                                     limits=self.limits, control=control, audio_rate=rate or None)
+                soundtrack = []
+                if video.soundtrack is not None:
+                    check_audible(video.soundtrack, rate, "the video's soundtrack")
+                    soundtrack = self.featurizer.segments(video.soundtrack, video.soundtrack_start_s, control)
+                set_video_decode_result(span, video, sample_rate=rate, soundtrack=soundtrack)
             frames, times = video.frames, video.timestamps_s
             if part.fps and part.num_frames and len(frames) > part.num_frames:
                 keep = sample_indices(len(frames), part.num_frames)  # fps sampling, capped at num_frames
                 frames, times = [frames[k] for k in keep], [times[k] for k in keep]
-            soundtrack = []
-            if video.soundtrack is not None:
-                check_audible(video.soundtrack, self.spec.audio.sampling_rate, "the video's soundtrack")
-                soundtrack = self.featurizer.segments(video.soundtrack, video.soundtrack_start_s, control)
             return DecodedMedia(self._patchify(frames, self.spec.video_max_soft_tokens), list(times), video.duration_s,
                                 soundtrack)
         except InvalidInputError as e:
             # Re-anchor the decoder's error at the request field, keeping its explanation.
             kind = {ImageInput: "image", VideoInput: "video", AudioInput: "audio"}[type(part)]
             raise InvalidInputError(f"{where}.{kind}", str(e).removeprefix(f"{e.field}: ")) from e
+        except LimitExceededError as e:
+            if isinstance(part, AudioInput):   # a clip that decodes past the duration limit: which one
+                raise _naming(f"{where}.audio", e) from e
+            raise
 
     def _frames(self, frames: tuple[bytes, ...], control: DecodeControl):
         """Given frame images decoded one at a time, as the patchifier asks for the next, each straight

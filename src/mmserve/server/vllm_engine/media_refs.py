@@ -1,6 +1,7 @@
-"""A gateway's `media_refs` -> our engine-level image/video inputs, before any decoding.
+"""A gateway's `media_refs` -> our engine-level image/video/audio inputs, before any decoding.
 
-The gateway forwards each OpenAI `image_url`/`video_url` verbatim. This server fetches nothing:
+The gateway forwards each OpenAI `image_url`/`video_url` verbatim, and an `input_audio` part as a
+`data:audio/<format>;base64,...` URL (SMG 1.13.0, observed). This server fetches nothing:
 `data:<mime>;base64,...` is decoded here, `file://` is read only inside `--allowed-local-media-path`
 (resolved, so neither `..` nor a symlink leaves it), and every other scheme (http, https, ...) is
 refused with INVALID_ARGUMENT naming the item. The bytes then take exactly the `mmserve.v1` path
@@ -18,10 +19,10 @@ from urllib.parse import unquote, urlsplit
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 
-from mmserve.engine.input.processor import ImageInput, VideoInput
+from mmserve.engine.input.processor import AudioInput, ImageInput, VideoInput
 from mmserve.engine.types import SampledVideo
 from mmserve.errors import InvalidInputError, LimitExceededError
-from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
+from mmserve.server.validation import AUDIO_MIME_TYPES, IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
 
 WHERE = "media_refs.items"
 MAX_URL_PREVIEW = 48
@@ -29,6 +30,10 @@ MAX_URL_PREVIEW = 48
 # the GIL for a millisecond or so, so the event loop's thread gets it between them; one 47 MiB call held
 # it for ~0.3 s (4 such URLs stalled every other call for 1.2 s).
 DECODE_CHUNK_CHARS = 2**20
+# Each modality served: its name in messages, the MIME types a data: URL may declare, our input type.
+KINDS = {common_pb2.IMAGE: ("image", IMAGE_MIME_TYPES, ImageInput),
+         common_pb2.VIDEO: ("video", VIDEO_MIME_TYPES, VideoInput),
+         common_pb2.AUDIO: ("audio", AUDIO_MIME_TYPES, AudioInput)}
 
 
 def frames_per_item(videos: Sequence[SampledVideo]) -> dict[int, int]:
@@ -42,23 +47,21 @@ def schemes(allowed_local_media_path: str) -> str:
     return "data,file" if allowed_local_media_path else "data"
 
 
-def media_inputs(refs: vpb.MediaRefs, *, max_bytes: int, allowed_local_media_path: str) -> list[ImageInput | VideoInput]:
+def media_inputs(refs: vpb.MediaRefs, *, max_bytes: int,
+                 allowed_local_media_path: str) -> list[ImageInput | VideoInput | AudioInput]:
     """One input per item, in order; raises InvalidInputError / LimitExceededError naming the item.
     Decodes data: URLs: call it on a worker thread, never on the event loop."""
     root = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
     return [_item(item, f"{WHERE}[{i}]", max_bytes, root) for i, item in enumerate(refs.items)]
 
 
-def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> ImageInput | VideoInput:
-    if item.modality == common_pb2.IMAGE:
-        kind, mime_types = "image", IMAGE_MIME_TYPES
-    elif item.modality == common_pb2.VIDEO:
-        kind, mime_types = "video", VIDEO_MIME_TYPES
-    else:
+def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> ImageInput | VideoInput | AudioInput:
+    if item.modality not in KINDS:
         # An open enum: a value newer than our stubs has no name (Modality.Name would raise ValueError).
         name = common_pb2.Modality.DESCRIPTOR.values_by_number.get(item.modality)
         raise InvalidInputError(f"{where}.modality", f"{name.name if name else item.modality} is not "
-                                                     "served here: send images and videos")
+                                                     "served here: send images, videos or audio")
+    kind, mime_types, make = KINDS[item.modality]
     url = item.url
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
@@ -66,10 +69,10 @@ def _item(item: vpb.MediaRef, where: str, max_bytes: int, root: Path | None) -> 
         if mime and mime not in mime_types:
             raise InvalidInputError(f"{where}.url", f"unsupported {kind} type {_preview(mime)!r}; use one of "
                                                     f"{', '.join(sorted(mime_types))}")
-        return ImageInput(data=data, mime_type=mime) if kind == "image" else VideoInput(data=data, mime_type=mime)
+        return make(data=data, mime_type=mime)
     if scheme == "file":
         path = _local_file(url, f"{where}.url", root, max_bytes, kind)
-        return ImageInput(path=str(path)) if kind == "image" else VideoInput(path=str(path))
+        return make(path=str(path))
     raise InvalidInputError(f"{where}.url", f"{scheme[:16] or 'a URL without a'} scheme refused ({_preview(url)!r}): this server "
                                             "fetches nothing; send the media inline as a data: URL (base64)")
 

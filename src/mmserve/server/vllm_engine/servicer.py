@@ -115,11 +115,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     request_id, token_ids, media, params, where=MEDIA_WHERE,
                     max_tokens_to_context=sampling.max_tokens_to_context, trace_context=trace_context)
             engine_request = await self._in_flight.preprocess(request_id, processing)
-            frames = frames_per_item(engine_request.videos)
-            context.set_trailing_metadata(outputs.sampled_frames(frames))
+            context.set_trailing_metadata(outputs.sampled_frames(frames_per_item(engine_request.videos)))
             prompt = engine_request.prompt_token_ids
-            engine_request.routing_prompt = _routing_prompt(token_ids, engine_request, processor.spec,
-                                                            [frames.get(k, 1) for k in range(len(media))])
+            engine_request.routing_prompt = _routing_prompt(
+                token_ids, engine_request, processor.spec,
+                [engine_request.ranges_per_part.get(f"{MEDIA_WHERE}[{k}]", 1) for k in range(len(media))])
             collected: dict[int, tuple[list[int], list]] = {}
             async for index, out in generate_samples(self._engine, engine_request):
                 if request.stream:
@@ -216,10 +216,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 def _routing_prompt(gateway_ids: list[int], request: EngineRequest, spec,
                     ranges_per_item: list[int]) -> RoutingPrompt | None:
     """The gateway's prompt mapped onto ours, so our KV events speak its tokens (engine/kv_event_hub.py):
-    media item k (the k-th anchor) became `ranges_per_item[k]` ranges (1, or one per frame sampled)."""
+    media item k (the k-th anchor) became `ranges_per_item[k]` ranges (1, or one per frame sampled or
+    audio segment)."""
     if not request.mm_ranges or list(gateway_ids) == list(request.prompt_token_ids):
         return None   # the same tokens as ours (text, or a prompt the gateway expanded itself)
-    anchors = media_anchors(gateway_ids, spec.image_token_id, spec.video_token_id, ranges_per_item)
+    anchors = media_anchors(gateway_ids, _anchor_ids(spec).values(), ranges_per_item)
     if anchors is None:
         return None
     return gateway_routing_prompt(gateway_ids, request.prompt_token_ids, request.mm_ranges, anchors)
@@ -258,16 +259,30 @@ def _prompt_ids(request: vpb.GenerateRequest, processor: InputProcessor) -> list
     if _has_mm_inputs(request):
         if not spec.has_vision:   # else tensors of a valid layout would reach a model with no vision tower
             raise InvalidInputError("mm_inputs", "this model takes no images or video")
+        if any(b.modality == common_pb2.AUDIO for b in (request.mm_inputs, *request.extra_mm_inputs)):
+            raise InvalidInputError("mm_inputs", "preprocessed audio is not taken: send the clip in media_refs "
+                                                 "(this worker decodes audio and computes its features itself)")
         return ids   # expanded by the gateway: preprocessed_media checks the layout
-    anchors = [t for t in ids if t in (spec.image_token_id, spec.video_token_id)]
-    items = [spec.image_token_id if m.modality == common_pb2.IMAGE else spec.video_token_id
-             for m in request.media_refs.items]
+    if not spec.has_audio and any(m.modality == common_pb2.AUDIO for m in request.media_refs.items):
+        raise InvalidInputError(MEDIA_WHERE, f"{processor.model_name} has no audio tower: it takes "
+                                             f"{', '.join(spec.modalities)}")
+    anchor_of = _anchor_ids(spec)
+    anchors = [t for t in ids if t in anchor_of.values()]
+    items = [anchor_of.get(m.modality) for m in request.media_refs.items]
     if anchors != items:
-        raise InvalidInputError(MEDIA_WHERE, f"the prompt holds {len(anchors)} image/video anchors, the request "
+        raise InvalidInputError(MEDIA_WHERE, f"the prompt holds {len(anchors)} media anchors, the request "
                                              f"{len(items)} media items; they must pair one to one, in order")
-    if anchors and not spec.has_vision:
+    if not spec.has_vision and set(anchors) & {spec.image_token_id, spec.video_token_id}:
         raise InvalidInputError(MEDIA_WHERE, "this model takes no images or video")
     return ids
+
+
+def _anchor_ids(spec) -> dict[int, int]:
+    """Modality -> the one token a gateway's rendered prompt holds per item of it (audio: E-models only)."""
+    anchors = {common_pb2.IMAGE: spec.image_token_id, common_pb2.VIDEO: spec.video_token_id}
+    if spec.has_audio:
+        anchors[common_pb2.AUDIO] = spec.audio_token_id
+    return anchors
 
 
 def _has_mm_inputs(request: vpb.GenerateRequest) -> bool:

@@ -1,0 +1,165 @@
+"""Async scheduling (--async-scheduling on): step N+1 is scheduled and launched before step N's
+tokens reach the host, its inputs taking them on the device; outputs arrive one step late.
+
+The reference is the synchronous loop (itself tested against transformers): the same requests give
+the same tokens, logprobs, prompt logprobs and finish reasons, whatever mix of text, images,
+video, seeded sampling, penalties, grammars, EOS, n > 1, preemption and cancellation the steps hold;
+at the end every KV block is free and no generator or matcher is left.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from engine_helpers import PROMPTS, build_request, make_llm, step_through
+from test_engine_batching import assert_pools_full, random_requests
+
+from mmserve.sampling_params import ResponseFormat
+
+
+@pytest.fixture(scope="module")
+def model_tok(load_backend):
+    return load_backend("sdpa")
+
+
+def outputs(completions) -> dict:
+    return {c.request_id: (c.token_ids, c.finish_reason, [lp.logprob for lp in c.logprobs or []],
+                           [lp.logprob for lp in c.prompt_logprobs or []]) for c in completions}
+
+
+def mixed_requests(seed: int) -> list:
+    reqs = random_requests(8, seed, max_tokens=(1, 12))
+    extra = [build_request("seeded", PROMPTS["image"], seed=seed + 1, max_tokens=10),
+             build_request("scored", PROMPTS["text"], seed=seed + 2, max_tokens=7),
+             build_request("grammar", [9], seed=seed + 3, max_tokens=24),
+             build_request("eos", [6], seed=seed + 4, max_tokens=30)]
+    extra[0].sampling = dataclasses.replace(extra[0].sampling, temperature=0.9, top_p=0.9, seed=5)
+    extra[1].sampling = dataclasses.replace(extra[1].sampling, logprobs=True, top_logprobs=2, prompt_logprobs=True,
+                                            repetition_penalty=1.4, min_tokens=3)
+    extra[2].sampling = dataclasses.replace(extra[2].sampling, ignore_eos=False, response_format=ResponseFormat(
+        "json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
+    extra[3].sampling = dataclasses.replace(extra[3].sampling, ignore_eos=False, temperature=1.0, seed=11, n=2,
+                                            logit_bias=((1, 6.0),))   # EOS (id 1) likely within a few steps
+    return reqs + extra
+
+
+def test_async_steps_give_the_synchronous_outputs(model_tok):
+    """Mixed requests (text, images, video, chunked prefill beside decodes; greedy, seeded top-p,
+    logprobs and prompt logprobs with penalties, a JSON grammar, EOS live, n = 2), with and without
+    emulated graphs: async and synchronous loops give the same tokens and finish reasons, the same
+    logprobs (to float rounding: a step's batch-mates may differ) and leave nothing held."""
+    seed = int(torch.randint(0, 1000, ()))
+    requests = mixed_requests(seed)
+    runs = {}
+    for mode in ("off", "on"):
+        for graphs in (False, True):
+            llm = make_llm(model_tok, async_scheduling=mode, emulate_cuda_graphs=graphs, max_num_batched_tokens=48,
+                           attention_backend="sdpa")
+            runs[mode, graphs] = outputs(llm.generate(requests))
+            assert llm.core.async_scheduling == (mode == "on")
+            assert_pools_full(llm.core)
+            assert not llm.core.sampler.grammar._matchers
+    for graphs in (False, True):   # steps hold other batch-mates (a request ended at N is computed in N + 1)
+        got, want = runs["on", graphs], runs["off", graphs]
+        assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}, (seed, graphs)
+        for rid, (_, _, *logprobs) in got.items():
+            for ours, theirs in zip(logprobs, want[rid][2:], strict=True):
+                torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-4)
+    assert any(reason == "eos" for _, reason, _, _ in runs["on", False].values()), "some request ended on EOS"
+
+
+def test_a_step_takes_the_token_in_flight_on_the_device_and_outputs_arrive_one_step_late(model_tok):
+    """With async scheduling the decode step after a request's prompt is launched before the prompt's
+    token reached the host: the runner's inputs hold that token once the device copied it there,
+    and each step's outputs are those of the step before."""
+    request = build_request("one", [20], seed=3, max_tokens=4)
+    per_step = {}
+    for mode in ("off", "on"):
+        llm = make_llm(model_tok, async_scheduling=mode, attention_backend="sdpa")
+        llm.add_request(request)
+        tokens, seen_inputs = [], []
+        execute = llm.core.runner.execute
+
+        def recording(out, prev=None, execute=execute, runner=llm.core.runner, seen=seen_inputs):
+            result = execute(out, prev)
+            seen.append((out.scheduled[0].num_computed_tokens, int(runner.inputs.input_ids.dev[0])))
+            return result
+
+        llm.core.runner.execute = recording
+        while llm.has_work:
+            tokens.append([t for _, item in llm.step() for t in item.new_token_ids])
+        per_step[mode] = tokens, seen_inputs
+    sync_tokens, sync_inputs = per_step["off"]
+    async_tokens, async_inputs = per_step["on"]
+    emitted = [t for step in sync_tokens for t in step]
+    assert [t for step in async_tokens for t in step] == emitted and len(emitted) == 4
+    assert async_tokens[0] == [] and async_tokens[1:len(sync_tokens) + 1] == sync_tokens[:len(async_tokens) - 1]
+    prompt_len = len(request.prompt_token_ids)
+    # each decode step's input is the token the step before sampled: on the device, in async steps
+    assert [token for computed, token in async_inputs if computed >= prompt_len] == emitted[:3]
+    assert async_inputs == sync_inputs
+
+
+def test_cancellations_and_preemptions_under_async_scheduling_leave_nothing_held(model_tok):
+    """Reliability: requests under a KV budget that preempts, a random third of them aborted at
+    random steps (some with a token in flight, some preempted with one), the rest seeded random or
+    greedy. Survivors give the synchronous loop's tokens; aborted ones a prefix of them; at the end
+    every block is free and no generator or matcher is left."""
+    rng = random.Random(int(torch.randint(0, 10_000, ())))
+    requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000), max_tokens=rng.randrange(6, 20))
+                for i in range(9)]
+    for r in requests[::2]:
+        r.sampling = dataclasses.replace(r.sampling, temperature=1.0, seed=rng.randrange(100))
+    expected = {c.request_id: c.token_ids for c in make_llm(model_tok, num_kv_blocks=96).generate(requests)}
+    llm = make_llm(model_tok, num_kv_blocks=24, async_scheduling="on")
+    preempt, preempted = llm.core.scheduler._preempt, []
+    llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.num_output_placeholders), preempt(victim))
+    doomed = {r.request_id: rng.randrange(2, 25) for r in rng.sample(requests, 3)}
+    tokens, aborted = step_through(llm, requests, aborts=doomed)
+    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
+    assert aborted, "no request was still running when its abort came"
+    for r in requests:
+        got, want = tokens[r.request_id], expected[r.request_id]
+        assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
+    assert_pools_full(llm.core)
+    assert all(r.num_output_placeholders == 0 for r in llm.core.scheduler.running)
+
+
+def test_async_scheduling_on_refuses_what_it_does_not_serve_yet(tmp_path, model_tok):
+    with pytest.raises(ValueError, match="speculative-model"):
+        make_llm(model_tok, async_scheduling="on", speculative_model=str(tmp_path))
+    assert not make_llm(model_tok).core.async_scheduling   # auto: on CUDA only
+
+
+def test_the_served_loop_runs_async_steps_and_sends_outputs_from_its_thread(model_tok):
+    """AsyncEngine's core loop (here on a thread, over the same sockets as the engine process) with
+    async scheduling: streams end with the synchronous tokens, every step's outputs go out through
+    the output thread, and nothing is held at the end."""
+    import asyncio
+
+    from mmserve.config import EngineConfig
+    from mmserve.engine.async_engine import AsyncEngine
+
+    model, tok = model_tok
+    requests = random_requests(6, int(torch.randint(0, 1000, ())), max_tokens=(2, 9))
+    expected = {c.request_id: c.token_ids for c in make_llm(model_tok).generate(requests)}
+    engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=8,
+                                      max_num_batched_tokens=64, async_scheduling="on"), model=model, tokenizer=tok)
+
+    async def main():
+        await engine.start()
+
+        async def one(r):
+            return r.request_id, [t async for o in engine.generate(r) for t in o.new_token_ids]
+        try:
+            return dict(await asyncio.gather(*(one(r) for r in requests)))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(main()) == expected
+    assert engine.core.async_scheduling
+    assert_pools_full(engine.core)
