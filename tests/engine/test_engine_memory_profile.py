@@ -145,7 +145,7 @@ def test_a_budget_that_cannot_hold_one_full_context_request_is_refused_naming_th
     fits = int(text.rsplit("at most ", 1)[1])
     assert f"({model.spec.max_model_len} tokens)" in text and "MiB" in text and 0 < fits < model.spec.max_model_len
     core = EngineCore(EngineConfig(gpu_memory_utilization=0.5, max_model_len=fits, **OPTIONS), model=model, tokenizer=tok)
-    assert core.kv_capacity.full_context_requests == 1   # the context it named fits once
+    assert core.kv_capacity.full_context_requests >= 1   # the context it named fits
 
 
 def test_utilization_above_what_is_free_at_start_up_is_refused(load_backend, on_fake_device):
