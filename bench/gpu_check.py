@@ -31,6 +31,10 @@
              prompts, random weights at Gemma 4 12B (default), E4B, 26B-A4B or 31B dimensions
              (transformers' audio tower, E2B/E4B, runs eager attention: it refuses SDPA); graphs
              must replay.
+7b. capacity the serving model with no memory flag (issue 36): the KV cache sized by
+             --gpu-memory-utilization 0.9's profiling step with the CUDA defaults; what start-up
+             reported (tokens per pool, full-context requests that fit), then 64 concurrent requests of
+             8192 prompt tokens, none of which may be preempted; the allocator's peak against the budget.
 8. collectives  tensor parallelism's per-layer collective (issue 26): the all-reduce of [rows, hidden]
              bf16 over a single-rank NCCL group (TP on one lent GPU is 1) at decode and prefill row
              counts for each family member's width, per call and per layer / per step; beside it the
@@ -116,6 +120,8 @@ class Sizes:
     itl_decodes: int = 16             # video_prefill: requests decoding while a video prefills
     mixed_chunk: int = 2048           # mixed: the prefill chunk beside the decodes
     mixed_decodes: int = 63
+    capacity_batch: int = 64          # capacity: concurrent requests
+    capacity_prompt: int = 8192       # capacity: their prompt tokens
 
 
 GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirectional=True),
@@ -128,7 +134,7 @@ SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirecti
               frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
               serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4,
               decode_batches=(2,), decode_steps=2, repeats=1, video_frames=2, video_requests=2, itl_decodes=2,
-              mixed_chunk=32, mixed_decodes=3)
+              mixed_chunk=32, mixed_decodes=3, capacity_batch=4, capacity_prompt=48)
 
 
 # --- shared helpers -----------------------------------------------------------------------------
@@ -717,6 +723,58 @@ def serving(sizes: Sizes, device: str) -> dict:
             "ok": graphs_ran(graphs, device)}
 
 
+# --- 5a. capacity: the KV cache sized from the device, many long requests at once -------------------
+
+def capacity(sizes: Sizes, device: str) -> dict:
+    """Start the serving model as a user would, with no memory flag, and load it with
+    `capacity_batch` requests of `capacity_prompt` tokens at once: none may be preempted."""
+    from mmserve.engine.llm import LLM
+    from mmserve.sampling_params import SamplingParams
+
+    model_dir, build_s = serving_checkpoint(sizes, device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    llm = LLM(model=str(model_dir), device=device, strict_backends=True)
+    start_s = time.perf_counter() - started
+    kv = llm.core.kv_capacity
+    preempted = []
+    schedule = llm.core.scheduler.schedule
+
+    def counting():
+        out = schedule()
+        preempted.extend(out.preempted_ids)
+        return out
+
+    llm.core.scheduler.schedule = counting
+    spec = llm.core.model.spec
+    gen = torch.Generator().manual_seed(2)
+    prompts = [[spec.bos_token_id] + torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size,
+                                                   (sizes.capacity_prompt - 1,), generator=gen).tolist()
+               for _ in range(sizes.capacity_batch)]
+    synchronize(device)
+    started = time.perf_counter()
+    done = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    config = llm.config
+    result = {"model": sizes.serving_model or "demo-sized", "checkpoint_build_s": build_s, "start_s": start_s,
+              "kv_cache": {"pool_tokens": kv.pool_tokens, "full_context_requests": kv.full_context_requests,
+                           "num_bytes": kv.num_bytes, "max_num_seqs": kv.max_num_seqs, "sized_by": kv.sized_by},
+              "max_num_batched_tokens": config.max_num_batched_tokens,
+              "prefill_batched_tokens": config.prefill_batched_tokens, "requests": len(done),
+              "prompt_tokens": sizes.capacity_prompt, "generate_s": seconds, "preempted": len(preempted)}
+    if device == "cuda":
+        total = torch.cuda.get_device_properties(0).total_memory
+        result.update(peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_gib=total / 2**30,
+                      budget_gib=config.gpu_memory_utilization * total / 2**30)
+    del llm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    result["ok"] = not preempted and kv.full_context_requests >= 1 and len(done) == sizes.capacity_batch
+    return result
+
+
 # --- 5b. decode: one decode step, graphs against eager, against the bytes it must move ------------
 
 SERVING_MODELS = ("12b_unified", "e4b", "26b_a4b", "31b")   # tests/fixtures/gemma4_family
@@ -1182,7 +1240,7 @@ def mixed(sizes: Sizes, device: str) -> dict:
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "speculation": speculation, "compiles": compiles, "tiles": tiles,
     "fallback": fallback, "decode": decode, "profile": profile, "serving": serving, "collectives": collectives,
-    "video_prefill": video_prefill, "mixed": mixed}
+    "video_prefill": video_prefill, "mixed": mixed, "capacity": capacity}
 
 
 def machine(device: str) -> dict:

@@ -96,7 +96,7 @@ def bench_config(frames: int, num_reqs: int, reps: int, seed: int) -> dict:
     chunk = max(1, BUDGET // num_reqs)
     max_len = max(r.num_prompt_tokens for r in reqs)
     kv = KVCacheManager(plan_pools([SLIDING, FULL], SPECS, block_size=BLOCK, dtype_bytes=2,
-                                   num_kv_blocks=num_reqs * (max_len // BLOCK + 2) + 1), BLOCK,
+                                   num_kv_blocks=num_reqs * (max_len // BLOCK + 2) + 1).pools, BLOCK,
                         max_model_len=max_len + BLOCK)
     scheduled = []
     for r in reqs:

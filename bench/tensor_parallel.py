@@ -126,7 +126,7 @@ def measure(path: Path, size: int, threads: int, batch: int, prompt: int, decode
     local = model.spec
     blocks = batch * -(-(prompt + decodes) // BLOCK) + 1
     plans = plan_pools(local.kv_layer_types, local.attention_specs, block_size=BLOCK, dtype_bytes=4,
-                       num_kv_blocks=blocks, max_num_seqs=batch, max_chunk=config.max_step_tokens)
+                       num_kv_blocks=blocks).pools
     max_len = prompt + decodes + 1
     try:
         runner = (tp.runner_factory if tp else ModelRunner)(model, plans, config, max_model_len=max_len)

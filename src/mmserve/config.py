@@ -17,6 +17,14 @@ from pathlib import Path
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 DEMO_ASSISTANT_DIR = Path(__file__).parent / "demo_assistant"   # its drafter (scripts/train_demo_assistant.py)
 
+# The batching options' defaults per device, for the fields left at their "device default" value
+# (docs/configuration.md, "Defaults per device", says how the CUDA ones were chosen).
+DEVICE_DEFAULTS = {
+    "cpu": {"max_num_batched_tokens": 512, "prefill_batched_tokens": 2048, "max_num_seqs": 64},
+    "cuda": {"max_num_batched_tokens": 2048, "prefill_batched_tokens": 8192, "max_num_seqs": 128},
+}
+CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
+
 
 @dataclass
 class EngineConfig:
@@ -34,15 +42,29 @@ class EngineConfig:
     sdpa_batching: str = field(default="auto", metadata={
         "help": "sdpa backend: auto (one padded call per layer type unless padding costs more), batched, loop "
                 "(one call per request)", "choices": ("auto", "batched", "loop")})
-    max_num_batched_tokens: int = field(default=512, metadata={"help": "token budget per engine step", "min": 1})
-    prefill_batched_tokens: int = field(default=2048, metadata={
+    max_num_batched_tokens: int = field(default=0, metadata={
+        "help": "token budget per engine step; 0 = the device's default (512 on a CPU, 2048 on CUDA)", "min": 0})
+    prefill_batched_tokens: int = field(default=-1, metadata={
         "help": "token budget of a step while no request is decoding (only prefill runs, so no TPOT pays "
-                "for a longer step); 0 = max_num_batched_tokens", "min": 0})
-    max_num_seqs: int = field(default=64, metadata={"help": "most requests running at once", "min": 1})
+                "for a longer step); 0 = max_num_batched_tokens; -1 = the device's default (2048 on a CPU, "
+                "8192 on CUDA)", "min": -1})
+    max_num_seqs: int = field(default=0, metadata={
+        "help": "most requests running at once; 0 = the device's default (64 on a CPU, 128 on CUDA)", "min": 0})
     max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's", "min": 0})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block", "min": 1})
     num_kv_blocks: int = field(default=0, metadata={"help": "KV blocks per pool; 0 = derive from kv_cache_bytes", "min": 0})
-    kv_cache_bytes: int = field(default=256 * 2**20, metadata={"help": "KV cache memory for all pools", "min": 1})
+    kv_cache_bytes: int = field(default=0, metadata={
+        "help": "KV cache memory for all pools; 0 = on CUDA what --gpu-memory-utilization leaves, on a CPU 256 MiB",
+        "min": 0})
+    window_cache_share: float = field(default=0.1, metadata={
+        "help": "share of the KV cache left beyond the sliding pools' room for running requests and one request "
+                "of the full context that keeps the sliding windows of cached prefixes (a prefix hit, e.g. a "
+                "follow-up question about a video, needs the window before its end); the rest holds "
+                "full-attention context. Unused with prefix caching off", "min": 0.0, "max": 1.0})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "CUDA: the share of the device's memory this engine may use in all (weights, activations, KV cache), "
+                "as vLLM's flag; the KV cache gets what a profiling step at the largest step leaves of it "
+                "(unless --kv-cache-bytes or --num-kv-blocks is given)", "min": 0.01, "max": 1.0})
     max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED", "min": 0})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": ("fcfs", "priority")})
     seed: int = field(default=0, metadata={"help": "default sampling seed", "min": 0})
@@ -158,17 +180,25 @@ class EngineConfig:
         # Resolved once here, so every reader (model loader, perf model, peaks, model info) sees a real dtype.
         if self.dtype == "auto":
             self.dtype = default_dtype(self.device)
+        # ... and the batching options left to the device (front end and engine alike)
+        defaults = DEVICE_DEFAULTS["cuda" if on_cuda(self.device) else "cpu"]
+        for name, auto in (("max_num_batched_tokens", 0), ("prefill_batched_tokens", -1), ("max_num_seqs", 0)):
+            if getattr(self, name) == auto:
+                setattr(self, name, defaults[name])
+
+
+def on_cuda(device: str) -> bool:
+    """Whether `device` (a --device value) is a CUDA device: `auto` is one when CUDA is available."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def default_dtype(device: str) -> str:
     """What `--dtype auto` means on `device`: bfloat16 on CUDA (what FA4 runs), float32 on CPU."""
-    if device == "cpu":
-        return "float32"
-    if device == "auto":
-        import torch
-
-        return "bfloat16" if torch.cuda.is_available() else "float32"
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    return "bfloat16" if on_cuda(device) else "float32"
 
 
 def _env_name(name: str) -> str:

@@ -163,7 +163,10 @@ def test_shared_memory_and_model_volumes(rendered, overlay):
 def test_gpu_overlay_requests_one_gpu_and_cpu_none(rendered):
     gpu = server(rendered["gpu"])[1]["resources"]
     assert gpu["limits"]["nvidia.com/gpu"] == gpu["requests"]["nvidia.com/gpu"] == "1"
-    assert config_env(rendered["gpu"], server(rendered["gpu"])[0], "mmserve")["MMSERVE_DEVICE"] == "cuda"
+    env = config_env(rendered["gpu"], server(rendered["gpu"])[0], "mmserve")
+    assert env["MMSERVE_DEVICE"] == "cuda"
+    # the KV cache is sized from the GPU's memory, not a byte count fit to one GPU model
+    assert float(env["MMSERVE_GPU_MEMORY_UTILIZATION"]) == 0.9 and "MMSERVE_KV_CACHE_BYTES" not in env
     cpu = server(rendered["cpu"])[1]["resources"]
     assert "nvidia.com/gpu" not in {**cpu.get("limits", {}), **cpu.get("requests", {})}
 

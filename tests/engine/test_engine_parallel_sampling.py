@@ -1,6 +1,6 @@
 """n samples of one prompt: each equals a separate request with its derived seed, the prompt's KV is
-computed once (only the partial last block again per extra sample), and every block is free after
-the run and after a cancel mid-stream."""
+computed and its frames encoded once, with or without prefix caching (each further sample computes
+only the last prompt token again), and every block is free after the run and after a cancel mid-stream."""
 
 from __future__ import annotations
 
@@ -46,9 +46,45 @@ def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt
          for i in range(4)])
     assert [s.token_ids for s in got.samples] == [a.token_ids for a in alone]
     assert len({tuple(s.token_ids) for s in got.samples}) > 1
-    assert llm.core.kv.usage() == 0 and not llm.core.requests and not llm.core._forks
-    # the prompt once; each further sample recomputes at most the partial last block
-    assert prefill[0] <= len(req.prompt_token_ids) + 3 * llm.config.block_size, prefill[0]
+    assert llm.core.kv.usage() == 0 and not llm.core.requests and not llm.core.scheduler.forks
+    # the prompt once; each further sample computes its last token (its logits) again
+    assert prefill[0] == len(req.prompt_token_ids) + 3, prefill[0]
+
+
+def count_frames_encoded(llm) -> list[int]:
+    """Wrap the vision tower: the frames it encodes, summed into the returned list's one entry."""
+    counted = [0]
+    model = llm.core.model
+    encode = model.encode_vision
+
+    def counting(pixel_values, position_ids):
+        counted[0] += pixel_values.shape[0]
+        return encode(pixel_values, position_ids)
+
+    model.encode_vision = counting
+    return counted
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_samples_compute_the_prompt_and_encode_each_frame_once_with_or_without_prefix_caching(load_backend, caching):
+    """Without prefix caching (and so without an encoder cache) the samples used to compute the whole
+    prompt and encode every frame again each; now each computes only its last prompt token."""
+    model_tok = load_backend("sdpa")
+    seed = random.randrange(2**63)
+    req = with_sampling(build_request("v", PROMPTS["video"], random.randrange(10_000), max_tokens=5),
+                        temperature=1.0, seed=seed, n=4)
+    llm = make_llm(model_tok, attention_backend="sdpa", enable_prefix_caching=caching)
+    if not caching:
+        assert llm.core.runner.encoder_cache.max_bytes == 0
+    prefill, frames = count_prefill_tokens(llm), count_frames_encoded(llm)
+    got = llm.generate([req])[0]
+    assert prefill[0] == len(req.prompt_token_ids) + 3, prefill[0]
+    assert frames[0] == len(req.mm_inputs) == 4
+    alone = make_llm(model_tok, attention_backend="sdpa").generate(
+        [with_sampling(dataclasses.replace(req, request_id=f"s{i}"), n=1, seed=sample_seed(seed, i))
+         for i in range(4)])
+    assert [s.token_ids for s in got.samples] == [a.token_ids for a in alone]
+    assert llm.core.kv.usage() == 0 and not llm.core.requests and not llm.core.scheduler.forks
 
 
 def test_cancel_mid_stream_frees_every_block(load_backend):
@@ -66,7 +102,7 @@ def test_cancel_mid_stream_frees_every_block(load_backend):
     for sub in fan_out(req):
         core.abort(sub.request_id)
     llm.step()
-    assert core.kv.usage() == 0 and not core.requests and not core._forks and not (core.scheduler.running or core.scheduler.waiting)
+    assert core.kv.usage() == 0 and not core.requests and not core.scheduler.forks and not (core.scheduler.running or core.scheduler.waiting)
     assert not llm.processor.states and not llm.processor.aborting
 
 

@@ -243,9 +243,11 @@ def test_evicted_sliding_blocks_limit_the_hit_though_full_blocks_remain(load_bac
     a = build_request("a", [60], seed=rng.randrange(10**6))
     c = build_request("c", [60], seed=rng.randrange(10**6))
     b = with_tail(a, "b", len(a.prompt_token_ids), text(rng, 3))
-    # One request at a time and 16-token chunks: the sliding pool is capped at what one request can
-    # hold (window 6 + one chunk), so running c evicts what a left there; the full pool keeps a.
-    options = dict(num_kv_blocks=0, kv_cache_bytes=2**20, max_num_seqs=1, max_num_batched_tokens=16)
+    # One request at a time and 16-token chunks, no room for cached windows: the sliding pool holds
+    # what one request can (window 6 + one chunk), so running c evicts what a left there; the full
+    # pool keeps a.
+    options = dict(num_kv_blocks=0, kv_cache_bytes=2**20, max_num_seqs=1, max_num_batched_tokens=16,
+                   window_cache_share=0.0)
     got, _, on = compare(model_tok, [[a], [c], [b]], **options)
     kv = on.core.kv
     assert kv.plans[SLIDING].num_blocks < 16 < kv.plans[FULL].num_blocks

@@ -108,7 +108,7 @@ def test_kv_sharing_layers_get_no_blocks_and_no_cache(variant):
     spec = model.spec
     budget = 2**20
     plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=4, dtype_bytes=4,
-                       kv_cache_bytes=budget)
+                       kv_cache_bytes=budget, max_num_seqs=2, max_step_tokens=64, max_model_len=256).pools
     holders = [layer for layer in spec.layers if not layer.shares_kv]
     for t, plan in plans.items():
         a = spec.attention_specs[t]

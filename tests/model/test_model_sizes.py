@@ -59,6 +59,6 @@ def test_published_parameter_counts_and_kv_pages(name):
         idle = spec.num_layers * (moe.num_experts - moe.top_k) * 3 * spec.hidden_size * moe.intermediate
         assert abs((count(decoder) - idle) / 3.8e9 - 1) < 0.02
     plans = plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=16, dtype_bytes=2,
-                       kv_cache_bytes=8 * 2**30)
+                       kv_cache_bytes=8 * 2**30, max_num_seqs=4, max_step_tokens=2048, max_model_len=8192).pools
     assert sum(p.bytes_per_block for p in plans.values()) == 16 * kv_bytes_per_token
     assert sum(p.num_blocks * p.bytes_per_block for p in plans.values()) <= 8 * 2**30

@@ -41,7 +41,7 @@ def make_request(rid: str, prompt_len: int, ranges=(), max_tokens: int = 4, firs
 
 def make_kv(num_blocks: int, block_size: int = 4, max_model_len: int = 512) -> KVCacheManager:
     return KVCacheManager(plan_pools(LAYER_TYPES, SPECS, block_size=block_size, dtype_bytes=4,
-                                     num_kv_blocks=num_blocks), block_size, max_model_len=max_model_len)
+                                     num_kv_blocks=num_blocks).pools, block_size, max_model_len=max_model_len)
 
 
 def make_scheduler(num_blocks: int = 256, block_size: int = 4, **kw) -> Scheduler:

@@ -9,9 +9,9 @@ from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.core.kv_cache.planner import plan_pools
 
 
-def test_pools_sized_from_bytes_get_equal_block_counts():
+def test_pools_of_a_given_block_count_cost_their_layers_bytes():
     # sliding: 4 layers * 2 * bs4 * 2 heads * 16 * 4 B = 4096 B; full: 2 * 2 * 4 * 1 * 32 * 4 = 2048 B
-    plans = plan_pools(LAYER_TYPES, SPECS, block_size=4, dtype_bytes=4, kv_cache_bytes=6144 * 10 + 100)
+    plans = plan_pools(LAYER_TYPES, SPECS, block_size=4, dtype_bytes=4, num_kv_blocks=10).pools
     assert plans[SLIDING].bytes_per_block == 4 * 2 * 4 * 2 * 16 * 4
     assert plans[FULL].bytes_per_block == 2 * 2 * 4 * 1 * 32 * 4
     assert plans[SLIDING].num_blocks == plans[FULL].num_blocks == 10
@@ -60,28 +60,17 @@ def test_open_range_keeps_its_start_for_unclamped_layers():
     assert all(b != NULL_BLOCK for b in table[10 // 4:])
 
 
-def test_windowed_pool_is_capped_and_its_bytes_go_to_the_full_pool():
-    import random
+def test_a_request_the_step_leaves_out_keeps_only_its_window():
+    """The planner reserves each request its window, and one step's tokens between them all: a request
+    a step skips must not keep the chunk it computed before (window 8, block size 4)."""
+    from sched_helpers import make_scheduler, step
 
-    from sched_helpers import random_ranges, run_to_completion
-
-    from mmserve.core.kv_cache.manager import KVCacheManager
-    from mmserve.core.sched.scheduler import Scheduler
-
-    per_block = {SLIDING: 4 * 2 * 4 * 2 * 16 * 4, FULL: 2 * 2 * 4 * 1 * 32 * 4}
-    budget = 400 * sum(per_block.values())
-    plans = plan_pools(LAYER_TYPES, SPECS, block_size=4, dtype_bytes=4, kv_cache_bytes=budget,
-                       max_num_seqs=4, max_chunk=32)
-    cap = 4 * (-(-(8 + 32) // 4) + 1) + 1
-    assert plans[SLIDING].num_blocks == cap < 400 < plans[FULL].num_blocks
-    assert sum(p.num_blocks * per_block[t] for t, p in plans.items()) <= budget
-    # four requests at a time with full-budget chunks never run the capped pool dry
-    sched = Scheduler(KVCacheManager(plans, 4, max_model_len=512), max_num_batched_tokens=32, max_num_seqs=4,
-                      max_model_len=512)
-    rng = random.Random(1)
-    for i in range(12):
-        admit(sched, make_request(f"r{i}", 150, random_ranges(rng, 150, max_len=10), max_tokens=20))
-    preempted = []
-    run_to_completion(sched, lambda out: preempted.extend(out.preempted_ids))
-    assert preempted == []
-    assert all(p.num_free == p.num_usable for p in sched.kv.pools.values())
+    sched = make_scheduler(max_num_batched_tokens=16)
+    admit(sched, make_request("a", 100, [(1, 16)], first=3))   # its first chunk stops before the frame
+    admit(sched, make_request("b", 60, first=200))
+    out = step(sched)
+    assert [(s.request.request_id, s.num_tokens) for s in out.scheduled] == [("a", 1), ("b", 15)]
+    assert sched.kv.num_held("b", SLIDING) == 4   # keys 0..14
+    out = step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["a"]   # the frame takes the whole budget
+    assert sched.kv.num_held("b", SLIDING) == 2   # keys 8..14: what its next query (15) can reach

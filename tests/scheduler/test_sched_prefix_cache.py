@@ -212,23 +212,39 @@ def test_a_hit_shares_blocks_by_reference_and_frees_exactly():
     assert kv.usage() == 0.0 and kv.cached_usage() == 5 / 63
 
 
-def test_share_prefix_forks_a_running_requests_blocks_for_parallel_samples():
+def test_share_prefix_forks_all_but_the_last_prompt_token_and_copies_the_partial_block():
     kv = make_kv(num_blocks=64)
     kv.enable_prefix_caching = False              # sharing does not need the cache
-    parent = request("p", list(range(3, 22)))     # 19 tokens
+    parent = request("p", list(range(3, 22)))     # 19 tokens: the child computes only token 18
     compute(kv, parent, 19)
     child = request("p#1", list(range(3, 22)))
     hit = kv.share_prefix(parent, child)
-    assert hit.num_tokens == 16
-    assert kv.allocate(child, 3, hit)
-    assert kv.block_table("p#1", FULL)[:4] == kv.block_table("p", FULL)[:4]
-    assert kv.block_table("p#1", FULL)[4] != kv.block_table("p", FULL)[4]   # the partial block is its own
-    assert all(kv.pools[FULL].ref_cnt[x] == 2 for x in kv.block_table("p", FULL)[:4])
+    assert hit.num_tokens == 18
+    assert kv.allocate(child, 1, hit)
+    p_full, c_full = kv.block_table("p", FULL), kv.block_table("p#1", FULL)
+    assert c_full[:4] == p_full[:4] and c_full[4] != p_full[4]   # whole blocks shared, the partial one its own
+    assert all(kv.pools[FULL].ref_cnt[x] == 2 for x in p_full[:4])
+    p_win, c_win = kv.block_table("p", SLIDING), kv.block_table("p#1", SLIDING)
+    assert c_win[:2] == [NULL_BLOCK] * 2 and c_win[2:4] == p_win[2:4]   # window 8 from token 18: keys 11..17
+    assert kv.take_block_copies() == {FULL: [(p_full[4], c_full[4])], SLIDING: [(p_win[4], c_win[4])]}
+    assert kv.take_block_copies() == {}
     with pytest.raises(ValueError, match="does not share"):
         kv.share_prefix(parent, request("q", [1] + list(range(4, 22))))
     kv.free("p")
     kv.free("p#1")
     assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in kv.pools.values())
+
+
+def test_share_prefix_stops_at_a_frame_and_needs_the_parents_window():
+    kv = make_kv(num_blocks=64)
+    tokens = list(range(3, 33))
+    parent = request("p", tokens, [(20, 29)], [item(1)])   # the prompt ends with a frame
+    compute(kv, parent, 30)
+    hit = kv.share_prefix(parent, request("p#1", tokens, [(20, 29)], [item(1)]))
+    assert hit.num_tokens == 20 and not hit.copy_from   # the child computes the frame (20 is a block boundary)
+    parent.output_token_ids += [7] * 12
+    compute(kv, parent, 12)   # the parent decodes on: its window leaves the prompt's end behind
+    assert kv.share_prefix(parent, request("p#2", tokens, [(20, 29)], [item(1)])).num_tokens == 0
 
 
 def _identity(r: Request, j: int, bs: int) -> tuple:

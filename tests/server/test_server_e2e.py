@@ -86,6 +86,12 @@ def test_health_and_model_info(client, mmserve_server):
     assert info.peaks.source in ("calibrated", "cached") and info.peaks.device.startswith("cpu")
     load = client.server_load()
     assert load.max_num_seqs == mmserve_server.engine_config.max_num_seqs and not load.draining
+    # the KV cache as the engine sized it: tokens per pool, full-context requests that fit
+    kv, ready = info.kv_cache, mmserve_server.engine.ready
+    block = mmserve_server.engine_config.block_size
+    assert dict(kv.pool_tokens) == {t: n * block for t, n in ready.kv_pool_blocks.items()}
+    assert 1 <= kv.full_context_requests <= kv.max_num_seqs == load.max_num_seqs
+    assert kv.sized_by == "--kv-cache-bytes" and 0 < kv.num_bytes <= mmserve_server.engine_config.kv_cache_bytes
 
 
 def test_video_generate_matches_transformers(client, served_model, make_video):

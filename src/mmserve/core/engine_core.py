@@ -28,6 +28,7 @@ rebuilds), and all sessions' reservations together stay within `--live-kv-share`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -38,9 +39,7 @@ from pathlib import Path
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.core.forks import HeldForks
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.core.kv_cache.planner import plan_pools
 from mmserve.core.live import LiveReservations, check_extension
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
@@ -50,6 +49,7 @@ from mmserve.ipc.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ExtendRequest,
+    KvCapacity,
     LoadInfo,
     TokenLogprobs,
 )
@@ -63,6 +63,8 @@ from mmserve.spec_decode.speculator import DraftFrom, Speculator
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
+from mmserve.worker.backend_check import merge_checks
+from mmserve.worker.memory_profile import device_baseline, size_kv_cache
 from mmserve.worker.model_runner import ModelRunner, SampledTokens, StepResult
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,9 @@ class EngineCore:
     tensor-parallel rank 0 passes its own, executor/tensor_parallel.py)."""
 
     def __init__(self, config: EngineConfig, *, model=None, tokenizer=None, runner_factory=None):
+        from mmserve.model.loader import resolve_device
+
+        memory, baseline = device_baseline(config, model.device if model is not None else resolve_device(config.device))
         if model is None:
             model, tokenizer = load_engine_model(config)
         self.config = config
@@ -139,17 +144,23 @@ class EngineCore:
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         self.async_scheduling = uses_async_scheduling(config, model.device)
-        dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
         self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
-        plans = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
-                           dtype_bytes=dtype_bytes, num_kv_blocks=config.num_kv_blocks,
-                           kv_cache_bytes=config.kv_cache_bytes, max_num_seqs=config.max_num_seqs,
-                           max_chunk=config.max_step_tokens)
+        # from the device's memory (a profiling step: worker/memory_profile.py) unless a size is given
+        plan, sized_by, profiled_checks = size_kv_cache(model, config, kv_specs, max_model_len=self.max_model_len,
+                                                        speculator=self.speculator, memory=memory, baseline=baseline)
+        if plan.max_num_seqs < config.max_num_seqs:   # the KV cache holds windows for fewer (logged)
+            self.config = config = dataclasses.replace(config, max_num_seqs=plan.max_num_seqs)
+        plans = plan.pools
+        self.kv_capacity = KvCapacity(plan.pool_tokens(config.block_size),
+                                      plan.full_context_requests(config.block_size, self.max_model_len),
+                                      plan.num_bytes, plan.max_num_seqs, sized_by)
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
+        if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
+            self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
@@ -168,7 +179,6 @@ class EngineCore:
         self.idle_step = False                   # the last step scheduled nothing
         self._admitted: list[str] = []           # since the last step() returned
         self._aborted: list[str] = []            # abort acknowledgements since then
-        self._forks = HeldForks()                # n > 1: samples waiting for their prompt's KV
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
         self._in_flight: InFlight | None = None      # async scheduling: the step launched, not yet finished
         self._live = LiveReservations(self.kv, config, self.max_model_len)
@@ -211,7 +221,7 @@ class EngineCore:
             return
         if compiled is not None:
             self.sampler.grammar.add(req.request_id, fmt, compiled)
-        self._queue(request)
+        self.scheduler.enqueue(request)
 
     def extend_request(self, msg: ExtendRequest, outputs: list[CoreOutput]) -> None:
         """Append to an open prompt; a bad extension ends that request with its error (in `outputs`).
@@ -225,10 +235,6 @@ class EngineCore:
             self._end(msg.request_id, CoreOutput(msg.request_id, error=exc), outputs)
             return
         request.extend_prompt(list(msg.token_ids), [tuple(r) for r in msg.mm_ranges], list(msg.mm_inputs))
-
-    def _queue(self, request: Request) -> None:
-        if not (request.fork_of and self._forks.hold(request, self.requests.get(request.fork_of))):
-            self.scheduler.enqueue(request)
 
     def _queue_compiled(self, outputs: list[CoreOutput]) -> None:
         """Queue the requests whose grammar has compiled since the last step; end those refused."""
@@ -245,7 +251,7 @@ class EngineCore:
                 self._end(rid, CoreOutput(rid, error=EngineInternalError(
                     f"request {rid}: its response_format failed to compile ({type(exc).__name__})")), outputs)
                 continue
-            self._queue(request)
+            self.scheduler.enqueue(request)
 
     def abort(self, request_id: str) -> bool:
         """Free a request the front end has ended; acknowledged with the next step. False if unknown."""
@@ -256,8 +262,8 @@ class EngineCore:
         return True
 
     def load(self) -> LoadInfo:
-        forks = len(self._forks) + len(self._compiling)
-        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + forks,
+        held = len(self.scheduler.forks) + len(self._compiling)
+        return LoadInfo(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + held,
                         kv_usage=self.kv.usage(), max_num_seqs=self.config.max_num_seqs,
                         kv_cached_usage=self.kv.cached_usage())
 
@@ -286,14 +292,12 @@ class EngineCore:
     def _end(self, rid: str, output: CoreOutput | None, outputs: list[CoreOutput]) -> None:
         """The single exit of every admitted request: free everything, report it once (unless the
         front end ended it: `output` None)."""
-        request = self.requests.pop(rid)
+        self.requests.pop(rid)
         self._compiling.pop(rid, None)
-        self._forks.discard(request)
         self._live.release(rid)
         self.prompt_logprobs.pop(rid, None)
-        self.scheduler.finish(rid)
+        self.scheduler.finish(rid)   # samples held for its prompt queue then
         self.sampler.free(rid)
-        self._release_forks()
         if output is not None:
             outputs.append(output)
 
@@ -353,8 +357,7 @@ class EngineCore:
             if s.request.request_id in step.media_failed:
                 rejected[s.request.request_id] = s.num_tokens
         accepted = [_media_failed(a, step.media_failed) for a in accepted]
-        self.scheduler.update(out, rejected)
-        self._release_forks()
+        self.scheduler.update(out, rejected)   # parallel samples whose prompt is now computed join here
         drafted: dict[str, tuple[int, int]] = {}
         if self.speculator is not None:
             try:
@@ -459,11 +462,6 @@ class EngineCore:
             if 0 in row.errors:
                 out.errors[i] = row.errors[0]
         return out
-
-    def _release_forks(self) -> None:
-        """Queue the samples whose parent has computed its prompt (or has ended)."""
-        for request in self._forks.release(self.requests):
-            self.scheduler.enqueue(request)
 
     def _draft(self, step: StepResult, accepted: list[Accepted]) -> dict[str, tuple[int, int]]:
         """The next step's drafts for every request that goes on and speculates; returns, per request

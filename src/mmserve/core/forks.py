@@ -1,9 +1,12 @@
 """Parallel samples (`n > 1`) held back until their first sample has computed the prompt.
 
 Sample i > 0 of a request (`fork_of` set; the front end fans a request out in
-engine/parallel_sampling.py) waits here, off the scheduler, while sample 0 computes the prompt, so
-that it is admitted onto the prompt's KV instead of computing it again; a fork whose parent has
-ended is released at once.
+engine/parallel_sampling.py) waits here, in the scheduler but off its queue, while sample 0 (its
+parent) computes the prompt. Once it has, each joins the running batch on the parent's K/V of the
+prompt (`KVCacheManager.share_prefix`: whole blocks by reference, the partial last one copied), with
+or without prefix caching, so the prompt is computed and its frames encoded once. While a running
+parent computes its prompt, a seat per held sample is kept free for it (`Scheduler`); a sample
+whose parent has ended, or that finds no seat or no shared K/V, queues like any other request.
 """
 
 from __future__ import annotations
@@ -11,35 +14,34 @@ from __future__ import annotations
 from mmserve.request import Request
 
 
-def _prompt_done(parent: Request | None) -> bool:
-    return parent is None or parent.num_computed_tokens >= parent.num_prompt_tokens
+def prompt_done(parent: Request) -> bool:
+    return parent.num_computed_tokens >= parent.num_prompt_tokens
 
 
 class HeldForks:
     def __init__(self) -> None:
         self._held: dict[str, list[Request]] = {}   # parent id -> its samples waiting for the prompt's KV
 
-    def hold(self, request: Request, parent: Request | None) -> bool:
-        """Hold `request` (a fork of `parent`) while the parent is computing its prompt; False if it may run now."""
-        if _prompt_done(parent):
-            return False
+    def hold(self, request: Request) -> None:
         self._held.setdefault(request.fork_of, []).append(request)
-        return True
 
-    def release(self, requests: dict[str, Request]) -> list[Request]:
-        """The held samples whose parent (looked up in `requests`, the requests in flight) has computed
-        its prompt or has ended: they leave the hold."""
-        out = []
-        for parent_id in [p for p, forks in self._held.items() if forks or p not in requests]:
-            if _prompt_done(requests.get(parent_id)):
-                out += self._held.pop(parent_id)
-        return out
+    def of(self, parent_id: str) -> list[Request]:
+        """The samples held for a parent (empty if none)."""
+        return self._held.get(parent_id, [])
 
-    def discard(self, request: Request) -> None:
-        """Forget a held request that ended (aborted) before it was released."""
+    def release(self, parent_id: str) -> list[Request]:
+        """The samples held for a parent, which leave the hold."""
+        return self._held.pop(parent_id, [])
+
+    def discard(self, request: Request) -> bool:
+        """Forget a held sample that ended (aborted) before it was released; False if it is not held."""
         held = self._held.get(request.fork_of)
-        if held is not None and request in held:
-            held.remove(request)
+        if held is None or request not in held:
+            return False
+        held.remove(request)
+        if not held:
+            del self._held[request.fork_of]
+        return True
 
     def __len__(self) -> int:
         return sum(len(forks) for forks in self._held.values())

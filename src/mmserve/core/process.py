@@ -142,9 +142,9 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
         dtype=config.dtype, max_model_len=core.max_model_len, tokens_per_frame=spec.video_max_soft_tokens,
         eos_token_ids=tuple(sorted(core.eos_token_ids)),
         kv_pool_blocks={name: pool.num_usable for name, pool in core.kv.pools.items()},
-        max_num_seqs=config.max_num_seqs, peaks=core.peaks,
+        max_num_seqs=core.config.max_num_seqs, peaks=core.peaks,
         torch_threads=torch_threads or torch.get_num_threads(), pid=os.getpid(),
-        backend_checks=tuple(core.runner.backend_checks))
+        backend_checks=tuple(core.runner.backend_checks), kv_capacity=core.kv_capacity)
     return core, ready
 
 

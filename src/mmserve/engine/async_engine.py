@@ -89,9 +89,10 @@ class AsyncEngine:
             tokenizer = load_tokenizer(self.config.model)
         self.processor = OutputProcessor(tokenizer, self._observer)
         self.processor.engine_started(self.ready.peaks, self.ready.backend_checks)
-        logger.info("engine ready: %s (%s, %s), %d torch threads, KV pools %s", self.ready.model_name,
+        logger.info("engine ready: %s (%s, %s), %d torch threads, KV cache %s", self.ready.model_name,
                     self.ready.backend, "own process" if not self.client.in_process else "in-process thread",
-                    self.ready.torch_threads, self.ready.kv_pool_blocks)
+                    self.ready.torch_threads, self.ready.kv_capacity.describe() if self.ready.kv_capacity
+                    else self.ready.kv_pool_blocks)
 
     @property
     def core(self):
@@ -229,7 +230,8 @@ class AsyncEngine:
             raise EngineUnavailableError("the engine has not started")
         r = self.ready
         return ModelInfo(name=r.model_name, context_length=r.max_model_len, tokens_per_frame=r.tokens_per_frame,
-                         backend=r.backend, dtype=r.dtype, peaks=r.peaks, backend_checks=r.backend_checks)
+                         backend=r.backend, dtype=r.dtype, peaks=r.peaks, backend_checks=r.backend_checks,
+                         kv_capacity=r.kv_capacity)
 
     async def shutdown(self) -> None:
         """Stop the engine core; requests still in flight end with EngineUnavailableError."""

@@ -2,9 +2,9 @@
 
 Sample 0 is the request itself (its id, its seed); sample i > 0 is `"{id}#{i}"` with `fork_of` set
 (the server refuses client ids containing `#`, so a sample's id never equals another request's),
-which the engine holds back until sample 0 has computed the prompt; admitted then, it starts on the
-prompt's cached KV blocks (prefix caching: shared by reference count; only the partial last block
-is computed again). With a `seed`,
+which the engine holds back until sample 0 has computed the prompt; it then runs on sample 0's KV
+of the prompt, with or without prefix caching (whole blocks shared by reference count, the partial
+last one copied: core/forks.py), computing only the prompt's last token again. With a `seed`,
 sample i draws from seed + i (mod 2**64), so each sample equals a separate request with that seed,
 whatever else shares the batch.
 """

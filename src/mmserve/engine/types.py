@@ -99,3 +99,4 @@ class ModelInfo:
     dtype: str
     peaks: DevicePeaks | None = None   # what MFU/MBU divide by
     backend_checks: tuple = ()         # engine.backend_check.BackendCheck per checked component
+    kv_capacity: Any = None            # ipc.protocol.KvCapacity: the KV cache as sized at start-up

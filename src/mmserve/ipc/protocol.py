@@ -161,6 +161,22 @@ class EngineCoreOutputs:
 
 
 @dataclass(frozen=True)
+class KvCapacity:
+    """The KV cache as sized at start-up (core/kv_cache/planner.py), for logs, GetModelInfo and metrics."""
+
+    pool_tokens: dict[str, int]    # tokens of K/V each pool holds (a windowed pool's are recycled as windows move)
+    full_context_requests: int     # requests of max_model_len tokens it holds at once
+    num_bytes: int                 # device memory the pools take
+    max_num_seqs: int              # requests that run at once (lowered when the cache holds fewer windows)
+    sized_by: str                  # what sized it: the memory profile, --kv-cache-bytes, --num-kv-blocks, a CPU's default
+
+    def describe(self) -> str:
+        tokens = ", ".join(f"{t} {n} tokens" for t, n in self.pool_tokens.items())
+        return (f"{self.num_bytes / 2**20:.1f} MiB ({tokens}; {self.full_context_requests} full-context requests fit, "
+                f"{self.max_num_seqs} run at once; {self.sized_by})")
+
+
+@dataclass(frozen=True)
 class EngineReady:
     """The handshake: what the front end needs before it can take requests."""
 
@@ -176,6 +192,7 @@ class EngineReady:
     torch_threads: int
     pid: int
     backend_checks: tuple = ()   # engine.backend_check.BackendCheck: the start-up self-check's results
+    kv_capacity: KvCapacity | None = None
 
 
 @dataclass(frozen=True)

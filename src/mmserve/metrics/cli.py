@@ -8,6 +8,10 @@ samples drafts K rows (`--num-speculative-tokens`) over the target's keys before
 decode request of 1 + K tokens. At --tp > 1 it lists the bytes each GPU sends per collective site
 (comm bytes: ring algorithms, the module docstring of mmserve.metrics.perf_model), apart from the
 HBM bytes MBU divides.
+
+With --kv-cache-gib it also prints how the KV planner splits that much memory between the layer
+types' pools (core/kv_cache/planner.py): the tokens each pool holds and how many requests of the full
+context fit, for --max-num-seqs requests running at once and steps of --max-step-tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmserve.config import EngineConfig
+from mmserve.core.kv_cache.planner import GiB, KVCachePlan, KVCacheTooSmall, plan_pools
 from mmserve.errors import MMServeError
 from mmserve.metrics.peaks import known_devices, lookup, utilization
 from mmserve.metrics.perf_model import (
@@ -70,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="weights' and activations' dtype: sets the bytes moved (default bfloat16)")
     p.add_argument("--accounting", default="exact", choices=list(ACCOUNTING_MODES),
                    help="attention core: pairs the mask keeps, or num_tokens * context_len")
-    p.add_argument("--request", action="append", type=parse_request, required=True, metavar=REQUEST_FORM,
+    p.add_argument("--request", action="append", type=parse_request, default=[], metavar=REQUEST_FORM,
                    help="one request of the step (repeatable); DRAFT_KEYS: the keys its drafting reads "
                         "(with --speculative-model; default CONTEXT_LEN, every draft kept)")
     p.add_argument("--frames", type=int, default=0, help="video frames the vision encoder runs this step")
@@ -82,9 +88,50 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "drafting (drafter.*)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
                    help="draft steps per sampling request with --speculative-model (default 3, as the server)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.0, metavar="GIB",
+                   help="also (or only, without --request) print the KV planner's split of this much memory: "
+                        "blocks, bytes and tokens per pool, requests of the full context that fit")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once, for --kv-cache-gib")
+    p.add_argument("--max-step-tokens", type=int, default=2048,
+                   help="the most tokens one step schedules (the larger step budget), for --kv-cache-gib")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block, for --kv-cache-gib")
+    p.add_argument("--max-model-len", type=int, default=0, help="context length cap for --kv-cache-gib; 0 = the model's")
+    p.add_argument("--window-cache-share", type=float, default=EngineConfig.window_cache_share,
+                   help="the server's --window-cache-share, for --kv-cache-gib (0: prefix caching off)")
     p.add_argument("--json", action="store_true", help="print one JSON object: flops/read_bytes/write_bytes/comm_bytes, "
-                   "and mfu/mbu/peak_flops/peak_bandwidth with --device and --step-time-ms")
+                   "mfu/mbu/peak_flops/peak_bandwidth with --device and --step-time-ms, and kv_plan with --kv-cache-gib")
     p.set_defaults(func=run)
+
+
+def kv_plan(spec, *, gib: float, max_num_seqs: int, max_step_tokens: int, block_size: int, max_model_len: int,
+            num_speculative_tokens: int = 0, dtype_bytes: int = 2,
+            window_cache_share: float = EngineConfig.window_cache_share) -> KVCachePlan:
+    """The planner's split of `gib` GiB for `spec` (as the engine plans it with prefix caching on,
+    without the runner's per-block overhead, which only a profile on the device measures)."""
+    return plan_pools(spec.kv_layer_types, spec.attention_specs, block_size=block_size, dtype_bytes=dtype_bytes,
+                      kv_cache_bytes=int(gib * GiB), max_num_seqs=max_num_seqs, max_step_tokens=max_step_tokens,
+                      max_model_len=max_model_len or spec.max_model_len, num_speculative_tokens=num_speculative_tokens,
+                      window_cache_share=window_cache_share)
+
+
+def kv_plan_dict(plan: KVCachePlan, block_size: int, max_model_len: int) -> dict:
+    tokens = plan.pool_tokens(block_size)
+    return {"pools": {t: {"blocks": p.num_blocks - 1, "bytes": p.num_blocks * p.bytes_per_block, "tokens": tokens[t],
+                          "window": p.window} for t, p in plan.pools.items()},
+            "full_context_requests": plan.full_context_requests(block_size, max_model_len),
+            "max_num_seqs": plan.max_num_seqs, "unused_bytes": plan.unused_bytes, "max_model_len": max_model_len}
+
+
+def write_kv_plan(out, plan: dict, gib: float, args: argparse.Namespace) -> None:
+    out.write(f"  KV cache {gib:g} GiB, block {args.block_size}, {args.max_num_seqs} running, "
+              f"{args.max_step_tokens}-token steps, max_model_len {plan['max_model_len']}:\n")
+    width = max(len(t) for t in plan["pools"])
+    for t, p in plan["pools"].items():
+        held = ("full contexts" if p["window"] is None
+                else f"windows of {plan['max_num_seqs']} requests + one step + cached prefixes' windows")
+        out.write(f"    {t:<{width}} {p['blocks']:>9} blocks {p['bytes'] / GiB:8.2f} GiB {p['tokens']:>10} tokens ({held})\n")
+    out.write(f"    {plan['full_context_requests']} requests of {plan['max_model_len']} tokens fit; "
+              f"{plan['max_num_seqs']} run at once\n")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +140,30 @@ def run(args: argparse.Namespace) -> int:
     except MMServeError as exc:
         print(f"mmserve perf: {exc}", file=sys.stderr)
         return 2
+    if not (args.request or args.kv_cache_gib):
+        print("mmserve perf: give --request (a step's cost) or --kv-cache-gib (the KV planner's split)", file=sys.stderr)
+        return 2
+    plan = None
+    if args.kv_cache_gib:
+        max_len = args.max_model_len or spec.max_model_len
+        try:
+            plan = kv_plan_dict(kv_plan(spec, gib=args.kv_cache_gib, max_num_seqs=args.max_num_seqs,
+                                        max_step_tokens=args.max_step_tokens, block_size=args.block_size,
+                                        max_model_len=max_len, dtype_bytes=2 if args.dtype != "float32" else 4,
+                                        num_speculative_tokens=args.num_speculative_tokens if args.speculative_model else 0,
+                                        window_cache_share=args.window_cache_share),
+                                args.block_size, max_len)
+        except (KVCacheTooSmall, ValueError) as exc:
+            print(f"mmserve perf: {exc}", file=sys.stderr)
+            return 2
+        if not args.request:
+            if args.json:
+                json.dump({"kv_plan": plan}, sys.stdout, indent=2, sort_keys=True)
+                sys.stdout.write("\n")
+            else:
+                sys.stdout.write(f"{spec.model_type}: {spec.num_layers} layers, {args.dtype}:\n")
+                write_kv_plan(sys.stdout, plan, args.kv_cache_gib, args)
+            return 0
     drafter, drafts = None, ()
     if args.speculative_model:
         if args.num_speculative_tokens < 1:
@@ -131,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
                "mbu": utilization(breakdown.total_bytes, seconds, peaks.bandwidth, "MBU"),
                "peak_flops": peaks.flops, "peak_bandwidth": peaks.bandwidth}
     if args.json:
-        json.dump({**breakdown.as_dict(), **(use or {})}, sys.stdout, indent=2, sort_keys=True)
+        json.dump({**breakdown.as_dict(), **(use or {}), **({"kv_plan": plan} if plan else {})}, sys.stdout,
+                  indent=2, sort_keys=True)
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
@@ -150,4 +222,6 @@ def run(args: argparse.Namespace) -> int:
     if use is not None:
         out.write(f"  MFU {100 * use['mfu']:.1f}%  MBU {100 * use['mbu']:.1f}%  (peaks {use['peak_flops']:.4g} FLOP/s, "
                   f"{use['peak_bandwidth']:.4g} B/s)\n")
+    if plan is not None:
+        write_kv_plan(out, plan, args.kv_cache_gib, args)
     return 0

@@ -222,6 +222,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                             reason=c.reason) for c in info.backend_checks],
             tensor_parallel_size=self._config.tensor_parallel_size,
             num_speculative_tokens=self._config.num_speculative_tokens if self._config.speculative_model else 0)
+        if (kv := info.kv_capacity) is not None:
+            model_info.kv_cache.CopyFrom(pb.KvCacheCapacity(
+                pool_tokens=kv.pool_tokens, full_context_requests=kv.full_context_requests, num_bytes=kv.num_bytes,
+                max_num_seqs=kv.max_num_seqs, sized_by=kv.sized_by))
         self._media.describe(model_info)
         return model_info
 

@@ -49,6 +49,16 @@ class BackendCheck:
         return self.running != self.selected
 
 
+def merge_checks(first: list[BackendCheck], later: list[BackendCheck]) -> list[BackendCheck]:
+    """One record per component over two runners' checks (a profiling runner's, then the serving
+    one's): the first that fell back, else the later one; the later's components not checked first follow."""
+    out = {c.component: c for c in first}
+    for c in later:
+        if not out.get(c.component, c).fell_back:
+            out[c.component] = c
+    return list(out.values())
+
+
 def should_check(mode: str, device: torch.device) -> bool:
     """auto: on CUDA, where the kernels differ from what CPU tests cover; on: also elsewhere."""
     if mode not in MODES:

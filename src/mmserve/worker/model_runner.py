@@ -105,6 +105,9 @@ class ModelRunner:
             self.kv_caches.append(self.kv_caches[layer.kv_source] if layer.shares_kv else torch.zeros(
                 backends[t].kv_cache_shape(plans[t].num_blocks, config.block_size, spec.attention_specs[t]),
                 dtype=dtype, device=device))
+        # each pool's caches, one per layer holding KV (block copies go through every one)
+        self.pool_caches = {t: [self.kv_caches[layer.index] for layer in spec.layers
+                                if layer.layer_type == t and not layer.shares_kv] for t in plans}
         set_compiled(config.compile_dense, layers=device.type == "cuda")   # fused layer pieces: CUDA always
         max_tokens = config.max_step_tokens
         max_blocks = math.ceil(max_model_len / config.block_size)
@@ -404,12 +407,24 @@ class ModelRunner:
                 out += [None] * len(items)
         return out
 
+    def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
+        """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
+        parent's partial last prompt block), before the step writes to either."""
+        device = self.model.device
+        for t, pairs in copies.items():
+            index = torch.tensor(pairs, dtype=torch.long)   # [n, 2]: source, destination
+            if device.type == "cuda":   # from pinned memory: the copy waits for no step in flight
+                index = index.pin_memory().to(device, non_blocking=True)
+            for cache in self.pool_caches[t]:   # (2, blocks, block_size, heads, dim)
+                cache[:, index[:, 1]] = cache[:, index[:, 0]]
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev: SampledTokens | None = None) -> StepResult:
         """Queue the step's forward and logits (nothing here waits for the device, but prompt
         logprobs); `prev` (async scheduling): the tokens the step before samples, still on the device."""
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()   # the last step's copies out of the staging buffers have run
+        self._copy_blocks(out.block_copies)
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)

@@ -28,7 +28,7 @@ import numpy as np
 
 from mmserve.block_hash import block_hashes, mm_extra_keys
 from mmserve.core.kv_cache.block_pool import NULL_BLOCK, BlockPool
-from mmserve.core.kv_cache.planner import PoolPlan, sliding_blocks_per_request
+from mmserve.core.kv_cache.planner import PoolPlan, window_hold_blocks
 from mmserve.core.sched.output import BlockUpdate
 from mmserve.ipc.kv_cache_events import BlockRemoved, BlockStored, CacheCleared, EventsStarted, KvEvent
 from mmserve.request import Request
@@ -46,6 +46,9 @@ class PrefixHit:
     # The block after the hit is being computed by a running request: admitted a little later, the
     # request would reuse it instead of computing the same prefix beside it.
     next_in_flight: bool = False
+    # A hit ending inside a block (`share_prefix`): per pool, the block holding its keys there, which
+    # `allocate` copies into the request's own block (the request writes its own tokens after them).
+    copy_from: dict[str, int] = field(default_factory=dict)
 
 
 NO_HIT = PrefixHit()
@@ -97,6 +100,8 @@ class KVCacheManager:
             self.pools[self.published_pool].on_evict = self._evicted
         self._held: dict[str, _Held] = {}
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
+        self.refusals: Counter[str] = Counter()   # allocations refused, by the pool that lacked blocks
+        self._copies: dict[str, list[tuple[int, int]]] = {}   # for the runner (take_block_copies)
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -126,15 +131,11 @@ class KVCacheManager:
         return max((p.num_cached_free / p.num_usable for p in self.pools.values()), default=0.0)
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
-        """Most blocks one request of `num_tokens` ever holds per pool (sliding pools stay bounded)."""
+        """Most blocks one request of `num_tokens` ever holds per pool, given steps of at most
+        `max_chunk` tokens (a windowed pool: its window and one chunk; planner.window_hold_blocks)."""
         full = math.ceil(num_tokens / self.block_size)
-        out = {}
-        for t, plan in self.plans.items():
-            if plan.window is None:
-                out[t] = full
-            else:
-                out[t] = min(full, sliding_blocks_per_request(plan.window, max_chunk, self.block_size))
-        return out
+        return {t: full if plan.window is None else min(full, window_hold_blocks(plan.window, max_chunk, self.block_size))
+                for t, plan in self.plans.items()}
 
     # -- prefix reuse --------------------------------------------------------------------------------------
 
@@ -166,18 +167,31 @@ class KVCacheManager:
         return hit
 
     def share_prefix(self, parent: Request, child: Request) -> PrefixHit:
-        """A hit for `child` (holding no blocks, same prompt and media as `parent`) on the parent's
-        full computed blocks, shared by reference once `allocate(child, n, hit)` takes it: how `n`
-        parallel samples of one prompt share its K/V, with or without prefix caching."""
+        """A hit for `child` (a parallel sample: same prompt and media as `parent`, holding no blocks)
+        on the parent's K/V of all of its prompt but the last token, whose logits the child computes
+        itself: the whole blocks shared by reference, the block holding the rest copied into the
+        child's own (`PrefixHit.copy_from`), so no prompt token and no frame is computed twice, with
+        or without prefix caching. A hit never ends inside an image/frame (it then ends at its start).
+        NO_HIT when the parent no longer holds those keys (it ended, or its window moved past them)."""
         if child.request_id in self._held:
             raise ValueError(f"{child.request_id} already holds blocks")
-        held = self._held[parent.request_id]
-        bs = self.block_size
-        k = min(parent.num_computed_tokens // bs, (child.num_tokens - 1) // bs)
-        if parent.token_ids_slice(0, k * bs) != child.token_ids_slice(0, k * bs):
-            raise ValueError(f"{child.request_id} does not share {parent.request_id}'s first {k * bs} tokens")
-        found = {t: [None if b == NULL_BLOCK else b for b in table.blocks[:k]] for t, table in held.tables.items()}
-        return self._usable_prefix(child, found)
+        held = self._held.get(parent.request_id)
+        n = _outside_range(child.mm_ranges_np, child.num_tokens - 1)
+        if held is None or n == 0 or parent.num_computed_tokens < n:
+            return NO_HIT
+        if parent.token_ids_slice(0, n) != child.token_ids_slice(0, n):
+            raise ValueError(f"{child.request_id} does not share {parent.request_id}'s first {n} tokens")
+        k, partial = divmod(n, self.block_size)
+        blocks, copy_from = {}, {}
+        for t, table in held.tables.items():
+            first = self._first_kept(t, n) // self.block_size
+            needed = table.blocks[first:k + (partial > 0)]
+            if len(needed) < k + (partial > 0) - first or NULL_BLOCK in needed:
+                return NO_HIT
+            blocks[t] = [NULL_BLOCK] * first + table.blocks[first:k]
+            if partial:
+                copy_from[t] = table.blocks[k]
+        return PrefixHit(n, blocks, copy_from=copy_from)
 
     def _usable_prefix(self, request: Request, found: dict[str, list[int | None]]) -> PrefixHit:
         """The longest k such that blocks [0, k) can serve `request`: every unwindowed pool has all
@@ -293,7 +307,7 @@ class KVCacheManager:
         if window is None or pos == 0:
             return 0
         first = max(0, pos - window + 1)
-        ranges = request.mm_ranges_np
+        ranges = request.vision_ranges_np   # an audio segment is causal: a chunk may end inside it
         if len(ranges):
             # A range still open at `pos` keeps its start (un-clamped bidirectional layers need it).
             i = int(np.searchsorted(ranges[:, 0], pos, side="right")) - 1
@@ -334,6 +348,7 @@ class KVCacheManager:
                 if held is None:
                     available -= pool.num_taken_by_touch(table.blocks)
                 if missing > available:
+                    self.refusals[t] += 1
                     return False
             reclaim_to[t] = upto
         if held is None:
@@ -346,23 +361,51 @@ class KVCacheManager:
                 held.in_flight_end = len(held.keys)
                 self._in_flight.update(held.keys[k:])
         for t, pool in self.pools.items():
+            self._reclaim(request, held, t, reclaim_to[t])
             table = tables[t]
-            a, b = table.num_reclaimed, reclaim_to[t]
-            if b > a:
-                # Blocks the window left behind: a later prompt seldom ends right after them, so they
-                # are evicted first; unless they came from a hit (a shared prefix ends there) or hold
-                # the window of a hit ending after the prompt's media (a new question about it).
-                hit = held.num_hit
-                keep = self._media_end_window(request, t)
-                pool.release(table.blocks[a:min(b, hit)])
-                for j in range(max(a, hit), b):
-                    pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
-                table.blocks[a:b] = [NULL_BLOCK] * (b - a)
-                table.num_reclaimed = b
             have = len(table.blocks)
             if needed_len > have:
                 table.blocks.extend(pool.take(needed_len - have))
+        for t, src in hit.copy_from.items():   # the hit's partial block: the runner copies it before the next step
+            self._copies.setdefault(t, []).append((src, tables[t].blocks[start // self.block_size]))
         return True
+
+    def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
+        """The (source, destination) block copies per pool that taken hits asked for since the last
+        call: the runner makes them before its next forward, before anything writes to either block."""
+        copies, self._copies = self._copies, {}
+        return copies
+
+    def release_out_of_window(self, request: Request) -> None:
+        """Return the windowed pools' blocks that no query from the request's next position on can
+        reach. The scheduler calls it for every running request before each step, so a request the
+        step leaves out holds only its window, never the chunk it computed last (what the planner's
+        windowed reservation assumes: planner.window_pool_blocks)."""
+        held = self._held.get(request.request_id)
+        if held is None:
+            return
+        for t, plan in self.plans.items():
+            table = held.tables[t]
+            if plan.window is not None and table.blocks:
+                first = self._first_needed(request, request.num_computed_tokens, plan.window)
+                self._reclaim(request, held, t, min(first // self.block_size, len(table.blocks)))
+
+    def _reclaim(self, request: Request, held: _Held, layer_type: str, upto: int) -> None:
+        """Release a windowed table's entries before `upto` (those not released yet) to the pool."""
+        table = held.tables[layer_type]
+        a = table.num_reclaimed
+        if upto <= a:
+            return
+        # Blocks the window left behind: a later prompt seldom ends right after them, so they are
+        # evicted first; unless they came from a hit (a shared prefix ends there) or hold the window
+        # of a hit ending after the prompt's media (a new question about it).
+        pool, hit = self.pools[layer_type], held.num_hit
+        keep = self._media_end_window(request, layer_type)
+        pool.release(table.blocks[a:min(upto, hit)])
+        for j in range(max(a, hit), upto):
+            pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
+        table.blocks[a:upto] = [NULL_BLOCK] * (upto - a)
+        table.num_reclaimed = upto
 
     def take_block_updates(self, request_id: str) -> dict[str, BlockUpdate]:
         """The changes to the request's tables since the last call, per pool that changed (a hit's
@@ -399,6 +442,13 @@ def _hit_runs(found: list) -> list[int]:
         run = run + 1 if b is not None else 0
         runs.append(run)
     return runs
+
+
+def _outside_range(ranges: np.ndarray, pos: int) -> int:
+    """`pos`, or the start of the range it lies inside (a chunk may start at a range's first token,
+    never after it: the range's tokens attend to each other both ways and are encoded together)."""
+    i = int(np.searchsorted(ranges[:, 0], pos, side="left")) - 1 if len(ranges) else -1
+    return int(ranges[i, 0]) if i >= 0 and ranges[i, 1] >= pos else pos
 
 
 def _outside_ranges(ranges: np.ndarray, k: int, block_size: int) -> int:

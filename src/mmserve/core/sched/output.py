@@ -55,6 +55,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)   # finished or aborted since the last step
+    # per pool, (source, destination) KV blocks to copy before this step's forward: a parallel sample's
+    # copy of its parent's partial last prompt block (KVCacheManager.share_prefix)
+    block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

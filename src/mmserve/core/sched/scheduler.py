@@ -11,6 +11,8 @@ a running request is computing right now waits for it (the budget goes to the ne
 instead of computing it a second time.
 When KV blocks run out, the request that would be served last is preempted: its blocks are freed
 and it is recomputed later.
+Parallel samples (`n > 1`): samples i > 0 are held (core/forks.py) until sample 0 has computed the
+prompt, then join the running batch on its K/V; a running sample 0 keeps a seat free for each.
 Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
 verify chunk of 1 + K tokens when the budget and KV allow, else with fewer drafts or none (plain
 decode); `update` rolls `num_computed_tokens` back past the drafts its step rejected, so only
@@ -36,7 +38,9 @@ import logging
 
 import numpy as np
 
+from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
+from mmserve.core.kv_cache.planner import window_pool_blocks
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
@@ -94,6 +98,7 @@ class Scheduler:
         self._by_id: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self._frame_blocked: set[str] = set()
+        self.forks = HeldForks()             # parallel samples waiting for their parent's prompt
 
     # -- admission -----------------------------------------------------------------------------------------
 
@@ -135,13 +140,19 @@ class Scheduler:
 
     def _check_samples_fit(self, request: Request) -> None:
         """Refuse (it can never fit) n samples of prompt + max_tokens that need more KV blocks than a
-        pool has: the prompt's full blocks are shared, everything after them is per sample."""
+        pool has: in a full-attention pool the prompt's whole blocks are shared and everything after
+        them is per sample; a windowed pool holds n windows and one step's tokens between them
+        (the planner's bound, planner.window_pool_blocks)."""
         n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
         one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
         shared = prompt_len // self.kv.block_size
         for pool, blocks in one.items():
-            own = blocks - (shared if self.kv.plans[pool].window is None else 0)
-            need = blocks + (n - 1) * own
+            window = self.kv.plans[pool].window
+            if window is None:
+                need = blocks + (n - 1) * (blocks - shared)
+            else:
+                need = min(n * blocks, window_pool_blocks(window, block_size=self.kv.block_size, max_num_seqs=n,
+                                                          max_step_tokens=self.prefill_batched_tokens) - 1)
             usable = self.kv.pools[pool].num_usable
             if need > usable:
                 raise InvalidInputError(
@@ -149,22 +160,51 @@ class Scheduler:
                     f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
     def enqueue(self, request: Request) -> None:
-        """Queue an already admitted request (the engine checks admission on the caller's thread)."""
+        """Queue an already admitted request (the engine checks admission on the caller's thread); a
+        parallel sample whose parent is here is held until the parent's prompt is computed, or joins
+        it at once if it is."""
         request.status = RequestStatus.WAITING
         self._by_id[request.request_id] = request
-        bisect.insort(self.waiting, request, key=self._order_key)
+        parent = self._by_id.get(request.fork_of) if request.fork_of else None
+        if parent is not None and not prompt_done(parent):
+            self.forks.hold(request)
+        elif parent is None or not self._join(request, parent):
+            bisect.insort(self.waiting, request, key=self._order_key)
+
+    def _join(self, fork: Request, parent: Request) -> bool:
+        """Run a parallel sample from now on, on its running parent's K/V of the prompt (the last
+        token its own); False if there is no seat, or the parent no longer holds that K/V."""
+        if parent.status != RequestStatus.RUNNING or len(self.running) >= self.max_num_seqs:
+            return False
+        hit = self.kv.share_prefix(parent, fork)
+        if not hit.num_tokens or not self.kv.allocate(fork, 0, hit):
+            return False
+        fork.num_computed_tokens = hit.num_tokens
+        fork.num_cached_tokens = hit.num_tokens if self.kv.enable_prefix_caching else 0
+        fork.status = RequestStatus.RUNNING
+        self.running.append(fork)
+        return True
+
+    def _release_forks(self, parent: Request) -> None:
+        """The samples held for `parent` (its prompt computed, or it ended): each joins it, or queues."""
+        for fork in self.forks.release(parent.request_id):
+            if not self._join(fork, parent):
+                bisect.insort(self.waiting, fork, key=self._order_key)
 
     def finish(self, request_id: str) -> Request | None:
         """Remove a request (finished or aborted) and free its blocks. None if it is not here."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return None
+        request.status = RequestStatus.FINISHED
+        if self.forks.discard(request):   # it never ran
+            return request
+        self._release_forks(request)   # samples still waiting for its prompt compute it themselves
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
-        request.status = RequestStatus.FINISHED
         self._finished_since_step.append(request_id)
         return request
 
@@ -195,7 +235,7 @@ class Scheduler:
         victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, victim, key=self._order_key)
-        logger.debug("preempted %s (KV blocks exhausted)", victim.request_id)
+        logger.debug("preempted %s (KV blocks exhausted: refusals by pool %s)", victim.request_id, dict(self.kv.refusals))
 
     def _pick_victim(self) -> Request:
         """The running request that would be served last: lowest priority, latest arrival."""
@@ -215,6 +255,8 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
+        for request in self.running:   # one this step leaves out holds its window, not its last chunk
+            self.kv.release_out_of_window(request)
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
         # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
@@ -225,12 +267,17 @@ class Scheduler:
             if not request.open_prompt:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
+        # a seat for every sample held for a running parent: it joins the batch once the prompt is computed
+        seats = len(self.running) + sum(len(self.forks.of(r.request_id)) for r in self.running)
         i = 0
-        while not preempted and i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while not preempted and i < len(self.waiting) and budget > 0 and seats < self.max_num_seqs:
             request = self.waiting[i]
             if request.num_output_placeholders:   # preempted with a token on its way: recompute once it lands
                 i += 1
                 continue
+            needs = 1 + len(self.forks.of(request.request_id))
+            if seats + needs > self.max_num_seqs and seats:   # (more samples than seats: alone, and the rest queue)
+                break
             hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 i += 1
@@ -245,6 +292,7 @@ class Scheduler:
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += needs
             scheduled[request.request_id] = self._scheduled(request, n)
             if self.kv.enable_prefix_caching:
                 scheduled[request.request_id].num_cached_tokens = start
@@ -261,7 +309,9 @@ class Scheduler:
                 if s.seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
                     r.num_output_placeholders += 1
                 r.num_computed_tokens = s.seq_len
-        return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished)
+        copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
+        return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
+                               block_copies=copies)
 
     def _all_in_flight(self, request: Request) -> bool:
         """Async: every token the request may still make (max_tokens) is sampled by a step in flight."""
@@ -319,3 +369,5 @@ class Scheduler:
                 if back or not self.async_scheduling:   # async: advanced when scheduled (a rollback ends it)
                     s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)
+                if prompt_done(s.request) and self.forks.of(s.request.request_id):
+                    self._release_forks(s.request)

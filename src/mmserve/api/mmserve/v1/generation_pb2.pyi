@@ -325,7 +325,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes", "peaks", "backend_checks", "tensor_parallel_size", "num_speculative_tokens")
+    __slots__ = ("model_name", "context_length", "max_frames_per_video", "max_frames_per_request", "tokens_per_frame", "supported_inputs", "attention_backend", "dtype", "max_inline_media_bytes", "max_upload_bytes", "max_upload_chunk_bytes", "peaks", "backend_checks", "tensor_parallel_size", "num_speculative_tokens", "kv_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAMES_PER_VIDEO_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,7 @@ class ModelInfo(_message.Message):
     BACKEND_CHECKS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     context_length: int
     max_frames_per_video: int
@@ -356,7 +357,29 @@ class ModelInfo(_message.Message):
     backend_checks: _containers.RepeatedCompositeFieldContainer[BackendCheck]
     tensor_parallel_size: int
     num_speculative_tokens: int
-    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ..., peaks: _Optional[_Union[DevicePeaks, _Mapping]] = ..., backend_checks: _Optional[_Iterable[_Union[BackendCheck, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    kv_cache: KvCacheCapacity
+    def __init__(self, model_name: _Optional[str] = ..., context_length: _Optional[int] = ..., max_frames_per_video: _Optional[int] = ..., max_frames_per_request: _Optional[int] = ..., tokens_per_frame: _Optional[int] = ..., supported_inputs: _Optional[_Iterable[str]] = ..., attention_backend: _Optional[str] = ..., dtype: _Optional[str] = ..., max_inline_media_bytes: _Optional[int] = ..., max_upload_bytes: _Optional[int] = ..., max_upload_chunk_bytes: _Optional[int] = ..., peaks: _Optional[_Union[DevicePeaks, _Mapping]] = ..., backend_checks: _Optional[_Iterable[_Union[BackendCheck, _Mapping]]] = ..., tensor_parallel_size: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., kv_cache: _Optional[_Union[KvCacheCapacity, _Mapping]] = ...) -> None: ...
+
+class KvCacheCapacity(_message.Message):
+    __slots__ = ("pool_tokens", "full_context_requests", "num_bytes", "max_num_seqs", "sized_by")
+    class PoolTokensEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FULL_CONTEXT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    SIZED_BY_FIELD_NUMBER: _ClassVar[int]
+    pool_tokens: _containers.ScalarMap[str, int]
+    full_context_requests: int
+    num_bytes: int
+    max_num_seqs: int
+    sized_by: str
+    def __init__(self, pool_tokens: _Optional[_Mapping[str, int]] = ..., full_context_requests: _Optional[int] = ..., num_bytes: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., sized_by: _Optional[str] = ...) -> None: ...
 
 class BackendCheck(_message.Message):
     __slots__ = ("component", "selected", "running", "reason")
