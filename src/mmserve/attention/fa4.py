@@ -46,6 +46,7 @@ from mmserve.attention.mask import NO_WINDOW
 from mmserve.attention.page_tables import windowed_pieces
 from mmserve.attention.paged import write_kv
 from mmserve.attention.selection import device_arch, fa4_runs
+from mmserve.attention.split_kv import SplitKvMetadata, decode_shaped, planner_for, split_kv_attention
 
 QUERY_TILE = 128   # packed query rows of FA4's query tile at head dim 256 on SM90 and SM100
 SEQS_PER_CALL = 256   # b36's BIN_BATCH_SEARCH_THRESH: more sequences in one call take another kernel
@@ -163,7 +164,8 @@ def call_slices(num_seqs: int) -> list[tuple[int, int]]:
 
 
 class Fa4MetadataBuilder:
-    """Per step: nothing for frame-free steps; the windowed pieces for steps with frames."""
+    """Per step: nothing for frame-free steps; the windowed pieces for steps with frames; on SM90 a
+    decode or verify step's split-KV plan (attention/split_kv.py: b36 cannot split the keys there)."""
 
     def __init__(self, pool: PoolConfig) -> None:
         spec = pool.spec
@@ -180,8 +182,11 @@ class Fa4MetadataBuilder:
         self.offsets = StagedBuffer((most, 2), torch.int32, pool.device)
         self.out = torch.empty(pool.max_num_tokens, spec.num_heads, spec.head_dim, dtype=pool.dtype,
                                device=pool.device)
+        self.split_kv = planner_for(pool, "fa4")
 
-    def build(self, common: CommonAttentionMetadata) -> Fa4Metadata:
+    def build(self, common: CommonAttentionMetadata) -> Fa4Metadata | SplitKvMetadata:
+        if self.split_kv is not None and decode_shaped(common):
+            return self.split_kv.plan(common)
         if common.query_ranges_cpu is None or not self.spec.bidirectional:
             return Fa4Metadata(common, self.out, None)
         T, R = common.num_actual_tokens, common.num_reqs
@@ -208,8 +213,10 @@ class Fa4Impl:
         self.spec = spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                metadata: Fa4Metadata) -> torch.Tensor:
+                metadata: Fa4Metadata | SplitKvMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.common)
+        if isinstance(metadata, SplitKvMetadata):
+            return split_kv_attention(q, kv_cache[0], kv_cache[1], metadata, self.spec)
         return run_fa4(q, kv_cache[0], kv_cache[1], metadata, self.spec)
 
 
