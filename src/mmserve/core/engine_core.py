@@ -112,7 +112,8 @@ class EngineCore:
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
-        self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
+        self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens,
+                                           max_num_seqs=config.max_num_seqs)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
         plans = plan_pools(spec.kv_layer_types, kv_specs, block_size=config.block_size,
