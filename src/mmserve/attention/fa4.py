@@ -17,6 +17,13 @@ mask_mod adds the piece's offsets (absolute position of its first query and of i
 tensor 1) to FA4's local indices and applies mask.keep with each row's range from the step's range
 table (aux tensor 0).
 
+No Python wrapper per layer: FA4's `_flash_attn_fwd` validates its inputs, plans tiles and builds
+the compile key on every call (0.27-0.36 ms of host time, measured on an H200: more than a decode
+kernel). All layers of a type in one step make the same call but for q and the layer's cache, so
+the step's first layer goes through the wrapper, which records the compiled kernel it launches
+and its arguments (`PreparedCall`), and every later layer launches that kernel directly with its
+own q, K and V in their places (`Fa4Metadata.calls`, refilled each step with the step's tensors).
+
 Compile key: FA4 hashes a mask_mod's source and closure cells, so the factory is cached, its
 closure holds only a bool, the helper's source is named in __cute_hash__, per-step data arrives
 through aux tensors and the window through a CuTe-typed aux scalar: one kernel serves every window,
@@ -30,7 +37,8 @@ import functools
 import hashlib
 import importlib.util
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -115,15 +123,79 @@ class Pieces:
 
 
 @dataclass
+class PreparedCall:
+    """One launch of a compiled FA4 kernel as its wrapper made it: `args` are the kernel's
+    arguments, q, K and V first (what differs between the layers of a step)."""
+
+    kernel: Callable
+    args: list
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        from flash_attn.cute.cute_dsl_utils import maybe_contiguous  # the wrapper's own canonical layout
+
+        self.kernel(*(maybe_contiguous(t).detach() for t in (q, k_cache, v_cache)), *self.args[3:])
+
+
+class _Recording:
+    """Stands in for `_flash_attn_fwd.compile_cache` during one wrapper call (the three ways the
+    wrapper uses it): the kernels it launches still run, each with its arguments kept."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, kernel) -> None:
+        self.cache[key] = kernel
+
+    def __getitem__(self, key) -> Callable:
+        kernel = self.cache[key]
+
+        def launch(*args):
+            self.calls.append(PreparedCall(kernel, list(args)))
+            return kernel(*args)
+        return launch
+
+
+def recorded_calls(run: Callable[[], object]) -> list[PreparedCall]:
+    """The FA4 kernel launches `run` makes through the wrapper (none under FakeTensorMode, where
+    FA4 compiles and launches nothing)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    cache = _flash_attn_fwd.compile_cache
+    recording = _flash_attn_fwd.compile_cache = _Recording(cache)
+    try:
+        run()
+    finally:
+        _flash_attn_fwd.compile_cache = cache
+    return recording.calls
+
+
+@dataclass
 class Fa4Metadata:
     common: CommonAttentionMetadata
     out: torch.Tensor               # [max_num_tokens, H, D] preallocated output; FA4 writes the step's rows
     pieces: Pieces | None           # set when the step has frames on this layer type (the mask_mod path)
+    calls: list[PreparedCall] = field(default_factory=list)   # the step's launches, recorded by its first layer
 
 
 def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: Fa4Metadata,
             spec: LayerAttentionSpec) -> torch.Tensor:
-    """FA4 varlen calls over the paged cache into md.out; the mask_mod path iff the step has pieces.
+    """FA4 over the paged cache into md.out: the step's first layer through FA4's wrapper
+    (`wrapper_calls`, its launches recorded into md.calls), the others straight to the kernels."""
+    out = md.out if md.out.shape[0] == q.shape[0] else md.out[: q.shape[0]]
+    if md.calls:
+        for call in md.calls:
+            call.launch(q, k_cache, v_cache)
+    else:
+        md.calls = recorded_calls(lambda: wrapper_calls(q, k_cache, v_cache, out, md, spec))
+    return out
+
+
+def wrapper_calls(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  md: Fa4Metadata, spec: LayerAttentionSpec) -> None:
+    """FA4 varlen calls over the paged cache into `out`; the mask_mod path iff the step has pieces.
 
     At most SEQS_PER_CALL sequences (requests or pieces) per call: above FA4's batch-search threshold
     it switches to another scheduler, a second compile key that a long step (E2B/E4B reach 512
@@ -135,7 +207,6 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
     import cutlass
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out = md.out if md.out.shape[0] == q.shape[0] else md.out[: q.shape[0]]
     if md.pieces is None:
         c = md.common
         left = spec.window - 1 if spec.window is not None else None
@@ -145,7 +216,7 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
                             page_table=c.block_table.narrow(0, a, n), softmax_scale=spec.scale,
                             causal=True, window_size_left=left, window_size_right=0 if left is not None else None,
                             out=out)
-        return out
+        return
     p = md.pieces
     window = spec.window if spec.window is not None else NO_WINDOW
     for a, n in call_slices(p.num_keys.shape[0]):
@@ -155,7 +226,6 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
                         mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
                         aux_tensors=[md.common.query_ranges, p.offsets.narrow(0, a, n)],
                         aux_scalars=(cutlass.Int32(window),), out=out)
-    return out
 
 
 def call_slices(num_seqs: int) -> list[tuple[int, int]]:
