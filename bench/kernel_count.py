@@ -44,7 +44,7 @@ from mmserve.model.spec import LayerSpec, ModelSpec, load_spec  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gemma4_family"
 MODELS = ("e2b", "e4b", "12b_unified", "26b_a4b", "31b")
-PIECES = ("attn_in", "mlp_in", "layer_out", "moe_in")
+PIECES = ("attn_in", "mlp_in", "mlp_moe_in", "layer_out")
 # A generated kernel or an extern / fallback call in inductor's wrapper code.
 _LAUNCH = re.compile(r"^\s*(?:buf\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
 # Dispatched ops that launch nothing.
@@ -136,7 +136,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
     sin = torch.randn(rows, attn.head_dim, dtype=dtype)
     layer_input = None if spec.ple is None else torch.randn(rows, spec.ple.dim, dtype=dtype)
     counter = EagerLaunches()
-    originals = {name: getattr(moe if name == "moe_in" else layer_pieces, name) for name in PIECES}
+    originals = {name: getattr(moe if name == "mlp_moe_in" else layer_pieces, name) for name in PIECES}
 
     def counted(name, piece):
         def run(*args):
@@ -145,6 +145,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
                 out, codes = run_and_get_code(piece, *args)
             result.pieces[name] = [launch for code in codes for launch in launches(code)]
             return out
+        run.eager = piece.eager   # a piece that runs another's body inside its own (mlp_moe_in: mlp_in's)
         return run
 
     compiled.set_compiled(False, layers=True)
