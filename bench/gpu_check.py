@@ -18,7 +18,7 @@
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
              work, at 1..64 frames (target: <= 1.3x the minimum at 64 frames); FA4 time with frames
              against its plain sliding path on the same step.
-5. fallback  head dim 512: the split-KV kernels (CUDA's decode path), flex and gather + SDPA on one
+5. fallback  head dim 512: the split-KV kernel (CUDA's decode path), flex and gather + SDPA on one
              decode at 32k, 64 decodes and one prefill chunk: K/V bytes, pairs and busy programs
              counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
@@ -405,7 +405,7 @@ def fallback_metadata(variant: str, batch, spec: LayerAttentionSpec):
 
 
 def fallback(sizes: Sizes, device: str) -> dict:
-    """Full-layer (head dim 512) decode and prefill steps: the split-KV kernels (decode steps on
+    """Full-layer (head dim 512) decode and prefill steps: the split-KV kernel (decode steps on
     CUDA), flex, and SDPA over a padded gather: the K/V bytes each kernel asks for (L2 hits
     included: a prefill chunk's K/V may fit the 60 MB L2, a 64-request decode's does not) and the
     (query row, key) pairs it computes, counted from the plans the builders really make for the step
@@ -489,7 +489,7 @@ def flex_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int,
 
 
 def split_kv_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int, int]:
-    """(bytes, pairs, programs with keys) of the split-KV kernels: each request's keys from its first
+    """(bytes, pairs, programs with keys) of the split-KV kernel: each request's keys from its first
     kept key, once per KV head (block_bytes / 16 per key), each query tile once (a decode token's
     g rows are one tile); with more than one split in the grid, every split's float32 partial rows
     (head dim + its log-sum-exp) written and read back by the merge."""

@@ -13,8 +13,9 @@ to CUDA as stated:
   ATen kernel);
 - outside the pieces, one per ATen op the forward dispatches that computes (views, allocations
   and metadata ops launch nothing), counted by a dispatch mode that is paused inside the pieces;
-- the attention call: one (FA4's or flex's kernel: the K/V write is fused into `attn_in`);
-  collectives: none at one rank (each would add one NCCL launch).
+- the attention call: one (on CUDA a decode step's is the split-KV kernel, one launch whether it
+  splits the keys or not: its last split merges; FA4's or flex's kernel otherwise; the K/V write
+  is fused into `attn_in`); collectives: none at one rank (each would add one NCCL launch).
 Where the C++ and Triton backends fuse differently (C++ runs independent reductions of different
 shapes in one loop nest, Triton as separate kernels: q and k norm + RoPE; Triton may split a long
 reduction at one row), the CUDA count can be a kernel or two higher per piece; `profile` in
@@ -98,7 +99,7 @@ def layer_kinds(spec: ModelSpec) -> dict[str, LayerSpec]:
 
 
 class StubAttention:
-    """Stands in for FA4 / flex (one launch, counted apart): returns q, reads nothing."""
+    """Stands in for the attention kernel (one launch, counted apart): returns q, reads nothing."""
 
     def forward(self, q, k, v, kv_cache, metadata):
         return q

@@ -112,7 +112,7 @@ def test_fa4_runs_matches_fa4_kernel_constructors(fa4_constructors):
 
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 def test_decode_takes_split_kv_where_the_layers_kernel_cannot_split_keys(fa4_constructors):
-    """Decode and verify steps run our split-KV kernels on flex's layer types (its Triton kernel runs
+    """Decode and verify steps run our split-KV kernel on flex's layer types (its Triton kernel runs
     one program per query block and KV head) and on FA4's where b36 refuses split-KV (SM90: its
     own constructor says so), never on a CPU."""
     for arch in (80, 90, 100, 120):

@@ -123,7 +123,7 @@ def cuda_kernel_options(head_dim: int) -> dict:
 
 class FlexMetadataBuilder:
     """Refills the fixed-capacity tables and builds the step's block mask, once per step per layer type;
-    on CUDA, decode and verify steps are planned for the split-KV kernels instead (attention/split_kv.py)."""
+    on CUDA, decode and verify steps are planned for the split-KV kernel instead (attention/split_kv.py)."""
 
     def __init__(self, pool: PoolConfig) -> None:
         self.split_kv = planner_for(pool, "flex")
@@ -258,7 +258,7 @@ class FlexMetadataBuilder:
 
 
 class FlexImpl:
-    """AttentionImpl on compiled flex_attention over the whole paged cache (or the split-KV kernels,
+    """AttentionImpl on compiled flex_attention over the whole paged cache (or the split-KV kernel,
     when the builder planned the step for them)."""
 
     def __init__(self, spec: LayerAttentionSpec) -> None:

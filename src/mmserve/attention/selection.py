@@ -16,7 +16,7 @@ Every other layer type takes the batched paged fallback: compiled FlexAttention 
 cache on CUDA (fixed shapes, so decode steps can be CUDA graphs; no per-step gather), the CPU
 backend on CPU. tests/attention/test_attn_layer_choice.py checks `fa4_runs` against FA4's own kernel constructors.
 
-Decode and verify steps (`split_kv_decode`) take our split-KV Triton kernels (attention/split_kv.py)
+Decode and verify steps (`split_kv_decode`) take our split-KV Triton kernel (attention/split_kv.py)
 on the layer types where the backend's own kernel cannot spread one request's keys over the GPU:
 - flex (head dim 512 on every GPU): Triton's flex kernel runs one program per (query block, KV
   head), one program per full layer of the 12B at batch 1;
@@ -63,7 +63,7 @@ def fa4_runs(arch: int | None, head_dim: int, head_dim_v: int, dtype: torch.dtyp
 
 
 def split_kv_decode(backend: str, device_type: str, arch: int | None) -> bool:
-    """Whether a layer type on `backend` runs its decode and verify steps on the split-KV kernels."""
+    """Whether a layer type on `backend` runs its decode and verify steps on the split-KV kernel."""
     if device_type != "cuda" or arch is None:
         return False
     return backend == "flex" or (backend == "fa4" and arch // 10 == 9)

@@ -1,13 +1,13 @@
-"""Split-KV attention for decode and verify steps over the paged cache (our Triton kernels,
+"""Split-KV attention for decode and verify steps over the paged cache (our Triton kernel,
 attention/split_kv_kernels.py).
 
 Why: a decode step has one query token per request (a verify step K + 1), so a kernel that runs one
 program per (request, KV head) runs one program per full layer at batch 1 on Gemma 4's 12B (1 KV
 head): one SM streams the whole context while the other 131 idle. Here each request's keys are cut
-into splits, one program per (query tile, KV head, split), and a second kernel merges the splits'
-partial outputs by their log-sum-exp (flash-decoding). The heads sharing a KV head are packed into
-one tile's rows (GROUP consecutive rows per query token), so each split's keys are read once per
-KV head.
+into splits, one program per (query tile, KV head, split), and the split that finishes last merges
+the splits' partial outputs by their log-sum-exp (flash-decoding in one launch). The heads sharing
+a KV head are packed into one tile's rows (GROUP consecutive rows per query token), so each split's
+keys are read once per KV head.
 
 How many splits (`SplitKvPlanner.plan`, on the host from the step's host mirrors, no device sync):
 - the grid's split count `max_splits` depends only on the step's shape (requests, rows per request,
@@ -19,6 +19,7 @@ How many splits (`SplitKvPlanner.plan`, on the host from the step's host mirrors
   K/V read: at 128 keys and g = 16 the partials add an eighth to the K/V traffic, and they only
   exist where the request's keys would otherwise leave the GPU idle);
 - one split in the grid (large batches) writes the output directly: no partials, no merge.
+Either way a layer is one launch.
 
 Keys start at the oldest key any of the request's rows keeps (`page_tables.first_kept_keys`: the
 window, or an unclamped frame's start), so a sliding layer reads its window, not the context.
@@ -77,12 +78,13 @@ class SplitKvMetadata:
     split_len: torch.Tensor         # int32 [R]: keys per split
     partials: torch.Tensor          # float32 [max_splits, T, H, D] (unused with one split)
     lse: torch.Tensor               # float32 [max_splits, T, H]
+    counters: torch.Tensor          # int32 [>= R * tiles_per_req * Hkv]: splits done per (tile, KV head), 0 between launches
     tiles_per_req: int              # query tiles of BLOCK_M packed rows per request
     max_splits: int                 # the grid's split axis
 
 
 class SplitKvPlanner:
-    """Per pool: the persistent buffers of the split-KV kernels and the per-step split plan."""
+    """Per pool: the persistent buffers of the split-KV kernel and the per-step split plan."""
 
     def __init__(self, pool: PoolConfig, *, programs: int | None = None, min_split_keys: int = MIN_SPLIT_KEYS):
         spec = self.spec = pool.spec
@@ -95,6 +97,9 @@ class SplitKvPlanner:
         self.num_splits = StagedBuffer((pool.max_num_reqs,), torch.int32, pool.device)
         self.split_len = StagedBuffer((pool.max_num_reqs,), torch.int32, pool.device)
         self.no_ranges = torch.full((max_tokens, 2), -1, dtype=torch.int32, device=pool.device)
+        max_tiles = -(-MAX_QUERY_LEN * self.group // self.block_m)
+        self.counters = torch.zeros(pool.max_num_reqs * max_tiles * spec.num_kv_heads, dtype=torch.int32,
+                                    device=pool.device)
         # partial rows (token, head, split) of head_dim floats: what `programs` programs of full tiles write
         self.workspace_rows = 2 * self.programs * self.block_m
         self.workspace = torch.empty(self.workspace_rows * (spec.head_dim + 1), dtype=torch.float32,
@@ -125,7 +130,7 @@ class SplitKvPlanner:
         lse = self.workspace[lse_at: lse_at + max_splits * T * H].view(max_splits, T, H)
         return SplitKvMetadata(common, common.query_ranges if with_ranges else self.no_ranges,
                                self.key_lo.push(R), self.num_splits.push(R), self.split_len.push(R),
-                               partials, lse, tiles_per_req, max_splits)
+                               partials, lse, self.counters, tiles_per_req, max_splits)
 
 
 def planner_for(pool: PoolConfig, backend: str) -> SplitKvPlanner | None:
@@ -142,7 +147,7 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                        spec: LayerAttentionSpec) -> torch.Tensor:
     """q [>= T, H, D] (rows past the step's tokens are padding) over the paged caches
     ([blocks, block_size, Hkv, D] each) -> [q rows, H, D] in q's dtype."""
-    from mmserve.attention.split_kv_kernels import attend_splits, merge_splits
+    from mmserve.attention.split_kv_kernels import attend_splits
 
     c = md.common
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -159,15 +164,11 @@ def split_kv_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     d_pad = max(16, 1 << (D - 1).bit_length())
     stride_ps = T * H * D
     attend_splits[grid](
-        q, k_cache, v_cache, out, md.partials, md.lse,
+        q, k_cache, v_cache, out, md.partials, md.lse, md.counters,
         c.query_start_loc, c.seq_lens, c.positions, md.ranges, c.block_table, md.key_lo, md.num_splits, md.split_len,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0),
         out.stride(1), c.block_table.stride(0), stride_ps, H, md.tiles_per_req, c.block_size, window,
         int(spec.clamp_bidirectional), spec.scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n, DIRECT=direct,
         PRECISION=precision)
-    if not direct:
-        merge_splits[grid[:2]](
-            out, md.partials, md.lse, c.query_start_loc, md.num_splits, out.stride(0), out.stride(1), stride_ps,
-            H, md.tiles_per_req, GROUP=group, HEAD_DIM=D, HEAD_DIM_PAD=d_pad, BLOCK_M=block_m)
     return out
