@@ -151,6 +151,8 @@ def test_the_grid_depends_on_the_step_shape_only_and_one_kv_head_fills_the_gpu()
     assert plan([Req(0, 1)]).num_splits.tolist() == [1]   # one tile of keys: no partials to merge
     batch64 = plan([Req(500, 1)] * 64)
     assert batch64.max_splits <= -(-264 // 64) and max(batch64.num_splits.tolist()) == 4
+    verify64 = plan([Req(500, 16)] * 64)   # 1024 tokens x 16 heads: more partial rows than the workspace
+    assert verify64.max_splits == 1 and verify64.partials.numel() == 0
 
 
 SM90_SHARED_MEMORY = 227 * 1024

@@ -125,9 +125,10 @@ class SplitKvPlanner:
         self.split_len.np[:R] = split_tiles * self.block_n
 
         H, D = spec.num_heads, spec.head_dim
-        partials = self.workspace[: max_splits * T * H * D].view(max_splits, T, H, D)
+        rows = T * H if max_splits > 1 else 0   # one split writes the output directly: no partials
+        partials = self.workspace[: max_splits * rows * D].view(-1, T, H, D)
         lse_at = self.workspace_rows * D
-        lse = self.workspace[lse_at: lse_at + max_splits * T * H].view(max_splits, T, H)
+        lse = self.workspace[lse_at: lse_at + max_splits * rows].view(-1, T, H)
         return SplitKvMetadata(common, common.query_ranges if with_ranges else self.no_ranges,
                                self.key_lo.push(R), self.num_splits.push(R), self.split_len.push(R),
                                partials, lse, self.counters, tiles_per_req, max_splits)
