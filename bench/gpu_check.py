@@ -448,10 +448,15 @@ def fallback(sizes: Sizes, device: str) -> dict:
     return {"rows": rows}
 
 
+H200_PROGRAMS = 2 * 132   # split_kv.default_programs on an H200 (132 SMs)
+
+
 def fallback_plans() -> list[dict]:
     """The fallback section's K/V byte counts at GPU shapes from the builders' plans alone (no
-    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16."""
-    from mmserve.attention.synthetic import make_batch
+    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16; split-KV
+    planned for an H200's SMs."""
+    from mmserve.attention.split_kv import SplitKvPlanner
+    from mmserve.attention.synthetic import make_batch, pool_for
 
     rows = []
     for model, heads in (("12b", 16), ("e2b", 8)):
@@ -461,8 +466,10 @@ def fallback_plans() -> list[dict]:
             batch = make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs))
             row = {"model": model, "step": name, "needed_kv_bytes": sum(-(-r.seq_len // 16) for r in reqs) * block_bytes}
             for variant in fallback_variants(name):
-                kv_bytes, _, programs = FALLBACK_WORK[variant](fallback_metadata(variant, batch, spec)[1], spec,
-                                                               block_bytes)
+                builder, md = fallback_metadata(variant, batch, spec)
+                if variant == "split_kv":
+                    md = SplitKvPlanner(pool_for(batch, spec), programs=H200_PROGRAMS).plan(batch.metadata)
+                kv_bytes, _, programs = FALLBACK_WORK[variant](md, spec, block_bytes)
                 row[f"{variant}_kv_bytes"], row[f"{variant}_programs"] = kv_bytes, programs
                 row[f"{variant}_over_needed"] = kv_bytes / row["needed_kv_bytes"]
             rows.append(row)
