@@ -102,3 +102,24 @@ def test_a_mismatched_assistant_is_refused_naming_the_mismatch(target, tmp_path)
         check_compatible(load_assistant_spec(tmp_path / "narrow"), spec)
     with pytest.raises(UnsupportedModelError, match="model_type='gemma4'"):
         load_assistant_spec(path)
+
+
+def test_a_rounds_block_tables_are_its_own(target, tmp_path):
+    """The reader's persistent tables: a round's rows hold its requests' blocks and then the null
+    block, whatever longer tables earlier rounds (with fewer or more requests) left there."""
+    cfg, path, _ = target
+    make_assistant(tmp_path / "assistant", cfg, seed=3)
+    model = load_model(path)
+    assistant = load_assistant(tmp_path / "assistant", model.spec, dtype=torch.float32, device=torch.device("cpu"))
+    seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
+    reader = TargetKVReader(assistant, model, max_num_seqs=4)
+    blocks = seq.blocks.tolist()
+    rounds = [[blocks[:9]], [blocks[:2], blocks[3:12], blocks[:1]], [blocks[4:7], blocks[1:3]]]
+    for tables in rounds:
+        n = [4 * len(t) for t in tables]
+        batch = DraftBatch([0] * len(n), [0] * len(n), n, [1] * len(n), dict.fromkeys(storing_layers(model.spec), tables),
+                           seq.block_size)
+        for kv in reader.prepare(batch, seq.kv_caches).values():
+            rows = kv.metadata.common.block_table_cpu
+            for r, table in enumerate(tables):
+                assert rows[r].tolist() == table + [0] * (rows.shape[1] - len(table)), (tables, r)

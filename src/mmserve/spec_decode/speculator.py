@@ -75,6 +75,16 @@ def _run_here(batch: DraftBatch, loop: Callable[[], list[list[int]]]) -> list[li
     return loop()
 
 
+@dataclass
+class _DraftLayerType:
+    """One layer type the assistant reads: the target's backend for it, over the target's pool."""
+
+    impl: object
+    builder: object
+    table: StagedBuffer     # [max_num_seqs, width]: the round's block tables
+    filled: np.ndarray      # int64 [max_num_seqs]: columns of each row an earlier round wrote
+
+
 class TargetKVReader:
     """The drafter's attention over the target's paged pools, read in place (no copies of the K/V).
 
@@ -98,9 +108,9 @@ class TargetKVReader:
         self.positions = StagedBuffer((max_num_seqs,), torch.int64, device)
         self.slot_mapping = StagedBuffer((max_num_seqs,), torch.int64, device)   # attend only: never written to
         self.query_start_loc.np[:] = np.arange(max_num_seqs + 1)
-        self._types: dict[str, tuple] = {}   # layer type -> (impl, builder, table buffer, widest table filled)
+        self._types: dict[str, _DraftLayerType] = {}
 
-    def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int) -> tuple:
+    def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int) -> _DraftLayerType:
         if t not in self._types:
             attn = self.assistant.spec.attention[t]
             layer = self.assistant.model.layers[self.assistant.spec.layer_types.index(t)].self_attn
@@ -113,7 +123,8 @@ class TargetKVReader:
                               max_num_tokens=self.max_num_seqs, max_num_reqs=self.max_num_seqs,
                               max_blocks_per_req=width, device=kv_cache.device, dtype=self.target.dtype)
             table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
-            self._types[t] = [create_impl(backend, spec), create_builder(backend, pool), table, 0]
+            self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
+                                             np.zeros(self.max_num_seqs, dtype=np.int64))
         return self._types[t]
 
     def prepare(self, batch: DraftBatch, kv_caches: list[torch.Tensor]) -> dict[str, TargetKV]:
@@ -128,20 +139,19 @@ class TargetKVReader:
         out = {}
         for t, tables in batch.block_tables.items():
             kv_cache = kv_caches[self.stores[t]]
-            entry = self._layer_type(t, kv_cache, batch.block_size)
-            impl, builder, table, widest = entry
-            width = max(map(len, tables))
-            table.np[:R, :max(width, widest)] = 0   # entries past a request's blocks name the null block
-            for r, row in enumerate(tables):
-                table.np[r, :len(row)] = row
-            entry[3] = width
+            kind = self._layer_type(t, kv_cache, batch.block_size)
+            table = kind.table.np
+            for r, row in enumerate(tables):   # entries past a request's blocks name the null block
+                table[r, :len(row)] = row
+                table[r, len(row):kind.filled[r]] = 0
+                kind.filled[r] = len(row)
             common = CommonAttentionMetadata(
                 num_actual_tokens=R, num_reqs=R, max_query_len=1, max_seq_len=int(num_keys.max()),
-                query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=table.push(R),
+                query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.push(R),
                 slot_mapping=self.slot_mapping.dev[:R], block_size=batch.block_size, query_ranges=None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:R + 1], seq_lens_cpu=self.seq_lens.cpu[:R],
-                positions_cpu=self.positions.cpu[:R], block_table_cpu=table.cpu[:R], query_ranges_cpu=None)
-            out[t] = TargetKV(impl, kv_cache, builder.build(common))
+                positions_cpu=self.positions.cpu[:R], block_table_cpu=kind.table.cpu[:R], query_ranges_cpu=None)
+            out[t] = TargetKV(kind.impl, kv_cache, kind.builder.build(common))
         return out
 
 
