@@ -18,8 +18,9 @@
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
              work, at 1..64 frames (target: <= 1.3x the minimum at 64 frames); FA4 time with frames
              against its plain sliding path on the same step.
-5. fallback  head dim 512: flex against gather + SDPA on 64 decodes and one prefill chunk: K/V bytes
-             and pairs counted from the plans the builders make, metadata build time, kernel ms, GB/s.
+5. fallback  head dim 512: the split-KV kernel (CUDA's decode path), flex and gather + SDPA on one
+             decode at 32k, 64 decodes and one prefill chunk: K/V bytes, pairs and busy programs
+             counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
              at the serving model's dimensions, against the floor (the bytes the perf model says
              the step moves / 4.3 TB/s); beside it the forward alone (`forward_ms`: the replay of
@@ -395,72 +396,101 @@ def tiles(sizes: Sizes, device: str) -> dict:
             "ok": worst <= 1.3}
 
 
-# --- the batched fallback for head dim 512: flex against SDPA over a padded gather ------------------
+# --- head dim 512: split-KV decode, flex, SDPA over a padded gather ------------------------------
+
+# The head-dim-512 full layer's kernels the section compares: (backend, split_kv_decode). split_kv
+# is what CUDA runs on decode steps (attention/selection.py); flex forced onto them is what ran before.
+FALLBACK_VARIANTS = {"split_kv": ("flex", True), "flex": ("flex", False), "sdpa": ("sdpa", None)}
+
+
+def fallback_steps(context: int, chunk: int, decodes: int) -> dict:
+    from mmserve.attention.synthetic import Req
+
+    return {"decode_1": [Req(8 * context - 1, 1)], "decode_64": [Req(context // 2 + 37 * i, 1) for i in range(decodes)],
+            "prefill_chunk": [Req(context, chunk)]}
+
+
+def fallback_variants(step: str) -> tuple[str, ...]:
+    return ("split_kv", "flex", "sdpa") if step.startswith("decode") else ("flex", "sdpa")
+
+
+def fallback_metadata(variant: str, batch, spec: LayerAttentionSpec):
+    from mmserve.attention import create_builder
+    from mmserve.attention.synthetic import pool_for
+
+    backend, split = FALLBACK_VARIANTS[variant]
+    builder = create_builder(backend, replace(pool_for(batch, spec), split_kv_decode=split))
+    return builder, builder.build(batch.metadata)
+
 
 def fallback(sizes: Sizes, device: str) -> dict:
-    """Full-layer (head dim 512) decode and prefill steps, flex against SDPA over a padded gather:
-    the K/V bytes each kernel asks for (L2 hits included: a prefill chunk's K/V may fit the 60 MB
-    L2, a 64-request decode's does not) and the (query row, key) pairs it computes, counted from
-    the plans the two builders really make for the step (flex: every (query block, KV head)
-    program reads each block its block mask lists; SDPA: each group's gathered blocks, read from
-    the cache and written as a copy, then read once per query tile), the per-step metadata build
-    (flex's block mask, outside any graph), and on a GPU the kernel times and GB/s."""
-    from mmserve.attention import create_builder, create_impl
-    from mmserve.attention.synthetic import Req, make_batch, pool_for
+    """Full-layer (head dim 512) decode and prefill steps: the split-KV kernel (decode steps on
+    CUDA), flex, and SDPA over a padded gather: the K/V bytes each kernel asks for (L2 hits
+    included: a prefill chunk's K/V may fit the 60 MB L2, a 64-request decode's does not) and the
+    (query row, key) pairs it computes, counted from the plans the builders really make for the step
+    (split-KV: each request's keys from its first kept key, plus the splits' float32 partials
+    written and read; flex: every (query block, KV head) program reads each block its block mask
+    lists; SDPA: each group's gathered blocks, read from the cache and written as a copy, then read
+    once per query tile), the programs that share one KV head's keys at batch 1 (split-KV spreads
+    them over the GPU, flex runs one), the per-step metadata build (outside any graph), and on a
+    GPU the kernel times and GB/s."""
+    from mmserve.attention import create_impl
+    from mmserve.attention.synthetic import make_batch
 
     spec = sizes.full
     elem = 2 if device == "cuda" else 4
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * elem   # K and V of one 16-token block, all KV heads
     context = 4096 if device == "cuda" else 96
-    steps = {"decode_64": [Req(context // 2 + 37 * i, 1) for i in range(64 if device == "cuda" else 4)],
-             "prefill_chunk": [Req(context, sizes.chunk)]}
     rows = []
-    for name, reqs in steps.items():
+    for name, reqs in fallback_steps(context, sizes.chunk, 64 if device == "cuda" else 4).items():
         batch = to_device(make_batch(reqs, spec, dtype=dtype, num_blocks=blocks_for(reqs), cache_device=device),
                           device)
         needed = sum(-(-r.seq_len // 16) for r in reqs) * block_bytes
         row = {"step": name, "requests": len(reqs), "max_context": max(r.seq_len for r in reqs),
                "needed_kv_bytes": needed, "kept_pairs": causal_pairs(reqs) * spec.num_heads}
-        timings = {}
-        for backend in ("flex", "sdpa"):
-            builder = create_builder(backend, pool_for(batch, spec))
-            md = builder.build(batch.metadata)
-            kv_bytes, pairs = (flex_work if backend == "flex" else sdpa_work)(md, spec, block_bytes)
-            row[f"{backend}_kv_bytes"], row[f"{backend}_pairs"] = kv_bytes, pairs
-            row[f"{backend}_build_ms"] = host_time(lambda b=builder, c=batch.metadata: b.build(c), device,
+        for variant in fallback_variants(name):
+            builder, md = fallback_metadata(variant, batch, spec)
+            kv_bytes, pairs, programs = FALLBACK_WORK[variant](md, spec, block_bytes)
+            row[f"{variant}_kv_bytes"], row[f"{variant}_pairs"] = kv_bytes, pairs
+            row[f"{variant}_programs"] = programs
+            row[f"{variant}_build_ms"] = host_time(lambda b=builder, c=batch.metadata: b.build(c), device,
                                                    sizes.repeats)
             if device == "cuda":
-                impl, b = create_impl(backend, spec), batch
+                impl, b = create_impl(FALLBACK_VARIANTS[variant][0], spec), batch
                 timing = device_time(lambda i=impl, m=md, b=b: i.forward(b.q, b.k, b.v, b.kv_cache, m), device,
                                      sizes.repeats)
-                add_timing(row, backend, timing)
-                timings[backend] = row[f"{backend}_ms"]
-                row[f"{backend}_GBps"] = kv_bytes / (row[f"{backend}_ms"] * 1e6)
-        row["flex_bytes_over_needed"] = row["flex_kv_bytes"] / needed
-        row["sdpa_bytes_over_needed"] = row["sdpa_kv_bytes"] / needed
+                add_timing(row, variant, timing)
+                row[f"{variant}_GBps"] = kv_bytes / (row[f"{variant}_ms"] * 1e6)
+            row[f"{variant}_bytes_over_needed"] = kv_bytes / needed
         rows.append(row)
     return {"rows": rows}
 
 
+H200_PROGRAMS = 2 * 132   # split_kv.default_programs on an H200 (132 SMs)
+
+
 def fallback_plans() -> list[dict]:
     """The fallback section's K/V byte counts at GPU shapes from the builders' plans alone (no
-    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16."""
-    from mmserve.attention import create_builder
-    from mmserve.attention.synthetic import Req, make_batch, pool_for
+    kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16; split-KV
+    planned for an H200's SMs."""
+    from mmserve.attention.split_kv import SplitKvPlanner
+    from mmserve.attention.synthetic import make_batch, pool_for
 
     rows = []
     for model, heads in (("12b", 16), ("e2b", 8)):
         spec = replace(GPU.full, num_heads=heads, num_kv_heads=1)
         block_bytes = 2 * 16 * spec.num_kv_heads * spec.head_dim * 2
-        for name, reqs in {"decode_64": [Req(2048 + 37 * i, 1) for i in range(64)],
-                           "prefill_chunk": [Req(4096, GPU.chunk)]}.items():
+        for name, reqs in fallback_steps(4096, GPU.chunk, 64).items():
             batch = make_batch(reqs, spec, dtype=torch.bfloat16, num_blocks=blocks_for(reqs))
             row = {"model": model, "step": name, "needed_kv_bytes": sum(-(-r.seq_len // 16) for r in reqs) * block_bytes}
-            for backend, work in (("flex", flex_work), ("sdpa", sdpa_work)):
-                md = create_builder(backend, pool_for(batch, spec)).build(batch.metadata)
-                row[f"{backend}_kv_bytes"] = work(md, spec, block_bytes)[0]
-                row[f"{backend}_over_needed"] = row[f"{backend}_kv_bytes"] / row["needed_kv_bytes"]
+            for variant in fallback_variants(name):
+                builder, md = fallback_metadata(variant, batch, spec)
+                if variant == "split_kv":
+                    md = SplitKvPlanner(pool_for(batch, spec), programs=H200_PROGRAMS).plan(batch.metadata)
+                kv_bytes, _, programs = FALLBACK_WORK[variant](md, spec, block_bytes)
+                row[f"{variant}_kv_bytes"], row[f"{variant}_programs"] = kv_bytes, programs
+                row[f"{variant}_over_needed"] = kv_bytes / row["needed_kv_bytes"]
             rows.append(row)
     return rows
 
@@ -470,30 +500,53 @@ def causal_pairs(reqs) -> int:
     return sum(r.query * (r.context + 1) + r.query * (r.query - 1) // 2 for r in reqs)
 
 
-def flex_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]:
-    """(K/V bytes, pairs) of flex's kernel: one program per (query block, q_pad head); each reads the
-    blocks of its KV head that its block mask lists (partial and full), block_bytes / Hkv apiece."""
+def flex_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int, int]:
+    """(K/V bytes, pairs, programs with keys) of flex's kernel: one program per (query block, q_pad
+    head); each reads the blocks of its KV head that its block mask lists (partial and full),
+    block_bytes / Hkv apiece."""
     from mmserve.attention.flex import Q_BLOCK
 
     mask = md.block_mask
     listed = int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum())
+    busy = int(((mask.kv_num_blocks + mask.full_kv_num_blocks) > 0).sum())
     heads = md.q_pad.shape[1]
     per_head_block = block_bytes // spec.num_kv_heads
-    return heads * listed * per_head_block, heads * listed * Q_BLOCK * 16
+    return heads * listed * per_head_block, heads * listed * Q_BLOCK * 16, heads * busy
+
+
+def split_kv_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int, int]:
+    """(bytes, pairs, programs with keys) of the split-KV kernel: each request's keys from its first
+    kept key, once per KV head (block_bytes / 16 per key), each query tile once (a decode token's
+    g rows are one tile); with more than one split in the grid, every split's float32 partial rows
+    (head dim + its log-sum-exp) written and read back by the merge."""
+    c = md.common
+    q_lens = torch.diff(c.query_start_loc_cpu[: c.num_reqs + 1]).long()
+    keys = c.seq_lens_cpu[: c.num_reqs].long() - md.key_lo.cpu().long()
+    splits = md.num_splits.cpu().long()
+    g = spec.num_heads // spec.num_kv_heads
+    kv_bytes = int(keys.sum()) * md.tiles_per_req * block_bytes // 16
+    partials = 0 if md.max_splits == 1 else int((splits * q_lens).sum()) * spec.num_heads * (spec.head_dim + 1) * 4 * 2
+    pairs = int((keys * q_lens).sum()) * g * spec.num_kv_heads
+    return kv_bytes + partials, pairs, int(splits.sum()) * md.tiles_per_req * spec.num_kv_heads
 
 
 SDPA_QUERY_TILE = 64   # query rows per program of SDPA's memory-efficient kernel (assumed; head dim 512)
 
 
-def sdpa_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int]:
-    """(K/V bytes, pairs) of gather + SDPA: each group gathers R x num_blocks blocks (read from the
-    cache, written as a padded copy), and the kernel reads a request's copy once per tile of
-    SDPA_QUERY_TILE packed query rows (g rows per query); every padded pair is computed."""
+def sdpa_work(md, spec: LayerAttentionSpec, block_bytes: int) -> tuple[int, int, int]:
+    """(K/V bytes, pairs, programs) of gather + SDPA: each group gathers R x num_blocks blocks (read
+    from the cache, written as a padded copy), and the kernel reads a request's copy once per tile
+    of SDPA_QUERY_TILE packed query rows (g rows per query, one program per tile and KV head);
+    every padded pair is computed."""
     g = spec.num_heads // spec.num_kv_heads
     gathered = sum(grp.num_reqs * grp.num_blocks for grp in md.groups) * block_bytes
     kernel = sum(grp.num_reqs * grp.num_blocks * -(-grp.q_len * g // SDPA_QUERY_TILE) for grp in md.groups)
     pairs = sum(grp.num_reqs * grp.q_len * g * grp.num_blocks * 16 for grp in md.groups) * spec.num_kv_heads
-    return 2 * gathered + kernel * block_bytes, pairs
+    programs = sum(grp.num_reqs * -(-grp.q_len * g // SDPA_QUERY_TILE) for grp in md.groups) * spec.num_kv_heads
+    return 2 * gathered + kernel * block_bytes, pairs, programs
+
+
+FALLBACK_WORK = {"split_kv": split_kv_work, "flex": flex_work, "sdpa": sdpa_work}
 
 
 def host_time(fn: Callable[[], object], device: str, repeats: int) -> float:

@@ -13,8 +13,9 @@ to CUDA as stated:
   ATen kernel);
 - outside the pieces, one per ATen op the forward dispatches that computes (views, allocations
   and metadata ops launch nothing), counted by a dispatch mode that is paused inside the pieces;
-- the attention call: one (FA4's or flex's kernel: the K/V write is fused into `attn_in`);
-  collectives: none at one rank (each would add one NCCL launch).
+- the attention call: one (on CUDA a decode step's is the split-KV kernel, one launch whether it
+  splits the keys or not: its last split merges; FA4's or flex's kernel otherwise; the K/V write
+  is fused into `attn_in`); collectives: none at one rank (each would add one NCCL launch).
 Where the C++ and Triton backends fuse differently (C++ runs independent reductions of different
 shapes in one loop nest, Triton as separate kernels: q and k norm + RoPE; Triton may split a long
 reduction at one row), the CUDA count can be a kernel or two higher per piece; `profile` in
@@ -44,7 +45,7 @@ from mmserve.model.spec import LayerSpec, ModelSpec, load_spec  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures" / "gemma4_family"
 MODELS = ("e2b", "e4b", "12b_unified", "26b_a4b", "31b")
-PIECES = ("attn_in", "mlp_in", "layer_out", "moe_in")
+PIECES = ("attn_in", "mlp_in", "mlp_moe_in", "layer_out")
 # A generated kernel or an extern / fallback call in inductor's wrapper code.
 _LAUNCH = re.compile(r"^\s*(?:buf\w+ = )?(cpp_fused_\w+|extern_kernels\.\w+|torch\.ops\.\w+\.\w+(?:\.\w+)?)\(", re.M)
 # Dispatched ops that launch nothing.
@@ -98,7 +99,7 @@ def layer_kinds(spec: ModelSpec) -> dict[str, LayerSpec]:
 
 
 class StubAttention:
-    """Stands in for FA4 / flex (one launch, counted apart): returns q, reads nothing."""
+    """Stands in for the attention kernel (one launch, counted apart): returns q, reads nothing."""
 
     def forward(self, q, k, v, kv_cache, metadata):
         return q
@@ -136,7 +137,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
     sin = torch.randn(rows, attn.head_dim, dtype=dtype)
     layer_input = None if spec.ple is None else torch.randn(rows, spec.ple.dim, dtype=dtype)
     counter = EagerLaunches()
-    originals = {name: getattr(moe if name == "moe_in" else layer_pieces, name) for name in PIECES}
+    originals = {name: getattr(moe if name == "mlp_moe_in" else layer_pieces, name) for name in PIECES}
 
     def counted(name, piece):
         def run(*args):
@@ -145,6 +146,7 @@ def count_layer(model: str, spec: ModelSpec, kind: str, layer: LayerSpec, rows: 
                 out, codes = run_and_get_code(piece, *args)
             result.pieces[name] = [launch for code in codes for launch in launches(code)]
             return out
+        run.eager = piece.eager   # a piece that runs another's body inside its own (mlp_moe_in: mlp_in's)
         return run
 
     compiled.set_compiled(False, layers=True)

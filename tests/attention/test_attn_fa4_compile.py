@@ -201,3 +201,67 @@ def test_verify_graph_steps_compile_for_every_capture_size(fake_arch):
             out = call(GEMMA_SLIDING, md)
             assert out.shape == (num_reqs * 4, 16, 256) and out.data_ptr() == md.out.data_ptr()
         assert compiled_kernels() == before
+
+
+class KernelStub:
+    """A compiled FA4 kernel's stand-in: the arguments of every launch."""
+
+    def __init__(self):
+        self.launches: list[tuple] = []
+
+    def __call__(self, *args):
+        self.launches.append(args)
+
+
+def as_plain(value):
+    """An argument as comparable data: a tensor by its view (storage, offset, shape, strides)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.untyped_storage()._cdata, value.storage_offset(), tuple(value.shape), value.stride())
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, tuple(as_plain(v) for v in value)
+    return repr(value)
+
+
+@pytest.fixture
+def launching_wrapper(fake_arch, monkeypatch):
+    """FA4's wrapper as it runs on a GPU (it launches the kernels), over FakeTensorMode's tensors:
+    `cute.compile` gives a KernelStub that records each launch, into an empty cache of its own (the
+    real kernels other tests compiled stay out of it, and it goes with the test).
+    Yields (the stub, the list of wrapper calls so far)."""
+    import cutlass.cute as cute
+    from flash_attn.cute import interface
+    from flash_attn.cute.cache_utils import JITCache
+
+    stub, wrapper_calls = KernelStub(), []
+    monkeypatch.setattr(cute, "compile", lambda *args, **kwargs: stub)
+    monkeypatch.setattr(interface, "is_fake_mode", lambda: wrapper_calls.append(1) is not None)   # False, counted
+    monkeypatch.setattr(interface._flash_attn_fwd, "compile_cache", JITCache())
+    return stub, wrapper_calls
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+@pytest.mark.filterwarnings("ignore:Argument aux_data")
+@pytest.mark.parametrize("frames", [True, False], ids=["pieces", "frame_free"])
+def test_later_layers_launch_what_the_wrapper_would_with_their_own_q_and_cache(fake_arch, launching_wrapper, frames):
+    """A step's layers share its metadata: the first layer goes through FA4's wrapper (one call per
+    slice of <= 256 sequences), the others launch the recorded kernels themselves. Every launch
+    passes exactly the arguments the wrapper passes for that layer (its q, its K and V caches, the
+    step's output, offsets, page tables, aux tensors and scalars), and the wrapper ran for the first
+    layer alone."""
+    stub, wrapper_calls = launching_wrapper
+    e4b = replace(GEMMA_SLIDING, num_heads=8, num_kv_heads=1)
+    with fake_arch():
+        md = fake_step(e4b, 64, num_pieces=300) if frames else fake_step(e4b, 1, num_reqs=300, frames=False)
+        layers = [(torch.empty(md.common.num_actual_tokens, 8, 256, dtype=torch.bfloat16, device="cuda"),
+                   *(torch.empty(4096, 16, 1, 256, dtype=torch.bfloat16, device="cuda") for _ in range(2)))
+                  for _ in range(3)]
+        for q, k_cache, v_cache in layers:
+            assert fa4.run_fa4(q, k_cache, v_cache, md, e4b).data_ptr() == md.out.data_ptr()
+        assert len(wrapper_calls) == 2 and len(md.calls) == 2   # 300 sequences: two slices, one layer
+        prepared, stub.launches = stub.launches, []
+        for q, k_cache, v_cache in layers:
+            fa4.wrapper_calls(q, k_cache, v_cache, md.out, md, e4b)
+    assert len(prepared) == len(stub.launches) == 6
+    for got, want in zip(prepared, stub.launches, strict=True):
+        assert as_plain(got) == as_plain(want)
+    assert as_plain(prepared[0][:3]) != as_plain(prepared[2][:3])   # each layer its own q and cache

@@ -52,8 +52,11 @@ def test_only_runs_one_section(gpu_check, tmp_path):
     assert gpu_check.main(["--smoke", "--only", "fallback", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert list(report["sections"]) == ["fallback"] and "--only fallback" in report["command"]
-    row = report["sections"]["fallback"]["rows"][0]
-    assert row["flex_kv_bytes"] >= row["needed_kv_bytes"] and row["sdpa_kv_bytes"] >= row["needed_kv_bytes"]
+    rows = {r["step"]: r for r in report["sections"]["fallback"]["rows"]}
+    for row in rows.values():
+        assert row["flex_kv_bytes"] >= row["needed_kv_bytes"] and row["sdpa_kv_bytes"] >= row["needed_kv_bytes"]
+    # one request's keys: flex runs one program on them, split-KV spreads them over its splits
+    assert rows["decode_1"]["flex_programs"] == 1 < rows["decode_1"]["split_kv_programs"]
 
 
 def test_a_graph_run_that_replayed_no_graph_fails(gpu_check):

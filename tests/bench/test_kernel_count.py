@@ -67,3 +67,49 @@ def test_a_dense_layer_fits_twelve_kernels_and_unfusing_counts_more(kernel_count
     unfused = kernel_count.count_layer("tiny", spec, kind, layer, rows=1, dtype=torch.float32)
     assert unfused.total > fused.total + 4, (unfused.eager, fused.pieces["mlp_in"])
     assert compiled.layers_compiled() is False   # the count leaves the process as it found it
+
+
+MAX_MOE = 18   # #34: kernels per MoE layer per decode step
+
+
+@pytest.mark.slow
+def test_a_moe_layer_fits_eighteen_kernels_and_its_piece_computes_the_eager_one(kernel_count, monkeypatch):
+    """A MoE layer (experts beside the dense MLP, as 26B-A4B): its dense MLP, router and dispatch are
+    one piece (`mlp_moe_in`), grouped by a counting sort (no sort, no index_add, no softmax over all
+    experts); compiled, it equals its eager self on fresh inputs, the CUDA dispatch (grouped GEMMs)
+    in both (`_grouped_mm` takes bf16 only, so bf16: within its rounding), the touched count included
+    (one decode row: the graph the count compiled serves the check too)."""
+    from gemma4_fixtures import moe_config
+
+    from mmserve.model import moe
+
+    cfg = moe_config()
+    cfg["text_config"]["moe_intermediate_size"] = 32   # _grouped_mm wants 16-byte row strides
+    spec = load_spec(Gemma4Config(**cfg))
+    kind, layer = next((k, v) for k, v in kernel_count.layer_kinds(spec).items() if k.endswith("moe"))
+    fused = kernel_count.count_layer("tiny", spec, kind, layer, rows=1, dtype=torch.bfloat16)
+    assert fused.total <= MAX_MOE, fused
+    launched = fused.pieces["mlp_moe_in"]
+    assert not any(k in name for name in launched for k in ("sort", "index_add", "_softmax__to_copy_1")), launched
+
+    module = kernel_count.build_layer(spec, layer, torch.bfloat16)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    h, o = (torch.randn(1, spec.hidden_size, generator=gen).bfloat16() for _ in range(2))
+    r, e = module.moe.router, module.moe.experts
+    touched = [torch.zeros((), dtype=torch.int64) for _ in range(2)]
+
+    def args(count):
+        return (h, o, module.post_attention_layernorm.weight, module.pre_feedforward_layernorm.weight,
+                module.mlp.gate_up_proj.weight, module.mlp.down_proj.weight, r.scale, r.proj.weight,
+                r.per_expert_scale, module.moe.pre_feedforward_layernorm_2.weight, e.gate_up_proj, e.down_proj, count,
+                1e-6, r.top_k, 0, False)
+    monkeypatch.setattr(moe, "uses_grouped_mm", lambda x: True)
+    compiled.set_compiled(False, layers=True)
+    try:
+        with torch.inference_mode():
+            got, want = moe.mlp_moe_in(*args(touched[0])), moe.mlp_moe_in.eager(*args(touched[1]))
+    finally:
+        compiled.set_compiled(False)
+    for a, b in zip(got, want, strict=True):
+        assert float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
+    assert int(touched[0]) == int(touched[1]) > 0

@@ -3,8 +3,10 @@
 A tiny random target runs a prompt longer than both sliding windows (transformers and ours over a
 paged cache with shuffled blocks); each drafter then drafts K tokens from it as transformers'
 candidate generator does (target embedding of the last token + the last hidden state, constant
-position, post-projected state into the next step). Every step's logits must agree (fp32, 1e-4),
-for the plain tied head and the centroid (ordered-embedding) head.
+position, post-projected state into the next step). Ours reads the target's K/V in place through
+the target's attention backend (the engine's `TargetKVReader`: the attend-only call, a round's
+decode-shaped metadata), SDPA as CPU serving runs it and the dense reference. Every step's logits
+must agree (fp32, 1e-4), for the plain tied head and the centroid (ordered-embedding) head.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import torch
 from gemma4_fixtures import PagedSequence, make_assistant, make_checkpoint, tiny_config
 
 from mmserve.model import load_model
-from mmserve.model.assistant import gather_shared_kv, load_assistant
+from mmserve.model.assistant import load_assistant
 from mmserve.model.assistant_spec import check_compatible, load_assistant_spec, storing_layers
 from mmserve.model.spec import UnsupportedModelError
+from mmserve.spec_decode.speculator import DraftBatch, TargetKVReader
 
 NUM_DRAFTS = 3
 
@@ -48,27 +51,31 @@ def hf_drafts(hf_target, hf_assistant, ids: torch.Tensor, first_token: int) -> l
     return logits
 
 
-def our_drafts(model, assistant, ids: torch.Tensor, first_token: int) -> list[torch.Tensor]:
+def our_drafts(model, assistant, ids: torch.Tensor, first_token: int, backend: str) -> list[torch.Tensor]:
+    """The target's prefill on the dense reference (transformers' own arithmetic: its hidden states are
+    transformers' bit for bit), then the drafter's attention on `backend` (the engine's drafter takes
+    the target's backend of each layer type, as the runner's self-check left it)."""
     seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
     hidden = seq.step(ids.tolist())[-1:]
+    model.attention_backends = dict.fromkeys(model.attention_backends, backend)
     n = ids.numel()
-    table = seq.blocks.tolist()
-    shared = {t: gather_shared_kv(seq.kv_caches[layer], [table], [n], assistant.spec.attention[t].window,
-                                  seq.block_size)
-              for t, layer in storing_layers(model.spec).items()}
+    tables = {t: [seq.blocks.tolist()] for t in storing_layers(model.spec)}
+    batch = DraftBatch([first_token], [0], [n], [NUM_DRAFTS], tables, seq.block_size)
+    target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare(batch, seq.kv_caches)
     rope = assistant.rope(torch.tensor([n]), torch.float32)
     token = torch.tensor([first_token])
     logits = []
     for _ in range(NUM_DRAFTS):
         embeds = model.decoder.embed(token, None, None)
-        step_logits, hidden = assistant.step(embeds, hidden, rope, shared)
+        step_logits, hidden = assistant.step(embeds, hidden, rope, target_kv)
         logits.append(step_logits[0])
         token = step_logits.argmax(-1)
     return logits
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["lm_head", "centroids"])
-def test_draft_logits_match_transformers(target, tmp_path, ordered):
+@pytest.mark.parametrize(("ordered", "backend"), [(False, "sdpa"), (True, "reference")],
+                         ids=["lm_head-sdpa", "centroids-reference"])
+def test_draft_logits_match_transformers(target, tmp_path, ordered, backend):
     cfg, path, hf_target = target
     hf_assistant = make_assistant(tmp_path / "assistant", cfg, seed=21 + ordered, ordered=ordered)
     model = load_model(path)
@@ -76,7 +83,7 @@ def test_draft_logits_match_transformers(target, tmp_path, ordered):
     gen = torch.Generator().manual_seed(7 + ordered)
     ids = torch.randint(16, cfg["text_config"]["vocab_size"], (19,), generator=gen)   # > both windows + 1
     first = int(torch.randint(16, 300, (1,), generator=gen))
-    theirs, ours = hf_drafts(hf_target, hf_assistant, ids, first), our_drafts(model, assistant, ids, first)
+    theirs, ours = hf_drafts(hf_target, hf_assistant, ids, first), our_drafts(model, assistant, ids, first, backend)
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=lambda m, i=i: f"draft step {i}: {m}")
     # the drafts are not degenerate: the window and the steps change what the drafter sees
@@ -95,3 +102,24 @@ def test_a_mismatched_assistant_is_refused_naming_the_mismatch(target, tmp_path)
         check_compatible(load_assistant_spec(tmp_path / "narrow"), spec)
     with pytest.raises(UnsupportedModelError, match="model_type='gemma4'"):
         load_assistant_spec(path)
+
+
+def test_a_rounds_block_tables_are_its_own(target, tmp_path):
+    """The reader's persistent tables: a round's rows hold its requests' blocks and then the null
+    block, whatever longer tables earlier rounds (with fewer or more requests) left there."""
+    cfg, path, _ = target
+    make_assistant(tmp_path / "assistant", cfg, seed=3)
+    model = load_model(path)
+    assistant = load_assistant(tmp_path / "assistant", model.spec, dtype=torch.float32, device=torch.device("cpu"))
+    seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
+    reader = TargetKVReader(assistant, model, max_num_seqs=4)
+    blocks = seq.blocks.tolist()
+    rounds = [[blocks[:9]], [blocks[:2], blocks[3:12], blocks[:1]], [blocks[4:7], blocks[1:3]]]
+    for tables in rounds:
+        n = [4 * len(t) for t in tables]
+        batch = DraftBatch([0] * len(n), [0] * len(n), n, [1] * len(n), dict.fromkeys(storing_layers(model.spec), tables),
+                           seq.block_size)
+        for kv in reader.prepare(batch, seq.kv_caches).values():
+            rows = kv.metadata.common.block_table_cpu
+            for r, table in enumerate(tables):
+                assert rows[r].tolist() == table + [0] * (rows.shape[1] - len(table)), (tables, r)

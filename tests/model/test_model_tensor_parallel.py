@@ -75,7 +75,7 @@ def state_bytes(model) -> int:
 
 
 # The function that called a collective (through model/parallel.py) -> the perf model's site name.
-COLLECTIVE_SITES = {"TextDecoder.embed": "embed", "Attention.forward": "o_proj", "MLP.after_attention": "mlp", "MLP.forward": "mlp",
+COLLECTIVE_SITES = {"TextDecoder.embed": "embed", "Attention.forward": "o_proj", "MLP.reduce": "mlp",
                     "MoeBlock.forward": "moe", "PerLayerEmbeddings.forward": "ple",
                     "TextDecoder.compute_logits": "logits", "DraftLayerAttention.forward": "o_proj",
                     "CentroidHead.forward": "centroid_scores", "Assistant.step": "logits",

@@ -55,6 +55,8 @@ class PoolConfig:
     device: torch.device
     dtype: torch.dtype              # the model's activation dtype (masks are built in it)
     sdpa_batching: str = "auto"     # sdpa: auto | batched | loop (one call per request)
+    # decode/verify steps on the split-KV kernel (attention/split_kv.py); None: selection.split_kv_decode decides
+    split_kv_decode: bool | None = None
 
 
 @dataclass

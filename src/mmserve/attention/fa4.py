@@ -17,6 +17,13 @@ mask_mod adds the piece's offsets (absolute position of its first query and of i
 tensor 1) to FA4's local indices and applies mask.keep with each row's range from the step's range
 table (aux tensor 0).
 
+No Python wrapper per layer: FA4's `_flash_attn_fwd` validates its inputs, plans tiles and builds
+the compile key on every call (0.27-0.36 ms of host time, measured on an H200: more than a decode
+kernel). All layers of a type in one step make the same call but for q and the layer's cache, so
+the step's first layer goes through the wrapper, which records the compiled kernel it launches
+and its arguments (`PreparedCall`), and every later layer launches that kernel directly with its
+own q, K and V in their places (`Fa4Metadata.calls`, refilled each step with the step's tensors).
+
 Compile key: FA4 hashes a mask_mod's source and closure cells, so the factory is cached, its
 closure holds only a bool, the helper's source is named in __cute_hash__, per-step data arrives
 through aux tensors and the window through a CuTe-typed aux scalar: one kernel serves every window,
@@ -30,7 +37,8 @@ import functools
 import hashlib
 import importlib.util
 import inspect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -46,6 +54,7 @@ from mmserve.attention.mask import NO_WINDOW
 from mmserve.attention.page_tables import windowed_pieces
 from mmserve.attention.paged import write_kv
 from mmserve.attention.selection import device_arch, fa4_runs
+from mmserve.attention.split_kv import SplitKvMetadata, decode_shaped, planner_for, split_kv_attention
 
 QUERY_TILE = 128   # packed query rows of FA4's query tile at head dim 256 on SM90 and SM100
 SEQS_PER_CALL = 256   # b36's BIN_BATCH_SEARCH_THRESH: more sequences in one call take another kernel
@@ -114,15 +123,79 @@ class Pieces:
 
 
 @dataclass
+class PreparedCall:
+    """One launch of a compiled FA4 kernel as its wrapper made it: `args` are the kernel's
+    arguments, q, K and V first (what differs between the layers of a step)."""
+
+    kernel: Callable
+    args: list
+
+    def launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        from flash_attn.cute.cute_dsl_utils import maybe_contiguous  # the wrapper's own canonical layout
+
+        self.kernel(*(maybe_contiguous(t).detach() for t in (q, k_cache, v_cache)), *self.args[3:])
+
+
+class _Recording:
+    """Stands in for `_flash_attn_fwd.compile_cache` during one wrapper call (the three ways the
+    wrapper uses it): the kernels it launches still run, each with its arguments kept."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, []
+
+    def __contains__(self, key) -> bool:
+        return key in self.cache
+
+    def __setitem__(self, key, kernel) -> None:
+        self.cache[key] = kernel
+
+    def __getitem__(self, key) -> Callable:
+        kernel = self.cache[key]
+
+        def launch(*args):
+            self.calls.append(PreparedCall(kernel, list(args)))
+            return kernel(*args)
+        return launch
+
+
+def recorded_calls(run: Callable[[], object]) -> list[PreparedCall]:
+    """The FA4 kernel launches `run` makes through the wrapper (none under FakeTensorMode, where
+    FA4 compiles and launches nothing)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    cache = _flash_attn_fwd.compile_cache
+    recording = _flash_attn_fwd.compile_cache = _Recording(cache)
+    try:
+        run()
+    finally:
+        _flash_attn_fwd.compile_cache = cache
+    return recording.calls
+
+
+@dataclass
 class Fa4Metadata:
     common: CommonAttentionMetadata
     out: torch.Tensor               # [max_num_tokens, H, D] preallocated output; FA4 writes the step's rows
     pieces: Pieces | None           # set when the step has frames on this layer type (the mask_mod path)
+    calls: list[PreparedCall] = field(default_factory=list)   # the step's launches, recorded by its first layer
 
 
 def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: Fa4Metadata,
             spec: LayerAttentionSpec) -> torch.Tensor:
-    """FA4 varlen calls over the paged cache into md.out; the mask_mod path iff the step has pieces.
+    """FA4 over the paged cache into md.out: the step's first layer through FA4's wrapper
+    (`wrapper_calls`, its launches recorded into md.calls), the others straight to the kernels."""
+    out = md.out if md.out.shape[0] == q.shape[0] else md.out[: q.shape[0]]
+    if md.calls:
+        for call in md.calls:
+            call.launch(q, k_cache, v_cache)
+    else:
+        md.calls = recorded_calls(lambda: wrapper_calls(q, k_cache, v_cache, out, md, spec))
+    return out
+
+
+def wrapper_calls(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  md: Fa4Metadata, spec: LayerAttentionSpec) -> None:
+    """FA4 varlen calls over the paged cache into `out`; the mask_mod path iff the step has pieces.
 
     At most SEQS_PER_CALL sequences (requests or pieces) per call: above FA4's batch-search threshold
     it switches to another scheduler, a second compile key that a long step (E2B/E4B reach 512
@@ -134,7 +207,6 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
     import cutlass
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out = md.out if md.out.shape[0] == q.shape[0] else md.out[: q.shape[0]]
     if md.pieces is None:
         c = md.common
         left = spec.window - 1 if spec.window is not None else None
@@ -144,7 +216,7 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
                             page_table=c.block_table.narrow(0, a, n), softmax_scale=spec.scale,
                             causal=True, window_size_left=left, window_size_right=0 if left is not None else None,
                             out=out)
-        return out
+        return
     p = md.pieces
     window = spec.window if spec.window is not None else NO_WINDOW
     for a, n in call_slices(p.num_keys.shape[0]):
@@ -154,7 +226,6 @@ def run_fa4(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: F
                         mask_mod=mm_prefix_mask_mod(spec.clamp_bidirectional),
                         aux_tensors=[md.common.query_ranges, p.offsets.narrow(0, a, n)],
                         aux_scalars=(cutlass.Int32(window),), out=out)
-    return out
 
 
 def call_slices(num_seqs: int) -> list[tuple[int, int]]:
@@ -163,7 +234,8 @@ def call_slices(num_seqs: int) -> list[tuple[int, int]]:
 
 
 class Fa4MetadataBuilder:
-    """Per step: nothing for frame-free steps; the windowed pieces for steps with frames."""
+    """Per step: nothing for frame-free steps; the windowed pieces for steps with frames; on SM90 a
+    decode or verify step's split-KV plan (attention/split_kv.py: b36 cannot split the keys there)."""
 
     def __init__(self, pool: PoolConfig) -> None:
         spec = pool.spec
@@ -180,8 +252,11 @@ class Fa4MetadataBuilder:
         self.offsets = StagedBuffer((most, 2), torch.int32, pool.device)
         self.out = torch.empty(pool.max_num_tokens, spec.num_heads, spec.head_dim, dtype=pool.dtype,
                                device=pool.device)
+        self.split_kv = planner_for(pool, "fa4")
 
-    def build(self, common: CommonAttentionMetadata) -> Fa4Metadata:
+    def build(self, common: CommonAttentionMetadata) -> Fa4Metadata | SplitKvMetadata:
+        if self.split_kv is not None and decode_shaped(common):
+            return self.split_kv.plan(common)
         if common.query_ranges_cpu is None or not self.spec.bidirectional:
             return Fa4Metadata(common, self.out, None)
         T, R = common.num_actual_tokens, common.num_reqs
@@ -208,8 +283,10 @@ class Fa4Impl:
         self.spec = spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                metadata: Fa4Metadata) -> torch.Tensor:
+                metadata: Fa4Metadata | SplitKvMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.common)
+        if isinstance(metadata, SplitKvMetadata):
+            return split_kv_attention(q, kv_cache[0], kv_cache[1], metadata, self.spec)
         return run_fa4(q, kv_cache[0], kv_cache[1], metadata, self.spec)
 
 

@@ -45,6 +45,7 @@ from mmserve.attention.backend import (
 from mmserve.attention.buffers import StagedBuffer
 from mmserve.attention.mask import NO_WINDOW, keep, key_bounds, token_request_ids
 from mmserve.attention.paged import write_kv
+from mmserve.attention.split_kv import SplitKvMetadata, decode_shaped, planner_for, split_kv_attention
 
 Q_BLOCK = 16        # query rows per block-mask block (and Triton's BLOCK_M on CUDA)
 KV_TILE = 16        # Triton's key tile on CUDA: must divide the cache block size
@@ -121,9 +122,11 @@ def cuda_kernel_options(head_dim: int) -> dict:
 
 
 class FlexMetadataBuilder:
-    """Refills the fixed-capacity tables and builds the step's block mask, once per step per layer type."""
+    """Refills the fixed-capacity tables and builds the step's block mask, once per step per layer type;
+    on CUDA, decode and verify steps are planned for the split-KV kernel instead (attention/split_kv.py)."""
 
     def __init__(self, pool: PoolConfig) -> None:
+        self.split_kv = planner_for(pool, "flex")
         spec = self.spec = pool.spec
         self.block_size = pool.block_size
         self.group = g = spec.num_heads // spec.num_kv_heads
@@ -150,7 +153,9 @@ class FlexMetadataBuilder:
                                                    seq_lengths=(self.num_rows, pool.num_blocks * pool.block_size),
                                                    compute_q_blocks=False)
 
-    def build(self, common: CommonAttentionMetadata) -> FlexMetadata:
+    def build(self, common: CommonAttentionMetadata) -> FlexMetadata | SplitKvMetadata:
+        if self.split_kv is not None and decode_shaped(common):
+            return self.split_kv.plan(common)
         t = self.tables
         if (common.num_actual_tokens > self.num_padded_tokens or common.num_reqs > t.seq_lens.shape[0]
                 or common.block_table.shape[1] > t.block_table.shape[1]):
@@ -253,15 +258,18 @@ class FlexMetadataBuilder:
 
 
 class FlexImpl:
-    """AttentionImpl on compiled flex_attention over the whole paged cache."""
+    """AttentionImpl on compiled flex_attention over the whole paged cache (or the split-KV kernel,
+    when the builder planned the step for them)."""
 
     def __init__(self, spec: LayerAttentionSpec) -> None:
         self.spec = spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
-                metadata: FlexMetadata) -> torch.Tensor:
-        T, n = metadata.common.num_actual_tokens, q.shape[0]   # rows past T: padding (graph steps)
+                metadata: FlexMetadata | SplitKvMetadata) -> torch.Tensor:
         write_kv(kv_cache, k, v, metadata.common)
+        if isinstance(metadata, SplitKvMetadata):
+            return split_kv_attention(q, kv_cache[0], kv_cache[1], metadata, self.spec)
+        T, n = metadata.common.num_actual_tokens, q.shape[0]   # rows past T: padding (graph steps)
         H, D = q.shape[1], q.shape[2]
         num_blocks, block_size, Hkv = kv_cache.shape[1], kv_cache.shape[2], kv_cache.shape[3]
         g = H // Hkv

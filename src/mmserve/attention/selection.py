@@ -15,6 +15,14 @@ forward exists for the GPU's architecture, head dims and dtype:
 Every other layer type takes the batched paged fallback: compiled FlexAttention over the paged
 cache on CUDA (fixed shapes, so decode steps can be CUDA graphs; no per-step gather), the CPU
 backend on CPU. tests/attention/test_attn_layer_choice.py checks `fa4_runs` against FA4's own kernel constructors.
+
+Decode and verify steps (`split_kv_decode`) take our split-KV Triton kernel (attention/split_kv.py)
+on the layer types where the backend's own kernel cannot spread one request's keys over the GPU:
+- flex (head dim 512 on every GPU): Triton's flex kernel runs one program per (query block, KV
+  head), one program per full layer of the 12B at batch 1;
+- FA4 on SM90: b36 asserts "SplitKV not supported on SM 9.0", so a sliding layer at batch 1 runs
+  8 CTAs (8 KV heads x one query tile) on 132 SMs, each streaming the whole window.
+FA4 on SM100/SM110 keeps its own decode kernel (b36 has split-KV there).
 """
 
 from __future__ import annotations
@@ -52,6 +60,13 @@ def fa4_runs(arch: int | None, head_dim: int, head_dim_v: int, dtype: torch.dtyp
         small = 8 <= head_dim <= 128 and 8 <= head_dim_v <= 128
         return aligned and (small or head_dim == head_dim_v == 256)
     return False
+
+
+def split_kv_decode(backend: str, device_type: str, arch: int | None) -> bool:
+    """Whether a layer type on `backend` runs its decode and verify steps on the split-KV kernel."""
+    if device_type != "cuda" or arch is None:
+        return False
+    return backend == "flex" or (backend == "fa4" and arch // 10 == 9)
 
 
 def choose_backends(specs: dict[str, LayerAttentionSpec], *, device_type: str, arch: int | None,

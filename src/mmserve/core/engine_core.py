@@ -144,7 +144,8 @@ class EngineCore:
         spec = model.spec
         self.max_model_len = min(config.max_model_len or spec.max_model_len, spec.max_model_len)
         self.async_scheduling = uses_async_scheduling(config, model.device)
-        self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens)
+        self.speculator = (Speculator.load(config.speculative_model, model, config.num_speculative_tokens,
+                                           max_num_seqs=config.max_num_seqs)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
         # from the device's memory (a profiling step: worker/memory_profile.py) unless a size is given

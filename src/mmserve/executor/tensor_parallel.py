@@ -409,7 +409,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         if own.speculative_model:
             from mmserve.spec_decode.speculator import Speculator
 
-            speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens)
+            speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens,
+                                         max_num_seqs=own.max_num_seqs)
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
         mirror, hidden = StepMirror(), None
         while (msg := _broadcast(group=group)) is not None:

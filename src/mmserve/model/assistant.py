@@ -1,8 +1,10 @@
 """Gemma 4's assistant drafter (`gemma4_assistant` / `gemma4_unified_assistant`) over the target's K/V.
 
 The assistant has no KV cache of its own: every layer projects only Q and attends over the K/V
-the target wrote in its last non-consumer layer of that layer type (its "storing" layer), read
-straight from the target's paged pools. One draft step takes
+the target wrote in its last non-consumer layer of that layer type (its "storing" layer), read in
+place from the target's paged pools through the target's attention backend: the attend-only call
+KV-sharing layers make (`impl.forward(q, None, None, cache, metadata)`, `TargetKV`; the drafting
+round's decode-shaped metadata comes from spec_decode/speculator.py). One draft step takes
 `pre_projection(concat(target embedding of the last token, last hidden state))` at a constant
 position (that of the token being drafted from), runs the layers (sandwich-normed attention and
 gated-GELU MLP, as the target's), final-norms, and gives
@@ -30,12 +32,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.attention.backend import AttentionImpl
 from mmserve.model.assistant_spec import (
     AssistantSpec,
     DraftAttention,
@@ -52,32 +55,14 @@ from mmserve.model.weights import WeightLoadError, checkpoint_files, copy_merged
 logger = logging.getLogger(__name__)
 
 @dataclass
-class SharedKV:
-    """The target's K/V one assistant layer type reads, gathered per drafting request (padded):
-    keys/values [R, N, Hkv, D], `valid` [R, N] (False on padding and outside the window)."""
+class TargetKV:
+    """What one assistant layer type attends over in a drafting round: its storing layer's paged
+    cache, an attention implementation for this rank's assistant heads over it, and the round's
+    metadata from that backend's builder (one query row per request; its window the assistant's)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    valid: torch.Tensor
-
-
-def gather_shared_kv(kv_cache: torch.Tensor, block_tables: list[list[int]], num_keys: list[int],
-                     window: int | None, block_size: int) -> SharedKV:
-    """Keys [0, num_keys[r]) of request r from a paged cache (2, blocks, block_size, Hkv, D) whose
-    table is block_tables[r]; a sliding layer gathers only its last `window + 1`."""
-    n = torch.tensor(num_keys, dtype=torch.int64)
-    first = torch.zeros_like(n) if window is None else (n - 1 - window).clamp(min=0)
-    pos = first[:, None] + torch.arange(int((n - first).max()))   # [R, N]: one batched index, no per-request ops
-    valid = pos < n[:, None]
-    pos = pos.where(valid, 0)   # keeps the padding's table lookup in range; its slot is 0, masked out
-    tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int64)
-    for r, table in enumerate(block_tables):
-        tables[r, :len(table)] = table
-    slots = torch.from_numpy(tables).gather(1, pos // block_size) * block_size + pos % block_size
-    slots = slots.where(valid, 0)
-    flat = kv_cache.flatten(1, 2)   # [2, blocks * block_size, Hkv, D]
-    picked = flat[:, slots.flatten().to(kv_cache.device)].unflatten(1, slots.shape)
-    return SharedKV(picked[0], picked[1], valid.to(kv_cache.device))
+    impl: AttentionImpl
+    kv_cache: torch.Tensor
+    metadata: Any
 
 
 class DraftLayerAttention(nn.Module):
@@ -96,13 +81,11 @@ class DraftLayerAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=False)
         mark_shard(self.o_proj.weight, group, 1, q0 * d, q1 * d, attn.num_heads * d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: SharedKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: TargetKV) -> torch.Tensor:
         r = x.shape[0]
         q = norm_rope(self.q_proj(x).view(r, self.num_heads, self.head_dim), self.q_norm.weight, self.q_norm.eps,
                       cos, sin)
-        k, v = kv.keys.transpose(1, 2), kv.values.transpose(1, 2)   # [R, Hkv, N, D]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
-                                             attn_mask=kv.valid[:, None, None, :], scale=1.0, enable_gqa=True)
+        out = kv.impl.forward(q, None, None, kv.kv_cache, kv.metadata)[:r]
         return self.group.all_reduce(self.o_proj(out.reshape(r, self.num_heads * self.head_dim)))
 
 
@@ -119,7 +102,7 @@ class DraftLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
 
-    def forward(self, h, cos, sin, kv: SharedKV) -> torch.Tensor:
+    def forward(self, h, cos, sin, kv: TargetKV) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
@@ -156,7 +139,7 @@ class CentroidHead(nn.Module):
 
 
 class Assistant(nn.Module):
-    """The drafter. `step(token_embeds, hidden, positions, shared)` is one draft step for R requests.
+    """The drafter. `step(token_embeds, hidden, rope, target_kv)` is one draft step for R requests.
     `group`: the tensor-parallel group whose shard this is (its target's)."""
 
     def __init__(self, spec: AssistantSpec, group: ParallelGroup = SINGLE):
@@ -195,14 +178,14 @@ class Assistant(nn.Module):
         return out
 
     @torch.inference_mode()
-    def step(self, token_embeds: torch.Tensor, hidden: torch.Tensor, rope: dict, shared: dict[str, SharedKV]
+    def step(self, token_embeds: torch.Tensor, hidden: torch.Tensor, rope: dict, target_kv: dict[str, TargetKV]
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """token_embeds, hidden [R, backbone_hidden] -> float32 logits [R, vocab] (the whole vocabulary,
         the same on every rank) and the next hidden state [R, backbone_hidden]."""
         h = self.pre_projection(torch.cat([token_embeds, hidden], dim=-1).to(self.pre_projection.weight.dtype))
         for layer in self.model.layers:
             cos, sin = rope[layer.layer_type]
-            h = layer(h, cos, sin, shared[layer.layer_type])
+            h = layer(h, cos, sin, target_kv[layer.layer_type])
         h = self.model.norm(h)
         if self.masked_embedding is not None:
             logits = self.masked_embedding(h, self.head_weight, self.vocab_range[0])

@@ -113,14 +113,19 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.width, dim=-1)
-        return self.group.all_reduce(self.down_proj(gelu_gate(gate, up)))
+        return self.reduce(self.down_proj(gelu_gate(gate, up)))
 
     def after_attention(self, h: torch.Tensor, attn: torch.Tensor, post_attn_norm: RMSNorm, pre_ff_norm: RMSNorm
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decoder layer's residual after attention, and its MLP's output (all-reduced), as one piece."""
+        """A decoder layer's residual after attention, and its MLP's output (all-reduced), as one piece
+        (MoE layers run `MoeBlock` instead, whose piece holds the MLP's too)."""
         h, dense = mlp_in(h, attn, post_attn_norm.weight, pre_ff_norm.weight, self.gate_up_proj.weight,
                           self.down_proj.weight, pre_ff_norm.eps)
-        return h, self.group.all_reduce(dense)
+        return h, self.reduce(dense)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the MLP's output -> the whole (the MLP's all-reduce)."""
+        return self.group.all_reduce(partial)
 
 
 class DecoderLayer(nn.Module):
@@ -145,9 +150,12 @@ class DecoderLayer(nn.Module):
         attention and MLP (+ experts, + per-layer input) in the pieces of layer_pieces.py, compiled
         on CUDA, each a few fused kernels between the GEMMs."""
         attn = self.self_attn(x, cos, sin, kv_cache, metadata)
-        h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         moe, ple = self.moe, self.ple
-        routed = None if moe is None else moe(h)
+        if moe is None:
+            h, ffn = self.mlp.after_attention(h, attn, self.post_attention_layernorm, self.pre_feedforward_layernorm)
+            routed = None
+        else:
+            h, ffn, routed = moe(h, attn, self.mlp, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         moe_norms = None if moe is None else (moe.post_feedforward_layernorm_1.weight,
                                               moe.post_feedforward_layernorm_2.weight)
         ple_w = None if ple is None else (ple.per_layer_input_gate.weight, ple.per_layer_projection.weight,

@@ -8,7 +8,8 @@ One layer, in order (its input RMSNorm comes fused in the previous layer's layer
     o_proj   the output GEMM (+ all-reduce under tensor parallelism)
     mlp_in   residual + post-attention RMSNorm, pre-FFN RMSNorm -> merged gate/up GEMM -> GELU x up
              -> down GEMM (+ all-reduce)
-    moe_in   (MoE layers, in moe.py) router, pre-norm, the experts' grouped GEMMs (+ all-reduce)
+    (MoE layers: mlp_moe_in, in moe.py, in place of mlp_in: mlp_in's work, the router, the experts'
+             pre-norm, the counting-sort dispatch and grouped GEMMs, in one piece; + two all-reduces)
     layer_out post-FFN RMSNorm (of norm_1(dense) + norm_2(routed) on MoE layers) + residual, the
              per-layer input (E2B/E4B), the layer scalar, and the next layer's input RMSNorm (the
              decoder's final norm after the last layer)

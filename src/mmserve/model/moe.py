@@ -7,7 +7,7 @@ The block reads the attention residual `r` (not the pre-FF-normed state) for rou
 Expert weights keep transformers' packed layout (`gate_up_proj` [E, 2I, H]: rows [0, I) gate, [I, 2I)
 up; `down_proj` [E, H, I]), so a packed checkpoint loads without conversion.
 
-Dispatch groups the step's (token, slot) pairs by expert with one sort: on CUDA one grouped GEMM
+Dispatch groups the step's (token, slot) pairs by expert with a counting sort: on CUDA one grouped GEMM
 per projection (`torch._grouped_mm`, zero-size groups for experts without tokens), elsewhere one
 matmul per expert that has tokens; never a loop over tokens. The CUDA path never reads a device
 value on the host (no `bincount`, `.item()`, `int()`): a host sync per MoE layer would stall every
@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.model import layer_pieces
 from mmserve.model.compiled import layer_piece
 from mmserve.model.norm import RMSNorm, rms_norm
 from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard
@@ -37,41 +38,48 @@ def uses_grouped_mm(x: torch.Tensor) -> bool:
 
 def route(x: torch.Tensor, norm_eps: float, scale: torch.Tensor, proj_w: torch.Tensor,
           per_expert_scale: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] -> (weights float32 [T, k], expert ids int64 [T, k])."""
+    """x [T, H] -> (weights float32 [T, k], expert ids int64 [T, k]). The top k of the router's
+    softmax renormalised over those k is the softmax of the top k scores (the softmax is monotonic
+    and its denominator cancels): no softmax over all E experts."""
     scores = F.linear(rms_norm(x, None, norm_eps) * scale * x.shape[-1] ** -0.5, proj_w)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    weights, experts = torch.topk(probs, top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * per_expert_scale[experts], experts
+    top, experts = torch.topk(scores, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=torch.float32) * per_expert_scale[experts], experts
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
              down: torch.Tensor, touched: torch.Tensor, first_expert: int, sharded: bool) -> torch.Tensor:
     """x [T, H]; weights / experts [T, k] -> sum_k weights_k * expert_k(x) [T, H] over the experts
     `gate_up` [E, 2I, H] / `down` [E, H, I] hold (ids first_expert..first_expert + E); writes how
-    many of them ran into `touched` (0-d, in place)."""
+    many of them ran into `touched` (0-d, in place).
+
+    The (token, slot) pairs are grouped by expert with a counting sort, not a sort: expert e's
+    group starts after the pairs that chose a smaller id, and a pair's place in it is how many pairs
+    before it chose the same expert (one scan over one-hot rows); the rows are scattered into that
+    order and the expert outputs gathered back from it, each token summing its k (no index_add)."""
     k, num_experts = experts.shape[1], gate_up.shape[0]
     flat = experts.flatten()
     mine = None
-    if sharded:   # other ranks' experts -> bucket num_experts, sorted last
+    if sharded:   # other ranks' experts -> bucket num_experts, placed last
         flat = flat - first_expert
         mine = (flat >= 0) & (flat < num_experts)
         flat = torch.where(mine, flat, num_experts)
-    order = torch.argsort(flat, stable=True)
-    token = order // k
-    # scatter_add_, not bincount: CUDA's bincount reads the maximum on the host.
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add_(
-        0, flat, torch.ones_like(flat))[:num_experts]
-    rows = x[token]
+    ids = torch.arange(num_experts + 1, device=x.device)
+    starts = (flat[:, None] < ids).sum(0)                                   # [E + 1]: each group's first row
+    same = torch.cumsum(flat[:, None] == ids, 0).gather(1, flat[:, None])[:, 0]   # this pair and those before it
+    place = starts[flat] + same - 1                                         # p's row in the grouped order
+    pairs = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, x.shape[1])
+    rows = torch.empty_like(pairs).index_copy_(0, place, pairs)
+    ends = starts[1:]                                                       # each local expert's last row + 1
+    counts = ends - starts[:-1]
     if uses_grouped_mm(x):
-        hidden = grouped(rows, counts, gate_up, down)
+        hidden = grouped(rows, ends, gate_up, down)
     else:
         hidden = per_expert(rows, counts.tolist(), gate_up, down)
     touched.copy_((counts > 0).sum())
-    hidden = hidden * weights.flatten()[order, None]   # float32 weights, as transformers weighs them
+    out = hidden[place] * weights.flatten()[:, None]   # float32 weights, as transformers weighs them
     if mine is not None:   # rows past the last local expert were never computed
-        hidden = torch.where(mine[order, None], hidden, 0.0)
-    return torch.zeros_like(x).index_add_(0, token, hidden.to(x.dtype))
+        out = torch.where(mine[:, None], out, 0.0)
+    return out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)
 
 
 def _act(gate_up: torch.Tensor) -> torch.Tensor:
@@ -91,21 +99,35 @@ def per_expert(rows: torch.Tensor, counts: list[int], gate_up: torch.Tensor, dow
     return out
 
 
-def grouped(rows: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The same as two grouped GEMMs over every expert (zero-size groups), `counts` on the device."""
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+def grouped(rows: torch.Tensor, ends: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The same as two grouped GEMMs over every expert (zero-size groups); `ends` [E] on the
+    device: where each expert's rows end (the cumulative counts)."""
+    offsets = ends.to(torch.int32)
     hidden = torch._grouped_mm(rows, gate_up.transpose(1, 2), offs=offsets)
     return torch._grouped_mm(_act(hidden), down.transpose(1, 2), offs=offsets)
 
 
-@layer_piece(token_args=1)
-def moe_in(h: torch.Tensor, router_scale: torch.Tensor, router_w: torch.Tensor, per_expert_scale: torch.Tensor,
-           pre_norm_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, touched: torch.Tensor, eps: float,
-           top_k: int, first_expert: int, sharded: bool) -> torch.Tensor:
-    """A decoder-layer piece (layer_pieces.py): the residual after attention -> this rank's routed
-    experts' sum: route, then the pre-normed rows dispatched by expert."""
+def routed_experts(h: torch.Tensor, router_scale: torch.Tensor, router_w: torch.Tensor, per_expert_scale: torch.Tensor,
+                   pre_norm_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, touched: torch.Tensor, eps: float,
+                   top_k: int, first_expert: int, sharded: bool) -> torch.Tensor:
+    """The residual after attention -> this rank's routed experts' sum: route, then the pre-normed
+    rows dispatched by expert."""
     weights, experts = route(h, eps, router_scale, router_w, per_expert_scale, top_k)
     return dispatch(rms_norm(h, pre_norm_w, eps), weights, experts, gate_up, down, touched, first_expert, sharded)
+
+
+@layer_piece(token_args=2)
+def mlp_moe_in(h: torch.Tensor, attn: torch.Tensor, post_attn_w: torch.Tensor, pre_ff_w: torch.Tensor,
+               gate_up_w: torch.Tensor, down_w: torch.Tensor, router_scale: torch.Tensor, router_w: torch.Tensor,
+               per_expert_scale: torch.Tensor, pre_norm_w: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               touched: torch.Tensor, eps: float, top_k: int, first_expert: int, sharded: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A MoE layer's piece (layer_pieces.py): mlp_in and the routed experts together, so one kernel
+    norms the residual for the dense MLP, the router and the experts (three RMSNorms of one row).
+    Returns (the residual after attention, the dense MLP's and the experts' partial sums)."""
+    h, dense = layer_pieces.mlp_in.eager(h, attn, post_attn_w, pre_ff_w, gate_up_w, down_w, eps)
+    return h, dense, routed_experts(h, router_scale, router_w, per_expert_scale, pre_norm_w, gate_up, down, touched,
+                                    eps, top_k, first_expert, sharded)
 
 
 class Router(nn.Module):
@@ -166,10 +188,14 @@ class MoeBlock(nn.Module):
         self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
 
-    def forward(self, residual: torch.Tensor) -> torch.Tensor:
-        """residual: the layer's state after attention -> the routed experts' sum, all-reduced (not
-        yet normed): router, pre-norm and dispatch as one piece (`moe_in`)."""
+    def forward(self, h: torch.Tensor, attn: torch.Tensor, mlp, post_attn_norm: RMSNorm, pre_ff_norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A MoE layer after attention, in place of `mlp.after_attention`: (h, attn) -> (the residual
+        after attention, the dense MLP's output, the routed experts' sum), each sum all-reduced (not
+        yet normed); the dense MLP, router, pre-norm and dispatch as one piece (`mlp_moe_in`)."""
         r, e = self.router, self.experts
-        routed = moe_in(residual, r.scale, r.proj.weight, r.per_expert_scale, self.pre_feedforward_layernorm_2.weight,
-                        e.gate_up_proj, e.down_proj, e.touched, r.norm.eps, r.top_k, e.first_expert, e.sharded)
-        return self.group.all_reduce(routed)
+        h, dense, routed = mlp_moe_in(h, attn, post_attn_norm.weight, pre_ff_norm.weight, mlp.gate_up_proj.weight,
+                                      mlp.down_proj.weight, r.scale, r.proj.weight, r.per_expert_scale,
+                                      self.pre_feedforward_layernorm_2.weight, e.gate_up_proj, e.down_proj, e.touched,
+                                      r.norm.eps, r.top_k, e.first_expert, e.sharded)
+        return h, mlp.reduce(dense), self.group.all_reduce(routed)

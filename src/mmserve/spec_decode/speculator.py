@@ -2,8 +2,9 @@
 
 After a step, every request that sampled and speculates gets K drafts from the assistant
 (model/assistant.py) in one tight batched loop: the keys it reads (the target's K/V of its storing
-layers, positions before the token drafted from) are gathered once, and the K steps share them and
-one constant position, so they need no scheduling and no metadata. The next step verifies
+layers, positions before the token drafted from) are read in place through the target's attention
+backends, with one decode-shaped metadata per layer type built once per round (`TargetKVReader`),
+and the K steps share it and one constant position, so they need no scheduling. The next step verifies
 `[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
 drafts equal to the target's argmax, plus the target's own next token: the same tokens as
 without speculation, up to K + 1 per step. A random request's chunk is accepted the same way,
@@ -31,11 +32,14 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.attention import create_builder, create_impl
+from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec, PoolConfig
+from mmserve.attention.buffers import StagedBuffer
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant
+from mmserve.model.assistant import Assistant, TargetKV, load_assistant
 from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
@@ -71,12 +75,93 @@ def _run_here(batch: DraftBatch, loop: Callable[[], list[list[int]]]) -> list[li
     return loop()
 
 
+@dataclass
+class _DraftLayerType:
+    """One layer type the assistant reads: the target's backend for it, over the target's pool."""
+
+    impl: object
+    builder: object
+    table: StagedBuffer     # [max_num_seqs, width]: the round's block tables
+    filled: np.ndarray      # int64 [max_num_seqs]: columns of each row an earlier round wrote
+
+
+class TargetKVReader:
+    """The drafter's attention over the target's paged pools, read in place (no copies of the K/V).
+
+    A drafting round is, to the attention backends, one decode step: request r's query row at
+    position num_keys[r] - 1 over keys [0, num_keys[r]) (the drafted-from token itself is not in
+    the cache; its position num_keys[r] only matters to RoPE, which the drafter applies itself),
+    with the assistant's window + 1 as a sliding layer's window: it sees the last window + 1 keys.
+    Per layer type the assistant reads, the target's backend for that type (after the runner's
+    fallbacks) gives an implementation for this rank's assistant heads and a builder over the
+    target's pool, made at the first round (the pool's size is the cache's); every round builds one
+    metadata per type from persistent buffers, which its K draft steps share.
+    """
+
+    def __init__(self, assistant: Assistant, target, *, max_num_seqs: int):
+        self.assistant, self.target = assistant, target
+        self.max_num_seqs = max_num_seqs
+        self.stores = storing_layers(target.spec)
+        device = target.device
+        self.query_start_loc = StagedBuffer((max_num_seqs + 1,), torch.int32, device)
+        self.seq_lens = StagedBuffer((max_num_seqs,), torch.int32, device)
+        self.positions = StagedBuffer((max_num_seqs,), torch.int64, device)
+        self.slot_mapping = StagedBuffer((max_num_seqs,), torch.int64, device)   # attend only: never written to
+        self.query_start_loc.np[:] = np.arange(max_num_seqs + 1)
+        self._types: dict[str, _DraftLayerType] = {}
+
+    def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int) -> _DraftLayerType:
+        if t not in self._types:
+            attn = self.assistant.spec.attention[t]
+            layer = self.assistant.model.layers[self.assistant.spec.layer_types.index(t)].self_attn
+            window = None if attn.window is None else attn.window + 1
+            spec = LayerAttentionSpec(t, layer.num_heads, kv_cache.shape[3], attn.head_dim, window=window,
+                                      bidirectional=False, scale=1.0)
+            width = min(kv_cache.shape[1], -(-self.target.spec.max_model_len // block_size))
+            backend = self.target.attention_backends[t]
+            pool = PoolConfig(spec, num_blocks=kv_cache.shape[1], block_size=block_size,
+                              max_num_tokens=self.max_num_seqs, max_num_reqs=self.max_num_seqs,
+                              max_blocks_per_req=width, device=kv_cache.device, dtype=self.target.dtype)
+            table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
+            self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
+                                             np.zeros(self.max_num_seqs, dtype=np.int64))
+        return self._types[t]
+
+    def prepare(self, batch: DraftBatch, kv_caches: list[torch.Tensor]) -> dict[str, TargetKV]:
+        """The round's TargetKV per layer type the assistant reads (`kv_caches`: this rank's)."""
+        R = len(batch.num_keys)
+        if R > self.max_num_seqs:
+            raise ValueError(f"a drafting round of {R} requests exceeds max_num_seqs ({self.max_num_seqs})")
+        num_keys = np.asarray(batch.num_keys, dtype=np.int64)
+        self.seq_lens.np[:R] = num_keys
+        self.positions.np[:R] = num_keys - 1
+        qsl, seq_lens, positions = self.query_start_loc.push(R + 1), self.seq_lens.push(R), self.positions.push(R)
+        out = {}
+        for t, tables in batch.block_tables.items():
+            kv_cache = kv_caches[self.stores[t]]
+            kind = self._layer_type(t, kv_cache, batch.block_size)
+            table = kind.table.np
+            for r, row in enumerate(tables):   # entries past a request's blocks name the null block
+                table[r, :len(row)] = row
+                table[r, len(row):kind.filled[r]] = 0
+                kind.filled[r] = len(row)
+            common = CommonAttentionMetadata(
+                num_actual_tokens=R, num_reqs=R, max_query_len=1, max_seq_len=int(num_keys.max()),
+                query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.push(R),
+                slot_mapping=self.slot_mapping.dev[:R], block_size=batch.block_size, query_ranges=None,
+                query_start_loc_cpu=self.query_start_loc.cpu[:R + 1], seq_lens_cpu=self.seq_lens.cpu[:R],
+                positions_cpu=self.positions.cpu[:R], block_table_cpu=kind.table.cpu[:R], query_ranges_cpu=None)
+            out[t] = TargetKV(kind.impl, kv_cache, kind.builder.build(common))
+        return out
+
+
 class Speculator:
-    def __init__(self, assistant: Assistant, target, num_tokens: int):
+    def __init__(self, assistant: Assistant, target, num_tokens: int, *, max_num_seqs: int = 64):
         self.assistant = assistant
         self.target = target
         self.num_tokens = num_tokens
         self.stores = storing_layers(target.spec)
+        self.attention = TargetKVReader(assistant, target, max_num_seqs=max_num_seqs)
         # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
         self.verified = [0] * num_tokens
         self.accepted = [0] * num_tokens
@@ -90,12 +175,12 @@ class Speculator:
             self.accepted[i] += i < num_accepted
 
     @classmethod
-    def load(cls, path: str, target, num_tokens: int) -> Speculator:
+    def load(cls, path: str, target, num_tokens: int, *, max_num_seqs: int) -> Speculator:
         """The assistant at `path` for `target` (a rank's shard of it under tensor parallelism: the
-        assistant is sharded by the same group)."""
+        assistant is sharded by the same group); a round drafts for at most `max_num_seqs` requests."""
         assistant = load_assistant(path, target.decoder.spec, dtype=target.dtype, device=target.device,
                                    parallel=target.parallel)
-        return cls(assistant, target, num_tokens)
+        return cls(assistant, target, num_tokens, max_num_seqs=max_num_seqs)
 
     def kv_specs(self, specs: dict[str, LayerAttentionSpec]) -> dict[str, LayerAttentionSpec]:
         """The target's attention specs with each window wide enough for the assistant too: its sliding
@@ -133,9 +218,7 @@ class Speculator:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
         states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
         device = self.target.device
-        shared = {t: gather_shared_kv(kv_caches[self.stores[t]], tables, batch.num_keys,
-                                      self.assistant.spec.attention[t].window, batch.block_size)
-                  for t, tables in batch.block_tables.items()}
+        target_kv = self.attention.prepare(batch, kv_caches)
         rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
@@ -143,7 +226,8 @@ class Speculator:
         drafted = []
         try:
             for step in range(max(lengths)):
-                logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
+                logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope,
+                                                     target_kv)
                 if masks is not None:
                     masks.apply(logits)
                 tokens = logits.argmax(dim=-1)
