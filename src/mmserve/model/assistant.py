@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmserve.attention.buffers import to_device
 from mmserve.model.assistant_spec import (
     AssistantSpec,
     DraftAttention,
@@ -62,22 +63,29 @@ class SharedKV:
 
 
 def gather_shared_kv(kv_cache: torch.Tensor, block_tables: list[list[int]], num_keys: list[int],
-                     window: int | None, block_size: int) -> SharedKV:
+                     window: int | None, block_size: int, shift: torch.Tensor | None = None) -> SharedKV:
     """Keys [0, num_keys[r]) of request r from a paged cache (2, blocks, block_size, Hkv, D) whose
-    table is block_tables[r]; a sliding layer gathers only its last `window + 1`."""
-    n = torch.tensor(num_keys, dtype=torch.int64)
-    first = torch.zeros_like(n) if window is None else (n - 1 - window).clamp(min=0)
-    pos = first[:, None] + torch.arange(int((n - first).max()))   # [R, N]: one batched index, no per-request ops
-    valid = pos < n[:, None]
-    pos = pos.where(valid, 0)   # keeps the padding's table lookup in range; its slot is 0, masked out
+    table is block_tables[r]; a sliding layer gathers only its last `window + 1`. With `shift` (on
+    the cache's device; async scheduling) request r has num_keys[r] - shift[r] keys, known only
+    there: `num_keys` bounds them, and the gather and its mask are planned on the device."""
+    dev = kv_cache.device
     tables = np.zeros((len(block_tables), max(map(len, block_tables))), dtype=np.int64)
     for r, table in enumerate(block_tables):
         tables[r, :len(table)] = table
-    slots = torch.from_numpy(tables).gather(1, pos // block_size) * block_size + pos % block_size
+    both = to_device(np.concatenate([np.asarray(num_keys, dtype=np.int64)[:, None], tables], axis=1), dev)
+    n, tables_dev = both[:, 0], both[:, 1:]
+    if shift is not None:
+        n = n - shift
+    first = torch.zeros_like(n) if window is None else (n - 1 - window).clamp(min=0)
+    width = max(num_keys) if window is None else min(max(num_keys), window + 1)   # bounds every n - first
+    pos = first[:, None] + torch.arange(width, device=dev)   # [R, N]: one batched index, no per-request ops
+    valid = pos < n[:, None]
+    pos = pos.where(valid, 0)   # keeps the padding's table lookup in range; its slot is 0, masked out
+    slots = tables_dev.gather(1, pos // block_size) * block_size + pos % block_size
     slots = slots.where(valid, 0)
     flat = kv_cache.flatten(1, 2)   # [2, blocks * block_size, Hkv, D]
-    picked = flat[:, slots.flatten().to(kv_cache.device)].unflatten(1, slots.shape)
-    return SharedKV(picked[0], picked[1], valid.to(kv_cache.device))
+    picked = flat[:, slots.flatten()].unflatten(1, slots.shape)
+    return SharedKV(picked[0], picked[1], valid)
 
 
 class DraftLayerAttention(nn.Module):

@@ -23,6 +23,13 @@ its runner broadcasts it (`on_ranks`), and each rank reads its own copy of the s
 all-gathered bits everywhere, so every rank feeds the same drafts to its next step. Grammar masks
 are rank 0's alone: a round that masks some request's drafts (`DraftBatch.masked`) takes each
 draft step's tokens from rank 0 (one broadcast of R ids per draft step).
+
+Async scheduling (`propose_on_device`): a round starts before the step's tokens reach the host, so
+it takes each request's token, hidden-state row and key count from the device's acceptance
+(sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
+inputs; the host learns them with the step's tokens. Its drafts are not masked by a grammar (the
+matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
+refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.attention.buffers import to_device
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.model.assistant import Assistant, gather_shared_kv, load_assistant
 from mmserve.model.assistant_spec import storing_layers
@@ -128,6 +137,41 @@ class Speculator:
         return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
 
     @torch.inference_mode()
+    def propose_on_device(self, requests: list[Request], tokens: torch.Tensor, rows: torch.Tensor,
+                          shift: torch.Tensor, kv: KVCacheManager, kv_caches: list[torch.Tensor], block_size: int,
+                          *, hidden: torch.Tensor) -> torch.Tensor:
+        """K unmasked drafts for each request, left on the device ([R, K]): drafted from `tokens`
+        (each request's token after its kept drafts) at `rows` of the step's `hidden`, over keys
+        up to its `num_computed_tokens` less `shift` (the positions the host counted and the
+        device's acceptance did not keep). Nothing here waits for the device."""
+        device = self.target.device
+        num_keys = [r.num_computed_tokens for r in requests]
+        shared = {t: gather_shared_kv(kv_caches[self.stores[t]], [kv.block_table(r.request_id, t) for r in requests],
+                                      num_keys, self.assistant.spec.attention[t].window, block_size, shift)
+                  for t in self.stores if t in self.assistant.spec.attention}
+        positions = to_device(np.asarray(num_keys, dtype=np.int64), device) - shift
+        drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
+                             shared, self.num_tokens)
+        return torch.stack(drafted, dim=1)
+
+    def _loop(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: dict, shared: dict, steps: int,
+              masks: DraftMasks | None = None, masked: bool = False) -> list[torch.Tensor]:
+        """`steps` batched draft steps from `tokens` and `hidden`: each step's tokens (masked by
+        `masks`, and rank 0's under tensor parallelism when `masked`)."""
+        drafted = []
+        for step in range(steps):
+            logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
+            if masks is not None:
+                masks.apply(logits)
+            tokens = logits.argmax(dim=-1)
+            if masked:   # only rank 0 applied the masks: its tokens are the drafts
+                tokens = self.target.parallel.broadcast(tokens)
+            drafted.append(tokens)
+            if masks is not None:   # a host sync per draft step, only when some item is constrained
+                masks.advance(step, tokens.tolist())
+        return drafted
+
+    @torch.inference_mode()
     def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
               masks: DraftMasks | None = None) -> list[list[int]]:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
@@ -140,18 +184,8 @@ class Speculator:
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
         lengths = batch.num_drafts
-        drafted = []
         try:
-            for step in range(max(lengths)):
-                logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, shared)
-                if masks is not None:
-                    masks.apply(logits)
-                tokens = logits.argmax(dim=-1)
-                if batch.masked:   # only rank 0 applied the masks: its tokens are the drafts
-                    tokens = self.target.parallel.broadcast(tokens)
-                drafted.append(tokens)
-                if masks is not None:   # a host sync per draft step, only when some item is constrained
-                    masks.advance(step, tokens.tolist())
+            drafted = self._loop(tokens, hidden, rope, shared, max(lengths), masks, batch.masked)
         finally:
             if masks is not None:
                 masks.rollback()
