@@ -12,6 +12,8 @@ decode, so prefill chunks and frames land among the decodes. Each loop runs it f
               prefill); a speculating step only when every request verifies K drafts
   uniform     + every speculating request's chunk padded to 1 + K rows (scheduler.verify_width)
   piecewise   + every other step as piecewise graphs (dense pieces per token bucket, attention eager)
+  async       + async scheduling (each step built while the one before runs; its drafts made and
+              accepted on the device, its positions moved back there)
   eager       --enforce-eager: the tokens every loop must reproduce
 One line per loop: steps, the share that replayed a graph (uniform, piecewise), whether greedy and
 seeded tokens equal the eager loop's, whether every KV block is free at the end.
@@ -42,7 +44,7 @@ from mmserve.worker.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger("bench.graph_coverage")
 RESULTS = Path(__file__).resolve().parent / "results" / "graph_coverage.json"
-LOOPS = ("main", "uniform", "piecewise", "eager")
+LOOPS = ("main", "uniform", "piecewise", "async", "eager")
 GRAMMAR = ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\.")
 
 
@@ -68,7 +70,8 @@ def workload(num_text: int, num_videos: int, max_tokens: int, num_frames: int) -
 def run_loop(model, tokenizer, loop: str, work, max_num_batched_tokens: int) -> dict:
     llm = LLM(loaded_model=model, tokenizer=tokenizer, device="cpu", attention_backend="flex", max_num_seqs=16,
               max_num_batched_tokens=max_num_batched_tokens, enforce_eager=loop == "eager", emulate_cuda_graphs=True,
-              speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=3)
+              speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=3,
+              async_scheduling="on" if loop == "async" else "off")
     core, runner = llm.core, llm.core.runner
     if loop == "main":   # no pads: a speculating step is uniform only when every request verifies K drafts
         core.scheduler.verify_width = 0
@@ -78,10 +81,10 @@ def run_loop(model, tokenizer, loop: str, work, max_num_batched_tokens: int) -> 
     steps, uniform, piecewise, prefill = 0, 0, 0, 0
     execute = runner.execute
 
-    def counting(out):
+    def counting(out, *prev):
         nonlocal steps, uniform, piecewise, prefill
         before = (runner.graphs.replays, runner.piecewise.replays)
-        result = execute(out)
+        result = execute(out, *prev)
         steps += 1
         uniform += runner.graphs.replays > before[0]
         piecewise += runner.piecewise.replays > before[1]

@@ -79,9 +79,9 @@ class EngineConfig:
                 "0 = room for 256 video frames of the served model (none with prefix caching off)", "min": 0})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
     async_scheduling: str = field(default="auto", metadata={
-        "help": "schedule and launch step N+1 while step N runs, its sampled tokens fed to N+1 on the device and "
-                "reaching the front end one step late: auto (on CUDA, without --speculative-model or tensor "
-                "parallelism) | on | off", "choices": ("auto", "on", "off")})
+        "help": "schedule and launch step N+1 while step N runs, its sampled tokens (and, with --speculative-model, "
+                "its acceptance and the drafts made after it) fed to N+1 on the device and reaching the front end one "
+                "step late: auto (on CUDA, without tensor parallelism) | on | off", "choices": ("auto", "on", "off")})
     emulate_cuda_graphs: bool = field(default=False, metadata={
         "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
                 "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})

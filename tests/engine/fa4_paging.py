@@ -85,7 +85,7 @@ class PagingImpl:
         return out
 
 
-BACKEND = AttentionBackend("fa4_paging", PagingImpl, PagingBuilder, cuda_graphs=True)
+BACKEND = AttentionBackend("fa4_paging", PagingImpl, PagingBuilder, cuda_graphs=True, device_positions=True)
 
 
 def register(monkeypatch) -> None:

@@ -129,9 +129,14 @@ def test_cancellations_and_preemptions_under_async_scheduling_leave_nothing_held
     assert all(r.num_output_placeholders == 0 for r in llm.core.scheduler.running)
 
 
-def test_async_scheduling_on_refuses_what_it_does_not_serve_yet(tmp_path, model_tok):
-    with pytest.raises(ValueError, match="speculative-model"):
-        make_llm(model_tok, async_scheduling="on", speculative_model=str(tmp_path))
+def test_async_scheduling_on_refuses_what_it_does_not_serve_yet(model_tok):
+    from mmserve.config import EngineConfig
+    from mmserve.core.engine_core import uses_async_scheduling
+
+    with pytest.raises(ValueError, match="tensor-parallel-size"):
+        uses_async_scheduling(EngineConfig(async_scheduling="on", tensor_parallel_size=2), torch.device("cpu"))
+    assert not uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cuda"))
+    assert uses_async_scheduling(EngineConfig(speculative_model="assistant"), torch.device("cuda"))
     assert not make_llm(model_tok).core.async_scheduling   # auto: on CUDA only
 
 

@@ -12,6 +12,7 @@ no reference) and every cached block's key names verified tokens only.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,10 +78,14 @@ def mixed_requests(seed: int):
     ]
 
 
-def test_greedy_tokens_equal_those_without_speculation(models):
+LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_greedy_tokens_equal_those_without_speculation(models, loop):
     requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
     _, expected = run(models, requests, speculate=False)
-    llm, got = run(models, requests, speculate=True)
+    llm, got = run(models, requests, speculate=True, **LOOPS[loop])
     for rid, c in expected.items():
         assert got[rid].token_ids == c.token_ids, rid
         assert got[rid].finish_reason == c.finish_reason == "length", rid
@@ -106,7 +111,51 @@ def test_greedy_tokens_equal_those_without_speculation(models):
     assert_pools_full(llm.core)
 
 
-def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models):
+def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
+    """Async scheduling on a backend that reads positions on the device (FA4's paging, fa4_paging.py),
+    under emulated graphs, with every staged buffer's device tensor apart from its host mirror (as on
+    CUDA: test_cuda_graphs.device_twins): each step is built as if the step in flight kept every
+    draft, its first input and drafts taken and its positions, context lengths and slots moved back
+    on the device by what that step rejected, the host's left as they were. Greedy tokens (and
+    logprobs) equal those without speculation; drafts are kept and rejected. (No video: the test
+    backend has no frame ranges.)"""
+    import fa4_paging
+    from test_cuda_graphs import device_twins
+
+    from mmserve.worker.backend_check import use_backend
+
+    requests = [r for r in mixed_requests(seed=int(torch.randint(0, 1000, ()))) if r.request_id != "video"]
+    _, expected = run(models, requests, speculate=False)
+    (model, tok), assistant = models
+    fa4_paging.register(monkeypatch)
+    device_twins(monkeypatch)
+    model = load_model(Path(assistant).parent / "target", attention_backend="reference")
+    for layer_type in list(model.attention_backends):
+        use_backend(model, layer_type, "fa4_paging")
+    llm = make_llm((model, tok), block_size=BS, max_num_batched_tokens=16, speculative_model=assistant,
+                   num_speculative_tokens=3, async_scheduling="on", attention_backend="fa4_paging",
+                   emulate_cuda_graphs=True)
+    inputs, moved = llm.core.runner.inputs, []
+    shift_on_device = inputs.shift_on_device
+
+    def shifting(rows, shift):
+        shift_on_device(rows, shift)
+        moved.append(int((inputs.positions.cpu[rows.token_rows] - inputs.positions.dev[rows.token_rows]).max()))
+
+    inputs.shift_on_device = shifting
+    got = {c.request_id: c for c in llm.generate(requests)}
+    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
+    for a, b in zip(got["short"].logprobs, expected["short"].logprobs, strict=True):
+        assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids) and abs(a.logprob - b.logprob) < 1e-4
+    spec = llm.core.speculator
+    assert spec.accepted[0] > 0 and spec.verified[0] > spec.accepted[0]
+    assert 3 in moved and set(moved) & {1, 2}, f"some steps moved back by all drafts, some by part: {set(moved)}"
+    assert llm.core.runner.graphs.replays_by_query_len.get(4, 0) > 0, "verify steps replayed their graph"
+    assert_pools_full(llm.core)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models, loop):
     requests = [build_request(f"r{i}", [20 + 9 * i], seed=50 + i, max_tokens=24) for i in range(4)]
     _, expected = run(models, requests, speculate=False)
     # an end-of-sequence id the target emits twice in a row somewhere: drafts of it get accepted
@@ -115,7 +164,7 @@ def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models)
     assert repeats, "no repeated token to put EOS on"
     eos = repeats[0][0]
     requests = [dataclasses.replace(r, sampling=SamplingParams(max_tokens=24)) for r in requests]   # EOS counts
-    llm, got = run(models, [], speculate=True)
+    llm, got = run(models, [], speculate=True, **LOOPS[loop])
     llm.core.eos_token_ids = frozenset({eos})
     got = {c.request_id: c for c in llm.generate(requests)}
     for rid, c in expected.items():
@@ -125,10 +174,11 @@ def test_eos_and_max_tokens_inside_accepted_drafts_end_the_request_there(models)
     assert_pools_full(llm.core)
 
 
-def test_preempted_speculating_requests_recompute_to_the_same_tokens(models):
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_preempted_speculating_requests_recompute_to_the_same_tokens(models, loop):
     requests = [build_request(f"r{i}", [28 + 3 * i], seed=70 + i, max_tokens=20) for i in range(4)]
     _, expected = run(models, requests, speculate=False, num_kv_blocks=60)
-    llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, **LOOPS[loop])
     llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
@@ -348,12 +398,14 @@ def test_prompt_logprobs_requests_speculate_to_the_same_outputs(models):
     assert verified == {"long", "short"}
 
 
-def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_held(models):
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_held(models, loop):
     """Reliability: speculating and opted-out requests under a KV budget that preempts, a random
-    third of them aborted at random steps (some mid-verify, with drafts pending), every speculating
-    chunk padded to 1 + K rows (pad positions take KV and are rolled back). Survivors keep the
-    tokens they have without speculation; at the end every block is free (empty or cached with no
-    reference), every cached key names verified tokens only, no matcher or generator is left."""
+    third of them aborted at random steps (some mid-verify, with drafts pending; async: with a
+    step's tokens and drafts in flight), every speculating chunk padded to 1 + K rows (pad
+    positions take KV and are rolled back). Survivors keep the tokens they have without
+    speculation; at the end every block is free (empty or cached with no reference), every cached
+    key names verified tokens only, no matcher, generator or placeholder is left."""
     import random
     from types import SimpleNamespace
 
@@ -361,7 +413,7 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000), max_tokens=rng.randrange(8, 24),
                               disable_speculation=i % 3 == 0) for i in range(9)]
     _, expected = run(models, requests, speculate=False, num_kv_blocks=96)
-    llm, _ = run(models, [], speculate=True, num_kv_blocks=36)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, **LOOPS[loop])
     llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
@@ -376,11 +428,13 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     assert llm.core.speculator.verified[0] > 0
     assert_pools_full(llm.core)
     assert not llm.core.sampler.grammar or not llm.core.sampler.grammar._matchers
+    assert not llm.core.requests and not llm.core.scheduler.running
     emitted = {rid: SimpleNamespace(token_ids=ids) for rid, ids in tokens.items()}   # all verified, aborted ones' too
     assert_only_verified_keys(llm, requests, emitted)
 
 
-def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(models):
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(models, loop):
     """A seeded random request (temperature 1) gives the same tokens alone and behind three decoding
     requests and before long prompts, which cut its step budget and its KV (fewer drafts, or none,
     on some steps), with speculation off and on: its draws are keyed by output position, and a
@@ -395,13 +449,14 @@ def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(m
     for speculate in (False, True):
         options = dict(speculative_model=assistant, num_speculative_tokens=3) if speculate else {}
         for crowded in (False, True):
-            llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=14, num_kv_blocks=64, **options)
+            llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=14, num_kv_blocks=64, **options,
+                           **LOOPS[loop])
             execute = llm.core.runner.execute
 
-            def counting(out, execute=execute):
+            def counting(out, *prev, execute=execute):
                 victim_rows.extend(1 + len(s.draft_token_ids) for s in out.scheduled if s.request.request_id == "victim"
                                    and s.num_computed_tokens >= s.request.num_prompt_tokens)
-                return execute(out)
+                return execute(out, *prev)
 
             llm.core.runner.execute = counting
             done = llm.generate(mates + [victim] + longs if crowded else [victim])

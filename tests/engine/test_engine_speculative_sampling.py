@@ -61,9 +61,11 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(dof / 2, stat / 2))
 
 
-def second_tokens(model, assistant: str, prompt: list[int], penalties: dict) -> tuple[torch.Tensor, list[int]]:
+def second_tokens(model, assistant: str, prompt: list[int], penalties: dict, async_scheduling: str = "off"
+                  ) -> tuple[torch.Tensor, list[int]]:
     llm = make_llm((model, None), speculative_model=assistant, num_speculative_tokens=2, max_num_seqs=64,
-                   max_num_batched_tokens=256, num_kv_blocks=512, max_waiting_requests=N)
+                   max_num_batched_tokens=256, num_kv_blocks=512, max_waiting_requests=N,
+                   async_scheduling=async_scheduling)
     # Chunks padded to 1 + K rows, as with verify graphs: the second token's chunk holds one draft
     # (max_tokens 3 leaves room for one) and one pad position, which must never be sampled.
     llm.core.scheduler.verify_width = 3
@@ -79,20 +81,23 @@ def second_tokens(model, assistant: str, prompt: list[int], penalties: dict) -> 
 PENALTIES = {"plain": {}, "penalised": {"repetition_penalty": 2.0, "presence_penalty": 1.5}}
 
 
+@pytest.mark.parametrize("loop", ["off", "on"])
 @pytest.mark.parametrize("case", list(PENALTIES))
-def test_speculative_sampling_matches_the_target_distribution(tiny_vocab, monkeypatch, case):
-    """`penalised`: each verify row's penalties count the drafts before it as output."""
+def test_speculative_sampling_matches_the_target_distribution(tiny_vocab, monkeypatch, case, loop):
+    """`penalised`: each verify row's penalties count the drafts before it as output. Async scheduling
+    (`loop` on): the drafts are made and verified on the device, the host sampling each verify row
+    with drafts it learned with the step before's tokens."""
     model, assistant = tiny_vocab
     penalties = PENALTIES[case]
     prompt = torch.randint(NUM_SPECIALS, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     if penalties:
         prompt = [prompt[0], prompt[1]] * 4 + [prompt[0]]
     expected = target_marginal(model, prompt, SamplingParams(temperature=TEMPERATURE, **penalties))
-    counts, verified = second_tokens(model, assistant, prompt, penalties)
+    counts, verified = second_tokens(model, assistant, prompt, penalties, loop)
     assert verified[0] == N, "every request's second token goes through a verify step"
     p_exact = chi_square_p(counts, expected)
     assert p_exact > BOUND, f"speculative sampling departs from the target's distribution (p = {p_exact:.2g})"
-    if case != "plain":
+    if case != "plain" or loop == "on":
         return
     position_seed = sampler_module.position_seed   # the bug: every position of a request draws the same noise
     monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: position_seed(seed, 0))

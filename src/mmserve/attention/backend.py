@@ -120,6 +120,10 @@ class AttentionBackend:
     impl_cls: type
     builder_cls: type
     cuda_graphs: bool = False       # every tensor its forward reads is a persistent buffer (decode graphs)
+    # A step without query ranges is planned from `query_start_loc_cpu` alone: positions, seq_lens and
+    # slots are read on the device, so the runner may move them there after the host built them
+    # (async scheduling with speculation: the device's acceptance decides a step's first position).
+    device_positions: bool = False
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, spec: LayerAttentionSpec) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Persistent per-step buffers: the zero-allocation hot path of step inputs and metadata builders.
+"""Persistent per-step buffers: the zero-allocation hot path of step inputs and metadata builders;
+and the host <-> device transfers the engine loop makes without waiting for the device.
 
 `StagedBuffer`: a host staging tensor (pinned on CUDA) written through its numpy view, and the
 device tensor it is copied to once per step (non-blocking). On a CPU device both are the same
@@ -10,7 +11,35 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without waiting for the device: on CUDA one non-blocking copy
+    from pinned memory (a plain `torch.tensor(..., device=)` copies from pageable memory and waits
+    for the stream, i.e. for every step queued before it); the caching host allocator keeps the
+    pinned block until the copy has run. On a CPU the array's own memory."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+class HostCopy:
+    """`tensor` on its way to the host: on CUDA one non-blocking copy into pinned memory and an event
+    after it, so `result()` waits for that copy alone, not for what the device queued after it."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._host, self._copied = tensor, None
+        if tensor.is_cuda:
+            self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self._host.copy_(tensor, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def result(self) -> torch.Tensor:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host
 
 
 class StagedBuffer:

@@ -290,4 +290,4 @@ class Fa4Impl:
         return run_fa4(q, kv_cache[0], kv_cache[1], metadata, self.spec)
 
 
-BACKEND = AttentionBackend("fa4", Fa4Impl, Fa4MetadataBuilder, cuda_graphs=True)
+BACKEND = AttentionBackend("fa4", Fa4Impl, Fa4MetadataBuilder, cuda_graphs=True, device_positions=True)

@@ -283,4 +283,4 @@ class FlexImpl:
         return rows.view(Hkv, n, g, D).transpose(0, 1).reshape(n, H, D)
 
 
-BACKEND = AttentionBackend("flex", FlexImpl, FlexMetadataBuilder, cuda_graphs=True)
+BACKEND = AttentionBackend("flex", FlexImpl, FlexMetadataBuilder, cuda_graphs=True, device_positions=True)

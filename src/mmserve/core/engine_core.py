@@ -17,7 +17,9 @@ With a speculative model (`spec_decode/`) a step may verify drafts: its sampled 
 max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
-tokens before the step ends.
+tokens before the step ends. With async scheduling the acceptance and the drafting run on the device
+right after the step's sampling is queued (`_accept_and_draft`), the next step is built as if every
+draft were kept and moved back there, and the host accepts the same rows when the tokens land.
 
 Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
 never sample, and report their computed tokens after each step that advanced them. They hold their
@@ -33,15 +35,17 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from mmserve.attention.buffers import HostCopy, to_device
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.live import LiveReservations, check_extension
-from mmserve.core.sched.output import SchedulerOutput
+from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.ipc.protocol import (
@@ -56,7 +60,7 @@ from mmserve.ipc.protocol import (
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
-from mmserve.sample.rejection_sampler import Accepted, RejectionSampler
+from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device
 from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator
@@ -74,9 +78,8 @@ COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (th
 
 def uses_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """`--async-scheduling`: auto is on CUDA (where the device runs a step while the host prepares
-    the next), without a speculative model or tensor parallelism, which it does not serve yet."""
-    why_not = ("--speculative-model" if config.speculative_model
-               else "--tensor-parallel-size > 1" if config.tensor_parallel_size > 1 or config.nnodes > 1 else None)
+    the next), without tensor parallelism, which it does not serve yet."""
+    why_not = "--tensor-parallel-size > 1" if config.tensor_parallel_size > 1 or config.nnodes > 1 else None
     if config.async_scheduling == "on" and why_not:
         raise ValueError(f"--async-scheduling on does not serve {why_not} yet")
     return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda"
@@ -87,7 +90,9 @@ def uses_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
 class InFlight:
     """A step launched and not finished (async scheduling): what was scheduled, the runner's result
     (logits on the device), the requests sampled and their sampler rows, the sampling on its way to
-    the host (or its result, when it ran row by row), its tokens on the device, and when it began."""
+    the host (or its result, when it ran row by row), its outcome on the device (the next step's
+    inputs) and when it began; with speculation, the drafts made after it on their way to the host
+    and, per request that drafted, (draft steps, keys read) for the step record."""
 
     out: SchedulerOutput
     step: StepResult
@@ -98,6 +103,8 @@ class InFlight:
     tokens: SampledTokens
     start_perf: float
     start_ns: int
+    drafts: HostCopy | None = None
+    drafted: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def _media_error(request_id: str, why: str) -> EngineInternalError:
@@ -148,6 +155,11 @@ class EngineCore:
                                            max_num_seqs=config.max_num_seqs)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
+        if self.speculator is not None and self.async_scheduling:
+            # the host schedules a step as if the one in flight kept every draft: its positions run up to K
+            # ahead of the device's, so a window keeps K more keys
+            kv_specs = {t: a if a.window is None else dataclasses.replace(a, window=a.window + config.num_speculative_tokens)
+                        for t, a in kv_specs.items()}
         # from the device's memory (a profiling step: worker/memory_profile.py) unless a size is given
         plan, sized_by, profiled_checks = size_kv_cache(model, config, kv_specs, max_model_len=self.max_model_len,
                                                         speculator=self.speculator, memory=memory, baseline=baseline)
@@ -182,6 +194,7 @@ class EngineCore:
         self._aborted: list[str] = []            # abort acknowledgements since then
         self._compiling: dict[str, Future] = {}      # request id -> its response_format's compile
         self._in_flight: InFlight | None = None      # async scheduling: the step launched, not yet finished
+        self._device_drafts: dict[str, list[int]] = {}   # async speculation: drafts the device made, learned since
         self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
@@ -338,17 +351,18 @@ class EngineCore:
             step = self.runner.execute(out)
             rows = verify_rows(step.sampling)
             sampler_out = self._sample(step.logits, rows)
-            accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
+            accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
         except Exception as exc:   # one bad step must not take the engine down
             self._fail_step(out, exc, result.outputs)
             return
         self._conclude(out, step, accepted, start_perf, start_ns, result)
 
     def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
-                  start_ns: int, result: EngineCoreOutputs) -> None:
+                  start_ns: int, result: EngineCoreOutputs,
+                  drafted: dict[str, tuple[int, int]] | None = None) -> None:
         """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
-        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting, the step
-        record, the outputs."""
+        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting (unless
+        the async loop drafted on the device already: `drafted`), the step record, the outputs."""
         for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
             if rid in self.requests:
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
@@ -359,14 +373,14 @@ class EngineCore:
                 rejected[s.request.request_id] = s.num_tokens
         accepted = [_media_failed(a, step.media_failed) for a in accepted]
         self.scheduler.update(out, rejected)   # parallel samples whose prompt is now computed join here
-        drafted: dict[str, tuple[int, int]] = {}
-        if self.speculator is not None:
+        if drafted is None and self.speculator is not None:
+            drafted = {}
             try:
                 drafted = self._draft(step, accepted)
             except Exception:   # drafts only save steps: without them every request decodes on
                 logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted)
+        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted or {})
         self._emit(accepted, result.outputs)
         for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
             if rid in self.requests:
@@ -402,11 +416,21 @@ class EngineCore:
 
     def _launch_sampling(self, out: SchedulerOutput, step: StepResult, start_perf: float, start_ns: int) -> InFlight:
         """Queue the sampling of a launched step's rows (those of requests still running: the step
-        before may have ended some); its tokens stay on the device for the next step's inputs."""
+        before may have ended some; a verify chunk's drafts the device made are known here now);
+        its outcome stays on the device for the next step's inputs. With a speculative model the
+        acceptance and the next step's drafts are queued too (`_accept_and_draft`)."""
+        for s in step.sampling:
+            if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT and s.request.request_id in self.requests:
+                s.draft_token_ids[:] = self._device_drafts[s.request.request_id][:len(s.draft_token_ids)]
         keep = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
-        logits = step.logits if len(keep) == len(step.sampling) else step.logits[
-            torch.tensor(keep, dtype=torch.long, device=step.logits.device)]
         sampling = [step.sampling[i] for i in keep]
+        logits, hidden = step.logits, step.hidden
+        if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
+            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
+            index = to_device(np.concatenate([np.arange(first[i], first[i + 1]) for i in keep] or [first[:0]]),
+                              logits.device)
+            logits = logits.index_select(0, index)
+            hidden = hidden.index_select(0, index) if hidden is not None else None
         rows = verify_rows(sampling)
         try:
             pending = self.sampler.launch(logits, rows)
@@ -414,29 +438,75 @@ class EngineCore:
         except Exception:
             logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
             pending = self._sample_rows(logits, rows)
-            tokens = torch.tensor(pending.token_ids, dtype=torch.long, device=logits.device)
-        return InFlight(out, step, sampling, rows, logits, pending,
-                        SampledTokens(tokens, {s.request.request_id: i for i, s in enumerate(sampling)}),
-                        start_perf, start_ns)
+            tokens = to_device(np.asarray(pending.token_ids, dtype=np.int64), logits.device)
+        flight = InFlight(out, step, sampling, rows, logits, pending,
+                          SampledTokens(tokens[:, None], {s.request.request_id: i for i, s in enumerate(sampling)}),
+                          start_perf, start_ns)
+        if self.speculator is not None and sampling:
+            self._accept_and_draft(flight, hidden)
+        return flight
+
+    def _accept_and_draft(self, flight: InFlight, hidden: torch.Tensor) -> None:
+        """Async speculation, all queued on the device: the step's acceptance (how many drafts each
+        chunk kept, the token after them), then the next step's drafts from that token for every
+        request that speculates, started on their way to the host; the next step's inputs take
+        both there. A failed drafting round leaves the next step without drafts."""
+        sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
+        accepted = accept_on_device(tokens, sampling)
+        k = self.speculator.num_tokens
+        next_inputs = torch.zeros((len(sampling), 1 + k), dtype=tokens.dtype, device=tokens.device)
+        next_inputs[:, 0] = accepted.next_token
+        flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
+        items = [i for i, s in enumerate(sampling) if speculates(s.request.sampling_params)]
+        if not items:
+            return
+        try:
+            index = to_device(np.asarray(items, dtype=np.int64), tokens.device)
+            requests = [sampling[i].request for i in items]
+            drafts = self.speculator.propose_on_device(
+                requests, accepted.next_token.index_select(0, index), accepted.row.index_select(0, index),
+                accepted.shift.index_select(0, index), self.kv, self.runner.kv_caches, self.config.block_size,
+                hidden=hidden)
+            next_inputs[:, 1:].index_copy_(0, index, drafts)
+        except Exception:   # drafts only save steps: without them every request decodes on
+            logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
+            return
+        flight.drafts = HostCopy(next_inputs[:, 1:])
+        for r in requests:   # the next step verifies them; their ids are the device's until the host learns them
+            r.draft_token_ids = [DEVICE_DRAFT] * k
+        flight.drafted = {r.request_id: (k, r.num_computed_tokens) for r in requests}
 
     def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
-        """Step N's end, while N+1 runs: its tokens reach the host (the one wait), then what the
-        synchronous loop does after sampling (`_conclude`), for the requests still running."""
+        """Step N's end, while N+1 runs: its tokens (and the drafts made after it) reach the host
+        (the one wait), then what the synchronous loop does after sampling (`_conclude`), for the
+        requests still running."""
         try:
             sampler_out = step.pending if isinstance(step.pending, SamplerOutput) else step.pending.result()
         except Exception:
             logger.exception("step %d: sampling failed; sampling row by row", self.step_index)
             sampler_out = self._sample_rows(step.logits, step.rows)
-        for s in step.step.sampling:   # each sampling chunk's placeholder: its token is here now
-            s.request.num_output_placeholders -= 1
+        # the drafts the device made after this step, for the step that verifies them (the one launched, or later)
+        drafts = step.drafts.result().tolist() if step.drafts is not None else [[]] * len(step.sampling)
+        self._device_drafts = {s.request.request_id: d for s, d in zip(step.sampling, drafts, strict=True)}
+        waiting = [s.request for s in step.sampling   # drafts the step launched did not take: a later one will
+                   if s.request.draft_token_ids and s.request.draft_token_ids[0] == DEVICE_DRAFT]
+        for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
+            s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
         live = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
         if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
+            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
+            rows = [r for i in live for r in range(first[i], first[i + 1])]
             step.sampling = [step.sampling[i] for i in live]
-            sampler_out = SamplerOutput([sampler_out.token_ids[i] for i in live],
-                                        [sampler_out.logprobs[i] for i in live],
-                                        {k: sampler_out.errors[i] for k, i in enumerate(live) if i in sampler_out.errors})
-        accepted = self.rejection.accept(step.sampling, sampler_out, step.logits, self.eos_token_ids)
-        self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result)
+            sampler_out = SamplerOutput([sampler_out.token_ids[r] for r in rows],
+                                        [sampler_out.logprobs[r] for r in rows],
+                                        {k: sampler_out.errors[r] for k, r in enumerate(rows) if r in sampler_out.errors})
+        accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
+        drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
+        self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
+                       drafted if self.speculator is not None else None)
+        for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
+            request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling

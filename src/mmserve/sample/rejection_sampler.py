@@ -10,6 +10,12 @@ when not, the row's token is a draw from p conditioned on not being d: the resid
 distribution exactly. It uses no randomness of its own, so a seeded request gives the same tokens
 with speculation on and off, whatever rows its batch-mates left it. Either way the tokens are cut at
 EOS and `max_tokens`; the positions after the cut are what the scheduler rolls back.
+
+With async scheduling and speculation the next step is built before this one's tokens reach the
+host, so the acceptance it needs is also made on the device (`accept_on_device`): how many drafts
+each chunk kept, the token after them (the next step's first input, and the drafter's), its row,
+and how many of the chunk's positions the host counted that the step did not keep. The host then
+accepts the same rows again (`accept`) when the tokens land: the same rule on the same tokens.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from mmserve.attention.buffers import to_device
 from mmserve.core.sched.output import ScheduledRequest
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
-from mmserve.sample.logprobs import token_logprobs
 from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.spec_decode.verify import accepted_prefix
 
@@ -50,7 +57,7 @@ class RejectionSampler:
         self.sampler = sampler
         self.record = record
 
-    def accept(self, scheduled: Sequence[ScheduledRequest], sampler_out: SamplerOutput, logits: torch.Tensor,
+    def accept(self, scheduled: Sequence[ScheduledRequest], sampler_out: SamplerOutput,
                eos_token_ids: frozenset[int]) -> list[Accepted]:
         """Each sampling request's new tokens, appended to it (the sampler's rows laid out as
         `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row)."""
@@ -73,10 +80,8 @@ class RejectionSampler:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             request.output_token_ids += tokens
-            logprobs = None if sampler_out.logprobs[first] is None else [sampler_out.logprobs[first]]
-            if n_rows > 1 and params.num_logprobs is not None:   # each kept token's, under its own row
-                logprobs = token_logprobs(logits[first:first + len(tokens)], torch.tensor(tokens),
-                                          [params.num_logprobs] * len(tokens))
+            # kept token k is row first + k's draw: its logprob came with the tokens (no second read)
+            logprobs = None if params.num_logprobs is None else sampler_out.logprobs[first:first + len(tokens)]
             accepted.append(Accepted(s, tokens, logprobs, finish, n_rows + s.num_pad_drafts - len(tokens),
                                      num_accepted=num_accepted))
         return accepted
@@ -93,3 +98,34 @@ def _cut(request, candidates: list[int], eos_token_ids: frozenset[int]) -> tuple
         if len(request.output_token_ids) + len(tokens) >= params.max_tokens:
             return tokens, "length"
     return tokens, None
+
+
+@dataclass
+class DeviceAcceptance:
+    """A step's acceptance on the device, per sampling request (async scheduling with speculation)."""
+
+    next_token: torch.Tensor   # [S] the token after the kept drafts (the target's draw at `row`)
+    row: torch.Tensor          # [S] its row among the step's sampled rows
+    shift: torch.Tensor        # [S] positions the host counted as kept (every draft and pad) and were not
+
+
+def accept_on_device(tokens: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> DeviceAcceptance:
+    """`accept`'s rule on the device, without EOS or max_tokens (a request they end is dropped from
+    the next step when the host learns it): `tokens` are the step's sampled rows laid out as
+    `verify_rows` lays them; a chunk's drafts are `scheduled[i].draft_token_ids` (host-known by the
+    time its rows are sampled). No host sync: the host's layout goes over in one copy."""
+    counts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
+    pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=len(scheduled))
+    width = int(counts.max(initial=0))
+    first = np.concatenate(([0], np.cumsum(1 + counts)[:-1]))
+    # per request: its rows (clamped to its own: a short chunk repeats its last row), then its drafts (-1 past them)
+    layout = np.full((len(scheduled), 2 * width + 2), -1, dtype=np.int64)
+    layout[:, :width + 1] = first[:, None] + np.minimum(np.arange(width + 1), counts[:, None])
+    for i, s in enumerate(scheduled):
+        layout[i, width + 1:width + 1 + counts[i]] = s.draft_token_ids
+    layout[:, -1] = counts + pads
+    layout_dev = to_device(layout, tokens.device)
+    rows, drafts, counted = layout_dev[:, :width + 1], layout_dev[:, width + 1:-1], layout_dev[:, -1]
+    drawn = tokens.index_select(0, rows.flatten()).view(rows.shape)
+    kept = (drawn[:, :width] == drafts).long().cumprod(dim=1).sum(dim=1)   # a -1 (no draft) never matches
+    return DeviceAcceptance(drawn.gather(1, kept[:, None]).squeeze(1), rows[:, 0] + kept, counted - kept)

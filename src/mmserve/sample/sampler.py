@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.attention.buffers import HostCopy
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.logprobs import logprob_table, read_logprobs
@@ -109,27 +110,20 @@ class PendingSample:
         self.sampler, self.requests, self.tokens = sampler, requests, tokens
         self._table_shape = None if table is None else table.shape
         self._want_lp, self._num_top, self._masks = want_lp, num_top, masks
-        payload = tokens if table is None else torch.cat([tokens.double(), table.flatten()])
-        self._host, self._copied = payload, None
-        if payload.is_cuda:
-            self._host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
-            self._host.copy_(payload, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
+        self._copy = HostCopy(tokens if table is None else torch.cat([tokens.double(), table.flatten()]))
 
     def result(self) -> SamplerOutput:
-        if self._copied is not None:
-            self._copied.synchronize()
+        host = self._copy.result()
         n = len(self.requests)
         out = SamplerOutput([], [None] * n)
         if self._want_lp:
-            out.token_ids = self._host[:n].long().tolist()
-            lps = read_logprobs(self._host[n:].view(self._table_shape), [out.token_ids[i] for i in self._want_lp],
+            out.token_ids = host[:n].long().tolist()
+            lps = read_logprobs(host[n:].view(self._table_shape), [out.token_ids[i] for i in self._want_lp],
                                 self._num_top)
             for i, lp in zip(self._want_lp, lps, strict=True):
                 out.logprobs[i] = lp
         else:
-            out.token_ids = self._host.tolist()
+            out.token_ids = host.tolist()
         if self._masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
             rows, _, out.errors = self._masks
             live = [i for i in rows if i not in out.errors and not hasattr(self.requests[i], "drafts")]

@@ -24,6 +24,13 @@ its runner broadcasts it (`on_ranks`), and each rank reads its own copy of the s
 all-gathered bits everywhere, so every rank feeds the same drafts to its next step. Grammar masks
 are rank 0's alone: a round that masks some request's drafts (`DraftBatch.masked`) takes each
 draft step's tokens from rank 0 (one broadcast of R ids per draft step).
+
+Async scheduling (`propose_on_device`): a round starts before the step's tokens reach the host, so
+it takes each request's token, hidden-state row and key count from the device's acceptance
+(sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
+inputs; the host learns them with the step's tokens. Its drafts are not masked by a grammar (the
+matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
+refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mmserve.attention import create_builder, create_impl
+from mmserve.attention import create_builder, create_impl, get_backend
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec, PoolConfig
 from mmserve.attention.buffers import StagedBuffer
 from mmserve.core.kv_cache.manager import KVCacheManager
@@ -127,15 +134,25 @@ class TargetKVReader:
                                              np.zeros(self.max_num_seqs, dtype=np.int64))
         return self._types[t]
 
-    def prepare(self, batch: DraftBatch, kv_caches: list[torch.Tensor]) -> dict[str, TargetKV]:
-        """The round's TargetKV per layer type the assistant reads (`kv_caches`: this rank's)."""
+    def prepare(self, batch: DraftBatch, kv_caches: list[torch.Tensor], *,
+                shift: torch.Tensor | None = None) -> dict[str, TargetKV]:
+        """The round's TargetKV per layer type the assistant reads (`kv_caches`: this rank's).
+        With `shift` (async scheduling, on the device) request r has batch.num_keys[r] - shift[r]
+        keys: moved back on the device where every backend reads positions there, else read to
+        the host first (a wait on CUDA). `positions` then holds each query's position."""
         R = len(batch.num_keys)
         if R > self.max_num_seqs:
             raise ValueError(f"a drafting round of {R} requests exceeds max_num_seqs ({self.max_num_seqs})")
         num_keys = np.asarray(batch.num_keys, dtype=np.int64)
+        if shift is not None and not all(get_backend(self.target.attention_backends[t]).device_positions
+                                         for t in batch.block_tables):
+            num_keys, shift = num_keys - shift.cpu().numpy(), None
         self.seq_lens.np[:R] = num_keys
         self.positions.np[:R] = num_keys - 1
         qsl, seq_lens, positions = self.query_start_loc.push(R + 1), self.seq_lens.push(R), self.positions.push(R)
+        if shift is not None:   # before any builder reads them (the host's counts stay an upper bound)
+            seq_lens.sub_(shift.to(seq_lens.dtype))
+            positions.sub_(shift)
         out = {}
         for t, tables in batch.block_tables.items():
             kv_cache = kv_caches[self.stores[t]]
@@ -213,6 +230,42 @@ class Speculator:
         return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
 
     @torch.inference_mode()
+    def propose_on_device(self, requests: list[Request], tokens: torch.Tensor, rows: torch.Tensor,
+                          shift: torch.Tensor, kv: KVCacheManager, kv_caches: list[torch.Tensor], block_size: int,
+                          *, hidden: torch.Tensor) -> torch.Tensor:
+        """K unmasked drafts for each request, left on the device ([R, K]): drafted from `tokens`
+        (each request's token after its kept drafts) at `rows` of the step's `hidden`, over keys
+        up to its `num_computed_tokens` less `shift` (the positions the host counted and the
+        device's acceptance did not keep). Nothing here waits for the device where the backends
+        read positions there (`TargetKVReader.prepare`)."""
+        tables = {t: [kv.block_table(r.request_id, t) for r in requests]
+                  for t in self.stores if t in self.assistant.spec.attention}
+        num_keys = [r.num_computed_tokens for r in requests]
+        batch = DraftBatch([], [], num_keys, [self.num_tokens] * len(requests), tables, block_size)
+        target_kv = self.attention.prepare(batch, kv_caches, shift=shift)
+        positions = self.attention.positions.dev[:len(requests)] + 1   # the drafted-from tokens'
+        drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
+                             target_kv, self.num_tokens)
+        return torch.stack(drafted, dim=1)
+
+    def _loop(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: dict, target_kv: dict, steps: int,
+              masks: DraftMasks | None = None, masked: bool = False) -> list[torch.Tensor]:
+        """`steps` batched draft steps from `tokens` and `hidden`: each step's tokens (masked by
+        `masks`, and rank 0's under tensor parallelism when `masked`)."""
+        drafted = []
+        for step in range(steps):
+            logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope, target_kv)
+            if masks is not None:
+                masks.apply(logits)
+            tokens = logits.argmax(dim=-1)
+            if masked:   # only rank 0 applied the masks: its tokens are the drafts
+                tokens = self.target.parallel.broadcast(tokens)
+            drafted.append(tokens)
+            if masks is not None:   # a host sync per draft step, only when some item is constrained
+                masks.advance(step, tokens.tolist())
+        return drafted
+
+    @torch.inference_mode()
     def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
               masks: DraftMasks | None = None) -> list[list[int]]:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
@@ -223,19 +276,8 @@ class Speculator:
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
         lengths = batch.num_drafts
-        drafted = []
         try:
-            for step in range(max(lengths)):
-                logits, hidden = self.assistant.step(self.target.decoder.embed(tokens, None, None), hidden, rope,
-                                                     target_kv)
-                if masks is not None:
-                    masks.apply(logits)
-                tokens = logits.argmax(dim=-1)
-                if batch.masked:   # only rank 0 applied the masks: its tokens are the drafts
-                    tokens = self.target.parallel.broadcast(tokens)
-                drafted.append(tokens)
-                if masks is not None:   # a host sync per draft step, only when some item is constrained
-                    masks.advance(step, tokens.tolist())
+            drafted = self._loop(tokens, hidden, rope, target_kv, max(lengths), masks, batch.masked)
         finally:
             if masks is not None:
                 masks.rollback()

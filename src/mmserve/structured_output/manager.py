@@ -48,10 +48,12 @@ class StructuredOutput:
         self._formats: dict[str, ResponseFormat] = {}
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._bitmask = xgr.allocate_token_bitmask(8, self.vocab_size)
+        self._special: frozenset[int] = frozenset()
 
     def add(self, request_id: str, fmt: ResponseFormat, compiled: xgr.CompiledGrammar) -> None:
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
         self._formats[request_id] = fmt
+        self._special = frozenset(compiled.tokenizer_info.special_token_ids)   # one tokenizer for every grammar
 
     # -- engine core, once per step --------------------------------------------------------------
 
@@ -69,7 +71,7 @@ class StructuredOutput:
         matchers = [self._matchers[requests[i].request_id] for i in rows]
         self._fill_now(matchers[:len(now)], bitmask[:len(now)], [requests[i] for i in now])
         for k in range(len(now), len(rows)):
-            self._fill_ahead(matchers[k], tuple(requests[rows[k]].drafts), bitmask, k)
+            self._fill_ahead(matchers[k], tuple(requests[rows[k]].drafts), bitmask, k, self._special)
         dead = {rows[k]: self._stuck(requests[rows[k]])
                 for k in torch.nonzero(~bitmask[:len(now)].any(dim=1)).flatten().tolist()
                 if not matchers[k].is_terminated()}
@@ -98,13 +100,17 @@ class StructuredOutput:
                     logger.exception("request %s: grammar mask failed", requests[k].request_id)
 
     @staticmethod
-    def _fill_ahead(matcher: xgr.GrammarMatcher, drafts: tuple[int, ...], bitmask: torch.Tensor, k: int) -> None:
+    def _fill_ahead(matcher: xgr.GrammarMatcher, drafts: tuple[int, ...], bitmask: torch.Tensor, k: int,
+                    special: frozenset[int]) -> None:
         """bitmask[k] for the state after `drafts`, the matcher left as it was. A row after a draft it
         refuses is left unmasked: acceptance cannot reach it, as the row before was masked against that
-        draft; nor does a row after the stop token count (the request ends at it)."""
+        draft; nor does a row after the stop token count (the request ends at it). (Drafts the async
+        loop made unmasked may be special tokens or follow the stop token: refused without asking the
+        matcher, which would log a warning for each.)"""
         n = 0
         try:
-            while n < len(drafts) and matcher.accept_token(drafts[n]):
+            while (n < len(drafts) and drafts[n] not in special and not matcher.is_terminated()
+                   and matcher.accept_token(drafts[n])):
                 n += 1
             if n == len(drafts) and not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, k)

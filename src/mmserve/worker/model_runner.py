@@ -7,8 +7,12 @@ step (one token per request, or with speculation K + 1: a verify step) replays t
 of its padded size (cuda_graphs.py), every other step its dense pieces per token bucket with
 attention between them (piecewise_graphs.py); eagerly with --enforce-eager, on a CPU unless
 emulated, or past the largest bucket. With async scheduling a step's last input may be a token the
-step before is still sampling: it is copied into the inputs on the device (`SampledTokens`). Nothing
-here waits for the device (prompt logprobs aside); the host staging buffers are rewritten only once
+step before is still sampling: it is copied into the inputs on the device (`SampledTokens`), with
+the drafts made after it (speculation), and the request's positions, context length and slots move
+back there by what that step's acceptance rejected (the host built them as if it kept every
+draft); where a backend plans from host positions (sdpa, reference, or FA4 on a step with frames)
+the rejected count is read to the host first instead (free on a CPU, a wait on CUDA). Nothing
+here waits for the device otherwise (prompt logprobs aside); the host staging buffers are rewritten only once
 the previous step's copies out of them have run (a CUDA event, not a device-wide sync). With the
 self-check on, the graphs are replayed at start-up against the eager forward (backend_check.py).
 
@@ -60,7 +64,7 @@ from mmserve.worker.cuda_graphs import (
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.worker.piecewise_graphs import DenseStep, PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
-from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
+from mmserve.worker.step_inputs import PrevStep, StepInputBuilder, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +88,15 @@ class StepResult:
 
 @dataclass
 class SampledTokens:
-    """A step's sampled token ids, still on the device (async scheduling), and each request's row
-    among them: the next step's inputs take a token in flight from there (`ModelRunner.execute`)."""
+    """A step's outcome still on the device (async scheduling), for the next step's inputs
+    (`ModelRunner.execute`): per sampled request (its row: `rows`), the token after what it kept
+    and, with speculation, the drafts made after that token (`tokens` [S, 1 + K]); and the
+    positions the host counted as kept that the step's acceptance rolled back (`shift` [S]; None
+    without speculation)."""
 
     tokens: torch.Tensor
     rows: dict[str, int]
+    shift: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -127,6 +135,7 @@ class ModelRunner:
             check_attention(model, pools, self.kv_caches, strict=config.strict_backends) if self.self_check else [])
         backends = {t: get_backend(name) for t, name in model.attention_backends.items()}   # after fallbacks
         self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
+        self._host_positions = [b.name for b in backends.values() if not b.device_positions]   # plan from the host
         # KV-sharing layers run only the rows that sample (worker/sampled_rows.py)
         self.sampled_rows = None
         if any(layer.shares_kv for layer in spec.layers):
@@ -136,6 +145,7 @@ class ModelRunner:
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._warned_host_shift = False
         self.max_model_len = max_model_len
         self.graphs = UniformStepGraphs(capture_sizes(config.max_num_seqs), mode=graph_mode(
             device.type, config.enforce_eager, config.emulate_cuda_graphs, [b.cuda_graphs for b in backends.values()]),
@@ -284,13 +294,28 @@ class ModelRunner:
     def _build(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
                prev: SampledTokens | None = None, **padding) -> StepInputs:
         """The step's inputs in the persistent buffers; a last input that the step in flight samples
-        (async scheduling) is copied there on the device, from `prev`."""
-        inputs = self.inputs.build(scheduled, tables, rows, prev_rows=prev.rows if prev is not None else None,
+        (async scheduling), and the drafts made after it, are copied there on the device from `prev`,
+        and the rows of those requests moved back by what its acceptance rejected (on the device, or
+        on the host first where a backend plans from host positions)."""
+        in_flight = None
+        if prev is not None:
+            host_shift = None
+            if prev.shift is not None and (self._host_positions or any(s.frames for s in scheduled)):
+                if prev.shift.is_cuda and not self._warned_host_shift:
+                    self._warned_host_shift = True
+                    logger.warning("async scheduling with speculation: %s plans attention from host positions, "
+                                   "so a step waits for the acceptance of the step before it",
+                                   "+".join(self._host_positions) or "a step with frames")
+                host_shift = prev.shift.cpu().numpy()   # waits for that acceptance on CUDA; there already on a CPU
+            in_flight = PrevStep(prev.rows, prev.tokens.shape[1], host_shift)
+        inputs = self.inputs.build(scheduled, tables, rows, prev=in_flight,
                                    gather_from=self.block_tables if tables is self.block_tables.rows else None,
                                    **padding)
         if inputs.prev_token is not None:
             dst, src = inputs.prev_token
-            self.inputs.input_ids.dev.index_copy_(0, dst, prev.tokens.index_select(0, src))
+            self.inputs.input_ids.dev.index_copy_(0, dst, prev.tokens.view(-1).index_select(0, src))
+        if inputs.shifted is not None:
+            self.inputs.shift_on_device(inputs.shifted, prev.shift)
         return inputs
 
     def _replay(self, scheduled: list[ScheduledRequest], tables: dict[str, np.ndarray], rows: np.ndarray,
@@ -446,10 +471,12 @@ class ModelRunner:
             inputs = self._build(out.scheduled, self.block_tables.rows, rows, prev)
             attn_metadata = self._metadata(inputs)
             mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
-            # (a verify chunk samples several rows: KV-sharing layers then run every row)
-            if self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled):
+            # (a verify chunk samples several rows, and positions the device moves back are not the
+            # host's: KV-sharing layers then run every row)
+            if (self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled)
+                    and (prev is None or prev.shift is None)):
                 sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows,
-                                                  prev.rows if prev is not None else None)
+                                                  PrevStep(prev.rows) if prev is not None else None)
             if self._inputs_copied is not None:
                 self._inputs_copied.record()
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,

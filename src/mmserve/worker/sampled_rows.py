@@ -18,7 +18,7 @@ import numpy as np
 from mmserve.attention import PoolConfig
 from mmserve.core.sched.output import ScheduledRequest
 from mmserve.model.decoder import SampledRows
-from mmserve.worker.step_inputs import StepInputBuilder, StepInputs
+from mmserve.worker.step_inputs import PrevStep, StepInputBuilder, StepInputs
 
 
 class SampledRowsBuilder:
@@ -30,7 +30,7 @@ class SampledRowsBuilder:
                          for t, pool in pools.items()}
 
     def build(self, scheduled: list[ScheduledRequest], step: StepInputs, block_tables: dict[str, np.ndarray],
-              rows: np.ndarray, prev_rows: dict[str, int] | None = None) -> SampledRows | None:
+              rows: np.ndarray, prev: PrevStep | None = None) -> SampledRows | None:
         """The sampled rows of `step` and their metadata, or None when the full path is as cheap or needed."""
         if step.num_tokens == len(step.sampling_index) or any(s.request.sampling_params.prompt_logprobs for s in scheduled):
             return None
@@ -39,5 +39,5 @@ class SampledRowsBuilder:
         last_rows = [dataclasses.replace(scheduled[i], num_computed_tokens=scheduled[i].seq_len - 1, num_tokens=1,
                                          frames=[], block_updates={}) for i in step.sampling_index]
         # (their ids feed nothing: the KV-sharing layers take the step's hidden rows)
-        small = self.inputs.build(last_rows, block_tables, rows[step.sampling_index], prev_rows=prev_rows)
+        small = self.inputs.build(last_rows, block_tables, rows[step.sampling_index], prev=prev)
         return SampledRows(step.logits_indices, {t: b.build(small.common[t]) for t, b in self.builders.items()})

@@ -17,7 +17,7 @@ import torch
 
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec
 from mmserve.attention.buffers import StagedBuffer
-from mmserve.core.sched.output import ScheduledRequest
+from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest
 from mmserve.worker.block_table import BlockTables
 
 
@@ -59,6 +59,30 @@ def fill_query_ranges(
 
 
 @dataclass
+class PrevStep:
+    """The step in flight as the next step's inputs see it (async scheduling): each request's row
+    of that step's next inputs on the device (`width` ids a row: the token after its kept rows,
+    then, with speculation, the drafts made after it), and `host_shift` (per row: positions the
+    host counted as kept that the device's acceptance rolled back) when this step's positions must
+    be exact on the host; None: they are moved back on the device (`StepInputBuilder.shift_on_device`)."""
+
+    rows: dict[str, int]
+    width: int = 1
+    host_shift: np.ndarray | None = None
+
+
+@dataclass
+class ShiftedRows:
+    """The rows of a step's requests whose last input is in flight (device tensors): their positions,
+    context lengths and slots move back by their request's shift, known on the device only."""
+
+    token_rows: torch.Tensor   # [m] rows of the step
+    token_of: torch.Tensor     # [m] each row's entry in `reqs`
+    reqs: torch.Tensor         # [k] the requests (index into the step)
+    src: torch.Tensor          # [k] their rows of the step in flight
+
+
+@dataclass
 class StepInputs:
     """Everything the model runner feeds the model for one step (views of persistent buffers)."""
 
@@ -70,8 +94,9 @@ class StepInputs:
                                        # (a verify chunk's pad positions are not)
     sampling_index: np.ndarray         # int64 [S]: the scheduled requests that sample (index into the step)
     mm_token_index: torch.Tensor | None  # int64 [M]: rows that take this step's vision embeddings
-    # async scheduling: (rows of input_ids, rows of the previous step's sampled tokens) to copy on the device
+    # async scheduling: (rows of input_ids, flat indices into the step in flight's next inputs) to copy on the device
     prev_token: tuple[torch.Tensor, torch.Tensor] | None = None
+    shifted: ShiftedRows | None = None   # async speculation: rows whose positions move back on the device
 
 
 class StepInputBuilder:
@@ -100,8 +125,12 @@ class StepInputBuilder:
         self.mm_token_index = StagedBuffer((n,), torch.int64, device)
         self.query_ranges = StagedBuffer((n, 2), torch.int32, device)
         self.row_index = StagedBuffer((s,), torch.int64, device)   # the scheduled requests' rows of BlockTables
-        self.prev_token_dst = StagedBuffer((s,), torch.int64, device)
-        self.prev_token_src = StagedBuffer((s,), torch.int64, device)
+        self.prev_token_dst = StagedBuffer((n,), torch.int64, device)   # the token in flight and the device's drafts
+        self.prev_token_src = StagedBuffer((n,), torch.int64, device)
+        self.shift_rows = StagedBuffer((n,), torch.int64, device)
+        self.shift_of = StagedBuffer((n,), torch.int64, device)
+        self.shift_reqs = StagedBuffer((s,), torch.int64, device)
+        self.shift_src = StagedBuffer((s,), torch.int64, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
         self.block_table = {t: StagedBuffer((s, self.max_blocks), torch.int32, device) for t in specs}
         self.query_ranges.np.fill(-1)
@@ -111,11 +140,12 @@ class StepInputBuilder:
     def buffers(self) -> list[StagedBuffer]:
         return [self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.logits_indices,
                 self.mm_token_index, self.query_ranges, self.row_index, self.prev_token_dst, self.prev_token_src,
+                self.shift_rows, self.shift_of, self.shift_reqs, self.shift_src,
                 *self.slot_mapping.values(), *self.block_table.values()]
 
     def build(self, scheduled: Sequence[ScheduledRequest], block_tables: dict[str, np.ndarray],
               rows: np.ndarray, *, pad_to: int | None = None, query_len: int = 1,
-              pad_tokens_to: int | None = None, prev_rows: dict[str, int] | None = None,
+              pad_tokens_to: int | None = None, prev: PrevStep | None = None,
               gather_from: BlockTables | None = None) -> StepInputs:
         """`block_tables[pool][rows[i]]` is scheduled request i's table (the runner's BlockTables).
 
@@ -125,10 +155,11 @@ class StepInputBuilder:
         and the slot mappings' device buffers cover that many rows, the rows past the step's tokens
         id 0 at position 0, their K/V slot the null block's slot 0 (the dense pieces write every
         row's K/V; padding rows all compute the same finite values, `PiecewiseGraphs`); the attention
-        metadata keeps the step's own tokens (padding rows never enter attention). `prev_rows` (async
-        scheduling): each request's row among the tokens the step in flight samples; a request
-        whose last input is one of them gets id 0 here, and `StepInputs.prev_token_dst/src` say
-        where the runner copies it from on the device. `gather_from` (the runner's `BlockTables`, whose
+        metadata keeps the step's own tokens (padding rows never enter attention). `prev` (async
+        scheduling): the step in flight; a request whose last input it samples gets id 0 there (and
+        at its `DEVICE_DRAFT` drafts), `StepInputs.prev_token` says where the runner copies them from
+        on the device, and `StepInputs.shifted` which rows it moves back there (or, with
+        `prev.host_shift`, they are built at their place). `gather_from` (the runner's `BlockTables`, whose
         device tables mirror `block_tables`): the step's device block tables are gathered there, not
         copied from the host at the tables' full width."""
         num_reqs = len(scheduled)
@@ -137,6 +168,17 @@ class StepInputBuilder:
         bs = self.block_size
         lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
         computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
+        pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
+        known = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        # a chunk's own tokens (not drafts or pads) past what the host knows: its last, sampled by the step in flight
+        in_flight = np.flatnonzero(computed + lens - drafts - pads > known)
+        if len(in_flight) and (prev is None or any(scheduled[i].request.request_id not in prev.rows for i in in_flight)):
+            raise ValueError(f"request {scheduled[in_flight[0]].request.request_id}: an input token not sampled yet")
+        src = np.fromiter((prev.rows[scheduled[i].request.request_id] for i in in_flight), dtype=np.int64,
+                          count=len(in_flight)) if len(in_flight) else in_flight
+        if len(in_flight) and prev.host_shift is not None:   # built at the positions the device's acceptance left
+            computed[in_flight] -= prev.host_shift[src]
         qsl = self.query_start_loc.np
         qsl[0] = 0
         np.cumsum(lens, out=qsl[1:num_reqs + 1])
@@ -151,30 +193,24 @@ class StepInputBuilder:
         np.subtract(np.arange(num_tokens), qsl[req_of_token] - computed[req_of_token], out=positions)
 
         ids = self.input_ids.np
-        drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
-        pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
         bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
-        in_flight = 0
         for i, s in enumerate(scheduled):   # a verify chunk: its last known token, the drafts, pad positions
             real_end = bounds[i + 1] - s.num_pad_drafts
-            known = real_end - len(s.draft_token_ids)
-            start, end = s.num_computed_tokens, s.num_computed_tokens + known - bounds[i]
-            have = min(end, s.request.num_tokens)
-            ids[bounds[i]:bounds[i] + have - start] = s.request.token_ids_slice(start, have)
-            if have < end:   # async: the last input is a token the step in flight samples: taken on the device
-                if end - have > 1 or prev_rows is None or s.request.request_id not in prev_rows:
-                    raise ValueError(f"request {s.request.request_id}: {end - have} input token(s) not sampled yet")
-                ids[bounds[i] + have - start:known] = 0
-                self.prev_token_dst.np[in_flight] = bounds[i] + have - start
-                self.prev_token_src.np[in_flight] = prev_rows[s.request.request_id]
-                in_flight += 1
+            own = real_end - len(s.draft_token_ids)
+            start = int(computed[i])
+            have = max(bounds[i], min(own, bounds[i] + s.request.num_tokens - start))   # rows the host knows
+            if own - have > 1:   # only the last input may be in flight (it comes from the device)
+                raise ValueError(f"request {s.request.request_id}: {own - have} input tokens not sampled yet")
+            ids[bounds[i]:have] = s.request.token_ids_slice(start, start + have - bounds[i])
+            ids[have:own] = 0
             if s.draft_token_ids:
-                ids[known:real_end] = s.draft_token_ids
+                ids[own:real_end] = 0 if s.draft_token_ids[0] == DEVICE_DRAFT else s.draft_token_ids
             if s.num_pad_drafts:
                 ids[real_end:bounds[i + 1]] = 0
-        # the total a sampling chunk reaches (> it with a token in flight as its last input, async);
-        # an open prompt (a live context) never samples
-        totals = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs) + drafts + pads
+        num_copied = self._fill_in_flight(scheduled, in_flight, src, prev.width if prev is not None else 1)
+        # the total a sampling chunk reaches (> it with its last input in flight, async); an open
+        # prompt (a live context) never samples
+        totals = known + drafts + pads
         samples = (seq_lens >= totals) & ~np.fromiter((bool(s.request.open_prompt) for s in scheduled), dtype=bool,
                                                       count=num_reqs)
         sampling_index = np.flatnonzero(samples)
@@ -226,7 +262,10 @@ class StepInputBuilder:
         qsl_dev = self.query_start_loc.push(num_reqs + 1)
         seq_lens_dev = self.seq_lens.push(num_reqs)
         logits_indices = self.logits_indices.push(num_logits)
-        prev_token = (self.prev_token_dst.push(in_flight), self.prev_token_src.push(in_flight)) if in_flight else None
+        prev_token = (self.prev_token_dst.push(num_copied), self.prev_token_src.push(num_copied)) if num_copied else None
+        shifted = None
+        if len(in_flight) and prev.host_shift is None and prev.width > 1:   # moved back on the device (speculation)
+            shifted = self._shifted_rows(in_flight, src, lens)
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}
@@ -247,7 +286,51 @@ class StepInputBuilder:
                 positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
                 query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index,
-                          prev_token)
+                          prev_token, shifted)
+
+    def _fill_in_flight(self, scheduled: Sequence[ScheduledRequest], in_flight: np.ndarray, src: np.ndarray,
+                        width: int) -> int:
+        """Where the in-flight requests' last input (and their `DEVICE_DRAFT` drafts) come from: rows
+        of input_ids, and flat indices into the step in flight's [rows, width] next inputs."""
+        qsl, n = self.query_start_loc.np, 0
+        for i, row in zip(in_flight.tolist(), src.tolist(), strict=True):
+            s = scheduled[i]
+            own = int(qsl[i + 1]) - s.num_pad_drafts - len(s.draft_token_ids)
+            device_drafts = len(s.draft_token_ids) if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT else 0
+            if device_drafts >= width:
+                raise ValueError(f"request {s.request.request_id}: {device_drafts} drafts, {width - 1} made on the device")
+            count = 1 + device_drafts
+            self.prev_token_dst.np[n:n + count] = np.arange(own - 1, own - 1 + count)
+            self.prev_token_src.np[n:n + count] = row * width + np.arange(count)
+            n += count
+        return n
+
+    def _shifted_rows(self, in_flight: np.ndarray, src: np.ndarray, lens: np.ndarray) -> ShiftedRows:
+        """The in-flight requests' rows, for `shift_on_device`."""
+        qsl = self.query_start_loc.np
+        counts = lens[in_flight]
+        m, k = int(counts.sum()), len(in_flight)
+        starts = qsl[in_flight].astype(np.int64)
+        self.shift_rows.np[:m] = np.arange(m) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+        self.shift_of.np[:m] = np.repeat(np.arange(k), counts)
+        self.shift_reqs.np[:k] = in_flight
+        self.shift_src.np[:k] = src
+        return ShiftedRows(self.shift_rows.push(m), self.shift_of.push(m), self.shift_reqs.push(k), self.shift_src.push(k))
+
+    def shift_on_device(self, rows: ShiftedRows, shift: torch.Tensor) -> None:
+        """Move the rows back by their request's `shift` (the step in flight's, on the device): their
+        positions, their requests' context lengths, and their K/V slots (from the device's block
+        tables). Queued after the step's copies; every later reader of these buffers sees it."""
+        by_req = shift.index_select(0, rows.src)
+        positions = self.positions.dev.index_select(0, rows.token_rows) - by_req.index_select(0, rows.token_of)
+        self.positions.dev.index_copy_(0, rows.token_rows, positions)
+        lens = self.seq_lens.dev.index_select(0, rows.reqs) - by_req.to(self.seq_lens.dev.dtype)
+        self.seq_lens.dev.index_copy_(0, rows.reqs, lens)
+        req = rows.reqs.index_select(0, rows.token_of)
+        bs = self.block_size
+        for t in self.specs:
+            blocks = self.block_table[t].dev[req, positions // bs].long()
+            self.slot_mapping[t].dev.index_copy_(0, rows.token_rows, blocks * bs + positions % bs)
 
     def _pad(self, num_reqs: int, num_tokens: int, size: int, query_len: int, with_ranges: bool) -> None:
         """Requests num_reqs..size-1 become padding (uniform steps only: every real request schedules

@@ -233,7 +233,8 @@ class KVCacheManager:
         held = self._held.get(request.request_id)
         if not self.enable_prefix_caching or held is None:
             return
-        full = request.num_computed_tokens // self.block_size
+        # (async scheduling with speculation counts a step's drafts as computed before they are known)
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full <= held.num_keyed:
             return
         keys = block_hashes(request, self.block_size, full)[:full]   # it may already reach further

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from mmserve.request import Request
 
+# A draft the device makes after the step before (async scheduling with speculation): the runner
+# takes its id there; the host learns it with that step's tokens, before this step samples.
+DEVICE_DRAFT = -1
+
 
 @dataclass
 class BlockUpdate:
@@ -38,6 +42,11 @@ class ScheduledRequest:
     # Positions after the drafts that fill a verify chunk to 1 + K rows, so every speculating request
     # of a step has the same rows and the step replays one graph: never sampled, always rolled back.
     num_pad_drafts: int = 0
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows the step samples for this request when its chunk samples: its last token and each draft."""
+        return 1 + len(self.draft_token_ids)
 
     @property
     def is_verify(self) -> bool:

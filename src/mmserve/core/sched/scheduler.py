@@ -23,10 +23,13 @@ speculating batch stays uniform and replays one graph; pads go first when the bu
 context length is short.
 Async scheduling (`async_scheduling`): the next step is scheduled while this one runs, before its
 tokens reach the host. Each chunk advances `num_computed_tokens` when it is scheduled, and a chunk
-that samples adds a placeholder (`Request.num_output_placeholders`) that counts as the request's
-next token: the next step decodes it, its id taken on the device. A request with all of its
-max_tokens in flight is not scheduled again; one with a placeholder waits off the waiting queue
-until its token lands. `update` then only keys the filled blocks.
+that samples adds a placeholder (`Request.num_output_placeholders`) per row it may keep (a verify
+chunk: all of them, as if every draft were accepted) that counts as the request's next tokens: the
+next step decodes the last, its id (and, with speculation, the drafts made after it: `DEVICE_DRAFT`
+entries) taken on the device, and the runner moves its positions back there by the rows the
+device's acceptance rejected. A request with all of its max_tokens in flight is not scheduled
+again; one with a placeholder waits off the waiting queue until its tokens land. `update` then
+rolls back the rejected rows and keys the filled blocks.
 Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
 come last in a step, after waiting requests, and never sample.
 """
@@ -41,7 +44,7 @@ import numpy as np
 from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
-from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
 
@@ -216,7 +219,12 @@ class Scheduler:
         n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
-                del request.draft_token_ids[budget - 1:]
+                room = budget
+                if request.draft_token_ids[0] == DEVICE_DRAFT:   # made before the host knew what the request may
+                    # still emit (the speculator caps the others): within max_tokens and the context
+                    left = request.sampling_params.max_tokens - len(request.output_token_ids)
+                    room = min(room, left - request.num_output_placeholders, self.max_model_len - start)
+                del request.draft_token_ids[max(0, room - 1):]
                 n += len(request.draft_token_ids)
             pads = self.verify_width - n
             fits = n + pads <= budget and start + n + pads <= self.max_model_len
@@ -303,11 +311,11 @@ class Scheduler:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
         finished, self._finished_since_step = self._finished_since_step, []
-        if self.async_scheduling:   # the step's computed tokens, and a placeholder for each token it samples
+        if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
             for s in scheduled.values():
                 r = s.request
                 if s.seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
-                    r.num_output_placeholders += 1
+                    r.num_output_placeholders += s.num_sampled_rows + s.num_pad_drafts
                 r.num_computed_tokens = s.seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
@@ -366,7 +374,9 @@ class Scheduler:
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
                 back = rejected.get(s.request.request_id, 0)
-                if back or not self.async_scheduling:   # async: advanced when scheduled (a rollback ends it)
+                if self.async_scheduling:   # advanced when scheduled; the next step may have advanced it since
+                    s.request.num_computed_tokens -= back
+                else:
                     s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)
                 if prompt_done(s.request) and self.forks.of(s.request.request_id):
