@@ -238,7 +238,11 @@ def run(tmp_path_factory, make_video, served_model):
     try:
         prometheus.start()   # while the model loads
         address = server.wait_serving()
+        serving = time.time()
         _poll("the server's target is up", lambda: prometheus.target_health() == ["up"])
+        # a scrape of the serving engine's zeros before any load (series it adds at ready, e.g.
+        # speculation's positions): "up" alone may be a scrape from while the model loaded
+        _poll("a scrape after the engine was ready", lambda: (_value(prometheus, "timestamp(up)") or 0) >= serving)
         state = Run(prometheus, server, address, target)
         _mixed_load(state, make_video(seed=11, num_frames=8), _png(12))
         state.load_end = time.time()
