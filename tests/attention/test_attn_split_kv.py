@@ -115,6 +115,30 @@ def test_a_padding_request_in_the_null_block_gives_zeros(interpreted):
     assert rel_err(got, want) < 1e-5
 
 
+def test_positions_moved_back_on_the_device_after_planning_keep_the_window(interpreted):
+    """Async scheduling with speculation plans a step on the host as if the step in flight kept all
+    K drafts, then moves positions and context lengths back by what it rejected, on the device
+    (StepInputBuilder.shift_on_device, TargetKVReader.prepare). The plan's first key, from the
+    host's longer contexts, then starts up to K keys too late for a sliding layer: the planner
+    starts `position_slack` keys earlier and the kernel's window mask (device positions) keeps
+    exactly the window, as the reference over the true contexts."""
+    rng = random.Random()
+    K = 3
+    spec = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=40, bidirectional=False,
+                              scale=0.25)
+    batch = make_batch(ragged(rng, 4, 1, 300), spec, gen=fresh(), num_blocks=128)
+    shift = torch.tensor([rng.randint(1, K) for _ in range(4)], dtype=torch.int32)
+    md = batch.metadata
+    host = replace(md, seq_lens_cpu=md.seq_lens_cpu + shift, positions_cpu=md.positions_cpu + shift)
+    want, _ = run_backend("reference", batch, spec)
+    cache = batch.kv_cache.clone()
+    write_kv(cache, batch.k, batch.v, md)
+    for slack, exact in ((K, True), (0, False)):
+        plan = SplitKvPlanner(replace(pool_for(batch, spec), position_slack=slack), programs=16).plan(host)
+        got = split_kv_attention(batch.q, cache[0], cache[1], replace(plan, common=md), spec)
+        assert (rel_err(got, want) < 1e-5) == exact, (slack, rel_err(got, want))
+
+
 def test_flex_builder_plans_decode_for_split_kv_and_prefill_for_flex(interpreted):
     """With split-KV on (CUDA's choice: attention/selection.py), decode-shaped steps get a split-KV
     plan the flex impl runs, longer chunks flex's block mask; without it decode stays on flex."""

@@ -57,6 +57,9 @@ class PoolConfig:
     sdpa_batching: str = "auto"     # sdpa: auto | batched | loop (one call per request)
     # decode/verify steps on the split-KV kernel (attention/split_kv.py); None: selection.split_kv_decode decides
     split_kv_decode: bool | None = None
+    # how far the device may move positions back after the host planned a step (async scheduling with
+    # speculation: the K drafts the step in flight may reject); host-planned key bounds start that early
+    position_slack: int = 0
 
 
 @dataclass

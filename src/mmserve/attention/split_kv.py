@@ -92,6 +92,7 @@ class SplitKvPlanner:
         self.block_m, self.block_n = tile_shape(spec.head_dim)
         self.programs = programs or default_programs(pool.device)
         self.min_split_tiles = max(1, min_split_keys // self.block_n)
+        self.position_slack = pool.position_slack
         max_tokens = min(pool.max_num_tokens, pool.max_num_reqs * MAX_QUERY_LEN)
         self.key_lo = StagedBuffer((pool.max_num_reqs,), torch.int32, pool.device)
         self.num_splits = StagedBuffer((pool.max_num_reqs,), torch.int32, pool.device)
@@ -111,7 +112,8 @@ class SplitKvPlanner:
         seq_lens = common.seq_lens_cpu.numpy()[:R].astype(np.int64)
         with_ranges = common.query_ranges is not None and spec.bidirectional
         starts = common.query_ranges_cpu.numpy()[:T, 0] if with_ranges else None
-        key_lo = first_kept_keys(spec, qsl, seq_lens, starts)
+        # the kernel masks the window by each row's device position: starting early only reads a tile more
+        key_lo = np.maximum(first_kept_keys(spec, qsl, seq_lens, starts) - self.position_slack, 0)
 
         tiles_per_req = max(1, -(-common.max_query_len * self.group // self.block_m))
         per_split = max(1, R * spec.num_kv_heads * tiles_per_req)

@@ -105,9 +105,10 @@ class TargetKVReader:
     metadata per type from persistent buffers, which its K draft steps share.
     """
 
-    def __init__(self, assistant: Assistant, target, *, max_num_seqs: int):
+    def __init__(self, assistant: Assistant, target, *, max_num_seqs: int, position_slack: int = 0):
         self.assistant, self.target = assistant, target
         self.max_num_seqs = max_num_seqs
+        self.position_slack = position_slack   # async scheduling moves a round's positions back by up to this
         self.stores = storing_layers(target.spec)
         device = target.device
         self.query_start_loc = StagedBuffer((max_num_seqs + 1,), torch.int32, device)
@@ -128,7 +129,8 @@ class TargetKVReader:
             backend = self.target.attention_backends[t]
             pool = PoolConfig(spec, num_blocks=kv_cache.shape[1], block_size=block_size,
                               max_num_tokens=self.max_num_seqs, max_num_reqs=self.max_num_seqs,
-                              max_blocks_per_req=width, device=kv_cache.device, dtype=self.target.dtype)
+                              max_blocks_per_req=width, device=kv_cache.device, dtype=self.target.dtype,
+                              position_slack=self.position_slack)
             table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
             self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
                                              np.zeros(self.max_num_seqs, dtype=np.int64))
@@ -178,7 +180,7 @@ class Speculator:
         self.target = target
         self.num_tokens = num_tokens
         self.stores = storing_layers(target.spec)
-        self.attention = TargetKVReader(assistant, target, max_num_seqs=max_num_seqs)
+        self.attention = TargetKVReader(assistant, target, max_num_seqs=max_num_seqs, position_slack=num_tokens)
         # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
         self.verified = [0] * num_tokens
         self.accepted = [0] * num_tokens

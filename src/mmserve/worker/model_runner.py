@@ -126,7 +126,8 @@ class ModelRunner:
         pools = {t: PoolConfig(spec.attention_specs[t], num_blocks=plans[t].num_blocks, block_size=config.block_size,
                                max_num_tokens=max_tokens, max_num_reqs=config.max_num_seqs,
                                max_blocks_per_req=max_blocks, device=device, dtype=dtype,
-                               sdpa_batching=config.sdpa_batching)
+                               sdpa_batching=config.sdpa_batching,
+                               position_slack=config.num_speculative_tokens if config.speculative_model else 0)
                  for t in spec.attention_specs if t in plans}
         self.pools = pools
         self.strict_backends = config.strict_backends
