@@ -134,14 +134,22 @@ def test_the_kv_cache_gets_what_the_budget_leaves_after_the_largest_step(load_ba
 def test_a_budget_that_cannot_hold_one_full_context_request_is_refused_naming_the_numbers(load_backend,
                                                                                          on_fake_device):
     model, tok = load_backend("sdpa")
-    install, _ = on_fake_device
+    install, seen = on_fake_device
     weights = live_tensor_bytes()
-    # half of the device: the weights, 1 MiB of activations and about 300 kB, a part of one full context
-    install(total=2 * (weights + MiB + 300_000), free=2 * (weights + MiB + 300_000), activations=MiB)
+    # what a runner holds beside its pools, from a profile on a roomy device
+    install(total=2 * (weights + 5 * MiB), free=2 * (weights + 5 * MiB), activations=MiB)
+    EngineCore(EngineConfig(gpu_memory_utilization=0.5, **OPTIONS), model=model, tokenizer=tok)
+    [roomy] = seen["profiles"]
+    gc.collect()
+    # half of the device: the weights, the runner's buffers, 1 MiB of activations and about 300 kB,
+    # a part of one full context
+    budget = weights + roomy.runner_fixed + roomy.outside_torch + MiB + 300_000
+    install(total=2 * budget, free=2 * budget, activations=MiB)
     with pytest.raises(KVCacheTooSmall) as info:
         EngineCore(EngineConfig(gpu_memory_utilization=0.5, **OPTIONS), model=model, tokenizer=tok)
     text = str(info.value)
     del info   # its traceback holds the profiling runner's tensors, which would count as the device's
+    assert "at most " in text, text
     fits = int(text.rsplit("at most ", 1)[1])
     assert f"({model.spec.max_model_len} tokens)" in text and "MiB" in text and 0 < fits < model.spec.max_model_len
     core = EngineCore(EngineConfig(gpu_memory_utilization=0.5, max_model_len=fits, **OPTIONS), model=model, tokenizer=tok)

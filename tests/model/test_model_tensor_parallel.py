@@ -79,7 +79,7 @@ COLLECTIVE_SITES = {"TextDecoder.embed": "embed", "Attention.forward": "o_proj",
                     "MoeBlock.forward": "moe", "PerLayerEmbeddings.forward": "ple",
                     "TextDecoder.compute_logits": "logits", "DraftLayerAttention.forward": "o_proj",
                     "CentroidHead.forward": "centroid_scores", "Assistant.step": "logits",
-                    "Speculator.draft": "token"}
+                    "Speculator.draft": "token", "Speculator._loop": "token"}
 
 
 @contextlib.contextmanager
