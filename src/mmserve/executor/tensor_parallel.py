@@ -1,8 +1,10 @@
 """Tensor parallelism in the engine: rank 0 (the engine process) and its spawned worker ranks.
 
 The core (scheduler, KV manager, sampler) runs on rank 0 alone. Each step, rank 0's runner
-(`TensorParallelRunner`, the same `execute(SchedulerOutput) -> StepResult` as ModelRunner) broadcasts
-one `StepMessage` of plain data, then every rank runs its own ordinary ModelRunner over its shard;
+(`TensorParallelRunner`, the same `execute(SchedulerOutput) -> StepResult` as ModelRunner) sends
+one `StepMessage` of plain data to the other ranks (through a shared-memory ring on one node,
+message_ring.py; `broadcast_object_list` over several), then every rank runs its own ordinary
+ModelRunner over its shard;
 the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 returns its result
 (logits already gathered over the vocab shards). A request's prompt, sampling parameters and pixels
 travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
@@ -13,7 +15,8 @@ is one more message (a `DraftBatch`, speculative.py) after which every rank runs
 loop (`Speculator.draft`) over its shards and the hidden states of its own last step.
 
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
-`--tensor-parallel-timeout-s`); rank 0 then names the dead rank in the error, the core loop dies,
+`--tensor-parallel-timeout-s`; the ring's writer, when it must wait for a slot, checks the ranks
+and the same timeout); rank 0 then names the dead rank in the error, the core loop dies,
 and the engine-crash path ends every request in flight with UNAVAILABLE. Rank 0 sees its own node's
 ranks exit (its children); a further node's `mmserve worker` reports a rank it lost into node 0's
 TCP store (the rendezvous's, MASTER_ADDR:MASTER_PORT), where rank 0 reads it. An error of rank 0's
@@ -37,6 +40,7 @@ import torch
 
 from mmserve.config import EngineConfig
 from mmserve.core.sched.output import SchedulerOutput
+from mmserve.executor.message_ring import MessageRing, RingReader
 from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.spec_decode.speculator import DraftBatch
@@ -190,8 +194,11 @@ class TensorParallelGroup:
         self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")   # the rendezvous file (no port to pick)
         init_method = rendezvous(config, self._dir)
         ctx = multiprocessing.get_context("spawn")
+        # each step's message: through shared memory when every rank is on this node
+        self.ring = MessageRing(self.size - 1, ctx) if config.nnodes == 1 else None
         self.workers = [ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
-                                    args=(rank, config, init_method, log_level, log_format, os.getpid()))
+                                    args=(rank, config, init_method, log_level, log_format, os.getpid(),
+                                          self.ring.readers[rank - 1] if self.ring else None))
                         for rank in range(1, ranks_per_node(config))]   # this node's other ranks
         for rank, w in enumerate(self.workers, start=1):
             w.start()
@@ -248,6 +255,13 @@ class TensorParallelGroup:
             self.failed = True
             raise RankLostError(f"tensor-parallel {', '.join(dead)} died")
 
+    def send(self, msg) -> None:
+        """`msg` to every other rank: through the ring, or the group's broadcast over several nodes."""
+        if self.ring is None:
+            _broadcast(msg, self.group)
+        else:
+            self.ring.write(msg, alive=self.check_alive, timeout_s=self.config.tensor_parallel_timeout_s)
+
     def call(self, fn):
         """Run `fn` (collectives with the workers); a failure names the dead ranks, or the hung one."""
         self.check_alive()
@@ -272,7 +286,7 @@ class TensorParallelGroup:
 
         if not self.failed and not self.dead_ranks() and dist.is_initialized():
             try:
-                _broadcast(None, self.group)
+                self.send(None)
             except Exception:
                 self.failed = True
                 logger.debug("stop message not delivered", exc_info=True)
@@ -285,6 +299,8 @@ class TensorParallelGroup:
                 w.join()
         if dist.is_initialized() and not self.failed:   # a failed group may never finish tearing down
             dist.destroy_process_group()
+        if self.ring is not None:
+            self.ring.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
@@ -299,6 +315,8 @@ class TensorParallelRunner:
         self._encoder = StepEncoder()
         # start-up: the workers may still be loading; they size their runners by rank 0's config
         tp.call(lambda: _broadcast((plans, max_model_len, config)))
+        if tp.ring is not None:   # every worker mapped the ring before it joined: nothing may outlive us
+            tp.ring.unlink()
         self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
 
     def __getattr__(self, name: str):
@@ -317,7 +335,7 @@ class TensorParallelRunner:
         """Send `msg` to the workers, then `run()` rank 0's part (each worker runs its own on `msg`);
         a failure names the lost rank or says rank 0's code failed (`TensorParallelGroup.call`)."""
         def both():
-            _broadcast(msg, self.tp.group)
+            self.tp.send(msg)
             return run()
 
         return self.tp.call(both)
@@ -382,12 +400,15 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, log_format: str,
-                parent: int) -> None:
+                parent: int, ring: RingReader | None = None) -> None:
     """A worker rank's process: join the group, load this rank's shard, then run every step rank 0
-    sends until it sends None (or its collective fails: rank 0 is gone). Logs like the engine
-    process, to the stderr they share."""
+    sends (through `ring` on rank 0's node, else the group's broadcast) until it sends None (or its
+    collective fails, or its parent goes: rank 0 is gone). Logs like the engine process, to the
+    stderr they share."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
     threading.Thread(target=_exit_when_orphaned, args=(parent,), name="tp-parent-watch", daemon=True).start()
+    if ring is not None:
+        ring.attach()
     if log_format == "json":
         from mmserve.logs import configure_logging
 
@@ -413,7 +434,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
                                          max_num_seqs=own.max_num_seqs)
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
         mirror, hidden = StepMirror(), None
-        while (msg := _broadcast(group=group)) is not None:
+        while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
                 speculator.draft(msg, hidden, runner.kv_caches)
             else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
