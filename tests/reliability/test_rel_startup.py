@@ -29,7 +29,7 @@ def serve_usage(*args: str, env: dict | None = None) -> subprocess.CompletedProc
     (("--scheduling-policy", "lifo"), None, "fcfs, priority"),
     ((), {"MMSERVE_SCHEDULING_POLICY": "lifo"}, "fcfs, priority (from MMSERVE_SCHEDULING_POLICY)"),
     (("--drain-grace-s", "nan"), None, "not a number"),
-    (("--max-num-seqs", "0"), None, "minimum 1"),
+    (("--max-num-seqs", "-1"), None, "minimum 0"),   # 0 is the device's default
     (("--port", "70000"), None, "maximum 65535"),
     (("--max-num-batched-tokens", "many"), None, "not a valid int"),
 ])
