@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rel_engine import read_stream, text_request
+from rel_engine import read_stream, text_request, wait_load
 from rel_process import ServeProcess
 from rel_server import stream_status
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -127,17 +127,6 @@ def test_abort_reaches_only_the_callers_own_request_by_its_exact_id(server):
     run(server, scenario)
 
 
-async def wait_load_of(stub, key: str, *, running: int, waiting: int) -> None:
-    """Poll GetServerLoad (with `key`) until the engine runs `running` and queues `waiting` requests."""
-    deadline = time.monotonic() + 30
-    while True:
-        load = await stub.GetServerLoad(pb.GetServerLoadRequest(), metadata=bearer(key))
-        if (load.running_requests, load.waiting_requests) == (running, waiting):
-            return
-        assert time.monotonic() < deadline, f"load stuck at {load}"
-        await asyncio.sleep(0.01)
-
-
 def test_a_bystander_gets_the_next_seat_ahead_of_a_floods_queue(server):
     """Issue 42 item 7: one key fills every seat (--max-num-seqs 8) and queues more; another key's
     request takes the next seat that frees, ahead of the flood's queue (FCFS made it wait for all)."""
@@ -149,9 +138,9 @@ def test_a_bystander_gets_the_next_seat_ahead_of_a_floods_queue(server):
             assert (await call.read()).delta.token_ids
         queued = {f"flood-queued{i}": stub.Generate(text_request(f"flood-queued{i}", 4), metadata=bearer(flood_key))
                   for i in range(4)}
-        await wait_load_of(stub, flood_key, running=8, waiting=4)
+        await wait_load(stub, running=8, waiting=4, metadata=bearer(flood_key))
         queued["bystander"] = stub.Generate(text_request("bystander", 4), metadata=bearer(bystander_key))
-        await wait_load_of(stub, flood_key, running=8, waiting=5)
+        await wait_load(stub, running=8, waiting=5, metadata=bearer(flood_key))
         running[0].cancel()   # one seat frees
         first_tokens = {asyncio.ensure_future(call.read()): rid for rid, call in queued.items()}
         done, _ = await asyncio.wait(first_tokens, return_when=asyncio.FIRST_COMPLETED)
@@ -159,7 +148,7 @@ def test_a_bystander_gets_the_next_seat_ahead_of_a_floods_queue(server):
         for call in running + list(queued.values()):
             call.cancel()
         await asyncio.gather(*first_tokens, return_exceptions=True)
-        await wait_load_of(stub, flood_key, running=0, waiting=0)
+        await wait_load(stub, running=0, waiting=0, metadata=bearer(flood_key))
         return first
 
     assert run(server, scenario) == ["bystander"]
