@@ -1,7 +1,8 @@
 """One tenant must not hurt another (issue 27, findings 6-9), on one real `mmserve serve` process
 with API keys, a small message limit and a small media spool: Abort reaches only the caller's own
 requests, undecodable or oversize messages are refused cheaply before auth lets them cost anything,
-and declared upload sizes take no spool space before their bytes arrive."""
+declared upload sizes take no spool space before their bytes arrive, and one key's queue of streams
+does not hold back another key's request (issue 42 item 7)."""
 
 from __future__ import annotations
 
