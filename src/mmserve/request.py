@@ -68,6 +68,9 @@ class Request:
     mm_ranges: list[tuple[int, int]] = field(default_factory=list)
     mm_inputs: list[EncoderInput] = field(default_factory=list)
     priority: int = 0
+    # The client's key (a digest of its credentials, never the credentials; "" where the door knows no
+    # caller): the scheduler shares seats between owners fairly (core/sched/fair_share.py).
+    owner: bytes = b""
     arrival_time: float = field(default_factory=time.monotonic)
     trace_context: Any = None
     fork_of: str | None = None   # another sample of this request's prompt: admit on its KV blocks

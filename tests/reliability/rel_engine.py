@@ -133,13 +133,14 @@ def text_request(request_id: str, max_tokens: int, text: str = "go on"):
                               sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-async def wait_load(stub, *, running: int, waiting: int, timeout_s: float = 20) -> None:
-    """Poll GetServerLoad until the engine has exactly `running` running and `waiting` waiting requests."""
+async def wait_load(stub, *, running: int, waiting: int, timeout_s: float = 20, metadata=()) -> None:
+    """Poll GetServerLoad (with `metadata`: an API key) until the engine has exactly `running`
+    running and `waiting` waiting requests."""
     from mmserve.api.mmserve.v1 import generation_pb2 as pb
 
     deadline = time.monotonic() + timeout_s
     while True:
-        load = await stub.GetServerLoad(pb.GetServerLoadRequest())
+        load = await stub.GetServerLoad(pb.GetServerLoadRequest(), metadata=metadata)
         if (load.running_requests, load.waiting_requests) == (running, waiting):
             return
         assert time.monotonic() < deadline, f"load stuck at {load}"

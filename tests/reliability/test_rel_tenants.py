@@ -1,7 +1,8 @@
 """One tenant must not hurt another (issue 27, findings 6-9), on one real `mmserve serve` process
 with API keys, a small message limit and a small media spool: Abort reaches only the caller's own
 requests, undecodable or oversize messages are refused cheaply before auth lets them cost anything,
-and declared upload sizes take no spool space before their bytes arrive."""
+declared upload sizes take no spool space before their bytes arrive, and one key's queue of streams
+does not hold back another key's request (issue 42 item 7)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from rel_engine import read_stream, text_request
+from rel_engine import read_stream, text_request, wait_load
 from rel_process import ServeProcess
 from rel_server import stream_status
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
@@ -125,6 +126,33 @@ def test_abort_reaches_only_the_callers_own_request_by_its_exact_id(server):
         assert (await read_stream(mine)).code == grpc.StatusCode.CANCELLED
 
     run(server, scenario)
+
+
+def test_a_bystander_gets_the_next_seat_ahead_of_a_floods_queue(server):
+    """Issue 42 item 7: one key fills every seat (--max-num-seqs 8) and queues more; another key's
+    request takes the next seat that frees, ahead of the flood's queue (FCFS made it wait for all)."""
+    flood_key, bystander_key = KEYS
+
+    async def scenario(stub):
+        running = [stub.Generate(text_request(f"flood-run{i}", 900), metadata=bearer(flood_key)) for i in range(8)]
+        for call in running:
+            assert (await call.read()).delta.token_ids
+        queued = {f"flood-queued{i}": stub.Generate(text_request(f"flood-queued{i}", 4), metadata=bearer(flood_key))
+                  for i in range(4)}
+        await wait_load(stub, running=8, waiting=4, metadata=bearer(flood_key))
+        queued["bystander"] = stub.Generate(text_request("bystander", 4), metadata=bearer(bystander_key))
+        await wait_load(stub, running=8, waiting=5, metadata=bearer(flood_key))
+        running[0].cancel()   # one seat frees
+        first_tokens = {asyncio.ensure_future(call.read()): rid for rid, call in queued.items()}
+        done, _ = await asyncio.wait(first_tokens, return_when=asyncio.FIRST_COMPLETED)
+        first = sorted(first_tokens[task] for task in done)
+        for call in running + list(queued.values()):
+            call.cancel()
+        await asyncio.gather(*first_tokens, return_exceptions=True)
+        await wait_load(stub, running=0, waiting=0, metadata=bearer(flood_key))
+        return first
+
+    assert run(server, scenario) == ["bystander"]
 
 
 def test_the_gateway_door_shares_ids_and_abort_ownership_with_mmserve_v1(server):

@@ -220,8 +220,8 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, fork_of=req.fork_of,
-                          open_prompt=req.open_prompt)
+                          mm_inputs=list(req.mm_inputs), priority=req.priority, owner=req.owner,
+                          fork_of=req.fork_of, open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
         if req.open_prompt:
             self._live.reserve(req)

@@ -30,6 +30,7 @@ class EngineCoreRequest:
     mm_inputs: list[EncoderInput] = field(default_factory=list)   # pixels or audio features, one per range
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: int = 0
+    owner: bytes = b""       # who sent it (server/in_flight.py caller_key): seats are shared fairly between owners
     num_frames: int = 0      # video frames in the prompt (images are not frames)
     num_mm_tokens: int = 0   # placeholder tokens over all images and frames
     fork_of: str | None = None   # sample i > 0 of request `fork_of` (engine/parallel_sampling.py)

@@ -21,8 +21,9 @@ from mmserve.errors import InvalidInputError, RequestAbortedError
 
 
 def caller_key(context: grpc.aio.ServicerContext) -> bytes:
-    """Who is calling, as far as Abort cares: a digest of the credentials presented (the API key), so
-    a request can be aborted only with the key that created it (every caller is the same without)."""
+    """Who is calling: a digest of the credentials presented (the API key), so a request can be
+    aborted only with the key that created it, and the scheduler shares seats fairly between keys
+    (every caller is the same without)."""
     value = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), "")
     return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
 
@@ -70,6 +71,7 @@ class InFlightRequests:
             running.preprocessing = None
         if running.aborted_early:
             raise RequestAbortedError(f"request {request_id} was aborted")
+        engine_request.owner = running.owner   # the scheduler shares seats fairly between callers
         return engine_request
 
     def abort(self, request_id: str, owner: bytes | None) -> bool:

@@ -4,13 +4,14 @@
 whole when its first token is scheduled, and each chunk takes its rows.)
 
 Each step spends a token budget: running requests first (decodes and unfinished prefills, in
-admission order), then waiting ones (FCFS, or higher priority first). The budget is
+admission order), then waiting ones (FCFS, or higher priority first), interleaved between clients
+(core/sched/fair_share.py: one client's queue of 200 does not hold another's first request back). The budget is
 max_num_batched_tokens, or the larger prefill_batched_tokens while no running request decodes.
 A waiting request starts after the longest prefix the KV cache already holds; one whose next block
 a running request is computing right now waits for it (the budget goes to the next in line)
 instead of computing it a second time.
-When KV blocks run out, the request that would be served last is preempted: its blocks are freed
-and it is recomputed later.
+When KV blocks run out, the request that would be served last (lowest priority, then the client
+with the most running, its last) is preempted: its blocks are freed and it is recomputed later.
 Parallel samples (`n > 1`): samples i > 0 are held (core/forks.py) until sample 0 has computed the
 prompt, then join the running batch on its K/V; a running sample 0 keeps a seat free for each.
 Speculative decoding: a decoding request with drafts (`Request.draft_token_ids`) is scheduled as a
@@ -38,12 +39,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import Counter
 
 import numpy as np
 
 from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
+from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
@@ -96,7 +99,7 @@ class Scheduler:
         self.policy = policy
         self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
         self.async_scheduling = async_scheduling
-        self.waiting: list[Request] = []     # sorted by _order_key
+        self.waiting: list[Request] = []     # sorted by _order_key; admitted in _admission_order
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
@@ -245,11 +248,17 @@ class Scheduler:
         bisect.insort(self.waiting, victim, key=self._order_key)
         logger.debug("preempted %s (KV blocks exhausted: refusals by pool %s)", victim.request_id, dict(self.kv.refusals))
 
+    def _admission_order(self) -> list[Request]:
+        """The waiting queue as it is admitted: each client's requests in queue order, clients
+        taking turns by how many requests each already runs."""
+        return interleave(self.waiting, Counter(r.owner for r in self.running), by_priority=self.policy == "priority")
+
     def _pick_victim(self) -> Request:
-        """The running request that would be served last: lowest priority, latest arrival."""
-        if self.policy == "priority":
-            return max(self.running, key=self._order_key)
-        return self.running[-1]
+        """The running request that would be served last: lowest priority, then the client with the
+        most running, its latest (FCFS: last admitted; priority: latest arrival)."""
+        by_priority = self.policy == "priority"
+        served = sorted(self.running, key=self._order_key) if by_priority else self.running
+        return interleave(served, by_priority=by_priority)[-1]
 
     def token_budget(self) -> int:
         """The larger prefill budget while no running request decodes: a longer step then delays
@@ -277,24 +286,23 @@ class Scheduler:
 
         # a seat for every sample held for a running parent: it joins the batch once the prompt is computed
         seats = len(self.running) + sum(len(self.forks.of(r.request_id)) for r in self.running)
-        i = 0
-        while not preempted and i < len(self.waiting) and budget > 0 and seats < self.max_num_seqs:
-            request = self.waiting[i]
+        admission = self._admission_order() if self.waiting and not preempted else []   # none after a preemption
+        for request in admission:
+            if budget <= 0 or seats >= self.max_num_seqs:
+                break
             if request.num_output_placeholders:   # preempted with a token on its way: recompute once it lands
-                i += 1
                 continue
             needs = 1 + len(self.forks.of(request.request_id))
             if seats + needs > self.max_num_seqs and seats:   # (more samples than seats: alone, and the rest queue)
                 break
             hit = self.kv.find_cached_prefix(request)   # the chunk starts after the reused prefix
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
-                i += 1
                 continue
             start = hit.num_tokens
             n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
-            self.waiting.pop(i)
+            self.waiting.remove(request)
             if request.status == RequestStatus.WAITING:   # first admission, not a preempted request's return
                 request.num_cached_tokens = min(start, request.num_prompt_tokens)
             request.num_computed_tokens = start
