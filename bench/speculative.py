@@ -19,8 +19,8 @@ batch timed from the video bytes too ("from bytes", as bench/serving.py times it
 must be the same on every system (the script fails otherwise).
 
     python bench/speculative.py            # N = 1, 16, 64 (about 2 minutes on 2 cores)
-    python bench/speculative.py --smoke    # seconds: N = 1, 2, 8 tokens, the speculating server only;
-                                           # JSON to a temp file
+    python bench/speculative.py --smoke    # seconds: N = 1, 2, 8 tokens, the speculating server only,
+                                           # one run each, no warm-ups; JSON to a temp file
 
 Prints a table and writes JSON (default bench/results/speculative.json).
 """
@@ -83,16 +83,18 @@ def hf_requests(model_dir: Path, clips: list[bytes]) -> list:
 
 
 class Engine:
-    """One LLM over the shared loaded model (speculating or not), warmed up on the level's requests."""
+    """One LLM over the shared loaded model (speculating or not), warmed up on the level's requests
+    unless `warm_up` is off (the smoke run)."""
 
-    def __init__(self, model, tokenizer, requests: list, n: int, assistant: Path | None, k: int):
+    def __init__(self, model, tokenizer, requests: list, n: int, assistant: Path | None, k: int, warm_up: bool):
         options = dict(device="cpu", attention_backend="sdpa", max_num_seqs=max(n, 2), kv_cache_bytes=192 * 2**20,
                        enable_prefix_caching=False)   # timed runs repeat the warm-up's requests
         if assistant is not None:
             options.update(speculative_model=str(assistant), num_speculative_tokens=k)
         self.llm = LLM(loaded_model=model, tokenizer=tokenizer, **options)
         self.requests, self.n, self.runs = requests[:n], n, 0
-        self.run()
+        if warm_up:
+            self.run()
 
     def run(self) -> dict:
         batch = [dataclasses.replace(r, request_id=f"{r.request_id}-{self.runs}") for r in self.requests]
@@ -147,18 +149,21 @@ def hf_from_bytes_run(model, model_dir: Path, clips: list[bytes], max_tokens: in
 
 def level(n: int, args, model, tokenizer, requests, hf_model, hf_assistant, hf_inputs, clips) -> list[dict]:
     """Every system on the first n requests, interleaved, the fastest of repeats(n) each."""
-    engines = {"mmserve": Engine(model, tokenizer, requests, n, None, args.k),
-               "mmserve + assistant": Engine(model, tokenizer, requests, n, args.assistant, args.k)}
+    warm_up = not args.smoke   # the smoke run times nothing worth warming up for
+    engines = {"mmserve": Engine(model, tokenizer, requests, n, None, args.k, warm_up),
+               "mmserve + assistant": Engine(model, tokenizer, requests, n, args.assistant, args.k, warm_up)}
     batch = pad_left(hf_inputs[:n], load_spec(args.model).pad_token_id)
     systems = {name: e.run for name, e in engines.items()}
     systems["transformers padded batch"] = lambda: hf_batch_run(hf_model, batch, args.max_tokens)
     systems[FROM_BYTES] = lambda: hf_from_bytes_run(hf_model, args.model, clips[:n], args.max_tokens)
     if n == 1:
         single = {**hf_inputs[0].as_kwargs(), "attention_mask": torch.ones_like(hf_inputs[0].input_ids)}
-        hf_assisted_run(hf_model, hf_assistant, single, 2)   # warm-up
+        if warm_up:
+            hf_assisted_run(hf_model, hf_assistant, single, 2)
         systems["transformers assisted (batch 1)"] = lambda: hf_assisted_run(hf_model, hf_assistant, single,
                                                                               args.max_tokens)
-    hf_batch_run(hf_model, batch, 2)   # warm-up
+    if warm_up:
+        hf_batch_run(hf_model, batch, 2)
     best: dict[str, dict] = {}
     for _ in range(repeats(args, n)):
         for name, run in systems.items():
@@ -176,7 +181,9 @@ def level(n: int, args, model, tokenizer, requests, hf_model, hf_assistant, hf_i
 
 def repeats(args, n: int) -> int:
     """Runs per system and level, the fastest counting: a level below N = 16 takes ~0.1 s, which one
-    load spike on a shared machine doubles, so it runs three times as often."""
+    load spike on a shared machine doubles, so it runs three times as often (the smoke run: once)."""
+    if args.smoke:
+        return 1
     return args.repeats if n >= 16 else 3 * args.repeats
 
 
@@ -201,7 +208,9 @@ def server_rows(args, clips: list[bytes], references: dict[int, list], speculati
         with tempfile.TemporaryDirectory() as tmp, server_process(
                 str(args.model), threads=args.threads, max_num_seqs=max(args.concurrency),
                 log_path=Path(tmp) / "server.log", flags=flags) as address:
-            asyncio.run(server_level(address, clips[:2], concurrency=2, max_tokens=4, num_frames=demo_task.NUM_FRAMES))
+            if not args.smoke:   # warm-up
+                asyncio.run(server_level(address, clips[:2], concurrency=2, max_tokens=4,
+                                         num_frames=demo_task.NUM_FRAMES))
             for n in args.concurrency:
                 runs = [asyncio.run(server_level(address, clips[:n], concurrency=n, max_tokens=args.max_tokens,
                                                  num_frames=demo_task.NUM_FRAMES)) for _ in range(repeats(args, n))]
