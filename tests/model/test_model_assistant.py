@@ -61,7 +61,8 @@ def our_drafts(model, assistant, ids: torch.Tensor, first_token: int, backend: s
     n = ids.numel()
     tables = {t: [seq.blocks.tolist()] for t in storing_layers(model.spec)}
     batch = DraftBatch([first_token], [0], [n], [NUM_DRAFTS], tables, seq.block_size)
-    target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare(batch, seq.kv_caches)
+    target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare(batch.num_keys, batch.block_tables,
+                                                                         batch.block_size, seq.kv_caches)
     rope = assistant.rope(torch.tensor([n]), torch.float32)
     token = torch.tensor([first_token])
     logits = []
@@ -119,7 +120,7 @@ def test_a_rounds_block_tables_are_its_own(target, tmp_path):
         n = [4 * len(t) for t in tables]
         batch = DraftBatch([0] * len(n), [0] * len(n), n, [1] * len(n), dict.fromkeys(storing_layers(model.spec), tables),
                            seq.block_size)
-        for kv in reader.prepare(batch, seq.kv_caches).values():
+        for kv in reader.prepare(batch.num_keys, batch.block_tables, batch.block_size, seq.kv_caches).values():
             rows = kv.metadata.common.block_table_cpu
             for r, table in enumerate(tables):
                 assert rows[r].tolist() == table + [0] * (rows.shape[1] - len(table)), (tables, r)

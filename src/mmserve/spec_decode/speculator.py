@@ -36,7 +36,7 @@ refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +90,7 @@ class _DraftLayerType:
     builder: object
     table: StagedBuffer     # [max_num_seqs, width]: the round's block tables
     filled: np.ndarray      # int64 [max_num_seqs]: columns of each row an earlier round wrote
+    device_positions: bool  # its backend reads positions and context lengths on the device
 
 
 class TargetKVReader:
@@ -133,21 +134,23 @@ class TargetKVReader:
                               position_slack=self.position_slack)
             table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
             self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
-                                             np.zeros(self.max_num_seqs, dtype=np.int64))
+                                             np.zeros(self.max_num_seqs, dtype=np.int64),
+                                             get_backend(backend).device_positions)
         return self._types[t]
 
-    def prepare(self, batch: DraftBatch, kv_caches: list[torch.Tensor], *,
-                shift: torch.Tensor | None = None) -> dict[str, TargetKV]:
-        """The round's TargetKV per layer type the assistant reads (`kv_caches`: this rank's).
-        With `shift` (async scheduling, on the device) request r has batch.num_keys[r] - shift[r]
-        keys: moved back on the device where every backend reads positions there, else read to
-        the host first (a wait on CUDA). `positions` then holds each query's position."""
-        R = len(batch.num_keys)
+    def prepare(self, num_keys: Sequence[int], block_tables: dict[str, list[list[int]]], block_size: int,
+                kv_caches: list[torch.Tensor], *, shift: torch.Tensor | None = None) -> dict[str, TargetKV]:
+        """The round's TargetKV per layer type the assistant reads: request r's keys [0, num_keys[r])
+        through its `block_tables[t][r]` (`kv_caches`: this rank's). With `shift` (async scheduling,
+        on the device) request r has num_keys[r] - shift[r] keys: moved back on the device where every
+        backend reads positions there, else read to the host first (a wait on CUDA). `positions` then
+        holds each query's position."""
+        R = len(num_keys)
         if R > self.max_num_seqs:
             raise ValueError(f"a drafting round of {R} requests exceeds max_num_seqs ({self.max_num_seqs})")
-        num_keys = np.asarray(batch.num_keys, dtype=np.int64)
-        if shift is not None and not all(get_backend(self.target.attention_backends[t]).device_positions
-                                         for t in batch.block_tables):
+        kinds = {t: self._layer_type(t, kv_caches[self.stores[t]], block_size) for t in block_tables}
+        num_keys = np.asarray(num_keys, dtype=np.int64)
+        if shift is not None and not all(kind.device_positions for kind in kinds.values()):
             num_keys, shift = num_keys - shift.cpu().numpy(), None
         self.seq_lens.np[:R] = num_keys
         self.positions.np[:R] = num_keys - 1
@@ -156,9 +159,8 @@ class TargetKVReader:
             seq_lens.sub_(shift.to(seq_lens.dtype))
             positions.sub_(shift)
         out = {}
-        for t, tables in batch.block_tables.items():
-            kv_cache = kv_caches[self.stores[t]]
-            kind = self._layer_type(t, kv_cache, batch.block_size)
+        for t, tables in block_tables.items():
+            kind = kinds[t]
             table = kind.table.np
             for r, row in enumerate(tables):   # entries past a request's blocks name the null block
                 table[r, :len(row)] = row
@@ -167,10 +169,10 @@ class TargetKVReader:
             common = CommonAttentionMetadata(
                 num_actual_tokens=R, num_reqs=R, max_query_len=1, max_seq_len=int(num_keys.max()),
                 query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.push(R),
-                slot_mapping=self.slot_mapping.dev[:R], block_size=batch.block_size, query_ranges=None,
+                slot_mapping=self.slot_mapping.dev[:R], block_size=block_size, query_ranges=None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:R + 1], seq_lens_cpu=self.seq_lens.cpu[:R],
                 positions_cpu=self.positions.cpu[:R], block_table_cpu=kind.table.cpu[:R], query_ranges_cpu=None)
-            out[t] = TargetKV(kind.impl, kv_cache, kind.builder.build(common))
+            out[t] = TargetKV(kind.impl, kv_caches[self.stores[t]], kind.builder.build(common))
         return out
 
 
@@ -210,6 +212,11 @@ class Speculator:
                 out[t] = dataclasses.replace(specs[t], window=max(specs[t].window, attn.window + 1))
         return out
 
+    def _block_tables(self, kv: KVCacheManager, request_ids: list[str]) -> dict[str, list[list[int]]]:
+        """Per layer type the assistant reads (the target's storing layers), each request's block table."""
+        return {t: [kv.block_table(rid, t) for rid in request_ids]
+                for t in self.stores if t in self.assistant.spec.attention}
+
     def num_drafts(self, request: Request) -> int:
         """Drafts worth making: never more than the tokens the request may still emit after the next one."""
         left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
@@ -223,8 +230,7 @@ class Speculator:
         which the items' rows index; `grammar` masks the constrained items' drafts (on rank 0)."""
         if not items:
             return []
-        tables = {t: [kv.block_table(i.request.request_id, t) for i in items]
-                  for t in self.stores if t in self.assistant.spec.attention}
+        tables = self._block_tables(kv, [i.request.request_id for i in items])
         batch = DraftBatch([i.token for i in items], [i.row for i in items], [i.num_keys for i in items],
                            [i.num_drafts for i in items], tables, block_size)
         masks = grammar.draft_masks([i.request.request_id for i in items], batch.num_drafts) if grammar else None
@@ -240,11 +246,9 @@ class Speculator:
         up to its `num_computed_tokens` less `shift` (the positions the host counted and the
         device's acceptance did not keep). Nothing here waits for the device where the backends
         read positions there (`TargetKVReader.prepare`)."""
-        tables = {t: [kv.block_table(r.request_id, t) for r in requests]
-                  for t in self.stores if t in self.assistant.spec.attention}
+        tables = self._block_tables(kv, [r.request_id for r in requests])
         num_keys = [r.num_computed_tokens for r in requests]
-        batch = DraftBatch([], [], num_keys, [self.num_tokens] * len(requests), tables, block_size)
-        target_kv = self.attention.prepare(batch, kv_caches, shift=shift)
+        target_kv = self.attention.prepare(num_keys, tables, block_size, kv_caches, shift=shift)
         positions = self.attention.positions.dev[:len(requests)] + 1   # the drafted-from tokens'
         drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
                              target_kv, self.num_tokens)
@@ -273,7 +277,7 @@ class Speculator:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
         states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
         device = self.target.device
-        target_kv = self.attention.prepare(batch, kv_caches)
+        target_kv = self.attention.prepare(batch.num_keys, batch.block_tables, batch.block_size, kv_caches)
         rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]

@@ -127,6 +127,7 @@ class ModelRunner:
                                max_num_tokens=max_tokens, max_num_reqs=config.max_num_seqs,
                                max_blocks_per_req=max_blocks, device=device, dtype=dtype,
                                sdpa_batching=config.sdpa_batching,
+                               # needed by the async loop; the synchronous one pays at most a tile more per request
                                position_slack=config.num_speculative_tokens if config.speculative_model else 0)
                  for t in spec.attention_specs if t in plans}
         self.pools = pools
