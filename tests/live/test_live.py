@@ -37,8 +37,11 @@ from mmserve.clients.live_cli import file_frames
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
 from mmserve.engine.live_session import MIN_QUESTION_ROOM, LivePrompt
 from mmserve.engine.types import EngineRequest
+from mmserve.errors import InvalidInputError
 from mmserve.model.messages import ChatMessage, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
+from mmserve.multimodal.limits import MediaLimits
+from mmserve.multimodal.live_stream import FRAME_SLACK_BYTES, READ_BYTES, StreamDecoder
 from mmserve.sampling_params import SamplingParams
 
 QUESTION = "What moves?"
@@ -476,6 +479,31 @@ def test_bad_streams_end_the_session_with_a_clear_status(server, stub):
     while any(t.name == "mmserve-live-stream" for t in threading.enumerate()):
         assert time.monotonic() < deadline, [t.name for t in threading.enumerate()]
         time.sleep(0.05)
+
+
+@pytest.mark.parametrize("container", ["mpegts", "fmp4"])
+def test_garbage_after_a_valid_stream_fails_it_within_a_frames_bytes(container):
+    """Random bytes after half of a valid stream: the frames before them decode, then the stream fails
+    with INVALID_ARGUMENT: FFmpeg's own error where it takes the garbage for packet data, else once one
+    frame's worth of bytes (3 a pixel, plus the slack for other packets) went by without a frame.
+    Before that bound the demuxers skipped garbage without end (MPEG-TS hunts for its next sync byte)
+    and the session ended only at its idle timeout."""
+    rng = np.random.default_rng({"mpegts": 24, "fmp4": 25}[container])
+    data = live_stream([rng.integers(0, 255, (24, 32, 3), dtype=np.uint8) for _ in range(8)], 8.0, container)
+    frames, failed = [], queue.Queue()
+    decoder = StreamDecoder(fps=0, limits=MediaLimits(), max_buffered_bytes=8 << 20,
+                            on_frame=lambda rgb, t: frames.append(t), on_error=failed.put)
+    try:
+        decoder.feed(data[:len(data) // 2])
+        for _ in range(32):   # as a sender's chunks come; 4x the slack: a random PES may end a valid one late
+            decoder.feed(rng.integers(0, 256, FRAME_SLACK_BYTES // 8, dtype=np.uint8).tobytes())
+        error = failed.get(timeout=60)
+    finally:
+        decoder.close()
+    assert isinstance(error, InvalidInputError) and str(error).startswith("stream_chunk: "), error
+    assert frames and frames == sorted(frames), frames
+    if skipped := re.search(r"(\d+) bytes of the stream after its last frame held none", str(error)):
+        assert FRAME_SLACK_BYTES <= int(skipped.group(1)) <= 3 * 24 * 32 + FRAME_SLACK_BYTES + 2 * READ_BYTES, error
 
 
 ANSWER_LINE = re.compile(r"^\[([\d.]+) s, (\d+) frames seen\] (.*) -> (.*)$")

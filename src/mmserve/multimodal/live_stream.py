@@ -31,6 +31,13 @@ STREAM_FORMATS = {"mpegts": "MPEG-TS", "mov": "fragmented MP4"}   # demuxers tha
 # Open as soon as the stream's header is in: probing further would wait for data that comes in real time.
 OPEN_OPTIONS = {"enable_drefs": "0", "probesize": "32", "analyzeduration": "0"}
 READ_BYTES = 4096   # the demuxer's read size: a small chunk is decoded without waiting for more
+# Bytes the demuxer may read past the last decoded frame before the stream counts as damaged: a
+# compressed frame is at most about its raw size (3 bytes a pixel bounds 4:2:0 at any quality), times
+# the frames the decoder holds back to reorder, plus this slack for the audio and metadata packets
+# between frames. The MPEG-TS demuxer skips what is not a packet while it hunts for the next sync
+# byte (and now and then takes random bytes for a packet that decodes to nothing), so without a bound
+# garbage after valid data would end the session only at its idle timeout.
+FRAME_SLACK_BYTES = 256 * 1024
 
 
 class FpsSampler:
@@ -61,6 +68,9 @@ class _Pipe:
         self._cond = threading.Condition()
         self._ended = False
         self.max_bytes = max_bytes
+        self.read_bytes = 0             # bytes the demuxer has taken
+        self.cutoff = float("inf")      # read_bytes past which reads end the file (set by the decoder)
+        self.overran = False            # whether they did
 
     def feed(self, data: bytes) -> None:
         with self._cond:
@@ -88,9 +98,13 @@ class _Pipe:
     def read(self, size: int = -1) -> bytes:
         with self._cond:
             self._cond.wait_for(lambda: self._buffer or self._ended)
+            if self.read_bytes >= self.cutoff:
+                self.overran = True
+                return b""
             size = len(self._buffer) if size < 0 else size
             data = bytes(self._buffer[:size])
             del self._buffer[:size]
+            self.read_bytes += len(data)
             return data
 
 
@@ -107,6 +121,7 @@ class StreamDecoder:
         self._head = bytearray()   # the first bytes, until they say which container this is
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._last_frame_end = 0   # the pipe's read_bytes when the last frame came out
 
     def feed(self, data: bytes) -> None:
         """Queue a chunk; raises when the container is not one we stream, or too much is waiting."""
@@ -131,22 +146,30 @@ class StreamDecoder:
         try:
             with av.open(self._pipe, mode="r", format=fmt, options=OPEN_OPTIONS, buffer_size=READ_BYTES) as container:
                 self._decode(container)
+            if self._pipe.overran:
+                self._fail(self._overrun(fmt))
         except MMServeError as e:
             self._fail(e)
         except Exception as e:  # noqa: BLE001 - whatever FFmpeg makes of a damaged stream is the stream's fault
-            self._fail(InvalidInputError(FIELD, f"cannot decode the {STREAM_FORMATS[fmt]} stream: "
-                                                f"{type(e).__name__}: {e}"[:500]))
+            self._fail(self._overrun(fmt) if self._pipe.overran else   # the cut-off's end of file, not the cause
+                       InvalidInputError(FIELD, f"cannot decode the {STREAM_FORMATS[fmt]} stream: {type(e).__name__}: {e}"[:500]))
+
+    def _overrun(self, fmt: str) -> InvalidInputError:
+        return InvalidInputError(FIELD, f"{self._pipe.read_bytes - self._last_frame_end} bytes of the stream after its "
+                                        f"last frame held none: it is damaged or no longer {STREAM_FORMATS[fmt]}")
 
     def _decode(self, container) -> None:
         stream = _video_stream(container, self.limits)   # its declared frame size, checked before decoding
         codec = stream.codec_context
         sampler = FpsSampler(self.fps)
+        self._expect_frame(codec)
         for packet in container.demux(stream):
             if self._closed:
                 return
             if codec.width and codec.height:
                 _check_dimensions(codec.width, codec.height, self.limits)
             for frame in packet.decode():
+                self._expect_frame(codec)
                 if frame.time is None:
                     continue
                 _check_dimensions(frame.width, frame.height, self.limits)
@@ -156,6 +179,12 @@ class StreamDecoder:
                 if self._closed:
                     return
                 self._on_frame(rgb, frame.time)
+
+    def _expect_frame(self, codec) -> None:
+        """The next frame must come within the bytes the frames the decoder may hold back can take."""
+        pixels = codec.width * codec.height if codec.width and codec.height else self.limits.max_image_pixels
+        self._last_frame_end = self._pipe.read_bytes
+        self._pipe.cutoff = self._pipe.read_bytes + 3 * pixels * (1 + codec.has_b_frames) + FRAME_SLACK_BYTES
 
     def _fail(self, error: BaseException) -> None:
         if not self._closed:
