@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from grafana_dashboard import dashboard_metric_names
 from loopback_server import LoopbackServer, engine_config
 from media_clips import encode
 from PIL import Image
@@ -373,7 +374,8 @@ def scrape(server) -> dict[str, float]:
 
 def test_live_metrics_count_what_the_session_reports(server, stub):
     """Prometheus' live metrics move by exactly what the session's own LiveProgress reports: sessions
-    open, frames prefilled and dropped (DROP), one lag observation per progress report."""
+    open, frames prefilled and dropped (DROP), one lag observation per progress report; and every live
+    metric the Grafana dashboard's panels read is exported."""
     rng = np.random.default_rng(13)
     before = scrape(server)
     s = Session(stub, pb.LiveOpen(fall_behind=pb.LIVE_FALL_BEHIND_DROP, max_pending_frames=2))
@@ -395,6 +397,10 @@ def test_live_metrics_count_what_the_session_reports(server, stub):
     assert delta("mmserve_live_frames_prefilled_total") == s.progress.frames_prefilled
     assert delta("mmserve_live_frames_dropped_total") == s.progress.frames_dropped
     assert delta("mmserve_live_lag_seconds_count") == reports
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.observability.metrics_port}/metrics", timeout=10)
+    exported = {sample.name for family in text_string_to_metric_families(text.read().decode()) for sample in family.samples}
+    panels = {name for name in dashboard_metric_names() if name.startswith("mmserve_live_")}
+    assert len(panels) >= 4 and panels <= exported, panels - exported
     wait_all_free(server)
 
 

@@ -5,7 +5,6 @@ error. The Prometheus endpoint of the same run serves the queue gauge the HPA sc
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.request
 import uuid
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grafana_dashboard import dashboard_metric_names, promql_metric_names
 from loopback_server import LoopbackServer, engine_config
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -259,25 +259,6 @@ def test_rpcs_are_counted_by_status_code(traced):
     assert grew(("GetModelInfo", "OK")) == 1
 
 
-_PROMQL_STRIP = (
-    re.compile(r'"(?:[^"\\]|\\.)*"'),                                      # string literals
-    re.compile(r"\{[^}]*\}"),                                               # label matchers
-    re.compile(r"\[[^\]]*\]"),                                              # range selectors
-    re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)"),  # label lists
-)
-_PROMQL_WORDS = {"and", "or", "unless", "offset", "bool", "by", "without", "on", "ignoring", "group_left",
-                 "group_right", "inf", "nan"}
-
-
-def promql_metric_names(expr: str) -> set[str]:
-    """The metric names a PromQL expression reads: identifiers that are not functions (followed by
-    '('), keywords, label names or numbers."""
-    for pattern in _PROMQL_STRIP:
-        expr = pattern.sub(" ", expr)
-    names = re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", expr)
-    return {n for n in names if n.lower() not in _PROMQL_WORDS}
-
-
 def test_promql_metric_names_reads_only_metrics():
     expr = ('histogram_quantile(0.99, sum by (le) (rate(a_seconds_bucket{rpc="Generate",code!="OK"}[5m]))) / '
             'ignoring(x) group_left sum(rate(b_total[$__rate_interval])) / scalar(max(c))')
@@ -292,9 +273,7 @@ def test_grafana_dashboard_reads_metrics_a_real_server_exports(traced, make_vide
         client.generate(prompt="What happens?", video=make_video(seed=21, num_frames=4), num_frames=2, max_tokens=3,
                         ignore_eos=True, temperature=0)
     exported = {s.name for family in text_string_to_metric_families(_scrape(metrics)) for s in family.samples}
-    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "mmserve.json").read_text())
-    wanted = {name: panel["title"] for panel in dashboard["panels"] for target in panel["targets"]
-              for name in promql_metric_names(target["expr"])}
+    wanted = dashboard_metric_names()
     assert len(wanted) >= 10
     missing = {name: title for name, title in wanted.items() if name not in exported}
     assert not missing, f"dashboard panels read metrics the server does not export: {missing}"
