@@ -527,3 +527,79 @@ def test_piecewise_steps_on_sdpa_give_the_eager_tokens(load_backend):
     runner = llm.core.runner
     assert not runner.graphs.enabled and runner.piecewise.replays >= llm.core.step_index - 1
     assert runs[False] == runs[True]
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(paged_target, monkeypatch,
+                                                                            async_scheduling):
+    """The drafter's K steps as one emulated graph per bucket (spec_decode/draft_graphs.py), over
+    FA4's paging: every buffer a round refills (the round's tokens and hidden rows, the reader's
+    key counts and positions, the backend's tables and the graphs' shared output; not the reader's
+    block tables, whose unused tail it keeps pointing at the null block across rounds) filled with
+    garbage before capture and before every round. Each round's drafts (real rows), the tokens and
+    the acceptance counts must equal eager drafting's; rounds of 1 and 3 requests replay the
+    buckets of 1 and 4 (padding beside real rows). Before the graphs every round ran eagerly."""
+    from engine_helpers import build_request, make_llm
+
+    model = fa4_paging_model(paged_target, monkeypatch)
+    requests = [build_request(f"r{i}", [9 + 4 * i], seed=i, max_tokens=[6, 10, 13][i]) for i in range(3)]
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab = model.spec.vocab_size
+
+    @torch.inference_mode()
+    def fill_garbage(speculator):
+        graphs, reader = speculator.graphs, speculator.attention
+        graphs.tokens.copy_(torch.randint(0, vocab, graphs.tokens.shape, generator=gen))
+        graphs.hidden.fill_(float("nan"))
+        for t in [reader.seq_lens.cpu, reader.positions.cpu, *(t for k in reader._types.values() for t in k.builder.buffers())]:
+            t.copy_(torch.randint(-2**20, 2**20, t.shape, generator=gen))
+        if graphs.graphs._static is not None:
+            graphs.graphs._static.fill_(-7)
+
+    runs = {}
+    for use_graphs in (False, True):
+        llm = make_llm((model, None), attention_backend="fa4_paging", max_num_seqs=4, emulate_cuda_graphs=True,
+                       speculative_model=str(paged_target / "assistant"), num_speculative_tokens=3,
+                       async_scheduling=async_scheduling)
+        speculator = llm.core.speculator
+        if not use_graphs:
+            speculator.use_graphs(None)
+        rounds = []
+        name = "propose_on_device" if async_scheduling == "on" else "propose"
+        propose = getattr(speculator, name)
+
+        def recording(*args, speculator=speculator, propose=propose, rounds=rounds, **kwargs):
+            fill_garbage(speculator)
+            drafts = propose(*args, **kwargs)
+            if len(drafts):   # a step with no request to draft for makes no round
+                rounds.append(drafts.tolist() if torch.is_tensor(drafts) else drafts)
+            return drafts
+
+        monkeypatch.setattr(speculator, name, recording)
+        tokens = {c.request_id: c.token_ids for c in llm.generate(requests)}
+        runs[use_graphs] = (tokens, rounds, speculator.verified, speculator.accepted)
+        graphs = speculator.graphs
+        assert (graphs.replays, graphs.eager_rounds) == ((len(rounds), 0) if use_graphs else (0, len(rounds)))
+    assert runs[True] == runs[False]
+    assert {len(r) for r in runs[True][1]} >= {1, 3}, runs[True][1]   # buckets 1 and 4 (padded) replayed
+
+
+def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
+    """Rounds without graphs, under tensor parallelism or with grammar-masked drafts run eagerly:
+    each reason given, counted per round, logged once."""
+    from mmserve.spec_decode.draft_graphs import DraftGraphs
+    from mmserve.worker.cuda_graphs import EMULATED
+
+    def graphs(mode):
+        return DraftGraphs(None, None, None, [], mode=mode, max_num_seqs=4, hidden_size=8, dtype=torch.float32,
+                           device=torch.device("cpu"))
+    on = graphs(EMULATED)
+    assert on.eager_reason(3, masked=False, tensor_parallel=False) is None
+    assert "tensor parallelism" in on.eager_reason(3, masked=False, tensor_parallel=True)
+    assert "grammar" in on.eager_reason(1, masked=True, tensor_parallel=False)
+    reason = graphs(None).eager_reason(1, masked=False, tensor_parallel=False)
+    assert "no graphs" in reason
+    with caplog.at_level("INFO", logger="mmserve.spec_decode.draft_graphs"):
+        for _ in range(3):
+            on.count_eager(reason)
+    assert on.eager_rounds == 3 and sum(reason in r.getMessage() for r in caplog.records) == 1

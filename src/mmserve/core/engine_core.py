@@ -172,6 +172,8 @@ class EngineCore:
         self.kv = KVCacheManager(plans, config.block_size, max_model_len=self.max_model_len,
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
+        if self.speculator is not None:   # the drafter's K steps as graphs where the target's steps are
+            self.speculator.use_graphs(self.runner.graphs.mode)
         if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
             self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,

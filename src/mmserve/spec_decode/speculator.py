@@ -4,7 +4,8 @@ After a step, every request that sampled and speculates gets K drafts from the a
 (model/assistant.py) in one tight batched loop: the keys it reads (the target's K/V of its storing
 layers, positions before the token drafted from) are read in place through the target's attention
 backends, with one decode-shaped metadata per layer type built once per round (`TargetKVReader`),
-and the K steps share it and one constant position, so they need no scheduling. The next step verifies
+and the K steps share it and one constant position, so they need no scheduling; where the target's
+steps run as graphs, the K steps are one graph per batch-size bucket (draft_graphs.py). The next step verifies
 `[last token, d1..dK]` as one chunk of K + 1 rows; greedy acceptance keeps the longest prefix of
 drafts equal to the target's argmax, plus the target's own next token: the same tokens as
 without speculation, up to K + 1 per step. A random request's chunk is accepted the same way,
@@ -49,6 +50,7 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.model.assistant import Assistant, TargetKV, load_assistant
 from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
+from mmserve.spec_decode.draft_graphs import DraftGraphs
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
 
 
@@ -183,12 +185,37 @@ class Speculator:
         self.num_tokens = num_tokens
         self.stores = storing_layers(target.spec)
         self.attention = TargetKVReader(assistant, target, max_num_seqs=max_num_seqs, position_slack=num_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.use_graphs(None)
         # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
         self.verified = [0] * num_tokens
         self.accepted = [0] * num_tokens
         # runs a round's loop on every rank: here alone, or (tensor parallelism) rank 0's runner
         # broadcasting the batch to the workers first (executor/tensor_parallel.py sets it)
         self.on_ranks: Callable[[DraftBatch, Callable[[], list[list[int]]]], list[list[int]]] = _run_here
+
+    def use_graphs(self, mode: str | None) -> None:
+        """Run the K draft steps as one graph per batch-size bucket (spec_decode/draft_graphs.py):
+        `mode` is the target's graph mode (worker/cuda_graphs.py: CUDA, emulated, or None: eager)."""
+        layer_types = [t for t in self.stores if t in self.assistant.spec.attention]
+        self.graphs = DraftGraphs(self.attention, self.assistant, self._graph_loop, layer_types, mode=mode,
+                                  max_num_seqs=self.max_num_seqs, hidden_size=self.target.decoder.spec.hidden_size,
+                                  dtype=self.target.dtype, device=self.target.device)
+
+    def _graph_loop(self, tokens: torch.Tensor, hidden: torch.Tensor, rope: dict, target_kv: dict) -> torch.Tensor:
+        return torch.stack(self._loop(tokens, hidden, rope, target_kv, self.num_tokens), dim=1)
+
+    def _replayed(self, num_reqs: int, masked: bool, run: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """The round's drafts [R, K] from its bucket's graph, or None: it runs eagerly (counted, the
+        reason logged once)."""
+        reason = self.graphs.eager_reason(num_reqs, masked=masked, tensor_parallel=self.target.parallel.size > 1)
+        if reason is None:
+            drafted = run()
+            if drafted is not None:
+                return drafted
+            reason = f"capture failed: {self.graphs.failed}"
+        self.graphs.count_eager(reason)
+        return None
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         for i in range(num_drafts):
@@ -248,6 +275,10 @@ class Speculator:
         read positions there (`TargetKVReader.prepare`)."""
         tables = self._block_tables(kv, [r.request_id for r in requests])
         num_keys = [r.num_computed_tokens for r in requests]
+        drafted = self._replayed(len(requests), False, lambda: self.graphs.run(
+            tokens, hidden.index_select(0, rows), num_keys, tables, block_size, kv_caches, shift=shift))
+        if drafted is not None:
+            return drafted
         target_kv = self.attention.prepare(num_keys, tables, block_size, kv_caches, shift=shift)
         positions = self.attention.positions.dev[:len(requests)] + 1   # the drafted-from tokens'
         drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
@@ -277,11 +308,15 @@ class Speculator:
         """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
         states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
         device = self.target.device
-        target_kv = self.attention.prepare(batch.num_keys, batch.block_tables, batch.block_size, kv_caches)
-        rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
         lengths = batch.num_drafts
+        drafted = self._replayed(len(lengths), masks is not None or batch.masked, lambda: self.graphs.run(
+            tokens, hidden, batch.num_keys, batch.block_tables, batch.block_size, kv_caches))
+        if drafted is not None:
+            return [row[:n] for row, n in zip(drafted.tolist(), lengths, strict=True)]
+        target_kv = self.attention.prepare(batch.num_keys, batch.block_tables, batch.block_size, kv_caches)
+        rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
         try:
             drafted = self._loop(tokens, hidden, rope, target_kv, max(lengths), masks, batch.masked)
         finally:
