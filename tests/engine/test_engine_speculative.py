@@ -465,3 +465,47 @@ def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(m
     for speculate in (False, True):
         assert tokens[speculate, True] == tokens[speculate, False], f"speculation {speculate}: batch-mates changed it"
     assert tokens[True, False] == tokens[False, False], "speculation changed a seeded request's tokens"
+
+
+def test_block_size_128_gives_the_tokens_of_block_size_16(models):
+    """128-token blocks (FA4's TMA page on SM100; docs/architecture.md, "Block size") under
+    speculation, prefix caching and window reclaim: the same greedy tokens as 16-token blocks,
+    prefix hits of whole 128-token blocks, and a sliding pool that holds the window's blocks
+    alone while the full pool grows with the context. Prompts span several 128-token blocks."""
+    from mmserve.attention.backend import FULL, SLIDING
+
+    model_tok, assistant = models
+    seed = int(torch.randint(0, 1000, ()))
+    requests = [build_request("long", [300], seed=seed, max_tokens=40),
+                build_request("video", [3, ("video", [8, 4]), 150], seed=seed + 1, max_tokens=24),
+                build_request("short", [40], seed=seed + 2, max_tokens=20)]
+    again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
+    runs = {}
+    for bs in (16, 128):
+        llm = make_llm(model_tok, block_size=bs, num_kv_blocks=64, max_num_batched_tokens=64,
+                       speculative_model=assistant, num_speculative_tokens=3)
+        held = {SLIDING: [], FULL: []}
+        execute = llm.core.runner.execute
+
+        def watched(out, llm=llm, held=held, execute=execute):
+            result = execute(out)
+            if all(not s.is_prefill for s in out.scheduled if s.request.request_id == "long"):
+                for t in held:
+                    held[t].append(llm.core.kv.num_held("long", t))
+            return result
+
+        llm.core.runner.execute = watched
+        first = {c.request_id: c for c in llm.generate(requests)}
+        hits = {c.request_id: c for c in llm.generate(again)}
+        runs[bs] = {rid: c.token_ids for rid, c in (first | hits).items()}
+        for r in again:
+            n = len(r.prompt_token_ids)
+            assert hits[r.request_id].usage.cached_tokens == (n - 1) // bs * bs, (bs, r.request_id, n)
+        assert hits["long-again"].usage.cached_tokens > 0, bs
+        total = len(requests[0].prompt_token_ids) + 40
+        assert max(held[FULL]) == -(-total // bs), bs
+        assert max(held[SLIDING]) <= 2 < max(held[FULL]) if bs == 128 else max(held[SLIDING]) <= 3, (bs, held)
+        spec = llm.core.speculator
+        assert spec.accepted[0] > 0 and spec.verified[0] > spec.accepted[0], bs
+        assert_pools_full(llm.core)
+    assert runs[128] == runs[16]
