@@ -10,9 +10,9 @@
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
              points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
              have been enabled and replayed: a failed capture runs eagerly and would pass vacuously).
-2b. speculation  the same requests with the demo assistant drafting K = 3: verify-step graphs
-             against eager verify steps, identical tokens; drafts must have been verified and some
-             accepted (the accept path ran), and verify graphs replayed.
+2b. speculation  the same requests with the demo assistant drafting K = 3: verify-step and drafter
+             graphs against eager verify steps and drafting, identical tokens; drafts must have been
+             verified and some accepted (the accept path ran), and verify and drafter graphs replayed.
 3. compiles  FA4 kernels compiled over steps of 1/8/16/32/46/64 frames and decode steps (target: no
              new kernel after the first step of each kind); caches sized from each step.
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
@@ -597,11 +597,14 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
 
 
 def graph_use(llm) -> dict:
-    """Whether decode graphs were on, how many steps replayed one (verify steps apart), and how
-    many drafts the target verified and accepted (0 without speculation)."""
+    """Whether decode graphs were on, how many steps replayed one (verify steps apart), how many
+    drafting rounds replayed the drafter's graph or ran eagerly, and how many drafts the target
+    verified and accepted (0 without speculation)."""
     graphs, speculator = llm.core.runner.graphs, llm.core.speculator
     return {"graphs_enabled": graphs.enabled, "graph_replays": graphs.replays,
             "verify_replays": sum(n for q, n in graphs.replays_by_query_len.items() if q > 1),
+            "draft_replays": speculator.graphs.replays if speculator is not None else 0,
+            "draft_eager_rounds": speculator.graphs.eager_rounds if speculator is not None else 0,
             "drafts_verified": sum(speculator.verified) if speculator is not None else 0,
             "drafts_accepted": sum(speculator.accepted) if speculator is not None else 0}
 
@@ -645,9 +648,9 @@ def tokens(sizes: Sizes, device: str) -> dict:
 
 def speculation(sizes: Sizes, device: str) -> dict:
     """The tokens section's video requests with the demo assistant drafting K = 3: verify steps
-    (K + 1 rows per request) as CUDA graphs against eager verify steps. Identical tokens count only
-    if drafts were verified and some accepted (else speculation, or its accept path, never ran)
-    and, on CUDA, verify graphs replayed."""
+    (K + 1 rows per request) and drafting rounds as CUDA graphs against eager ones. Identical tokens
+    count only if drafts were verified and some accepted (else speculation, or its accept path,
+    never ran) and, on CUDA, verify and drafter graphs replayed."""
     requests = video_requests(sizes, device)
     fast, low = ("fa4", "bfloat16") if device == "cuda" else ("sdpa", "float32")
     out, use = {}, {}
@@ -657,9 +660,10 @@ def speculation(sizes: Sizes, device: str) -> dict:
     equal = out["graphs"] == out["eager"]
     accepted = all(u["drafts_verified"] > 0 and u["drafts_accepted"] > 0 for u in use.values())
     verify_replayed = device != "cuda" or use["graphs"]["verify_replays"] > 0
+    draft_replayed = device != "cuda" or use["graphs"]["draft_replays"] > 0
     return {"requests": len(requests), "backend": fast, "graphs_equal_eager": equal, "graphs": use["graphs"],
             "eager": use["eager"], "drafts_accepted": accepted, "verify_graphs_replayed": verify_replayed,
-            "ok": equal and accepted and verify_replayed}
+            "draft_graphs_replayed": draft_replayed, "ok": equal and accepted and verify_replayed and draft_replayed}
 
 
 # --- 5. serving: mmserve.LLM against transformers' batched generate ----------------------------------
