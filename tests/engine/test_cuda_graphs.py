@@ -14,6 +14,7 @@ tests/attention/test_attn_fa4_compile.py."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -530,19 +531,21 @@ def test_piecewise_steps_on_sdpa_give_the_eager_tokens(load_backend):
 
 
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(paged_target, monkeypatch,
+def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(speculating_target, monkeypatch,
                                                                             async_scheduling):
     """The drafter's K steps as one emulated graph per bucket (spec_decode/draft_graphs.py), over
     FA4's paging: every buffer a round refills (the round's tokens and hidden rows, the reader's
     key counts and positions, the backend's tables and the graphs' shared output; not the reader's
     block tables, whose unused tail it keeps pointing at the null block across rounds) filled with
     garbage before capture and before every round. Each round's drafts (real rows), the tokens and
-    the acceptance counts must equal eager drafting's; rounds of 1 and 3 requests replay the
-    buckets of 1 and 4 (padding beside real rows). Before the graphs every round ran eagerly."""
+    the acceptance counts (some drafts accepted, so acceptance is checked) must equal eager
+    drafting's; rounds of 1 and 3 requests replay the buckets of 1 and 4 (padding beside real rows).
+    Before the graphs every round ran eagerly."""
     from engine_helpers import build_request, make_llm
 
-    model = fa4_paging_model(paged_target, monkeypatch)
-    requests = [build_request(f"r{i}", [9 + 4 * i], seed=i, max_tokens=[6, 10, 13][i]) for i in range(3)]
+    root = Path(speculating_target[2]).parent
+    model = fa4_paging_model(root, monkeypatch)
+    requests = [build_request(f"r{i}", [9 + 4 * i], seed=i, max_tokens=[8, 16, 24][i]) for i in range(3)]
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     vocab = model.spec.vocab_size
 
@@ -559,7 +562,7 @@ def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(page
     runs = {}
     for use_graphs in (False, True):
         llm = make_llm((model, None), attention_backend="fa4_paging", max_num_seqs=4, emulate_cuda_graphs=True,
-                       speculative_model=str(paged_target / "assistant"), num_speculative_tokens=3,
+                       speculative_model=str(root / "assistant"), num_speculative_tokens=3,
                        async_scheduling=async_scheduling)
         speculator = llm.core.speculator
         if not use_graphs:
@@ -582,6 +585,7 @@ def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(page
         assert (graphs.replays, graphs.eager_rounds) == ((len(rounds), 0) if use_graphs else (0, len(rounds)))
     assert runs[True] == runs[False]
     assert {len(r) for r in runs[True][1]} >= {1, 3}, runs[True][1]   # buckets 1 and 4 (padded) replayed
+    assert sum(runs[True][3]) > 0, "no draft was ever accepted: acceptance went unchecked"
 
 
 def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
