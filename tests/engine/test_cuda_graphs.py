@@ -589,8 +589,8 @@ def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(spec
 
 
 def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
-    """Rounds without graphs, under tensor parallelism or with grammar-masked drafts run eagerly:
-    each reason given, counted per round, logged once."""
+    """Rounds without graphs, under tensor parallelism, with grammar-masked drafts or larger than
+    every bucket run eagerly: each reason given, counted per round, logged once."""
     from mmserve.spec_decode.draft_graphs import DraftGraphs
     from mmserve.worker.cuda_graphs import EMULATED
 
@@ -601,6 +601,7 @@ def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
     assert on.eager_reason(3, masked=False, tensor_parallel=False) is None
     assert "tensor parallelism" in on.eager_reason(3, masked=False, tensor_parallel=True)
     assert "grammar" in on.eager_reason(1, masked=True, tensor_parallel=False)
+    assert "no bucket holds them (largest 4)" in on.eager_reason(5, masked=False, tensor_parallel=False)
     reason = graphs(None).eager_reason(1, masked=False, tensor_parallel=False)
     assert "no graphs" in reason
     with caplog.at_level("INFO", logger="mmserve.spec_decode.draft_graphs"):
