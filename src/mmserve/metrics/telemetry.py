@@ -19,7 +19,8 @@ request its own frames, bills the speculative drafter's steps after it to the re
 - metrics (TTFT, TPOT, e2e, queue time, running/waiting/KV usage per pool, MFU/MBU, token counters,
   FLOPs/bytes/step time by step phase); the latency histograms are recorded in the request's trace
   context, so their exemplars name its trace.
-- `request.perf`: the request's running totals, so the final gRPC message can carry them.
+- `request.perf`: the request's totals, set as it ends, so its final gRPC message can carry them
+  (only that message reads them: recomputing them every step cost the front end's loop per request).
 """
 
 from __future__ import annotations
@@ -58,6 +59,31 @@ ERROR_FINISH_REASONS = frozenset({"abort", "aborted", "cancelled", "error"})
 UNKNOWN_PEAKS = DevicePeaks("unknown", 0.0, 0.0, "none")  # utilization() reports 0 against a 0 peak
 
 
+@dataclass(frozen=True, slots=True)
+class _Totals:
+    """A PerfBreakdown's sums, taken once per step: the step bills the same parts to each of its
+    requests (by share), and summing the breakdown's per-component dicts per request cost the front
+    end's loop ~10 us a request a step."""
+
+    flops: float = 0.0
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    attn_flops_sliding: float = 0.0
+    attn_flops_full: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.read_bytes + self.write_bytes
+
+    @classmethod
+    def of(cls, part: PerfBreakdown) -> _Totals:
+        return cls(part.total_flops, part.total_read_bytes, part.total_write_bytes, part.attn_flops_sliding,
+                   part.attn_flops_full)
+
+
+NO_WORK = _Totals()
+
+
 @dataclass
 class _Work:
     """Work billed to a span or a request, plus the busy time of the steps it ran in."""
@@ -71,14 +97,14 @@ class _Work:
     step_bytes: float = 0.0
     step_seconds: float = 0.0
 
-    def add(self, part: PerfBreakdown, share: float, step: PerfBreakdown, seconds: float) -> None:
-        self.flops += share * part.total_flops
-        self.read_bytes += share * part.total_read_bytes
-        self.write_bytes += share * part.total_write_bytes
+    def add(self, part: _Totals, share: float, step: _Totals, seconds: float) -> None:
+        self.flops += share * part.flops
+        self.read_bytes += share * part.read_bytes
+        self.write_bytes += share * part.write_bytes
         self.attn_flops_sliding += share * part.attn_flops_sliding
         self.attn_flops_full += share * part.attn_flops_full
-        self.step_flops += step.total_flops
-        self.step_bytes += step.total_bytes
+        self.step_flops += step.flops
+        self.step_bytes += step.bytes
         self.step_seconds += seconds
 
     def summary(self, peaks: DevicePeaks) -> dict[str, float]:
@@ -181,25 +207,29 @@ class TelemetryObserver:
         mbu = utilization(step.total_bytes, seconds, self.peaks.bandwidth, "MBU")
         num_tokens = sum(r.num_tokens for r in requests) or 1
         started = time.monotonic() - (time.perf_counter() - record.start_perf)
+        text_t, step_t = _Totals.of(text), _Totals.of(step)
+        drafter_t = _Totals.of(drafter) if drafter is not None else NO_WORK
         for item in record.items:
             state = self._requests.setdefault(item.request_id, _RequestState(queued_monotonic=started))
             if not state.first_scheduled:
                 state.first_scheduled = True
                 self._on_first_schedule(item.request, started - state.queued_monotonic)
             share = item.num_tokens / num_tokens
-            state.total.add(text, share, step, seconds)
+            state.total.add(text_t, share, step_t, seconds)
             if drafter is not None and getattr(item, "draft_rows", 0):   # its own draft rows' share
                 draft_share = item.draft_rows / draft_rows
-                state.total.add(drafter, draft_share, PerfBreakdown(), 0.0)
+                state.total.add(drafter_t, draft_share, NO_WORK, 0.0)
                 if not item.is_prefill:
-                    state.decode_work.add(drafter, draft_share, PerfBreakdown(), 0.0)
+                    state.decode_work.add(drafter_t, draft_share, NO_WORK, 0.0)
             frames = vision.by_request.get(item.request_id) if vision is not None else None
             if frames is not None:
-                state.total.add(frames.executed, 1.0, PerfBreakdown(), 0.0)
+                frames_t = _Totals.of(frames.executed)
+                state.total.add(frames_t, 1.0, NO_WORK, 0.0)
                 # The span covers the encoder call itself when the engine timed it (else the step), and its
                 # MFU/MBU are that call's: all of its frames' work over its time.
                 start_ns, end_ns, call_s = _encode_interval(record)
-                self._span(VISION_SPAN, item, record, frames.executed, 1.0, vision.executed if call_s else step,
+                self._span(VISION_SPAN, item, record, frames_t, 1.0,
+                           _Totals.of(vision.executed) if call_s else step_t,
                            call_s or seconds, {
                                "mmserve.vision.num_frames": frames.num_frames,
                                "mmserve.vision.padded_patches": vision.padded_patches,
@@ -207,9 +237,10 @@ class TelemetryObserver:
                            }, interval=(start_ns, end_ns) if call_s else None)
             heard = audio.get(item.request_id)
             if heard is not None:   # its segments as one encoder call's share (segments batch like frames)
-                state.total.add(heard, 1.0, PerfBreakdown(), 0.0)
+                heard_t = _Totals.of(heard)
+                state.total.add(heard_t, 1.0, NO_WORK, 0.0)
                 start_ns, end_ns, call_s = _encode_interval(record)
-                self._span(AUDIO_SPAN, item, record, heard, 1.0, step, call_s or seconds,
+                self._span(AUDIO_SPAN, item, record, heard_t, 1.0, step_t, call_s or seconds,
                            {"mmserve.audio.num_segments": len(self._audio(item))},
                            interval=(start_ns, end_ns) if call_s else None)
             if item.is_prefill:
@@ -220,11 +251,10 @@ class TelemetryObserver:
                 }
                 if item.prefix_queried:   # the admitting chunk: it starts after the tokens the cache served
                     attributes["mmserve.prefill.cached_tokens"] = item.prefix_hit
-                self._span(PREFILL_SPAN, item, record, text, share, step, seconds, attributes)
+                self._span(PREFILL_SPAN, item, record, text_t, share, step_t, seconds, attributes)
                 state.prefill_chunks += 1
             else:
-                self._decode_step(state, item, record, text, share, step, seconds)
-            item.request.perf.update(state.total.summary(self.peaks))
+                self._decode_step(state, item, record, text_t, share, step_t, seconds)
         if self.step_every and record.step_index % self.step_every == 0:
             self._step_span(record, step, mfu, mbu)
         if self.metrics is not None:
@@ -362,7 +392,7 @@ class TelemetryObserver:
         self.metrics.prompt_tokens.add(getattr(request, "num_prompt_tokens", 0))
         self.metrics.mm_tokens.add(getattr(request, "num_mm_tokens", 0))
 
-    def _span(self, name: str, item: Any, record: Any, part: PerfBreakdown, share: float, step: PerfBreakdown,
+    def _span(self, name: str, item: Any, record: Any, part: _Totals, share: float, step: _Totals,
               seconds: float, attributes: dict[str, Any], interval: tuple[int, int] | None = None) -> None:
         """A finished child span of the request over the step (or `interval`, epoch ns)."""
         parent = getattr(item.request, "trace_context", None)
@@ -375,8 +405,8 @@ class TelemetryObserver:
                                       attributes={**attributes, **perf_attributes(work.summary(self.peaks))})
         span.end(end_time=end_ns)
 
-    def _decode_step(self, state: _RequestState, item: Any, record: Any, text: PerfBreakdown, share: float,
-                     step: PerfBreakdown, seconds: float) -> None:
+    def _decode_step(self, state: _RequestState, item: Any, record: Any, text: _Totals, share: float,
+                     step: _Totals, seconds: float) -> None:
         parent = getattr(item.request, "trace_context", None)
         if state.decode_span is None and parent is not None:
             state.decode_span = self.tracer.start_span(DECODE_SPAN, context=parent, start_time=record.start_ns)
@@ -436,8 +466,10 @@ def request_work(item: Any) -> RequestWork:
     """One scheduled item of a step record as the perf model bills it."""
     request = item.request
     # the ranges that attend within themselves: images and frames (audio is causal)
-    ranges = tuple(map(tuple, getattr(request, "vision_ranges_np", np.asarray(getattr(request, "mm_ranges", ()))
-                                      ).reshape(-1, 2).tolist()))
+    ranges_np = getattr(request, "vision_ranges_np", None)
+    if ranges_np is None:
+        ranges_np = np.asarray(getattr(request, "mm_ranges", ()))
+    ranges = tuple(map(tuple, ranges_np.reshape(-1, 2).tolist())) if len(ranges_np) else ()
     # A prefill chunk samples when it reaches the request's last known token (the engine calls
     # on_step before appending this step's token; after preemption that includes earlier outputs).
     # A live session's context (an open prompt) never samples: billed as the prefill chunk it is.
