@@ -70,6 +70,8 @@ class ServerThread(LoopbackServer):
             found.append(f"scheduler still holds {held['running']} running, {held['waiting']} waiting")
         # Free means empty or cached-unreferenced: the prefix and encoder caches outlive requests.
         found += [f"pool {name}: {n} blocks held" for name, n in held["kv_blocks_held"].items()]
+        if held["encoded_ahead_bytes"]:
+            found.append(f"{held['encoded_ahead_bytes']} bytes of embeddings encoded ahead still held")
         if held["encoder_cache_over_bytes"]:
             found.append(f"encoder cache is {held['encoder_cache_over_bytes']} bytes over its bound")
         if held["streams"]:

@@ -180,7 +180,10 @@ class EngineCore:
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    policy=config.scheduling_policy, verify_width=self.runner.verify_graph_rows,
-                                   async_scheduling=self.async_scheduling)
+                                   async_scheduling=self.async_scheduling,
+                                   # (tensor parallelism: the workers would encode in the step all the same)
+                                   encode_ahead=config.encode_ahead and config.tensor_parallel_size == 1
+                                   and config.nnodes == 1)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
@@ -284,14 +287,15 @@ class EngineCore:
                         kv_cached_usage=self.kv.cached_usage())
 
     def held_resources(self) -> dict:
-        """What the core still holds for requests (requests, referenced KV blocks), and the encoder
-        cache's bytes over its budget: empty values and 0 when idle. Cached free blocks and encoder-cache
+        """What the core still holds for requests (requests, referenced KV blocks, embeddings encoded
+        ahead for them), and the encoder cache's bytes over its budget: empty values and 0 when idle. Cached free blocks and encoder-cache
         entries outlive their requests on purpose (prefix caching), so they do not count."""
         cache = self.runner.encoder_cache
         return {"requests": sorted(self.requests), "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_held": {name: sum(c > 0 for c in pool.ref_cnt) for name, pool in self.kv.pools.items()
                                    if pool.num_free != pool.num_usable or any(pool.ref_cnt)},
+                "encoded_ahead_bytes": self.runner.encoded_ahead.num_bytes,
                 "encoder_cache_over_bytes": max(0, cache.num_bytes - cache.max_bytes)}
 
     def set_kv_events(self, on: bool) -> bool:

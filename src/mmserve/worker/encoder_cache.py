@@ -23,6 +23,9 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: bytes) -> bool:   # (no use: the LRU order stays)
+        return key in self._entries
+
     def get(self, key: bytes) -> torch.Tensor | None:
         embeds = self._entries.get(key)
         if embeds is not None:

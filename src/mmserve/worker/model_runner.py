@@ -16,11 +16,14 @@ here waits for the device otherwise (prompt logprobs aside); the host staging bu
 the previous step's copies out of them have run (a CUDA event, not a device-wide sync). With the
 self-check on, the graphs are replayed at start-up against the eager forward (backend_check.py).
 
-Vision and audio: the frames and audio segments whose tokens enter a step are encoded in that step
-(one batched call per tower, padded to the largest item), except those whose content the
-cross-request encoder cache still holds; new embeddings go into that cache (LRU in bytes, keyed by
-content hash), so a video or a clip heard before costs no encoder work even when its K/V blocks
-were evicted.
+Vision and audio: the frames and audio segments whose tokens enter a step are encoded one step
+ahead where the scheduler foresaw them (`SchedulerOutput.encode_ahead`, worker/encode_ahead.py):
+batched across requests after the step's forward is queued, on CUDA on a side stream that overlaps
+it, the consuming step waiting on its event. What was not foreseen is encoded in its own step (one
+batched call per tower, padded to the largest item), except what the cross-request encoder cache
+still holds; new embeddings go into that cache (LRU in bytes, keyed by content hash), so a video or
+a clip heard before costs no encoder work even when its K/V blocks were evicted. A request's frame
+counts as encoded (`frames_encoded`) in the step that consumes it, whichever step ran the tower.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,6 +64,7 @@ from mmserve.worker.cuda_graphs import (
     graph_query_lens,
     uniform_query_len,
 )
+from mmserve.worker.encode_ahead import EncodedAhead
 from mmserve.worker.encoder_cache import EncoderCache, default_encoder_cache_bytes
 from mmserve.worker.piecewise_graphs import DenseStep, PiecewiseGraphs, piecewise_sizes
 from mmserve.worker.sampled_rows import SampledRowsBuilder
@@ -80,7 +84,7 @@ class StepResult:
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
     # ... the same per request id and modality ("image", "video", "audio")
     encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
-    encode_perf: tuple[float, float] | None = None   # the vision encoder call (perf_counter), if any
+    encode_perf: tuple[float, float] | None = None   # the towers' calls (perf_counter), in-step and ahead, if any
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
     # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
     media_failed: dict[str, str] = field(default_factory=dict)
@@ -146,6 +150,10 @@ class ModelRunner:
         # Prefix caching off means no reuse across requests at all: no vision embeddings kept either.
         self.encoder_cache = EncoderCache(0 if not config.enable_prefix_caching
                                           else config.encoder_cache_bytes or default_encoder_cache_bytes(spec, dtype))
+        # Embeddings encoded a step early (prefix caching or not): at most one full step's worth.
+        self.encoded_ahead = EncodedAhead(config.max_step_tokens * spec.hidden_size
+                                          * torch.empty((), dtype=dtype).element_size())
+        self._encode_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._inputs_copied = torch.cuda.Event() if device.type == "cuda" else None
         self._warned_host_shift = False
         self.max_model_len = max_model_len
@@ -352,12 +360,13 @@ class ModelRunner:
 
     def free(self, request_id: str) -> None:
         self.block_tables.free(request_id)
+        self.encoded_ahead.free(request_id)
 
     def _encode(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
                        dict[str, str]]:
         """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
-        those whose content is neither cached nor repeated in this step (an audio segment split between
+        those whose content is neither encoded ahead, cached nor repeated in this step (an audio segment split between
         chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
         in all and by modality; when the towers ran (perf_counter start, end), if they did; and the
         requests whose media failed to encode (id -> why): their ranges get zero embeddings so the
@@ -365,21 +374,30 @@ class ModelRunner:
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
         todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
         encoded, by_modality, encode_perf = {}, {}, None
+        ahead = []   # keys encoded by the step before, offered to the cache after every lookup
         for s in scheduled:
             for f in s.frames:
                 item = s.request.mm_inputs[f]
                 key = item.content_hash
-                if key not in step:
+                if key in step:
+                    continue
+                audio = isinstance(item, AudioFeatures)
+                step[key] = self.encoded_ahead.take(key)   # encoded by the step before: counted here
+                if step[key] is not None:
+                    ahead.append(key)
+                else:
                     step[key] = self.encoder_cache.get(key)
-                    if step[key] is None:
-                        audio = isinstance(item, AudioFeatures)
-                        rid = s.request.request_id
-                        todo[audio].append((rid, item, key))
-                        encoded[rid] = encoded.get(rid, 0) + 1
-                        modality = "audio" if audio else "video" if s.request.prompt_token_ids[
-                            s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
-                        counts = by_modality.setdefault(rid, {})
-                        counts[modality] = counts.get(modality, 0) + 1
+                    if step[key] is not None:
+                        continue
+                    todo[audio].append((s.request.request_id, item, key))
+                rid = s.request.request_id
+                encoded[rid] = encoded.get(rid, 0) + 1
+                modality = "audio" if audio else "video" if s.request.prompt_token_ids[
+                    s.request.mm_ranges[f][0]] == self.model.spec.video_token_id else "image"
+                counts = by_modality.setdefault(rid, {})
+                counts[modality] = counts.get(modality, 0) + 1
+        for key in ahead:
+            self.encoder_cache.put(key, step[key])
         failed: dict[str, str] = {}
         if todo[False] or todo[True]:
             began = time.perf_counter()
@@ -408,6 +426,51 @@ class ModelRunner:
                                     device=self.model.device)
                 parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
         return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf, failed
+
+    def _encode_ahead(self, ahead: list) -> tuple[float, float] | None:
+        """Encode the media the next step will likely consume (`SchedulerOutput.encode_ahead`: (request,
+        range indices)), one batched call per tower, into `encoded_ahead`, skipping what is held there
+        or in the encoder cache already and what would pass its byte bound. On CUDA the towers run on
+        the side stream, so they overlap the forward queued before them. An item whose encode fails
+        is not held: its own step encodes it again and ends its request alone, as it would have.
+        Returns when the towers ran (perf_counter start, end), if they did."""
+        row_bytes = self.model.spec.hidden_size * torch.empty((), dtype=self.model.dtype).element_size()
+        room = self.encoded_ahead.max_bytes - self.encoded_ahead.num_bytes
+        todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
+        owners: dict[bytes, list[str]] = {}
+        for request, frames in ahead:
+            rid = request.request_id
+            for f in frames:
+                item = request.mm_inputs[f]
+                key = item.content_hash
+                if key in owners:
+                    owners[key].append(rid)
+                    continue
+                if self.encoded_ahead.claim(key, rid) or key in self.encoder_cache:
+                    continue
+                start, end = request.mm_ranges[f]
+                if (end - start + 1) * row_bytes > room:
+                    continue
+                room -= (end - start + 1) * row_bytes
+                owners[key] = [rid]
+                todo[isinstance(item, AudioFeatures)].append((rid, item, key))
+        if not owners:
+            return None
+        began = time.perf_counter()
+        embeds, ready = [], None
+        with torch.cuda.stream(self._encode_stream) if self._encode_stream is not None else nullcontext():
+            for audio, items in todo.items():
+                if items:
+                    embeds += zip(items, self._run_tower("audio" if audio else "vision", items, {}), strict=True)
+            if self._encode_stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(self._encode_stream)
+        for (rid, _, key), e in embeds:
+            if e is not None and self.encoded_ahead.fits(e.numel() * e.element_size()):
+                self.encoded_ahead.put(key, rid, e, ready)
+                for other in owners[key][1:]:
+                    self.encoded_ahead.claim(key, other)
+        return began, time.perf_counter()
 
     def _run_tower(self, kind: str, todo: list, failed: dict[str, str]) -> list[torch.Tensor | None]:
         """The vision or audio tower over `todo`'s (request id, input, key) in one batched call; if that
@@ -488,5 +551,7 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
+        if out.encode_ahead and (ahead := self._encode_ahead(out.encode_ahead)) is not None:
+            encode_perf = (encode_perf or ahead)[0], ahead[1]
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
                           encode_perf, hidden, failed)

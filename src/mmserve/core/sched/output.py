@@ -67,6 +67,10 @@ class SchedulerOutput:
     # per pool, (source, destination) KV blocks to copy before this step's forward: a parallel sample's
     # copy of its parent's partial last prompt block (KVCacheManager.share_prefix)
     block_copies: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # The frames (indices into request.mm_ranges) the next step will likely consume, per request whose
+    # prompt goes on after this step's chunk (Scheduler._lookahead): the runner encodes them while
+    # this step runs. A guess: a wrong one costs an early encode, never a wrong token.
+    encode_ahead: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

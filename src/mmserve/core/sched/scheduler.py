@@ -33,6 +33,11 @@ again; one with a placeholder waits off the waiting queue until its tokens land.
 rolls back the rejected rows and keys the filled blocks.
 Open prompts (a live session's context, `Request.open_prompt`) grow while they run; their chunks
 come last in a step, after waiting requests, and never sample.
+Encode-ahead (`encode_ahead`): each step's output also names the frames and audio segments the
+next step will likely consume (`_lookahead`: each running prompt's next chunk under the next
+step's budget), so the runner encodes them while this step runs. It is a guess, exact unless
+admissions, preemptions or drafts change the next step's budget: a frame guessed wrongly is
+encoded a step or more early and held until its request consumes it.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Scheduler:
         policy: str = "fcfs",
         verify_width: int = 0,
         async_scheduling: bool = False,
+        encode_ahead: bool = False,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
@@ -99,6 +105,7 @@ class Scheduler:
         self.policy = policy
         self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
         self.async_scheduling = async_scheduling
+        self.encode_ahead = encode_ahead
         self.waiting: list[Request] = []     # sorted by _order_key; admitted in _admission_order
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -319,6 +326,7 @@ class Scheduler:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
         finished, self._finished_since_step = self._finished_since_step, []
+        ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
             for s in scheduled.values():
                 r = s.request
@@ -327,7 +335,31 @@ class Scheduler:
                 r.num_computed_tokens = s.seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
-                               block_copies=copies)
+                               block_copies=copies, encode_ahead=ahead)
+
+    def _lookahead(self, scheduled: dict[str, ScheduledRequest]) -> list[tuple[Request, list[int]]]:
+        """The media ranges the next step will consume if nothing changes: the running requests in
+        the next step's order (a blocked frame first), each decode taking this step's tokens again
+        and each prompt its next chunk after this step's (aligned as `_chunk` aligns it) from the
+        next step's budget; (request, range indices) for the chunks that hold any. Waiting requests
+        are left out: where their first chunk starts depends on the prefix cache at admission."""
+        budget = self.token_budget()
+        ahead = []
+        for request in sorted(self.running, key=lambda r: r.request_id not in self._frame_blocked):
+            if budget <= 0:
+                break
+            if request.open_prompt:   # their chunks come last and grow with the session: not guessed
+                continue
+            s = scheduled.get(request.request_id)
+            start = s.seq_len if s is not None else request.num_computed_tokens
+            if start >= request.num_prompt_tokens:   # decoding: one token, or a verify chunk as this step's
+                budget -= s.num_tokens if s is not None and not s.is_prefill else 1
+                continue
+            n = align_chunk(request.vision_ranges_np, start, min(request.num_prompt_tokens - start, budget))
+            if n and (frames := frames_in_chunk(request.mm_ranges_np, start, n)):
+                ahead.append((request, frames))
+            budget -= n
+        return ahead
 
     def _all_in_flight(self, request: Request) -> bool:
         """Async: every token the request may still make (max_tokens) is sampled by a step in flight."""
