@@ -4,7 +4,8 @@ The engine may use `utilization` x the device's memory in all. Once the model (a
 loaded, and before the KV cache is allocated or CUDA graphs are captured, `profile_memory` runs the
 largest step the configuration allows (`profiling_step`: the step budget over `max_num_seqs`
 requests that all sample, the first one filling it with max-size images, the vision tower's largest
-batch; then the sampler with top-k/top-p, and with a speculative model one drafting round for every
+batch, and as many other images encoded ahead for the next step (`--encode-ahead`: on CUDA on a side
+stream, their embeddings held); then the sampler with top-k/top-p, and with a speculative model one drafting round for every
 request) on a runner whose pools hold just that step, except the full-attention pools, which hold
 one full context so that attention work sized by the cache (flex's block mask) is measured at
 serving size. The allocator's peak over what that runner held before the step is the activation
@@ -123,7 +124,7 @@ def _image(rng: np.random.Generator, spec, tokens_wanted: int) -> tuple[MultiMod
     return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), tokens
 
 
-def profiling_requests(spec, config: EngineConfig, max_model_len: int) -> list[Request]:
+def profiling_requests(spec, config: EngineConfig, max_model_len: int, seed: int = 0) -> list[Request]:
     """The largest step the configuration allows, as requests: `max_num_seqs` of them (or one per
     token of a smaller budget) share the step budget, all sampling with top-k/top-p; the first holds
     the rest of the budget: as many of the largest images admission allows as fit it (with a vision
@@ -134,7 +135,7 @@ def profiling_requests(spec, config: EngineConfig, max_model_len: int) -> list[R
     sampling = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9)
     first = min(budget - (count - 1), max_model_len - 1)
     ids, ranges, inputs = [spec.bos_token_id], [], []
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     largest = min(spec.image_max_soft_tokens, config.max_num_batched_tokens)   # an image admission allows
     while spec.has_vision and len(ids) + largest + 2 <= first:
         item, tokens = _image(rng, spec, largest)
@@ -200,6 +201,9 @@ def profile_memory(model, config: EngineConfig, *, max_model_len: int, memory: D
             f"were free at start-up (other processes hold the rest): lower it, or free the device")
     profile_config = dataclasses.replace(config, enforce_eager=True)   # graphs are captured after sizing
     requests = profiling_requests(model.spec, config, max_model_len)
+    ahead = None   # the next step's images, encoded after the forward (other content: the cache lacks them)
+    if config.encode_ahead and requests[0].mm_inputs:
+        ahead = profiling_requests(model.spec, config, max_model_len, seed=1)[0]
     memory.release()
     before = memory.snapshot()
     weights = before.allocated
@@ -213,6 +217,8 @@ def profile_memory(model, config: EngineConfig, *, max_model_len: int, memory: D
     runner, pools, held = runner_bytes(None)
     kv = KVCacheManager(pools, config.block_size, max_model_len=max_model_len, enable_prefix_caching=False)
     out = profiling_step(requests, kv, config, max_model_len)
+    if ahead is not None:
+        out.encode_ahead = [(ahead, list(range(len(ahead.mm_inputs))))]
     memory.reset_peak()
     step = runner.execute(out)
     Sampler(config.seed).sample(step.logits, verify_rows(step.sampling))
