@@ -2,6 +2,7 @@
 
     python bench/async_overlap.py            # JSON to bench/results/async_overlap.json
     python bench/async_overlap.py --smoke    # 1 and 16 requests, few steps; JSON to a temp file
+    python bench/async_overlap.py --video    # only the video cases (below)
 
 The real EngineCore (scheduler, KV manager, step inputs and attention metadata, sampler, acceptance,
 speculation's drafting loop and the device-side acceptance, outputs, step records) over the
@@ -21,6 +22,16 @@ Per case (loop, requests, speculation): the step period in steady decode, the ho
 of `--repeats` runs, and the device time per step (forward, plus K draft steps with speculation);
 the ratio is period / max(host, device): 1.00x is the host entirely hidden (or the device
 entirely), and the synchronous loop's is (host + device) / max(host, device).
+
+Video cases (encode-ahead, #35 item 5): 16 requests decode, then a video of 32 frames arrives and
+prefills beside them (64-token steps: a few frames a step). The vision tower takes `--tower-ms`
+of simulated device time per frame: encoded in the step that consumes the frames
+(`--no-encode-ahead`) it is queued on the step's stream before the forward; encoded ahead it is
+queued on a side stream, which the simulation lets overlap the main one entirely (a GPU shares
+its SMs between them: the overlap is an upper bound), and a step's forward starts once the side
+stream's jobs queued by the steps before it have ended (the event it waits on). Per case: the
+decoders' median step period while the video prefills over their period alone before it
+arrived (the GPU target, <= 1.5x at 12B dims, is measured on a GPU, not here).
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ import mmserve.sample.sampler as sampler_module
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.core.engine_core import EngineCore
 from mmserve.engine.types import EngineRequest
+from mmserve.request import MultiModalInput
 from mmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("bench.async_overlap")
@@ -58,12 +70,19 @@ class SimulatedDevice:
 
     def __init__(self) -> None:
         self._free_at = 0.0
+        self.side_free_at = 0.0   # a second stream (encode-ahead's), running beside the first
         self.waited = 0.0
 
-    def submit(self, seconds: float) -> float:
-        """Queue a job; returns when it ends (perf_counter)."""
-        self._free_at = max(time.perf_counter(), self._free_at) + seconds
+    def submit(self, seconds: float, after: float = 0.0) -> float:
+        """Queue a job, starting no earlier than `after` (an event on another stream); returns when
+        it ends (perf_counter)."""
+        self._free_at = max(time.perf_counter(), self._free_at, after) + seconds
         return self._free_at
+
+    def submit_side(self, seconds: float) -> float:
+        """Queue a job on the side stream, which overlaps the main one entirely."""
+        self.side_free_at = max(time.perf_counter(), self.side_free_at) + seconds
+        return self.side_free_at
 
     @property
     def busy_until(self) -> float:
@@ -119,6 +138,91 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
         core.speculator.draft = draft_then_read
 
 
+def simulate_tower(core: EngineCore, device: SimulatedDevice, tower_s: float) -> None:
+    """The vision tower becomes a queued job of `tower_s` per frame (zeros of each frame's soft
+    tokens, at once): on the main stream inside a step, on the side stream when the runner encodes
+    ahead; each step's forward starts after the side stream's jobs queued before the step began."""
+    runner, model = core.runner, core.model
+    pooled = model.spec.pooling_kernel_size ** 2
+    ahead, forward, execute, encode_ahead = [False], model.forward, runner.execute, runner._encode_ahead
+    ready = [0.0]
+
+    def tower(pixels, positions):
+        (device.submit_side if ahead[0] else device.submit)(tower_s * pixels.shape[0])
+        return [torch.zeros(int((p[:, 0] >= 0).sum()) // pooled, model.spec.hidden_size) for p in positions]
+
+    def encoding_ahead(items):
+        ahead[0] = True
+        try:
+            return encode_ahead(items)
+        finally:
+            ahead[0] = False
+
+    def stepping(out, prev=None):
+        ready[0] = device.side_free_at   # what the steps before encoded ahead: this step's forward waits for it
+        return execute(out, prev)
+
+    def forward_after(input_ids, *args, **kwargs):
+        device._free_at = max(device._free_at, ready[0])
+        return forward(input_ids, *args, **kwargs)
+
+    model.encode_vision, runner._encode_ahead, runner.execute, model.forward = (
+        tower, encoding_ahead, stepping, forward_after)
+
+
+def video_request(spec, rid: str, frames: int, seed: int) -> EngineRequest:
+    """A prompt of `frames` video frames of 8 x 8 patches (16 soft tokens each) and some text."""
+    gen = torch.Generator().manual_seed(seed)
+    side, patch = 8, spec.patch_size
+    gx, gy = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy")
+    positions = torch.stack([gx, gy], -1).reshape(-1, 2)
+    tokens = side * side // spec.pooling_kernel_size ** 2
+    ids, ranges, inputs = [spec.bos_token_id], [], []
+    for _ in range(frames):
+        ids += [20, spec.boi_token_id]
+        ranges.append((len(ids), len(ids) + tokens - 1))
+        ids += [spec.video_token_id] * tokens + [spec.eoi_token_id]
+        inputs.append(MultiModalInput(torch.rand(side * side, 3 * patch * patch, generator=gen), positions))
+    ids += [30 + i for i in range(6)]
+    return EngineRequest(rid, ids, ranges, inputs, SamplingParams(max_tokens=2, ignore_eos=True), num_frames=frames,
+                         num_mm_tokens=frames * tokens)
+
+
+def measure_video(loop: str, ahead: bool, device_ms: float, tower_ms: float, frames: int, steps: int) -> dict:
+    """16 decoders' median step period while a `frames`-frame video prefills beside them, and alone."""
+    decoders, max_tokens = 16, 4 * steps + 64
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="flex", max_num_seqs=decoders + 1,
+                          max_num_batched_tokens=64, block_size=16, encode_ahead=ahead,
+                          num_kv_blocks=decoders * (-(-(8 + max_tokens) // 16) + 2) + frames * 2 + 16,
+                          async_scheduling="on" if loop == "async" else "off")
+    core = EngineCore(config)
+    device = SimulatedDevice()
+    simulate(core, device, device_ms / 1e3, 0.0)
+    simulate_tower(core, device, tower_ms / 1e3)
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(decoders):
+        core.add_request(EngineRequest(f"r{i}", [2] + [10 + (i + j) % 200 for j in range(7)], sampling=sampling))
+    while core.scheduler.waiting or any(r.is_prefill for r in core.scheduler.running):
+        core.step()
+    for _ in range(3):
+        core.step()
+
+    def period() -> float:
+        start = time.perf_counter()
+        core.step()
+        return time.perf_counter() - start
+
+    alone = statistics.median(period() for _ in range(steps))
+    core.add_request(video_request(core.model.spec, "video", frames, seed=frames))
+    beside = []
+    while (video := core.requests.get("video")) is not None and (video.is_prefill or not beside):
+        beside.append(period())
+    assert core.async_scheduling == (loop == "async") and len(beside) > 2
+    return dict(loop=loop, encode="ahead" if ahead else "in-step", device_ms=device_ms, tower_ms=tower_ms,
+                frames=frames, steps_beside=len(beside), alone_ms=round(alone * 1e3, 3),
+                beside_ms=round(statistics.median(beside) * 1e3, 3), ratio=round(statistics.median(beside) / alone, 3))
+
+
 def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, draft_ms: float, steps: int) -> dict:
     max_tokens = (steps + 16) * (1 + K if speculate else 1)
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="flex",
@@ -162,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3, help="runs per case; the one with the shortest period is kept "
                                                             "(on a shared machine the others waited for the CPU)")
+    p.add_argument("--tower-ms", type=float, default=1.0, help="the simulated vision tower's time per frame")
+    p.add_argument("--video", action="store_true", help="only the video cases (encode in the step vs ahead)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -170,19 +276,29 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = 1 if args.smoke else args.repeats
     device_ms = args.device_ms or (1.0 if args.smoke else 3.0)
     load_before = os.getloadavg()
-    rows = [min((measure(loop, n, spec, device_ms, args.draft_ms, steps) for _ in range(args.repeats)),
-                key=lambda r: r["period_ms"])
-            for spec in (False, True) for n in counts for loop in ("sync", "async")]
+    rows = [] if args.video else [
+        min((measure(loop, n, spec, device_ms, args.draft_ms, steps) for _ in range(args.repeats)),
+            key=lambda r: r["period_ms"])
+        for spec in (False, True) for n in counts for loop in ("sync", "async")]
     for r in rows:
         print(f"loop={r['loop']:<5} requests={r['requests']:<3} speculation={'on ' if r['speculation'] else 'off'} "
               f"device={r['device_ms']:.1f}ms host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms "
               f"{r['ratio']:.2f}x")
+    frames = 8 if args.smoke else 32
+    video = [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
+                 key=lambda r: r["beside_ms"])
+             for loop in ("sync", "async") for ahead in (False, True)]
+    for r in video:
+        print(f"loop={r['loop']:<5} video={r['frames']} frames beside 16 decodes, encode={r['encode']:<8} "
+              f"device={r['device_ms']:.1f}ms tower={r['tower_ms']:.1f}ms/frame alone={r['alone_ms']:.2f}ms "
+              f"beside={r['beside_ms']:.2f}ms {r['ratio']:.2f}x")
     print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
-    out = args.out or (Path(tempfile.mkdtemp()) / "async_overlap.json" if args.smoke else RESULTS)
+    out = args.out or (Path(tempfile.mkdtemp()) / "async_overlap.json" if args.smoke
+                       else RESULTS.with_name("async_overlap_video.json") if args.video else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "device_ms": device_ms, "draft_ms": args.draft_ms, "steps": steps,
                                "repeats": args.repeats, "load_avg_before": load_before, "load_avg": os.getloadavg(),
-                               "rows": rows}, indent=2))
+                               "tower_ms": args.tower_ms, "rows": rows, "video_rows": video}, indent=2))
     logger.warning("wrote %s", out)
     return 0
 
