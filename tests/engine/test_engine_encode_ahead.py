@@ -28,7 +28,8 @@ def model_tok(load_backend):
 def spy_towers(llm, monkeypatch) -> list[dict]:
     """Per step: the frames the step consumed ("frames"), whether one was a request's first chunk
     ("first"), how many frames the tower encoded inside the step ("in_step") and ahead of the next
-    ("ahead"), and the step's per-request frame counts ("counted")."""
+    ("ahead"), the step's per-request frame counts ("counted") and whether it reports when the tower
+    ran for them ("timed")."""
     runner, steps = llm.core.runner, []
     phase = ["ahead"]
     encode, execute, vision = runner._encode, runner.execute, runner.model.encode_vision
@@ -49,6 +50,7 @@ def spy_towers(llm, monkeypatch) -> list[dict]:
                              first=any(s.frames and s.num_computed_tokens == 0 for s in out.scheduled)))
         result = execute(out, prev)
         steps[-1]["counted"] = sum(result.frames_encoded.values())
+        steps[-1]["timed"] = result.encode_perf is not None and result.encode_perf[0] < result.encode_perf[1]
         return result
 
     monkeypatch.setattr(runner, "_encode", in_step)
@@ -61,7 +63,8 @@ def test_frames_encoded_ahead_give_the_same_tokens_and_no_tower_call_in_the_cons
     """Decoding requests, then two videos arriving while they decode (chunked over several steps):
     with encode-ahead on (the synchronous loop eager; the async loop with emulated graphs and prefix
     caching off, so no encoder cache), the tokens equal those with it off; every step that consumes frames past a video's first chunk runs no tower
-    call (they were encoded the step before); each frame is counted once, by the step that consumed it."""
+    call (they were encoded the step before); each frame is counted once, by the step that consumed it,
+    which reports when the tower ran for it."""
     rng = random.Random(int(torch.randint(0, 10_000, ())))
     decoders = [build_request(f"d{i}", [rng.randrange(5, 15)], seed=rng.randrange(1000), max_tokens=30)
                 for i in range(3)]
@@ -81,6 +84,7 @@ def test_frames_encoded_ahead_give_the_same_tokens_and_no_tower_call_in_the_cons
             assert llm.core.held_resources()["encoded_ahead_bytes"] == 0
             frames = sum(len(v.mm_inputs) for v in videos)
             assert sum(s["counted"] for s in steps) == sum(s["frames"] for s in steps) == frames
+            assert all(s["timed"] == (s["counted"] > 0) for s in steps)   # a prefetched frame's call: its consumer's
             assert sum(s["in_step"] + s["ahead"] for s in steps) == frames   # each frame through the tower once
             if ahead:
                 later = [s for s in steps if s["frames"] and not s["first"]]

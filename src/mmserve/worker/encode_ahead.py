@@ -24,6 +24,7 @@ import torch
 class _Entry:
     embeds: torch.Tensor
     ready: torch.cuda.Event | None          # recorded on the side stream after the tower call (CUDA)
+    encoded: tuple[float, float]            # when that call ran (perf_counter): the consuming step reports it
     owners: set[str] = field(default_factory=set)
 
     @property
@@ -56,14 +57,15 @@ class EncodedAhead:
     def fits(self, num_bytes: int) -> bool:
         return self.num_bytes + num_bytes <= self.max_bytes
 
-    def put(self, key: bytes, request_id: str, embeds: torch.Tensor, ready: torch.cuda.Event | None) -> None:
-        entry = _Entry(embeds, ready, {request_id})
+    def put(self, key: bytes, request_id: str, embeds: torch.Tensor, ready: torch.cuda.Event | None,
+            encoded: tuple[float, float]) -> None:
+        entry = _Entry(embeds, ready, encoded, {request_id})
         self._entries[key] = entry
         self._by_request.setdefault(request_id, set()).add(key)
         self.num_bytes += entry.num_bytes
 
-    def take(self, key: bytes) -> torch.Tensor | None:
-        """The embeddings of `key`, removed from here, or None. On CUDA the current stream waits for
+    def take(self, key: bytes) -> tuple[torch.Tensor, tuple[float, float]] | None:
+        """The embeddings of `key` and when their tower call ran, removed from here, or None. On CUDA the current stream waits for
         the side stream's tower call first, and the tensor is marked as used by it (the allocator
         then cannot hand its memory to the side stream while this stream may still read it)."""
         entry = self._entries.pop(key, None)
@@ -79,7 +81,7 @@ class EncodedAhead:
             stream = torch.cuda.current_stream(entry.embeds.device)
             stream.wait_event(entry.ready)
             entry.embeds.record_stream(stream)
-        return entry.embeds
+        return entry.embeds, entry.encoded
 
     def free(self, request_id: str) -> None:
         """A request ended or was preempted: drop what only it still owns."""

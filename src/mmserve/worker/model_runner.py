@@ -84,7 +84,9 @@ class StepResult:
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
     # ... the same per request id and modality ("image", "video", "audio")
     encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
-    encode_perf: tuple[float, float] | None = None   # the towers' calls (perf_counter), in-step and ahead, if any
+    # when the towers ran for this step's frames (perf_counter): its own call, and those a step before
+    # made for it ahead; None if neither ran
+    encode_perf: tuple[float, float] | None = None
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
     # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
     media_failed: dict[str, str] = field(default_factory=dict)
@@ -368,7 +370,8 @@ class ModelRunner:
         """Embeddings of this step's frames and audio segments in (request, range) order, encoding only
         those whose content is neither encoded ahead, cached nor repeated in this step (an audio segment split between
         chunks is encoded whole once; each chunk takes its rows); how many items each request encoded,
-        in all and by modality; when the towers ran (perf_counter start, end), if they did; and the
+        in all and by modality; when the towers ran for them (perf_counter start, end: from the first
+        call that encoded one ahead, in a step before, to the end of this step's own), if any; and the
         requests whose media failed to encode (id -> why): their ranges get zero embeddings so the
         step's other rows go on, and the core ends those requests alone."""
         step: dict[bytes, torch.Tensor | None] = {}   # this step's embeddings, safe from eviction
@@ -382,8 +385,10 @@ class ModelRunner:
                 if key in step:
                     continue
                 audio = isinstance(item, AudioFeatures)
-                step[key] = self.encoded_ahead.take(key)   # encoded by the step before: counted here
-                if step[key] is not None:
+                taken = self.encoded_ahead.take(key)   # encoded by a step before: counted here, with its call's time
+                if taken is not None:
+                    step[key], when = taken
+                    encode_perf = (min(when[0], encode_perf[0]), max(when[1], encode_perf[1])) if encode_perf else when
                     ahead.append(key)
                 else:
                     step[key] = self.encoder_cache.get(key)
@@ -410,7 +415,7 @@ class ModelRunner:
                 step[key] = e
                 if e is not None:
                     self.encoder_cache.put(key, e)
-            encode_perf = (began, time.perf_counter())
+            encode_perf = (min(began, encode_perf[0]) if encode_perf else began, time.perf_counter())
         parts = []
         for s in scheduled:
             for f in s.frames:
@@ -427,13 +432,13 @@ class ModelRunner:
                 parts.append(e[max(start, s.num_computed_tokens) - start:min(end, s.seq_len - 1) - start + 1])
         return (torch.cat(parts) if parts else None), encoded, by_modality, encode_perf, failed
 
-    def _encode_ahead(self, ahead: list) -> tuple[float, float] | None:
+    def _encode_ahead(self, ahead: list) -> None:
         """Encode the media the next step will likely consume (`SchedulerOutput.encode_ahead`: (request,
         range indices)), one batched call per tower, into `encoded_ahead`, skipping what is held there
         or in the encoder cache already and what would pass its byte bound. On CUDA the towers run on
         the side stream, so they overlap the forward queued before them. An item whose encode fails
         is not held: its own step encodes it again and ends its request alone, as it would have.
-        Returns when the towers ran (perf_counter start, end), if they did."""
+        The step that consumes them reports their frames and this call's time."""
         row_bytes = self.model.spec.hidden_size * torch.empty((), dtype=self.model.dtype).element_size()
         room = self.encoded_ahead.max_bytes - self.encoded_ahead.num_bytes
         todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
@@ -455,7 +460,7 @@ class ModelRunner:
                 owners[key] = [rid]
                 todo[isinstance(item, AudioFeatures)].append((rid, item, key))
         if not owners:
-            return None
+            return
         began = time.perf_counter()
         embeds, ready = [], None
         with torch.cuda.stream(self._encode_stream) if self._encode_stream is not None else nullcontext():
@@ -465,12 +470,12 @@ class ModelRunner:
             if self._encode_stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self._encode_stream)
+        when = (began, time.perf_counter())
         for (rid, _, key), e in embeds:
             if e is not None and self.encoded_ahead.fits(e.numel() * e.element_size()):
-                self.encoded_ahead.put(key, rid, e, ready)
+                self.encoded_ahead.put(key, rid, e, ready, when)
                 for other in owners[key][1:]:
                     self.encoded_ahead.claim(key, other)
-        return began, time.perf_counter()
 
     def _run_tower(self, kind: str, todo: list, failed: dict[str, str]) -> list[torch.Tensor | None]:
         """The vision or audio tower over `todo`'s (request id, input, key) in one batched call; if that
@@ -551,7 +556,7 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
-        if out.encode_ahead and (ahead := self._encode_ahead(out.encode_ahead)) is not None:
-            encode_perf = (encode_perf or ahead)[0], ahead[1]
+        if out.encode_ahead:
+            self._encode_ahead(out.encode_ahead)
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
                           encode_perf, hidden, failed)
