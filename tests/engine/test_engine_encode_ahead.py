@@ -68,8 +68,9 @@ def test_frames_encoded_ahead_give_the_same_tokens_and_no_tower_call_in_the_cons
     rng = random.Random(int(torch.randint(0, 10_000, ())))
     decoders = [build_request(f"d{i}", [rng.randrange(5, 15)], seed=rng.randrange(1000), max_tokens=30)
                 for i in range(3)]
+    # (no request ends while a video prefills: an end frees budget the step before could not foresee)
     videos = [build_request(f"v{i}", [3, ("video", [8] * rng.randrange(4, 7)), 4], seed=rng.randrange(1000),
-                            max_tokens=4) for i in range(2)]
+                            max_tokens=24) for i in range(2)]
     arrivals = {"v0": 2, "v1": 3}
     runs = {}
     for ahead in (False, True):
@@ -96,24 +97,52 @@ def test_frames_encoded_ahead_give_the_same_tokens_and_no_tower_call_in_the_cons
         assert tokens == runs[False, "off"], key
 
 
-def test_a_cancelled_requests_frames_encoded_ahead_are_freed(model_tok):
+@pytest.mark.parametrize("loop", ["off", "on"])
+def test_a_cancelled_requests_frames_encoded_ahead_are_freed(model_tok, loop):
     """A video aborted while its next frames are held (encoded ahead, not yet consumed): the next
-    step drops them, and the engine ends with nothing held."""
-    llm = make_llm(model_tok, max_num_batched_tokens=24)
-    video = build_request("video", [3, ("video", [8] * 6), 4], seed=int(torch.randint(0, 1000, ())), max_tokens=4)
-    llm.add_request(build_request("decoder", [8], seed=5, max_tokens=12))
-    llm.add_request(video)
+    step, which schedules nothing, drops them, and the engine ends with nothing held."""
+    llm = make_llm(model_tok, max_num_batched_tokens=24, async_scheduling=loop)
+    llm.add_request(build_request("video", [3, ("video", [8] * 6), 4], seed=int(torch.randint(0, 1000, ())),
+                                  max_tokens=4))
     held = llm.core.runner.encoded_ahead
     while llm.has_work and not len(held):
         llm.step()
     assert held.num_bytes > 0 and llm.core.held_resources()["encoded_ahead_bytes"] == held.num_bytes
     assert llm.core.abort("video")
     llm.processor.forget("video")
-    llm.step()
-    assert len(held) == 0 and held.num_bytes == 0
     while llm.has_work:
         llm.step()
+    assert len(held) == 0 and held.num_bytes == 0
     assert_pools_full(llm.core)
+
+
+def test_frames_encoded_ahead_are_held_only_for_running_requests_through_preemptions(model_tok):
+    """Three videos under a KV budget that preempts: after every step, what is held was encoded for
+    requests still running (a preempted one's are dropped, and encoded again once it is back); the
+    tokens equal those with encode-ahead off under the same budget."""
+    rng = random.Random(int(torch.randint(0, 10_000, ())))
+    videos = [build_request(f"v{i}", [3, ("video", [8] * 5), 4], seed=rng.randrange(1000),
+                            max_tokens=rng.randrange(8, 12)) for i in range(3)]
+    runs = {}
+    for ahead in (False, True):
+        llm = make_llm(model_tok, encode_ahead=ahead, max_num_batched_tokens=32, num_kv_blocks=32)
+        preempted = []
+        preempt = llm.core.scheduler._preempt
+        llm.core.scheduler._preempt = lambda victim, preempt=preempt, seen=preempted: (seen.append(victim), preempt(victim))
+        for r in videos:
+            llm.add_request(r)
+        tokens = {r.request_id: [] for r in videos}
+        while llm.has_work:
+            for rid, item in llm.step():
+                assert not isinstance(item, BaseException), (rid, item)
+                tokens[rid] += item.new_token_ids
+            running = {r.request_id for r in llm.core.scheduler.running}
+            assert set(llm.core.runner.encoded_ahead._by_request) <= running
+        assert preempted, "the budget preempts"
+        assert len(llm.core.runner.encoded_ahead) == 0
+        assert_pools_full(llm.core)
+        runs[ahead] = tokens
+    assert runs[True] == runs[False]
 
 
 def test_a_request_whose_media_fails_ahead_fails_alone(model_tok):

@@ -345,10 +345,17 @@ class EngineCore:
         result.kv_events = self.kv.take_events()
         return result
 
+    def _drop_encoded_ahead(self, out: SchedulerOutput) -> None:
+        """A step that schedules nothing runs nothing: what was encoded ahead for the requests that
+        ended or were preempted since is dropped here (a step that runs drops it in the runner)."""
+        for rid in out.finished_ids + out.preempted_ids:
+            self.runner.encoded_ahead.free(rid)
+
     def _step(self, result: EngineCoreOutputs) -> None:
         out = self.scheduler.schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
+            self._drop_encoded_ahead(out)
             if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
                 wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
@@ -404,11 +411,14 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         self.idle_step = out.is_empty and prev is None
         if self.idle_step:
+            self._drop_encoded_ahead(out)
             if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
                 wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
             return
         launched = None
-        if not out.is_empty:
+        if out.is_empty:
+            self._drop_encoded_ahead(out)
+        else:
             start_perf, start_ns = time.perf_counter(), time.time_ns()
             try:
                 launched = (out, self.runner.execute(out, prev.tokens if prev is not None else None),
