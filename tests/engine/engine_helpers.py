@@ -112,10 +112,12 @@ def serve(engine, body):
 
 
 def step_through(llm: LLM, requests: list[EngineRequest], *, arrivals: dict[str, int] | None = None,
-                 aborts: dict[str, int] | None = None) -> tuple[dict[str, list[int]], set[str]]:
+                 aborts: dict[str, int] | None = None,
+                 errors: dict[str, BaseException] | None = None) -> tuple[dict[str, list[int]], set[str]]:
     """Step `llm` until it is idle: each request added at its arrival step (0 when not in
     `arrivals`), each in `aborts` aborted after that step if it still runs then. Returns every
-    request's emitted tokens and the ids it aborted; any error a step reports fails the test."""
+    request's emitted tokens and the ids it aborted; any error a step reports fails the test, or
+    goes into `errors` (request id -> error) when given."""
     arrivals, aborts = arrivals or {}, aborts or {}
     tokens = {r.request_id: [] for r in requests}
     pending, aborted, step = list(requests), set(), 0
@@ -124,6 +126,9 @@ def step_through(llm: LLM, requests: list[EngineRequest], *, arrivals: dict[str,
             llm.add_request(r)
             pending.remove(r)
         for rid, item in llm.step():
+            if isinstance(item, BaseException) and errors is not None:
+                errors[rid] = item
+                continue
             assert not isinstance(item, BaseException), (rid, item)
             tokens[rid] += item.new_token_ids
         step += 1

@@ -159,15 +159,8 @@ def test_a_request_whose_media_fails_ahead_fails_alone(model_tok):
     ahead = llm.core.runner._encode_ahead
     batches = []
     llm.core.runner._encode_ahead = lambda items: (batches.append({r.request_id for r, _ in items}), ahead(items))[1]
-    for r in (good, bad):
-        llm.add_request(r)
-    tokens, errors = {"good": [], "bad": []}, {}
-    while llm.has_work:
-        for rid, item in llm.step():
-            if isinstance(item, BaseException):
-                errors[rid] = item
-            else:
-                tokens[rid] += item.new_token_ids
+    errors = {}
+    tokens, _ = step_through(llm, [good, bad], errors=errors)
     assert {"good", "bad"} in batches   # one look-ahead batch held both requests' frames
     assert set(errors) == {"bad"} and "request bad: the vision encoder failed" in str(errors["bad"])
     assert tokens["good"] == alone
