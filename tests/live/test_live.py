@@ -36,9 +36,11 @@ from mmserve.api import pb, pb_grpc
 from mmserve.clients import Client
 from mmserve.clients.live_cli import file_frames
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
-from mmserve.engine.live_session import MIN_QUESTION_ROOM, LivePrompt
+from mmserve.engine.live_session import MIN_QUESTION_ROOM, LiveOptions, LivePrompt, LiveSession
 from mmserve.engine.types import EngineRequest
-from mmserve.errors import InvalidInputError
+from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.ipc import serial
+from mmserve.ipc.protocol import AddRequest
 from mmserve.model.messages import ChatMessage, TextPart, VideoPart
 from mmserve.model.prompt import build_prompt
 from mmserve.multimodal.limits import MediaLimits
@@ -186,6 +188,116 @@ def test_rollover_answer_equals_one_shot_of_the_kept_frames(server, stub):
     assert 0 < len(seen) <= 4 and seen == [i / FPS for i in range(7 - len(seen), 7)], seen
     expected = one_shot_engine(server, frames[7 - len(seen):], seen)
     assert s.tokens("q") == expected and expected
+    wait_all_free(server)
+
+
+def test_a_question_sends_its_context_no_pixels(server, stub, monkeypatch):
+    """A question names its context's media (`context_request_id`) instead of carrying them: the bytes
+    its AddRequest puts on the engine's socket grow with the context's token ids only, not with its
+    frames' pixels; the answer still equals a one-shot Generate of the frames."""
+    sent: dict[str, int] = {}
+    post = server.engine.client._post
+
+    def record(message):
+        if isinstance(message, AddRequest):
+            sent[message.request.request_id] = sum(memoryview(f).nbytes for f in serial.encode(message))
+        post(message)
+
+    monkeypatch.setattr(server.engine.client, "_post", record)
+    rng = np.random.default_rng(29)
+    frames = [png(rng) for _ in range(6)]
+    s = Session(stub, pb.LiveOpen())
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=frames[0], time_s=0.0)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_in_context == 1)
+    s.send(question("one"))
+    s.until(lambda s: s.answered("one"))
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=f, time_s=i / FPS)) for i, f in enumerate(frames[1:], 1)))
+    s.until(lambda s: s.progress.frames_in_context == 6)
+    s.send(question("six"))
+    s.until(lambda s: s.answered("six"))
+    s.close()
+    list(s.call)
+    one, six = (next(n for rid, n in sent.items() if rid.endswith("/" + q)) for q in ("one", "six"))
+    more_tokens = s.final("six").usage.prompt_tokens - s.final("one").usage.prompt_tokens
+    pixels = sum(m.pixel_values.nbytes for m in decoded(server, frames[1:]))
+    assert six - one <= 8 * more_tokens < pixels, (one, six, more_tokens, pixels)
+    expected, _ = generate_tokens(stub, frames)
+    assert s.tokens("six") == expected and expected
+    wait_all_free(server)
+
+
+def decoded(server, frames: list[bytes]) -> list:
+    processor = server.app._processor
+
+    async def run():
+        return [(await processor.process_frame(object(), f, processor.spec.video_max_soft_tokens))[0] for f in frames]
+
+    return asyncio.run_coroutine_threadsafe(run(), server._loop).result(60)
+
+
+class _HeldRebuilds:
+    """The server's engine, but a rebuilt context's progress reaches the session only once `release`
+    is set: until then the session answers from the context it rolled over from."""
+
+    def __init__(self, engine):
+        self._engine, self.release = engine, asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, request):
+        async for out in self._engine.generate(request):
+            if request.open_prompt and not request.request_id.endswith("/context-0"):
+                await self.release.wait()
+            yield out
+
+
+def test_a_question_asked_as_its_context_ends_is_answered_from_the_next(server):
+    """The race: a question is asked in the same loop turn as the rebuilt context's progress arrives,
+    which ends the context the session answered from. The question must reach the engine before that
+    context's end (or be built from the new one): never fail for a context gone. A question that does
+    name an ended context fails alone, retryably; one whose ranges are not its context's is refused."""
+    processor = server.app._processor
+    rng = np.random.default_rng(31)
+    frames = [png(rng) for _ in range(3)]
+
+    async def run():
+        engine, answers, failures = _HeldRebuilds(server.engine), [], []
+        session = LiveSession(engine, processor.tokenizer, processor.spec, "race",
+                              LiveOptions(max_history_frames=2, max_tokens_per_frame=processor.spec.video_max_soft_tokens),
+                              process_frame=processor.process_frame, emit=answers.append, fail=failures.append,
+                              max_model_len=processor.max_model_len)
+        try:
+            for i, f in enumerate(frames):
+                session.add_frame(f, i / FPS)
+            async with asyncio.timeout(60):   # frames 0-1 in context 0; frame 2 rolled over into context 1
+                while not (session.stats.frames_prefilled == 2 and session.stats.rollovers == 1):
+                    await asyncio.sleep(0.01)
+            engine.release.set()   # context 1's progress is delivered first: it ends context 0
+            session.ask("q", QUESTION, SamplingParams(max_tokens=12, temperature=0.0))
+            async with asyncio.timeout(60):
+                while session.questions_in_flight:
+                    await asyncio.sleep(0.01)
+            mm, _ = await processor.process_frame(object(), frames[0], 1)
+            ended = EngineRequest("race/ended", [1, 2, 3], [(1, 1)], [mm], SamplingParams(max_tokens=1),
+                                  context_request_id="race/context-0")
+            with pytest.raises(LimitExceededError, match="ended before question race/ended") as gone:
+                [out async for out in server.engine.generate(ended)]
+            misplaced = EngineRequest("race/misplaced", [1, 2, 3], [(1, 1)], [mm], SamplingParams(max_tokens=1),
+                                      context_request_id="race/context-1")   # its frame is not at token 1
+            with pytest.raises(InvalidInputError, match="context's first 1"):
+                [out async for out in server.engine.generate(misplaced)]
+        finally:
+            session.close()
+        return answers, failures, gone.value.retryable
+
+    answers, failures, retryable = asyncio.run_coroutine_threadsafe(run(), server._loop).result(150)
+    assert not failures and retryable
+    outs = [out for item in answers if isinstance(item, tuple) for out in [item[1]]]
+    assert not [out for out in outs if isinstance(out, BaseException)], outs
+    assert [v.timestamps_s for v in outs[-1].videos] == [(2 / FPS,)]
+    tokens = [t for out in outs for t in out.new_token_ids]
+    assert tokens == one_shot_engine(server, frames[2:], [2 / FPS]) and tokens
     wait_all_free(server)
 
 

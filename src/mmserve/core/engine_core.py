@@ -44,7 +44,7 @@ import torch
 from mmserve.attention.buffers import HostCopy, to_device
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
-from mmserve.core.live import LiveReservations, check_extension
+from mmserve.core.live import LiveReservations, check_extension, context_media
 from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
@@ -213,8 +213,10 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Admit a request or raise (InvalidInputError / LimitExceededError) without queueing it."""
-        if len(req.mm_inputs) != len(req.mm_ranges):
-            raise InvalidInputError("mm_inputs", f"{len(req.mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
+        mm_inputs = (context_media(self.requests.get(req.context_request_id), req) if req.context_request_id
+                     else list(req.mm_inputs))
+        if len(mm_inputs) != len(req.mm_ranges):
+            raise InvalidInputError("mm_inputs", f"{len(mm_inputs)} pixel inputs for {len(req.mm_ranges)} ranges")
         if req.request_id in self.requests:
             raise InvalidInputError("request_id", f"{req.request_id!r} is already in flight")
         check_vocab(req.sampling, self.model.spec.vocab_size)
@@ -225,7 +227,7 @@ class EngineCore:
                 raise InvalidInputError("sampling.response_format", "this checkpoint has no tokenizer to build masks from")
             compiled = self.sampler.grammar.compiler.cached(fmt)   # raises a cached refusal
         request = Request(req.request_id, list(req.prompt_token_ids), req.sampling, mm_ranges=list(req.mm_ranges),
-                          mm_inputs=list(req.mm_inputs), priority=req.priority, owner=req.owner,
+                          mm_inputs=mm_inputs, priority=req.priority, owner=req.owner,
                           fork_of=req.fork_of, open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
         if req.open_prompt:

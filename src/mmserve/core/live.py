@@ -14,7 +14,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.ipc.protocol import EngineCoreRequest, ExtendRequest
-from mmserve.request import Request
+from mmserve.request import EncoderInput, Request
 
 
 @dataclass
@@ -86,3 +86,18 @@ def check_extension(request: Request, msg: ExtendRequest, step_budget: int) -> N
             raise LimitExceededError(f"a frame of {b - a + 1} tokens cannot fit one step's budget of {step_budget} tokens",
                                      "--max-num-batched-tokens")
         last = b
+
+
+def context_media(context: Request | None, req: EngineCoreRequest) -> list[EncoderInput]:
+    """A live question's media, taken from its context's request (`req.context_request_id`): the
+    same objects, not copies, so the question keeps them for a recompute however long the context
+    lives. The session posts a question before it ends the context it was built from; a context gone
+    anyway (the session failed or closed meanwhile) fails this question alone, retryably."""
+    if context is None or not context.open_prompt:
+        raise LimitExceededError(f"live context {req.context_request_id} ended before question {req.request_id} "
+                                 "reached the engine; ask again", retryable=True)
+    n = len(req.mm_ranges)
+    if req.mm_inputs or [tuple(r) for r in req.mm_ranges] != [tuple(r) for r in context.mm_ranges[:n]]:
+        raise InvalidInputError("mm_ranges", f"a live question's media must be its context's first {n}, "
+                                "at the same positions, and carry no pixels of their own")
+    return context.mm_inputs[:n]

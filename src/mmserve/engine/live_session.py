@@ -483,29 +483,39 @@ class LiveSession:
         if join_context and self._joining is not None:
             raise LimitExceededError("a question joining the context is still being answered", "join_context",
                                      retryable=True)
+        asked = time.monotonic()
+        task = asyncio.ensure_future(self._answer(question_id, text, sampling, join_context, trace_context, asked))
+        self._questions[question_id] = task
+        if join_context:
+            self._joining = task
+
+    def _question(self, question_id: str, text: str, sampling: SamplingParams, trace_context,
+                  asked: float) -> EngineRequest:
+        """The question's request, from the answering context's last prefilled frame. Its media are
+        the context's (`context_request_id`): the engine takes them from the context, so no pixels
+        cross per question. Built right before `generate` posts it, with no await between, so the
+        engine admits it before any later end of that context (both go down one ordered socket)."""
         context = self._contexts[0]
         cut = context.cut()
         ranges = [r for r in context.mm_ranges if r[1] < cut.num_tokens]
         suffix = context.prompt.question(text, cut.pending)
         frames = context.frames[:cut.num_frames]
-        request = EngineRequest(
+        return EngineRequest(
             f"{self.session_id}/{question_id}", context.token_ids[:cut.num_tokens] + suffix, ranges,
             context.mm_inputs[:len(ranges)], sampling, trace_context=trace_context, num_frames=len(frames),
-            num_mm_tokens=sum(b - a + 1 for a, b in ranges), arrival_time=time.monotonic(),
-            videos=[SampledVideo(LIVE_PART, tuple(f.time_s for f in frames))])
-        task = asyncio.ensure_future(self._answer(question_id, request, text if join_context else None))
-        self._questions[question_id] = task
-        if join_context:
-            self._joining = task
+            num_mm_tokens=sum(b - a + 1 for a, b in ranges), arrival_time=asked,
+            videos=[SampledVideo(LIVE_PART, tuple(f.time_s for f in frames))],
+            context_request_id=context.request_id if ranges else "")
 
-    async def _answer(self, question_id: str, request: EngineRequest, join_text: str | None) -> None:
+    async def _answer(self, question_id: str, text: str, sampling: SamplingParams, join_context: bool,
+                      trace_context, asked: float) -> None:
         answer: list[str] = []
         try:
-            async for out in self.engine.generate(request):
+            async for out in self.engine.generate(self._question(question_id, text, sampling, trace_context, asked)):
                 answer.append(out.new_text)
                 self._emit((question_id, out))
-            if join_text is not None:
-                self._join(join_text, "".join(answer))
+            if join_context:
+                self._join(text, "".join(answer))
         except asyncio.CancelledError:
             self._emit((question_id, asyncio.CancelledError()))
             raise

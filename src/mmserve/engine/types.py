@@ -38,7 +38,11 @@ class EngineRequest(EngineCoreRequest):
     observed: bool = True
 
     def core_request(self) -> EngineCoreRequest:
-        return EngineCoreRequest(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineCoreRequest)})
+        """What crosses to the core: a live question's media stay behind (its context holds them)."""
+        core = EngineCoreRequest(**{f.name: getattr(self, f.name) for f in dataclasses.fields(EngineCoreRequest)})
+        if core.context_request_id:
+            core.mm_inputs = []
+        return core
 
 
 @dataclass(frozen=True)

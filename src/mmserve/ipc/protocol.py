@@ -39,6 +39,10 @@ class EngineCoreRequest:
     open_prompt: int = 0
     # The live session a context belongs to: its contexts share one KV reservation (EngineCore).
     session_id: str = ""
+    # A live question's context: the open prompt whose first len(mm_ranges) media (at the same
+    # positions) this request's are. The core takes them from that prompt's own request, so they do
+    # not cross again: `mm_inputs` stays empty in the core's copy (EngineRequest.core_request).
+    context_request_id: str = ""
 
 
 @dataclass(frozen=True)
