@@ -9,8 +9,9 @@ The context holds its KV blocks while it lives, so nothing evicts them.
 A question's prompt is the context up to its last prefilled frame plus the question, the same tokens
 a one-shot Generate of those frames and that question renders; the prefix cache serves the context's
 blocks, so only the question's tokens (and at most the last frame, when a block boundary falls inside
-it: the encoder cache then serves its embedding) are computed. The question is an ordinary request:
-frames keep arriving while it is answered. A question that joins the context (a conversation) is
+it: the encoder cache then serves its embedding) are computed. Its frames' pixels do not cross to the
+engine again: the request names the context (`context_request_id`) and the engine core takes them from
+it. The question is an ordinary request: frames keep arriving while it is answered. A question that joins the context (a conversation) is
 appended to it after its answer, and frames wait for that.
 
 History: when a frame would make the context hold more than `max_history_frames` (or span more than
