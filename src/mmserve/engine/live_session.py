@@ -11,8 +11,8 @@ a one-shot Generate of those frames and that question renders; the prefix cache 
 blocks, so only the question's tokens (and at most the last frame, when a block boundary falls inside
 it: the encoder cache then serves its embedding) are computed. Its frames' pixels do not cross to the
 engine again: the request names the context (`context_request_id`) and the engine core takes them from
-it. The question is an ordinary request: frames keep arriving while it is answered. A question that joins the context (a conversation) is
-appended to it after its answer, and frames wait for that.
+it. The question is an ordinary request: frames keep arriving while it is answered. A question that
+joins the context (a conversation) is appended to it after its answer, and frames wait for that.
 
 History: when a frame would make the context hold more than `max_history_frames` (or span more than
 `max_history_s`), a new context is built from the newest half of the kept frames plus the new one
@@ -475,7 +475,8 @@ class LiveSession:
 
     def ask(self, question_id: str, text: str, sampling: SamplingParams, *, join_context: bool = False,
             trace_context=None) -> None:
-        """Answer `text` from the frames prefilled so far; the answer streams through `emit`."""
+        """Answer `text` from the frames prefilled when it reaches the engine (within a loop turn);
+        the answer streams through `emit`."""
         if question_id in self._questions:
             raise InvalidInputError("question.question_id", f"{question_id!r} is already being answered")
         if len(self._questions) >= self.max_questions:
