@@ -237,19 +237,28 @@ def decoded(server, frames: list[bytes]) -> list:
 
 class _HeldRebuilds:
     """The server's engine, but a rebuilt context's progress reaches the session only once `release`
-    is set: until then the session answers from the context it rolled over from."""
+    is set: until then the session answers from the context it rolled over from. `caught_up` is set
+    once the engine reported the rebuilt context's first prompt all computed."""
 
     def __init__(self, engine):
-        self._engine, self.release = engine, asyncio.Event()
+        self._engine, self.release, self.caught_up = engine, asyncio.Event(), asyncio.Event()
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
     async def generate(self, request):
+        held: list | None = [] if request.open_prompt and not request.request_id.endswith("/context-0") else None
         async for out in self._engine.generate(request):
-            if request.open_prompt and not request.request_id.endswith("/context-0"):
+            if held is None:
+                yield out
+                continue
+            held.append(out)
+            if out.prefilled_tokens >= len(request.prompt_token_ids):
+                self.caught_up.set()
                 await self.release.wait()
-            yield out
+                for kept in held:
+                    yield kept
+                held = None
 
 
 def test_a_question_asked_as_its_context_ends_is_answered_from_the_next(server):
@@ -273,6 +282,7 @@ def test_a_question_asked_as_its_context_ends_is_answered_from_the_next(server):
             async with asyncio.timeout(60):   # frames 0-1 in context 0; frame 2 rolled over into context 1
                 while not (session.stats.frames_prefilled == 2 and session.stats.rollovers == 1):
                     await asyncio.sleep(0.01)
+                await engine.caught_up.wait()
             engine.release.set()   # context 1's progress is delivered first: it ends context 0
             session.ask("q", QUESTION, SamplingParams(max_tokens=12, temperature=0.0))
             async with asyncio.timeout(60):
