@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -78,6 +79,19 @@ class ServeProcess:
 
 async def health(channel, service: str) -> int:
     return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
+
+
+def child_pids(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    children = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:   # exited while we looked
+            continue
+        if int(fields[1]) == pid:
+            children.add(int(stat.parent.name))
+    return children
 
 
 def process_exists(pid: int, timeout_s: float = 10.0) -> bool:

@@ -6,14 +6,16 @@ In process: a stream outliving the grace period is cut off and still ends exactl
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 from rel_engine import ServerThread, engine_config, read_stream, text_request
-from rel_process import ServeProcess, health, process_exists
+from rel_process import ServeProcess, child_pids, health, process_exists
 
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
 from mmserve.server.drain import DRAINING_MESSAGE
@@ -32,6 +34,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
         async def scenario():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 await server.wait_serving(ch)
+                children.update(child_pids(server.proc.pid))
                 stub = pb_grpc.GenerationStub(ch)
                 call = stub.Generate(text_request("in-flight", MAX_TOKENS))
                 first = await call.read()
@@ -51,10 +54,18 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
                 assert rest.final.usage.completion_tokens == MAX_TOKENS
                 assert len(first.delta.token_ids) + len(rest.token_ids) == MAX_TOKENS
 
+        children: set[int] = set()   # the engine process and multiprocessing's resource tracker
         asyncio.run(scenario())
         assert server.proc.wait(60) == 0, server.log
         assert "draining" in server.log
-        assert server.engine_pid is not None and not process_exists(server.engine_pid), server.log
+        assert server.engine_pid is not None and server.engine_pid in children, server.log
+        # Both interpreters end without module teardown (mmserve/process_exit.py): what they held must
+        # be released first: no process of theirs outlives them, the media spool is removed, the log
+        # is complete to its last line.
+        assert not [pid for pid in children if process_exists(pid)], server.log
+        spool = re.search(r"uploaded media go to (\S+)", server.log)
+        assert spool is not None and not Path(spool.group(1)).exists(), server.log
+        assert server.lines[-1].rstrip().endswith("stopped"), server.log
     finally:
         server.stop()
 

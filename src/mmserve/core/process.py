@@ -16,7 +16,6 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ from mmserve.ipc.protocol import (
     UtilityCall,
     UtilityResult,
 )
+from mmserve.process_exit import exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,9 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
     parent = os.getppid()
     code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
                     log_format=log_format)
-    sys.exit(code)
+    # run_core closed the sockets (after their linger), the tensor-parallel ranks and their shared
+    # memory: skip the interpreter's second of module teardown (mmserve/process_exit.py)
+    exit_process(code)
 
 
 def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torch_threads: int = 0,

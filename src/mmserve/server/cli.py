@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig, add_dataclass_args, from_args
 from mmserve.errors import MMServeError
+from mmserve.process_exit import exit_process
 from mmserve.server import openai_gateway
 from mmserve.server.auth import load_api_keys
 
@@ -75,4 +76,6 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, MMServeError) as e:  # bad flags, files or ports: a message, not a traceback
         logger.error("mmserve serve: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
         return 1
-    return 0 if clean else 1
+    # serve() returned: the gRPC server stopped, the engine process joined, the media spool, the KV
+    # publisher and the exporters closed; skip the interpreter's second of teardown (process_exit.py)
+    exit_process(0 if clean else 1)
