@@ -72,10 +72,11 @@ def run(args: argparse.Namespace) -> int:
     from mmserve.server.app import serve  # torch and the model stack load only when really serving
 
     try:
-        clean = asyncio.run(serve(engine_config, server_config))
-    except (OSError, ValueError, MMServeError) as e:  # bad flags, files or ports: a message, not a traceback
+        code = 0 if asyncio.run(serve(engine_config, server_config)) else 1
+    except (OSError, ValueError, MMServeError) as e:  # bad flags, files or ports, a dead engine: a message, not a traceback
         logger.error("mmserve serve: %s", e, exc_info=logger.isEnabledFor(logging.DEBUG))
-        return 1
-    # serve() returned: the gRPC server stopped, the engine process joined, the media spool, the KV
-    # publisher and the exporters closed; skip the interpreter's second of teardown (process_exit.py)
-    exit_process(0 if clean else 1)
+        code = 1
+    # serve() has returned or raised through its own cleanup: the gRPC server stopped, the engine process
+    # joined, the media spool, the KV publisher and the exporters closed. Skip the interpreter's second
+    # of module teardown (mmserve/process_exit.py).
+    exit_process(code)
