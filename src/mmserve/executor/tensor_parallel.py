@@ -43,6 +43,7 @@ from mmserve.core.sched.output import SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
 from mmserve.executor.step_messages import StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
+from mmserve.process_exit import exit_process
 from mmserve.spec_decode.speculator import DraftBatch
 
 logger = logging.getLogger(__name__)
@@ -446,3 +447,4 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     import torch.distributed as dist
 
     dist.destroy_process_group()
+    exit_process(0)   # the group is torn down: skip the interpreter's module teardown (process_exit.py)
