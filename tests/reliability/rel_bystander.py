@@ -49,14 +49,16 @@ async def outcome(client: AsyncClient, messages) -> ClientError | None:
 
 
 def run_beside(server, bystander: Callable[[], dict], hostile_messages, copies: int = 1, attempts: int = ATTEMPTS,
-               decoding_from_rss: int = 0) -> tuple[list, int, float, float]:
+               decoding_from_rss: int = 0, slack_s: float = 0.0) -> tuple[list, int, float, float]:
     """Idle bystander runs, then `copies` hostile requests with another bystander right behind them
     on one channel, whose output is then compared with the same request run alone. `bystander()`
     gives a new request's arguments (fresh content: its TTFT includes a real prefill). Returns (hostile
     outcomes, peak RSS growth over the RSS before them, idle TTFT, bystander TTFT); retried up to
     `attempts` times while the bystander misses 2x of idle (1 where only memory is asserted: a rerun
     reuses memory the first attempt took). `decoding_from_rss`: start the bystander only once the
-    server's RSS grew that much (the hostile request is being decoded, as in the probe)."""
+    server's RSS grew that much (the hostile request is being decoded, as in the probe). `slack_s`: added
+    to 2x idle in the retry bound, where the idle TTFT is a few tens of ms and the stall the test looks
+    for is seconds."""
     pid = server.proc.pid
 
     async def attempt():
@@ -79,6 +81,6 @@ def run_beside(server, bystander: Callable[[], dict], hostile_messages, copies: 
     for _ in range(attempts):
         errors, growth, idle, beside = asyncio.run(attempt())
         print(f"idle TTFT {idle * 1e3:.0f} ms, beside {beside * 1e3:.0f} ms, RSS growth {growth / 2**20:.1f} MiB")
-        if beside <= 2 * idle:
+        if beside <= 2 * idle + slack_s:
             break
     return errors, growth, idle, beside

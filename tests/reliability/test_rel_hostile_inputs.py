@@ -130,13 +130,16 @@ def test_too_many_images_are_refused_before_decoding(server):
 def test_one_request_cannot_take_every_decode_worker(server):
     """Finding 5, fairness: 16 large images (4096^2 each, within the pixel budget; the last one's
     pixel data cut short, so the request fails only after all are decoded and never reaches the
-    engine) hold one worker; the bystander's image gets the other at once."""
+    engine) hold one worker; the bystander's image gets the other at once. Its TTFT may be 2x idle plus
+    100 ms: idle is ~25 ms, so on 2 shared cores a busy neighbour alone can double it (63 vs 24 ms seen),
+    while waiting for the hostile request's worker costs the decode of 16 such images."""
     slow = [blank_png(4096)] * (MAX_IMAGES - 1) + [blank_png(4096, rows_kept=0.97)]
     images = [message("user", *[image_part(data) for data in slow], text_part("Compare them."))]
-    errors, _, idle, beside = run_beside(server, bystander, images, decoding_from_rss=32 * 2**20)  # one image: 48 MiB
+    errors, _, idle, beside = run_beside(server, bystander, images, decoding_from_rss=32 * 2**20,  # one image: 48 MiB
+                                         slack_s=0.1)
     assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
     assert f"parts[{MAX_IMAGES - 1}].image" in errors[0].message, errors[0].message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
+    assert beside <= 2 * idle + 0.1, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
 
 
 @pytest.mark.parametrize("name,data", [
