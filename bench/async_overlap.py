@@ -10,14 +10,24 @@ embedded demo model (and its trained assistant, K = 3, for the speculation rows)
 simulated: the model's forward queues a job of `--device-ms` on a simulated stream (a timeline:
 each job starts when the one before it ends) and returns at once, as a CUDA launch does; each of
 the assistant's draft steps queues one of `--draft-ms`; and every copy to the host (the sampled
-tokens, the drafts: `attention.buffers.HostCopy`) waits for the jobs queued before it. Every other
+tokens, the drafts: `attention.buffers.HostCopy`) waits for the jobs queued before it, and so does
+every other read of a device result the sampler's work makes (`DeviceReads`: the reads that wait for
+the stream on CUDA, e.g. a device tensor indexed with a host list, `torch.tensor(..., device=)`,
+`.tolist()`, `.item()`, `.cpu()`, boolean indexing; the sampler and prompt logprobs run under it). Every other
 piece of a step is the host's real work on this CPU, including what would be device work on a GPU
 (the attention metadata builders' tensor ops, the positions moved back, the acceptance), which makes
 the host look slower than it is. Attention is flex's (its builder plans from the host's
 query_start_loc alone, as FA4's and flex's do on CUDA, so the async loop moves positions on the
 device instead of reading the acceptance first).
 
-Per case (loop, requests, speculation): the step period in steady decode, the host's work per step
+Row kinds (`--rows`; speculation only with greedy rows): greedy; random (temperature 0.8, top-p 0.9,
+top-k 50, every fourth row seeded); penalised (presence, frequency, repetition); logprobs (top 5);
+json (one row of the batch constrained by a JSON schema, the rest greedy); prompt_logprobs (greedy
+decoders and, every step, a new short request asking for its prompt's logprobs); mix (the decoders
+cycle through greedy, random, penalised and logprobs rows, one of them constrained). The logits are
+random (seeded), so random and constrained rows walk their distributions and grammars.
+
+Per case (loop, rows, requests, speculation): the step period in steady decode, the host's work per step
 (the period less the time the host waited for the device), medians over the timed steps, the best
 of `--repeats` runs, and the device time per step (forward, plus K draft steps with speculation);
 the ratio is period / max(host, device): 1.00x is the host entirely hidden (or the device
@@ -44,22 +54,105 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from serving import machine
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 import mmserve.core.engine_core as engine_core_module
 import mmserve.sample.sampler as sampler_module
+import mmserve.worker.model_runner as model_runner_module
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
 from mmserve.core.engine_core import EngineCore
 from mmserve.engine.types import EngineRequest
 from mmserve.request import MultiModalInput
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import ResponseFormat, SamplingParams
 
 logger = logging.getLogger("bench.async_overlap")
 RESULTS = Path(__file__).resolve().parent / "results" / "async_overlap.json"
 K = 3   # drafts per request per step with speculation
+ROW_KINDS = ("greedy", "random", "penalised", "logprobs", "json", "prompt_logprobs", "mix")
+_PROMPT_LOGPROBS = model_runner_module.prompt_logprobs
+JSON_SCHEMA = json.dumps({"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]})
+
+
+class DeviceReads(TorchFunctionMode):
+    """The torch calls that make the host wait for the device's stream on CUDA, each calling `wait`
+    first: a device tensor read on the host (`.tolist()`, `.item()`, `bool()`/`int()`/`float()`,
+    `.cpu()`, `.numpy()`, `nonzero`, `masked_select`), a host value copied to the device from
+    pageable memory (`torch.tensor`/`as_tensor` with a device, a host tensor's `.to(device)` without
+    `non_blocking`: PyTorch synchronises the stream after such a copy), and a device tensor indexed
+    with what must first become a device index that way (a Python list) or be counted on the host
+    (a boolean mask). On a CPU every tensor lives on the host, so which ones stand for device tensors
+    is tracked: those `mark`ed (the logits, the hidden states) and every tensor made from one or by a
+    factory given a device; the rest (numpy views, the grammar's bitmask) are the host's. `sites`
+    counts each read by the innermost mmserve line that made it."""
+
+    _READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy,
+              torch.nonzero, torch.Tensor.nonzero, torch.masked_select, torch.Tensor.masked_select}
+    _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__, torch.Tensor.index_put_,
+                 torch.Tensor.index_put, torch.index_put}
+
+    def __init__(self, wait: Callable[[], None] = lambda: None):
+        super().__init__()
+        self.wait = wait
+        self.sites: Counter[str] = Counter()
+        self._device: dict[int, weakref.ref] = {}   # id -> the tensor (a tensor's == is elementwise: no set)
+
+    def mark(self, *tensors) -> None:
+        """These tensors stand for device ones."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                key = id(t)
+                self._device[key] = weakref.ref(t, lambda _, key=key: self._device.pop(key, None))
+
+    def on_device(self, x) -> bool:
+        ref = self._device.get(id(x))
+        return ref is not None and ref() is x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        on_device = any(self.on_device(x) for x in flat if isinstance(x, torch.Tensor))
+        if self._waits(func, args, kwargs, on_device):
+            self.sites[_caller()] += 1
+            self.wait()
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.cpu and out is args[0]:   # a host copy, as on CUDA (a CPU tensor's .cpu() is itself)
+            out = out.clone()
+        if func not in self._READS and (on_device or kwargs.get("device") is not None):
+            self.mark(*tree_flatten(out)[0])
+        return out
+
+    def _waits(self, func, args, kwargs, on_device: bool) -> bool:
+        first = args[0] if args else None
+        if func in self._READS:
+            return self.on_device(first)
+        if func in (torch.tensor, torch.as_tensor):
+            return kwargs.get("device") is not None
+        if func is torch.Tensor.to:
+            moves = any(isinstance(a, (torch.device, str)) for a in args[1:]) or "device" in kwargs
+            return moves and not self.on_device(first) and not kwargs.get("non_blocking", False)
+        if func in self._INDEXING and self.on_device(first):
+            parts = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts)
+        return False
+
+
+def _caller() -> str:
+    frame = sys._getframe(2)
+    while frame is not None and "/mmserve/" not in frame.f_code.co_filename:
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    return f"{path[path.rindex('/mmserve/') + 1:]}:{frame.f_lineno}"
 
 
 class SimulatedDevice:
@@ -96,11 +189,15 @@ class SimulatedDevice:
         self.waited += time.perf_counter() - start
 
 
-def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s: float) -> None:
+def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s: float) -> DeviceReads:
     """The model's forward and each draft step become queued device jobs (`device_s`, `draft_s`;
-    their outputs zeros, at once); a copy to the host is there once every job queued before it has
-    run; the synchronous loop's drafts, read with `.tolist()`, once the draft steps have."""
+    their outputs zeros, the logits seeded random, at once); a copy to the host is there once every
+    job queued before it has run; the synchronous loop's drafts, read with `.tolist()`, once the
+    draft steps have; the sampler's and prompt logprobs' reads of device results (`DeviceReads`,
+    returned) once every job queued before them has."""
     model, hidden_size, vocab = core.model, core.model.spec.hidden_size, core.model.spec.vocab_size
+    reads = DeviceReads(lambda: device.wait(device.busy_until))
+    logits_gen = torch.Generator().manual_seed(0)
 
     def forward(input_ids, *args, **kwargs):
         device.submit(device_s)   # returns at once, as a launch does
@@ -108,7 +205,17 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
         return torch.zeros(rows, hidden_size)
 
     model.forward = forward
-    model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)
+    model.compute_logits = lambda hidden: torch.randn(hidden.shape[0], vocab, generator=logits_gen)
+
+    def under_reads(fn, marked: int):
+        def run(*args, **kwargs):
+            reads.mark(args[marked])   # the logits, the hidden states: device results
+            with reads:
+                return fn(*args, **kwargs)
+        return run
+
+    core.sampler.launch = under_reads(core.sampler.launch, 0)
+    model_runner_module.prompt_logprobs = under_reads(_PROMPT_LOGPROBS, 1)
 
     class SimulatedCopy:
         def __init__(self, tensor: torch.Tensor):
@@ -136,6 +243,7 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
             return drafts
 
         core.speculator.draft = draft_then_read
+    return reads
 
 
 def simulate_tower(core: EngineCore, device: SimulatedDevice, tower_s: float) -> None:
@@ -223,42 +331,68 @@ def measure_video(loop: str, ahead: bool, device_ms: float, tower_ms: float, fra
                 beside_ms=round(statistics.median(beside) * 1e3, 3), ratio=round(statistics.median(beside) / alone, 3))
 
 
-def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, draft_ms: float, steps: int) -> dict:
+def row_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
+    """Request i's sampling parameters in a batch of `kind` rows (module docstring)."""
+    if kind == "mix":
+        kind = "json" if i == 0 else ("greedy", "random", "penalised", "logprobs")[i % 4]
+    base = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if kind == "random":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8, top_p=0.9, top_k=50,
+                              seed=i if i % 4 == 0 else None)
+    if kind == "penalised":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, presence_penalty=0.5, frequency_penalty=0.3,
+                              repetition_penalty=1.2)
+    if kind == "logprobs":
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, logprobs=True, top_logprobs=5)
+    if kind == "json" and i == 0:
+        return SamplingParams(max_tokens=max_tokens, response_format=ResponseFormat("json_schema", JSON_SCHEMA))
+    return base
+
+
+def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, draft_ms: float, steps: int,
+            kind: str = "greedy") -> dict:
     max_tokens = (steps + 16) * (1 + K if speculate else 1)
+    arrivals = kind == "prompt_logprobs"   # a new request asking for its prompt's logprobs every step
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="flex",
-                          max_num_seqs=num_reqs, max_num_batched_tokens=max(256, (1 + K) * num_reqs), block_size=16,
-                          num_kv_blocks=num_reqs * (-(-(8 + max_tokens + K) // 16) + 2) + 8,
+                          max_num_seqs=num_reqs + 2 * arrivals, max_num_batched_tokens=max(256, (1 + K) * num_reqs),
+                          block_size=16, num_kv_blocks=num_reqs * (-(-(8 + max_tokens + K) // 16) + 2) + 8,
                           async_scheduling="on" if loop == "async" else "off",
                           **(dict(speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=K)
                              if speculate else {}))
     core = EngineCore(config)
     device = SimulatedDevice()
-    simulate(core, device, device_ms / 1e3, draft_ms / 1e3)
+    reads = simulate(core, device, device_ms / 1e3, draft_ms / 1e3)
     device_ms += K * draft_ms if speculate else 0.0
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_reqs):
-        core.add_request(EngineRequest(f"r{i}", [2] + [10 + (i + j) % 200 for j in range(7)], sampling=sampling))
+        core.add_request(EngineRequest(f"r{i}", [2] + [10 + (i + j) % 200 for j in range(7)],
+                                       sampling=row_params(kind, i, max_tokens)))
     while core.scheduler.waiting or any(r.is_prefill for r in core.scheduler.running):
         core.step()
     for _ in range(3):   # into steady decode: the pipeline full, the buffers grown
         core.step()
+    scored = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=True, top_logprobs=5)
     periods, hosts = [], []
-    for _ in range(steps):   # medians: on a shared machine a step the OS preempted is an outlier
+    reads.sites.clear()
+    for step in range(steps):   # medians: on a shared machine a step the OS preempted is an outlier
+        if arrivals:
+            core.add_request(EngineRequest(f"p{step}", [2] + [40 + (step + j) % 200 for j in range(7)],
+                                           sampling=scored))
         start, waited = time.perf_counter(), device.waited
         core.step()
         periods.append(time.perf_counter() - start)
         hosts.append(periods[-1] - (device.waited - waited))
     period, host = statistics.median(periods), statistics.median(hosts)
     assert core.async_scheduling == (loop == "async")
-    return dict(loop=loop, requests=num_reqs, speculation=speculate, device_ms=device_ms,
+    return dict(loop=loop, rows=kind, requests=num_reqs, speculation=speculate, device_ms=device_ms,
                 period_ms=round(period * 1e3, 3), host_ms=round(host * 1e3, 3),
-                ratio=round(period / max(host, device_ms / 1e3), 3))
+                ratio=round(period / max(host, device_ms / 1e3), 3),
+                reads_per_step=round(sum(reads.sites.values()) / steps, 1), read_sites=dict(reads.sites.most_common()))
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="1 and 16 requests, 5 steps; JSON to a temp file")
+    p.add_argument("--smoke", action="store_true", help="1 and 16 requests, 5 steps, greedy and mix rows; JSON to a temp file")
     p.add_argument("--device-ms", type=float, default=None,
                    help="the simulated device's time per forward (default: about the host's at 16 requests)")
     p.add_argument("--draft-ms", type=float, default=0.1,
@@ -268,24 +402,32 @@ def main(argv: list[str] | None = None) -> int:
                                                             "(on a shared machine the others waited for the CPU)")
     p.add_argument("--tower-ms", type=float, default=1.0, help="the simulated vision tower's time per frame")
     p.add_argument("--video", action="store_true", help="only the video cases (encode in the step vs ahead)")
+    p.add_argument("--rows", nargs="+", choices=ROW_KINDS, default=list(ROW_KINDS),
+                   help="the row kinds to run (greedy: 1/16/64 requests with and without speculation; the others "
+                        "16/64 without)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     counts = (1, 16) if args.smoke else (1, 16, 64)
     steps = 5 if args.smoke else args.steps
     args.repeats = 1 if args.smoke else args.repeats
+    if args.smoke and args.rows == list(ROW_KINDS):
+        args.rows = ["greedy", "mix"]   # mix holds random, penalised, logprob and constrained rows
     device_ms = args.device_ms or (1.0 if args.smoke else 3.0)
     load_before = os.getloadavg()
-    rows = [] if args.video else [
-        min((measure(loop, n, spec, device_ms, args.draft_ms, steps) for _ in range(args.repeats)),
-            key=lambda r: r["period_ms"])
-        for spec in (False, True) for n in counts for loop in ("sync", "async")]
+    cases = [] if args.video else (
+        [("greedy", spec, n) for spec in (False, True) for n in counts] * ("greedy" in args.rows)
+        + [(kind, False, n) for kind in args.rows if kind != "greedy" for n in counts if n > 1])
+    rows = [min((measure(loop, n, spec, device_ms, args.draft_ms, steps, kind) for _ in range(args.repeats)),
+                key=lambda r: r["period_ms"])
+            for kind, spec, n in cases for loop in ("sync", "async")]
     for r in rows:
-        print(f"loop={r['loop']:<5} requests={r['requests']:<3} speculation={'on ' if r['speculation'] else 'off'} "
-              f"device={r['device_ms']:.1f}ms host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms "
+        print(f"loop={r['loop']:<5} rows={r['rows']:<15} requests={r['requests']:<3} "
+              f"speculation={'on ' if r['speculation'] else 'off'} device={r['device_ms']:.1f}ms "
+              f"host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms reads/step={r['reads_per_step']:<5} "
               f"{r['ratio']:.2f}x")
     frames = 8 if args.smoke else 32
-    video = [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
+    video = [] if args.rows != list(ROW_KINDS) and not args.video else [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
                  key=lambda r: r["beside_ms"])
              for loop in ("sync", "async") for ahead in (False, True)]
     for r in video:
