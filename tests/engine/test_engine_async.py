@@ -12,13 +12,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, make_llm, step_through
 from test_engine_batching import assert_pools_full, random_requests
 
+import mmserve.worker.model_runner as model_runner_module
 from mmserve.sampling_params import ResponseFormat
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_scripts import bench_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +76,60 @@ def test_async_steps_give_the_synchronous_outputs(model_tok):
             for ours, theirs in zip(logprobs, want[rid][2:], strict=True):
                 torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-4)
     assert any(reason == "eos" for _, reason, _, _ in runs["on", False].values()), "some request ended on EOS"
+
+
+ROW_KINDS = {   # each kind of row the sampler treats apart
+    "greedy": {}, "random": dict(temperature=0.8, top_p=0.9, top_k=50),
+    "seeded": dict(temperature=1.0, top_p=0.7, seed=7),
+    "penalised": dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3),
+    "biased": dict(logit_bias=((5, 3.0), (9, -2.0)), min_tokens=4, ignore_eos=False),
+    "logprobs": dict(logprobs=True, top_logprobs=5), "prompt_logprobs": dict(prompt_logprobs=True, top_logprobs=3),
+    "json": dict(ignore_eos=False, response_format=ResponseFormat("json_schema", json.dumps(
+        {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))),
+}
+
+
+@pytest.fixture(scope="module")
+def device_reads():
+    with bench_script("device_reads") as module:
+        yield module
+
+
+def test_no_row_kind_makes_the_sampling_wait_for_the_device(model_tok, device_reads, monkeypatch):
+    """Every kind of row (random, seeded, top-k/top-p, penalties, bias and min_tokens, logprobs,
+    prompt logprobs, a JSON grammar) is sampled, and its prompt logprobs computed, with no call that
+    waits for the stream on CUDA (bench/device_reads.py: a device tensor indexed with a host list,
+    torch.tensor(device=), .tolist(), .item(), .cpu(), boolean masks), so the async loop queues a
+    step's sampling while the next forward runs; tokens and logprobs are the synchronous loop's."""
+    seed = int(torch.randint(0, 1000, ()))
+    requests = []
+    for k, (kind, options) in enumerate(ROW_KINDS.items()):
+        request = build_request(kind, PROMPTS["image"] if kind == "prompt_logprobs" else [12], seed=seed + k,
+                                max_tokens=8)
+        request.sampling = dataclasses.replace(request.sampling, **options)
+        requests.append(request)
+    runs = {}
+    for mode in ("off", "on"):
+        llm = make_llm(model_tok, async_scheduling=mode, attention_backend="sdpa")
+        reads = device_reads.DeviceReads()
+        monkeypatch.setattr(llm.core.sampler, "launch", reads.around(llm.core.sampler.launch, 0))
+        monkeypatch.setattr(model_runner_module, "prompt_logprobs", reads.around(model_runner_module.prompt_logprobs, 1))
+        runs[mode] = outputs(llm.generate(requests))
+        monkeypatch.undo()
+        assert not reads.sites, (mode, dict(reads.sites))
+        assert all(len(runs[mode][r.request_id][0]) > 0 for r in requests)
+    got, want = runs["on"], runs["off"]
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}, seed
+    for rid, (_, _, *logprobs) in got.items():
+        for ours, theirs in zip(logprobs, want[rid][2:], strict=True):
+            torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-4)
+    assert len(got["logprobs"][2]) == len(got["logprobs"][0]) and got["prompt_logprobs"][3]
+    probe = device_reads.DeviceReads()   # the instrument counts what today's sampler did
+    logits = torch.randn(4, 8)
+    probe.mark(logits)
+    with probe:
+        logits[[0, 2]].argmax(-1).tolist()
+    assert sum(probe.sites.values()) == 2
 
 
 def test_a_step_takes_the_token_in_flight_on_the_device_and_outputs_arrive_one_step_late(model_tok):

@@ -378,7 +378,7 @@ class EngineCore:
         """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
         scheduler's update (rejected drafts and pads, chunks whose media failed), drafting (unless
         the async loop drafted on the device already: `drafted`), the step record, the outputs."""
-        for rid, logprobs in step.prompt_logprobs.items():   # stored by position: a recompute overwrites
+        for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
             if rid in self.requests:
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs

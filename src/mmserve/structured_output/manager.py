@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import xgrammar as xgr
 
+from mmserve.attention.buffers import to_device
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import ResponseFormat
 from mmserve.structured_output.compiler import FormatCompiler, field_name
@@ -30,12 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words) is 0."""
-    words = bitmask.to(logits.device, non_blocking=True)
+    """In place: logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words, on the host) is 0.
+    `rows` is on the logits' device; the words go there through pinned memory, without waiting for
+    the device (the host's bitmask is free to refill at once)."""
+    words = to_device(bitmask.numpy(), logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :logits.shape[1]].bool()
-    rows = rows.to(logits.device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
 
 class StructuredOutput:
@@ -184,7 +187,7 @@ class DraftMasks:
         self._open = [num_drafts[r] > 0 for r in rows]
         self._ahead = [0] * len(rows)   # tokens each matcher accepted in this loop
         self._bitmask = grammar._scratch_bitmask(len(rows))
-        self._row_index = torch.tensor(rows)
+        self._row_index = np.asarray(rows, dtype=np.int64)
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place: mask each open constrained item's row of one draft step's logits [items, V]
@@ -193,7 +196,7 @@ class DraftMasks:
         if not live:
             return
         self.grammar._batch.batch_fill_next_token_bitmask([self.matchers[k] for k in live], self._bitmask, live)
-        apply_bitmask(logits, self._row_index[live], self._bitmask[live])
+        apply_bitmask(logits, to_device(self._row_index[live], logits.device), self._bitmask[live])
 
     def advance(self, step: int, tokens: list[int]) -> None:
         """Accept draft `step` (0-based) of every open constrained item (`tokens`: one per item)."""

@@ -42,11 +42,10 @@ from mmserve.attention import PoolConfig, get_backend
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
-from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.compiled import set_compiled
 from mmserve.model.vision import pad_patches
 from mmserve.request import AudioFeatures
-from mmserve.sample.logprobs import prompt_logprobs
+from mmserve.sample.logprobs import PromptLogprobs, prompt_logprobs
 from mmserve.worker.backend_check import (
     BackendCheck,
     CheckStep,
@@ -79,8 +78,9 @@ class StepResult:
     # the requests that sample, in row order: 1 + len(draft_token_ids) consecutive rows each (one
     # without drafts; a verify chunk's rows score its last token and each draft)
     sampling: list[ScheduledRequest]
-    # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> logprobs of the prompt tokens after this step's chunk start (prompt_logprobs requests),
+    # on their way to the host
+    prompt_logprobs: PromptLogprobs = field(default_factory=PromptLogprobs)
     frames_encoded: dict[str, int] = field(default_factory=dict)   # per request id, cache hits excluded
     # ... the same per request id and modality ("image", "video", "audio")
     encoded_by_modality: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -551,7 +551,7 @@ class ModelRunner:
                 self._inputs_copied.record()
             hidden = self.model.forward(inputs.input_ids, inputs.positions, attn_metadata, self.kv_caches,
                                         mm_embeds, inputs.mm_token_index, sampled)
-        prompt_lp = {}   # a step with prompt-logprobs requests always takes the full path (sampled is None)
+        prompt_lp = PromptLogprobs()   # a step with prompt-logprobs requests always takes the full path (sampled is None)
         if sampled is None:   # every row's hidden state came back; keep the sampled ones
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
