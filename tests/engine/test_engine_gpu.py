@@ -90,3 +90,32 @@ def test_a_step_syncs_with_the_host_only_in_the_sampler(load_backend, engine_che
             torch.cuda.set_sync_debug_mode("default")
     llm.core.runner.execute = strict_execute
     llm.generate([build_request(kind, parts, 3, max_tokens=6) for kind, parts in PROMPTS.items()])
+
+
+def test_the_sampling_of_every_row_kind_never_syncs(load_backend, engine_checkpoint):
+    """CUDA sync debug mode raises on any device->host sync while the async loop queues a step's
+    sampling (random, seeded, penalised, biased, logprob and grammar rows) and its prompt logprobs
+    (in the runner's step): their results reach the host only through pinned non-blocking copies."""
+    import dataclasses
+
+    from test_engine_async import ROW_KINDS
+
+    tok = load_backend("reference")[1]
+    llm = make_llm((gpu_model(engine_checkpoint), tok), device="cuda", block_size=16, async_scheduling="on")
+
+    def strict(fn):
+        def run(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return run
+    llm.core.runner.execute = strict(llm.core.runner.execute)
+    llm.core.sampler.launch = strict(llm.core.sampler.launch)
+    requests = []
+    for k, (kind, options) in enumerate(ROW_KINDS.items()):
+        request = build_request(kind, PROMPTS["image"] if kind == "prompt_logprobs" else [12], 3 + k, max_tokens=6)
+        request.sampling = dataclasses.replace(request.sampling, **options)
+        requests.append(request)
+    assert all(c.token_ids for c in llm.generate(requests))
