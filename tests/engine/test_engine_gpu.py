@@ -3,6 +3,8 @@ match the CPU run (fp32). Skipped without a GPU."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, make_llm
@@ -74,21 +76,24 @@ def test_decode_graphs_give_the_eager_tokens(load_backend, engine_checkpoint):
     assert [c.token_ids for c in graphs.generate(reqs)] == [c.token_ids for c in eager.generate(reqs)]
 
 
+def without_syncs(fn):
+    """`fn` under CUDA sync debug mode "error": any device->host sync inside it raises."""
+    def run(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return run
+
+
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_a_step_syncs_with_the_host_only_in_the_sampler(load_backend, engine_checkpoint, enforce_eager):
     """CUDA sync debug mode raises on any device->host sync inside the runner's step (prefill with frames,
     decode); the sampler's one copy of the sampled tokens is outside it."""
     tok = load_backend("reference")[1]
     llm = make_llm((gpu_model(engine_checkpoint), tok), device="cuda", block_size=16, enforce_eager=enforce_eager)
-    execute = llm.core.runner.execute
-
-    def strict_execute(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    llm.core.runner.execute = strict_execute
+    llm.core.runner.execute = without_syncs(llm.core.runner.execute)
     llm.generate([build_request(kind, parts, 3, max_tokens=6) for kind, parts in PROMPTS.items()])
 
 
@@ -96,23 +101,12 @@ def test_the_sampling_of_every_row_kind_never_syncs(load_backend, engine_checkpo
     """CUDA sync debug mode raises on any device->host sync while the async loop queues a step's
     sampling (random, seeded, penalised, biased, logprob and grammar rows) and its prompt logprobs
     (in the runner's step): their results reach the host only through pinned non-blocking copies."""
-    import dataclasses
-
     from test_engine_async import ROW_KINDS
 
     tok = load_backend("reference")[1]
     llm = make_llm((gpu_model(engine_checkpoint), tok), device="cuda", block_size=16, async_scheduling="on")
-
-    def strict(fn):
-        def run(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return run
-    llm.core.runner.execute = strict(llm.core.runner.execute)
-    llm.core.sampler.launch = strict(llm.core.sampler.launch)
+    llm.core.runner.execute = without_syncs(llm.core.runner.execute)
+    llm.core.sampler.launch = without_syncs(llm.core.sampler.launch)
     requests = []
     for k, (kind, options) in enumerate(ROW_KINDS.items()):
         request = build_request(kind, PROMPTS["image"] if kind == "prompt_logprobs" else [12], 3 + k, max_tokens=6)
