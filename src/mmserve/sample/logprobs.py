@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from mmserve.attention.buffers import HostCopy, to_device
+from mmserve.attention.buffers import HostCopy
 from mmserve.ipc.protocol import TokenLogprobs
+from mmserve.sample.row_values import device_ids
 
 
 def logprob_table(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def prompt_logprobs(model, hidden: torch.Tensor, scheduled, query_start_loc) -> 
         for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
             chunk = list(targets[lo:lo + PROMPT_LOGITS_ROWS])
             logits = model.compute_logits(hidden[first + lo:first + lo + len(chunk)])
-            ids = to_device(np.asarray(chunk, dtype=np.int64), logits.device)
+            ids = device_ids(chunk, logits.device)
             table = logprob_table(logits, ids, params.top_logprobs)
             out.parts.append((s.request.request_id, HostCopy(table), chunk, params.top_logprobs))
     return out

@@ -2,7 +2,7 @@
 
 Rows are gathered into index arrays on the host (one pass over the step's requests) and copied to
 the logits' device with the per-row values through pinned memory, without waiting for the device
-(`to_device`; never a device tensor indexed with a host list); then every adjustment is a handful of
+(`row_values`; never a device tensor indexed with a host list); then every adjustment is a handful of
 tensor ops there. The penalties read per-request token
 statistics kept on the device across steps (`PenaltyState`).
 vLLM's semantics: `logit_bias` adds to a token's logit; `min_tokens` sets end-of-sequence tokens to
@@ -15,19 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from mmserve.attention.buffers import to_device
+from mmserve.sample.row_values import device_floats, device_ids
 from mmserve.sampling_params import SamplingParams
-
-
-def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return to_device(np.asarray(values, dtype=np.int64), device)
-
-
-def _floats(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return to_device(np.asarray(values, dtype=np.float32), device)
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -38,7 +29,7 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     tokens = [t for p in params for t, _ in p.logit_bias]
     values = [b for p in params for _, b in p.logit_bias]
     dev = logits.device
-    logits.index_put_((_ids(rows, dev), _ids(tokens, dev)), _floats(values, dev).to(logits.dtype), accumulate=True)
+    logits.index_put_((device_ids(rows, dev), device_ids(tokens, dev)), device_floats(values, dev).to(logits.dtype), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], num_output: Sequence[int],
@@ -48,7 +39,7 @@ def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], num
     if not rows or not eos_token_ids:
         return
     dev = logits.device
-    logits[_ids(rows, dev).unsqueeze(1), _ids(eos_token_ids, dev).unsqueeze(0)] = float("-inf")
+    logits[device_ids(rows, dev).unsqueeze(1), device_ids(eos_token_ids, dev).unsqueeze(0)] = float("-inf")
 
 
 class PenaltyState:
@@ -76,7 +67,7 @@ class PenaltyState:
             extra_tokens += drafts
         counts = torch.stack(counts)
         if extra_rows:
-            counts.index_put_((_ids(extra_rows, device), _ids(extra_tokens, device)),
+            counts.index_put_((device_ids(extra_rows, device), device_ids(extra_tokens, device)),
                               torch.ones(len(extra_rows), device=device), accumulate=True)
         prompt = None
         if with_prompt:
@@ -90,7 +81,7 @@ class PenaltyState:
             self._counted[request_id] = 0
         new = committed[self._counted[request_id]:]
         if new:
-            counts.index_put_((_ids(new, device),), torch.ones(len(new), device=device), accumulate=True)
+            counts.index_put_((device_ids(new, device),), torch.ones(len(new), device=device), accumulate=True)
             self._counted[request_id] = len(committed)
         return counts
 
@@ -98,7 +89,7 @@ class PenaltyState:
         mask = self._prompt.get(request_id)
         if mask is None:
             mask = self._prompt[request_id] = torch.zeros(vocab, dtype=torch.bool, device=device)
-            mask[_ids([t for t in prompt if 0 <= t < vocab], device)] = True
+            mask[device_ids([t for t in prompt if 0 <= t < vocab], device)] = True
         return mask
 
     def free(self, request_id: str) -> None:
@@ -115,13 +106,13 @@ def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], requ
     dev, vocab = logits.device, logits.shape[1]
     repetition = any(params[r].repetition_penalty != 1.0 for r in rows)   # host values: no device read
     prompt, counts = state.rows([requests[r] for r in rows], vocab, dev, with_prompt=repetition)
-    index = _ids(rows, dev)
+    index = device_ids(rows, dev)
     sub = logits.index_select(0, index)
     if repetition:
-        rep = _floats([params[r].repetition_penalty for r in rows], dev).unsqueeze(1)
+        rep = device_floats([params[r].repetition_penalty for r in rows], dev).unsqueeze(1)
         seen = prompt | (counts > 0)
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = _floats([params[r].frequency_penalty for r in rows], dev).unsqueeze(1)
-    pres = _floats([params[r].presence_penalty for r in rows], dev).unsqueeze(1)
+    freq = device_floats([params[r].frequency_penalty for r in rows], dev).unsqueeze(1)
+    pres = device_floats([params[r].presence_penalty for r in rows], dev).unsqueeze(1)
     sub = sub - freq * counts - pres * (counts > 0)
     logits.index_copy_(0, index, sub.to(logits.dtype))

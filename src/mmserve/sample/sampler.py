@@ -24,7 +24,7 @@ non-negative floats): 31 masked row sums, no sort, no host sync.
 
 Nothing here waits for the device (so the async loop queues a step's sampling while the next
 forward runs, whatever its rows ask for): per-row parameters and row indices go to the device as
-small pinned, non-blocking copies (`to_device`), rows are gathered with those device indices
+small pinned, non-blocking copies (`row_values`), rows are gathered with those device indices
 (`index_select`/`index_copy_`, never a device tensor indexed with a host list, which copies from
 pageable memory and waits for the stream), and tokens and logprobs come back in one pinned copy.
 """
@@ -34,14 +34,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from mmserve.attention.buffers import HostCopy, to_device
+from mmserve.attention.buffers import HostCopy
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.logprobs import logprob_table, read_logprobs
 from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.sample.row_values import device_floats, device_ids
 from mmserve.sampling_params import SamplingParams
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
@@ -56,16 +56,6 @@ def position_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-def device_rows(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Row indices (host) as a device index tensor, copied without waiting for the device."""
-    return to_device(np.asarray(rows, dtype=np.int64), device)
-
-
-def device_values(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    """Per-row float parameters (host) on the device, float32, copied without waiting for it."""
-    return to_device(np.asarray(values, dtype=np.float32), device)
 
 
 def mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -97,16 +87,16 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """softmax(logits / temperature) with each row's top-k, then top-p, filter applied (zeros outside;
     rows are not renormalised): the distribution a random row draws from, up to its scale."""
     dev, vocab = logits.device, logits.shape[-1]
-    temps = device_values([p.temperature for p in params], dev).to(logits.dtype)
+    temps = device_floats([p.temperature for p in params], dev).to(logits.dtype)
     scaled = logits / temps.unsqueeze(1)
     k_max = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
     if k_max:
-        scaled = mask_top_k(scaled, device_rows([p.top_k for p in params], dev), k_max)
+        scaled = mask_top_k(scaled, device_ids([p.top_k for p in params], dev), k_max)
     probs = torch.softmax(scaled, dim=-1)
     nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if nucleus_rows:
-        index = device_rows(nucleus_rows, dev)
-        top_p = device_values([params[i].top_p for i in nucleus_rows], dev).to(probs.dtype)
+        index = device_ids(nucleus_rows, dev)
+        top_p = device_floats([params[i].top_p for i in nucleus_rows], dev).to(probs.dtype)
         sub = probs.index_select(0, index)
         probs.index_copy_(0, index, sub * nucleus(sub, top_p))
     return probs
@@ -173,13 +163,13 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         dev = logits.device
         want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
-        want_index = device_rows(want_lp, dev) if want_lp else None
+        want_index = device_ids(want_lp, dev) if want_lp else None
         raw = logits.index_select(0, want_index) if want_lp else None   # a copy: the adjustments never touch it
         logits, masks = self._final(logits, requests, params)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
-            index = device_rows(random_rows, dev)
+            index = device_ids(random_rows, dev)
             tokens.index_copy_(0, index, self._draw(logits.index_select(0, index), [requests[i] for i in random_rows]))
         num_top = [params[i].num_logprobs for i in want_lp]
         table = logprob_table(raw, tokens.index_select(0, want_index), max(num_top)) if want_lp else None
@@ -193,7 +183,7 @@ class Sampler:
         adjusted = self._adjust(logits, requests, params)
         if masks is not None:
             adjusted = logits.clone() if adjusted is logits else adjusted
-            apply_bitmask(adjusted, device_rows(masks[0], logits.device), masks[1])
+            apply_bitmask(adjusted, device_ids(masks[0], logits.device), masks[1])
         return adjusted, masks
 
     def accept_verified(self, request, tokens: Sequence[int]) -> MMServeError | None:

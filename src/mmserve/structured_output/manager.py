@@ -25,6 +25,7 @@ import xgrammar as xgr
 
 from mmserve.attention.buffers import to_device
 from mmserve.errors import InvalidInputError
+from mmserve.sample.row_values import device_ids
 from mmserve.sampling_params import ResponseFormat
 from mmserve.structured_output.compiler import FormatCompiler, field_name
 
@@ -196,7 +197,7 @@ class DraftMasks:
         if not live:
             return
         self.grammar._batch.batch_fill_next_token_bitmask([self.matchers[k] for k in live], self._bitmask, live)
-        apply_bitmask(logits, to_device(self._row_index[live], logits.device), self._bitmask[live])
+        apply_bitmask(logits, device_ids(self._row_index[live], logits.device), self._bitmask[live])
 
     def advance(self, step: int, tokens: list[int]) -> None:
         """Accept draft `step` (0-based) of every open constrained item (`tokens`: one per item)."""
