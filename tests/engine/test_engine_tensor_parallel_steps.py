@@ -1,8 +1,9 @@
 """What a tensor-parallel worker rebuilds from rank 0's step messages (executor/step_messages.py):
 through pickling, as broadcast_object_list sends them, each step's SchedulerOutput must read the
 same to the runner as rank 0's: the chunk's tokens, `num_tokens`/`samples`, frames, block updates,
-the pixels; across decode, preemption and recompute, a rollback that replaces output tokens, and a
-finished id coming back as a new request in the same step."""
+the pixels, the media to encode ahead (as the mirror's own requests: their pixels never travel
+again); across decode, preemption and recompute, a rollback that replaces output tokens, a finished
+id coming back as a new request in the same step, and requests released by steps that ran nothing."""
 
 from __future__ import annotations
 
@@ -31,21 +32,33 @@ def assert_same_to_the_runner(ours: SchedulerOutput, theirs: SchedulerOutput) ->
         assert ra.mm_ranges == rb.mm_ranges
         for x, y in zip(ra.mm_inputs, rb.mm_inputs, strict=True):
             assert x.content_hash == y.content_hash and torch.equal(x.pixel_values, y.pixel_values)
+    assert [(r.request_id, frames) for r, frames in ours.encode_ahead] == \
+           [(r.request_id, frames) for r, frames in theirs.encode_ahead]
 
 
 def test_the_mirror_reads_like_rank_0_step_after_step():
     rng = random.Random()
     encoder, mirror = StepEncoder(), StepMirror()
 
-    def send(out: SchedulerOutput) -> None:
-        assert_same_to_the_runner(mirror.decode(pickle.loads(pickle.dumps(encoder.encode(out)))), out)
+    def send(out: SchedulerOutput) -> list[str]:
+        """`out` through the wire; the ids of the requests whose prompt and pixels it carried."""
+        msg = encoder.encode(out)
+        assert not any(isinstance(v, list) and v and isinstance(v[0], tuple) and isinstance(v[0][0], Request)
+                       for v in msg.rest.values())   # encode_ahead travels by id, in `ahead`
+        ours = mirror.decode(pickle.loads(pickle.dumps(msg)))
+        assert_same_to_the_runner(ours, out)
+        assert all(r is mirror.requests[r.request_id] for r, _ in ours.encode_ahead)
+        return [new.request_id for new in msg.new]
 
     pixels = MultiModalInput(torch.rand(4, 48), torch.zeros(4, 2, dtype=torch.long))
     a = Request("a", [rng.randrange(300) for _ in range(10)], SamplingParams(max_tokens=20, prompt_logprobs=True),
                 mm_ranges=[(2, 5)], mm_inputs=[pixels])
     b = Request("b", [rng.randrange(300) for _ in range(6)], SamplingParams(max_tokens=20))
-    send(SchedulerOutput([ScheduledRequest(a, 6, 0, True, frames=[0], block_updates={"p": BlockUpdate(0, [3, 4], 0)}),
-                          ScheduledRequest(b, 6, 0, True)]))
+    # a's next chunk holds its frame: ahead, by id (its pixels travelled with it, this step)
+    assert send(SchedulerOutput([ScheduledRequest(a, 1, 0, True), ScheduledRequest(b, 6, 0, True)],
+                                encode_ahead=[(a, [0])])) == ["a", "b"]
+    assert send(SchedulerOutput([ScheduledRequest(a, 5, 1, True, frames=[0],
+                                                  block_updates={"p": BlockUpdate(0, [3, 4], 0)})])) == []
     b.output_token_ids.append(7)
     send(SchedulerOutput([ScheduledRequest(a, 4, 6, True), ScheduledRequest(b, 1, 6, False)]))
     for step in range(3):   # decode both
@@ -64,8 +77,17 @@ def test_the_mirror_reads_like_rank_0_step_after_step():
     b2 = Request("b", [rng.randrange(300) for _ in range(3)], SamplingParams(max_tokens=2))
     send(SchedulerOutput([ScheduledRequest(b2, 3, 0, True)], finished_ids=["b"]))
     assert mirror.requests["b"].prompt_token_ids == b2.prompt_token_ids
+    # a running request no step sent yet, named ahead: introduced with its pixels, then only by id
+    c = Request("c", [rng.randrange(300) for _ in range(8)], SamplingParams(max_tokens=3), mm_ranges=[(1, 4)],
+                mm_inputs=[pixels])
+    assert send(SchedulerOutput([ScheduledRequest(a, 1, a.num_tokens - 1, False)], encode_ahead=[(c, [0])])) == ["c"]
+    assert send(SchedulerOutput([ScheduledRequest(c, 8, 0, True, frames=[0])], encode_ahead=[(c, [0])])) == []
     send(SchedulerOutput([], finished_ids=["a", "b"]))
+    # c ends in a step that schedules nothing: released on both sides, so its id is new again
+    encoder.release(["c"])
+    mirror.release(["c"])
     assert not mirror.requests and not encoder.sent_outputs
+    assert send(SchedulerOutput([ScheduledRequest(c, 8, 0, True)])) == ["c"]
 
 
 def test_a_worker_runner_is_sized_like_rank_0_and_refuses_another_dtype():

@@ -181,9 +181,7 @@ class EngineCore:
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    policy=config.scheduling_policy, verify_width=self.runner.verify_graph_rows,
                                    async_scheduling=self.async_scheduling,
-                                   # (tensor parallelism: the workers would encode in the step all the same)
-                                   encode_ahead=config.encode_ahead and config.tensor_parallel_size == 1
-                                   and config.nnodes == 1)
+                                   encode_ahead=config.encode_ahead)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
@@ -348,10 +346,10 @@ class EngineCore:
         return result
 
     def _drop_encoded_ahead(self, out: SchedulerOutput) -> None:
-        """A step that schedules nothing runs nothing: what was encoded ahead for the requests that
-        ended or were preempted since is dropped here (a step that runs drops it in the runner)."""
-        for rid in out.finished_ids + out.preempted_ids:
-            self.runner.encoded_ahead.free(rid)
+        """A step that schedules nothing runs nothing: what the runner (every rank's, under tensor
+        parallelism) holds for the requests that ended or were preempted since, their embeddings
+        encoded ahead among it, is freed here (a step that runs frees it in the runner)."""
+        self.runner.release(out)
 
     def _step(self, result: EngineCoreOutputs) -> None:
         out = self.scheduler.schedule()

@@ -3,8 +3,12 @@
 Rank 0's `StepEncoder` turns each SchedulerOutput into a `StepMessage`: a request's prompt, sampling
 parameters and pixels the first step it is scheduled, then only the output tokens the workers lack
 or that changed; ScheduledRequest/SchedulerOutput fields by name, so a field added to either
-travels with no change here. A worker's `StepMirror` keeps those requests and rebuilds each step's
-SchedulerOutput from the message, reading to its ModelRunner exactly as rank 0's does.
+travels with no change here, but for `encode_ahead`, whose requests travel by id. A worker's
+`StepMirror` keeps those requests and rebuilds each step's SchedulerOutput from the message, reading
+to its ModelRunner exactly as rank 0's does: every rank then encodes the same media ahead, in the
+same order and batches (the towers are replicated), so the ranks' embeddings stay identical.
+A step that schedules nothing runs on no rank: the requests that ended or were preempted meanwhile
+reach the workers as a `Released` message instead.
 """
 
 from __future__ import annotations
@@ -39,16 +43,27 @@ class StepMessage:
     """One step for the workers. `scheduled`: each ScheduledRequest's fields but `request` (by id);
     `outputs`: per scheduled request, its output tokens from index `start` on: every token the
     workers lack or that changed (tokens past the request's computed ones, which a rollback may
-    replace), so each mirror holds rank 0's list; `rest`: SchedulerOutput's other fields."""
+    replace), so each mirror holds rank 0's list; `ahead`: `encode_ahead` as (request id, range
+    indices), the pixels being the mirror's already; `rest`: SchedulerOutput's other fields."""
 
     new: list[NewRequest] = field(default_factory=list)
     outputs: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     scheduled: list[tuple[str, dict]] = field(default_factory=list)
+    ahead: list[tuple[str, list[int]]] = field(default_factory=list)
     rest: dict = field(default_factory=dict)
 
 
-def _fields(obj, skip: str) -> dict:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name != skip}
+@dataclass
+class Released:
+    """Requests that ended (`finished_ids`) or were preempted in steps that scheduled nothing (no
+    StepMessage went out): each worker drops their mirrors and frees what its runner holds for them."""
+
+    finished_ids: list[str]
+    preempted_ids: list[str]
+
+
+def _fields(obj, *skip: str) -> dict:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
 
 
 class StepEncoder:
@@ -58,20 +73,30 @@ class StepEncoder:
         self.sent_outputs: dict[str, int] = {}   # request id -> output tokens the workers have
 
     def encode(self, out: SchedulerOutput) -> StepMessage:
-        msg = StepMessage(rest=_fields(out, "scheduled"))
-        for rid in out.finished_ids:   # first: a finished id may come back as a new request this step
-            self.sent_outputs.pop(rid, None)
+        msg = StepMessage(rest=_fields(out, "scheduled", "encode_ahead"))
+        self.release(out.finished_ids)   # first: a finished id may come back as a new request this step
         for s in out.scheduled:
             r, rid = s.request, s.request.request_id
-            if rid not in self.sent_outputs:
-                msg.new.append(NewRequest.of(r))
-                self.sent_outputs[rid] = 0
+            self._introduce(r, msg)
             computed = max(0, s.num_computed_tokens - r.num_prompt_tokens)   # output tokens already in the KV cache
             start = min(self.sent_outputs[rid], computed, len(r.output_token_ids))
             msg.outputs[rid] = (start, r.output_token_ids[start:])
             self.sent_outputs[rid] = len(r.output_token_ids)
             msg.scheduled.append((rid, _fields(s, "request")))
+        for r, frames in out.encode_ahead:   # running requests: all sent before (unless one never ran)
+            self._introduce(r, msg)
+            msg.ahead.append((r.request_id, frames))
         return msg
+
+    def release(self, finished_ids: list[str]) -> None:
+        """Those requests ended: a request with one of their ids is a new one."""
+        for rid in finished_ids:
+            self.sent_outputs.pop(rid, None)
+
+    def _introduce(self, r: Request, msg: StepMessage) -> None:
+        if r.request_id not in self.sent_outputs:
+            msg.new.append(NewRequest.of(r))
+            self.sent_outputs[r.request_id] = 0
 
 
 class StepMirror:
@@ -81,8 +106,7 @@ class StepMirror:
         self.requests: dict[str, Request] = {}
 
     def decode(self, msg: StepMessage) -> SchedulerOutput:
-        for rid in msg.rest.get("finished_ids", ()):   # the runner frees them by id; the requests go now
-            self.requests.pop(rid, None)
+        self.release(msg.rest.get("finished_ids", ()))   # the runner frees them by id; the requests go now
         for new in msg.new:
             self.requests[new.request_id] = new.to_request()
         for rid, (start, tokens) in msg.outputs.items():
@@ -90,4 +114,9 @@ class StepMirror:
             del out[start:]
             out.extend(tokens)
         scheduled = [ScheduledRequest(request=self.requests[rid], **rest) for rid, rest in msg.scheduled]
-        return SchedulerOutput(scheduled=scheduled, **msg.rest)
+        ahead = [(self.requests[rid], frames) for rid, frames in msg.ahead]
+        return SchedulerOutput(scheduled=scheduled, encode_ahead=ahead, **msg.rest)
+
+    def release(self, finished_ids) -> None:
+        for rid in finished_ids:
+            self.requests.pop(rid, None)

@@ -8,7 +8,11 @@ ModelRunner over its shard;
 the layers' collectives (model/parallel.py) meet inside the forward, and rank 0 returns its result
 (logits already gathered over the vocab shards). A request's prompt, sampling parameters and pixels
 travel once, the step it is first scheduled; afterwards only its new output tokens do. Workers
-keep a mirror of those requests and rebuild each step's SchedulerOutput from it.
+keep a mirror of those requests and rebuild each step's SchedulerOutput from it, the media to encode
+ahead for the next step included (by request id and range: every rank encodes the same ones, in the
+same batches, on its replicated towers). A step that schedules nothing sends no step, but the
+requests that ended or were preempted meanwhile, if any (`Released`): every rank frees what it
+holds for them (block-table rows, embeddings encoded ahead) at the same point.
 
 With a speculative model every rank also holds its shard of the drafter, and each drafting round
 is one more message (a `DraftBatch`, speculative.py) after which every rank runs the same draft
@@ -41,7 +45,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
-from mmserve.executor.step_messages import StepEncoder, StepMirror
+from mmserve.executor.step_messages import Released, StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.process_exit import exit_process
 from mmserve.spec_decode.speculator import DraftBatch
@@ -328,6 +332,13 @@ class TensorParallelRunner:
     def execute(self, out: SchedulerOutput):
         return self._on_ranks(self._encoder.encode(out), lambda: self.local.execute(out))
 
+    def release(self, out: SchedulerOutput) -> None:
+        """A step that scheduled nothing: every rank frees what it holds for the requests that ended
+        or were preempted since (`ModelRunner.release`); nothing is sent when there are none."""
+        self._encoder.release(out.finished_ids)
+        if out.finished_ids or out.preempted_ids:
+            self._on_ranks(Released(out.finished_ids, out.preempted_ids), lambda: self.local.release(out))
+
     def serve_drafts(self, speculator) -> None:
         """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
         speculator.on_ranks = self._on_ranks
@@ -438,6 +449,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
                 speculator.draft(msg, hidden, runner.kv_caches)
+            elif isinstance(msg, Released):
+                mirror.release(msg.finished_ids)
+                runner.release(SchedulerOutput([], preempted_ids=msg.preempted_ids, finished_ids=msg.finished_ids))
             else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
                 hidden = runner.execute(mirror.decode(msg)).hidden
     except Exception:

@@ -364,6 +364,12 @@ class ModelRunner:
         self.block_tables.free(request_id)
         self.encoded_ahead.free(request_id)
 
+    def release(self, out: SchedulerOutput) -> None:
+        """A step that schedules nothing runs nothing: free here what the runner holds for the
+        requests that ended or were preempted since (a step that runs frees them in `execute`)."""
+        for rid in out.preempted_ids + out.finished_ids:
+            self.free(rid)
+
     def _encode(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
                        dict[str, str]]:
