@@ -134,7 +134,8 @@ def tp_core(engine_checkpoint, tmp_path_factory):
 
 def run(core, requests, arrivals: dict[str, int], abort_when_held: str | None = None) -> dict[str, list[int]]:
     """Step `core` until idle, adding each request at its arrival step; with `abort_when_held`, that
-    request is aborted as soon as rank 0 holds embeddings encoded ahead."""
+    request is aborted as soon as rank 0 holds embeddings encoded ahead, when the core's leak
+    check must count the worker's too (the ranks hold the same)."""
     tokens = {r.request_id: [] for r in requests}
     pending, step = list(requests), 0
     while pending or core.has_work:
@@ -145,7 +146,9 @@ def run(core, requests, arrivals: dict[str, int], abort_when_held: str | None = 
             assert out.error is None or out.request_id == abort_when_held, out
             tokens[out.request_id] += out.new_token_ids
         step += 1
-        if abort_when_held and core.runner.encoded_ahead.num_bytes and core.abort(abort_when_held):
+        if abort_when_held and (held := core.runner.encoded_ahead.num_bytes):
+            assert core.held_resources()["encoded_ahead_bytes"] == 2 * held
+            assert core.abort(abort_when_held)
             abort_when_held = None
     return tokens
 

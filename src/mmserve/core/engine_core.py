@@ -295,7 +295,7 @@ class EngineCore:
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_held": {name: sum(c > 0 for c in pool.ref_cnt) for name, pool in self.kv.pools.items()
                                    if pool.num_free != pool.num_usable or any(pool.ref_cnt)},
-                "encoded_ahead_bytes": self.runner.encoded_ahead.num_bytes,
+                "encoded_ahead_bytes": self.runner.encoded_ahead_bytes(),   # every rank's
                 "encoder_cache_over_bytes": max(0, cache.num_bytes - cache.max_bytes)}
 
     def set_kv_events(self, on: bool) -> bool:

@@ -62,6 +62,12 @@ class Released:
     preempted_ids: list[str]
 
 
+@dataclass
+class HeldQuery:
+    """Rank 0 asks for the bytes each rank holds encoded ahead (the core's leak check): every rank
+    answers in one all-reduce of its count."""
+
+
 def _fields(obj, *skip: str) -> dict:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
 

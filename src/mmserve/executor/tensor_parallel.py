@@ -45,7 +45,7 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
-from mmserve.executor.step_messages import Released, StepEncoder, StepMirror
+from mmserve.executor.step_messages import HeldQuery, Released, StepEncoder, StepMirror
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.process_exit import exit_process
 from mmserve.spec_decode.speculator import DraftBatch
@@ -339,6 +339,18 @@ class TensorParallelRunner:
         if out.finished_ids or out.preempted_ids:
             self._on_ranks(Released(out.finished_ids, out.preempted_ids), lambda: self.local.release(out))
 
+    def encoded_ahead_bytes(self) -> int:
+        """Summed over the ranks (one message, one all-reduce): the core's leak check sees the workers'."""
+        def total() -> int:
+            self.tp.send(HeldQuery())
+            return int(self.tp.group.all_reduce(self._held_bytes(self.local)).item())
+
+        return self.tp.call(total)
+
+    @staticmethod
+    def _held_bytes(runner) -> torch.Tensor:
+        return torch.tensor([runner.encoded_ahead_bytes()], dtype=torch.int64, device=runner.model.device)
+
     def serve_drafts(self, speculator) -> None:
         """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
         speculator.on_ranks = self._on_ranks
@@ -449,6 +461,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
                 speculator.draft(msg, hidden, runner.kv_caches)
+            elif isinstance(msg, HeldQuery):
+                group.all_reduce(TensorParallelRunner._held_bytes(runner))
             elif isinstance(msg, Released):
                 mirror.release(msg.finished_ids)
                 runner.release(SchedulerOutput([], preempted_ids=msg.preempted_ids, finished_ids=msg.finished_ids))

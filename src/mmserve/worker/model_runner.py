@@ -364,6 +364,10 @@ class ModelRunner:
         self.block_tables.free(request_id)
         self.encoded_ahead.free(request_id)
 
+    def encoded_ahead_bytes(self) -> int:
+        """The embeddings held for the next steps (every rank's, under tensor parallelism)."""
+        return self.encoded_ahead.num_bytes
+
     def release(self, out: SchedulerOutput) -> None:
         """A step that schedules nothing runs nothing: free here what the runner holds for the
         requests that ended or were preempted since (a step that runs frees them in `execute`)."""
