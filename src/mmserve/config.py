@@ -80,7 +80,7 @@ class EngineConfig:
     encode_ahead: bool = field(default=True, metadata={
         "help": "encode the frames and audio segments the next step will consume while this step runs, batched "
                 "across requests (on CUDA on a side stream), so decodes beside a video's prefill do not wait for "
-                "the vision tower; off = each step encodes its own (not with tensor parallelism yet)"})
+                "the vision tower (under tensor parallelism, every rank alike); off = each step encodes its own"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
     async_scheduling: str = field(default="auto", metadata={
         "help": "schedule and launch step N+1 while step N runs, its sampled tokens (and, with --speculative-model, "

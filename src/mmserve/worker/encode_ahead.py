@@ -11,6 +11,8 @@ encoded in its own step, as without encode-ahead); each entry belongs to the req
 for it, and is dropped when the last of them ends or is preempted (`free`), so a guess the
 scheduler got wrong is held only while its request may still consume it. Taking an entry removes
 it (the runner then offers it to the cross-request encoder cache, as it does a fresh encode).
+Under tensor parallelism every rank's runner keeps its own, the same (the step messages name the
+same media to each, executor/step_messages.py, and the towers are replicated).
 """
 
 from __future__ import annotations
