@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -87,14 +86,12 @@ def read_spy(rank: int) -> list[dict]:
     return records
 
 
-def read_spies() -> tuple[list[dict], list[dict]]:
-    """Both ranks' records, once the worker has run every message rank 0 sent (it runs behind:
-    rank 0 waits for it only in the collectives of a step's forward)."""
-    rank0, worker = read_spy(0), Path(os.environ[SPY_DIR]) / "rank1.jsonl"
-    deadline = time.monotonic() + 60
-    while len(worker.read_text().splitlines()) < len(rank0) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return rank0, read_spy(1)
+def read_spies(core) -> tuple[list[dict], list[dict]]:
+    """Both ranks' records, once the worker has run every message rank 0 sent (it runs behind: rank
+    0 waits for it only in a step's collectives). The leak check's query is the barrier: the worker
+    answers it, in an all-reduce, after the messages before it."""
+    core.runner.encoded_ahead_bytes()
+    return read_spy(0), read_spy(1)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +168,7 @@ def test_tp2_encodes_ahead_on_every_rank_alike_with_the_tokens_of_tp1_and_of_enc
     for ahead in (True, False):
         tp_core.scheduler.encode_ahead = ahead   # what --no-encode-ahead sets (EngineCore builds its scheduler so)
         runs[ahead] = run(tp_core, requests, arrivals)
-        spies[ahead] = read_spies()
+        spies[ahead] = read_spies(tp_core)
         assert tp_core.held_resources()["encoded_ahead_bytes"] == 0
     tp_core.scheduler.encode_ahead = True
     tp1 = make_llm(load_backend("sdpa"), max_num_batched_tokens=24, enable_prefix_caching=False)
@@ -198,7 +195,7 @@ def test_tp2_an_aborted_videos_frames_held_ahead_are_freed_on_every_rank(tp_core
     releases them on both (rank 0's core reports nothing held; the worker's spy records 0 bytes)."""
     video = build_request("v", [3, ("video", [8] * 6), 4], seed=int(torch.randint(0, 1000, ())), max_tokens=4)
     run(tp_core, [video], {}, abort_when_held="v")
-    rank0, rank1 = read_spies()
+    rank0, rank1 = read_spies(tp_core)
     assert rank0 == rank1
     held = [s["held"] for s in rank1 if "frames" in s]
     assert held[-1] > 0, rank1   # the last step that ran left frames held ahead on the worker too
