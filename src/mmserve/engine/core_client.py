@@ -7,7 +7,8 @@ here (`tempfile.mkdtemp`), so no other user can connect to them.
 
 Receiving runs on the event loop: one task reads `EngineCoreOutputs` and hands each to
 `on_outputs`. When no message arrives for `LIVENESS_POLL_MS` it checks that the core is alive; once
-it is gone and its last messages are read, `on_exit` gets an EngineDeadError naming the exit code or
+it is gone and its last messages are read (one more poll after the exit is seen: a core that sends
+why and exits at once can land its message between the empty poll and the liveness check), `on_exit` gets an EngineDeadError naming the exit code or
 signal (or the reason the core sent), or None after a requested shutdown.
 """
 
@@ -124,7 +125,7 @@ class CoreClient:
                     await self._reap()
                     raise EngineDeadError(message.reason)
                 logger.error("unexpected %s before READY", type(message).__name__)
-            elif not self.alive:
+            elif not self.alive and not await self._recv.poll(LIVENESS_POLL_MS):   # nothing it sent is unread
                 raise EngineDeadError(f"{self._describe_exit()} while starting")
             elif time.monotonic() > deadline:
                 self._kill()
@@ -202,8 +203,8 @@ class CoreClient:
             while True:
                 if await self._recv.poll(LIVENESS_POLL_MS):
                     self._dispatch(serial.decode(await self._recv.recv_multipart(copy=False)))
-                elif not self.alive:   # gone, and everything it sent has been read
-                    break
+                elif not self.alive and not await self._recv.poll(LIVENESS_POLL_MS):
+                    break   # gone, and everything it sent has been read
             await self._reap()
             error = None if self._shutting_down and self._exit_was_clean() else EngineDeadError(
                 f"{self._describe_exit()}; requests in flight were lost, retry them")

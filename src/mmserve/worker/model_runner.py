@@ -368,6 +368,7 @@ class ModelRunner:
         """The embeddings held for the next steps (every rank's, under tensor parallelism)."""
         return self.encoded_ahead.num_bytes
 
+    @torch.inference_mode()   # the block tables' device rows are inference tensors, as in `execute`
     def release(self, out: SchedulerOutput) -> None:
         """A step that schedules nothing runs nothing: free here what the runner holds for the
         requests that ended or were preempted since (a step that runs frees them in `execute`)."""
