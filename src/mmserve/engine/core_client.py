@@ -48,6 +48,10 @@ from mmserve.ipc.protocol import (
 logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_MS = 100
+# After a core that was starting is seen gone: how long its last message (why it failed) may take to
+# arrive. Only that failure path waits it; on a loaded machine the message can trail the exit by more
+# than one liveness poll.
+LAST_WORDS_MS = 1000
 
 
 def _log_format() -> str:
@@ -125,7 +129,7 @@ class CoreClient:
                     await self._reap()
                     raise EngineDeadError(message.reason)
                 logger.error("unexpected %s before READY", type(message).__name__)
-            elif not self.alive and not await self._recv.poll(LIVENESS_POLL_MS):   # nothing it sent is unread
+            elif not self.alive and not await self._recv.poll(LAST_WORDS_MS):   # nothing it sent is unread
                 raise EngineDeadError(f"{self._describe_exit()} while starting")
             elif time.monotonic() > deadline:
                 self._kill()

@@ -450,7 +450,9 @@ class ModelRunner:
         the side stream, so they overlap the forward queued before them. An item whose encode fails
         is not held: its own step encodes it again and ends its request alone, as it would have.
         The step that consumes them reports their frames and this call's time."""
-        row_bytes = self.model.spec.hidden_size * torch.empty((), dtype=self.model.dtype).element_size()
+        if not ahead:
+            return
+        row_bytes = self.model.spec.hidden_size * self.model.dtype.itemsize
         room = self.encoded_ahead.max_bytes - self.encoded_ahead.num_bytes
         todo: dict[bool, list] = {False: [], True: []}   # is audio -> [(request id, input, key)]
         owners: dict[bytes, list[str]] = {}

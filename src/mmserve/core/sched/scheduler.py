@@ -343,6 +343,8 @@ class Scheduler:
         and each prompt its next chunk after this step's (aligned as `_chunk` aligns it) from the
         next step's budget; (request, range indices) for the chunks that hold any. Waiting requests
         are left out: where their first chunk starts depends on the prefix cache at admission."""
+        if not any(len(r.mm_ranges_np) and r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+            return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
         ahead = []
         for request in sorted(self.running, key=lambda r: r.request_id not in self._frame_blocked):
