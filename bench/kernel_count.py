@@ -2,6 +2,8 @@
 
     python bench/kernel_count.py [--models 12b_unified 26b_a4b ...] [--rows 1] [--json out.json]
 
+(`--rows 16` / `--rows 64`: a batch's decode step, the graph compiled for any row count but one.)
+
 One layer of each kind of each model (tests/fixtures/gemma4_family: sliding, full, KV-sharing, MoE
 layers) is built at the model's real dimensions (bf16, uninitialised weights: values do not change
 the code) and runs one forward of `rows` decode rows with the layer pieces compiled by inductor, as
@@ -10,7 +12,8 @@ to CUDA as stated:
 - inside a compiled piece, from inductor's generated wrapper (`call`): one per generated kernel
   (`cpp_fused_*` here; Triton kernels on CUDA, made by the same scheduler from the same fused node
   groups) and one per extern call (`extern_kernels.mm` -> one cuBLAS GEMM, a fallback op -> its
-  ATen kernel);
+  ATen kernel; an op of ours, `torch.ops.mmserve.*` -> its CUDA implementation's one launch: PLE's
+  `ple_gated_projection` is one Triton kernel on CUDA, though on this CPU it runs two ATen ops);
 - outside the pieces, one per ATen op the forward dispatches that computes (views, allocations
   and metadata ops launch nothing), counted by a dispatch mode that is paused inside the pieces;
 - the attention call: one (on CUDA a decode step's is the split-KV kernel, one launch whether it

@@ -11,9 +11,9 @@ One layer, in order (its input RMSNorm comes fused in the previous layer's layer
     (MoE layers: mlp_moe_in, in moe.py, in place of mlp_in: mlp_in's work, the router, the experts'
              pre-norm, the counting-sort dispatch and grouped GEMMs, in one piece; + two all-reduces)
     layer_out post-FFN RMSNorm (of norm_1(dense) + norm_2(routed) on MoE layers) + residual, the
-             per-layer input (E2B/E4B: gate GEMM, GELU x input folded into the projection at one row,
-             see ple_projection), the layer scalar, and the next layer's input RMSNorm (the decoder's
-             final norm after the last layer)
+             per-layer input (E2B/E4B: gate GEMM, then the projection with GELU x input folded into
+             it, see ple_projection), the layer scalar, and the next layer's input RMSNorm (the
+             decoder's final norm after the last layer)
 A piece never spans the attention call or a collective, and each boundary falls right after a GEMM,
 where a kernel ends anyway: splitting there costs no launch (bench/kernel_count.py counts them).
 
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from mmserve.model.compiled import layer_piece
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.norm import rms_norm
+from mmserve.model.ple import gated_projection
 from mmserve.model.rope import norm_rope
 
 
@@ -96,17 +97,22 @@ def layer_out(h: torch.Tensor, ffn: torch.Tensor, routed: torch.Tensor | None, l
     h = h + rms_norm(ffn, post_ff_w, eps)
     if layer_input is not None:
         gate_w, proj_w, norm_w = ple_w
-        gated = F.gelu(F.linear(h, gate_w), approximate="tanh") * layer_input
-        h = h + rms_norm(ple_projection(gated, proj_w), norm_w, eps)
+        h = h + rms_norm(ple_projection(F.linear(h, gate_w), layer_input, proj_w), norm_w, eps)
     h = h * scalar
     return h, rms_norm(h, next_norm_w, eps)
 
 
-def ple_projection(gated: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
-    """PLE's projection [T, D] -> [T, H]. Compiled at one row (batch-1 decode) it is a reduction over
-    D (256) rather than a GEMM, so inductor folds the GELU x per-layer input that produces `gated` into
-    its loads: one kernel where a GEMM and its operand's kernel are two (bench/kernel_count.py). At
-    more rows, and eagerly, a GEMM: the reduction re-reads the weight per row on CUDA cores."""
-    if torch.compiler.is_compiling() and gated.shape[0] == 1:
+def ple_projection(gate: torch.Tensor, layer_input: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    """PLE's projection of gelu_tanh(gate) * layer_input, [T, D] -> [T, H], with that operand fused
+    into it when compiled (the CUDA path; bench/kernel_count.py counts both cases):
+    - one row (batch-1 decode): a reduction over D (256) rather than a GEMM, so inductor folds the
+      GELU x input into its loads: one kernel where a GEMM and its operand's kernel are two;
+    - more rows: `ple.gated_projection`, on CUDA one Triton GEMM making its operand in its prologue
+      (a reduction would re-read the weight per row on CUDA cores).
+    Eagerly (CPU) the elementwise op and a GEMM."""
+    if torch.compiler.is_compiling():
+        if gate.shape[0] > 1:
+            return gated_projection(gate, layer_input, proj_w)
+        gated = F.gelu(gate, approximate="tanh") * layer_input
         return (gated.unsqueeze(1).float() * proj_w.float()).sum(-1).to(gated.dtype)   # fp32 sums, as a GEMM's
-    return F.linear(gated, proj_w)
+    return F.linear(F.gelu(gate, approximate="tanh") * layer_input, proj_w)

@@ -8,6 +8,8 @@ Layer level, after the MLP residual: h += norm(proj(gelu_tanh(gate(h)) * input_i
 Tensor parallel: the big token table and the projection are split along D inside every layer's
 block; both parts are all-gathered once per step (the norm needs all of D), the small per-layer
 gates are replicated.
+On CUDA a decode step's layer projects gelu_tanh(gate) * input with `gated_projection`, one Triton
+kernel that computes its GEMM operand in its prologue (model/ple_kernels.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,43 @@ class PerLayerEmbeddings(nn.Module):
             tokens, context = self.group.all_gather(torch.stack([tokens, context]), dim=-1).unbind(0)
         context = self.per_layer_projection_norm(context)
         return (context + tokens) * 2 ** -0.5
+
+
+MAX_KERNEL_ROWS = 256   # decode and verify steps; a prefill chunk's rows go to cuBLAS's tiles
+BLOCK_H = 32            # output columns per program: E4B's 2560 are 80 programs, a row block's weight read spread wide
+
+
+@torch.library.custom_op("mmserve::ple_gated_projection", mutates_args=())
+def gated_projection(gate: torch.Tensor, layer_input: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    """proj(gelu_tanh(gate) * layer_input): [T, D] x2, [H, D] -> [T, H]. An opaque op, so that a
+    compiled layer piece calls it as one launch: on CUDA with at most MAX_KERNEL_ROWS rows our Triton
+    kernel (the operand made in its prologue); otherwise the elementwise op and a GEMM."""
+    if gate.is_cuda and gate.shape[0] <= MAX_KERNEL_ROWS:
+        return launch_gated_projection(gate, layer_input, proj_w)
+    return F.linear(F.gelu(gate, approximate="tanh") * layer_input, proj_w)
+
+
+@gated_projection.register_fake
+def _(gate: torch.Tensor, layer_input: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    return gate.new_empty(gate.shape[0], proj_w.shape[0])
+
+
+def launch_gated_projection(gate: torch.Tensor, layer_input: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel itself (any device Triton runs on: its interpreter runs it on a CPU). Rows
+    may be strided (a layer's slice of the [T, L, D] per-layer inputs); the last dims must be dense."""
+    from mmserve.model.ple_kernels import gated_projection as kernel
+
+    rows, dim = gate.shape
+    cols = proj_w.shape[0]
+    gate, layer_input, proj_w = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, layer_input, proj_w))
+    out = gate.new_empty(rows, cols)
+    block_t = min(64, max(16, 1 << (rows - 1).bit_length()))   # tl.dot's tiles are 16 rows at least
+    block_d = min(64, max(16, 1 << (dim - 1).bit_length()))
+    grid = (-(-rows // block_t), -(-cols // BLOCK_H))
+    kernel[grid](gate, layer_input, proj_w, out, rows, cols, gate.stride(0), layer_input.stride(0),
+                 proj_w.stride(0), out.stride(0), DIM=dim, BLOCK_T=block_t, BLOCK_H=BLOCK_H, BLOCK_D=block_d,
+                 PRECISION="ieee" if gate.dtype == torch.float32 else "tf32")
+    return out
 
 
 class LayerInputGate(nn.Module):
