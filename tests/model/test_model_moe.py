@@ -148,10 +148,13 @@ def routed(block: MoeBlock, residual: torch.Tensor) -> torch.Tensor:
                                      r.norm.eps, r.top_k, e.first_expert, e.sharded)
 
 
-def test_grouped_path_never_syncs_with_the_host(monkeypatch):
+@pytest.mark.parametrize("pairwise_max", [moe_module.PAIRWISE_MAX, 0])
+def test_grouped_path_never_syncs_with_the_host(monkeypatch, pairwise_max):
     """The CUDA dispatch (forced here: CPU torch cannot make CUDA tensors, and this torch runs
     `_grouped_mm` on CPU) reads no device value on the host, so decode steps of 26B-A4B can be
-    captured as CUDA graphs; the result and the touched count equal the per-expert loop's."""
+    captured as CUDA graphs; the result and the touched count equal the per-expert loop's. Both
+    ways of ranking the pairs: pairwise (decode) and by a scan (PAIRWISE_MAX 0: a prefill's)."""
+    monkeypatch.setattr(moe_module, "PAIRWISE_MAX", pairwise_max)
     rng = random.Random()
     hidden, moe = 24, MoeSpec(num_experts=rng.randint(6, 9), top_k=2, intermediate=16)
     block = MoeBlock(hidden, moe, 1e-6)
@@ -167,6 +170,19 @@ def test_grouped_path_never_syncs_with_the_host(monkeypatch):
             out = routed(block, residual)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
     assert int(block.experts.touched) == distinct
+
+
+def test_pairwise_rank_equals_the_scan():
+    """A pair's row in the grouped order, both ways, on fresh random buckets with many repeats (a
+    sharded rank's other-rank bucket, the last, included): the same stable order."""
+    rng = random.Random()
+    buckets = rng.randint(2, 9)
+    flat = torch.tensor([rng.randrange(buckets + 1) for _ in range(rng.randint(1, 200))])
+    ids = torch.arange(buckets + 1)
+    starts = (flat[:, None] < ids).sum(0)
+    pairwise = moe_module.rank_pairwise(flat)
+    assert torch.equal(pairwise, moe_module.rank_by_scan(flat, starts, ids))
+    assert torch.equal(pairwise, torch.sort(flat, stable=True).indices.argsort())
 
 
 def test_the_sync_detector_catches_the_reads_it_claims():

@@ -60,9 +60,10 @@ def layer_piece(*, token_args: int) -> Callable[[Callable], Callable]:
             if not _layers:
                 return fn(*args)
             if call.compiled is None:
-                # Graphs per piece: two row regimes x the layer kinds that reach it (sliding / full,
-                # projecting K/V or sharing them): up to 8, dynamo's default limit, past which it would
-                # run the piece eagerly without a word.
+                # Graphs per piece: two row regimes (three for the MoE piece: moe.PAIRWISE_MAX splits
+                # the many rows) x the layer kinds that reach it (sliding / full, projecting K/V or
+                # sharing them): up to 8, dynamo's default limit, past which it would run the piece
+                # eagerly without a word.
                 torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, PIECE_GRAPHS)
                 call.compiled = torch.compile(fn, fullgraph=True)
             for arg in args[:token_args]:

@@ -54,8 +54,9 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate
 
     The (token, slot) pairs are grouped by expert with a counting sort, not a sort: expert e's
     group starts after the pairs that chose a smaller id, and a pair's place in it is how many pairs
-    before it chose the same expert (one scan over one-hot rows); the rows are scattered into that
-    order and the expert outputs gathered back from it, each token summing its k (no index_add)."""
+    before it chose the same expert (rank_pairwise at decode's few pairs, rank_by_scan beyond); the
+    rows are scattered into that order and the expert outputs gathered back from it, each token
+    summing its k (no index_add)."""
     k, num_experts = experts.shape[1], gate_up.shape[0]
     flat = experts.flatten()
     mine = None
@@ -65,8 +66,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate
         flat = torch.where(mine, flat, num_experts)
     ids = torch.arange(num_experts + 1, device=x.device)
     starts = (flat[:, None] < ids).sum(0)                                   # [E + 1]: each group's first row
-    same = torch.cumsum(flat[:, None] == ids, 0).gather(1, flat[:, None])[:, 0]   # this pair and those before it
-    place = starts[flat] + same - 1                                         # p's row in the grouped order
+    place = rank_pairwise(flat) if flat.shape[0] <= PAIRWISE_MAX else rank_by_scan(flat, starts, ids)
     pairs = x.unsqueeze(1).expand(-1, k, -1).reshape(-1, x.shape[1])
     rows = torch.empty_like(pairs).index_copy_(0, place, pairs)
     ends = starts[1:]                                                       # each local expert's last row + 1
@@ -80,6 +80,25 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate
     if mine is not None:   # rows past the last local expert were never computed
         out = torch.where(mine[:, None], out, 0.0)
     return out.view(-1, k, x.shape[1]).sum(1).to(x.dtype)
+
+
+PAIRWISE_MAX = 1024   # pairs ranked pairwise up to here (decode and verify steps: 128 rows at top-8)
+
+
+def rank_pairwise(flat: torch.Tensor) -> torch.Tensor:
+    """Each pair's row in the grouped order (`flat` [P]: its expert bucket): the pairs with a smaller
+    bucket, plus the earlier pairs with the same one. One reduction over a [P, P] comparison: no scan,
+    which is a kernel of its own (a cumsum), at the P^2 a decode step's few hundred pairs can afford."""
+    i = torch.arange(flat.shape[0], device=flat.device)
+    before = (flat[None, :] < flat[:, None]) | ((flat[None, :] == flat[:, None]) & (i[None, :] < i[:, None]))
+    return before.sum(1)
+
+
+def rank_by_scan(flat: torch.Tensor, starts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The same rows for any P (a prefill chunk's): the bucket's first row plus how many pairs before
+    this one chose it (a scan over one-hot rows, [P, buckets])."""
+    same = torch.cumsum(flat[:, None] == ids, 0).gather(1, flat[:, None])[:, 0]   # this pair and those before it
+    return starts[flat] + same - 1
 
 
 def _act(gate_up: torch.Tensor) -> torch.Tensor:
