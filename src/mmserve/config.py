@@ -90,7 +90,7 @@ class EngineConfig:
         "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
                 "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})
     backend_self_check: str = field(default="auto", metadata={
-        "help": "at start-up, run each selected fa4/flex attention kernel (and the decode CUDA graphs) once "
+        "help": "at start-up, run each selected fa4/flex attention kernel (and the CUDA graphs, E-models' PLE kernel) once "
                 "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})
     strict_backends: bool = field(default=False, metadata={
         "help": "a backend failing the start-up self-check fails the start instead of falling back "

@@ -69,3 +69,60 @@ def test_the_kernel_compiles_for_sm90(monkeypatch):
     kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                             target=GPUTarget("cuda", 90, 32))
     assert "cubin" in kernel.asm and kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+
+
+def _e_model_layers(hidden: int = 72, dim: int = 80):
+    """What the start-up check reads of a model: its decoder layers' PLE gates (random weights)."""
+    from types import SimpleNamespace
+
+    layers = [SimpleNamespace(ple=ple.LayerInputGate(hidden, dim, 1e-6)) for _ in range(2)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.ple.per_layer_projection.weight, std=dim ** -0.5)
+    return SimpleNamespace(decoder=SimpleNamespace(layers=layers))
+
+
+def test_the_start_up_check_passes_the_kernel_and_keeps_it_on(interpreted):
+    from mmserve.worker.backend_check import check_ple_kernel
+
+    ple.use_kernel(False)
+    try:
+        [check] = check_ple_kernel(_e_model_layers(), strict=True)
+        assert (check.component, check.running, check.reason) == ("ple_projection", "triton", "")
+        assert ple.kernel_enabled()
+    finally:
+        ple.use_kernel(True)
+
+
+@pytest.mark.parametrize("broken", ["wrong rows", "launch error"])
+def test_a_kernel_that_fails_its_start_up_check_is_turned_off_or_refused(interpreted, monkeypatch, broken):
+    """A GPU unlike the ones tested: a kernel off by a row's worth (the class of a stride bug) or one
+    that cannot launch falls back to cuBLAS's GEMM with the reason recorded, or fails the start under
+    --strict-backends. The fallback is what the op then runs on CUDA."""
+    from mmserve.worker.backend_check import BackendCheckError, check_ple_kernel
+
+    real = ple.launch_gated_projection
+
+    def wrong(gate, layer_input, proj_w):
+        if broken == "launch error":
+            raise RuntimeError("no kernel image is available for execution on the device")
+        out = real(gate, layer_input, proj_w)
+        return torch.cat([out[1:], out[:1]])   # rows shifted by one
+
+    monkeypatch.setattr(ple, "launch_gated_projection", wrong)
+    try:
+        [check] = check_ple_kernel(_e_model_layers(), strict=False)
+        assert check.running == "cublas" and check.fell_back and "2 rows" in check.reason
+        assert not ple.kernel_enabled()
+        with pytest.raises(BackendCheckError, match="ple_projection"):
+            check_ple_kernel(_e_model_layers(), strict=True)
+    finally:
+        ple.use_kernel(True)
+
+
+def test_models_without_per_layer_inputs_are_not_checked():
+    from types import SimpleNamespace
+
+    from mmserve.worker.backend_check import check_ple_kernel
+
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(ple=None)]))
+    assert check_ple_kernel(model, strict=True) == []

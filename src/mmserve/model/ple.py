@@ -56,12 +56,27 @@ MAX_KERNEL_ROWS = 256   # decode and verify steps; a prefill chunk's rows go to 
 BLOCK_H = 32            # output columns per program: E4B's 2560 are 80 programs, a row block's weight read spread wide
 
 
+_kernel_enabled = True   # the process's choice: off after a failed start-up check (worker/backend_check.py)
+
+
+def use_kernel(enabled: bool) -> None:
+    """Turn the Triton kernel on or off for every model in this process (before layer pieces compile:
+    a compiled piece keeps the op, and the op reads this at each call)."""
+    global _kernel_enabled
+    _kernel_enabled = enabled
+
+
+def kernel_enabled() -> bool:
+    return _kernel_enabled
+
+
 @torch.library.custom_op("mmserve::ple_gated_projection", mutates_args=())
 def gated_projection(gate: torch.Tensor, layer_input: torch.Tensor, proj_w: torch.Tensor) -> torch.Tensor:
     """proj(gelu_tanh(gate) * layer_input): [T, D] x2, [H, D] -> [T, H]. An opaque op, so that a
     compiled layer piece calls it as one launch: on CUDA with at most MAX_KERNEL_ROWS rows our Triton
-    kernel (the operand made in its prologue); otherwise the elementwise op and a GEMM."""
-    if gate.is_cuda and gate.shape[0] <= MAX_KERNEL_ROWS:
+    kernel (the operand made in its prologue) unless its start-up check turned it off; otherwise the
+    elementwise op and a GEMM."""
+    if gate.is_cuda and gate.shape[0] <= MAX_KERNEL_ROWS and _kernel_enabled:
         return launch_gated_projection(gate, layer_input, proj_w)
     return F.linear(F.gelu(gate, approximate="tanh") * layer_input, proj_w)
 

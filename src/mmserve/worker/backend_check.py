@@ -11,7 +11,9 @@ along FALLBACK (fa4 -> flex -> sdpa), checking the fallback in turn. CUDA graphs
 for each query length, a step of real-looking requests on private blocks (`graph_check_step`: a
 context of their own, one request short of the graph's size so padding runs beside them) runs as
 the padded graph and eagerly unpadded, and their rows are compared (model_runner.py); a failed
-capture or a mismatch runs those steps eagerly. `--strict-backends` turns every fallback into a start-up error.
+capture or a mismatch runs those steps eagerly. E2B/E4B's PLE projection kernel (a Triton GEMM
+of our own, model/ple_kernels.py): against the float32 GEMM at decode row counts; a failure turns it
+off (cuBLAS). `--strict-backends` turns every fallback into a start-up error.
 Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` metric.
 """
 
@@ -98,6 +100,50 @@ def check_attention(model, pools: dict[str, PoolConfig], kv_caches: list[torch.T
             use_backend(model, layer_type, running)
         results.append(BackendCheck(layer_type, selected, running, "; ".join(reasons)))
     return results
+
+
+PLE_CHECK_ROWS = (2, 17, 64, 256)   # decode/verify row counts: partial and full 16-64-row tiles, the op's limit
+
+
+def check_ple_kernel(model, *, strict: bool) -> list[BackendCheck]:
+    """E2B/E4B on CUDA: PLE's Triton projection (model/ple_kernels.py) against the float32 GEMM of
+    the same (dtype-rounded) operand, on the model's own projection weight and fresh random inputs at
+    the decode row counts it serves. A launch error or a mismatch turns the kernel off for the process
+    (the op then runs the elementwise op and cuBLAS's GEMM: a kernel more per layer, same tokens)."""
+    from mmserve.model import ple
+
+    gate_modules = [layer.ple for layer in model.decoder.layers if getattr(layer, "ple", None) is not None]
+    if not gate_modules:
+        return []
+    proj_w = gate_modules[0].per_layer_projection.weight
+    reason = ple_kernel_mismatch(proj_w)
+    if reason is None:
+        ple.use_kernel(True)
+        return [BackendCheck("ple_projection", "triton", "triton")]
+    ple.use_kernel(False)
+    return [fallen_back("ple_projection", "triton", "cublas", reason, strict)]
+
+
+@torch.no_grad()
+def ple_kernel_mismatch(proj_w: torch.Tensor) -> str | None:
+    """Why the kernel is wrong on this device for `proj_w` ([H, D]), or None."""
+    from mmserve.model.ple import launch_gated_projection
+
+    gen = torch.Generator(device=proj_w.device).manual_seed(0)
+    dim = proj_w.shape[1]
+    for rows in PLE_CHECK_ROWS:
+        gate = torch.randn(rows, dim, generator=gen, device=proj_w.device).mul_(2).to(proj_w.dtype)
+        layer_input = torch.randn(rows, 3, dim, generator=gen, device=proj_w.device).to(proj_w.dtype)[:, 1]
+        operand = (torch.nn.functional.gelu(gate.float(), approximate="tanh") * layer_input.float()).to(proj_w.dtype)
+        want = operand.float() @ proj_w.float().T
+        try:
+            got = launch_gated_projection(gate, layer_input, proj_w)
+        except Exception as exc:   # a compile or launch error on a GPU unlike the ones tested
+            return f"{rows} rows: {type(exc).__name__}: {exc}"[:500]
+        error = _relative_error(got, want)
+        if not error <= BF16_TOLERANCE:   # NaN fails too
+            return f"{rows} rows: max error {error:.3g} of the largest value (tolerance {BF16_TOLERANCE})"
+    return None
 
 
 def use_backend(model, layer_type: str, name: str) -> None:

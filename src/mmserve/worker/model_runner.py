@@ -50,6 +50,7 @@ from mmserve.worker.backend_check import (
     BackendCheck,
     CheckStep,
     check_attention,
+    check_ple_kernel,
     fallen_back,
     graph_check_step,
     graphs_mismatch,
@@ -141,6 +142,8 @@ class ModelRunner:
         self.self_check = should_check(config.backend_self_check, device)
         self.backend_checks: list[BackendCheck] = (
             check_attention(model, pools, self.kv_caches, strict=config.strict_backends) if self.self_check else [])
+        if self.self_check and device.type == "cuda":   # the kernel runs on CUDA only
+            self.backend_checks += check_ple_kernel(model, strict=config.strict_backends)
         backends = {t: get_backend(name) for t, name in model.attention_backends.items()}   # after fallbacks
         self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
         self._host_positions = [b.name for b in backends.values() if not b.device_positions]   # plan from the host
