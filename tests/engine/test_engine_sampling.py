@@ -17,7 +17,7 @@ import mmserve.sample.sampler as sampler_module
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request
 from mmserve.sample.row_values import RowValues
-from mmserve.sample.sampler import Draws, Sampler
+from mmserve.sample.sampler import Draws, Sampler, inverse_cdf
 from mmserve.sampling_params import SamplingParams
 
 
@@ -309,7 +309,7 @@ def test_seeded_tokens_do_not_depend_on_the_batch_or_its_order():
 
 
 def test_seeded_rows_follow_the_reference_distribution(monkeypatch):
-    """4000 seeded rows in one step (each its own seed: one batched hash for all of them) under
+    """4000 seeded rows in one step (each its own seed: one batched inverse CDF for all of them) under
     top-k + top-p follow the sort-based reference by a chi-square test; rows whose noise ignores
     their seed fail it (seeds fixed)."""
     vocab, n = 40, 4000
@@ -326,3 +326,20 @@ def test_seeded_rows_follow_the_reference_distribution(monkeypatch):
     position_seed = sampler_module.position_seed
     monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: position_seed(seed % 7, position))
     assert chi_square_p(counts(), expected) < 0.01
+
+
+def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
+    """Fresh random rows with zero-mass tokens (filtered out) and random uniforms, extremes included:
+    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    probs = torch.rand(64, 50, generator=gen) * (torch.rand(64, 50, generator=gen) < 0.3)
+    probs[:, 49] = 0.0   # a zero-mass last token: the largest uniform must not fall through to it
+    probs[torch.arange(64), torch.randint(0, 49, (64,), generator=gen)] += 0.01   # every row has mass
+    bits = torch.randint(0, 2**52, (64,), generator=gen)
+    bits[:2] = torch.tensor([0, 2**52 - 1])
+    got = inverse_cdf(probs, bits)
+    for row, b, token in zip(probs.double(), bits.tolist(), got.tolist(), strict=True):
+        threshold = (b + 0.5) / 2**52 * float(row.sum())
+        mass = 0.0
+        want = next(i for i, p in enumerate(row.tolist()) if (mass := mass + p) >= threshold)
+        assert token == want and row[token] > 0

@@ -5,14 +5,17 @@ Grammar masks (structured output) are filled on the host first, before anything 
 device, so on a GPU that work overlaps the step's forward pass. A row whose grammar cannot go on
 comes back in `SamplerOutput.errors`: the core ends that request alone.
 
-A random row takes argmax(probs / noise) with exponential noise (an exact draw from probs; the
-scale of probs does not matter, so the top-k/top-p filters need no renormalisation). Unseeded rows
-draw their noise together from one generator (one kernel for the batch). A seeded row's noise for
-output position j is a counter-based hash of (seed, j, vocab index) (`seeded_noise`, as SGLang's
-seeded sampling hashes its noise), computed for every seeded row of the step in the same few
-batched ops, so its tokens depend neither on its batch-mates, their order, nor on how many rows a
-step gave it (speculation's verify chunks, preemption). A seed reproduces its tokens within a
-version of mmserve (as in vLLM): the hash changed them once already (docs/api.md).
+An unseeded row takes argmax(probs / noise) with exponential noise (an exact draw from probs; the
+scale of probs does not matter, so the top-k/top-p filters need no renormalisation); all unseeded
+rows draw their noise together from one generator (one kernel for the batch). A seeded row at
+output position j inverts its distribution's CDF at one uniform, a counter-based hash of (seed, j)
+(`position_seed`, splitmix64) computed on the host and sent with the step's values: every seeded row
+of the step is drawn in the same few batched ops (a float64 cumsum and a search), so its tokens depend
+neither on its batch-mates, their order, nor on how many rows a step gave it (speculation's verify
+chunks, preemption). A hash per (seed, j, vocab index) -> exponential noise, as SGLang does, was
+tried first: ~40 elementwise passes over [seeded rows, vocab] unfused, far more device traffic than
+one cumsum. A seed reproduces its tokens within a version of mmserve (as in vLLM): this change
+moved them once (docs/api.md).
 
 Speculative decoding needs no second draw: row j of a verify chunk is sampled like a plain step
 at that position, and a greedy draft is kept exactly when its row's draw equals it (the core's
@@ -48,7 +51,7 @@ from mmserve.sample.row_values import RowValues
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
 _MASK64 = 2**64 - 1
-_MASK32 = 2**32 - 1
+_UNIFORM_BITS = 52   # a seeded row's uniform: the top 52 of position_seed's 63 bits (exact in float64)
 _FLOAT32_BITS = 31   # a non-negative float32's bit pattern is below 2^31
 
 
@@ -86,31 +89,20 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return bits >= lo
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """In place: a bijective avalanche of 32-bit values held in int64 (Wellons' lowbias32); products
-    wrap past 2^63 but their low 32 bits, all that is kept, are exact."""
-    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_MASK32)
-    x.bitwise_xor_(x >> 15).mul_(0x846CA68B).bitwise_and_(_MASK32)
-    return x.bitwise_xor_(x >> 16)
-
-
-def seeded_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """keys int64 [S, 2] (each row's `position_seed` as its low and high 32 bits) -> float32 [S, vocab]
-    exponential noise, a pure function of (key, vocab index): a counter-based hash, so every seeded
-    row of a step takes a few batched ops, and a row's noise depends on nothing else in the batch.
-    Within a row the hashed values are distinct (each round is a bijection); u = (h + 1/2) / 2^32 in
-    float64 is in (0, 1), so the noise -log(u) is finite and positive."""
-    index = torch.arange(vocab, dtype=torch.int64, device=keys.device)
-    x = _mix32(index.unsqueeze(0).bitwise_xor(keys[:, :1]))
-    x = _mix32(x.bitwise_xor_(keys[:, 1:]))
-    x = _mix32(x.add_(0x9E3779B9).bitwise_and_(_MASK32))
-    return x.double().add_(0.5).mul_(2.0 ** -32).log_().neg_().float()
+def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor:
+    """probs [S, V] (each row's filtered distribution, up to its scale), uniform_bits int64 [S] (52
+    random bits each) -> [S] tokens: the first token whose cumulative mass reaches u * total with
+    u = (bits + 1/2) / 2^52 in (0, 1), an exact draw from each row. Float64 sums keep a token of mass
+    1e-12 its share; a zero-mass token is never the first to reach the threshold."""
+    cdf = probs.double().cumsum_(dim=-1)
+    threshold = uniform_bits.double().add_(0.5).mul_(2.0 ** -_UNIFORM_BITS).mul_(cdf[:, -1])
+    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1)   # threshold <= total: a token, never V
 
 
 class Draws:
-    """The random rows of a step: their filters (temperature, top-k, top-p) and their noise's seeds,
+    """The random rows of a step: their filters (temperature, top-k, top-p) and their seeds' uniforms,
     planned on the host into the step's `RowValues`, then drawn on the device (`filtered_probs`,
-    `noise`) in a fixed number of ops whatever the number of rows."""
+    `tokens`) in a fixed number of ops whatever the number of rows."""
 
     def __init__(self, values: RowValues, requests: Sequence, vocab: int):
         self.requests = list(requests)
@@ -127,9 +119,9 @@ class Draws:
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         self.seeded = bool(seeded)
         if self.seeded:
-            keys = [position_seed(params[i].seed, len(self.requests[i].output_token_ids)) for i in seeded]
             values.ids("seeded_rows", seeded)
-            values.ids("seed_keys", [(k & _MASK32, k >> 32) for k in keys])
+            values.ids("uniform_bits", [position_seed(params[i].seed, len(self.requests[i].output_token_ids))
+                                        >> (63 - _UNIFORM_BITS) for i in seeded])
 
     def filtered_probs(self, logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
         """softmax(logits / temperature) with each row's top-k, then top-p, filter applied (zeros
@@ -144,13 +136,16 @@ class Draws:
             probs.index_copy_(0, index, sub * nucleus(sub, dev["top_p"].to(probs.dtype)))
         return probs
 
-    def noise(self, shape: torch.Size, dev: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
-        """Exponential noise [rows, vocab]: unseeded rows' from `generator` in one call, seeded rows'
-        from their (seed, output position) keys (`seeded_noise`)."""
-        noise = torch.empty(shape, device=dev["temperature"].device).exponential_(generator=generator)
+    def tokens(self, probs: torch.Tensor, dev: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        """One draw per row from `probs` ([rows, V], `filtered_probs`): unseeded rows race exponential
+        noise from `generator` (one call for all), argmax(probs / noise); seeded rows invert their CDF
+        at their (seed, output position)'s uniform (`inverse_cdf`), all in the same few ops."""
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / noise).argmax(dim=-1)
         if self.seeded:
-            noise.index_copy_(0, dev["seeded_rows"], seeded_noise(dev["seed_keys"], shape[1]))
-        return noise
+            index = dev["seeded_rows"]
+            tokens.index_copy_(0, index, inverse_cdf(probs.index_select(0, index), dev["uniform_bits"]))
+        return tokens
 
 
 @dataclass
@@ -245,10 +240,9 @@ class Sampler:
         return None if self.grammar is None else self.grammar.advance(request, tokens)
 
     def _draw(self, logits: torch.Tensor, draws: Draws, dev: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One draw per random row from its filtered distribution: argmax(probs / exponential noise)."""
+        """One draw per random row from its filtered distribution."""
         probs = draws.filtered_probs(logits, dev)
-        noise = draws.noise(probs.shape, dev, self._generator(probs.device))
-        return (probs / noise).argmax(dim=-1)
+        return draws.tokens(probs, dev, self._generator(probs.device))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._batch_generators.get(device)
