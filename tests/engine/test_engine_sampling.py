@@ -343,3 +343,29 @@ def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
         mass = 0.0
         want = next(i for i, p in enumerate(row.tolist()) if (mass := mass + p) >= threshold)
         assert token == want and row[token] > 0
+
+
+def test_a_constrained_rows_mask_rides_the_steps_one_copy(tmp_path, monkeypatch):
+    """A step with a grammar-constrained row (real xgrammar) among seeded and penalised rows: its
+    bitmask goes to the device with the step's other values, in one copy, and masks the row."""
+    import gemma4_fixtures
+
+    from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.sampling_params import ResponseFormat
+    from mmserve.structured_output.compiler import FormatCompiler
+    from mmserve.structured_output.manager import StructuredOutput
+
+    gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB
+    grammar = StructuredOutput(FormatCompiler(tokenizer, vocab, [gemma4_fixtures.EOS], cache_bytes=2**20,
+                                              timeout_s=float("inf")))
+    fmt = ResponseFormat("regex", "[a-f][0-9]x")
+    grammar.add("g", fmt, grammar.compiler.compile(fmt))
+    requests = [Request("g", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, response_format=fmt)),
+                Request("s", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, seed=3)),
+                Request("p", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, presence_penalty=0.5))]
+    work = DeviceWork(monkeypatch)
+    with work:
+        pending = Sampler(grammar=grammar).launch(torch.randn(3, vocab) * 3, requests)
+    assert work.copies == 1
+    assert tokenizer.decode([pending.result().token_ids[0]]) in set("abcdef")

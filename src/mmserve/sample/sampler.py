@@ -12,10 +12,9 @@ output position j inverts its distribution's CDF at one uniform, a counter-based
 (`position_seed`, splitmix64) computed on the host and sent with the step's values: every seeded row
 of the step is drawn in the same few batched ops (a float64 cumsum and a search), so its tokens depend
 neither on its batch-mates, their order, nor on how many rows a step gave it (speculation's verify
-chunks, preemption). A hash per (seed, j, vocab index) -> exponential noise, as SGLang does, was
-tried first: ~40 elementwise passes over [seeded rows, vocab] unfused, far more device traffic than
-one cumsum. A seed reproduces its tokens within a version of mmserve (as in vLLM): this change
-moved them once (docs/api.md).
+chunks, preemption). (Hashing (seed, j, vocab index) into noise, as SGLang does, takes ~40 unfused
+elementwise passes over [seeded rows, vocab]: far more device traffic than one cumsum.) A seed
+reproduces its tokens within a version of mmserve, as in vLLM (docs/api.md).
 
 Speculative decoding needs no second draw: row j of a verify chunk is sampled like a plain step
 at that position, and a greedy draft is kept exactly when its row's draw equals it (the core's
@@ -218,6 +217,7 @@ class Sampler:
         adjust = Adjustments(values, requests, params, self.eos_token_ids, self.penalties, vocab)
         if masks is not None:
             values.ids("mask_rows", masks[0])
+            values.words("mask_words", masks[1].numpy())
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         values.ids("random_rows", random_rows)
         draws = Draws(values, [requests[i] for i in random_rows], vocab) if random_rows else None
@@ -226,7 +226,7 @@ class Sampler:
         final = logits.clone() if adjust.any or masks is not None else logits
         adjust.apply(final, dev)
         if masks is not None:
-            apply_bitmask(final, dev["mask_rows"], masks[1])
+            apply_bitmask(final, dev["mask_rows"], dev["mask_words"])
         tokens = final.argmax(dim=-1)
         if draws is not None:
             index = dev["random_rows"]
