@@ -93,7 +93,7 @@ def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor
     random bits each) -> [S] tokens: the first token whose cumulative mass reaches u * total with
     u = (bits + 1/2) / 2^52 in (0, 1), an exact draw from each row. Float64 sums keep a token of mass
     1e-12 its share; a zero-mass token is never the first to reach the threshold."""
-    cdf = probs.double().cumsum_(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)   # read once as float32, summed in float64
     threshold = uniform_bits.double().add_(0.5).mul_(2.0 ** -_UNIFORM_BITS).mul_(cdf[:, -1])
     return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1)   # threshold <= total: a token, never V
 
