@@ -40,7 +40,7 @@ def assert_pools_full(core):
     assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in core.kv.pools.values())
     cache = core.runner.encoder_cache
     assert cache.num_bytes <= cache.max_bytes
-    assert not core.sampler.penalties._counts and not core.requests
+    assert not core.sampler.penalties._slot and not core.requests
 
 
 def test_64_concurrent_requests_match_running_alone(load_backend):

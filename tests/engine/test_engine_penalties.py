@@ -12,9 +12,17 @@ from engine_helpers import PROMPTS, build_request, make_llm
 
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request
-from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
+from mmserve.sample.penalties import Adjustments, PenaltyState
+from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import SamplingParams
 from mmserve.spec_decode.verify import VerifyRow
+
+
+def adjust(logits: torch.Tensor, rows, eos, state: PenaltyState) -> None:
+    """In place: the sampler's adjustments of `rows` (Requests or verify rows), planned and applied."""
+    values = RowValues()
+    adjustments = Adjustments(values, rows, [r.sampling_params for r in rows], eos, state, logits.shape[1])
+    adjustments.apply(logits, values.to(logits.device))
 
 
 def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tensor:
@@ -52,11 +60,9 @@ def test_batched_adjustments_equal_the_per_row_reference():
         outputs.append([rng.randrange(vocab) for _ in range(rng.randrange(0, 20))])
     logits = torch.randn(12, vocab) * 5
     got = logits.clone()
-    apply_logit_bias(got, params)
-    apply_min_tokens(got, params, [len(o) for o in outputs], eos)
     requests = [Request(f"r{i}", prompt, p, output_token_ids=list(output))
                 for i, (prompt, p, output) in enumerate(zip(prompts, params, outputs, strict=True))]
-    apply_penalties(got, params, requests, PenaltyState())
+    adjust(got, requests, eos, PenaltyState())
     want = reference(logits, params, prompts, outputs, eos)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-4)
@@ -77,7 +83,7 @@ def test_penalty_state_kept_across_steps_equals_the_reference_each_step():
         rows = [requests[0], VerifyRow(requests[1], drafts), requests[2]]
         logits = torch.randn(3, vocab) * 4
         got = logits.clone()
-        apply_penalties(got, params, rows, state)
+        adjust(got, rows, [], state)
         want = reference(logits, params, [r.prompt_token_ids for r in rows], [r.output_token_ids for r in rows], [])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
         for r in requests:   # this step's tokens join the output (drafts never do)

@@ -4,14 +4,20 @@ detokenized text, EOS, max_tokens."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from engine_helpers import build_request, make_llm
 from test_engine_speculative_sampling import chi_square_p
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import mmserve.sample.row_values as row_values_module
+import mmserve.sample.sampler as sampler_module
 from mmserve.errors import InvalidInputError
 from mmserve.request import Request
-from mmserve.sample.sampler import Sampler, filtered_probs
+from mmserve.sample.row_values import RowValues
+from mmserve.sample.sampler import Draws, Sampler, inverse_cdf
 from mmserve.sampling_params import SamplingParams
 
 
@@ -21,6 +27,13 @@ def rows(ids: list[str], params: list[SamplingParams]) -> list[Request]:
 
 def draw(sampler: Sampler, logits: torch.Tensor, ids: list[str], params: list[SamplingParams]) -> list[int]:
     return sampler.sample(logits, rows(ids, params)).token_ids
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The sampler's filtered distribution of each row (`Draws`), planned and sent as a step does."""
+    values = RowValues()
+    draws = Draws(values, rows([f"f{i}" for i in range(len(params))], params), logits.shape[-1])
+    return draws.filtered_probs(logits, values.to(logits.device))
 
 
 def sorted_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -71,7 +84,6 @@ def test_top_k_top_p_draws_follow_the_reference_distribution(monkeypatch):
         return torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
 
     assert chi_square_p(counts(), expected) > 0.01
-    import mmserve.sample.sampler as sampler_module
     monkeypatch.setattr(sampler_module, "nucleus", lambda probs, top_p: torch.ones_like(probs, dtype=torch.bool))
     assert chi_square_p(counts(), expected) < 0.01
 
@@ -159,10 +171,10 @@ def test_a_request_whose_sampling_fails_ends_alone(load_backend):
     alone = llm.generate([mate])[0].token_ids
     draw_rows = llm.core.sampler._draw
 
-    def failing(logits, requests):
-        if any(r.request_id == "doomed" for r in requests):
+    def failing(logits, draws, dev):
+        if any(r.request_id == "doomed" for r in draws.requests):
             raise RuntimeError("injected: doomed and mate share this step")
-        return draw_rows(logits, requests)
+        return draw_rows(logits, draws, dev)
 
     llm.core.sampler._draw = failing
     llm.add_request(mate)
@@ -177,3 +189,183 @@ def test_a_request_whose_sampling_fails_ends_alone(load_backend):
     assert list(errors) == ["doomed"] and isinstance(errors["doomed"], EngineInternalError)
     assert "mate" not in str(errors["doomed"])
     assert tokens == alone
+
+
+TO_DEVICE = row_values_module.to_device
+
+
+class DeviceWork(TorchDispatchMode):
+    """What queuing a step's sampling launches: tensor ops that are not views (one kernel each on
+    CUDA, ~1-2 us of device time even in a graph), and host-to-device copies of per-row values."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.ops, self.copies, self.active = 0, 0, False
+
+        def counted(*args, **kwargs):
+            self.copies += self.active
+            return TO_DEVICE(*args, **kwargs)
+        monkeypatch.setattr(row_values_module, "to_device", counted)
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def step_work(monkeypatch, params: list[SamplingParams], gen: torch.Generator, steps: int = 2) -> DeviceWork:
+    """The device work of the last of `steps` steps of rows with `params` (earlier steps grow the
+    penalties' state, so the last one adds new output tokens as a steady decode does)."""
+    vocab = 96
+    requests = [Request(f"w{i}", torch.randint(0, vocab, (5,), generator=gen).tolist(), p,
+                        output_token_ids=torch.randint(0, vocab, (3,), generator=gen).tolist())
+                for i, p in enumerate(params)]
+    sampler = Sampler(seed=1, eos_token_ids=[2])
+    for step in range(steps):
+        logits = torch.randn(len(requests), vocab, generator=gen)
+        if step == steps - 1:
+            work = DeviceWork(monkeypatch)
+            with work:
+                pending = sampler.launch(logits, requests)
+        else:
+            pending = sampler.launch(logits, requests)
+        for r, t in zip(requests, pending.result().token_ids, strict=True):
+            r.output_token_ids.append(t)
+    return work
+
+
+def real_traffic(i: int, gen: torch.Generator) -> SamplingParams:
+    """Row i of a batch as OpenAI clients send them: temperature 1.0, many seeded, some penalised,
+    some with logprobs, top-k/top-p, bias, min_tokens."""
+    pick = torch.rand(4, generator=gen).tolist()
+    return SamplingParams(temperature=1.0, seed=int(torch.randint(0, 2**31, (), generator=gen)) if pick[0] < 0.5 else None,
+                          presence_penalty=0.5 if pick[1] < 0.4 else 0.0, repetition_penalty=1.2 if pick[1] < 0.2 else 1.0,
+                          logprobs=pick[2] < 0.3, top_logprobs=3 if pick[2] < 0.3 else 0,
+                          top_k=40 if pick[3] < 0.3 else 0, top_p=0.9 if pick[3] < 0.5 else 1.0,
+                          logit_bias=((7, 2.0),) if i % 5 == 0 else (), min_tokens=6 if i % 7 == 0 else 0)
+
+
+@pytest.mark.parametrize("kind", ["seeded", "penalised", "real_traffic"])
+def test_queuing_a_steps_sampling_does_not_grow_with_its_rows(monkeypatch, kind):
+    """One packed copy of per-row values a step, and as many ops for 48 rows as for 4 (today's code
+    copied per parameter and drew one noise kernel per seeded row and one count update per
+    penalised row)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+
+    def params(n: int) -> list[SamplingParams]:
+        if kind == "seeded":
+            return [SamplingParams(temperature=1.0, seed=100 + i) for i in range(n)]
+        if kind == "penalised":
+            return [SamplingParams(temperature=1.0, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2)
+                    for _ in range(n)]
+        return [real_traffic(i, gen) for i in range(n)]
+
+    if kind == "real_traffic":   # every feature in both batches, so both take the same branches
+        small = [real_traffic(i, gen) for i in range(40)]
+        few = [p for p in small if p.seed is not None][:1] + [p for p in small if p.seed is None][:1] + [
+            p for p in small if p.has_penalties and p.repetition_penalty != 1.0][:1] + [
+            p for p in small if p.logprobs][:1] + [p for p in small if p.top_k][:1] + [
+            p for p in small if p.top_p < 1.0][:1] + [small[0], small[7]]
+        work_few, work_many = step_work(monkeypatch, few, gen), step_work(monkeypatch, few + params(40), gen)
+    else:
+        work_few, work_many = step_work(monkeypatch, params(4), gen), step_work(monkeypatch, params(48), gen)
+    assert work_few.copies == work_many.copies == 1
+    assert work_few.ops == work_many.ops, (work_few.ops, work_many.ops)
+
+
+def test_seeded_tokens_do_not_depend_on_the_batch_or_its_order():
+    """A seeded row's tokens over 12 steps are the same alone and in batches of other seeded and
+    unseeded rows in shuffled orders."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab, steps = 64, 12
+    logits = torch.randn(steps, vocab, generator=gen) * 2
+    target = SamplingParams(temperature=1.0, top_p=0.95, seed=int(torch.randint(0, 2**31, (), generator=gen)))
+
+    def run(mates: list[SamplingParams], order: torch.Tensor) -> list[int]:
+        requests = [Request("target", [1], target)] + [Request(f"m{i}", [1], p) for i, p in enumerate(mates)]
+        requests = [requests[i] for i in order.tolist()]
+        sampler, tokens = Sampler(seed=int(torch.randint(0, 100, (), generator=gen))), []
+        for step in range(steps):
+            rows = logits[step].expand(len(requests), vocab) + torch.randn(len(requests), vocab, generator=gen) * (
+                torch.tensor([r.request_id != "target" for r in requests]).unsqueeze(1))
+            out = sampler.sample(rows, requests).token_ids
+            for r, t in zip(requests, out, strict=True):
+                r.output_token_ids.append(t)
+            tokens.append(out[[r.request_id for r in requests].index("target")])
+        return tokens
+
+    alone = run([], torch.tensor([0]))
+    for n in (3, 17):
+        mates = [SamplingParams(temperature=0.7, seed=i if i % 2 else None) for i in range(n)]
+        assert run(mates, torch.randperm(n + 1, generator=gen)) == alone
+    assert len(set(alone)) > 1
+
+
+def test_seeded_rows_follow_the_reference_distribution(monkeypatch):
+    """4000 seeded rows in one step (each its own seed: one batched inverse CDF for all of them) under
+    top-k + top-p follow the sort-based reference by a chi-square test; rows whose noise ignores
+    their seed fail it (seeds fixed)."""
+    vocab, n = 40, 4000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    p = SamplingParams(temperature=1.2, top_k=12, top_p=0.8)
+    expected = sorted_reference(logits[0], p)
+
+    def counts() -> torch.Tensor:
+        params = [dataclasses.replace(p, seed=1000 + i) for i in range(n)]
+        out = Sampler(seed=1).sample(logits.expand(n, vocab), rows([f"s{i}" for i in range(n)], params))
+        return torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
+
+    assert chi_square_p(counts(), expected) > 0.01
+    position_seed = sampler_module.position_seed
+    monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: position_seed(seed % 7, position))
+    assert chi_square_p(counts(), expected) < 0.01
+
+
+def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
+    """Fresh random rows with zero-mass tokens (filtered out) and random uniforms, extremes included:
+    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    probs = torch.rand(64, 50, generator=gen) * (torch.rand(64, 50, generator=gen) < 0.3)
+    probs[:, 49] = 0.0   # a zero-mass last token: the largest uniform must not fall through to it
+    probs[torch.arange(64), torch.randint(0, 49, (64,), generator=gen)] += 0.01   # every row has mass
+    bits = torch.randint(0, 2**52, (64,), generator=gen)
+    bits[:2] = torch.tensor([0, 2**52 - 1])
+    got = inverse_cdf(probs, bits)
+    for row, b, token in zip(probs.double(), bits.tolist(), got.tolist(), strict=True):
+        threshold = (b + 0.5) / 2**52 * float(row.sum())
+        mass = 0.0
+        want = next(i for i, p in enumerate(row.tolist()) if (mass := mass + p) >= threshold)
+        assert token == want and row[token] > 0
+
+
+def test_a_constrained_rows_mask_rides_the_steps_one_copy(tmp_path, monkeypatch):
+    """A step with a grammar-constrained row (real xgrammar) among seeded and penalised rows: its
+    bitmask goes to the device with the step's other values, in one copy, and masks the row."""
+    import gemma4_fixtures
+
+    from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.sampling_params import ResponseFormat
+    from mmserve.structured_output.compiler import FormatCompiler
+    from mmserve.structured_output.manager import StructuredOutput
+
+    gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB
+    grammar = StructuredOutput(FormatCompiler(tokenizer, vocab, [gemma4_fixtures.EOS], cache_bytes=2**20,
+                                              timeout_s=float("inf")))
+    fmt = ResponseFormat("regex", "[a-f][0-9]x")
+    grammar.add("g", fmt, grammar.compiler.compile(fmt))
+    requests = [Request("g", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, response_format=fmt)),
+                Request("s", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, seed=3)),
+                Request("p", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, presence_penalty=0.5))]
+    work = DeviceWork(monkeypatch)
+    with work:
+        pending = Sampler(grammar=grammar).launch(torch.randn(3, vocab) * 3, requests)
+    assert work.copies == 1
+    assert tokenizer.decode([pending.result().token_ids[0]]) in set("abcdef")

@@ -4,7 +4,8 @@ A fresh random tiny Gemma 4 with a 24-token vocabulary and a tiny assistant that
 token it is given: many seeded requests of one prompt each emit 3 tokens, the second of which is
 decided by verifying a draft (kept when its row's draw equals it; else the row's draw, which is
 then a draw from p without the draft). Its empirical distribution must match the target's marginal,
-sum_t p(t | prompt) p(x | prompt, t), by a chi-square test; the same test rejects a deliberately
+sum_t p(t | prompt) p(x | prompt, t), and how often it repeats the first token must match
+sum_t p(t | prompt) p(t | prompt, t), by chi-square tests; the same tests reject a deliberately
 broken sampler (a request drawing the same noise at every output position) on the same seeds. The marginal comes from our decoder run
 alone (PagedSequence): transformers gives the same logits for text tokens but treats a sampled
 image/audio placeholder id (8, 9, 12 here) as a media slot, which the engine does not.
@@ -16,12 +17,13 @@ import pytest
 import torch
 from engine_helpers import make_llm
 from gemma4_fixtures import NUM_SPECIALS, PagedSequence, make_assistant, make_checkpoint, tiny_config
+from test_engine_penalties import adjust
 
 import mmserve.sample.sampler as sampler_module
 from mmserve.engine.types import EngineRequest
 from mmserve.model import load_model
 from mmserve.request import Request
-from mmserve.sample.penalties import PenaltyState, apply_penalties
+from mmserve.sample.penalties import PenaltyState
 from mmserve.sampling_params import SamplingParams
 
 VOCAB = NUM_SPECIALS + 8
@@ -39,14 +41,24 @@ def tiny_vocab(tmp_path_factory):
     return load_model(root / "target"), str(root / "assistant")
 
 
-def target_marginal(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """p(second token = x) under the target at TEMPERATURE, with `params`' penalties applied."""
+def target_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tensor:
+    """p(first token = t, second token = x) [t, x] under the target at TEMPERATURE, with `params`'
+    penalties applied."""
     def probs(ids, output):
         logits = model.compute_logits(PagedSequence(model).step(ids)[-1:]).clone()
-        apply_penalties(logits, [params], [Request("m", prompt, params, output_token_ids=output)], PenaltyState())
+        adjust(logits, [Request("m", prompt, params, output_token_ids=output)], [], PenaltyState())
         return torch.softmax(logits[0] / TEMPERATURE, -1)
     nexts = torch.stack([probs(prompt + [t], [t]) for t in range(VOCAB)])
-    return (probs(prompt, [])[:, None] * nexts).sum(0).double()
+    return (probs(prompt, [])[:, None] * nexts).double()
+
+
+def p_values(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
+    """Chi-square p-values of draws `tokens` [N, 2] (first and second tokens) against `joint`: of the
+    second token's marginal, and of how often the second token repeats the first."""
+    repeats = float((tokens[:, 0] == tokens[:, 1]).sum())
+    p_repeat = float(joint.diagonal().sum())
+    return (chi_square_p(torch.bincount(tokens[:, 1], minlength=VOCAB).double(), joint.sum(0)),
+            chi_square_p(torch.tensor([repeats, len(tokens) - repeats]), torch.tensor([p_repeat, 1 - p_repeat])))
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -73,8 +85,7 @@ def second_tokens(model, assistant: str, prompt: list[int], penalties: dict, asy
                               SamplingParams(max_tokens=3, temperature=TEMPERATURE, seed=i, ignore_eos=True, **penalties))
                 for i in range(N)]
     done = llm.generate(requests)
-    return torch.bincount(torch.tensor([c.token_ids[1] for c in done]), minlength=VOCAB).double(), \
-        llm.core.speculator.verified
+    return torch.tensor([c.token_ids[:2] for c in done]), llm.core.speculator.verified
 
 
 # penalised: a prompt of two distinct tokens, so the repetition penalty singles them out
@@ -92,17 +103,17 @@ def test_speculative_sampling_matches_the_target_distribution(tiny_vocab, monkey
     prompt = torch.randint(NUM_SPECIALS, VOCAB, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     if penalties:
         prompt = [prompt[0], prompt[1]] * 4 + [prompt[0]]
-    expected = target_marginal(model, prompt, SamplingParams(temperature=TEMPERATURE, **penalties))
-    counts, verified = second_tokens(model, assistant, prompt, penalties, loop)
+    joint = target_joint(model, prompt, SamplingParams(temperature=TEMPERATURE, **penalties))
+    tokens, verified = second_tokens(model, assistant, prompt, penalties, loop)
     assert verified[0] == N, "every request's second token goes through a verify step"
-    p_exact = chi_square_p(counts, expected)
+    p_exact = min(p_values(tokens, joint))
     assert p_exact > BOUND, f"speculative sampling departs from the target's distribution (p = {p_exact:.2g})"
     if case != "plain" or loop == "on":
         return
     position_seed = sampler_module.position_seed   # the bug: every position of a request draws the same noise
     monkeypatch.setattr(sampler_module, "position_seed", lambda seed, position: position_seed(seed, 0))
     biased, _ = second_tokens(model, assistant, prompt, penalties)
-    p_biased = chi_square_p(biased, expected)
+    p_biased = min(p_values(biased, joint))
     assert p_biased < BOUND, f"the test cannot tell a broken sampler apart (p = {p_biased:.2g})"
 
 

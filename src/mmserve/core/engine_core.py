@@ -618,7 +618,7 @@ class EngineCore:
         by_pool = self.kv.usage_by_pool()
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
                             len(self.scheduler.running), len(self.scheduler.waiting), max(by_pool.values(), default=0.0),
-                            experts_touched=self.model.experts_touched(), kv_usage_by_pool=by_pool,
+                            experts_touched=step.experts_touched(), kv_usage_by_pool=by_pool,
                             num_preempted=len(out.preempted_ids), encode_start_perf=encode_start,
                             encode_end_perf=encode_end)
         self.step_index += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mmserve.attention.buffers import HostCopy
 from mmserve.model.audio import AudioEncoder
 from mmserve.model.decoder import SampledRows, TextDecoder
 from mmserve.model.parallel import SINGLE, ParallelGroup
@@ -29,7 +30,7 @@ class Gemma4ServingModel(nn.Module):
         self.decoder = decoder
         self.vision = vision
         self.audio = audio
-        self._touched_host: torch.Tensor | None = None   # see experts_touched
+        self._touched: torch.Tensor | None = None   # see experts_touched
 
     @property
     def attention_backend(self) -> str:
@@ -74,21 +75,25 @@ class Gemma4ServingModel(nn.Module):
         return self.decoder.compute_logits(hidden)
 
     def _copy_experts_touched(self) -> None:
-        """Queue the copy of this forward's mean distinct experts per MoE layer to a host buffer
-        (pinned on CUDA, so the copy is asynchronous and a captured graph replays it too)."""
+        """This forward's mean distinct experts per MoE layer into a fixed device scalar (written in
+        place, so a captured graph's replay writes it too)."""
         counts = [layer.moe.experts.touched for layer in self.decoder.layers if layer.moe is not None]
         if not counts:
             return
-        if self._touched_host is None:
-            self._touched_host = torch.zeros((), dtype=torch.float64, pin_memory=self.device.type == "cuda")
-        self._touched_host.copy_(torch.stack(counts).double().mean(), non_blocking=True)
+        if self._touched is None:
+            self._touched = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._touched.copy_(torch.stack(counts).double().mean())
 
-    def experts_touched(self) -> float | None:
-        """Distinct experts each MoE layer ran in the last forward (mean over layers), for the perf
-        model's expert weight bytes; None without experts. Read from the host buffer the forward's
-        copy filled: called after the step's sampled tokens reached the host (which waited for that
-        copy on the same stream), it issues no device read of its own."""
-        return None if self._touched_host is None else float(self._touched_host)
+    def experts_touched(self) -> HostCopy | None:
+        """Distinct experts each MoE layer ran in the forward just queued (mean over layers), for the
+        perf model's expert weight bytes, on its way to the host; None without experts. Taken right
+        after the forward, before the next one is queued: in the async loop step N+1's forward runs
+        before N's record reads N's count, so the count travels with N's step (`StepResult`), never
+        through a buffer N+1 overwrites. On CUDA the copy is queued after N's forward and before
+        N+1's (one stream); on a CPU `HostCopy` keeps its tensor, so it gets a copy of its own."""
+        if self._touched is None:
+            return None
+        return HostCopy(self._touched if self._touched.is_cuda else self._touched.clone())
 
     def encode_vision(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """Patchified images/frames -> one [soft_tokens_i, hidden] embedding tensor per image."""

@@ -1,10 +1,10 @@
 """Logit adjustments before sampling, each one batched over the rows that asked for it.
 
-Rows are gathered into index arrays on the host (one pass over the step's requests) and copied to
-the logits' device with the per-row values through pinned memory, without waiting for the device
-(`row_values`; never a device tensor indexed with a host list); then every adjustment is a handful of
-tensor ops there. The penalties read per-request token
-statistics kept on the device across steps (`PenaltyState`).
+`Adjustments` is planned on the host first: one pass over the step's rows puts their indices and
+values into the step's `RowValues` (one packed copy to the device for the whole step); `apply` then
+runs a fixed handful of tensor ops on the device whatever the number of rows (never a device tensor
+indexed with a host list, never an op per row). The penalties read per-request token statistics
+kept on the device across steps (`PenaltyState`).
 vLLM's semantics: `logit_bias` adds to a token's logit; `min_tokens` sets end-of-sequence tokens to
 -inf until a row has that many output tokens; `repetition_penalty` divides a positive (multiplies a
 negative) logit of every token seen in the prompt or the output; then `frequency_penalty` subtracts
@@ -17,102 +17,157 @@ from collections.abc import Sequence
 
 import torch
 
-from mmserve.sample.row_values import device_floats, device_ids
+from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import SamplingParams
 
 
-def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """In place: logits[r, t] += bias for every (t, bias) of row r's logit_bias."""
-    rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
-    if not rows:
-        return
-    tokens = [t for p in params for t, _ in p.logit_bias]
-    values = [b for p in params for _, b in p.logit_bias]
-    dev = logits.device
-    logits.index_put_((device_ids(rows, dev), device_ids(tokens, dev)), device_floats(values, dev).to(logits.dtype), accumulate=True)
-
-
-def apply_min_tokens(logits: torch.Tensor, params: Sequence[SamplingParams], num_output: Sequence[int],
-                     eos_token_ids: Sequence[int]) -> None:
-    """In place: end-of-sequence logits of rows still short of min_tokens become -inf."""
-    rows = [r for r, (p, n) in enumerate(zip(params, num_output, strict=True)) if n < p.min_tokens]
-    if not rows or not eos_token_ids:
-        return
-    dev = logits.device
-    logits[device_ids(rows, dev).unsqueeze(1), device_ids(eos_token_ids, dev).unsqueeze(0)] = float("-inf")
-
-
 class PenaltyState:
-    """What the penalties read, per request, kept on the logits' device across steps: a bitmask of the
-    prompt's tokens (built once, and only for a repetition penalty) and the counts of each token in
-    its output so far (each step adds only the tokens new since the last). So a step costs O(vocab)
-    per penalised row, never O(prompt): a 30k-token video prompt is not rebuilt into a tensor every
-    step. A verify row's drafts (`drafts`: output it has not committed) are added to a copy."""
+    """What the penalties read, per request, kept on the logits' device across steps: rows of two
+    tables, one per request (its slot): the counts of each token in its output so far, and a bitmask
+    of its prompt's tokens (only once a repetition penalty needs it). A step adds only the tokens new
+    since the last, for all its rows in one scatter (`plan` gathers them on the host, `rows` applies
+    them), so a step costs O(vocab) per penalised row and a constant number of ops, never O(prompt):
+    a 30k-token video prompt is not rebuilt into a tensor every step. A verify row's drafts (output it
+    has not committed) are added to the gathered copy, not to the table. A freed slot is reused (and
+    zeroed) by the next request; the tables keep the size of the most penalised requests at once
+    (5 bytes per vocabulary entry per slot: 1.3 MB a slot at a 262k vocabulary)."""
 
     def __init__(self):
-        self._prompt: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, torch.Tensor] = {}
-        self._counted: dict[str, int] = {}
+        self._slot: dict[str, int] = {}
+        self._counted: dict[str, int] = {}     # output tokens already in the slot's counts
+        self._with_prompt: set[str] = set()    # requests whose prompt bitmask is built
+        self._free: list[int] = []
+        self._num_slots = 0
+        self._counts: torch.Tensor | None = None   # [capacity, vocab] float32
+        self._prompt: torch.Tensor | None = None   # [capacity, vocab] bool
 
-    def rows(self, requests: Sequence, vocab: int, device: torch.device, with_prompt: bool
-             ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(prompt bitmask [R, vocab] bool or None, output counts [R, vocab] float32) of `requests`
-        (scheduler Requests or verify rows, whose drafts count as output)."""
-        counts, extra_rows, extra_tokens = [], [], []
+    def plan(self, values: RowValues, requests: Sequence, vocab: int, with_prompt: bool) -> None:
+        """Host side: the slots of `requests` (scheduler Requests or verify rows, whose drafts count
+        as output), the output tokens new to each slot, the prompts to mark, the drafts to add."""
+        slots, fresh, new_flat, prompt_flat, draft_rows, draft_tokens, seen = [], [], [], [], [], [], set()
         for i, r in enumerate(requests):
-            drafts = getattr(r, "drafts", ())
+            rid, drafts = r.request_id, getattr(r, "drafts", ())
+            slot = self._slot.get(rid)
+            if slot is None:
+                slot = self._slot[rid] = self._free.pop() if self._free else self._take_new_slot()
+                self._counted[rid] = 0
+                fresh.append(slot)
+            slots.append(slot)
+            draft_rows += [i] * len(drafts)
+            draft_tokens += drafts
+            if rid in seen:   # a verify chunk's rows share their request's committed output
+                continue
+            seen.add(rid)
             output = r.output_token_ids
-            counts.append(self._output_counts(r.request_id, output[:len(output) - len(drafts)], vocab, device))
-            extra_rows += [i] * len(drafts)
-            extra_tokens += drafts
-        counts = torch.stack(counts)
-        if extra_rows:
-            counts.index_put_((device_ids(extra_rows, device), device_ids(extra_tokens, device)),
-                              torch.ones(len(extra_rows), device=device), accumulate=True)
-        prompt = None
-        if with_prompt:
-            prompt = torch.stack([self._prompt_mask(r.request_id, r.prompt_token_ids, vocab, device) for r in requests])
-        return prompt, counts
+            committed = len(output) - len(drafts)
+            new_flat += [slot * vocab + t for t in output[self._counted[rid]:committed]]
+            self._counted[rid] = committed
+            if with_prompt and rid not in self._with_prompt:
+                self._with_prompt.add(rid)
+                prompt_flat += [slot * vocab + t for t in r.prompt_token_ids if 0 <= t < vocab]
+        values.ids("penalty_slots", slots)
+        values.ids("penalty_fresh", fresh)
+        values.ids("penalty_new", new_flat)
+        values.floats("penalty_ones", [1.0] * max(len(new_flat), len(draft_rows)))
+        values.ids("penalty_prompt", prompt_flat)
+        values.ids("penalty_draft_flat", [r * vocab + t for r, t in zip(draft_rows, draft_tokens, strict=True)])
 
-    def _output_counts(self, request_id: str, committed: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-        counts = self._counts.get(request_id)
-        if counts is None:
-            counts = self._counts[request_id] = torch.zeros(vocab, device=device)
-            self._counted[request_id] = 0
-        new = committed[self._counted[request_id]:]
-        if new:
-            counts.index_put_((device_ids(new, device),), torch.ones(len(new), device=device), accumulate=True)
-            self._counted[request_id] = len(committed)
-        return counts
+    def _take_new_slot(self) -> int:
+        self._num_slots += 1
+        return self._num_slots - 1
 
-    def _prompt_mask(self, request_id: str, prompt: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
-        mask = self._prompt.get(request_id)
-        if mask is None:
-            mask = self._prompt[request_id] = torch.zeros(vocab, dtype=torch.bool, device=device)
-            mask[device_ids([t for t in prompt if 0 <= t < vocab], device)] = True
-        return mask
+    def rows(self, dev: dict[str, torch.Tensor], vocab: int, with_prompt: bool
+             ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Device side of `plan`: (prompt bitmask [R, vocab] bool or None, output counts [R, vocab]
+        float32) of its rows, the tables updated first."""
+        device = dev["penalty_slots"].device
+        self._counts = _grown(self._counts, self._num_slots, vocab, torch.float32, device)
+        if with_prompt or self._prompt is not None:   # every slot has its row in both tables
+            self._prompt = _grown(self._prompt, self._num_slots, vocab, torch.bool, device)
+        fresh = dev["penalty_fresh"]
+        if fresh.numel():   # a reused slot starts empty
+            self._counts.index_fill_(0, fresh, 0.0)
+            if self._prompt is not None:
+                self._prompt.index_fill_(0, fresh, False)
+        ones = dev["penalty_ones"]
+        if (new := dev["penalty_new"]).numel():
+            self._counts.view(-1).index_add_(0, new, ones[:new.numel()])
+        if (prompt_flat := dev["penalty_prompt"]).numel():
+            self._prompt.view(-1).index_fill_(0, prompt_flat, True)
+        slots = dev["penalty_slots"]
+        counts = self._counts.index_select(0, slots)
+        if (drafts := dev["penalty_draft_flat"]).numel():
+            counts.view(-1).index_add_(0, drafts, ones[:drafts.numel()])
+        return (self._prompt.index_select(0, slots) if with_prompt else None), counts
 
     def free(self, request_id: str) -> None:
-        for table in (self._prompt, self._counts, self._counted):
-            table.pop(request_id, None)
+        slot = self._slot.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+        self._counted.pop(request_id, None)
+        self._with_prompt.discard(request_id)
 
 
-def apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams], requests: Sequence,
-                    state: PenaltyState) -> None:
-    """In place: repetition, frequency and presence penalties on the rows that set any."""
-    rows = [r for r, p in enumerate(params) if p.has_penalties]
-    if not rows:
-        return
-    dev, vocab = logits.device, logits.shape[1]
-    repetition = any(params[r].repetition_penalty != 1.0 for r in rows)   # host values: no device read
-    prompt, counts = state.rows([requests[r] for r in rows], vocab, dev, with_prompt=repetition)
-    index = device_ids(rows, dev)
-    sub = logits.index_select(0, index)
-    if repetition:
-        rep = device_floats([params[r].repetition_penalty for r in rows], dev).unsqueeze(1)
-        seen = prompt | (counts > 0)
-        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-    freq = device_floats([params[r].frequency_penalty for r in rows], dev).unsqueeze(1)
-    pres = device_floats([params[r].presence_penalty for r in rows], dev).unsqueeze(1)
-    sub = sub - freq * counts - pres * (counts > 0)
-    logits.index_copy_(0, index, sub.to(logits.dtype))
+def _grown(table: torch.Tensor | None, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`table` with at least `rows` rows (doubling; the old rows kept): rare, so not per step."""
+    if table is not None and table.shape[0] >= rows:
+        return table
+    grown = torch.zeros(max(rows, 2 * (0 if table is None else table.shape[0]), 8), vocab, dtype=dtype, device=device)
+    if table is not None:
+        grown[:table.shape[0]].copy_(table)
+    return grown
+
+
+class Adjustments:
+    """The logit bias, min_tokens and penalties a step's rows ask for: planned on the host into
+    `values` at construction, applied on the device by `apply` once `values` are there."""
+
+    def __init__(self, values: RowValues, requests: Sequence, params: Sequence[SamplingParams],
+                 eos_token_ids: Sequence[int], state: PenaltyState, vocab: int):
+        self.state, self.vocab = state, vocab
+        bias_rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
+        self.bias = bool(bias_rows)
+        if self.bias:
+            values.ids("bias_rows", bias_rows)
+            values.ids("bias_tokens", [t for p in params for t, _ in p.logit_bias])
+            values.floats("bias_values", [b for p in params for _, b in p.logit_bias])
+        short = [r for r, (p, q) in enumerate(zip(params, requests, strict=True))
+                 if len(q.output_token_ids) < p.min_tokens]
+        self.min_tokens = bool(short and eos_token_ids)
+        if self.min_tokens:
+            values.ids("min_tokens_rows", short)
+            values.ids("eos_ids", list(eos_token_ids))
+        penalised = [r for r, p in enumerate(params) if p.has_penalties]
+        self.penalties = bool(penalised)
+        self.repetition = any(params[r].repetition_penalty != 1.0 for r in penalised)
+        if self.penalties:
+            values.ids("penalised_rows", penalised)
+            values.floats("repetition", [params[r].repetition_penalty for r in penalised])
+            values.floats("frequency", [params[r].frequency_penalty for r in penalised])
+            values.floats("presence", [params[r].presence_penalty for r in penalised])
+            state.plan(values, [requests[r] for r in penalised], vocab, self.repetition)
+
+    @property
+    def any(self) -> bool:
+        return self.bias or self.min_tokens or self.penalties
+
+    def apply(self, logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
+        """In place, on `logits` [N, vocab]: bias, then min_tokens, then penalties."""
+        if self.bias:
+            logits.index_put_((dev["bias_rows"], dev["bias_tokens"]), dev["bias_values"].to(logits.dtype),
+                              accumulate=True)
+        if self.min_tokens:
+            logits[dev["min_tokens_rows"].unsqueeze(1), dev["eos_ids"].unsqueeze(0)] = float("-inf")
+        if self.penalties:
+            self._apply_penalties(logits, dev)
+
+    def _apply_penalties(self, logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> None:
+        prompt, counts = self.state.rows(dev, self.vocab, self.repetition)
+        index = dev["penalised_rows"]
+        sub = logits.index_select(0, index)
+        if self.repetition:
+            rep = dev["repetition"].unsqueeze(1)
+            seen = prompt | (counts > 0)
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - dev["frequency"].unsqueeze(1) * counts - dev["presence"].unsqueeze(1) * (counts > 0)
+        logits.index_copy_(0, index, sub.to(logits.dtype))

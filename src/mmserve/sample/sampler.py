@@ -5,11 +5,16 @@ Grammar masks (structured output) are filled on the host first, before anything 
 device, so on a GPU that work overlaps the step's forward pass. A row whose grammar cannot go on
 comes back in `SamplerOutput.errors`: the core ends that request alone.
 
-A random row takes argmax(probs / noise) with exponential noise (an exact draw from probs; the
-scale of probs does not matter, so the top-k/top-p filters need no renormalisation). Unseeded rows
-draw their noise together from one generator (one kernel for the batch). A seeded row's noise for
-output position j comes from a generator seeded by (seed, j) alone, so its tokens depend neither on
-its batch-mates nor on how many rows a step gave it (speculation's verify chunks, preemption).
+An unseeded row takes argmax(probs / noise) with exponential noise (an exact draw from probs; the
+scale of probs does not matter, so the top-k/top-p filters need no renormalisation); all unseeded
+rows draw their noise together from one generator (one kernel for the batch). A seeded row at
+output position j inverts its distribution's CDF at one uniform, a counter-based hash of (seed, j)
+(`position_seed`, splitmix64) computed on the host and sent with the step's values: every seeded row
+of the step is drawn in the same few batched ops (a float64 cumsum and a search), so its tokens depend
+neither on its batch-mates, their order, nor on how many rows a step gave it (speculation's verify
+chunks, preemption). (Hashing (seed, j, vocab index) into noise, as SGLang does, takes ~40 unfused
+elementwise passes over [seeded rows, vocab]: far more device traffic than one cumsum.) A seed
+reproduces its tokens within a version of mmserve, as in vLLM (docs/api.md).
 
 Speculative decoding needs no second draw: row j of a verify chunk is sampled like a plain step
 at that position, and a greedy draft is kept exactly when its row's draw equals it (the core's
@@ -23,8 +28,8 @@ top-p finds each row's nucleus threshold by bisection over float32 bit patterns 
 non-negative floats): 31 masked row sums, no sort, no host sync.
 
 Nothing here waits for the device (so the async loop queues a step's sampling while the next
-forward runs, whatever its rows ask for): per-row parameters and row indices go to the device as
-small pinned, non-blocking copies (`row_values`), rows are gathered with those device indices
+forward runs, whatever its rows ask for): per-row parameters and row indices go to the device in
+one packed, pinned, non-blocking copy a step (`row_values.RowValues`), rows are gathered with those device indices
 (`index_select`/`index_copy_`, never a device tensor indexed with a host list, which copies from
 pageable memory and waits for the stream), and tokens and logprobs come back in one pinned copy.
 """
@@ -40,12 +45,12 @@ from mmserve.attention.buffers import HostCopy
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.logprobs import logprob_table, read_logprobs
-from mmserve.sample.penalties import PenaltyState, apply_logit_bias, apply_min_tokens, apply_penalties
-from mmserve.sample.row_values import device_floats, device_ids
-from mmserve.sampling_params import SamplingParams
+from mmserve.sample.penalties import Adjustments, PenaltyState
+from mmserve.sample.row_values import RowValues
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
 _MASK64 = 2**64 - 1
+_UNIFORM_BITS = 52   # a seeded row's uniform: the top 52 of position_seed's 63 bits (exact in float64)
 _FLOAT32_BITS = 31   # a non-negative float32's bit pattern is below 2^31
 
 
@@ -83,23 +88,63 @@ def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return bits >= lo
 
 
-def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """softmax(logits / temperature) with each row's top-k, then top-p, filter applied (zeros outside;
-    rows are not renormalised): the distribution a random row draws from, up to its scale."""
-    dev, vocab = logits.device, logits.shape[-1]
-    temps = device_floats([p.temperature for p in params], dev).to(logits.dtype)
-    scaled = logits / temps.unsqueeze(1)
-    k_max = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
-    if k_max:
-        scaled = mask_top_k(scaled, device_ids([p.top_k for p in params], dev), k_max)
-    probs = torch.softmax(scaled, dim=-1)
-    nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-    if nucleus_rows:
-        index = device_ids(nucleus_rows, dev)
-        top_p = device_floats([params[i].top_p for i in nucleus_rows], dev).to(probs.dtype)
-        sub = probs.index_select(0, index)
-        probs.index_copy_(0, index, sub * nucleus(sub, top_p))
-    return probs
+def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor:
+    """probs [S, V] (each row's filtered distribution, up to its scale), uniform_bits int64 [S] (52
+    random bits each) -> [S] tokens: the first token whose cumulative mass reaches u * total with
+    u = (bits + 1/2) / 2^52 in (0, 1), an exact draw from each row. Float64 sums keep a token of mass
+    1e-12 its share; a zero-mass token is never the first to reach the threshold."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)   # read once as float32, summed in float64
+    threshold = uniform_bits.double().add_(0.5).mul_(2.0 ** -_UNIFORM_BITS).mul_(cdf[:, -1])
+    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1)   # threshold <= total: a token, never V
+
+
+class Draws:
+    """The random rows of a step: their filters (temperature, top-k, top-p) and their seeds' uniforms,
+    planned on the host into the step's `RowValues`, then drawn on the device (`filtered_probs`,
+    `tokens`) in a fixed number of ops whatever the number of rows."""
+
+    def __init__(self, values: RowValues, requests: Sequence, vocab: int):
+        self.requests = list(requests)
+        params = [r.sampling_params for r in self.requests]
+        values.floats("temperature", [p.temperature for p in params])
+        self.k_max = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+        if self.k_max:
+            values.ids("top_k", [p.top_k for p in params])
+        nucleus_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        self.nucleus = bool(nucleus_rows)
+        if self.nucleus:
+            values.ids("nucleus_rows", nucleus_rows)
+            values.floats("top_p", [params[i].top_p for i in nucleus_rows])
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        self.seeded = bool(seeded)
+        if self.seeded:
+            values.ids("seeded_rows", seeded)
+            values.ids("uniform_bits", [position_seed(params[i].seed, len(self.requests[i].output_token_ids))
+                                        >> (63 - _UNIFORM_BITS) for i in seeded])
+
+    def filtered_probs(self, logits: torch.Tensor, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """softmax(logits / temperature) with each row's top-k, then top-p, filter applied (zeros
+        outside; rows are not renormalised): the distribution a random row draws from, up to its scale."""
+        scaled = logits / dev["temperature"].to(logits.dtype).unsqueeze(1)
+        if self.k_max:
+            scaled = mask_top_k(scaled, dev["top_k"], self.k_max)
+        probs = torch.softmax(scaled, dim=-1)
+        if self.nucleus:
+            index = dev["nucleus_rows"]
+            sub = probs.index_select(0, index)
+            probs.index_copy_(0, index, sub * nucleus(sub, dev["top_p"].to(probs.dtype)))
+        return probs
+
+    def tokens(self, probs: torch.Tensor, dev: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        """One draw per row from `probs` ([rows, V], `filtered_probs`): unseeded rows race exponential
+        noise from `generator` (one call for all), argmax(probs / noise); seeded rows invert their CDF
+        at their (seed, output position)'s uniform (`inverse_cdf`), all in the same few ops."""
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if self.seeded:
+            index = dev["seeded_rows"]
+            tokens.index_copy_(0, index, inverse_cdf(probs.index_select(0, index), dev["uniform_bits"]))
+        return tokens
 
 
 @dataclass
@@ -145,7 +190,6 @@ class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
         self._seed = seed
         self._batch_generators: dict[torch.device, torch.Generator] = {}   # every unseeded row's noise
-        self._keyed_generators: dict[torch.device, torch.Generator] = {}   # reseeded per seeded row
         self.penalties = PenaltyState()
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar = grammar
@@ -159,64 +203,51 @@ class Sampler:
     def launch(self, logits: torch.Tensor, requests: Sequence) -> PendingSample:
         """`sample`'s device work, queued without waiting for it: the tokens stay on the device (the
         next step's inputs can take them there, async scheduling) and start their one transfer to
-        the host; `PendingSample.result()` waits for that transfer alone and finishes on the host."""
-        params = [r.sampling_params for r in requests]
-        dev = logits.device
-        want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
-        want_index = device_ids(want_lp, dev) if want_lp else None
-        raw = logits.index_select(0, want_index) if want_lp else None   # a copy: the adjustments never touch it
-        logits, masks = self._final(logits, requests, params)
-        tokens = logits.argmax(dim=-1)
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if random_rows:
-            index = device_ids(random_rows, dev)
-            tokens.index_copy_(0, index, self._draw(logits.index_select(0, index), [requests[i] for i in random_rows]))
-        num_top = [params[i].num_logprobs for i in want_lp]
-        table = logprob_table(raw, tokens.index_select(0, want_index), max(num_top)) if want_lp else None
-        return PendingSample(self, list(requests), tokens, table, want_lp, num_top, masks)
+        the host; `PendingSample.result()` waits for that transfer alone and finishes on the host.
 
-    def _final(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]):
-        """The logits a row's token is chosen from (bias, min_tokens, penalties, grammar mask; a copy
-        only when something changes them), and the grammar's masks (`StructuredOutput.fill`) or None.
-        The masks are filled first, on the host, before anything waits on the device."""
+        Everything per row is gathered on the host first (the grammar's masks; the indices and
+        parameters into one `RowValues`, sent in one copy), then a fixed sequence of batched ops
+        runs on the device: the number of ops does not grow with the rows."""
+        params = [r.sampling_params for r in requests]
+        vocab = logits.shape[-1]
         masks = self.grammar.fill(requests) if self.grammar is not None else None
-        adjusted = self._adjust(logits, requests, params)
+        values = RowValues()
+        want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
+        values.ids("logprob_rows", want_lp)
+        adjust = Adjustments(values, requests, params, self.eos_token_ids, self.penalties, vocab)
         if masks is not None:
-            adjusted = logits.clone() if adjusted is logits else adjusted
-            apply_bitmask(adjusted, device_ids(masks[0], logits.device), masks[1])
-        return adjusted, masks
+            values.ids("mask_rows", masks[0])
+            values.words("mask_words", masks[1].numpy())
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        values.ids("random_rows", random_rows)
+        draws = Draws(values, [requests[i] for i in random_rows], vocab) if random_rows else None
+        dev = values.to(logits.device)   # the step's one copy of per-row values
+        raw = logits.index_select(0, dev["logprob_rows"]) if want_lp else None   # a copy: adjustments never touch it
+        final = logits.clone() if adjust.any or masks is not None else logits
+        adjust.apply(final, dev)
+        if masks is not None:
+            apply_bitmask(final, dev["mask_rows"], dev["mask_words"])
+        tokens = final.argmax(dim=-1)
+        if draws is not None:
+            index = dev["random_rows"]
+            tokens.index_copy_(0, index, self._draw(final.index_select(0, index), draws, dev))
+        num_top = [params[i].num_logprobs for i in want_lp]
+        table = logprob_table(raw, tokens.index_select(0, dev["logprob_rows"]), max(num_top)) if want_lp else None
+        return PendingSample(self, list(requests), tokens, table, want_lp, num_top, masks)
 
     def accept_verified(self, request, tokens: Sequence[int]) -> MMServeError | None:
         """Advance a verify chunk's grammar over the tokens accepted from it; why not, if it cannot."""
         return None if self.grammar is None else self.grammar.advance(request, tokens)
 
-    def _adjust(self, logits: torch.Tensor, requests: Sequence, params: list[SamplingParams]) -> torch.Tensor:
-        """Bias, min_tokens and penalties, on a copy only when some row needs one."""
-        if not any(p.logit_bias or p.min_tokens or p.has_penalties for p in params):
-            return logits
-        logits = logits.clone()
-        apply_logit_bias(logits, params)
-        apply_min_tokens(logits, params, [len(r.output_token_ids) for r in requests], self.eos_token_ids)
-        apply_penalties(logits, params, requests, self.penalties)
-        return logits
+    def _draw(self, logits: torch.Tensor, draws: Draws, dev: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One draw per random row from its filtered distribution."""
+        probs = draws.filtered_probs(logits, dev)
+        return draws.tokens(probs, dev, self._generator(probs.device))
 
-    def _draw(self, logits: torch.Tensor, requests: Sequence) -> torch.Tensor:
-        """One draw per row from its filtered distribution: unseeded rows' noise from the batch
-        generator in one call, each seeded row's from its (seed, output position) stream."""
-        dev = logits.device
-        probs = filtered_probs(logits, [r.sampling_params for r in requests])
-        noise = torch.empty_like(probs).exponential_(generator=self._generator(self._batch_generators, dev))
-        for row, r in zip(noise, requests, strict=True):
-            if r.sampling_params.seed is not None:
-                keyed = self._generator(self._keyed_generators, dev)
-                keyed.manual_seed(position_seed(r.sampling_params.seed, len(r.output_token_ids)))
-                row.exponential_(generator=keyed)
-        return (probs / noise).argmax(dim=-1)
-
-    def _generator(self, table: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
-        gen = table.get(device)
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._batch_generators.get(device)
         if gen is None:
-            gen = table[device] = torch.Generator(device=device).manual_seed(self._seed)
+            gen = self._batch_generators[device] = torch.Generator(device=device).manual_seed(self._seed)
         return gen
 
     def grammar_complete(self, request_id: str) -> bool:

@@ -23,20 +23,18 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
-from mmserve.attention.buffers import to_device
 from mmserve.errors import InvalidInputError
-from mmserve.sample.row_values import device_ids
+from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import ResponseFormat
 from mmserve.structured_output.compiler import FormatCompiler, field_name
 
 logger = logging.getLogger(__name__)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: logits[rows[i], t] = -inf wherever bit t of bitmask[i] (int32 words, on the host) is 0.
-    `rows` is on the logits' device; the words go there through pinned memory, without waiting for
-    the device (the host's bitmask is free to refill at once)."""
-    words = to_device(bitmask.numpy(), logits.device)
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf wherever bit t of words[i] (int32) is 0. `rows` and `words`
+    are on the logits' device, sent with the step's other values (`RowValues`: one pinned,
+    non-blocking copy, so the host's bitmask is free to refill at once)."""
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :logits.shape[1]].bool()
     logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
@@ -197,7 +195,11 @@ class DraftMasks:
         if not live:
             return
         self.grammar._batch.batch_fill_next_token_bitmask([self.matchers[k] for k in live], self._bitmask, live)
-        apply_bitmask(logits, device_ids(self._row_index[live], logits.device), self._bitmask[live])
+        values = RowValues()
+        values.ids("rows", self._row_index[live])
+        values.words("words", self._bitmask[live].numpy())
+        dev = values.to(logits.device)
+        apply_bitmask(logits, dev["rows"], dev["words"])
 
     def advance(self, step: int, tokens: list[int]) -> None:
         """Accept draft `step` (0-based) of every open constrained item (`tokens`: one per item)."""

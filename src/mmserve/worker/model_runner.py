@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from mmserve.attention import PoolConfig, get_backend
+from mmserve.attention.buffers import HostCopy
 from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.planner import PoolPlan
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
@@ -91,6 +92,12 @@ class StepResult:
     hidden: torch.Tensor | None = None   # [L, hidden] final-normed states of the logits rows (the drafter's input)
     # request id -> why its media failed to encode: its rows ran on zero embeddings, the core ends it
     media_failed: dict[str, str] = field(default_factory=dict)
+    # MoE: this step's distinct experts per layer (mean) on its way to the host, for its record; None without experts
+    experts: HostCopy | None = None
+
+    def experts_touched(self) -> float | None:
+        """The step's own expert count (read after its tokens reached the host: no wait of its own)."""
+        return None if self.experts is None else float(self.experts.result())
 
 
 @dataclass
@@ -572,7 +579,8 @@ class ModelRunner:
             prompt_lp = prompt_logprobs(self.model, hidden, out.scheduled, self.inputs.query_start_loc.np)
             hidden = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(hidden)
+        experts = self.model.experts_touched()   # before the next forward overwrites the count
         if out.encode_ahead:
             self._encode_ahead(out.encode_ahead)
         return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
-                          encode_perf, hidden, failed)
+                          encode_perf, hidden, failed, experts)
