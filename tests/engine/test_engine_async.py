@@ -164,12 +164,28 @@ def test_a_step_takes_the_token_in_flight_on_the_device_and_outputs_arrive_one_s
     assert async_inputs == sync_inputs
 
 
+DRAWS = 5   # fresh draws of the cancellation scenario before it counts as never preempting
+
+
 def test_cancellations_and_preemptions_under_async_scheduling_leave_nothing_held(model_tok):
     """Reliability: requests under a KV budget that preempts, a random third of them aborted at
     random steps (some with a token in flight, some preempted with one), the rest seeded random or
     greedy. Survivors give the synchronous loop's tokens; aborted ones a prefix of them; at the end
-    every block is free and no generator or matcher is left."""
+    every block is free and no generator or matcher is left. About 1 draw in 40 preempts nothing (its
+    aborts free blocks early) or aborts only finished requests: such a draw is still checked, then a
+    fresh one is drawn, up to DRAWS; the test fails if none preempted and aborted a running request."""
     rng = random.Random(int(torch.randint(0, 10_000, ())))
+    for _ in range(DRAWS):
+        preempted, aborted = _cancel_and_preempt_once(model_tok, rng)
+        if preempted and aborted:
+            break
+    assert preempted, f"nothing was preempted in {DRAWS} draws: the KV budget is too generous for this test"
+    assert aborted, f"no request was still running when its abort came, in {DRAWS} draws"
+
+
+def _cancel_and_preempt_once(model_tok, rng: random.Random) -> tuple[list[int], set[str]]:
+    """One random draw of the scenario above, checked; returns the placeholders each preempted
+    request held and the ids aborted while running."""
     requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000), max_tokens=rng.randrange(6, 20))
                 for i in range(9)]
     for r in requests[::2]:
@@ -180,13 +196,12 @@ def test_cancellations_and_preemptions_under_async_scheduling_leave_nothing_held
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.num_output_placeholders), preempt(victim))
     doomed = {r.request_id: rng.randrange(2, 25) for r in rng.sample(requests, 3)}
     tokens, aborted = step_through(llm, requests, aborts=doomed)
-    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
-    assert aborted, "no request was still running when its abort came"
     for r in requests:
         got, want = tokens[r.request_id], expected[r.request_id]
         assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
     assert_pools_full(llm.core)
     assert all(r.num_output_placeholders == 0 for r in llm.core.scheduler.running)
+    return preempted, aborted
 
 
 def test_async_scheduling_on_refuses_what_it_does_not_serve_yet(model_tok):

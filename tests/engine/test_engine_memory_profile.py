@@ -6,6 +6,8 @@ and refuses a budget that cannot hold one request of the full context, naming th
 from __future__ import annotations
 
 import gc
+import itertools
+import weakref
 
 import pytest
 import torch
@@ -21,12 +23,20 @@ from mmserve.worker.model_runner import ModelRunner
 MiB = 2**20
 
 
+# Weak references to the tensors alive when the fake device was installed (the model's weights among
+# them), whose objects gc.freeze() then set aside: every gc.collect() and heap walk the profile makes
+# (~40 a test) then skips the interpreter's whole start-up heap (torch, transformers: ~0.4 s each).
+_frozen_tensors: list[weakref.ref] = []
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every live CPU tensor's storage, each storage once (garbage collected first, as the
-    profile does; fake tensors other tests left behind have none)."""
+    profile does; fake tensors other tests left behind have none): the tensors set aside by
+    gc.freeze() that are still alive, and those the collector tracks."""
     gc.collect()
     seen, total = set(), 0
-    for obj in gc.get_objects():
+    frozen = [t for ref in _frozen_tensors if (t := ref()) is not None]
+    for obj in itertools.chain(frozen, gc.get_objects()):
         if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
             try:
                 storage = obj.untyped_storage()
@@ -37,6 +47,18 @@ def live_tensor_bytes() -> int:
                 seen.add(ptr)
                 total += storage.nbytes()
     return total
+
+
+@pytest.fixture
+def frozen_heap():
+    """gc.freeze() the heap as the test starts (after a collection), remembering its tensors by weak
+    reference so live_tensor_bytes still counts them; unfrozen afterwards."""
+    gc.collect()
+    _frozen_tensors[:] = [weakref.ref(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    gc.freeze()
+    yield
+    gc.unfreeze()
+    _frozen_tensors.clear()
 
 
 class FakeDevice:
@@ -65,7 +87,7 @@ class FakeDevice:
 
 
 @pytest.fixture
-def on_fake_device(monkeypatch):
+def on_fake_device(monkeypatch, frozen_heap):
     """Make the CPU a device of the given size; record each profile and every step the runners execute."""
     seen = {"profiles": [], "steps": [], "device": None}
     real_profile, real_execute = memory_profile.profile_memory, ModelRunner.execute
