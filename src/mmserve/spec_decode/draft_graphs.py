@@ -62,14 +62,12 @@ class DraftGraphs:
     def replays(self) -> int:
         return self.graphs.replays
 
-    def eager_reason(self, num_reqs: int, *, masked: bool, tensor_parallel: bool) -> str | None:
+    def eager_reason(self, num_reqs: int, *, masked: bool) -> str | None:
         """Why a round of `num_reqs` requests runs eagerly, or None (it replays a graph)."""
         if not self.graphs.enabled:
             return "no graphs (enforce-eager, an uncapturable backend, or a CPU without emulation)"
         if self.failed is not None:
             return f"capture failed: {self.failed}"
-        if tensor_parallel:
-            return "tensor parallelism"
         if masked:
             return "a grammar masks its drafts"
         if self.graphs.size_for(num_reqs) is None:
