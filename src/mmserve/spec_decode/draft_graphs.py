@@ -17,8 +17,10 @@ captures and replays these too):
 - Output: the [bucket, K] drafts, valid until the next replay; a round copies its rows out.
 - Capture: every bucket at the first round that replays (the pools' shapes and the block size are
   known from then), most rows first, so later buckets fit the first one's memory pool.
-Rounds that run eagerly (`eager_reason`): under tensor parallelism (the steps' collectives would be
-captured on every rank), rounds whose drafts a grammar masks (a host sync per step), without
+Tensor parallelism: every rank captures and replays its own graphs over its shards, their
+collectives inside (NCCL's are captured on CUDA; the emulation re-runs gloo's); every rank decides
+a round's bucket and whether it replays from the same plain data, so the collectives pair up.
+Rounds that run eagerly (`eager_reason`): rounds whose drafts a grammar masks (a host sync per step), without
 graphs (--enforce-eager, a backend that cannot be captured, a CPU unless emulated), and after a
 failed capture; each reason is logged once and counted (`eager_rounds`).
 

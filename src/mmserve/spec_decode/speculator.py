@@ -29,7 +29,9 @@ draft step's tokens from rank 0 (one broadcast of R ids per draft step).
 Async scheduling (`propose_on_device`): a round starts before the step's tokens reach the host, so
 it takes each request's token, hidden-state row and key count from the device's acceptance
 (sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
-inputs; the host learns them with the step's tokens. Its drafts are not masked by a grammar (the
+inputs; the host learns them with the step's tokens. Under tensor parallelism the round goes to
+the other ranks as a `DeviceDraftRound` (key counts, tables) and the acceptance follows by one
+device broadcast (`draft_on_device`). Its drafts are not masked by a grammar (the
 matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
 refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
