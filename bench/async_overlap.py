@@ -37,8 +37,8 @@ entirely), and the synchronous loop's is (host + device) / max(host, device).
 Tensor-parallel cases (`--tp 2`): greedy rows at 1/16 requests, with and without speculation, in a
 TP=2 group over gloo (a real spawned worker rank, the step messages through the shared-memory ring,
 the in-flight tokens and the async drafting rounds' acceptance by gloo broadcasts), the simulated
-device on every rank: each rank's forward, logits and draft steps are stubs that return at once, so
-the layers' collectives (NCCL on a GPU, queued on the stream) are part of `--device-ms` and do not
+device on every rank: each rank's forward, logits, draft steps and the drafter's token embedding
+are stubs that return at once, so the layers' collectives (NCCL on a GPU, queued on the stream) are part of `--device-ms` and do not
 run; what runs is every host step of both ranks and the collectives of the protocol itself. Gloo's
 broadcast is synchronous where NCCL's is queued: rank 0's host waits there until the worker has
 read the step (`coll` in the line: rank 0's time blocked in those broadcasts, counted as host
@@ -173,11 +173,20 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
 
 
 def _stub_rank(model) -> None:
-    """A worker rank's model as the simulated device's: forward and logits return at once (zeros)."""
+    """A worker rank's model as the simulated device's: forward and logits return at once (zeros),
+    and so does the embedding the drafter reads (its all-reduce is device work on a GPU)."""
     hidden_size, vocab = model.spec.hidden_size, model.spec.vocab_size
     model.forward = lambda input_ids, *args, **kwargs: torch.zeros(
         kwargs.get("inputs_embeds", input_ids).shape[0], hidden_size)
     model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)
+    stub_embedding(model)
+
+
+def stub_embedding(model) -> None:
+    """Under tensor parallelism the drafter's token embedding all-reduces over the vocab shards: on a
+    GPU that is device work on the stream, so the simulation makes it a stub on every rank."""
+    hidden_size = model.spec.hidden_size
+    model.decoder.embed = lambda ids, *args: torch.zeros(ids.shape[0], hidden_size, dtype=model.dtype)
 
 
 def simulated_worker_main(rank, *args) -> None:
@@ -216,6 +225,7 @@ def tp_core(config: EngineConfig):
     finally:
         tensor_parallel.worker_main = worker_main
     core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
+    stub_embedding(core.model)
     if core.speculator is not None:
         tp.runner.serve_drafts(core.speculator)
     blocked, broadcast = [0.0], ParallelGroup.broadcast
