@@ -108,7 +108,12 @@ def workload(rng: random.Random, speculate: bool):
     seeded = build_request("seeded", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=12,
                            temperature=0.9, top_p=0.9, disable_speculation=not speculate)
     seeded.sampling = dataclasses.replace(seeded.sampling, seed=rng.randrange(1000))
-    return requests + [seeded]
+    # ends on EOS (id 1, favoured) at a step the host learns of after the next one was launched
+    eos = build_request("eos", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=30,
+                        disable_speculation=not speculate)
+    eos.sampling = dataclasses.replace(eos.sampling, ignore_eos=False, temperature=1.0, seed=rng.randrange(1000),
+                                       logit_bias=((1, 6.0),))
+    return requests + [seeded, eos]
 
 
 def assert_nothing_held(core) -> None:
@@ -117,9 +122,10 @@ def assert_nothing_held(core) -> None:
 
 
 def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load_backend, assistant):
-    """Greedy and seeded requests, with and without speculation: TP=2 async == TP=2 sync == TP=1
-    (both loops), the drafts verified and kept per step equal to TP=1's in the same loop, and the
-    drafting rounds replayed graphs (no eager round: tensor parallelism no longer forces one)."""
+    """Greedy and seeded requests, one ending on EOS, with and without speculation: TP=2 async ==
+    TP=2 sync == TP=1 (both loops), the drafts verified and kept per step equal to TP=1's in the
+    same loop, and the drafting rounds replayed graphs (no eager round: tensor parallelism no
+    longer forces one)."""
     seed = random.SystemRandom().randrange(10_000)
     rng = random.Random(seed)
     plain, speculating = workload(rng, False), workload(random.Random(seed), True)
@@ -134,7 +140,8 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
             runs["tp1", loop, speculate] = run(tp1(load_backend, assistant, loop), requests)
     use_loop(tp_core, "async")
     reference = runs["tp1", "sync", False][0]
-    assert sum(map(len, reference.values())) == sum(r.sampling.max_tokens for r in plain)
+    assert [len(reference[r.request_id]) for r in plain[:-1]] == [r.sampling.max_tokens for r in plain[:-1]]
+    assert len(reference["eos"]) < 30, (seed, "the EOS request did not end on EOS")
     for key, (tokens, _) in runs.items():
         assert tokens == reference, (seed, key)
     for loop in ("async", "sync"):
