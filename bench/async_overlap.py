@@ -3,6 +3,7 @@
     python bench/async_overlap.py            # JSON to bench/results/async_overlap.json
     python bench/async_overlap.py --smoke    # 1 and 16 requests, few steps; JSON to a temp file
     python bench/async_overlap.py --video    # only the video cases (below)
+    python bench/async_overlap.py --tp 2     # only the tensor-parallel cases (below)
 
 The real EngineCore (scheduler, KV manager, step inputs and attention metadata, sampler, acceptance,
 speculation's drafting loop and the device-side acceptance, outputs, step records) over the
@@ -32,6 +33,16 @@ Per case (loop, rows, requests, speculation): the step period in steady decode, 
 of `--repeats` runs, and the device time per step (forward, plus K draft steps with speculation);
 the ratio is period / max(host, device): 1.00x is the host entirely hidden (or the device
 entirely), and the synchronous loop's is (host + device) / max(host, device).
+
+Tensor-parallel cases (`--tp 2`): greedy rows at 1/16 requests, with and without speculation, in a
+TP=2 group over gloo (a real spawned worker rank, the step messages through the shared-memory ring,
+the in-flight tokens and the async drafting rounds' acceptance by gloo broadcasts), the simulated
+device on every rank: each rank's forward, logits, draft steps and the drafter's token embedding
+are stubs that return at once, so the layers' collectives (NCCL on a GPU, queued on the stream) are part of `--device-ms` and do not
+run; what runs is every host step of both ranks and the collectives of the protocol itself. Gloo's
+broadcast is synchronous where NCCL's is queued: rank 0's host waits there until the worker has
+read the step (`coll` in the line: rank 0's time blocked in those broadcasts, counted as host
+time), so the TP rows are an upper bound on what the protocol costs rank 0's host on a GPU.
 
 Video cases (encode-ahead, #35 item 5): 16 requests decode, then a video of 32 frames arrives and
 prefills beside them (64-token steps: a few frames a step). The vision tower takes `--tower-ms`
@@ -161,6 +172,80 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
     return reads
 
 
+def _stub_rank(model) -> None:
+    """A worker rank's model as the simulated device's: forward and logits return at once (zeros),
+    and so does the embedding the drafter reads (its all-reduce is device work on a GPU)."""
+    hidden_size, vocab = model.spec.hidden_size, model.spec.vocab_size
+    model.forward = lambda input_ids, *args, **kwargs: torch.zeros(
+        kwargs.get("inputs_embeds", input_ids).shape[0], hidden_size)
+    model.compute_logits = lambda hidden: torch.zeros(hidden.shape[0], vocab)
+    stub_embedding(model)
+
+
+def stub_embedding(model) -> None:
+    """Under tensor parallelism the drafter's token embedding all-reduces over the vocab shards: on a
+    GPU that is device work on the stream, so the simulation makes it a stub on every rank."""
+    hidden_size = model.spec.hidden_size
+    model.decoder.embed = lambda ids, *args: torch.zeros(ids.shape[0], hidden_size, dtype=model.dtype)
+
+
+def simulated_worker_main(rank, *args) -> None:
+    """A TP worker rank (spawned) whose model and drafter are stubs, as `simulate` makes rank 0's."""
+    from mmserve.executor import tensor_parallel
+    from mmserve.spec_decode.speculator import Speculator
+
+    load_rank_model, load_speculator = tensor_parallel.load_rank_model, Speculator.load
+
+    def stubbed_model(config, group):
+        model = load_rank_model(config, group)
+        _stub_rank(model)
+        return model
+
+    def stubbed_speculator(*a, **kw):
+        speculator = load_speculator(*a, **kw)
+        speculator.assistant.step = lambda embeds, hidden, rope, shared: (
+            torch.zeros(hidden.shape[0], speculator.target.spec.vocab_size), torch.zeros_like(hidden))
+        return speculator
+
+    tensor_parallel.load_rank_model, Speculator.load = stubbed_model, staticmethod(stubbed_speculator)
+    tensor_parallel.worker_main(rank, *args)
+
+
+def tp_core(config: EngineConfig):
+    """Rank 0's core over a TP group whose worker ranks run `simulated_worker_main`; returns (core,
+    group, a list rank 0's time blocked in broadcasts accumulates into: with the forward stubbed,
+    those are the protocol's own, the in-flight tokens and the async drafting rounds' acceptance)."""
+    from mmserve.executor import tensor_parallel
+    from mmserve.model.parallel import ParallelGroup
+
+    worker_main = tensor_parallel.worker_main
+    tensor_parallel.worker_main = simulated_worker_main
+    try:
+        tp = tensor_parallel.TensorParallelGroup(config, log_level=logging.WARNING)
+    finally:
+        tensor_parallel.worker_main = worker_main
+    core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
+    stub_embedding(core.model)
+    if core.speculator is not None:
+        tp.runner.serve_drafts(core.speculator)
+    blocked, broadcast = [0.0], ParallelGroup.broadcast
+
+    def timed(self, x):
+        start = time.perf_counter()
+        try:
+            return broadcast(self, x)
+        finally:
+            blocked[0] += time.perf_counter() - start
+
+    ParallelGroup.broadcast = timed   # this process only: rank 0 (restored by `close`)
+
+    def close() -> None:
+        ParallelGroup.broadcast = broadcast
+        tp.close()
+
+    return core, close, blocked
+
+
 def simulate_tower(core: EngineCore, device: SimulatedDevice, tower_s: float) -> None:
     """The vision tower becomes a queued job of `tower_s` per frame (zeros of each frame's soft
     tokens, at once): on the main stream inside a step, on the side stream when the runner encodes
@@ -265,16 +350,30 @@ def row_params(kind: str, i: int, max_tokens: int) -> SamplingParams:
 
 
 def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, draft_ms: float, steps: int,
-            kind: str = "greedy") -> dict:
+            kind: str = "greedy", tp: int = 1) -> dict:
     max_tokens = (steps + 16) * (1 + K if speculate else 1)
     arrivals = kind == "prompt_logprobs"   # a new request asking for its prompt's logprobs every step
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="flex",
                           max_num_seqs=num_reqs + 2 * arrivals, max_num_batched_tokens=max(256, (1 + K) * num_reqs),
                           block_size=16, num_kv_blocks=num_reqs * (-(-(8 + max_tokens + K) // 16) + 2) + 8,
                           async_scheduling="on" if loop == "async" else "off",
+                          **(dict(tensor_parallel_size=tp, engine_threads=tp) if tp > 1 else {}),
                           **(dict(speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=K)
                              if speculate else {}))
-    core = EngineCore(config)
+    close, blocked = None, [0.0]
+    if tp > 1:
+        core, close, blocked = tp_core(config)
+    else:
+        core = EngineCore(config)
+    try:
+        return _measure(core, loop, num_reqs, speculate, device_ms, draft_ms, steps, kind, max_tokens, blocked) | {"tp": tp}
+    finally:
+        if close is not None:
+            close()
+
+
+def _measure(core, loop, num_reqs, speculate, device_ms, draft_ms, steps, kind, max_tokens, blocked) -> dict:
+    arrivals = kind == "prompt_logprobs"
     device = SimulatedDevice()
     reads = simulate(core, device, device_ms / 1e3, draft_ms / 1e3)
     device_ms += K * draft_ms if speculate else 0.0
@@ -286,20 +385,22 @@ def measure(loop: str, num_reqs: int, speculate: bool, device_ms: float, draft_m
     for _ in range(3):   # into steady decode: the pipeline full, the buffers grown
         core.step()
     scored = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=True, top_logprobs=5)
-    periods, hosts = [], []
+    periods, hosts, colls = [], [], []
     reads.sites.clear()
     for step in range(steps):   # medians: on a shared machine a step the OS preempted is an outlier
         if arrivals:
             core.add_request(EngineRequest(f"p{step}", [2] + [40 + (step + j) % 200 for j in range(7)],
                                            sampling=scored))
-        start, waited = time.perf_counter(), device.waited
+        start, waited, coll = time.perf_counter(), device.waited, blocked[0]
         core.step()
         periods.append(time.perf_counter() - start)
         hosts.append(periods[-1] - (device.waited - waited))
+        colls.append(blocked[0] - coll)
     period, host = statistics.median(periods), statistics.median(hosts)
     assert core.async_scheduling == (loop == "async")
     return dict(loop=loop, rows=kind, requests=num_reqs, speculation=speculate, device_ms=device_ms,
                 period_ms=round(period * 1e3, 3), host_ms=round(host * 1e3, 3),
+                collective_ms=round(statistics.median(colls) * 1e3, 3),
                 ratio=round(period / max(host, device_ms / 1e3), 3),
                 reads_per_step=round(sum(reads.sites.values()) / steps, 1), read_sites=dict(reads.sites.most_common()))
 
@@ -317,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             "(on a shared machine the others waited for the CPU)")
     p.add_argument("--tower-ms", type=float, default=1.0, help="the simulated vision tower's time per frame")
     p.add_argument("--video", action="store_true", help="only the video cases (encode in the step vs ahead)")
+    p.add_argument("--loops", nargs="+", choices=("sync", "async"), default=["sync", "async"],
+                   help="the loops to run (a checkout whose async loop refuses a case: sync)")
+    p.add_argument("--tp", type=int, default=1, help="2: only the tensor-parallel cases (greedy rows, TP=2 over gloo)")
     p.add_argument("--rows", nargs="+", choices=ROW_KINDS, default=list(ROW_KINDS),
                    help="the row kinds to run (greedy: 1/16/64 requests with and without speculation; the others "
                         "16/64 without)")
@@ -330,28 +434,32 @@ def main(argv: list[str] | None = None) -> int:
         args.rows = ["greedy", "mix"]   # mix holds random, penalised, logprob and constrained rows
     device_ms = args.device_ms or (1.0 if args.smoke else 3.0)
     load_before = os.getloadavg()
+    if args.tp > 1:   # greedy rows at 1 and 16 requests (module docstring)
+        counts, args.rows = (1, 16), ["greedy"]
     cases = [] if args.video else (
         [("greedy", spec, n) for spec in (False, True) for n in counts] * ("greedy" in args.rows)
         + [(kind, False, n) for kind in args.rows if kind != "greedy" for n in counts if n > 1])
-    rows = [min((measure(loop, n, spec, device_ms, args.draft_ms, steps, kind) for _ in range(args.repeats)),
+    rows = [min((measure(loop, n, spec, device_ms, args.draft_ms, steps, kind, args.tp) for _ in range(args.repeats)),
                 key=lambda r: r["period_ms"])
-            for kind, spec, n in cases for loop in ("sync", "async")]
+            for kind, spec, n in cases for loop in args.loops]
     for r in rows:
-        print(f"loop={r['loop']:<5} rows={r['rows']:<15} requests={r['requests']:<3} "
+        tp = f"tp={r['tp']} coll={r['collective_ms']:.2f}ms " if r["tp"] > 1 else ""
+        print(f"loop={r['loop']:<5} {tp}rows={r['rows']:<15} requests={r['requests']:<3} "
               f"speculation={'on ' if r['speculation'] else 'off'} device={r['device_ms']:.1f}ms "
               f"host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms reads/step={r['reads_per_step']:<5} "
               f"{r['ratio']:.2f}x")
     frames = 8 if args.smoke else 32
-    video = [] if args.rows != list(ROW_KINDS) and not args.video else [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
+    video = [] if args.tp > 1 or (args.rows != list(ROW_KINDS) and not args.video) else [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
                  key=lambda r: r["beside_ms"])
-             for loop in ("sync", "async") for ahead in (False, True)]
+             for loop in args.loops for ahead in (False, True)]
     for r in video:
         print(f"loop={r['loop']:<5} video={r['frames']} frames beside 16 decodes, encode={r['encode']:<8} "
               f"device={r['device_ms']:.1f}ms tower={r['tower_ms']:.1f}ms/frame alone={r['alone_ms']:.2f}ms "
               f"beside={r['beside_ms']:.2f}ms {r['ratio']:.2f}x")
     print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
     out = args.out or (Path(tempfile.mkdtemp()) / "async_overlap.json" if args.smoke
-                       else RESULTS.with_name("async_overlap_video.json") if args.video else RESULTS)
+                       else RESULTS.with_name("async_overlap_video.json") if args.video
+                       else RESULTS.with_name("async_overlap_tp.json") if args.tp > 1 else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": machine(), "device_ms": device_ms, "draft_ms": args.draft_ms, "steps": steps,
                                "repeats": args.repeats, "load_avg_before": load_before, "load_avg": os.getloadavg(),

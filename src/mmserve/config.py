@@ -85,7 +85,8 @@ class EngineConfig:
     async_scheduling: str = field(default="auto", metadata={
         "help": "schedule and launch step N+1 while step N runs, its sampled tokens (and, with --speculative-model, "
                 "its acceptance and the drafts made after it) fed to N+1 on the device and reaching the front end one "
-                "step late: auto (on CUDA, without tensor parallelism) | on | off", "choices": ("auto", "on", "off")})
+                "step late (under tensor parallelism the workers take them from rank 0's device by one broadcast): "
+                "auto (on CUDA) | on | off", "choices": ("auto", "on", "off")})
     emulate_cuda_graphs: bool = field(default=False, metadata={
         "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
                 "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})

@@ -589,8 +589,8 @@ def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(spec
 
 
 def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
-    """Rounds without graphs, under tensor parallelism, with grammar-masked drafts or larger than
-    every bucket run eagerly: each reason given, counted per round, logged once."""
+    """Rounds without graphs, with grammar-masked drafts or larger than every bucket run eagerly
+    (tensor parallelism replays: tests/engine/test_engine_tensor_parallel_async.py): each reason given, counted per round, logged once."""
     from mmserve.spec_decode.draft_graphs import DraftGraphs
     from mmserve.worker.cuda_graphs import EMULATED
 
@@ -598,11 +598,10 @@ def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
         return DraftGraphs(None, None, None, [], mode=mode, max_num_seqs=4, hidden_size=8, dtype=torch.float32,
                            device=torch.device("cpu"))
     on = graphs(EMULATED)
-    assert on.eager_reason(3, masked=False, tensor_parallel=False) is None
-    assert "tensor parallelism" in on.eager_reason(3, masked=False, tensor_parallel=True)
-    assert "grammar" in on.eager_reason(1, masked=True, tensor_parallel=False)
-    assert "no bucket holds them (largest 4)" in on.eager_reason(5, masked=False, tensor_parallel=False)
-    reason = graphs(None).eager_reason(1, masked=False, tensor_parallel=False)
+    assert on.eager_reason(3, masked=False) is None
+    assert "grammar" in on.eager_reason(1, masked=True)
+    assert "no bucket holds them (largest 4)" in on.eager_reason(5, masked=False)
+    reason = graphs(None).eager_reason(1, masked=False)
     assert "no graphs" in reason
     with caplog.at_level("INFO", logger="mmserve.spec_decode.draft_graphs"):
         for _ in range(3):

@@ -204,13 +204,13 @@ def _cancel_and_preempt_once(model_tok, rng: random.Random) -> tuple[list[int], 
     return preempted, aborted
 
 
-def test_async_scheduling_on_refuses_what_it_does_not_serve_yet(model_tok):
+def test_async_scheduling_auto_is_on_cuda_with_or_without_tensor_parallelism(model_tok):
     from mmserve.config import EngineConfig
     from mmserve.core.engine_core import uses_async_scheduling
 
-    with pytest.raises(ValueError, match="tensor-parallel-size"):
-        uses_async_scheduling(EngineConfig(async_scheduling="on", tensor_parallel_size=2), torch.device("cpu"))
-    assert not uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cuda"))
+    assert uses_async_scheduling(EngineConfig(async_scheduling="on", tensor_parallel_size=2), torch.device("cpu"))
+    assert uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cuda"))
+    assert not uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cpu"))
     assert uses_async_scheduling(EngineConfig(speculative_model="assistant"), torch.device("cuda"))
     assert not make_llm(model_tok).core.async_scheduling   # auto: on CUDA only
 

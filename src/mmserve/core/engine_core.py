@@ -78,12 +78,8 @@ COMPILE_WAIT_S = 0.001   # an idle step's wait for a pending grammar compile (th
 
 def uses_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """`--async-scheduling`: auto is on CUDA (where the device runs a step while the host prepares
-    the next), without tensor parallelism, which it does not serve yet."""
-    why_not = "--tensor-parallel-size > 1" if config.tensor_parallel_size > 1 or config.nnodes > 1 else None
-    if config.async_scheduling == "on" and why_not:
-        raise ValueError(f"--async-scheduling on does not serve {why_not} yet")
-    return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda"
-                                                and why_not is None)
+    the next), with or without tensor parallelism."""
+    return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
 
 
 @dataclass
@@ -440,13 +436,12 @@ class EngineCore:
                 s.draft_token_ids[:] = self._device_drafts[s.request.request_id][:len(s.draft_token_ids)]
         keep = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
         sampling = [step.sampling[i] for i in keep]
-        logits, hidden = step.logits, step.hidden
+        logits, index = step.logits, None
         if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
             first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
             index = to_device(np.concatenate([np.arange(first[i], first[i + 1]) for i in keep] or [first[:0]]),
                               logits.device)
             logits = logits.index_select(0, index)
-            hidden = hidden.index_select(0, index) if hidden is not None else None
         rows = verify_rows(sampling)
         try:
             pending = self.sampler.launch(logits, rows)
@@ -459,14 +454,16 @@ class EngineCore:
                           SampledTokens(tokens[:, None], {s.request.request_id: i for i, s in enumerate(sampling)}),
                           start_perf, start_ns)
         if self.speculator is not None and sampling:
-            self._accept_and_draft(flight, hidden)
+            self._accept_and_draft(flight, index)
         return flight
 
-    def _accept_and_draft(self, flight: InFlight, hidden: torch.Tensor) -> None:
+    def _accept_and_draft(self, flight: InFlight, kept_rows: torch.Tensor | None) -> None:
         """Async speculation, all queued on the device: the step's acceptance (how many drafts each
         chunk kept, the token after them), then the next step's drafts from that token for every
         request that speculates, started on their way to the host; the next step's inputs take
-        both there. A failed drafting round leaves the next step without drafts."""
+        both there. The drafter reads the step's hidden states as the runner returned them (every
+        rank holds the same, under tensor parallelism), through `kept_rows` where the launch
+        dropped ended requests' rows. A failed drafting round leaves the next step without drafts."""
         sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
         accepted = accept_on_device(tokens, sampling)
         k = self.speculator.num_tokens
@@ -479,10 +476,13 @@ class EngineCore:
         try:
             index = to_device(np.asarray(items, dtype=np.int64), tokens.device)
             requests = [sampling[i].request for i in items]
+            rows = accepted.row.index_select(0, index)
+            if kept_rows is not None:
+                rows = kept_rows.index_select(0, rows)
             drafts = self.speculator.propose_on_device(
-                requests, accepted.next_token.index_select(0, index), accepted.row.index_select(0, index),
+                requests, accepted.next_token.index_select(0, index), rows,
                 accepted.shift.index_select(0, index), self.kv, self.runner.kv_caches, self.config.block_size,
-                hidden=hidden)
+                hidden=flight.step.hidden)
             next_inputs[:, 1:].index_copy_(0, index, drafts)
         except Exception:   # drafts only save steps: without them every request decodes on
             logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)

@@ -9,12 +9,18 @@ to its ModelRunner exactly as rank 0's does: every rank then encodes the same me
 same order and batches (the towers are replicated), so the ranks' embeddings stay identical.
 A step that schedules nothing runs on no rank: the requests that ended or were preempted meanwhile
 reach the workers as a `Released` message instead.
+
+Async scheduling: a step is sent before the step in flight's tokens are known on the host, so the
+message names only their layout (`InFlightTokens`); the tokens themselves go from rank 0's device
+to every rank's in one broadcast right after it (`share_in_flight`), queued behind rank 0's sampling.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+
+import torch
 
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
@@ -51,6 +57,41 @@ class StepMessage:
     scheduled: list[tuple[str, dict]] = field(default_factory=list)
     ahead: list[tuple[str, list[int]]] = field(default_factory=list)
     rest: dict = field(default_factory=dict)
+    in_flight: InFlightTokens | None = None
+
+
+@dataclass
+class InFlightTokens:
+    """The layout of the step in flight's outcome (worker/model_runner.SampledTokens) the step takes
+    its last inputs from: each sampled request's row, the width of a row (1 + drafts) and whether
+    the positions the acceptance rolled back come with it (speculation)."""
+
+    rows: dict[str, int]
+    width: int
+    shifted: bool
+
+    @classmethod
+    def of(cls, prev) -> InFlightTokens:
+        return cls(prev.rows, prev.tokens.shape[1], prev.shift is not None)
+
+
+def share_in_flight(group, layout: InFlightTokens, prev=None, device=None):
+    """The step in flight's `SampledTokens` on every rank: rank 0 passes its own (`prev`), the others
+    receive them, through one broadcast of [rows, width (+ 1: the shift)] ids. On NCCL it is queued
+    on the stream behind rank 0's sampling (no host sync); on gloo it is synchronous."""
+    from mmserve.worker.model_runner import SampledTokens
+
+    if prev is not None:
+        packed = prev.tokens if prev.shift is None else torch.cat([prev.tokens, prev.shift[:, None]], dim=1)
+        packed = packed.to(torch.int64).contiguous()
+    else:
+        packed = torch.empty((len(layout.rows), layout.width + layout.shifted), dtype=torch.int64, device=device)
+    group.broadcast(packed)
+    if prev is not None:
+        return prev
+    if not layout.shifted:
+        return SampledTokens(packed, layout.rows)
+    return SampledTokens(packed[:, :layout.width].contiguous(), layout.rows, packed[:, layout.width].contiguous())
 
 
 @dataclass

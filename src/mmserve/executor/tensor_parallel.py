@@ -18,6 +18,14 @@ With a speculative model every rank also holds its shard of the drafter, and eac
 is one more message (a `DraftBatch`, speculative.py) after which every rank runs the same draft
 loop (`Speculator.draft`) over its shards and the hidden states of its own last step.
 
+Async scheduling: rank 0 sends step N+1 before step N's tokens reach its host. The message names
+the layout of N's outcome (`InFlightTokens`); the outcome itself (the sampled tokens, and with
+speculation the drafts made after them and the positions the acceptance rolled back) goes from
+rank 0's device to every rank's by one broadcast queued after rank 0's sampling, and every rank
+copies it into N+1's inputs on its device as rank 0 does. Rank 0 alone samples and accepts; an
+async drafting round (`DeviceDraftRound`) sends its key counts and tables, then broadcasts the
+device's acceptance (token, hidden-state row, shift per request), and every rank drafts from it.
+
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`; the ring's writer, when it must wait for a slot, checks the ranks
 and the same timeout); rank 0 then names the dead rank in the error, the core loop dies,
@@ -45,10 +53,17 @@ import torch
 from mmserve.config import EngineConfig
 from mmserve.core.sched.output import SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
-from mmserve.executor.step_messages import HeldQuery, Released, StepEncoder, StepMirror
+from mmserve.executor.step_messages import (
+    HeldQuery,
+    InFlightTokens,
+    Released,
+    StepEncoder,
+    StepMirror,
+    share_in_flight,
+)
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
 from mmserve.process_exit import exit_process
-from mmserve.spec_decode.speculator import DraftBatch
+from mmserve.spec_decode.speculator import DeviceDraftRound, DraftBatch
 
 logger = logging.getLogger(__name__)
 
@@ -329,8 +344,19 @@ class TensorParallelRunner:
             raise AttributeError(name)
         return getattr(self.local, name)
 
-    def execute(self, out: SchedulerOutput):
-        return self._on_ranks(self._encoder.encode(out), lambda: self.local.execute(out))
+    def execute(self, out: SchedulerOutput, prev=None):
+        """The step on every rank; `prev` (async scheduling: the step in flight's tokens, on rank 0's
+        device) goes to the workers by one broadcast after the message, which names only its layout."""
+        msg = self._encoder.encode(out)
+        if prev is not None:
+            msg.in_flight = InFlightTokens.of(prev)
+
+        def run():
+            if prev is not None:
+                share_in_flight(self.tp.group, msg.in_flight, prev)
+            return self.local.execute(out, prev)
+
+        return self._on_ranks(msg, run)
 
     def release(self, out: SchedulerOutput) -> None:
         """A step that scheduled nothing: every rank frees what it holds for the requests that ended
@@ -457,17 +483,24 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
             speculator = Speculator.load(own.speculative_model, model, own.num_speculative_tokens,
                                          max_num_seqs=own.max_num_seqs)
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
+        if speculator is not None:   # its K steps as graphs where the target's are, as on rank 0
+            speculator.use_graphs(runner.graphs.mode)
         mirror, hidden = StepMirror(), None
         while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
                 speculator.draft(msg, hidden, runner.kv_caches)
+            elif isinstance(msg, DeviceDraftRound):   # async: from the acceptance rank 0 broadcasts
+                speculator.draft_on_device(msg, hidden, runner.kv_caches)
             elif isinstance(msg, HeldQuery):
                 group.all_reduce(TensorParallelRunner._held_bytes(runner))
             elif isinstance(msg, Released):
                 mirror.release(msg.finished_ids)
                 runner.release(SchedulerOutput([], preempted_ids=msg.preempted_ids, finished_ids=msg.finished_ids))
             else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
-                hidden = runner.execute(mirror.decode(msg)).hidden
+                out = mirror.decode(msg)
+                prev = (share_in_flight(group, msg.in_flight, device=model.device)
+                        if msg.in_flight is not None else None)
+                hidden = runner.execute(out, prev).hidden
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)

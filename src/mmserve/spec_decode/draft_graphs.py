@@ -17,8 +17,10 @@ captures and replays these too):
 - Output: the [bucket, K] drafts, valid until the next replay; a round copies its rows out.
 - Capture: every bucket at the first round that replays (the pools' shapes and the block size are
   known from then), most rows first, so later buckets fit the first one's memory pool.
-Rounds that run eagerly (`eager_reason`): under tensor parallelism (the steps' collectives would be
-captured on every rank), rounds whose drafts a grammar masks (a host sync per step), without
+Tensor parallelism: every rank captures and replays its own graphs over its shards, their
+collectives inside (NCCL's are captured on CUDA; the emulation re-runs gloo's); every rank decides
+a round's bucket and whether it replays from the same plain data, so the collectives pair up.
+Rounds that run eagerly (`eager_reason`): rounds whose drafts a grammar masks (a host sync per step), without
 graphs (--enforce-eager, a backend that cannot be captured, a CPU unless emulated), and after a
 failed capture; each reason is logged once and counted (`eager_rounds`).
 
@@ -62,14 +64,12 @@ class DraftGraphs:
     def replays(self) -> int:
         return self.graphs.replays
 
-    def eager_reason(self, num_reqs: int, *, masked: bool, tensor_parallel: bool) -> str | None:
+    def eager_reason(self, num_reqs: int, *, masked: bool) -> str | None:
         """Why a round of `num_reqs` requests runs eagerly, or None (it replays a graph)."""
         if not self.graphs.enabled:
             return "no graphs (enforce-eager, an uncapturable backend, or a CPU without emulation)"
         if self.failed is not None:
             return f"capture failed: {self.failed}"
-        if tensor_parallel:
-            return "tensor parallelism"
         if masked:
             return "a grammar masks its drafts"
         if self.graphs.size_for(num_reqs) is None:

@@ -29,7 +29,9 @@ draft step's tokens from rank 0 (one broadcast of R ids per draft step).
 Async scheduling (`propose_on_device`): a round starts before the step's tokens reach the host, so
 it takes each request's token, hidden-state row and key count from the device's acceptance
 (sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
-inputs; the host learns them with the step's tokens. Its drafts are not masked by a grammar (the
+inputs; the host learns them with the step's tokens. Under tensor parallelism the round goes to
+the other ranks as a `DeviceDraftRound` (key counts, tables) and the acceptance follows by one
+device broadcast (`draft_on_device`). Its drafts are not masked by a grammar (the
 matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
 refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
@@ -80,7 +82,19 @@ class DraftBatch:
     masked: bool = False   # rank 0 masks some item's drafts by its grammar: every rank takes its tokens
 
 
-def _run_here(batch: DraftBatch, loop: Callable[[], list[list[int]]]) -> list[list[int]]:
+@dataclass
+class DeviceDraftRound:
+    """An async drafting round as plain data (`Speculator.propose_on_device`): each request's keys as
+    the host counts them and its block tables; the tokens drafted from, their hidden-state rows and
+    the positions the acceptance rolled back stay on rank 0's device and reach the other ranks by
+    one broadcast (`Speculator.draft_on_device`)."""
+
+    num_keys: list[int]
+    block_tables: dict[str, list[list[int]]]
+    block_size: int
+
+
+def _run_here(batch, loop: Callable[[], list[list[int]]]) -> list[list[int]]:
     return loop()
 
 
@@ -192,7 +206,7 @@ class Speculator:
         self.accepted = [0] * num_tokens
         # runs a round's loop on every rank: here alone, or (tensor parallelism) rank 0's runner
         # broadcasting the batch to the workers first (executor/tensor_parallel.py sets it)
-        self.on_ranks: Callable[[DraftBatch, Callable[[], list[list[int]]]], list[list[int]]] = _run_here
+        self.on_ranks: Callable[[DraftBatch | DeviceDraftRound, Callable], object] = _run_here
 
     def use_graphs(self, mode: str | None) -> None:
         """Run the K draft steps as one graph per batch-size bucket (spec_decode/draft_graphs.py):
@@ -208,7 +222,7 @@ class Speculator:
     def _replayed(self, num_reqs: int, masked: bool, run: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """The round's drafts [R, K] from its bucket's graph, or None: it runs eagerly (counted, the
         reason logged once)."""
-        reason = self.graphs.eager_reason(num_reqs, masked=masked, tensor_parallel=self.target.parallel.size > 1)
+        reason = self.graphs.eager_reason(num_reqs, masked=masked)
         if reason is None:
             drafted = run()
             if drafted is not None:
@@ -264,23 +278,37 @@ class Speculator:
         batch.masked = masks is not None
         return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
 
-    @torch.inference_mode()
     def propose_on_device(self, requests: list[Request], tokens: torch.Tensor, rows: torch.Tensor,
                           shift: torch.Tensor, kv: KVCacheManager, kv_caches: list[torch.Tensor], block_size: int,
                           *, hidden: torch.Tensor) -> torch.Tensor:
         """K unmasked drafts for each request, left on the device ([R, K]): drafted from `tokens`
         (each request's token after its kept drafts) at `rows` of the step's `hidden`, over keys
         up to its `num_computed_tokens` less `shift` (the positions the host counted and the
-        device's acceptance did not keep). Nothing here waits for the device where the backends
-        read positions there (`TargetKVReader.prepare`)."""
-        tables = self._block_tables(kv, [r.request_id for r in requests])
-        num_keys = [r.num_computed_tokens for r in requests]
-        drafted = self._replayed(len(requests), False, lambda: self.graphs.run(
-            tokens, hidden.index_select(0, rows), num_keys, tables, block_size, kv_caches, shift=shift))
+        device's acceptance did not keep). On every rank under tensor parallelism (`on_ranks`).
+        Nothing here waits for the device where the backends read positions there
+        (`TargetKVReader.prepare`)."""
+        batch = DeviceDraftRound([r.num_computed_tokens for r in requests],
+                                 self._block_tables(kv, [r.request_id for r in requests]), block_size)
+        return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, tokens, rows, shift))
+
+    @torch.inference_mode()
+    def draft_on_device(self, batch: DeviceDraftRound, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                        tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                        shift: torch.Tensor | None = None) -> torch.Tensor:
+        """An async round's drafts [R, K] on this rank: rank 0 passes the acceptance (`tokens`, `rows`,
+        `shift`); under tensor parallelism it is broadcast to the other ranks, which pass None."""
+        R = len(batch.num_keys)
+        if self.target.parallel.size > 1:
+            packed = (torch.stack([tokens, rows, shift]).to(torch.int64) if tokens is not None
+                      else torch.empty((3, R), dtype=torch.int64, device=hidden.device))
+            tokens, rows, shift = self.target.parallel.broadcast(packed.contiguous()).unbind(0)
+        num_keys, tables = batch.num_keys, batch.block_tables
+        drafted = self._replayed(R, False, lambda: self.graphs.run(
+            tokens, hidden.index_select(0, rows), num_keys, tables, batch.block_size, kv_caches, shift=shift))
         if drafted is not None:
             return drafted
-        target_kv = self.attention.prepare(num_keys, tables, block_size, kv_caches, shift=shift)
-        positions = self.attention.positions.dev[:len(requests)] + 1   # the drafted-from tokens'
+        target_kv = self.attention.prepare(num_keys, tables, batch.block_size, kv_caches, shift=shift)
+        positions = self.attention.positions.dev[:R] + 1   # the drafted-from tokens'
         drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
                              target_kv, self.num_tokens)
         return torch.stack(drafted, dim=1)

@@ -1,0 +1,227 @@
+"""Async scheduling under tensor parallelism: rank 0 (this process, the engine core over its shard)
+and a real spawned worker rank over gloo, as `mmserve serve --tensor-parallel-size 2
+--async-scheduling on` runs them. The worker gets step N+1's message before step N's tokens reach
+rank 0's host and takes them (with speculation: the drafts made after them and the positions the
+acceptance rolled back) from rank 0's device by one broadcast; async drafting rounds run on both
+ranks from the acceptance broadcast the same way, replaying (emulated) drafter graphs.
+
+References, on fresh random prompts: the same TP=2 engine's synchronous loop (the flags the core
+reads, switched between runs) and TP=1 engines in-process, with and without speculation (requests
+that opt out decode without drafts): greedy and seeded tokens identical everywhere, and per step the
+same drafts verified and kept in TP=2 as in TP=1 for each loop. A cancel and a preemption leave no
+KV block or embedding held on any rank; a video prefills with encode-ahead beside decodes. One TP
+group for the module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from engine_helpers import build_request, make_llm
+from gemma4_fixtures import make_assistant, tiny_config
+
+from mmserve.config import EngineConfig
+from mmserve.executor import tensor_parallel
+
+K = 3
+OPTIONS = dict(device="cpu", dtype="float32", attention_backend="flex", block_size=4, num_kv_blocks=256,
+               max_num_seqs=8, max_num_batched_tokens=24, prefill_batched_tokens=0, enable_prefix_caching=False,
+               emulate_cuda_graphs=True, num_speculative_tokens=K)
+
+
+@pytest.fixture(scope="module")
+def assistant(engine_checkpoint, tmp_path_factory) -> str:
+    """A drafter that often proposes what the target says (drafts kept and rejected)."""
+    root = tmp_path_factory.mktemp("tp_async_assistant")
+    make_assistant(root, tiny_config(), seed=23, copy_from=engine_checkpoint[1])
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def tp_core(engine_checkpoint, assistant):
+    """A TP=2 engine core with async scheduling on, speculation and emulated graphs."""
+    from mmserve.core.engine_core import EngineCore
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv("GLOO_SOCKET_IFNAME", "lo")   # (the rendezvous would set it for good in this process)
+    config = EngineConfig(model=str(engine_checkpoint[0]), speculative_model=assistant, tensor_parallel_size=2,
+                          engine_threads=2, async_scheduling="on", **OPTIONS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(tensor_parallel.rank_threads(config))   # rank 0's threads, as in the engine process
+    tp = tensor_parallel.TensorParallelGroup(config)
+    try:
+        core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group),
+                          runner_factory=tp.runner_factory)
+        tp.runner.serve_drafts(core.speculator)   # as the engine process does
+        yield core
+    finally:
+        tp.close()
+        patch.undo()
+        torch.set_num_threads(threads)
+
+
+def use_loop(core, loop: str) -> None:
+    """What --async-scheduling sets in the core and its scheduler (switched only while idle)."""
+    assert not core.has_work
+    core.async_scheduling = core.scheduler.async_scheduling = loop == "async"
+
+
+def run(core, requests, *, arrivals=None, aborts=None) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Step `core` until idle: each request added at its arrival step, each in `aborts` aborted
+    after that step. Returns each request's tokens and, per step it was scheduled in, (drafts
+    verified, drafts kept)."""
+    arrivals, aborts = arrivals or {}, aborts or {}
+    tokens = {r.request_id: [] for r in requests}
+    drafts = {r.request_id: [] for r in requests}
+    pending, step = list(requests), 0
+    while pending or core.has_work:
+        for r in [r for r in pending if arrivals.get(r.request_id, 0) <= step]:
+            core.add_request(r.core_request())
+            pending.remove(r)
+        result = core.step()
+        for out in result.outputs:
+            assert out.error is None, out
+            tokens[out.request_id] += out.new_token_ids
+        for item in result.step.items if result.step else []:
+            if item.draft_tokens:
+                drafts[item.request_id].append((item.draft_tokens, item.accepted_drafts))
+        step += 1
+        for rid, at in aborts.items():
+            if at == step:
+                assert core.abort(rid), rid
+    return tokens, drafts
+
+
+def tp1(load_backend, assistant, loop: str, **options):
+    return make_llm(load_backend(OPTIONS["attention_backend"]), speculative_model=assistant,
+                    async_scheduling="on" if loop == "async" else "off",
+                    **{k: v for k, v in OPTIONS.items() if k not in ("device", "dtype")} | options).core
+
+
+def workload(rng: random.Random, speculate: bool):
+    requests = [build_request(f"g{i}", [rng.randrange(4, 20)], seed=rng.randrange(10_000),
+                              max_tokens=rng.randrange(6, 16), temperature=0.0, disable_speculation=not speculate)
+                for i in range(3)]
+    seeded = build_request("seeded", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=12,
+                           temperature=0.9, top_p=0.9, disable_speculation=not speculate)
+    seeded.sampling = dataclasses.replace(seeded.sampling, seed=rng.randrange(1000))
+    # ends on EOS (id 1, favoured) at a step the host learns of after the next one was launched
+    eos = build_request("eos", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=30,
+                        disable_speculation=not speculate)
+    eos.sampling = dataclasses.replace(eos.sampling, ignore_eos=False, temperature=1.0, seed=rng.randrange(1000),
+                                       logit_bias=((1, 6.0),))
+    return requests + [seeded, eos]
+
+
+def assert_nothing_held(core) -> None:
+    held = core.held_resources()   # encoded_ahead_bytes: every rank's (one all-reduce)
+    assert (held["requests"], held["kv_blocks_held"], held["encoded_ahead_bytes"]) == ([], {}, 0), held
+
+
+def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load_backend, assistant):
+    """Greedy and seeded requests, one ending on EOS, with and without speculation: TP=2 async ==
+    TP=2 sync == TP=1 (both loops), the drafts verified and kept per step equal to TP=1's in the
+    same loop, and the drafting rounds replayed graphs (no eager round: tensor parallelism no
+    longer forces one)."""
+    seed = random.SystemRandom().randrange(10_000)
+    rng = random.Random(seed)
+    plain, speculating = workload(rng, False), workload(random.Random(seed), True)
+    replays = tp_core.speculator.graphs.replays
+    runs = {}
+    for loop in ("async", "sync"):
+        use_loop(tp_core, loop)
+        for requests in (plain, speculating):
+            speculate = requests is speculating
+            runs["tp2", loop, speculate] = run(tp_core, requests)
+            assert_nothing_held(tp_core)
+            runs["tp1", loop, speculate] = run(tp1(load_backend, assistant, loop), requests)
+    use_loop(tp_core, "async")
+    reference = runs["tp1", "sync", False][0]
+    assert [len(reference[r.request_id]) for r in plain[:-1]] == [r.sampling.max_tokens for r in plain[:-1]]
+    assert len(reference["eos"]) < 30, (seed, "the EOS request did not end on EOS")
+    for key, (tokens, _) in runs.items():
+        assert tokens == reference, (seed, key)
+    for loop in ("async", "sync"):
+        ours, theirs = runs["tp2", loop, True][1], runs["tp1", loop, True][1]
+        assert ours == theirs, (seed, loop)
+        assert sum(kept for steps in ours.values() for _, kept in steps) > 0, (seed, loop, "no draft was kept")
+        assert not any(runs["tp2", loop, False][1].values())
+    assert tp_core.speculator.graphs.replays > replays and tp_core.speculator.graphs.eager_rounds == 0
+
+
+def test_tp2_async_cancel_and_preemption_leave_nothing_held_on_any_rank(tp_core, load_backend, assistant):
+    """Speculating requests on a KV budget too small for all of them (preemptions, recomputed with
+    the step after them already launched) and one aborted mid-decode: the others' tokens are TP=1's,
+    and no KV block, placeholder or embedding (summed over both ranks) is held at the end."""
+    seed = random.SystemRandom().randrange(10_000)
+    rng = random.Random(seed)
+    requests = [build_request(f"r{i}", [rng.randrange(10, 30)], seed=rng.randrange(10_000), max_tokens=16,
+                              temperature=0.0) for i in range(6)]
+    want, _ = run(tp1(load_backend, assistant, "sync"), requests)
+    preempted, preempt = [], tp_core.scheduler._preempt
+    aside = {name: pool.take(pool.num_free - 16) for name, pool in tp_core.kv.pools.items()}   # 16 blocks a pool
+    tp_core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
+    try:
+        got, _ = run(tp_core, requests, aborts={"r1": 3})
+    finally:
+        tp_core.scheduler._preempt = preempt
+        for name, blocks in aside.items():
+            tp_core.kv.pools[name].release(blocks)
+    assert preempted, (seed, "nothing was preempted: the KV budget is too generous for this test")
+    for rid, tokens in got.items():
+        assert tokens == (want[rid][:len(tokens)] if rid == "r1" else want[rid]), (seed, rid)
+    assert len(got["r1"]) < len(want["r1"])
+    assert all(r.num_output_placeholders == 0 for r in tp_core.scheduler.running)
+    assert_nothing_held(tp_core)
+
+
+def test_tp2_async_video_encodes_ahead_beside_decodes(tp_core, load_backend, assistant):
+    """A video arriving beside decoding requests, its frames encoded ahead on every rank: the tokens
+    of TP=1's synchronous loop, and nothing held on any rank at the end."""
+    rng = random.Random(random.SystemRandom().randrange(10_000))
+    decoders = [build_request(f"d{i}", [rng.randrange(5, 15)], seed=rng.randrange(1000), max_tokens=16,
+                              temperature=0.0) for i in range(2)]
+    video = build_request("v", [3, ("video", [8] * rng.randrange(3, 6)), 4], seed=rng.randrange(1000),
+                          max_tokens=8, temperature=0.0)
+    requests, arrivals = decoders + [video], {"v": 2}
+    ahead = []
+    encode_ahead = tp_core.runner.local._encode_ahead
+    tp_core.runner.local._encode_ahead = lambda items: (ahead.append(len(items)), encode_ahead(items))[1]
+    try:
+        got, _ = run(tp_core, requests, arrivals=arrivals)
+    finally:
+        del tp_core.runner.local._encode_ahead
+    assert ahead, "no frame was encoded ahead"
+    assert got == run(tp1(load_backend, assistant, "sync"), requests, arrivals=arrivals)[0]
+    assert_nothing_held(tp_core)
+
+
+def test_a_worker_takes_the_in_flight_tokens_from_rank_0s_broadcast():
+    """The layout travels in the message, the tokens by broadcast: what a worker rebuilds is rank 0's
+    `SampledTokens`, with and without the shift (here a group of one, whose broadcast keeps its input)."""
+    from mmserve.executor.step_messages import InFlightTokens, share_in_flight
+    from mmserve.model.parallel import ParallelGroup
+    from mmserve.worker.model_runner import SampledTokens
+
+    sent = []
+
+    class Sender(ParallelGroup):   # rank 0: what it broadcasts
+        def broadcast(self, x):
+            sent.append(x.clone())
+            return x
+
+    class Receiver(ParallelGroup):   # another rank: rank 0's tensor lands in its buffer
+        def broadcast(self, x):
+            x.copy_(sent[-1])
+            return x
+
+    for shift in (None, torch.randint(0, K, (5,))):
+        prev = SampledTokens(torch.randint(0, 300, (5, 1 + K)), {f"r{i}": i for i in range(5)}, shift)
+        layout = InFlightTokens.of(prev)
+        assert share_in_flight(Sender(0, 2), layout, prev) is prev
+        theirs = share_in_flight(Receiver(1, 2), dataclasses.replace(layout), device="cpu")
+        assert torch.equal(theirs.tokens, prev.tokens) and theirs.rows == prev.rows
+        assert (theirs.shift is None) == (shift is None) and (shift is None or torch.equal(theirs.shift, shift))
