@@ -28,7 +28,7 @@ from mmserve.executor import tensor_parallel
 
 K = 3
 OPTIONS = dict(device="cpu", dtype="float32", attention_backend="flex", block_size=4, num_kv_blocks=256,
-               max_num_seqs=8, max_num_batched_tokens=24, prefill_batched_tokens=0, enable_prefix_caching=False,
+               max_num_seqs=8, max_num_batched_tokens=16, prefill_batched_tokens=0, enable_prefix_caching=False,
                emulate_cuda_graphs=True, num_speculative_tokens=K)
 
 
@@ -121,23 +121,35 @@ def assert_nothing_held(core) -> None:
     assert (held["requests"], held["kv_blocks_held"], held["encoded_ahead_bytes"]) == ([], {}, 0), held
 
 
+DRAWS = 5   # workloads drawn until the drafter keeps a draft in TP=1 (else the acceptance check compares nothing)
+
+
+def kept_drafts(drafts: dict[str, list]) -> int:
+    return sum(kept for steps in drafts.values() for _, kept in steps)
+
+
 def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load_backend, assistant):
     """Greedy and seeded requests, one ending on EOS, with and without speculation: TP=2 async ==
-    TP=2 sync == TP=1 (both loops), the drafts verified and kept per step equal to TP=1's in the
-    same loop, and the drafting rounds replayed graphs (no eager round: tensor parallelism no
-    longer forces one)."""
-    seed = random.SystemRandom().randrange(10_000)
-    rng = random.Random(seed)
-    plain, speculating = workload(rng, False), workload(random.Random(seed), True)
+    TP=2 sync == TP=1, the drafts verified and kept per step equal to TP=1's in the same loop, and
+    the drafting rounds replayed graphs (no eager round: tensor parallelism no longer forces one)."""
+    for _ in range(DRAWS):   # a draw whose drafter keeps nothing happens (1 in ~3): draw again
+        seed = random.SystemRandom().randrange(10_000)
+        speculating = workload(random.Random(seed), True)
+        tp1_async = run(tp1(load_backend, assistant, "async"), speculating)
+        if kept_drafts(tp1_async[1]):
+            break
+    else:
+        pytest.fail(f"no draft kept in {DRAWS} workloads (last seed {seed}): the assistant no longer agrees")
+    plain = workload(random.Random(seed), False)
     replays = tp_core.speculator.graphs.replays
-    runs = {}
+    runs = {("tp1", "async", True): tp1_async,
+            ("tp1", "sync", True): run(tp1(load_backend, assistant, "sync"), speculating),
+            ("tp1", "sync", False): run(tp1(load_backend, assistant, "sync"), plain)}
     for loop in ("async", "sync"):
         use_loop(tp_core, loop)
         for requests in (plain, speculating):
-            speculate = requests is speculating
-            runs["tp2", loop, speculate] = run(tp_core, requests)
+            runs["tp2", loop, requests is speculating] = run(tp_core, requests)
             assert_nothing_held(tp_core)
-            runs["tp1", loop, speculate] = run(tp1(load_backend, assistant, loop), requests)
     use_loop(tp_core, "async")
     reference = runs["tp1", "sync", False][0]
     assert [len(reference[r.request_id]) for r in plain[:-1]] == [r.sampling.max_tokens for r in plain[:-1]]
@@ -147,7 +159,6 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
     for loop in ("async", "sync"):
         ours, theirs = runs["tp2", loop, True][1], runs["tp1", loop, True][1]
         assert ours == theirs, (seed, loop)
-        assert sum(kept for steps in ours.values() for _, kept in steps) > 0, (seed, loop, "no draft was kept")
         assert not any(runs["tp2", loop, False][1].values())
     assert tp_core.speculator.graphs.replays > replays and tp_core.speculator.graphs.eager_rounds == 0
 
