@@ -15,13 +15,13 @@ bench/gpu_check.py).
 
 from __future__ import annotations
 
-import importlib
 import random
 from dataclasses import replace
 
 import pytest
 import torch
 from attn_batches import Req, make_batch, rel_err
+from triton_interpreter import interpreted_kernels, reload_kernels
 
 from mmserve.attention import create_builder, create_impl
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
@@ -39,19 +39,17 @@ SLIDING_UNCLAMPED = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, hea
                                        bidirectional=True, clamp_bidirectional=False, scale=0.25)
 
 
+KERNELS = "mmserve.attention.split_kv_kernels"
+
+
 def _kernels():
-    """The kernels module as TRITON_INTERPRET says (Triton reads it when a @triton.jit runs, and the
-    interpreter again when a kernel calls a jit helper): reloaded."""
-    return importlib.reload(importlib.import_module("mmserve.attention.split_kv_kernels"))
+    return reload_kernels(KERNELS)
 
 
 @pytest.fixture
 def interpreted(monkeypatch):
     """The kernels run by Triton's interpreter for one test; as the GPU compiler sees them after."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield _kernels()
-    monkeypatch.delenv("TRITON_INTERPRET")
-    _kernels()
+    yield from interpreted_kernels(monkeypatch, KERNELS)
 
 
 @pytest.fixture

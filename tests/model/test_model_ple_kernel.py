@@ -9,29 +9,24 @@ E4B's shape in bf16 (Triton's GPU compiler and ptxas)."""
 
 from __future__ import annotations
 
-import importlib
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+from triton_interpreter import interpreted_kernels, reload_kernels
 
 from mmserve.model import ple
 
 triton = pytest.importorskip("triton", reason="triton (the fa4-check extra) runs the PLE kernel")
 
 
-def _kernels():
-    """The kernel module as TRITON_INTERPRET says (read when a @triton.jit runs): reloaded."""
-    return importlib.reload(importlib.import_module("mmserve.model.ple_kernels"))
+KERNELS = "mmserve.model.ple_kernels"
 
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield _kernels()
-    monkeypatch.delenv("TRITON_INTERPRET")
-    _kernels()
+    yield from interpreted_kernels(monkeypatch, KERNELS)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 40, 64, 100])
@@ -63,7 +58,7 @@ def test_the_kernel_compiles_for_sm90(monkeypatch):
     from triton.backends.compiler import GPUTarget
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    fn = _kernels().gated_projection
+    fn = reload_kernels(KERNELS).gated_projection
     constexprs = dict(DIM=256, BLOCK_T=64, BLOCK_H=ple.BLOCK_H, BLOCK_D=64, PRECISION="tf32")
     signature = dict(zip(fn.arg_names, ["*bf16"] * 4 + ["i32"] * 6 + ["constexpr"] * len(constexprs), strict=True))
     kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs),
