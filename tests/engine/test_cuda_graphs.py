@@ -217,28 +217,24 @@ def assert_padding_reads_only_what_it_writes(inputs, specs, num_real: int, query
         assert all(len(w) == 1 for w in writers.values()), {s: w for s, w in writers.items() if len(w) > 1}
 
 
-def test_speculating_steps_run_as_graphs_give_the_tokens_of_eager_steps(tmp_path):
+def test_speculating_steps_run_as_graphs_give_the_tokens_of_eager_steps(speculating_target):
     """Flex (capturable, and it runs on a CPU) under emulated graphs: speculating requests, greedy and
     seeded random, whose draft counts differ step to step (max_tokens staggered, so each nears its
     end at another time) give the tokens of --enforce-eager, and every step in which they all
     decode replays a graph: the scheduler pads each chunk to K + 1 rows (pads never sampled, always
     rolled back), where before a single shorter chunk made the step eager. Every block is free at the end."""
     from engine_helpers import build_request, make_llm
-    from gemma4_fixtures import make_assistant, make_checkpoint, tiny_config
     from test_engine_batching import assert_pools_full
 
-    from mmserve.model import load_model
-
-    cfg = tiny_config(window=6)
-    hf = make_checkpoint(tmp_path / "target", config=cfg, seed=61)
-    make_assistant(tmp_path / "assistant", cfg, seed=63, copy_from=hf)
-    model = load_model(tmp_path / "target", dtype="float32", device="cpu", attention_backend="flex")
+    # The mixed-workload test's target and engine shapes (max_num_seqs 8): flex's 4 graphs (2 layer
+    # types x the runner's and the drafter's capacities) compile once for both tests (~20 s cold).
+    model, _, assistant = speculating_target
     requests = [build_request(f"r{i}", [12 + i], seed=i, max_tokens=[7, 10, 14][i]) for i in range(3)]
     requests[1].sampling = dataclasses.replace(requests[1].sampling, temperature=1.0, seed=7)
     runs, steps = {}, []
     for eager in (True, False):
-        llm = make_llm((model, None), attention_backend="flex", max_num_seqs=4, enforce_eager=eager,
-                       emulate_cuda_graphs=True, speculative_model=str(tmp_path / "assistant"),
+        llm = make_llm((model, None), attention_backend="flex", max_num_seqs=8, enforce_eager=eager,
+                       emulate_cuda_graphs=True, speculative_model=assistant,
                        num_speculative_tokens=3)
         runner = llm.core.runner
         execute = runner.execute
