@@ -32,8 +32,10 @@ REQUESTS = 20
 # Measured here (2 cores, shared): with neither fix the floor of RSS rose ~120 MiB over 20 requests
 # and its peaks ~200 MiB; with the mmap threshold pinned but the seeker's cycle left, peaks climbed
 # ~20 MiB per request until a full collection (+240 MiB with gc off); with both, RSS stayed within
-# ~45 MiB of its level after request 1, refusal included, and no collection on the request path.
-PEAK_BUDGET = 64 * 2**20
+# ~45 MiB of its level after request 1, refusal included, and no collection on the request path;
+# once, in a full suite run on a cold compile cache (no front-end change), 77 MiB: the peak budget
+# has room for that and still fails either regression (~200 and ~240 MiB).
+PEAK_BUDGET = 96 * 2**20
 FLOOR_BUDGET = 32 * 2**20
 ASK = dict(prompt="Describe the video.", num_frames=8, max_tokens=2, temperature=0)
 
