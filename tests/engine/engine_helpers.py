@@ -137,3 +137,41 @@ def step_through(llm: LLM, requests: list[EngineRequest], *, arrivals: dict[str,
                 llm.processor.forget(rid)
                 aborted.add(rid)
     return tokens, aborted
+
+
+def step_core(core, requests: list[EngineRequest], *, arrivals: dict[str, int] | None = None,
+              after_step=None, check_errors: bool = True) -> dict[str, list[int]]:
+    """`step_through` for an EngineCore driven directly (no front end: rank 0 of the tensor-parallel
+    tests): each request added at its arrival step, stepped until idle; `after_step(step, outputs)`
+    sees each step's EngineCoreOutputs once its tokens are taken (1-based step count). A step's error
+    fails the test (with `check_errors` False, `after_step` judges them). Returns every request's tokens."""
+    arrivals = arrivals or {}
+    tokens = {r.request_id: [] for r in requests}
+    pending, step = list(requests), 0
+    while pending or core.has_work:
+        for r in [r for r in pending if arrivals.get(r.request_id, 0) <= step]:
+            core.add_request(r.core_request())
+            pending.remove(r)
+        result = core.step()
+        for out in result.outputs:
+            assert out.error is None or not check_errors, out
+            tokens[out.request_id] += out.new_token_ids
+        step += 1
+        if after_step is not None:
+            after_step(step, result)
+    return tokens
+
+
+def tiny_grammar(tmp_path):
+    """Real xgrammar structured output over the tiny checkpoints' tokenizer (saved under `tmp_path`):
+    (StructuredOutput, tokenizer, vocab size)."""
+    from gemma4_fixtures import EOS, make_tokenizer
+
+    from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.structured_output.compiler import FormatCompiler
+    from mmserve.structured_output.manager import StructuredOutput
+
+    make_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_tokenizer(tmp_path)
+    grammar = StructuredOutput(FormatCompiler(tokenizer, VOCAB, [EOS], cache_bytes=2**20, timeout_s=float("inf")))
+    return grammar, tokenizer, VOCAB

@@ -349,16 +349,11 @@ def test_a_constrained_rows_mask_rides_the_steps_one_copy(tmp_path, monkeypatch)
     """A step with a grammar-constrained row (real xgrammar) among seeded and penalised rows: its
     bitmask goes to the device with the step's other values, in one copy, and masks the row."""
     import gemma4_fixtures
+    from engine_helpers import tiny_grammar
 
-    from mmserve.model.tokenizer import load_tokenizer
     from mmserve.sampling_params import ResponseFormat
-    from mmserve.structured_output.compiler import FormatCompiler
-    from mmserve.structured_output.manager import StructuredOutput
 
-    gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB
-    grammar = StructuredOutput(FormatCompiler(tokenizer, vocab, [gemma4_fixtures.EOS], cache_bytes=2**20,
-                                              timeout_s=float("inf")))
+    grammar, tokenizer, vocab = tiny_grammar(tmp_path)
     fmt = ResponseFormat("regex", "[a-f][0-9]x")
     grammar.add("g", fmt, grammar.compiler.compile(fmt))
     requests = [Request("g", [gemma4_fixtures.BOS], SamplingParams(temperature=1.0, response_format=fmt)),

@@ -123,19 +123,14 @@ def test_rejection_sampling_under_a_grammar_keeps_the_masked_distribution(tmp_pa
     target's first row under the grammar's mask, by the chi-square test over fixed seeds; draws that
     skip the mask fail the same test (seeds fixed)."""
     import gemma4_fixtures
+    from engine_helpers import tiny_grammar
 
     from mmserve.core.sched.output import ScheduledRequest
-    from mmserve.model.tokenizer import load_tokenizer
     from mmserve.sample.sampler import Sampler
     from mmserve.sampling_params import ResponseFormat
     from mmserve.spec_decode.verify import verify_rows
-    from mmserve.structured_output.compiler import FormatCompiler
-    from mmserve.structured_output.manager import StructuredOutput
 
-    gemma4_fixtures.make_tokenizer().save(str(tmp_path / "tokenizer.json"))
-    tokenizer, vocab = load_tokenizer(tmp_path), gemma4_fixtures.VOCAB
-    grammar = StructuredOutput(FormatCompiler(tokenizer, vocab, [gemma4_fixtures.EOS], cache_bytes=2**20,
-                                              timeout_s=float("inf")))
+    grammar, tokenizer, vocab = tiny_grammar(tmp_path)
     fmt = ResponseFormat("regex", "[a-f][0-9]x")
     grammar.add("r", fmt, grammar.compiler.compile(fmt))
     ids = {ch: tokenizer.encode(ch)[0] for ch in "abcdef5"}

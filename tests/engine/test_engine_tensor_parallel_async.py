@@ -20,7 +20,7 @@ import random
 
 import pytest
 import torch
-from engine_helpers import build_request, make_llm
+from engine_helpers import build_request, make_llm, step_core
 from gemma4_fixtures import make_assistant, tiny_config
 
 from mmserve.config import EngineConfig
@@ -73,26 +73,18 @@ def run(core, requests, *, arrivals=None, aborts=None) -> tuple[dict[str, list[i
     """Step `core` until idle: each request added at its arrival step, each in `aborts` aborted
     after that step. Returns each request's tokens and, per step it was scheduled in, (drafts
     verified, drafts kept)."""
-    arrivals, aborts = arrivals or {}, aborts or {}
-    tokens = {r.request_id: [] for r in requests}
+    aborts = aborts or {}
     drafts = {r.request_id: [] for r in requests}
-    pending, step = list(requests), 0
-    while pending or core.has_work:
-        for r in [r for r in pending if arrivals.get(r.request_id, 0) <= step]:
-            core.add_request(r.core_request())
-            pending.remove(r)
-        result = core.step()
-        for out in result.outputs:
-            assert out.error is None, out
-            tokens[out.request_id] += out.new_token_ids
+
+    def record_and_abort(step, result):
         for item in result.step.items if result.step else []:
             if item.draft_tokens:
                 drafts[item.request_id].append((item.draft_tokens, item.accepted_drafts))
-        step += 1
         for rid, at in aborts.items():
             if at == step:
                 assert core.abort(rid), rid
-    return tokens, drafts
+
+    return step_core(core, requests, arrivals=arrivals, after_step=record_and_abort), drafts
 
 
 def tp1(load_backend, assistant, loop: str, **options):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import build_request, make_llm
+from engine_helpers import build_request, make_llm, step_core
 
 from mmserve.config import EngineConfig
 from mmserve.executor import tensor_parallel
@@ -133,21 +133,16 @@ def run(core, requests, arrivals: dict[str, int], abort_when_held: str | None = 
     """Step `core` until idle, adding each request at its arrival step; with `abort_when_held`, that
     request is aborted as soon as rank 0 holds embeddings encoded ahead, when the core's leak
     check must count the worker's too (the ranks hold the same)."""
-    tokens = {r.request_id: [] for r in requests}
-    pending, step = list(requests), 0
-    while pending or core.has_work:
-        for r in [r for r in pending if arrivals.get(r.request_id, 0) <= step]:
-            core.add_request(r.core_request())
-            pending.remove(r)
-        for out in core.step().outputs:
+    def abort_once_held(step, result):
+        nonlocal abort_when_held
+        for out in result.outputs:
             assert out.error is None or out.request_id == abort_when_held, out
-            tokens[out.request_id] += out.new_token_ids
-        step += 1
         if abort_when_held and (held := core.runner.encoded_ahead.num_bytes):
             assert core.held_resources()["encoded_ahead_bytes"] == 2 * held
             assert core.abort(abort_when_held)
             abort_when_held = None
-    return tokens
+
+    return step_core(core, requests, arrivals=arrivals, after_step=abort_once_held, check_errors=False)
 
 
 def workload():
