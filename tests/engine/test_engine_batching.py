@@ -17,7 +17,8 @@ from mmserve.engine.observer import NullObserver
 from mmserve.errors import LimitExceededError
 
 
-def random_requests(n: int, seed: int, max_tokens=(1, 8)):
+def random_requests(n: int, seed: int, max_tokens=(1, 8), penalties: bool = False):
+    """`penalties`: about half the requests (greedy) also ask for repetition/frequency/presence penalties."""
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
@@ -26,7 +27,11 @@ def random_requests(n: int, seed: int, max_tokens=(1, 8)):
             parts.append(("video" if rng.random() < 0.7 else "image",
                           [rng.choice([1, 2, 4, 8]) for _ in range(rng.randint(1, 4))]))
             parts.append(rng.randint(0, 10))
-        reqs.append(build_request(f"r{i}", parts, seed * 1000 + i, max_tokens=rng.randint(*max_tokens)))
+        kw = {}
+        if penalties and rng.random() < 0.6:
+            kw = dict(repetition_penalty=rng.uniform(1.5, 3.0), frequency_penalty=rng.uniform(0.5, 2.0),
+                      presence_penalty=rng.uniform(0.5, 2.0))
+        reqs.append(build_request(f"r{i}", parts, seed * 1000 + i, max_tokens=rng.randint(*max_tokens), **kw))
     return reqs
 
 
@@ -75,24 +80,30 @@ def test_64_concurrent_requests_match_running_alone(load_backend):
 
 
 class _Preemptions(NullObserver):
-    def __init__(self):
-        self.count = 0
+    """Counts preemptions; after each step, the penalty slots held beside the requests running."""
+
+    def __init__(self, core):
+        self.core, self.count, self.slots = core, 0, []
 
     def on_step(self, record):
         self.count += record.num_preempted
+        self.slots.append((len(self.core.sampler.penalties._slot), len(self.core.scheduler.running)))
 
 
 def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend):
+    """Preempted requests (some with penalties, whose counts and prompt bitmask are rebuilt when they
+    resume) give the tokens they give alone; a preempted request holds no penalty slot, so slots
+    never outnumber the running requests (the tables have --max-num-seqs rows)."""
     model_tok = load_backend("reference")
-    reqs = random_requests(10, seed=int(torch.randint(0, 1000, ())), max_tokens=(6, 10))
+    reqs = random_requests(10, seed=int(torch.randint(0, 1000, ())), max_tokens=(6, 10), penalties=True)
     expected = alone(model_tok, reqs)
-    observer = _Preemptions()
     # 25 usable blocks of 4 tokens: the longest request fits alone, ten together do not.
     llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32)
-    llm.observer = observer
+    llm.observer = observer = _Preemptions(llm.core)
     got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
     assert observer.count > 0, "the cache should have been too small to avoid preemption"
     assert got == expected
+    assert all(slots <= running for slots, running in observer.slots), observer.slots
     assert_pools_full(llm.core)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import random
 import weakref
 
 import pytest
@@ -16,6 +17,9 @@ from engine_helpers import build_request
 from mmserve.config import EngineConfig
 from mmserve.core.engine_core import EngineCore
 from mmserve.core.kv_cache.planner import KVCacheTooSmall
+from mmserve.request import Request
+from mmserve.sample.sampler import Sampler
+from mmserve.sampling_params import SamplingParams
 from mmserve.worker import memory_profile
 from mmserve.worker.memory_profile import MemorySnapshot
 from mmserve.worker.model_runner import ModelRunner
@@ -232,3 +236,64 @@ def test_batching_defaults_follow_the_device_and_graphs_cover_them(monkeypatch):
     assert (given.max_num_batched_tokens, given.prefill_batched_tokens, given.max_num_seqs) == (256, 0, 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert EngineConfig().max_num_seqs == 128   # --device auto on a machine with CUDA
+
+
+def peak_cpu_bytes(fn) -> int:
+    """The most bytes `fn` held allocated at once on the CPU: torch.profiler's allocation and free
+    events, summed in time order (each allocation is the self memory of the op that made it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    held = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak
+
+
+def random_sampling(rng: random.Random, vocab: int) -> SamplingParams:
+    """Any mix of what a request may ask of the sampler."""
+    kw = {}
+    if rng.random() < 0.7:
+        kw.update(temperature=rng.uniform(0.5, 1.5))
+        if rng.random() < 0.5:
+            kw.update(top_k=rng.randrange(1, 100))
+        if rng.random() < 0.5:
+            kw.update(top_p=rng.uniform(0.5, 0.99))
+        if rng.random() < 0.5:
+            kw.update(seed=rng.randrange(2**31))
+    if rng.random() < 0.5:
+        kw.update(logprobs=True, top_logprobs=rng.randrange(0, 21))
+    if rng.random() < 0.5:
+        kw.update(repetition_penalty=rng.uniform(1.1, 2.0), frequency_penalty=rng.uniform(-1, 1))
+    if rng.random() < 0.3:
+        kw.update(logit_bias=tuple((rng.randrange(vocab), rng.uniform(-5, 5)) for _ in range(rng.randrange(1, 8))))
+    if rng.random() < 0.3:
+        kw.update(min_tokens=rng.randrange(0, 8), max_tokens=8)
+    return SamplingParams(**kw)
+
+
+def test_the_profiling_step_samples_the_way_that_holds_the_most_memory(load_backend):
+    """The profile's sampling (its requests' parameters, a fresh sampler: the penalty tables too)
+    holds at least what any mix of sampling options holds for as many rows, measured as the CPU
+    allocator's peak: the KV cache is sized with what is left, so a step of logprobs, penalised or
+    seeded rows must not need more than the profile saw. The largest request asks for its prompt's
+    logprobs too (their logits: up to 512 rows x the vocabulary)."""
+    model, _ = load_backend("sdpa")
+    rows, vocab = 16, 8192
+    config = EngineConfig(**{**OPTIONS, "max_num_seqs": rows, "max_num_batched_tokens": 256})
+    profiled = memory_profile.profiling_requests(model.spec, config, max_model_len=512)
+    assert len(profiled) == rows and profiled[0].sampling_params.prompt_logprobs
+    logits = torch.randn(rows, vocab) * 3
+    rng = random.Random()
+
+    def peak(params: list[SamplingParams]) -> int:
+        requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(30)], p,
+                            output_token_ids=[rng.randrange(vocab) for _ in range(5)]) for i, p in enumerate(params)]
+        return peak_cpu_bytes(lambda: Sampler(eos_token_ids=[1], max_num_seqs=rows).sample(logits, requests))
+
+    profile_peak = peak([r.sampling_params for r in profiled])
+    for _ in range(4):
+        mix = [random_sampling(rng, vocab) for _ in range(rows)]
+        assert peak(mix) <= profile_peak, mix

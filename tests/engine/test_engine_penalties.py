@@ -62,7 +62,7 @@ def test_batched_adjustments_equal_the_per_row_reference():
     got = logits.clone()
     requests = [Request(f"r{i}", prompt, p, output_token_ids=list(output))
                 for i, (prompt, p, output) in enumerate(zip(prompts, params, outputs, strict=True))]
-    adjust(got, requests, eos, PenaltyState())
+    adjust(got, requests, eos, PenaltyState(capacity=64))
     want = reference(logits, params, prompts, outputs, eos)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.allclose(got[torch.isfinite(want)], want[torch.isfinite(want)], atol=1e-4)
@@ -77,7 +77,7 @@ def test_penalty_state_kept_across_steps_equals_the_reference_each_step():
                              presence_penalty=rng.uniform(-1, 1)) for _ in range(3)]
     requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))], p)
                 for i, p in enumerate(params)]
-    state = PenaltyState()
+    state = PenaltyState(capacity=64)
     for _ in range(6):
         drafts = tuple(rng.randrange(vocab) for _ in range(rng.randrange(0, 3)))
         rows = [requests[0], VerifyRow(requests[1], drafts), requests[2]]

@@ -46,7 +46,7 @@ def target_joint(model, prompt: list[int], params: SamplingParams) -> torch.Tens
     penalties applied."""
     def probs(ids, output):
         logits = model.compute_logits(PagedSequence(model).step(ids)[-1:]).clone()
-        adjust(logits, [Request("m", prompt, params, output_token_ids=output)], [], PenaltyState())
+        adjust(logits, [Request("m", prompt, params, output_token_ids=output)], [], PenaltyState(capacity=64))
         return torch.softmax(logits[0] / TEMPERATURE, -1)
     nexts = torch.stack([probs(prompt + [t], [t]) for t in range(VOCAB)])
     return (probs(prompt, [])[:, None] * nexts).double()

@@ -183,7 +183,7 @@ class EngineCore:
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
                                                    cache_bytes=config.grammar_cache_bytes, timeout_s=math.inf))
                    if tokenizer is not None else None)
-        self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar)
+        self.sampler = Sampler(config.seed, sorted(self.eos_token_ids), grammar, max_num_seqs=config.max_num_seqs)
         self.rejection = RejectionSampler(self.sampler, self.speculator.record if self.speculator else None)
         self.requests: dict[str, Request] = {}   # admitted and not yet ended
         self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}   # entry j: prompt token j + 1, when asked
@@ -347,8 +347,15 @@ class EngineCore:
         encoded ahead among it, is freed here (a step that runs frees it in the runner)."""
         self.runner.release(out)
 
-    def _step(self, result: EngineCoreOutputs) -> None:
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step; the requests it preempted give their penalty slots back."""
         out = self.scheduler.schedule()
+        for rid in out.preempted_ids:
+            self.sampler.preempted(rid)
+        return out
+
+    def _step(self, result: EngineCoreOutputs) -> None:
+        out = self._schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
             self._drop_encoded_ahead(out)
@@ -403,7 +410,7 @@ class EngineCore:
         pinned copy; accept, update, emit: what the device would otherwise idle through), then
         queue N+1's sampling, which needs N's tokens in the matchers and penalties. The front end
         hears of a step's tokens one iteration after it was launched."""
-        out = self.scheduler.schedule()
+        out = self._schedule()
         prev, self._in_flight = self._in_flight, None
         self.idle_step = out.is_empty and prev is None
         if self.idle_step:

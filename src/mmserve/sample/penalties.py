@@ -29,10 +29,15 @@ class PenaltyState:
     them), so a step costs O(vocab) per penalised row and a constant number of ops, never O(prompt):
     a 30k-token video prompt is not rebuilt into a tensor every step. A verify row's drafts (output it
     has not committed) are added to the gathered copy, not to the table. A freed slot is reused (and
-    zeroed) by the next request; the tables keep the size of the most penalised requests at once
-    (5 bytes per vocabulary entry per slot: 1.3 MB a slot at a 262k vocabulary)."""
+    zeroed) by the next request. A request holds its slot while it runs: the core gives it back when
+    the request ends or is preempted (a resumed request's counts and bitmask are rebuilt from its
+    tokens once), so slots never outnumber the running requests, and each table is allocated once, at
+    `capacity` rows (`--max-num-seqs`), on the first penalised request: 5 bytes per vocabulary entry
+    per slot (1.3 MB a slot at a 262k vocabulary; 168 MB at 128 slots), what the memory profile's
+    step allocates too, never regrown (a regrowth would hold the old and the new table at once)."""
 
-    def __init__(self):
+    def __init__(self, capacity: int):
+        self.capacity = capacity
         self._slot: dict[str, int] = {}
         self._counted: dict[str, int] = {}     # output tokens already in the slot's counts
         self._with_prompt: set[str] = set()    # requests whose prompt bitmask is built
@@ -73,6 +78,9 @@ class PenaltyState:
         values.ids("penalty_draft_flat", [r * vocab + t for r, t in zip(draft_rows, draft_tokens, strict=True)])
 
     def _take_new_slot(self) -> int:
+        if self._num_slots == self.capacity:   # the scheduler runs at most `capacity` requests at once
+            raise RuntimeError(f"more than {self.capacity} penalised requests hold a penalty slot at once: "
+                               "one that ended or was preempted kept its slot")
         self._num_slots += 1
         return self._num_slots - 1
 
@@ -81,9 +89,10 @@ class PenaltyState:
         """Device side of `plan`: (prompt bitmask [R, vocab] bool or None, output counts [R, vocab]
         float32) of its rows, the tables updated first."""
         device = dev["penalty_slots"].device
-        self._counts = _grown(self._counts, self._num_slots, vocab, torch.float32, device)
-        if with_prompt or self._prompt is not None:   # every slot has its row in both tables
-            self._prompt = _grown(self._prompt, self._num_slots, vocab, torch.bool, device)
+        if self._counts is None:
+            self._counts = torch.zeros(self.capacity, vocab, dtype=torch.float32, device=device)
+        if with_prompt and self._prompt is None:   # from then on every slot has its row in both tables
+            self._prompt = torch.zeros(self.capacity, vocab, dtype=torch.bool, device=device)
         fresh = dev["penalty_fresh"]
         if fresh.numel():   # a reused slot starts empty
             self._counts.index_fill_(0, fresh, 0.0)
@@ -106,16 +115,6 @@ class PenaltyState:
             self._free.append(slot)
         self._counted.pop(request_id, None)
         self._with_prompt.discard(request_id)
-
-
-def _grown(table: torch.Tensor | None, rows: int, vocab: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`table` with at least `rows` rows (doubling; the old rows kept): rare, so not per step."""
-    if table is not None and table.shape[0] >= rows:
-        return table
-    grown = torch.zeros(max(rows, 2 * (0 if table is None else table.shape[0]), 8), vocab, dtype=dtype, device=device)
-    if table is not None:
-        grown[:table.shape[0]].copy_(table)
-    return grown
 
 
 class Adjustments:

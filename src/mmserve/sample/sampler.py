@@ -187,10 +187,12 @@ class PendingSample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None):
+    def __init__(self, seed: int = 0, eos_token_ids: Sequence[int] = (), grammar: StructuredOutput | None = None,
+                 max_num_seqs: int = 64):
+        """`max_num_seqs`: the most requests running at once (the penalty tables' rows)."""
         self._seed = seed
         self._batch_generators: dict[torch.device, torch.Generator] = {}   # every unseeded row's noise
-        self.penalties = PenaltyState()
+        self.penalties = PenaltyState(max_num_seqs)
         self.eos_token_ids = tuple(eos_token_ids)
         self.grammar = grammar
 
@@ -253,6 +255,10 @@ class Sampler:
     def grammar_complete(self, request_id: str) -> bool:
         """False when the request has a response_format that its output does not complete yet."""
         return self.grammar is None or self.grammar.is_complete(request_id)
+
+    def preempted(self, request_id: str) -> None:
+        """A preempted request gives its penalty slot back (its grammar's state stays: it resumes)."""
+        self.penalties.free(request_id)
 
     def free(self, request_id: str) -> None:
         self.penalties.free(request_id)

@@ -5,8 +5,9 @@ loaded, and before the KV cache is allocated or CUDA graphs are captured, `profi
 largest step the configuration allows (`profiling_step`: the step budget over `max_num_seqs`
 requests that all sample, the first one filling it with max-size images, the vision tower's largest
 batch, and as many other images encoded ahead for the next step (`--encode-ahead`: on CUDA on a side
-stream, their embeddings held); then the sampler with top-k/top-p, and with a speculative model one drafting round for every
-request) on a runner whose pools hold just that step, except the full-attention pools, which hold
+stream, their embeddings held); then the sampler with every option that holds [rows, vocabulary]
+tensors at once (`PROFILING_SAMPLING`), the penalty tables at `--max-num-seqs` rows, the first
+request's prompt logprobs, and with a speculative model one drafting round for every request) on a runner whose pools hold just that step, except the full-attention pools, which hold
 one full context so that attention work sized by the cache (flex's block mask) is measured at
 serving size. The allocator's peak over what that runner held before the step is the activation
 peak. Two more runners, each with one pool 256 blocks larger, tell what a runner allocates per block
@@ -35,7 +36,7 @@ from mmserve.core.sched.scheduler import Scheduler
 from mmserve.multimodal.preprocess import num_soft_tokens, preprocess_images, target_size
 from mmserve.request import MultiModalInput, Request
 from mmserve.sample.sampler import Sampler
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from mmserve.spec_decode.speculator import DraftFrom
 from mmserve.spec_decode.verify import verify_rows
 
@@ -124,15 +125,25 @@ def _image(rng: np.random.Generator, spec, tokens_wanted: int) -> tuple[MultiMod
     return MultiModalInput(batch.pixel_values[0], batch.position_ids[0]), tokens
 
 
+# What a step's rows may ask for that holds [rows, vocabulary] tensors on the device at once: the
+# logprobs' copy of the raw logits and their log-softmax, the adjusted copy, the penalties' gathered
+# counts and prompt bitmask, top-k/top-p's filtered probabilities, a seeded row's float64 CDF (every
+# row seeded: each also draws the batch's noise). Bias, min_tokens and grammar masks hold less.
+PROFILING_SAMPLING = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9, seed=0, logprobs=True,
+                                    top_logprobs=MAX_TOP_LOGPROBS, repetition_penalty=1.1, frequency_penalty=0.5,
+                                    presence_penalty=0.5)
+
+
 def profiling_requests(spec, config: EngineConfig, max_model_len: int, seed: int = 0) -> list[Request]:
     """The largest step the configuration allows, as requests: `max_num_seqs` of them (or one per
-    token of a smaller budget) share the step budget, all sampling with top-k/top-p; the first holds
-    the rest of the budget: as many of the largest images admission allows as fit it (with a vision
-    tower: the encoder's largest batch), then text."""
+    token of a smaller budget) share the step budget, all sampling with `PROFILING_SAMPLING`; the
+    first holds the rest of the budget: as many of the largest images admission allows as fit it
+    (with a vision tower: the encoder's largest batch), then text, and asks for its prompt's logprobs
+    (their logits, up to `PROMPT_LOGITS_ROWS` rows at a time)."""
     budget = config.max_step_tokens
     count = min(config.max_num_seqs, budget)
     text = min(1000, spec.vocab_size - 1)
-    sampling = SamplingParams(max_tokens=1, temperature=1.0, top_k=50, top_p=0.9)
+    sampling = PROFILING_SAMPLING
     first = min(budget - (count - 1), max_model_len - 1)
     ids, ranges, inputs = [spec.bos_token_id], [], []
     rng = np.random.default_rng(seed)
@@ -144,7 +155,8 @@ def profiling_requests(spec, config: EngineConfig, max_model_len: int, seed: int
         ids += [spec.image_token_id] * tokens + [spec.eoi_token_id]
         inputs.append(item)
     ids += [text] * (first - len(ids))
-    out = [Request("profile-0", ids, sampling, mm_ranges=ranges, mm_inputs=inputs)]
+    out = [Request("profile-0", ids, dataclasses.replace(sampling, prompt_logprobs=True), mm_ranges=ranges,
+                   mm_inputs=inputs)]
     return out + [Request(f"profile-{i}", [text], sampling) for i in range(1, count)]
 
 
@@ -221,7 +233,7 @@ def profile_memory(model, config: EngineConfig, *, max_model_len: int, memory: D
         out.encode_ahead = [(ahead, list(range(len(ahead.mm_inputs))))]
     memory.reset_peak()
     step = runner.execute(out)
-    Sampler(config.seed).sample(step.logits, verify_rows(step.sampling))
+    Sampler(config.seed, max_num_seqs=config.max_num_seqs).sample(step.logits, verify_rows(step.sampling))
     if speculator is not None:
         items = [DraftFrom(s.request, 1, i, s.request.num_computed_tokens, speculator.num_tokens)
                  for i, s in enumerate(step.sampling)]
