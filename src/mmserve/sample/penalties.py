@@ -130,8 +130,8 @@ class Adjustments:
             values.ids("bias_rows", bias_rows)
             values.ids("bias_tokens", [t for p in params for t, _ in p.logit_bias])
             values.floats("bias_values", [b for p in params for _, b in p.logit_bias])
-        short = [r for r, (p, q) in enumerate(zip(params, requests, strict=True))
-                 if len(q.output_token_ids) < p.min_tokens]
+        short = [r for r, (p, q) in enumerate(zip(params, requests, strict=True))   # (a verify row's output is a
+                 if p.min_tokens and len(q.output_token_ids) < p.min_tokens]         # new list: read it only if asked)
         self.min_tokens = bool(short and eos_token_ids)
         if self.min_tokens:
             values.ids("min_tokens_rows", short)
