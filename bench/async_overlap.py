@@ -499,7 +499,7 @@ def profile(speculate: bool, device_ms: float, draft_ms: float, steps: int, num_
         device.wait = breakdown.timed(device.wait, "(waiting for the device)")
         launch = core.sampler.launch
         simulate(core, device, device_ms / 1e3, draft_ms / 1e3)
-        core.sampler.launch = launch   # without DeviceReads (module docstring)
+        core.sampler.launch, model_runner_module.prompt_logprobs = launch, _PROMPT_LOGPROBS   # no DeviceReads
         for name in ("forward", "compute_logits"):
             setattr(core.model, name, breakdown.timed(getattr(core.model, name), "simulated device: forward and logits"))
         for i in range(num_reqs):

@@ -384,10 +384,11 @@ class EngineCore:
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
-        for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
-            if s.request.request_id in step.media_failed:
-                rejected[s.request.request_id] = s.num_tokens
-        accepted = [_media_failed(a, step.media_failed) for a in accepted]
+        if step.media_failed:
+            for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
+                if s.request.request_id in step.media_failed:
+                    rejected[s.request.request_id] = s.num_tokens
+            accepted = [_media_failed(a, step.media_failed) for a in accepted]
         self.scheduler.update(out, rejected)   # parallel samples whose prompt is now computed join here
         if drafted is None and self.speculator is not None:
             drafted = {}
