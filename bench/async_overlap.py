@@ -30,7 +30,8 @@ cycle through greedy, random, penalised and logprobs rows, one of them constrain
 random (seeded), so random and constrained rows walk their distributions and grammars.
 
 Per case (loop, rows, requests, speculation): the step period in steady decode, the host's work per step
-(the period less the time the host waited for the device), medians over the timed steps, the best
+(the period less the time the host waited for the device; `host_cpu`: the step thread's CPU time less
+its spin on the device, which a shared machine's preemptions do not inflate), medians over the timed steps, the best
 of `--repeats` runs, and the device time per step (forward, plus K draft steps with speculation);
 the ratio is period / max(host, device): 1.00x is the host entirely hidden (or the device
 entirely), and the synchronous loop's is (host + device) / max(host, device).
@@ -46,7 +47,7 @@ read the step (`coll` in the line: rank 0's time blocked in those broadcasts, co
 time), so the TP rows are an upper bound on what the protocol costs rank 0's host on a GPU.
 
 Profile (`--profile`): the async loop at 64 greedy requests, with and without speculation, its host
-time per step split by the functions it runs in (exclusive time: a function's own, less the listed
+time per step split by the functions it runs in (exclusive thread CPU time: a function's own, less the listed
 functions it calls; medians per step), each marked as host work on a GPU too (scheduling, step
 inputs, the sampler's planning, acceptance, records and outputs: Python and numpy) or as device work
 that runs here as CPU tensor ops (flex's block-mask build, the device acceptance, the drafter's
@@ -102,12 +103,13 @@ class SimulatedDevice:
     """One stream, as a timeline: a job starts when it is queued or when the job before it ends,
     whichever is later, and ends its device time after; waiting for a job sleeps until its end.
     No thread runs the jobs, so the host's Python (and the GIL) never delays the device, as on a
-    GPU. `waited` is the host's time blocked on jobs."""
+    GPU. `waited` is the host's time blocked on jobs, `waited_cpu` the thread CPU time its spin took."""
 
     def __init__(self) -> None:
         self._free_at = 0.0
         self.side_free_at = 0.0   # a second stream (encode-ahead's), running beside the first
         self.waited = 0.0
+        self.waited_cpu = 0.0
 
     def submit(self, seconds: float, after: float = 0.0) -> float:
         """Queue a job, starting no earlier than `after` (an event on another stream); returns when
@@ -126,10 +128,11 @@ class SimulatedDevice:
         return self._free_at
 
     def wait(self, end: float) -> None:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         while time.perf_counter() < end:   # a spin: a sleep would overshoot by the OS's wake-up, as a
             pass                           # device event's spin-wait does not
         self.waited += time.perf_counter() - start
+        self.waited_cpu += time.thread_time() - start_cpu
 
 
 def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s: float) -> DeviceReads:
@@ -395,21 +398,24 @@ def _measure(core, loop, num_reqs, speculate, device_ms, draft_ms, steps, kind, 
     for _ in range(3):   # into steady decode: the pipeline full, the buffers grown
         core.step()
     scored = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=True, top_logprobs=5)
-    periods, hosts, colls = [], [], []
+    periods, hosts, host_cpus, colls = [], [], [], []
     reads.sites.clear()
     for step in range(steps):   # medians: on a shared machine a step the OS preempted is an outlier
         if arrivals:
             core.add_request(EngineRequest(f"p{step}", [2] + [40 + (step + j) % 200 for j in range(7)],
                                            sampling=scored))
         start, waited, coll = time.perf_counter(), device.waited, blocked[0]
+        start_cpu, waited_cpu = time.thread_time(), device.waited_cpu
         core.step()
         periods.append(time.perf_counter() - start)
         hosts.append(periods[-1] - (device.waited - waited))
+        host_cpus.append(time.thread_time() - start_cpu - (device.waited_cpu - waited_cpu))
         colls.append(blocked[0] - coll)
     period, host = statistics.median(periods), statistics.median(hosts)
     assert core.async_scheduling == (loop == "async")
     return dict(loop=loop, rows=kind, requests=num_reqs, speculation=speculate, device_ms=device_ms,
                 period_ms=round(period * 1e3, 3), host_ms=round(host * 1e3, 3),
+                host_cpu_ms=round(statistics.median(host_cpus) * 1e3, 3),
                 collective_ms=round(statistics.median(colls) * 1e3, 3),
                 ratio=round(period / max(host, device_ms / 1e3), 3),
                 reads_per_step=round(sum(reads.sites.values()) / steps, 1), read_sites=dict(reads.sites.most_common()))
@@ -447,8 +453,9 @@ PROFILED = (
 
 
 class Breakdown:
-    """Exclusive time per label: each wrapped call's time less the wrapped calls it made; the
-    simulated device's waits are set apart (not host time)."""
+    """Exclusive thread CPU time per label (a shared machine's preemptions do not count): each
+    wrapped call's less the wrapped calls it made; the simulated device's spin-waits are set apart
+    (not host time)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = dict.fromkeys([label for label, _, _ in PROFILED] + ["(waiting for the device)"], 0.0)
@@ -458,11 +465,11 @@ class Breakdown:
     def timed(self, fn, label: str):
         def run(*args, **kwargs):
             self._stack.append(0.0)
-            start = time.perf_counter()
+            start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                total = time.perf_counter() - start
+                total = time.thread_time() - start
                 self.seconds[label] += total - self._stack.pop()
                 if self._stack:
                     self._stack[-1] += total
@@ -595,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         tp = f"tp={r['tp']} coll={r['collective_ms']:.2f}ms " if r["tp"] > 1 else ""
         print(f"loop={r['loop']:<5} {tp}rows={r['rows']:<15} requests={r['requests']:<3} "
               f"speculation={'on ' if r['speculation'] else 'off'} device={r['device_ms']:.1f}ms "
-              f"host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms reads/step={r['reads_per_step']:<5} "
+              f"host={r['host_ms']:.2f}ms host_cpu={r['host_cpu_ms']:.2f}ms period={r['period_ms']:.2f}ms "
+              f"reads/step={r['reads_per_step']:<5} "
               f"{r['ratio']:.2f}x")
     frames = 8 if args.smoke else 32
     video = [] if args.tp > 1 or (args.rows != list(ROW_KINDS) and not args.video) else [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
