@@ -4,6 +4,7 @@
     python bench/async_overlap.py --smoke    # 1 and 16 requests, few steps; JSON to a temp file
     python bench/async_overlap.py --video    # only the video cases (below)
     python bench/async_overlap.py --tp 2     # only the tensor-parallel cases (below)
+    python bench/async_overlap.py --profile  # where the async loop's host time goes at 64 requests (below)
 
 The real EngineCore (scheduler, KV manager, step inputs and attention metadata, sampler, acceptance,
 speculation's drafting loop and the device-side acceptance, outputs, step records) over the
@@ -29,7 +30,8 @@ cycle through greedy, random, penalised and logprobs rows, one of them constrain
 random (seeded), so random and constrained rows walk their distributions and grammars.
 
 Per case (loop, rows, requests, speculation): the step period in steady decode, the host's work per step
-(the period less the time the host waited for the device), medians over the timed steps, the best
+(the period less the time the host waited for the device; `host_cpu`: the step thread's CPU time less
+its spin on the device, which a shared machine's preemptions do not inflate), medians over the timed steps, the best
 of `--repeats` runs, and the device time per step (forward, plus K draft steps with speculation);
 the ratio is period / max(host, device): 1.00x is the host entirely hidden (or the device
 entirely), and the synchronous loop's is (host + device) / max(host, device).
@@ -43,6 +45,15 @@ run; what runs is every host step of both ranks and the collectives of the proto
 broadcast is synchronous where NCCL's is queued: rank 0's host waits there until the worker has
 read the step (`coll` in the line: rank 0's time blocked in those broadcasts, counted as host
 time), so the TP rows are an upper bound on what the protocol costs rank 0's host on a GPU.
+
+Profile (`--profile`): the async loop at 64 greedy requests, with and without speculation, its host
+time per step split by the functions it runs in (exclusive thread CPU time: a function's own, less the listed
+functions it calls; medians per step), each marked as host work on a GPU too (scheduling, step
+inputs, the sampler's planning, acceptance, records and outputs: Python and numpy) or as device work
+that runs here as CPU tensor ops (flex's block-mask build, the device acceptance, the drafter's
+steps, the positions moved back, the tokens in flight copied into the inputs, and the simulated
+forward and logits). Run without `DeviceReads` (its
+__torch_function__ hook costs host time of its own; greedy rows read nothing either way).
 
 Video cases (encode-ahead, #35 item 5): 16 requests decode, then a video of 32 frames arrives and
 prefills beside them (64-token steps: a few frames a step). The vision tower takes `--tower-ms`
@@ -92,12 +103,13 @@ class SimulatedDevice:
     """One stream, as a timeline: a job starts when it is queued or when the job before it ends,
     whichever is later, and ends its device time after; waiting for a job sleeps until its end.
     No thread runs the jobs, so the host's Python (and the GIL) never delays the device, as on a
-    GPU. `waited` is the host's time blocked on jobs."""
+    GPU. `waited` is the host's time blocked on jobs, `waited_cpu` the thread CPU time its spin took."""
 
     def __init__(self) -> None:
         self._free_at = 0.0
         self.side_free_at = 0.0   # a second stream (encode-ahead's), running beside the first
         self.waited = 0.0
+        self.waited_cpu = 0.0
 
     def submit(self, seconds: float, after: float = 0.0) -> float:
         """Queue a job, starting no earlier than `after` (an event on another stream); returns when
@@ -116,10 +128,11 @@ class SimulatedDevice:
         return self._free_at
 
     def wait(self, end: float) -> None:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         while time.perf_counter() < end:   # a spin: a sleep would overshoot by the OS's wake-up, as a
             pass                           # device event's spin-wait does not
         self.waited += time.perf_counter() - start
+        self.waited_cpu += time.thread_time() - start_cpu
 
 
 def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s: float) -> DeviceReads:
@@ -385,24 +398,151 @@ def _measure(core, loop, num_reqs, speculate, device_ms, draft_ms, steps, kind, 
     for _ in range(3):   # into steady decode: the pipeline full, the buffers grown
         core.step()
     scored = SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=True, top_logprobs=5)
-    periods, hosts, colls = [], [], []
+    periods, hosts, host_cpus, colls = [], [], [], []
     reads.sites.clear()
     for step in range(steps):   # medians: on a shared machine a step the OS preempted is an outlier
         if arrivals:
             core.add_request(EngineRequest(f"p{step}", [2] + [40 + (step + j) % 200 for j in range(7)],
                                            sampling=scored))
         start, waited, coll = time.perf_counter(), device.waited, blocked[0]
+        start_cpu, waited_cpu = time.thread_time(), device.waited_cpu
         core.step()
         periods.append(time.perf_counter() - start)
         hosts.append(periods[-1] - (device.waited - waited))
+        host_cpus.append(time.thread_time() - start_cpu - (device.waited_cpu - waited_cpu))
         colls.append(blocked[0] - coll)
     period, host = statistics.median(periods), statistics.median(hosts)
     assert core.async_scheduling == (loop == "async")
     return dict(loop=loop, rows=kind, requests=num_reqs, speculation=speculate, device_ms=device_ms,
                 period_ms=round(period * 1e3, 3), host_ms=round(host * 1e3, 3),
+                host_cpu_ms=round(statistics.median(host_cpus) * 1e3, 3),
                 collective_ms=round(statistics.median(colls) * 1e3, 3),
                 ratio=round(period / max(host, device_ms / 1e3), 3),
                 reads_per_step=round(sum(reads.sites.values()) / steps, 1), read_sites=dict(reads.sites.most_common()))
+
+
+# (label, host work on a GPU too?, the functions timed under it). A call's exclusive time goes to its
+# label; what the listed functions do not cover goes to "the loop's own Python" (EngineCore.step).
+PROFILED = (
+    ("scheduler: schedule", True, [("mmserve.core.sched.scheduler:Scheduler", "schedule")]),
+    ("scheduler: update after a step", True, [("mmserve.core.sched.scheduler:Scheduler", "update")]),
+    ("step inputs (numpy over the batch)", True, [("mmserve.worker.step_inputs:StepInputBuilder", "build")]),
+    ("block table deltas", True, [("mmserve.worker.block_table:BlockTables", "apply")]),
+    ("flex: row layout (numpy)", True, [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_rows")]),
+    ("sampler: planning and queuing", True, [("mmserve.sample.sampler:Sampler", "launch")]),
+    ("sampler: tokens to lists", True, [("mmserve.sample.sampler:PendingSample", "result")]),
+    ("acceptance on the host", True, [("mmserve.sample.rejection_sampler:RejectionSampler", "accept")]),
+    ("rows to sample (verify rows)", True, [("mmserve.core.engine_core", "verify_rows")]),
+    ("runner: the step's launch around them", True, [("mmserve.worker.model_runner:ModelRunner", "execute")]),
+    ("core: launching the sampling, finishing a step", True,
+     [("mmserve.core.engine_core:EngineCore", "_launch_sampling"), ("mmserve.core.engine_core:EngineCore", "_finish"),
+      ("mmserve.core.engine_core:EngineCore", "_conclude"), ("mmserve.core.engine_core:EngineCore", "_accept_and_draft")]),
+    ("drafter: planning a round", True, [("mmserve.spec_decode.speculator:Speculator", "propose_on_device")]),
+    ("step record", True, [("mmserve.core.engine_core:EngineCore", "_record")]),
+    ("outputs", True, [("mmserve.core.engine_core:EngineCore", "_emit")]),
+    ("the loop's own Python", True, [("mmserve.core.engine_core:EngineCore", "step")]),
+    ("flex: tables and block mask (tensor ops)", False,
+     [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_tables"),
+      ("mmserve.attention.flex:FlexMetadataBuilder", "_fill_block_mask")]),
+    ("acceptance on the device (tensor ops)", False, [("mmserve.core.engine_core", "accept_on_device")]),
+    ("drafter: its steps (embed, rope, draft)", False, [("mmserve.spec_decode.speculator:Speculator", "_loop")]),
+    ("positions moved back (tensor ops)", False, [("mmserve.worker.step_inputs:StepInputBuilder", "shift_on_device")]),
+    ("tokens in flight copied in (tensor ops)", False, [("mmserve.worker.model_runner:ModelRunner", "_build")]),
+    ("simulated device: forward and logits", False, []),   # `simulate`'s stubs, wrapped in `profile`
+)
+
+
+class Breakdown:
+    """Exclusive thread CPU time per label (a shared machine's preemptions do not count): each
+    wrapped call's less the wrapped calls it made; the simulated device's spin-waits are set apart
+    (not host time)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = dict.fromkeys([label for label, _, _ in PROFILED] + ["(waiting for the device)"], 0.0)
+        self._stack: list[float] = []
+        self._restore: list[tuple[object, str, object]] = []
+
+    def timed(self, fn, label: str):
+        def run(*args, **kwargs):
+            self._stack.append(0.0)
+            start = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = time.thread_time() - start
+                self.seconds[label] += total - self._stack.pop()
+                if self._stack:
+                    self._stack[-1] += total
+        return run
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        self._restore.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, self.timed(getattr(owner, name), label))
+
+    def restore(self) -> None:
+        for owner, name, fn in reversed(self._restore):
+            setattr(owner, name, fn)
+
+
+def profile(speculate: bool, device_ms: float, draft_ms: float, steps: int, num_reqs: int = 64) -> dict:
+    """The async loop's host time per step at `num_reqs` greedy requests, by `PROFILED` label."""
+    import importlib
+
+    max_tokens = (steps + 16) * (1 + K if speculate else 1)
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", attention_backend="flex", max_num_seqs=num_reqs,
+                          max_num_batched_tokens=max(256, (1 + K) * num_reqs), block_size=16,
+                          num_kv_blocks=num_reqs * (-(-(8 + max_tokens + K) // 16) + 2) + 8, async_scheduling="on",
+                          **(dict(speculative_model=str(DEMO_ASSISTANT_DIR), num_speculative_tokens=K)
+                             if speculate else {}))
+    breakdown = Breakdown()
+    for label, _, targets in PROFILED:
+        for target, name in targets:
+            module, _, cls = target.partition(":")
+            owner = importlib.import_module(module)
+            breakdown.wrap(getattr(owner, cls) if cls else owner, name, label)
+    try:
+        core = EngineCore(config)
+        device = SimulatedDevice()
+        device.wait = breakdown.timed(device.wait, "(waiting for the device)")
+        launch = core.sampler.launch
+        simulate(core, device, device_ms / 1e3, draft_ms / 1e3)
+        core.sampler.launch, model_runner_module.prompt_logprobs = launch, _PROMPT_LOGPROBS   # no DeviceReads
+        for name in ("forward", "compute_logits"):
+            setattr(core.model, name, breakdown.timed(getattr(core.model, name), "simulated device: forward and logits"))
+        for i in range(num_reqs):
+            core.add_request(EngineRequest(f"r{i}", [2] + [10 + (i + j) % 200 for j in range(7)],
+                                           sampling=row_params("greedy", i, max_tokens)))
+        while core.scheduler.waiting or any(r.is_prefill for r in core.scheduler.running):
+            core.step()
+        for _ in range(3):
+            core.step()
+        per_step: dict[str, list[float]] = {label: [] for label in breakdown.seconds}
+        for _ in range(steps):
+            before = dict(breakdown.seconds)
+            core.step()
+            for label, total in breakdown.seconds.items():
+                per_step[label].append(total - before[label])
+    finally:
+        breakdown.restore()
+    host = {label: statistics.median(v) * 1e3 for label, v in per_step.items() if label != "(waiting for the device)"}
+    totals = [sum(per_step[label][i] for label in host) * 1e3 for i in range(steps)]
+    on_gpu = {label for label, gpu, _ in PROFILED if gpu}
+    return dict(requests=num_reqs, speculation=speculate, device_ms=device_ms + (K * draft_ms if speculate else 0.0),
+                host_ms=round(statistics.median(totals), 3),
+                host_on_gpu_ms=round(statistics.median(
+                    [sum(per_step[label][i] for label in on_gpu) * 1e3 for i in range(steps)]), 3),
+                labels={label: dict(ms=round(ms, 3), host_on_gpu=label in on_gpu) for label, ms in host.items()})
+
+
+def print_profile(rows: list[dict]) -> None:
+    labels = list(rows[0]["labels"])
+    print(f"{'host ms per step (medians), async loop':<48}" + "".join(
+        f"{'spec ' + ('on' if r['speculation'] else 'off'):>10}" for r in rows) + "  kind")
+    for label in labels:
+        kind = "host on a GPU too" if rows[0]["labels"][label]["host_on_gpu"] else "device work run on this CPU"
+        print(f"{label:<48}" + "".join(f"{r['labels'][label]['ms']:>10.3f}" for r in rows) + f"  {kind}")
+    print(f"{'host on a GPU too (median of the sums)':<48}" + "".join(f"{r['host_on_gpu_ms']:>10.3f}" for r in rows))
+    print(f"{'all host time here (median of the sums)':<48}" + "".join(f"{r['host_ms']:>10.3f}" for r in rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,9 +564,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", nargs="+", choices=ROW_KINDS, default=list(ROW_KINDS),
                    help="the row kinds to run (greedy: 1/16/64 requests with and without speculation; the others "
                         "16/64 without)")
+    p.add_argument("--profile", action="store_true",
+                   help="only the host-time breakdown of the async loop at 64 greedy requests (module docstring)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.profile:
+        steps = 5 if args.smoke else args.steps
+        load_before = os.getloadavg()
+        rows = [profile(spec, args.device_ms or 3.0, args.draft_ms, steps, num_reqs=16 if args.smoke else 64)
+                for spec in (False, True)]
+        print_profile(rows)
+        print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
+        out = args.out or (Path(tempfile.mkdtemp()) / "async_overlap_profile.json" if args.smoke
+                           else RESULTS.with_name("async_overlap_profile.json"))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"machine": machine(), "steps": steps, "load_avg_before": load_before,
+                                   "load_avg": os.getloadavg(), "rows": rows}, indent=2))
+        logger.warning("wrote %s", out)
+        return 0
     counts = (1, 16) if args.smoke else (1, 16, 64)
     steps = 5 if args.smoke else args.steps
     args.repeats = 1 if args.smoke else args.repeats
@@ -446,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
         tp = f"tp={r['tp']} coll={r['collective_ms']:.2f}ms " if r["tp"] > 1 else ""
         print(f"loop={r['loop']:<5} {tp}rows={r['rows']:<15} requests={r['requests']:<3} "
               f"speculation={'on ' if r['speculation'] else 'off'} device={r['device_ms']:.1f}ms "
-              f"host={r['host_ms']:.2f}ms period={r['period_ms']:.2f}ms reads/step={r['reads_per_step']:<5} "
+              f"host={r['host_ms']:.2f}ms host_cpu={r['host_cpu_ms']:.2f}ms period={r['period_ms']:.2f}ms "
+              f"reads/step={r['reads_per_step']:<5} "
               f"{r['ratio']:.2f}x")
     frames = 8 if args.smoke else 32
     video = [] if args.tp > 1 or (args.rows != list(ROW_KINDS) and not args.video) else [min((measure_video(loop, ahead, device_ms, args.tower_ms, frames, steps) for _ in range(args.repeats)),
@@ -456,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loop={r['loop']:<5} video={r['frames']} frames beside 16 decodes, encode={r['encode']:<8} "
               f"device={r['device_ms']:.1f}ms tower={r['tower_ms']:.1f}ms/frame alone={r['alone_ms']:.2f}ms "
               f"beside={r['beside_ms']:.2f}ms {r['ratio']:.2f}x")
+    if args.smoke and args.tp == 1:   # the profile's machinery, at 16 requests without speculation
+        print_profile([profile(False, device_ms, args.draft_ms, steps, num_reqs=16)])
     print(f"load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs")
     out = args.out or (Path(tempfile.mkdtemp()) / "async_overlap.json" if args.smoke
                        else RESULTS.with_name("async_overlap_video.json") if args.video

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 
 class DeviceReads(TorchFunctionMode):
@@ -63,8 +62,7 @@ class DeviceReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
-        on_device = any(self.on_device(x) for x in flat if isinstance(x, torch.Tensor))
+        on_device = any(self.on_device(x) for x in _tensors((args, kwargs)))
         if self._waits(func, args, kwargs, on_device):
             self.sites[_caller()] += 1
             self.wait()
@@ -72,7 +70,7 @@ class DeviceReads(TorchFunctionMode):
         if func is torch.Tensor.cpu and out is args[0]:   # a host copy, as on CUDA (a CPU tensor's .cpu() is itself)
             out = out.clone()
         if func not in self._READS and (on_device or kwargs.get("device") is not None):
-            self.mark(*tree_flatten(out)[0])
+            self.mark(*_tensors(out))
         return out
 
     def _waits(self, func, args, kwargs, on_device: bool) -> bool:
@@ -88,6 +86,20 @@ class DeviceReads(TorchFunctionMode):
             parts = args[1] if isinstance(args[1], tuple) else (args[1],)
             return any(isinstance(p, list) or (isinstance(p, torch.Tensor) and p.dtype == torch.bool) for p in parts)
         return False
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The tensors in `obj` and its nested tuples, lists and dicts (what torch calls take and return;
+    cheaper than pytree's flatten, which this hook would otherwise pay on every torch call)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    found = []
+    for x in obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ():
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif isinstance(x, (tuple, list, dict)):
+            found += _tensors(x)
+    return found
 
 
 def _caller() -> str:

@@ -15,8 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from mmserve.attention import PoolConfig
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.attention.sdpa import MODES, SdpaMetadataBuilder
+from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest
 from mmserve.worker.block_table import BlockTables
-from mmserve.worker.step_inputs import StepInputBuilder
+from mmserve.worker.step_inputs import PrevStep, StepInputBuilder
 
 
 class Inputs:
@@ -216,3 +217,73 @@ def test_causal_only_models_get_no_range_table():
     inp = Inputs(sched, specs).build(sched.schedule())
     assert all(md.query_ranges is None for md in inp.common.values())
     assert inp.mm_token_index is not None   # the frames still take their vision embeddings
+
+
+def test_in_flight_drafts_and_pads_match_per_request_python():
+    """The async and speculative fill (a last input sampled by the step in flight, drafts the
+    device made or the host knows, pad positions) over random batches (fresh seeds), against each
+    request's rows written out one by one: ids, positions, where each in-flight id is copied from,
+    the rows sampled."""
+    for _ in range(30):
+        seed = random.SystemRandom().randrange(2**31)
+        try:
+            _check_in_flight_fill(random.Random(seed))
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+
+
+def _check_in_flight_fill(rng: random.Random) -> None:
+    width = rng.choice([1, 4])   # the step in flight's next inputs per request: the token, then its drafts
+    requests, scheduled, prev_rows = [], [], {}
+    for i in range(rng.randint(1, 12)):
+        r = make_request(f"r{i}", rng.randint(1, 20), first=rng.randint(3, 50), max_tokens=64)
+        r.output_token_ids = [rng.randint(1, 99) for _ in range(rng.randint(0, 6))]
+        kind = rng.choice(["prefill", "decode", "in_flight", "host_drafts", "device_drafts"])
+        if kind == "prefill" or not r.output_token_ids and kind == "decode":
+            start = rng.randint(0, r.num_tokens - 1)
+            s = ScheduledRequest(r, rng.randint(1, r.num_tokens - start), start, True)
+        else:
+            known_last = kind in ("decode", "host_drafts")   # else the step in flight samples it
+            start = r.num_tokens - 1 if known_last else r.num_tokens
+            drafts = rng.randint(0, width - 1 if kind == "device_drafts" else 3)
+            ids = [DEVICE_DRAFT] * drafts if kind == "device_drafts" else [rng.randint(1, 99) for _ in range(drafts)]
+            pads = rng.randint(0, 2)
+            s = ScheduledRequest(r, 1 + drafts + pads, start, False, draft_token_ids=ids, num_pad_drafts=pads)
+            if not known_last:
+                prev_rows[r.request_id] = len(prev_rows)
+        requests.append(r)
+        scheduled.append(s)
+    sched = make_scheduler(max_num_batched_tokens=512, max_num_seqs=16)
+    for r, s in zip(requests, scheduled, strict=True):
+        sched.kv.allocate(r, s.seq_len)
+        s.block_updates = sched.kv.take_block_updates(r.request_id)
+    inputs = Inputs(sched, max_tokens=512)
+    inputs.builder.input_ids.np.fill(-7)   # poison: a row the fill forgets shows up
+    rows = inputs.tables.apply(scheduled)
+    built = inputs.builder.build(scheduled, inputs.tables.rows, rows, prev=PrevStep(prev_rows, width))
+
+    want_ids, want_pos, want_copy, want_logits, sampled, row = [], [], [], [], [], 0
+    for i, s in enumerate(scheduled):
+        r, drafts = s.request, s.draft_token_ids
+        own = s.num_tokens - len(drafts) - s.num_pad_drafts
+        all_ids = r.prompt_token_ids + r.output_token_ids
+        for p in range(s.num_computed_tokens, s.num_computed_tokens + own):
+            want_ids.append(all_ids[p] if p < r.num_tokens else 0)
+            if p >= r.num_tokens:   # the last input, sampled by the step in flight
+                want_copy.append((row + p - s.num_computed_tokens, prev_rows[r.request_id] * width))
+        for j, d in enumerate(drafts):
+            want_ids.append(0 if d == DEVICE_DRAFT else d)
+            if d == DEVICE_DRAFT:
+                want_copy.append((row + own + j, prev_rows[r.request_id] * width + 1 + j))
+        want_ids += [0] * s.num_pad_drafts
+        want_pos += list(range(s.num_computed_tokens, s.seq_len))
+        if s.seq_len >= r.num_tokens + len(drafts) + s.num_pad_drafts:   # it samples: its last own row and drafts
+            sampled.append(i)
+            want_logits += list(range(row + own - 1, row + own + len(drafts)))
+        row += s.num_tokens
+    assert built.input_ids.tolist() == want_ids
+    assert built.positions.tolist() == want_pos
+    copies = [] if built.prev_token is None else list(zip(*(t.tolist() for t in built.prev_token), strict=True))
+    assert sorted(copies) == sorted(want_copy)
+    assert built.sampling_index.tolist() == sampled
+    assert built.logits_indices.tolist() == want_logits

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sched_helpers import LAYER_TYPES, SPECS, admit, make_kv, make_request
+import random
+
+from sched_helpers import LAYER_TYPES, SPECS, admit, make_kv, make_request, random_ranges
 
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.core.kv_cache.manager import NULL_BLOCK
@@ -74,3 +76,52 @@ def test_a_request_the_step_leaves_out_keeps_only_its_window():
     out = step(sched)
     assert [s.request.request_id for s in out.scheduled] == ["a"]   # the frame takes the whole budget
     assert sched.kv.num_held("b", SLIDING) == 2   # keys 8..14: what its next query (15) can reach
+
+
+def _first_kept(ranges, pos: int, window: int) -> int:
+    """From scratch: the oldest position a query at `pos` or later attends to in a windowed pool
+    (a media range still open at `pos` keeps its start)."""
+    if pos == 0:
+        return 0
+    first = max(0, pos - window + 1)
+    for a, b in ranges:
+        if a < pos <= b:
+            first = min(first, a)
+    return first
+
+
+def _released(kv, rid: str, layer_type: str) -> int:
+    """Leading entries of the request's table in the pool that are released (the null block)."""
+    table = kv.block_table(rid, layer_type)
+    return next((i for i, b in enumerate(table) if b != NULL_BLOCK), len(table))
+
+
+def test_released_window_entries_equal_their_definition_at_every_step():
+    """Allocation and the per-step release skip the window search until the window's first key
+    crosses a block: after each call, a windowed pool's released (null) leading entries are exactly
+    max(those before, the block of the first key kept, within the table), on prompts with media
+    ranges and random chunk sizes (fresh seeds); it fails if a release is skipped or comes early."""
+    for _ in range(30):
+        seed = random.SystemRandom().randrange(2**31)
+        rng = random.Random(seed)
+        kv = make_kv(512)
+        n = rng.randint(2, 150)
+        ranges = random_ranges(rng, n, max_len=10)
+        r = make_request("r", n, ranges)
+        windowed = {t: p.window for t, p in kv.plans.items() if p.window is not None}
+        assert windowed
+
+        while r.num_computed_tokens < n:
+            at = r.num_computed_tokens   # the position both calls plan from
+            before = {t: (_released(kv, "r", t), len(kv.block_table("r", t))) for t in windowed}
+            if at and rng.random() < 0.5:   # the scheduler's release before each step
+                kv.release_out_of_window(r)
+            else:   # allocate releases within the table it had, then grows it
+                chunk = min(rng.randint(1, 12), n - at)
+                assert kv.allocate(r, chunk)
+                r.num_computed_tokens += chunk
+            for t, window in windowed.items():
+                was, have = before[t]
+                want = max(was, min(_first_kept(ranges, at, window) // kv.block_size, have))
+                got = _released(kv, "r", t)
+                assert got == want, f"seed {seed}: pool {t} at {at}: {got} released, want {want}"

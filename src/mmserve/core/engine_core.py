@@ -384,10 +384,11 @@ class EngineCore:
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
-        for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
-            if s.request.request_id in step.media_failed:
-                rejected[s.request.request_id] = s.num_tokens
-        accepted = [_media_failed(a, step.media_failed) for a in accepted]
+        if step.media_failed:
+            for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
+                if s.request.request_id in step.media_failed:
+                    rejected[s.request.request_id] = s.num_tokens
+            accepted = [_media_failed(a, step.media_failed) for a in accepted]
         self.scheduler.update(out, rejected)   # parallel samples whose prompt is now computed join here
         if drafted is None and self.speculator is not None:
             drafted = {}
@@ -609,18 +610,22 @@ class EngineCore:
                 drafted: dict[str, tuple[int, int]]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
         prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
-        kept = {a.scheduled.request.request_id: a.num_accepted for a in accepted}
-        new = {a.scheduled.request.request_id: len(a.tokens) for a in accepted}   # appended since scheduling
-        items = [ScheduledItem(s.request.request_id, s.num_tokens, s.seq_len, s.is_prefill,
-                               step.frames_encoded.get(s.request.request_id, 0),
-                               prefix_queried=0 if s.num_cached_tokens is None
-                               else s.request.num_tokens - new.get(s.request.request_id, 0),
-                               prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
-                               accepted_drafts=kept.get(s.request.request_id, 0),
-                               emitted_tokens=new.get(s.request.request_id, 0),
-                               draft_rows=draft[0], draft_keys=draft[1],
-                               encoded_by_modality=step.encoded_by_modality.get(s.request.request_id, {}))
-                 for s in out.scheduled for draft in [drafted.get(s.request.request_id, (0, 0))]]
+        by_request = {a.scheduled.request.request_id: a for a in accepted}
+        frames, by_modality, none = step.frames_encoded, step.encoded_by_modality, (0, 0)
+        items = []
+        for s in out.scheduled:
+            request = s.request
+            rid = request.request_id
+            a = by_request.get(rid)
+            new = len(a.tokens) if a is not None else 0   # appended since scheduling
+            draft_rows, draft_keys = drafted.get(rid, none)
+            items.append(ScheduledItem(
+                rid, s.num_tokens, s.num_computed_tokens + s.num_tokens, s.is_prefill, frames.get(rid, 0),
+                prefix_queried=0 if s.num_cached_tokens is None else request.num_tokens - new,
+                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
+                accepted_drafts=a.num_accepted if a is not None else 0, emitted_tokens=new,
+                draft_rows=draft_rows, draft_keys=draft_keys,
+                encoded_by_modality=by_modality[rid] if rid in by_modality else {}))
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,

@@ -70,8 +70,10 @@ def prompt_logprobs(model, hidden: torch.Tensor, scheduled, query_start_loc) -> 
     out = PromptLogprobs()
     for i, s in enumerate(scheduled):
         params = s.request.sampling_params
+        if not params.prompt_logprobs:
+            continue
         end = min(s.seq_len, s.request.num_prompt_tokens - 1)
-        if not params.prompt_logprobs or s.num_computed_tokens >= end:
+        if s.num_computed_tokens >= end:
             continue
         first = int(query_start_loc[i])
         targets = s.request.prompt_token_ids[s.num_computed_tokens + 1:end + 1]

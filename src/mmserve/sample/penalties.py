@@ -124,19 +124,23 @@ class Adjustments:
     def __init__(self, values: RowValues, requests: Sequence, params: Sequence[SamplingParams],
                  eos_token_ids: Sequence[int], state: PenaltyState, vocab: int):
         self.state, self.vocab = state, vocab
-        bias_rows = [r for r, p in enumerate(params) for _ in p.logit_bias]
-        self.bias = bool(bias_rows)
+        biased, short, penalised = [], [], []   # one pass over the rows
+        for r, (p, q) in enumerate(zip(params, requests, strict=True)):
+            if p.logit_bias:
+                biased.append(r)
+            if p.min_tokens and len(q.output_token_ids) < p.min_tokens:   # (a verify row's output is a new list)
+                short.append(r)
+            if p.has_penalties:
+                penalised.append(r)
+        self.bias = bool(biased)
         if self.bias:
-            values.ids("bias_rows", bias_rows)
-            values.ids("bias_tokens", [t for p in params for t, _ in p.logit_bias])
-            values.floats("bias_values", [b for p in params for _, b in p.logit_bias])
-        short = [r for r, (p, q) in enumerate(zip(params, requests, strict=True))
-                 if len(q.output_token_ids) < p.min_tokens]
+            values.ids("bias_rows", [r for r in biased for _ in params[r].logit_bias])
+            values.ids("bias_tokens", [t for r in biased for t, _ in params[r].logit_bias])
+            values.floats("bias_values", [b for r in biased for _, b in params[r].logit_bias])
         self.min_tokens = bool(short and eos_token_ids)
         if self.min_tokens:
             values.ids("min_tokens_rows", short)
             values.ids("eos_ids", list(eos_token_ids))
-        penalised = [r for r, p in enumerate(params) if p.has_penalties]
         self.penalties = bool(penalised)
         self.repetition = any(params[r].repetition_penalty != 1.0 for r in penalised)
         if self.penalties:

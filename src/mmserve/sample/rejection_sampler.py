@@ -34,7 +34,7 @@ from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.spec_decode.verify import accepted_prefix
 
 
-@dataclass
+@dataclass(slots=True)   # one per sampling request per step
 class Accepted:
     """One sampling request's outcome of a step: its new tokens, and how many of its chunk's
     positions (rejected drafts, pad positions, or those past an end) the scheduler rolls back."""
@@ -61,13 +61,13 @@ class RejectionSampler:
                eos_token_ids: frozenset[int]) -> list[Accepted]:
         """Each sampling request's new tokens, appended to it (the sampler's rows laid out as
         `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row)."""
-        accepted, row = [], 0
+        accepted, row, errors = [], 0, sampler_out.errors
         for s in scheduled:
             request, drafts = s.request, s.draft_token_ids
             n_rows = 1 + len(drafts)
             first, row = row, row + n_rows
             # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
-            if (error := next((sampler_out.errors[r] for r in range(first, row) if r in sampler_out.errors), None)) is not None:
+            if errors and (error := next((errors[r] for r in range(first, row) if r in errors), None)) is not None:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             targets = sampler_out.token_ids[first:first + n_rows]

@@ -210,17 +210,22 @@ class Sampler:
         Everything per row is gathered on the host first (the grammar's masks; the indices and
         parameters into one `RowValues`, sent in one copy), then a fixed sequence of batched ops
         runs on the device: the number of ops does not grow with the rows."""
-        params = [r.sampling_params for r in requests]
+        params, want_lp, random_rows = [], [], []   # one pass over the rows (1 + K per verify chunk)
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            params.append(p)
+            if p.num_logprobs is not None:
+                want_lp.append(i)
+            if not p.greedy:
+                random_rows.append(i)
         vocab = logits.shape[-1]
         masks = self.grammar.fill(requests) if self.grammar is not None else None
         values = RowValues()
-        want_lp = [i for i, p in enumerate(params) if p.num_logprobs is not None]
         values.ids("logprob_rows", want_lp)
         adjust = Adjustments(values, requests, params, self.eos_token_ids, self.penalties, vocab)
         if masks is not None:
             values.ids("mask_rows", masks[0])
             values.words("mask_words", masks[1].numpy())
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
         values.ids("random_rows", random_rows)
         draws = Draws(values, [requests[i] for i in random_rows], vocab) if random_rows else None
         dev = values.to(logits.device)   # the step's one copy of per-row values

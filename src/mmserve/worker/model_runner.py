@@ -528,7 +528,7 @@ class ModelRunner:
     def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
         parent's partial last prompt block), before the step writes to either."""
-        device = self.model.device
+        device = self.model.device if copies else None
         for t, pairs in copies.items():
             index = torch.tensor(pairs, dtype=torch.long)   # [n, 2]: source, destination
             if device.type == "cuda":   # from pinned memory: the copy waits for no step in flight
@@ -582,5 +582,5 @@ class ModelRunner:
         experts = self.model.experts_touched()   # before the next forward overwrites the count
         if out.encode_ahead:
             self._encode_ahead(out.encode_ahead)
-        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index], prompt_lp, encoded, by_modality,
+        return StepResult(logits, [out.scheduled[i] for i in inputs.sampling_index.tolist()], prompt_lp, encoded, by_modality,
                           encode_perf, hidden, failed, experts)

@@ -166,11 +166,22 @@ class StepInputBuilder:
         if not (0 < num_reqs or pad_to) or num_reqs > (pad_to or self.max_seqs):
             raise ValueError(f"{num_reqs} scheduled requests (1..{pad_to or self.max_seqs} allowed)")
         bs = self.block_size
-        lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-        computed = np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-        drafts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=num_reqs)
-        pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=num_reqs)
-        known = np.fromiter((s.request.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        # one Python pass over the requests; everything after it is numpy over the batch
+        host_drafts: list[int] = []   # requests whose drafts the host knows (their ids are written here)
+        device_drafted = np.zeros(num_reqs, dtype=bool)   # drafts made on the device (ids copied in there)
+        rows_of: list[tuple[int, ...]] = []
+        for i, s in enumerate(scheduled):
+            request, draft = s.request, s.draft_token_ids
+            if draft:
+                if draft[0] == DEVICE_DRAFT:
+                    device_drafted[i] = True
+                else:
+                    host_drafts.append(i)
+            rows_of.append((s.num_tokens, s.num_computed_tokens, len(draft), s.num_pad_drafts, request.num_tokens,
+                            bool(request.open_prompt)))
+        fields = np.array(rows_of, dtype=np.int64).reshape(num_reqs, 6)
+        lens, computed, drafts, pads, known = (fields[:, j] for j in range(5))
+        computed = computed.copy()   # moved back below where the step in flight's acceptance says so
         # a chunk's own tokens (not drafts or pads) past what the host knows: its last, sampled by the step in flight
         in_flight = np.flatnonzero(computed + lens - drafts - pads > known)
         if len(in_flight) and (prev is None or any(scheduled[i].request.request_id not in prev.rows for i in in_flight)):
@@ -192,27 +203,30 @@ class StepInputBuilder:
         positions = self.positions.np[:num_tokens]
         np.subtract(np.arange(num_tokens), qsl[req_of_token] - computed[req_of_token], out=positions)
 
+        # input ids: 0 wherever the host does not know the token (the one in flight, the device's drafts,
+        # pads), then each request's known tokens and host-known drafts written over it
+        starts = qsl[:num_reqs].astype(np.int64)
+        real_end = starts + lens - pads
+        own = real_end - drafts
+        have = np.maximum(starts, np.minimum(own, starts + known - computed))   # rows the host knows
+        if (unknown := np.flatnonzero(own - have > 1)).size:   # only the last input may be in flight (from the device)
+            i = int(unknown[0])
+            raise ValueError(f"request {scheduled[i].request.request_id}: {int(own[i] - have[i])} input tokens "
+                             "not sampled yet")
         ids = self.input_ids.np
-        bounds = qsl[:num_reqs + 1].tolist()   # Python ints: numpy scalars are slow slice bounds
-        for i, s in enumerate(scheduled):   # a verify chunk: its last known token, the drafts, pad positions
-            real_end = bounds[i + 1] - s.num_pad_drafts
-            own = real_end - len(s.draft_token_ids)
-            start = int(computed[i])
-            have = max(bounds[i], min(own, bounds[i] + s.request.num_tokens - start))   # rows the host knows
-            if own - have > 1:   # only the last input may be in flight (it comes from the device)
-                raise ValueError(f"request {s.request.request_id}: {own - have} input tokens not sampled yet")
-            ids[bounds[i]:have] = s.request.token_ids_slice(start, start + have - bounds[i])
-            ids[have:own] = 0
-            if s.draft_token_ids:
-                ids[own:real_end] = 0 if s.draft_token_ids[0] == DEVICE_DRAFT else s.draft_token_ids
-            if s.num_pad_drafts:
-                ids[real_end:bounds[i + 1]] = 0
-        num_copied = self._fill_in_flight(scheduled, in_flight, src, prev.width if prev is not None else 1)
+        ids[:num_tokens] = 0
+        known_rows = np.flatnonzero(have > starts)   # async decodes have none: their one input is in flight
+        for i, a, b, c in zip(known_rows.tolist(), starts[known_rows].tolist(), have[known_rows].tolist(),
+                              computed[known_rows].tolist(), strict=True):
+            ids[a:b] = scheduled[i].request.token_ids_slice(c, c + b - a)
+        for i in host_drafts:
+            ids[int(own[i]):int(real_end[i])] = scheduled[i].draft_token_ids
+        num_copied = self._fill_in_flight(scheduled, in_flight, src, own, np.where(device_drafted, drafts, 0),
+                                          prev.width if prev is not None else 1)
         # the total a sampling chunk reaches (> it with its last input in flight, async); an open
         # prompt (a live context) never samples
         totals = known + drafts + pads
-        samples = (seq_lens >= totals) & ~np.fromiter((bool(s.request.open_prompt) for s in scheduled), dtype=bool,
-                                                      count=num_reqs)
+        samples = (seq_lens >= totals) & (fields[:, 5] == 0)
         sampling_index = np.flatnonzero(samples)
         num_rows = 1 + drafts[sampling_index]
         ends = qsl[1:num_reqs + 1][sampling_index] - pads[sampling_index]   # pad rows are never sampled
@@ -289,20 +303,20 @@ class StepInputBuilder:
                           prev_token, shifted)
 
     def _fill_in_flight(self, scheduled: Sequence[ScheduledRequest], in_flight: np.ndarray, src: np.ndarray,
-                        width: int) -> int:
+                        own: np.ndarray, device_drafts: np.ndarray, width: int) -> int:
         """Where the in-flight requests' last input (and their `DEVICE_DRAFT` drafts) come from: rows
-        of input_ids, and flat indices into the step in flight's [rows, width] next inputs."""
-        qsl, n = self.query_start_loc.np, 0
-        for i, row in zip(in_flight.tolist(), src.tolist(), strict=True):
-            s = scheduled[i]
-            own = int(qsl[i + 1]) - s.num_pad_drafts - len(s.draft_token_ids)
-            device_drafts = len(s.draft_token_ids) if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT else 0
-            if device_drafts >= width:
-                raise ValueError(f"request {s.request.request_id}: {device_drafts} drafts, {width - 1} made on the device")
-            count = 1 + device_drafts
-            self.prev_token_dst.np[n:n + count] = np.arange(own - 1, own - 1 + count)
-            self.prev_token_src.np[n:n + count] = row * width + np.arange(count)
-            n += count
+        of input_ids, and flat indices into the step in flight's [rows, width] next inputs. `own`:
+        per request, the end of its own tokens (before drafts and pads); `device_drafts`: per
+        request, its drafts the device made."""
+        counts = 1 + device_drafts[in_flight]
+        if len(in_flight) and (too_many := np.flatnonzero(counts > width)).size:
+            i = int(in_flight[too_many[0]])
+            raise ValueError(f"request {scheduled[i].request.request_id}: {int(device_drafts[i])} drafts, "
+                             f"{width - 1} made on the device")
+        n = int(counts.sum())
+        within = np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)   # 0.. count-1 per request
+        self.prev_token_dst.np[:n] = np.repeat(own[in_flight] - 1, counts) + within
+        self.prev_token_src.np[:n] = np.repeat(src * width, counts) + within
         return n
 
     def _shifted_rows(self, in_flight: np.ndarray, src: np.ndarray, lens: np.ndarray) -> ShiftedRows:

@@ -335,13 +335,15 @@ class KVCacheManager:
         needed_len = -(-(start + num_new_tokens) // self.block_size)
         if needed_len > self.max_blocks_per_req:
             raise ValueError(f"{rid}: {needed_len} blocks exceed max_model_len")
+        if held is not None and not hit.copy_from and self._holds_enough(held, start, needed_len):   # most decode steps
+            return True
         reclaim_to: dict[str, int] = {}
         for t, pool in self.pools.items():
             table = tables[t]
             have = len(table.blocks)
             upto = table.num_reclaimed
             window = self.plans[t].window
-            if window is not None and have:
+            if window is not None and have and (start - window + 1) // self.block_size > upto:   # (as in release_out_of_window)
                 upto = max(upto, min(self._first_needed(request, start, window) // self.block_size, have))
             missing = needed_len - have
             if missing > 0:
@@ -371,6 +373,18 @@ class KVCacheManager:
             self._copies.setdefault(t, []).append((src, tables[t].blocks[start // self.block_size]))
         return True
 
+    def _holds_enough(self, held: _Held, start: int, needed_len: int) -> bool:
+        """Whether every table already reaches `needed_len` blocks and no windowed one has entries
+        to release before `start` (`allocate` would then change nothing)."""
+        bs = self.block_size
+        for t, table in held.tables.items():
+            if len(table.blocks) < needed_len:
+                return False
+            window = self.plans[t].window
+            if window is not None and (start - window + 1) // bs > table.num_reclaimed:
+                return False
+        return True
+
     def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
         """The (source, destination) block copies per pool that taken hits asked for since the last
         call: the runner makes them before its next forward, before anything writes to either block."""
@@ -385,10 +399,12 @@ class KVCacheManager:
         held = self._held.get(request.request_id)
         if held is None:
             return
+        pos = request.num_computed_tokens
         for t, plan in self.plans.items():
             table = held.tables[t]
-            if plan.window is not None and table.blocks:
-                first = self._first_needed(request, request.num_computed_tokens, plan.window)
+            # _first_needed is at most pos - window + 1: nothing to release before that crosses a block
+            if plan.window is not None and table.blocks and (pos - plan.window + 1) // self.block_size > table.num_reclaimed:
+                first = self._first_needed(request, pos, plan.window)
                 self._reclaim(request, held, t, min(first // self.block_size, len(table.blocks)))
 
     def _reclaim(self, request: Request, held: _Held, layer_type: str, upto: int) -> None:

@@ -286,13 +286,13 @@ class Scheduler:
         # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
         # every other request, waiting ones included: a frame waits a step, a question's token does not.
         blocked, self._frame_blocked = self._frame_blocked, set()
-        order = sorted(self.running, key=lambda r: r.request_id not in blocked)
+        order = sorted(self.running, key=lambda r: r.request_id not in blocked) if blocked else list(self.running)
         for request in order:
             if not request.open_prompt:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
         # a seat for every sample held for a running parent: it joins the batch once the prompt is computed
-        seats = len(self.running) + sum(len(self.forks.of(r.request_id)) for r in self.running)
+        seats = len(self.running) + (sum(len(self.forks.of(r.request_id)) for r in self.running) if len(self.forks) else 0)
         admission = self._admission_order() if self.waiting and not preempted else []   # none after a preemption
         for request in admission:
             if budget <= 0 or seats >= self.max_num_seqs:
