@@ -15,12 +15,19 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import pytest
-import torch
-from loopback_server import LoopbackServer, engine_config
+# Inductor checks each vector ISA the CPU reports (cpuid) by compiling a probe against ATen's vector
+# headers and loading it in a fresh Python, in every process that compiles: ~1.1 s of CPU per test
+# worker, server and bench script, and ~10 s of g++ once on an empty compile cache. Here the probes
+# pass and pick the ISA the flags alone pick (avx512 + vnni + amx on the CI Xeon); a compiler that
+# could not build for it fails the compiling tests loudly. Inherited by the processes tests start.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
-from mmserve.config import DEMO_MODEL_DIR, ServerConfig
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from loopback_server import LoopbackServer, engine_config  # noqa: E402
+
+from mmserve.config import DEMO_MODEL_DIR, ServerConfig  # noqa: E402
 
 TESTS = Path(__file__).parent
 FA4_COMPILE_TESTS = "tests/attention/test_attn_fa4_compile.py"

@@ -119,25 +119,27 @@ def test_pieces_kernel_compiles_once_across_frame_counts_and_windows(fake_arch):
 def test_steps_over_256_sequences_keep_the_compile_key(fake_arch):
     """E2B/E4B cut an 8k-token step into 512 pieces of 16 rows; above 256 sequences FA4 b36 takes its
     batch-lookup scheduler, another kernel. run_fa4 caps each call at SEQS_PER_CALL, so no step
-    compiles a kernel mid-serving; the uncapped call would (checked, so the cap stays needed)."""
+    compiles a kernel mid-serving; the uncapped call would (checked, so the cap stays needed). The
+    sequence count alone picks that scheduler, so the steps here are of the sliding layer the tests
+    above compiled (in a whole run its two kernels are compiled already, per arch)."""
     from flash_attn.cute import interface
 
     assert fa4.SEQS_PER_CALL == interface.BIN_BATCH_SEARCH_THRESH
     assert fa4.mm_prefix_mask_mod(True).__vec_size__ == 1 == fa4.mm_prefix_mask_mod(False).__vec_size__
-    e4b = replace(GEMMA_SLIDING, num_heads=8, num_kv_heads=1)
+    spec = GEMMA_SLIDING
     with fake_arch():
-        call(e4b, fake_step(e4b, 8))
-        call(e4b, fake_step(e4b, 8, frames=False))
+        call(spec, fake_step(spec, 8))
+        call(spec, fake_step(spec, 8, frames=False))
         before = compiled_kernels()
         for pieces in (257, 512, 600):
-            call(e4b, fake_step(e4b, 64, num_pieces=pieces))
-        call(e4b, fake_step(e4b, 1, num_reqs=300, frames=False))   # --max-num-seqs above 256: frame-free
+            call(spec, fake_step(spec, 64, num_pieces=pieces))
+        call(spec, fake_step(spec, 1, num_reqs=300, frames=False))   # --max-num-seqs above 256: frame-free
         assert compiled_kernels() == before
         assert fa4.call_slices(600) == [(0, 256), (256, 256), (512, 88)]
         monkey = fa4.SEQS_PER_CALL
         try:
             fa4.SEQS_PER_CALL = 10**6
-            call(e4b, fake_step(e4b, 64, num_pieces=512))
+            call(spec, fake_step(spec, 64, num_pieces=512))
         finally:
             fa4.SEQS_PER_CALL = monkey
         assert compiled_kernels() > before

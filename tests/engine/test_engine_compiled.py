@@ -26,14 +26,19 @@ def test_compiled_dense_kernels_keep_tokens_and_values(load_backend):
         assert rms_norm.compiled is not None and norm_rope.compiled is not None and gelu_gate.compiled is not None
         gen = torch.Generator().manual_seed(torch.seed() % 2**31)
         rows = compiled.MIN_TOKENS + 37   # a new row count: the dynamic graphs serve it without recompiling
-        x, w = torch.randn(rows, 4, 16, generator=gen), torch.randn(16, generator=gen)
-        cos, sin = torch.randn(rows, 16, generator=gen), torch.randn(rows, 16, generator=gen)
-        h, hw = torch.randn(rows, 72, generator=gen), torch.randn(72, generator=gen)
-        gate, up = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen)
+        # Inputs of the kinds the engine passed (inference tensors; q and v views of one projection's
+        # rows, heads of 16; the weights parameters; gate and up the halves of one projection): the
+        # graphs its steps compiled serve them, where other kinds would make dynamo compile each again.
+        w, hw = (torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (16, 72))
         with torch.inference_mode():
+            q, _, v = torch.randn(rows, (4 + 2 + 2) * 16, generator=gen).split((4 * 16, 2 * 16, 2 * 16), dim=-1)
+            q, v = q.view(rows, 4, 16), v.view(rows, 2, 16)
+            cos, sin = torch.randn(rows, 16, generator=gen), torch.randn(rows, 16, generator=gen)
+            h = torch.randn(rows, 72, generator=gen)
+            gate, up = torch.randn(rows, 2 * 96, generator=gen).chunk(2, dim=-1)
             pairs = [(rms_norm(h, hw, 1e-6), rms_norm.eager(h, hw, 1e-6)),
-                     (rms_norm(x, None, 1e-6), rms_norm.eager(x, None, 1e-6)),
-                     (norm_rope(x, w, 1e-6, cos, sin), norm_rope.eager(x, w, 1e-6, cos, sin)),
+                     (rms_norm(v, None, 1e-6), rms_norm.eager(v, None, 1e-6)),
+                     (norm_rope(q, w, 1e-6, cos, sin), norm_rope.eager(q, w, 1e-6, cos, sin)),
                      (gelu_gate(gate, up), gelu_gate.eager(gate, up))]
     finally:
         compiled.set_compiled(False)
