@@ -17,7 +17,7 @@ With speculation the drafting round after a step broadcasts that step's acceptan
 every rank builds the outcome itself from it and its own drafts (`HeldOutcome`): one broadcast a
 step either way. Those drafts are the argmax of logits every rank holds whole (all-gathered), so
 they are rank 0's; each worker checks that against rank 0's drafts one step later (`verified`) and
-stops the group, before the tokens they scored are emitted, if not.
+stops the group if not (rank 0's step then fails before it emits the tokens they scored).
 """
 
 from __future__ import annotations
@@ -142,8 +142,8 @@ class HeldOutcome:
     def check(self, verified: dict[str, list[int]]) -> None:
         """Rank 0's drafts that the last step verified against this rank's own, which that step ran
         on: any difference means the ranks' drafter logits differ (they must be bit-identical: the
-        same kind of device and kernels on every rank), and the group stops before rank 0 emits
-        tokens scored over them."""
+        same kind of device and kernels on every rank): raise, so the group stops, and rank 0's
+        step fails before it emits the tokens scored over them (it emits them after this step)."""
         if self._taken is None or not verified:
             return
         rows, copy = self._taken

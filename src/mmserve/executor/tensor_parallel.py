@@ -24,7 +24,9 @@ speculation the drafts made after them and the positions the acceptance rolled b
 rank 0's device to every rank's by one broadcast queued after rank 0's sampling, and every rank
 copies it into N+1's inputs on its device as rank 0 does. Rank 0 alone samples and accepts; an
 async drafting round (`DeviceDraftRound`) sends its key counts and tables, then broadcasts the
-device's acceptance (token, hidden-state row, shift per request), and every rank drafts from it.
+device's acceptance (token, hidden-state row, shift per sampled row); every rank drafts from it and
+builds N+1's inputs itself (`HeldOutcome`), so that broadcast is the step's only one, and each
+worker checks its drafts against those rank 0 verified, one step later.
 
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`; the ring's writer, when it must wait for a slot, checks the ranks

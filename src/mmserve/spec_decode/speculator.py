@@ -31,7 +31,9 @@ it takes each request's token, hidden-state row and key count from the device's 
 (sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
 inputs; the host learns them with the step's tokens. Under tensor parallelism the round goes to
 the other ranks as a `DeviceDraftRound` (key counts, tables) and the acceptance follows by one
-device broadcast (`draft_on_device`). Its drafts are not masked by a grammar (the
+device broadcast (`draft_on_device`), from which every rank also builds the next step's inputs
+(`next_step_inputs`): its own drafts are rank 0's, being the argmax of the same all-gathered
+logits (executor/step_messages.HeldOutcome checks it). Its drafts are not masked by a grammar (the
 matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
 refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
