@@ -246,7 +246,8 @@ def test_tp2_async_video_encodes_ahead_beside_decodes(tp_core, load_backend, ass
 
 def test_a_worker_takes_the_in_flight_tokens_from_rank_0s_broadcast():
     """The layout travels in the message, the tokens by broadcast: what a worker rebuilds is rank 0's
-    `SampledTokens`, with and without the shift (here a group of one, whose broadcast keeps its input)."""
+    `SampledTokens`, with and without the shift, and a step that sampled no row broadcasts nothing
+    (here a group of one, whose broadcast keeps its input)."""
     from mmserve.executor.step_messages import InFlightTokens, share_in_flight
     from mmserve.model.parallel import ParallelGroup
     from mmserve.worker.model_runner import SampledTokens
@@ -270,6 +271,11 @@ def test_a_worker_takes_the_in_flight_tokens_from_rank_0s_broadcast():
         theirs = share_in_flight(Receiver(1, 2), dataclasses.replace(layout), device="cpu")
         assert torch.equal(theirs.tokens, prev.tokens) and theirs.rows == prev.rows
         assert (theirs.shift is None) == (shift is None) and (shift is None or torch.equal(theirs.shift, shift))
+    sent.clear()   # a step that sampled no row: nothing to broadcast, both sides know it from the layout
+    empty = SampledTokens(torch.zeros((0, 1 + K), dtype=torch.int64), {}, torch.zeros(0, dtype=torch.int64))
+    assert share_in_flight(Sender(0, 2), InFlightTokens.of(empty), empty) is empty and not sent
+    theirs = share_in_flight(Receiver(1, 2), InFlightTokens.of(empty), device="cpu")
+    assert theirs.tokens.shape == (0, 1 + K) and theirs.shift.shape == (0,)
 
 
 def test_held_outcome_takes_the_round_it_drafted_and_catches_other_drafts():

@@ -88,8 +88,9 @@ class InFlightTokens:
 
 def share_in_flight(group, layout: InFlightTokens, prev=None, device=None):
     """The step in flight's `SampledTokens` on every rank: rank 0 passes its own (`prev`), the others
-    receive them, through one broadcast of [rows, width (+ 1: the shift)] ids. On NCCL it is queued
-    on the stream behind rank 0's sampling (no host sync); on gloo it is synchronous."""
+    receive them, through one broadcast of [rows, width (+ 1: the shift)] ids (none when it sampled
+    no row: the layout says so). On NCCL it is queued on the stream behind rank 0's sampling (no
+    host sync); on gloo it is synchronous."""
     from mmserve.worker.model_runner import SampledTokens
 
     if prev is not None:
@@ -97,7 +98,8 @@ def share_in_flight(group, layout: InFlightTokens, prev=None, device=None):
         packed = packed.to(torch.int64).contiguous()
     else:
         packed = torch.empty((len(layout.rows), layout.width + layout.shifted), dtype=torch.int64, device=device)
-    group.broadcast(packed)
+    if layout.rows:
+        group.broadcast(packed)
     if prev is not None:
         return prev
     if not layout.shifted:

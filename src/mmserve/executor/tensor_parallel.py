@@ -45,7 +45,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -522,7 +521,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)
-        sys.exit(1)
+        exit_process(1)   # at once: rank 0 learns of it when this process's sockets close
     import torch.distributed as dist
 
     dist.destroy_process_group()
