@@ -38,13 +38,15 @@ entirely), and the synchronous loop's is (host + device) / max(host, device).
 
 Tensor-parallel cases (`--tp 2`): greedy rows at 1/16 requests, with and without speculation, in a
 TP=2 group over gloo (a real spawned worker rank, the step messages through the shared-memory ring,
-the in-flight tokens and the async drafting rounds' acceptance by gloo broadcasts), the simulated
+the in-flight tokens by a gloo broadcast, or with speculation the async drafting round's
+acceptance, from which every rank builds them: one broadcast a step), the simulated
 device on every rank: each rank's forward, logits, draft steps and the drafter's token embedding
 are stubs that return at once, so the layers' collectives (NCCL on a GPU, queued on the stream) are part of `--device-ms` and do not
 run; what runs is every host step of both ranks and the collectives of the protocol itself. Gloo's
 broadcast is synchronous where NCCL's is queued: rank 0's host waits there until the worker has
 read the step (`coll` in the line: rank 0's time blocked in those broadcasts, counted as host
-time), so the TP rows are an upper bound on what the protocol costs rank 0's host on a GPU.
+time), so the TP rows are an upper bound on what the protocol costs rank 0's host on a GPU; their
+`host_cpu` leaves out every wait (those broadcasts, and a core held by the worker or others).
 
 Profile (`--profile`): the async loop at 64 greedy requests, with and without speculation, its host
 time per step split by the functions it runs in (exclusive thread CPU time: a function's own, less the listed
@@ -227,7 +229,7 @@ def simulated_worker_main(rank, *args) -> None:
 def tp_core(config: EngineConfig):
     """Rank 0's core over a TP group whose worker ranks run `simulated_worker_main`; returns (core,
     group, a list rank 0's time blocked in broadcasts accumulates into: with the forward stubbed,
-    those are the protocol's own, the in-flight tokens and the async drafting rounds' acceptance)."""
+    those are the protocol's own: the in-flight tokens, or the async drafting round's acceptance)."""
     from mmserve.executor import tensor_parallel
     from mmserve.model.parallel import ParallelGroup
 

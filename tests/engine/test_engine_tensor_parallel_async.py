@@ -1,16 +1,17 @@
 """Async scheduling under tensor parallelism: rank 0 (this process, the engine core over its shard)
 and a real spawned worker rank over gloo, as `mmserve serve --tensor-parallel-size 2
 --async-scheduling on` runs them. The worker gets step N+1's message before step N's tokens reach
-rank 0's host and takes them (with speculation: the drafts made after them and the positions the
-acceptance rolled back) from rank 0's device by one broadcast; async drafting rounds run on both
-ranks from the acceptance broadcast the same way, replaying (emulated) drafter graphs.
+rank 0's host and takes them from rank 0's device by one broadcast; with speculation the async
+drafting round after each step broadcasts its acceptance instead, every rank drafts from it
+(replaying emulated drafter graphs) and builds the next step's inputs itself: one broadcast a step,
+counted here, and a worker whose drafts differ from rank 0's stops the group.
 
 References, on fresh random prompts: the same TP=2 engine's synchronous loop (the flags the core
 reads, switched between runs) and TP=1 engines in-process, with and without speculation (requests
 that opt out decode without drafts): greedy and seeded tokens identical everywhere, and per step the
 same drafts verified and kept in TP=2 as in TP=1 for each loop. A cancel and a preemption leave no
 KV block or embedding held on any rank; a video prefills with encode-ahead beside decodes. One TP
-group for the module.
+group for the module; the last test ends it (a worker told other drafts than its own).
 """
 
 from __future__ import annotations
@@ -69,14 +70,16 @@ def use_loop(core, loop: str) -> None:
     core.async_scheduling = core.scheduler.async_scheduling = loop == "async"
 
 
-def run(core, requests, *, arrivals=None, aborts=None) -> tuple[dict[str, list[int]], dict[str, list]]:
+def run(core, requests, *, arrivals=None, aborts=None, after_step=None) -> tuple[dict[str, list[int]], dict[str, list]]:
     """Step `core` until idle: each request added at its arrival step, each in `aborts` aborted
-    after that step. Returns each request's tokens and, per step it was scheduled in, (drafts
-    verified, drafts kept)."""
+    after that step (then `after_step(step)`). Returns each request's tokens and, per step it was
+    scheduled in, (drafts verified, drafts kept)."""
     aborts = aborts or {}
     drafts = {r.request_id: [] for r in requests}
 
     def record_and_abort(step, result):
+        if after_step is not None:
+            after_step(step)
         for item in result.step.items if result.step else []:
             if item.draft_tokens:
                 drafts[item.request_id].append((item.draft_tokens, item.accepted_drafts))
@@ -120,10 +123,43 @@ def kept_drafts(drafts: dict[str, list]) -> int:
     return sum(kept for steps in drafts.values() for _, kept in steps)
 
 
-def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load_backend, assistant):
+class Broadcasts:
+    """Rank 0's tensor broadcasts per step (the protocol's: the model's layers make none here) and the
+    drafts its step messages send the workers to check (`StepMessage.verified`)."""
+
+    def __init__(self, core, monkeypatch):
+        from mmserve.model.parallel import ParallelGroup
+
+        self.per_step, self.verified, self._count = [], 0, 0
+        tp = core.runner.tp
+        broadcast, send = ParallelGroup.broadcast, tp.send
+
+        def counted(group, x):
+            self._count += 1
+            return broadcast(group, x)
+
+        def sending(msg):
+            self.verified += len(getattr(msg, "verified", None) or ())
+            return send(msg)
+
+        monkeypatch.setattr(ParallelGroup, "broadcast", counted)   # this process: rank 0's
+        monkeypatch.setattr(tp, "send", sending)
+
+    def start(self) -> None:
+        self._count = 0
+
+    def step_done(self, step) -> None:
+        self.per_step.append(self._count)
+        self._count = 0
+
+
+def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load_backend, assistant, monkeypatch):
     """Greedy and seeded requests, one ending on EOS, with and without speculation: TP=2 async ==
     TP=2 sync == TP=1, the drafts verified and kept per step equal to TP=1's in the same loop, and
-    the drafting rounds replayed graphs (no eager round: tensor parallelism no longer forces one)."""
+    the drafting rounds replayed graphs (no eager round: tensor parallelism no longer forces one).
+    Speculating in the async loop, a step broadcasts once (the drafting round's acceptance: the
+    workers build the next inputs from it; before, the in-flight tokens went by a second one), and
+    the workers check their drafts against rank 0's."""
     for _ in range(DRAWS):   # a draw whose drafter keeps nothing happens (1 in ~3): draw again
         seed = random.SystemRandom().randrange(10_000)
         speculating = workload(random.Random(seed), True)
@@ -137,12 +173,18 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
     runs = {("tp1", "async", True): tp1_async,
             ("tp1", "sync", True): run(tp1(load_backend, assistant, "sync"), speculating),
             ("tp1", "sync", False): run(tp1(load_backend, assistant, "sync"), plain)}
+    broadcasts = Broadcasts(tp_core, monkeypatch)
     for loop in ("async", "sync"):
         use_loop(tp_core, loop)
         for requests in (plain, speculating):
-            runs["tp2", loop, requests is speculating] = run(tp_core, requests)
+            counting = loop == "async" and requests is speculating
+            broadcasts.start()
+            runs["tp2", loop, requests is speculating] = run(
+                tp_core, requests, after_step=broadcasts.step_done if counting else None)
             assert_nothing_held(tp_core)
     use_loop(tp_core, "async")
+    assert max(broadcasts.per_step) == 1, (seed, broadcasts.per_step)
+    assert broadcasts.verified > 0, "no worker checked its drafts against rank 0's"
     reference = runs["tp1", "sync", False][0]
     assert [len(reference[r.request_id]) for r in plain[:-1]] == [r.sampling.max_tokens for r in plain[:-1]]
     assert len(reference["eos"]) < 30, (seed, "the EOS request did not end on EOS")
@@ -204,7 +246,8 @@ def test_tp2_async_video_encodes_ahead_beside_decodes(tp_core, load_backend, ass
 
 def test_a_worker_takes_the_in_flight_tokens_from_rank_0s_broadcast():
     """The layout travels in the message, the tokens by broadcast: what a worker rebuilds is rank 0's
-    `SampledTokens`, with and without the shift (here a group of one, whose broadcast keeps its input)."""
+    `SampledTokens`, with and without the shift, and a step that sampled no row broadcasts nothing
+    (here a group of one, whose broadcast keeps its input)."""
     from mmserve.executor.step_messages import InFlightTokens, share_in_flight
     from mmserve.model.parallel import ParallelGroup
     from mmserve.worker.model_runner import SampledTokens
@@ -228,3 +271,65 @@ def test_a_worker_takes_the_in_flight_tokens_from_rank_0s_broadcast():
         theirs = share_in_flight(Receiver(1, 2), dataclasses.replace(layout), device="cpu")
         assert torch.equal(theirs.tokens, prev.tokens) and theirs.rows == prev.rows
         assert (theirs.shift is None) == (shift is None) and (shift is None or torch.equal(theirs.shift, shift))
+    sent.clear()   # a step that sampled no row: nothing to broadcast, both sides know it from the layout
+    empty = SampledTokens(torch.zeros((0, 1 + K), dtype=torch.int64), {}, torch.zeros(0, dtype=torch.int64))
+    assert share_in_flight(Sender(0, 2), InFlightTokens.of(empty), empty) is empty and not sent
+    theirs = share_in_flight(Receiver(1, 2), InFlightTokens.of(empty), device="cpu")
+    assert theirs.tokens.shape == (0, 1 + K) and theirs.shift.shape == (0,)
+
+
+def test_held_outcome_takes_the_round_it_drafted_and_catches_other_drafts():
+    """A worker's own outcome (executor/step_messages.HeldOutcome) on fresh random tokens: the step
+    takes exactly what its drafting round built; rank 0's drafts equal to its own pass the check one
+    step later, one differing draft raises, and a step told to take an outcome no round built fails."""
+    from mmserve.executor.step_messages import DraftsDiverged, HeldOutcome, InFlightTokens
+
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    tokens, shift = torch.randint(0, 300, (5, 1 + K), generator=gen), torch.randint(0, K + 1, (5,), generator=gen)
+    rows = {f"r{i}": i for i in torch.randperm(5, generator=gen).tolist()}
+    outcome = HeldOutcome(rank=1)
+    outcome.hold(tokens, shift)
+    taken = outcome.take(InFlightTokens(rows, 1 + K, shifted=True, held=True))
+    assert taken.tokens is tokens and taken.shift is shift and taken.rows == rows
+    verified = {rid: tokens[row, 1:1 + n].tolist() for n, (rid, row) in enumerate(rows.items(), start=1)
+                if n <= K}
+    outcome.check(verified)
+    rid = next(iter(verified))
+    verified[rid][0] += 1
+    with pytest.raises(DraftsDiverged, match=f"rank 1 drafted .* for request {rid}"):
+        outcome.check(verified)
+    assert outcome.take(InFlightTokens(rows, 1 + K, shifted=True)) is None   # broadcast instead
+    with pytest.raises(RuntimeError, match="did not run"):
+        outcome.take(InFlightTokens(rows, 1 + K, shifted=True, held=True))
+
+
+def test_a_worker_whose_drafts_differ_from_rank_0s_stops_the_group(tp_core):
+    """LAST in the module (it ends the group): rank 0 tells the worker one draft other than the
+    worker made, as if their drafters' logits differed: the worker's check stops the group, and the
+    step whose message carried it fails on rank 0 with RankLostError (the tokens of the step that
+    verified those drafts, still in flight, are never emitted)."""
+    sent = tp_core.runner.tp.send
+    tampered = []
+
+    def tamper(msg):
+        if getattr(msg, "verified", None) and not tampered:
+            rid, drafts = next(iter(msg.verified.items()))
+            msg.verified[rid] = [drafts[0] + 1, *drafts[1:]]
+            tampered.append(rid)
+        return sent(msg)
+
+    tp_core.runner.tp.send = tamper
+    use_loop(tp_core, "async")
+    rng = random.Random(random.SystemRandom().randrange(10_000))
+    for i in range(2):
+        tp_core.add_request(build_request(f"t{i}", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=24,
+                                          temperature=0.0).core_request())
+    for _ in range(30):
+        before = list(tampered)
+        try:
+            tp_core.step()
+        except tensor_parallel.RankLostError as exc:
+            assert tampered and not before, "the group failed, but not in the step that carried the check"
+            assert "rank 1" in str(exc)
+            return
+    pytest.fail(f"the worker took other drafts than its own without stopping (tampered: {tampered})")

@@ -63,7 +63,7 @@ from mmserve.request import Request
 from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device
 from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
-from mmserve.spec_decode.speculator import DraftFrom, Speculator
+from mmserve.spec_decode.speculator import DraftFrom, Speculator, next_step_inputs
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
@@ -471,30 +471,27 @@ class EngineCore:
         request that speculates, started on their way to the host; the next step's inputs take
         both there. The drafter reads the step's hidden states as the runner returned them (every
         rank holds the same, under tensor parallelism), through `kept_rows` where the launch
-        dropped ended requests' rows. A failed drafting round leaves the next step without drafts."""
+        dropped ended requests' rows. Under tensor parallelism the round broadcasts the acceptance
+        and every rank builds the next inputs from it (`Speculator.draft_on_device`), so the next
+        step sends none. A failed drafting round leaves the next step without drafts."""
         sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
         accepted = accept_on_device(tokens, sampling)
         k = self.speculator.num_tokens
-        next_inputs = torch.zeros((len(sampling), 1 + k), dtype=tokens.dtype, device=tokens.device)
-        next_inputs[:, 0] = accepted.next_token
-        flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
         items = [i for i, s in enumerate(sampling) if speculates(s.request.sampling_params)]
-        if not items:
+        next_inputs = None
+        if items:
+            try:
+                requests = [sampling[i].request for i in items]
+                rows = accepted.row if kept_rows is None else kept_rows.index_select(0, accepted.row)
+                next_inputs = self.speculator.propose_on_device(
+                    requests, items, accepted.next_token, rows, accepted.shift, self.kv, self.runner.kv_caches,
+                    self.config.block_size, hidden=flight.step.hidden)
+            except Exception:   # drafts only save steps: without them every request decodes on
+                logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
+        if next_inputs is None:   # no drafts: the next step verifies none (zeros in their places)
+            flight.tokens = SampledTokens(next_step_inputs(accepted.next_token, k), flight.tokens.rows, accepted.shift)
             return
-        try:
-            index = to_device(np.asarray(items, dtype=np.int64), tokens.device)
-            requests = [sampling[i].request for i in items]
-            rows = accepted.row.index_select(0, index)
-            if kept_rows is not None:
-                rows = kept_rows.index_select(0, rows)
-            drafts = self.speculator.propose_on_device(
-                requests, accepted.next_token.index_select(0, index), rows,
-                accepted.shift.index_select(0, index), self.kv, self.runner.kv_caches, self.config.block_size,
-                hidden=flight.step.hidden)
-            next_inputs[:, 1:].index_copy_(0, index, drafts)
-        except Exception:   # drafts only save steps: without them every request decodes on
-            logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
-            return
+        flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
         flight.drafts = HostCopy(next_inputs[:, 1:])
         for r in requests:   # the next step verifies them; their ids are the device's until the host learns them
             r.draft_token_ids = [DEVICE_DRAFT] * k

@@ -13,6 +13,11 @@ reach the workers as a `Released` message instead.
 Async scheduling: a step is sent before the step in flight's tokens are known on the host, so the
 message names only their layout (`InFlightTokens`); the tokens themselves go from rank 0's device
 to every rank's in one broadcast right after it (`share_in_flight`), queued behind rank 0's sampling.
+With speculation the drafting round after a step broadcasts that step's acceptance instead, and
+every rank builds the outcome itself from it and its own drafts (`HeldOutcome`): one broadcast a
+step either way. Those drafts are the argmax of logits every rank holds whole (all-gathered), so
+they are rank 0's; each worker checks that against rank 0's drafts one step later (`verified`) and
+stops the group if not (rank 0's step then fails before it emits the tokens they scored).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmserve.attention.buffers import HostCopy
 from mmserve.core.sched.output import ScheduledRequest, SchedulerOutput
 from mmserve.request import Request
 
@@ -58,27 +64,33 @@ class StepMessage:
     ahead: list[tuple[str, list[int]]] = field(default_factory=list)
     rest: dict = field(default_factory=dict)
     in_flight: InFlightTokens | None = None
+    # request id -> the drafts rank 0 verified in the step before, where that step took a held
+    # outcome (`HeldOutcome.check`: every worker's own drafts must be these)
+    verified: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class InFlightTokens:
     """The layout of the step in flight's outcome (worker/model_runner.SampledTokens) the step takes
-    its last inputs from: each sampled request's row, the width of a row (1 + drafts) and whether
-    the positions the acceptance rolled back come with it (speculation)."""
+    its last inputs from: each sampled request's row, the width of a row (1 + drafts), whether
+    the positions the acceptance rolled back come with it (speculation), and whether the workers
+    built it themselves in the drafting round after that step (`held`: nothing is broadcast)."""
 
     rows: dict[str, int]
     width: int
     shifted: bool
+    held: bool = False
 
     @classmethod
-    def of(cls, prev) -> InFlightTokens:
-        return cls(prev.rows, prev.tokens.shape[1], prev.shift is not None)
+    def of(cls, prev, held: bool = False) -> InFlightTokens:
+        return cls(prev.rows, prev.tokens.shape[1], prev.shift is not None, held)
 
 
 def share_in_flight(group, layout: InFlightTokens, prev=None, device=None):
     """The step in flight's `SampledTokens` on every rank: rank 0 passes its own (`prev`), the others
-    receive them, through one broadcast of [rows, width (+ 1: the shift)] ids. On NCCL it is queued
-    on the stream behind rank 0's sampling (no host sync); on gloo it is synchronous."""
+    receive them, through one broadcast of [rows, width (+ 1: the shift)] ids (none when it sampled
+    no row: the layout says so). On NCCL it is queued on the stream behind rank 0's sampling (no
+    host sync); on gloo it is synchronous."""
     from mmserve.worker.model_runner import SampledTokens
 
     if prev is not None:
@@ -86,12 +98,66 @@ def share_in_flight(group, layout: InFlightTokens, prev=None, device=None):
         packed = packed.to(torch.int64).contiguous()
     else:
         packed = torch.empty((len(layout.rows), layout.width + layout.shifted), dtype=torch.int64, device=device)
-    group.broadcast(packed)
+    if layout.rows:
+        group.broadcast(packed)
     if prev is not None:
         return prev
     if not layout.shifted:
         return SampledTokens(packed, layout.rows)
     return SampledTokens(packed[:, :layout.width].contiguous(), layout.rows, packed[:, layout.width].contiguous())
+
+
+class DraftsDiverged(RuntimeError):
+    """A worker drafted other tokens than rank 0: the ranks' inputs are no longer the same."""
+
+
+class HeldOutcome:
+    """A worker's own copy of the step in flight's outcome under async speculation: the drafting
+    round after a step gives every rank rank 0's acceptance (one broadcast) and its own drafts,
+    from which it builds the next step's inputs as rank 0 does (`Speculator.draft_on_device`); the
+    next step's message then says `held` and names the rows. The drafts start their copy to the
+    host, and one step later each is checked against what rank 0 verified (`check`)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._held: tuple[torch.Tensor, torch.Tensor, HostCopy] | None = None
+        self._taken: tuple[dict[str, int], HostCopy] | None = None   # what the last step took
+
+    def hold(self, tokens: torch.Tensor, shift: torch.Tensor) -> None:
+        self._held = (tokens, shift, HostCopy(tokens[:, 1:]))
+
+    def take(self, layout: InFlightTokens | None):
+        """The outcome the step described by `layout` starts from: the one held (`layout.held`), or
+        None (the caller receives it by `share_in_flight`); a held one is dropped either way."""
+        from mmserve.worker.model_runner import SampledTokens
+
+        held, self._held, self._taken = self._held, None, None
+        if layout is None or not layout.held:
+            return None
+        if held is None or held[0].shape != (len(layout.rows), layout.width) or not layout.shifted:
+            raise RuntimeError(f"tensor-parallel rank {self.rank}: the step takes an outcome of {len(layout.rows)} "
+                               f"rows x {layout.width} from its drafting round, which "
+                               + ("did not run" if held is None else f"made {tuple(held[0].shape)}"))
+        self._taken = (layout.rows, held[2])
+        return SampledTokens(held[0], layout.rows, held[1])
+
+    def check(self, verified: dict[str, list[int]]) -> None:
+        """Rank 0's drafts that the last step verified against this rank's own, which that step ran
+        on: any difference means the ranks' drafter logits differ (they must be bit-identical: the
+        same kind of device and kernels on every rank): raise, so the group stops, and rank 0's
+        step fails before it emits the tokens scored over them (it emits them after this step)."""
+        if self._taken is None or not verified:
+            return
+        rows, copy = self._taken
+        own = copy.result().tolist()
+        for rid, drafts in verified.items():
+            row = rows.get(rid)
+            mine = [] if row is None else own[row][:len(drafts)]
+            if row is not None and mine != drafts:
+                raise DraftsDiverged(f"tensor-parallel rank {self.rank} drafted {mine[:8]} for request {rid} where "
+                                     f"rank 0 drafted {drafts[:8]}: the ranks' drafter logits differ (speculation "
+                                     "under async tensor parallelism needs them bit-identical: the same kind of "
+                                     "device and kernels on every rank)")
 
 
 @dataclass

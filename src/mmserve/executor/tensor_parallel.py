@@ -24,7 +24,9 @@ speculation the drafts made after them and the positions the acceptance rolled b
 rank 0's device to every rank's by one broadcast queued after rank 0's sampling, and every rank
 copies it into N+1's inputs on its device as rank 0 does. Rank 0 alone samples and accepts; an
 async drafting round (`DeviceDraftRound`) sends its key counts and tables, then broadcasts the
-device's acceptance (token, hidden-state row, shift per request), and every rank drafts from it.
+device's acceptance (token, hidden-state row, shift per sampled row); every rank drafts from it and
+builds N+1's inputs itself (`HeldOutcome`), so that broadcast is the step's only one, and each
+worker checks its drafts against those rank 0 verified, one step later.
 
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`; the ring's writer, when it must wait for a slot, checks the ranks
@@ -43,7 +45,6 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -51,9 +52,10 @@ import time
 import torch
 
 from mmserve.config import EngineConfig
-from mmserve.core.sched.output import SchedulerOutput
+from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
 from mmserve.executor.step_messages import (
+    HeldOutcome,
     HeldQuery,
     InFlightTokens,
     Released,
@@ -333,6 +335,8 @@ class TensorParallelRunner:
 
         self.tp = tp
         self._encoder = StepEncoder()
+        self._drafted = False   # an async drafting round ran since the last step: every rank holds its outcome
+        self._took_held: list = []   # the last step's verify chunks that took their drafts from it
         # start-up: the workers may still be loading; they size their runners by rank 0's config
         tp.call(lambda: _broadcast((plans, max_model_len, config)))
         if tp.ring is not None:   # every worker mapped the ring before it joined: nothing may outlive us
@@ -346,13 +350,19 @@ class TensorParallelRunner:
 
     def execute(self, out: SchedulerOutput, prev=None):
         """The step on every rank; `prev` (async scheduling: the step in flight's tokens, on rank 0's
-        device) goes to the workers by one broadcast after the message, which names only its layout."""
+        device) goes to the workers by one broadcast after the message, which names only its layout,
+        unless the drafting round after that step gave every rank its own copy (`held`)."""
         msg = self._encoder.encode(out)
+        held, self._drafted = self._drafted, False
         if prev is not None:
-            msg.in_flight = InFlightTokens.of(prev)
+            msg.in_flight = InFlightTokens.of(prev, held)
+            msg.verified = {s.request.request_id: list(s.draft_token_ids) for s in self._took_held
+                            if s.draft_token_ids and s.draft_token_ids[0] != DEVICE_DRAFT}   # (still the device's: it ended since)
+        self._took_held = ([s for s in out.scheduled if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT]
+                           if prev is not None and held else [])
 
         def run():
-            if prev is not None:
+            if prev is not None and not held:
                 share_in_flight(self.tp.group, msg.in_flight, prev)
             return self.local.execute(out, prev)
 
@@ -379,7 +389,12 @@ class TensorParallelRunner:
 
     def serve_drafts(self, speculator) -> None:
         """Run `speculator`'s drafting rounds on every rank: each round's batch goes out first."""
-        speculator.on_ranks = self._on_ranks
+        speculator.on_ranks = self._draft_on_ranks
+
+    def _draft_on_ranks(self, batch, run):
+        drafts = self._on_ranks(batch, run)
+        self._drafted = isinstance(batch, DeviceDraftRound)   # the next step's outcome is every rank's now
+        return drafts
 
     def _on_ranks(self, msg, run):
         """Send `msg` to the workers, then `run()` rank 0's part (each worker runs its own on `msg`);
@@ -485,12 +500,12 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         runner = ModelRunner(model, plans, own, max_model_len=max_model_len)
         if speculator is not None:   # its K steps as graphs where the target's are, as on rank 0
             speculator.use_graphs(runner.graphs.mode)
-        mirror, hidden = StepMirror(), None
+        mirror, hidden, outcome = StepMirror(), None, HeldOutcome(rank)
         while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
                 speculator.draft(msg, hidden, runner.kv_caches)
             elif isinstance(msg, DeviceDraftRound):   # async: from the acceptance rank 0 broadcasts
-                speculator.draft_on_device(msg, hidden, runner.kv_caches)
+                outcome.hold(*speculator.draft_on_device(msg, hidden, runner.kv_caches))
             elif isinstance(msg, HeldQuery):
                 group.all_reduce(TensorParallelRunner._held_bytes(runner))
             elif isinstance(msg, Released):
@@ -498,13 +513,15 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
                 runner.release(SchedulerOutput([], preempted_ids=msg.preempted_ids, finished_ids=msg.finished_ids))
             else:   # only the hidden states are kept (not the step's logits, vocabulary-wide)
                 out = mirror.decode(msg)
-                prev = (share_in_flight(group, msg.in_flight, device=model.device)
-                        if msg.in_flight is not None else None)
+                outcome.check(msg.verified)   # before its collectives: rank 0 then fails this step
+                prev = outcome.take(msg.in_flight)
+                if prev is None and msg.in_flight is not None:
+                    prev = share_in_flight(group, msg.in_flight, device=model.device)
                 hidden = runner.execute(out, prev).hidden
     except Exception:
         if os.getppid() == parent:
             logger.exception("tensor-parallel rank %d failed", rank)
-        sys.exit(1)
+        exit_process(1)   # at once: rank 0 learns of it when this process's sockets close
     import torch.distributed as dist
 
     dist.destroy_process_group()

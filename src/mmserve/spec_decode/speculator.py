@@ -31,7 +31,9 @@ it takes each request's token, hidden-state row and key count from the device's 
 (sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
 inputs; the host learns them with the step's tokens. Under tensor parallelism the round goes to
 the other ranks as a `DeviceDraftRound` (key counts, tables) and the acceptance follows by one
-device broadcast (`draft_on_device`). Its drafts are not masked by a grammar (the
+device broadcast (`draft_on_device`), from which every rank also builds the next step's inputs
+(`next_step_inputs`): its own drafts are rank 0's, being the argmax of the same all-gathered
+logits (executor/step_messages.HeldOutcome checks it). Its drafts are not masked by a grammar (the
 matchers have not seen the step's tokens yet): the target's masked rows reject what the grammar
 refuses, so a constrained request keeps its tokens and may keep fewer drafts.
 """
@@ -47,7 +49,7 @@ import torch
 
 from mmserve.attention import create_builder, create_impl, get_backend
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec, PoolConfig
-from mmserve.attention.buffers import StagedBuffer
+from mmserve.attention.buffers import StagedBuffer, to_device
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.model.assistant import Assistant, TargetKV, load_assistant
 from mmserve.model.assistant_spec import storing_layers
@@ -84,14 +86,31 @@ class DraftBatch:
 
 @dataclass
 class DeviceDraftRound:
-    """An async drafting round as plain data (`Speculator.propose_on_device`): each request's keys as
-    the host counts them and its block tables; the tokens drafted from, their hidden-state rows and
-    the positions the acceptance rolled back stay on rank 0's device and reach the other ranks by
-    one broadcast (`Speculator.draft_on_device`)."""
+    """An async drafting round as plain data (`Speculator.propose_on_device`): the step's sampled
+    rows (`num_rows`), those that draft (`items`, row indices) with their keys as the host counts
+    them and their block tables. The device's acceptance of every row (the token after what it
+    kept, its hidden-state row, the shift) stays on rank 0's device and reaches the other ranks by
+    one broadcast (`Speculator.draft_on_device`), from which every rank also builds the next step's
+    inputs itself: that broadcast is the step's only one."""
 
+    num_rows: int
+    items: list[int]
     num_keys: list[int]
     block_tables: dict[str, list[list[int]]]
     block_size: int
+
+
+def next_step_inputs(next_token: torch.Tensor, num_drafts: int, index: torch.Tensor | None = None,
+                     drafts: torch.Tensor | None = None) -> torch.Tensor:
+    """The next step's inputs after a speculating step [S, 1 + num_drafts]: each sampled row's token
+    after what it kept, then the drafts made from it (`drafts` [D, K] for the rows in `index`),
+    zeros for rows that made none. Built by this one function on every rank, so under tensor
+    parallelism the workers' copy (from rank 0's acceptance and their own drafts) is rank 0's."""
+    tokens = torch.zeros((next_token.shape[0], 1 + num_drafts), dtype=torch.int64, device=next_token.device)
+    tokens[:, 0] = next_token
+    if index is not None:
+        tokens[:, 1:].index_copy_(0, index, drafts)
+    return tokens
 
 
 def _run_here(batch, loop: Callable[[], list[list[int]]]) -> list[list[int]]:
@@ -278,30 +297,43 @@ class Speculator:
         batch.masked = masks is not None
         return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
 
-    def propose_on_device(self, requests: list[Request], tokens: torch.Tensor, rows: torch.Tensor,
+    def propose_on_device(self, requests: list[Request], items: list[int], tokens: torch.Tensor, rows: torch.Tensor,
                           shift: torch.Tensor, kv: KVCacheManager, kv_caches: list[torch.Tensor], block_size: int,
                           *, hidden: torch.Tensor) -> torch.Tensor:
-        """K unmasked drafts for each request, left on the device ([R, K]): drafted from `tokens`
-        (each request's token after its kept drafts) at `rows` of the step's `hidden`, over keys
-        up to its `num_computed_tokens` less `shift` (the positions the host counted and the
-        device's acceptance did not keep). On every rank under tensor parallelism (`on_ranks`).
+        """The next step's inputs after an async speculating step, left on the device: per sampled row
+        (the device's acceptance: `tokens`, each row's token after its kept drafts; `rows`, the row of
+        the step's `hidden` that produced it; `shift`, the positions the host counted and the
+        acceptance did not keep) its token, then K unmasked drafts for the rows `items` (those of
+        `requests`, which speculate), drafted over keys up to each request's `num_computed_tokens`
+        less its shift: [S, 1 + K], the same on every rank under tensor parallelism (`on_ranks`).
         Nothing here waits for the device where the backends read positions there
         (`TargetKVReader.prepare`)."""
-        batch = DeviceDraftRound([r.num_computed_tokens for r in requests],
+        batch = DeviceDraftRound(len(tokens), items, [r.num_computed_tokens for r in requests],
                                  self._block_tables(kv, [r.request_id for r in requests]), block_size)
-        return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, tokens, rows, shift))
+        return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, (tokens, rows, shift))[0])
 
     @torch.inference_mode()
     def draft_on_device(self, batch: DeviceDraftRound, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                        tokens: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                        shift: torch.Tensor | None = None) -> torch.Tensor:
-        """An async round's drafts [R, K] on this rank: rank 0 passes the acceptance (`tokens`, `rows`,
-        `shift`); under tensor parallelism it is broadcast to the other ranks, which pass None."""
-        R = len(batch.num_keys)
+                        accepted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """An async round on this rank: the next step's inputs [S, 1 + K] (see `propose_on_device`)
+        and the shift [S]. Rank 0 passes the acceptance (token, hidden-state row, shift per row);
+        under tensor parallelism it is broadcast to the other ranks, which pass None and take both."""
         if self.target.parallel.size > 1:
-            packed = (torch.stack([tokens, rows, shift]).to(torch.int64) if tokens is not None
-                      else torch.empty((3, R), dtype=torch.int64, device=hidden.device))
-            tokens, rows, shift = self.target.parallel.broadcast(packed.contiguous()).unbind(0)
+            packed = (torch.stack(accepted).to(torch.int64) if accepted is not None
+                      else torch.empty((3, batch.num_rows), dtype=torch.int64, device=hidden.device))
+            accepted = self.target.parallel.broadcast(packed.contiguous()).unbind(0)
+        tokens, rows, shift = accepted
+        index = to_device(np.asarray(batch.items, dtype=np.int64), tokens.device)
+        drafts = self._drafts_on_device(batch, hidden, kv_caches, tokens.index_select(0, index),
+                                        rows.index_select(0, index), shift.index_select(0, index))
+        return next_step_inputs(tokens, self.num_tokens, index, drafts), shift
+
+    def _drafts_on_device(self, batch: DeviceDraftRound, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+                          tokens: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """The round's drafts [R, K] for its items: from `tokens` at `rows` of `hidden`, keys moved
+        back by `shift`."""
+        R = len(batch.num_keys)
         num_keys, tables = batch.num_keys, batch.block_tables
         drafted = self._replayed(R, False, lambda: self.graphs.run(
             tokens, hidden.index_select(0, rows), num_keys, tables, batch.block_size, kv_caches, shift=shift))
