@@ -229,6 +229,7 @@ class TargetKVReader:
             if kind.table.dev is not kind.table.cpu and not kind.device_positions:   # its builder reads the host's
                 np.take(tables.rows[t], rows, axis=0, out=kind.table.np[:n])
                 kind.table.np[n:R] = 0
+            # (else, off a CPU, the host copy is never read: the backend plans from the device's)
             common = CommonAttentionMetadata(
                 num_actual_tokens=R, num_reqs=R, max_query_len=1, max_seq_len=int(num_keys.max()),
                 query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.dev[:R],
