@@ -550,7 +550,8 @@ def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(spec
         graphs, reader = speculator.graphs, speculator.attention
         graphs.tokens.copy_(torch.randint(0, vocab, graphs.tokens.shape, generator=gen))
         graphs.hidden.fill_(float("nan"))
-        for t in [reader.seq_lens.cpu, reader.positions.cpu, *(t for k in reader._types.values() for t in k.builder.buffers())]:
+        for t in [reader.seq_lens.cpu, reader.positions.cpu, *(k.table.cpu for k in reader._types.values()),
+                  *(t for k in reader._types.values() for t in k.builder.buffers())]:
             t.copy_(torch.randint(-2**20, 2**20, t.shape, generator=gen))
         if graphs.graphs._static is not None:
             graphs.graphs._static.fill_(-7)
@@ -591,7 +592,7 @@ def test_drafting_rounds_that_cannot_replay_say_why_once(caplog):
     from mmserve.worker.cuda_graphs import EMULATED
 
     def graphs(mode):
-        return DraftGraphs(None, None, None, [], mode=mode, max_num_seqs=4, hidden_size=8, dtype=torch.float32,
+        return DraftGraphs(None, None, None, mode=mode, max_num_seqs=4, hidden_size=8, dtype=torch.float32,
                            device=torch.device("cpu"))
     on = graphs(EMULATED)
     assert on.eager_reason(3, masked=False) is None

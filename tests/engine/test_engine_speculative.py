@@ -434,6 +434,63 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
 
 
 @pytest.mark.parametrize("loop", list(LOOPS))
+def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(models, loop, monkeypatch):
+    """The drafter reads the runner's device block tables by request row (TargetKVReader.prepare).
+    At every round each request's row there must be the table the KV manager holds for it at that
+    moment (the reference: what the round needs, its window's released entries null, the null block
+    after its blocks), while requests are admitted, finish and are preempted (rows reused),
+    contexts cross many blocks and the sliding window releases blocks; async: the next step is
+    scheduled while the round's step runs. The reader's tables hold garbage before every round."""
+    import random
+
+    rng = random.Random(int(torch.randint(0, 10_000, ())))
+    requests = [build_request(f"r{i}", [rng.randrange(30, 80)], seed=rng.randrange(1000), max_tokens=rng.randrange(6, 16))
+                for i in range(8)]
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, max_num_seqs=4, **LOOPS[loop])
+    core, spec = llm.core, llm.core.speculator
+    preempt, preempted = core.scheduler._preempt, []
+    monkeypatch.setattr(core.scheduler, "_preempt", lambda victim: (preempted.append(victim.request_id), preempt(victim)))
+    rounds, holders = [], {}   # per round: the manager's tables of its requests; per runner row: its requests
+
+    def snapshot(ids: list[str]) -> None:
+        if not ids:   # no round
+            return
+        rounds.append({t: [list(core.kv.block_table(rid, t)) for rid in ids] for t in spec.attention.layer_types})
+        for rid, row in zip(ids, core.runner.block_tables.rows_of(ids).tolist(), strict=True):
+            holders.setdefault(row, set()).add(rid)
+
+    propose, on_device, prepare = spec.propose, spec.propose_on_device, spec.attention.prepare
+    monkeypatch.setattr(spec, "propose", lambda items, *a, **k: (
+        snapshot([i.request.request_id for i in items]), propose(items, *a, **k))[1])
+    monkeypatch.setattr(spec, "propose_on_device", lambda requests, *a, **k: (
+        snapshot([r.request_id for r in requests]), on_device(requests, *a, **k))[1])
+    checked = []
+
+    def checked_prepare(num_keys, tables, rows, *args, **kwargs):
+        for kind in spec.attention._types.values():
+            kind.table.cpu.fill_(-7)
+        out = prepare(num_keys, tables, rows, *args, **kwargs)
+        for t, want in rounds[-1].items():
+            got = spec.attention._types[t].table.cpu[:len(rows)]
+            assert len(want) == len(rows)
+            for r, blocks in enumerate(want):
+                assert got[r].tolist() == blocks + [0] * (got.shape[1] - len(blocks)), (len(rounds), t, r)
+        checked.append(len(rows))
+        return out
+
+    monkeypatch.setattr(spec.attention, "prepare", checked_prepare)
+    tokens, _ = step_through(llm, requests)
+    assert all(tokens.values())
+    assert len(checked) == len(rounds) > 10 and max(checked) > 1
+    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
+    assert any(len(rids) > 1 for rids in holders.values()), "no row was reused"
+    tables = [blocks for r in rounds for rows in r.values() for blocks in rows]
+    assert max(len(b) for b in tables) >= 15, "no context crossed many blocks"
+    assert any(b[0] == 0 for b in tables), "no sliding window released a block"
+    assert_pools_full(core)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
 def test_a_seeded_request_ignores_its_batch_mates_with_and_without_speculation(models, loop):
     """A seeded random request (temperature 1) gives the same tokens alone and behind three decoding
     requests and before long prompts, which cut its step budget and its KV (fewer drafts, or none,

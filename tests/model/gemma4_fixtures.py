@@ -19,6 +19,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from mmserve.attention import PoolConfig, create_builder
 from mmserve.attention.backend import CommonAttentionMetadata, kv_cache_shape
+from mmserve.core.sched.output import BlockUpdate
+from mmserve.worker.block_table import BlockTables
 
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|image>", "<image|>", "<|image|>",
             "<|video|>", "<|audio>", "<audio|>", "<|audio|>"]
@@ -176,6 +178,26 @@ def patchify(image: torch.Tensor, patch: int) -> tuple[torch.Tensor, torch.Tenso
     x = image.reshape(c, h // patch, patch, w // patch, patch).permute(1, 3, 2, 4, 0).reshape(-1, patch * patch * c)
     gx, gy = torch.meshgrid(torch.arange(w // patch), torch.arange(h // patch), indexing="xy")
     return x, torch.stack([gx, gy], -1).reshape(-1, 2)
+
+
+def runner_tables(pools, tables: dict[str, list[int]], width: int, into: BlockTables | None = None) -> BlockTables:
+    """The runner's block tables (`into`, else new ones `width` wide) after a step that schedules each
+    request of `tables` (request id -> its blocks, the same in every pool) with its blocks as new."""
+    out = into if into is not None else BlockTables(pools, width)
+    out.apply([_Scheduled(_Id(rid), {t: BlockUpdate(0, list(blocks), 0) for t in out.rows})
+               for rid, blocks in tables.items()])
+    return out
+
+
+@dataclass
+class _Id:
+    request_id: str
+
+
+@dataclass
+class _Scheduled:   # what BlockTables.apply reads of a ScheduledRequest
+    request: _Id
+    block_updates: dict
 
 
 @dataclass

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gemma4_fixtures import PagedSequence, make_assistant, make_checkpoint, tiny_config
+from gemma4_fixtures import PagedSequence, make_assistant, make_checkpoint, runner_tables, tiny_config
 
 from mmserve.model import load_model
 from mmserve.model.assistant import load_assistant
 from mmserve.model.assistant_spec import check_compatible, load_assistant_spec, storing_layers
 from mmserve.model.spec import UnsupportedModelError
-from mmserve.spec_decode.speculator import DraftBatch, TargetKVReader
+from mmserve.spec_decode.speculator import TargetKVReader
 
 NUM_DRAFTS = 3
 
@@ -59,10 +59,9 @@ def our_drafts(model, assistant, ids: torch.Tensor, first_token: int, backend: s
     hidden = seq.step(ids.tolist())[-1:]
     model.attention_backends = dict.fromkeys(model.attention_backends, backend)
     n = ids.numel()
-    tables = {t: [seq.blocks.tolist()] for t in storing_layers(model.spec)}
-    batch = DraftBatch([first_token], [0], [n], [NUM_DRAFTS], tables, seq.block_size)
-    target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare(batch.num_keys, batch.block_tables,
-                                                                         batch.block_size, seq.kv_caches)
+    tables = runner_tables(storing_layers(model.spec), {"seq": seq.blocks.tolist()}, len(seq.blocks))
+    target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare([n], tables, tables.rows_of(["seq"]),
+                                                                         seq.block_size, seq.kv_caches)
     rope = assistant.rope(torch.tensor([n]), torch.float32)
     token = torch.tensor([first_token])
     logits = []
@@ -105,22 +104,42 @@ def test_a_mismatched_assistant_is_refused_naming_the_mismatch(target, tmp_path)
         load_assistant_spec(path)
 
 
-def test_a_rounds_block_tables_are_its_own(target, tmp_path):
-    """The reader's persistent tables: a round's rows hold its requests' blocks and then the null
-    block, whatever longer tables earlier rounds (with fewer or more requests) left there."""
+def test_a_round_reads_its_requests_runner_rows_as_rows_are_reused(target, tmp_path):
+    """The reader's tables are gathered from the runner's by request row: across rounds in which
+    requests end and others take their rows (shorter tables than the rows' last holders), padding
+    requests and more or fewer requests than the round before, each of a round's rows is its own
+    request's blocks and then the null block, every padding row the null block alone."""
     cfg, path, _ = target
     make_assistant(tmp_path / "assistant", cfg, seed=3)
     model = load_model(path)
     assistant = load_assistant(tmp_path / "assistant", model.spec, dtype=torch.float32, device=torch.device("cpu"))
     seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
     reader = TargetKVReader(assistant, model, max_num_seqs=4)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     blocks = seq.blocks.tolist()
-    rounds = [[blocks[:9]], [blocks[:2], blocks[3:12], blocks[:1]], [blocks[4:7], blocks[1:3]]]
-    for tables in rounds:
-        n = [4 * len(t) for t in tables]
-        batch = DraftBatch([0] * len(n), [0] * len(n), n, [1] * len(n), dict.fromkeys(storing_layers(model.spec), tables),
-                           seq.block_size)
-        for kv in reader.prepare(batch.num_keys, batch.block_tables, batch.block_size, seq.kv_caches).values():
-            rows = kv.metadata.common.block_table_cpu
-            for r, table in enumerate(tables):
-                assert rows[r].tolist() == table + [0] * (rows.shape[1] - len(table)), (tables, r)
+
+    def some_blocks() -> list[int]:
+        start, n = (int(x) for x in torch.randint(0, 16, (2,), generator=gen))
+        return blocks[start:start + n + 1]
+
+    tables, held, rows_seen = None, {}, {}
+    for step in range(6):
+        ended = [rid for rid in held if torch.rand((), generator=gen) < 0.5]
+        for rid in ended:   # as the next step's execute frees them
+            tables.free(rid)
+            del held[rid]
+        admitted = int(torch.randint(0 if held else 1, 4 - len(held) + 1, (), generator=gen))
+        new = {f"r{step}-{i}": some_blocks() for i in range(admitted)}
+        held.update(new)
+        tables = runner_tables(storing_layers(model.spec), new, len(blocks), into=tables)
+        ids = [rid for rid in held if torch.rand((), generator=gen) < 0.7] or list(held)
+        rows = tables.rows_of(ids)
+        for rid, row in zip(ids, rows.tolist(), strict=True):
+            rows_seen.setdefault(row, set()).add(rid)
+        num_keys = [4 * len(held[rid]) for rid in ids] + [1] * int(torch.randint(0, 4 - len(ids) + 1, (), generator=gen))
+        for kv in reader.prepare(num_keys, tables, rows, seq.block_size, seq.kv_caches).values():
+            got = kv.metadata.common.block_table_cpu
+            for r, rid in enumerate(ids):
+                assert got[r].tolist() == held[rid] + [0] * (got.shape[1] - len(held[rid])), (step, rid)
+            assert not got[len(ids):].any(), step
+    assert any(len(ids) > 1 for ids in rows_seen.values()), "no row was reused: the test proves little"

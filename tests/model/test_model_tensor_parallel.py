@@ -33,6 +33,7 @@ from gemma4_fixtures import (
     make_checkpoint,
     make_tokenizer,
     moe_config,
+    runner_tables,
     tiny_config,
     unified_config,
 )
@@ -215,10 +216,10 @@ def run_drafts(target_path, assistant_path, ids: list[int], first: int, dtype: t
     assistant.step = recording_step
     seq = PagedSequence(model, block_size=4, num_blocks=32, seed=5)
     hidden = seq.step(ids)
-    tables = {t: [seq.blocks.tolist()] for t in speculator.stores}
-    batch = DraftBatch([first], [len(ids) - 1], [len(ids)], [NUM_DRAFTS], tables, seq.block_size, masked=masked)
+    tables = runner_tables(speculator.stores, {"seq": seq.blocks.tolist()}, len(seq.blocks))
+    batch = DraftBatch([first], [len(ids) - 1], [len(ids)], [NUM_DRAFTS], ["seq"], seq.block_size, masked=masked)
     with counted_collectives() as comm:
-        drafts = speculator.draft(batch, hidden, seq.kv_caches,
+        drafts = speculator.draft(batch, hidden, seq.kv_caches, tables,
                                   BestBanned(batch.num_drafts) if masked and group.rank == 0 else None)
     return dict(logits=torch.stack(logits)[:, 0], drafts=drafts, bytes_read=assistant.bytes_read,
                 bytes_held=state_bytes(assistant), comm=dict(comm))

@@ -484,8 +484,8 @@ class EngineCore:
                 requests = [sampling[i].request for i in items]
                 rows = accepted.row if kept_rows is None else kept_rows.index_select(0, accepted.row)
                 next_inputs = self.speculator.propose_on_device(
-                    requests, items, accepted.next_token, rows, accepted.shift, self.kv, self.runner.kv_caches,
-                    self.config.block_size, hidden=flight.step.hidden)
+                    requests, items, accepted.next_token, rows, accepted.shift, self.runner.block_tables,
+                    self.runner.kv_caches, self.config.block_size, hidden=flight.step.hidden)
             except Exception:   # drafts only save steps: without them every request decodes on
                 logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         if next_inputs is None:   # no drafts: the next step verifies none (zeros in their places)
@@ -566,7 +566,7 @@ class EngineCore:
                 continue
             if (k := self.speculator.num_drafts(request)) > 0:
                 items.append(DraftFrom(request, a.tokens[-1], first + len(a.tokens) - 1, request.num_computed_tokens, k))
-        for item, drafts in zip(items, self.speculator.propose(items, self.kv, self.runner.kv_caches,
+        for item, drafts in zip(items, self.speculator.propose(items, self.runner.block_tables, self.runner.kv_caches,
                                                                 self.config.block_size, hidden=step.hidden,
                                                                 grammar=self.sampler.grammar),
                                 strict=True):

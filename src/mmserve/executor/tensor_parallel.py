@@ -15,15 +15,17 @@ requests that ended or were preempted meanwhile, if any (`Released`): every rank
 holds for them (block-table rows, embeddings encoded ahead) at the same point.
 
 With a speculative model every rank also holds its shard of the drafter, and each drafting round
-is one more message (a `DraftBatch`, speculative.py) after which every rank runs the same draft
-loop (`Speculator.draft`) over its shards and the hidden states of its own last step.
+is one more message (a `DraftBatch`, spec_decode/speculator.py: the round's request ids, not their
+block tables) after which every rank runs the same draft loop (`Speculator.draft`) over its shards,
+the hidden states of its own last step and its own runner's block tables.
 
 Async scheduling: rank 0 sends step N+1 before step N's tokens reach its host. The message names
 the layout of N's outcome (`InFlightTokens`); the outcome itself (the sampled tokens, and with
 speculation the drafts made after them and the positions the acceptance rolled back) goes from
 rank 0's device to every rank's by one broadcast queued after rank 0's sampling, and every rank
 copies it into N+1's inputs on its device as rank 0 does. Rank 0 alone samples and accepts; an
-async drafting round (`DeviceDraftRound`) sends its key counts and tables, then broadcasts the
+async drafting round (`DeviceDraftRound`) sends its key counts and request ids (each rank reads
+their block tables from its own runner's rows, on its device), then broadcasts the
 device's acceptance (token, hidden-state row, shift per sampled row); every rank drafts from it and
 builds N+1's inputs itself (`HeldOutcome`), so that broadcast is the step's only one, and each
 worker checks its drafts against those rank 0 verified, one step later.
@@ -503,9 +505,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
         mirror, hidden, outcome = StepMirror(), None, HeldOutcome(rank)
         while (msg := ring.read() if ring is not None else _broadcast(group=group)) is not None:
             if isinstance(msg, DraftBatch):   # a drafting round over the last step's hidden states
-                speculator.draft(msg, hidden, runner.kv_caches)
+                speculator.draft(msg, hidden, runner.kv_caches, runner.block_tables)
             elif isinstance(msg, DeviceDraftRound):   # async: from the acceptance rank 0 broadcasts
-                outcome.hold(*speculator.draft_on_device(msg, hidden, runner.kv_caches))
+                outcome.hold(*speculator.draft_on_device(msg, hidden, runner.kv_caches, runner.block_tables))
             elif isinstance(msg, HeldQuery):
                 group.all_reduce(TensorParallelRunner._held_bytes(runner))
             elif isinstance(msg, Released):

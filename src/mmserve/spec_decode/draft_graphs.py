@@ -11,8 +11,8 @@ captures and replays these too):
   block (their rows are never read back; no drafter row reads another's).
 - Inputs: every tensor the K steps read is a persistent buffer at a fixed address: the round's
   tokens and hidden-state rows (copied in here), and TargetKVReader's positions, key counts and
-  block tables with the backends' own metadata buffers, refilled in place by `prepare` before each
-  replay (its new metadata objects are dropped: the graph reads the buffers the capture's objects
+  block tables (gathered from the runner's by row) with the backends' own metadata buffers,
+  refilled in place by `prepare` before each replay (its new metadata objects are dropped: the graph reads the buffers the capture's objects
   view, as a CUDA graph reads addresses).
 - Output: the [bucket, K] drafts, valid until the next replay; a round copies its rows out.
 - Capture: every bucket at the first round that replays (the pools' shapes and the block size are
@@ -41,16 +41,14 @@ from mmserve.worker.cuda_graphs import UniformStepGraphs, capture_sizes
 
 logger = logging.getLogger(__name__)
 
-NULL_BLOCK = 0
-
 
 class DraftGraphs:
     """One captured K-step draft loop per bucket. `loop(tokens, hidden, rope, target_kv)` runs the K
-    steps and returns the drafts [R, K]; `layer_types` are those the assistant reads."""
+    steps and returns the drafts [R, K]."""
 
-    def __init__(self, reader, assistant, loop: Callable, layer_types: list[str], *, mode: str | None,
+    def __init__(self, reader, assistant, loop: Callable, *, mode: str | None,
                  max_num_seqs: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
-        self.reader, self.assistant, self.loop, self.layer_types = reader, assistant, loop, layer_types
+        self.reader, self.assistant, self.loop = reader, assistant, loop
         self.dtype = dtype
         self.graphs = UniformStepGraphs(capture_sizes(max_num_seqs), mode=mode)
         self.tokens = torch.zeros(max_num_seqs, dtype=torch.int64, device=device)
@@ -83,18 +81,18 @@ class DraftGraphs:
             self._logged.add(reason)
             logger.info("drafting rounds run eagerly: %s", reason)
 
-    def _pad(self, size: int, num_keys, tables, shift):
+    def _pad(self, size: int, num_keys, shift):
+        """Padding requests read one key (the reader gives them the null block's table row)."""
         n = len(num_keys)
         num_keys = np.concatenate([np.asarray(num_keys, dtype=np.int64), np.ones(size - n, dtype=np.int64)])
-        tables = {t: list(rows) + [[NULL_BLOCK]] * (size - n) for t, rows in tables.items()}
         if shift is not None:
             shift = torch.cat([shift, shift.new_zeros(size - n)])
-        return num_keys, tables, shift
+        return num_keys, shift
 
-    def _capture(self, block_size: int, kv_caches: list[torch.Tensor]) -> None:
+    def _capture(self, tables, block_size: int, kv_caches: list[torch.Tensor]) -> None:
         def forward_for(size: int, query_len: int):
-            num_keys, tables, _ = self._pad(size, [], {t: [] for t in self.layer_types}, None)
-            target_kv = self.reader.prepare(num_keys, tables, block_size, kv_caches)
+            num_keys, _ = self._pad(size, [], None)
+            target_kv = self.reader.prepare(num_keys, tables, np.empty(0, dtype=np.int64), block_size, kv_caches)
             tokens, hidden, positions = self.tokens[:size], self.hidden[:size], self.reader.positions.dev[:size]
 
             def forward() -> torch.Tensor:
@@ -108,19 +106,20 @@ class DraftGraphs:
             logger.warning("drafter graph capture failed; drafting runs eagerly", exc_info=True)
             self.failed = f"{type(exc).__name__}: {str(exc)[:200]}"
 
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, num_keys, tables: dict[str, list[list[int]]],
+    def run(self, tokens: torch.Tensor, hidden: torch.Tensor, num_keys, tables, rows: np.ndarray,
             block_size: int, kv_caches: list[torch.Tensor], shift: torch.Tensor | None = None) -> torch.Tensor | None:
         """The round's drafts [R, K] from a replay, or None where the capture just failed (run it
         eagerly). `tokens` [R] and `hidden` [R, backbone hidden] are the drafted-from tokens and rows;
-        `num_keys`, `tables` and `shift` as TargetKVReader.prepare takes them."""
+        `num_keys`, `tables` (the runner's BlockTables), `rows` and `shift` as TargetKVReader.prepare
+        takes them."""
         if not self._captured:
-            self._capture(block_size, kv_caches)
+            self._capture(tables, block_size, kv_caches)
             if self.failed is not None:
                 return None
         n = len(num_keys)
         size = self.graphs.size_for(n)
-        num_keys, tables, shift = self._pad(size, num_keys, tables, shift)
-        self.reader.prepare(num_keys, tables, block_size, kv_caches, shift=shift)   # refills the buffers in place
+        num_keys, shift = self._pad(size, num_keys, shift)
+        self.reader.prepare(num_keys, tables, rows, block_size, kv_caches, shift=shift)   # refills the buffers in place
         self.tokens[:n].copy_(tokens)
         self.tokens[n:size].zero_()
         self.hidden[:n].copy_(hidden)

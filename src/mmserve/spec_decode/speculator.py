@@ -30,7 +30,7 @@ Async scheduling (`propose_on_device`): a round starts before the step's tokens 
 it takes each request's token, hidden-state row and key count from the device's acceptance
 (sample/rejection_sampler.accept_on_device) and leaves its drafts there for the next step's
 inputs; the host learns them with the step's tokens. Under tensor parallelism the round goes to
-the other ranks as a `DeviceDraftRound` (key counts, tables) and the acceptance follows by one
+the other ranks as a `DeviceDraftRound` (key counts, request ids) and the acceptance follows by one
 device broadcast (`draft_on_device`), from which every rank also builds the next step's inputs
 (`next_step_inputs`): its own drafts are rank 0's, being the argmax of the same all-gathered
 logits (executor/step_messages.HeldOutcome checks it). Its drafts are not masked by a grammar (the
@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -50,12 +51,14 @@ import torch
 from mmserve.attention import create_builder, create_impl, get_backend
 from mmserve.attention.backend import CommonAttentionMetadata, LayerAttentionSpec, PoolConfig
 from mmserve.attention.buffers import StagedBuffer, to_device
-from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.model.assistant import Assistant, TargetKV, load_assistant
 from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
 from mmserve.spec_decode.draft_graphs import DraftGraphs
 from mmserve.structured_output.manager import DraftMasks, StructuredOutput
+
+if TYPE_CHECKING:
+    from mmserve.worker.block_table import BlockTables
 
 
 @dataclass
@@ -79,7 +82,7 @@ class DraftBatch:
     rows: list[int]
     num_keys: list[int]
     num_drafts: list[int]
-    block_tables: dict[str, list[list[int]]]   # per layer type the assistant reads, per item
+    request_ids: list[str]   # each rank reads their block tables from its own runner's (BlockTables)
     block_size: int
     masked: bool = False   # rank 0 masks some item's drafts by its grammar: every rank takes its tokens
 
@@ -88,7 +91,7 @@ class DraftBatch:
 class DeviceDraftRound:
     """An async drafting round as plain data (`Speculator.propose_on_device`): the step's sampled
     rows (`num_rows`), those that draft (`items`, row indices) with their keys as the host counts
-    them and their block tables. The device's acceptance of every row (the token after what it
+    them and their request ids (each rank reads their block tables from its own runner's). The device's acceptance of every row (the token after what it
     kept, its hidden-state row, the shift) stays on rank 0's device and reaches the other ranks by
     one broadcast (`Speculator.draft_on_device`), from which every rank also builds the next step's
     inputs itself: that broadcast is the step's only one."""
@@ -96,7 +99,7 @@ class DeviceDraftRound:
     num_rows: int
     items: list[int]
     num_keys: list[int]
-    block_tables: dict[str, list[list[int]]]
+    request_ids: list[str]
     block_size: int
 
 
@@ -123,9 +126,8 @@ class _DraftLayerType:
 
     impl: object
     builder: object
-    table: StagedBuffer     # [max_num_seqs, width]: the round's block tables
-    filled: np.ndarray      # int64 [max_num_seqs]: columns of each row an earlier round wrote
-    device_positions: bool  # its backend reads positions and context lengths on the device
+    table: StagedBuffer     # [max_num_seqs, the runner's table width]: the round's block tables
+    device_positions: bool  # its backend reads positions, context lengths and block tables on the device
 
 
 class TargetKVReader:
@@ -139,6 +141,31 @@ class TargetKVReader:
     fallbacks) gives an implementation for this rank's assistant heads and a builder over the
     target's pool, made at the first round (the pool's size is the cache's); every round builds one
     metadata per type from persistent buffers, which its K draft steps share.
+
+    The round's block tables are the runner's (worker/block_table.BlockTables), gathered by request
+    row on the device into the reader's persistent tables: nothing per round grows with the context
+    on the host, and no rank is sent a table. Which state of them a round reads, and why it is the
+    one it needs (blocks for keys [0, num_keys - shift), the window's keys still held):
+    - A runner row changes only when a step's `apply` takes the blocks the scheduler gave the
+      request (and the window entries it released) when scheduling that step, and when the next
+      step's `execute` (or `release`) frees the rows of requests that ended or were preempted. A
+      rejected draft changes no table (`Scheduler.update` rolls back `num_computed_tokens` only).
+      So from scheduling step X until scheduling X + 1, every request X scheduled has in the
+      runner the table the KV manager holds for it (what the round read before this change).
+    - Sync loop: schedule X, execute X (apply), sample, accept, update, then the round after X:
+      it reads X's tables. Its keys, num_computed_tokens after X, were all allocated for X.
+    - Async loop: schedule X, execute X (apply: its entries scattered on the stream before X's
+      forward), finish X - 1 (requests that ended leave the round), queue X's sampling and the
+      round after X (its gather queued after X's scatter), and only then schedule X + 1, whose
+      apply and frees come after the round on the host and on the stream: the round reads X's
+      tables too. Its keys num_keys - shift <= X's host end were allocated for X; X's start on
+      the device is at most K before the host's, so a window W >= assistant window + 1 + K (the
+      engine widens the target's by both: `Speculator.kv_specs`, and K under async scheduling)
+      keeps every key the round's window reads from the releases X's scheduling made.
+    - Tensor parallelism: every rank applies the same steps and frees (`Released`) in the same
+      order, so its runner's rows match rank 0's; the round names its request ids, and each rank
+      reads its own rows after its own apply of X (the worker reads the step before the round).
+    Entries past a request's blocks are the null block: rows only grow, and are zeroed when freed.
     """
 
     def __init__(self, assistant: Assistant, target, *, max_num_seqs: int, position_slack: int = 0):
@@ -146,6 +173,7 @@ class TargetKVReader:
         self.max_num_seqs = max_num_seqs
         self.position_slack = position_slack   # async scheduling moves a round's positions back by up to this
         self.stores = storing_layers(target.spec)
+        self.layer_types = [t for t in self.stores if t in assistant.spec.attention]
         device = target.device
         self.query_start_loc = StagedBuffer((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer((max_num_seqs,), torch.int32, device)
@@ -154,14 +182,13 @@ class TargetKVReader:
         self.query_start_loc.np[:] = np.arange(max_num_seqs + 1)
         self._types: dict[str, _DraftLayerType] = {}
 
-    def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int) -> _DraftLayerType:
+    def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int, width: int) -> _DraftLayerType:
         if t not in self._types:
             attn = self.assistant.spec.attention[t]
             layer = self.assistant.model.layers[self.assistant.spec.layer_types.index(t)].self_attn
             window = None if attn.window is None else attn.window + 1
             spec = LayerAttentionSpec(t, layer.num_heads, kv_cache.shape[3], attn.head_dim, window=window,
                                       bidirectional=False, scale=1.0)
-            width = min(kv_cache.shape[1], -(-self.target.spec.max_model_len // block_size))
             backend = self.target.attention_backends[t]
             pool = PoolConfig(spec, num_blocks=kv_cache.shape[1], block_size=block_size,
                               max_num_tokens=self.max_num_seqs, max_num_reqs=self.max_num_seqs,
@@ -169,21 +196,22 @@ class TargetKVReader:
                               position_slack=self.position_slack)
             table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
             self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
-                                             np.zeros(self.max_num_seqs, dtype=np.int64),
                                              get_backend(backend).device_positions)
         return self._types[t]
 
-    def prepare(self, num_keys: Sequence[int], block_tables: dict[str, list[list[int]]], block_size: int,
+    def prepare(self, num_keys: Sequence[int], tables: BlockTables, rows: np.ndarray, block_size: int,
                 kv_caches: list[torch.Tensor], *, shift: torch.Tensor | None = None) -> dict[str, TargetKV]:
         """The round's TargetKV per layer type the assistant reads: request r's keys [0, num_keys[r])
-        through its `block_tables[t][r]` (`kv_caches`: this rank's). With `shift` (async scheduling,
-        on the device) request r has num_keys[r] - shift[r] keys: moved back on the device where every
-        backend reads positions there, else read to the host first (a wait on CUDA). `positions` then
-        holds each query's position."""
-        R = len(num_keys)
+        through the runner's table row `rows[r]` (`tables`, `kv_caches`: this rank's); requests past
+        `rows` are padding, reading the null block. With `shift` (async scheduling, on the device)
+        request r has num_keys[r] - shift[r] keys: moved back on the device where every backend
+        reads positions there, else read to the host first (a wait on CUDA). `positions` then holds
+        each query's position."""
+        R, n = len(num_keys), len(rows)
         if R > self.max_num_seqs:
             raise ValueError(f"a drafting round of {R} requests exceeds max_num_seqs ({self.max_num_seqs})")
-        kinds = {t: self._layer_type(t, kv_caches[self.stores[t]], block_size) for t in block_tables}
+        kinds = {t: self._layer_type(t, kv_caches[self.stores[t]], block_size, tables.max_blocks_per_req)
+                 for t in self.layer_types}
         num_keys = np.asarray(num_keys, dtype=np.int64)
         if shift is not None and not all(kind.device_positions for kind in kinds.values()):
             num_keys, shift = num_keys - shift.cpu().numpy(), None
@@ -193,17 +221,18 @@ class TargetKVReader:
         if shift is not None:   # before any builder reads them (the host's counts stay an upper bound)
             seq_lens.sub_(shift.to(seq_lens.dtype))
             positions.sub_(shift)
+        index = to_device(rows, tables.device)
         out = {}
-        for t, tables in block_tables.items():
-            kind = kinds[t]
-            table = kind.table.np
-            for r, row in enumerate(tables):   # entries past a request's blocks name the null block
-                table[r, :len(row)] = row
-                table[r, len(row):kind.filled[r]] = 0
-                kind.filled[r] = len(row)
+        for t, kind in kinds.items():
+            tables.gather(t, index, kind.table.dev[:n])
+            kind.table.dev[n:R].zero_()
+            if kind.table.dev is not kind.table.cpu and not kind.device_positions:   # its builder reads the host's
+                np.take(tables.rows[t], rows, axis=0, out=kind.table.np[:n])
+                kind.table.np[n:R] = 0
+            # (else, off a CPU, the host copy is never read: the backend plans from the device's)
             common = CommonAttentionMetadata(
                 num_actual_tokens=R, num_reqs=R, max_query_len=1, max_seq_len=int(num_keys.max()),
-                query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.push(R),
+                query_start_loc=qsl, seq_lens=seq_lens, positions=positions, block_table=kind.table.dev[:R],
                 slot_mapping=self.slot_mapping.dev[:R], block_size=block_size, query_ranges=None,
                 query_start_loc_cpu=self.query_start_loc.cpu[:R + 1], seq_lens_cpu=self.seq_lens.cpu[:R],
                 positions_cpu=self.positions.cpu[:R], block_table_cpu=kind.table.cpu[:R], query_ranges_cpu=None)
@@ -230,8 +259,7 @@ class Speculator:
     def use_graphs(self, mode: str | None) -> None:
         """Run the K draft steps as one graph per batch-size bucket (spec_decode/draft_graphs.py):
         `mode` is the target's graph mode (worker/cuda_graphs.py: CUDA, emulated, or None: eager)."""
-        layer_types = [t for t in self.stores if t in self.assistant.spec.attention]
-        self.graphs = DraftGraphs(self.attention, self.assistant, self._graph_loop, layer_types, mode=mode,
+        self.graphs = DraftGraphs(self.attention, self.assistant, self._graph_loop, mode=mode,
                                   max_num_seqs=self.max_num_seqs, hidden_size=self.target.decoder.spec.hidden_size,
                                   dtype=self.target.dtype, device=self.target.device)
 
@@ -272,49 +300,46 @@ class Speculator:
                 out[t] = dataclasses.replace(specs[t], window=max(specs[t].window, attn.window + 1))
         return out
 
-    def _block_tables(self, kv: KVCacheManager, request_ids: list[str]) -> dict[str, list[list[int]]]:
-        """Per layer type the assistant reads (the target's storing layers), each request's block table."""
-        return {t: [kv.block_table(rid, t) for rid in request_ids]
-                for t in self.stores if t in self.assistant.spec.attention}
-
     def num_drafts(self, request: Request) -> int:
         """Drafts worth making: never more than the tokens the request may still emit after the next one."""
         left = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
         return max(0, min(self.num_tokens, left))
 
-    def propose(self, items: list[DraftFrom], kv: KVCacheManager, kv_caches: list[torch.Tensor],
+    def propose(self, items: list[DraftFrom], tables: BlockTables, kv_caches: list[torch.Tensor],
                 block_size: int, *, hidden: torch.Tensor, grammar: StructuredOutput | None = None
                 ) -> list[list[int]]:
         """Greedy drafts for each item (num_drafts of them, fewer where its grammar ends them), all
         items batched in every draft step; `hidden`: the step's hidden states (StepResult.hidden),
-        which the items' rows index; `grammar` masks the constrained items' drafts (on rank 0)."""
+        which the items' rows index; `tables`: the runner's block tables, after that step's;
+        `grammar` masks the constrained items' drafts (on rank 0)."""
         if not items:
             return []
-        tables = self._block_tables(kv, [i.request.request_id for i in items])
+        ids = [i.request.request_id for i in items]
         batch = DraftBatch([i.token for i in items], [i.row for i in items], [i.num_keys for i in items],
-                           [i.num_drafts for i in items], tables, block_size)
-        masks = grammar.draft_masks([i.request.request_id for i in items], batch.num_drafts) if grammar else None
+                           [i.num_drafts for i in items], ids, block_size)
+        masks = grammar.draft_masks(ids, batch.num_drafts) if grammar else None
         batch.masked = masks is not None
-        return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, masks))
+        return self.on_ranks(batch, lambda: self.draft(batch, hidden, kv_caches, tables, masks))
 
     def propose_on_device(self, requests: list[Request], items: list[int], tokens: torch.Tensor, rows: torch.Tensor,
-                          shift: torch.Tensor, kv: KVCacheManager, kv_caches: list[torch.Tensor], block_size: int,
+                          shift: torch.Tensor, tables: BlockTables, kv_caches: list[torch.Tensor], block_size: int,
                           *, hidden: torch.Tensor) -> torch.Tensor:
         """The next step's inputs after an async speculating step, left on the device: per sampled row
         (the device's acceptance: `tokens`, each row's token after its kept drafts; `rows`, the row of
         the step's `hidden` that produced it; `shift`, the positions the host counted and the
         acceptance did not keep) its token, then K unmasked drafts for the rows `items` (those of
         `requests`, which speculate), drafted over keys up to each request's `num_computed_tokens`
-        less its shift: [S, 1 + K], the same on every rank under tensor parallelism (`on_ranks`).
+        less its shift through the runner's block `tables` (after the step's): [S, 1 + K], the same on every rank under tensor parallelism (`on_ranks`).
         Nothing here waits for the device where the backends read positions there
         (`TargetKVReader.prepare`)."""
         batch = DeviceDraftRound(len(tokens), items, [r.num_computed_tokens for r in requests],
-                                 self._block_tables(kv, [r.request_id for r in requests]), block_size)
-        return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, (tokens, rows, shift))[0])
+                                 [r.request_id for r in requests], block_size)
+        return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, tables,
+                                                                 (tokens, rows, shift))[0])
 
     @torch.inference_mode()
     def draft_on_device(self, batch: DeviceDraftRound, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                        accepted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                        tables: BlockTables, accepted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """An async round on this rank: the next step's inputs [S, 1 + K] (see `propose_on_device`)
         and the shift [S]. Rank 0 passes the acceptance (token, hidden-state row, shift per row);
@@ -325,21 +350,23 @@ class Speculator:
             accepted = self.target.parallel.broadcast(packed.contiguous()).unbind(0)
         tokens, rows, shift = accepted
         index = to_device(np.asarray(batch.items, dtype=np.int64), tokens.device)
-        drafts = self._drafts_on_device(batch, hidden, kv_caches, tokens.index_select(0, index),
+        drafts = self._drafts_on_device(batch, hidden, kv_caches, tables, tokens.index_select(0, index),
                                         rows.index_select(0, index), shift.index_select(0, index))
         return next_step_inputs(tokens, self.num_tokens, index, drafts), shift
 
     def _drafts_on_device(self, batch: DeviceDraftRound, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
-                          tokens: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+                          tables: BlockTables, tokens: torch.Tensor, rows: torch.Tensor, shift: torch.Tensor
+                          ) -> torch.Tensor:
         """The round's drafts [R, K] for its items: from `tokens` at `rows` of `hidden`, keys moved
         back by `shift`."""
         R = len(batch.num_keys)
-        num_keys, tables = batch.num_keys, batch.block_tables
+        num_keys, table_rows = batch.num_keys, tables.rows_of(batch.request_ids)
         drafted = self._replayed(R, False, lambda: self.graphs.run(
-            tokens, hidden.index_select(0, rows), num_keys, tables, batch.block_size, kv_caches, shift=shift))
+            tokens, hidden.index_select(0, rows), num_keys, tables, table_rows, batch.block_size, kv_caches,
+            shift=shift))
         if drafted is not None:
             return drafted
-        target_kv = self.attention.prepare(num_keys, tables, batch.block_size, kv_caches, shift=shift)
+        target_kv = self.attention.prepare(num_keys, tables, table_rows, batch.block_size, kv_caches, shift=shift)
         positions = self.attention.positions.dev[:R] + 1   # the drafted-from tokens'
         drafted = self._loop(tokens, hidden.index_select(0, rows), self.assistant.rope(positions, self.target.dtype),
                              target_kv, self.num_tokens)
@@ -363,19 +390,20 @@ class Speculator:
         return drafted
 
     @torch.inference_mode()
-    def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+    def draft(self, batch: DraftBatch, hidden: torch.Tensor, kv_caches: list[torch.Tensor], tables: BlockTables,
               masks: DraftMasks | None = None) -> list[list[int]]:
-        """The draft loop, on every rank: `hidden` and `kv_caches` are this rank's (its step's hidden
-        states, its shard of the K/V); `masks` (rank 0's) the constrained items' grammar."""
+        """The draft loop, on every rank: `hidden`, `kv_caches` and `tables` are this rank's (its
+        step's hidden states, its shard of the K/V, its runner's block tables); `masks` (rank 0's)
+        the constrained items' grammar."""
         device = self.target.device
         tokens = torch.tensor(batch.tokens, device=device)
         hidden = hidden[torch.tensor(batch.rows, device=hidden.device)]
-        lengths = batch.num_drafts
+        lengths, table_rows = batch.num_drafts, tables.rows_of(batch.request_ids)
         drafted = self._replayed(len(lengths), masks is not None or batch.masked, lambda: self.graphs.run(
-            tokens, hidden, batch.num_keys, batch.block_tables, batch.block_size, kv_caches))
+            tokens, hidden, batch.num_keys, tables, table_rows, batch.block_size, kv_caches))
         if drafted is not None:
             return [row[:n] for row, n in zip(drafted.tolist(), lengths, strict=True)]
-        target_kv = self.attention.prepare(batch.num_keys, batch.block_tables, batch.block_size, kv_caches)
+        target_kv = self.attention.prepare(batch.num_keys, tables, table_rows, batch.block_size, kv_caches)
         rope = self.assistant.rope(torch.tensor(batch.num_keys, device=device), self.target.dtype)
         try:
             drafted = self._loop(tokens, hidden, rope, target_kv, max(lengths), masks, batch.masked)

@@ -60,6 +60,10 @@ class BlockTables:
             self._write(t, index, self.rows[t].reshape(-1)[index])
         return rows
 
+    def rows_of(self, request_ids: list[str]) -> np.ndarray:
+        """The rows (int64) of requests a step `apply` took and nothing freed since."""
+        return np.fromiter((self._row_of[rid] for rid in request_ids), dtype=np.int64, count=len(request_ids))
+
     def gather(self, pool: str, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The device tables of `rows` (device int64), into `out` (a persistent buffer's first rows)."""
         return torch.index_select(self.dev[pool], 0, rows, out=out)

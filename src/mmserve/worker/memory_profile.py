@@ -237,7 +237,7 @@ def profile_memory(model, config: EngineConfig, *, max_model_len: int, memory: D
     if speculator is not None:
         items = [DraftFrom(s.request, 1, i, s.request.num_computed_tokens, speculator.num_tokens)
                  for i, s in enumerate(step.sampling)]
-        speculator.propose(items, kv, runner.kv_caches, config.block_size, hidden=step.hidden)
+        speculator.propose(items, runner.block_tables, runner.kv_caches, config.block_size, hidden=step.hidden)
     activations = memory.peak_allocated() - weights - held
     checks = list(runner.backend_checks)
     del runner, step, kv
