@@ -55,7 +55,9 @@ from mmserve.model.assistant import Assistant, TargetKV, load_assistant
 from mmserve.model.assistant_spec import storing_layers
 from mmserve.request import Request
 from mmserve.spec_decode.draft_graphs import DraftGraphs
-from mmserve.structured_output.manager import DraftMasks, StructuredOutput
+
+if TYPE_CHECKING:   # annotations only: a tensor-parallel worker rank need not import xgrammar
+    from mmserve.structured_output.manager import DraftMasks, StructuredOutput
 
 if TYPE_CHECKING:
     from mmserve.worker.block_table import BlockTables

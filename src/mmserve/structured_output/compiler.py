@@ -24,13 +24,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-
-import xgrammar as xgr
+from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.sampling_params import ResponseFormat
-from mmserve.structured_output.grammar_check import dead_rules
-from mmserve.structured_output.json_strings import json_safe_strings
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 ERROR_BYTES = 256   # what a cached refusal counts against the byte budget
 COMPILE_NICENESS = 5   # added to the compile thread's nice value: background work beside the step loop
@@ -149,6 +149,14 @@ class FormatCompiler:
         return _unwrap(result)
 
     def _build(self, fmt: ResponseFormat) -> xgr.CompiledGrammar:
+        # xgrammar (~0.1 s of CPU) loads at the first compile: the front end imports this module at
+        # start and may never compile. A missing xgrammar still fails `serve`'s start: the engine
+        # process imports it as it starts (structured_output.manager).
+        import xgrammar as xgr
+
+        from mmserve.structured_output.grammar_check import dead_rules
+        from mmserve.structured_output.json_strings import json_safe_strings
+
         compiler = self._xgrammar()
         try:
             if fmt.kind == "json_schema":
@@ -172,12 +180,15 @@ class FormatCompiler:
 
     def _admits_a_token(self, compiled: xgr.CompiledGrammar) -> bool:
         """Whether any first token (the stop token included, for an empty match) is allowed."""
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
         return bool(bitmask.any())
 
     def _xgrammar(self) -> xgr.GrammarCompiler:
         if self._compiler is None:
+            import xgrammar as xgr
             from transformers import PreTrainedTokenizerFast
 
             hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer.backend)
