@@ -53,6 +53,20 @@ def _root_logging_restored():
     root.setLevel(level)
 
 
+# The longest modules first. `make test` runs `--dist loadfile`: each module whole on one worker, the
+# modules handed out in collection order, so a long one collected late (tests/reliability/ sorts
+# after most folders) still runs while the other worker has nothing left. Ordered by their time in a
+# full run (docs/benchmarks.md, suite time); the rest keep pytest's order.
+LONGEST_MODULES = ("tests/bench/test_bench_smoke.py", "tests/reliability/test_rel_tensor_parallel.py",
+                   "tests/attention/test_attn_fa4_compile.py", "tests/engine/test_engine_tensor_parallel_async.py",
+                   "tests/metrics/test_prometheus_e2e.py", "tests/gateway/test_gateway_routing.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {module: i for i, module in enumerate(LONGEST_MODULES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))   # stable: the rest in order
+
+
 def pytest_runtest_logreport(report):
     """Remember how the FA4 compile check (no GPU needed) went; its numerics test (marked gpu) may skip."""
     if report.nodeid.startswith(FA4_COMPILE_TESTS) and "gpu" not in report.keywords:
