@@ -8,11 +8,12 @@ type the assistant reads (every rank, TP=1 too). The demo checkpoint (config cop
 context) and its assistant, on the CPU; the backend is chosen by --backend (reference: the least
 builder work, so the tables' share shows).
 
-It runs against either tree: main's round carries each request's block table as Python lists
-(copied row by row into the reader's tables); this branch's carries request ids, and the reader
-gathers the runner's tables (`BlockTables`) by row. Run it once per tree with --label, e.g.
+It runs against either tree: before 2026-12-05 (main at 10f3cb3) a round carried each request's
+block table as Python lists (copied row by row into the reader's tables); since then it carries
+request ids, and the reader gathers the runner's tables (`BlockTables`) by row. Run it once per tree
+with --label, BEFORE being a checkout of the older tree:
 
-    PYTHONPATH=/work/main/src python bench/draft_round.py --label before
+    PYTHONPATH=BEFORE/src python bench/draft_round.py --label before
     PYTHONPATH=src python bench/draft_round.py --label after
 
 Each run adds its rows (by label and backend) to the JSON (default bench/results/draft_round.json)

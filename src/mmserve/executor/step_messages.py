@@ -152,8 +152,7 @@ class HeldOutcome:
         own = copy.result().tolist()
         for rid, drafts in verified.items():
             row = rows.get(rid)
-            mine = [] if row is None else own[row][:len(drafts)]
-            if row is not None and mine != drafts:
+            if row is not None and (mine := own[row][:len(drafts)]) != drafts:
                 raise DraftsDiverged(f"tensor-parallel rank {self.rank} drafted {mine[:8]} for request {rid} where "
                                      f"rank 0 drafted {drafts[:8]}: the ranks' drafter logits differ (speculation "
                                      "under async tensor parallelism needs them bit-identical: the same kind of "

@@ -12,17 +12,17 @@ captures and replays these too):
 - Inputs: every tensor the K steps read is a persistent buffer at a fixed address: the round's
   tokens and hidden-state rows (copied in here), and TargetKVReader's positions, key counts and
   block tables (gathered from the runner's by row) with the backends' own metadata buffers,
-  refilled in place by `prepare` before each replay (its new metadata objects are dropped: the graph reads the buffers the capture's objects
-  view, as a CUDA graph reads addresses).
+  refilled in place by `prepare` before each replay (its new metadata objects are dropped: the
+  graph reads the buffers the capture's objects view, as a CUDA graph reads addresses).
 - Output: the [bucket, K] drafts, valid until the next replay; a round copies its rows out.
 - Capture: every bucket at the first round that replays (the pools' shapes and the block size are
   known from then), most rows first, so later buckets fit the first one's memory pool.
 Tensor parallelism: every rank captures and replays its own graphs over its shards, their
 collectives inside (NCCL's are captured on CUDA; the emulation re-runs gloo's); every rank decides
 a round's bucket and whether it replays from the same plain data, so the collectives pair up.
-Rounds that run eagerly (`eager_reason`): rounds whose drafts a grammar masks (a host sync per step), without
-graphs (--enforce-eager, a backend that cannot be captured, a CPU unless emulated), and after a
-failed capture; each reason is logged once and counted (`eager_rounds`).
+Rounds that run eagerly (`eager_reason`): rounds whose drafts a grammar masks (a host sync per
+step), without graphs (--enforce-eager, a backend that cannot be captured, a CPU unless emulated),
+and after a failed capture; each reason is logged once and counted (`eager_rounds`).
 
 Emulated (`--emulate-cuda-graphs`, a CPU): each bucket's "graph" is the K-step closure built at
 capture over the capture round's buffers and metadata objects, run again at replay: the same

@@ -58,8 +58,6 @@ from mmserve.spec_decode.draft_graphs import DraftGraphs
 
 if TYPE_CHECKING:   # annotations only: a tensor-parallel worker rank need not import xgrammar
     from mmserve.structured_output.manager import DraftMasks, StructuredOutput
-
-if TYPE_CHECKING:
     from mmserve.worker.block_table import BlockTables
 
 
@@ -93,10 +91,11 @@ class DraftBatch:
 class DeviceDraftRound:
     """An async drafting round as plain data (`Speculator.propose_on_device`): the step's sampled
     rows (`num_rows`), those that draft (`items`, row indices) with their keys as the host counts
-    them and their request ids (each rank reads their block tables from its own runner's). The device's acceptance of every row (the token after what it
-    kept, its hidden-state row, the shift) stays on rank 0's device and reaches the other ranks by
-    one broadcast (`Speculator.draft_on_device`), from which every rank also builds the next step's
-    inputs itself: that broadcast is the step's only one."""
+    them and their request ids (each rank reads their block tables from its own runner's). The
+    device's acceptance of every row (the token after what it kept, its hidden-state row, the
+    shift) stays on rank 0's device and reaches the other ranks by one broadcast
+    (`Speculator.draft_on_device`), from which every rank also builds the next step's inputs
+    itself: that broadcast is the step's only one."""
 
     num_rows: int
     items: list[int]
@@ -331,9 +330,9 @@ class Speculator:
         the step's `hidden` that produced it; `shift`, the positions the host counted and the
         acceptance did not keep) its token, then K unmasked drafts for the rows `items` (those of
         `requests`, which speculate), drafted over keys up to each request's `num_computed_tokens`
-        less its shift through the runner's block `tables` (after the step's): [S, 1 + K], the same on every rank under tensor parallelism (`on_ranks`).
-        Nothing here waits for the device where the backends read positions there
-        (`TargetKVReader.prepare`)."""
+        less its shift through the runner's block `tables` (after the step's): [S, 1 + K], the same
+        on every rank under tensor parallelism (`on_ranks`). Nothing here waits for the device
+        where the backends read positions there (`TargetKVReader.prepare`)."""
         batch = DeviceDraftRound(len(tokens), items, [r.num_computed_tokens for r in requests],
                                  [r.request_id for r in requests], block_size)
         return self.on_ranks(batch, lambda: self.draft_on_device(batch, hidden, kv_caches, tables,

@@ -528,7 +528,9 @@ class ModelRunner:
     def _copy_blocks(self, copies: dict[str, list[tuple[int, int]]]) -> None:
         """Copy whole KV blocks in every layer of their pool (a parallel sample's own copy of its
         parent's partial last prompt block), before the step writes to either."""
-        device = self.model.device if copies else None
+        if not copies:   # most steps (model.device walks the parameters)
+            return
+        device = self.model.device
         for t, pairs in copies.items():
             index = torch.tensor(pairs, dtype=torch.long)   # [n, 2]: source, destination
             if device.type == "cuda":   # from pinned memory: the copy waits for no step in flight

@@ -343,7 +343,7 @@ class KVCacheManager:
             have = len(table.blocks)
             upto = table.num_reclaimed
             window = self.plans[t].window
-            if window is not None and have and (start - window + 1) // self.block_size > upto:   # (as in release_out_of_window)
+            if have and self._window_crossed(window, start, table):
                 upto = max(upto, min(self._first_needed(request, start, window) // self.block_size, have))
             missing = needed_len - have
             if missing > 0:
@@ -376,14 +376,13 @@ class KVCacheManager:
     def _holds_enough(self, held: _Held, start: int, needed_len: int) -> bool:
         """Whether every table already reaches `needed_len` blocks and no windowed one has entries
         to release before `start` (`allocate` would then change nothing)."""
-        bs = self.block_size
-        for t, table in held.tables.items():
-            if len(table.blocks) < needed_len:
-                return False
-            window = self.plans[t].window
-            if window is not None and (start - window + 1) // bs > table.num_reclaimed:
-                return False
-        return True
+        return all(len(table.blocks) >= needed_len and not self._window_crossed(self.plans[t].window, start, table)
+                   for t, table in held.tables.items())
+
+    def _window_crossed(self, window: int | None, pos: int, table) -> bool:
+        """Whether a windowed table may hold entries to release at position `pos`: the first key it
+        keeps (`_first_needed`, at most pos - window + 1) has crossed a block not released yet."""
+        return window is not None and (pos - window + 1) // self.block_size > table.num_reclaimed
 
     def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
         """The (source, destination) block copies per pool that taken hits asked for since the last
@@ -402,8 +401,7 @@ class KVCacheManager:
         pos = request.num_computed_tokens
         for t, plan in self.plans.items():
             table = held.tables[t]
-            # _first_needed is at most pos - window + 1: nothing to release before that crosses a block
-            if plan.window is not None and table.blocks and (pos - plan.window + 1) // self.block_size > table.num_reclaimed:
+            if table.blocks and self._window_crossed(plan.window, pos, table):
                 first = self._first_needed(request, pos, plan.window)
                 self._reclaim(request, held, t, min(first // self.block_size, len(table.blocks)))
 
