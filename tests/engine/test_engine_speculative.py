@@ -40,6 +40,12 @@ def models(tmp_path_factory):
     return (model, load_tokenizer(root / "target")), str(root / "assistant")
 
 
+def sdpa_models(models):
+    """`models` with the target attending through SDPA, which plans from the host's positions."""
+    (_, tok), assistant = models
+    return (load_model(Path(assistant).parent / "target", attention_backend="sdpa"), tok), assistant
+
+
 def run(models, requests, *, speculate: bool, **options):
     model_tok, assistant = models
     if speculate:
@@ -81,11 +87,19 @@ def mixed_requests(seed: int):
 LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
 
 
-@pytest.mark.parametrize("loop", list(LOOPS))
-def test_greedy_tokens_equal_those_without_speculation(models, loop):
+@pytest.mark.parametrize("loop", [*LOOPS, "async, device twins"])
+def test_greedy_tokens_equal_those_without_speculation(models, loop, monkeypatch):
+    """Device twins: every staged buffer's device tensor apart from its host mirror, as on CUDA,
+    under SDPA, which plans from the host: the positions the async loop moves back on the device
+    must reach the host before a step plans."""
+    from test_cuda_graphs import device_twins
+
     requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
     _, expected = run(models, requests, speculate=False)
-    llm, got = run(models, requests, speculate=True, **LOOPS[loop])
+    if loop.endswith("device twins"):
+        device_twins(monkeypatch)
+        models = sdpa_models(models)
+    llm, got = run(models, requests, speculate=True, **LOOPS[loop.split(",")[0]])
     for rid, c in expected.items():
         assert got[rid].token_ids == c.token_ids, rid
         assert got[rid].finish_reason == c.finish_reason == "length", rid
@@ -140,7 +154,7 @@ def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
 
     def shifting(rows, shift):
         shift_on_device(rows, shift)
-        moved.append(int((inputs.positions.cpu[rows.token_rows] - inputs.positions.dev[rows.token_rows]).max()))
+        moved.extend((inputs.positions.cpu[rows.token_rows] - inputs.positions.dev[rows.token_rows]).tolist())
 
     inputs.shift_on_device = shifting
     got = {c.request_id: c for c in llm.generate(requests)}
@@ -149,7 +163,7 @@ def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
         assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids) and abs(a.logprob - b.logprob) < 1e-4
     spec = llm.core.speculator
     assert spec.accepted[0] > 0 and spec.verified[0] > spec.accepted[0]
-    assert 3 in moved and set(moved) & {1, 2}, f"some steps moved back by all drafts, some by part: {set(moved)}"
+    assert 3 in moved and set(moved) & {1, 2}, f"some rows moved back by all drafts, some by part: {set(moved)}"
     assert llm.core.runner.graphs.replays_by_query_len.get(4, 0) > 0, "verify steps replayed their graph"
     assert_pools_full(llm.core)
 
@@ -433,20 +447,28 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     assert_only_verified_keys(llm, requests, emitted)
 
 
-@pytest.mark.parametrize("loop", list(LOOPS))
+@pytest.mark.parametrize("loop", [*LOOPS, "async, device twins"])
 def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(models, loop, monkeypatch):
     """The drafter reads the runner's device block tables by request row (TargetKVReader.prepare).
     At every round each request's row there must be the table the KV manager holds for it at that
     moment (the reference: what the round needs, its window's released entries null, the null block
     after its blocks), while requests are admitted, finish and are preempted (rows reused),
     contexts cross many blocks and the sliding window releases blocks; async: the next step is
-    scheduled while the round's step runs. The reader's tables hold garbage before every round."""
+    scheduled while the round's step runs. The reader's tables hold garbage before every round.
+    Device twins: the staged tables' device tensors apart from their host mirrors, as on CUDA,
+    where the device rows are gathered on the device and a host-planned backend's (SDPA's) host
+    mirror is filled from the runner's host rows: both checked."""
     import random
+
+    from test_cuda_graphs import device_twins
 
     rng = random.Random(int(torch.randint(0, 10_000, ())))
     requests = [build_request(f"r{i}", [rng.randrange(30, 80)], seed=rng.randrange(1000), max_tokens=rng.randrange(6, 16))
                 for i in range(8)]
-    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, max_num_seqs=4, **LOOPS[loop])
+    twins = loop.endswith("device twins")
+    if twins:
+        device_twins(monkeypatch)
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, max_num_seqs=4, **LOOPS[loop.split(",")[0]])
     core, spec = llm.core, llm.core.speculator
     preempt, preempted = core.scheduler._preempt, []
     monkeypatch.setattr(core.scheduler, "_preempt", lambda victim: (preempted.append(victim.request_id), preempt(victim)))
@@ -469,12 +491,15 @@ def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(mode
     def checked_prepare(num_keys, tables, rows, *args, **kwargs):
         for kind in spec.attention._types.values():
             kind.table.cpu.fill_(-7)
+            kind.table.dev.fill_(-7)
         out = prepare(num_keys, tables, rows, *args, **kwargs)
         for t, want in rounds[-1].items():
-            got = spec.attention._types[t].table.cpu[:len(rows)]
+            table = spec.attention._types[t].table
+            assert (table.dev is not table.cpu) == twins
             assert len(want) == len(rows)
-            for r, blocks in enumerate(want):
-                assert got[r].tolist() == blocks + [0] * (got.shape[1] - len(blocks)), (len(rounds), t, r)
+            for got in (table.cpu, table.dev) if twins else (table.cpu,):
+                for r, blocks in enumerate(want):
+                    assert got[r].tolist() == blocks + [0] * (got.shape[1] - len(blocks)), (len(rounds), t, r)
         checked.append(len(rows))
         return out
 
