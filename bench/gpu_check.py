@@ -18,6 +18,8 @@
 4. tiles     key tiles FA4 visits (windowed page tables) against the kept pairs and the minimum tile
              work, at 1..64 frames (target: <= 1.3x the minimum at 64 frames); FA4 time with frames
              against its plain sliding path on the same step.
+4b. sampler  top-p at a 262k vocabulary: the Triton kernel CUDA runs against torch's bisection (its
+             fallback) at 1/16/64 rows, and the engine's start-up check of the kernel on this GPU.
 5. fallback  head dim 512: the split-KV kernel (CUDA's decode path), flex and gather + SDPA on one
              decode at 32k, 64 decodes and one prefill chunk: K/V bytes, pairs and busy programs
              counted from the plans the builders make, metadata build time, kernel ms, GB/s.
@@ -69,6 +71,7 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import logging
 import platform
@@ -326,6 +329,46 @@ def compiles(sizes: Sizes, device: str) -> dict:
             counts.append({"frames": n, "step": kind, "new_kernels": fa4_kernels() - before})
     later = [c["new_kernels"] for c in counts[2:]]   # the first prefill and decode steps compile
     return {"rows": counts, "kernels_before": earlier, "total_kernels": fa4_kernels(), "ok": sum(later) == 0}
+
+
+def _top_p_kernel(work, probs, index, top_p) -> None:
+    from mmserve.sample.nucleus import launch_nucleus_filter
+
+    work.copy_(probs)
+    launch_nucleus_filter(work, index, top_p)
+
+
+def _top_p_bisection(work, probs, top_p) -> None:
+    from mmserve.sample.nucleus import nucleus
+
+    work.copy_(probs)
+    work.mul_(nucleus(work, top_p))
+
+
+def sampler(sizes: Sizes, device: str) -> dict:
+    """Top-p at Gemma 4's 262k vocabulary: the Triton kernel CUDA runs (sample/nucleus_kernels.py)
+    against torch's bisection (its fallback) at 1, 16 and 64 rows, and the start-up check's verdict
+    on this GPU (worker/backend_check.nucleus_kernel_mismatch)."""
+    from mmserve.worker.backend_check import nucleus_kernel_mismatch
+
+    if device != "cuda":
+        return {"skipped": "the kernel runs on CUDA; tests/engine/test_sampler_nucleus.py runs it in Triton's "
+                           "interpreter and compiles it for sm_90a"}
+    vocab = 262_144
+    reason = nucleus_kernel_mismatch(vocab, torch.device(device))
+    rows = []
+    for n in (1, 16, 64):
+        gen = torch.Generator(device=device).manual_seed(n)
+        probs = torch.softmax(torch.randn(n, vocab, generator=gen, device=device) * 4, dim=-1)
+        index, top_p, work = torch.arange(n, device=device), torch.full((n,), 0.9, device=device), probs.clone()
+        kernel = functools.partial(_top_p_kernel, work, probs, index, top_p)
+        bisection = functools.partial(_top_p_bisection, work, probs, top_p)
+        row = {"rows": n}
+        add_timing(row, "kernel", device_time(kernel, device, sizes.repeats))
+        add_timing(row, "bisection", device_time(bisection, device, sizes.repeats))
+        rows.append(row)
+    return {"vocab": vocab, "check": reason or "passed", "rows": rows,
+            "ok": reason is None and all(r["kernel_ms"] < r["bisection_ms"] for r in rows)}
 
 
 # --- 4. tiles: FA4's visited key tiles with windowed page tables ------------------------------------
@@ -1297,6 +1340,7 @@ def mixed(sizes: Sizes, device: str) -> dict:
 
 SECTIONS: dict[str, Callable[[Sizes, str], dict]] = {
     "parity": parity, "tokens": tokens, "speculation": speculation, "compiles": compiles, "tiles": tiles,
+    "sampler": sampler,
     "fallback": fallback, "decode": decode, "profile": profile, "serving": serving, "collectives": collectives,
     "video_prefill": video_prefill, "mixed": mixed, "capacity": capacity}
 

@@ -1,5 +1,5 @@
 # Lease call 2 of 3, within 30 s of call 1. carry: .gpu_bundle/part-b  (timeout_s 560)
-# Reassemble and unpack the bundle, check its imports, run parity, compiles, tiles, then the engine
+# Reassemble and unpack the bundle, check its imports, run parity, compiles, tiles, sampler, then the engine
 # runs (tokens, speculation: the slowest, last, so a call cut at its limit keeps the kernel numbers).
 set -u
 . scripts/gpu_lease/env.sh
@@ -8,4 +8,4 @@ cp .gpu_bundle/part-b "$B/" && verify part-b "$B/part-b" && unpack || exit 2
 use_site
 $PY scripts/gpu_lease/import_check.py --site "$B/site" ${GPU_LEASE_DRY_RUN:+--dry-run} | tee "$OUT/imports.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 4
-run_check call2 535 parity compiles tiles tokens speculation
+run_check call2 535 parity compiles tiles sampler tokens speculation

@@ -113,3 +113,18 @@ def test_the_sampling_of_every_row_kind_never_syncs(load_backend, engine_checkpo
         request.sampling = dataclasses.replace(request.sampling, **options)
         requests.append(request)
     assert all(c.token_ids for c in llm.generate(requests))
+
+
+def test_the_top_p_kernel_keeps_the_bisections_nucleus():
+    """At Gemma 4's vocabulary, the Triton kernel the sampler launches on CUDA keeps, row for row,
+    the set torch's bisection keeps (top_p random, so a tie in float32 sums is unlikely), and leaves
+    rows not asked for alone."""
+    from mmserve.sample.nucleus import launch_nucleus_filter, nucleus
+
+    gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    probs = torch.softmax(torch.randn(17, 262_144, generator=gen, device="cuda") * 4, dim=-1)
+    top_p = torch.rand(16, generator=gen, device="cuda") * 0.9 + 0.05
+    got = probs.clone()
+    launch_nucleus_filter(got, torch.arange(1, 17, device="cuda"), top_p)
+    assert torch.equal(got[1:] > 0, nucleus(probs[1:], top_p))
+    assert torch.equal(got[0], probs[0])

@@ -12,6 +12,7 @@ from engine_helpers import build_request, make_llm
 from test_engine_speculative_sampling import chi_square_p
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import mmserve.sample.nucleus as nucleus_module
 import mmserve.sample.row_values as row_values_module
 import mmserve.sample.sampler as sampler_module
 from mmserve.errors import InvalidInputError
@@ -84,7 +85,7 @@ def test_top_k_top_p_draws_follow_the_reference_distribution(monkeypatch):
         return torch.bincount(torch.tensor(out.token_ids), minlength=vocab).double()
 
     assert chi_square_p(counts(), expected) > 0.01
-    monkeypatch.setattr(sampler_module, "nucleus", lambda probs, top_p: torch.ones_like(probs, dtype=torch.bool))
+    monkeypatch.setattr(nucleus_module, "nucleus", lambda probs, top_p: torch.ones_like(probs, dtype=torch.bool))
     assert chi_square_p(counts(), expected) < 0.01
 
 

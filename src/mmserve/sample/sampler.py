@@ -24,8 +24,8 @@ the residual. So the target's distribution is kept exactly, and a seeded request
 tokens with speculation on and off.
 
 Top-k takes `torch.topk` of the largest k asked for (a sort of k values, not of the vocabulary);
-top-p finds each row's nucleus threshold by bisection over float32 bit patterns (monotone for
-non-negative floats): 31 masked row sums, no sort, no host sync.
+top-p finds each row's nucleus threshold by searching float32 bit patterns (monotone for
+non-negative floats; sample/nucleus.py): no sort, no host sync, one Triton launch on CUDA.
 
 Nothing here waits for the device (so the async loop queues a step's sampling while the next
 forward runs, whatever its rows ask for): per-row parameters and row indices go to the device in
@@ -45,13 +45,13 @@ from mmserve.attention.buffers import HostCopy
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.logprobs import logprob_table, read_logprobs
+from mmserve.sample.nucleus import filter_nucleus
 from mmserve.sample.penalties import Adjustments, PenaltyState
 from mmserve.sample.row_values import RowValues
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
 _MASK64 = 2**64 - 1
 _UNIFORM_BITS = 52   # a seeded row's uniform: the top 52 of position_seed's 63 bits (exact in float64)
-_FLOAT32_BITS = 31   # a non-negative float32's bit pattern is below 2^31
 
 
 def position_seed(seed: int, position: int) -> int:
@@ -70,22 +70,6 @@ def mask_top_k(logits: torch.Tensor, top_k: torch.Tensor, k_max: int) -> torch.T
     on = (top_k > 0) & (top_k < logits.shape[-1])
     kth = largest.gather(1, (top_k.clamp(1, k_max) - 1).unsqueeze(1))
     return logits.masked_fill(on.unsqueeze(1) & (logits < kth), float("-inf"))
-
-
-def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """probs [N, V] float32 (each row's distribution, summing to 1), top_p [N] -> keep [N, V]: the
-    tokens whose probability reaches each row's threshold t, the largest value with
-    mass(probs >= t) >= top_p (the smallest set of top tokens holding top_p; ties with t stay)."""
-    bits = probs.contiguous().view(torch.int32)
-    n = probs.shape[0]
-    lo = torch.zeros(n, 1, dtype=torch.int32, device=probs.device)            # mass(>= 0) = 1 >= top_p
-    hi = bits.max(dim=-1, keepdim=True).values + 1                          # mass(> max) = 0 < top_p
-    target = top_p.to(probs.dtype).unsqueeze(1)
-    for _ in range(_FLOAT32_BITS):
-        mid = lo + (hi - lo) // 2
-        reaches = torch.where(bits >= mid, probs, 0.0).sum(-1, keepdim=True) >= target
-        lo, hi = torch.where(reaches, mid, lo), torch.where(reaches, hi, mid)
-    return bits >= lo
 
 
 def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor:
@@ -130,9 +114,7 @@ class Draws:
             scaled = mask_top_k(scaled, dev["top_k"], self.k_max)
         probs = torch.softmax(scaled, dim=-1)
         if self.nucleus:
-            index = dev["nucleus_rows"]
-            sub = probs.index_select(0, index)
-            probs.index_copy_(0, index, sub * nucleus(sub, dev["top_p"].to(probs.dtype)))
+            filter_nucleus(probs, dev["nucleus_rows"], dev["top_p"])
         return probs
 
     def tokens(self, probs: torch.Tensor, dev: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:

@@ -13,7 +13,8 @@ context of their own, one request short of the graph's size so padding runs besi
 the padded graph and eagerly unpadded, and their rows are compared (model_runner.py); a failed
 capture or a mismatch runs those steps eagerly. E2B/E4B's PLE projection kernel (a Triton GEMM
 of our own, model/ple_kernels.py): against the float32 GEMM at decode row counts; a failure turns it
-off (cuBLAS). `--strict-backends` turns every fallback into a start-up error.
+off (cuBLAS). The sampler's top-p kernel (sample/nucleus_kernels.py): against the nucleus's
+definition on random rows; a failure turns it off (torch's bisection). `--strict-backends` turns every fallback into a start-up error.
 Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` metric.
 """
 
@@ -143,6 +144,51 @@ def ple_kernel_mismatch(proj_w: torch.Tensor) -> str | None:
         error = _relative_error(got, want)
         if not error <= BF16_TOLERANCE:   # NaN fails too
             return f"{rows} rows: max error {error:.3g} of the largest value (tolerance {BF16_TOLERANCE})"
+    return None
+
+
+NUCLEUS_CHECK_ROWS = (1, 4)   # one program per row: one row, and programs side by side
+NUCLEUS_TOLERANCE = 1e-5          # float32 sums of a row in another order
+
+
+def check_nucleus_kernel(vocab: int, device: torch.device, *, strict: bool) -> list[BackendCheck]:
+    """On CUDA: the top-p kernel (sample/nucleus_kernels.py) on fresh random rows of the model's
+    vocabulary, against the definition of the nucleus. A launch error or a wrong set turns it off for
+    the process (the sampler then bisects with torch ops: the same sets, ~240 launches more a step
+    where a row asks for top-p). It is also the kernel's compile, before the first request."""
+    from mmserve.sample import nucleus
+
+    reason = nucleus_kernel_mismatch(vocab, device)
+    nucleus.use_kernel(reason is None)
+    if reason is None:
+        return [BackendCheck("top_p", "triton", "triton")]
+    return [fallen_back("top_p", "triton", "torch", reason, strict)]
+
+
+@torch.no_grad()
+def nucleus_kernel_mismatch(vocab: int, device: torch.device) -> str | None:
+    """Why the kernel is wrong on this device, or None. Each row's output must be its probabilities
+    at or above some t and zeros below, where mass(>= t) reaches top_p and mass(> t) does not (to
+    NUCLEUS_TOLERANCE); a row not asked for must be left as it was."""
+    from mmserve.sample.nucleus import launch_nucleus_filter
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    for rows in NUCLEUS_CHECK_ROWS:
+        probs = torch.softmax(torch.randn(rows + 1, vocab, generator=gen, device=device) * 4, dim=-1)
+        top_p = torch.rand(rows, generator=gen, device=device) * 0.9 + 0.05
+        got = probs.clone()
+        try:
+            launch_nucleus_filter(got, torch.arange(1, rows + 1, device=device), top_p)
+        except Exception as exc:   # a compile or launch error on a GPU unlike the ones tested
+            return f"{rows} rows: {type(exc).__name__}: {exc}"[:500]
+        kept, asked = got[1:], probs[1:]
+        t = torch.where(kept > 0, kept, torch.inf).amin(dim=-1, keepdim=True)
+        exact = torch.equal(kept, torch.where(asked >= t, asked, 0.0)) and torch.equal(got[0], probs[0])
+        wide = asked.double()
+        reaches = wide.where(asked >= t, 0.0).sum(-1) >= top_p.double() - NUCLEUS_TOLERANCE
+        smallest = wide.where(asked > t, 0.0).sum(-1) < top_p.double() + NUCLEUS_TOLERANCE
+        if not (exact and bool((reaches & smallest).all())):
+            return f"{rows} rows: a row's kept tokens are not its nucleus"
     return None
 
 

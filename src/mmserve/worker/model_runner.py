@@ -51,6 +51,7 @@ from mmserve.worker.backend_check import (
     BackendCheck,
     CheckStep,
     check_attention,
+    check_nucleus_kernel,
     check_ple_kernel,
     fallen_back,
     graph_check_step,
@@ -151,6 +152,7 @@ class ModelRunner:
             check_attention(model, pools, self.kv_caches, strict=config.strict_backends) if self.self_check else [])
         if self.self_check and device.type == "cuda":   # the kernel runs on CUDA only
             self.backend_checks += check_ple_kernel(model, strict=config.strict_backends)
+            self.backend_checks += check_nucleus_kernel(spec.vocab_size, device, strict=config.strict_backends)
         backends = {t: get_backend(name) for t, name in model.attention_backends.items()}   # after fallbacks
         self.attn_builders = {t: backends[t].builder_cls(pool) for t, pool in pools.items()}
         self._host_positions = [b.name for b in backends.values() if not b.device_positions]   # plan from the host
