@@ -4,7 +4,8 @@ and a real spawned worker rank over gloo, as `mmserve serve --tensor-parallel-si
 rank 0's host and takes them from rank 0's device by one broadcast; with speculation the async
 drafting round after each step broadcasts its acceptance instead, every rank drafts from it
 (replaying emulated drafter graphs) and builds the next step's inputs itself: one broadcast a step,
-counted here, and a worker whose drafts differ from rank 0's stops the group.
+counted here, every verify step's drafts checked by the workers (in the next step's message, or in a
+check of their own where no step follows), and a worker whose drafts differ from rank 0's stops the group.
 
 References, on fresh random prompts: the same TP=2 engine's synchronous loop (the flags the core
 reads, switched between runs) and TP=1 engines in-process, with and without speculation (requests
@@ -311,6 +312,49 @@ def test_held_outcome_takes_the_round_it_drafted_and_catches_other_drafts():
     assert outcome.take(InFlightTokens(rows, 1 + K, shifted=True)) is None   # broadcast instead
     with pytest.raises(RuntimeError, match="did not run"):
         outcome.take(InFlightTokens(rows, 1 + K, shifted=True, held=True))
+
+
+def test_drafts_of_a_step_no_step_follows_are_checked_before_its_tokens(tp_core, load_backend, assistant,
+                                                                        monkeypatch):
+    """A verify step whose requests may end in it (every token they may still make in flight, all
+    drafts assumed kept) is followed by no step, so no step message carries the drafts it took from
+    the workers' own round: rank 0 sends them in a check of their own (`DraftsCheck`, one message
+    and one all-reduce) before that step's tokens are emitted. Forced here on every step that
+    verifies device-made drafts (the scheduler told those requests are all in flight), beside
+    requests that go on, whose checks ride the next step's message: every such step is checked one
+    way or the other, and the tokens are TP=1's."""
+    from mmserve.executor.step_messages import DraftsCheck
+
+    seed = random.SystemRandom().randrange(10_000)
+    rng = random.Random(seed)
+    requests = [build_request(f"d{i}", [rng.randrange(4, 20)], seed=rng.randrange(10_000),
+                              max_tokens=rng.randrange(8, 16), temperature=0.0) for i in range(2)]
+    want, _ = run(tp1(load_backend, assistant, "async"), requests)
+    runner, sent = tp_core.runner, []
+    execute, send = type(runner).execute, runner.tp.send
+
+    def executing(self, out, prev=None):
+        result = execute(self, out, prev)
+        sent.append(("step", len(self._took_held)))
+        return result
+
+    def sending(msg):
+        if isinstance(msg, DraftsCheck):
+            sent.append(("check", len(msg.verified)))
+        return send(msg)
+
+    monkeypatch.setattr(type(runner), "execute", executing)
+    monkeypatch.setattr(runner.tp, "send", sending)
+    monkeypatch.setattr(tp_core.scheduler, "_all_in_flight", lambda request: request.num_output_placeholders > 1)
+    use_loop(tp_core, "async")
+    got, _ = run(tp_core, requests)
+    assert got == want, seed
+    checks = [i for i, (kind, n) in enumerate(sent) if kind == "check" and n]
+    assert checks, (seed, "no verify step was the last before a drain", sent)
+    for i, (kind, took) in enumerate(sent):
+        if kind == "step" and took:   # the next message carries its check: a step's, or a check's own
+            assert i + 1 < len(sent) and (sent[i + 1][0] == "step" or i + 1 in checks), (seed, i, sent)
+    assert_nothing_held(tp_core)
 
 
 def test_a_worker_whose_drafts_differ_from_rank_0s_stops_the_group(tp_core):

@@ -422,6 +422,7 @@ class EngineCore:
         launched = None
         if out.is_empty:
             self._drop_encoded_ahead(out)
+            self.runner.confirm_drafts()   # (tensor parallelism) no step follows prev to carry its drafts' check
         else:
             start_perf, start_ns = time.perf_counter(), time.time_ns()
             try:

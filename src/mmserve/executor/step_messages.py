@@ -169,6 +169,16 @@ class Released:
 
 
 @dataclass
+class DraftsCheck:
+    """No step follows the one in flight (every request's tokens are in flight), so no step message
+    carries the drafts it verified: they come in one message of their own, each worker checks them
+    against its own (`HeldOutcome.check`), and every rank then meets in one all-reduce, which fails
+    on rank 0 if a worker stopped, before that step's tokens are emitted."""
+
+    verified: dict[str, list[int]]
+
+
+@dataclass
 class HeldQuery:
     """Rank 0 asks for the bytes each rank holds encoded ahead (the core's leak check): every rank
     answers in one all-reduce of its count."""

@@ -28,7 +28,8 @@ async drafting round (`DeviceDraftRound`) sends its key counts and request ids (
 their block tables from its own runner's rows, on its device), then broadcasts the
 device's acceptance (token, hidden-state row, shift per sampled row); every rank drafts from it and
 builds N+1's inputs itself (`HeldOutcome`), so that broadcast is the step's only one, and each
-worker checks its drafts against those rank 0 verified, one step later.
+worker checks its drafts against those rank 0 verified, one step later (in that step's message, or,
+when no step follows, in a `DraftsCheck` of their own before the last step's tokens are emitted).
 
 A rank that dies or hangs makes rank 0's next collective fail (gloo: closed connection, or
 `--tensor-parallel-timeout-s`; the ring's writer, when it must wait for a slot, checks the ranks
@@ -57,6 +58,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
 from mmserve.executor.message_ring import MessageRing, RingReader
 from mmserve.executor.step_messages import (
+    DraftsCheck,
     HeldOutcome,
     HeldQuery,
     InFlightTokens,
@@ -358,8 +360,7 @@ class TensorParallelRunner:
         held, self._drafted = self._drafted, False
         if prev is not None:
             msg.in_flight = InFlightTokens.of(prev, held)
-            msg.verified = {s.request.request_id: list(s.draft_token_ids) for s in self._took_held
-                            if s.draft_token_ids and s.draft_token_ids[0] != DEVICE_DRAFT}   # (still the device's: it ended since)
+            msg.verified = self._held_verified()
         self._took_held = ([s for s in out.scheduled if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT]
                            if prev is not None and held else [])
 
@@ -369,6 +370,26 @@ class TensorParallelRunner:
             return self.local.execute(out, prev)
 
         return self._on_ranks(msg, run)
+
+    def _held_verified(self) -> dict[str, list[int]]:
+        """The drafts the last step took from the workers' own drafting round, as rank 0 made them
+        (host-known once the step before it finished), for the workers to check."""
+        return {s.request.request_id: list(s.draft_token_ids) for s in self._took_held
+                if s.draft_token_ids and s.draft_token_ids[0] != DEVICE_DRAFT}   # (still the device's: it ended since)
+
+    def confirm_drafts(self) -> None:
+        """No step follows the one in flight: before its tokens are emitted, the drafts it took from
+        the workers' own round are checked there (`DraftsCheck`: one message, one all-reduce, which
+        raises RankLostError here if a worker's drafts differed). Nothing is sent when it took none."""
+        verified, self._took_held = self._held_verified(), []
+        if not verified:
+            return
+
+        def check() -> None:
+            self.tp.send(DraftsCheck(verified))
+            self.tp.group.all_reduce(torch.zeros(1, device=self.local.model.device))
+
+        self.tp.call(check)
 
     def release(self, out: SchedulerOutput) -> None:
         """A step that scheduled nothing: every rank frees what it holds for the requests that ended
@@ -510,6 +531,9 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
                 outcome.hold(*speculator.draft_on_device(msg, hidden, runner.kv_caches, runner.block_tables))
             elif isinstance(msg, HeldQuery):
                 group.all_reduce(TensorParallelRunner._held_bytes(runner))
+            elif isinstance(msg, DraftsCheck):   # the last step's drafts, no step following it
+                outcome.check(msg.verified)
+                group.all_reduce(torch.zeros(1, device=model.device))
             elif isinstance(msg, Released):
                 mirror.release(msg.finished_ids)
                 runner.release(SchedulerOutput([], preempted_ids=msg.preempted_ids, finished_ids=msg.finished_ids))

@@ -387,6 +387,10 @@ class ModelRunner:
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
 
+    def confirm_drafts(self) -> None:
+        """Tensor parallelism's check of the last step's drafts on the other ranks when no step
+        follows (executor/tensor_parallel.py); one rank verified its own drafts: nothing to check."""
+
     def _encode(self, scheduled: list[ScheduledRequest]
                 ) -> tuple[torch.Tensor | None, dict[str, int], dict[str, dict[str, int]], tuple[float, float] | None,
                        dict[str, str]]:
