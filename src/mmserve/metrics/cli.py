@@ -35,7 +35,7 @@ from mmserve.metrics.perf_model import (
     VisionWork,
 )
 from mmserve.model.assistant_spec import load_assistant_spec
-from mmserve.model.spec import load_spec
+from mmserve.model.spec import read_spec
 
 REQUEST_FORM = "NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS]"
 
@@ -136,7 +136,7 @@ def write_kv_plan(out, plan: dict, gib: float, args: argparse.Namespace) -> None
 
 def run(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.hf_config)
+        spec = read_spec(args.hf_config)
     except MMServeError as exc:
         print(f"mmserve perf: {exc}", file=sys.stderr)
         return 2
