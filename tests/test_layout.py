@@ -17,19 +17,21 @@ ENGINE_SIDE = ("mmserve.core", "mmserve.worker", "mmserve.executor", "mmserve.sa
                "mmserve.model.vision", "mmserve.model.assistant")
 FRONT_END = ("server", "engine", "clients", "ipc")
 # Libraries the front end loads at first use, not at start (docs/benchmarks.md, "Start-up imports"):
-# xgrammar at the first grammar; transformers never for the demo model (its spec is read from
-# config.json, model/config_json.py), only for an audio model's feature extractor or an assistant's spec.
+# xgrammar at the first grammar; transformers never for the demo model and its drafter (their specs
+# are read from config.json, model/config_json.py), only for an audio model's feature extractor.
 FIRST_USE = ("xgrammar", "transformers")
-# What the front end does with the model as it starts, short of the engine process: the observer's
-# spec, the engine and server objects, the input processor (tokenizer, spec) it builds at READY.
+# What the front end does with the model as it starts (`make run`'s: the demo model and its drafter),
+# short of the engine process: the observer's specs, the engine and server objects, the input
+# processor (tokenizer, spec) it builds at READY.
 START_UP = """
 from concurrent.futures import ThreadPoolExecutor
-from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.input.processor import InputProcessor
 from mmserve.server.app import build_server
 from mmserve.server.observability import setup_observability
-config, server_config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu"), ServerConfig(port=0)
+config = EngineConfig(model=str(DEMO_MODEL_DIR), speculative_model=str(DEMO_ASSISTANT_DIR), device="cpu")
+server_config = ServerConfig(port=0)
 observability = setup_observability(config, server_config, configure_global_tracing=False)
 build_server(AsyncEngine(config, observer=observability.observer), server_config, config,
              metrics=observability.metrics)

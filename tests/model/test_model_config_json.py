@@ -14,11 +14,13 @@ import random
 from pathlib import Path
 
 import pytest
-from gemma4_fixtures import e_model_config, moe_config, tiny_config, unified_config
+from gemma4_fixtures import assistant_config, e_model_config, moe_config, tiny_config, unified_config
 from transformers import (
+    Gemma4AssistantConfig,
     Gemma4AudioConfig,
     Gemma4Config,
     Gemma4TextConfig,
+    Gemma4UnifiedAssistantConfig,
     Gemma4UnifiedAudioConfig,
     Gemma4UnifiedConfig,
     Gemma4UnifiedTextConfig,
@@ -27,15 +29,17 @@ from transformers import (
 )
 from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
-from mmserve.config import DEMO_MODEL_DIR
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR
 from mmserve.model import config_json
+from mmserve.model.assistant_spec import load_assistant_spec, read_assistant_spec
 from mmserve.model.spec import ModelSpec, load_spec, read_spec
 
 FAMILY = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 CLASSES = {"gemma4_text": Gemma4TextConfig, "gemma4_unified_text": Gemma4UnifiedTextConfig,
            "gemma4_vision": Gemma4VisionConfig, "gemma4_unified_vision": Gemma4UnifiedVisionConfig,
            "gemma4_audio": Gemma4AudioConfig, "gemma4_unified_audio": Gemma4UnifiedAudioConfig,
-           "gemma4": Gemma4Config, "gemma4_unified": Gemma4UnifiedConfig}
+           "gemma4": Gemma4Config, "gemma4_unified": Gemma4UnifiedConfig,
+           "gemma4_assistant": Gemma4AssistantConfig, "gemma4_unified_assistant": Gemma4UnifiedAssistantConfig}
 SPEC_FIELDS = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "hf_config"]
 
 
@@ -48,7 +52,8 @@ def _class_default(cls, name):
 @pytest.mark.parametrize("model_type", sorted(CLASSES))
 def test_default_tables_are_transformers_defaults(model_type):
     table = {**config_json.TEXT_DEFAULTS, **config_json.VISION_DEFAULTS, **config_json.AUDIO_DEFAULTS,
-             **{family: top for family, (*_, top) in config_json.FAMILIES.items()}}[model_type]
+             **{family: top for family, (*_, top) in config_json.FAMILIES.items()},
+             **{name: top for name, (_, top) in config_json.ASSISTANTS.items()}}[model_type]
     theirs = {name: _class_default(CLASSES[model_type], name) for name in table}
     assert table == theirs
 
@@ -171,3 +176,76 @@ def test_what_json_cannot_resolve_fails_as_transformers_does(where, key, value, 
     with pytest.raises(config_json.NotResolvable):
         config_json.resolve(data)
     assert _outcome(read_spec, tmp_path)[1] == _outcome(load_spec, tmp_path)[1]
+
+
+def _assistant_configs() -> dict[str, dict]:
+    configs = {"demo_assistant": json.loads((DEMO_ASSISTANT_DIR / "config.json").read_text())}
+    for name, kwargs in (("tiny", assistant_config(tiny_config())),
+                         ("ordered", assistant_config(tiny_config(), ordered=True)),
+                         ("one_shared_count", assistant_config(tiny_config(), num_kv_shared_layers=0))):
+        for diff in (False, True):
+            configs[f"{name}/{'saved_diff' if diff else 'saved'}"] = json.loads(
+                Gemma4AssistantConfig(**copy.deepcopy(kwargs)).to_json_string(use_diff=diff))
+    unified = assistant_config(unified_config())
+    unified["text_config"] = dict(unified["text_config"], model_type="gemma4_unified_text")
+    for key in ("hidden_size_per_layer_input", "vocab_size_per_layer_input", "enable_moe_block"):
+        unified["text_config"].pop(key)
+    configs["unified/saved_diff"] = json.loads(
+        Gemma4UnifiedAssistantConfig(**unified).to_json_string(use_diff=True))
+    return configs
+
+
+ASSISTANTS = _assistant_configs()
+
+
+def _write(tmp_path: Path, data: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", sorted(ASSISTANTS))
+def test_the_json_assistant_spec_is_the_transformers_one(name, tmp_path, monkeypatch):
+    """The demo drafter and the tests' (a count of shared layers left to the assistant config; a
+    gemma4_unified one): the same spec from config.json alone."""
+    path = _write(tmp_path, ASSISTANTS[name])
+    monkeypatch.setattr(config_json, "resolve_assistant", _must_resolve(config_json.resolve_assistant))
+    assert read_assistant_spec(path) == load_assistant_spec(path)
+
+
+def _must_resolve(resolve):
+    """`resolve`, failing the test where read_assistant_spec would fall back to transformers."""
+    def wrapped(data):
+        try:
+            return resolve(data)
+        except config_json.NotResolvable as exc:
+            pytest.fail(f"read through transformers: {exc}")
+    return wrapped
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_random_assistant_variants_agree_with_transformers(seed, tmp_path):
+    """As for the models: the same spec both ways, or the same refusal."""
+    rng = random.Random(seed * 104729 + random.randrange(1 << 30))
+    read_json = 0
+    for name in sorted(ASSISTANTS):
+        for _ in range(4):
+            data = _variant(rng, ASSISTANTS[name])
+            for key in ("num_centroids", "centroid_intermediate_top_k", "backbone_hidden_size"):
+                if key in data and rng.random() < 0.3:
+                    data.pop(key)
+            path = _write(tmp_path, data)
+            ours, theirs = _outcome(read_assistant_spec, path), _outcome(load_assistant_spec, path)
+            assert ours == theirs, (name, data)
+            read_json += theirs[0] is not None and _outcome(config_json.resolve_assistant, data)[1] is None
+    assert read_json >= len(ASSISTANTS)   # most variants were read without transformers
+
+
+@pytest.mark.parametrize(("key", "value", "named"), [("hidden_size_per_layer_input", 8, "hidden_size_per_layer_input"),
+                                                     ("enable_moe_block", True, "enable_moe_block"),
+                                                     ("num_kv_shared_layers", 2, "must be shared")])
+def test_what_an_assistant_may_not_be_is_refused_as_transformers_refuses_it(key, value, named, tmp_path):
+    data = copy.deepcopy(ASSISTANTS["tiny/saved"])
+    data["text_config"][key] = value
+    path = _write(tmp_path, data)
+    ours, theirs = _outcome(read_assistant_spec, path), _outcome(load_assistant_spec, path)
+    assert ours == theirs and theirs[1] is not None and named in theirs[1][1], theirs

@@ -198,10 +198,10 @@ def check_divisible(config: EngineConfig) -> None:
     local_spec(read_spec(config.model), group)
     if config.speculative_model:
         from mmserve.model.assistant import Assistant
-        from mmserve.model.assistant_spec import load_assistant_spec
+        from mmserve.model.assistant_spec import read_assistant_spec
 
         with torch.device("meta"):   # the same cuts the ranks make, on no storage
-            Assistant(load_assistant_spec(config.speculative_model), group)
+            Assistant(read_assistant_spec(config.speculative_model), group)
 
 
 class TensorParallelGroup:

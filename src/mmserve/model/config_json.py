@@ -64,6 +64,18 @@ FAMILIES = {
     "gemma4_unified": ("gemma4_unified_text", "gemma4_unified_vision", "gemma4_unified_audio", _TOP),
 }
 TEXT_ONLY = {"gemma4_text": "gemma4", "gemma4_unified_text": "gemma4_unified"}
+# A drafter's config: its text config's default model_type and its own defaults.
+ASSISTANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma4_assistant": ("gemma4_text", dict(backbone_hidden_size=1536, use_ordered_embeddings=False,
+                                             num_centroids=2048, centroid_intermediate_top_k=32,
+                                             tie_word_embeddings=True)),
+    "gemma4_unified_assistant": ("gemma4_unified_text", dict(backbone_hidden_size=3840, use_ordered_embeddings=False,
+                                                             num_centroids=2048, centroid_intermediate_top_k=32,
+                                                             tie_word_embeddings=True)),
+}
+# What Gemma4AssistantConfig refuses of its text config (validate_architecture), as it must hold.
+ASSISTANT_TEXT = dict(hidden_size_per_layer_input=0, enable_moe_block=False, use_double_wide_mlp=False,
+                      vocab_size_per_layer_input=0)
 # Fields whose JSON null transformers accepts (typed `X | None`) though their default is not None.
 NULLABLE = frozenset({"pad_token_id", "eos_token_id", "bos_token_id", "rope_parameters", "layer_types",
                       *_TOP.keys() - {"tie_word_embeddings"}})
@@ -206,6 +218,31 @@ def resolve(data: dict[str, Any]) -> Gemma4JsonConfig:
     values = _checked({**defaults, **data}, defaults, model_type)
     return Gemma4JsonConfig(dict(values, model_type=model_type, text_config=text, vision_config=vision,
                                  audio_config=audio))
+
+
+def resolve_assistant(data: dict[str, Any]) -> Gemma4JsonConfig:
+    """A drafter's config.json with transformers' defaults: its text config (every layer KV-sharing
+    when it names no count, as the assistant config makes it) and the centroid head's settings. What
+    Gemma4AssistantConfig refuses (per-layer embeddings, experts, ...) is left to it, to name."""
+    data = dict(data)
+    model_type = data.pop("model_type", None)
+    if model_type not in ASSISTANTS:
+        raise NotResolvable(f"model_type={model_type!r}")
+    text_type, defaults = ASSISTANTS[model_type]
+    text_data = dict(data.pop("text_config", None) or {})
+    text_type = text_data.get("model_type", text_type)
+    if text_type not in TEXT_DEFAULTS or (model_type == "gemma4_assistant" and text_type != "gemma4_text"):
+        raise NotResolvable(f"an assistant's text_config of type {text_type!r}")
+    text_defaults = TEXT_DEFAULTS[text_type]
+    if not text_data.get("num_kv_shared_layers", text_defaults["num_kv_shared_layers"]):
+        text_data["num_kv_shared_layers"] = text_data.get("num_hidden_layers", text_defaults["num_hidden_layers"])
+    text = _text(text_type, text_data)
+    if model_type == "gemma4_assistant" and (
+            any(getattr(text, k) != v for k, v in ASSISTANT_TEXT.items())
+            or text.num_kv_shared_layers != text.num_hidden_layers):
+        raise NotResolvable("not an assistant's architecture")
+    values = _checked({**defaults, **data}, defaults, model_type)
+    return Gemma4JsonConfig(dict(values, model_type=model_type, text_config=text))
 
 
 def feature_extractor(settings: dict[str, Any]) -> ConfigView:
