@@ -2,10 +2,12 @@
 
 The decoder, the KV planner, the scheduler, the input processor and the perf model all read this
 `ModelSpec`; it is built from the config alone (no weights), so the front-end process can load it.
-transformers' config classes do the parsing (they accept the hub's flat `global_head_dim` /
-`num_global_key_value_heads` keys and the `per_layer_config` form that 5.x saves, and derive the
-KV-sharing roles); we read their resolved per-layer view. Generation, processor and tokenizer
-files beside `config.json` add the stop ids and the vision preprocessing budget.
+In the engine (`load_spec`) transformers' config classes do the parsing (they accept the hub's flat
+`global_head_dim` / `num_global_key_value_heads` keys and the `per_layer_config` form that 5.x
+saves, and derive the KV-sharing roles); we read their resolved per-layer view. The front end
+(`read_spec`) reads the same view from config.json without importing transformers
+(model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
+ids and the vision preprocessing budget.
 
 Served: `gemma4` (dense 31B, E2B/E4B with per-layer embeddings and KV sharing, 26B-A4B with
 experts), `gemma4_unified` (12B, encoder-free vision) and their text-only configs. Settings we do
