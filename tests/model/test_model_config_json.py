@@ -11,6 +11,7 @@ import dataclasses
 import inspect
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,21 @@ def test_what_an_assistant_may_not_be_is_refused_as_transformers_refuses_it(key,
     path = _write(tmp_path, data)
     ours, theirs = _outcome(read_assistant_spec, path), _outcome(load_assistant_spec, path)
     assert ours == theirs and theirs[1] is not None and named in theirs[1][1], theirs
+
+
+def test_a_refusal_in_a_field_the_front_end_skips_is_the_engines(tmp_path):
+    """The front end reads only the spec's fields, so it starts on a config transformers refuses
+    elsewhere (the vision tower's norm epsilon a string); the engine's load parses with transformers
+    and refuses it, naming the field (its start then fails in one line: tests/reliability/
+    test_rel_startup.py's failed-load test)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    from mmserve.model import load_model
+
+    shutil.copytree(DEMO_MODEL_DIR, tmp_path / "model")
+    data = json.loads((tmp_path / "model" / "config.json").read_text())
+    data["vision_config"]["rms_norm_eps"] = "tiny"
+    path = _write(tmp_path / "model", data)
+    assert isinstance(read_spec(path).hf_config, config_json.Gemma4JsonConfig)
+    with pytest.raises(StrictDataclassError, match="rms_norm_eps"):
+        load_model(path)

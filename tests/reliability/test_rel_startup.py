@@ -1,11 +1,9 @@
 """Start-up as a real `mmserve serve` process: bad flags are usage errors (exit 2 listing what is
-valid), an engine that fails to load (bad weights, a config transformers refuses) ends the server
-with exit 1 and its error in one line, and
+valid), an engine that fails to load ends the server with exit 1 and its error in one line, and
 SIGTERM during the load stops the server within seconds, before it ever says it is serving."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -44,30 +42,16 @@ def test_bad_flag_is_a_usage_error_naming_the_valid_values(args, env, named):
     assert "Traceback" not in done.stderr
 
 
-def _truncate_weights(checkpoint):
-    weights = checkpoint / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-
-
-def _refused_config(checkpoint):
-    """A field the front end's config.json reading does not need, of a type transformers refuses: the
-    front end starts, the engine process (which parses with transformers) refuses it."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    config["vision_config"]["rms_norm_eps"] = "tiny"
-    (checkpoint / "config.json").write_text(json.dumps(config))
-
-
-@pytest.mark.parametrize(("break_it", "named"), [(_truncate_weights, "SafetensorError"),
-                                                 (_refused_config, "'rms_norm_eps' expected float")])
-def test_engine_that_fails_to_load_exits_one_with_its_error(tmp_path, break_it, named):
-    broken = tmp_path / "broken"
+def test_engine_that_fails_to_load_exits_one_with_its_error(tmp_path):
+    broken = tmp_path / "truncated"
     shutil.copytree(DEMO_MODEL_DIR, broken)
-    break_it(broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     server = ServeProcess("--port", "0", "--model", str(broken), "--device", "cpu", "--worker-threads", "1")
     try:
         assert server.proc.wait(120) == 1, server.log
         last = [line for line in server.lines if "ERROR mmserve.server.cli" in line]
-        assert len(last) == 1 and "the engine failed to start" in last[0] and named in last[0], server.log
+        assert len(last) == 1 and "the engine failed to start" in last[0] and "SafetensorError" in last[0], server.log
     finally:
         server.stop()
 
