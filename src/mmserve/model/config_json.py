@@ -5,14 +5,16 @@ importing transformers for its config classes costs ~1.5 s of CPU in every serve
 module reads config.json with the defaults those classes fill in (`save_pretrained` writes only
 the fields that differ from them) and the derivations the spec reads (default layer types, the
 last layer full, default RoPE, per-layer head dims from `global_head_dim` or `per_layer_config`,
-KV-sharing roles), for the served families: `gemma4`, `gemma4_unified` and their text-only configs.
+KV-sharing roles), for the served families: `gemma4`, `gemma4_unified`, their text-only configs
+and their assistants (the drafters of speculative decoding).
 
 It is deliberately partial: where a config needs more than the spec's fields (a type transformers
 would refuse, per-layer overrides of other fields, legacy layer names, sub-configs of another
 family), it raises `NotResolvable` and the caller parses with transformers, whose message is then
 the one a bad config gets. The engine process always parses with transformers (it loads the vision
-tower from that config), so every start is still validated there. tests/model/test_model_config_json.py
-compares these defaults, and the specs built both ways, with transformers'.
+tower from that config), so every start is still validated there.
+tests/model/test_model_config_json.py compares these defaults, and the specs built both ways, with
+transformers'.
 """
 
 from __future__ import annotations

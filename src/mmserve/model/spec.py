@@ -468,11 +468,7 @@ def load_hf_config(source: Any):
             raise UnsupportedModelError(f"model_type={model_type!r}: mmserve serves {', '.join(SERVED_MODEL_TYPES)}")
         return source
     if isinstance(source, str | Path):
-        path = Path(source)
-        cfg_path = path / "config.json" if path.is_dir() else path
-        if not cfg_path.is_file():
-            raise MMServeError(f"{path}: no config.json (is this a Gemma 4 checkpoint directory?)")
-        source = json.loads(cfg_path.read_text())
+        source = _config_json(source)
     data = dict(source)
     model_type = data.pop("model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
@@ -481,6 +477,15 @@ def load_hf_config(source: Any):
     if model_type.endswith("_text"):
         return _wrap_text_config(model_type, data)
     return AutoConfig.for_model(model_type, **data)
+
+
+def _config_json(source: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory or of a config.json path."""
+    path = Path(source)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise MMServeError(f"{path}: no config.json (is this a Gemma 4 checkpoint directory?)")
+    return json.loads(cfg_path.read_text())
 
 
 def _root(source: Any) -> Path | None:
@@ -503,17 +508,13 @@ def read_spec(source: Any) -> ModelSpec:
     (model/config_json.py): the front end's, which builds no tower. A config that needs transformers'
     parsing, or that transformers refuses, goes through `load_spec` and fails with its message."""
     if isinstance(source, str | Path):
-        path = Path(source)
-        cfg_path = path / "config.json" if path.is_dir() else path
-        if not cfg_path.is_file():
-            raise MMServeError(f"{path}: no config.json (is this a Gemma 4 checkpoint directory?)")
-        data = json.loads(cfg_path.read_text())
+        data = _config_json(source)
     elif isinstance(source, dict):
         data = source
     else:
         return load_spec(source)   # a transformers config object
-    if isinstance(data, dict) and data.get("model_type") not in SERVED_MODEL_TYPES:
-        return load_spec(data)     # refused, naming the model type
+    if not isinstance(data, dict) or data.get("model_type") not in SERVED_MODEL_TYPES:
+        return load_spec(source)   # refused, naming the model type
     try:
         return spec_from_hf_config(config_json.resolve(data), _root(source))
     except MMServeError:
