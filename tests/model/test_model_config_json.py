@@ -109,6 +109,11 @@ def test_the_json_spec_is_the_transformers_spec(name, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIGS[name]))
     if name == "demo_model":   # with its tokenizer, generation and processor files
         tmp_path = DEMO_MODEL_DIR
+    if name == "e_model/saved":   # an audio tower's feature extractor settings beside it
+        (tmp_path / "processor_config.json").write_text(json.dumps({
+            "audio_ms_per_token": 40, "feature_extractor": {
+                "feature_extractor_type": "Gemma4AudioFeatureExtractor", "sampling_rate": 16000,
+                "frame_length_ms": 20.04, "hop_length_ms": 10.05, "feature_size": 128}}))   # 320.6, 160.8 samples: rounded
     ours = read_spec(tmp_path)
     assert isinstance(ours.hf_config, config_json.Gemma4JsonConfig), "read through transformers, not the JSON"
     _assert_same_spec(ours, load_spec(tmp_path))
