@@ -3,13 +3,15 @@ server process (docs/benchmarks.md, "Suite time").
 
     python bench/serve_start.py              # 5 starts of the demo model, JSON to bench/results/
     python bench/serve_start.py --smoke      # 1 start; JSON to a temp file
+    python bench/serve_start.py --tensor-parallel-size 2 --out FILE   # rank 1 too
 
 Each run starts `python -m mmserve.cli serve --port 0` (the embedded demo model, CPU, one torch
 thread, as the tests start it), times the log lines it prints as they arrive (front end imported and
 configured, listening, engine process started, engine ready, serving), polls gRPC health until
 SERVING, then sends SIGTERM and times the drain and both interpreters' exits. CPU seconds come from
-the kernel: /proc/PID/stat of the front end and its engine process at SERVING, and wait4's rusage of
-the whole tree at exit (the front end reaps its engine, so the engine's CPU is included). On the
+the kernel: /proc/PID/stat of the front end, its engine process and the engine's worker ranks at
+SERVING (each process's own, per process), and wait4's rusage of the whole tree at exit (the front
+end reaps its engine, so the engine's CPU is included). On the
 suite's two shared cores CPU seconds are what a start really costs the other tests.
 
 Then the imports alone, each in a fresh interpreter: the front end's (`mmserve.server.app`), the
@@ -38,6 +40,7 @@ MARKS = (("front-end imports + config", re.compile(r"tracing (on|off)")),
          ("engine spawn, imports, load", re.compile(r"engine ready:")),
          ("warm-up, ready", re.compile(r"ready: serving")))
 ENGINE_PID = re.compile(r"engine process (\d+) started")
+RANK_STARTED = re.compile(r"tensor-parallel rank 1: process \d+ started")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 HEAVY = ("torch", "transformers", "xgrammar")
 
@@ -46,6 +49,13 @@ def _cpu_s(pid: int) -> float:
     """user + system seconds of a live process (its reaped children not included)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
 
 
 def _serving(port: int, timeout_s: float) -> None:
@@ -62,11 +72,12 @@ def _serving(port: int, timeout_s: float) -> None:
             time.sleep(0.01)
 
 
-def one_start(timeout_s: float = 120.0) -> dict:
+def one_start(timeout_s: float = 120.0, tensor_parallel_size: int = 1) -> dict:
     """One start and stop of `mmserve serve`: wall seconds per phase, CPU seconds of start and stop."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--port", "0", "--device", "cpu"],
+    tp = ["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size > 1 else []
+    proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--port", "0", "--device", "cpu", *tp],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     seen: dict[str, float] = {}
     found = {"port": None, "engine_pid": None}
@@ -80,6 +91,8 @@ def one_start(timeout_s: float = 120.0) -> dict:
             with marked:
                 if found["engine_pid"] is None and (m := ENGINE_PID.search(line)):
                     found["engine_pid"] = int(m.group(1))
+                if "rank 1 spawned" not in seen and RANK_STARTED.search(line):
+                    seen["rank 1 spawned"] = now
                 for name, pattern in MARKS:
                     if name not in seen and (m := pattern.search(line)):
                         seen[name] = now
@@ -98,8 +111,11 @@ def one_start(timeout_s: float = 120.0) -> dict:
     _serving(found["port"], timeout_s)
     serving = time.monotonic() - t0
     with marked:
-        marked.wait_for(lambda: len(seen) == len(MARKS), 5)
-    start_cpu = _cpu_s(proc.pid) + _cpu_s(found["engine_pid"])
+        marked.wait_for(lambda: all(name in seen for name, _ in MARKS), 5)
+    ranks = _children(found["engine_pid"])
+    cpu = dict(front_end=_cpu_s(proc.pid), engine=_cpu_s(found["engine_pid"]),
+               worker_ranks=sum(_cpu_s(pid) for pid in ranks))
+    start_cpu = sum(cpu.values())
     proc.send_signal(signal.SIGTERM)
     stop_sent = time.monotonic() - t0
     _, status, usage = os.wait4(proc.pid, 0)
@@ -114,6 +130,8 @@ def one_start(timeout_s: float = 120.0) -> dict:
         previous = seen[name]
     total_cpu = usage.ru_utime + usage.ru_stime
     return dict(phases=phases, start_wall_s=round(serving, 3), stop_wall_s=round(exited - stop_sent, 3),
+                cpu_s={k: round(v, 3) for k, v in cpu.items()},
+                rank1_spawned_s=round(seen["rank 1 spawned"], 3) if "rank 1 spawned" in seen else None,
                 start_cpu_s=round(start_cpu, 3), stop_cpu_s=round(total_cpu - start_cpu, 3),
                 total_cpu_s=round(total_cpu, 3))
 
@@ -132,21 +150,26 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="one start, JSON to a temp file")
     p.add_argument("--starts", type=int, default=5)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     starts = 1 if args.smoke else args.starts
-    runs = [one_start() for _ in range(starts)]
+    runs = [one_start(tensor_parallel_size=args.tensor_parallel_size) for _ in range(starts)]
     imports = [import_cost(m) for m in ("mmserve.server.app", "mmserve.core.engine_core")]
 
     def median(key, sub=None):
         return round(statistics.median(r[key][sub] if sub else r[key] for r in runs), 3)
 
-    print(f"mmserve serve, demo model, CPU: median of {starts} start(s); load average "
+    print(f"mmserve serve, demo model, CPU, tensor-parallel size {args.tensor_parallel_size}: median of {starts} start(s); load average "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     print(f"{'phase':<32}{'wall s':>8}")
     for name, _ in MARKS:
         print(f"{name:<32}{median('phases', name):>8.3f}")
     print(f"{'start (to SERVING)':<32}{median('start_wall_s'):>8.3f}   CPU {median('start_cpu_s'):.3f} s")
+    for process in runs[0]["cpu_s"]:
+        print(f"{'  CPU at SERVING: ' + process:<32}{median('cpu_s', process):>8.3f}")
+    if args.tensor_parallel_size > 1:
+        print(f"{'rank 1 spawned at':<32}{median('rank1_spawned_s'):>8.3f}")
     print(f"{'stop (SIGTERM to exit)':<32}{median('stop_wall_s'):>8.3f}   CPU {median('stop_cpu_s'):.3f} s")
     print(f"\n{'import (fresh interpreter)':<32}{'wall s':>8}{'CPU s':>8}  heavy libraries loaded")
     for row in imports:

@@ -16,8 +16,27 @@ ENGINE_SIDE = ("mmserve.core", "mmserve.worker", "mmserve.executor", "mmserve.sa
                "mmserve.structured_output.manager", "mmserve.model.decoder", "mmserve.model.loader",
                "mmserve.model.vision", "mmserve.model.assistant")
 FRONT_END = ("server", "engine", "clients", "ipc")
-# Libraries the front end loads at first use, not at start (docs/benchmarks.md, "Start-up imports").
-FIRST_USE = ("xgrammar",)
+# Libraries the front end loads at first use, not at start (docs/benchmarks.md, "Start-up imports"):
+# xgrammar at the first grammar; transformers never for the demo model and its drafter (their specs
+# are read from config.json, model/config_json.py), only for an audio model's feature extractor.
+FIRST_USE = ("xgrammar", "transformers")
+# What the front end does with the model as it starts (`make run`'s: the demo model and its drafter),
+# short of the engine process: the observer's specs, the engine and server objects, the input
+# processor (tokenizer, spec) it builds at READY.
+START_UP = """
+from concurrent.futures import ThreadPoolExecutor
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
+from mmserve.engine.async_engine import AsyncEngine
+from mmserve.engine.input.processor import InputProcessor
+from mmserve.server.app import build_server
+from mmserve.server.observability import setup_observability
+config = EngineConfig(model=str(DEMO_MODEL_DIR), speculative_model=str(DEMO_ASSISTANT_DIR), device="cpu")
+server_config = ServerConfig(port=0)
+observability = setup_observability(config, server_config, configure_global_tracing=False)
+build_server(AsyncEngine(config, observer=observability.observer), server_config, config,
+             metrics=observability.metrics)
+InputProcessor.from_checkpoint(config, ThreadPoolExecutor(1), context_length=1024)
+"""
 # The offline API runs the engine core in the caller's process by design (vLLM's LLM does too).
 BOTH_IN_ONE = {"mmserve.engine.llm"}
 
@@ -34,7 +53,8 @@ def _module_name(path: Path) -> str:
 
 def test_no_front_end_module_imports_engine_side_code():
     """Import every front-end module in a fresh interpreter, one at a time, and name any that pulls
-    in the engine core's, the worker's or the model's heavy code, or a library it loads at first use."""
+    in the engine core's, the worker's or the model's heavy code, or a library it loads at first use;
+    then start the front end's side of a server on the demo model and name a first-use library it loaded."""
     modules = sorted(_module_name(p) for p in SRC.rglob("*.py")
                      if p.relative_to(SRC).parts[0] in FRONT_END and _module_name(p) not in BOTH_IN_ONE)
     probe = (
@@ -47,6 +67,8 @@ def test_no_front_end_module_imports_engine_side_code():
         "    if pulled:\n"
         "        print(name, '->', pulled[:3])\n"
         f"print(*(f'{{m}} loaded at import' for m in {FIRST_USE!r} if m in sys.modules))\n"
+        f"{START_UP}\n"
+        f"print(*(f'{{m}} loaded at start-up' for m in {FIRST_USE!r} if m in sys.modules))\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]

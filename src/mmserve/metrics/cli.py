@@ -34,8 +34,8 @@ from mmserve.metrics.perf_model import (
     StepContext,
     VisionWork,
 )
-from mmserve.model.assistant_spec import load_assistant_spec
-from mmserve.model.spec import load_spec
+from mmserve.model.assistant_spec import read_assistant_spec
+from mmserve.model.spec import read_spec
 
 REQUEST_FORM = "NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS]"
 
@@ -136,7 +136,7 @@ def write_kv_plan(out, plan: dict, gib: float, args: argparse.Namespace) -> None
 
 def run(args: argparse.Namespace) -> int:
     try:
-        spec = load_spec(args.hf_config)
+        spec = read_spec(args.hf_config)
     except MMServeError as exc:
         print(f"mmserve perf: {exc}", file=sys.stderr)
         return 2
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         try:
             path = Path(args.speculative_model)
-            drafter = load_assistant_spec(path.parent if path.name == "config.json" else path)
+            drafter = read_assistant_spec(path.parent if path.name == "config.json" else path)
         except (MMServeError, ValueError) as exc:
             print(f"mmserve perf: {exc}", file=sys.stderr)
             return 2

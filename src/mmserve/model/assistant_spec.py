@@ -1,7 +1,8 @@
 """A Gemma 4 assistant's configuration (the drafter), parsed without its weights or the model code.
 
-The perf model and the front end read it (drafter FLOPs and bytes, model info); the engine core
-loads the assistant itself (model/assistant.py).
+The perf model and the front end read it (drafter FLOPs and bytes, model info) with
+`read_assistant_spec`, without transformers; the engine core loads the assistant itself
+(model/assistant.py) from `load_assistant_spec`, which transformers parses and validates.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.attention.backend import SLIDING
+from mmserve.errors import MMServeError
+from mmserve.model import config_json
 from mmserve.model.spec import ModelSpec, RopeSpec, UnsupportedModelError, _per_type, _rope_spec
 
 ASSISTANT_MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
@@ -43,23 +46,50 @@ class AssistantSpec:
     centroid_top_k: int
 
 
-def load_assistant_spec(path: str | Path) -> AssistantSpec:
-    """Parse an assistant's config.json through transformers (which refuses what an assistant may not
-    be: per-layer embeddings, experts, double-wide MLPs, a layer that is not KV-sharing)."""
-    from transformers import AutoConfig
-
+def _config_data(path: str | Path) -> tuple[str, dict]:
+    """(model_type, config.json's contents) of an assistant checkpoint; refuses another model type."""
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise UnsupportedModelError(f"{path}: no config.json (is this a Gemma 4 assistant checkpoint directory?)")
     data = json.loads(cfg_path.read_text())
-    model_type = data.pop("model_type", None)
+    model_type = data.get("model_type")
     if model_type not in ASSISTANT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"--speculative-model {path}: model_type={model_type!r}, expected one of {', '.join(ASSISTANT_MODEL_TYPES)}")
+    return model_type, data
+
+
+def _hf_config(path: str | Path, model_type: str, data: dict):
+    from transformers import AutoConfig
+
+    data = {k: v for k, v in data.items() if k != "model_type"}
     try:
-        config = AutoConfig.for_model(model_type, **data)
+        return AutoConfig.for_model(model_type, **data)
     except Exception as exc:   # transformers' validate_architecture names the setting
         raise UnsupportedModelError(f"--speculative-model {path}: {exc}") from exc
+
+
+def load_assistant_spec(path: str | Path) -> AssistantSpec:
+    """Parse an assistant's config.json through transformers (which refuses what an assistant may not
+    be: per-layer embeddings, experts, double-wide MLPs, a layer that is not KV-sharing)."""
+    model_type, data = _config_data(path)
+    return _assistant_spec(model_type, _hf_config(path, model_type, data))
+
+
+def read_assistant_spec(path: str | Path) -> AssistantSpec:
+    """The same spec without importing transformers when config.json allows (model/config_json.py),
+    for the front end and the check before ranks are spawned; what it cannot resolve goes through
+    transformers, which names what it refuses. The engine loads the drafter with `load_assistant_spec`."""
+    model_type, data = _config_data(path)
+    try:
+        return _assistant_spec(model_type, config_json.resolve_assistant(data))
+    except MMServeError:
+        raise
+    except Exception:              # NotResolvable, or what a malformed config breaks: transformers decides
+        return load_assistant_spec(path)
+
+
+def _assistant_spec(model_type: str, config) -> AssistantSpec:
     text = config.get_text_config()
     attention, rope = {}, {}
     for t in sorted(set(text.layer_types)):

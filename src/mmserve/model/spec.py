@@ -2,10 +2,12 @@
 
 The decoder, the KV planner, the scheduler, the input processor and the perf model all read this
 `ModelSpec`; it is built from the config alone (no weights), so the front-end process can load it.
-transformers' config classes do the parsing (they accept the hub's flat `global_head_dim` /
-`num_global_key_value_heads` keys and the `per_layer_config` form that 5.x saves, and derive the
-KV-sharing roles); we read their resolved per-layer view. Generation, processor and tokenizer
-files beside `config.json` add the stop ids and the vision preprocessing budget.
+In the engine (`load_spec`) transformers' config classes do the parsing (they accept the hub's flat
+`global_head_dim` / `num_global_key_value_heads` keys and the `per_layer_config` form that 5.x
+saves, and derive the KV-sharing roles); we read their resolved per-layer view. The front end
+(`read_spec`) reads the same view from config.json without importing transformers
+(model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
+ids and the vision preprocessing budget.
 
 Served: `gemma4` (dense 31B, E2B/E4B with per-layer embeddings and KV sharing, 26B-A4B with
 experts), `gemma4_unified` (12B, encoder-free vision) and their text-only configs. Settings we do
@@ -22,6 +24,7 @@ from typing import Any
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.errors import MMServeError
+from mmserve.model import config_json
 
 logger = logging.getLogger(__name__)
 
@@ -311,13 +314,16 @@ def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None
     # (`gemma4_unified_audio`) is not yet, so such a model refuses audio like one without a tower.
     if ac is None or getattr(ac, "model_type", "gemma4_audio") != "gemma4_audio":
         return None
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-
     settings = _processor_settings(root, "feature_extractor", "preprocessor_config.json")
     if settings.get("feature_extractor_type", "Gemma4AudioFeatureExtractor") != "Gemma4AudioFeatureExtractor":
         settings = {}
     settings = {k: v for k, v in settings.items() if k not in ("feature_extractor_type", "processor_class")}
-    fe = Gemma4AudioFeatureExtractor(**settings)
+    if getattr(config, "from_transformers", True):
+        from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+
+        fe = Gemma4AudioFeatureExtractor(**settings)
+    else:
+        fe = config_json.feature_extractor(settings)
     processor = _read_json(root / "processor_config.json" if root else None)
     if fe.feature_size != ac.subsampling_conv_channels[0]:
         raise UnsupportedModelError(f"the feature extractor's {fe.feature_size} mel bins do not match the audio "
@@ -462,11 +468,7 @@ def load_hf_config(source: Any):
             raise UnsupportedModelError(f"model_type={model_type!r}: mmserve serves {', '.join(SERVED_MODEL_TYPES)}")
         return source
     if isinstance(source, str | Path):
-        path = Path(source)
-        cfg_path = path / "config.json" if path.is_dir() else path
-        if not cfg_path.is_file():
-            raise MMServeError(f"{path}: no config.json (is this a Gemma 4 checkpoint directory?)")
-        source = json.loads(cfg_path.read_text())
+        source = _config_json(source)
     data = dict(source)
     model_type = data.pop("model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
@@ -477,10 +479,46 @@ def load_hf_config(source: Any):
     return AutoConfig.for_model(model_type, **data)
 
 
-def load_spec(source: Any) -> ModelSpec:
-    """The `ModelSpec` of a checkpoint directory, a config.json, a config dict or a config object
-    (generation, processor and tokenizer files beside config.json are read when given a path)."""
+def _config_json(source: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a checkpoint directory or of a config.json path."""
+    path = Path(source)
+    cfg_path = path / "config.json" if path.is_dir() else path
+    if not cfg_path.is_file():
+        raise MMServeError(f"{path}: no config.json (is this a Gemma 4 checkpoint directory?)")
+    return json.loads(cfg_path.read_text())
+
+
+def _root(source: Any) -> Path | None:
+    """The checkpoint directory of a source given as a path (its other files are read from there)."""
     root = Path(source) if isinstance(source, str | Path) else None
     if root is not None and not root.is_dir():
         root = root.parent if root.name == "config.json" else None
-    return spec_from_hf_config(load_hf_config(source), root)
+    return root
+
+
+def load_spec(source: Any) -> ModelSpec:
+    """The `ModelSpec` of a checkpoint directory, a config.json, a config dict or a config object
+    (generation, processor and tokenizer files beside config.json are read when given a path),
+    parsed by transformers: its `hf_config` builds the vision and audio towers."""
+    return spec_from_hf_config(load_hf_config(source), _root(source))
+
+
+def read_spec(source: Any) -> ModelSpec:
+    """The same `ModelSpec` as `load_spec`, without importing transformers when config.json allows
+    (model/config_json.py): the front end's, which builds no tower. A config that needs transformers'
+    parsing, or that transformers refuses, goes through `load_spec` and fails with its message."""
+    if isinstance(source, str | Path):
+        data = _config_json(source)
+    elif isinstance(source, dict):
+        data = source
+    else:
+        return load_spec(source)   # a transformers config object
+    if not isinstance(data, dict) or data.get("model_type") not in SERVED_MODEL_TYPES:
+        return load_spec(source)   # refused, naming the model type
+    try:
+        return spec_from_hf_config(config_json.resolve(data), _root(source))
+    except MMServeError:
+        raise
+    except Exception as exc:       # NotResolvable, or what a malformed config breaks: transformers decides
+        logger.debug("config.json read through transformers: %s", exc)
+        return load_spec(source)

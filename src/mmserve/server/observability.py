@@ -16,8 +16,8 @@ from mmserve.metrics.perf_model import PerfModel
 from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import configure_tracing, get_tracer
-from mmserve.model.assistant_spec import load_assistant_spec
-from mmserve.model.spec import load_spec
+from mmserve.model.assistant_spec import read_assistant_spec
+from mmserve.model.spec import read_spec
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
                         configure_global_tracing: bool = True) -> Observability:
     provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
     metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
-    drafter = load_assistant_spec(engine_config.speculative_model) if engine_config.speculative_model else None
-    perf = PerfModel(load_spec(engine_config.model), dtype=engine_config.dtype,
+    drafter = read_assistant_spec(engine_config.speculative_model) if engine_config.speculative_model else None
+    perf = PerfModel(read_spec(engine_config.model), dtype=engine_config.dtype,
                      accounting=engine_config.perf_accounting, tp=engine_config.tensor_parallel_size, drafter=drafter)
     # The peaks arrive from the engine (on_engine_started): they are measured where the model runs.
     observer = TelemetryObserver(perf, tracer=get_tracer(provider), metrics=metrics,
