@@ -51,8 +51,8 @@ def engine(model_tok, **options):
     llm.logits = {}
     execute = llm.core.runner.execute
 
-    def recording(out):
-        result = execute(out)
+    def recording(out, *prev):   # (async scheduling: the step in flight's tokens)
+        result = execute(out, *prev)
         for row, s in zip(result.logits, result.sampling, strict=True):
             llm.logits.setdefault(s.request.request_id, []).append(row.clone())
         return result
@@ -299,3 +299,14 @@ def test_a_request_ended_on_a_stop_string_reports_its_cached_tokens(load_backend
     assert got.usage.cached_tokens == 25 // BS * BS   # 26 prompt tokens: every whole block but the last token's
     assert got.token_ids == full.token_ids[:len(got.token_ids)]
     assert_pools_full(llm.core)
+
+
+@pytest.mark.parametrize("loop", ["off", "on"])
+def test_a_prompt_asked_again_reuses_every_whole_block_in_either_loop(load_backend, loop):
+    """A 41-token text prompt prefilled in one step, asked again: every whole block before its last
+    token is served from the cache (40 tokens), with async scheduling as without (where the window
+    released the sliding blocks the step in flight computed before its update keyed them)."""
+    a = build_request("a", [40], seed=random.randrange(10**6))
+    got, _, _ = compare(load_backend("reference"), [[a], [dataclasses.replace(a, request_id="b")]],
+                        async_scheduling=loop, max_num_batched_tokens=64)
+    assert got["b"].usage.cached_tokens == 40

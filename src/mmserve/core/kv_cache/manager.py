@@ -229,7 +229,9 @@ class KVCacheManager:
 
     def cache_blocks(self, request: Request) -> None:
         """Key the full blocks the request's computed tokens now cover. Call after the step that
-        computed them ran, so a key always names K/V that is really there."""
+        computed them ran, or (async scheduling) was launched, before any step that could read them
+        is planned: one device stream runs steps in order, so a key always names K/V that is there
+        when a hit reads it."""
         held = self._held.get(request.request_id)
         if not self.enable_prefix_caching or held is None:
             return
@@ -411,6 +413,11 @@ class KVCacheManager:
         a = table.num_reclaimed
         if upto <= a:
             return
+        if upto > held.num_keyed:
+            # Async scheduling: the step in flight computes blocks that leave the window before its
+            # update keys them (this runs while the next step is planned). Key them now: any request
+            # that could hit them runs in a later step, which the device runs after this one.
+            self.cache_blocks(request)
         # Blocks the window left behind: a later prompt seldom ends right after them, so they are
         # evicted first; unless they came from a hit (a shared prefix ends there) or hold the window
         # of a hit ending after the prompt's media (a new question about it).
