@@ -60,7 +60,7 @@ from mmserve.ipc.protocol import (
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
-from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device
+from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device, acceptance_layout
 from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator, next_step_inputs
@@ -476,7 +476,7 @@ class EngineCore:
         and every rank builds the next inputs from it (`Speculator.draft_on_device`), so the next
         step sends none. A failed drafting round leaves the next step without drafts."""
         sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
-        accepted = accept_on_device(tokens, sampling)
+        accepted = accept_on_device(tokens, acceptance_layout(sampling))
         k = self.speculator.num_tokens
         items = [i for i, s in enumerate(sampling) if speculates(s.request.sampling_params)]
         next_inputs = None

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import SamplingParams
+from mmserve.spec_decode.verify import StepRows
 
 
 class PenaltyState:
@@ -123,32 +125,36 @@ class Adjustments:
 
     def __init__(self, values: RowValues, requests: Sequence, params: Sequence[SamplingParams],
                  eos_token_ids: Sequence[int], state: PenaltyState, vocab: int):
+        """`requests`: the step's rows (a `StepRows`, or rows one by one); `params[c]`: chunk c's."""
         self.state, self.vocab = state, vocab
-        biased, short, penalised = [], [], []   # one pass over the rows
-        for r, (p, q) in enumerate(zip(params, requests, strict=True)):
-            if p.logit_bias:
-                biased.append(r)
-            if p.min_tokens and len(q.output_token_ids) < p.min_tokens:   # (a verify row's output is a new list)
-                short.append(r)
-            if p.has_penalties:
-                penalised.append(r)
+        rows = StepRows.of(requests)
+        biased = [c for c, p in enumerate(params) if p.logit_bias]   # per chunk; its rows share them
+        short = [c for c, p in enumerate(params) if p.min_tokens]
+        penalised = np.fromiter((p.has_penalties for p in params), dtype=bool, count=len(params))
         self.bias = bool(biased)
         if self.bias:
-            values.ids("bias_rows", [r for r in biased for _ in params[r].logit_bias])
-            values.ids("bias_tokens", [t for r in biased for t, _ in params[r].logit_bias])
-            values.floats("bias_values", [b for r in biased for _, b in params[r].logit_bias])
-        self.min_tokens = bool(short and eos_token_ids)
+            bias_rows = [(r, params[c].logit_bias) for c in biased for r in range(rows.starts[c], rows.starts[c + 1])]
+            values.ids("bias_rows", [r for r, bias in bias_rows for _ in bias])
+            values.ids("bias_tokens", [t for _, bias in bias_rows for t, _ in bias])
+            values.floats("bias_values", [b for _, bias in bias_rows for _, b in bias])
+        if short:   # rows whose output (a verify row's: with the drafts before it) is below min_tokens
+            min_tokens = np.zeros(len(params), dtype=np.int64)
+            min_tokens[short] = [params[c].min_tokens for c in short]
+            short = np.flatnonzero(rows.output_lengths() < min_tokens[rows.chunk_of_row])
+        self.min_tokens = bool(len(short) and eos_token_ids)
         if self.min_tokens:
             values.ids("min_tokens_rows", short)
             values.ids("eos_ids", list(eos_token_ids))
-        self.penalties = bool(penalised)
-        self.repetition = any(params[r].repetition_penalty != 1.0 for r in penalised)
+        self.penalties, self.repetition = bool(penalised.any()), False
         if self.penalties:
-            values.ids("penalised_rows", penalised)
-            values.floats("repetition", [params[r].repetition_penalty for r in penalised])
-            values.floats("frequency", [params[r].frequency_penalty for r in penalised])
-            values.floats("presence", [params[r].presence_penalty for r in penalised])
-            state.plan(values, [requests[r] for r in penalised], vocab, self.repetition)
+            index = rows.rows_where(penalised)
+            chunks = [params[c] for c in rows.chunk_of_row[index].tolist()]
+            self.repetition = any(p.repetition_penalty != 1.0 for p in chunks)
+            values.ids("penalised_rows", index)
+            values.floats("repetition", [p.repetition_penalty for p in chunks])
+            values.floats("frequency", [p.frequency_penalty for p in chunks])
+            values.floats("presence", [p.presence_penalty for p in chunks])
+            state.plan(values, [rows[r] for r in index.tolist()], vocab, self.repetition)
 
     @property
     def any(self) -> bool:

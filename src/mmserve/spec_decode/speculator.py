@@ -279,10 +279,11 @@ class Speculator:
         self.graphs.count_eager(reason)
         return None
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        for i in range(num_drafts):
-            self.verified[i] += 1
-            self.accepted[i] += i < num_accepted
+    def record(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A step's verify chunks: each one's drafts, and how many of them the target kept."""
+        for i in range(self.num_tokens):
+            self.verified[i] += int((num_drafts > i).sum())
+            self.accepted[i] += int((num_accepted > i).sum())
 
     @classmethod
     def load(cls, path: str, target, num_tokens: int, *, max_num_seqs: int) -> Speculator:

@@ -1,4 +1,4 @@
-"""A verify chunk's rows: who speculates, the rows the sampler sees, how many drafts the target kept.
+"""A verify chunk's rows: who speculates, and the rows the sampler sees (kept by chunk: `StepRows`).
 
 Plain data and pure functions shared by the engine core's step (sampling and acceptance,
 `sample/rejection_sampler.py`) and the drafter (`speculator.py`).
@@ -6,7 +6,10 @@ Plain data and pure functions shared by the engine core's step (sampling and acc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams
@@ -42,16 +45,48 @@ class VerifyRow:
         return self.request.output_token_ids + list(self.drafts)
 
 
-def verify_rows(scheduled) -> list:
+class StepRows(Sequence):
+    """The sampler's rows of a step, kept by chunk: chunk c (`requests[c]`, a scheduler Request or
+    any row object, with `drafts[c]`) gives 1 + len(drafts[c]) consecutive rows, row j of a chunk
+    with drafts being `VerifyRow(request, drafts[:j])` (a chunk without drafts: its request). The
+    sampler plans per chunk with numpy and repeats over its rows (`counts`, `chunk_of_row`,
+    `depth`: the drafts before each row); a row object is made only where one is asked for (a
+    constrained or penalised row), not 1 + K per request per step."""
+
+    def __init__(self, requests: Sequence, drafts: Sequence[Sequence[int]]):
+        self.requests, self.drafts = list(requests), list(drafts)
+        n = len(self.requests)
+        self.counts = np.fromiter(map(len, self.drafts), dtype=np.int64, count=n) + 1
+        self.starts = np.zeros(n + 1, dtype=np.int64)   # chunk c's rows: starts[c] .. starts[c + 1] - 1
+        np.cumsum(self.counts, out=self.starts[1:])
+        self.chunk_of_row = np.repeat(np.arange(n), self.counts)
+        self.depth = np.arange(len(self.chunk_of_row)) - self.starts[self.chunk_of_row]
+
+    @classmethod
+    def of(cls, rows: Sequence) -> StepRows:
+        """Rows given one by one (Requests or VerifyRows): each its own chunk of one row."""
+        return rows if isinstance(rows, StepRows) else cls(rows, [()] * len(rows))
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int):
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        c = int(self.chunk_of_row[i])
+        drafts = self.drafts[c]
+        return VerifyRow(self.requests[c], tuple(drafts[:int(self.depth[i])])) if drafts else self.requests[c]
+
+    def rows_where(self, chunks: np.ndarray) -> np.ndarray:
+        """The rows (int64, ascending) of the chunks where `chunks` (bool, one per chunk) holds."""
+        return np.flatnonzero(np.repeat(chunks, self.counts))
+
+    def output_lengths(self) -> np.ndarray:
+        """Each row's output length as the sampler sees it: its request's, plus the drafts before it."""
+        base = np.fromiter((len(r.output_token_ids) for r in self.requests), dtype=np.int64, count=len(self.requests))
+        return base[self.chunk_of_row] + self.depth
+
+
+def verify_rows(scheduled) -> StepRows:
     """The sampler's rows of a step: each plain sampling request, or a verify chunk's 1 + K VerifyRows."""
-    return [VerifyRow(s.request, tuple(s.draft_token_ids[:j])) if s.draft_token_ids else s.request
-            for s in scheduled for j in range(1 + len(s.draft_token_ids))]
-
-
-def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
-    """How many leading drafts equal the target's tokens at their positions (targets[i] follows
-    the i-th verified token)."""
-    n = 0
-    while n < len(drafts) and drafts[n] == targets[n]:
-        n += 1
-    return n
+    return StepRows([s.request for s in scheduled], [s.draft_token_ids for s in scheduled])
