@@ -1,9 +1,10 @@
 """The host's planning of a speculating step, per chunk with numpy, equals its per-row definition.
 
 A step's 1 + K verify rows per request used to be planned row by row (a VerifyRow object per row,
-then a Python pass per row in the sampler, its adjustments and the acceptance). Now the sampler
-plans per chunk and repeats over the rows (`StepRows`), and the acceptance counts every chunk's
-kept drafts at once. Each test writes the old per-row definition out and compares on random
+then a Python pass per row in the sampler and its adjustments, a pass per request to lay out the
+device acceptance's drafts, a call per verify chunk to record its acceptance). Now the sampler
+plans per chunk and repeats over the rows (`StepRows`), the layout is numpy over the batch, and
+the acceptance records once. Each test writes the old per-row definition out and compares on random
 batches from fresh seeds: mixed draft counts (none: `disable_speculation` or near max_tokens),
 greedy, random, seeded, penalised, biased, min_tokens, logprobs and grammar rows, so a row
 misplaced by one fails.

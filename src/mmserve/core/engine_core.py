@@ -375,15 +375,16 @@ class EngineCore:
 
     def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
                   start_ns: int, result: EngineCoreOutputs,
-                  drafted: dict[str, tuple[int, int]] | None = None) -> None:
+                  drafted: dict[str, tuple[int, int]] | None = None, rejected: dict[str, int] | None = None) -> None:
         """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
-        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting (unless
-        the async loop drafted on the device already: `drafted`), the step record, the outputs."""
+        scheduler's update (rejected drafts and pads, chunks whose media failed; `rejected` per
+        request where the caller counted them already), drafting (unless the async loop drafted on
+        the device already: `drafted`), the step record, the outputs."""
         for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
             if rid in self.requests:
                 start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
                 self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
-        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted} if rejected is None else rejected
         if step.media_failed:
             for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
                 if s.request.request_id in step.media_failed:
@@ -440,11 +441,14 @@ class EngineCore:
         before may have ended some; a verify chunk's drafts the device made are known here now);
         its outcome stays on the device for the next step's inputs. With a speculative model the
         acceptance and the next step's drafts are queued too (`_accept_and_draft`)."""
-        for s in step.sampling:
-            if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT and s.request.request_id in self.requests:
-                s.draft_token_ids[:] = self._device_drafts[s.request.request_id][:len(s.draft_token_ids)]
-        keep = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
-        sampling = [step.sampling[i] for i in keep]
+        keep = []   # one pass: the requests still running, their drafts made on the device filled in
+        for i, s in enumerate(step.sampling):
+            rid, drafts = s.request.request_id, s.draft_token_ids
+            if rid in self.requests:
+                keep.append(i)
+                if drafts and drafts[0] == DEVICE_DRAFT:
+                    drafts[:] = self._device_drafts[rid][:len(drafts)]
+        sampling = step.sampling if len(keep) == len(step.sampling) else [step.sampling[i] for i in keep]
         logits, index = step.logits, None
         if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
             first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
@@ -476,13 +480,16 @@ class EngineCore:
         and every rank builds the next inputs from it (`Speculator.draft_on_device`), so the next
         step sends none. A failed drafting round leaves the next step without drafts."""
         sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
-        accepted = accept_on_device(tokens, acceptance_layout(sampling))
+        accepted = accept_on_device(tokens, acceptance_layout(sampling, flight.rows))
         k = self.speculator.num_tokens
-        items = [i for i, s in enumerate(sampling) if speculates(s.request.sampling_params)]
+        items, requests = [], []
+        for i, s in enumerate(sampling):
+            if speculates(s.request.sampling_params):
+                items.append(i)
+                requests.append(s.request)
         next_inputs = None
         if items:
             try:
-                requests = [sampling[i].request for i in items]
                 rows = accepted.row if kept_rows is None else kept_rows.index_select(0, accepted.row)
                 next_inputs = self.speculator.propose_on_device(
                     requests, items, accepted.next_token, rows, accepted.shift, self.runner.block_tables,
@@ -494,9 +501,10 @@ class EngineCore:
             return
         flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
         flight.drafts = HostCopy(next_inputs[:, 1:])
+        flight.drafted = {}
         for r in requests:   # the next step verifies them; their ids are the device's until the host learns them
             r.draft_token_ids = [DEVICE_DRAFT] * k
-        flight.drafted = {r.request_id: (k, r.num_computed_tokens) for r in requests}
+            flight.drafted[r.request_id] = (k, r.num_computed_tokens)
 
     def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
         """Step N's end, while N+1 runs: its tokens (and the drafts made after it) reach the host
@@ -509,12 +517,16 @@ class EngineCore:
             sampler_out = self._sample_rows(step.logits, step.rows)
         # the drafts the device made after this step, for the step that verifies them (the one launched, or later)
         drafts = step.drafts.result().tolist() if step.drafts is not None else [[]] * len(step.sampling)
-        self._device_drafts = {s.request.request_id: d for s, d in zip(step.sampling, drafts, strict=True)}
-        waiting = [s.request for s in step.sampling   # drafts the step launched did not take: a later one will
-                   if s.request.draft_token_ids and s.request.draft_token_ids[0] == DEVICE_DRAFT]
+        self._device_drafts, waiting, live = {}, [], []   # one pass over the requests sampled
+        for i, (s, made) in enumerate(zip(step.sampling, drafts, strict=True)):
+            request = s.request
+            self._device_drafts[request.request_id] = made
+            if request.draft_token_ids and request.draft_token_ids[0] == DEVICE_DRAFT:
+                waiting.append(request)   # drafts the step launched did not take: a later one will
+            if request.request_id in self.requests:
+                live.append(i)
         for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
             s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
-        live = [i for i, s in enumerate(step.sampling) if s.request.request_id in self.requests]
         if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
             first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
             rows = [r for i in live for r in range(first[i], first[i + 1])]
@@ -526,7 +538,7 @@ class EngineCore:
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
         drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
         self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
-                       drafted if self.speculator is not None else None)
+                       drafted if self.speculator is not None else None, rejected)
         for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
             request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
 

@@ -32,6 +32,7 @@ from mmserve.core.sched.output import ScheduledRequest
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.sampler import Sampler, SamplerOutput
+from mmserve.spec_decode.verify import StepRows, accepted_prefix, verify_rows
 
 
 @dataclass(slots=True)   # one per sampling request per step
@@ -61,37 +62,34 @@ class RejectionSampler:
                eos_token_ids: frozenset[int]) -> list[Accepted]:
         """Each sampling request's new tokens, appended to it (the sampler's rows laid out as
         `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row). The
-        drafts kept are counted for every chunk at once (numpy over `acceptance_layout`, the
-        device's rule); the loop per request only cuts, appends and reports."""
-        layout = acceptance_layout(scheduled)
-        width = (layout.shape[1] - 2) // 2
-        drawn = np.asarray(sampler_out.token_ids, dtype=np.int64)[layout[:, :width + 1]]   # each chunk's rows
-        num_drafts = layout[:, width] - layout[:, 0]   # a chunk's rows stop at its own last: first + drafts
-        kept = (drawn[:, :width] == layout[:, width + 1:-1]).cumprod(axis=1).sum(axis=1)   # -1: no draft, never kept
-        errors = sampler_out.errors
-        # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
-        failed = ({int(np.searchsorted(layout[:, 0], r, side="right")) - 1: errors[r]   # its first failed row's
-                   for r in sorted(errors, reverse=True)} if errors else {})
-        if self.record is not None and (verified := np.flatnonzero(num_drafts > 0)).size:
-            verified = verified[[i not in failed for i in verified.tolist()]] if failed else verified
-            self.record(num_drafts[verified], kept[verified])
-        accepted = []
-        for i, (s, targets, num_accepted) in enumerate(zip(scheduled, drawn.tolist(), kept.tolist(), strict=True)):
+        chunks verified are recorded together, once."""
+        accepted, row, errors = [], 0, sampler_out.errors
+        verified, kept = [], []   # per verify chunk scored: its drafts, how many the target kept
+        for s in scheduled:
             request, drafts = s.request, s.draft_token_ids
-            if i in failed:
-                accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, failed[i]))
+            n_rows = 1 + len(drafts)
+            first, row = row, row + n_rows
+            # this request's own failure, on any of its rows (a failed row's token is a placeholder): it ends alone
+            if errors and (error := next((errors[r] for r in range(first, row) if r in errors), None)) is not None:
+                accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
+            targets = sampler_out.token_ids[first:row]
+            num_accepted = accepted_prefix(drafts, targets)
+            if drafts:
+                verified.append(len(drafts))
+                kept.append(num_accepted)
             tokens, finish = _cut(request, targets[:num_accepted + 1], eos_token_ids)
             if drafts and (error := self.sampler.accept_verified(request, tokens)) is not None:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             request.output_token_ids += tokens
             # kept token k is row first + k's draw: its logprob came with the tokens (no second read)
-            first = int(layout[i, 0])
             logprobs = (None if request.sampling_params.num_logprobs is None
                         else sampler_out.logprobs[first:first + len(tokens)])
-            accepted.append(Accepted(s, tokens, logprobs, finish, 1 + len(drafts) + s.num_pad_drafts - len(tokens),
+            accepted.append(Accepted(s, tokens, logprobs, finish, n_rows + s.num_pad_drafts - len(tokens),
                                      num_accepted=num_accepted))
+        if verified and self.record is not None:
+            self.record(np.array(verified), np.array(kept))
         return accepted
 
 
@@ -117,24 +115,24 @@ class DeviceAcceptance:
     shift: torch.Tensor        # [S] positions the host counted as kept (every draft and pad) and were not
 
 
-def acceptance_layout(scheduled: Sequence[ScheduledRequest]) -> np.ndarray:
+def acceptance_layout(scheduled: Sequence[ScheduledRequest], rows: StepRows | None = None) -> np.ndarray:
     """The host's part of `accept_on_device`, numpy over the batch: per sampling request, its rows
-    among the step's sampled rows (laid out as `verify_rows` lays them; clamped to its own, so a
+    among the step's sampled rows (`rows`, `verify_rows(scheduled)`; clamped to its own, so a
     short chunk repeats its last row), its drafts (-1 past them) and the positions the host counted
     for it (drafts and pads): int64 [S, 2 * width + 2], width the most drafts a request has."""
-    n = len(scheduled)
-    counts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=n)
-    pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=n)
+    rows = verify_rows(scheduled) if rows is None else rows
+    counts = rows.counts - 1
     width = int(counts.max(initial=0))
-    first = np.concatenate(([0], np.cumsum(1 + counts)[:-1]))
-    layout = np.full((n, 2 * width + 2), -1, dtype=np.int64)
-    layout[:, :width + 1] = first[:, None] + np.minimum(np.arange(width + 1), counts[:, None])
-    if width:   # every draft at once: request i's j-th in column width + 1 + j
-        drafts = np.fromiter(itertools.chain.from_iterable(s.draft_token_ids for s in scheduled), dtype=np.int64,
-                             count=int(counts.sum()))
-        owner = np.repeat(np.arange(n), counts)
-        layout[owner, width + 1 + np.arange(len(drafts)) - np.repeat(np.cumsum(counts) - counts, counts)] = drafts
-    layout[:, -1] = counts + pads
+    layout = np.full((len(scheduled), 2 * width + 2), -1, dtype=np.int64)
+    layout[:, :width + 1] = rows.starts[:-1, None] + np.minimum(np.arange(width + 1), counts[:, None])
+    if width:   # every draft at once: draft j of a chunk is its row j + 1, in column width + 1 + j
+        flat = np.fromiter(itertools.chain.from_iterable(rows.drafts), dtype=np.int64, count=len(rows) - len(counts))
+        if len(flat) == width * len(counts):   # a uniform verify step: every chunk has all of them
+            layout[:, width + 1:-1] = flat.reshape(len(counts), width)
+        else:
+            drafts = np.flatnonzero(rows.depth)
+            layout[rows.chunk_of_row[drafts], width + rows.depth[drafts]] = flat
+    layout[:, -1] = counts + np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=len(scheduled))
     return layout
 
 

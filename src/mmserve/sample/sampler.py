@@ -18,7 +18,7 @@ reproduces its tokens within a version of mmserve, as in vLLM (docs/api.md).
 
 Speculative decoding needs no second draw: row j of a verify chunk is sampled like a plain step
 at that position, and a greedy draft is kept exactly when its row's draw equals it (the core's
-acceptance, as for greedy requests). That is rejection sampling for a one-hot draft: kept
+`accepted_prefix`, as for greedy requests). That is rejection sampling for a one-hot draft: kept
 with probability p(d), and when not, the row's token is a draw from p conditioned on not being d,
 the residual. So the target's distribution is kept exactly, and a seeded request gives the same
 tokens with speculation on and off.
@@ -229,7 +229,7 @@ class Sampler:
             values.words("mask_words", masks[1].numpy())
         values.ids("random_rows", random_rows)
         draws = Draws(values, [rows[i] for i in random_rows.tolist()], vocab) if len(random_rows) else None
-        num_top = [params[c].num_logprobs for c in rows.chunk_of_row[logprob_rows].tolist()]
+        num_top = [params[c].num_logprobs for c in rows.chunk_of_row[logprob_rows].tolist()] if len(logprob_rows) else []
         return _Plan(rows, values, adjust, masks, draws, logprob_rows.tolist(), num_top)
 
     def _queue(self, logits: torch.Tensor, plan: _Plan, dev: dict[str, torch.Tensor]

@@ -1,4 +1,5 @@
-"""A verify chunk's rows: who speculates, and the rows the sampler sees (kept by chunk: `StepRows`).
+"""A verify chunk's rows: who speculates, the rows the sampler sees (kept by chunk: `StepRows`), how
+many drafts the target kept.
 
 Plain data and pure functions shared by the engine core's step (sampling and acceptance,
 `sample/rejection_sampler.py`) and the drafter (`speculator.py`).
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -55,12 +57,28 @@ class StepRows(Sequence):
 
     def __init__(self, requests: Sequence, drafts: Sequence[Sequence[int]]):
         self.requests, self.drafts = list(requests), list(drafts)
-        n = len(self.requests)
-        self.counts = np.fromiter(map(len, self.drafts), dtype=np.int64, count=n) + 1
-        self.starts = np.zeros(n + 1, dtype=np.int64)   # chunk c's rows: starts[c] .. starts[c + 1] - 1
-        np.cumsum(self.counts, out=self.starts[1:])
-        self.chunk_of_row = np.repeat(np.arange(n), self.counts)
-        self.depth = np.arange(len(self.chunk_of_row)) - self.starts[self.chunk_of_row]
+        self._len = len(self.requests) + sum(map(len, self.drafts))
+
+    @cached_property
+    def counts(self) -> np.ndarray:
+        """Rows per chunk (int64)."""
+        return np.fromiter(map(len, self.drafts), dtype=np.int64, count=len(self.drafts)) + 1
+
+    @cached_property
+    def starts(self) -> np.ndarray:
+        """Chunk c's rows are starts[c] .. starts[c + 1] - 1 (int64, one more than the chunks)."""
+        starts = np.zeros(len(self.requests) + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=starts[1:])
+        return starts
+
+    @cached_property
+    def chunk_of_row(self) -> np.ndarray:
+        return np.repeat(np.arange(len(self.requests)), self.counts)
+
+    @cached_property
+    def depth(self) -> np.ndarray:
+        """The drafts before each row in its chunk (its row index there)."""
+        return np.arange(self._len) - self.starts[self.chunk_of_row]
 
     @classmethod
     def of(cls, rows: Sequence) -> StepRows:
@@ -68,7 +86,7 @@ class StepRows(Sequence):
         return rows if isinstance(rows, StepRows) else cls(rows, [()] * len(rows))
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return self._len
 
     def __getitem__(self, i: int):
         if not -len(self) <= i < len(self):
@@ -79,7 +97,7 @@ class StepRows(Sequence):
 
     def rows_where(self, chunks: np.ndarray) -> np.ndarray:
         """The rows (int64, ascending) of the chunks where `chunks` (bool, one per chunk) holds."""
-        return np.flatnonzero(np.repeat(chunks, self.counts))
+        return np.flatnonzero(chunks if self._len == len(self.requests) else np.repeat(chunks, self.counts))
 
     def output_lengths(self) -> np.ndarray:
         """Each row's output length as the sampler sees it: its request's, plus the drafts before it."""
@@ -90,3 +108,12 @@ class StepRows(Sequence):
 def verify_rows(scheduled) -> StepRows:
     """The sampler's rows of a step: each plain sampling request, or a verify chunk's 1 + K VerifyRows."""
     return StepRows([s.request for s in scheduled], [s.draft_token_ids for s in scheduled])
+
+
+def accepted_prefix(drafts: list[int], targets: list[int]) -> int:
+    """How many leading drafts equal the target's tokens at their positions (targets[i] follows
+    the i-th verified token)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == targets[n]:
+        n += 1
+    return n
