@@ -262,3 +262,15 @@ def test_step_rows_index_like_the_list_of_rows():
     assert rows.output_lengths().tolist() == outputs
     torch.testing.assert_close(torch.from_numpy(rows.chunk_of_row),
                                torch.tensor([i for i, s in enumerate(scheduled) for _ in range(s.num_sampled_rows)]))
+
+
+def test_next_inputs_when_every_row_drafted_are_the_gathered_ones():
+    """A round where every sampled row drafts skips the gather: the same next inputs as through one."""
+    from mmserve.spec_decode.speculator import next_step_inputs
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    rows = int(torch.randint(1, 20, (), generator=gen))
+    next_token, drafts = torch.randint(0, 99, (rows,), generator=gen), torch.randint(0, 99, (rows, K), generator=gen)
+    want = next_step_inputs(next_token, K, torch.arange(rows), drafts)
+    assert torch.equal(next_step_inputs(next_token, K, None, drafts), want)
+    assert torch.equal(want[:, 0], next_token) and torch.equal(want[:, 1:], drafts)
