@@ -217,9 +217,8 @@ class Sampler:
         request's parameters), repeated over its rows with numpy."""
         rows = StepRows.of(requests)
         params = [r.sampling_params for r in rows.requests]
-        n = len(params)
-        logprob_rows = rows.rows_where(np.fromiter((p.num_logprobs is not None for p in params), dtype=bool, count=n))
-        random_rows = rows.rows_where(np.fromiter((not p.greedy for p in params), dtype=bool, count=n))
+        logprob_rows = rows.rows_where(np.array([p.num_logprobs is not None for p in params], dtype=bool))
+        random_rows = rows.rows_where(np.array([not p.greedy for p in params], dtype=bool))
         masks = self.grammar.fill(rows) if self.grammar is not None else None
         values = RowValues()
         values.ids("logprob_rows", logprob_rows)
