@@ -441,10 +441,11 @@ class EngineCore:
         before may have ended some; a verify chunk's drafts the device made are known here now);
         its outcome stays on the device for the next step's inputs. With a speculative model the
         acceptance and the next step's drafts are queued too (`_accept_and_draft`)."""
-        keep = []   # one pass: the requests still running, their drafts made on the device filled in
+        keep, row_of = [], {}   # one pass: the requests still running (their rows), device drafts filled in
         for i, s in enumerate(step.sampling):
             rid, drafts = s.request.request_id, s.draft_token_ids
             if rid in self.requests:
+                row_of[rid] = len(keep)
                 keep.append(i)
                 if drafts and drafts[0] == DEVICE_DRAFT:
                     drafts[:] = self._device_drafts[rid][:len(drafts)]
@@ -464,7 +465,7 @@ class EngineCore:
             pending = self._sample_rows(logits, rows)
             tokens = to_device(np.asarray(pending.token_ids, dtype=np.int64), logits.device)
         flight = InFlight(out, step, sampling, rows, logits, pending,
-                          SampledTokens(tokens[:, None], {s.request.request_id: i for i, s in enumerate(sampling)}),
+                          SampledTokens(tokens[:, None], row_of),
                           start_perf, start_ns)
         if self.speculator is not None and sampling:
             self._accept_and_draft(flight, index)
