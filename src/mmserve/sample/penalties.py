@@ -128,9 +128,14 @@ class Adjustments:
         """`requests`: the step's rows (a `StepRows`, or rows one by one); `params[c]`: chunk c's."""
         self.state, self.vocab = state, vocab
         rows = StepRows.of(requests)
-        biased = [c for c, p in enumerate(params) if p.logit_bias]   # per chunk; its rows share them
-        short = [c for c, p in enumerate(params) if p.min_tokens]
-        penalised = np.fromiter((p.has_penalties for p in params), dtype=bool, count=len(params))
+        biased, short, penalised = [], [], []   # one pass over the chunks; a chunk's rows share its parameters
+        for c, p in enumerate(params):
+            if p.logit_bias:
+                biased.append(c)
+            if p.min_tokens:
+                short.append(c)
+            if p.has_penalties:
+                penalised.append(c)
         self.bias = bool(biased)
         if self.bias:
             bias_rows = [(r, params[c].logit_bias) for c in biased for r in range(rows.starts[c], rows.starts[c + 1])]
@@ -145,9 +150,11 @@ class Adjustments:
         if self.min_tokens:
             values.ids("min_tokens_rows", short)
             values.ids("eos_ids", list(eos_token_ids))
-        self.penalties, self.repetition = bool(penalised.any()), False
+        self.penalties, self.repetition = bool(penalised), False
         if self.penalties:
-            index = rows.rows_where(penalised)
+            chunks = np.zeros(len(params), dtype=bool)
+            chunks[penalised] = True
+            index = rows.rows_where(chunks)
             chunks = [params[c] for c in rows.chunk_of_row[index].tolist()]
             self.repetition = any(p.repetition_penalty != 1.0 for p in chunks)
             values.ids("penalised_rows", index)
