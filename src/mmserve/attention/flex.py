@@ -142,7 +142,7 @@ class FlexMetadataBuilder:
         self.head_rows = StagedBuffer((self.num_padded_tokens * g,), torch.int64, pool.device)
         self.tok_row = StagedBuffer((self.num_padded_tokens,), torch.int64, pool.device)
         self.block_owner = StagedBuffer((num_q_blocks,), torch.int64, pool.device)
-        self._rows_for: np.ndarray | None = None   # the query_start_loc the row layout was last built for
+        self._rows_for: bytes | None = None   # the query_start_loc (its bytes) the row layout was last built for
         self._rows_q_blocks = 0
         self.mask_mod = make_mask_mod(self.tables, self.row_tok.dev, pool.block_size)
         if pool.device.type == "cuda" and pool.block_size % KV_TILE:
@@ -196,9 +196,10 @@ class FlexMetadataBuilder:
         a function of query_start_loc alone and only this method writes its buffers, so a step
         whose query lengths repeat the last one's (steady decode, uniform verify steps) keeps it."""
         T, R, g = md.num_actual_tokens, md.num_reqs, self.group
-        qsl = md.query_start_loc_cpu.numpy()[: R + 1].astype(np.int64)
-        if self._rows_for is not None and np.array_equal(qsl, self._rows_for):
+        key = md.query_start_loc_cpu.numpy()[: R + 1].tobytes()
+        if key == self._rows_for:
             return self._rows_q_blocks
+        qsl = md.query_start_loc_cpu.numpy()[: R + 1].astype(np.int64)
         rows_per_req = -(-np.diff(qsl) * g // Q_BLOCK) * Q_BLOCK
         row_start = np.concatenate(([0], np.cumsum(rows_per_req)))
         num_q_blocks = int(row_start[-1]) // Q_BLOCK
@@ -215,7 +216,7 @@ class FlexMetadataBuilder:
         self.head_rows.push(heads.shape[0])
         self.block_owner.push(num_q_blocks)
         self.tok_row.push(T)
-        self._rows_for, self._rows_q_blocks = qsl, num_q_blocks
+        self._rows_for, self._rows_q_blocks = key, num_q_blocks
         return num_q_blocks
 
     def _fill_block_mask(self, md: CommonAttentionMetadata, num_q_blocks: int) -> None:

@@ -121,18 +121,21 @@ def acceptance_layout(scheduled: Sequence[ScheduledRequest], rows: StepRows | No
     short chunk repeats its last row), its drafts (-1 past them) and the positions the host counted
     for it (drafts and pads): int64 [S, 2 * width + 2], width the most drafts a request has."""
     rows = verify_rows(scheduled) if rows is None else rows
-    counts = rows.counts - 1
-    width = int(counts.max(initial=0))
-    layout = np.full((len(scheduled), 2 * width + 2), -1, dtype=np.int64)
-    layout[:, :width + 1] = rows.starts[:-1, None] + np.minimum(np.arange(width + 1), counts[:, None])
-    if width:   # every draft at once: draft j of a chunk is its row j + 1, in column width + 1 + j
-        flat = np.fromiter(itertools.chain.from_iterable(rows.drafts), dtype=np.int64, count=len(rows) - len(counts))
-        if len(flat) == width * len(counts):   # a uniform verify step: every chunk has all of them
-            layout[:, width + 1:-1] = flat.reshape(len(counts), width)
-        else:
-            drafts = np.flatnonzero(rows.depth)
-            layout[rows.chunk_of_row[drafts], width + rows.depth[drafts]] = flat
-    layout[:, -1] = counts + np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=len(scheduled))
+    n = len(scheduled)
+    width = max(map(len, rows.drafts), default=0)
+    layout = np.full((n, 2 * width + 2), -1, dtype=np.int64)
+    if len(rows) == n * (1 + width):   # a uniform verify step (or none): every chunk has `width` drafts
+        counts = width
+        layout[:, :width + 1] = np.arange(0, len(rows), 1 + width)[:, None] + np.arange(width + 1)
+        if width:
+            layout[:, width + 1:-1] = np.array(rows.drafts, dtype=np.int64).reshape(n, width)
+    else:
+        counts = rows.counts - 1
+        layout[:, :width + 1] = rows.starts[:-1, None] + np.minimum(np.arange(width + 1), counts[:, None])
+        drafts = np.flatnonzero(rows.depth)   # draft j of a chunk is its row j + 1, in column width + 1 + j
+        layout[rows.chunk_of_row[drafts], width + rows.depth[drafts]] = np.fromiter(
+            itertools.chain.from_iterable(rows.drafts), dtype=np.int64, count=len(drafts))
+    layout[:, -1] = counts + np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=n)
     return layout
 
 
