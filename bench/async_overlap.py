@@ -51,9 +51,10 @@ time), so the TP rows are an upper bound on what the protocol costs rank 0's hos
 Profile (`--profile`): the async loop at 64 greedy requests, with and without speculation, its host
 time per step split by the functions it runs in (exclusive thread CPU time: a function's own, less the listed
 functions it calls; medians per step), each marked as host work on a GPU too (scheduling, step
-inputs, the sampler's planning, acceptance, records and outputs: Python and numpy) or as device work
-that runs here as CPU tensor ops (flex's block-mask build, the device acceptance, the drafter's
-steps, the positions moved back, the tokens in flight copied into the inputs, and the simulated
+inputs, the sampler's planning, the acceptance and its layout for the device, records and outputs:
+Python and numpy) or as device work that runs here as CPU tensor ops (flex's block-mask build, the
+sampler's batched ops, the device acceptance and the next inputs built from it, the drafter's rope
+and steps, the positions moved back, the tokens in flight copied into the inputs, and the simulated
 forward and logits). Run without `DeviceReads` (its
 __torch_function__ hook costs host time of its own; greedy rows read nothing either way).
 
