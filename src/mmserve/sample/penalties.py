@@ -155,12 +155,12 @@ class Adjustments:
             chunks = np.zeros(len(params), dtype=bool)
             chunks[penalised] = True
             index = rows.rows_where(chunks)
-            chunks = [params[c] for c in rows.chunk_of_row[index].tolist()]
-            self.repetition = any(p.repetition_penalty != 1.0 for p in chunks)
+            by_row = [params[c] for c in rows.chunk_of_row[index].tolist()]   # each penalised row's parameters
+            self.repetition = any(p.repetition_penalty != 1.0 for p in by_row)
             values.ids("penalised_rows", index)
-            values.floats("repetition", [p.repetition_penalty for p in chunks])
-            values.floats("frequency", [p.frequency_penalty for p in chunks])
-            values.floats("presence", [p.presence_penalty for p in chunks])
+            values.floats("repetition", [p.repetition_penalty for p in by_row])
+            values.floats("frequency", [p.frequency_penalty for p in by_row])
+            values.floats("presence", [p.presence_penalty for p in by_row])
             state.plan(values, [rows[r] for r in index.tolist()], vocab, self.repetition)
 
     @property

@@ -108,8 +108,9 @@ def next_step_inputs(next_token: torch.Tensor, num_drafts: int, index: torch.Ten
                      drafts: torch.Tensor | None = None) -> torch.Tensor:
     """The next step's inputs after a speculating step [S, 1 + num_drafts]: each sampled row's token
     after what it kept, then the drafts made from it (`drafts` [D, K] for the rows in `index`, or
-    for every row without one), zeros for rows that made none. Built by this one function on every rank, so under tensor
-    parallelism the workers' copy (from rank 0's acceptance and their own drafts) is rank 0's."""
+    for every row without one), zeros for rows that made none. Built by this one function on every
+    rank, so under tensor parallelism the workers' copy (from rank 0's acceptance and their own
+    drafts) is rank 0's."""
     tokens = torch.zeros((next_token.shape[0], 1 + num_drafts), dtype=torch.int64, device=next_token.device)
     tokens[:, 0] = next_token
     if drafts is not None and index is None:   # every row drafted

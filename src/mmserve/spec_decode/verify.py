@@ -53,7 +53,7 @@ class StepRows(Sequence):
     with drafts being `VerifyRow(request, drafts[:j])` (a chunk without drafts: its request). The
     sampler plans per chunk with numpy and repeats over its rows (`counts`, `chunk_of_row`,
     `depth`: the drafts before each row); a row object is made only where one is asked for (a
-    constrained or penalised row), not 1 + K per request per step."""
+    constrained, penalised or random row), not 1 + K per request per step."""
 
     def __init__(self, requests: Sequence, drafts: Sequence[Sequence[int]]):
         self.requests, self.drafts = list(requests), list(drafts)
