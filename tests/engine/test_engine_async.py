@@ -204,6 +204,29 @@ def _cancel_and_preempt_once(model_tok, rng: random.Random) -> tuple[list[int], 
     return preempted, aborted
 
 
+def test_a_request_id_used_again_at_once_gets_its_own_tokens(model_tok):
+    """A request is cancelled mid-decode while the step after its last, which scheduled it, is in
+    flight (a client's cancel, or a stop string the front end found); its id comes back at once with
+    another prompt and other sampling (a client reusing ids does). The new request's tokens and
+    logprobs are those a fresh engine gives it: none of the old request's in-flight rows reach it."""
+    rng = random.Random(random.randrange(2**31))
+    first = build_request("same", [rng.randrange(4, 30)], seed=rng.randrange(10_000), max_tokens=20)
+    again = build_request("same", [rng.randrange(4, 30)], seed=rng.randrange(10_000), max_tokens=9, logprobs=True,
+                          repetition_penalty=1.3)
+    llm = make_llm(model_tok, async_scheduling="on", attention_backend="sdpa")
+    llm.add_request(first)
+    emitted = 0
+    while emitted < rng.randrange(2, 6):
+        emitted += sum(len(item.new_token_ids) for _, item in llm.step())
+    assert llm.core.abort("same") and llm.core._in_flight is not None   # a step that scheduled it is in flight
+    llm.processor.forget("same")
+    got = llm.generate([again])[0]
+    want = make_llm(model_tok, async_scheduling="on", attention_backend="sdpa").generate([again])[0]
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "length"
+    assert [lp.logprob for lp in got.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    assert_pools_full(llm.core)
+
+
 def test_async_scheduling_auto_is_on_cuda_with_or_without_tensor_parallelism(model_tok):
     from mmserve.config import EngineConfig
     from mmserve.core.engine_core import uses_async_scheduling

@@ -138,8 +138,6 @@ def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
 
     from mmserve.worker.backend_check import use_backend
 
-    requests = [r for r in mixed_requests(seed=int(torch.randint(0, 1000, ()))) if r.request_id != "video"]
-    _, expected = run(models, requests, speculate=False)
     (model, tok), assistant = models
     fa4_paging.register(monkeypatch)
     device_twins(monkeypatch)
@@ -157,10 +155,16 @@ def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
         moved.extend((inputs.positions.cpu[rows.token_rows] - inputs.positions.dev[rows.token_rows]).tolist())
 
     inputs.shift_on_device = shifting
-    got = {c.request_id: c for c in llm.generate(requests)}
-    assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
-    for a, b in zip(got["short"].logprobs, expected["short"].logprobs, strict=True):
-        assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids) and abs(a.logprob - b.logprob) < 1e-4
+    for _ in range(3):   # a workload whose drafts are all kept or all rejected (~1 in 25) moves no row by part
+        seed = int(torch.randint(0, 1000, ()))
+        requests = [r for r in mixed_requests(seed=seed) if r.request_id != "video"]
+        _, expected = run(models, requests, speculate=False)
+        got = {c.request_id: c for c in llm.generate(requests)}
+        assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}, seed
+        for a, b in zip(got["short"].logprobs, expected["short"].logprobs, strict=True):
+            assert (a.token_id, a.top_ids) == (b.token_id, b.top_ids) and abs(a.logprob - b.logprob) < 1e-4
+        if set(moved) & {1, 2}:
+            break
     spec = llm.core.speculator
     assert spec.accepted[0] > 0 and spec.verified[0] > spec.accepted[0]
     assert 3 in moved and set(moved) & {1, 2}, f"some rows moved back by all drafts, some by part: {set(moved)}"

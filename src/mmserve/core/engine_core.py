@@ -373,6 +373,12 @@ class EngineCore:
             return
         self._conclude(out, step, accepted, start_perf, start_ns, result)
 
+    def _running(self, request: Request) -> bool:
+        """Whether `request`, as a step scheduled it, is still the request running under its id: an
+        id may be reused as soon as its request ends (async scheduling: while a step that scheduled
+        the old one is still in flight), and that step's rows are not the new request's."""
+        return self.requests.get(request.request_id) is request
+
     def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
                   start_ns: int, result: EngineCoreOutputs,
                   drafted: dict[str, tuple[int, int]] | None = None, rejected: dict[str, int] | None = None) -> None:
@@ -380,10 +386,10 @@ class EngineCore:
         scheduler's update (rejected drafts and pads, chunks whose media failed; `rejected` per
         request where the caller counted them already), drafting (unless the async loop drafted on
         the device already: `drafted`), the step record, the outputs."""
+        scheduled = {s.request.request_id: s for s in out.scheduled}
         for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
-            if rid in self.requests:
-                start = next(s.num_computed_tokens for s in out.scheduled if s.request.request_id == rid)
-                self.prompt_logprobs.setdefault(rid, [])[start:] = logprobs
+            if self._running(scheduled[rid].request):
+                self.prompt_logprobs.setdefault(rid, [])[scheduled[rid].num_computed_tokens:] = logprobs
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted} if rejected is None else rejected
         if step.media_failed:
             for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
@@ -401,10 +407,10 @@ class EngineCore:
         result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted or {})
         self._emit(accepted, result.outputs)
         for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
-            if rid in self.requests:
+            if self._running(scheduled[rid].request):
                 self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), result.outputs)
         result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.seq_len)
-                              for s in out.scheduled if s.request.open_prompt and s.request.request_id in self.requests)
+                              for s in out.scheduled if s.request.open_prompt and self._running(s.request))
 
     def _step_async(self, result: EngineCoreOutputs) -> None:
         """One iteration of the async loop: schedule and launch step N+1 (its forward queued, its
@@ -444,7 +450,7 @@ class EngineCore:
         keep, row_of = [], {}   # one pass: the requests still running (their rows), device drafts filled in
         for i, s in enumerate(step.sampling):
             rid, drafts = s.request.request_id, s.draft_token_ids
-            if rid in self.requests:
+            if self._running(s.request):
                 row_of[rid] = len(keep)
                 keep.append(i)
                 if drafts and drafts[0] == DEVICE_DRAFT:
@@ -524,7 +530,7 @@ class EngineCore:
             self._device_drafts[request.request_id] = made
             if request.draft_token_ids and request.draft_token_ids[0] == DEVICE_DRAFT:
                 waiting.append(request)   # drafts the step launched did not take: a later one will
-            if request.request_id in self.requests:
+            if self._running(request):
                 live.append(i)
         for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
             s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
@@ -611,8 +617,9 @@ class EngineCore:
         ids = [s.request.request_id for s in out.scheduled]
         logger.error("engine step %d failed for requests %s", self.step_index, ids, exc_info=exc)
         self.step_index += 1
-        for rid in ids:   # the exception's text may name a step-mate: it stays in the log
-            if rid in self.requests:
+        for s in out.scheduled:   # the exception's text may name a step-mate: it stays in the log
+            rid = s.request.request_id
+            if self._running(s.request):
                 self._end(rid, CoreOutput(rid, error=EngineInternalError(
                     f"request {rid}: engine step failed ({type(exc).__name__}; details in the server log)")), outputs)
 
