@@ -51,9 +51,10 @@ time), so the TP rows are an upper bound on what the protocol costs rank 0's hos
 Profile (`--profile`): the async loop at 64 greedy requests, with and without speculation, its host
 time per step split by the functions it runs in (exclusive thread CPU time: a function's own, less the listed
 functions it calls; medians per step), each marked as host work on a GPU too (scheduling, step
-inputs, the sampler's planning, acceptance, records and outputs: Python and numpy) or as device work
-that runs here as CPU tensor ops (flex's block-mask build, the device acceptance, the drafter's
-steps, the positions moved back, the tokens in flight copied into the inputs, and the simulated
+inputs, the sampler's planning, the acceptance and its layout for the device, records and outputs:
+Python and numpy) or as device work that runs here as CPU tensor ops (flex's block-mask build, the
+sampler's batched ops, the device acceptance and the next inputs built from it, the drafter's rope
+and steps, the positions moved back, the tokens in flight copied into the inputs, and the simulated
 forward and logits). Run without `DeviceReads` (its
 __torch_function__ hook costs host time of its own; greedy rows read nothing either way).
 
@@ -432,6 +433,7 @@ PROFILED = (
     ("block table deltas", True, [("mmserve.worker.block_table:BlockTables", "apply")]),
     ("flex: row layout (numpy)", True, [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_rows")]),
     ("sampler: planning and queuing", True, [("mmserve.sample.sampler:Sampler", "launch")]),
+    ("acceptance: the device's layout (numpy)", True, [("mmserve.core.engine_core", "acceptance_layout")]),
     ("sampler: tokens to lists", True, [("mmserve.sample.sampler:PendingSample", "result")]),
     ("acceptance on the host", True, [("mmserve.sample.rejection_sampler:RejectionSampler", "accept")]),
     ("rows to sample (verify rows)", True, [("mmserve.core.engine_core", "verify_rows")]),
@@ -446,8 +448,12 @@ PROFILED = (
     ("flex: tables and block mask (tensor ops)", False,
      [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_tables"),
       ("mmserve.attention.flex:FlexMetadataBuilder", "_fill_block_mask")]),
-    ("acceptance on the device (tensor ops)", False, [("mmserve.core.engine_core", "accept_on_device")]),
-    ("drafter: its steps (embed, rope, draft)", False, [("mmserve.spec_decode.speculator:Speculator", "_loop")]),
+    ("sampler: its batched ops (tensor ops)", False, [("mmserve.sample.sampler:Sampler", "_queue")]),
+    ("acceptance on the device, next inputs (tensor ops)", False,
+     [("mmserve.core.engine_core", "accept_on_device"), ("mmserve.core.engine_core", "next_step_inputs"),
+      ("mmserve.spec_decode.speculator", "next_step_inputs")]),
+    ("drafter: its steps (embed, rope, draft)", False,
+     [("mmserve.spec_decode.speculator:Speculator", "_loop"), ("mmserve.model.assistant:Assistant", "rope")]),
     ("positions moved back (tensor ops)", False, [("mmserve.worker.step_inputs:StepInputBuilder", "shift_on_device")]),
     ("tokens in flight copied in (tensor ops)", False, [("mmserve.worker.model_runner:ModelRunner", "_build")]),
     ("simulated device: forward and logits", False, []),   # `simulate`'s stubs, wrapped in `profile`

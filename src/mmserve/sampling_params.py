@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from mmserve.errors import InvalidInputError
 
@@ -103,15 +104,16 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "logit_bias", bias)
 
-    @property
+    # cached: the engine core's sampler reads these for every request every step (the fields never change)
+    @cached_property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @cached_property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    @property
+    @cached_property
     def num_logprobs(self) -> int | None:
         """Alternatives per sampled token, or None when the request asked for no logprobs."""
         return self.top_logprobs if self.logprobs else None

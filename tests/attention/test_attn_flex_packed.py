@@ -111,3 +111,45 @@ def test_block_mask_build_is_linear_in_the_step_not_the_cache():
     assert not seen.ops & {"sort", "argsort", "topk"}, seen.ops
     assert int(md.block_mask.kv_num_blocks.sum() + md.block_mask.full_kv_num_blocks.sum()) == sum(
         -(-r.seq_len // 16) for r in reqs)
+
+
+def packed_rows(lens: list[int], g: int) -> tuple[dict[int, int], list[int]]:
+    """The packed layout by its definition, row by row: token t's head h (t the flat token index)
+    -> its row, and the owner of each query block; request r's rows start a query block."""
+    row_of, owners, start, token = {}, [], 0, 0
+    for r, n in enumerate(lens):
+        for t in range(n):
+            for h in range(g):
+                row_of[(token + t) * g + h] = start + t * g + h
+        blocks = -(-n * g // 16)
+        owners += [r] * blocks
+        start, token = start + 16 * blocks, token + n
+    return row_of, owners
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (32, 1)])
+def test_row_layout_kept_across_steps_is_the_definition(heads, kv_heads):
+    """One builder over a run of steps whose query lengths repeat (the layout is kept), change, or
+    are the same lengths in another order (as many requests and tokens: rebuilt), with contexts
+    that change either way: after every step its rows are the definition's."""
+    rng = random.Random()
+    spec = spec_for(FULL, heads, kv_heads)
+    g, builder, lens = heads // kv_heads, None, []
+    for step in range(9):
+        if step % 3 == 0:   # new lengths (a decode and a longer chunk at least), then kept, then reordered
+            lens = [1, rng.randint(2, 20)] + [rng.choice([1, 4, rng.randint(2, 20)]) for _ in range(rng.randint(0, 10))]
+        elif step % 3 == 2:
+            lens = lens[1:] + lens[:1]
+        reqs = [Req(rng.randint(0, 40), n) for n in lens]
+        batch = make_batch(reqs, spec, num_blocks=80, gen=torch.Generator().manual_seed(rng.randrange(2**31)))
+        builder = builder or create_builder("flex", pool_for(batch, spec))
+        builder.build(batch.metadata)
+        row_of, owners = packed_rows(lens, g)
+        T = sum(lens)
+        want_tok = [builder.pad_token] * builder.num_rows
+        for flat, row in row_of.items():
+            want_tok[row] = flat // g
+        assert builder.head_rows.np[:T * g].tolist() == [row_of[i] for i in range(T * g)], f"step {step}"
+        assert builder.row_tok.np.tolist() == want_tok, f"step {step}"
+        assert builder.block_owner.np[:len(owners)].tolist() == owners, f"step {step}"
+        assert builder.tok_row.np[:T].tolist() == [row_of[t * g] for t in range(T)], f"step {step}"

@@ -142,6 +142,8 @@ class FlexMetadataBuilder:
         self.head_rows = StagedBuffer((self.num_padded_tokens * g,), torch.int64, pool.device)
         self.tok_row = StagedBuffer((self.num_padded_tokens,), torch.int64, pool.device)
         self.block_owner = StagedBuffer((num_q_blocks,), torch.int64, pool.device)
+        self._rows_for: bytes | None = None   # the query_start_loc (its bytes) the row layout was last built for
+        self._rows_q_blocks = 0
         self.mask_mod = make_mask_mod(self.tables, self.row_tok.dev, pool.block_size)
         if pool.device.type == "cuda" and pool.block_size % KV_TILE:
             raise ValueError(f"flex on CUDA needs a block size that is a multiple of {KV_TILE} (got {pool.block_size})")
@@ -190,8 +192,13 @@ class FlexMetadataBuilder:
 
     def _fill_rows(self, md: CommonAttentionMetadata) -> int:
         """The packed row layout, planned on the host mirror of query_start_loc: each request's
-        tokens x g rows from a query-block boundary. Returns the step's query blocks."""
+        tokens x g rows from a query-block boundary. Returns the step's query blocks. The layout is
+        a function of query_start_loc alone and only this method writes its buffers, so a step
+        whose query lengths repeat the last one's (steady decode, uniform verify steps) keeps it."""
         T, R, g = md.num_actual_tokens, md.num_reqs, self.group
+        key = md.query_start_loc_cpu.numpy()[: R + 1].tobytes()
+        if key == self._rows_for:
+            return self._rows_q_blocks
         qsl = md.query_start_loc_cpu.numpy()[: R + 1].astype(np.int64)
         rows_per_req = -(-np.diff(qsl) * g // Q_BLOCK) * Q_BLOCK
         row_start = np.concatenate(([0], np.cumsum(rows_per_req)))
@@ -209,6 +216,7 @@ class FlexMetadataBuilder:
         self.head_rows.push(heads.shape[0])
         self.block_owner.push(num_q_blocks)
         self.tok_row.push(T)
+        self._rows_for, self._rows_q_blocks = key, num_q_blocks
         return num_q_blocks
 
     def _fill_block_mask(self, md: CommonAttentionMetadata, num_q_blocks: int) -> None:

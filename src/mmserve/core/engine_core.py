@@ -60,7 +60,7 @@ from mmserve.ipc.protocol import (
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.request import Request
-from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device
+from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device, acceptance_layout
 from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
 from mmserve.spec_decode.speculator import DraftFrom, Speculator, next_step_inputs
@@ -381,15 +381,16 @@ class EngineCore:
 
     def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
                   start_ns: int, result: EngineCoreOutputs,
-                  drafted: dict[str, tuple[int, int]] | None = None) -> None:
+                  drafted: dict[str, tuple[int, int]] | None = None, rejected: dict[str, int] | None = None) -> None:
         """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
-        scheduler's update (rejected drafts and pads, chunks whose media failed), drafting (unless
-        the async loop drafted on the device already: `drafted`), the step record, the outputs."""
+        scheduler's update (rejected drafts and pads, chunks whose media failed; `rejected` per
+        request where the caller counted them already), drafting (unless the async loop drafted on
+        the device already: `drafted`), the step record, the outputs."""
         scheduled = {s.request.request_id: s for s in out.scheduled}
         for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
             if self._running(scheduled[rid].request):
                 self.prompt_logprobs.setdefault(rid, [])[scheduled[rid].num_computed_tokens:] = logprobs
-        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted} if rejected is None else rejected
         if step.media_failed:
             for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
                 if s.request.request_id in step.media_failed:
@@ -446,11 +447,15 @@ class EngineCore:
         before may have ended some; a verify chunk's drafts the device made are known here now);
         its outcome stays on the device for the next step's inputs. With a speculative model the
         acceptance and the next step's drafts are queued too (`_accept_and_draft`)."""
-        for s in step.sampling:
-            if s.draft_token_ids and s.draft_token_ids[0] == DEVICE_DRAFT and self._running(s.request):
-                s.draft_token_ids[:] = self._device_drafts[s.request.request_id][:len(s.draft_token_ids)]
-        keep = [i for i, s in enumerate(step.sampling) if self._running(s.request)]
-        sampling = [step.sampling[i] for i in keep]
+        keep, row_of = [], {}   # one pass: the requests still running (their rows), device drafts filled in
+        for i, s in enumerate(step.sampling):
+            rid, drafts = s.request.request_id, s.draft_token_ids
+            if self._running(s.request):
+                row_of[rid] = len(keep)
+                keep.append(i)
+                if drafts and drafts[0] == DEVICE_DRAFT:
+                    drafts[:] = self._device_drafts[rid][:len(drafts)]
+        sampling = step.sampling if len(keep) == len(step.sampling) else [step.sampling[i] for i in keep]
         logits, index = step.logits, None
         if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
             first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
@@ -466,7 +471,7 @@ class EngineCore:
             pending = self._sample_rows(logits, rows)
             tokens = to_device(np.asarray(pending.token_ids, dtype=np.int64), logits.device)
         flight = InFlight(out, step, sampling, rows, logits, pending,
-                          SampledTokens(tokens[:, None], {s.request.request_id: i for i, s in enumerate(sampling)}),
+                          SampledTokens(tokens[:, None], row_of),
                           start_perf, start_ns)
         if self.speculator is not None and sampling:
             self._accept_and_draft(flight, index)
@@ -482,13 +487,16 @@ class EngineCore:
         and every rank builds the next inputs from it (`Speculator.draft_on_device`), so the next
         step sends none. A failed drafting round leaves the next step without drafts."""
         sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
-        accepted = accept_on_device(tokens, sampling)
+        accepted = accept_on_device(tokens, acceptance_layout(sampling, flight.rows))
         k = self.speculator.num_tokens
-        items = [i for i, s in enumerate(sampling) if speculates(s.request.sampling_params)]
+        items, requests = [], []
+        for i, s in enumerate(sampling):
+            if speculates(s.request.sampling_params):
+                items.append(i)
+                requests.append(s.request)
         next_inputs = None
         if items:
             try:
-                requests = [sampling[i].request for i in items]
                 rows = accepted.row if kept_rows is None else kept_rows.index_select(0, accepted.row)
                 next_inputs = self.speculator.propose_on_device(
                     requests, items, accepted.next_token, rows, accepted.shift, self.runner.block_tables,
@@ -500,9 +508,10 @@ class EngineCore:
             return
         flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
         flight.drafts = HostCopy(next_inputs[:, 1:])
+        flight.drafted = {}
         for r in requests:   # the next step verifies them; their ids are the device's until the host learns them
             r.draft_token_ids = [DEVICE_DRAFT] * k
-        flight.drafted = {r.request_id: (k, r.num_computed_tokens) for r in requests}
+            flight.drafted[r.request_id] = (k, r.num_computed_tokens)
 
     def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
         """Step N's end, while N+1 runs: its tokens (and the drafts made after it) reach the host
@@ -515,12 +524,16 @@ class EngineCore:
             sampler_out = self._sample_rows(step.logits, step.rows)
         # the drafts the device made after this step, for the step that verifies them (the one launched, or later)
         drafts = step.drafts.result().tolist() if step.drafts is not None else [[]] * len(step.sampling)
-        self._device_drafts = {s.request.request_id: d for s, d in zip(step.sampling, drafts, strict=True)}
-        waiting = [s.request for s in step.sampling   # drafts the step launched did not take: a later one will
-                   if s.request.draft_token_ids and s.request.draft_token_ids[0] == DEVICE_DRAFT]
+        self._device_drafts, waiting, live = {}, [], []   # one pass over the requests sampled
+        for i, (s, made) in enumerate(zip(step.sampling, drafts, strict=True)):
+            request = s.request
+            self._device_drafts[request.request_id] = made
+            if request.draft_token_ids and request.draft_token_ids[0] == DEVICE_DRAFT:
+                waiting.append(request)   # drafts the step launched did not take: a later one will
+            if self._running(request):
+                live.append(i)
         for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
             s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
-        live = [i for i, s in enumerate(step.sampling) if self._running(s.request)]
         if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
             first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
             rows = [r for i in live for r in range(first[i], first[i + 1])]
@@ -532,7 +545,7 @@ class EngineCore:
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
         drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
         self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
-                       drafted if self.speculator is not None else None)
+                       drafted if self.speculator is not None else None, rejected)
         for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
             request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import SamplingParams
+from mmserve.spec_decode.verify import StepRows
 
 
 class PenaltyState:
@@ -123,32 +125,43 @@ class Adjustments:
 
     def __init__(self, values: RowValues, requests: Sequence, params: Sequence[SamplingParams],
                  eos_token_ids: Sequence[int], state: PenaltyState, vocab: int):
+        """`requests`: the step's rows (a `StepRows`, or rows one by one); `params[c]`: chunk c's."""
         self.state, self.vocab = state, vocab
-        biased, short, penalised = [], [], []   # one pass over the rows
-        for r, (p, q) in enumerate(zip(params, requests, strict=True)):
+        rows = StepRows.of(requests)
+        biased, short, penalised = [], [], []   # one pass over the chunks; a chunk's rows share its parameters
+        for c, p in enumerate(params):
             if p.logit_bias:
-                biased.append(r)
-            if p.min_tokens and len(q.output_token_ids) < p.min_tokens:   # (a verify row's output is a new list)
-                short.append(r)
+                biased.append(c)
+            if p.min_tokens:
+                short.append(c)
             if p.has_penalties:
-                penalised.append(r)
+                penalised.append(c)
         self.bias = bool(biased)
         if self.bias:
-            values.ids("bias_rows", [r for r in biased for _ in params[r].logit_bias])
-            values.ids("bias_tokens", [t for r in biased for t, _ in params[r].logit_bias])
-            values.floats("bias_values", [b for r in biased for _, b in params[r].logit_bias])
-        self.min_tokens = bool(short and eos_token_ids)
+            bias_rows = [(r, params[c].logit_bias) for c in biased for r in range(rows.starts[c], rows.starts[c + 1])]
+            values.ids("bias_rows", [r for r, bias in bias_rows for _ in bias])
+            values.ids("bias_tokens", [t for _, bias in bias_rows for t, _ in bias])
+            values.floats("bias_values", [b for _, bias in bias_rows for _, b in bias])
+        if short:   # rows whose output (a verify row's: with the drafts before it) is below min_tokens
+            min_tokens = np.zeros(len(params), dtype=np.int64)
+            min_tokens[short] = [params[c].min_tokens for c in short]
+            short = np.flatnonzero(rows.output_lengths() < min_tokens[rows.chunk_of_row])
+        self.min_tokens = bool(len(short) and eos_token_ids)
         if self.min_tokens:
             values.ids("min_tokens_rows", short)
             values.ids("eos_ids", list(eos_token_ids))
-        self.penalties = bool(penalised)
-        self.repetition = any(params[r].repetition_penalty != 1.0 for r in penalised)
+        self.penalties, self.repetition = bool(penalised), False
         if self.penalties:
-            values.ids("penalised_rows", penalised)
-            values.floats("repetition", [params[r].repetition_penalty for r in penalised])
-            values.floats("frequency", [params[r].frequency_penalty for r in penalised])
-            values.floats("presence", [params[r].presence_penalty for r in penalised])
-            state.plan(values, [requests[r] for r in penalised], vocab, self.repetition)
+            chunks = np.zeros(len(params), dtype=bool)
+            chunks[penalised] = True
+            index = rows.rows_where(chunks)
+            by_row = [params[c] for c in rows.chunk_of_row[index].tolist()]   # each penalised row's parameters
+            self.repetition = any(p.repetition_penalty != 1.0 for p in by_row)
+            values.ids("penalised_rows", index)
+            values.floats("repetition", [p.repetition_penalty for p in by_row])
+            values.floats("frequency", [p.frequency_penalty for p in by_row])
+            values.floats("presence", [p.presence_penalty for p in by_row])
+            state.plan(values, [rows[r] for r in index.tolist()], vocab, self.repetition)
 
     @property
     def any(self) -> bool:

@@ -20,6 +20,7 @@ accepts the same rows again (`accept`) when the tokens land: the same rule on th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from mmserve.core.sched.output import ScheduledRequest
 from mmserve.errors import MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.sample.sampler import Sampler, SamplerOutput
-from mmserve.spec_decode.verify import accepted_prefix
+from mmserve.spec_decode.verify import StepRows, accepted_prefix, verify_rows
 
 
 @dataclass(slots=True)   # one per sampling request per step
@@ -53,15 +54,17 @@ class RejectionSampler:
     as a plain step's row would be); `record(drafts, kept)` hears every verify chunk scored (the
     speculator's acceptance statistics)."""
 
-    def __init__(self, sampler: Sampler, record: Callable[[int, int], None] | None = None):
+    def __init__(self, sampler: Sampler, record: Callable[[np.ndarray, np.ndarray], None] | None = None):
         self.sampler = sampler
         self.record = record
 
     def accept(self, scheduled: Sequence[ScheduledRequest], sampler_out: SamplerOutput,
                eos_token_ids: frozenset[int]) -> list[Accepted]:
         """Each sampling request's new tokens, appended to it (the sampler's rows laid out as
-        `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row)."""
+        `spec_decode.verify.verify_rows` lays them: a verify chunk's 1 + K rows in a row). The
+        chunks verified are recorded together, once."""
         accepted, row, errors = [], 0, sampler_out.errors
+        verified, kept = [], []   # per verify chunk scored: its drafts, how many the target kept
         for s in scheduled:
             request, drafts = s.request, s.draft_token_ids
             n_rows = 1 + len(drafts)
@@ -70,20 +73,23 @@ class RejectionSampler:
             if errors and (error := next((errors[r] for r in range(first, row) if r in errors), None)) is not None:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
-            targets = sampler_out.token_ids[first:first + n_rows]
-            params = request.sampling_params
+            targets = sampler_out.token_ids[first:row]
             num_accepted = accepted_prefix(drafts, targets)
-            if drafts and self.record is not None:
-                self.record(len(drafts), num_accepted)
+            if drafts:
+                verified.append(len(drafts))
+                kept.append(num_accepted)
             tokens, finish = _cut(request, targets[:num_accepted + 1], eos_token_ids)
             if drafts and (error := self.sampler.accept_verified(request, tokens)) is not None:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             request.output_token_ids += tokens
             # kept token k is row first + k's draw: its logprob came with the tokens (no second read)
-            logprobs = None if params.num_logprobs is None else sampler_out.logprobs[first:first + len(tokens)]
+            logprobs = (None if request.sampling_params.num_logprobs is None
+                        else sampler_out.logprobs[first:first + len(tokens)])
             accepted.append(Accepted(s, tokens, logprobs, finish, n_rows + s.num_pad_drafts - len(tokens),
                                      num_accepted=num_accepted))
+        if verified and self.record is not None:
+            self.record(np.array(verified), np.array(kept))
         return accepted
 
 
@@ -109,21 +115,36 @@ class DeviceAcceptance:
     shift: torch.Tensor        # [S] positions the host counted as kept (every draft and pad) and were not
 
 
-def accept_on_device(tokens: torch.Tensor, scheduled: Sequence[ScheduledRequest]) -> DeviceAcceptance:
+def acceptance_layout(scheduled: Sequence[ScheduledRequest], rows: StepRows | None = None) -> np.ndarray:
+    """The host's part of `accept_on_device`, numpy over the batch: per sampling request, its rows
+    among the step's sampled rows (`rows`, `verify_rows(scheduled)`; clamped to its own, so a
+    short chunk repeats its last row), its drafts (-1 past them) and the positions the host counted
+    for it (drafts and pads): int64 [S, 2 * width + 2], width the most drafts a request has."""
+    rows = verify_rows(scheduled) if rows is None else rows
+    n = len(scheduled)
+    width = max(map(len, rows.drafts), default=0)
+    layout = np.full((n, 2 * width + 2), -1, dtype=np.int64)
+    if len(rows) == n * (1 + width):   # a uniform verify step (or none): every chunk has `width` drafts
+        counts = width
+        layout[:, :width + 1] = np.arange(0, len(rows), 1 + width)[:, None] + np.arange(width + 1)
+        if width:
+            layout[:, width + 1:-1] = np.array(rows.drafts, dtype=np.int64).reshape(n, width)
+    else:
+        counts = rows.counts - 1
+        layout[:, :width + 1] = rows.starts[:-1, None] + np.minimum(np.arange(width + 1), counts[:, None])
+        drafts = np.flatnonzero(rows.depth)   # draft j of a chunk is its row j + 1, in column width + 1 + j
+        layout[rows.chunk_of_row[drafts], width + rows.depth[drafts]] = np.fromiter(
+            itertools.chain.from_iterable(rows.drafts), dtype=np.int64, count=len(drafts))
+    layout[:, -1] = counts + np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=n)
+    return layout
+
+
+def accept_on_device(tokens: torch.Tensor, layout: np.ndarray) -> DeviceAcceptance:
     """`accept`'s rule on the device, without EOS or max_tokens (a request they end is dropped from
     the next step when the host learns it): `tokens` are the step's sampled rows laid out as
-    `verify_rows` lays them; a chunk's drafts are `scheduled[i].draft_token_ids` (host-known by the
-    time its rows are sampled). No host sync: the host's layout goes over in one copy."""
-    counts = np.fromiter((len(s.draft_token_ids) for s in scheduled), dtype=np.int64, count=len(scheduled))
-    pads = np.fromiter((s.num_pad_drafts for s in scheduled), dtype=np.int64, count=len(scheduled))
-    width = int(counts.max(initial=0))
-    first = np.concatenate(([0], np.cumsum(1 + counts)[:-1]))
-    # per request: its rows (clamped to its own: a short chunk repeats its last row), then its drafts (-1 past them)
-    layout = np.full((len(scheduled), 2 * width + 2), -1, dtype=np.int64)
-    layout[:, :width + 1] = first[:, None] + np.minimum(np.arange(width + 1), counts[:, None])
-    for i, s in enumerate(scheduled):
-        layout[i, width + 1:width + 1 + counts[i]] = s.draft_token_ids
-    layout[:, -1] = counts + pads
+    `verify_rows` lays them; `layout` (`acceptance_layout`) each sampling request's rows and drafts
+    (host-known by the time its rows are sampled). No host sync: the layout goes over in one copy."""
+    width = (layout.shape[1] - 2) // 2
     layout_dev = to_device(layout, tokens.device)
     rows, drafts, counted = layout_dev[:, :width + 1], layout_dev[:, width + 1:-1], layout_dev[:, -1]
     drawn = tokens.index_select(0, rows.flatten()).view(rows.shape)

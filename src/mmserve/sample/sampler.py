@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmserve.attention.buffers import HostCopy
@@ -48,6 +49,7 @@ from mmserve.sample.logprobs import logprob_table, read_logprobs
 from mmserve.sample.nucleus import filter_nucleus
 from mmserve.sample.penalties import Adjustments, PenaltyState
 from mmserve.sample.row_values import RowValues
+from mmserve.spec_decode.verify import StepRows
 from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
 
 _MASK64 = 2**64 - 1
@@ -136,12 +138,25 @@ class SamplerOutput:
     errors: dict[int, MMServeError] = field(default_factory=dict)   # row -> why its token is void
 
 
+@dataclass
+class _Plan:
+    """A step's sampling as the host planned it (`Sampler._plan`), for its device ops (`Sampler._queue`)."""
+
+    rows: StepRows
+    values: RowValues
+    adjust: Adjustments
+    masks: tuple | None
+    draws: Draws | None
+    want_lp: list[int]   # the rows that asked for logprobs
+    num_top: list[int]   # ... and the alternatives each asked for
+
+
 class PendingSample:
     """A step's tokens drawn on the device (`tokens`), on their way to the host with the logprobs
     asked for (float64 holds the ids exactly) in one pinned, non-blocking transfer; `result()` waits
     for that transfer's event, not for whatever the device queued after it."""
 
-    def __init__(self, sampler: Sampler, requests: list, tokens: torch.Tensor, table: torch.Tensor | None,
+    def __init__(self, sampler: Sampler, requests: Sequence, tokens: torch.Tensor, table: torch.Tensor | None,
                  want_lp: list[int], num_top: list[int], masks):
         self.sampler, self.requests, self.tokens = sampler, requests, tokens
         self._table_shape = None if table is None else table.shape
@@ -191,38 +206,47 @@ class Sampler:
 
         Everything per row is gathered on the host first (the grammar's masks; the indices and
         parameters into one `RowValues`, sent in one copy), then a fixed sequence of batched ops
-        runs on the device: the number of ops does not grow with the rows."""
-        params, want_lp, random_rows = [], [], []   # one pass over the rows (1 + K per verify chunk)
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            params.append(p)
-            if p.num_logprobs is not None:
-                want_lp.append(i)
-            if not p.greedy:
-                random_rows.append(i)
-        vocab = logits.shape[-1]
-        masks = self.grammar.fill(requests) if self.grammar is not None else None
+        runs on the device (`_queue`): the number of ops does not grow with the rows."""
+        plan = self._plan(requests, logits.shape[-1])
+        dev = plan.values.to(logits.device)   # the step's one copy of per-row values
+        tokens, table = self._queue(logits, plan, dev)
+        return PendingSample(self, plan.rows, tokens, table, plan.want_lp, plan.num_top, plan.masks)
+
+    def _plan(self, requests: Sequence, vocab: int) -> _Plan:
+        """The host's part of a step's sampling: per chunk (a verify chunk's 1 + K rows share its
+        request's parameters), repeated over its rows with numpy."""
+        rows = StepRows.of(requests)
+        params = [r.sampling_params for r in rows.requests]
+        logprob_rows = rows.rows_where(np.array([p.num_logprobs is not None for p in params], dtype=bool))
+        random_rows = rows.rows_where(np.array([not p.greedy for p in params], dtype=bool))
+        masks = self.grammar.fill(rows) if self.grammar is not None else None
         values = RowValues()
-        values.ids("logprob_rows", want_lp)
-        adjust = Adjustments(values, requests, params, self.eos_token_ids, self.penalties, vocab)
+        values.ids("logprob_rows", logprob_rows)
+        adjust = Adjustments(values, rows, params, self.eos_token_ids, self.penalties, vocab)
         if masks is not None:
             values.ids("mask_rows", masks[0])
             values.words("mask_words", masks[1].numpy())
         values.ids("random_rows", random_rows)
-        draws = Draws(values, [requests[i] for i in random_rows], vocab) if random_rows else None
-        dev = values.to(logits.device)   # the step's one copy of per-row values
-        raw = logits.index_select(0, dev["logprob_rows"]) if want_lp else None   # a copy: adjustments never touch it
-        final = logits.clone() if adjust.any or masks is not None else logits
-        adjust.apply(final, dev)
-        if masks is not None:
+        draws = Draws(values, [rows[i] for i in random_rows.tolist()], vocab) if len(random_rows) else None
+        num_top = [params[c].num_logprobs for c in rows.chunk_of_row[logprob_rows].tolist()] if len(logprob_rows) else []
+        return _Plan(rows, values, adjust, masks, draws, logprob_rows.tolist(), num_top)
+
+    def _queue(self, logits: torch.Tensor, plan: _Plan, dev: dict[str, torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The device's part: a fixed sequence of batched ops over every row -> the tokens [rows] and
+        the logprob table of the rows that asked (or None)."""
+        raw = logits.index_select(0, dev["logprob_rows"]) if plan.want_lp else None   # a copy: adjustments never touch it
+        final = logits.clone() if plan.adjust.any or plan.masks is not None else logits
+        plan.adjust.apply(final, dev)
+        if plan.masks is not None:
             apply_bitmask(final, dev["mask_rows"], dev["mask_words"])
         tokens = final.argmax(dim=-1)
-        if draws is not None:
+        if plan.draws is not None:
             index = dev["random_rows"]
-            tokens.index_copy_(0, index, self._draw(final.index_select(0, index), draws, dev))
-        num_top = [params[i].num_logprobs for i in want_lp]
-        table = logprob_table(raw, tokens.index_select(0, dev["logprob_rows"]), max(num_top)) if want_lp else None
-        return PendingSample(self, list(requests), tokens, table, want_lp, num_top, masks)
+            tokens.index_copy_(0, index, self._draw(final.index_select(0, index), plan.draws, dev))
+        table = (logprob_table(raw, tokens.index_select(0, dev["logprob_rows"]), max(plan.num_top))
+                 if plan.want_lp else None)
+        return tokens, table
 
     def accept_verified(self, request, tokens: Sequence[int]) -> MMServeError | None:
         """Advance a verify chunk's grammar over the tokens accepted from it; why not, if it cannot."""

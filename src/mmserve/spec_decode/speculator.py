@@ -107,12 +107,15 @@ class DeviceDraftRound:
 def next_step_inputs(next_token: torch.Tensor, num_drafts: int, index: torch.Tensor | None = None,
                      drafts: torch.Tensor | None = None) -> torch.Tensor:
     """The next step's inputs after a speculating step [S, 1 + num_drafts]: each sampled row's token
-    after what it kept, then the drafts made from it (`drafts` [D, K] for the rows in `index`),
-    zeros for rows that made none. Built by this one function on every rank, so under tensor
-    parallelism the workers' copy (from rank 0's acceptance and their own drafts) is rank 0's."""
+    after what it kept, then the drafts made from it (`drafts` [D, K] for the rows in `index`, or
+    for every row without one), zeros for rows that made none. Built by this one function on every
+    rank, so under tensor parallelism the workers' copy (from rank 0's acceptance and their own
+    drafts) is rank 0's."""
     tokens = torch.zeros((next_token.shape[0], 1 + num_drafts), dtype=torch.int64, device=next_token.device)
     tokens[:, 0] = next_token
-    if index is not None:
+    if drafts is not None and index is None:   # every row drafted
+        tokens[:, 1:] = drafts
+    elif drafts is not None:
         tokens[:, 1:].index_copy_(0, index, drafts)
     return tokens
 
@@ -226,7 +229,8 @@ class TargetKVReader:
         out = {}
         for t, kind in kinds.items():
             tables.gather(t, index, kind.table.dev[:n])
-            kind.table.dev[n:R].zero_()
+            if n < R:
+                kind.table.dev[n:R].zero_()
             if kind.table.dev is not kind.table.cpu and not kind.device_positions:   # its builder reads the host's
                 np.take(tables.rows[t], rows, axis=0, out=kind.table.np[:n])
                 kind.table.np[n:R] = 0
@@ -279,10 +283,14 @@ class Speculator:
         self.graphs.count_eager(reason)
         return None
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        for i in range(num_drafts):
-            self.verified[i] += 1
-            self.accepted[i] += i < num_accepted
+    def record(self, num_drafts: np.ndarray, num_accepted: np.ndarray) -> None:
+        """A step's verify chunks: each one's drafts, and how many of them the target kept (position
+        i counts the chunks with more than i: one histogram each, summed from the top)."""
+        k = self.num_tokens
+        for counter, values in ((self.verified, num_drafts), (self.accepted, num_accepted)):
+            more_than = np.bincount(values, minlength=k + 1)[:0:-1].cumsum()[::-1].tolist()   # [i]: values > i
+            for i in range(k):
+                counter[i] += more_than[i]
 
     @classmethod
     def load(cls, path: str, target, num_tokens: int, *, max_num_seqs: int) -> Speculator:
@@ -350,6 +358,9 @@ class Speculator:
                       else torch.empty((3, batch.num_rows), dtype=torch.int64, device=hidden.device))
             accepted = self.target.parallel.broadcast(packed.contiguous()).unbind(0)
         tokens, rows, shift = accepted
+        if len(batch.items) == batch.num_rows:   # every sampled row drafts (the usual step): no gather
+            return next_step_inputs(tokens, self.num_tokens, None, self._drafts_on_device(
+                batch, hidden, kv_caches, tables, tokens, rows, shift)), shift
         index = to_device(np.asarray(batch.items, dtype=np.int64), tokens.device)
         drafts = self._drafts_on_device(batch, hidden, kv_caches, tables, tokens.index_select(0, index),
                                         rows.index_select(0, index), shift.index_select(0, index))

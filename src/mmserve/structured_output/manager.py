@@ -26,6 +26,7 @@ import xgrammar as xgr
 from mmserve.errors import InvalidInputError
 from mmserve.sample.row_values import RowValues
 from mmserve.sampling_params import ResponseFormat
+from mmserve.spec_decode.verify import StepRows
 from mmserve.structured_output.compiler import FormatCompiler, field_name
 
 logger = logging.getLogger(__name__)
@@ -64,9 +65,13 @@ class StructuredOutput:
         rows whose grammar admits no token at all (index into `requests` -> why); None if no row is
         constrained. A verify chunk's row after drafts (a row with `drafts`) is masked in the state after
         them and never called dead: if acceptance reaches it, `advance` refuses the token it gets."""
-        constrained = [i for i, r in enumerate(requests) if r.request_id in self._matchers]
-        if not constrained:
+        step = StepRows.of(requests)   # row objects are made for the constrained chunks alone
+        chunks = np.fromiter((r.request_id in self._matchers for r in step.requests), dtype=bool,
+                             count=len(step.requests)) if self._matchers else None
+        if chunks is None or not chunks.any():
             return None
+        constrained = step.rows_where(chunks).tolist()
+        requests = {i: step[i] for i in constrained}
         now = [i for i in constrained if not getattr(requests[i], "drafts", ())]
         rows = now + [i for i in constrained if getattr(requests[i], "drafts", ())]   # one batched fill of `now`
         bitmask = self._scratch_bitmask(len(rows))

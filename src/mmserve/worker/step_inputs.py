@@ -169,7 +169,7 @@ class StepInputBuilder:
         # one Python pass over the requests; everything after it is numpy over the batch
         host_drafts: list[int] = []   # requests whose drafts the host knows (their ids are written here)
         device_drafted = np.zeros(num_reqs, dtype=bool)   # drafts made on the device (ids copied in there)
-        rows_of: list[tuple[int, ...]] = []
+        rows_of: list[int] = []   # 6 fields per request, flat (one numpy conversion)
         for i, s in enumerate(scheduled):
             request, draft = s.request, s.draft_token_ids
             if draft:
@@ -177,8 +177,8 @@ class StepInputBuilder:
                     device_drafted[i] = True
                 else:
                     host_drafts.append(i)
-            rows_of.append((s.num_tokens, s.num_computed_tokens, len(draft), s.num_pad_drafts, request.num_tokens,
-                            bool(request.open_prompt)))
+            rows_of += (s.num_tokens, s.num_computed_tokens, len(draft), s.num_pad_drafts, request.num_tokens,
+                        bool(request.open_prompt))
         fields = np.array(rows_of, dtype=np.int64).reshape(num_reqs, 6)
         lens, computed, drafts, pads, known = (fields[:, j] for j in range(5))
         computed = computed.copy()   # moved back below where the step in flight's acceptance says so

@@ -329,10 +329,10 @@ class Scheduler:
         ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
             for s in scheduled.values():
-                r = s.request
-                if s.seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
+                r, seq_len = s.request, s.seq_len
+                if seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
                     r.num_output_placeholders += s.num_sampled_rows + s.num_pad_drafts
-                r.num_computed_tokens = s.seq_len
+                r.num_computed_tokens = seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
                                block_copies=copies, encode_ahead=ahead)
