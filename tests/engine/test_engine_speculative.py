@@ -87,6 +87,12 @@ def mixed_requests(seed: int):
 LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
 
 
+# Workloads a test draws until its draw covers what it is about (the drafter kept every draft of some
+# step and rejected some; a preemption and an abort of a running request): about 1 draw in 10-20 does
+# not (the seed sweep: 3 of 30 and 1 of 22). Every draw is checked in full; 4 miss at most ~1e-4.
+DRAWS = 4
+
+
 @pytest.mark.parametrize("loop", [*LOOPS, "async, device twins"])
 def test_greedy_tokens_equal_those_without_speculation(models, loop, monkeypatch):
     """Device twins: every staged buffer's device tensor apart from its host mirror, as on CUDA,
@@ -94,35 +100,49 @@ def test_greedy_tokens_equal_those_without_speculation(models, loop, monkeypatch
     must reach the host before a step plans."""
     from test_cuda_graphs import device_twins
 
-    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
-    _, expected = run(models, requests, speculate=False)
-    if loop.endswith("device twins"):
-        device_twins(monkeypatch)
-        models = sdpa_models(models)
-    llm, got = run(models, requests, speculate=True, **LOOPS[loop.split(",")[0]])
+    for _ in range(DRAWS):
+        requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+        _, expected = run(models, requests, speculate=False)
+        with monkeypatch.context() as patch:
+            speculating = models
+            if loop.endswith("device twins"):
+                device_twins(patch)
+                speculating = sdpa_models(models)
+            llm, got = run(speculating, requests, speculate=True, **LOOPS[loop.split(",")[0]])
+            assert_equal_to_the_target(llm, requests, expected, got)
+            if kept_every_draft_and_rejected_some(llm):
+                again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
+                hits = {c.request_id: c for c in llm.generate(again)}
+                break
+    else:
+        pytest.fail(f"in {DRAWS} request sets no step kept all its drafts, or none rejected one: the test proves little")
+
+    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
+    for r in requests:
+        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
+        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
+    assert_pools_full(llm.core)
+
+
+def kept_every_draft_and_rejected_some(llm) -> bool:
+    spec = llm.core.speculator
+    return spec.accepted[-1] > 0 and spec.verified[0] > spec.accepted[0]
+
+
+def assert_equal_to_the_target(llm, requests, expected, got) -> None:
+    """Greedy tokens, logprobs of every emitted token (verify chunks' included) and finish reasons are
+    the target's; every block is free and every cached key names verified tokens."""
     for rid, c in expected.items():
         assert got[rid].token_ids == c.token_ids, rid
         assert got[rid].finish_reason == c.finish_reason == "length", rid
-    # logprobs of every emitted token, verify chunks' included, are the target's
     theirs, ours = expected["short"].logprobs, got["short"].logprobs
     assert len(ours) == len(theirs) == 17
     for a, b in zip(ours, theirs, strict=True):
         assert (a.token_id, a.rank, a.top_ids) == (b.token_id, b.rank, b.top_ids)
         torch.testing.assert_close(torch.tensor([a.logprob, *a.top_logprobs]), torch.tensor([b.logprob, *b.top_logprobs]),
                                    rtol=1e-4, atol=1e-4)
-    spec = llm.core.speculator
-    assert spec.accepted[0] > 0 and spec.accepted[-1] > 0, "no draft was ever accepted: the test proves little"
-    assert spec.verified[0] > spec.accepted[0], "no draft was ever rejected: rollback went untested"
     assert_pools_full(llm.core)
     assert_only_verified_keys(llm, requests, got)
-
-    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
-    again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
-    hits = {c.request_id: c for c in llm.generate(again)}
-    for r in requests:
-        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
-        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
-    assert_pools_full(llm.core)
 
 
 def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
