@@ -325,7 +325,7 @@ def test_drafts_of_a_step_no_step_follows_are_checked_before_its_tokens(tp_core,
     way or the other, and the tokens are TP=1's."""
     from mmserve.executor.step_messages import DraftsCheck
 
-    seed = random.SystemRandom().randrange(10_000)
+    seed = random.randrange(10_000)
     rng = random.Random(seed)
     requests = [build_request(f"d{i}", [rng.randrange(4, 20)], seed=rng.randrange(10_000),
                               max_tokens=rng.randrange(8, 16), temperature=0.0) for i in range(2)]
