@@ -121,6 +121,7 @@ def build_layer(spec: ModelSpec, layer: LayerSpec, dtype: torch.dtype) -> decode
     module = module.to_empty(device="cpu").to(dtype)
     for p in module.parameters():
         p.data.normal_(0, 0.02)   # finite values: softmax/top-k of uninitialised memory may be NaN
+    module.layer_scalar.fill_(1.0)   # a buffer: to_empty left it uninitialised, as the constructor's ones(1) was on meta
     if module.moe is not None:
         module.moe.experts.touched.zero_()   # its buffer is allocated once, not by a step
     return module.eval()

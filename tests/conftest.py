@@ -7,10 +7,12 @@ its own event loop, once per test session. The `start_server` fixture starts one
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import itertools
 import logging
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,61 @@ _fa4_outcomes: dict[str, str] = {}
 # OpenMP teams of two spin against each other (a speculative engine test took 38 s, with one thread
 # 1 s). Servers the tests start are other processes and keep their configured threads.
 torch.set_num_threads(1)
+
+
+# Random draws. Each test runs with torch's, numpy's and `random`'s global generators seeded from (the
+# salt, its node id), and the module and class fixtures set up for it from (the salt, its file): what a
+# test draws no longer depends on which tests ran before it in its process, and one salt reproduces it.
+# MMSERVE_TEST_SEED=N picks another salt (other draws); a failing test's report names its salt.
+DEFAULT_SEED_SALT = 0
+
+
+def _seed_salt() -> int:
+    value = os.environ.get("MMSERVE_TEST_SEED", str(DEFAULT_SEED_SALT))
+    try:
+        return int(value)
+    except ValueError:
+        raise pytest.UsageError(f"MMSERVE_TEST_SEED must be an integer, got {value[:40]!r}") from None
+
+
+SEED_SALT = _seed_salt()
+SEED_LINE = f"random seeds: salt {SEED_SALT}, each test's draws from (salt, node id); MMSERVE_TEST_SEED=N for others"
+
+
+def _seed_generators(key: str) -> None:
+    """~15 us; torch.manual_seed would spend ~170 us queueing seeds for CUDA and XPU devices never started."""
+    digest = hashlib.blake2b(f"{SEED_SALT}:{key}".encode(), digest_size=8).digest()
+    seed = int.from_bytes(digest, "little")
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+    np.random.seed(seed >> 32)
+    random.seed(seed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture: a module fixture draws the same whichever of the file's tests sets it up."""
+    _seed_generators(item.nodeid.split("::")[0])
+
+
+@pytest.fixture(autouse=True)
+def _seeded_draws(request):
+    """After the module's fixtures (set up for the first test that needs them): a test run alone draws as in a full run."""
+    _seed_generators(request.node.nodeid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        report.sections.append(("random seeds", f"salt {SEED_SALT}; the same draws again: "
+                                                f"MMSERVE_TEST_SEED={SEED_SALT} pytest '{item.nodeid}'"))
+    return report
+
+
+def pytest_report_header(config):
+    return SEED_LINE
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +149,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Say in the log whether the FA4 FakeTensorMode compile tests ran (CI's log must show they did)."""
     ran = ", ".join(f"{nodeid.split('::')[-1]} {outcome}" for nodeid, outcome in sorted(_fa4_outcomes.items()))
     terminalreporter.write_line(f"FA4 compile check (FakeTensorMode, no GPU): {ran or 'not run'}")
+    if config.option.verbose < 0:   # -q (`make test`) prints no header
+        terminalreporter.write_line(SEED_LINE)
     if _fa4_check_required_but_not_passed():
         terminalreporter.write_line("MMSERVE_REQUIRE_FA4_CHECK=1: the FA4 compile tests must run and pass", red=True)
 

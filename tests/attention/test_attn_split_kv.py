@@ -76,7 +76,7 @@ def ragged(rng: random.Random, n: int, query_len: int, longest: int) -> list[Req
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gemma_full_decode", "gqa4_verify", "sliding_frames"])
 def test_split_kv_matches_the_dense_reference(interpreted, case):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     if case == "gemma_full_decode":   # one KV head, 16 packed rows, head dim 512, a 32-key tile
         spec, reqs = GEMMA_FULL, ragged(rng, 3, 1, 400) + [Req(0, 1)]
     elif case == "gqa4_verify":   # verify chunks (K + 1 = 5 rows) of 4-head groups: 20 rows, 2 tiles; one
@@ -121,7 +121,7 @@ def test_positions_moved_back_on_the_device_after_planning_keep_the_window(inter
     host's longer contexts, then starts up to K keys too late for a sliding layer: the planner
     starts `position_slack` keys earlier and the kernel's window mask (device positions) keeps
     exactly the window, as the reference over the true contexts."""
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     K = 3
     spec = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=40, bidirectional=False,
                               scale=0.25)
@@ -141,7 +141,7 @@ def test_positions_moved_back_on_the_device_after_planning_keep_the_window(inter
 def test_flex_builder_plans_decode_for_split_kv_and_prefill_for_flex(interpreted):
     """With split-KV on (CUDA's choice: attention/selection.py), decode-shaped steps get a split-KV
     plan the flex impl runs, longer chunks flex's block mask; without it decode stays on flex."""
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     spec = replace(GEMMA_FULL, head_dim=64)
     decode = make_batch(ragged(rng, 3, 1, 200), spec, gen=fresh())
     prefill = make_batch([Req(10, 40), Req(30, 1)], spec, gen=fresh())

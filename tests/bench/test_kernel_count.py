@@ -29,6 +29,18 @@ def kernel_count():
         yield module
 
 
+def test_a_built_layer_holds_its_constructors_buffers(kernel_count):
+    """build_layer allocates on the meta device and draws only the parameters: its buffers must be
+    the constructor's. An uninitialised layer_scalar (1e34, 0: whatever the memory held) scaled the
+    outputs the compiled pieces are compared on, so the comparison failed or compared zeros."""
+    spec = load_spec(Gemma4Config(**tiny_config(window=6)))
+    for kind, layer in kernel_count.layer_kinds(spec).items():
+        built = dict(kernel_count.build_layer(spec, layer, torch.float32).named_buffers())
+        real = dict(decoder.DecoderLayer(spec, layer, kernel_count.StubAttention()).named_buffers())
+        assert built.keys() == real.keys(), kind
+        assert all(torch.equal(built[name], real[name]) for name in real), (kind, built)
+
+
 @pytest.mark.slow
 def test_a_dense_layer_fits_twelve_kernels_and_unfusing_counts_more(kernel_count, monkeypatch):
     spec = load_spec(Gemma4Config(**tiny_config(window=6)))

@@ -286,7 +286,7 @@ def test_the_profiling_step_samples_the_way_that_holds_the_most_memory(load_back
     profiled = memory_profile.profiling_requests(model.spec, config, max_model_len=512)
     assert len(profiled) == rows and profiled[0].sampling_params.prompt_logprobs
     logits = torch.randn(rows, vocab) * 3
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
 
     def peak(params: list[SamplingParams]) -> int:
         requests = [Request(f"r{i}", [rng.randrange(vocab) for _ in range(30)], p,

@@ -44,7 +44,7 @@ def reference(logits: torch.Tensor, params, prompts, outputs, eos) -> torch.Tens
 
 
 def test_batched_adjustments_equal_the_per_row_reference():
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     vocab, eos = 64, [1, 5]
     params, prompts, outputs = [], [], []
     for _ in range(12):
@@ -71,7 +71,7 @@ def test_batched_adjustments_equal_the_per_row_reference():
 def test_penalty_state_kept_across_steps_equals_the_reference_each_step():
     """The per-request device state grows with each step's new output tokens (verify rows' drafts
     counted on a copy only): every step's penalised logits equal the reference on the full history."""
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     vocab = 48
     params = [SamplingParams(repetition_penalty=rng.uniform(1.1, 2.0), frequency_penalty=rng.uniform(-1, 1),
                              presence_penalty=rng.uniform(-1, 1)) for _ in range(3)]

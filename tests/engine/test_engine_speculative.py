@@ -87,6 +87,12 @@ def mixed_requests(seed: int):
 LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
 
 
+# Workloads a test draws until its draw covers what it is about (the drafter kept every draft of some
+# step and rejected some; a preemption and an abort of a running request): about 1 draw in 10-20 does
+# not (the seed sweep: 3 of 30 and 1 of 22). Every draw is checked in full; 4 miss at most ~1e-4.
+DRAWS = 4
+
+
 @pytest.mark.parametrize("loop", [*LOOPS, "async, device twins"])
 def test_greedy_tokens_equal_those_without_speculation(models, loop, monkeypatch):
     """Device twins: every staged buffer's device tensor apart from its host mirror, as on CUDA,
@@ -94,35 +100,49 @@ def test_greedy_tokens_equal_those_without_speculation(models, loop, monkeypatch
     must reach the host before a step plans."""
     from test_cuda_graphs import device_twins
 
-    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
-    _, expected = run(models, requests, speculate=False)
-    if loop.endswith("device twins"):
-        device_twins(monkeypatch)
-        models = sdpa_models(models)
-    llm, got = run(models, requests, speculate=True, **LOOPS[loop.split(",")[0]])
+    for _ in range(DRAWS):
+        requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+        _, expected = run(models, requests, speculate=False)
+        with monkeypatch.context() as patch:
+            speculating = models
+            if loop.endswith("device twins"):
+                device_twins(patch)
+                speculating = sdpa_models(models)
+            llm, got = run(speculating, requests, speculate=True, **LOOPS[loop.split(",")[0]])
+            assert_equal_to_the_target(llm, requests, expected, got)
+            if kept_every_draft_and_rejected_some(llm):
+                again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
+                hits = {c.request_id: c for c in llm.generate(again)}
+                break
+    else:
+        pytest.fail(f"in {DRAWS} request sets no step kept all its drafts, or none rejected one: the test proves little")
+
+    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
+    for r in requests:
+        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
+        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
+    assert_pools_full(llm.core)
+
+
+def kept_every_draft_and_rejected_some(llm) -> bool:
+    spec = llm.core.speculator
+    return spec.accepted[-1] > 0 and spec.verified[0] > spec.accepted[0]
+
+
+def assert_equal_to_the_target(llm, requests, expected, got) -> None:
+    """Greedy tokens, logprobs of every emitted token (verify chunks' included) and finish reasons are
+    the target's; every block is free and every cached key names verified tokens."""
     for rid, c in expected.items():
         assert got[rid].token_ids == c.token_ids, rid
         assert got[rid].finish_reason == c.finish_reason == "length", rid
-    # logprobs of every emitted token, verify chunks' included, are the target's
     theirs, ours = expected["short"].logprobs, got["short"].logprobs
     assert len(ours) == len(theirs) == 17
     for a, b in zip(ours, theirs, strict=True):
         assert (a.token_id, a.rank, a.top_ids) == (b.token_id, b.rank, b.top_ids)
         torch.testing.assert_close(torch.tensor([a.logprob, *a.top_logprobs]), torch.tensor([b.logprob, *b.top_logprobs]),
                                    rtol=1e-4, atol=1e-4)
-    spec = llm.core.speculator
-    assert spec.accepted[0] > 0 and spec.accepted[-1] > 0, "no draft was ever accepted: the test proves little"
-    assert spec.verified[0] > spec.accepted[0], "no draft was ever rejected: rollback went untested"
     assert_pools_full(llm.core)
     assert_only_verified_keys(llm, requests, got)
-
-    # The same prompts again: prefix-cache hits, then speculation over the reused blocks.
-    again = [dataclasses.replace(r, request_id=f"{r.request_id}-again") for r in requests]
-    hits = {c.request_id: c for c in llm.generate(again)}
-    for r in requests:
-        assert hits[f"{r.request_id}-again"].token_ids == expected[r.request_id].token_ids
-        assert hits[f"{r.request_id}-again"].usage.cached_tokens > 0
-    assert_pools_full(llm.core)
 
 
 def test_async_speculation_moves_positions_on_the_device(models, monkeypatch):
@@ -427,28 +447,38 @@ def test_cancellations_and_preemptions_among_speculating_requests_leave_nothing_
     import random
     from types import SimpleNamespace
 
-    rng = random.Random(int(torch.randint(0, 10_000, ())))
-    requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000), max_tokens=rng.randrange(8, 24),
-                              disable_speculation=i % 3 == 0) for i in range(9)]
-    _, expected = run(models, requests, speculate=False, num_kv_blocks=96)
-    llm, _ = run(models, [], speculate=True, num_kv_blocks=36, **LOOPS[loop])
-    llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
+    for _ in range(DRAWS):   # until the budget preempts and an abort finds its request running (~1 draw in 20 misses)
+        rng = random.Random(int(torch.randint(0, 10_000, ())))
+        requests = [build_request(f"r{i}", [rng.randrange(10, 40)], seed=rng.randrange(1000),
+                                  max_tokens=rng.randrange(8, 24), disable_speculation=i % 3 == 0) for i in range(9)]
+        _, expected = run(models, requests, speculate=False, num_kv_blocks=96)
+        llm, _ = run(models, [], speculate=True, num_kv_blocks=36, **LOOPS[loop])
+        llm.core.scheduler.verify_width = 4   # speculating chunks padded to 1 + K rows, as with verify graphs
+        preempted = record_preemptions(llm)
+        doomed = {r.request_id: rng.randrange(2, 30) for r in rng.sample(requests, 3)}   # aborted at that step
+        tokens, aborted = step_through(llm, requests, aborts=doomed)
+        for r in requests:
+            want = expected[r.request_id].token_ids
+            got = tokens[r.request_id]
+            assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
+        assert llm.core.speculator.verified[0] > 0
+        assert_pools_full(llm.core)
+        assert not llm.core.sampler.grammar or not llm.core.sampler.grammar._matchers
+        assert not llm.core.requests and not llm.core.scheduler.running
+        emitted = {rid: SimpleNamespace(token_ids=ids) for rid, ids in tokens.items()}   # all verified, aborted ones' too
+        assert_only_verified_keys(llm, requests, emitted)
+        if preempted and aborted:
+            break
+    else:
+        pytest.fail(f"in {DRAWS} workloads nothing was preempted ({preempted}) or no abort came while its request "
+                    f"ran ({aborted}): the KV budget is too generous for this test")
+
+
+def record_preemptions(llm) -> list[str]:
+    """The ids of the requests the scheduler preempts from now on, in order."""
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
-    doomed = {r.request_id: rng.randrange(2, 30) for r in rng.sample(requests, 3)}   # aborted at that step
-    tokens, aborted = step_through(llm, requests, aborts=doomed)
-    assert preempted, "nothing was preempted: the KV budget is too generous for this test"
-    assert aborted, "no request was still running when its abort came"
-    for r in requests:
-        want = expected[r.request_id].token_ids
-        got = tokens[r.request_id]
-        assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
-    assert llm.core.speculator.verified[0] > 0
-    assert_pools_full(llm.core)
-    assert not llm.core.sampler.grammar or not llm.core.sampler.grammar._matchers
-    assert not llm.core.requests and not llm.core.scheduler.running
-    emitted = {rid: SimpleNamespace(token_ids=ids) for rid, ids in tokens.items()}   # all verified, aborted ones' too
-    assert_only_verified_keys(llm, requests, emitted)
+    return preempted
 
 
 @pytest.mark.parametrize("loop", [*LOOPS, "async, device twins"])

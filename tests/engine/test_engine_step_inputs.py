@@ -225,7 +225,7 @@ def test_in_flight_drafts_and_pads_match_per_request_python():
     request's rows written out one by one: ids, positions, where each in-flight id is copied from,
     the rows sampled."""
     for _ in range(30):
-        seed = random.SystemRandom().randrange(2**31)
+        seed = random.randrange(2**31)
         try:
             _check_in_flight_fill(random.Random(seed))
         except AssertionError as e:

@@ -127,7 +127,7 @@ def assert_nothing_held(core) -> None:
     assert (held["requests"], held["kv_blocks_held"], held["encoded_ahead_bytes"]) == ([], {}, 0), held
 
 
-DRAWS = 5   # workloads drawn until the drafter keeps a draft in TP=1 (else the acceptance check compares nothing)
+DRAWS = 5   # workloads drawn until one covers what a test checks (a draft kept in TP=1; a verify step last before a drain)
 
 
 def kept_drafts(drafts: dict[str, list]) -> int:
@@ -172,7 +172,7 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
     workers build the next inputs from it; before, the in-flight tokens went by a second one), and
     the workers check their drafts against rank 0's."""
     for _ in range(DRAWS):   # a draw whose drafter keeps nothing happens (1 in ~3): draw again
-        seed = random.SystemRandom().randrange(10_000)
+        seed = random.randrange(10_000)
         speculating = workload(random.Random(seed), True)
         tp1_async = run(tp1(load_backend, assistant, "async"), speculating)
         if kept_drafts(tp1_async[1]):
@@ -212,7 +212,7 @@ def test_tp2_async_cancel_and_preemption_leave_nothing_held_on_any_rank(tp_core,
     """Speculating requests on a KV budget too small for all of them (preemptions, recomputed with
     the step after them already launched) and one aborted mid-decode: the others' tokens are TP=1's,
     and no KV block, placeholder or embedding (summed over both ranks) is held at the end."""
-    seed = random.SystemRandom().randrange(10_000)
+    seed = random.randrange(10_000)
     rng = random.Random(seed)
     requests = [build_request(f"r{i}", [rng.randrange(10, 30)], seed=rng.randrange(10_000), max_tokens=16,
                               temperature=0.0) for i in range(6)]
@@ -237,7 +237,7 @@ def test_tp2_async_cancel_and_preemption_leave_nothing_held_on_any_rank(tp_core,
 def test_tp2_async_video_encodes_ahead_beside_decodes(tp_core, load_backend, assistant):
     """A video arriving beside decoding requests, its frames encoded ahead on every rank: the tokens
     of TP=1's synchronous loop, and nothing held on any rank at the end."""
-    rng = random.Random(random.SystemRandom().randrange(10_000))
+    rng = random.Random(random.randrange(10_000))
     decoders = [build_request(f"d{i}", [rng.randrange(5, 15)], seed=rng.randrange(1000), max_tokens=16,
                               temperature=0.0) for i in range(2)]
     video = build_request("v", [3, ("video", [8] * rng.randrange(3, 6)), 4], seed=rng.randrange(1000),
@@ -295,7 +295,7 @@ def test_held_outcome_takes_the_round_it_drafted_and_catches_other_drafts():
     step later, one differing draft raises, and a step told to take an outcome no round built fails."""
     from mmserve.executor.step_messages import DraftsDiverged, HeldOutcome, InFlightTokens
 
-    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
     tokens, shift = torch.randint(0, 300, (5, 1 + K), generator=gen), torch.randint(0, K + 1, (5,), generator=gen)
     rows = {f"r{i}": i for i in torch.randperm(5, generator=gen).tolist()}
     outcome = HeldOutcome(rank=1)
@@ -325,26 +325,13 @@ def test_drafts_of_a_step_no_step_follows_are_checked_before_its_tokens(tp_core,
     (The checks riding step messages: the first test's.)"""
     from mmserve.executor.step_messages import DraftsCheck
 
-    seed = random.SystemRandom().randrange(10_000)
+    seed = random.randrange(10_000)
     rng = random.Random(seed)
     requests = [build_request("d", [rng.randrange(4, 20)], seed=rng.randrange(10_000),
                               max_tokens=rng.randrange(8, 16), temperature=0.0)]
     want, _ = run(tp1(load_backend, assistant, "async"), requests)
-    runner, sent = tp_core.runner, []
-    execute, send = type(runner).execute, runner.tp.send
-
-    def executing(self, out, prev=None):
-        result = execute(self, out, prev)
-        sent.append(("step", len(self._took_held)))
-        return result
-
-    def sending(msg):
-        if isinstance(msg, DraftsCheck):
-            sent.append(("check", len(msg.verified)))
-        return send(msg)
-
-    monkeypatch.setattr(type(runner), "execute", executing)
-    monkeypatch.setattr(runner.tp, "send", sending)
+    runner = tp_core.runner
+    sent = record_steps_and_checks(monkeypatch, runner, type(runner).execute, runner.tp.send, DraftsCheck)
     monkeypatch.setattr(tp_core.scheduler, "_all_in_flight", lambda request: request.num_output_placeholders > 1)
     use_loop(tp_core, "async")
     got, _ = run(tp_core, requests)
@@ -355,6 +342,26 @@ def test_drafts_of_a_step_no_step_follows_are_checked_before_its_tokens(tp_core,
         if kind == "step" and took:   # no step follows it: the next message is its check
             assert i + 1 in checks, (seed, i, sent)
     assert_nothing_held(tp_core)
+
+
+def record_steps_and_checks(patch, runner, execute, send, check_type) -> list[tuple[str, int]]:
+    """("step", drafts the step took from the workers' round) per step rank 0 runs and ("check",
+    requests checked) per drafts check it sends, in order."""
+    sent = []
+
+    def executing(self, out, prev=None):
+        result = execute(self, out, prev)
+        sent.append(("step", len(self._took_held)))
+        return result
+
+    def sending(msg):
+        if isinstance(msg, check_type):
+            sent.append(("check", len(msg.verified)))
+        return send(msg)
+
+    patch.setattr(type(runner), "execute", executing)
+    patch.setattr(runner.tp, "send", sending)
+    return sent
 
 
 def test_a_worker_whose_drafts_differ_from_rank_0s_stops_the_group(tp_core):
@@ -374,7 +381,7 @@ def test_a_worker_whose_drafts_differ_from_rank_0s_stops_the_group(tp_core):
 
     tp_core.runner.tp.send = tamper
     use_loop(tp_core, "async")
-    rng = random.Random(random.SystemRandom().randrange(10_000))
+    rng = random.Random(random.randrange(10_000))
     for i in range(2):
         tp_core.add_request(build_request(f"t{i}", [rng.randrange(4, 20)], seed=rng.randrange(10_000), max_tokens=24,
                                           temperature=0.0).core_request())

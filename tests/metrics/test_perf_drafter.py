@@ -54,7 +54,7 @@ def hand_count(spec, model: Assistant, drafts: list[DraftWork], tp: int = 1) -> 
 
 
 def test_drafter_flops_and_weight_reads_equal_a_hand_count(gemma4_fixtures, tmp_path):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     for ordered in (False, True):
         target, spec, model = random_assistant(gemma4_fixtures, tmp_path, rng, ordered=ordered)
         perf = PerfModel(load_spec(target), drafter=spec)
@@ -71,7 +71,7 @@ def test_drafter_per_gpu_at_tp2_equals_a_hand_count_over_one_ranks_shard(gemma4_
     the model bills that shard's matmuls and weights, not the whole drafter."""
     from mmserve.model.parallel import ParallelGroup
 
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     for ordered in (False, True):
         target, spec, whole = random_assistant(gemma4_fixtures, tmp_path, rng, ordered=ordered)
         with torch.device("meta"):
@@ -86,7 +86,7 @@ def test_drafter_per_gpu_at_tp2_equals_a_hand_count_over_one_ranks_shard(gemma4_
 
 
 def test_a_step_without_drafts_is_billed_as_without_a_drafter(gemma4_fixtures, tmp_path):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     target, spec, _ = random_assistant(gemma4_fixtures, tmp_path, rng, ordered=False)
     requests = (RequestWork(rng.randint(2, 30), 60, True), RequestWork(1 + rng.randint(0, 3), rng.randint(5, 50), False))
     plain, with_drafter = PerfModel(load_spec(target)), PerfModel(load_spec(target), drafter=spec)
@@ -114,7 +114,7 @@ def test_telemetry_bills_each_request_its_draft_rows_and_the_step_its_useful_tok
     from mmserve.request import Request
     from mmserve.sampling_params import SamplingParams
 
-    target, spec, _ = random_assistant(gemma4_fixtures, tmp_path, random.Random(), ordered=False)
+    target, spec, _ = random_assistant(gemma4_fixtures, tmp_path, random.Random(random.getrandbits(64)), ordered=False)
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))

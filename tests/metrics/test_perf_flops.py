@@ -73,7 +73,7 @@ def random_image(rng: random.Random, k: int, patch_dim: int):
 
 @pytest.fixture(scope="module")
 def rng() -> random.Random:
-    return random.Random()
+    return random.Random(random.getrandbits(64))
 
 
 @pytest.mark.parametrize("variant", ["dense", "moe", "e_model", "unified"])

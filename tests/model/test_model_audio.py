@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 
 
 def _clips(*seconds: float) -> list[np.ndarray]:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(np.random.randint(2**31))
     return [(0.3 * rng.standard_normal(int(s * 16000))).astype(np.float32) for s in seconds]
 
 

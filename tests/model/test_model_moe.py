@@ -68,7 +68,7 @@ def hf_modules(hidden: int, moe: MoeSpec):
 
 @pytest.mark.parametrize("tokens", [1, 16, 100])
 def test_router_and_experts_match_transformers(tokens):
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     hidden, moe = 24, MoeSpec(num_experts=rng.randint(4, 9), top_k=rng.randint(2, 3), intermediate=rng.randint(8, 20))
     hf_router, hf_experts = hf_modules(hidden, moe)
     router, experts = Router(hidden, moe, 1e-6), Experts(hidden, moe)
@@ -155,7 +155,7 @@ def test_grouped_path_never_syncs_with_the_host(monkeypatch, pairwise_max):
     captured as CUDA graphs; the result and the touched count equal the per-expert loop's. Both
     ways of ranking the pairs: pairwise (decode) and by a scan (PAIRWISE_MAX 0: a prefill's)."""
     monkeypatch.setattr(moe_module, "PAIRWISE_MAX", pairwise_max)
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     hidden, moe = 24, MoeSpec(num_experts=rng.randint(6, 9), top_k=2, intermediate=16)
     block = MoeBlock(hidden, moe, 1e-6)
     with torch.no_grad():
@@ -175,7 +175,7 @@ def test_grouped_path_never_syncs_with_the_host(monkeypatch, pairwise_max):
 def test_pairwise_rank_equals_the_scan():
     """A pair's row in the grouped order, both ways, on fresh random buckets with many repeats (a
     sharded rank's other-rank bucket, the last, included): the same stable order."""
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     buckets = rng.randint(2, 9)
     flat = torch.tensor([rng.randrange(buckets + 1) for _ in range(rng.randint(1, 200))])
     ids = torch.arange(buckets + 1)

@@ -249,7 +249,7 @@ def _rank_main(rank: int, init_method: str, cases: dict, drafters: dict, out_dir
 @pytest.fixture(scope="module")
 def tp_cases(tmp_path_factory):
     """{variant: (checkpoint, prompt layout, chunk end, decode ids)} on fresh random weights and inputs."""
-    seed = random.SystemRandom().randrange(2**31)
+    seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     root = tmp_path_factory.mktemp("tp")
     cases = {}
@@ -268,7 +268,7 @@ def drafter_cases(tmp_path_factory):
     """{head: (target, assistant, prompt ids, first token)}: a dense target (its sliding layers' 2 KV
     heads split, its full layers' one replicated) and a fresh random assistant per head kind; the
     prompt is longer than both sliding windows."""
-    seed = random.SystemRandom().randrange(2**31)
+    seed = random.randrange(2**31)
     gen = torch.Generator().manual_seed(seed)
     root = tmp_path_factory.mktemp("tp_drafters")
     cfg = tiny_config(window=6)

@@ -102,7 +102,7 @@ def test_min_tokens_is_a_lower_bound_on_fresh_random_text(tok, kind):
     tokenizer = {"byte-level": lambda: tok, "sentencepiece": sentencepiece_style_tokenizer,
                  "demo": lambda: load_tokenizer(DEMO_MODEL_DIR)}[kind]()
     assert tokenizer.max_chars_per_token is not None
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     for _ in range(30):
         text = _random_text(rng, rng.randint(1, 400))
         assert len(tokenizer.encode(text)) >= tokenizer.min_tokens(len(text)) > 0, text

@@ -89,7 +89,7 @@ def test_bad_images_are_invalid_input(name: str, data: bytes) -> None:
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
 def test_every_listed_format_decodes_like_pillow(fmt: str) -> None:
-    pixels = np.random.default_rng().integers(0, 256, (20, 28, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(np.random.randint(2**31)).integers(0, 256, (20, 28, 3), dtype=np.uint8)
     data = encoded(Image.fromarray(pixels), fmt)
     want = np.asarray(convert_to_rgb(Image.open(io.BytesIO(data))))
     assert np.array_equal(decode_image(data, LIMITS), want)
@@ -146,7 +146,7 @@ def test_damaged_images_are_described_without_internals(cut: int) -> None:
 def test_fit_resizes_while_decoding_exactly_as_preprocessing_does() -> None:
     from mmserve.multimodal.preprocess import _resize
 
-    pixels = np.random.default_rng().integers(0, 256, (97, 61, 3), dtype=np.uint8)
+    pixels = np.random.default_rng(np.random.randint(2**31)).integers(0, 256, (97, 61, 3), dtype=np.uint8)
     got = decode_image(encoded(Image.fromarray(pixels), "PNG"), LIMITS, fit=lambda h, w: (48, 32))
     assert np.array_equal(got, _resize(pixels, 48, 32))
 

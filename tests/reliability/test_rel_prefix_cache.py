@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import random
 
 import grpc
@@ -53,7 +52,7 @@ async def _one(stub, request: pb.GenerateRequest, plan: str, rng: random.Random)
 
 @pytest.mark.slow
 def test_shared_videos_under_preemption_cancels_and_eviction_leave_nothing_held(tight_server, make_video):
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    rng = random.Random(random.getrandbits(32))
     videos = [make_video(seed=rng.randrange(1000), num_frames=4) for _ in range(3)]
     jobs = []
     for i in range(48):

@@ -102,7 +102,7 @@ def test_released_window_entries_equal_their_definition_at_every_step():
     max(those before, the block of the first key kept, within the table), on prompts with media
     ranges and random chunk sizes (fresh seeds); it fails if a release is skipped or comes early."""
     for _ in range(30):
-        seed = random.SystemRandom().randrange(2**31)
+        seed = random.randrange(2**31)
         rng = random.Random(seed)
         kv = make_kv(512)
         n = rng.randint(2, 150)

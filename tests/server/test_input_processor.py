@@ -47,8 +47,8 @@ def _png(rng: np.random.Generator, h: int, w: int) -> tuple[bytes, np.ndarray]:
 def test_video_and_text_become_frames_with_timestamps(tiny_checkpoint, executor, make_video):
     processor = _processor(tiny_checkpoint, executor)
     spec, tok = processor.spec, processor.tokenizer
-    num_frames = int(np.random.default_rng().integers(2, 6))
-    data = make_video(int(np.random.default_rng().integers(0, 1000)), num_frames=8)
+    num_frames = int(np.random.default_rng(np.random.randint(2**31)).integers(2, 6))
+    data = make_video(int(np.random.default_rng(np.random.randint(2**31)).integers(0, 1000)), num_frames=8)
     request = _process(processor, VideoInput(data=data, num_frames=num_frames), TextInput("Describe the video."))
 
     # Reference: decode and patchify directly, then lay the prompt out by the documented rule.
@@ -74,7 +74,7 @@ def test_video_and_text_become_frames_with_timestamps(tiny_checkpoint, executor,
 
 
 def test_image_and_frames_parts(tiny_checkpoint, executor):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(np.random.randint(2**31))
     processor = _processor(tiny_checkpoint, executor)
     spec = processor.spec
     image, image_pixels = _png(rng, 24, 40)
@@ -184,7 +184,7 @@ def test_image_tokens_count_against_the_context_before_decoding(tiny_checkpoint,
 
 def test_given_frames_decode_one_at_a_time_to_the_same_patches(tiny_checkpoint, executor):
     """Frames decoded straight to the model's size give exactly the patches of full-size decoding."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(np.random.randint(2**31))
     processor = _processor(tiny_checkpoint, executor)
     spec = processor.spec
     frames = [_png(rng, int(rng.integers(40, 200)), int(rng.integers(40, 200))) for _ in range(3)]

@@ -37,7 +37,7 @@ def checkpoint_with_a_reference(root, fixtures, make_video):
     random model samples a media placeholder is drawn again: transformers then counts the sampled id
     as one more video slot and raises (our engine embeds it as the pad token)."""
     for _ in range(10):
-        seed = random.SystemRandom().randrange(10_000)
+        seed = random.randrange(10_000)
         path = root / f"e_model_{seed}"
         hf = fixtures.make_checkpoint(path, config=fixtures.e_model_config(), seed=seed)
         (path / "preprocessor_config.json").write_text(json.dumps(

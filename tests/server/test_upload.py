@@ -113,7 +113,7 @@ def test_a_chunked_upload_answers_like_the_same_video_inline(server, stub, clien
 
 def test_an_uploaded_image_answers_like_the_same_image_inline(stub, client):
     png = io.BytesIO()
-    Image.fromarray(np.random.default_rng().integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(png, format="PNG")
+    Image.fromarray(np.random.default_rng(np.random.randint(2**31)).integers(0, 256, (24, 24, 3), dtype=np.uint8)).save(png, format="PNG")
     data = png.getvalue()
     ref = stub.UploadMedia(iter(chunked(data, 500, mime_type="image/png")))
     asked = dict(prompt="What is this?", max_tokens=6, temperature=0)
