@@ -13,6 +13,8 @@ from engine_helpers import PROMPTS, build_request, make_llm
 from mmserve.engine.parallel_sampling import fan_out, sample_seed
 from mmserve.errors import InvalidInputError
 
+LOOPS = ["off", "on"]   # --async-scheduling: CUDA's default is on; the samples' forks follow their parent either way
+
 
 def with_sampling(req, **kw):
     return dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, **kw))
@@ -23,21 +25,22 @@ def count_prefill_tokens(llm) -> list[int]:
     counted = [0]
     execute = llm.core.runner.execute
 
-    def counting(out):
+    def counting(out, *prev):   # (async scheduling: the step in flight's tokens)
         counted[0] += sum(max(0, min(s.seq_len, s.request.num_prompt_tokens) - s.num_computed_tokens)
                           for s in out.scheduled)
-        return execute(out)
+        return execute(out, *prev)
 
     llm.core.runner.execute = counting
     return counted
 
 
-def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt(load_backend):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_samples_equal_separate_requests_with_derived_seeds_and_share_the_prompt(load_backend, loop):
     model_tok = load_backend("sdpa")
     seed = random.randrange(2**63)
     req = with_sampling(build_request("p", PROMPTS["video"], random.randrange(10_000), max_tokens=6),
                         temperature=1.0, top_k=20, seed=seed, n=4)
-    llm = make_llm(model_tok, attention_backend="sdpa")
+    llm = make_llm(model_tok, attention_backend="sdpa", async_scheduling=loop)
     prefill = count_prefill_tokens(llm)
     got = llm.generate([req])[0]
     assert [s.request_id for s in got.samples] == ["p", "p#1", "p#2", "p#3"]
@@ -65,15 +68,17 @@ def count_frames_encoded(llm) -> list[int]:
     return counted
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("caching", [False, True])
-def test_samples_compute_the_prompt_and_encode_each_frame_once_with_or_without_prefix_caching(load_backend, caching):
+def test_samples_compute_the_prompt_and_encode_each_frame_once_with_or_without_prefix_caching(load_backend, caching,
+                                                                                              loop):
     """Without prefix caching (and so without an encoder cache) the samples used to compute the whole
     prompt and encode every frame again each; now each computes only its last prompt token."""
     model_tok = load_backend("sdpa")
     seed = random.randrange(2**63)
     req = with_sampling(build_request("v", PROMPTS["video"], random.randrange(10_000), max_tokens=5),
                         temperature=1.0, seed=seed, n=4)
-    llm = make_llm(model_tok, attention_backend="sdpa", enable_prefix_caching=caching)
+    llm = make_llm(model_tok, attention_backend="sdpa", enable_prefix_caching=caching, async_scheduling=loop)
     if not caching:
         assert llm.core.runner.encoder_cache.max_bytes == 0
     prefill, frames = count_prefill_tokens(llm), count_frames_encoded(llm)
@@ -87,11 +92,12 @@ def test_samples_compute_the_prompt_and_encode_each_frame_once_with_or_without_p
     assert llm.core.kv.usage() == 0 and not llm.core.requests and not llm.core.scheduler.forks
 
 
-def test_cancel_mid_stream_frees_every_block(load_backend):
+@pytest.mark.parametrize("loop", LOOPS)
+def test_cancel_mid_stream_frees_every_block(load_backend, loop):
     model_tok = load_backend("sdpa")
     req = with_sampling(build_request("c", PROMPTS["image"], random.randrange(10_000), max_tokens=20),
                         temperature=1.0, n=3)
-    llm = make_llm(model_tok, attention_backend="sdpa")
+    llm = make_llm(model_tok, attention_backend="sdpa", async_scheduling=loop)
     core = llm.core
     for sub in fan_out(req):
         llm.add_request(sub)

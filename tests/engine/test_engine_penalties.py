@@ -122,8 +122,11 @@ def test_min_tokens_and_logit_bias_end_to_end(load_backend):
     assert free.token_ids[0] not in banned.token_ids
 
 
-def test_min_tokens_hold_back_stop_strings(load_backend):
-    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+@pytest.mark.parametrize("loop", ["off", "on"])
+def test_min_tokens_hold_back_stop_strings(load_backend, loop):
+    """(Async scheduling: each generate reuses the id "s" while the step after the last one's stop is
+    still in flight.)"""
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     for _ in range(20):   # a random prompt whose greedy text shows a visible character early
         base = build_request("s", PROMPTS["text"], random.randrange(10_000), max_tokens=12)
         full = llm.generate([base])[0]
