@@ -69,8 +69,8 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
     logits: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
     execute = llm.core.runner.execute
 
-    def recording_execute(out):
-        result = execute(out)
+    def recording_execute(out, *prev):   # (async scheduling: the step in flight's tokens)
+        result = execute(out, *prev)
         for row, s in zip(result.logits, result.sampling, strict=True):
             logits[s.request.request_id].append(row.clone())
         return result

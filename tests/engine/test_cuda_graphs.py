@@ -239,9 +239,9 @@ def test_speculating_steps_run_as_graphs_give_the_tokens_of_eager_steps(speculat
         runner = llm.core.runner
         execute = runner.execute
 
-        def recording(out, runner=runner, execute=execute):
+        def recording(out, *prev, runner=runner, execute=execute):
             replays = runner.graphs.replays
-            result = execute(out)
+            result = execute(out, *prev)
             steps.append((not any(s.is_prefill for s in out.scheduled), runner.graphs.replays > replays,
                           {len(s.draft_token_ids) for s in out.scheduled}))
             return result
@@ -323,9 +323,9 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
         runner = llm.core.runner
         execute, replay = runner.execute, runner._replay
 
-        def garbage_then_execute(out, runner=runner, execute=execute):
+        def garbage_then_execute(out, *prev, runner=runner, execute=execute):
             fill_garbage(runner)
-            return execute(out)
+            return execute(out, *prev)
 
         def replay_recording(scheduled, tables, rows, size, query_len, prev=None, runner=runner, replay=replay):
             inputs, hidden = replay(scheduled, tables, rows, size, query_len, prev)

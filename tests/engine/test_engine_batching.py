@@ -120,8 +120,8 @@ def test_sliding_layer_blocks_stay_bounded_by_the_window(load_backend):
 
     execute = llm.core.runner.execute
 
-    def watched(out):   # the KV held while the step runs (the request's end frees it before the observer runs)
-        result = execute(out)
+    def watched(out, *prev):   # the KV held while the step runs (the request's end frees it before the observer runs)
+        result = execute(out, *prev)
         for t in held:
             held[t].append(llm.core.kv.num_held("long", t))
         cached.append(result.frames_encoded.get("long", 0))

@@ -603,8 +603,8 @@ def test_block_size_128_gives_the_tokens_of_block_size_16(models):
         held = {SLIDING: [], FULL: []}
         execute = llm.core.runner.execute
 
-        def watched(out, llm=llm, held=held, execute=execute):
-            result = execute(out)
+        def watched(out, *prev, llm=llm, held=held, execute=execute):
+            result = execute(out, *prev)
             if all(not s.is_prefill for s in out.scheduled if s.request.request_id == "long"):
                 for t in held:
                     held[t].append(llm.core.kv.num_held("long", t))

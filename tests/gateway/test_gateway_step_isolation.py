@@ -169,12 +169,12 @@ class PoisonedEncoder:
             raise RuntimeError("injected fault inside the vision encoder")
         return type(self.model).encode_vision(self.model, pixel_values, position_ids)
 
-    def execute(self, out):
+    def execute(self, out, *prev):   # (async scheduling: the step in flight's tokens)
         if self.hold.is_set():
             self.hold.clear()
             self.holding.set()
             self.release.wait(30)
-        return type(self.core.runner).execute(self.core.runner, out)
+        return type(self.core.runner).execute(self.core.runner, out, *prev)
 
     def __enter__(self) -> PoisonedEncoder:
         self.model.encode_vision = self.encode_vision

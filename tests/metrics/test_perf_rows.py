@@ -68,9 +68,9 @@ def counted_run(tmp_path, seed: int):
     assistant = llm.core.speculator.assistant
     draft_step = assistant.step
 
-    def counting_execute(out):
+    def counting_execute(out, *prev):   # (async scheduling: the step in flight's tokens)
         steps.append(dict(layers=[0] * len(model.decoder.layers), embed=[], logits=[], drafts=[]))
-        return execute(out)
+        return execute(out, *prev)
 
     def counting_embed(ids, *args):
         count("embed", ids.shape[0])

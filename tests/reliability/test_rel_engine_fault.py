@@ -20,12 +20,12 @@ class FaultOnce:
         self.armed = threading.Event()
         self.failed_ids: list[str] | None = None
 
-    def __call__(self, out):
+    def __call__(self, out, *prev):   # (async scheduling: the step in flight's tokens)
         if self.armed.is_set():
             self.armed.clear()
             self.failed_ids = [s.request.request_id for s in out.scheduled]
             raise RuntimeError("injected fault in the model step")
-        return type(self.runner).execute(self.runner, out)
+        return type(self.runner).execute(self.runner, out, *prev)
 
     def __enter__(self) -> FaultOnce:
         self.runner.execute = self
