@@ -10,7 +10,8 @@ bisection it replaces on CUDA is 31 rounds of three full-batch ops each (~240 la
 ~30 reads and writes of every nucleus row's probabilities). Reductions go through tl.reduce with
 this module's combine functions, not tl.max / tl.sum (jit functions of triton's own, interpreted or
 compiled as TRITON_INTERPRET was when triton was imported), so tests/engine/test_sampler_nucleus.py
-runs it in Triton's interpreter in any process; it also compiles it for sm_90a.
+runs it in Triton's interpreter in any process; it also compiles it for sm_90a. (split_kv_kernels.py
+keeps its own two for the same reason: the tests reload each kernel module under the interpreter.)
 """
 
 from __future__ import annotations

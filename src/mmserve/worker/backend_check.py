@@ -14,7 +14,8 @@ the padded graph and eagerly unpadded, and their rows are compared (model_runner
 capture or a mismatch runs those steps eagerly. E2B/E4B's PLE projection kernel (a Triton GEMM
 of our own, model/ple_kernels.py): against the float32 GEMM at decode row counts; a failure turns it
 off (cuBLAS). The sampler's top-p kernel (sample/nucleus_kernels.py): against the nucleus's
-definition on random rows; a failure turns it off (torch's bisection). `--strict-backends` turns every fallback into a start-up error.
+definition on random rows; a failure turns it off (torch's bisection). `--strict-backends` turns
+every fallback into a start-up error.
 Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` metric.
 """
 
@@ -148,7 +149,7 @@ def ple_kernel_mismatch(proj_w: torch.Tensor) -> str | None:
 
 
 NUCLEUS_CHECK_ROWS = (1, 4)   # one program per row: one row, and programs side by side
-NUCLEUS_TOLERANCE = 1e-5          # float32 sums of a row in another order
+NUCLEUS_TOLERANCE = 1e-5      # float32 sums of a row in another order
 
 
 def check_nucleus_kernel(vocab: int, device: torch.device, *, strict: bool) -> list[BackendCheck]:
@@ -185,9 +186,9 @@ def nucleus_kernel_mismatch(vocab: int, device: torch.device) -> str | None:
         t = torch.where(kept > 0, kept, torch.inf).amin(dim=-1, keepdim=True)
         exact = torch.equal(kept, torch.where(asked >= t, asked, 0.0)) and torch.equal(got[0], probs[0])
         wide = asked.double()
-        reaches = wide.where(asked >= t, 0.0).sum(-1) >= top_p.double() - NUCLEUS_TOLERANCE
-        smallest = wide.where(asked > t, 0.0).sum(-1) < top_p.double() + NUCLEUS_TOLERANCE
-        if not (exact and bool((reaches & smallest).all())):
+        kept_reaches = wide.where(asked >= t, 0.0).sum(-1) >= top_p.double() - NUCLEUS_TOLERANCE
+        above_falls_short = wide.where(asked > t, 0.0).sum(-1) < top_p.double() + NUCLEUS_TOLERANCE
+        if not (exact and bool((kept_reaches & above_falls_short).all())):
             return f"{rows} rows: a row's kept tokens are not its nucleus"
     return None
 
