@@ -302,18 +302,25 @@ class StepRecorder(NullObserver):
         self.records.append(record)
 
 
-def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills(models):
-    """Emitted tokens add up to each completion; every request that drafts ran the batch's longest
-    draft loop over the keys left after rollback (its context minus the rejected rows)."""
+@pytest.mark.parametrize("loop", LOOPS)
+def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills(models, loop):
+    """Emitted tokens add up to each completion; a verify chunk starts where the tokens verified
+    before it end (the async loop scheduled it before the step before rejected drafts); every
+    request that drafts ran the batch's longest draft loop over the keys left after rollback (its
+    context minus the rejected rows)."""
     requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
     recorder = StepRecorder()
-    _, got = run(models, requests, speculate=True, observer=recorder)
+    _, got = run(models, requests, speculate=True, observer=recorder, **LOOPS[loop])
+    prompt = {r.request_id: len(r.prompt_token_ids) for r in requests}
     emitted = {rid: 0 for rid in got}
     drafted = 0
     for record in recorder.records:
         rows = {i.draft_rows for i in record.items if i.draft_rows}
         assert len(rows) <= 1 and rows <= set(range(1, 4)), record.items   # one batched loop, K = 3
         for item in record.items:
+            if not item.is_prefill and item.emitted_tokens:
+                # in the cache before it: every token known but the last, the chunk's first input
+                assert item.context_len - item.num_tokens == prompt[item.request_id] + emitted[item.request_id] - 1, item
             emitted[item.request_id] += item.emitted_tokens
             if item.draft_rows:
                 drafted += 1
@@ -321,6 +328,31 @@ def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills
         assert not any(i.draft_rows for i in record.items if i.request_id == "opted-out")
     assert emitted == {rid: len(c.token_ids) for rid, c in got.items()}
     assert drafted > 0
+
+
+def test_the_async_loop_records_the_steps_it_shares_with_the_synchronous_loop_alike(models):
+    """One greedy speculating run on both loops: the steps both schedule alike (until the async
+    loop, which counts a verify chunk's rows as placeholders until they reach the host, drafts fewer
+    near max_tokens) have equal records, context, drafts kept and drafting billed included, among them
+    verify chunks after a step that rejected drafts (the async loop's record is built before it
+    learns those: its context once counted them). On a request's last step the async loop drafted
+    on the device before it knew the request ends (billed: the device ran it); the synchronous does not."""
+    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+    steps = {}
+    for loop, options in LOOPS.items():
+        recorder = StepRecorder()
+        run(models, requests, speculate=True, observer=recorder, **options)
+        steps[loop] = [record.items for record in recorder.records]
+    last_step = {i.request_id: n for n, items in enumerate(steps["sync"]) for i in items}
+    after_rejection, rejected = 0, set()
+    for n, (sync, async_) in enumerate(zip(steps["sync"], steps["async"], strict=False)):
+        if [(i.request_id, i.num_tokens) for i in sync] != [(i.request_id, i.num_tokens) for i in async_]:
+            break   # the loops schedule apart from here
+        assert [dataclasses.replace(i, draft_rows=0, draft_keys=0) if last_step[i.request_id] == n else i
+                for i in async_] == sync
+        after_rejection += sum(i.request_id in rejected and not i.is_prefill for i in sync)
+        rejected = {i.request_id for i in sync if i.draft_tokens > i.accepted_drafts}
+    assert after_rejection >= 3, "too few shared verify chunks after a rejection: the test proves little"
 
 
 def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch):
