@@ -84,7 +84,8 @@ def mixed_requests(seed: int):
     ]
 
 
-LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
+# async: drafts made and verified on the device; each named (the suite may run with MMSERVE_ASYNC_SCHEDULING=on)
+LOOPS = {"sync": {"async_scheduling": "off"}, "async": {"async_scheduling": "on"}}
 
 
 # Workloads a test draws until its draw covers what it is about (the drafter kept every draft of some
@@ -355,27 +356,31 @@ def test_the_async_loop_records_the_steps_it_shares_with_the_synchronous_loop_al
     assert after_rejection >= 3, "too few shared verify chunks after a rejection: the test proves little"
 
 
-def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch):
-    """Fault injection (a sampler bug on one request's later verify rows): the batch is sampled
-    again row by row, the request's first row succeeds and its later rows fail. Their tokens are
-    placeholders, so the request ends with the error; its step-mate keeps its solo tokens."""
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch, loop):
+    """Fault injection (a sampler bug on one request's later verify rows, in the batched call either
+    loop makes: `sample`, or the async loop's `launch`): the batch is sampled again row by row, the
+    request's first row succeeds and its later rows fail. Their tokens are placeholders, so the
+    request ends with the error; its step-mate keeps its solo tokens."""
     from mmserve.spec_decode.verify import VerifyRow
 
     def requests():
         return [build_request("victim", [20], seed=1, max_tokens=12), build_request("mate", [22], seed=2, max_tokens=12)]
 
-    _, alone = run(models, requests()[1:], speculate=True)
+    _, alone = run(models, requests()[1:], speculate=True, **LOOPS[loop])
     model_tok, assistant = models
     llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=16, speculative_model=assistant,
-                   num_speculative_tokens=3)
-    sample = llm.core.sampler.sample
+                   num_speculative_tokens=3, **LOOPS[loop])
 
-    def failing(logits, rows):
-        if any(isinstance(r, VerifyRow) and r.drafts and r.request_id == "victim" for r in rows):
-            raise RuntimeError("injected sampler bug")
-        return sample(logits, rows)
+    def failing(call):
+        def sample(logits, rows):
+            if any(isinstance(r, VerifyRow) and r.drafts and r.request_id == "victim" for r in rows):
+                raise RuntimeError("injected sampler bug")
+            return call(logits, rows)
+        return sample
 
-    monkeypatch.setattr(llm.core.sampler, "sample", failing)
+    for name in ("sample", "launch"):
+        monkeypatch.setattr(llm.core.sampler, name, failing(getattr(llm.core.sampler, name)))
     for r in requests():
         llm.add_request(r)
     tokens, errors = {"victim": [], "mate": []}, {}
@@ -413,7 +418,9 @@ def test_constrained_requests_speculate_with_drafts_the_grammar_allows(models):
                 for i in range(4)]
     requests.append(build_request("free", [14], seed=seed + 9, max_tokens=20))   # shares the steps, unconstrained
     _, expected = run(models, requests, speculate=False)
-    llm, _ = run(models, [], speculate=True)
+    # The synchronous loop's: the async loop drafts before the matcher sees the step's tokens, unmasked
+    # (architecture.md, the engine loop); its constrained tokens are checked by the tests run on both.
+    llm, _ = run(models, [], speculate=True, **LOOPS["sync"])
     proposed = []   # (request id, output so far, drafts) of every draft loop
     propose = llm.core.speculator.propose
 
