@@ -550,8 +550,9 @@ class EngineCore:
         accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
         drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
+        # a copy: _conclude adds chunks whose media failed, which the device did not move the next step back by
         self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
-                       drafted if self.speculator is not None else None, rejected, step.moved_back)
+                       drafted if self.speculator is not None else None, dict(rejected), step.moved_back)
         for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
             request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
         return rejected
