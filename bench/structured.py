@@ -127,7 +127,8 @@ def _requests(llm, config, n: int, sampling: SamplingParams) -> list:
 def bench_engine(batches: list[int], steps: int, repeats: int) -> list[dict]:
     from mmserve.engine.llm import LLM
 
-    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", max_num_seqs=max(batches))
+    # the synchronous loop: it times the sampler's one call per step (the async loop queues it instead)
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", max_num_seqs=max(batches), async_scheduling="off")
     llm = LLM(**dataclasses.asdict(config))
     core = llm.core
     decode_steps: list[float] = []

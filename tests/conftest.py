@@ -92,8 +92,17 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+# The engine loop. Every engine the suite builds (in-process, the servers and TP ranks it starts)
+# takes its --async-scheduling default from MMSERVE_ASYNC_SCHEDULING (config.py): unset, auto, which is
+# the synchronous loop on this CPU; MMSERVE_ASYNC_SCHEDULING=on runs the suite on the loop CUDA users
+# run. Tests about one loop name it.
+ENGINE_LOOP = os.environ.get("MMSERVE_ASYNC_SCHEDULING", "auto")
+LOOP_LINE = (f"engine loop: {dict(on='async', off='synchronous').get(ENGINE_LOOP, 'auto (synchronous on a CPU)')} "
+             f"unless a test names one (MMSERVE_ASYNC_SCHEDULING={ENGINE_LOOP}); =on for the async loop")
+
+
 def pytest_report_header(config):
-    return SEED_LINE
+    return [SEED_LINE, LOOP_LINE]
 
 
 @pytest.fixture(autouse=True)
@@ -151,6 +160,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"FA4 compile check (FakeTensorMode, no GPU): {ran or 'not run'}")
     if config.option.verbose < 0:   # -q (`make test`) prints no header
         terminalreporter.write_line(SEED_LINE)
+        terminalreporter.write_line(LOOP_LINE)
     if _fa4_check_required_but_not_passed():
         terminalreporter.write_line("MMSERVE_REQUIRE_FA4_CHECK=1: the FA4 compile tests must run and pass", red=True)
 

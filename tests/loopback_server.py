@@ -50,6 +50,16 @@ class LoopbackServer:
     def engine(self):
         return self.app.engine
 
+    @property
+    def async_loop(self) -> bool:
+        """Whether its engine runs the async loop (its --async-scheduling on its device): a test of
+        what one loop does asks (the suite may run with MMSERVE_ASYNC_SCHEDULING=on)."""
+        import torch
+
+        from mmserve.core.engine_core import uses_async_scheduling
+
+        return uses_async_scheduling(self.engine_config, torch.device(self.engine_config.device))
+
     def start(self, timeout_s: float = 300.0) -> LoopbackServer:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="mmserve-test-server",
                                         daemon=True)

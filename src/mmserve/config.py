@@ -23,6 +23,7 @@ DEVICE_DEFAULTS = {
     "cpu": {"max_num_batched_tokens": 512, "prefill_batched_tokens": 2048, "max_num_seqs": 64},
     "cuda": {"max_num_batched_tokens": 2048, "prefill_batched_tokens": 8192, "max_num_seqs": 128},
 }
+ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
 
 
@@ -82,11 +83,14 @@ class EngineConfig:
                 "across requests (on CUDA on a side stream), so decodes beside a video's prefill do not wait for "
                 "the vision tower (under tensor parallelism, every rank alike); off = each step encodes its own"})
     enforce_eager: bool = field(default=False, metadata={"help": "no CUDA graphs: run every step eagerly (CUDA only; CPU steps are always eager)"})
-    async_scheduling: str = field(default="auto", metadata={
+    # The one field whose default is read from its variable when the config is built in Python too
+    # (mmserve.LLM, the eval client, a test's engine): one variable switches every engine a process and
+    # the processes it starts build, e.g. the test suite run on the loop CUDA users run.
+    async_scheduling: str = field(default_factory=lambda: os.environ.get("MMSERVE_ASYNC_SCHEDULING", "auto"), metadata={
         "help": "schedule and launch step N+1 while step N runs, its sampled tokens (and, with --speculative-model, "
                 "its acceptance and the drafts made after it) fed to N+1 on the device and reaching the front end one "
                 "step late (under tensor parallelism the workers take them from rank 0's device by one broadcast): "
-                "auto (on CUDA) | on | off", "choices": ("auto", "on", "off")})
+                "auto (on CUDA) | on | off", "choices": ASYNC_SCHEDULING_CHOICES})
     emulate_cuda_graphs: bool = field(default=False, metadata={
         "help": "on a CPU, run the steps CUDA graphs would run the way they would (the same bucketing, padding and "
                 "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})
@@ -182,6 +186,9 @@ class EngineConfig:
         return max(self.max_num_batched_tokens, self.prefill_batched_tokens)
 
     def __post_init__(self) -> None:
+        if self.async_scheduling not in ASYNC_SCHEDULING_CHOICES:   # the CLI checks its flag, not the variable read here
+            raise ValueError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}, got "
+                             f"{str(self.async_scheduling)[:40]!r} (given, or else from MMSERVE_ASYNC_SCHEDULING)")
         # Resolved once here, so every reader (model loader, perf model, peaks, model info) sees a real dtype.
         if self.dtype == "auto":
             self.dtype = default_dtype(self.device)

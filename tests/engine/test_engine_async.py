@@ -231,11 +231,30 @@ def test_async_scheduling_auto_is_on_cuda_with_or_without_tensor_parallelism(mod
     from mmserve.config import EngineConfig
     from mmserve.core.engine_core import uses_async_scheduling
 
+    auto = dict(async_scheduling="auto")   # named: the suite may run with MMSERVE_ASYNC_SCHEDULING=on
     assert uses_async_scheduling(EngineConfig(async_scheduling="on", tensor_parallel_size=2), torch.device("cpu"))
-    assert uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cuda"))
-    assert not uses_async_scheduling(EngineConfig(tensor_parallel_size=2), torch.device("cpu"))
-    assert uses_async_scheduling(EngineConfig(speculative_model="assistant"), torch.device("cuda"))
-    assert not make_llm(model_tok).core.async_scheduling   # auto: on CUDA only
+    assert uses_async_scheduling(EngineConfig(tensor_parallel_size=2, **auto), torch.device("cuda"))
+    assert not uses_async_scheduling(EngineConfig(tensor_parallel_size=2, **auto), torch.device("cpu"))
+    assert uses_async_scheduling(EngineConfig(speculative_model="assistant", **auto), torch.device("cuda"))
+    assert not make_llm(model_tok, **auto).core.async_scheduling   # auto: on CUDA only
+
+
+def test_mmserve_async_scheduling_is_the_default_of_engines_built_in_python_too(model_tok, monkeypatch):
+    """The variable reaches an engine built in Python (mmserve.LLM, a test's), not only `mmserve
+    serve`'s flag: one switch for a process and the servers and ranks it starts. A value given wins;
+    a bad one is refused naming the variable."""
+    from mmserve.cli import build_parser
+    from mmserve.config import EngineConfig, from_args
+
+    monkeypatch.setenv("MMSERVE_ASYNC_SCHEDULING", "on")
+    assert make_llm(model_tok).core.async_scheduling
+    assert EngineConfig(async_scheduling="off").async_scheduling == "off"
+    monkeypatch.setenv("MMSERVE_ASYNC_SCHEDULING", "off")
+    argv = ["serve", "--port", "0"]
+    assert from_args(EngineConfig, build_parser(argv).parse_args(argv)).async_scheduling == "off"
+    monkeypatch.setenv("MMSERVE_ASYNC_SCHEDULING", "sometimes")
+    with pytest.raises(ValueError, match="'sometimes'.*MMSERVE_ASYNC_SCHEDULING"):
+        EngineConfig()
 
 
 def test_the_served_loop_runs_async_steps_and_sends_outputs_from_its_thread(model_tok):

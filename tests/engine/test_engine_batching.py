@@ -90,15 +90,17 @@ class _Preemptions(NullObserver):
         self.slots.append((len(self.core.sampler.penalties._slot), len(self.core.scheduler.running)))
 
 
-def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend):
+@pytest.mark.parametrize("loop", ["off", "on"])
+def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend, loop):
     """Preempted requests (some with penalties, whose counts and prompt bitmask are rebuilt when they
     resume) give the tokens they give alone; a preempted request holds no penalty slot, so slots
-    never outnumber the running requests (the tables have --max-num-seqs rows)."""
+    never outnumber the running requests (the tables have --max-num-seqs rows). Async: a request
+    is preempted while a step that scheduled it is in flight."""
     model_tok = load_backend("reference")
     reqs = random_requests(10, seed=int(torch.randint(0, 1000, ())), max_tokens=(6, 10), penalties=True)
     expected = alone(model_tok, reqs)
     # 25 usable blocks of 4 tokens: the longest request fits alone, ten together do not.
-    llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32)
+    llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32, async_scheduling=loop)
     llm.observer = observer = _Preemptions(llm.core)
     got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
     assert observer.count > 0, "the cache should have been too small to avoid preemption"

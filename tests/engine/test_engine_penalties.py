@@ -102,9 +102,10 @@ def test_out_of_range_values_are_rejected(kw):
         SamplingParams(**kw)
 
 
-def test_min_tokens_and_logit_bias_end_to_end(load_backend):
+@pytest.mark.parametrize("loop", ["off", "on"])
+def test_min_tokens_and_logit_bias_end_to_end(load_backend, loop):
     base = build_request("m", PROMPTS["text"], random.randrange(10_000), max_tokens=10)
-    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     free = llm.generate([base])[0]
     # the 3rd greedy token becomes end-of-sequence: without min_tokens the run stops there
     llm.core.eos_token_ids = frozenset({free.token_ids[2]})

@@ -196,7 +196,8 @@ def test_budget_of_16_tokens_with_hits_in_flight(load_backend):
     assert sum(got[r.request_id].usage.cached_tokens > 0 for r in first + later) >= 4
 
 
-def test_a_small_kv_cache_evicts_and_preempts_while_requests_run(load_backend):
+@pytest.mark.parametrize("loop", ["off", "on"])   # async: blocks released and keyed with a step in flight
+def test_a_small_kv_cache_evicts_and_preempts_while_requests_run(load_backend, loop):
     # Two documents run first (all their full blocks stay cached), then six follow-ups about them
     # arrive together. The pool is sized from these prompts so that the six are admitted in one step
     # without evicting anything (each reuses its document's cached prefix and takes empty blocks
@@ -228,7 +229,8 @@ def test_a_small_kv_cache_evicts_and_preempts_while_requests_run(load_backend):
     # The pool holds `cached + own`; the six end up needing sum(reused) + own + growth of it.
     assert 0 < cached - sum(reused) < growth     # evictions first, then more than the pool holds
     got, watch, on = compare(load_backend("reference"), [docs, follow], num_kv_blocks=cached + own + 1,
-                             max_num_seqs=6, max_num_batched_tokens=sum(prompt[r] - hit[r] for r in hit))
+                             max_num_seqs=6, max_num_batched_tokens=sum(prompt[r] - hit[r] for r in hit),
+                             async_scheduling=loop)
     assert watch.preempted > 0
     assert {r: got[r].usage.cached_tokens for r in hit} == hit
     unreused = [key for d, n in zip(docs, reused, strict=True)
@@ -262,15 +264,18 @@ def test_a_hits_sliding_table_starts_with_null_blocks(load_backend):
     b = with_tail(a, "b", 41, [a.prompt_token_ids[-1] + 1])
     tables = {}
 
-    class FirstTable(Watch):
-        def on_step(self, record):
-            for item in record.items:
-                tables.setdefault(item.request_id, list(llm.core.kv.block_table(item.request_id, SLIDING)))
+    def first_tables(execute):
+        """Each request's table as its first step launches (the async loop's records come a step later)."""
+        def recording(out, *prev):
+            for s in out.scheduled:
+                tables.setdefault(s.request.request_id, list(llm.core.kv.block_table(s.request.request_id, SLIDING)))
+            return execute(out, *prev)
+        return recording
 
     got = {}
     for caching in (False, True):                  # the cached run last: its tables are checked
         llm, _ = engine(load_backend("reference"), enable_prefix_caching=caching)
-        llm.observer = FirstTable()
+        llm.core.runner.execute = first_tables(llm.core.runner.execute)
         tables.clear()
         got[caching] = [c.token_ids for c in (llm.generate([a])[0], llm.generate([b])[0])]
         assert_pools_full(llm.core)

@@ -84,7 +84,8 @@ def mixed_requests(seed: int):
     ]
 
 
-LOOPS = {"sync": {}, "async": {"async_scheduling": "on"}}   # async: drafts made and verified on the device
+# async: drafts made and verified on the device; each named (the suite may run with MMSERVE_ASYNC_SCHEDULING=on)
+LOOPS = {"sync": {"async_scheduling": "off"}, "async": {"async_scheduling": "on"}}
 
 
 # Workloads a test draws until its draw covers what it is about (the drafter kept every draft of some
@@ -302,18 +303,25 @@ class StepRecorder(NullObserver):
         self.records.append(record)
 
 
-def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills(models):
-    """Emitted tokens add up to each completion; every request that drafts ran the batch's longest
-    draft loop over the keys left after rollback (its context minus the rejected rows)."""
+@pytest.mark.parametrize("loop", LOOPS)
+def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills(models, loop):
+    """Emitted tokens add up to each completion; a verify chunk starts where the tokens verified
+    before it end (the async loop scheduled it before the step before rejected drafts); every
+    request that drafts ran the batch's longest draft loop over the keys left after rollback (its
+    context minus the rejected rows)."""
     requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
     recorder = StepRecorder()
-    _, got = run(models, requests, speculate=True, observer=recorder)
+    _, got = run(models, requests, speculate=True, observer=recorder, **LOOPS[loop])
+    prompt = {r.request_id: len(r.prompt_token_ids) for r in requests}
     emitted = {rid: 0 for rid in got}
     drafted = 0
     for record in recorder.records:
         rows = {i.draft_rows for i in record.items if i.draft_rows}
         assert len(rows) <= 1 and rows <= set(range(1, 4)), record.items   # one batched loop, K = 3
         for item in record.items:
+            if not item.is_prefill and item.emitted_tokens:
+                # in the cache before it: every token known but the last, the chunk's first input
+                assert item.context_len - item.num_tokens == prompt[item.request_id] + emitted[item.request_id] - 1, item
             emitted[item.request_id] += item.emitted_tokens
             if item.draft_rows:
                 drafted += 1
@@ -323,27 +331,56 @@ def test_step_records_carry_emitted_tokens_and_the_drafting_the_perf_model_bills
     assert drafted > 0
 
 
-def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch):
-    """Fault injection (a sampler bug on one request's later verify rows): the batch is sampled
-    again row by row, the request's first row succeeds and its later rows fail. Their tokens are
-    placeholders, so the request ends with the error; its step-mate keeps its solo tokens."""
+def test_the_async_loop_records_the_steps_it_shares_with_the_synchronous_loop_alike(models):
+    """One greedy speculating run on both loops: the steps both schedule alike (until the async
+    loop, which counts a verify chunk's rows as placeholders until they reach the host, drafts fewer
+    near max_tokens) have equal records, context, drafts kept and drafting billed included, among them
+    verify chunks after a step that rejected drafts (the async loop's record is built before it
+    learns those: its context once counted them). On a request's last step the async loop drafted
+    on the device before it knew the request ends (billed: the device ran it); the synchronous does not."""
+    requests = mixed_requests(seed=int(torch.randint(0, 1000, ())))
+    steps = {}
+    for loop, options in LOOPS.items():
+        recorder = StepRecorder()
+        run(models, requests, speculate=True, observer=recorder, **options)
+        steps[loop] = [record.items for record in recorder.records]
+    last_step = {i.request_id: n for n, items in enumerate(steps["sync"]) for i in items}
+    after_rejection, rejected = 0, set()
+    for n, (sync, async_) in enumerate(zip(steps["sync"], steps["async"], strict=False)):
+        if [(i.request_id, i.num_tokens) for i in sync] != [(i.request_id, i.num_tokens) for i in async_]:
+            break   # the loops schedule apart from here
+        assert [dataclasses.replace(i, draft_rows=0, draft_keys=0) if last_step[i.request_id] == n else i
+                for i in async_] == sync
+        after_rejection += sum(i.request_id in rejected and not i.is_prefill for i in sync)
+        rejected = {i.request_id for i in sync if i.draft_tokens > i.accepted_drafts}
+    assert after_rejection >= 3, "too few shared verify chunks after a rejection: the test proves little"
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_verify_row_whose_sampling_fails_ends_only_its_own_request(models, monkeypatch, loop):
+    """Fault injection (a sampler bug on one request's later verify rows, in the batched call either
+    loop makes: `sample`, or the async loop's `launch`): the batch is sampled again row by row, the
+    request's first row succeeds and its later rows fail. Their tokens are placeholders, so the
+    request ends with the error; its step-mate keeps its solo tokens."""
     from mmserve.spec_decode.verify import VerifyRow
 
     def requests():
         return [build_request("victim", [20], seed=1, max_tokens=12), build_request("mate", [22], seed=2, max_tokens=12)]
 
-    _, alone = run(models, requests()[1:], speculate=True)
+    _, alone = run(models, requests()[1:], speculate=True, **LOOPS[loop])
     model_tok, assistant = models
     llm = make_llm(model_tok, block_size=BS, max_num_batched_tokens=16, speculative_model=assistant,
-                   num_speculative_tokens=3)
-    sample = llm.core.sampler.sample
+                   num_speculative_tokens=3, **LOOPS[loop])
 
-    def failing(logits, rows):
-        if any(isinstance(r, VerifyRow) and r.drafts and r.request_id == "victim" for r in rows):
-            raise RuntimeError("injected sampler bug")
-        return sample(logits, rows)
+    def failing(call):
+        def sample(logits, rows):
+            if any(isinstance(r, VerifyRow) and r.drafts and r.request_id == "victim" for r in rows):
+                raise RuntimeError("injected sampler bug")
+            return call(logits, rows)
+        return sample
 
-    monkeypatch.setattr(llm.core.sampler, "sample", failing)
+    for name in ("sample", "launch"):
+        monkeypatch.setattr(llm.core.sampler, name, failing(getattr(llm.core.sampler, name)))
     for r in requests():
         llm.add_request(r)
     tokens, errors = {"victim": [], "mate": []}, {}
@@ -381,7 +418,9 @@ def test_constrained_requests_speculate_with_drafts_the_grammar_allows(models):
                 for i in range(4)]
     requests.append(build_request("free", [14], seed=seed + 9, max_tokens=20))   # shares the steps, unconstrained
     _, expected = run(models, requests, speculate=False)
-    llm, _ = run(models, [], speculate=True)
+    # The synchronous loop's: the async loop drafts before the matcher sees the step's tokens, unmasked
+    # (architecture.md, the engine loop); its constrained tokens are checked by the tests run on both.
+    llm, _ = run(models, [], speculate=True, **LOOPS["sync"])
     proposed = []   # (request id, output so far, drafts) of every draft loop
     propose = llm.core.speculator.propose
 

@@ -24,8 +24,9 @@ def sampled(fmt: ResponseFormat, max_tokens: int = 28) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=random.randrange(2**32), response_format=fmt)
 
 
-def test_random_model_output_matches_its_constraint(load_backend):
-    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+@pytest.mark.parametrize("loop", ["off", "on"])   # async: a step's mask waits for the token in flight
+def test_random_model_output_matches_its_constraint(load_backend, loop):
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     regex = ResponseFormat("regex", r"(yes|no) [0-9]{2,3}")
     grammar = ResponseFormat("grammar", 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+')
     schema = ResponseFormat("json_schema", json.dumps(SCHEMA))
@@ -103,13 +104,14 @@ def _step_all(llm, requests) -> tuple[dict, dict, list[set]]:
     return tokens, errors, steps
 
 
-def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend):
+@pytest.mark.parametrize("loop", ["off", "on"])   # async: it fails with its next step in flight
+def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend, loop):
     """Step-mates: a greedy bystander, a request whose grammar matches nothing (refused when its compile
     ends) and one whose matcher dead-ends after one token. Fault injection for the last: grammars that
     can dead-end are refused up front, so its matcher is swapped for one compiled from such a grammar
     past the checks, as a grammar the checks missed would be. Only the two end, with errors naming
     no one else; the bystander's tokens are those of its solo run."""
-    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa")
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=8, temperature=0.0)
     alone = llm.generate([bystander])[0].token_ids
     structured = llm.core.sampler.grammar
@@ -143,7 +145,9 @@ def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
     slow = _constrained("slow", 9, fmt)
     compiler = llm.core.sampler.grammar.compiler
     llm.add_request(bystander)
-    got = list(llm.step()[0][1].new_token_ids)
+    got = []
+    while not got:   # the async loop reports a step's token at the next step
+        got += [t for _, item in llm.step() for t in item.new_token_ids]
     llm.add_request(slow)                       # returns at once: the compile is the worker's
     while_compiling, slow_tokens = 0, []
     while len(got) < len(alone):

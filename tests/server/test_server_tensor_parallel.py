@@ -99,7 +99,9 @@ def test_tp2_server_greedy_matches_transformers(tp_server):
 def test_tp2_grammar_request_drafts_through_rank_0s_masks(tp_server):
     """Only rank 0 holds the grammar: a constrained round's drafts are its masked argmax, which the
     other rank takes each draft step. Same greedy tokens as with `disable_speculation`, output the
-    grammar allows, drafts verified and some kept (the grammar forces many of its tokens)."""
+    grammar allows, drafts verified and some kept (the grammar forces many of its tokens). The async
+    loop drafts before the matcher sees the step's tokens, unmasked (architecture.md, the engine
+    loop): its drafts are verified, kept only where they happen to fit."""
     _, server, seed, metrics, _ = tp_server
     with Client(server.address, timeout=120) as client:
         ask = dict(prompt="Answer:", max_tokens=40, temperature=0, json_schema=SCHEMA)
@@ -113,7 +115,7 @@ def test_tp2_grammar_request_drafts_through_rank_0s_masks(tp_server):
     while time.monotonic() < deadline and (after := [counter(metrics, f"mmserve_speculative_{k}_tokens_total")
                                                      for k in ("draft", "accepted")]) == before:
         time.sleep(0.05)
-    assert after[0] > before[0] and after[1] > before[1], (seed, before, after, fast.text)
+    assert after[0] > before[0] and (after[1] > before[1] or server.async_loop), (seed, before, after, fast.text)
 
 
 def test_model_info_and_metrics_report_the_layout(tp_server):

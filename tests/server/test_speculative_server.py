@@ -129,7 +129,8 @@ def draft_counters(port: int) -> tuple[float, float]:
 def test_json_schema_and_prompt_logprobs_requests_speculate(served):
     """A JSON-schema request's greedy tokens with speculation equal its tokens with
     `disable_speculation`, its text is valid JSON of the schema, and its drafts were verified and
-    some accepted (the acceptance counters moved while only it ran); a seeded random one is valid
+    some accepted (the acceptance counters moved while only it ran; on the async loop, which drafts
+    unmasked before the matcher sees the step's tokens, only verified); a seeded random one is valid
     JSON too. A prompt_logprobs request speculates to the same tokens and prompt logprobs."""
     import json
 
@@ -145,7 +146,7 @@ def test_json_schema_and_prompt_logprobs_requests_speculate(served):
             deadline = time.monotonic() + 30   # the step records reach the metrics just after the reply
             while (after := draft_counters(port)) == before and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert after[0] > before[0] and after[1] > before[1], (before, after)
+            assert after[0] > before[0] and (after[1] > before[1] or server.async_loop), (before, after)
         drawn = client.generate(prompt=PROMPTS[0], temperature=1.0, seed=11, max_tokens=40, json_schema=SCHEMA)
         assert drawn.finish_reason == "eos" and json.loads(drawn.text)["tag"] in ("ab", "cd"), drawn.text
         plain = generate(client, prompt=PROMPTS[2], prompt_logprobs=True, disable_speculation=True)

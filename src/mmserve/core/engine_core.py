@@ -88,7 +88,9 @@ class InFlight:
     (logits on the device), the requests sampled and their sampler rows, the sampling on its way to
     the host (or its result, when it ran row by row), its outcome on the device (the next step's
     inputs) and when it began; with speculation, the drafts made after it on their way to the host
-    and, per request that drafted, (draft steps, keys read) for the step record."""
+    and, per request that drafted, (draft steps, keys read) for the step record, and per request
+    the drafts the step before rejected: scheduled before they were known, this step ran that many
+    positions lower than its scheduled chunk says (its record's context is moved back by them)."""
 
     out: SchedulerOutput
     step: StepResult
@@ -101,6 +103,7 @@ class InFlight:
     start_ns: int
     drafts: HostCopy | None = None
     drafted: dict[str, tuple[int, int]] = field(default_factory=dict)
+    moved_back: dict[str, int] = field(default_factory=dict)
 
 
 def _media_error(request_id: str, why: str) -> EngineInternalError:
@@ -381,11 +384,13 @@ class EngineCore:
 
     def _conclude(self, out: SchedulerOutput, step: StepResult, accepted: list[Accepted], start_perf: float,
                   start_ns: int, result: EngineCoreOutputs,
-                  drafted: dict[str, tuple[int, int]] | None = None, rejected: dict[str, int] | None = None) -> None:
+                  drafted: dict[str, tuple[int, int]] | None = None, rejected: dict[str, int] | None = None,
+                  moved_back: dict[str, int] | None = None) -> None:
         """A step's end once its tokens are accepted, in either loop: prompt logprobs stored, the
         scheduler's update (rejected drafts and pads, chunks whose media failed; `rejected` per
         request where the caller counted them already), drafting (unless the async loop drafted on
-        the device already: `drafted`), the step record, the outputs."""
+        the device already: `drafted`), the step record (`moved_back`: the async loop's step ran
+        that many positions below its scheduled chunk), the outputs."""
         scheduled = {s.request.request_id: s for s in out.scheduled}
         for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
             if self._running(scheduled[rid].request):
@@ -404,7 +409,8 @@ class EngineCore:
             except Exception:   # drafts only save steps: without them every request decodes on
                 logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
         end_perf, end_ns = time.perf_counter(), time.time_ns()
-        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted or {})
+        result.step = self._record(out, step, start_perf, end_perf, start_ns, end_ns, accepted, drafted or {},
+                                   moved_back or {})
         self._emit(accepted, result.outputs)
         for rid, why in step.media_failed.items():   # those mid-prompt (no row sampled): ended here
             if self._running(scheduled[rid].request):
@@ -437,10 +443,10 @@ class EngineCore:
                             start_perf, start_ns)
             except Exception as exc:   # one bad step must not take the engine down
                 self._fail_step(out, exc, result.outputs)
-        if prev is not None:
-            self._finish(prev, result)
+        rejected = self._finish(prev, result) if prev is not None else {}
         if launched is not None:
             self._in_flight = self._launch_sampling(*launched)
+            self._in_flight.moved_back = rejected
 
     def _launch_sampling(self, out: SchedulerOutput, step: StepResult, start_perf: float, start_ns: int) -> InFlight:
         """Queue the sampling of a launched step's rows (those of requests still running: the step
@@ -513,10 +519,10 @@ class EngineCore:
             r.draft_token_ids = [DEVICE_DRAFT] * k
             flight.drafted[r.request_id] = (k, r.num_computed_tokens)
 
-    def _finish(self, step: InFlight, result: EngineCoreOutputs) -> None:
+    def _finish(self, step: InFlight, result: EngineCoreOutputs) -> dict[str, int]:
         """Step N's end, while N+1 runs: its tokens (and the drafts made after it) reach the host
         (the one wait), then what the synchronous loop does after sampling (`_conclude`), for the
-        requests still running."""
+        requests still running. Returns the drafts N rejected per request: N+1 ran that much lower."""
         try:
             sampler_out = step.pending if isinstance(step.pending, SamplerOutput) else step.pending.result()
         except Exception:
@@ -544,10 +550,12 @@ class EngineCore:
         accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
         rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
         drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
+        # a copy: _conclude adds chunks whose media failed, which the device did not move the next step back by
         self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
-                       drafted if self.speculator is not None else None, rejected)
+                       drafted if self.speculator is not None else None, dict(rejected), step.moved_back)
         for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
             request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
+        return rejected
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
@@ -625,7 +633,7 @@ class EngineCore:
 
     def _record(self, out: SchedulerOutput, step: StepResult, start_perf: float, end_perf: float,
                 start_ns: int, end_ns: int, accepted: list[Accepted],
-                drafted: dict[str, tuple[int, int]]) -> StepRecord:
+                drafted: dict[str, tuple[int, int]], moved_back: dict[str, int]) -> StepRecord:
         """The step as the front end's observer sees it. What only the core knows (frames really encoded,
         prefix-cache lookups, drafts kept) is read here; `ScheduledItem.request` is bound in the front end."""
         by_request = {a.scheduled.request.request_id: a for a in accepted}
@@ -638,7 +646,7 @@ class EngineCore:
             new = len(a.tokens) if a is not None else 0   # appended since scheduling
             draft_rows, draft_keys = drafted.get(rid, none)
             items.append(ScheduledItem(
-                rid, s.num_tokens, s.num_computed_tokens + s.num_tokens, s.is_prefill, frames.get(rid, 0),
+                rid, s.num_tokens, s.seq_len - moved_back.get(rid, 0), s.is_prefill, frames.get(rid, 0),
                 prefix_queried=0 if s.num_cached_tokens is None else request.num_tokens - new,
                 prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                 accepted_drafts=a.num_accepted if a is not None else 0, emitted_tokens=new,
