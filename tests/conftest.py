@@ -183,6 +183,28 @@ def peaks_cache(tmp_path_factory):
         yield path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_engines():
+    """Engine processes forked from one preloaded forkserver per test process (engine_forkserver.py)."""
+    from engine_forkserver import forked_engines_module
+
+    from mmserve.engine import core_client
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(core_client, "multiprocessing", forked_engines_module())
+        yield
+
+
+@pytest.fixture
+def spawned_engines(monkeypatch):
+    """For a test of the engine process's start itself: engines spawned as `mmserve serve` spawns them."""
+    import multiprocessing
+
+    from mmserve.engine import core_client
+
+    monkeypatch.setattr(core_client, "multiprocessing", multiprocessing)
+
+
 @pytest.fixture(scope="session")
 def make_video():
     """The clip factory: `make_video(seed, num_frames=8, size=32, fps=4.0, container="mp4") -> bytes`."""

@@ -1,7 +1,8 @@
 """A real MMServer + AsyncEngine on 127.0.0.1 (port 0), driven from its own thread and event loop.
 
-The engine core runs in its own spawned process, as `mmserve serve` runs it (unless the config says
-`engine_process=False`: then on a thread, where a test can reach `server.engine.core`). Shared by the
+The engine core runs in its own process, as `mmserve serve` runs it (forked from the test process's
+preloaded forkserver: engine_forkserver.py), unless the config says `engine_process=False`: then on a
+thread, where a test can reach `server.engine.core`. Shared by the
 session server fixtures in tests/conftest.py and the reliability suite's `ServerThread`, which adds
 a recording observer and leak checks.
 """

@@ -54,6 +54,15 @@ def test_demo_without_a_server_says_how_to_start_one():
     assert "running server" in mmserve("--help").stdout.split("mmserve demo", 1)[1].split("\n")[0]
 
 
+def test_the_demo_clients_start_without_torch():
+    """`mmserve demo` and `mmserve eval-demo` need the demo task's prompt, clips and schema, not the
+    featurisation that trains the demo model (torch: ~1.5 s of CPU before the first request)."""
+    probe = "import sys, mmserve.clients.demo, mmserve.clients.eval_demo; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"
+
+
 def test_sampling_flags_reach_the_server(mmserve_server, tmp_path):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],

@@ -88,7 +88,7 @@ def test_the_users_wait_policy_is_kept(no_thread_env):
     assert "OMP_WAIT_POLICY" not in os.environ
 
 
-def test_the_engine_process_gets_the_default_pool_and_passive_waits(no_thread_env):
+def test_the_engine_process_gets_the_default_pool_and_passive_waits(no_thread_env, spawned_engines):
     """The real spawned engine process: its pool (reported in EngineReady) and the environment its
     OpenMP runtime read as it loaded."""
     async def start_and_stop():

@@ -10,14 +10,16 @@ text (tokenised in one call, as a processor would) and packs frames the way
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from tokenizers import Tokenizer
+from typing import TYPE_CHECKING
 
 from mmserve.multimodal.limits import MediaLimits
-from mmserve.multimodal.preprocess import preprocess_images
 from mmserve.multimodal.synthetic import COLOURS, DIRECTIONS, SHAPES, make_clip
-from mmserve.multimodal.video import decode_video
+
+# reference_inputs' libraries load when it runs: the client commands (`mmserve demo`, `mmserve
+# eval-demo`) need only the prompt, the clips and the schema (torch alone is ~1.5 s of CPU).
+if TYPE_CHECKING:
+    import torch
+    from tokenizers import Tokenizer
 
 PROMPT = "Describe the video."
 HELDOUT_SEED_BASE = 1_000_000  # training uses seeds below this; evaluation seeds start here
@@ -67,6 +69,11 @@ def reference_inputs(tokenizer: Tokenizer, video: bytes, vision: VisionParams, *
                      prompt: str = PROMPT, num_frames: int = NUM_FRAMES,
                      limits: MediaLimits | None = None) -> ReferenceInputs:
     """Decode `video` with our decoder and build transformers' inputs in the serving layout."""
+    import torch
+
+    from mmserve.multimodal.preprocess import preprocess_images
+    from mmserve.multimodal.video import decode_video
+
     decoded = decode_video(video, num_frames=num_frames, limits=limits or MediaLimits())
     batch = preprocess_images(decoded.frames, patch_size=vision.patch_size,
                               pooling_kernel_size=vision.pooling_kernel_size, max_soft_tokens=vision.max_soft_tokens)
