@@ -43,7 +43,7 @@ def naive_attention(batch, spec) -> torch.Tensor:
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}")
 @pytest.mark.parametrize("name", ["varlen_prefill", "chunked_prefill", "decode", "mixed", "split_frame"])
 def test_reference_matches_naive_loop(spec, name):
-    gen = torch.Generator().manual_seed(hash((name, spec.layer_type, spec.clamp_bidirectional)) % 2**31)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     batch = make_batch(standard_batches()[name], spec, gen=gen, free_outside_window=True)
     expected = naive_attention(batch, spec)
     got, _ = run_backend("reference", batch, spec)

@@ -26,8 +26,12 @@ from mmserve.model.spec import load_spec
 from mmserve.multimodal import demo_task
 from mmserve.sampling_params import SamplingParams
 
-# fresh clips each run, never the training ones (seeds below HELDOUT_SEED_BASE) nor the script's eval ones
-SEEDS = random.Random().sample(range(demo_task.HELDOUT_SEED_BASE + 10_000, 2 * demo_task.HELDOUT_SEED_BASE), 16)
+
+@pytest.fixture(scope="module")
+def seeds() -> list[int]:
+    """16 held-out clips: never the training ones (seeds below HELDOUT_SEED_BASE) nor the script's eval
+    ones; drawn from the seeded generator, so each salt draws its own and reproduces them."""
+    return random.sample(range(demo_task.HELDOUT_SEED_BASE + 10_000, 2 * demo_task.HELDOUT_SEED_BASE), 16)
 
 
 def test_shipped_assistant_fits_the_demo_model():
@@ -39,7 +43,7 @@ def test_shipped_assistant_fits_the_demo_model():
 
 
 @pytest.fixture(scope="module")
-def requests():
+def requests(seeds):
     config = EngineConfig(model=str(DEMO_MODEL_DIR))
     sampling = SamplingParams(max_tokens=32, temperature=0.0)
     with ThreadPoolExecutor(1) as pool:
@@ -49,22 +53,22 @@ def requests():
             return await asyncio.gather(*(processor.process(
                 f"clip-{seed}", [InputMessage("user", (VideoInput(data=demo_task.clip_for(seed)[0],
                                                                   num_frames=demo_task.NUM_FRAMES),
-                                                       TextInput(demo_task.PROMPT)))], sampling) for seed in SEEDS))
+                                                       TextInput(demo_task.PROMPT)))], sampling) for seed in seeds))
         return asyncio.run(prepare())
 
 
-def test_drafts_are_accepted_and_tokens_unchanged(requests):
+def test_drafts_are_accepted_and_tokens_unchanged(requests, seeds):
     model, tokenizer = load_engine_model(EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu"))
-    options = dict(device="cpu", max_num_seqs=len(SEEDS), engine_threads=1)
+    options = dict(device="cpu", max_num_seqs=len(seeds), engine_threads=1)
     plain = LLM(loaded_model=model, tokenizer=tokenizer, **options).generate(requests)
     llm = LLM(loaded_model=model, tokenizer=tokenizer, speculative_model=str(DEMO_ASSISTANT_DIR),
               num_speculative_tokens=3, **options)
     drafted = llm.generate(requests)
-    assert [c.token_ids for c in drafted] == [c.token_ids for c in plain], f"seeds {SEEDS}"
+    assert [c.token_ids for c in drafted] == [c.token_ids for c in plain], f"seeds {seeds}"
     spec = llm.core.speculator
-    assert spec.verified[0] >= len(SEEDS), f"speculation barely ran: {spec.verified} (seeds {SEEDS})"
+    assert spec.verified[0] >= len(seeds), f"speculation barely ran: {spec.verified} (seeds {seeds})"
     rates = [a / v for a, v in zip(spec.accepted, spec.verified, strict=True)]
-    assert rates[0] >= 0.6, f"first-draft acceptance {rates} on seeds {SEEDS}"
+    assert rates[0] >= 0.6, f"first-draft acceptance {rates} on seeds {seeds}"
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +79,12 @@ def speculating_server():
     server.stop()
 
 
-def test_served_demo_shows_speculation(speculating_server, capsys):
+def test_served_demo_shows_speculation(speculating_server, seeds, capsys):
     with Client(speculating_server.address, timeout=60) as client:
         assert client.model_info().num_speculative_tokens == 3   # --num-speculative-tokens' default
-    assert cli.main(["demo", "--server", speculating_server.address, "--seed", str(SEEDS[0])]) == 0
+    assert cli.main(["demo", "--server", speculating_server.address, "--seed", str(seeds[0])]) == 0
     out = capsys.readouterr().out
-    assert f"truth  {demo_task.clip_for(SEEDS[0])[1]}" in out
+    assert f"truth  {demo_task.clip_for(seeds[0])[1]}" in out
     tokens, chunks = map(int, re.search(r"(\d+) tokens in (\d+) streamed chunks \(speculative decoding: up to 4 "
                                         r"tokens per step\)", out).groups())
     assert chunks < tokens, out

@@ -1,10 +1,10 @@
 """The front end's core client reads what a dying core sent last, however the exit and the message race.
 
-A core that fails sends EngineDead (why) and exits. Since the engine process ends with os._exit
-(mmserve/process_exit.py) the exit follows the send within milliseconds, so the message can land
-after the client's poll came back empty and before it checks that the core is alive: it must still be
-read, and the error must carry the core's reason, not only an exit code (a CI run saw "the engine
-process exited with code 1 while starting" for a lost tensor-parallel rank that the core had named).
+A core that fails sends EngineDead (why) and, once the client has read it (EngineDeadRead), exits.
+Exiting at once, as it did, let the exit be seen before the message arrived, by more than any fixed
+wait on a loaded machine: the error then carried only an exit code (a CI run saw "the engine process
+exited with code 1 while starting" for a lost tensor-parallel rank that the core had named). The
+client still reads a message that lands after an empty poll and before its liveness check.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import pytest
 import zmq
 
 from mmserve.config import EngineConfig
+from mmserve.core.process import run_core
 from mmserve.engine.core_client import CoreClient
 from mmserve.errors import EngineDeadError
 from mmserve.ipc import serial
-from mmserve.ipc.protocol import EngineDead
+from mmserve.ipc.protocol import CoreAddresses, EngineDead, EngineDeadRead
 
 REASON = "the engine failed to start: tensor-parallel rank 1 (node 1, pid 4242, exit code -9) died"
 
@@ -59,3 +60,33 @@ def test_a_reason_sent_as_the_core_exits_is_read_before_the_exit_is_reported(mon
     error = asyncio.run(start())
     assert sent.is_set() and REASON in str(error), error
     assert not client._dir.exists()
+
+
+def test_a_core_that_fails_to_start_exits_only_once_its_reason_is_read(tiny_checkpoint, tmp_path):
+    """A real core refusing its start (the tiny checkpoint's vocabulary of 320 does not split 3
+    ways), on a thread, with the client's ends as plain zmq sockets: it is still there after its
+    EngineDead was read, however long the reader waits, and ends once told it was read."""
+    addresses = CoreAddresses(f"ipc://{tmp_path}/inputs", f"ipc://{tmp_path}/outputs")
+    ctx = zmq.Context()
+    received, to_core = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    received.bind(addresses.outputs)
+    to_core.connect(addresses.inputs)
+    config = EngineConfig(model=str(tiny_checkpoint), device="cpu", tensor_parallel_size=3)
+    core = threading.Thread(target=run_core, args=(config, addresses), daemon=True)
+    core.start()
+    try:
+        assert received.poll(120_000), "the core sent nothing"
+        said = serial.decode(received.recv_multipart())
+        assert isinstance(said, EngineDead) and "vocab_size (320) is not divisible" in said.reason, said
+        core.join(1.0)
+        assert core.is_alive(), "the core exited before its reason was known to be read"
+        to_core.send_multipart(serial.encode(EngineDeadRead()))
+        core.join(30)
+        assert not core.is_alive()
+    finally:
+        if core.is_alive():   # a failed run must not leave it waiting
+            to_core.send_multipart(serial.encode(EngineDeadRead()))
+            core.join(30)
+        received.close(linger=0)
+        to_core.close(linger=0)
+        ctx.term()

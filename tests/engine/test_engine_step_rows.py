@@ -251,7 +251,7 @@ def test_acceptance_for_every_chunk_at_once_is_the_per_request_rule():
 
 def test_step_rows_index_like_the_list_of_rows():
     """`StepRows` is a Sequence of the old rows: len, index (negative too), iteration, IndexError."""
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     scheduled = random_step(rng, 50, None, None)
     rows, old = verify_rows(scheduled), per_row_rows(scheduled)
     assert len(rows) == len(old) and list(rows) == old

@@ -38,7 +38,7 @@ def assert_same(a, b) -> None:
 @pytest.mark.parametrize("container", ["mp4", "webm", "avi", "mkv"])
 @pytest.mark.parametrize("keyframe_interval", [None, 5])
 def test_seeking_picks_the_frames_a_full_scan_picks(container, keyframe_interval):
-    data = encode(list(block_frames(60, seed=hash((container, keyframe_interval)) % 1000)), fps=10,
+    data = encode(list(block_frames(60, seed=int(np.random.randint(1000)))), fps=10,
                   container=container, keyframe_interval=keyframe_interval)
     for request in REQUESTS:
         sought = decode_video(data, limits=LIMITS, **request)

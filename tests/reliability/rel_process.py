@@ -20,6 +20,7 @@ from mmserve.server.health import GENERATION_SERVICE
 
 LISTENING = re.compile(r"listening on [\d.]+:(\d+)")
 ENGINE_PID = re.compile(r"engine process (\d+) started")
+LOG_END_S = 30.0   # once the process exited: how long its log may take to reach the pipe's end
 
 
 class ServeProcess:
@@ -34,7 +35,8 @@ class ServeProcess:
         self.port: int | None = None
         self.engine_pid: int | None = None
         self._port_seen = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
 
     def _pump(self) -> None:
         for line in self.proc.stdout:
@@ -74,6 +76,11 @@ class ServeProcess:
 
     @property
     def log(self) -> str:
+        """What the process wrote; once it has exited, all of it. Read right after `proc.wait()`, the
+        last lines could still be in the pipe (5 of 200 exits at load 5): this waits for the pipe's end,
+        which comes when the process and its children have exited (LOG_END_S if one holds it open)."""
+        if self.proc.poll() is not None:
+            self._pumping.join(LOG_END_S)
         return "".join(self.lines)
 
 

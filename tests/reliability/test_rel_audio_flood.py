@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import struct
 
 import grpc
@@ -26,14 +25,19 @@ from mmserve.clients.messages import audio_part, message, text_part
 CONTEXT = 1024            # the tiny checkpoint's max_position_embeddings
 HOURS_6 = 6 * 3600.0
 REFUSED_RSS_BUDGET = 16 * 2**20   # a refused request holds its message and nothing decoded from it
-FRESH = itertools.count(int(np.random.default_rng().integers(10**6)))
 WORDS = "a red blue green purple tone rises falls high low beep square circle moves up down and the".split()
+
+
+def fresh() -> int:
+    """A seed for a checkpoint, clip or picture the server has not seen (two draws collide ~1 in 2**31),
+    from the seeded generator so the salt reproduces it."""
+    return int(np.random.randint(2**31))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, gemma4_fixtures):
     model = tmp_path_factory.mktemp("e_audio_flood")
-    gemma4_fixtures.make_checkpoint(model, config=gemma4_fixtures.e_model_config(), seed=int(next(FRESH)))
+    gemma4_fixtures.make_checkpoint(model, config=gemma4_fixtures.e_model_config(), seed=fresh())
     proc = ServeProcess("--port", "0", "--model", str(model), "--device", "cpu", "--dtype", "float32",
                         "--worker-threads", "2", "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
@@ -45,7 +49,7 @@ def server(tmp_path_factory, gemma4_fixtures):
 
 def bystander() -> dict:
     """A normal request: a picture, a 1 s clip and a few dozen words, all new to the server."""
-    seed = next(FRESH)
+    seed = fresh()
     rng = np.random.default_rng(seed)
     picture = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(picture, format="PNG")
@@ -64,7 +68,7 @@ def _once(server, messages) -> None:
 def flac_declaring(seconds: float) -> bytes:
     """A real 1 s FLAC whose STREAMINFO claims `seconds` (its 36-bit total-samples field): the
     duration FFmpeg reads from the header, not our WAV parser."""
-    data = bytearray(encode(tones(next(FRESH), 1.0), fmt="flac", codec="flac"))
+    data = bytearray(encode(tones(fresh(), 1.0), fmt="flac", codec="flac"))
     word = int.from_bytes(data[18:26], "big")
     data[18:26] = ((word & ~((1 << 36) - 1)) | int(seconds * 16_000)).to_bytes(8, "big")
     return bytes(data)
@@ -74,7 +78,7 @@ def test_many_long_audio_parts_are_refused_from_their_headers(server):
     """16 real 30 s MP3 clips in a request, 4 such requests at once (8 minutes of sound each): their
     headers alone put each prompt past the context, so nothing is decoded. Each request holds its
     message (received and parsed: a few copies of 1.4 MB), never its 31 MB of decoded samples."""
-    clips = [encode(tones(next(FRESH), 30.0), fmt="mp3", codec="libmp3lame") for _ in range(16)]
+    clips = [encode(tones(fresh(), 30.0), fmt="mp3", codec="libmp3lame") for _ in range(16)]
     hostile = [message("user", *[audio_part(c) for c in clips], text_part("Transcribe all of them."))]
     _once(server, hostile)   # the MP3 demuxer's first use allocates once per process, not per request
     errors, growth, idle, beside = run_beside(server, bystander, hostile, copies=4)
@@ -105,7 +109,7 @@ def test_six_hours_declared_are_refused_before_decoding(server, kind):
 def test_a_header_declaring_less_than_it_holds_is_heard_as_declared(server):
     """A WAV whose data chunk says 2 s but that carries 60 s: the same answer and prompt as the
     truthful 2 s clip (nothing past the declared data is decoded)."""
-    samples = tones(next(FRESH), 60.0)
+    samples = tones(fresh(), 60.0)
     declared = 2 * 16_000 * 2
     truthful = wav(samples[:2 * 16_000])
     lying = (b"RIFF" + struct.pack("<I", 36 + declared) + b"WAVE" + b"fmt "

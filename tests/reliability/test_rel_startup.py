@@ -22,6 +22,22 @@ def serve_usage(*args: str, env: dict | None = None) -> subprocess.CompletedProc
                           capture_output=True, text=True, timeout=60)
 
 
+class LatePump(ServeProcess):
+    """Its pump starts reading late, as a thread descheduled on a loaded machine does."""
+
+    def _pump(self) -> None:
+        time.sleep(0.5)
+        super()._pump()
+
+
+def test_a_log_read_once_the_process_exited_holds_all_it_wrote():
+    """The start-refusal tests read a server's last lines right after its exit: however late the
+    thread pumping its pipe runs, ServeProcess.log then holds everything (`serve --help` as printed)."""
+    late = LatePump("--help")
+    assert late.proc.wait(60) == 0
+    assert late.log == serve_usage("--help").stdout
+
+
 @pytest.mark.parametrize(("args", "env", "named"), [
     (("--dtype", "fp8x"), None, "auto, float32, bfloat16, float16"),
     (("--device", "tpu"), None, "cuda:N"),

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -30,6 +31,7 @@ from mmserve.ipc.protocol import (
     CoreAddresses,
     CoreOutput,
     EngineDead,
+    EngineDeadRead,
     EngineReady,
     ExtendRequest,
     Shutdown,
@@ -44,6 +46,7 @@ UTILITIES = frozenset({"held_resources", "flush_prefix_cache", "set_kv_events"})
 IDLE_POLL_MS = 500    # how long an idle core sleeps between liveness checks of its parent
 BLOCKED_POLL_MS = 1   # requests in flight but nothing schedulable: do not busy-loop
 LINGER_MS = 4000      # let the last outputs (or the death message) reach the front end on exit
+DEAD_READ_WAIT_S = 60.0   # a front end that has not read the core's EngineDead by then has stopped reading
 
 
 def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int, log_format: str = "text") -> None:
@@ -94,7 +97,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
             core, ready = _start(config, model, torch_threads, tp)
         except BaseException as exc:
             logger.exception("engine failed to start")
-            outputs.send_multipart(serial.encode(EngineDead(f"the engine failed to start: {exc!r}")))
+            _say_dead(inputs, outputs, f"the engine failed to start: {exc!r}", parent_alive)
             return 1
         if started is not None:
             started(core)
@@ -105,7 +108,7 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
         except BaseException as exc:
             logger.exception("engine loop died")
             sender.close()
-            outputs.send_multipart(serial.encode(EngineDead(f"the engine loop failed: {exc!r}")))
+            _say_dead(inputs, outputs, f"the engine loop failed: {exc!r}", parent_alive)
             return 1
         finally:
             sender.close()
@@ -116,6 +119,17 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
         inputs.close()
         outputs.close()
         ctx.term()
+
+
+def _say_dead(inputs: zmq.Socket, outputs: zmq.Socket, reason: str, parent_alive: Callable[[], bool]) -> None:
+    """Send why the core fails, then wait until the front end has read it (EngineDeadRead) or is
+    gone. A core that exited at once raced its own message: on a loaded machine the front end saw
+    the exit first and reported only an exit code ("exited with code 1 while starting")."""
+    outputs.send_multipart(serial.encode(EngineDead(reason)))
+    deadline = time.monotonic() + DEAD_READ_WAIT_S
+    while parent_alive() and time.monotonic() < deadline:
+        if inputs.poll(IDLE_POLL_MS) and isinstance(serial.decode(inputs.recv_multipart(copy=False)), EngineDeadRead):
+            return
 
 
 def _start(config: EngineConfig, model, torch_threads: int, tp=None):

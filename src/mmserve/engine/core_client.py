@@ -7,14 +7,16 @@ here (`tempfile.mkdtemp`), so no other user can connect to them.
 
 Receiving runs on the event loop: one task reads `EngineCoreOutputs` and hands each to
 `on_outputs`. When no message arrives for `LIVENESS_POLL_MS` it checks that the core is alive; once
-it is gone and its last messages are read (one more poll after the exit is seen: a core that sends
-why and exits at once can land its message between the empty poll and the liveness check), `on_exit` gets an EngineDeadError naming the exit code or
-signal (or the reason the core sent), or None after a requested shutdown.
+it is gone and its last messages are read (one more poll after the exit is seen, for outputs sent
+just before it), `on_exit` gets an EngineDeadError naming the exit code or signal (or the reason the
+core sent), or None after a requested shutdown. A core that fails sends why (`EngineDead`) and exits
+only once this side has read it (`EngineDeadRead`): its exit cannot be seen before its reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -39,6 +41,7 @@ from mmserve.ipc.protocol import (
     CoreAddresses,
     EngineCoreOutputs,
     EngineDead,
+    EngineDeadRead,
     EngineReady,
     ExtendRequest,
     Shutdown,
@@ -48,9 +51,9 @@ from mmserve.ipc.protocol import (
 logger = logging.getLogger(__name__)
 
 LIVENESS_POLL_MS = 100
-# After a core that was starting is seen gone: how long its last message (why it failed) may take to
-# arrive. Only that failure path waits it; on a loaded machine the message can trail the exit by more
-# than one liveness poll.
+# After a core that was starting is seen gone: how long a message it sent just before may take to
+# arrive. A core that fails waits until its EngineDead is read (EngineDeadRead), so its reason never
+# trails its exit; this covers one that did not wait (killed just after it sent).
 LAST_WORDS_MS = 1000
 
 
@@ -126,6 +129,7 @@ class CoreClient:
                     self.ready = message
                     break
                 if isinstance(message, EngineDead):
+                    self._dead_read()
                     await self._reap()
                     raise EngineDeadError(message.reason)
                 logger.error("unexpected %s before READY", type(message).__name__)
@@ -237,10 +241,16 @@ class CoreClient:
             self._on_outputs(message)
         elif isinstance(message, EngineDead):
             self._dead_reason = message.reason
+            self._dead_read()
         else:
             logger.error("ignoring an unexpected %s from the engine", type(message).__name__)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _dead_read(self) -> None:
+        """A core that sent EngineDead waits for this before it exits, so its reason never trails its exit."""
+        with contextlib.suppress(EngineDeadError):
+            self._post(EngineDeadRead())
 
     def _exit_was_clean(self) -> bool:
         return self.process is None or self.process.exitcode == 0

@@ -1,6 +1,7 @@
 """What crosses between the front end and the engine core, in both directions. Plain data only.
 
-Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`.
+Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`
+(and `EngineDeadRead`, once it has read an `EngineDead`).
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
 iteration that changed anything (admissions, tokens, ends, a step record, utility results).
 `mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
@@ -202,6 +203,14 @@ class EngineReady:
 
 @dataclass(frozen=True)
 class EngineDead:
-    """Sent by a core that is about to exit abnormally (startup failure, a bug in its loop)."""
+    """Sent by a core that is about to exit abnormally (startup failure, a bug in its loop). The core
+    then waits for `EngineDeadRead` before it exits."""
 
     reason: str
+
+
+@dataclass
+class EngineDeadRead:
+    """The front end has read the core's `EngineDead`: the core may exit. Had it exited at once, the
+    exit could be seen before its message arrived (on a loaded machine, by more than any fixed wait),
+    and the front end would report an exit code without the reason."""
