@@ -279,8 +279,7 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
-        for request in self.running:   # one this step leaves out holds its window, not its last chunk
-            self.kv.release_out_of_window(request)
+        self.kv.release_out_of_window(self.running)   # one this step leaves out holds its window, not its last chunk
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
         # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
@@ -328,10 +327,11 @@ class Scheduler:
         finished, self._finished_since_step = self._finished_since_step, []
         ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
-            for s in scheduled.values():
-                r, seq_len = s.request, s.seq_len
-                if seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
-                    r.num_output_placeholders += s.num_sampled_rows + s.num_pad_drafts
+            for s in scheduled.values():   # (ScheduledRequest.seq_len, Request.num_tokens, num_sampled_rows inlined)
+                r, seq_len = s.request, s.num_computed_tokens + s.num_tokens
+                placeholders = r.num_output_placeholders
+                if seq_len >= len(r.prompt_token_ids) + len(r.output_token_ids) + placeholders and not r.open_prompt:
+                    r.num_output_placeholders = placeholders + 1 + len(s.draft_token_ids) + s.num_pad_drafts
                 r.num_computed_tokens = seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
