@@ -413,13 +413,14 @@ class Scheduler:
         filled to the prefix cache (only now is their K/V written). With speculation the engine
         appends a step's accepted tokens before this, so the keys name verified tokens only."""
         rejected = rejected or {}
+        forks = self.forks
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                back = rejected.get(s.request.request_id, 0)
+                back = rejected.get(s.request.request_id, 0) if rejected else 0
                 if self.async_scheduling:   # advanced when scheduled; the next step may have advanced it since
                     s.request.num_computed_tokens -= back
                 else:
                     s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)
-                if prompt_done(s.request) and self.forks.of(s.request.request_id):
+                if forks and prompt_done(s.request) and forks.of(s.request.request_id):
                     self._release_forks(s.request)
