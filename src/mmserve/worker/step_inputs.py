@@ -246,12 +246,15 @@ class StepInputBuilder:
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
 
-        block_of_pos = positions // bs
+        # each token's entry of its request's table row, as a flat index into the [num_reqs, max_blocks] tables
+        entry = req_of_token * self.max_blocks + positions // bs
         offset_in_block = positions % bs
         for t in self.specs:
             table = self.block_table[t].np
             np.take(block_tables[t], rows, axis=0, out=table[:num_reqs])
-            self.slot_mapping[t].np[:num_tokens] = table[req_of_token, block_of_pos] * bs + offset_in_block
+            slots = self.slot_mapping[t].np[:num_tokens]
+            np.multiply(table.reshape(-1)[entry], bs, out=slots)
+            slots += offset_in_block
 
         ranges_rows = 0
         if self._any_bidirectional and in_prompt:   # models without bidirectional layers never need the table
@@ -295,6 +298,9 @@ class StepInputBuilder:
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}
+        qsl_cpu, seq_lens_cpu = self.query_start_loc.cpu[:num_reqs + 1], self.seq_lens.cpu[:num_reqs]   # shared by the pools
+        positions_cpu, positions_dev = self.positions.cpu[:num_tokens], pos_dev[:num_tokens]
+        query_ranges_cpu = self.query_ranges.cpu[:num_tokens] if query_ranges is not None else None
         for t, spec in self.specs.items():
             with_ranges = query_ranges is not None and spec.bidirectional
             if device_tables:   # gathered on the device; padding rows (a graph's) all null block
@@ -303,14 +309,15 @@ class StepInputBuilder:
                 table_dev = self.block_table[t].dev[:num_reqs]
             else:
                 table_dev = self.block_table[t].push(num_reqs)
+            slot_mapping = self.slot_mapping[t].push(dense_rows)
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
-                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(dense_rows)[:num_tokens],
+                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=positions_dev,
+                block_table=table_dev, slot_mapping=slot_mapping[:num_tokens] if dense_rows != num_tokens else slot_mapping,
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
-                query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-                positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
-                query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
+                positions_cpu=positions_cpu, block_table_cpu=self.block_table[t].cpu[:num_reqs],
+                query_ranges_cpu=query_ranges_cpu if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index,
                           prev_token, shifted)
 
@@ -320,6 +327,11 @@ class StepInputBuilder:
         of input_ids, and flat indices into the step in flight's [rows, width] next inputs. `own`:
         per request, the end of its own tokens (before drafts and pads); `device_drafts`: per
         request, its drafts the device made."""
+        if not device_drafts.any():   # no drafts made on the device (no speculation): one id each
+            k = len(in_flight)
+            self.prev_token_dst.np[:k] = own[in_flight] - 1
+            np.multiply(src, width, out=self.prev_token_src.np[:k])
+            return k
         counts = 1 + device_drafts[in_flight]
         if len(in_flight) and (too_many := np.flatnonzero(counts > width)).size:
             i = int(in_flight[too_many[0]])
