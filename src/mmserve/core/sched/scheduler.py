@@ -237,9 +237,11 @@ class Scheduler:
                 del request.draft_token_ids[max(0, room - 1):]
                 n += len(request.draft_token_ids)
             pads = self.verify_width - n
+            if pads <= 0:   # no verify width (no speculation), or the drafts fill it
+                return n, 0
             fits = n + pads <= budget and start + n + pads <= self.max_model_len
             decode = total - start == 1   # not an output token recomputed after preemption
-            if pads > 0 and fits and decode and not request.sampling_params.disable_speculation:
+            if fits and decode and not request.sampling_params.disable_speculation:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
