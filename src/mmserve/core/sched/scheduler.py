@@ -345,7 +345,10 @@ class Scheduler:
         and each prompt its next chunk after this step's (aligned as `_chunk` aligns it) from the
         next step's budget; (request, range indices) for the chunks that hold any. Waiting requests
         are left out: where their first chunk starts depends on the prefix cache at admission."""
-        if not any(len(r.mm_ranges_np) and r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+        for r in self.running:   # (a loop, not any() over a generator: it runs every step)
+            if r.num_computed_tokens < len(r.prompt_token_ids) and len(r.mm_ranges_np):
+                break
+        else:
             return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
         ahead = []
