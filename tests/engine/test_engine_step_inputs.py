@@ -60,7 +60,19 @@ def advance(sched, out):
 
 @pytest.mark.parametrize("num_blocks", [128, 40], ids=["roomy", "preempting"])
 def test_fields_match_per_token_python(num_blocks):
-    sched = busy_scheduler(0, num_blocks=num_blocks)
+    """Seed 0 (which preempts in the small pool) and fresh seeds: prefill chunks with images beside
+    decodes, requests finishing, preempted and admitted between steps, decode-only steps after ones
+    with image rows."""
+    for seed in [0] + [random.randrange(2**31) for _ in range(3)]:
+        try:
+            preempted = _check_fields(seed, num_blocks)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+        assert preempted > 0 or num_blocks == 128 or seed != 0
+
+
+def _check_fields(seed: int, num_blocks: int) -> int:
+    sched = busy_scheduler(seed, num_blocks=num_blocks)
     # The prompts share their first tokens: with prefix caching (on in "roomy", where hits bring
     # blocks in through the updates) they would fit the small pool without any preemption.
     sched.kv.enable_prefix_caching = num_blocks == 128
@@ -72,10 +84,15 @@ def test_fields_match_per_token_python(num_blocks):
         preempted += len(out.preempted_ids)
         inp = inputs.build(out)
         row = 0
+        want_ranges, want_mm = [], []   # per token row: the multi-token image range holding it; frames' rows
         for i, s in enumerate(out.scheduled):
             r = s.request
             all_ids = r.prompt_token_ids + r.output_token_ids
+            for f in s.frames:
+                a, b = r.mm_ranges_np[f].tolist()
+                want_mm += [row + p - s.num_computed_tokens for p in range(max(a, s.num_computed_tokens), min(b, s.seq_len - 1) + 1)]
             for p in range(s.num_computed_tokens, s.seq_len):
+                want_ranges.append(next(((a, b) for a, b in r.vision_ranges_np.tolist() if a <= p <= b and a < b), (-1, -1)))
                 assert inp.positions[row] == p and inp.input_ids[row] == all_ids[p]
                 for t in (SLIDING, FULL):
                     table = sched.kv.block_table(r.request_id, t)
@@ -93,15 +110,18 @@ def test_fields_match_per_token_python(num_blocks):
         assert [samples(out.scheduled[i]) for i in inp.sampling_index] == [True] * len(inp.sampling_index)
         ends = md.query_start_loc[1:].tolist()
         assert inp.logits_indices.tolist() == [ends[i] - 1 for i in inp.sampling_index]
-        if md.query_ranges is not None:
-            assert not (md.query_ranges == 9999).any()
+        if any(rg != (-1, -1) for rg in want_ranges):   # decode-only steps (no chunk in a prompt) have no table
+            assert [tuple(rg) for rg in md.query_ranges.tolist()] == want_ranges
+        else:
+            assert md.query_ranges is None
+        assert (inp.mm_token_index.tolist() if inp.mm_token_index is not None else []) == want_mm
         # nothing stale survives past this step's rows
         rest = inputs.builder.query_ranges.np[row:]
         assert ((rest == -1) | (rest == 9999)).all(), "a stale range row survived past this step"
         advance(sched, out)
         steps += 1
     assert steps > 5
-    assert preempted > 0 or num_blocks == 128
+    return preempted
 
 
 def test_mm_token_index_covers_exactly_the_frames_entering():

@@ -115,7 +115,7 @@ def test_released_window_entries_equal_their_definition_at_every_step():
             at = r.num_computed_tokens   # the position both calls plan from
             before = {t: (_released(kv, "r", t), len(kv.block_table("r", t))) for t in windowed}
             if at and rng.random() < 0.5:   # the scheduler's release before each step
-                kv.release_out_of_window(r)
+                kv.release_out_of_window([r])
             else:   # allocate releases within the table it had, then grows it
                 chunk = min(rng.randint(1, 12), n - at)
                 assert kv.allocate(r, chunk)

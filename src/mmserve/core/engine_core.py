@@ -391,11 +391,14 @@ class EngineCore:
         request where the caller counted them already), drafting (unless the async loop drafted on
         the device already: `drafted`), the step record (`moved_back`: the async loop's step ran
         that many positions below its scheduled chunk), the outputs."""
-        scheduled = {s.request.request_id: s for s in out.scheduled}
-        for rid, logprobs in step.prompt_logprobs.result().items():   # stored by position: a recompute overwrites
+        prompt_logprobs = step.prompt_logprobs.result()
+        # by id, for the few requests read below (none in a steady decode step: no dict then)
+        scheduled = {s.request.request_id: s for s in out.scheduled} if prompt_logprobs or step.media_failed else {}
+        for rid, logprobs in prompt_logprobs.items():   # stored by position: a recompute overwrites
             if self._running(scheduled[rid].request):
                 self.prompt_logprobs.setdefault(rid, [])[scheduled[rid].num_computed_tokens:] = logprobs
-        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted} if rejected is None else rejected
+        rejected = ({a.scheduled.request.request_id: a.rejected for a in accepted if a.rejected}   # (read with .get(rid, 0))
+                    if rejected is None else rejected)
         if step.media_failed:
             for s in out.scheduled:   # media that failed to encode: the chunk is dropped (no K/V keyed), the request ends
                 if s.request.request_id in step.media_failed:
@@ -548,7 +551,9 @@ class EngineCore:
                                         [sampler_out.logprobs[r] for r in rows],
                                         {k: sampler_out.errors[r] for k, r in enumerate(rows) if r in sampler_out.errors})
         accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
-        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted}   # the keys the drafts read
+        # the keys the drafts read; only the requests that rolled something back (read with .get(rid, 0)):
+        # a steady decode step's is empty
+        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted if a.rejected}
         drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
         # a copy: _conclude adds chunks whose media failed, which the device did not move the next step back by
         self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
@@ -639,14 +644,16 @@ class EngineCore:
         by_request = {a.scheduled.request.request_id: a for a in accepted}
         frames, by_modality, none = step.frames_encoded, step.encoded_by_modality, (0, 0)
         items = []
-        for s in out.scheduled:
+        for s in out.scheduled:   # (the lookups skip the dicts that are empty in a steady decode step)
             request = s.request
             rid = request.request_id
             a = by_request.get(rid)
             new = len(a.tokens) if a is not None else 0   # appended since scheduling
-            draft_rows, draft_keys = drafted.get(rid, none)
+            draft_rows, draft_keys = drafted.get(rid, none) if drafted else none
+            back = moved_back.get(rid, 0) if moved_back else 0
             items.append(ScheduledItem(
-                rid, s.num_tokens, s.seq_len - moved_back.get(rid, 0), s.is_prefill, frames.get(rid, 0),
+                rid, s.num_tokens, s.num_computed_tokens + s.num_tokens - back, s.is_prefill,
+                frames.get(rid, 0) if frames else 0,
                 prefix_queried=0 if s.num_cached_tokens is None else request.num_tokens - new,
                 prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
                 accepted_drafts=a.num_accepted if a is not None else 0, emitted_tokens=new,

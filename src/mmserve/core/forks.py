@@ -45,3 +45,6 @@ class HeldForks:
 
     def __len__(self) -> int:
         return sum(len(forks) for forks in self._held.values())
+
+    def __bool__(self) -> bool:   # (checked per request per step: no sum)
+        return bool(self._held)

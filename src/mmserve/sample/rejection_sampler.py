@@ -74,8 +74,9 @@ class RejectionSampler:
                 accepted.append(Accepted(s, [], None, None, len(drafts) + s.num_pad_drafts, error))
                 continue
             targets = sampler_out.token_ids[first:row]
-            num_accepted = accepted_prefix(drafts, targets)
+            num_accepted = 0
             if drafts:
+                num_accepted = accepted_prefix(drafts, targets)
                 verified.append(len(drafts))
                 kept.append(num_accepted)
             tokens, finish = _cut(request, targets[:num_accepted + 1], eos_token_ids)

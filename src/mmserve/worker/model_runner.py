@@ -554,10 +554,15 @@ class ModelRunner:
         for rid in out.preempted_ids + out.finished_ids:
             self.free(rid)
         rows = self.block_tables.apply(out.scheduled)
-        query_len = uniform_query_len([s.num_tokens for s in out.scheduled], any(s.frames for s in out.scheduled),
-                                      any(s.is_prefill for s in out.scheduled))
+        num_tokens, has_frames, has_prefill, has_verify = [], False, False, False   # one pass over the step
+        for s in out.scheduled:
+            num_tokens.append(s.num_tokens)
+            has_frames = has_frames or bool(s.frames)
+            has_prefill = has_prefill or s.is_prefill
+            has_verify = has_verify or bool(s.draft_token_ids) or s.num_pad_drafts > 0   # ScheduledRequest.is_verify
+        query_len = uniform_query_len(num_tokens, has_frames, has_prefill)
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
-        pieces = graph_size is None and self.piecewise.size_for(out.num_batched_tokens) is not None
+        pieces = graph_size is None and self.piecewise.size_for(sum(num_tokens)) is not None
         encoded, by_modality, encode_perf, failed = {}, {}, None, {}
         sampled = None   # graph steps run every row: KV-sharing layers too
         if graph_size is not None:
@@ -574,8 +579,7 @@ class ModelRunner:
             mm_embeds, encoded, by_modality, encode_perf, failed = self._encode(out.scheduled)
             # (a verify chunk samples several rows, and positions the device moves back are not the
             # host's: KV-sharing layers then run every row)
-            if (self.sampled_rows is not None and not any(s.is_verify for s in out.scheduled)
-                    and (prev is None or prev.shift is None)):
+            if self.sampled_rows is not None and not has_verify and (prev is None or prev.shift is None):
                 sampled = self.sampled_rows.build(out.scheduled, inputs, self.block_tables.rows, rows,
                                                   PrevStep(prev.rows) if prev is not None else None)
             if self._inputs_copied is not None:

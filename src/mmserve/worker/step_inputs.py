@@ -169,7 +169,7 @@ class StepInputBuilder:
         # one Python pass over the requests; everything after it is numpy over the batch
         host_drafts: list[int] = []   # requests whose drafts the host knows (their ids are written here)
         device_drafted = np.zeros(num_reqs, dtype=bool)   # drafts made on the device (ids copied in there)
-        rows_of: list[int] = []   # 6 fields per request, flat (one numpy conversion)
+        rows_of: list[int] = []   # 7 fields per request, flat (one numpy conversion)
         for i, s in enumerate(scheduled):
             request, draft = s.request, s.draft_token_ids
             if draft:
@@ -177,17 +177,25 @@ class StepInputBuilder:
                     device_drafted[i] = True
                 else:
                     host_drafts.append(i)
-            rows_of += (s.num_tokens, s.num_computed_tokens, len(draft), s.num_pad_drafts, request.num_tokens,
-                        bool(request.open_prompt))
-        fields = np.array(rows_of, dtype=np.int64).reshape(num_reqs, 6)
+            prompt = len(request.prompt_token_ids)
+            rows_of += (s.num_tokens, s.num_computed_tokens, len(draft), s.num_pad_drafts,
+                        prompt + len(request.output_token_ids), bool(request.open_prompt), prompt)
+        fields = np.array(rows_of, dtype=np.int64).reshape(num_reqs, 7)
         lens, computed, drafts, pads, known = (fields[:, j] for j in range(5))
+        # media (ranges, frames) lies in the prompt: a step whose chunks all start past it (steady
+        # decode) has none to place
+        in_prompt = bool((computed < fields[:, 6]).any())
         computed = computed.copy()   # moved back below where the step in flight's acceptance says so
         # a chunk's own tokens (not drafts or pads) past what the host knows: its last, sampled by the step in flight
         in_flight = np.flatnonzero(computed + lens - drafts - pads > known)
-        if len(in_flight) and (prev is None or any(scheduled[i].request.request_id not in prev.rows for i in in_flight)):
-            raise ValueError(f"request {scheduled[in_flight[0]].request.request_id}: an input token not sampled yet")
-        src = np.fromiter((prev.rows[scheduled[i].request.request_id] for i in in_flight), dtype=np.int64,
-                          count=len(in_flight)) if len(in_flight) else in_flight
+        src = in_flight
+        if len(in_flight):
+            prev_rows = prev.rows if prev is not None else {}
+            src = np.array([prev_rows.get(scheduled[i].request.request_id, -1) for i in in_flight.tolist()],
+                           dtype=np.int64)
+            if (missing := np.flatnonzero(src < 0)).size:
+                i = int(in_flight[missing[0]])
+                raise ValueError(f"request {scheduled[i].request.request_id}: an input token not sampled yet")
         if len(in_flight) and prev.host_shift is not None:   # built at the positions the device's acceptance left
             computed[in_flight] -= prev.host_shift[src]
         qsl = self.query_start_loc.np
@@ -215,7 +223,11 @@ class StepInputBuilder:
                              "not sampled yet")
         ids = self.input_ids.np
         ids[:num_tokens] = 0
-        known_rows = np.flatnonzero(have > starts)   # async decodes have none: their one input is in flight
+        num_known = have - starts   # async decodes have none: their one input is in flight
+        if (single := np.flatnonzero(num_known == 1)).size:   # one known input (a decode): one write for all
+            ids[starts[single]] = [scheduled[i].request.token_ids_slice(c, c + 1)[0]
+                                   for i, c in zip(single.tolist(), computed[single].tolist(), strict=True)]
+        known_rows = np.flatnonzero(num_known > 1)
         for i, a, b, c in zip(known_rows.tolist(), starts[known_rows].tolist(), have[known_rows].tolist(),
                               computed[known_rows].tolist(), strict=True):
             ids[a:b] = scheduled[i].request.token_ids_slice(c, c + b - a)
@@ -234,15 +246,18 @@ class StepInputBuilder:
         # request j's rows end at ends[j] and fill flat slots up to cumsum(num_rows)[j]: one shift per request
         self.logits_indices.np[:num_logits] = np.arange(num_logits) + np.repeat(ends - np.cumsum(num_rows), num_rows)
 
-        block_of_pos = positions // bs
+        # each token's entry of its request's table row, as a flat index into the [num_reqs, max_blocks] tables
+        entry = req_of_token * self.max_blocks + positions // bs
         offset_in_block = positions % bs
         for t in self.specs:
             table = self.block_table[t].np
             np.take(block_tables[t], rows, axis=0, out=table[:num_reqs])
-            self.slot_mapping[t].np[:num_tokens] = table[req_of_token, block_of_pos] * bs + offset_in_block
+            slots = self.slot_mapping[t].np[:num_tokens]
+            np.multiply(table.reshape(-1)[entry], bs, out=slots)
+            slots += offset_in_block
 
         ranges_rows = 0
-        if self._any_bidirectional:   # models without bidirectional layers never need the table
+        if self._any_bidirectional and in_prompt:   # models without bidirectional layers never need the table
             ranges_rows = fill_query_ranges(
                 self.query_ranges.np, qsl, computed, [s.request.vision_ranges_np for s in scheduled])
         if ranges_rows == 0 and self._high_water:
@@ -251,7 +266,7 @@ class StepInputBuilder:
             self.query_ranges.np[num_tokens:self._high_water] = -1
         self._high_water = ranges_rows
 
-        mm_rows = self._fill_mm_token_index(scheduled, qsl)
+        mm_rows = self._fill_mm_token_index(scheduled, qsl) if in_prompt else 0
         max_query_len, max_seq_len = int(lens.max(initial=1)), int(seq_lens.max(initial=1))
         if pad_to is not None:   # a graph bakes max_query_len in: the capture's all-padding step has it too
             self._pad(num_reqs, num_tokens, pad_to, query_len, ranges_rows > 0)
@@ -283,6 +298,9 @@ class StepInputBuilder:
         query_ranges = self.query_ranges.push(num_tokens) if ranges_rows else None
         mm_token_index = self.mm_token_index.push(mm_rows) if mm_rows else None
         common = {}
+        qsl_cpu, seq_lens_cpu = self.query_start_loc.cpu[:num_reqs + 1], self.seq_lens.cpu[:num_reqs]   # shared by the pools
+        positions_cpu, positions_dev = self.positions.cpu[:num_tokens], pos_dev[:num_tokens]
+        query_ranges_cpu = self.query_ranges.cpu[:num_tokens] if query_ranges is not None else None
         for t, spec in self.specs.items():
             with_ranges = query_ranges is not None and spec.bidirectional
             if device_tables:   # gathered on the device; padding rows (a graph's) all null block
@@ -291,14 +309,15 @@ class StepInputBuilder:
                 table_dev = self.block_table[t].dev[:num_reqs]
             else:
                 table_dev = self.block_table[t].push(num_reqs)
+            slot_mapping = self.slot_mapping[t].push(dense_rows)
             common[t] = CommonAttentionMetadata(
                 num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=pos_dev[:num_tokens],
-                block_table=table_dev, slot_mapping=self.slot_mapping[t].push(dense_rows)[:num_tokens],
+                max_seq_len=max_seq_len, query_start_loc=qsl_dev, seq_lens=seq_lens_dev, positions=positions_dev,
+                block_table=table_dev, slot_mapping=slot_mapping[:num_tokens] if dense_rows != num_tokens else slot_mapping,
                 block_size=bs, query_ranges=query_ranges if with_ranges else None,
-                query_start_loc_cpu=self.query_start_loc.cpu[:num_reqs + 1], seq_lens_cpu=self.seq_lens.cpu[:num_reqs],
-                positions_cpu=self.positions.cpu[:num_tokens], block_table_cpu=self.block_table[t].cpu[:num_reqs],
-                query_ranges_cpu=self.query_ranges.cpu[:num_tokens] if with_ranges else None)
+                query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_lens_cpu,
+                positions_cpu=positions_cpu, block_table_cpu=self.block_table[t].cpu[:num_reqs],
+                query_ranges_cpu=query_ranges_cpu if with_ranges else None)
         return StepInputs(num_tokens, input_ids, pos_dev, common, logits_indices, sampling_index, mm_token_index,
                           prev_token, shifted)
 
@@ -308,6 +327,11 @@ class StepInputBuilder:
         of input_ids, and flat indices into the step in flight's [rows, width] next inputs. `own`:
         per request, the end of its own tokens (before drafts and pads); `device_drafts`: per
         request, its drafts the device made."""
+        if not device_drafts.any():   # no drafts made on the device (no speculation): one id each
+            k = len(in_flight)
+            self.prev_token_dst.np[:k] = own[in_flight] - 1
+            np.multiply(src, width, out=self.prev_token_src.np[:k])
+            return k
         counts = 1 + device_drafts[in_flight]
         if len(in_flight) and (too_many := np.flatnonzero(counts > width)).size:
             i = int(in_flight[too_many[0]])

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +82,7 @@ class KVCacheManager:
     def __init__(self, plans: dict[str, PoolPlan], block_size: int, *, max_model_len: int,
                  enable_prefix_caching: bool = True):
         self.plans = plans
+        self._windowed = [(t, p.window) for t, p in plans.items() if p.window is not None]   # per-step checks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_blocks_per_req = math.ceil(max_model_len / block_size)
@@ -378,8 +380,14 @@ class KVCacheManager:
     def _holds_enough(self, held: _Held, start: int, needed_len: int) -> bool:
         """Whether every table already reaches `needed_len` blocks and no windowed one has entries
         to release before `start` (`allocate` would then change nothing)."""
-        return all(len(table.blocks) >= needed_len and not self._window_crossed(self.plans[t].window, start, table)
-                   for t, table in held.tables.items())
+        for table in held.tables.values():
+            if len(table.blocks) < needed_len:
+                return False
+        tables = held.tables
+        for t, window in self._windowed:
+            if (start - window + 1) // self.block_size > tables[t].num_reclaimed:   # _window_crossed
+                return False
+        return True
 
     def _window_crossed(self, window: int | None, pos: int, table) -> bool:
         """Whether a windowed table may hold entries to release at position `pos`: the first key it
@@ -392,20 +400,23 @@ class KVCacheManager:
         copies, self._copies = self._copies, {}
         return copies
 
-    def release_out_of_window(self, request: Request) -> None:
-        """Return the windowed pools' blocks that no query from the request's next position on can
+    def release_out_of_window(self, requests: Iterable[Request]) -> None:
+        """Return the windowed pools' blocks that no query from each request's next position on can
         reach. The scheduler calls it for every running request before each step, so a request the
         step leaves out holds only its window, never the chunk it computed last (what the planner's
-        windowed reservation assumes: planner.window_pool_blocks)."""
-        held = self._held.get(request.request_id)
-        if held is None:
-            return
-        pos = request.num_computed_tokens
-        for t, plan in self.plans.items():
-            table = held.tables[t]
-            if table.blocks and self._window_crossed(plan.window, pos, table):
-                first = self._first_needed(request, pos, plan.window)
-                self._reclaim(request, held, t, min(first // self.block_size, len(table.blocks)))
+        windowed reservation assumes: planner.window_pool_blocks). One call for the batch: most
+        steps release nothing, and the check is a comparison per request and windowed pool."""
+        bs = self.block_size
+        for request in requests:
+            held = self._held.get(request.request_id)
+            if held is None:
+                continue
+            pos = request.num_computed_tokens
+            for t, window in self._windowed:   # a full-attention pool releases nothing before the end
+                table = held.tables[t]
+                if table.blocks and (pos - window + 1) // bs > table.num_reclaimed:   # _window_crossed
+                    first = self._first_needed(request, pos, window)
+                    self._reclaim(request, held, t, min(first // bs, len(table.blocks)))
 
     def _reclaim(self, request: Request, held: _Held, layer_type: str, upto: int) -> None:
         """Release a windowed table's entries before `upto` (those not released yet) to the pool."""

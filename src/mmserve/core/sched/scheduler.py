@@ -237,9 +237,11 @@ class Scheduler:
                 del request.draft_token_ids[max(0, room - 1):]
                 n += len(request.draft_token_ids)
             pads = self.verify_width - n
+            if pads <= 0:   # no verify width (no speculation), or the drafts fill it
+                return n, 0
             fits = n + pads <= budget and start + n + pads <= self.max_model_len
             decode = total - start == 1   # not an output token recomputed after preemption
-            if pads > 0 and fits and decode and not request.sampling_params.disable_speculation:
+            if fits and decode and not request.sampling_params.disable_speculation:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
@@ -279,8 +281,7 @@ class Scheduler:
         budget = self.token_budget()
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
-        for request in self.running:   # one this step leaves out holds its window, not its last chunk
-            self.kv.release_out_of_window(request)
+        self.kv.release_out_of_window(self.running)   # one this step leaves out holds its window, not its last chunk
 
         # A request whose next frame did not fit last step's leftover budget goes first now, so a
         # steady stream of decodes can never starve it. Open prompts (live sessions' frames) go after
@@ -328,10 +329,11 @@ class Scheduler:
         finished, self._finished_since_step = self._finished_since_step, []
         ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
-            for s in scheduled.values():
-                r, seq_len = s.request, s.seq_len
-                if seq_len >= r.num_tokens + r.num_output_placeholders and not r.open_prompt:
-                    r.num_output_placeholders += s.num_sampled_rows + s.num_pad_drafts
+            for s in scheduled.values():   # (ScheduledRequest.seq_len, Request.num_tokens, num_sampled_rows inlined)
+                r, seq_len = s.request, s.num_computed_tokens + s.num_tokens
+                placeholders = r.num_output_placeholders
+                if seq_len >= len(r.prompt_token_ids) + len(r.output_token_ids) + placeholders and not r.open_prompt:
+                    r.num_output_placeholders = placeholders + 1 + len(s.draft_token_ids) + s.num_pad_drafts
                 r.num_computed_tokens = seq_len
         copies = self.kv.take_block_copies() if scheduled else {}   # made before the step's forward
         return SchedulerOutput(list(scheduled.values()), preempted_ids=preempted, finished_ids=finished,
@@ -343,7 +345,10 @@ class Scheduler:
         and each prompt its next chunk after this step's (aligned as `_chunk` aligns it) from the
         next step's budget; (request, range indices) for the chunks that hold any. Waiting requests
         are left out: where their first chunk starts depends on the prefix cache at admission."""
-        if not any(len(r.mm_ranges_np) and r.num_computed_tokens < r.num_prompt_tokens for r in self.running):
+        for r in self.running:   # (a loop, not any() over a generator: it runs every step)
+            if r.num_computed_tokens < len(r.prompt_token_ids) and len(r.mm_ranges_np):
+                break
+        else:
             return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
         ahead = []
@@ -413,13 +418,14 @@ class Scheduler:
         filled to the prefix cache (only now is their K/V written). With speculation the engine
         appends a step's accepted tokens before this, so the keys name verified tokens only."""
         rejected = rejected or {}
+        forks = self.forks
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
-                back = rejected.get(s.request.request_id, 0)
+                back = rejected.get(s.request.request_id, 0) if rejected else 0
                 if self.async_scheduling:   # advanced when scheduled; the next step may have advanced it since
                     s.request.num_computed_tokens -= back
                 else:
                     s.request.num_computed_tokens = s.seq_len - back
                 self.kv.cache_blocks(s.request)
-                if prompt_done(s.request) and self.forks.of(s.request.request_id):
+                if forks and prompt_done(s.request) and forks.of(s.request.request_id):
                     self._release_forks(s.request)
