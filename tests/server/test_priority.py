@@ -5,34 +5,59 @@ from __future__ import annotations
 import threading
 import time
 
+from loopback_server import LoopbackServer, engine_config
+
 from mmserve.clients import Client
+from mmserve.config import ServerConfig
 
 
-def test_higher_priority_runs_first(start_server, served_model):
-    server = start_server(served_model, max_num_seqs=1, scheduling_policy="priority")
-    order: list[str] = []
-    lock = threading.Lock()
+class FinishOrder:
+    """Observer hooks (run by the front end in the engine's step order) that keep the order requests end
+    in: the server's order, not the order client threads wake up in (a loaded machine reorders those)."""
 
-    def run(name: str, priority: int, max_tokens: int) -> None:
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def on_engine_started(self, peaks) -> None:
+        pass
+
+    def on_request_queued(self, request) -> None:
+        pass
+
+    def on_step(self, record) -> None:
+        pass
+
+    def on_first_token(self, request) -> None:
+        pass
+
+    def on_request_finished(self, request, finish_reason, error) -> None:
+        self.finished.append(request.request_id)
+
+
+def test_higher_priority_runs_first(served_model):
+    order = FinishOrder()
+    server = LoopbackServer(engine_config(served_model, max_num_seqs=1, scheduling_policy="priority"),
+                            ServerConfig(host="127.0.0.1", port=0, worker_threads=2), observer=order).start()
+    try:
+        def run(name: str, priority: int) -> None:
+            with Client(server.address, timeout=120) as client:
+                client.generate(prompt=name, max_tokens=4, temperature=0, ignore_eos=True, priority=priority,
+                                request_id=name)
+
         with Client(server.address, timeout=120) as client:
-            client.generate(prompt=name, max_tokens=max_tokens, temperature=0, ignore_eos=True, priority=priority,
-                            request_id=name)
-        with lock:
-            order.append(name)
-
-    with Client(server.address, timeout=120) as client:
-        long_tokens = client.model_info().context_length - 32
-        blocker = client.stream(prompt="block", max_tokens=long_tokens, temperature=0, ignore_eos=True)
-        next(iter(blocker))  # the only sequence slot is taken
-        # Each runs long enough (24 tokens) that its client thread records the end before the next
-        # one's ends: 2 tokens let a loaded machine's thread wake-up reorder them (CI under -n 2).
-        threads = [threading.Thread(target=run, args=(name, prio, 24))
-                   for name, prio in (("low", -5), ("mid", 0), ("high", 7))]
-        for i, t in enumerate(threads, 1):  # they queue up in this order, lowest priority first
-            t.start()
-            while client.server_load().waiting_requests < i:
-                time.sleep(0.01)
-        blocker.cancel()  # frees the slot: the queue now runs by priority alone
-        for t in threads:
-            t.join(120)
-    assert order == ["high", "mid", "low"]
+            long_tokens = client.model_info().context_length - 32
+            blocker = client.stream(prompt="block", max_tokens=long_tokens, temperature=0, ignore_eos=True,
+                                    request_id="block")
+            next(iter(blocker))  # the only sequence slot is taken
+            threads = [threading.Thread(target=run, args=(name, prio))
+                       for name, prio in (("low", -5), ("mid", 0), ("high", 7))]
+            for i, t in enumerate(threads, 1):  # they queue up in this order, lowest priority first
+                t.start()
+                while client.server_load().waiting_requests < i:
+                    time.sleep(0.01)
+            blocker.cancel()  # frees the slot: the queue now runs by priority alone
+            for t in threads:
+                t.join(120)
+        assert [rid for rid in order.finished if rid != "block"] == ["high", "mid", "low"]
+    finally:
+        server.stop()
