@@ -53,6 +53,8 @@ async def _one(stub, request: pb.GenerateRequest, plan: str, rng: random.Random)
 @pytest.mark.slow
 def test_shared_videos_under_preemption_cancels_and_eviction_leave_nothing_held(tight_server, make_video):
     rng = random.Random(random.getrandbits(32))
+    # 12-40 tokens: decodes grow by up to 3 blocks each, so running requests keep needing blocks the
+    # pool no longer has (4-10 tokens grew by under one: 1-3 preemptions, and 0 once at load ~6).
     videos = [make_video(seed=rng.randrange(1000), num_frames=4) for _ in range(3)]
     jobs = []
     for i in range(48):
@@ -61,7 +63,7 @@ def test_shared_videos_under_preemption_cancels_and_eviction_leave_nothing_held(
         plan = "cancel" if roll < 0.3 else "deadline" if roll < 0.4 else "full"
         parts = [pb.Part(video=pb.Video(data=videos[v], num_frames=2)), pb.Part(text=QUESTIONS[q])]
         request = pb.GenerateRequest(request_id=f"pc-{i}", messages=[pb.Message(role="user", parts=parts)],
-                                     sampling=pb.SamplingParams(max_tokens=rng.randint(4, 10), ignore_eos=True,
+                                     sampling=pb.SamplingParams(max_tokens=rng.randint(12, 40), ignore_eos=True,
                                                                 temperature=0.0))
         jobs.append(((v, q, request.sampling.max_tokens), request, plan))
 
