@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'start (to SERVING)':<32}{median('start_wall_s'):>8.3f}   CPU {median('start_cpu_s'):.3f} s")
     for process in runs[0]["cpu_s"]:
         print(f"{'  CPU at SERVING: ' + process:<32}{median('cpu_s', process):>8.3f}")
-    if args.tensor_parallel_size > 1:
-        print(f"{'rank 1 spawned at':<32}{median('rank1_spawned_s'):>8.3f}")
+    spawned = [r["rank1_spawned_s"] for r in runs if r["rank1_spawned_s"] is not None]
+    if args.tensor_parallel_size > 1:   # a start whose rank-1 line was not seen has none
+        print(f"{'rank 1 spawned at':<32}" + (f"{statistics.median(spawned):>8.3f}" if spawned else f"{'not seen':>8}"))
     print(f"{'stop (SIGTERM to exit)':<32}{median('stop_wall_s'):>8.3f}   CPU {median('stop_cpu_s'):.3f} s")
     print(f"\n{'import (fresh interpreter)':<32}{'wall s':>8}{'CPU s':>8}  heavy libraries loaded")
     for row in imports:

@@ -4,17 +4,46 @@ The engine core runs in its own process, as `mmserve serve` runs it (forked from
 preloaded forkserver: engine_forkserver.py), unless the config says `engine_process=False`: then on a
 thread, where a test can reach `server.engine.core`. Shared by the
 session server fixtures in tests/conftest.py and the reliability suite's `ServerThread`, which adds
-a recording observer and leak checks.
+a recording observer (`RecordingObserver`, here for any test's server) and leak checks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig
+from mmserve.ipc.records import StepRecord
+
+
+class RecordingObserver:
+    """Observer hooks (run by the front end) that remember every step and every request's end."""
+
+    def __init__(self) -> None:
+        self.queued: list[str] = []
+        self.steps: list[StepRecord] = []
+        self.finished: list[tuple[str, str | None, BaseException | None]] = []
+
+    def on_engine_started(self, peaks) -> None:
+        pass
+
+    def on_request_queued(self, request) -> None:
+        self.queued.append(request.request_id)
+
+    def on_step(self, record: StepRecord) -> None:
+        self.steps.append(record)
+
+    def on_first_token(self, request) -> None:
+        pass
+
+    def on_request_finished(self, request, finish_reason, error) -> None:
+        self.finished.append((request.request_id, finish_reason, error))
+
+    def end_counts(self) -> collections.Counter:
+        return collections.Counter(rid for rid, _, _ in self.finished)
 
 
 def engine_config(model: str | Path, **overrides) -> EngineConfig:

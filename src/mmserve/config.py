@@ -86,7 +86,7 @@ class EngineConfig:
     # The one field whose default is read from its variable when the config is built in Python too
     # (mmserve.LLM, the eval client, a test's engine): one variable switches every engine a process and
     # the processes it starts build, e.g. the test suite run on the loop CUDA users run.
-    async_scheduling: str = field(default_factory=lambda: os.environ.get("MMSERVE_ASYNC_SCHEDULING", "auto"), metadata={
+    async_scheduling: str = field(default_factory=lambda: os.environ.get(_env_name("async_scheduling"), "auto"), metadata={
         "help": "schedule and launch step N+1 while step N runs, its sampled tokens (and, with --speculative-model, "
                 "its acceptance and the drafts made after it) fed to N+1 on the device and reaching the front end one "
                 "step late (under tensor parallelism the workers take them from rank 0's device by one broadcast): "
@@ -188,7 +188,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.async_scheduling not in ASYNC_SCHEDULING_CHOICES:   # the CLI checks its flag, not the variable read here
             raise ValueError(f"async_scheduling must be one of {', '.join(ASYNC_SCHEDULING_CHOICES)}, got "
-                             f"{str(self.async_scheduling)[:40]!r} (given, or else from MMSERVE_ASYNC_SCHEDULING)")
+                             f"{str(self.async_scheduling)[:40]!r} (given, or else from {_env_name('async_scheduling')})")
         # Resolved once here, so every reader (model loader, perf model, peaks, model info) sees a real dtype.
         if self.dtype == "auto":
             self.dtype = default_dtype(self.device)

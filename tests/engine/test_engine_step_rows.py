@@ -69,7 +69,7 @@ def random_params(rng: random.Random, vocab: int) -> SamplingParams:
     return SamplingParams(**options)
 
 
-def random_step(rng: random.Random, vocab: int, grammar: StructuredOutput | None, compiled) -> list[ScheduledRequest]:
+def random_step(rng: random.Random, vocab: int) -> list[ScheduledRequest]:
     """A step's sampling chunks: each request with some output, and 0..K drafts (none where it
     opted out or is near its max_tokens)."""
     step = []
@@ -79,9 +79,6 @@ def random_step(rng: random.Random, vocab: int, grammar: StructuredOutput | None
         request.output_token_ids = [rng.randrange(vocab) for _ in range(rng.randint(0, params.max_tokens - 1))]
         left = params.max_tokens - len(request.output_token_ids) - 1
         drafts = 0 if params.disable_speculation else rng.randint(0, min(K, left))
-        if params.response_format is not None and grammar is not None:
-            grammar.add(request.request_id, params.response_format, compiled)
-            request.output_token_ids = []   # the matcher has seen no token: its drafts are whatever it allows
         step.append(ScheduledRequest(request, 1 + drafts, 0, False, draft_token_ids=[rng.randrange(vocab)
                                                                                   for _ in range(drafts)],
                                      num_pad_drafts=rng.choice([0, K - drafts])))
@@ -145,7 +142,7 @@ def test_sampler_plans_per_chunk_as_row_by_row(grammar_parts):
     # two samplers walk the same steps (penalty slots are state): one plans per chunk, one row by row
     by_chunk, by_row = (Sampler(0, EOS, StructuredOutput(compiler), max_num_seqs=64) for _ in range(2))
     for step in range(6):
-        scheduled = random_step(rng, vocab, None, None)
+        scheduled = random_step(rng, vocab)
         for s in scheduled:
             if s.request.sampling_params.response_format is not None:
                 s.request.output_token_ids = []
@@ -218,7 +215,7 @@ def test_acceptance_for_every_chunk_at_once_is_the_per_request_rule():
     rng = random.Random(seed)
     vocab, eos = 12, frozenset({1})   # a small vocabulary: drafts are often kept, EOS often drawn
     for trial in range(20):
-        scheduled = random_step(rng, vocab, None, None)
+        scheduled = random_step(rng, vocab)
         np.testing.assert_array_equal(acceptance_layout(scheduled), per_row_layout(scheduled),
                                       err_msg=f"seed {seed} trial {trial}")
         # the rows' draws: often the chunk's own drafts (kept), sometimes not; some rows failed
@@ -252,7 +249,7 @@ def test_acceptance_for_every_chunk_at_once_is_the_per_request_rule():
 def test_step_rows_index_like_the_list_of_rows():
     """`StepRows` is a Sequence of the old rows: len, index (negative too), iteration, IndexError."""
     rng = random.Random(random.getrandbits(64))
-    scheduled = random_step(rng, 50, None, None)
+    scheduled = random_step(rng, 50)
     rows, old = verify_rows(scheduled), per_row_rows(scheduled)
     assert len(rows) == len(old) and list(rows) == old
     assert [rows[-i] for i in range(1, len(old) + 1)] == [old[-i] for i in range(1, len(old) + 1)]

@@ -5,43 +5,14 @@ and every KV block, encoder-cache entry and stream is released."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import loopback_server
-from loopback_server import LoopbackServer
+from loopback_server import LoopbackServer, RecordingObserver
 
 from mmserve.config import EngineConfig
-from mmserve.ipc.records import StepRecord
-
-
-class RecordingObserver:
-    """Observer hooks (run by the front end) that remember every step and every request's end."""
-
-    def __init__(self) -> None:
-        self.queued: list[str] = []
-        self.steps: list[StepRecord] = []
-        self.finished: list[tuple[str, str | None, BaseException | None]] = []
-
-    def on_engine_started(self, peaks) -> None:
-        pass
-
-    def on_request_queued(self, request) -> None:
-        self.queued.append(request.request_id)
-
-    def on_step(self, record: StepRecord) -> None:
-        self.steps.append(record)
-
-    def on_first_token(self, request) -> None:
-        pass
-
-    def on_request_finished(self, request, finish_reason, error) -> None:
-        self.finished.append((request.request_id, finish_reason, error))
-
-    def end_counts(self) -> collections.Counter:
-        return collections.Counter(rid for rid, _, _ in self.finished)
 
 
 def engine_config(model: Path, **overrides) -> EngineConfig:

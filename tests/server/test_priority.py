@@ -5,37 +5,16 @@ from __future__ import annotations
 import threading
 import time
 
-from loopback_server import LoopbackServer, engine_config
+from loopback_server import LoopbackServer, RecordingObserver, engine_config
 
 from mmserve.clients import Client
 from mmserve.config import ServerConfig
 
 
-class FinishOrder:
-    """Observer hooks (run by the front end in the engine's step order) that keep the order requests end
-    in: the server's order, not the order client threads wake up in (a loaded machine reorders those)."""
-
-    def __init__(self) -> None:
-        self.finished: list[str] = []
-
-    def on_engine_started(self, peaks) -> None:
-        pass
-
-    def on_request_queued(self, request) -> None:
-        pass
-
-    def on_step(self, record) -> None:
-        pass
-
-    def on_first_token(self, request) -> None:
-        pass
-
-    def on_request_finished(self, request, finish_reason, error) -> None:
-        self.finished.append(request.request_id)
-
-
 def test_higher_priority_runs_first(served_model):
-    order = FinishOrder()
+    # The order requests end in as the server saw it (the observer runs in the engine's step order),
+    # not the order client threads wake up in: a loaded machine reorders those.
+    order = RecordingObserver()
     server = LoopbackServer(engine_config(served_model, max_num_seqs=1, scheduling_policy="priority"),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2), observer=order).start()
     try:
@@ -58,6 +37,6 @@ def test_higher_priority_runs_first(served_model):
             blocker.cancel()  # frees the slot: the queue now runs by priority alone
             for t in threads:
                 t.join(120)
-        assert [rid for rid in order.finished if rid != "block"] == ["high", "mid", "low"]
+        assert [rid for rid, _, _ in order.finished if rid != "block"] == ["high", "mid", "low"]
     finally:
         server.stop()

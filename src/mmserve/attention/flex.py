@@ -196,10 +196,11 @@ class FlexMetadataBuilder:
         a function of query_start_loc alone and only this method writes its buffers, so a step
         whose query lengths repeat the last one's (steady decode, uniform verify steps) keeps it."""
         T, R, g = md.num_actual_tokens, md.num_reqs, self.group
-        key = md.query_start_loc_cpu.numpy()[: R + 1].tobytes()
+        starts = md.query_start_loc_cpu.numpy()[: R + 1]
+        key = starts.tobytes()
         if key == self._rows_for:
             return self._rows_q_blocks
-        qsl = md.query_start_loc_cpu.numpy()[: R + 1].astype(np.int64)
+        qsl = starts.astype(np.int64)
         rows_per_req = -(-np.diff(qsl) * g // Q_BLOCK) * Q_BLOCK
         row_start = np.concatenate(([0], np.cumsum(rows_per_req)))
         num_q_blocks = int(row_start[-1]) // Q_BLOCK

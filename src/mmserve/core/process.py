@@ -122,13 +122,15 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
 
 
 def _say_dead(inputs: zmq.Socket, outputs: zmq.Socket, reason: str, parent_alive: Callable[[], bool]) -> None:
-    """Send why the core fails, then wait until the front end has read it (EngineDeadRead) or is
-    gone. A core that exited at once raced its own message: on a loaded machine the front end saw
-    the exit first and reported only an exit code ("exited with code 1 while starting")."""
+    """Send why the core fails, then wait until the front end has read it (EngineDeadRead), asks it
+    to stop (Shutdown: it no longer waits for the reason) or is gone. A core that exited at once
+    raced its own message: on a loaded machine the front end saw the exit first and reported only an
+    exit code ("exited with code 1 while starting")."""
     outputs.send_multipart(serial.encode(EngineDead(reason)))
     deadline = time.monotonic() + DEAD_READ_WAIT_S
     while parent_alive() and time.monotonic() < deadline:
-        if inputs.poll(IDLE_POLL_MS) and isinstance(serial.decode(inputs.recv_multipart(copy=False)), EngineDeadRead):
+        if inputs.poll(IDLE_POLL_MS) and isinstance(serial.decode(inputs.recv_multipart(copy=False)),
+                                                    (EngineDeadRead, Shutdown)):
             return
 
 

@@ -209,7 +209,7 @@ class EngineDead:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineDeadRead:
     """The front end has read the core's `EngineDead`: the core may exit. Had it exited at once, the
     exit could be seen before its message arrived (on a loaded machine, by more than any fixed wait),

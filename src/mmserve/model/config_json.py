@@ -100,9 +100,7 @@ class ConfigView:
 
 
 class Gemma4JsonConfig(ConfigView):
-    """The composite (text + optional vision and audio) config; `from_transformers` is False."""
-
-    from_transformers = False
+    """The composite (text + optional vision and audio) config."""
 
     def get_text_config(self) -> ConfigView:
         return self.text_config

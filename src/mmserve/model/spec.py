@@ -318,7 +318,7 @@ def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None
     if settings.get("feature_extractor_type", "Gemma4AudioFeatureExtractor") != "Gemma4AudioFeatureExtractor":
         settings = {}
     settings = {k: v for k, v in settings.items() if k not in ("feature_extractor_type", "processor_class")}
-    if getattr(config, "from_transformers", True):
+    if not isinstance(config, config_json.Gemma4JsonConfig):
         from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 
         fe = Gemma4AudioFeatureExtractor(**settings)

@@ -132,7 +132,7 @@ class Adjustments:
         for c, p in enumerate(params):
             if p.logit_bias:
                 biased.append(c)
-            if p.min_tokens:
+            if p.min_tokens and len(rows.requests[c].output_token_ids) < p.min_tokens:   # its rows' are >= its
                 short.append(c)
             if p.has_penalties:
                 penalised.append(c)

@@ -51,8 +51,8 @@ class Accepted:
 
 class RejectionSampler:
     """Accepts a step's rows as `sampler` drew them (a verify row adjusted, masked and drawn exactly
-    as a plain step's row would be); `record(drafts, kept)` hears every verify chunk scored (the
-    speculator's acceptance statistics)."""
+    as a plain step's row would be); `record(drafts, kept)` hears a step's verify chunks once, as arrays
+    (one entry per chunk: the speculator's acceptance statistics)."""
 
     def __init__(self, sampler: Sampler, record: Callable[[np.ndarray, np.ndarray], None] | None = None):
         self.sampler = sampler

@@ -89,6 +89,8 @@ class StepRows(Sequence):
         return self._len
 
     def __getitem__(self, i: int):
+        if self._len == len(self.requests):   # no drafts in the step: row i is chunk i's request
+            return self.requests[i]
         if not -len(self) <= i < len(self):
             raise IndexError(i)
         c = int(self.chunk_of_row[i])

@@ -132,6 +132,7 @@ class StepInputBuilder:
         self.shift_reqs = StagedBuffer((s,), torch.int64, device)
         self.shift_src = StagedBuffer((s,), torch.int64, device)
         self.slot_mapping = {t: StagedBuffer((n,), torch.int64, device) for t in specs}
+        # every pool's table as wide as max_blocks: the step's slots index them all by one flat entry
         self.block_table = {t: StagedBuffer((s, self.max_blocks), torch.int32, device) for t in specs}
         self.query_ranges.np.fill(-1)
         self._any_bidirectional = any(spec.bidirectional for spec in specs.values())

@@ -417,7 +417,6 @@ class Scheduler:
         draft and pad positions at its chunk's end (their K/V is overwritten later), and offer the blocks it
         filled to the prefix cache (only now is their K/V written). With speculation the engine
         appends a step's accepted tokens before this, so the keys name verified tokens only."""
-        rejected = rejected or {}
         forks = self.forks
         for s in output.scheduled:
             if s.request.status == RequestStatus.RUNNING:
