@@ -258,7 +258,9 @@ def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
     # The bystander's TTFT beside the flood stays within 2x its idle TTFT (plus 0.25 s for a shared CPU).
     ttft = bystander.final.timings.time_to_first_token_s
     assert ttft <= 2 * idle.final.timings.time_to_first_token_s + 0.25, (ttft, idle.final.timings)
-    assert grown < 64 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
+    # 10-13 MiB on a quiet machine; 69 MiB once in a cold suite run (grpc's transport reads ahead into
+    # its buffers, bounded by HTTP/2 flow control, before auth refuses): the bug buffered ~480 MiB.
+    assert grown < 128 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
 def test_method_limits_refuse_before_parsing(server):
