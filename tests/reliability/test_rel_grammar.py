@@ -180,10 +180,12 @@ def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
     engine process). While it compiles, health answers and bystanders stream their idle output with
     their idle TTFT: 2x, plus 250 ms because on 2 cores the compile itself takes one of them (a full
     suite run saw 150 ms against 17 ms idle). A stall, the old behaviour, costs the compile's whole
-    duration (0.75 s on main), which the bound stays below."""
-    spec = flat_schema(800)
+    duration (0.75 s on main), which the bound stays below.
 
-    async def scenario():
+    xgrammar's compile time of this shape is not smooth in its size and varies with the machine (800
+    properties took 0.47 s in all on a fresh CI-like machine, 1000 took 4-10 s at load 10): the schema
+    grows until its compile outlasts the bound, and the checks run on that one; none long enough fails."""
+    async def scenario(spec: str):
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
             await bystanders(stub, "warm")
@@ -196,16 +198,21 @@ def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
                 during += await bystanders(stub, f"during{len(during)}")
             return idle, during, await slow, await health, time.perf_counter() - start
 
-    idle, during, (slow, _), health, slow_s = asyncio.run(scenario())
-    assert slow.code is None, slow   # accepted and served, within the compile time limit
-    assert slow_s > 0.5, f"the schema compiled in {slow_s:.2f}s: too fast to show a stall"
+    compiles = []
+    for properties in (800, 900, 1000):   # each a new schema: the compilers' caches cannot answer it
+        idle, during, (slow, _), health, slow_s = asyncio.run(scenario(flat_schema(properties)))
+        assert slow.code is None, slow   # accepted and served, within the compile time limit
+        idle_ttft = statistics.median(t for _, t in idle)
+        bound = 2 * idle_ttft + 0.25
+        compiles.append((properties, round(slow_s, 2), round(bound, 2)))
+        if slow_s > max(0.5, bound):
+            break
+    else:
+        pytest.fail(f"no schema compiled long enough to show a stall (properties, seconds, bound): {compiles}")
     idle_tokens = [r.token_ids for r, _ in idle]
     for k, (result, _) in enumerate(during):
         assert result.code is None and result.token_ids == idle_tokens[k % 3], result
-    idle_ttft = statistics.median(t for _, t in idle)
     during_ttft = statistics.median(t for _, t in during)
-    bound = 2 * idle_ttft + 0.25
-    assert bound < slow_s, f"the compile ({slow_s:.2f}s) is too short for the bound ({bound:.2f}s) to show a stall"
     assert during_ttft <= bound, (during_ttft, idle_ttft, slow_s)
     assert len(health) >= 3 and max(health) < slow_s / 4, (health, slow_s)
     server.assert_nothing_leaked()
