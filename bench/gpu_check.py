@@ -25,7 +25,7 @@
              counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
              at the serving model's dimensions, against the floor (the bytes the perf model says
-             the step moves / 4.3 TB/s); beside it the forward alone (`forward_ms`: the replay of
+             the step moves / the device's measured copy bandwidth); beside it the forward alone (`forward_ms`: the replay of
              that batch's captured graph); every timed graph step must have replayed a graph.
 6b. profile  three decode steps under torch.profiler with CUDA activities at the serving model's
              dimensions, batch 1 and 64: kernels per step and per layer (target <= 12), the top 15
@@ -46,11 +46,17 @@
              fixed cost and whether it captures into a graph, not what TP costs.
 9. video_prefill  (#35) 32-frame videos at the serving model's dimensions (random weights, the vision
              tower included) prefilled through the engine: frames/s and the FLOP floor's share of the
-             wall time (perf model FLOPs / 790 TFLOP/s; target >= 0.6), every step a graph; and 16
+             wall time (perf model FLOPs / the measured GEMM rate; target >= 0.6), every step a graph; and 16
              decoding requests' step time while such a video prefills beside them against alone
              (target <= 1.5x).
 10. mixed    (#35) one 2048-token prefill chunk beside 63 decodes: the step against its own floor,
-             max(bytes / 4.3 TB/s, FLOPs / 790 TFLOP/s) (target <= 1.4x), replayed as piecewise graphs.
+             max(bytes / copy bandwidth, FLOPs / GEMM rate) (target <= 1.4x), replayed as piecewise graphs.
+
+Every floor divides by the device the run is on, measured once at its start (lease_device.py: a
+1 GiB device-to-device copy and an 8192^3 bf16 GEMM, as this workplace read its H100s and H200s);
+each section's JSON carries those readings, the device's name, SMs and memory, and the datasheet's
+dense peaks, beside which every floor is computed too (`datasheet_floor_ms`). The sections that load
+the serving model size their KV cache from the device's free memory beside the checkpoint.
 
 Kernel times come from CUDA-graph replays of 20 calls (or 20 back-to-back calls between two events
 when a call cannot be captured), median of repeats; one call's own event time minus that is
@@ -72,6 +78,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import gc
 import json
 import logging
 import platform
@@ -87,6 +94,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from lease_device import Ceilings, kv_cache_bytes, measure
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.attention.selection import choose_backends, device_arch
@@ -102,7 +110,7 @@ BF16_TOL = 2e-2
 
 @dataclass(frozen=True)
 class Sizes:
-    """Everything that differs between the GPU run and the CPU smoke run."""
+    """Everything that differs between the GPU run and the CPU smoke run, and the run's device."""
 
     sliding: LayerAttentionSpec
     full: LayerAttentionSpec
@@ -126,6 +134,7 @@ class Sizes:
     mixed_decodes: int = 63
     capacity_batch: int = 64          # capacity: concurrent requests
     capacity_prompt: int = 8192       # capacity: their prompt tokens
+    ceilings: Ceilings | None = None  # the run's device as measured at its start (what floors divide by)
 
 
 GPU = Sizes(sliding=LayerAttentionSpec(SLIDING, 16, 8, 256, window=1024, bidirectional=True),
@@ -476,7 +485,7 @@ def fallback(sizes: Sizes, device: str) -> dict:
     lists; SDPA: each group's gathered blocks, read from the cache and written as a copy, then read
     once per query tile), the programs that share one KV head's keys at batch 1 (split-KV spreads
     them over the GPU, flex runs one), the per-step metadata build (outside any graph), and on a
-    GPU the kernel times and GB/s."""
+    GPU the kernel times, GB/s and its share of the device's measured copy bandwidth (`_of_copy`)."""
     from mmserve.attention import create_impl
     from mmserve.attention.synthetic import make_batch
 
@@ -505,18 +514,19 @@ def fallback(sizes: Sizes, device: str) -> dict:
                                      sizes.repeats)
                 add_timing(row, variant, timing)
                 row[f"{variant}_GBps"] = kv_bytes / (row[f"{variant}_ms"] * 1e6)
+                row[f"{variant}_of_copy"] = row[f"{variant}_GBps"] * 1e9 / sizes.ceilings.copy_bytes_per_s
             row[f"{variant}_bytes_over_needed"] = kv_bytes / needed
         rows.append(row)
     return {"rows": rows}
 
 
-H200_PROGRAMS = 2 * 132   # split_kv.default_programs on an H200 (132 SMs)
+LENT_SMS = 132   # multiprocessors of both lent kinds (H100 SXM, H200): fallback_plans' default off a GPU
 
 
-def fallback_plans() -> list[dict]:
+def fallback_plans(sms: int) -> list[dict]:
     """The fallback section's K/V byte counts at GPU shapes from the builders' plans alone (no
     kernel runs, so any machine can print them): 12B's and E2B's full layers, bf16; split-KV
-    planned for an H200's SMs."""
+    planned for `sms` multiprocessors (split_kv.default_programs: two programs each)."""
     from mmserve.attention.split_kv import SplitKvPlanner
     from mmserve.attention.synthetic import make_batch, pool_for
 
@@ -530,7 +540,7 @@ def fallback_plans() -> list[dict]:
             for variant in fallback_variants(name):
                 builder, md = fallback_metadata(variant, batch, spec)
                 if variant == "split_kv":
-                    md = SplitKvPlanner(pool_for(batch, spec), programs=H200_PROGRAMS).plan(batch.metadata)
+                    md = SplitKvPlanner(pool_for(batch, spec), programs=2 * sms).plan(batch.metadata)
                 kv_bytes, _, programs = FALLBACK_WORK[variant](md, spec, block_bytes)
                 row[f"{variant}_kv_bytes"], row[f"{variant}_programs"] = kv_bytes, programs
                 row[f"{variant}_over_needed"] = kv_bytes / row["needed_kv_bytes"]
@@ -727,6 +737,32 @@ def serving_checkpoint(sizes: Sizes, device: str) -> tuple[Path, float]:
     return out_dir, time.perf_counter() - start
 
 
+MIN_KV_CACHE = 2**30   # below this an engine of a section is not worth starting: the device is too small
+
+
+def engine_kv_cache(model_dir: Path, wanted_gib: float) -> int:
+    """A CUDA engine's --kv-cache-bytes: `wanted_gib`, or what the device's free memory holds beside
+    the checkpoint's weights (its safetensors files) and the engine's headroom, whichever is less
+    (an H100 holds ~60 GiB less than an H200). Fails the section before anything loads where less
+    than MIN_KV_CACHE is left: the serving model needs a larger kind."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    checkpoint = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    kv = kv_cache_bytes(int(wanted_gib * 2**30), checkpoint, free)
+    if kv < MIN_KV_CACHE:
+        raise RuntimeError(f"{model_dir.name}'s weights ({checkpoint / 2**30:.1f} GiB) and the engine's headroom "
+                           f"leave {kv / 2**30:.1f} GiB of the {free / 2**30:.1f} GiB free for a KV cache: this "
+                           f"serving model needs a device with more memory (nvidia-h200: ~139 GiB)")
+    return kv
+
+
+def kv_record(llm) -> dict:
+    """The KV cache an engine of a section started with: its size, and the requests it seats at once."""
+    kv = llm.core.kv_capacity
+    return {"gib": kv.num_bytes / 2**30, "max_num_seqs": kv.max_num_seqs, "sized_by": kv.sized_by}
+
+
 def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
     """Random bf16 weights at a family member's published dimensions (tests/fixtures/gemma4_family)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -781,6 +817,7 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
 
 def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str
                      ) -> tuple[float, list, dict]:
+    """(seconds, tokens, graph use and the KV cache it ran with) of mmserve.LLM on the batch."""
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -788,8 +825,9 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
     options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
                    max_model_len=prompt + max_tokens + 16, strict_backends=True)
     if device == "cuda":
-        options["kv_cache_bytes"] = 16 * 2**30
+        options["kv_cache_bytes"] = engine_kv_cache(model_dir, 16)
     llm = LLM(model=str(model_dir), **options)
+    kv = kv_record(llm)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
     synchronize(device)
@@ -801,7 +839,7 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    return seconds, [c.token_ids for c in done], graphs
+    return seconds, [c.token_ids for c in done], {**graphs, "kv_cache": kv}
 
 
 def serving(sizes: Sizes, device: str) -> dict:
@@ -826,9 +864,23 @@ def serving(sizes: Sizes, device: str) -> dict:
 
 # --- 5a. capacity: the KV cache sized from the device, many long requests at once -------------------
 
+CAPACITY_OUTPUT = 8   # tokens each capacity request generates
+
+
+def capacity_requests(kv, wanted: int, prompt: int, block_size: int) -> int:
+    """How many requests of `prompt` + CAPACITY_OUTPUT tokens the cache start-up sized holds at once:
+    `wanted`, or fewer where its seats or its full-attention pool (every token of every request) hold
+    fewer. Issue 36's 64 x 8k is an H200's: an H100's KV cache, ~43 GiB by estimate, holds ~270k
+    full-attention tokens of the 12B (`mmserve perf --kv-cache-gib 43`: its 128 seats' sliding windows
+    take the rest), about 33 such requests."""
+    per_request = -(-(prompt + CAPACITY_OUTPUT) // block_size) * block_size
+    return min(wanted, kv.max_num_seqs, kv.pool_tokens.get(FULL, wanted * per_request) // per_request)
+
+
 def capacity(sizes: Sizes, device: str) -> dict:
-    """Start the serving model as a user would, with no memory flag, and load it with
-    `capacity_batch` requests of `capacity_prompt` tokens at once: none may be preempted."""
+    """Start the serving model as a user would, with no memory flag, and load it with as many of
+    `capacity_batch` requests of `capacity_prompt` tokens as the cache it sized holds at once
+    (`capacity_requests`): none may be preempted; `meets_target` says whether all of them fit."""
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
@@ -849,13 +901,14 @@ def capacity(sizes: Sizes, device: str) -> dict:
 
     llm.core.scheduler.schedule = counting
     spec = llm.core.model.spec
+    batch = max(1, capacity_requests(kv, sizes.capacity_batch, sizes.capacity_prompt, llm.config.block_size))
     gen = torch.Generator().manual_seed(2)
     prompts = [[spec.bos_token_id] + torch.randint(min(1000, spec.vocab_size // 2), spec.vocab_size,
                                                    (sizes.capacity_prompt - 1,), generator=gen).tolist()
-               for _ in range(sizes.capacity_batch)]
+               for _ in range(batch)]
     synchronize(device)
     started = time.perf_counter()
-    done = llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    done = llm.generate(prompts, SamplingParams(max_tokens=CAPACITY_OUTPUT, ignore_eos=True))
     synchronize(device)
     seconds = time.perf_counter() - started
     config = llm.config
@@ -864,6 +917,7 @@ def capacity(sizes: Sizes, device: str) -> dict:
                            "num_bytes": kv.num_bytes, "max_num_seqs": kv.max_num_seqs, "sized_by": kv.sized_by},
               "max_num_batched_tokens": config.max_num_batched_tokens,
               "prefill_batched_tokens": config.prefill_batched_tokens, "requests": len(done),
+              "target_requests": sizes.capacity_batch, "meets_target": batch >= sizes.capacity_batch,
               "prompt_tokens": sizes.capacity_prompt, "generate_s": seconds, "preempted": len(preempted)}
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
@@ -872,14 +926,13 @@ def capacity(sizes: Sizes, device: str) -> dict:
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
-    result["ok"] = not preempted and kv.full_context_requests >= 1 and len(done) == sizes.capacity_batch
+    result["ok"] = not preempted and kv.full_context_requests >= 1 and len(done) == batch
     return result
 
 
 # --- 5b. decode: one decode step, graphs against eager, against the bytes it must move ------------
 
 SERVING_MODELS = ("12b_unified", "e4b", "26b_a4b", "31b")   # tests/fixtures/gemma4_family
-H200_BANDWIDTH = 4.3e12   # bytes/s, a device-to-device copy measured on this workplace's H200s
 
 
 def decode(sizes: Sizes, device: str) -> dict:
@@ -887,19 +940,20 @@ def decode(sizes: Sizes, device: str) -> dict:
     at the serving model's dimensions, against the floor no version beats: the bytes the step moves
     by the engine's perf model (each decoder weight once, the K/V it attends to, the rows it gathers
     of the per-layer embedding table: not the whole table, nor the vision tower, which
-    `weight_bytes` counts) over the H200's copy bandwidth."""
+    `weight_bytes` counts) over the device's measured copy bandwidth (and its datasheet's beside)."""
     from mmserve.engine.llm import LLM
     from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     prompt_len = 128 if device == "cuda" else 16
-    rows, weight_bytes, use = [], 0, {}
+    rows, weight_bytes, use, kv = [], 0, {}, {}
     for eager in (False, True) if device == "cuda" else (False,):   # CPU steps are eager either way
         options = dict(device=device, max_num_seqs=max(sizes.decode_batches), enforce_eager=eager,
                        max_model_len=prompt_len + sizes.decode_steps + 16, strict_backends=True)
         if device == "cuda":
-            options["kv_cache_bytes"] = 8 * 2**30
+            options["kv_cache_bytes"] = engine_kv_cache(model_dir, 8)
         llm = LLM(model=str(model_dir), **options)
+        kv["eager" if eager else "graphs"] = kv_record(llm)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
         perf = PerfModel(llm.core.model.spec, dtype=llm.config.dtype)
         for batch in sizes.decode_batches:
@@ -907,11 +961,10 @@ def decode(sizes: Sizes, device: str) -> dict:
                                                           sizes.repeats)
             context = prompt_len + 3 + sizes.decode_steps // 2   # the timed steps' middle one
             moved = perf.step(StepContext(tuple(RequestWork(1, context, False) for _ in range(batch)))).total_bytes
-            floor_ms = moved / H200_BANDWIDTH * 1e3
+            floors = sizes.ceilings.against_floors(step_ms / 1e3, nbytes=moved)
             rows.append({"batch": batch, "graphs": not eager, "step_ms": step_ms, "graph_replays": replays,
-                         "forward_ms": forward_ms, "step_bytes": moved, "floor_ms": floor_ms,
-                         "over_floor": step_ms / floor_ms,
-                         "forward_over_floor": None if forward_ms is None else forward_ms / floor_ms})
+                         "forward_ms": forward_ms, "step_bytes": moved, **floors,
+                         "forward_over_floor": None if forward_ms is None else forward_ms / floors["floor_ms"]})
         use["eager" if eager else "graphs"] = graph_use(llm)
         del llm
         if device == "cuda":
@@ -919,7 +972,7 @@ def decode(sizes: Sizes, device: str) -> dict:
     # every timed step of a graph row must have replayed one (a batch past the captured sizes runs eagerly)
     replayed = device != "cuda" or all(r["graph_replays"] >= sizes.decode_steps for r in rows if r["graphs"])
     return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
-            "graph_use": use, "rows": rows, "every_batch_replayed": replayed,
+            "kv_cache": kv, "graph_use": use, "rows": rows, "every_batch_replayed": replayed,
             "ok": graphs_ran(use["graphs"], device) and replayed}
 
 
@@ -1013,8 +1066,9 @@ def profile(sizes: Sizes, device: str) -> dict:
     options = dict(device=device, max_num_seqs=batches[-1], strict_backends=True,
                    max_model_len=prompt_len + 3 + PROFILE_STEPS + 16)
     if device == "cuda":
-        options["kv_cache_bytes"] = 8 * 2**30
+        options["kv_cache_bytes"] = engine_kv_cache(model_dir, 8)
     llm = LLM(model=str(model_dir), **options)
+    kv = kv_record(llm)
     layers = llm.core.model.spec.num_layers
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     rows = []
@@ -1037,7 +1091,7 @@ def profile(sizes: Sizes, device: str) -> dict:
     per_layer = max(r["kernels_per_layer"] for r in rows)
     replayed = device != "cuda" or all(r["graph_replays"] >= PROFILE_STEPS for r in rows)
     return {"model": sizes.serving_model or "demo-sized", "layers": layers, "steps": PROFILE_STEPS,
-            "checkpoint_build_s": build_s, "rows": rows, "max_kernels_per_layer": per_layer,
+            "checkpoint_build_s": build_s, "kv_cache": kv, "rows": rows, "max_kernels_per_layer": per_layer,
             "target_kernels_per_layer": MAX_KERNELS_PER_DENSE_LAYER,
             "target_met": per_layer <= MAX_KERNELS_PER_DENSE_LAYER, "graph_use": use,
             "ok": graphs_ran(use, device) and replayed}
@@ -1144,16 +1198,13 @@ def collectives(sizes: Sizes, device: str) -> dict:
 
 # --- 9. video_prefill and mixed: every step a graph (#35) ------------------------------------------
 
-H200_FLOPS = 790e12   # bf16 dense tensor-core FLOP/s a step's FLOP floor divides by (datasheet, no sparsity)
-
-
 def graph_engine(model_dir: Path, device: str, **options):
     """An LLM as served (graphs on CUDA, strict backends: a failed capture must fail the section);
     on the CPU smoke run the graphs are emulated, so the piecewise plumbing runs too."""
     from mmserve.engine.llm import LLM
 
-    if device == "cuda":
-        options.setdefault("kv_cache_bytes", 24 * 2**30)
+    if device == "cuda":   # 32 GiB seat mixed's 64 requests at 12B (24 seat 60: `mmserve perf --kv-cache-gib`)
+        options.setdefault("kv_cache_bytes", engine_kv_cache(model_dir, 32))
     return LLM(model=str(model_dir), device=device, strict_backends=True, emulate_cuda_graphs=device != "cuda",
                **options)
 
@@ -1202,7 +1253,7 @@ def graph_steps(llm) -> tuple[int, int]:
 def video_prefill(sizes: Sizes, device: str) -> dict:
     """(a) `video_requests` videos of `video_frames` frames prefilled together through the engine:
     frames per second and the FLOP floor's share of the wall time (the perf model's FLOPs, vision
-    tower included, / 790 TFLOP/s; target >= 0.6); every step replays a graph (piecewise).
+    tower included, / the device's measured GEMM rate; target >= 0.6; the datasheet's beside); every step replays a graph (piecewise).
     (b) the inter-token latency of `itl_decodes` decoding requests while one such video prefills
     beside them, against their latency alone (target <= 1.5x)."""
     from mmserve.metrics.perf_model import PerfModel
@@ -1210,7 +1261,7 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
     model_dir, build_s = serving_checkpoint(sizes, device)
     llm = graph_engine(model_dir, device, max_num_seqs=max(sizes.video_requests, sizes.itl_decodes + 1),
                        max_num_batched_tokens=sizes.chunk, prefill_batched_tokens=sizes.chunk)
-    spec = llm.core.model.spec
+    spec, kv = llm.core.model.spec, kv_record(llm)
     perf = PerfModel(spec, dtype=llm.config.dtype if llm.config.dtype != "auto" else
                      ("bfloat16" if device == "cuda" else "float32"))
     llm.generate([video_request(spec, "warm", 2, 1, seed=99)])   # encoder, pieces and sampler warm
@@ -1224,11 +1275,14 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
     seconds = time.perf_counter() - start
     replayed = sum(graph_steps(llm)) - sum(before)
     ran = llm.core.step_index - steps
-    floor_s = sum(prefill_flops(perf, v) for v in videos) / H200_FLOPS
+    flops = sum(prefill_flops(perf, v) for v in videos)
+    floor_s, sheet_s = sizes.ceilings.floor_s(flops=flops), sizes.ceilings.floor_s(flops=flops, datasheet=True)
     frames = sizes.video_frames * sizes.video_requests
     prefill = {"videos": sizes.video_requests, "frames_each": sizes.video_frames,
                "tokens_each": len(videos[0].prompt_token_ids), "seconds": seconds, "frames_per_s": frames / seconds,
-               "flop_floor_s": floor_s, "of_floor": floor_s / seconds, "steps": ran, "graph_steps": replayed}
+               "flops": flops, "flop_floor_s": floor_s, "of_floor": floor_s / seconds,
+               "datasheet_of_floor": None if sheet_s is None else sheet_s / seconds, "kv_cache": kv,
+               "steps": ran, "graph_steps": replayed}
     del llm
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -1286,8 +1340,9 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
 
 def mixed(sizes: Sizes, device: str) -> dict:
     """One `mixed_chunk`-token prefill chunk beside `mixed_decodes` decodes at the serving model's
-    dimensions: the step's wall time against its own floor, max(bytes / 4.3 TB/s, FLOPs / 790
-    TFLOP/s) by the perf model (target <= 1.4x), and whether it replayed a piecewise graph."""
+    dimensions: the step's wall time against its own floor, max(bytes / copy bandwidth, FLOPs / GEMM
+    rate) by the perf model, the device's measured ceilings (target <= 1.4x; its datasheet's beside),
+    and whether it replayed a piecewise graph."""
     from mmserve.engine.types import EngineRequest
     from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
     from mmserve.sampling_params import SamplingParams
@@ -1296,7 +1351,7 @@ def mixed(sizes: Sizes, device: str) -> dict:
     decode_prompt = 128 if device == "cuda" else 8
     llm = graph_engine(model_dir, device, max_num_seqs=sizes.mixed_decodes + 1,
                        max_num_batched_tokens=sizes.mixed_chunk + sizes.mixed_decodes, prefill_batched_tokens=0)
-    spec = llm.core.model.spec
+    spec, kv = llm.core.model.spec, kv_record(llm)
     perf = PerfModel(spec, dtype="bfloat16" if device == "cuda" else "float32")
     vocab = spec.vocab_size
     gen = torch.Generator().manual_seed(3)
@@ -1321,8 +1376,8 @@ def mixed(sizes: Sizes, device: str) -> dict:
         ms = (time.perf_counter() - begin) * 1e3
         work = tuple(RequestWork(1, c, False) for c in contexts) + (RequestWork(sizes.mixed_chunk, sizes.mixed_chunk, True),)
         breakdown = perf.step(StepContext(work))
-        floor_ms = max(breakdown.total_bytes / H200_BANDWIDTH, breakdown.total_flops / H200_FLOPS) * 1e3
-        rows.append({"step_ms": ms, "floor_ms": floor_ms, "over_floor": ms / floor_ms,
+        rows.append({"step_ms": ms, "decodes": len(contexts),
+                     **sizes.ceilings.against_floors(ms / 1e3, breakdown.total_bytes, breakdown.total_flops),
                      "bytes": breakdown.total_bytes, "flops": breakdown.total_flops,
                      "piecewise_replayed": graph_steps(llm)[1] > before})
         while any(r.request_id == rid for r in llm.core.scheduler.running + llm.core.scheduler.waiting):
@@ -1333,7 +1388,7 @@ def mixed(sizes: Sizes, device: str) -> dict:
     best = min(r["over_floor"] for r in rows)
     ok = device != "cuda" or (all(r["piecewise_replayed"] for r in rows) and best <= 1.4)
     return {"model": sizes.serving_model or "demo-sized", "chunk": sizes.mixed_chunk, "decodes": sizes.mixed_decodes,
-            "checkpoint_build_s": build_s, "best_over_floor": best, "rows": rows, "ok": ok}
+            "checkpoint_build_s": build_s, "kv_cache": kv, "best_over_floor": best, "rows": rows, "ok": ok}
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -1369,6 +1424,7 @@ def run_sections(sizes: Sizes, device: str, only: list[str] | None, report: dict
             log.exception("section %s failed", name)
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
         results[name]["seconds"] = time.perf_counter() - start
+        results[name]["device"] = sizes.ceilings.record()
         log.info("%s done in %.1f s", name, results[name]["seconds"])
         write_report(report, out)
     return results
@@ -1383,7 +1439,7 @@ def write_report(report: dict, out: Path) -> None:
 
 def print_summary(results: dict) -> None:
     for name, r in results.items():
-        keys = [k for k in r if k not in ("rows", "traceback", "seconds")]
+        keys = [k for k in r if k not in ("rows", "traceback", "seconds", "device")]
         print(f"{name:<9} {r['seconds']:6.1f}s  " + ", ".join(f"{k}={_fmt(r[k])}" for k in keys))
         for row in r.get("rows", []):
             print("    " + "  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
@@ -1403,9 +1459,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--fallback-plans", action="store_true",
                    help="print the fallback section's K/V byte counts at GPU shapes (plans only, any machine)")
+    p.add_argument("--sms", type=int, default=None,
+                   help=f"--fallback-plans: the GPU's multiprocessors (default: this GPU's, else {LENT_SMS})")
     args = p.parse_args(argv)
     if args.fallback_plans:
-        for row in fallback_plans():
+        sms = args.sms or (torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available()
+                           else LENT_SMS)
+        for row in fallback_plans(sms):
             print("  ".join(f"{k}={_fmt(v)}" for k, v in row.items()))
         return 0
     if not args.smoke and not torch.cuda.is_available():
@@ -1413,15 +1473,20 @@ def main(argv: list[str] | None = None) -> int:
               "so nothing was run or written. Use --smoke for the CPU plumbing check.")
         return 0
     device = "cpu" if args.smoke else "cuda"
-    sizes = SMOKE if args.smoke else replace(GPU, serving_model=args.serving_model)
-    torch.manual_seed(0)
     start = time.perf_counter()
+    ceilings = measure(device)
+    log.info("ceilings: %s", ceilings.record())
+    sizes = replace(SMOKE if args.smoke else replace(GPU, serving_model=args.serving_model), ceilings=ceilings)
+    torch.manual_seed(0)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.json" if args.smoke else RESULTS)
-    report = {"machine": machine(device), "smoke": args.smoke, "command": " ".join(["python bench/gpu_check.py",
+    report = {"machine": {**machine(device), "ceilings": ceilings.record()}, "smoke": args.smoke, "command": " ".join(["python bench/gpu_check.py",
               *(argv if argv is not None else sys.argv[1:])]), "sections": {}}
     results = run_sections(sizes, device, args.only, report, out)
     report["wall_s"] = time.perf_counter() - start
     write_report(report, out)
+    print(f"{ceilings.device}: copy {ceilings.copy_bytes_per_s / 1e12:.3g} TB/s, GEMM {ceilings.gemm_flops / 1e12:.3g} "
+          f"TFLOP/s measured (spread {ceilings.spread:.0%}); datasheet {_fmt(ceilings.datasheet_bytes_per_s)} B/s, "
+          f"{_fmt(ceilings.datasheet_flops)} FLOP/s")
     print_summary(results)
     failed = [n for n, r in results.items() if "error" in r or r.get("ok") is False]
     print(f"wall {report['wall_s']:.0f}s; " + (f"FAILED: {', '.join(failed)}" if failed else "all sections ok"))

@@ -1,4 +1,5 @@
-# Lease call 2 of 3, within 30 s of call 1. carry: .gpu_bundle/part-b  (timeout_s 560)
+# Lease call 2 of 3, within 30 s of call 1. kind: left out (call 1's machine, which holds part a).
+# carry: .gpu_bundle/part-b  (timeout_s 560)
 # Reassemble and unpack the bundle, check its imports, run parity, compiles, tiles, sampler, then the engine
 # runs (tokens, speculation: the slowest, last, so a call cut at its limit keeps the kernel numbers).
 set -u

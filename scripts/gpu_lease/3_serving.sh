@@ -1,4 +1,5 @@
-# Lease call 3 of 3, within 30 s of call 2. carry: nothing  (timeout_s 580)
+# Lease call 3 of 3, within 30 s of call 2. kind: left out (call 1's machine, which holds the bundle).
+# carry: nothing  (timeout_s 580)
 # Decode steps (graphs vs eager, and the graph replay alone), the decode step's kernels (profile),
 # serving tok/s vs transformers at 12B dimensions (SERVING_MODEL=e4b saves about a minute), then the
 # mixed step and video prefill against their floors (#35), then the KV cache sized from the GPU with no

@@ -35,9 +35,17 @@ use_site() {   # the cutlass .pth is not read for a PYTHONPATH folder: add its d
   export PYTHONPATH=$PWD/src:$site:$site/nvidia_cutlass_dsl/dsl_packages
 }
 
-run_check() {   # run_check NAME DEADLINE SECTION...: gpu_check's sections until DEADLINE s after the
-  local name=$1 limit=$(( $2 - SECONDS )) pre=; shift 2   # call began; JSON and log under $OUT
-  (( limit > 10 )) || limit=10   # (timeout 0 would mean no limit at all)
+seconds_left() {   # seconds_left DEADLINE: until DEADLINE s after the call began, or until LEASE_LEFT_S
+  # (the device time status said was left as the call was made) less 25 s, if sooner: the tool cuts a call
+  # at the session's device time, and a call cut there prints no log and leaves its section half-written
+  local deadline=$1
+  [ -n "${LEASE_LEFT_S:-}" ] && (( LEASE_LEFT_S - 25 < deadline )) && deadline=$(( LEASE_LEFT_S - 25 ))
+  local limit=$(( deadline - SECONDS ))
+  (( limit > 10 )) && echo "$limit" || echo 10   # (timeout 0 would mean no limit at all)
+}
+
+run_check() {   # run_check NAME DEADLINE SECTION...: gpu_check's sections until seconds_left DEADLINE;
+  local name=$1 limit pre=; limit=$(seconds_left "$2"); shift 2   # JSON and log under $OUT
   # the dry run's calls before use_site: the bundle's packages blocked, as on the device
   [ -n "${GPU_LEASE_DRY_RUN:-}" ] && [ -z "${SITE_ON:-}" ] && pre="scripts/gpu_lease/image_only.py .gpu_bundle/site"
   timeout "$limit" $PY $pre bench/gpu_check.py ${GPU_LEASE_SMOKE:+--smoke} --only "$@" --out "$OUT/$name.json" \

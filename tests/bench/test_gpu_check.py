@@ -57,6 +57,24 @@ def test_only_runs_one_section(gpu_check, tmp_path):
         assert row["flex_kv_bytes"] >= row["needed_kv_bytes"] and row["sdpa_kv_bytes"] >= row["needed_kv_bytes"]
     # one request's keys: flex runs one program on them, split-KV spreads them over its splits
     assert rows["decode_1"]["flex_programs"] == 1 < rows["decode_1"]["split_kv_programs"]
+    # the section carries the device it ran on, as measured at the run's start (lease_device.py)
+    device = report["sections"]["fallback"]["device"]
+    assert device == report["machine"]["ceilings"] and device["copy_bytes_per_s"] > 0 < device["gemm_flops"]
+
+
+def test_fallback_plans_split_kv_over_the_given_multiprocessors(gpu_check, monkeypatch):
+    """Split-KV's grid is two programs per SM: the plans follow the SM count, not one kind's 132
+    (its one-request decode alone, at 8k context, and split-KV's plan alone: all of the section's take
+    ~25 s to plan on this CPU)."""
+    steps = gpu_check.fallback_steps
+    monkeypatch.setattr(gpu_check, "fallback_steps", lambda *_: {"decode_1": steps(1024, 64, 4)["decode_1"]})
+    monkeypatch.setattr(gpu_check, "fallback_variants", lambda step: ("split_kv",))
+
+    def decode_1_programs(sms: int) -> int:
+        rows = gpu_check.fallback_plans(sms)
+        return next(r["split_kv_programs"] for r in rows if r["model"] == "12b" and r["step"] == "decode_1")
+
+    assert decode_1_programs(132) > decode_1_programs(16)
 
 
 def test_a_graph_run_that_replayed_no_graph_fails(gpu_check):

@@ -20,6 +20,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 KIT = ROOT / "scripts" / "gpu_lease"
@@ -37,9 +38,9 @@ def load(name: str, path: Path):
 @pytest.fixture(scope="module")
 def kit():
     bundle = load("gpu_lease_bundle", KIT / "bundle.py")
-    check = load("bench_gpu_check_for_lease", ROOT / "bench" / "gpu_check.py")
-    yield bundle, check
-    del sys.modules["gpu_lease_bundle"], sys.modules["bench_gpu_check_for_lease"]
+    with bench_script("gpu_check") as check:
+        yield bundle, check
+    del sys.modules["gpu_lease_bundle"]
 
 
 def test_the_calls_fit_the_device_and_cover_every_section(kit):
@@ -48,8 +49,11 @@ def test_the_calls_fit_the_device_and_cover_every_section(kit):
     for i, name in enumerate(CALLS, 1):
         text = (KIT / name).read_text()
         assert len(text) < 2000, name   # pasted whole, a call's command must stay under 2,000 characters
-        header = text.splitlines()[0]
+        header = "\n".join(text.splitlines()[:2])
         assert f"Lease call {i} of 3" in header
+        # every call names no kind: the first gets an H100 at once, the others keep its machine (naming
+        # another kind would give it back, and the bundle stashed in its /tmp with it)
+        assert "kind: left out" in header, name
         timeout_s = int(re.search(r"timeout_s (\d+)", header).group(1))
         assert timeout_s <= 600
         run = re.search(r"run_check call\d (\d+) (.+)", text)
@@ -61,6 +65,21 @@ def test_the_calls_fit_the_device_and_cover_every_section(kit):
     assert sorted(sections) == sorted(check.SECTIONS)
     assert sorted(carried_parts) == [f"part-{chr(ord('a') + i)}" for i in range(bundle.LEASE_PARTS)]
     subprocess.run(["bash", "-n", *(str(KIT / n) for n in [*CALLS, "env.sh", "dry_run.sh"])], check=True)
+
+
+def test_a_call_stops_its_sections_before_the_sessions_device_time_runs_out(tmp_path):
+    """The tool cuts a call where the session's device time ends, whatever its timeout_s: with
+    LEASE_LEFT_S (status's budget_left_s as the call is made) a call's sections stop 25 s before,
+    so its log and JSON come back; without it, at the call's own deadline."""
+    def left(deadline: int, lease_left: str | None) -> int:
+        env = {"OUT": str(tmp_path), "PATH": "/usr/bin:/bin", **({"LEASE_LEFT_S": lease_left} if lease_left else {})}
+        proc = subprocess.run(["bash", "-c", f". scripts/gpu_lease/env.sh; seconds_left {deadline}"], cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=60, check=True)
+        return int(proc.stdout)
+
+    assert left(555, None) == 555 and left(555, "900") == 555
+    assert left(555, "300") == 275
+    assert left(555, "20") == 10   # never 0, which `timeout` reads as no limit at all
 
 
 def test_the_bundle_pins_what_the_gpu_extra_pins(kit):
