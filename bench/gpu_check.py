@@ -25,8 +25,9 @@
              counted from the plans the builders make, metadata build time, kernel ms, GB/s.
 6. decode    one decode step's wall time with CUDA graphs and with --enforce-eager at batch 1/16/64,
              at the serving model's dimensions, against the floor (the bytes the perf model says
-             the step moves / the device's measured copy bandwidth); beside it the forward alone (`forward_ms`: the replay of
-             that batch's captured graph); every timed graph step must have replayed a graph.
+             the step moves / the device's measured copy bandwidth); beside it the forward alone
+             (`forward_ms`: the replay of that batch's captured graph); every timed graph step must
+             have replayed a graph.
 6b. profile  three decode steps under torch.profiler with CUDA activities at the serving model's
              dimensions, batch 1 and 64: kernels per step and per layer (target <= 12), the top 15
              kernels by time, GEMM time against the rest.
@@ -46,11 +47,11 @@
              fixed cost and whether it captures into a graph, not what TP costs.
 9. video_prefill  (#35) 32-frame videos at the serving model's dimensions (random weights, the vision
              tower included) prefilled through the engine: frames/s and the FLOP floor's share of the
-             wall time (perf model FLOPs / the measured GEMM rate; target >= 0.6), every step a graph; and 16
-             decoding requests' step time while such a video prefills beside them against alone
-             (target <= 1.5x).
+             wall time (perf model FLOPs / the measured GEMM rate; target >= 0.6), every step a
+             graph; and 16 decoding requests' step time while such a video prefills beside them
+             against alone (target <= 1.5x).
 10. mixed    (#35) one 2048-token prefill chunk beside 63 decodes: the step against its own floor,
-             max(bytes / copy bandwidth, FLOPs / GEMM rate) (target <= 1.4x), replayed as piecewise graphs.
+             max(bytes / copy bandwidth, FLOPs / GEMM rate) (target <= 1.4x), as piecewise graphs.
 
 Every floor divides by the device the run is on, measured once at its start (lease_device.py: a
 1 GiB device-to-device copy and an 8192^3 bf16 GEMM, as this workplace read its H100s and H200s);
@@ -1253,7 +1254,8 @@ def graph_steps(llm) -> tuple[int, int]:
 def video_prefill(sizes: Sizes, device: str) -> dict:
     """(a) `video_requests` videos of `video_frames` frames prefilled together through the engine:
     frames per second and the FLOP floor's share of the wall time (the perf model's FLOPs, vision
-    tower included, / the device's measured GEMM rate; target >= 0.6; the datasheet's beside); every step replays a graph (piecewise).
+    tower included, / the device's measured GEMM rate; target >= 0.6; the datasheet's beside); every
+    step replays a graph (piecewise).
     (b) the inter-token latency of `itl_decodes` decoding requests while one such video prefills
     beside them, against their latency alone (target <= 1.5x)."""
     from mmserve.metrics.perf_model import PerfModel
@@ -1479,14 +1481,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = replace(SMOKE if args.smoke else replace(GPU, serving_model=args.serving_model), ceilings=ceilings)
     torch.manual_seed(0)
     out = args.out or (Path(tempfile.gettempdir()) / "gpu_check_smoke.json" if args.smoke else RESULTS)
-    report = {"machine": {**machine(device), "ceilings": ceilings.record()}, "smoke": args.smoke, "command": " ".join(["python bench/gpu_check.py",
+    report = {"machine": {**machine(device), "ceilings": ceilings.record()}, "smoke": args.smoke,
+              "command": " ".join(["python bench/gpu_check.py",
               *(argv if argv is not None else sys.argv[1:])]), "sections": {}}
     results = run_sections(sizes, device, args.only, report, out)
     report["wall_s"] = time.perf_counter() - start
     write_report(report, out)
-    print(f"{ceilings.device}: copy {ceilings.copy_bytes_per_s / 1e12:.3g} TB/s, GEMM {ceilings.gemm_flops / 1e12:.3g} "
-          f"TFLOP/s measured (spread {ceilings.spread:.0%}); datasheet {_fmt(ceilings.datasheet_bytes_per_s)} B/s, "
-          f"{_fmt(ceilings.datasheet_flops)} FLOP/s")
+    print(f"{ceilings.device}: copy {ceilings.copy_bytes_per_s / 1e12:.3g} TB/s, GEMM "
+          f"{ceilings.gemm_flops / 1e12:.3g} TFLOP/s measured (spread {ceilings.spread:.0%}); datasheet "
+          f"{_fmt(ceilings.datasheet_bytes_per_s)} B/s, {_fmt(ceilings.datasheet_flops)} FLOP/s")
     print_summary(results)
     failed = [n for n, r in results.items() if "error" in r or r.get("ok") is False]
     print(f"wall {report['wall_s']:.0f}s; " + (f"FAILED: {', '.join(failed)}" if failed else "all sections ok"))
