@@ -1,4 +1,5 @@
-"""`make gpu-bundle`: the Python packages a lent H200 lacks, packed to travel with the lease's calls.
+"""`make gpu-bundle`: the Python packages a lent GPU lacks (an H100 or an H200: one image), packed to
+travel with the lease's calls.
 
 The device image has torch 2.11 (cu130), triton 3.6 and transformers 5.17 but no FA4, cutlass DSL,
 PyAV or xgrammar, and nothing can be fetched there; a call carries at most 64 MiB. So: download the
