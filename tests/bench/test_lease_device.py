@@ -111,3 +111,30 @@ def test_capacity_sends_what_the_sized_cache_holds(gpu_check):
     assert gpu_check.capacity_requests(cache(3_114_800, 128), 64, 8192, 16) == 64
     assert gpu_check.capacity_requests(cache(273_392, 113), 64, 8192, 16) == 273_392 // 8208 == 33
     assert gpu_check.capacity_requests(cache(3_114_800, 20), 64, 8192, 16) == 20
+
+
+def test_a_gpu_runs_ceilings_come_from_its_own_properties_and_the_datasheet_row_of_its_name(gpu_check, monkeypatch):
+    """measure() on CUDA, its calibration and device properties faked: the measured rates as read,
+    SMs and memory from the device, the datasheet row its name selects (an H100 SXM's, an H200's)."""
+    import types
+
+    import lease_device
+
+    from mmserve.metrics import peaks
+
+    def fake_gpu(name: str, copy: float, gemm: float, sms: int, memory: int):
+        monkeypatch.setattr(peaks, "calibrate_accelerator",
+                            lambda device, dtype: peaks.DevicePeaks(name, gemm, copy, "calibrated", dtype, 0.02))
+        monkeypatch.setattr(lease_device.torch.cuda, "get_device_properties", lambda index: types.SimpleNamespace(
+            name=name, multi_processor_count=sms, total_memory=memory))
+        monkeypatch.setattr(lease_device.torch.cuda, "empty_cache", lambda: None)
+        return lease_device.measure("cuda")
+
+    h100 = fake_gpu("NVIDIA H100 80GB HBM3", 3.0e12, 798e12, 132, 81559 * 2**20)
+    assert (h100.copy_bytes_per_s, h100.gemm_flops, h100.spread) == (3.0e12, 798e12, 0.02)
+    assert (h100.datasheet_bytes_per_s, h100.datasheet_flops) == (3.35e12, 989.4e12)
+    assert (h100.sms, h100.memory_bytes) == (132, 81559 * 2**20) and "8192^3 bf16 GEMM" in h100.method
+    h200 = fake_gpu("NVIDIA H200", 4.3e12, 790e12, 132, 143771 * 2**20)
+    assert h200.datasheet_bytes_per_s == 4.8e12 and h200.memory_bytes == 143771 * 2**20
+    unknown = fake_gpu("NVIDIA Z9", 1e12, 1e14, 48, 24 * GIB)
+    assert unknown.sms == 48 and unknown.datasheet_bytes_per_s is None and unknown.datasheet_flops is None
