@@ -51,7 +51,8 @@ GRAMMAR = ResponseFormat("regex", r"(ab|cd)( [0-9]{1,3})+\.")
 def workload(num_text: int, num_videos: int, max_tokens: int, num_frames: int) -> list[tuple[int, object]]:
     """(arrival step, EngineRequest): the text requests at step 0, a video every 4 steps from step 3."""
     config = EngineConfig(model=str(DEMO_MODEL_DIR))
-    processor = InputProcessor.from_checkpoint(config, Inline(), context_length=load_spec(DEMO_MODEL_DIR).max_model_len)
+    spec = load_spec(DEMO_MODEL_DIR)
+    processor = InputProcessor.from_checkpoint(config, Inline(), spec=spec, context_length=spec.max_model_len)
     kinds = [dict(), dict(temperature=1.0, seed=7), dict(response_format=GRAMMAR, ignore_eos=False),
              dict(disable_speculation=True)]
 

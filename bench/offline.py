@@ -84,7 +84,8 @@ class Inline(concurrent.futures.Executor):
 
 def engine_requests(model_dir: Path, videos: list[bytes], num_frames: int, max_tokens: int):
     config = EngineConfig(model=str(model_dir))
-    processor = InputProcessor.from_checkpoint(config, Inline(), context_length=load_spec(model_dir).max_model_len)
+    spec = load_spec(model_dir)
+    processor = InputProcessor.from_checkpoint(config, Inline(), spec=spec, context_length=spec.max_model_len)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     async def one(i: int, video: bytes):

@@ -102,18 +102,20 @@ class LoopbackServer:
 
     async def _main(self) -> None:
         from mmserve.engine.async_engine import AsyncEngine
+        from mmserve.model.spec import read_spec
         from mmserve.server.app import build_server
         from mmserve.server.observability import setup_observability
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
             observer, metrics = self.observer, self.metrics
+            spec = read_spec(self.engine_config.model)
             if observer is None:
-                self.observability = setup_observability(self.engine_config, self.server_config,
+                self.observability = setup_observability(self.engine_config, self.server_config, spec=spec,
                                                          configure_global_tracing=False)
                 observer, metrics = self.observability.observer, self.observability.metrics
             engine = AsyncEngine(self.engine_config, observer=observer)
-            self.app = build_server(engine, self.server_config, self.engine_config, metrics=metrics)
+            self.app = build_server(engine, self.server_config, self.engine_config, spec=spec, metrics=metrics)
             self.port = await self.app.start()
         except BaseException as e:  # surfaced by start() in the test thread
             self._error = e

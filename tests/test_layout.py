@@ -28,14 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.input.processor import InputProcessor
+from mmserve.model.spec import read_spec
 from mmserve.server.app import build_server
 from mmserve.server.observability import setup_observability
 config = EngineConfig(model=str(DEMO_MODEL_DIR), speculative_model=str(DEMO_ASSISTANT_DIR), device="cpu")
 server_config = ServerConfig(port=0)
-observability = setup_observability(config, server_config, configure_global_tracing=False)
-build_server(AsyncEngine(config, observer=observability.observer), server_config, config,
+spec = read_spec(config.model)
+observability = setup_observability(config, server_config, spec=spec, configure_global_tracing=False)
+build_server(AsyncEngine(config, observer=observability.observer), server_config, config, spec=spec,
              metrics=observability.metrics)
-InputProcessor.from_checkpoint(config, ThreadPoolExecutor(1), context_length=1024)
+InputProcessor.from_checkpoint(config, ThreadPoolExecutor(1), spec=spec, context_length=1024)
 """
 # The offline API runs the engine core in the caller's process by design (vLLM's LLM does too).
 BOTH_IN_ONE = {"mmserve.engine.llm"}

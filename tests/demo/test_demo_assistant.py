@@ -47,7 +47,8 @@ def requests(seeds):
     config = EngineConfig(model=str(DEMO_MODEL_DIR))
     sampling = SamplingParams(max_tokens=32, temperature=0.0)
     with ThreadPoolExecutor(1) as pool:
-        processor = InputProcessor.from_checkpoint(config, pool, context_length=load_spec(DEMO_MODEL_DIR).max_model_len)
+        spec = load_spec(DEMO_MODEL_DIR)
+        processor = InputProcessor.from_checkpoint(config, pool, spec=spec, context_length=spec.max_model_len)
 
         async def prepare():
             return await asyncio.gather(*(processor.process(

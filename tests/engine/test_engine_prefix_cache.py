@@ -26,6 +26,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.observer import NullObserver
+from mmserve.model.spec import read_spec
 from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams
 
@@ -102,7 +103,8 @@ def processor(engine_checkpoint, tmp_path_factory):
         shutil.copy(path / name, root / name)
     (root / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 9}))
     with ThreadPoolExecutor(2) as pool:
-        yield InputProcessor.from_checkpoint(EngineConfig(model=str(root)), pool, context_length=1024)
+        yield InputProcessor.from_checkpoint(EngineConfig(model=str(root)), pool, spec=read_spec(root),
+                                             context_length=1024)
 
 
 def process(processor, rid: str, *parts, max_tokens: int = 4):

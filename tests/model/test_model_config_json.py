@@ -216,14 +216,36 @@ def test_the_json_assistant_spec_is_the_transformers_one(name, tmp_path, monkeyp
     gemma4_unified one): the same spec from config.json alone."""
     path = _write(tmp_path, ASSISTANTS[name])
     theirs = load_assistant_spec(path)
-    monkeypatch.setattr(assistant_spec, "load_assistant_spec", _fell_back)
+    monkeypatch.setattr(assistant_spec, "_hf_config", _fell_back)
     assert read_assistant_spec(path) == theirs
 
 
-def _fell_back(path):
+def _fell_back(*args):
     """read_assistant_spec's fallback to transformers, taken on any exception of the config.json path
     (not only NotResolvable): fails the test, naming the exception it handles."""
     pytest.fail(f"read through transformers: {sys.exception()!r}")
+
+
+def test_a_fallback_to_transformers_reads_config_json_once(tmp_path, monkeypatch):
+    """A model and an assistant whose config.json needs transformers (a per-layer override of another
+    field; a type it refuses): transformers parses the JSON already read, not the file again."""
+    reads = []
+    read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    model = copy.deepcopy(CONFIGS["tiny/saved"])
+    model["text_config"]["per_layer_config"] = {"1": {"intermediate_size": 8}}
+    drafter = copy.deepcopy(ASSISTANTS["tiny/saved"])
+    drafter["text_config"]["hidden_size"] = "64"
+    for read, resolve, data in ((read_spec, config_json.resolve, model),
+                                (read_assistant_spec, config_json.resolve_assistant, drafter)):
+        with pytest.raises(config_json.NotResolvable):
+            resolve(data)
+        path = tmp_path / read.__name__
+        path.mkdir()
+        _write(path, data)
+        reads.clear()
+        _outcome(read, path)
+        assert reads.count("config.json") == 1, (read.__name__, reads)
 
 
 @pytest.mark.parametrize("seed", range(2))

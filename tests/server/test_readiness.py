@@ -10,6 +10,7 @@ import pytest
 from mmserve.clients import AsyncClient, ClientError
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
+from mmserve.model.spec import read_spec
 from mmserve.server.app import build_server
 from mmserve.server.health import GENERATION_SERVICE
 
@@ -20,7 +21,8 @@ def test_live_before_ready(served_model):
     server_config = ServerConfig(host="127.0.0.1", port=0, worker_threads=1)
 
     async def run():
-        server = build_server(AsyncEngine(engine_config), server_config, engine_config)
+        server = build_server(AsyncEngine(engine_config), server_config, engine_config,
+                              spec=read_spec(engine_config.model))
         port = await server.listen()
         try:
             async with AsyncClient(f"127.0.0.1:{port}", timeout=30) as client:

@@ -79,14 +79,15 @@ def load_assistant_spec(path: str | Path) -> AssistantSpec:
 def read_assistant_spec(path: str | Path) -> AssistantSpec:
     """The same spec without importing transformers when config.json allows (model/config_json.py),
     for the front end and the check before ranks are spawned; what it cannot resolve goes through
-    transformers, which names what it refuses. The engine loads the drafter with `load_assistant_spec`."""
+    transformers (config.json as read here, not again), which names what it refuses. The engine loads
+    the drafter with `load_assistant_spec`."""
     model_type, data = _config_data(path)
     try:
         return _assistant_spec(model_type, config_json.resolve_assistant(data))
     except MMServeError:
         raise
     except Exception:              # NotResolvable, or what a malformed config breaks: transformers decides
-        return load_assistant_spec(path)
+        return _assistant_spec(model_type, _hf_config(path, model_type, data))
 
 
 def _assistant_spec(model_type: str, config) -> AssistantSpec:

@@ -506,19 +506,21 @@ def load_spec(source: Any) -> ModelSpec:
 def read_spec(source: Any) -> ModelSpec:
     """The same `ModelSpec` as `load_spec`, without importing transformers when config.json allows
     (model/config_json.py): the front end's, which builds no tower. A config that needs transformers'
-    parsing, or that transformers refuses, goes through `load_spec` and fails with its message."""
+    parsing, or that transformers refuses, goes to transformers (config.json as read here, not again)
+    and fails with its message."""
     if isinstance(source, str | Path):
         data = _config_json(source)
     elif isinstance(source, dict):
         data = source
     else:
         return load_spec(source)   # a transformers config object
+    root = _root(source)
     if not isinstance(data, dict) or data.get("model_type") not in SERVED_MODEL_TYPES:
-        return load_spec(source)   # refused, naming the model type
+        return spec_from_hf_config(load_hf_config(data), root)   # refused, naming the model type
     try:
-        return spec_from_hf_config(config_json.resolve(data), _root(source))
+        return spec_from_hf_config(config_json.resolve(data), root)
     except MMServeError:
         raise
     except Exception as exc:       # NotResolvable, or what a malformed config breaks: transformers decides
         logger.debug("config.json read through transformers: %s", exc)
-        return load_spec(source)
+        return spec_from_hf_config(load_hf_config(data), root)

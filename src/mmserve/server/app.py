@@ -27,6 +27,7 @@ from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.errors import EngineUnavailableError
+from mmserve.model.spec import ModelSpec, read_spec
 from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects
 from mmserve.sampling_params import SamplingParams
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
@@ -75,10 +76,11 @@ def server_options(config: ServerConfig) -> list[tuple[str, int]]:
 class MMServer:
     """The serving process's gRPC side: `await start()`, then `drain()` or `stop()`."""
 
-    def __init__(self, engine, server_config: ServerConfig, engine_config: EngineConfig, *,
+    def __init__(self, engine, server_config: ServerConfig, engine_config: EngineConfig, *, spec: ModelSpec,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None, metrics=None) -> None:
         self.engine = engine
+        self.spec = spec
         self.server_config = server_config
         self.engine_config = engine_config
         self.health = Health()
@@ -172,7 +174,7 @@ class MMServer:
         await self.engine.start()
         if self.kv_publisher is not None:
             self.kv_publisher.start(self.engine.subscribe_kv_events)
-        processor = InputProcessor.from_checkpoint(self.engine_config, self._executor,
+        processor = InputProcessor.from_checkpoint(self.engine_config, self._executor, spec=self.spec,
                                                    context_length=self.engine.model_info.context_length,
                                                    workers=self.server_config.worker_threads)
         await self._warm_up(processor)
@@ -262,12 +264,13 @@ def kv_event_publisher(server_config: ServerConfig, engine_config: EngineConfig,
                                on_drop=metrics.count_kv_events_dropped if metrics is not None else None)
 
 
-def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *,
+def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *, spec: ModelSpec,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None, metrics=None) -> MMServer:
-    """`metrics` (an EngineMetrics) adds the per-RPC status counter."""
-    return MMServer(engine, server_config, engine_config, interceptors=interceptors, credentials=credentials,
-                    metrics=metrics)
+    """`spec`: the served model's (`read_spec(engine_config.model)`, which the perf model shares);
+    `metrics` (an EngineMetrics) adds the per-RPC status counter."""
+    return MMServer(engine, server_config, engine_config, spec=spec, interceptors=interceptors,
+                    credentials=credentials, metrics=metrics)
 
 
 async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> bool:
@@ -280,9 +283,10 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     torch.set_num_threads(1)   # the front end does no torch parallel work; the engine process owns the cores
     signals = ShutdownSignals()
     signals.install()
-    observability = setup_observability(engine_config, server_config)
+    spec = read_spec(engine_config.model)   # once: the perf model and the input processor share it
+    observability = setup_observability(engine_config, server_config, spec=spec)
     engine = AsyncEngine(engine_config, observer=observability.observer)
-    server = build_server(engine, server_config, engine_config, metrics=observability.metrics)
+    server = build_server(engine, server_config, engine_config, spec=spec, metrics=observability.metrics)
     gateway = None
     try:
         if not await server.start_unless(signals.requested):

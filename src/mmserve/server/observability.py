@@ -17,7 +17,7 @@ from mmserve.metrics.prometheus import EngineMetrics, start_metrics_server
 from mmserve.metrics.telemetry import TelemetryObserver
 from mmserve.metrics.tracing import configure_tracing, get_tracer
 from mmserve.model.assistant_spec import read_assistant_spec
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,12 +38,13 @@ class Observability:
         self.metrics.shutdown()
 
 
-def setup_observability(engine_config: EngineConfig, server_config: ServerConfig, *,
+def setup_observability(engine_config: EngineConfig, server_config: ServerConfig, *, spec: ModelSpec,
                         configure_global_tracing: bool = True) -> Observability:
+    """`spec`: the served model's (read once by the caller: the input processor takes the same)."""
     provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
     metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
     drafter = read_assistant_spec(engine_config.speculative_model) if engine_config.speculative_model else None
-    perf = PerfModel(read_spec(engine_config.model), dtype=engine_config.dtype,
+    perf = PerfModel(spec, dtype=engine_config.dtype,
                      accounting=engine_config.perf_accounting, tp=engine_config.tensor_parallel_size, drafter=drafter)
     # The peaks arrive from the engine (on_engine_started): they are measured where the model runs.
     observer = TelemetryObserver(perf, tracer=get_tracer(provider), metrics=metrics,

@@ -39,7 +39,7 @@ from mmserve.metrics.tracing import (
 )
 from mmserve.model.messages import AudioPart, AudioSegment, ChatMessage, ImagePart, TextPart, VideoPart
 from mmserve.model.prompt import PromptLayout, build_prompt, expand_anchors
-from mmserve.model.spec import ModelSpec, read_spec
+from mmserve.model.spec import ModelSpec
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.multimodal.audio import AudioFeaturizer, Segment, check_audible, decode_audio, probe_duration
 from mmserve.multimodal.decode_control import DecodeControl
@@ -175,11 +175,12 @@ class InputProcessor:
         return_large_buffers()  # decoded frames and payloads must not stay resident after a request
 
     @classmethod
-    def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, context_length: int,
+    def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, spec: ModelSpec, context_length: int,
                         workers: int | None = None) -> InputProcessor:
-        """Tokenizer and vision settings from the served checkpoint (`config.model`)."""
-        return cls(config, load_tokenizer(config.model), read_spec(config.model), executor,
-                   max_model_len=context_length, workers=workers)
+        """The served checkpoint's (`config.model`) tokenizer; `spec` its `read_spec`, which the caller
+        has read once (the front end's perf model shares it)."""
+        return cls(config, load_tokenizer(config.model), spec, executor, max_model_len=context_length,
+                   workers=workers)
 
     async def process(self, request_id: str, messages: Sequence[InputMessage], sampling: SamplingParams, *,
                       priority: int = 0, trace_context: Any = None, arrival_time: float | None = None) -> EngineRequest:
