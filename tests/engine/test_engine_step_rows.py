@@ -270,3 +270,22 @@ def test_next_inputs_when_every_row_drafted_are_the_gathered_ones():
     want = next_step_inputs(next_token, K, torch.arange(rows), drafts)
     assert torch.equal(next_step_inputs(next_token, K, None, drafts), want)
     assert torch.equal(want[:, 0], next_token) and torch.equal(want[:, 1:], drafts)
+
+
+def test_next_inputs_of_rows_that_made_no_drafts_are_zeros():
+    """Rows outside `index` (and every row when none drafted) read their token, then zeros, as
+    documented, however the row-drafted path allocates its tensor."""
+    from mmserve.spec_decode.speculator import next_step_inputs
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    for _ in range(20):
+        rows = int(torch.randint(2, 20, (), generator=gen))
+        next_token = torch.randint(1, 99, (rows,), generator=gen)
+        next_step_inputs(next_token, K, None, torch.randint(1, 99, (rows, K), generator=gen))   # leaves memory behind
+        index = torch.randperm(rows, generator=gen)[:int(torch.randint(0, rows, (), generator=gen))].sort().values
+        drafts = torch.randint(1, 99, (len(index), K), generator=gen)
+        want = torch.zeros((rows, 1 + K), dtype=torch.int64)
+        want[:, 0] = next_token
+        want[index, 1:] = drafts
+        assert torch.equal(next_step_inputs(next_token, K, index, drafts), want)
+        assert torch.equal(next_step_inputs(next_token, K), torch.nn.functional.pad(next_token[:, None], (0, K)))

@@ -111,12 +111,15 @@ def next_step_inputs(next_token: torch.Tensor, num_drafts: int, index: torch.Ten
     for every row without one), zeros for rows that made none. Built by this one function on every
     rank, so under tensor parallelism the workers' copy (from rank 0's acceptance and their own
     drafts) is rank 0's."""
-    tokens = torch.zeros((next_token.shape[0], 1 + num_drafts), dtype=torch.int64, device=next_token.device)
-    tokens[:, 0] = next_token
-    if drafts is not None and index is None:   # every row drafted
+    shape = (next_token.shape[0], 1 + num_drafts)
+    if drafts is not None and index is None:   # every row drafted (the usual step): every entry written below
+        tokens = torch.empty(shape, dtype=torch.int64, device=next_token.device)
         tokens[:, 1:] = drafts
-    elif drafts is not None:
-        tokens[:, 1:].index_copy_(0, index, drafts)
+    else:
+        tokens = torch.zeros(shape, dtype=torch.int64, device=next_token.device)
+        if drafts is not None:
+            tokens[:, 1:].index_copy_(0, index, drafts)
+    tokens[:, 0] = next_token
     return tokens
 
 
