@@ -233,10 +233,13 @@ def test_undecodable_messages_get_invalid_argument_and_a_rate_limited_log_line(s
     assert 1 <= sum("undecodable" in line for line in logged) <= 2, "".join(logged)
 
 
-def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
+def test_unauthenticated_big_messages_are_never_held_whole_nor_parsed(server):
     """On main, 8 concurrent unauthenticated messages just under twice --max-message-bytes were
-    buffered and parsed before auth refused them (the server grew by ~8 x 2 x 30 MiB). Now auth
-    refuses without reading and grpc refuses anything above the limit from its length prefix."""
+    buffered whole and parsed before auth refused them (the server grew by ~8 x 2 x 30 MiB). Now auth
+    refuses without reading the message and grpc refuses anything above the limit from its length
+    prefix. Some bytes are still buffered: grpc's transport reads each stream's first bytes ahead into its
+    buffers, as HTTP/2 flow control lets the client send them, before auth has refused the call
+    (10-13 MiB of peak RSS on a quiet machine, 69 MiB once under load), hence the 128 MiB bound."""
     body = pb.GenerateRequest(request_id="big", messages=[pb.Message(role="user", parts=[pb.Part(text="hi")])])
     under, over = padded(body, MAX_MESSAGE - 2**20), padded(body, 30 * 2**20)
 
@@ -258,8 +261,7 @@ def test_unauthenticated_big_messages_are_never_buffered_nor_parsed(server):
     # The bystander's TTFT beside the flood stays within 2x its idle TTFT (plus 0.25 s for a shared CPU).
     ttft = bystander.final.timings.time_to_first_token_s
     assert ttft <= 2 * idle.final.timings.time_to_first_token_s + 0.25, (ttft, idle.final.timings)
-    # 10-13 MiB on a quiet machine; 69 MiB once in a cold suite run (grpc's transport reads ahead into
-    # its buffers, bounded by HTTP/2 flow control, before auth refuses): the bug buffered ~480 MiB.
+    # The read-ahead the docstring names; the bug buffered ~480 MiB.
     assert grown < 128 * 2**20, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
 
 
