@@ -740,6 +740,15 @@ def serving_checkpoint(sizes: Sizes, device: str) -> tuple[Path, float]:
     return out_dir, time.perf_counter() - start
 
 
+def release_device_memory() -> None:
+    """Free what engines and models no longer referenced still hold: a dropped engine's tensors live
+    until the garbage collector breaks its cycles (`llm = None` is not enough), and only then can the
+    caching allocator return their memory for the next section's load."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 MIN_KV_CACHE = 2**30   # below this an engine of a section is not worth starting: the device is too small
 
 
@@ -748,8 +757,7 @@ def engine_kv_cache(model_dir: Path, wanted_gib: float) -> int:
     the checkpoint's weights (its safetensors files) and the engine's headroom, whichever is less
     (an H100 holds ~60 GiB less than an H200). Fails the section before anything loads where less
     than MIN_KV_CACHE is left: the serving model needs a larger kind."""
-    gc.collect()
-    torch.cuda.empty_cache()
+    release_device_memory()
     free, _ = torch.cuda.mem_get_info()
     checkpoint = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     kv = kv_cache_bytes(int(wanted_gib * 2**30), checkpoint, free)
@@ -793,6 +801,7 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
     """transformers' generate over the whole batch (identical prompts need no padding): (seconds, tokens)."""
     from transformers import AutoModelForImageTextToText
 
+    release_device_memory()   # the engine a section ran before this (profile's, serving's own) must not hold the card
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=dtype,
                                                         attn_implementation=hf_attention(model_dir))
@@ -888,6 +897,7 @@ def capacity(sizes: Sizes, device: str) -> dict:
     from mmserve.sampling_params import SamplingParams
 
     model_dir, build_s = serving_checkpoint(sizes, device)
+    release_device_memory()   # a dropped engine of the section before must not shrink the cache this one sizes
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -1207,7 +1217,8 @@ def graph_engine(model_dir: Path, device: str, **options):
     from mmserve.engine.llm import LLM
 
     if device == "cuda":   # 32 GiB seat mixed's 64 requests at 12B (24 seat 60: `mmserve perf --kv-cache-gib`)
-        options.setdefault("kv_cache_bytes", engine_kv_cache(model_dir, 32))
+        if "kv_cache_bytes" not in options:
+            options["kv_cache_bytes"] = engine_kv_cache(model_dir, 32)
     return LLM(model=str(model_dir), device=device, strict_backends=True, emulate_cuda_graphs=device != "cuda",
                **options)
 
@@ -1419,6 +1430,8 @@ def machine(device: str) -> dict:
 def run_sections(sizes: Sizes, device: str, only: list[str] | None, report: dict, out: Path) -> dict:
     """Run the sections (`only`'s, in its order: a lease call puts its slowest last), writing the
     whole report after each one: a run killed at its time limit still leaves the sections it finished."""
+    if sizes.ceilings is None:
+        raise ValueError("sizes.ceilings is unset: measure the device first (lease_device.measure), every floor divides by it")
     results = report["sections"]
     for name in dict.fromkeys(only) if only else SECTIONS:
         start = time.perf_counter()
@@ -1429,6 +1442,7 @@ def run_sections(sizes: Sizes, device: str, only: list[str] | None, report: dict
             results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
         results[name]["seconds"] = time.perf_counter() - start
         results[name]["device"] = sizes.ceilings.record()
+        release_device_memory()   # the section's engines are gone with its frame; their memory with them
         log.info("%s done in %.1f s", name, results[name]["seconds"])
         write_report(report, out)
     return results

@@ -2,8 +2,9 @@
 
 The lease lends an H100 by default and an H200 when a call names it (~3.0 against ~4.3 TB/s of
 copy bandwidth, ~798 against ~790 TFLOP/s of bf16 GEMM, ~78 against ~139 GiB), so no constant
-serves both. Each run measures its device once, as this workplace's readings of the kinds were
-taken: a device-to-device copy of 1 GiB counting bytes read and written, and an 8192^3 bf16 GEMM
+serves both. Each run measures its device once, by the same two operations as this workplace's
+readings of the kinds (which report a mean of ten products where this takes the best sample): a
+device-to-device copy of 1 GiB counting bytes read and written, and an 8192^3 bf16 GEMM
 on random data (`mmserve.metrics.peaks.calibrate_accelerator`: after a warm-up, 3 rounds of 5
 samples of 4 back-to-back calls between synchronisations; the best sample, since a floor is what
 no version beats; well under a second). Every floor divides by these, and by the datasheet's

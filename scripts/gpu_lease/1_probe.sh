@@ -1,4 +1,4 @@
-# Lease call 1 of 3. kind: left out (an H100 at once; nvidia-h200 where it must be one: docs/benchmarks.md).
+# Lease call 1 of 3. kind: left out (an H100, or an H200 when none starts in 90 s; docs/benchmarks.md).
 # carry: .gpu_bundle/part-a .gpu_bundle/manifest.json  (timeout_s 300)
 # Stash bundle part a in /tmp for call 2, print the machine, run the sections that need only torch.
 set -u

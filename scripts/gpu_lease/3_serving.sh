@@ -3,7 +3,7 @@
 # Decode steps (graphs vs eager, and the graph replay alone), the decode step's kernels (profile),
 # serving tok/s vs transformers at 12B dimensions (SERVING_MODEL=e4b saves about a minute), then the
 # mixed step and video prefill against their floors (#35), then the KV cache sized from the GPU with no
-# memory flag under 64 x 8k-token requests (capacity, #36; last, so a call that runs long cuts them
+# memory flag under up to 64 x 8k-token requests, what its cache seats (capacity, #36; last, so a call that runs long cuts them
 # and not the rest); the random checkpoint is written once and shared by all.
 set -u
 . scripts/gpu_lease/env.sh

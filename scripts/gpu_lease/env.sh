@@ -37,7 +37,9 @@ use_site() {   # the cutlass .pth is not read for a PYTHONPATH folder: add its d
 
 seconds_left() {   # seconds_left DEADLINE: until DEADLINE s after the call began, or until LEASE_LEFT_S
   # (the device time status said was left as the call was made) less 25 s, if sooner: the tool cuts a call
-  # at the session's device time, and a call cut there prints no log and leaves its section half-written
+  # at the session's device time: what is under $OUT comes back, but the printed tail is lost and the section
+  # running then is half-written. LEASE_LEFT_S counts from the call's start: on a call that starts a machine,
+  # pass budget_left_s less the start (60-120 s)
   local deadline=$1
   [ -n "${LEASE_LEFT_S:-}" ] && (( LEASE_LEFT_S - 25 < deadline )) && deadline=$(( LEASE_LEFT_S - 25 ))
   local limit=$(( deadline - SECONDS ))
