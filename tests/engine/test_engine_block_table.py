@@ -1,5 +1,5 @@
 """The runner's block tables follow the KV manager's through the deltas alone (growth, sliding
-reclamation, frees and row reuse), so the runner never reads scheduler internals; its device tables
+reclamation by allocation and by the per-step release, frees and row reuse), so the runner never reads scheduler internals; its device tables
 follow the host's through the changed entries alone (a separate tensor here, as on a GPU)."""
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def test_runner_rows_mirror_the_tables_through_growth_and_reuse():
         # the first 20 steps each admit a request, so the 16-row array must grow (random after: 1 run in 600 never grew)
         rid = step >= 20 and live and rng.random() < 0.6 and rng.choice(sorted(live)) or f"q{step}"
         r = live.setdefault(rid, make_request(rid, 500, max_tokens=1))
+        if rng.random() < 0.3:   # the scheduler's per-step release: its changes reach the runner with the next update
+            kv.release_out_of_window([r])
         n = rng.randint(1, 12)
         if r.num_computed_tokens + n <= 500 and kv.allocate(r, n):
             s = ScheduledRequest(r, n, r.num_computed_tokens, True, block_updates=kv.take_block_updates(rid))

@@ -73,6 +73,11 @@ class _Held:
     num_hit: int = 0
     keys: list[bytes] = field(default_factory=list)
     in_flight_end: int = 0
+    # Kept by `_note_change` whenever a table changes, so a decode step's "nothing to do" is two
+    # comparisons (`allocate`): the tokens every table already reaches, and the first position at
+    # which some windowed table has an entry to release (`_window_crossed`).
+    reach: int = 0
+    release_at: float = math.inf
 
 
 class KVCacheManager:
@@ -104,6 +109,7 @@ class KVCacheManager:
         self._in_flight: Counter[bytes] = Counter()   # keys running requests will compute, not yet cached
         self.refusals: Counter[str] = Counter()   # allocations refused, by the pool that lacked blocks
         self._copies: dict[str, list[tuple[int, int]]] = {}   # for the runner (take_block_copies)
+        self._changed: set[str] = set()   # requests whose tables changed since take_block_updates last reported them
 
     # -- queries -------------------------------------------------------------------------------------------
 
@@ -339,7 +345,7 @@ class KVCacheManager:
         needed_len = -(-(start + num_new_tokens) // self.block_size)
         if needed_len > self.max_blocks_per_req:
             raise ValueError(f"{rid}: {needed_len} blocks exceed max_model_len")
-        if held is not None and not hit.copy_from and self._holds_enough(held, start, needed_len):   # most decode steps
+        if held is not None and start + num_new_tokens <= held.reach and start < held.release_at:   # most decode steps
             return True
         reclaim_to: dict[str, int] = {}
         for t, pool in self.pools.items():
@@ -375,25 +381,25 @@ class KVCacheManager:
                 table.blocks.extend(pool.take(needed_len - have))
         for t, src in hit.copy_from.items():   # the hit's partial block: the runner copies it before the next step
             self._copies.setdefault(t, []).append((src, tables[t].blocks[start // self.block_size]))
+        self._note_change(rid, held)
         return True
 
-    def _holds_enough(self, held: _Held, start: int, needed_len: int) -> bool:
-        """Whether every table already reaches `needed_len` blocks and no windowed one has entries
-        to release before `start` (`allocate` would then change nothing)."""
-        for table in held.tables.values():
-            if len(table.blocks) < needed_len:
-                return False
-        tables = held.tables
-        for t, window in self._windowed:
-            if (start - window + 1) // self.block_size > tables[t].num_reclaimed:   # _window_crossed, inlined (*)
-                return False
-        return True
+    def _note_change(self, request_id: str, held: _Held) -> None:
+        """After a request's tables may have changed: report them with its next `take_block_updates`,
+        and refresh the bounds within which `allocate` changes nothing (`_Held.reach`, `release_at`)."""
+        self._changed.add(request_id)
+        bs, tables = self.block_size, held.tables
+        held.reach = min(len(table.blocks) for table in tables.values()) * bs
+        # _window_crossed(window, pos, table) holds from pos = (num_reclaimed + 1) * bs + window - 1 on
+        held.release_at = min(((tables[t].num_reclaimed + 1) * bs + window - 1 for t, window in self._windowed),
+                              default=math.inf)
 
     def _window_crossed(self, window: int | None, pos: int, table) -> bool:
         """Whether a windowed table may hold entries to release at position `pos`: the first key it
         keeps (`_first_needed`, at most pos - window + 1) has crossed a block not released yet.
-        (*) Inlined in the two per-request loops of a decode step: calling it there costs ~6 us of
-        the scheduler's ~0.15 ms a step at 64 requests (docs/benchmarks.md)."""
+        (*) Inlined in the per-step release's loop over the running requests: calling it there costs
+        ~6 us of the scheduler's ~0.15 ms a step at 64 requests (docs/benchmarks.md); a decode's
+        `allocate` compares against `_Held.release_at`, its closed form, instead."""
         return window is not None and (pos - window + 1) // self.block_size > table.num_reclaimed
 
     def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
@@ -441,11 +447,16 @@ class KVCacheManager:
             pool.release(table.blocks[j:j + 1], evict_first=j not in keep)
         table.blocks[a:upto] = [NULL_BLOCK] * (upto - a)
         table.num_reclaimed = upto
+        self._note_change(request.request_id, held)
 
     def take_block_updates(self, request_id: str) -> dict[str, BlockUpdate]:
         """The changes to the request's tables since the last call, per pool that changed (a hit's
-        blocks arrive with the first update, a windowed pool's leading nulls as reclaimed entries)."""
+        blocks arrive with the first update, a windowed pool's leading nulls as reclaimed entries).
+        Only a request whose tables changed since the last call is looked at (most decode steps change none)."""
         updates = {}
+        if request_id not in self._changed:
+            return updates
+        self._changed.discard(request_id)
         held = self._held.get(request_id)
         for t, table in (held.tables if held else {}).items():
             if table.num_reported < len(table.blocks) or table.reclaimed_reported < table.num_reclaimed:
@@ -456,6 +467,7 @@ class KVCacheManager:
     def free(self, request_id: str) -> None:
         """Release a request's blocks, tail first: the LRU then evicts a chain's tail before its head."""
         held = self._held.pop(request_id, None)
+        self._changed.discard(request_id)
         if held:
             self._done_in_flight(held, held.in_flight_end)
             for t, table in held.tables.items():
