@@ -42,11 +42,17 @@ class BlockTables:
         """Apply this step's block updates, on the host and on the device; return the scheduled
         requests' rows (int64, step order). The caller makes sure the last step's copies out of the
         staging buffers have run (the runner's inputs-copied event)."""
-        rows = np.fromiter((self._row(s.request.request_id) for s in scheduled), dtype=np.int64, count=len(scheduled))
+        row_of, rows = self._row_of, []
         changed: dict[str, list[np.ndarray]] = {}
         width = self.max_blocks_per_req
-        for s, row in zip(scheduled, rows, strict=True):
-            for t, update in s.block_updates.items():   # empty for most decode steps
+        for s in scheduled:   # one pass: the request's row, then its updates (none for most decode steps)
+            row = row_of.get(s.request.request_id)
+            if row is None:
+                row = self._row(s.request.request_id)
+            rows.append(row)
+            if not s.block_updates:
+                continue
+            for t, update in s.block_updates.items():
                 table = self.rows[t][row]
                 end = update.start + len(update.new_block_ids)
                 table[update.start: end] = update.new_block_ids
@@ -58,7 +64,7 @@ class BlockTables:
         for t, parts in changed.items():   # each entry once, with the host's final value
             index = np.unique(np.concatenate(parts))
             self._write(t, index, self.rows[t].reshape(-1)[index])
-        return rows
+        return np.array(rows, dtype=np.int64)
 
     def rows_of(self, request_ids: list[str]) -> np.ndarray:
         """The rows (int64) of requests a step `apply` took and nothing freed since."""
