@@ -615,8 +615,9 @@ class EngineCore:
                 self._end(rid, CoreOutput(rid, error=a.error), outputs)
                 continue
             params = request.sampling_params
-            out = CoreOutput(rid, a.tokens, logprobs=a.logprobs, num_cached_tokens=request.num_cached_tokens,
-                             finish_reason=a.finish_reason)
+            # (new_token_ids, finish_reason, error, logprobs, prompt_logprobs, finish_detail, num_cached_tokens):
+            # positional, one per request per step, ~4x cheaper than by keyword
+            out = CoreOutput(rid, a.tokens, a.finish_reason, None, a.logprobs, None, None, request.num_cached_tokens)
             if out.finish_reason == "length" and not self.sampler.grammar_complete(rid):
                 out.finish_detail = "max_tokens reached before the output completed its response_format"
             if out.finish_reason is None:
@@ -651,14 +652,13 @@ class EngineCore:
             new = len(a.tokens) if a is not None else 0   # appended since scheduling
             draft_rows, draft_keys = drafted.get(rid, none) if drafted else none
             back = moved_back.get(rid, 0) if moved_back else 0
-            items.append(ScheduledItem(
+            items.append(ScheduledItem(   # positional (its field order; request None): one per request per step
                 rid, s.num_tokens, s.num_computed_tokens + s.num_tokens - back, s.is_prefill,
-                frames.get(rid, 0) if frames else 0,
-                prefix_queried=0 if s.num_cached_tokens is None else request.num_tokens - new,
-                prefix_hit=s.num_cached_tokens or 0, draft_tokens=len(s.draft_token_ids),
-                accepted_drafts=a.num_accepted if a is not None else 0, emitted_tokens=new,
-                draft_rows=draft_rows, draft_keys=draft_keys,
-                encoded_by_modality=by_modality[rid] if rid in by_modality else {}))
+                frames.get(rid, 0) if frames else 0, None,
+                0 if s.num_cached_tokens is None else request.num_tokens - new,   # prefix_queried
+                s.num_cached_tokens or 0, len(s.draft_token_ids),   # prefix_hit, draft_tokens
+                a.num_accepted if a is not None else 0, new, draft_rows, draft_keys,   # accepted, emitted, draft rows/keys
+                by_modality[rid] if rid in by_modality else {}))
         encode_start, encode_end = step.encode_perf or (None, None)
         by_pool = self.kv.usage_by_pool()
         record = StepRecord(self.step_index, start_perf, end_perf, start_ns, end_ns, items,
