@@ -136,6 +136,11 @@ class Request:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
 
+    def token_at(self, pos: int) -> int:
+        """The token at position `pos` of prompt + output (a decode's one input: no list made)."""
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
     @property
     def is_prefill(self) -> bool:
         """True while the tokens left to compute are more than the one fresh decode token."""

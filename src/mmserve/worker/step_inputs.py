@@ -226,7 +226,7 @@ class StepInputBuilder:
         ids[:num_tokens] = 0
         num_known = have - starts   # async decodes have none: their one input is in flight
         if (single := np.flatnonzero(num_known == 1)).size:   # one known input (a decode): one write for all
-            ids[starts[single]] = [scheduled[i].request.token_ids_slice(c, c + 1)[0]
+            ids[starts[single]] = [scheduled[i].request.token_at(c)
                                    for i, c in zip(single.tolist(), computed[single].tolist(), strict=True)]
         known_rows = np.flatnonzero(num_known > 1)
         for i, a, b, c in zip(known_rows.tolist(), starts[known_rows].tolist(), have[known_rows].tolist(),
