@@ -417,9 +417,9 @@ class KVCacheManager:
         bs = self.block_size
         for request in requests:
             held = self._held.get(request.request_id)
-            if held is None:
-                continue
             pos = request.num_computed_tokens
+            if held is None or pos < held.release_at:   # no windowed table has crossed a block yet
+                continue
             for t, window in self._windowed:   # a full-attention pool releases nothing before the end
                 table = held.tables[t]
                 if table.blocks and (pos - window + 1) // bs > table.num_reclaimed:   # _window_crossed, inlined (*)
