@@ -413,7 +413,8 @@ class KVCacheManager:
         reach. The scheduler calls it for every running request before each step, so a request the
         step leaves out holds only its window, never the chunk it computed last (what the planner's
         windowed reservation assumes: planner.window_pool_blocks). One call for the batch: most
-        steps release nothing, and the check is a comparison per request and windowed pool."""
+        steps release nothing, and the check is one comparison per request (its `_Held.release_at`),
+        then one per windowed pool for a request past it."""
         bs = self.block_size
         for request in requests:
             held = self._held.get(request.request_id)
