@@ -15,6 +15,7 @@ worker is healthy.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
@@ -91,13 +92,17 @@ class _Process:
             self.proc.wait()
 
 
+def serve_args(model: str | Path, port: int, extra: tuple[str, ...]) -> list[str]:
+    """A replica's `mmserve serve` arguments."""
+    return ["serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), *REPLICA_ARGS, *extra]
+
+
 class Replica(_Process):
     """`mmserve serve` on a free port (mmserve.v1 and VllmEngine on that one port)."""
 
     def __init__(self, *extra: str, model: str | Path = DEMO_MODEL_DIR, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        argv = [sys.executable, "-m", "mmserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-                "--port", str(self.port), *REPLICA_ARGS, *extra]
+        argv = [sys.executable, "-m", "mmserve.cli", *serve_args(model, self.port, extra)]
         super().__init__(argv, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})))
 
     @property
@@ -113,6 +118,89 @@ class Replica(_Process):
             if not self.alive() or time.monotonic() > deadline:
                 raise AssertionError("replica did not become ready:\n" + self.log[-4000:])
             time.sleep(0.1)
+
+
+class _FrontEndLog(logging.Handler):
+    """mmserve's records from one thread (an in-process replica's event loop, where its servicers log
+    each request), as lines; mmserve's INFO records are on while any such log listens (the suite runs
+    at WARNING; `serve` logs at INFO)."""
+
+    _mmserve = logging.getLogger("mmserve")
+    _listening = 0
+    _level_before = logging.NOTSET
+
+    def __init__(self, thread: int) -> None:
+        super().__init__()
+        self.thread, self.lines = thread, []
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        if _FrontEndLog._listening == 0:
+            _FrontEndLog._level_before = self._mmserve.level
+            self._mmserve.setLevel(logging.INFO)
+        _FrontEndLog._listening += 1
+        self._mmserve.addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.lines.append(self.format(record) + "\n")
+
+    def close(self) -> None:
+        if self in self._mmserve.handlers:   # once: a Fleet's stop terminates, then stops
+            self._mmserve.removeHandler(self)
+            _FrontEndLog._listening -= 1
+            if _FrontEndLog._listening == 0:
+                self._mmserve.setLevel(_FrontEndLog._level_before)
+        super().close()
+
+
+async def _thread_ident() -> int:
+    return threading.get_ident()
+
+
+class InProcessReplica:
+    """A replica's `serve` options, parsed by serve's own parser, served by this process (a
+    tests/loopback_server.py server: the front end on a thread, the engine forked from the tests'
+    forkserver). A `serve` process costs ~5.5 s of CPU to start (a fresh interpreter importing torch,
+    transformers and xgrammar, then its spawned engine again); this ~0.2 s. For tests that need a
+    replica's server but not its process (a signal, its exit, its engine's log): `lines` and `log` hold
+    what its front end logged once ready (each request's end, aborts, the tokenizer sent)."""
+
+    def __init__(self, *extra: str, model: str | Path = DEMO_MODEL_DIR) -> None:
+        # Here, not at the top: tests/ is on pytest's path, not on bench/gateway.py's (it imports Replica).
+        from loopback_server import LoopbackServer
+
+        from mmserve.cli import build_parser
+        from mmserve.config import EngineConfig, ServerConfig, from_args
+
+        args = build_parser(["serve"]).parse_args(serve_args(model, 0, extra))
+        self.server = LoopbackServer(from_args(EngineConfig, args), from_args(ServerConfig, args))
+        self._log: _FrontEndLog | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def url(self) -> str:
+        return f"grpc://{self.address}"
+
+    @property
+    def lines(self) -> list[str]:
+        return self._log.lines
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_ready(self, deadline: float) -> None:
+        self.server.start(timeout_s=max(deadline - time.monotonic(), 1.0))
+        self._log = _FrontEndLog(self.server.call(_thread_ident()))
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self._log is not None:
+            self._log.close()
+
+    terminate = stop   # a Fleet's stop: nothing to wait for apart
 
 
 class Smg(_Process):
@@ -165,23 +253,25 @@ class Smg(_Process):
 
 
 class Fleet:
-    """`replicas` mmserve servers behind one SMG; a context manager that stops all of them."""
+    """`replicas` mmserve servers behind one SMG; a context manager that stops all of them.
+    `in_process`: InProcessReplicas, for tests that need no replica's process or log."""
 
     def __init__(self, replicas: int = 2, *, policy: str = "cache_aware", replica_args: tuple[str, ...] = (),
                  replica_env: dict[str, str] | None = None, model: str | Path = DEMO_MODEL_DIR,
-                 smg_args: tuple[str, ...] = (), timeout_s: float = 300.0) -> None:
+                 smg_args: tuple[str, ...] = (), timeout_s: float = 300.0, in_process: bool = False) -> None:
         self.policy, self.timeout_s = policy, timeout_s
         self._replica_args, self._model, self._smg_args = replica_args, model, smg_args
-        self._replica_env = replica_env
+        self._replica_env, self._in_process = replica_env, in_process
         self.num_replicas = replicas
-        self.replicas: list[Replica] = []
+        self.replicas: list[Replica | InProcessReplica] = []
         self.smg: Smg | None = None
         self.dead = DeadPort()
 
     def start(self) -> Fleet:
         deadline = time.monotonic() + self.timeout_s
         try:
-            self.replicas = [Replica(*self._replica_args, model=self._model, env=self._replica_env)
+            self.replicas = [InProcessReplica(*self._replica_args, model=self._model) if self._in_process
+                             else Replica(*self._replica_args, model=self._model, env=self._replica_env)
                              for _ in range(self.num_replicas)]
             for replica in self.replicas:
                 replica.wait_ready(deadline)

@@ -1,5 +1,5 @@
-"""SubscribeKvEvents and FlushCache on a real `mmserve serve` (demo model, own engine process),
-through the VllmEngine stub a gateway uses. The events are applied the way SMG's cache_aware index
+"""SubscribeKvEvents and FlushCache on a real server (a replica's `serve` options, in-process: demo
+model, its own engine process), through the VllmEngine stub a gateway uses. The events are applied the way SMG's cache_aware index
 applies them (a block sits at its parent's position + 1; a request matches block by block from 0 on
 each block's tokens), and a video request sent as a gateway sends it (one `<|video|>` anchor in the
 ids, the clip as a `data:` URL) must match on the gateway's own ids: that is what routes its
@@ -15,7 +15,7 @@ import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
-from smg_harness import Replica
+from smg_harness import InProcessReplica
 
 from mmserve.config import DEMO_MODEL_DIR
 from mmserve.model.spec import load_spec
@@ -27,7 +27,7 @@ BLOCK = 16   # the server's default --block-size
 
 @pytest.fixture(scope="module")
 def replica():
-    server = Replica("--kv-cache-bytes", str(8 * 2**20))
+    server = InProcessReplica("--kv-cache-bytes", str(8 * 2**20))
     try:
         server.wait_ready(time.monotonic() + 180)
         yield server

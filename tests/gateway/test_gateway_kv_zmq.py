@@ -36,7 +36,7 @@ import zmq
 from gateway_cases import png
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
-from smg_harness import Replica
+from smg_harness import InProcessReplica
 from vllm_kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -425,7 +425,7 @@ def fleet():
             for pod in PODS:
                 config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": _ipc(d, pod),
                           "replay_endpoint": _ipc(d, f"{pod}-replay"), "topic": f"kv@{pod}@{MODEL}"}
-                replicas.append(Replica("--num-kv-blocks", "64", "--kv-events-config", json.dumps(config)))
+                replicas.append(InProcessReplica("--num-kv-blocks", "64", "--kv-events-config", json.dumps(config)))
             for replica in replicas:
                 replica.wait_ready(time.monotonic() + 180)
             taps = [ZmqTap(_ipc(d, pod), _ipc(d, f"{pod}-replay")) for pod in PODS]
