@@ -253,12 +253,13 @@ class Smg(_Process):
 
 
 class Fleet:
-    """`replicas` mmserve servers behind one SMG; a context manager that stops all of them.
-    `in_process`: InProcessReplicas, for tests that need no replica's process or log."""
+    """`replicas` mmserve servers behind one SMG; a context manager that stops all of them. The last
+    `in_process` of them are InProcessReplicas (for tests that need those replicas' servers, not their
+    processes), the others `serve` processes."""
 
     def __init__(self, replicas: int = 2, *, policy: str = "cache_aware", replica_args: tuple[str, ...] = (),
                  replica_env: dict[str, str] | None = None, model: str | Path = DEMO_MODEL_DIR,
-                 smg_args: tuple[str, ...] = (), timeout_s: float = 300.0, in_process: bool = False) -> None:
+                 smg_args: tuple[str, ...] = (), timeout_s: float = 300.0, in_process: int = 0) -> None:
         self.policy, self.timeout_s = policy, timeout_s
         self._replica_args, self._model, self._smg_args = replica_args, model, smg_args
         self._replica_env, self._in_process = replica_env, in_process
@@ -270,9 +271,10 @@ class Fleet:
     def start(self) -> Fleet:
         deadline = time.monotonic() + self.timeout_s
         try:
-            self.replicas = [InProcessReplica(*self._replica_args, model=self._model) if self._in_process
-                             else Replica(*self._replica_args, model=self._model, env=self._replica_env)
-                             for _ in range(self.num_replicas)]
+            processes = self.num_replicas - self._in_process
+            self.replicas = [Replica(*self._replica_args, model=self._model, env=self._replica_env) if i < processes
+                             else InProcessReplica(*self._replica_args, model=self._model)
+                             for i in range(self.num_replicas)]
             for replica in self.replicas:
                 replica.wait_ready(deadline)
             self.smg = Smg([r.url for r in self.replicas], policy=self.policy, hf_endpoint=self.dead.url,

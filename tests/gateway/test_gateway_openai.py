@@ -1,7 +1,8 @@
 """OpenAI clients through the real SMG gateway onto two real mmserve replicas (VllmEngine door).
 
-One fleet per module: two `mmserve serve` processes (demo model) behind `smg launch --policy
-cache_aware`, everything on 127.0.0.1, HF_ENDPOINT pointing at a refusing loopback port and the
+One fleet per module: two replicas (`serve`'s options, served in-process: demo model, each engine its
+own process; no test here needs a replica's process) behind `smg launch --policy cache_aware`,
+everything on 127.0.0.1, HF_ENDPOINT pointing at a refusing loopback port and the
 tokenizer fetched with GetTokenizer. Each request's answer through the official `openai` client
 is compared with the same request through our own mmserve.v1 client, greedy: same text, same
 token sequence (each logprob entry's bytes against our token ids' decoding), same logprobs.
@@ -23,7 +24,7 @@ import openai
 import pytest
 from audio_clips import tones, wav
 from gateway_cases import assert_same, data_url, media_request, png, streamed_text
-from otlp_receiver import OtlpReceiver
+from otlp_receiver import OtlpReceiver, global_traces_to
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
@@ -52,9 +53,15 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def fleet(receiver):
-    replica_args = ("--max-video-bytes", str(MAX_VIDEO_BYTES), "--otlp-traces-endpoint", receiver.endpoint)
+    # A replica's first grammar compile also builds xgrammar's tokenizer tables (seconds of CPU on the
+    # front end's thread, niced): at load 10-14 it once took over the default 5 s limit, which no test
+    # here is about.
+    replica_args = ("--max-video-bytes", str(MAX_VIDEO_BYTES), "--otlp-traces-endpoint", receiver.endpoint,
+                    "--grammar-compile-timeout-s", "60")
     smg_args = ("--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{receiver.port}")
-    with Fleet(2, policy="cache_aware", replica_args=replica_args, smg_args=smg_args) as f:
+    # In-process replicas' request spans come from the global tracer (`serve` sets it up from the flag).
+    with global_traces_to(receiver), Fleet(2, policy="cache_aware", replica_args=replica_args, smg_args=smg_args,
+                                           in_process=2) as f:
         yield f
 
 

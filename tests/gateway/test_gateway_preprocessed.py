@@ -45,7 +45,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def fleet(checkpoint):
     with Fleet(1, policy="round_robin", model=checkpoint, replica_args=("--gateway-media", "gateway"),
-               in_process=True) as f:
+               in_process=1) as f:
         yield f
 
 
