@@ -58,7 +58,8 @@ def checkpoint(tmp_path_factory, gemma4_fixtures):
 
 @pytest.fixture(scope="module")
 def fleet(checkpoint):
-    with Fleet(2, policy="cache_aware", model=checkpoint) as f:
+    # Replica 0 a `serve` process (the last test drains it by SIGTERM and reads its exit), replica 1 in-process.
+    with Fleet(2, policy="cache_aware", model=checkpoint, in_process=1) as f:
         yield f
 
 
