@@ -275,7 +275,7 @@ class Fleet:
             self.replicas = [Replica(*self._replica_args, model=self._model, env=self._replica_env) if i < processes
                              else InProcessReplica(*self._replica_args, model=self._model)
                              for i in range(self.num_replicas)]
-            for replica in self.replicas:
+            for replica in reversed(self.replicas):   # the in-process ones start while the processes load
                 replica.wait_ready(deadline)
             self.smg = Smg([r.url for r in self.replicas], policy=self.policy, hf_endpoint=self.dead.url,
                            extra=self._smg_args)
