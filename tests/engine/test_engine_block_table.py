@@ -33,6 +33,8 @@ def test_runner_rows_mirror_the_tables_through_growth_and_reuse():
             kv.release_out_of_window([r])
         n = rng.randint(1, 12)
         if r.num_computed_tokens + n <= 500 and kv.allocate(r, n):
+            for t in (SLIDING, FULL):   # what allocate's no-change bound (_Held.reach) promises
+                assert len(kv.block_table(rid, t)) * kv.block_size >= r.num_computed_tokens + n
             s = ScheduledRequest(r, n, r.num_computed_tokens, True, block_updates=kv.take_block_updates(rid))
             (row,) = runner.apply([s])
             r.num_computed_tokens += n

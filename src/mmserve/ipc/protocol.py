@@ -124,14 +124,15 @@ class CoreOutput:
     `num_cached_tokens` (prompt tokens the prefix cache served at admission, -> Usage.cached_tokens)
     comes with every output that has tokens: the front end may end the request on any of them."""
 
+    # the fields every step's output sets first: the engine builds one per request per step positionally
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    error: BaseException | None = None
     logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+    error: BaseException | None = None
     prompt_logprobs: list[TokenLogprobs] | None = None
     finish_detail: str | None = None
-    num_cached_tokens: int = 0
     prefilled_tokens: int = 0   # an open prompt's computed tokens after this step (it never has new tokens)
 
     @property

@@ -88,7 +88,7 @@ class RejectionSampler:
             logprobs = (None if request.sampling_params.num_logprobs is None
                         else sampler_out.logprobs[first:first + len(tokens)])
             accepted.append(Accepted(s, tokens, logprobs, finish, n_rows + s.num_pad_drafts - len(tokens),
-                                     None, num_accepted))   # (positional: one per request per step)
+                                     num_accepted=num_accepted))
         if verified and self.record is not None:
             self.record(np.array(verified), np.array(kept))
         return accepted

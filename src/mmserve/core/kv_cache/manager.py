@@ -396,10 +396,9 @@ class KVCacheManager:
 
     def _window_crossed(self, window: int | None, pos: int, table) -> bool:
         """Whether a windowed table may hold entries to release at position `pos`: the first key it
-        keeps (`_first_needed`, at most pos - window + 1) has crossed a block not released yet.
-        (*) Inlined in the per-step release's loop over the running requests: calling it there costs
-        ~6 us of the scheduler's ~0.15 ms a step at 64 requests (docs/benchmarks.md); a decode's
-        `allocate` compares against `_Held.release_at`, its closed form, instead."""
+        keeps (`_first_needed`, at most pos - window + 1) has crossed a block not released yet. A
+        decode's `allocate` and the per-step release first compare against `_Held.release_at`, its
+        closed form over the request's tables."""
         return window is not None and (pos - window + 1) // self.block_size > table.num_reclaimed
 
     def take_block_copies(self) -> dict[str, list[tuple[int, int]]]:
@@ -423,7 +422,7 @@ class KVCacheManager:
                 continue
             for t, window in self._windowed:   # a full-attention pool releases nothing before the end
                 table = held.tables[t]
-                if table.blocks and (pos - window + 1) // bs > table.num_reclaimed:   # _window_crossed, inlined (*)
+                if table.blocks and self._window_crossed(window, pos, table):
                     first = self._first_needed(request, pos, window)
                     self._reclaim(request, held, t, min(first // bs, len(table.blocks)))
 

@@ -33,15 +33,15 @@ class ScheduledRequest:
     is_prefill: bool              # Request.is_prefill when scheduled (the one definition; ScheduledItem carries it on)
     frames: list[int] = field(default_factory=list)
     block_updates: dict[str, BlockUpdate] = field(default_factory=dict)   # per pool; only pools that changed
-    # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
-    # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
-    num_cached_tokens: int | None = None
     # A verify chunk (speculative decoding): the drafts that follow the request's last token; each of
     # the 1 + len rows is sampled.
     draft_token_ids: list[int] = field(default_factory=list)
     # Positions after the drafts that fill a verify chunk to 1 + K rows, so every speculating request
     # of a step has the same rows and the step replays one graph: never sampled, always rolled back.
     num_pad_drafts: int = 0
+    # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
+    # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
+    num_cached_tokens: int | None = None
 
     @property
     def num_sampled_rows(self) -> int:

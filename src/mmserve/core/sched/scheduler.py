@@ -407,10 +407,9 @@ class Scheduler:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
         drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
-        # (request, num_tokens, num_computed_tokens, is_prefill, frames, block_updates, num_cached_tokens,
-        # draft_token_ids, num_pad_drafts): positional, one per request per step, 0.6 us against 1.0 us by keyword
+        # positional (its field order; num_cached_tokens, last, set by the caller), one per request per step
         return ScheduledRequest(request, n + pads, start, request.is_prefill, frames,
-                                self.kv.take_block_updates(request.request_id), None, drafts, pads)
+                                self.kv.take_block_updates(request.request_id), drafts, pads)
 
     def update(self, output: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
         """Advance each scheduled request past the tokens the step just computed, less the `rejected`
