@@ -185,22 +185,22 @@ def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
     xgrammar's compile time of this shape is not smooth in its size and varies with the machine (800
     properties took 0.47 s in all on a fresh CI-like machine, 1000 took 4-10 s at load 10): the schema
     grows until its compile outlasts the bound, and the checks run on that one; none long enough fails."""
-    async def scenario(spec: str):
+    async def scenario(spec: str, tag: str):   # tag: each try's request ids its own (an id ends once)
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
-            await bystanders(stub, "warm")
-            idle = await bystanders(stub, "idle2")
+            await bystanders(stub, f"{tag}warm")
+            idle = await bystanders(stub, f"{tag}idle2")
             start = time.perf_counter()
-            slow = asyncio.ensure_future(timed(stub, request("slow", max_tokens=4, json_schema=spec)))
+            slow = asyncio.ensure_future(timed(stub, request(f"{tag}slow", max_tokens=4, json_schema=spec)))
             health = asyncio.ensure_future(_health_latencies(ch, slow))
             during = []
             while not slow.done():
-                during += await bystanders(stub, f"during{len(during)}")
+                during += await bystanders(stub, f"{tag}during{len(during)}")
             return idle, during, await slow, await health, time.perf_counter() - start
 
     compiles = []
     for properties in (800, 900, 1000):   # each a new schema: the compilers' caches cannot answer it
-        idle, during, (slow, _), health, slow_s = asyncio.run(scenario(flat_schema(properties)))
+        idle, during, (slow, _), health, slow_s = asyncio.run(scenario(flat_schema(properties), f"p{properties}-"))
         assert slow.code is None, slow   # accepted and served, within the compile time limit
         idle_ttft = statistics.median(t for _, t in idle)
         bound = 2 * idle_ttft + 0.25
