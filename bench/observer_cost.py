@@ -44,7 +44,7 @@ def measure(perf: PerfModel, num_requests: int, steps: int, rng: random.Random) 
         observer.on_request_queued(r)
     times = []
     for step in range(steps):
-        items = [ScheduledItem(r.request_id, 1, len(r.prompt_token_ids) + step + 1, False, 0, r) for r in requests]
+        items = [ScheduledItem(r.request_id, 1, len(r.prompt_token_ids) + step + 1, False, 0, request=r) for r in requests]
         now = time.perf_counter()
         record = StepRecord(step, now, now + 0.01, 0, 10_000_000, items, num_requests, 0, 0.5)
         start = time.perf_counter()

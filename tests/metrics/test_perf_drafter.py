@@ -123,10 +123,10 @@ def test_telemetry_bills_each_request_its_draft_rows_and_the_step_its_useful_tok
                                  step_trace_ratio=1)
     parent = trace.set_span_in_context(provider.get_tracer("t").start_span("mmserve.generate"))
     reqs = {rid: Request(rid, list(range(20)), SamplingParams(), trace_context=parent) for rid in "abc"}
-    items = [ScheduledItem("a", 4, 30, False, 0, reqs["a"], draft_tokens=3, accepted_drafts=1, emitted_tokens=2,
+    items = [ScheduledItem("a", 4, 30, False, 0, request=reqs["a"], draft_tokens=3, accepted_drafts=1, emitted_tokens=2,
                            draft_rows=3, draft_keys=28),
-             ScheduledItem("b", 1, 25, False, 0, reqs["b"], emitted_tokens=1, draft_rows=3, draft_keys=25),
-             ScheduledItem("c", 1, 22, False, 0, reqs["c"], emitted_tokens=1)]
+             ScheduledItem("b", 1, 25, False, 0, request=reqs["b"], emitted_tokens=1, draft_rows=3, draft_keys=25),
+             ScheduledItem("c", 1, 22, False, 0, request=reqs["c"], emitted_tokens=1)]
     for r in reqs.values():
         observer.on_request_queued(r)
     observer.on_step(StepRecord(0, 1.0, 1.01, 10**9, 10**9 + 10**7, items, 3, 0, 0.1))

@@ -93,10 +93,10 @@ def test_observer_builds_the_request_span_tree(tracing):
 
     clock = StepClock()
     steps = [
-        clock.step([ScheduledItem("a", 8, 8, True, 1, a), ScheduledItem("b", 5, 5, True, 0, b)], running=2, waiting=0),
-        clock.step([ScheduledItem("a", 8, 16, True, 1, a), ScheduledItem("b", 1, 6, False, 0, b)], running=2),
-        clock.step([ScheduledItem("a", 1, 17, False, 0, a), ScheduledItem("b", 1, 7, False, 0, b)], running=2),
-        clock.step([ScheduledItem("a", 1, 18, False, 0, a)], running=1),
+        clock.step([ScheduledItem("a", 8, 8, True, 1, request=a), ScheduledItem("b", 5, 5, True, 0, request=b)], running=2, waiting=0),
+        clock.step([ScheduledItem("a", 8, 16, True, 1, request=a), ScheduledItem("b", 1, 6, False, 0, request=b)], running=2),
+        clock.step([ScheduledItem("a", 1, 17, False, 0, request=a), ScheduledItem("b", 1, 7, False, 0, request=b)], running=2),
+        clock.step([ScheduledItem("a", 1, 18, False, 0, request=a)], running=1),
     ]
     observer.on_step(steps[0])
     observer.on_first_token(b)
@@ -192,7 +192,7 @@ def test_step_spans_are_sampled(tracing):
     observer.on_request_queued(r)
     clock = StepClock()
     for i in range(12):
-        observer.on_step(clock.step([ScheduledItem("r", 1, 5 + i, False, 0, r)]))
+        observer.on_step(clock.step([ScheduledItem("r", 1, 5 + i, False, 0, request=r)]))
     observer.on_request_finished(r, "length", None)
     provider.force_flush()
     receiver.wait_for(lambda s: len(s) >= 3)
@@ -211,10 +211,10 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     observer.on_request_queued(queued)
     clock = StepClock()
     waiting = random.randint(1, 50)
-    observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 1, r, prefix_queried=6)], waiting=waiting, kv=0.5))
+    observer.on_step(clock.step([ScheduledItem("r", 6, 6, True, 1, request=r, prefix_queried=6)], waiting=waiting, kv=0.5))
     observer.on_first_token(r)
     r.output_token_ids += [1, 2]
-    observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, r)], waiting=waiting, kv=0.5))
+    observer.on_step(clock.step([ScheduledItem("r", 1, 7, False, 0, request=r)], waiting=waiting, kv=0.5))
     observer.on_request_finished(r, "length", None)
     metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})  # the server's interceptor counts RPCs
     metrics.live_sessions(1)   # a live session's hooks (server/live.py, engine/live_session.py)
@@ -280,7 +280,7 @@ def test_vision_span_covers_the_encoder_call_and_bills_weights_once_per_step():
     start_perf, start_ns = time.perf_counter(), time.time_ns()
     encode = (start_perf + 0.001, start_perf + 0.004)
     record = StepRecord(0, start_perf, start_perf + 0.01, start_ns, start_ns + 10_000_000,
-                        [ScheduledItem("a", 12, 12, True, 1, a), ScheduledItem("b", 12, 12, True, 2, b)], 2, 0, 0.1,
+                        [ScheduledItem("a", 12, 12, True, 1, request=a), ScheduledItem("b", 12, 12, True, 2, request=b)], 2, 0, 0.1,
                         encode_start_perf=encode[0], encode_end_perf=encode[1])
     observer.on_step(record)
     vision = {s.attributes["mmserve.vision.num_frames"]: s for s in exporter.get_finished_spans()
@@ -332,8 +332,8 @@ def test_step_span_and_counter_carry_the_comm_bytes():
     free = Request("free", list(range(9)), SamplingParams())
     constrained = Request("constrained", list(range(5)), SamplingParams(response_format=ResponseFormat("regex", "a+")))
     keys = random.randint(6, 30)
-    observer.on_step(StepClock().step([ScheduledItem("free", 9, 9, True, 0, free, draft_rows=3, draft_keys=9),
-                                       ScheduledItem("constrained", 1, keys, False, 0, constrained, draft_rows=3,
+    observer.on_step(StepClock().step([ScheduledItem("free", 9, 9, True, 0, request=free, draft_rows=3, draft_keys=9),
+                                       ScheduledItem("constrained", 1, keys, False, 0, request=constrained, draft_rows=3,
                                                      draft_keys=keys)]))
     text = perf.step(StepContext((RequestWork(9, 9, True), RequestWork(1, keys, False))), per_gpu=True)
     drafting = perf.step(StepContext(drafts=(DraftWork(3, 9), DraftWork(3, keys, constrained=True))), per_gpu=True)

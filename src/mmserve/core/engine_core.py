@@ -651,9 +651,9 @@ class EngineCore:
             new = len(a.tokens) if a is not None else 0   # appended since scheduling
             draft_rows, draft_keys = drafted.get(rid, none) if drafted else none
             back = moved_back.get(rid, 0) if moved_back else 0
-            items.append(ScheduledItem(   # positional (its field order; request None), one per request per step: cheaper
+            items.append(ScheduledItem(   # positional (its field order), one per request per step: cheaper
                 rid, s.num_tokens, s.num_computed_tokens + s.num_tokens - back, s.is_prefill,
-                frames.get(rid, 0) if frames else 0, None,
+                frames.get(rid, 0) if frames else 0,
                 0 if s.num_cached_tokens is None else request.num_tokens - new,   # prefix_queried
                 s.num_cached_tokens or 0, len(s.draft_token_ids),   # prefix_hit, draft_tokens
                 a.num_accepted if a is not None else 0, new, draft_rows, draft_keys,   # accepted, emitted, draft rows/keys

@@ -17,8 +17,6 @@ class ScheduledItem:
     context_len: int            # tokens in the KV cache after this step
     is_prefill: bool
     num_frames_encoded: int     # frames the vision tower ran on (encoder-cache hits excluded)
-    # The front end's view of the request (None while the record crosses from the engine process).
-    request: Any = field(default=None, repr=False, compare=False)
     prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
     prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
     draft_tokens: int = 0       # a verify chunk (speculative decoding): the drafts it scored
@@ -28,6 +26,9 @@ class ScheduledItem:
     draft_keys: int = 0         # ... each over this many of the target's cached positions
     # Of num_frames_encoded, how many per modality ("image", "video", "audio"): encoder-cache misses.
     encoded_by_modality: dict[str, int] = field(default_factory=dict)
+    # The front end's view of the request (None while the record crosses from the engine process); last,
+    # so the engine builds the rest positionally, one per request per step.
+    request: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
