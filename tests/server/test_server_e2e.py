@@ -142,31 +142,66 @@ def test_malformed_requests_are_invalid_argument(client, kwargs, field):
     assert info.value.field == field and info.value.message.startswith(field)
 
 
+# A try whose generation ran to its end before the deadline or the abort reached it shows nothing
+# about either: the engine (its own process) and this process's client race, and a loaded machine
+# decides who wins (a whole-suite run at load 9-26 saw both). Such a try is retried; none holding fails.
+ATTEMPTS = 5
+
+
+def _ran_to_its_end(result, long_tokens: int) -> bool:
+    return result.finish_reason == "length" and len(result.token_ids) == long_tokens
+
+
 def test_cancel_and_deadline_abort_in_the_engine(client, long_tokens):
     stream = client.stream(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True)
     first = next(iter(stream))
     assert first.token_ids
     stream.cancel()
     _wait_idle(client)
-    with pytest.raises(ClientError) as info:
-        client.generate(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True, timeout=0.5)
-    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    finished = []
+    for _ in range(ATTEMPTS):
+        try:
+            result = client.generate(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True,
+                                     timeout=0.5)
+        except ClientError as e:
+            assert e.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            break
+        assert _ran_to_its_end(result, long_tokens), result
+        finished.append(round(result.timings.end_to_end_s, 3))
+        _wait_idle(client)
+    else:
+        raise AssertionError(f"no generation outlived its 0.5 s deadline: each ended after {finished} s")
     _wait_idle(client)
 
 
 def test_abort_by_id_and_duplicate_ids(client, long_tokens):
-    stream = client.stream(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True, request_id="job-1")
-    it = iter(stream)
-    next(it)
-    with pytest.raises(ClientError) as dup:
-        client.generate(prompt="again", request_id="job-1")
-    assert dup.value.code == grpc.StatusCode.INVALID_ARGUMENT and dup.value.field == "request_id"
-    assert client.abort("job-1") is True
-    with pytest.raises(ClientError) as ended:
-        for _ in it:
-            pass
-    assert ended.value.code == grpc.StatusCode.CANCELLED
-    assert client.abort("job-1") is False
+    ran_out = []
+    for attempt in range(ATTEMPTS):
+        request_id = f"job-{attempt}"
+        stream = client.stream(prompt="count", max_tokens=long_tokens, temperature=0, ignore_eos=True,
+                               request_id=request_id)
+        it = iter(stream)
+        next(it)
+        try:
+            client.generate(prompt="again", request_id=request_id)
+        except ClientError as dup:
+            assert dup.code == grpc.StatusCode.INVALID_ARGUMENT and dup.field == "request_id"
+            aborted = client.abort(request_id)
+        else:   # accepted: the first must have ended already
+            aborted = None
+        try:
+            for _ in it:
+                pass
+        except ClientError as ended:
+            assert aborted is True, f"{request_id} was cut ({ended.code}) though abort said {aborted}"
+            assert ended.code == grpc.StatusCode.CANCELLED
+            assert client.abort(request_id) is False
+            break
+        assert _ran_to_its_end(stream.result, long_tokens), stream.result
+        ran_out.append((request_id, aborted))
+        _wait_idle(client)
+    else:
+        raise AssertionError(f"no stream was still running at its duplicate and abort (id, abort's answer): {ran_out}")
     _wait_idle(client)
 
 
