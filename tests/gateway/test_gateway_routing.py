@@ -1,6 +1,6 @@
 """Cache-aware routing from our KV events, through the real SMG (pinned `smg`) in front of two real
-mmserve replicas on loopback (one a `serve` process, one in-process), with the official `openai`
-client; and a replica killed under load (the process), whose requests SMG finishes on the other one.
+`mmserve serve` replicas on loopback, with the official `openai` client; and a replica killed under
+load, whose requests SMG finishes on the other one.
 
 The shared-video workload: 8 clips, each shown once ("describe it", the warm-up that puts it in one
 replica's cache), then asked 4 follow-up questions, all 32 in random order. SMG matches a request
@@ -31,7 +31,7 @@ import grpc
 import pytest
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
-from smg_harness import DeadPort, InProcessReplica, Replica, Smg
+from smg_harness import DeadPort, Replica, Smg
 
 from mmserve.multimodal.synthetic import make_clip
 
@@ -46,10 +46,7 @@ FINISHED = re.compile(r"request (\S+) finished \(\w+\): (\d+) prompt tokens \(\d
 
 @pytest.fixture(scope="module")
 def fleet():
-    """Replica 1 a `serve` process (the kill test kills it), replica 0 in-process (its log is read)."""
-    options = ("--block-size", "4", "--default-num-frames", str(FRAMES))
-    victim = Replica(*options)   # loads while replica 0 starts
-    replicas = [InProcessReplica(*options), victim]
+    replicas = [Replica("--block-size", "4", "--default-num-frames", str(FRAMES)) for _ in range(2)]
     dead = DeadPort()
     try:
         deadline = time.monotonic() + 240
