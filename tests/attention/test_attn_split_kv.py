@@ -89,7 +89,10 @@ def test_split_kv_matches_the_dense_reference(interpreted, case):
     batch = make_batch(reqs, spec, gen=fresh(), num_blocks=256, free_outside_window=True)
     want, _ = run_backend("reference", batch, spec)
     got, md = run_split_kv(batch, spec, programs=48, min_split_keys=32)
-    assert rel_err(got, want) < 1e-5
+    # fp32 against fp32, in another summation order: 1e-5 of the output's largest magnitude, 2e-5 at head
+    # dim 512 (each score sums 512 products and each split's partial is rescaled at the merge; 4 of 30 salts
+    # drew 1.04-1.32e-5 there, salt 15134 in CI among them). A wrong key, split or merge errs by 1e-2 and up.
+    assert rel_err(got, want) < (2e-5 if spec.head_dim == 512 else 1e-5)
     # the last split of each tile merged and put its counter back: a second launch (a graph replay) agrees
     assert not md.counters.any()
     cache = batch.kv_cache.clone()

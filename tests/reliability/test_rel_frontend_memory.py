@@ -35,8 +35,10 @@ REQUESTS = 20
 # ~45 MiB of its level after request 1, refusal included, and no collection on the request path;
 # once, in a full suite run on a cold compile cache (no front-end change), 77 MiB: the peak budget
 # has room for that and still fails either regression (~200 and ~240 MiB).
+# The floor: 0-20 MiB above request 1's level in runs of this test alone (this tree and stop 48's), 33 MiB once
+# in a cold CI-like run (salt 15134), against ~120 MiB for the regression it guards.
 PEAK_BUDGET = 96 * 2**20
-FLOOR_BUDGET = 32 * 2**20
+FLOOR_BUDGET = 48 * 2**20
 ASK = dict(prompt="Describe the video.", num_frames=8, max_tokens=2, temperature=0)
 
 
