@@ -647,8 +647,7 @@ def greedy_tokens(requests: list, device: str, **options) -> tuple[list[list[int
     tokens = [c.token_ids for c in llm.generate(requests)]
     graphs = graph_use(llm)
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     return tokens, graphs
 
 
@@ -822,8 +821,7 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
         seconds = time.perf_counter() - start
     tokens = out[:, ids.shape[1]:].tolist()
     del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     return seconds, tokens
 
 
@@ -849,8 +847,7 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
     seconds = time.perf_counter() - start
     graphs = graph_use(llm)
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     return seconds, [c.token_ids for c in done], {**graphs, "kv_cache": kv}
 
 
@@ -937,8 +934,7 @@ def capacity(sizes: Sizes, device: str) -> dict:
         result.update(peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_gib=total / 2**30,
                       budget_gib=config.gpu_memory_utilization * total / 2**30)
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     result["ok"] = not preempted and kv.full_context_requests >= 1 and len(done) == batch
     return result
 
@@ -980,8 +976,7 @@ def decode(sizes: Sizes, device: str) -> dict:
                          "forward_over_floor": None if forward_ms is None else forward_ms / floors["floor_ms"]})
         use["eager" if eager else "graphs"] = graph_use(llm)
         del llm
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        release_device_memory()
     # every timed step of a graph row must have replayed one (a batch past the captured sizes runs eagerly)
     replayed = device != "cuda" or all(r["graph_replays"] >= sizes.decode_steps for r in rows if r["graphs"])
     return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
@@ -1099,8 +1094,7 @@ def profile(sizes: Sizes, device: str) -> dict:
         rows.append({"batch": batch, "graph_replays": replays, **kernel_table(kernel_events(prof, device), layers)})
     use = graph_use(llm)
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     per_layer = max(r["kernels_per_layer"] for r in rows)
     replayed = device != "cuda" or all(r["graph_replays"] >= PROFILE_STEPS for r in rows)
     return {"model": sizes.serving_model or "demo-sized", "layers": layers, "steps": PROFILE_STEPS,
@@ -1299,8 +1293,7 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
                "datasheet_of_floor": None if sheet_s is None else sheet_s / seconds, "kv_cache": kv,
                "steps": ran, "graph_steps": replayed}
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     itl = decode_beside_video(model_dir, device, sizes)
     ok = device != "cuda" or (prefill["graph_steps"] == prefill["steps"] and prefill["of_floor"] >= 0.6
                               and itl["ratio"] <= 1.5)
@@ -1348,8 +1341,7 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
               "beside_video_ms": _median(beside) if beside else None, "video_steps": len(beside)}
     result["ratio"] = result["beside_video_ms"] / result["alone_ms"] if beside else float("inf")
     llm = None   # (not del: timed_step closes over it) frees its caches before the next section
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     return result
 
 
@@ -1398,8 +1390,7 @@ def mixed(sizes: Sizes, device: str) -> dict:
         while any(r.request_id == rid for r in llm.core.scheduler.running + llm.core.scheduler.waiting):
             llm.step()   # its sampled token; the decodes go on
     del llm
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    release_device_memory()
     best = min(r["over_floor"] for r in rows)
     ok = device != "cuda" or (all(r["piecewise_replayed"] for r in rows) and best <= 1.4)
     return {"model": sizes.serving_model or "demo-sized", "chunk": sizes.mixed_chunk, "decodes": sizes.mixed_decodes,

@@ -76,8 +76,8 @@ def run_beside(server, bystander: Callable[[], dict], hostile_messages, copies: 
                rounds: int = ROUNDS) -> tuple[list, int, float, float]:
     """`rounds` times: an idle bystander run, then `copies` hostile requests with another bystander
     right behind them on one channel, whose output is then compared with the same request run
-    alone; one more idle run closes the attempt. Each idle run waits for a quiet server. `bystander()` gives a new request's arguments (fresh
-    content: its TTFT includes a real prefill). Idle and beside runs alternate, so a change in the
+    alone; one more idle run closes the attempt. Each idle run waits for a quiet server.
+    `bystander()` gives a new request's arguments (fresh content: its TTFT includes a real prefill). Idle and beside runs alternate, so a change in the
     machine's load reaches both medians alike. Returns (every round's hostile outcomes, the largest
     peak RSS growth over the RSS before a round's hostile requests, the idle TTFTs' median, the
     bystander TTFTs' median); retried up to `attempts` times while that median misses 2x of idle (1

@@ -515,12 +515,11 @@ def read_spec(source: Any) -> ModelSpec:
     else:
         return load_spec(source)   # a transformers config object
     root = _root(source)
-    if not isinstance(data, dict) or data.get("model_type") not in SERVED_MODEL_TYPES:
-        return spec_from_hf_config(load_hf_config(data), root)   # refused, naming the model type
-    try:
-        return spec_from_hf_config(config_json.resolve(data), root)
-    except MMServeError:
-        raise
-    except Exception as exc:       # NotResolvable, or what a malformed config breaks: transformers decides
-        logger.debug("config.json read through transformers: %s", exc)
-        return spec_from_hf_config(load_hf_config(data), root)
+    if isinstance(data, dict) and data.get("model_type") in SERVED_MODEL_TYPES:
+        try:
+            return spec_from_hf_config(config_json.resolve(data), root)
+        except MMServeError:
+            raise
+        except Exception as exc:   # NotResolvable, or what a malformed config breaks: transformers decides
+            logger.debug("config.json read through transformers: %s", exc)
+    return spec_from_hf_config(load_hf_config(data), root)   # refused (naming the model type), or parsed
