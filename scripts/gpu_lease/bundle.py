@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -30,13 +31,21 @@ ROOT = Path(__file__).resolve().parents[2]
 PART_BYTES = 48 * 2**20 - 2**16   # under the 48 MiB a part may have, so a part plus the repo fits one call
 LEASE_PARTS = 2   # the lease's calls carry part a (call 1) and part b (call 2); a third needs a re-plan
 IMAGE_PACKAGES = Path(__file__).with_name("device_image_packages.txt")
+
+
+def reference_transformers() -> str:
+    """pyproject's dev pin of transformers, the tests' reference: the device runs the one they ran."""
+    dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    return next(r for r in dev if Requirement(r).name == "transformers")
+
+
 WHEELS = [
     # FA4 b36 and the CuTe DSL it compiles with (cu13: the image's CUDA)
     "flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
     "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1", "quack-kernels==0.6.5",
     "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5",
     # mmserve's runtime dependencies the image lacks, or has too old (transformers 5.17)
-    "transformers==5.24.0", "av==18.1.0", "xgrammar==0.2.9", "pydantic==2.14.4", "pydantic-core==2.50.5",
+    reference_transformers(), "av==18.1.0", "xgrammar==0.2.9", "pydantic==2.14.4", "pydantic-core==2.50.5",
     "typing-inspection==0.4.5", "annotated-types==0.8.0", "pyzmq==27.3.0",
     "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
     "opentelemetry-exporter-otlp==1.45.2", "opentelemetry-exporter-otlp-proto-grpc==1.45.2",

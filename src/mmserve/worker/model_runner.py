@@ -559,7 +559,7 @@ class ModelRunner:
             num_tokens.append(s.num_tokens)
             has_frames = has_frames or bool(s.frames)
             has_prefill = has_prefill or s.is_prefill
-            has_verify = has_verify or bool(s.draft_token_ids) or s.num_pad_drafts > 0   # ScheduledRequest.is_verify
+            has_verify = has_verify or s.is_verify
         query_len = uniform_query_len(num_tokens, has_frames, has_prefill)
         graph_size = self.graphs.size_for(len(out.scheduled), query_len) if query_len else None
         pieces = graph_size is None and self.piecewise.size_for(sum(num_tokens)) is not None
