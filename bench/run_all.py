@@ -19,7 +19,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 SCRIPTS = ("attention.py", "recompile.py", "metadata.py", "step_overhead.py", "async_overlap.py", "graph_coverage.py",
            "offline.py", "serving.py", "cpu_contention.py", "moe.py", "structured.py", "video_decode.py", "prefix_cache.py", "gateway.py",
            "kv_events.py", "tensor_parallel.py", "gpu_check.py", "speculative.py", "kv_planner.py", "fair_share.py",
-           "block_size.py", "observer_cost.py")
+           "block_size.py", "observer_cost.py", "prefill_cap.py")
 PLOT = "plot.py"
 
 logger = logging.getLogger("bench.run_all")

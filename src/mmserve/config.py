@@ -20,8 +20,9 @@ DEMO_ASSISTANT_DIR = Path(__file__).parent / "demo_assistant"   # its drafter (s
 # The batching options' defaults per device, for the fields left at their "device default" value
 # (docs/configuration.md, "Defaults per device", says how the CUDA ones were chosen).
 DEVICE_DEFAULTS = {
-    "cpu": {"max_num_batched_tokens": 512, "prefill_batched_tokens": 2048, "max_num_seqs": 64},
-    "cuda": {"max_num_batched_tokens": 2048, "prefill_batched_tokens": 8192, "max_num_seqs": 128},
+    "cpu": {"max_num_batched_tokens": 512, "prefill_batched_tokens": 2048, "max_num_seqs": 64, "max_step_slowdown": 0.0},
+    "cuda": {"max_num_batched_tokens": 2048, "prefill_batched_tokens": 8192, "max_num_seqs": 128,
+             "max_step_slowdown": 1.4},
 }
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
@@ -49,6 +50,11 @@ class EngineConfig:
         "help": "token budget of a step while no request is decoding (only prefill runs, so no TPOT pays "
                 "for a longer step); 0 = max_num_batched_tokens; -1 = the device's default (2048 on a CPU, "
                 "8192 on CUDA)", "min": -1})
+    max_step_slowdown: float = field(default=-1.0, metadata={
+        "help": "while a request decodes, a step's prefill tokens stop where the step's roofline time (the perf "
+                "model's bytes and FLOPs over the device's peaks) would pass this multiple of its decode rows' "
+                "alone: their inter-token latency stays bounded while a long prompt (a video) prefills; 0 = the "
+                "token budgets only; -1 = the device's default (1.4 on CUDA, 0 on a CPU)", "min": -1.0})
     max_num_seqs: int = field(default=0, metadata={
         "help": "most requests running at once; 0 = the device's default (64 on a CPU, 128 on CUDA)", "min": 0})
     max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's", "min": 0})
@@ -194,9 +200,13 @@ class EngineConfig:
             self.dtype = default_dtype(self.device)
         # ... and the batching options left to the device (front end and engine alike)
         defaults = DEVICE_DEFAULTS["cuda" if on_cuda(self.device) else "cpu"]
-        for name, auto in (("max_num_batched_tokens", 0), ("prefill_batched_tokens", -1), ("max_num_seqs", 0)):
+        for name, auto in (("max_num_batched_tokens", 0), ("prefill_batched_tokens", -1), ("max_num_seqs", 0),
+                           ("max_step_slowdown", -1.0)):
             if getattr(self, name) == auto:
                 setattr(self, name, defaults[name])
+        if 0 < self.max_step_slowdown <= 1 or self.max_step_slowdown < 0:
+            raise ValueError(f"max_step_slowdown must be above 1, or 0 (off), or -1 (the device's default); "
+                             f"got {self.max_step_slowdown}")
 
 
 def on_cuda(device: str) -> bool:

@@ -47,6 +47,7 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.live import LiveReservations, check_extension, context_media
 from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
+from mmserve.core.sched.step_time import StepTimeModel
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
 from mmserve.ipc.protocol import (
     CoreOutput,
@@ -59,6 +60,7 @@ from mmserve.ipc.protocol import (
 )
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
+from mmserve.metrics.perf_model import PerfModel
 from mmserve.request import Request
 from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device, acceptance_layout
 from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
@@ -175,12 +177,20 @@ class EngineCore:
             self.speculator.use_graphs(self.runner.graphs.mode)
         if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
             self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
+        # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
+        # the front end hands them to its observer (on_engine_started). The scheduler's step-time model
+        # divides by them too.
+        self.peaks = detect_peaks(str(model.device), config.dtype)
+        step_time = (StepTimeModel(PerfModel(spec, dtype=config.dtype, tp=config.tensor_parallel_size),
+                                   flops=self.peaks.flops, bandwidth=self.peaks.bandwidth,
+                                   slowdown=config.max_step_slowdown)
+                     if config.max_step_slowdown else None)
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=config.max_num_batched_tokens,
                                    prefill_batched_tokens=config.prefill_batched_tokens,
                                    max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
                                    policy=config.scheduling_policy, verify_width=self.runner.verify_graph_rows,
                                    async_scheduling=self.async_scheduling,
-                                   encode_ahead=config.encode_ahead)
+                                   encode_ahead=config.encode_ahead, step_time=step_time)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         # No time limit here: the front end refused what does not compile within it (it compiles first).
         grammar = (StructuredOutput(FormatCompiler(tokenizer, spec.vocab_size, sorted(self.eos_token_ids),
@@ -200,9 +210,6 @@ class EngineCore:
         self._live = LiveReservations(self.kv, config, self.max_model_len)
         logger.info("engine: %s, KV pools %s, max_model_len %d", model.attention_backend,
                     {t: p.num_blocks for t, p in plans.items()}, self.max_model_len)
-        # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;
-        # the front end hands them to its observer (on_engine_started).
-        self.peaks = detect_peaks(str(model.device), config.dtype)
 
     @property
     def has_work(self) -> bool:

@@ -53,6 +53,7 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
 from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
+from mmserve.core.sched.step_time import PrefillCap, StepTimeModel
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.request import Request, RequestStatus
 
@@ -69,6 +70,17 @@ def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
     if i >= 0 and ranges[i, 0] <= last < ranges[i, 1]:
         return max(0, int(ranges[i, 0]) - start)
     return num_tokens
+
+
+def smallest_chunk(ranges: np.ndarray, start: int) -> int:
+    """The shortest chunk from `start` that `align_chunk` leaves whole: through the range `start`
+    lies in (before its last token), else one token."""
+    if not len(ranges):
+        return 1
+    i = int(np.searchsorted(ranges[:, 0], start, side="right")) - 1
+    if i >= 0 and ranges[i, 0] <= start < ranges[i, 1]:
+        return int(ranges[i, 1]) - start + 1
+    return 1
 
 
 def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
@@ -94,6 +106,7 @@ class Scheduler:
         verify_width: int = 0,
         async_scheduling: bool = False,
         encode_ahead: bool = False,
+        step_time: StepTimeModel | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
@@ -106,6 +119,9 @@ class Scheduler:
         self.verify_width = verify_width   # 1 + K: the rows a speculating request's chunk is padded to; 0 = none
         self.async_scheduling = async_scheduling
         self.encode_ahead = encode_ahead
+        self.step_time = step_time   # caps prefill beside decodes (max_step_slowdown); None: token budgets only
+        self._cap: PrefillCap | None = None   # this step's, once a prompt chunk asks (_step_cap)
+        self._cap_made = False
         self.waiting: list[Request] = []     # sorted by _order_key; admitted in _admission_order
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -245,7 +261,32 @@ class Scheduler:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
-        return align_chunk(request.vision_ranges_np, start, n), 0
+        return self._prefill_chunk(request.vision_ranges_np, start, n, self._step_cap()), 0
+
+    @staticmethod
+    def _prefill_chunk(ranges: np.ndarray, start: int, want: int, cap: PrefillCap | None) -> int:
+        """A prompt chunk's length: `want` tokens at most, never ending inside an image or frame, and
+        under the step's prefill cap when it has one. The step's first chunk may pass the cap by the
+        one whole frame (or token) its prompt needs to move at all: a cap below a frame would stall it."""
+        if cap is None:
+            return align_chunk(ranges, start, want)
+        n = align_chunk(ranges, start, cap.room(start, want))
+        if n == 0 and not cap.taken and want > 0:
+            n = align_chunk(ranges, start, min(want, smallest_chunk(ranges, start)))
+        return n
+
+    def _new_cap(self) -> PrefillCap | None:
+        """A step's prefill cap: while a running request decodes, with a step-time model."""
+        if self.step_time is None:
+            return None
+        decoding = [r for r in self.running if not r.is_prefill]
+        return self.step_time.cap(decoding) if decoding else None
+
+    def _step_cap(self) -> PrefillCap | None:
+        """This step's cap, made when its first prompt chunk is sized (a decode-only step makes none)."""
+        if not self._cap_made:
+            self._cap, self._cap_made = self._new_cap(), True
+        return self._cap
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -279,6 +320,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.token_budget()
+        self._cap, self._cap_made = None, self.step_time is None
         scheduled: dict[str, ScheduledRequest] = {}
         preempted: list[str] = []
         self.kv.release_out_of_window(self.running)   # one this step leaves out holds its window, not its last chunk
@@ -307,7 +349,8 @@ class Scheduler:
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 continue
             start = hit.num_tokens
-            n = align_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget))
+            n = self._prefill_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget),
+                                    self._step_cap())
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.remove(request)
@@ -326,6 +369,7 @@ class Scheduler:
             if request.open_prompt and request.num_computed_tokens < request.num_tokens:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
+        self._cap, self._cap_made = None, True
         finished, self._finished_since_step = self._finished_since_step, []
         ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
@@ -351,6 +395,7 @@ class Scheduler:
         else:
             return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
+        cap = self._new_cap()   # the next step's, as if its decoding requests were this step's
         ahead = []
         for request in sorted(self.running, key=lambda r: r.request_id not in self._frame_blocked):
             if budget <= 0:
@@ -362,9 +407,11 @@ class Scheduler:
             if start >= request.num_prompt_tokens:   # decoding: one token, or a verify chunk as this step's
                 budget -= s.num_tokens if s is not None and not s.is_prefill else 1
                 continue
-            n = align_chunk(request.vision_ranges_np, start, min(request.num_prompt_tokens - start, budget))
+            n = self._prefill_chunk(request.vision_ranges_np, start, min(request.num_prompt_tokens - start, budget), cap)
             if n and (frames := frames_in_chunk(request.mm_ranges_np, start, n)):
                 ahead.append((request, frames))
+            if n and cap is not None:
+                cap.take(start, n)
             budget -= n
         return ahead
 
@@ -406,6 +453,8 @@ class Scheduler:
     def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
+        if self._cap is not None and start < request.num_prompt_tokens:
+            self._cap.take(start, n)
         drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
         # positional (its field order; num_cached_tokens, last, set by the caller), one per request per step
         return ScheduledRequest(request, n + pads, start, request.is_prefill, frames,
