@@ -98,6 +98,9 @@ class Request:
     def __post_init__(self) -> None:
         if len(self.mm_inputs) not in (0, len(self.mm_ranges)):
             raise ValueError(f"{self.request_id}: {len(self.mm_inputs)} mm inputs for {len(self.mm_ranges)} ranges")
+        self._index_ranges()
+
+    def _index_ranges(self) -> None:
         # [K, 2] int64 so the metadata builder can clip ranges with numpy instead of Python loops.
         self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
         # The image/frame ranges: each attends within itself (bidirectional layers) and is never split
@@ -113,7 +116,7 @@ class Request:
         self.prompt_token_ids.extend(token_ids)
         self.mm_ranges.extend(mm_ranges)
         self.mm_inputs.extend(mm_inputs)
-        self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
+        self._index_ranges()
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -212,3 +212,20 @@ def test_speculating_chunks_are_padded_to_the_verify_width_and_pads_go_first():
     decoding(sched, [(0, False)], max_tokens=2)
     (s,) = sched.schedule().scheduled
     assert (s.num_tokens, s.num_pad_drafts) == (1, 0)
+
+
+def test_frames_added_to_an_open_prompt_are_never_split():
+    """A live session's context grows by `extend_prompt`; a frame it adds is kept whole by chunking
+    like one in the first prompt (its range indexed again with the prompt)."""
+    sched = make_scheduler(max_num_batched_tokens=16)
+    live = make_request("live", 4, open_prompt=1000)
+    admit(sched, live)
+    step(sched)
+    assert live.num_computed_tokens == 4
+    frame = (5, 20)   # a 16-token frame after one text token: a 16-token chunk from 4 would end inside it
+    live.extend_prompt(list(range(100, 125)), [frame], [])
+    chunks = []
+    while live.num_computed_tokens < live.num_prompt_tokens:
+        chunks += [(s.num_computed_tokens, s.num_tokens) for s in step(sched).scheduled]
+    assert all(not frame[0] <= start + n - 1 < frame[1] for start, n in chunks), chunks
+    assert (frame[0], frame[1] - frame[0] + 1) in chunks, chunks   # the frame in one chunk of its own
