@@ -99,7 +99,7 @@ from lease_device import Ceilings, kv_cache_bytes, measure
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
 from mmserve.attention.selection import choose_backends, device_arch
-from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR
+from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, DEVICE_DEFAULTS
 
 log = logging.getLogger("bench.gpu_check")
 ROOT = Path(__file__).resolve().parents[1]
@@ -1301,7 +1301,8 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
             "itl": itl, "ok": ok}
 
 
-ITL_SLOWDOWN = 1.4   # config.py's CUDA default, named on CPU too so the dry run schedules through the cap
+# the server's CUDA default, named on a CPU too so that the dry run schedules through the cap
+ITL_SLOWDOWN = DEVICE_DEFAULTS["cuda"]["max_step_slowdown"]
 
 
 def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:

@@ -4,7 +4,8 @@ scheduler, its steps priced by the perf model: a model, not a measurement.
 For each Gemma 4 size (the family's config.json files), `--decodes` requests decode while one video
 of `--frames` frames (70 soft tokens each, a text token before each) prefills, under CUDA's 2048-token
 budget, at an H200's and an H100's datasheet peaks (metrics/peaks.py): the steps the video's prompt
-takes, its tokens per step, and the worst step's roofline over its decode rows' alone (what the cap
+takes, its tokens per step, and the worst step's roofline (its frames' vision tower included) over
+its decode rows' alone (what the cap
 bounds: the decoding requests' inter-token latency while the video prefills, for an engine that runs
 at its floor), with the cap off and at each `--slowdowns`; and the scheduler's host time per step.
 The GPU's real ratio is bench/gpu_check.py's video_prefill section (a lease).
@@ -31,7 +32,7 @@ from mmserve.core.kv_cache.planner import plan_pools  # noqa: E402
 from mmserve.core.sched.scheduler import Scheduler  # noqa: E402
 from mmserve.core.sched.step_time import StepTimeModel  # noqa: E402
 from mmserve.metrics.peaks import lookup  # noqa: E402
-from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext  # noqa: E402
+from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork  # noqa: E402
 from mmserve.model.spec import read_spec  # noqa: E402
 from mmserve.request import Request  # noqa: E402
 from mmserve.sampling_params import SamplingParams  # noqa: E402
@@ -72,9 +73,11 @@ def run(spec, perf: PerfModel, peaks, slowdown: float, decodes: int, frames: int
     sched.enqueue(video)
     chunks, ratios, hosts = [], [], []
 
-    def roofline(rows):
-        out = perf.step(StepContext(tuple(rows)))
+    def roofline(rows, images=()):
+        out = perf.step(StepContext(tuple(rows), images=tuple(images)))
         return max(out.total_bytes / peaks.bandwidth, out.total_flops / peaks.flops)
+
+    pool = spec.vision.pool_kernel ** 2
 
     while video.is_prefill:
         scheduled, host = step()
@@ -82,7 +85,8 @@ def run(spec, perf: PerfModel, peaks, slowdown: float, decodes: int, frames: int
         prompt = [s for s in scheduled if s.is_prefill]
         chunks.append(sum(s.num_tokens for s in prompt))
         rows = decode_rows + [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in prompt]
-        ratios.append(roofline(rows) / roofline(decode_rows))
+        frames = [VisionWork(FRAME_TOKENS * pool, FRAME_TOKENS) for s in prompt for _ in s.frames]   # the tower's
+        ratios.append(roofline(rows, frames) / roofline(decode_rows))
         hosts.append(host)
     return {"steps": len(chunks), "median_tokens": statistics.median(chunks), "worst_ratio": max(ratios),
             "host_ms": 1e3 * statistics.median(hosts)}

@@ -204,7 +204,7 @@ class EngineConfig:
                            ("max_step_slowdown", -1.0)):
             if getattr(self, name) == auto:
                 setattr(self, name, defaults[name])
-        if 0 < self.max_step_slowdown <= 1 or self.max_step_slowdown < 0:
+        if not (self.max_step_slowdown == 0 or self.max_step_slowdown > 1):   # (NaN too)
             raise ValueError(f"max_step_slowdown must be above 1, or 0 (off), or -1 (the device's default); "
                              f"got {self.max_step_slowdown}")
 

@@ -105,8 +105,9 @@ class Request:
         self.mm_ranges_np = np.asarray(self.mm_ranges, dtype=np.int64).reshape(-1, 2)
         # The image/frame ranges: each attends within itself (bidirectional layers) and is never split
         # between chunks. Audio ranges are causal and may be.
-        audio = [isinstance(m, AudioFeatures) for m in self.mm_inputs]
-        self.vision_ranges_np = self.mm_ranges_np[~np.asarray(audio, dtype=bool)] if any(audio) else self.mm_ranges_np
+        audio = np.asarray([isinstance(m, AudioFeatures) for m in self.mm_inputs], dtype=bool)
+        self.vision_ranges_np = self.mm_ranges_np[~audio] if audio.any() else self.mm_ranges_np
+        self.audio_ranges_np = self.mm_ranges_np[audio] if audio.any() else self.mm_ranges_np[:0]
 
     def extend_prompt(self, token_ids: list[int], mm_ranges: list[tuple[int, int]],
                       mm_inputs: list[MultiModalInput]) -> None:

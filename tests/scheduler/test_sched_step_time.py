@@ -1,75 +1,85 @@
 """The prefill cap beside decodes (core/sched/step_time.py, `max_step_slowdown`), against the perf
-model itself: each step's roofline (the perf model's bytes and FLOPs of every row the step carries,
-over the peaks) within the slowdown of its decode rows' alone, chunks as long as that allows, and
-every prompt still moving."""
+model itself: each step's roofline (the perf model's bytes and FLOPs of every row the step carries
+and of the frames its chunks bring through the vision tower, over the peaks) within the slowdown of
+its decode rows' alone, chunks as long as that allows, and every prompt still moving."""
 
 from __future__ import annotations
 
+import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 from sched_helpers import admit, make_request, make_scheduler, step
 
 from mmserve.config import EngineConfig
 from mmserve.core.sched.scheduler import align_chunk, smallest_chunk
 from mmserve.core.sched.step_time import StepTimeModel
-from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext
+from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model.spec import read_spec
 from mmserve.request import RequestStatus
 
 FAMILY = Path(__file__).resolve().parents[1] / "fixtures" / "gemma4_family"
 H200 = dict(flops=790e12, bandwidth=4.3e12)   # bench/gpu_check.py's floors (the issue's)
+FRAME = 70   # soft tokens a video frame
 
 
 def perf_model(name: str) -> PerfModel:
     return PerfModel(read_spec(FAMILY / f"{name}.json"))
 
 
-def roofline(perf: PerfModel, rows: list[RequestWork], flops: float, bandwidth: float) -> float:
+def frames_of(perf: PerfModel, lengths) -> tuple[VisionWork, ...]:
+    """The vision tower's work for frames of these soft-token lengths (patches: tokens x pooling)."""
+    pool = perf.spec.vision.pool_kernel ** 2
+    return tuple(VisionWork(int(n) * pool, int(n)) for n in lengths)
+
+
+def roofline(perf: PerfModel, rows, flops: float, bandwidth: float, images=(), experts=None) -> float:
     """The reference: the whole step through the perf model at once."""
-    out = perf.step(StepContext(tuple(rows)))
+    out = perf.step(StepContext(tuple(rows), images=tuple(images), experts_touched=experts))
     return max(out.total_bytes / bandwidth, out.total_flops / flops)
 
 
-def decoding_request(rid: str, context: int, drafts: int):
-    r = make_request(rid, context, max_tokens=4)
-    r.num_computed_tokens = context
-    r.output_token_ids.append(7)   # one token out: its next row decodes
-    r.draft_token_ids = [5] * drafts
-    return r
+def video_ranges(frames: int, first: int = 1) -> list[tuple[int, int]]:
+    """`frames` frames of FRAME tokens from `first`, a text token before each but the first."""
+    return [(first + f * (FRAME + 1), first + f * (FRAME + 1) + FRAME - 1) for f in range(frames)]
 
 
 @pytest.mark.parametrize("name", ["12b_unified", "e4b", "26b_a4b"])
 def test_room_is_the_longest_chunk_the_perf_model_allows(name):
-    """Random decode sets (contexts up to 32k, some verify rows), chunk starts and slowdowns: the
-    chunk `room` gives keeps the whole step within the limit, and one token more would pass it."""
+    """Random decode sets (contexts up to 32k, every other set with verify rows), a video prompt at a
+    random start, random peaks and slowdowns: the chunk `room` gives keeps the whole step (its frames
+    through the tower) within the limit, and one token more would pass it."""
     perf = perf_model(name)
     rng = random.Random(random.getrandbits(64))   # this test's draw (tests/conftest.py seeds it)
     for i in range(6):
         peaks = dict(flops=rng.uniform(300e12, 2000e12), bandwidth=rng.uniform(2e12, 8e12))
         slowdown = rng.uniform(1.05, 3.0)
         model = StepTimeModel(perf, slowdown=slowdown, **peaks)
-        drafts = 3 * (i % 2)   # every other set with verify rows (K = 3) among its rows
-        decoding = [decoding_request(f"d{i}", rng.randint(1, 32_768), drafts * (rng.random() < 0.7))
-                    for i in range(rng.choice([1, 5, 16, 64]))]
-        rows = [RequestWork(1 + len(r.draft_token_ids), r.num_computed_tokens + 1 + len(r.draft_token_ids), False)
-                for r in decoding]
-        start, want = rng.randint(0, 20_000), rng.randint(1, 8192)
-        cap = model.cap(decoding)
-        limit = slowdown * roofline(perf, rows, **peaks)
+        width = 1 + 3 * (i % 2)   # verify rows of K = 3 drafts in every other set
+        rows = [RequestWork(width, rng.randint(1, 32_768) + width, False) for _ in range(rng.choice([1, 5, 16, 64]))]
+        offset = rng.randint(0, 20_000)
+        video = make_request("video", offset + 40 * (FRAME + 1), video_ranges(40, offset + 1))
+        start = offset + rng.randint(0, 3) * (FRAME + 1)
+        want = rng.randint(1, 4096)
+        cap = model.cap(rows)
+        moe = perf.spec.layers[0].moe   # an MoE model's limit: the rows as if they reached every expert
+        limit = slowdown * roofline(perf, rows, **peaks, experts=moe.num_experts if moe else None)
         assert cap.limit_s == pytest.approx(limit, rel=1e-9)
-        n = cap.room(start, want)
+        n = cap.room(video, start, want)
 
-        with_chunk = [roofline(perf, rows + [RequestWork(t, start + t, True, samples=False)], **peaks)
-                      for t in (n, n + 1)]
-        assert n == 0 or with_chunk[0] <= limit * (1 + 1e-9), (n, with_chunk, limit)
+        ranges, times = video.vision_ranges_np, []
+        for tokens in (n, n + 1):
+            inside = ranges[(ranges[:, 0] >= start) & (ranges[:, 1] < start + tokens)]
+            times.append(roofline(perf, rows + [RequestWork(tokens, start + tokens, True, samples=False)], **peaks,
+                                  images=frames_of(perf, inside[:, 1] - inside[:, 0] + 1)))
+        assert n == 0 or times[0] <= limit * (1 + 1e-9), (n, times, limit)
         if n < want:
-            assert with_chunk[1] > limit * (1 - 1e-9), (n, want, with_chunk, limit)
+            assert times[1] > limit * (1 - 1e-9), (n, want, times, limit)
 
 
 def test_smallest_chunk_is_the_one_align_chunk_leaves_whole():
-    import numpy as np
     ranges = np.array([[5, 9], [12, 12], [20, 89]])
     for start in range(0, 95):
         n = smallest_chunk(ranges, start)
@@ -77,69 +87,172 @@ def test_smallest_chunk_is_the_one_align_chunk_leaves_whole():
         assert n == 1 or align_chunk(ranges, start, n - 1) == 0   # and nothing shorter is
 
 
-def video_and_decoders(sched, frames: int, frame_tokens: int = 70, decoders: int = 16):
-    """`decoders` requests admitted and decoding (long max_tokens), then a video prompt of `frames`
-    frames (a text token before each) behind them."""
-    for i in range(decoders):
-        admit(sched, make_request(f"d{i}", 8, max_tokens=4000, first=1000 * (i + 1)))
+def capped_scheduler(model, budget: int = 2048, **kw):
+    return make_scheduler(num_blocks=4096, block_size=16, max_num_batched_tokens=budget, max_num_seqs=32,
+                          max_model_len=8192, step_time=model, **kw)
+
+
+def decoders(sched, count: int, **kw):
+    """`count` requests admitted and decoding (long max_tokens)."""
+    for i in range(count):
+        admit(sched, make_request(f"d{i}", 8, max_tokens=4000, first=1000 * (i + 1), **kw))
     while sched.waiting or any(r.is_prefill for r in sched.running):
         step(sched)
-    ranges = [(1 + f * (frame_tokens + 1), (f + 1) * (frame_tokens + 1) - 1) for f in range(frames)]
-    video = make_request("video", frames * (frame_tokens + 1) + 8, ranges, max_tokens=1, first=50_000)
-    admit(sched, video)
-    return video
 
 
-def run_video(sched, video):
-    """Step until the video's prompt is computed; each step's (decode rows, prefill chunks)."""
-    steps = []
-    while video.status != RequestStatus.FINISHED and video.is_prefill or video.status == RequestStatus.WAITING:
-        out = step(sched)
-        steps.append(([RequestWork(1, s.seq_len, False) for s in out.scheduled if not s.is_prefill],
-                      [s for s in out.scheduled if s.is_prefill]))
-        assert len(steps) < 500
-    return steps
+def speculating_step(sched):
+    """One step as the engine runs it with speculation (K = 3): every decode proposes 3 drafts, none
+    is accepted (each verify chunk keeps one token), a prompt's last chunk samples."""
+    for r in sched.running:
+        if not r.is_prefill:
+            r.draft_token_ids = [30, 31, 32]
+    out = sched.schedule()
+    rejected = {}
+    for s in out.scheduled:
+        if not s.is_prefill:
+            s.request.output_token_ids.append(7)
+            rejected[s.request.request_id] = s.num_tokens - 1
+        elif s.seq_len == s.request.num_tokens:
+            s.request.output_token_ids.append(7)
+    sched.update(out, rejected)
+    return out
+
+
+def worst_step(perf, sched, video, stepper=step):
+    """Step until the video's prompt is computed: the worst step's roofline over its decode rows'
+    (the frames its chunks bring through the tower), and the number of steps."""
+    worst, steps = 0.0, 0
+    while video.is_prefill or video.status == RequestStatus.WAITING:
+        out = stepper(sched)
+        steps += 1
+        decodes = [RequestWork(s.num_tokens, s.seq_len, False) for s in out.scheduled if not s.is_prefill]
+        chunks = [s for s in out.scheduled if s.is_prefill]
+        assert decodes and len(decodes) == len(sched.running) - len(chunks), "every step decodes every decoder"
+        for s in chunks:   # never inside a frame
+            end = s.num_computed_tokens + s.num_tokens - 1
+            assert not any(a <= end < b for a, b in s.request.mm_ranges)
+        lengths = [s.request.mm_ranges[f][1] - s.request.mm_ranges[f][0] + 1 for s in chunks for f in s.frames]
+        rows = decodes + [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in chunks]
+        worst = max(worst, roofline(perf, rows, **H200, images=frames_of(perf, lengths)) / roofline(perf, decodes, **H200))
+        assert steps < 500
+    return worst, steps
 
 
 @pytest.mark.parametrize("name", ["12b_unified", "e4b"])
 def test_decodes_keep_their_step_time_while_a_video_prefills(name):
-    """16 requests decode while a 32-frame video (70 tokens a frame) prefills under a 2048-token
-    budget (CUDA's default): with the cap every step that carries a chunk stays within 1.5x of its
-    decode rows' roofline; with the budget alone the same steps reach several times it."""
+    """16 requests decode while a 32-frame video prefills under a 2048-token budget (CUDA's): with the
+    cap every step that carries a chunk stays within 1.5x of its decode rows' roofline, its frames'
+    tower included; with the budget alone the same steps reach several times it."""
     perf, slowdown = perf_model(name), 1.5
-    ratios = {}
+    results = {}
     for capped in (True, False):
-        model = StepTimeModel(perf, slowdown=slowdown, **H200) if capped else None
-        sched = make_scheduler(num_blocks=4096, block_size=16, max_num_batched_tokens=2048, max_num_seqs=32,
-                               max_model_len=8192, step_time=model)
-        video = video_and_decoders(sched, frames=32)
-        steps = run_video(sched, video)
-        worst = 0.0
-        for decodes, chunks in steps:
-            assert decodes, "every step decodes the 16 requests"
-            for s in chunks:   # never inside a frame
-                end = s.num_computed_tokens + s.num_tokens - 1
-                assert not any(a <= end < b for a, b in s.request.mm_ranges)
-            rows = decodes + [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in chunks]
-            worst = max(worst, roofline(perf, rows, **H200) / roofline(perf, decodes, **H200))
-        ratios[capped] = (worst, len(steps))
-    assert ratios[True][0] <= slowdown * (1 + 1e-9), ratios
-    assert ratios[False][0] > 2 * slowdown, ratios   # what the cap is for
-    assert ratios[True][1] > ratios[False][1]         # smaller chunks, more steps
+        sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200) if capped else None)
+        decoders(sched, 16)
+        video = make_request("video", 32 * (FRAME + 1) + 8, video_ranges(32), max_tokens=1, first=50_000)
+        admit(sched, video)
+        results[capped] = worst_step(perf, sched, video)
+    assert results[True][0] <= slowdown * (1 + 1e-9), results
+    assert results[False][0] > 2 * slowdown, results   # what the cap is for
+    assert results[True][1] > results[False][1]       # smaller chunks, more steps
+
+
+@pytest.mark.parametrize("name", ["12b_unified", "e4b"])
+@pytest.mark.parametrize("behind", [0, 8])
+def test_speculating_decodes_keep_theirs_too(name, behind):
+    """With speculation (verify rows padded to 1 + K = 4, drafts made every step) the cap prices the
+    decode rows the step really carries: those scheduled before the video's chunk (their drafts
+    already taken from the request) and those behind it in the running order (sized before they are
+    scheduled). E4B's KV-sharing layers run every row of a verify step, the chunk's too."""
+    perf, slowdown = perf_model(name), 1.4
+    sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200), verify_width=4)
+    decoders(sched, 16 - behind)
+    video = make_request("video", 32 * (FRAME + 1) + 8, video_ranges(32), max_tokens=1, first=50_000)
+    admit(sched, video)
+    for i in range(behind):
+        admit(sched, make_request(f"b{i}", 8, max_tokens=4000, first=200_000 + 1000 * i))
+    worst, _ = worst_step(perf, sched, video, speculating_step)
+    assert worst <= slowdown * (1 + 1e-9), worst
+
+
+@pytest.mark.parametrize("name", ["12b_unified", "26b_a4b"])
+def test_a_steps_running_totals_are_the_perf_models_of_the_whole_step(name, monkeypatch):
+    """Two long prompts and a waiting one beside 2 decodes: each capped step's running totals (decode
+    rows and every chunk taken, MoE experts from all the step's tokens) equal the perf model's bytes
+    and FLOPs of the whole step."""
+    perf = perf_model(name)
+    model = StepTimeModel(perf, slowdown=1.6, **H200)
+    caps = []
+    make_cap = model.cap
+    monkeypatch.setattr(model, "cap", lambda rows: caps.append(make_cap(rows)) or caps[-1])
+    sched = capped_scheduler(model)
+    decoders(sched, 2)
+    for i in range(3):
+        admit(sched, make_request(f"p{i}", 3000, max_tokens=1, first=20_000 * (i + 1)))
+    checked = 0
+    for _ in range(6):
+        caps.clear()
+        out = step(sched)
+        if not caps:
+            continue
+        (cap,) = caps
+        decodes = [RequestWork(s.num_tokens, s.seq_len, False) for s in out.scheduled if not s.is_prefill]
+        chunks = [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in out.scheduled if s.is_prefill]
+        whole = perf.step(StepContext(tuple(decodes + chunks)))
+        assert (cap.num_bytes, cap.num_flops) == pytest.approx((whole.total_bytes, whole.total_flops), rel=1e-9)
+        checked += len(chunks) > 1
+    assert checked, "no step carried two chunks"
 
 
 def test_a_cap_below_one_frame_still_moves_the_video_a_frame_a_step():
     """A slowdown so tight that no frame fits: the step's first chunk goes anyway, one whole frame
     (or the text token between frames), so the prompt finishes."""
-    model = StepTimeModel(perf_model("12b_unified"), slowdown=1.000001, **H200)
-    sched = make_scheduler(num_blocks=4096, block_size=16, max_num_batched_tokens=2048, max_num_seqs=32,
-                           max_model_len=8192, step_time=model)
-    video = video_and_decoders(sched, frames=4, decoders=4)
-    steps = run_video(sched, video)
-    sizes = [s.num_tokens for _, chunks in steps for s in chunks]
-    assert all(len(chunks) <= 1 for _, chunks in steps)
-    assert set(sizes) <= {1, 70}, sizes   # a text token, or a whole frame (then the question's tokens, one each)
+    sched = capped_scheduler(StepTimeModel(perf_model("12b_unified"), slowdown=1.000001, **H200))
+    decoders(sched, 4)
+    video = make_request("video", 4 * (FRAME + 1) + 8, video_ranges(4), max_tokens=1, first=50_000)
+    admit(sched, video)
+    sizes = []
+    while video.is_prefill:
+        chunks = [s.num_tokens for s in step(sched).scheduled if s.is_prefill]
+        assert len(chunks) == 1, chunks
+        sizes += chunks
+    assert set(sizes) <= {1, FRAME}, sizes   # a text token, or a whole frame
     assert sum(sizes) == video.num_prompt_tokens
+
+
+def test_a_long_prompt_holds_back_no_other_kind_of_chunk():
+    """While a running prompt fills the cap, a live session's newly added frame and a waiting
+    request still move every step (each kind's first chunk may pass the cap by its smallest whole
+    chunk), so neither waits for the long prompt to finish."""
+    sched = capped_scheduler(StepTimeModel(perf_model("12b_unified"), slowdown=1.2, **H200))
+    live = make_request("live", 4, open_prompt=10_000, first=90_000)
+    admit(sched, live)
+    decoders(sched, 4)
+    admit(sched, make_request("long", 6000, max_tokens=1, first=60_000))
+    step(sched)
+    live.extend_prompt([9] * (FRAME + 2), [(live.num_prompt_tokens + 1, live.num_prompt_tokens + FRAME)], [])
+    late = make_request("late", 40, max_tokens=1, first=70_000)
+    admit(sched, late)
+    live_before = live.num_computed_tokens
+    out = step(sched)
+    kinds = {s.request.request_id: s.num_tokens for s in out.scheduled if s.is_prefill}
+    assert {"long", "live", "late"} <= kinds.keys(), kinds
+    assert live.num_computed_tokens > live_before and sched._by_id["late"].status == RequestStatus.RUNNING
+
+
+def test_encode_ahead_guesses_the_capped_chunks():
+    """Encode-ahead names the frames the next step will consume: under the cap, the next capped
+    chunk's, not the token budget's."""
+    perf = perf_model("e4b")
+    sched = capped_scheduler(StepTimeModel(perf, slowdown=1.4, **H200), encode_ahead=True)
+    decoders(sched, 16)
+    video = make_request("video", 32 * (FRAME + 1) + 8, video_ranges(32), max_tokens=1, first=50_000)
+    admit(sched, video)
+    out = step(sched)
+    for _ in range(4):
+        ahead = {r.request_id: frames for r, frames in out.encode_ahead}
+        out = step(sched)
+        consumed = {s.request.request_id: s.frames for s in out.scheduled if s.frames}
+        assert ahead == consumed and consumed, (ahead, consumed)
 
 
 def test_no_decodes_no_cap():
@@ -154,6 +267,6 @@ def test_no_decodes_no_cap():
 def test_the_device_default_and_refused_values():
     assert EngineConfig(device="cpu").max_step_slowdown == 0   # CPU steps are overhead, not roofline
     assert EngineConfig(device="cpu", max_step_slowdown=1.4).max_step_slowdown == 1.4
-    for bad in (0.5, 1.0, -2.0):
+    for bad in (0.5, 1.0, -2.0, math.nan):
         with pytest.raises(ValueError, match="max_step_slowdown must be above 1"):
             EngineConfig(device="cpu", max_step_slowdown=bad)

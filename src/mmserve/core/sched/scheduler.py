@@ -55,6 +55,7 @@ from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
 from mmserve.core.sched.step_time import PrefillCap, StepTimeModel
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.metrics.perf_model import RequestWork
 from mmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Scheduler:
         self.step_time = step_time   # caps prefill beside decodes (max_step_slowdown); None: token budgets only
         self._cap: PrefillCap | None = None   # this step's, once a prompt chunk asks (_step_cap)
         self._cap_made = False
+        self._step_scheduled: dict[str, ScheduledRequest] = {}   # this step's, while it is scheduled
         self.waiting: list[Request] = []     # sorted by _order_key; admitted in _admission_order
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -244,6 +246,8 @@ class Scheduler:
         total = request.num_tokens + request.num_output_placeholders
         n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
+            if total - start > 1 and not request.draft_token_ids:   # outputs recomputed after a preemption
+                return self._prompt_chunk(request, start, n, self._step_cap(), "prompt"), 0
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 room = budget
                 if request.draft_token_ids[0] == DEVICE_DRAFT:   # made before the host knew what the request may
@@ -261,32 +265,52 @@ class Scheduler:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
-        return self._prefill_chunk(request.vision_ranges_np, start, n, self._step_cap()), 0
+        return self._prompt_chunk(request, start, n, self._step_cap(), "open" if request.open_prompt else "prompt"), 0
 
     @staticmethod
-    def _prefill_chunk(ranges: np.ndarray, start: int, want: int, cap: PrefillCap | None) -> int:
+    def _prompt_chunk(request: Request, start: int, want: int, cap: PrefillCap | None, kind: str) -> int:
         """A prompt chunk's length: `want` tokens at most, never ending inside an image or frame, and
-        under the step's prefill cap when it has one. The step's first chunk may pass the cap by the
-        one whole frame (or token) its prompt needs to move at all: a cap below a frame would stall it."""
+        under the step's prefill cap when it has one. The first chunk of each kind in a step (a
+        running prompt's, an admission's, a live session's) may pass the cap by the one whole frame
+        (or token) its prompt needs to move at all, so no kind waits on another's long prompt."""
+        ranges = request.vision_ranges_np
         if cap is None:
             return align_chunk(ranges, start, want)
-        n = align_chunk(ranges, start, cap.room(start, want))
-        if n == 0 and not cap.taken and want > 0:
+        n = align_chunk(ranges, start, cap.room(request, start, want))
+        if n == 0 and kind not in cap.served and want > 0:
             n = align_chunk(ranges, start, min(want, smallest_chunk(ranges, start)))
         return n
 
-    def _new_cap(self) -> PrefillCap | None:
-        """A step's prefill cap: while a running request decodes, with a step-time model."""
+    def _new_cap(self, scheduled: dict[str, ScheduledRequest]) -> PrefillCap | None:
+        """A step's prefill cap, while any running request decodes: its decode rows as `scheduled`
+        has them, or else as they will likely be (the last token and drafts, padded to the verify
+        width; none for a request whose every token is in flight)."""
         if self.step_time is None:
             return None
-        decoding = [r for r in self.running if not r.is_prefill]
-        return self.step_time.cap(decoding) if decoding else None
+        rows = []
+        for r in self.running:
+            if r.is_prefill:
+                continue
+            s = scheduled.get(r.request_id)
+            if s is not None:
+                rows.append(RequestWork(s.num_tokens, s.seq_len, False))
+            elif r.status == RequestStatus.RUNNING and not self._all_in_flight(r):
+                width = 1 + len(r.draft_token_ids)
+                if width < self.verify_width and not r.sampling_params.disable_speculation:
+                    width = self.verify_width
+                rows.append(RequestWork(width, r.num_computed_tokens + width, False))
+        return self.step_time.cap(rows) if rows else None
 
     def _step_cap(self) -> PrefillCap | None:
         """This step's cap, made when its first prompt chunk is sized (a decode-only step makes none)."""
         if not self._cap_made:
-            self._cap, self._cap_made = self._new_cap(), True
+            self._cap, self._cap_made = self._new_cap(self._step_scheduled), True
         return self._cap
+
+    def _took(self, s: ScheduledRequest, kind: str) -> None:
+        """Count a prompt chunk just scheduled against the step's cap."""
+        if self._cap is not None and s.is_prefill:
+            self._cap.take(s.request, s.num_computed_tokens, s.num_tokens, kind)
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -322,6 +346,7 @@ class Scheduler:
         budget = self.token_budget()
         self._cap, self._cap_made = None, self.step_time is None
         scheduled: dict[str, ScheduledRequest] = {}
+        self._step_scheduled = scheduled
         preempted: list[str] = []
         self.kv.release_out_of_window(self.running)   # one this step leaves out holds its window, not its last chunk
 
@@ -349,8 +374,7 @@ class Scheduler:
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 continue
             start = hit.num_tokens
-            n = self._prefill_chunk(request.vision_ranges_np, start, min(request.num_tokens - start, budget),
-                                    self._step_cap())
+            n = self._prompt_chunk(request, start, min(request.num_tokens - start, budget), self._step_cap(), "admission")
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.remove(request)
@@ -361,6 +385,7 @@ class Scheduler:
             self.running.append(request)
             seats += needs
             scheduled[request.request_id] = self._scheduled(request, n)
+            self._took(scheduled[request.request_id], "admission")
             if self.kv.enable_prefix_caching:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
@@ -369,7 +394,7 @@ class Scheduler:
             if request.open_prompt and request.num_computed_tokens < request.num_tokens:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
-        self._cap, self._cap_made = None, True
+        self._cap, self._cap_made, self._step_scheduled = None, True, {}
         finished, self._finished_since_step = self._finished_since_step, []
         ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
@@ -395,7 +420,7 @@ class Scheduler:
         else:
             return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
-        cap = self._new_cap()   # the next step's, as if its decoding requests were this step's
+        cap = self._new_cap(scheduled)   # the next step's, as if its decode rows were this step's
         ahead = []
         for request in sorted(self.running, key=lambda r: r.request_id not in self._frame_blocked):
             if budget <= 0:
@@ -407,11 +432,11 @@ class Scheduler:
             if start >= request.num_prompt_tokens:   # decoding: one token, or a verify chunk as this step's
                 budget -= s.num_tokens if s is not None and not s.is_prefill else 1
                 continue
-            n = self._prefill_chunk(request.vision_ranges_np, start, min(request.num_prompt_tokens - start, budget), cap)
+            n = self._prompt_chunk(request, start, min(request.num_prompt_tokens - start, budget), cap, "prompt")
             if n and (frames := frames_in_chunk(request.mm_ranges_np, start, n)):
                 ahead.append((request, frames))
             if n and cap is not None:
-                cap.take(start, n)
+                cap.take(request, start, n, "prompt")
             budget -= n
         return ahead
 
@@ -448,13 +473,12 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING:
             return budget
         scheduled[request.request_id] = self._scheduled(request, n, pads)
+        self._took(scheduled[request.request_id], "open" if request.open_prompt else "prompt")
         return budget - n - pads
 
     def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         frames = [] if start >= request.num_prompt_tokens else frames_in_chunk(request.mm_ranges_np, start, n)
-        if self._cap is not None and start < request.num_prompt_tokens:
-            self._cap.take(start, n)
         drafts, request.draft_token_ids = request.draft_token_ids, []   # consumed by this step
         # positional (its field order; num_cached_tokens, last, set by the caller), one per request per step
         return ScheduledRequest(request, n + pads, start, request.is_prefill, frames,
