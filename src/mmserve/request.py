@@ -106,6 +106,7 @@ class Request:
         # The image/frame ranges: each attends within itself (bidirectional layers) and is never split
         # between chunks. Audio ranges are causal and may be.
         audio = np.asarray([isinstance(m, AudioFeatures) for m in self.mm_inputs], dtype=bool)
+        self.mm_is_audio = audio   # per range when the inputs are here (empty without: every range a frame)
         self.vision_ranges_np = self.mm_ranges_np[~audio] if audio.any() else self.mm_ranges_np
         self.audio_ranges_np = self.mm_ranges_np[audio] if audio.any() else self.mm_ranges_np[:0]
 

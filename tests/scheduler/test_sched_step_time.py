@@ -11,14 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from sched_helpers import admit, make_request, make_scheduler, step
 
 from mmserve.config import EngineConfig
 from mmserve.core.sched.scheduler import align_chunk, smallest_chunk
 from mmserve.core.sched.step_time import StepTimeModel
-from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork
+from mmserve.metrics.perf_model import AudioWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model.spec import read_spec
-from mmserve.request import RequestStatus
+from mmserve.request import AudioFeatures, RequestStatus
 
 FAMILY = Path(__file__).resolve().parents[1] / "fixtures" / "gemma4_family"
 H200 = dict(flops=790e12, bandwidth=4.3e12)   # bench/gpu_check.py's floors (the issue's)
@@ -35,9 +36,9 @@ def frames_of(perf: PerfModel, lengths) -> tuple[VisionWork, ...]:
     return tuple(VisionWork(int(n) * pool, int(n)) for n in lengths)
 
 
-def roofline(perf: PerfModel, rows, flops: float, bandwidth: float, images=(), experts=None) -> float:
+def roofline(perf: PerfModel, rows, flops: float, bandwidth: float, images=(), audio=(), experts=None) -> float:
     """The reference: the whole step through the perf model at once."""
-    out = perf.step(StepContext(tuple(rows), images=tuple(images), experts_touched=experts))
+    out = perf.step(StepContext(tuple(rows), images=tuple(images), audio=tuple(audio), experts_touched=experts))
     return max(out.total_bytes / bandwidth, out.total_flops / flops)
 
 
@@ -48,9 +49,11 @@ def video_ranges(frames: int, first: int = 1) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("name", ["12b_unified", "e4b", "26b_a4b"])
 def test_room_is_the_longest_chunk_the_perf_model_allows(name):
-    """Random decode sets (contexts up to 32k, every other set with verify rows), a video prompt at a
-    random start, random peaks and slowdowns: the chunk `room` gives keeps the whole step (its frames
-    through the tower) within the limit, and one token more would pass it."""
+    """Random decode sets (contexts up to 32k, every other set with verify rows), a video prompt (or,
+    for E4B, every third set an audio one) at a random start, random peaks and slowdowns: the chunk
+    `room` gives keeps the whole step (its frames through the vision tower, the segments it starts
+    through the audio tower: 4 log-mel frames a soft token) within the limit, ends outside every
+    frame, and the next length that does would pass the limit."""
     perf = perf_model(name)
     rng = random.Random(random.getrandbits(64))   # this test's draw (tests/conftest.py seeds it)
     for i in range(6):
@@ -60,7 +63,15 @@ def test_room_is_the_longest_chunk_the_perf_model_allows(name):
         width = 1 + 3 * (i % 2)   # verify rows of K = 3 drafts in every other set
         rows = [RequestWork(width, rng.randint(1, 32_768) + width, False) for _ in range(rng.choice([1, 5, 16, 64]))]
         offset = rng.randint(0, 20_000)
-        video = make_request("video", offset + 40 * (FRAME + 1), video_ranges(40, offset + 1))
+        if perf.spec.audio is not None and i % 3 == 2:
+            lengths = [rng.randint(50, 750) for _ in range(8)]
+            firsts = offset + 1 + np.cumsum([0] + [n + 2 for n in lengths[:-1]])
+            ranges = [(int(a), int(a) + n - 1) for a, n in zip(firsts, lengths, strict=True)]
+            video = make_request("audio", ranges[-1][1] + 8, ranges)
+            video.mm_inputs = [AudioFeatures(torch.zeros(4 * n, 128), b"x") for n in lengths]
+            video.__post_init__()
+        else:
+            video = make_request("video", offset + 40 * (FRAME + 1), video_ranges(40, offset + 1))
         start = offset + rng.randint(0, 3) * (FRAME + 1)
         want = rng.randint(1, 4096)
         cap = model.cap(rows)
@@ -69,14 +80,20 @@ def test_room_is_the_longest_chunk_the_perf_model_allows(name):
         assert cap.limit_s == pytest.approx(limit, rel=1e-9)
         n = cap.room(video, start, want)
 
-        ranges, times = video.vision_ranges_np, []
-        for tokens in (n, n + 1):
-            inside = ranges[(ranges[:, 0] >= start) & (ranges[:, 1] < start + tokens)]
+        whole = video.vision_ranges_np   # the next length a chunk may take (none ends inside a frame)
+        after = next((t for t in range(n + 1, want + 1) if align_chunk(whole, start, t) == t), want + 1)
+        assert align_chunk(whole, start, n) == n, n
+        times = []
+        for tokens in (n, after):
+            inside = [(a, b) for a, b in video.mm_ranges if start <= a and b < start + tokens]
+            started = [(a, b) for a, b in video.mm_ranges if start <= a < start + tokens]
+            audio = video.request_id == "audio"
             times.append(roofline(perf, rows + [RequestWork(tokens, start + tokens, True, samples=False)], **peaks,
-                                  images=frames_of(perf, inside[:, 1] - inside[:, 0] + 1)))
+                                  images=() if audio else frames_of(perf, [b - a + 1 for a, b in inside]),
+                                  audio=[AudioWork(4 * (b - a + 1), b - a + 1) for a, b in started] if audio else ()))
         assert n == 0 or times[0] <= limit * (1 + 1e-9), (n, times, limit)
-        if n < want:
-            assert times[1] > limit * (1 - 1e-9), (n, want, times, limit)
+        if after <= want:
+            assert times[1] > limit * (1 - 1e-9), (n, after, want, times, limit)
 
 
 def test_smallest_chunk_is_the_one_align_chunk_leaves_whole():
@@ -100,12 +117,13 @@ def decoders(sched, count: int, **kw):
         step(sched)
 
 
-def speculating_step(sched):
-    """One step as the engine runs it with speculation (K = 3): every decode proposes 3 drafts, none
-    is accepted (each verify chunk keeps one token), a prompt's last chunk samples."""
+def speculating_step(sched, drafts: int = 3):
+    """One step as the engine runs it with speculation (K = 3): every decode proposes `drafts`
+    drafts (its chunk padded to 1 + K), none is accepted (each verify chunk keeps one token), a
+    prompt's last chunk samples."""
     for r in sched.running:
         if not r.is_prefill:
-            r.draft_token_ids = [30, 31, 32]
+            r.draft_token_ids = [30, 31, 32][:drafts]
     out = sched.schedule()
     rejected = {}
     for s in out.scheduled:
@@ -120,8 +138,9 @@ def speculating_step(sched):
 
 def worst_step(perf, sched, video, stepper=step):
     """Step until the video's prompt is computed: the worst step's roofline over its decode rows'
-    (the frames its chunks bring through the tower), and the number of steps."""
-    worst, steps = 0.0, 0
+    (with the frames the step runs through the tower: its chunks' own, less those the step before
+    encoded ahead, and those it names to encode ahead beside it), and the number of steps."""
+    worst, steps, encoded_ahead = 0.0, 0, set()
     while video.is_prefill or video.status == RequestStatus.WAITING:
         out = stepper(sched)
         steps += 1
@@ -131,22 +150,28 @@ def worst_step(perf, sched, video, stepper=step):
         for s in chunks:   # never inside a frame
             end = s.num_computed_tokens + s.num_tokens - 1
             assert not any(a <= end < b for a, b in s.request.mm_ranges)
-        lengths = [s.request.mm_ranges[f][1] - s.request.mm_ranges[f][0] + 1 for s in chunks for f in s.frames]
+        ahead = {(r.request_id, f) for r, frames in out.encode_ahead for f in frames}
+        run = {(s.request.request_id, f) for s in chunks for f in s.frames} - encoded_ahead | ahead
+        encoded_ahead = ahead
+        lengths = [sched._by_id[rid].mm_ranges[f][1] - sched._by_id[rid].mm_ranges[f][0] + 1 for rid, f in run]
         rows = decodes + [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in chunks]
         worst = max(worst, roofline(perf, rows, **H200, images=frames_of(perf, lengths)) / roofline(perf, decodes, **H200))
         assert steps < 500
     return worst, steps
 
 
-@pytest.mark.parametrize("name", ["12b_unified", "e4b"])
-def test_decodes_keep_their_step_time_while_a_video_prefills(name):
+@pytest.mark.parametrize("name", ["12b_unified", "e4b", "26b_a4b"])
+@pytest.mark.parametrize("encode_ahead", [False, True])
+def test_decodes_keep_their_step_time_while_a_video_prefills(name, encode_ahead):
     """16 requests decode while a 32-frame video prefills under a 2048-token budget (CUDA's): with the
-    cap every step that carries a chunk stays within 1.5x of its decode rows' roofline, its frames'
-    tower included; with the budget alone the same steps reach several times it."""
+    cap every step that carries a chunk stays within 1.5x of its decode rows' roofline, the frames
+    it runs through the tower included (with encode-ahead, the next chunk's beside its own); with the
+    budget alone the same steps reach several times it."""
     perf, slowdown = perf_model(name), 1.5
     results = {}
     for capped in (True, False):
-        sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200) if capped else None)
+        sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200) if capped else None,
+                                 encode_ahead=encode_ahead)
         decoders(sched, 16)
         video = make_request("video", 32 * (FRAME + 1) + 8, video_ranges(32), max_tokens=1, first=50_000)
         admit(sched, video)
@@ -157,12 +182,13 @@ def test_decodes_keep_their_step_time_while_a_video_prefills(name):
 
 
 @pytest.mark.parametrize("name", ["12b_unified", "e4b"])
-@pytest.mark.parametrize("behind", [0, 8])
-def test_speculating_decodes_keep_theirs_too(name, behind):
+@pytest.mark.parametrize("behind,drafts", [(0, 3), (8, 3), (8, 0)])
+def test_speculating_decodes_keep_theirs_too(name, behind, drafts):
     """With speculation (verify rows padded to 1 + K = 4, drafts made every step) the cap prices the
     decode rows the step really carries: those scheduled before the video's chunk (their drafts
     already taken from the request) and those behind it in the running order (sized before they are
-    scheduled). E4B's KV-sharing layers run every row of a verify step, the chunk's too."""
+    scheduled: with no drafts, still padded to the verify width). E4B's KV-sharing layers run every
+    row of a verify step, the chunk's too."""
     perf, slowdown = perf_model(name), 1.4
     sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200), verify_width=4)
     decoders(sched, 16 - behind)
@@ -170,7 +196,7 @@ def test_speculating_decodes_keep_theirs_too(name, behind):
     admit(sched, video)
     for i in range(behind):
         admit(sched, make_request(f"b{i}", 8, max_tokens=4000, first=200_000 + 1000 * i))
-    worst, _ = worst_step(perf, sched, video, speculating_step)
+    worst, _ = worst_step(perf, sched, video, lambda sched: speculating_step(sched, drafts))
     assert worst <= slowdown * (1 + 1e-9), worst
 
 
@@ -240,8 +266,9 @@ def test_a_long_prompt_holds_back_no_other_kind_of_chunk():
 
 
 def test_encode_ahead_guesses_the_capped_chunks():
-    """Encode-ahead names the frames the next step will consume: under the cap, the next capped
-    chunk's, not the token budget's."""
+    """Encode-ahead names frames the next step will consume: under the cap, of the next capped chunk
+    (not the token budget's), as many as this step can encode beside its own (the rest the next
+    step encodes itself)."""
     perf = perf_model("e4b")
     sched = capped_scheduler(StepTimeModel(perf, slowdown=1.4, **H200), encode_ahead=True)
     decoders(sched, 16)
@@ -252,7 +279,8 @@ def test_encode_ahead_guesses_the_capped_chunks():
         ahead = {r.request_id: frames for r, frames in out.encode_ahead}
         out = step(sched)
         consumed = {s.request.request_id: s.frames for s in out.scheduled if s.frames}
-        assert ahead == consumed and consumed, (ahead, consumed)
+        assert ahead.keys() == consumed.keys() == {"video"}, (ahead, consumed)
+        assert ahead["video"] == consumed["video"][:len(ahead["video"])], (ahead, consumed)
 
 
 def test_no_decodes_no_cap():
@@ -270,3 +298,24 @@ def test_the_device_default_and_refused_values():
     for bad in (0.5, 1.0, -2.0, math.nan):
         with pytest.raises(ValueError, match="max_step_slowdown must be above 1"):
             EngineConfig(device="cpu", max_step_slowdown=bad)
+
+
+def test_outputs_recomputed_after_a_preemption_are_capped_like_a_prompt():
+    """A request preempted after 600 outputs recomputes prompt and outputs beside the others'
+    decodes: its chunks past the prompt stay within the cap too."""
+    perf, slowdown = perf_model("12b_unified"), 1.4
+    sched = capped_scheduler(StepTimeModel(perf, slowdown=slowdown, **H200))
+    decoders(sched, 8)
+    victim = sched._by_id["d7"]
+    victim.output_token_ids += [7] * 600
+    victim.num_computed_tokens += 600
+    sched._preempt(victim)
+    past_prompt, worst = 0, 0.0
+    while victim.is_prefill or victim.status != RequestStatus.RUNNING:
+        out = step(sched)
+        decodes = [RequestWork(s.num_tokens, s.seq_len, False) for s in out.scheduled if not s.is_prefill]
+        chunks = [s for s in out.scheduled if s.is_prefill]
+        past_prompt += sum(s.num_tokens for s in chunks if s.seq_len > victim.num_prompt_tokens)
+        rows = decodes + [RequestWork(s.num_tokens, s.seq_len, True, samples=False) for s in chunks]
+        worst = max(worst, roofline(perf, rows, **H200) / roofline(perf, decodes, **H200))
+    assert past_prompt >= 590 and worst <= slowdown * (1 + 1e-9), (past_prompt, worst)

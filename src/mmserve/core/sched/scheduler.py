@@ -53,7 +53,7 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
 from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
-from mmserve.core.sched.step_time import PrefillCap, StepTimeModel
+from mmserve.core.sched.step_time import NO_RANGES, PrefillCap, StepTimeModel
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.perf_model import RequestWork
 from mmserve.request import Request, RequestStatus
@@ -124,6 +124,7 @@ class Scheduler:
         self._cap: PrefillCap | None = None   # this step's, once a prompt chunk asks (_step_cap)
         self._cap_made = False
         self._step_scheduled: dict[str, ScheduledRequest] = {}   # this step's, while it is scheduled
+        self._ahead: dict[str, frozenset[int]] = {}   # the ranges the last step named to encode ahead
         self.waiting: list[Request] = []     # sorted by _order_key; admitted in _admission_order
         self.running: list[Request] = []     # admission order
         self._by_id: dict[str, Request] = {}
@@ -247,7 +248,7 @@ class Scheduler:
         n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if total - start > 1 and not request.draft_token_ids:   # outputs recomputed after a preemption
-                return self._prompt_chunk(request, start, n, self._step_cap(), "prompt"), 0
+                return self._prompt_chunk(request, start, n, self._step_cap(), "prompt"), 0   # (no media)
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 room = budget
                 if request.draft_token_ids[0] == DEVICE_DRAFT:   # made before the host knew what the request may
@@ -265,18 +266,21 @@ class Scheduler:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
-        return self._prompt_chunk(request, start, n, self._step_cap(), "open" if request.open_prompt else "prompt"), 0
+        return self._prompt_chunk(request, start, n, self._step_cap(), "open" if request.open_prompt else "prompt",
+                                  self._encoded_ahead(request)), 0
 
     @staticmethod
-    def _prompt_chunk(request: Request, start: int, want: int, cap: PrefillCap | None, kind: str) -> int:
+    def _prompt_chunk(request: Request, start: int, want: int, cap: PrefillCap | None, kind: str,
+                      ahead: frozenset[int] | None = None) -> int:
         """A prompt chunk's length: `want` tokens at most, never ending inside an image or frame, and
-        under the step's prefill cap when it has one. The first chunk of each kind in a step (a
-        running prompt's, an admission's, a live session's) may pass the cap by the one whole frame
-        (or token) its prompt needs to move at all, so no kind waits on another's long prompt."""
+        under the step's prefill cap when it has one (`ahead`: as `StepTimeModel.media` reads it).
+        The first chunk of each kind in a step (a running prompt's, an admission's, a live
+        session's) may pass the cap by the one whole frame (or token) its prompt needs to move at
+        all, so no kind waits on another's long prompt."""
         ranges = request.vision_ranges_np
         if cap is None:
             return align_chunk(ranges, start, want)
-        n = align_chunk(ranges, start, cap.room(request, start, want))
+        n = align_chunk(ranges, start, cap.room(request, start, want, ahead))
         if n == 0 and kind not in cap.served and want > 0:
             n = align_chunk(ranges, start, min(want, smallest_chunk(ranges, start)))
         return n
@@ -310,7 +314,11 @@ class Scheduler:
     def _took(self, s: ScheduledRequest, kind: str) -> None:
         """Count a prompt chunk just scheduled against the step's cap."""
         if self._cap is not None and s.is_prefill:
-            self._cap.take(s.request, s.num_computed_tokens, s.num_tokens, kind)
+            self._cap.take(s.request, s.num_computed_tokens, s.num_tokens, kind, self._encoded_ahead(s.request))
+
+    def _encoded_ahead(self, request: Request) -> frozenset[int] | None:
+        """The request's items the last step named to encode ahead; None without encode-ahead."""
+        return self._ahead.get(request.request_id, NO_RANGES) if self.encode_ahead else None
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
@@ -374,7 +382,8 @@ class Scheduler:
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 continue
             start = hit.num_tokens
-            n = self._prompt_chunk(request, start, min(request.num_tokens - start, budget), self._step_cap(), "admission")
+            n = self._prompt_chunk(request, start, min(request.num_tokens - start, budget), self._step_cap(), "admission",
+                                   self._encoded_ahead(request))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.remove(request)
@@ -394,9 +403,10 @@ class Scheduler:
             if request.open_prompt and request.num_computed_tokens < request.num_tokens:
                 budget = self._schedule_running(request, budget, scheduled, preempted)
 
+        ahead = self._lookahead(scheduled) if self.encode_ahead else []   # (under this step's cap too)
+        self._ahead = {r.request_id: frozenset(frames) for r, frames in ahead} if self.step_time is not None else {}
         self._cap, self._cap_made, self._step_scheduled = None, True, {}
         finished, self._finished_since_step = self._finished_since_step, []
-        ahead = self._lookahead(scheduled) if self.encode_ahead else []
         if self.async_scheduling:   # the step's computed tokens, and a placeholder per row a sampling chunk may keep
             for s in scheduled.values():   # (ScheduledRequest.seq_len, Request.num_tokens, num_sampled_rows inlined)
                 r, seq_len = s.request, s.num_computed_tokens + s.num_tokens
@@ -421,6 +431,7 @@ class Scheduler:
             return []   # the usual step: nobody's prompt has media left (no sort, no budget walk)
         budget = self.token_budget()
         cap = self._new_cap(scheduled)   # the next step's, as if its decode rows were this step's
+        now = self._step_cap()   # this step's: the items named here are encoded beside it
         ahead = []
         for request in sorted(self.running, key=lambda r: r.request_id not in self._frame_blocked):
             if budget <= 0:
@@ -432,8 +443,13 @@ class Scheduler:
             if start >= request.num_prompt_tokens:   # decoding: one token, or a verify chunk as this step's
                 budget -= s.num_tokens if s is not None and not s.is_prefill else 1
                 continue
+            # the next chunk, its items encoded ahead (priced once there: `StepTimeModel.media`) as far as
+            # this step paid for them with its own chunk's or can still carry them
             n = self._prompt_chunk(request, start, min(request.num_prompt_tokens - start, budget), cap, "prompt")
-            if n and (frames := frames_in_chunk(request.mm_ranges_np, start, n)):
+            frames = frames_in_chunk(request.mm_ranges_np, start, n) if n else []
+            if frames and now is not None:
+                frames = now.take_ahead(request, frames, prepaid=len(s.frames) if s is not None and s.is_prefill else 0)
+            if frames:
                 ahead.append((request, frames))
             if n and cap is not None:
                 cap.take(request, start, n, "prompt")

@@ -18,7 +18,9 @@ traffic and FLOPs only: tensor parallelism's collectives are not in it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
+
+import numpy as np
 
 from mmserve.metrics.perf_model import (
     AudioWork,
@@ -32,6 +34,7 @@ from mmserve.request import Request
 
 Media = tuple[tuple[VisionWork, ...], tuple[AudioWork, ...]]
 NO_MEDIA: Media = ((), ())
+NO_RANGES: frozenset[int] = frozenset()
 
 
 class StepTimeModel:
@@ -52,6 +55,8 @@ class StepTimeModel:
         # by the row kind it decodes beside: a verify row makes KV-sharing layers run every row
         self._bases = {verify: RequestWork(1 + verify, 1 + verify, False) for verify in (False, True)}
         self._base_costs: dict[tuple[bool, float | None], tuple[float, float]] = {}   # by (verify, experts)
+        # an encoder item's own bytes and FLOPs, and its tower's weights (read once a step): by the item
+        self._item_costs: dict[VisionWork | AudioWork, tuple[tuple[float, float], tuple[float, float]]] = {}
 
     def _experts(self, tokens: int) -> float | None:
         return None if self._moe is None else min(self._moe.num_experts, tokens * self._moe.top_k)
@@ -65,22 +70,43 @@ class StepTimeModel:
     def seconds(self, num_bytes: float, num_flops: float) -> float:
         return max(num_bytes / self.bandwidth, num_flops / self.flops)
 
-    def media(self, request: Request, start: int, num_tokens: int) -> Media:
-        """The encoder work a chunk brings: each image or frame inside it through the vision tower
-        (chunks never split one; its patches as its soft tokens x the pooling), each audio segment
-        whose first token it holds through the audio tower (encoded whole then)."""
+    def media(self, request: Request, start: int, num_tokens: int, ahead: Container[int] | None = None) -> Media:
+        """The encoder work a chunk's step carries: each image or frame inside it through the vision
+        tower (chunks never split one), each audio segment whose first token it holds through the
+        audio tower (encoded whole then; with prefix caching off no encoder cache keeps it for a
+        later chunk, which encodes it again unpriced). With encode-ahead (`ahead`: the items the
+        step before encoded ahead) a step encodes the next chunk's items beside its own: an item in
+        `ahead` counts once, standing for the next chunk's item of the same place, and any other
+        twice (encoded in this step, and the next one's beside it)."""
+        ranges = request.mm_ranges_np
+        if not len(ranges):
+            return NO_MEDIA
         end = start + num_tokens
-        images: tuple[VisionWork, ...] = ()
-        audio: tuple[AudioWork, ...] = ()
-        v = request.vision_ranges_np
-        if self._pool and len(v):
-            inside = v[(v[:, 0] >= start) & (v[:, 1] < end)]
-            images = tuple(VisionWork(int(n) * self._pool, int(n)) for n in inside[:, 1] - inside[:, 0] + 1)
-        a = request.audio_ranges_np
-        if self._audio and len(a):
-            first = a[(a[:, 0] >= start) & (a[:, 0] < end)]
-            audio = tuple(AudioWork(4 * int(n), int(n)) for n in first[:, 1] - first[:, 0] + 1)   # 4 frames a token
-        return images, audio
+        lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
+        hi = int(np.searchsorted(ranges[:, 0], end, side="left"))
+        inside = [i for i in range(lo, hi) if (ranges[i, 0] >= start if self._is_audio(request, i) else ranges[i, 1] < end)]
+        if ahead is not None:
+            inside += [i for i in inside if i not in ahead]
+        return self.items(request, inside)
+
+    @staticmethod
+    def _is_audio(request: Request, index: int) -> bool:
+        return bool(len(request.mm_is_audio) and request.mm_is_audio[index])
+
+    def items(self, request: Request, indices: Sequence[int]) -> Media:
+        """The encoder work of these ranges of `request`: an image or frame by the patches its input
+        runs (padding included), else its soft tokens x the pooling; an audio segment by 4 log-mel
+        frames a soft token."""
+        images, audio = [], []
+        for i in indices:
+            n = int(request.mm_ranges_np[i, 1] - request.mm_ranges_np[i, 0] + 1)
+            if self._is_audio(request, i):
+                if self._audio:
+                    audio.append(AudioWork(4 * n, n))
+            elif self._pool:
+                patches = len(request.mm_inputs[i].pixel_values) if request.mm_inputs else n * self._pool
+                images.append(VisionWork(patches, n))
+        return tuple(images), tuple(audio)
 
     def chunk_cost(self, start: int, num_tokens: int, *, verify: bool, before: int,
                    media: Media = NO_MEDIA) -> tuple[float, float]:
@@ -92,15 +118,39 @@ class StepTimeModel:
             self._base_costs[key] = self._cost([base], key[1])
         base_bytes, base_flops = self._base_costs[key]
         chunk = RequestWork(num_tokens, start + num_tokens, True, samples=False)
-        num_bytes, num_flops = self._cost([base, chunk], self._experts(before + num_tokens), media)
-        return num_bytes - base_bytes, num_flops - base_flops
+        num_bytes, num_flops = self._cost([base, chunk], self._experts(before + num_tokens))
+        media_bytes, media_flops = self.media_cost(media)
+        return num_bytes - base_bytes + media_bytes, num_flops - base_flops + media_flops
+
+    def media_cost(self, media: Media) -> tuple[float, float]:
+        """Bytes and FLOPs of encoder work alone: the perf model's, which is each item's own plus
+        each tower's weights once, from its per-item parts (cached: a video's frames are alike)."""
+        num_bytes = num_flops = 0.0
+        for items in media:
+            for item in items:
+                (b, f), weights = self._item_cost(item)
+                num_bytes, num_flops = num_bytes + b, num_flops + f
+            if items:
+                num_bytes, num_flops = num_bytes + weights[0], num_flops + weights[1]
+        return num_bytes, num_flops
+
+    def _item_cost(self, item: VisionWork | AudioWork) -> tuple[tuple[float, float], tuple[float, float]]:
+        if item not in self._item_costs:
+            media = lambda n: ((item,) * n, ()) if isinstance(item, VisionWork) else ((), (item,) * n)   # noqa: E731
+            one, two = self._cost([], None, media(1)), self._cost([], None, media(2))
+            own = (two[0] - one[0], two[1] - one[1])
+            self._item_costs[item] = own, (one[0] - own[0], one[1] - own[1])
+        return self._item_costs[item]
 
     def cap(self, rows: Sequence[RequestWork]) -> PrefillCap:
         """This step's room for prompt tokens beside its decode rows (each its last token, drafts and
-        pads). An MoE model's limit prices the rows as if they reached every expert: a few decodes
-        reach few, and the first prompt tokens beside them make the step read every expert's
-        weights, a step no chunk worth taking avoids (without this a prompt beside 2 decodes of
-        26B-A4B moved 2 tokens a step); from about 16 decodes on (top 8 of 128) the rows reach them all."""
+        pads). An MoE model's few decodes reach few experts, and the first prompt tokens beside them
+        make the step read every expert's weights (any chunk of 14 tokens or more, at top 8 of 128):
+        its limit prices the rows as if they reached every expert, so that a prompt moves at all
+        (the strict limit held one beside 2 decodes of 26B-A4B to 2 tokens a step, and a limit of
+        the all-experts step itself to one frame), at the cost of those few decodes slowing by more
+        than the slowdown (modelled at 26B-A4B: 9x at 1 decode, 2.5x at 8: docs/benchmarks.md).
+        From about 16 decodes the rows reach every expert themselves and nothing changes."""
         tokens = sum(r.num_tokens for r in rows)
         num_bytes, num_flops = self._cost(rows, self._experts(tokens))
         limit_s = self.slowdown * self.seconds(*(self._cost(rows, self._moe.num_experts) if self._moe else
@@ -119,47 +169,83 @@ class PrefillCap:
         self.served: set[str] = set()   # the kinds of chunk the step carries (the scheduler's names)
         self._costs: dict[tuple[str, int, int, int], tuple[float, float]] = {}   # room's evaluations, for take
 
-    def _chunk_cost(self, request: Request, start: int, num_tokens: int) -> tuple[float, float]:
-        key = (request.request_id, start, num_tokens, self.tokens)
+    def _chunk_cost(self, request: Request, start: int, num_tokens: int, ahead: Container[int] | None) -> tuple[float, float]:
+        key = (request.request_id, start, num_tokens, self.tokens)   # (one `ahead` per request in a step)
         if key not in self._costs:
             self._costs[key] = self.model.chunk_cost(start, num_tokens, verify=self.verify, before=self.tokens,
-                                                     media=self.model.media(request, start, num_tokens))
+                                                     media=self.model.media(request, start, num_tokens, ahead))
         return self._costs[key]
 
-    def _over(self, request: Request, start: int, num_tokens: int) -> float:
+    def _over(self, request: Request, start: int, num_tokens: int, ahead: Container[int] | None) -> float:
         """Seconds the step would pass its limit by with this chunk (<= 0: it fits)."""
-        b, f = self._chunk_cost(request, start, num_tokens)
+        b, f = self._chunk_cost(request, start, num_tokens, ahead)
         return self.model.seconds(self.num_bytes + b, self.num_flops + f) - self.limit_s
 
-    def room(self, request: Request, start: int, want: int) -> int:
+    def room(self, request: Request, start: int, want: int, ahead: Container[int] | None = None) -> int:
         """The longest chunk of `request` from `start`, at most `want` tokens, that keeps the step
-        within its limit. Its cost grows with its length, so the answer is bracketed; each round
-        probes a guess interpolated between the bracket's ends (the cost is near linear in the
-        tokens) and its neighbour, then the bracket's middle."""
+        within its limit (`ahead`: as `StepTimeModel.media` reads it), and where the prompt has
+        images or frames, the longest that also ends outside them (the only lengths a chunk may take;
+        the cost jumps at each, by the item's encoding). Its cost grows with its length, so the
+        answer is bracketed: a binary search over those lengths, or over every length of a text
+        span, where the cost is smooth, probing a guess interpolated between the bracket's ends and
+        its neighbour before the bracket's middle."""
         if want <= 0:
             return 0
-        over_hi = self._over(request, start, want)
+        lengths = whole_lengths(request.vision_ranges_np, start, want)
+        if lengths is not None:
+            lo, hi = -1, len(lengths)   # lengths[lo] fits (or none: -1), lengths[hi] does not (or past the end)
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if self._over(request, start, int(lengths[mid]), ahead) <= 0 else (lo, mid)
+            return int(lengths[lo]) if lo >= 0 else 0
+        over_hi = self._over(request, start, want, ahead)
         if over_hi <= 0:
             return want
-        lo, hi, over_lo = 0, want, self._over(request, start, 0)   # lo fits (0 always counts), hi does not
+        lo, hi, over_lo = 0, want, self._over(request, start, 0, ahead)   # lo fits (0 always counts), hi does not
         while hi - lo > 1:
             guess = lo + int((hi - lo) * -over_lo / (over_hi - over_lo)) if over_hi > over_lo else lo
             for probe in (min(max(guess, lo + 1), hi - 1), (lo + hi) // 2):
                 if not lo < probe < hi:
                     continue
-                over = self._over(request, start, probe)
+                over = self._over(request, start, probe, ahead)
                 if over <= 0:
                     lo, over_lo = probe, over
-                    if probe + 1 < hi and self._over(request, start, probe + 1) > 0:
+                    if probe + 1 < hi and self._over(request, start, probe + 1, ahead) > 0:
                         hi = probe + 1
                 else:
                     hi, over_hi = probe, over
         return lo
 
-    def take(self, request: Request, start: int, num_tokens: int, kind: str) -> None:
+    def take(self, request: Request, start: int, num_tokens: int, kind: str, ahead: Container[int] | None = None) -> None:
         """Count a chunk the step now carries."""
-        b, f = self._chunk_cost(request, start, num_tokens)
+        b, f = self._chunk_cost(request, start, num_tokens, ahead)
         self.num_bytes += b
         self.num_flops += f
         self.tokens += num_tokens
         self.served.add(kind)
+
+    def take_ahead(self, request: Request, indices: Sequence[int], prepaid: int) -> list[int]:
+        """Of `indices` (the items the next step will likely consume, in order), those this step can
+        encode ahead beside itself: the first `prepaid` (this step's own chunk paid for as many,
+        `StepTimeModel.media`), then each whose encoding still fits the limit (counted); the rest
+        are left to the step that consumes them."""
+        kept = list(indices[:prepaid])
+        for i in indices[prepaid:]:
+            b, f = self.model.media_cost(self.model.items(request, [i]))
+            if self.model.seconds(self.num_bytes + b, self.num_flops + f) > self.limit_s:
+                break
+            self.num_bytes += b
+            self.num_flops += f
+            kept.append(i)
+        return kept
+
+
+def whole_lengths(ranges: np.ndarray, start: int, want: int) -> np.ndarray | None:
+    """The chunk lengths from `start` up to `want` that end outside every range (sorted), or None
+    when no range lies in the span (every length does)."""
+    if not len(ranges) or ranges[-1, 1] < start or ranges[0, 0] >= start + want:
+        return None
+    ends = start + np.arange(want)   # the last position of each length 1..want
+    i = np.searchsorted(ranges[:, 0], ends, side="right") - 1
+    inside = (i >= 0) & (ends < ranges[np.maximum(i, 0), 1]) & (ranges[np.maximum(i, 0), 0] <= ends)
+    return np.flatnonzero(~inside) + 1
