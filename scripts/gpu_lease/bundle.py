@@ -36,7 +36,11 @@ IMAGE_PACKAGES = Path(__file__).with_name("device_image_packages.txt")
 def reference_transformers() -> str:
     """pyproject's dev pin of transformers, the tests' reference: the device runs the one they ran."""
     dev = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
-    return next(r for r in dev if Requirement(r).name == "transformers")
+    specs = [list(Requirement(r).specifier) for r in dev if Requirement(r).name == "transformers"]
+    if len(specs) != 1 or len(specs[0]) != 1 or specs[0][0].operator != "==":
+        raise SystemExit("pyproject.toml's dev extra must pin transformers exactly (transformers==X): "
+                         "the lease bundle carries that version")
+    return f"transformers=={specs[0][0].version}"
 
 
 WHEELS = [

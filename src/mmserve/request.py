@@ -108,7 +108,6 @@ class Request:
         audio = np.asarray([isinstance(m, AudioFeatures) for m in self.mm_inputs], dtype=bool)
         self.mm_is_audio = audio   # per range when the inputs are here (empty without: every range a frame)
         self.vision_ranges_np = self.mm_ranges_np[~audio] if audio.any() else self.mm_ranges_np
-        self.audio_ranges_np = self.mm_ranges_np[audio] if audio.any() else self.mm_ranges_np[:0]
 
     def extend_prompt(self, token_ids: list[int], mm_ranges: list[tuple[int, int]],
                       mm_inputs: list[MultiModalInput]) -> None:

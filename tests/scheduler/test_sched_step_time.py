@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from sched_helpers import admit, make_request, make_scheduler, step
+from sched_helpers import admit, make_request, make_scheduler, random_ranges, step
 
 from mmserve.config import EngineConfig
 from mmserve.core.sched.scheduler import align_chunk, smallest_chunk
-from mmserve.core.sched.step_time import StepTimeModel
+from mmserve.core.sched.step_time import StepTimeModel, whole_lengths
 from mmserve.metrics.perf_model import AudioWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model.spec import read_spec
 from mmserve.request import AudioFeatures, RequestStatus
@@ -102,6 +102,17 @@ def test_smallest_chunk_is_the_one_align_chunk_leaves_whole():
         n = smallest_chunk(ranges, start)
         assert align_chunk(ranges, start, n) == n   # whole
         assert n == 1 or align_chunk(ranges, start, n - 1) == 0   # and nothing shorter is
+
+
+def test_whole_lengths_are_the_ones_align_chunk_keeps():
+    """The lengths `room` searches over are exactly those `align_chunk` leaves as they are."""
+    rng = random.Random(random.getrandbits(64))
+    for _ in range(20):
+        ranges = np.array(random_ranges(rng, 400, max_len=40), dtype=np.int64).reshape(-1, 2)
+        start, want = rng.randint(0, 380), rng.randint(1, 120)
+        lengths = whole_lengths(ranges, start, want)
+        expected = [n for n in range(1, want + 1) if align_chunk(ranges, start, n) == n]
+        assert (list(range(1, want + 1)) if lengths is None else lengths.tolist()) == expected, (ranges, start, want)
 
 
 def capped_scheduler(model, budget: int = 2048, **kw):

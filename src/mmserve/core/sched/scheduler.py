@@ -53,7 +53,7 @@ from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
 from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
-from mmserve.core.sched.step_time import NO_RANGES, PrefillCap, StepTimeModel
+from mmserve.core.sched.step_time import ADMISSION, NO_RANGES, OPEN, PROMPT, PrefillCap, StepTimeModel
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.metrics.perf_model import RequestWork
 from mmserve.request import Request, RequestStatus
@@ -248,7 +248,7 @@ class Scheduler:
         n = min(total - start, budget)
         if start >= request.num_prompt_tokens:   # decoding: every range lies in the prompt, behind it
             if total - start > 1 and not request.draft_token_ids:   # outputs recomputed after a preemption
-                return self._prompt_chunk(request, start, n, self._step_cap(), "prompt"), 0   # (no media)
+                return self._prompt_chunk(request, start, n, self._step_cap(), PROMPT), 0   # (no media)
             if n == 1 and request.draft_token_ids:   # a verify chunk, with the drafts the budget allows
                 room = budget
                 if request.draft_token_ids[0] == DEVICE_DRAFT:   # made before the host knew what the request may
@@ -266,7 +266,7 @@ class Scheduler:
                 return n, pads
             return n, 0
         request.draft_token_ids.clear()
-        return self._prompt_chunk(request, start, n, self._step_cap(), "open" if request.open_prompt else "prompt",
+        return self._prompt_chunk(request, start, n, self._step_cap(), OPEN if request.open_prompt else PROMPT,
                                   self._encoded_ahead(request)), 0
 
     @staticmethod
@@ -382,7 +382,7 @@ class Scheduler:
             if hit.next_in_flight:   # a running request is computing this prefix: reuse it next step
                 continue
             start = hit.num_tokens
-            n = self._prompt_chunk(request, start, min(request.num_tokens - start, budget), self._step_cap(), "admission",
+            n = self._prompt_chunk(request, start, min(request.num_tokens - start, budget), self._step_cap(), ADMISSION,
                                    self._encoded_ahead(request))
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
@@ -394,7 +394,7 @@ class Scheduler:
             self.running.append(request)
             seats += needs
             scheduled[request.request_id] = self._scheduled(request, n)
-            self._took(scheduled[request.request_id], "admission")
+            self._took(scheduled[request.request_id], ADMISSION)
             if self.kv.enable_prefix_caching:
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
@@ -445,14 +445,15 @@ class Scheduler:
                 continue
             # the next chunk, its items encoded ahead (priced once there: `StepTimeModel.media`) as far as
             # this step paid for them with its own chunk's or can still carry them
-            n = self._prompt_chunk(request, start, min(request.num_prompt_tokens - start, budget), cap, "prompt")
+            n = self._prompt_chunk(request, start, min(request.num_prompt_tokens - start, budget), cap, PROMPT)
             frames = frames_in_chunk(request.mm_ranges_np, start, n) if n else []
             if frames and now is not None:
-                frames = now.take_ahead(request, frames, prepaid=len(s.frames) if s is not None and s.is_prefill else 0)
+                paid = now.model.num_items(request, s.num_computed_tokens, s.num_tokens) if s is not None and s.is_prefill else 0
+                frames = now.take_ahead(request, frames, prepaid=paid)
             if frames:
                 ahead.append((request, frames))
             if n and cap is not None:
-                cap.take(request, start, n, "prompt")
+                cap.take(request, start, n, PROMPT)
             budget -= n
         return ahead
 
@@ -489,7 +490,7 @@ class Scheduler:
         if request.status != RequestStatus.RUNNING:
             return budget
         scheduled[request.request_id] = self._scheduled(request, n, pads)
-        self._took(scheduled[request.request_id], "open" if request.open_prompt else "prompt")
+        self._took(scheduled[request.request_id], OPEN if request.open_prompt else PROMPT)
         return budget - n - pads
 
     def _scheduled(self, request: Request, n: int, pads: int = 0) -> ScheduledRequest:
