@@ -1309,7 +1309,8 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
     """Median step time of `itl_decodes` decoding requests alone, then of the steps that also carry
     a chunk of one video's prompt, as the server schedules them on CUDA: its 2048-token budget, and its
     prefill cap beside decodes (`max_step_slowdown` 1.4: the step's roofline by the perf model over the
-    engine's peaks within 1.4x its decode rows'); each such step's prompt tokens are recorded."""
+    engine's peaks within 1.4x its decode rows'); each such step's prompt tokens are recorded. Then
+    the same for another video with the cap off (`uncapped`), in the same engine."""
     from mmserve.engine.types import EngineRequest
     from mmserve.sampling_params import SamplingParams
 
@@ -1336,20 +1337,27 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
     while any(r.is_prefill for r in llm.core.scheduler.running) or llm.core.scheduler.waiting:
         llm.step()
     alone = [timed_step() for _ in range(8 if device == "cuda" else 2)]
-    llm.add_request(video_request(spec, "video", sizes.video_frames, 1, seed=5))
-    video, beside, chunks = llm.core.requests["video"], [], []
-    while video.num_computed_tokens < video.num_prompt_tokens and "video" in llm.core.requests:
-        computed = video.num_computed_tokens
-        ms = timed_step()
-        if video.num_computed_tokens > computed:   # the step carried one of its chunks
-            beside.append(ms)
-            chunks.append(video.num_computed_tokens - computed)
+
+    def beside_a_video(rid: str, seed: int) -> dict:
+        """The steps that carry a chunk of a new video's prompt: their median time, each one's chunk."""
+        llm.add_request(video_request(spec, rid, sizes.video_frames, 1, seed=seed))
+        video, beside, chunks = llm.core.requests[rid], [], []
+        while video.num_computed_tokens < video.num_prompt_tokens and rid in llm.core.requests:
+            computed = video.num_computed_tokens
+            ms = timed_step()
+            if video.num_computed_tokens > computed:   # the step carried one of its chunks
+                beside.append(ms)
+                chunks.append(video.num_computed_tokens - computed)
+        median = _median(beside) if beside else None
+        return {"chunk_tokens": chunks, "beside_video_ms": median, "video_steps": len(beside),
+                "ratio": median / _median(alone) if beside else float("inf")}
+
     peaks = llm.core.peaks
     result = {"decodes": sizes.itl_decodes, "budget": budget, "max_step_slowdown": ITL_SLOWDOWN,
               "cap_peaks": {"flops": peaks.flops, "bandwidth": peaks.bandwidth, "source": peaks.source},
-              "chunk_tokens": chunks, "alone_ms": _median(alone),
-              "beside_video_ms": _median(beside) if beside else None, "video_steps": len(beside)}
-    result["ratio"] = result["beside_video_ms"] / result["alone_ms"] if beside else float("inf")
+              "alone_ms": _median(alone), **beside_a_video("video", seed=5)}
+    llm.core.scheduler.step_time = None   # the cap off, in the same engine: what it bought (another video)
+    result["uncapped"] = beside_a_video("video-uncapped", seed=6)
     llm = None   # (not del: timed_step closes over it) frees its caches before the next section
     release_device_memory()
     return result
