@@ -24,6 +24,13 @@ DEVICE_DEFAULTS = {
     "cuda": {"max_num_batched_tokens": 2048, "prefill_batched_tokens": 8192, "max_num_seqs": 128,
              "max_step_slowdown": 1.4},
 }
+
+
+def slowdown_valid(value: float) -> bool:
+    """--max-step-slowdown's values: off, the device's default, or a limit above the decode rows' own."""
+    return value in (0, -1) or value > 1
+
+
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
 
@@ -54,7 +61,8 @@ class EngineConfig:
         "help": "while a request decodes, a step's prefill tokens stop where the step's roofline time (the perf "
                 "model's bytes and FLOPs over the device's peaks) would pass this multiple of its decode rows' "
                 "alone: their inter-token latency stays bounded while a long prompt (a video) prefills; 0 = the "
-                "token budgets only; -1 = the device's default (1.4 on CUDA, 0 on a CPU)", "min": -1.0})
+                "token budgets only; -1 = the device's default (1.4 on CUDA, 0 on a CPU)", "min": -1.0,
+        "valid": (slowdown_valid, "must be above 1, or 0 (off), or -1 (the device's default)")})
     max_num_seqs: int = field(default=0, metadata={
         "help": "most requests running at once; 0 = the device's default (64 on a CPU, 128 on CUDA)", "min": 0})
     max_model_len: int = field(default=0, metadata={"help": "context length cap; 0 = the model's", "min": 0})
@@ -204,7 +212,7 @@ class EngineConfig:
                            ("max_step_slowdown", -1.0)):
             if getattr(self, name) == auto:
                 setattr(self, name, defaults[name])
-        if not (self.max_step_slowdown == 0 or self.max_step_slowdown > 1):   # (NaN too)
+        if not slowdown_valid(self.max_step_slowdown):   # (NaN too; -1 is resolved above)
             raise ValueError(f"max_step_slowdown must be above 1, or 0 (off), or -1 (the device's default); "
                              f"got {self.max_step_slowdown}")
 
@@ -248,6 +256,8 @@ def field_type(f: dataclasses.Field, env: str | None = None) -> Callable[[str], 
             return f"{text} is below the minimum {meta['min']}"
         if "max" in meta and value > meta["max"]:
             return f"{text} is above the maximum {meta['max']}"
+        if "valid" in meta and not meta["valid"][0](value):
+            return f"{text}: {meta['valid'][1]}"
         return None
 
     def convert(text: str):

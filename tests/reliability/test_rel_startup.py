@@ -48,12 +48,14 @@ def test_a_log_read_once_the_process_exited_holds_all_it_wrote():
     (("--max-num-seqs", "-1"), None, "minimum 0"),   # 0 is the device's default
     (("--port", "70000"), None, "maximum 65535"),
     (("--max-num-batched-tokens", "many"), None, "not a valid int"),
+    (("--max-step-slowdown", "0.5"), None, "must be above 1, or 0 (off)"),
+    ((), {"MMSERVE_MAX_STEP_SLOWDOWN": "1"}, "must be above 1, or 0 (off), or -1 (the device's default) (from MMSERVE_MAX_STEP_SLOWDOWN)"),
 ])
 def test_bad_flag_is_a_usage_error_naming_the_valid_values(args, env, named):
     """Each of these used to pass parsing and leave a server that never became ready (or a traceback)."""
     done = serve_usage(*args, env=env)
     assert done.returncode == 2, done.stderr
-    flag = args[0] if args else "--scheduling-policy"
+    flag = args[0] if args else "--" + next(iter(env)).removeprefix("MMSERVE_").lower().replace("_", "-")
     assert f"argument {flag}" in done.stderr and named in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
