@@ -7,7 +7,7 @@ import random
 import pytest
 from sched_helpers import admit, make_request, make_scheduler, random_ranges, run_to_completion, step
 
-from mmserve.core.sched.scheduler import align_chunk
+from mmserve.core.sched.chunks import align_chunk
 from mmserve.errors import LimitExceededError
 from mmserve.request import RequestStatus
 

@@ -15,8 +15,8 @@ import torch
 from sched_helpers import admit, make_request, make_scheduler, random_ranges, step
 
 from mmserve.config import EngineConfig
-from mmserve.core.sched.scheduler import align_chunk, smallest_chunk
-from mmserve.core.sched.step_time import StepTimeModel, whole_lengths
+from mmserve.core.sched.chunks import align_chunk, smallest_chunk, whole_lengths
+from mmserve.core.sched.step_time import StepTimeModel
 from mmserve.metrics.perf_model import AudioWork, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.model.spec import read_spec
 from mmserve.request import AudioFeatures, RequestStatus

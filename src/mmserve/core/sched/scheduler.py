@@ -46,11 +46,10 @@ import bisect
 import logging
 from collections import Counter
 
-import numpy as np
-
 from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
+from mmserve.core.sched.chunks import align_chunk, frames_in_chunk, smallest_chunk
 from mmserve.core.sched.fair_share import interleave
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest, SchedulerOutput
 from mmserve.core.sched.step_time import ADMISSION, NO_RANGES, OPEN, PROMPT, PrefillCap, StepTimeModel
@@ -59,39 +58,6 @@ from mmserve.metrics.perf_model import RequestWork
 from mmserve.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
-
-
-def align_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> int:
-    """Shorten a chunk [start, start + num_tokens) so it never ends inside a range: a range the end
-    would cut is left whole for a later step. Returns the new length (possibly 0)."""
-    if num_tokens <= 0 or not len(ranges):
-        return num_tokens
-    last = start + num_tokens - 1
-    i = int(np.searchsorted(ranges[:, 0], last, side="right")) - 1
-    if i >= 0 and ranges[i, 0] <= last < ranges[i, 1]:
-        return max(0, int(ranges[i, 0]) - start)
-    return num_tokens
-
-
-def smallest_chunk(ranges: np.ndarray, start: int) -> int:
-    """The shortest chunk from `start` that `align_chunk` leaves whole: through the range `start`
-    lies in (before its last token), else one token."""
-    if not len(ranges):
-        return 1
-    i = int(np.searchsorted(ranges[:, 0], start, side="right")) - 1
-    if i >= 0 and ranges[i, 0] <= start < ranges[i, 1]:
-        return int(ranges[i, 1]) - start + 1
-    return 1
-
-
-def frames_in_chunk(ranges: np.ndarray, start: int, num_tokens: int) -> list[int]:
-    """Indices of ranges with a token inside [start, start + num_tokens). An image's or frame's range
-    lies wholly inside (align_chunk); an audio segment's may begin in an earlier chunk or end later."""
-    if not len(ranges):
-        return []
-    lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
-    hi = int(np.searchsorted(ranges[:, 0], start + num_tokens, side="left"))
-    return list(range(lo, hi))
 
 
 class Scheduler:

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Container, Sequence
 
-import numpy as np
-
+from mmserve.core.sched.chunks import frames_in_chunk, whole_lengths
 from mmserve.metrics.perf_model import (
     AudioWork,
     PerfBreakdown,
@@ -80,13 +79,9 @@ class StepTimeModel:
         step before encoded ahead) a step encodes the next chunk's items beside its own: an item in
         `ahead` counts once, standing for the next chunk's item of the same place, and any other
         twice (encoded in this step, and the next one's beside it)."""
-        ranges = request.mm_ranges_np
-        if not len(ranges):
-            return NO_MEDIA
-        end = start + num_tokens
-        lo = int(np.searchsorted(ranges[:, 1], start, side="left"))
-        hi = int(np.searchsorted(ranges[:, 0], end, side="left"))
-        inside = [i for i in range(lo, hi) if (ranges[i, 0] >= start if self._is_audio(request, i) else ranges[i, 1] < end)]
+        ranges, end = request.mm_ranges_np, start + num_tokens
+        inside = [i for i in frames_in_chunk(ranges, start, num_tokens)
+                  if (ranges[i, 0] >= start if self._is_audio(request, i) else ranges[i, 1] < end)]
         if ahead is not None:
             inside += [i for i in inside if i not in ahead]
         return self.items(request, inside)
@@ -247,14 +242,3 @@ class PrefillCap:
             self.num_flops += f
             kept.append(i)
         return kept
-
-
-def whole_lengths(ranges: np.ndarray, start: int, want: int) -> np.ndarray | None:
-    """The chunk lengths from `start` up to `want` that end outside every range (sorted), or None
-    when no range lies in the span (every length does)."""
-    if not len(ranges) or ranges[-1, 1] < start or ranges[0, 0] >= start + want:
-        return None
-    ends = start + np.arange(want)   # the last position of each length 1..want
-    i = np.searchsorted(ranges[:, 0], ends, side="right") - 1
-    inside = (i >= 0) & (ends < ranges[np.maximum(i, 0), 1]) & (ranges[np.maximum(i, 0), 0] <= ends)
-    return np.flatnonzero(~inside) + 1
