@@ -39,7 +39,10 @@ def test_chunked_prefill_equals_one_shot(backend, load_backend, engine_checkpoin
         for budget in (16, 64):
             tokens, logits = results[budget]
             assert tokens[kind] == one_shot_tokens[kind], (kind, budget)
-            assert rel_err(logits[kind], one_shot_logits[kind]) < 1e-5, (kind, budget)
+            # fp32 sums in another order: 31 salts x 3 backends gave at most 8.4e-6, one CI salt
+            # (298783, flex, text at 16) 1.21e-5; masking out one cached key at a chunk's start
+            # (a mutant of the reference backend) gave 0.91.
+            assert rel_err(logits[kind], one_shot_logits[kind]) < 5e-5, (kind, budget)
 
 
 def test_prompts_really_chunk_and_outgrow_the_window(load_backend):
