@@ -43,6 +43,8 @@ class ServerThread(LoopbackServer):
         found += [f"pool {name}: {n} blocks held" for name, n in held["kv_blocks_held"].items()]
         if held["encoded_ahead_bytes"]:
             found.append(f"{held['encoded_ahead_bytes']} bytes of embeddings encoded ahead still held")
+        if held["live_sessions_reserving"]:
+            found.append(f"live sessions still reserve KV blocks: {held['live_sessions_reserving']}")
         if held["encoder_cache_over_bytes"]:
             found.append(f"encoder cache is {held['encoder_cache_over_bytes']} bytes over its bound")
         if held["streams"]:

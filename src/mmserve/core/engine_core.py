@@ -234,11 +234,11 @@ class EngineCore:
                           mm_inputs=mm_inputs, priority=req.priority, owner=req.owner,
                           fork_of=req.fork_of, open_prompt=req.open_prompt)
         self.scheduler.check_admissible(request)
-        if req.open_prompt:
-            self._live.reserve(req)
         if len(self.scheduler.waiting) + len(self._compiling) >= self.config.max_waiting_requests:
             raise LimitExceededError(f"{self.config.max_waiting_requests} requests are already waiting",
                                      "--max-waiting-requests", retryable=True)
+        if req.open_prompt:   # last of the checks: only `_end` gives a reservation back
+            self._live.reserve(req)
         self.requests[req.request_id] = request
         self._admitted.append(req.request_id)
         if fmt is not None and compiled is None:
@@ -294,14 +294,16 @@ class EngineCore:
 
     def held_resources(self) -> dict:
         """What the core still holds for requests (requests, referenced KV blocks, embeddings encoded
-        ahead for them), and the encoder cache's bytes over its budget: empty values and 0 when idle. Cached free blocks and encoder-cache
-        entries outlive their requests on purpose (prefix caching), so they do not count."""
+        ahead for them, live sessions' KV reservations), and the encoder cache's bytes over its
+        budget: empty values and 0 when idle. Cached free blocks and encoder-cache entries outlive
+        their requests on purpose (prefix caching), so they do not count."""
         cache = self.runner.encoder_cache
         return {"requests": sorted(self.requests), "running": len(self.scheduler.running),
                 "waiting": len(self.scheduler.waiting),
                 "kv_blocks_held": {name: sum(c > 0 for c in pool.ref_cnt) for name, pool in self.kv.pools.items()
                                    if pool.num_free != pool.num_usable or any(pool.ref_cnt)},
                 "encoded_ahead_bytes": self.runner.encoded_ahead_bytes(),   # every rank's
+                "live_sessions_reserving": self._live.sessions(),
                 "encoder_cache_over_bytes": max(0, cache.num_bytes - cache.max_bytes)}
 
     def set_kv_events(self, on: bool) -> bool:

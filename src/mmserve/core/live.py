@@ -58,6 +58,10 @@ class LiveReservations:
             session = self._sessions[req.session_id] = _Reservation(need)
         session.contexts.add(req.request_id)
 
+    def sessions(self) -> list[str]:
+        """The sessions holding a reservation."""
+        return sorted(self._sessions)
+
     def release(self, request_id: str) -> None:
         """A context ended: its session's reservation goes with its last context."""
         for session_id, session in list(self._sessions.items()):
