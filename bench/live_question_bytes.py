@@ -112,8 +112,8 @@ def realistic_table(budget: int, repeats: int) -> None:
         for n in POINTS:
             ids = np.random.default_rng(n).integers(0, 262_144, n * per_frame + 24).tolist()
             ranges = [(16 + i * per_frame, 16 + i * per_frame + budget - 1) for i in range(n)]
-            before = AddRequest(EngineCoreRequest("s/q", ids, ranges, frames[:n]))
-            after = AddRequest(EngineCoreRequest("s/q", ids, ranges, context_request_id="s/context-0"))
+            before = AddRequest(EngineCoreRequest("s#q-1", ids, ranges, frames[:n]))
+            after = AddRequest(EngineCoreRequest("s#q-1", ids, ranges, context_request_id="s#context-0"))
             t_before, t_after = (statistics.median([crossing_s(m, push, pull) for _ in range(repeats)])
                                  for m in (before, after))
             print(f"{n:>6} {nbytes(before):>14,} {t_before * 1e3:>10.1f} {nbytes(after):>12,} {t_after * 1e3:>9.2f}")

@@ -10,6 +10,7 @@ the engine-level one-shot path: `build_prompt` of the kept frames as one VideoPa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import queue
 import re
@@ -144,7 +145,8 @@ def wait_all_free(server) -> None:
     deadline = time.monotonic() + 30
     while True:
         h = held(server)
-        if not (h["requests"] or h["kv_blocks_held"] or h["front_end_requests"] or h["streams"]):
+        if not (h["requests"] or h["kv_blocks_held"] or h["front_end_requests"] or h["streams"]
+                or h["live_sessions_reserving"] or h["encoded_ahead_bytes"]):
             return
         assert time.monotonic() < deadline, h
         time.sleep(0.05)
@@ -219,7 +221,7 @@ def test_a_question_sends_its_context_no_pixels(server, stub, monkeypatch):
     s.until(lambda s: s.answered("six"))
     s.close()
     list(s.call)
-    one, six = (next(n for rid, n in sent.items() if rid.endswith("/" + q)) for q in ("one", "six"))
+    one, six = (next(n for rid, n in sent.items() if rid.endswith("#q-" + q)) for q in ("one", "six"))
     more_tokens = s.final("six").usage.prompt_tokens - s.final("one").usage.prompt_tokens
     pixels = sum(m.pixel_values.nbytes for m in decoded(server, frames[1:]))
     assert six - one <= 8 * more_tokens < pixels, (one, six, more_tokens, pixels)
@@ -249,7 +251,7 @@ class _HeldRebuilds:
         return getattr(self._engine, name)
 
     async def generate(self, request):
-        held: list | None = [] if request.open_prompt and not request.request_id.endswith("/context-0") else None
+        held: list | None = [] if request.open_prompt and not request.request_id.endswith("#context-0") else None
         async for out in self._engine.generate(request):
             if held is None:
                 yield out
@@ -292,11 +294,11 @@ def test_a_question_asked_as_its_context_ends_is_answered_from_the_next(server):
                     await asyncio.sleep(0.01)
             mm, _ = await processor.process_frame(object(), frames[0], 1)
             ended = EngineRequest("race/ended", [1, 2, 3], [(1, 1)], [mm], SamplingParams(max_tokens=1),
-                                  context_request_id="race/context-0")
+                                  context_request_id="race#context-0")
             with pytest.raises(LimitExceededError, match="ended before question race/ended") as gone:
                 [out async for out in server.engine.generate(ended)]
             misplaced = EngineRequest("race/misplaced", [1, 2, 3], [(1, 1)], [mm], SamplingParams(max_tokens=1),
-                                      context_request_id="race/context-1")   # its frame is not at token 1
+                                      context_request_id="race#context-1")   # its frame is not at token 1
             with pytest.raises(InvalidInputError, match="context's first 1"):
                 [out async for out in server.engine.generate(misplaced)]
         finally:
@@ -412,6 +414,45 @@ def test_blocks_are_free_after_cancel_and_a_vanished_client(server, stub):
         for response in call:
             if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == 2:
                 break
+    wait_all_free(server)
+
+
+def test_another_key_cannot_name_or_abort_a_sessions_requests(server, stub):
+    """A session's contexts and questions run under ids derived from its own ("victim#context-0"),
+    which no client id may hold. When they were "victim/context-0", another key's Generate of that
+    name, aborted while its video decoded (before the engine had it), aborted the session's context."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    s = Session(stub, pb.LiveOpen(session_id="victim"), timeout=60)
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))) for _ in range(2)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 2)
+    video = encode([rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(60)], fps=30.0)
+    other = (("authorization", "Bearer another key"),)
+
+    def generate(request_id: str):
+        return stub.Generate(pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(max_tokens=2),
+                                                messages=[pb.Message(role="user", parts=[
+                                                    pb.Part(video=pb.Video(data=video, num_frames=8)),
+                                                    pb.Part(text="hi")])]), timeout=60, metadata=other)
+
+    with pytest.raises(grpc.RpcError) as refused:
+        list(generate("victim#context-0"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'#'" in refused.value.details()
+    assert not stub.Abort(pb.AbortRequest(request_id="victim#context-0"), metadata=other).found
+    for _ in range(20):   # the old name: its own request now, aborted mid-decode (retried until the abort lands)
+        call = generate("victim/context-0")
+        found = any(stub.Abort(pb.AbortRequest(request_id="victim/context-0"), metadata=other).found
+                    for _ in range(50))
+        with contextlib.suppress(grpc.RpcError):   # CANCELLED once aborted
+            list(call)
+        if found:
+            break
+    assert found
+    s.send(question("q", max_tokens=3))
+    s.until(lambda s: s.answered("q"))
+    assert s.answers["q"][-1].WhichOneof("kind") == "final", s.answers["q"][-1]
+    s.close()
+    list(s.call)
+    assert s.call.code() == grpc.StatusCode.OK
     wait_all_free(server)
 
 

@@ -57,25 +57,25 @@ def test_a_preempted_question_recomputes_from_its_contexts_media():
     # the demo model's greedy tokens hardly depend on random frames; their logprobs do (by 5e-4 to 1e-2)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True)
 
-    engine.add_request(EngineRequest("s/context-0", ids, ranges, inputs, SamplingParams(max_tokens=1),
+    engine.add_request(EngineRequest("s#context-0", ids, ranges, inputs, SamplingParams(max_tokens=1),
                                      open_prompt=len(ids) + 16, session_id="s"))
-    run(engine, lambda _: engine.core.requests["s/context-0"].num_computed_tokens == len(ids))
+    run(engine, lambda _: engine.core.requests["s#context-0"].num_computed_tokens == len(ids))
     for i in range(3):   # requests admitted before the question: it is the one preempted when blocks run out
         engine.add_request(EngineRequest(f"filler-{i}", torch.randint(300, 1000, (40,), generator=gen).tolist(),
                                          sampling=SamplingParams(max_tokens=24, ignore_eos=True)))
-    engine.add_request(EngineRequest("s/q", question, ranges, inputs, greedy, context_request_id="s/context-0"))
-    asked = engine.core.requests["s/q"]
+    engine.add_request(EngineRequest("s#q-1", question, ranges, inputs, greedy, context_request_id="s#context-0"))
+    asked = engine.core.requests["s#q-1"]
     assert len(asked.mm_inputs) == 4   # the context's own objects, not copies
-    assert all(a is b for a, b in zip(asked.mm_inputs, engine.core.requests["s/context-0"].mm_inputs[:4], strict=True))
+    assert all(a is b for a, b in zip(asked.mm_inputs, engine.core.requests["s#context-0"].mm_inputs[:4], strict=True))
     got = run(engine, lambda _: asked.num_preemptions > 0)
-    engine.core.abort("s/context-0")   # the context ends while its question waits to be recomputed
-    engine.processor.forget("s/context-0")
+    engine.core.abort("s#context-0")   # the context ends while its question waits to be recomputed
+    engine.processor.forget("s#context-0")
     got = {rid: got.get(rid, []) + more for rid, more in
-           run(engine, lambda t: "s/q:done" in t and all(f"filler-{i}:done" in t for i in range(3))).items()}
-    assert asked.num_preemptions > 0 and "s/q:done" in got
+           run(engine, lambda t: "s#q-1:done" in t and all(f"filler-{i}:done" in t for i in range(3))).items()}
+    assert asked.num_preemptions > 0 and "s#q-1:done" in got
     assert all(not any(p.ref_cnt) for p in engine.core.kv.pools.values()) and not engine.core.requests
 
     alone = llm(num_kv_blocks=256)
-    expected = alone.generate([EngineRequest("s/q", question, ranges, inputs, greedy)])[0].logprobs
-    assert [t.token_id for t in got["s/q"]] == [t.token_id for t in expected] and len(expected) == 10
-    torch.testing.assert_close([t.logprob for t in got["s/q"]], [t.logprob for t in expected], rtol=0, atol=1e-5)
+    expected = alone.generate([EngineRequest("s#q-1", question, ranges, inputs, greedy)])[0].logprobs
+    assert [t.token_id for t in got["s#q-1"]] == [t.token_id for t in expected] and len(expected) == 10
+    torch.testing.assert_close([t.logprob for t in got["s#q-1"]], [t.logprob for t in expected], rtol=0, atol=1e-5)

@@ -198,10 +198,12 @@ def test_the_gateway_door_shares_ids_and_abort_ownership_with_mmserve_v1(server)
 
 
 def test_client_ids_cannot_collide_with_parallel_samples(server):
-    """A client id "x#1" used to take sample 1 of another client's n=2 request "x" and fail it."""
+    """A client id "x#1" used to take sample 1 of another client's n=2 request "x" and fail it; the
+    gateway door took such ids until the live sessions' ids were derived the same way."""
     owner_key, other_key = KEYS
 
-    async def scenario(stub):
+    async def scenario(channel):
+        stub, door = pb_grpc.GenerationStub(channel), vpb_grpc.VllmEngineStub(channel)
         request = text_request("x", 40)
         request.sampling.n = 2
         owner = stub.Generate(request, metadata=bearer(owner_key))
@@ -209,12 +211,16 @@ def test_client_ids_cannot_collide_with_parallel_samples(server):
         squatter = await read_stream(stub.Generate(text_request("x#1", 4), metadata=bearer(other_key)))
         assert squatter.code == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in squatter.details, squatter
         assert "'#'" in squatter.details
+        code, details = await stream_status(door.Generate(vpb.GenerateRequest(
+            request_id="x#1", tokenized=vpb.TokenizedInput(input_ids=[2, 10, 11]),
+            sampling_params=vpb.SamplingParams(temperature=0, max_tokens=4)), metadata=bearer(other_key)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "'#'" in details, (code, details)
         rest = await read_stream(owner)
         assert rest.code is None, rest
         assert [s.completion_tokens for s in rest.final.samples] == [40, 40]
         assert not (await stub.Abort(pb.AbortRequest(request_id="x"), metadata=bearer(other_key))).found
 
-    run(server, scenario)
+    run(server, scenario, raw=True)
 
 
 def test_undecodable_messages_get_invalid_argument_and_a_rate_limited_log_line(server):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mmserve.engine.types import EngineRequest, SampledVideo
+from mmserve.engine.types import EngineRequest, SampledVideo, derived_id
 from mmserve.errors import InvalidInputError, LimitExceededError, MMServeError
 from mmserve.model.prompt import ROLES, TURN_CLOSE, TURN_OPEN, timestamp_text
 from mmserve.multimodal.limits import MediaLimits
@@ -395,7 +395,7 @@ class LiveSession:
 
     def _open_context(self, frames: list[LiveFrame]) -> _Context:
         prompt = LivePrompt(self.tokenizer, self.spec, self.options.system_prompt)
-        context = _Context(f"{self.session_id}/context-{next(self._ids)}", prompt, list(prompt.header))
+        context = _Context(derived_id(self.session_id, f"context-{next(self._ids)}"), prompt, list(prompt.header))
         context.cuts.append(_Cut(len(context.token_ids), prompt.pending, 0))
         ids, ranges, inputs = self._render(context, frames)   # a rebuild's kept frames: in its first prompt
         context.token_ids += ids
@@ -503,7 +503,7 @@ class LiveSession:
         suffix = context.prompt.question(text, cut.pending)
         frames = context.frames[:cut.num_frames]
         return EngineRequest(
-            f"{self.session_id}/{question_id}", context.token_ids[:cut.num_tokens] + suffix, ranges,
+            derived_id(self.session_id, f"q-{question_id}"), context.token_ids[:cut.num_tokens] + suffix, ranges,
             context.mm_inputs[:len(ranges)], sampling, trace_context=trace_context, num_frames=len(frames),
             num_mm_tokens=sum(b - a + 1 for a, b in ranges), arrival_time=asked,
             videos=[SampledVideo(LIVE_PART, tuple(f.time_s for f in frames))],

@@ -1,7 +1,7 @@
 """`n` samples of one prompt: one engine request per sample, sharing the prompt's KV.
 
 Sample 0 is the request itself (its id, its seed); sample i > 0 is `"{id}#{i}"` with `fork_of` set
-(the server refuses client ids containing `#`, so a sample's id never equals another request's),
+(`types.derived_id`: no client id contains `#`, so a sample's id never equals another request's),
 which the engine holds back until sample 0 has computed the prompt; it then runs on sample 0's KV
 of the prompt, with or without prefix caching (whole blocks shared by reference count, the partial
 last one copied: core/forks.py), computing only the prompt's last token again. With a `seed`,
@@ -15,8 +15,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 
-from mmserve.engine.types import EngineRequest, RequestOutput
-from mmserve.errors import InvalidInputError
+from mmserve.engine.types import EngineRequest, RequestOutput, derived_id
 
 SEED_MODULUS = 2**64
 
@@ -26,18 +25,8 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else (seed + index) % SEED_MODULUS
 
 
-SAMPLE_SEPARATOR = "#"
-
-
 def sample_id(request_id: str, index: int) -> str:
-    return request_id if index == 0 else f"{request_id}{SAMPLE_SEPARATOR}{index}"
-
-
-def check_client_id(request_id: str) -> None:
-    """Refuse a client-chosen id that could equal a sample's id (`"x#1"` is sample 1 of `"x"`)."""
-    if SAMPLE_SEPARATOR in request_id:
-        raise InvalidInputError("request_id", f"must not contain {SAMPLE_SEPARATOR!r}: it is reserved for the "
-                                f"ids of parallel samples (sampling.n)")
+    return request_id if index == 0 else derived_id(request_id, str(index))
 
 
 def fan_out(request: EngineRequest) -> list[EngineRequest]:

@@ -10,6 +10,15 @@ from mmserve.engine.routing_prompt import RoutingPrompt
 from mmserve.ipc.protocol import EngineCoreRequest, TokenLogprobs
 from mmserve.metrics.peaks import DevicePeaks
 
+# The ids the server derives from a client's id: a parallel sample's ("x#1"), a live session's
+# contexts ("x#context-0") and questions ("x#q-<question id>"). No client id may hold the separator
+# (server/in_flight.py refuses it at both doors), so no client can name, squat or abort them.
+DERIVED_ID_SEPARATOR = "#"
+
+
+def derived_id(client_id: str, suffix: str) -> str:
+    return f"{client_id}{DERIVED_ID_SEPARATOR}{suffix}"
+
 
 @dataclass(frozen=True)
 class SampledVideo:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mmserve.engine.parallel_sampling import sample_id
-from mmserve.engine.types import EngineRequest
+from mmserve.engine.types import DERIVED_ID_SEPARATOR, EngineRequest
 from mmserve.errors import InvalidInputError, RequestAbortedError
 
 
@@ -47,9 +47,14 @@ class InFlightRequests:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add(self, request_id: str, owner: bytes, n: int) -> None:
+    def add(self, request_id: str, owner: bytes, n: int, field: str = "request_id") -> None:
+        """Register a client's id (a request's, a live session's), refusing one in flight or one
+        holding the separator of the ids the server derives from it (`types.derived_id`)."""
+        if DERIVED_ID_SEPARATOR in request_id:
+            raise InvalidInputError(field, f"must not contain {DERIVED_ID_SEPARATOR!r}: it is reserved for the ids "
+                                    "the server derives (parallel samples, live sessions' contexts and questions)")
         if request_id in self._requests:
-            raise InvalidInputError("request_id", f"{request_id!r} is already in flight; ids must be unique")
+            raise InvalidInputError(field, f"{request_id!r} is already in flight; ids must be unique")
         self._requests[request_id] = InFlight(owner, n)
 
     def remove(self, request_id: str) -> None:

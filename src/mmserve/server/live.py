@@ -124,7 +124,7 @@ class LiveService:
             session_id = _request_id(first.open.session_id)
             options = self._options(first.open, processor)
             await asyncio.to_thread(widest_frame_texts, processor.tokenizer)   # once per tokenizer, off the loop
-            self._in_flight.add(session_id, owner, 1)
+            self._in_flight.add(session_id, owner, 1, "open.session_id")
         except (MMServeError, TimeoutError) as e:
             end_with(context, _idle_error(idle) if isinstance(e, TimeoutError) else e, session_id)
             return

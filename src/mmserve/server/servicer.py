@@ -18,7 +18,7 @@ import grpc
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input.processor import InputProcessor
-from mmserve.engine.parallel_sampling import check_client_id, generate_samples
+from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.types import RequestOutput
 from mmserve.errors import EngineUnavailableError, MMServeError
 from mmserve.ipc.protocol import TokenLogprobs
@@ -133,7 +133,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             validated = validate_request(request, self._config)
             request_id = validated.request_id
-            check_client_id(request_id)
             processor = self._processor()
             if processor is None:
                 raise EngineUnavailableError("the model is still loading; retry shortly")
