@@ -438,6 +438,33 @@ def test_a_bad_question_fails_alone_and_bad_sessions_get_clear_statuses(server, 
     wait_all_free(server)
 
 
+def test_frame_times_that_are_not_finite_end_the_session_naming_frame_time_s(server, stub, monkeypatch):
+    """A NaN or infinite capture time, or one whose distance from the first frame's overflows, is
+    INVALID_ARGUMENT naming frame.time_s at once. Before, NaN passed the never-decreasing check and the
+    prompt's timestamp text raised in a decode's done-callback, where the loop only logged it: the frame
+    waited forever and the session ended at its idle timeout (RESOURCE_EXHAUSTED). A failure there now
+    ends the session with a status of its own."""
+    rng = np.random.default_rng(int(np.random.randint(1000)))
+    for times in ([float("nan")], [0.0, float("nan")], [float("inf")], [0.0, float("-inf")], [-1e308, 1e308]):
+        s = Session(stub, pb.LiveOpen(), timeout=60)
+        s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng), time_s=t)) for t in times))
+        with pytest.raises(grpc.RpcError) as e:
+            s.until(lambda s: False)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (times, e.value.details())
+        assert e.value.details().startswith("frame.time_s: ") and "finite" in e.value.details(), e.value.details()
+
+    def broken(*args):
+        raise RuntimeError("a bug while rendering a frame")
+
+    monkeypatch.setattr(LivePrompt, "frame", broken)
+    s = Session(stub, pb.LiveOpen(), timeout=60)
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))))
+    with pytest.raises(grpc.RpcError) as e:
+        s.until(lambda s: False)
+    assert e.value.code() == grpc.StatusCode.INTERNAL, e.value.details()
+    wait_all_free(server)
+
+
 def test_fall_behind_policies(server, stub):
     """BUFFER refuses past max_pending_frames with RESOURCE_EXHAUSTED; DROP drops the oldest and goes on.
     A bystander Generate is served meanwhile (its latency is the benchmark's to measure)."""
