@@ -611,15 +611,20 @@ def test_stream_chunks_answer_as_a_one_shot_of_the_same_file(server, stub, conta
 
 def test_bad_streams_end_the_session_with_a_clear_status(server, stub):
     """What is not a stream we read, frames over --max-image-pixels (checked from the stream's declared
-    size, before decoding), more bytes waiting than --live-max-stream-buffer-bytes, and a stream after
-    images: each ends its session with a status that names the cause."""
+    size, before decoding), more bytes waiting than --live-max-stream-buffer-bytes, a stream whose clock
+    goes back (a second stream after the first, as after an encoder restart: its frames were skipped
+    until the clock caught up, so a short one was never seen and the session ended at its idle timeout),
+    and a stream after images: each ends its session with a status that names the cause."""
     rng = np.random.default_rng(23)
     big = [rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)] * 4   # 7680 pixels, over the module's 4096
+    first, second = (live_stream([rng.integers(0, 255, (24, 32, 3), dtype=np.uint8) for _ in range(6)], 4.0,
+                                 "mpegts") for _ in range(2))   # 1.25 s each: the second goes back > 1 s
     cases = [([b"\x00" * 600], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
              ([png(rng)], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
              ([live_stream(big, 8.0, "mpegts")], grpc.StatusCode.INVALID_ARGUMENT, "--max-image-pixels"),
              ([live_stream(big[:1], 8.0, "fmp4")[:700], bytes(70_000)], grpc.StatusCode.RESOURCE_EXHAUSTED,
-              "--live-max-stream-buffer-bytes")]
+              "--live-max-stream-buffer-bytes"),
+             ([first, second], grpc.StatusCode.INVALID_ARGUMENT, "stream_chunk: the stream's clock went back")]
     for chunks, code, words in cases:
         s = Session(stub, pb.LiveOpen())
         s.send(*(pb.LiveRequest(stream_chunk=c) for c in chunks))
