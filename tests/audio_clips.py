@@ -62,6 +62,13 @@ def wav_declaring(seconds: float, real_samples: int, rate: int = RATE) -> bytes:
     return header + tones(1, real_samples / rate, rate).tobytes()
 
 
+def wav_f32(samples: np.ndarray, rate: int = RATE) -> bytes:
+    """float32 mono samples as a pcm_f32le WAV, written by hand: NaN and infinity go in as they are."""
+    data = samples.astype("<f4").tobytes()
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 3, 1, rate, rate * 4, 4, 32) + b"data" + struct.pack("<I", len(data)) + data)
+
+
 def av_clip(frames: list[np.ndarray], fps: float, samples: np.ndarray | None, rate: int = RATE, *,
             fmt: str = "matroska") -> bytes:
     """A video of `frames` (HxWx3 uint8) at `fps` with `samples` (int16 mono) as lossless PCM sound

@@ -479,6 +479,33 @@ def test_a_bad_question_fails_alone_and_bad_sessions_get_clear_statuses(server, 
     wait_all_free(server)
 
 
+def test_frame_times_that_are_not_finite_end_the_session_naming_frame_time_s(server, stub, monkeypatch):
+    """A NaN or infinite capture time, or one whose distance from the first frame's overflows, is
+    INVALID_ARGUMENT naming frame.time_s at once. Before, NaN passed the never-decreasing check and the
+    prompt's timestamp text raised in a decode's done-callback, where the loop only logged it: the frame
+    waited forever and the session ended at its idle timeout (RESOURCE_EXHAUSTED). A failure there now
+    ends the session with a status of its own."""
+    rng = np.random.default_rng(int(np.random.randint(1000)))
+    for times in ([float("nan")], [0.0, float("nan")], [float("inf")], [0.0, float("-inf")], [-1e308, 1e308]):
+        s = Session(stub, pb.LiveOpen(), timeout=60)
+        s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng), time_s=t)) for t in times))
+        with pytest.raises(grpc.RpcError) as e:
+            s.until(lambda s: False)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (times, e.value.details())
+        assert e.value.details().startswith("frame.time_s: ") and "finite" in e.value.details(), e.value.details()
+
+    def broken(*args):
+        raise RuntimeError("a bug while rendering a frame")
+
+    monkeypatch.setattr(LivePrompt, "frame", broken)
+    s = Session(stub, pb.LiveOpen(), timeout=60)
+    s.send(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))))
+    with pytest.raises(grpc.RpcError) as e:
+        s.until(lambda s: False)
+    assert e.value.code() == grpc.StatusCode.INTERNAL, e.value.details()
+    wait_all_free(server)
+
+
 def test_fall_behind_policies(server, stub):
     """BUFFER refuses past max_pending_frames with RESOURCE_EXHAUSTED; DROP drops the oldest and goes on.
     A bystander Generate is served meanwhile (its latency is the benchmark's to measure)."""
@@ -625,15 +652,20 @@ def test_stream_chunks_answer_as_a_one_shot_of_the_same_file(server, stub, conta
 
 def test_bad_streams_end_the_session_with_a_clear_status(server, stub):
     """What is not a stream we read, frames over --max-image-pixels (checked from the stream's declared
-    size, before decoding), more bytes waiting than --live-max-stream-buffer-bytes, and a stream after
-    images: each ends its session with a status that names the cause."""
+    size, before decoding), more bytes waiting than --live-max-stream-buffer-bytes, a stream whose clock
+    goes back (a second stream after the first, as after an encoder restart: its frames were skipped
+    until the clock caught up, so a short one was never seen and the session ended at its idle timeout),
+    and a stream after images: each ends its session with a status that names the cause."""
     rng = np.random.default_rng(23)
     big = [rng.integers(0, 255, (80, 96, 3), dtype=np.uint8)] * 4   # 7680 pixels, over the module's 4096
+    first, second = (live_stream([rng.integers(0, 255, (24, 32, 3), dtype=np.uint8) for _ in range(6)], 4.0,
+                                 "mpegts") for _ in range(2))   # 1.25 s each: the second goes back > 1 s
     cases = [([b"\x00" * 600], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
              ([png(rng)], grpc.StatusCode.INVALID_ARGUMENT, "MPEG-TS or fragmented MP4"),
              ([live_stream(big, 8.0, "mpegts")], grpc.StatusCode.INVALID_ARGUMENT, "--max-image-pixels"),
              ([live_stream(big[:1], 8.0, "fmp4")[:700], bytes(70_000)], grpc.StatusCode.RESOURCE_EXHAUSTED,
-              "--live-max-stream-buffer-bytes")]
+              "--live-max-stream-buffer-bytes"),
+             ([first, second], grpc.StatusCode.INVALID_ARGUMENT, "stream_chunk: the stream's clock went back")]
     for chunks, code, words in cases:
         s = Session(stub, pb.LiveOpen())
         s.send(*(pb.LiveRequest(stream_chunk=c) for c in chunks))

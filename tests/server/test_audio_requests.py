@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from audio_clips import av_clip, encode, tones, wav, wav_declaring
+from audio_clips import av_clip, encode, tones, wav, wav_declaring, wav_f32
 
 from mmserve.clients import Client, ClientError
 from mmserve.clients.messages import audio_part, message, text_part, video_part
@@ -164,6 +164,11 @@ BAD = {
     "silence": (wav(np.zeros(16000, np.int16)), grpc.StatusCode.INVALID_ARGUMENT, "silent"),
     "not audio": (b"\x00\x01 not an audio file at all" * 8, grpc.StatusCode.INVALID_ARGUMENT, "unrecognised"),
     "truncated": (wav(tones(3, 1.0))[:30], grpc.StatusCode.INVALID_ARGUMENT, "audio"),
+    # float samples a broken encoder wrote: NaN's peak passed the silence check and was answered, status OK
+    "NaN samples": (wav_f32(np.where(np.arange(16000) % 97 == 0, np.nan, tones(4, 1.0) / 32768)),
+                    grpc.StatusCode.INVALID_ARGUMENT, "not finite numbers"),
+    "infinite samples": (wav_f32(np.where(np.arange(16000) % 97 == 0, np.inf, tones(5, 1.0) / 32768)),
+                         grpc.StatusCode.INVALID_ARGUMENT, "not finite numbers"),
 }
 
 

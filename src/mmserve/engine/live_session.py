@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -290,9 +291,11 @@ class LiveSession:
             time_s = now
         if time_s < self._last_time:
             raise InvalidInputError("frame.time_s", f"capture times must not decrease ({time_s} after {self._last_time})")
-        self._last_time = time_s
-        if self._start_time is None:
-            self._start_time = time_s
+        start = time_s if self._start_time is None else self._start_time
+        if not math.isfinite(time_s - start):   # e.g. -1e308 then 1e308: the prompt's timestamp would be inf
+            raise InvalidInputError("frame.time_s", f"{time_s} s after a first frame at {start} s is not a finite "
+                                    "number of seconds")
+        self._last_time, self._start_time = time_s, start
         index = self.stats.frames_received
         self.stats.frames_received += 1
         self._waiting[index] = now
@@ -303,7 +306,7 @@ class LiveSession:
                     f"({self.options.max_pending_frames}): the server cannot keep up with this frame rate",
                     "max_pending_frames", retryable=True)   # may pass later, on a less loaded server
             self._drop_oldest()
-        task = asyncio.ensure_future(self._decode(data, time_s - self._start_time, now, index))
+        task = asyncio.ensure_future(self._decode(data, time_s - start, now, index))
         self._decoding.append((index, task))
         task.add_done_callback(lambda _: self._feed())
 
@@ -325,7 +328,15 @@ class LiveSession:
         return LiveFrame(mm, n, time_s, arrival, index)
 
     def _feed(self) -> None:
-        """Move decoded frames, in order, into the engine while the pipeline has room."""
+        """Move decoded frames, in order, into the engine while the pipeline has room. It runs from
+        callbacks (a decode's end, a step's progress), where an exception would only be logged and the
+        frame wait forever: any failure ends the session instead."""
+        try:
+            self._feed_frames()
+        except Exception as e:  # noqa: BLE001 - the session cannot go on; its status says why
+            self._closed_with(e)
+
+    def _feed_frames(self) -> None:
         if self._closed:
             return
         while self._decoding and self._decoding[0][1].done():

@@ -225,6 +225,9 @@ def probe_duration(source: MediaSource, limits: MediaLimits) -> float | None:
 def check_audible(samples: np.ndarray, rate: int, what: str = "the audio") -> None:
     if not samples.size:
         raise InvalidInputError(FIELD, f"{what} holds no samples")
+    if damaged := int(np.count_nonzero(~np.isfinite(samples))):   # a NaN peak would pass the silence check below
+        raise InvalidInputError(FIELD, f"{what} holds {damaged} samples that are not "
+                                "finite numbers (NaN or infinity): its encoder wrote damaged floats; re-encode it")
     if float(np.abs(samples).max()) < SILENCE:
         raise InvalidInputError(FIELD, f"{what} is silent ({samples.size / rate:.2f} s, every sample below "
                                 "-80 dBFS): there is nothing to hear")

@@ -38,6 +38,11 @@ READ_BYTES = 4096   # the demuxer's read size: a small chunk is decoded without 
 # byte (and now and then takes random bytes for a packet that decodes to nothing), so without a bound
 # garbage after valid data would end the session only at its idle timeout.
 FRAME_SLACK_BYTES = 256 * 1024
+# How far a frame's time may fall behind the last kept frame's before the stream counts as restarted
+# (an encoder restart, two streams back to back, a PTS wrap): the sampler would skip every frame until
+# the clock caught up again, so the session would go silent until its idle timeout. Less than this is
+# jitter, and those frames are skipped as the sampler skips them.
+MAX_CLOCK_STEP_BACK_S = 1.0
 
 
 class FpsSampler:
@@ -162,6 +167,7 @@ class StreamDecoder:
         stream = _video_stream(container, self.limits)   # its declared frame size, checked before decoding
         codec = stream.codec_context
         sampler = FpsSampler(self.fps)
+        last_time = float("-inf")   # the last kept frame's time
         self._expect_frame(codec)
         for packet in container.demux(stream):
             if self._closed:
@@ -173,11 +179,15 @@ class StreamDecoder:
                 if frame.time is None:
                     continue
                 _check_dimensions(frame.width, frame.height, self.limits)
+                if frame.time < last_time - MAX_CLOCK_STEP_BACK_S:
+                    raise InvalidInputError(FIELD, f"the stream's clock went back from {last_time:.3f} s to "
+                                            f"{frame.time:.3f} s; open a new session for a new stream")
                 if not sampler.keep(frame.time):
                     continue
                 rgb, _ = _rgb(frame, self.limits)
                 if self._closed:
                     return
+                last_time = frame.time
                 self._on_frame(rgb, frame.time)
 
     def _expect_frame(self, codec) -> None:

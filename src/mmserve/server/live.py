@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -220,6 +221,8 @@ class LiveService:
                 if kind == "frame":
                     if not message.frame.image:
                         raise InvalidInputError("frame.image", "a frame needs the bytes of an encoded image")
+                    if not math.isfinite(message.frame.time_s):
+                        raise InvalidInputError("frame.time_s", "must be a finite number of seconds")
                     session.add_frame(message.frame.image,
                                       message.frame.time_s if message.frame.HasField("time_s") else None)
                 elif kind == "question":
