@@ -1,16 +1,24 @@
-"""Abort, client cancel and deadlines stop a request within one engine step and free its resources."""
+"""Abort, client cancel and deadlines stop a request within one engine step and free its resources,
+whenever the Abort comes: while the door still checks the request, or before its samples are admitted."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 import uuid
 
 import grpc
+import pytest
 from rel_engine import read_stream, steps_with
+from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
+from mmserve.server.in_flight import InFlightRequests
+from mmserve.structured_output.compiler import FormatCompiler
 
 LONG = 400  # tokens: far more than a test waits for
 
@@ -92,4 +100,96 @@ def test_client_cancel_and_deadline_stop_the_engine_request(rel_server, make_vid
         # finish with it, no later one.
         assert rid in aborted_at, f"the server never aborted {rid} in the engine"
         assert steps_with(observer, rid, aborted_at[rid]) <= 1
+    rel_server.assert_nothing_leaked()
+
+
+@pytest.fixture
+def held_compile(monkeypatch):
+    """The front end's compile worker held on this test's response_format (an enum of a fresh tag) until
+    the test releases it: (the tag's schema, set once the compile started, the release)."""
+    tag = f"tag-{uuid.uuid4().hex}"
+    started, release = threading.Event(), threading.Event()
+    build = FormatCompiler._build
+
+    def held_build(self, fmt):
+        if tag in fmt.spec:
+            started.set()
+            release.wait()
+        return build(self, fmt)
+
+    monkeypatch.setattr(FormatCompiler, "_build", held_build)
+    yield json.dumps({"enum": [tag]}), started, release
+    release.set()
+
+
+@pytest.mark.parametrize("door", ["mmserve.v1", "VllmEngine"])
+def test_an_abort_while_the_door_compiles_the_response_format_ends_the_request(rel_server, held_compile, door):
+    """The id used to be registered only after the awaited checks: such an Abort found nothing and the
+    request then ran to its end."""
+    schema, started, release = held_compile
+    rid = f"checking-{uuid.uuid4().hex[:8]}"
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(rel_server.address) as ch:
+            stub, gateway = pb_grpc.GenerationStub(ch), vpb_grpc.VllmEngineStub(ch)
+            if door == "mmserve.v1":
+                request = _long_request(rid, max_tokens=16)
+                request.sampling.ignore_eos = False
+                request.sampling.response_format.json_schema = schema
+                call = stub.Generate(request)
+            else:
+                call = gateway.Generate(vpb.GenerateRequest(
+                    request_id=rid, tokenized=vpb.TokenizedInput(input_ids=[2, 10, 11]), stream=True,
+                    sampling_params=vpb.SamplingParams(max_tokens=16, json_schema=schema)))
+            await asyncio.to_thread(started.wait)
+            if door == "mmserve.v1":
+                assert (await stub.Abort(pb.AbortRequest(request_id=rid))).found
+            else:
+                await gateway.Abort(vpb.AbortRequest(request_ids=[rid]))
+            release.set()   # the compile ends: the request must not go on to the engine
+            code, details = grpc.StatusCode.OK, ""
+            try:
+                async for _ in call:
+                    pass
+            except grpc.aio.AioRpcError as e:
+                code, details = e.code(), e.details()
+            assert code == grpc.StatusCode.CANCELLED and rid in details, (code, details)
+            assert not (await stub.Abort(pb.AbortRequest(request_id=rid))).found   # its id is free again
+
+    asyncio.run(scenario())
+    assert rid not in rel_server.observer.queued
+    rel_server.assert_nothing_leaked()
+
+
+def test_an_abort_before_the_samples_are_admitted_stops_every_sample(rel_server, monkeypatch):
+    """n > 1: the samples are admitted over a few loop turns after input processing; an Abort in them
+    found no sample in the engine, answered found, and every sample then ran to max_tokens."""
+    rid = f"samples-{uuid.uuid4().hex[:8]}"
+    processed, release = threading.Event(), threading.Event()
+    preprocess = InFlightRequests.preprocess
+
+    async def held_after_processing(self, request_id, processing):   # those turns, stretched
+        engine_request = await preprocess(self, request_id, processing)
+        if request_id == rid:
+            processed.set()
+            await asyncio.to_thread(release.wait)
+        return engine_request
+
+    monkeypatch.setattr(InFlightRequests, "preprocess", held_after_processing)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(rel_server.address) as ch:
+            stub = pb_grpc.GenerationStub(ch)
+            request = _long_request(rid, max_tokens=24)
+            request.sampling.n = 3
+            call = stub.Generate(request)
+            try:
+                await asyncio.to_thread(processed.wait)
+                assert (await stub.Abort(pb.AbortRequest(request_id=rid))).found
+            finally:
+                release.set()
+            return await read_stream(call)
+
+    result = asyncio.run(scenario())
+    assert result.code == grpc.StatusCode.CANCELLED and result.final is None and not result.token_ids, result
     rel_server.assert_nothing_leaked()

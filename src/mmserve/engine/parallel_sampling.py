@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from mmserve.engine.types import EngineRequest, RequestOutput, derived_id
+from mmserve.errors import RequestAbortedError
 
 SEED_MODULUS = 2**64
 
@@ -43,10 +44,13 @@ def fan_out(request: EngineRequest) -> list[EngineRequest]:
     return out
 
 
-async def generate_samples(engine, request: EngineRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def generate_samples(engine, request: EngineRequest,
+                           aborted: Callable[[], bool] = lambda: False) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(sample index, output) from every sample of `request` as they arrive; each sample ends with its
     own finished output. If one sample fails, the others are aborted and the error is raised; leaving
-    early aborts every sample still running."""
+    early aborts every sample still running. The samples are admitted over a few turns of the event
+    loop: an abort in those turns (`aborted()` true after them) found some not yet in the engine, so
+    the request ends with RequestAbortedError once all are admitted."""
     requests = fan_out(request)
     if len(requests) == 1:
         async for out in engine.generate(request):
@@ -66,6 +70,8 @@ async def generate_samples(engine, request: EngineRequest) -> AsyncIterator[tupl
         for i, sub in enumerate(requests):
             tasks.append(asyncio.ensure_future(pump(i, sub)))
             await asyncio.sleep(0)   # admit in index order: sample 0 first, so the forks find their parent
+        if aborted():
+            raise RequestAbortedError(f"request {request.request_id} was aborted")
         remaining = len(requests)
         while remaining:
             index, item = await queue.get()

@@ -3,20 +3,22 @@
 One registry for both doors, so that an id is unique across them (the engine sees one namespace),
 an Abort through either door reaches only the caller's own requests (finding 9 of the hardening
 issue: the key that created a request is the only one that can abort it), and an Abort that arrives
-while a request's media are still decoding stops that decode before the engine ever has the request.
+before the engine has the request (while the door still checks it or decodes its media, or before
+all of its samples are admitted) stops it there: a door registers the id before its first await.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
-from mmserve.engine.parallel_sampling import sample_id
-from mmserve.engine.types import DERIVED_ID_SEPARATOR, EngineRequest
+from mmserve.engine.parallel_sampling import generate_samples, sample_id
+from mmserve.engine.types import DERIVED_ID_SEPARATOR, EngineRequest, RequestOutput
 from mmserve.errors import InvalidInputError, RequestAbortedError
 
 
@@ -30,13 +32,16 @@ def caller_key(context: grpc.aio.ServicerContext) -> bytes:
 
 @dataclass
 class InFlight:
-    """A request as Abort sees it: whose it is, how many samples it has in the engine, and the input
-    processing task an early Abort cancels."""
+    """A request as Abort sees it: whose it is, how many samples it has in the engine, whether it was
+    aborted (what runs after the Abort reads it), and the step before the engine that an Abort cancels."""
 
     owner: bytes
     n: int
-    aborted_early: bool = False
-    preprocessing: asyncio.Task | None = field(default=None, repr=False)
+    aborted: bool = False
+    before_engine: asyncio.Task | None = field(default=None, repr=False)
+
+
+Result = TypeVar("Result")
 
 
 class InFlightRequests:
@@ -60,36 +65,53 @@ class InFlightRequests:
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
-    async def preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
-        """Run input processing as a task Abort can cancel, which stops its decodes at once."""
+    async def before_engine(self, request_id: str, step: Coroutine[object, object, Result]) -> Result:
+        """Run a step of the request before the engine has it (a door's awaited check, input
+        processing) as a task Abort can cancel, which stops its decodes at once; RequestAbortedError
+        if the request was aborted before or during it."""
         running = self._requests[request_id]
-        running.preprocessing = asyncio.ensure_future(processing)
+        if running.aborted:
+            step.close()
+            raise RequestAbortedError(f"request {request_id} was aborted")
+        running.before_engine = asyncio.ensure_future(step)
         try:
             # No local holds the task: its error's traceback holds this frame, and a task held
             # here would hold that error back (a cycle keeping the request's media alive).
-            engine_request = await running.preprocessing
+            result = await running.before_engine
         except asyncio.CancelledError:
-            if running.aborted_early and not asyncio.current_task().cancelling():
+            if running.aborted and not asyncio.current_task().cancelling():
                 raise RequestAbortedError(f"request {request_id} was aborted") from None
             raise
         finally:
-            running.preprocessing = None
-        if running.aborted_early:
+            running.before_engine = None
+        if running.aborted:
             raise RequestAbortedError(f"request {request_id} was aborted")
-        engine_request.owner = running.owner   # the scheduler shares seats fairly between callers
+        return result
+
+    async def preprocess(self, request_id: str, processing: Coroutine) -> EngineRequest:
+        """Input processing, abortable (`before_engine`), its request owned by the caller."""
+        engine_request = await self.before_engine(request_id, processing)
+        engine_request.owner = self._requests[request_id].owner   # the scheduler shares seats fairly
         return engine_request
+
+    def generate(self, request_id: str, engine_request: EngineRequest) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`generate_samples` of the request, ending it aborted if an Abort came before all of its
+        samples were in the engine (that Abort found none or only some of them there)."""
+        running = self._requests[request_id]
+        return generate_samples(self._engine, engine_request, aborted=lambda: running.aborted)
 
     def abort(self, request_id: str, owner: bytes | None) -> bool:
         """Abort the request with exactly this id if `owner` created it (None: the server itself, e.g.
-        a stream torn down mid-way): every sample in the engine, or its input processing if the engine
-        does not have it yet. False when there is no such request of this caller."""
+        a stream torn down mid-way): every sample in the engine, and the step before the engine that
+        is running (`before_engine`); marked aborted, so nothing of it starts afterwards. False when
+        there is no such request of this caller."""
         running = self._requests.get(request_id)
         if running is None or (owner is not None and running.owner != owner):
             return False
+        running.aborted = True
         # every sample of an n > 1 request (sample 0 may have ended while the others run)
-        if any([self._engine.abort(sample_id(request_id, i)) for i in range(running.n)]):
-            return True
-        running.aborted_early = True   # still decoding its media: stop it before the engine has it
-        if running.preprocessing is not None:
-            running.preprocessing.cancel()
+        for i in range(running.n):
+            self._engine.abort(sample_id(request_id, i))
+        if running.before_engine is not None:
+            running.before_engine.cancel()
         return True

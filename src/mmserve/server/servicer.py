@@ -18,13 +18,12 @@ import grpc
 from mmserve.api import pb, pb_grpc
 from mmserve.config import EngineConfig
 from mmserve.engine.input.processor import InputProcessor
-from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.types import RequestOutput
-from mmserve.errors import EngineUnavailableError, MMServeError
+from mmserve.errors import EngineUnavailableError
 from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
-from mmserve.sampling_params import SamplingParams
+from mmserve.sampling_params import SamplingParams, check_vocab
 from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.media import MediaService
 from mmserve.server.status import abort_with, end_with
@@ -136,17 +135,24 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             processor = self._processor()
             if processor is None:
                 raise EngineUnavailableError("the model is still loading; retry shortly")
-            await check_response_format(validated.sampling.response_format, processor, self._config)   # off the loop
+            check_vocab(validated.sampling, processor.spec.vocab_size)
+            # Registered before the first await, so an Abort from here on finds it.
             self._in_flight.add(request_id, caller_key(context), validated.sampling.n)
-        except MMServeError as e:
+        except Exception as e:  # noqa: BLE001 - a bug in a check leaves INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e, request_id)   # not abort_with: no cycle keeps this request's media
             return
+        checked = False
         try:
+            await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
+                validated.sampling.response_format, processor, self._config))
             media = self._media.lease(validated.messages)  # held until the request ends
-        except MMServeError as e:
-            self._in_flight.remove(request_id)
+            checked = True
+        except Exception as e:  # noqa: BLE001 - refused, aborted, or a bug: a mapped status
             end_with(context, e, request_id)
             return
+        finally:
+            if not checked:   # refused, aborted or the client gone: its id is free again
+                self._in_flight.remove(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)  # this request's log lines carry its ids
@@ -158,28 +164,31 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 trace_context=trace_context))
             text = _token_texts(processor.tokenizer)
             ends: dict[int, RequestOutput] = {}
-            async for index, out in generate_samples(self._engine, engine_request):
-                if out.new_token_ids or out.new_text:
-                    yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
-                        token_ids=out.new_token_ids, text=out.new_text, index=index,
-                        logprobs=logprobs_messages(out.new_logprobs or (), text)))
-                if out.finished:
-                    ends[index] = out
-                    if len(ends) == validated.sampling.n:
-                        final = ends[0]
-                        samples = [ends[i] for i in range(len(ends))]
-                        yield pb.GenerateResponse(request_id=request_id, final=final_message(final, text, samples))
+            # closed on leaving, so a cancel at a yield below stops every sample at once, not when collected
+            async with contextlib.aclosing(self._in_flight.generate(request_id, engine_request)) as outputs:
+                async for index, out in outputs:
+                    if out.new_token_ids or out.new_text:
+                        yield pb.GenerateResponse(request_id=request_id, delta=pb.Delta(
+                            token_ids=out.new_token_ids, text=out.new_text, index=index,
+                            logprobs=logprobs_messages(out.new_logprobs or (), text)))
+                    if out.finished:
+                        ends[index] = out
+                        if len(ends) == validated.sampling.n:
+                            final = ends[0]
+                            samples = [ends[i] for i in range(len(ends))]
+                            yield pb.GenerateResponse(request_id=request_id,
+                                                      final=final_message(final, text, samples))
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status, never a bare UNKNOWN
             error = e  # the engine ended it, never admitted it, or input processing failed
             end_with(context, e, request_id)
         finally:
             media.release()
-            self._in_flight.remove(request_id)
             if final is None and error is None:
-                # Client cancel, deadline or server stop: the task is torn down mid-stream. The
-                # engine's generator would abort too, but only when garbage-collected; do it now.
+                # Client cancel, deadline or server stop: the task is torn down mid-stream. Every
+                # sample still in the engine is aborted now (its generator would, but only when collected).
                 logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
-                self._engine.abort(request_id)
+                self._in_flight.abort(request_id, owner=None)
+            self._in_flight.remove(request_id)
             if final is not None:
                 _describe(span, validated.sampling, final)
                 _log_finished(request_id, final)

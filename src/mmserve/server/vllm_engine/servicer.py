@@ -10,6 +10,7 @@ the other door; errors leave through `server/status.py`, so a cause gets the sam
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,13 +22,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input.processor import InputProcessor
-from mmserve.engine.parallel_sampling import generate_samples
 from mmserve.engine.routing_prompt import RoutingPrompt, gateway_routing_prompt, media_anchors
 from mmserve.engine.types import EngineRequest, RequestOutput
 from mmserve.errors import EngineUnavailableError, InvalidInputError, MMServeError
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, set_request_attributes, start_request_span
 from mmserve.model.prompt import PromptLayout
+from mmserve.sampling_params import check_vocab
 from mmserve.server.in_flight import InFlightRequests, caller_key
 from mmserve.server.status import abort_with, bounded, end_with
 from mmserve.server.validation import MAX_REQUEST_ID_CHARS, check_response_format
@@ -86,17 +87,29 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             processor = self._ready()
             _check_request_id(request_id)
             token_ids = _prompt_ids(request, processor)
-            preprocessed = preprocessed_media(request, processor.spec) if _has_mm_inputs(request) else None
-            media = await asyncio.to_thread(   # decodes data: URLs (up to --max-video-bytes each): off the loop
-                media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
-                allowed_local_media_path=self._server_config.allowed_local_media_path)
-            sampling = map_sampling(request.sampling_params, self._config, self._defaults,
+            sampling = map_sampling(request.sampling_params, self._config, self._defaults,   # before any decode
                                     processor.spec.eos_token_ids)
-            await check_response_format(sampling.params.response_format, processor, self._config)   # off the loop
+            check_vocab(sampling.params, processor.spec.vocab_size)
+            preprocessed = preprocessed_media(request, processor.spec) if _has_mm_inputs(request) else None
+            # Registered before the first await, so an Abort from here on finds it.
             self._in_flight.add(request_id, caller_key(context), sampling.params.n)
         except Exception as e:  # noqa: BLE001 - a bug in a check leaves INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e, request_id)   # as mmserve.v1's Generate: no cycle keeps the request
             return
+        checked = False
+        try:
+            media = await self._in_flight.before_engine(request_id, asyncio.to_thread(   # data: URLs, off the loop
+                media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
+                allowed_local_media_path=self._server_config.allowed_local_media_path))
+            await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
+                sampling.params.response_format, processor, self._config))
+            checked = True
+        except Exception as e:  # noqa: BLE001 - refused, aborted, or a bug: a mapped status
+            end_with(context, e, request_id)
+            return
+        finally:
+            if not checked:   # refused, aborted or the client gone: its id is free again
+                self._in_flight.remove(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)
@@ -121,20 +134,23 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 token_ids, engine_request, processor.spec,
                 [engine_request.ranges_per_part.get(f"{MEDIA_WHERE}[{k}]", 1) for k in range(len(media))])
             collected: dict[int, tuple[list[int], list]] = {}
-            async for index, out in generate_samples(self._engine, engine_request):
-                if request.stream:
-                    if out.new_token_ids:
-                        yield outputs.chunk(index, out, len(prompt), with_top)
+            # closed on leaving, so a cancel at a yield below stops every sample at once, not when collected
+            async with contextlib.aclosing(self._in_flight.generate(request_id, engine_request)) as samples:
+                async for index, out in samples:
+                    if request.stream:
+                        if out.new_token_ids:
+                            yield outputs.chunk(index, out, len(prompt), with_top)
+                        if out.finished:
+                            ends[index] = out
+                            yield outputs.complete(index, out, out.new_token_ids, out.new_logprobs, prompt, with_top)
+                        continue
+                    ids, logprobs = collected.setdefault(index, ([], []))
+                    ids.extend(out.new_token_ids)
+                    logprobs.extend(out.new_logprobs or ())
                     if out.finished:
                         ends[index] = out
-                        yield outputs.complete(index, out, out.new_token_ids, out.new_logprobs, prompt, with_top)
-                    continue
-                ids, logprobs = collected.setdefault(index, ([], []))
-                ids.extend(out.new_token_ids)
-                logprobs.extend(out.new_logprobs or ())
-                if out.finished:
-                    ends[index] = out
-                    yield outputs.complete(index, out, ids, logprobs if params.logprobs else None, prompt, with_top)
+                        yield outputs.complete(index, out, ids, logprobs if params.logprobs else None, prompt,
+                                               with_top)
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
             error = e
             end_with(context, e, request_id)
