@@ -10,8 +10,9 @@ all of its samples are admitted) stops it there: a door registers the id before 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -64,6 +65,16 @@ class InFlightRequests:
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    @contextlib.contextmanager
+    def checking(self, request_id: str) -> Iterator[None]:
+        """A door's checks after `add`: if one refuses the request (or an Abort or the client ends
+        it there), its id is free again."""
+        try:
+            yield
+        except BaseException:
+            self.remove(request_id)
+            raise
 
     async def before_engine(self, request_id: str, step: Coroutine[object, object, Result]) -> Result:
         """Run a step of the request before the engine has it (a door's awaited check, input

@@ -141,18 +141,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Exception as e:  # noqa: BLE001 - a bug in a check leaves INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e, request_id)   # not abort_with: no cycle keeps this request's media
             return
-        checked = False
         try:
-            await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
-                validated.sampling.response_format, processor, self._config))
-            media = self._media.lease(validated.messages)  # held until the request ends
-            checked = True
+            with self._in_flight.checking(request_id):
+                await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
+                    validated.sampling.response_format, processor, self._config))
+                media = self._media.lease(validated.messages)  # held until the request ends
         except Exception as e:  # noqa: BLE001 - refused, aborted, or a bug: a mapped status
             end_with(context, e, request_id)
             return
-        finally:
-            if not checked:   # refused, aborted or the client gone: its id is free again
-                self._in_flight.remove(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)  # this request's log lines carry its ids

@@ -96,20 +96,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         except Exception as e:  # noqa: BLE001 - a bug in a check leaves INTERNAL (logged), never a bare UNKNOWN
             end_with(context, e, request_id)   # as mmserve.v1's Generate: no cycle keeps the request
             return
-        checked = False
         try:
-            media = await self._in_flight.before_engine(request_id, asyncio.to_thread(   # data: URLs, off the loop
-                media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
-                allowed_local_media_path=self._server_config.allowed_local_media_path))
-            await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
-                sampling.params.response_format, processor, self._config))
-            checked = True
+            with self._in_flight.checking(request_id):
+                media = await self._in_flight.before_engine(request_id, asyncio.to_thread(   # data: URLs, off the loop
+                    media_inputs, request.media_refs, max_bytes=self._config.max_video_bytes,
+                    allowed_local_media_path=self._server_config.allowed_local_media_path))
+                await self._in_flight.before_engine(request_id, check_response_format(   # off the loop
+                    sampling.params.response_format, processor, self._config))
         except Exception as e:  # noqa: BLE001 - refused, aborted, or a bug: a mapped status
             end_with(context, e, request_id)
             return
-        finally:
-            if not checked:   # refused, aborted or the client gone: its id is free again
-                self._in_flight.remove(request_id)
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=request_id,
                                                  model=self._engine.model_info.name)
         log_ids = bind_request(request_id, span)
