@@ -345,6 +345,9 @@ class ServerConfig:
     media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0})
     upload_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "an UploadMedia stream with no message for this long is ended and its bytes dropped", "min": 0.001})
+    upload_max_duration_s: float = field(default=1800.0, metadata={
+        "help": "an UploadMedia stream still open this long after it began is ended and its bytes dropped, however "
+                "steadily it sends", "min": 0.001})
     max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload", "min": 1})
     # The vllm.grpc.engine.VllmEngine door for gateways (SMG, llm-d): docs/gateway.md.
     enable_vllm_engine_api: bool = field(default=True, metadata={
