@@ -218,9 +218,11 @@ def test_an_upload_limit_above_the_share_of_one_owner_is_a_configuration_error(t
         make_store(tmp_path, clock, max_bytes_per_owner=4999)
 
 
-def test_room_for_one_owner_is_made_from_its_own_media_never_anothers(tmp_path, clock):
+def test_room_is_made_from_the_owners_own_media_then_only_from_heavier_owners(tmp_path, clock):
     """One owner used to evict every other's unused media by filling the spool (least recently used
-    first, whoever held them), and could hold all of it."""
+    first, whoever held them), and could hold all of it. Now it holds at most its share, makes room
+    from its own media, and then only from owners holding more than it would: a newcomer takes
+    room from the heaviest, never from a lighter one."""
     store = make_store(tmp_path, clock, max_bytes=10_000, max_bytes_per_owner=6000, max_upload_bytes=3000)
     a1, _ = put(store, secrets.token_bytes(3000), owner=ALICE)
     clock.now += 1
@@ -245,12 +247,18 @@ def test_room_for_one_owner_is_made_from_its_own_media_never_anothers(tmp_path, 
     for entry in (a2, a3):
         store.release(entry.id)
 
-    with pytest.raises(LimitExceededError) as e:   # a newcomer finds others' media, each within its share
+    clock.now += 1
+    c1, _ = put(store, secrets.token_bytes(3000), owner=CAROL)   # the spool is full: Alice (6000) is the heaviest
+    assert files(store) == sorted([INCOMING, a3.id, b2.id, c1.id])
+    store.acquire(c1.id)   # Carol's own media in use: her next 3000 would make her hold 6000, more than anyone
+    with pytest.raises(LimitExceededError) as e:
         put(store, secrets.token_bytes(3000), owner=CAROL)
     assert e.value.retryable and e.value.flag == "--media-dir-max-bytes"
-    assert files(store) == sorted([INCOMING, a2.id, a3.id, b2.id]) and store.owned_bytes(CAROL) == 0
-    clock.now += 61   # until they expire
-    put(store, secrets.token_bytes(3000), owner=CAROL)
+    assert files(store) == sorted([INCOMING, a3.id, b2.id, c1.id]) and store.owned_bytes(CAROL) == 3000
+    store.release(c1.id)
+    clock.now += 1
+    c2, _ = put(store, secrets.token_bytes(3000), owner=CAROL)   # her own unused media go first
+    assert files(store) == sorted([INCOMING, a3.id, b2.id, c2.id])
 
 
 def test_an_upload_in_progress_counts_against_its_owners_share(tmp_path, clock):

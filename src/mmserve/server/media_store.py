@@ -12,8 +12,10 @@ Each upload belongs to a caller (its API key's digest, `in_flight.caller_key`), 
 to every caller that uploaded those bytes or declared their hash. A caller's uploads in progress and
 media together stay within `max_bytes_per_owner`, for which it gives up its own unused media, least
 recently used first. When the whole spool would outgrow `max_bytes`, media no caller holds (adopted
-from an earlier run) are evicted first, then the caller's own, never media another caller holds:
-one key cannot evict the others' uploads by filling the spool, nor hold more than its share.
+from an earlier run) are evicted first, then the caller's own, then those of the caller holding the
+most, never of a caller holding no more than the uploader would: one key cannot evict a lighter
+key's uploads by filling the spool, nor hold more than its share, and a newcomer is not refused
+while heavier keys' unused media fill the spool.
 
 Bookkeeping is under one lock: uploads write from worker threads while the event loop leases and
 sweeps.
@@ -136,15 +138,34 @@ class MediaStore:
             self._sweep_locked()
             self._fit_share_locked(owner, num_bytes)
             while self.used_bytes + num_bytes > self.max_bytes:
-                # Media nobody holds first, then its own; never another owner's.
-                idle = [e for e in self._entries.values() if e.leases == 0 and e.owners <= {owner}]
-                if not idle:
+                victim = self._eviction_locked(owner, self.owned_bytes(owner) + num_bytes)
+                if victim is None:
                     raise LimitExceededError(
                         f"the media store is full: {self.used_bytes} of {self.max_bytes} bytes hold media in use, "
-                        f"other API keys' media (each within --media-max-bytes-per-client) or uploads in progress",
+                        f"uploads in progress, or media of API keys holding no more than this one would",
                         "--media-dir-max-bytes", retryable=True)
-                self._remove_locked(min(idle, key=lambda e: (bool(e.owners), e.last_used)), "evicted (least recently used)")
+                self._remove_locked(victim, "evicted (least recently used)")
             self._reserved[owner] = self._reserved.get(owner, 0) + num_bytes
+
+    def _eviction_locked(self, owner: bytes, holding: int) -> MediaEntry | None:
+        """The unused media to evict so that `owner` (then `holding` bytes) fits the spool: media no
+        caller holds first, then its own, then those of the caller holding the most, and only of
+        callers holding more than `holding` (a fair share: a light user's media never make room
+        for a heavier one's), least recently used first within each."""
+        held: dict[bytes, int] = {}
+        for e in self._entries.values():
+            for o in e.owners:
+                held[o] = held.get(o, 0) + e.size
+        for o, n in self._reserved.items():
+            held[o] = held.get(o, 0) + n
+        ranked = []
+        for e in self._entries.values():
+            others = e.owners - {owner}
+            if e.leases or any(held[o] <= holding for o in others):
+                continue
+            rank = 0 if not e.owners else 1 if not others else 2
+            ranked.append((rank, -max((held[o] for o in others), default=0), e.last_used, e))
+        return min(ranked, key=lambda r: r[:3])[3] if ranked else None
 
     def _fit_share_locked(self, owner: bytes, num_bytes: int) -> None:
         """Give up `owner`'s claim on its unused media, least recently used first, until `num_bytes`
