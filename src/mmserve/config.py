@@ -337,10 +337,17 @@ class ServerConfig:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0 = off", "min": 0, "max": 65535})
     # Uploaded media (UploadMedia): a content-addressed spool on local disk.
     media_dir: str = field(default="", metadata={"help": "directory for uploaded media, one server each; empty = a temporary directory removed at exit"})
-    media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first", "min": 1})
+    media_dir_max_bytes: int = field(default=16 * 2**30, metadata={"help": "uploaded media kept at most; unused media are evicted oldest first: media no key holds, the uploading key's own, then the heaviest key's (never a lighter key's than the uploader)", "min": 1})
+    media_max_bytes_per_client: int = field(default=0, metadata={
+        "help": "uploaded media and uploads in progress of one API key at most; room is made by evicting that key's "
+                "own unused media first; 0 = a quarter of --media-dir-max-bytes (at least "
+                "--max-upload-bytes) with API keys, all of it without (all clients alike without keys)", "min": 0})
     media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0})
     upload_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "an UploadMedia stream with no message for this long is ended and its bytes dropped", "min": 0.001})
+    upload_max_duration_s: float = field(default=1800.0, metadata={
+        "help": "an UploadMedia stream still open this long after it began is ended and its bytes dropped, however "
+                "steadily it sends", "min": 0.001})
     max_upload_bytes: int = field(default=4 * 2**30, metadata={"help": "largest single upload", "min": 1})
     # The vllm.grpc.engine.VllmEngine door for gateways (SMG, llm-d): docs/gateway.md.
     enable_vllm_engine_api: bool = field(default=True, metadata={

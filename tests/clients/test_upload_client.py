@@ -56,7 +56,7 @@ def expire(server, media_id: str) -> None:
         store.sweep()
     finally:
         store.ttl_s = ttl
-    assert store.lookup(media_id) is None
+    assert not (store.root / media_id).exists()
 
 
 def test_upload_a_path_then_generate_with_its_ref(server, clip, inline_answer):
@@ -81,7 +81,7 @@ def test_generate_uploads_what_does_not_fit_inline(server, clip, inline_answer, 
     with Client(server.address, timeout=60) as client:
         assert clip.stat().st_size > client.model_info().max_inline_media_bytes
         assert client.generate(video=video, **ASK).token_ids == inline_answer.token_ids
-    assert server.app.media.store.lookup(media_id) is not None  # it went by UploadMedia
+    assert (server.app.media.store.root / media_id).is_file()  # it went by UploadMedia
 
 
 def test_async_generate_uploads_what_does_not_fit_inline(server, clip, inline_answer):
@@ -106,7 +106,7 @@ def test_a_lost_upload_is_uploaded_again_once(server, clip, inline_answer):
         ref = client.upload(clip)
         expire(server, ref.id)
         assert client.generate(video=ref, **ASK).token_ids == inline_answer.token_ids
-        assert server.app.media.store.lookup(ref.id) is not None  # it is back
+        assert (server.app.media.store.root / ref.id).is_file()  # it is back
         unseekable = client.upload(io.BytesIO(clip.read_bytes()))
         expire(server, unseekable.id)
         with pytest.raises(ClientError) as e:  # no file to upload from: the caller must
@@ -165,13 +165,13 @@ def test_mmserve_upload_prints_the_id(server, clip, tmp_path):
 
 def test_mmserve_generate_uploads_a_video_too_large_to_send_inline(server, clip, inline_answer):
     digest = hashlib.sha256(clip.read_bytes()).hexdigest()
-    if server.app.media.store.lookup(digest) is not None:
+    if (server.app.media.store.root / digest).is_file():
         expire(server, digest)  # so that only an upload by the command can bring it back
     out = mmserve("generate", "--server", server.address, "--video", str(clip), "--prompt", ASK["prompt"],
                   "--num-frames", "4", "--max-tokens", "6", "--temperature", "0", "--json")
     assert out.returncode == 0, out.stderr
     assert tuple(json.loads(out.stdout)["token_ids"]) == inline_answer.token_ids
-    assert server.app.media.store.lookup(digest) is not None
+    assert (server.app.media.store.root / digest).is_file()
 
 
 def test_a_media_ref_without_a_source_on_another_server_is_not_found(mmserve_server):

@@ -251,6 +251,33 @@ def test_an_upload_cut_off_midway_leaves_no_file(server, stub, ending, declared_
     assert stored(server) == before, (stored(server) - before, before - stored(server))
 
 
+def test_an_upload_still_arriving_at_its_max_duration_is_dropped(server, stub, monkeypatch):
+    """A trickle, a byte before each --upload-idle-timeout-s, used to hold its spool space for as long
+    as it went on; the whole upload now has --upload-max-duration-s (on the store's clock, pushed past
+    it here while the stream is still sending)."""
+    media = store(server)
+    skew = [0.0]
+    monkeypatch.setattr(media, "clock", lambda: time.monotonic() + skew[0])
+    pushed = threading.Event()
+
+    def trickle():
+        yield metadata()
+        yield pb.UploadMediaRequest(chunk=secrets.token_bytes(5000))
+        pushed.wait(30)
+        yield pb.UploadMediaRequest(chunk=b"x")   # still sending: never idle
+
+    try:
+        future = stub.UploadMedia.future(trickle(), timeout=30)
+        assert wait_until(lambda: incoming(server)), "the upload never started"
+        skew[0] = server.server_config.upload_max_duration_s + 1
+        pushed.set()
+        got, details = status(future.result)
+    finally:
+        pushed.set()
+    assert got == EXHAUSTED and "--upload-max-duration-s" in details and "retry after" in details, (got, details)
+    assert wait_until(lambda: not incoming(server))
+
+
 def test_a_store_full_of_media_in_use_asks_to_retry(server, stub):
     """Media leased by running requests are never evicted; the uploader is told to come back."""
     media = store(server)

@@ -85,8 +85,8 @@ class MMServer:
         self.engine_config = engine_config
         self.health = Health()
         self.gate = DrainGate()
-        self.media = MediaService.from_config(server_config, engine_config)
         auth = build_auth_interceptor(server_config)
+        self.media = MediaService.from_config(server_config, engine_config, api_keys=auth is not None)
         # Auth first: a refused caller's message is never read (handlers.rejecting_handler).
         chain = ([auth] if auth else []) + [self._admission(), self.gate, *interceptors]
         if metrics is not None:  # first, so calls refused by auth, size or drain are counted too

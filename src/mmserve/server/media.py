@@ -1,10 +1,13 @@
 """Uploaded media on the server: the UploadMedia RPC, media ids in Generate, what GetModelInfo says.
 
 Uploads stream into the `MediaStore` chunk by chunk (file writes and hashing run off the event
-loop), with every limit checked as the bytes arrive and each message awaited at most
---upload-idle-timeout-s (a stalled stream would hold its spool space and a call slot forever); any
-failure, cancel, stall or deadline drops the partial file. A Generate naming media ids leases them for as long as it runs, so a running request's
-media are never evicted or expired, and the decoder reads the spooled file, never a copy in memory.
+loop), in the caller's share of it (its API key's, --media-max-bytes-per-client), with every limit
+checked as the bytes arrive and each message awaited at most --upload-idle-timeout-s (a stalled
+stream would hold its spool space and a call slot forever), the whole upload at most
+--upload-max-duration-s (a trickle, a byte before each idle timeout, would too); any failure,
+cancel, stall or deadline drops the partial file. A Generate naming media ids leases them for as
+long as it runs, so a running request's media are never evicted or expired, and the decoder reads
+the spooled file, never a copy in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mmserve.errors import (
     NotFoundError,
     RequestAbortedError,
 )
+from mmserve.server.in_flight import caller_key
 from mmserve.server.media_store import MEDIA_ID, MediaEntry, MediaStore
 from mmserve.server.status import end_with
 from mmserve.server.validation import IMAGE_MIME_TYPES, VIDEO_MIME_TYPES
@@ -84,15 +88,17 @@ class MediaService:
         self.store = store
         self.max_chunk_bytes = min(MAX_CHUNK_BYTES, server_config.max_message_bytes)
         self.idle_timeout_s = server_config.upload_idle_timeout_s
+        self.max_duration_s = server_config.upload_max_duration_s
         self.max_inline_bytes = max(0, min(engine_config.max_video_bytes,
                                            server_config.max_message_bytes - MESSAGE_HEADROOM_BYTES))
 
     @classmethod
-    def from_config(cls, server_config: ServerConfig, engine_config: EngineConfig) -> MediaService:
+    def from_config(cls, server_config: ServerConfig, engine_config: EngineConfig, *, api_keys: bool) -> MediaService:
         store = MediaStore(server_config.media_dir or None, max_bytes=server_config.media_dir_max_bytes,
+                           max_bytes_per_owner=client_share(server_config, api_keys=api_keys),
                            ttl_s=server_config.media_ttl_s, max_upload_bytes=server_config.max_upload_bytes)
-        logger.info("uploaded media go to %s (at most %d bytes, kept %gs after last use)", store.root,
-                    store.max_bytes, store.ttl_s)
+        logger.info("uploaded media go to %s (at most %d bytes, %d per API key, kept %gs after last use)", store.root,
+                    store.max_bytes, store.max_bytes_per_owner, store.ttl_s)
         return cls(store, server_config, engine_config)
 
     def lease(self, messages: tuple[InputMessage, ...]) -> MediaLeases:
@@ -117,21 +123,22 @@ class MediaService:
 
     async def _receive(self, requests: AsyncIterator[pb.UploadMediaRequest],
                        context: grpc.aio.ServicerContext) -> MediaEntry:
-        requests = aiter(requests)
-        first = await self._next(requests)
+        requests, owner = aiter(requests), caller_key(context)
+        deadline = self.store.clock() + self.max_duration_s
+        first = await self._next(requests, deadline)
         if first is None or first.WhichOneof("kind") != "metadata":
             raise InvalidInputError("metadata", "the first UploadMediaRequest must carry metadata (mime_type, "
                                     "optional size_bytes and sha256); the chunks follow")
         meta = first.metadata
         _check_mime(meta.mime_type)
         sha256 = _sha256(meta.sha256)
-        if sha256 and (entry := self.store.lookup(sha256)) is not None:
+        if sha256 and (entry := self.store.hold(sha256, owner)) is not None:
             logger.info("upload of media %s: already stored, no bytes needed", sha256)
             return entry
-        upload = self.store.begin(mime_type=meta.mime_type, declared_size=meta.size_bytes or None,
+        upload = self.store.begin(owner, mime_type=meta.mime_type, declared_size=meta.size_bytes or None,
                                   declared_sha256=sha256 or None)
         try:
-            while (message := await self._next(requests)) is not None:
+            while (message := await self._next(requests, deadline)) is not None:
                 if message.WhichOneof("kind") != "chunk":
                     raise InvalidInputError("metadata", "only the first UploadMediaRequest may carry metadata")
                 if len(message.chunk) > self.max_chunk_bytes:
@@ -152,14 +159,22 @@ class MediaService:
         logger.info("upload of media %s (%d bytes): %s", entry.id, entry.size, "stored" if created else "already stored")
         return entry
 
-    async def _next(self, requests: AsyncIterator[pb.UploadMediaRequest]) -> pb.UploadMediaRequest | None:
-        """The stream's next message (None at its end), waiting at most the idle timeout for it."""
-        try:   # asyncio.timeout, not wait_for: 3.11's wait_for can swallow the client's cancel
-            async with asyncio.timeout(self.idle_timeout_s):
-                return await anext(requests, None)
-        except TimeoutError:
-            raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload was "
-                                     f"dropped: send it again", "--upload-idle-timeout-s", retryable=True) from None
+    async def _next(self, requests: AsyncIterator[pb.UploadMediaRequest],
+                    deadline: float) -> pb.UploadMediaRequest | None:
+        """The stream's next message (None at its end), waiting at most the idle timeout for it and
+        never past the upload's `deadline` (on the store's clock)."""
+        wait = min(self.idle_timeout_s, deadline - self.store.clock())
+        if wait > 0:
+            try:   # asyncio.timeout, not wait_for: 3.11's wait_for can swallow the client's cancel
+                async with asyncio.timeout(wait):
+                    return await anext(requests, None)
+            except TimeoutError:
+                if wait == self.idle_timeout_s:
+                    raise LimitExceededError(f"no upload message arrived for {self.idle_timeout_s:g}s; the upload "
+                                             f"was dropped: send it again", "--upload-idle-timeout-s",
+                                             retryable=True) from None
+        raise LimitExceededError(f"the upload was still arriving {self.max_duration_s:g}s after it began; it was "
+                                 f"dropped: send it again, faster", "--upload-max-duration-s", retryable=True)
 
     def _ref(self, entry: MediaEntry) -> pb.MediaRef:
         return pb.MediaRef(id=entry.id, size_bytes=entry.size, mime_type=entry.mime_type, ttl_s=self.store.ttl_s)
@@ -172,6 +187,17 @@ class MediaService:
 
     def close(self) -> None:
         self.store.close()
+
+
+def client_share(config: ServerConfig, *, api_keys: bool) -> int:
+    """--media-max-bytes-per-client, or its default: with API keys a quarter of the spool, so that
+    one key cannot fill it, yet room for the largest upload; without, the whole spool (every caller
+    is the same client)."""
+    if config.media_max_bytes_per_client:
+        return config.media_max_bytes_per_client
+    if not api_keys:
+        return config.media_dir_max_bytes
+    return max(config.media_dir_max_bytes // 4, config.max_upload_bytes)
 
 
 def _check_mime(mime_type: str) -> None:

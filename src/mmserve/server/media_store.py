@@ -6,9 +6,19 @@ computed; committing checks what the client declared and renames the file to `<r
 even at the same time, are stored once. Space is taken as bytes arrive, never for a declared size
 alone: a client cannot make the store evict another client's media, or refuse other uploads, with
 bytes it has not sent. Requests lease the media they use; media without leases
-expire `ttl_s` after their last use and are evicted least recently used first when the spool would
-outgrow `max_bytes`. Bookkeeping is under one lock: uploads write from worker threads while the
-event loop leases and sweeps.
+expire `ttl_s` after their last use.
+
+Each upload belongs to a caller (its API key's digest, `in_flight.caller_key`), and a stored media
+to every caller that uploaded those bytes or declared their hash. A caller's uploads in progress and
+media together stay within `max_bytes_per_owner`, for which it gives up its own unused media, least
+recently used first. When the whole spool would outgrow `max_bytes`, media no caller holds (adopted
+from an earlier run) are evicted first, then the caller's own, then those of the caller holding the
+most, never of a caller holding no more than the uploader would: one key cannot evict a lighter
+key's uploads by filling the spool, nor hold more than its share, and a newcomer is not refused
+while heavier keys' unused media fill the spool.
+
+Bookkeeping is under one lock: uploads write from worker threads while the event loop leases and
+sweeps.
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmserve.errors import InvalidInputError, LimitExceededError, NotFoundError
@@ -39,7 +49,8 @@ RESOURCE_TYPE = "mmserve.v1.Media"
 
 @dataclass
 class MediaEntry:
-    """One stored content: `id` is the sha256 of the file's bytes."""
+    """One stored content: `id` is the sha256 of the file's bytes; `owners` the callers that uploaded
+    it (none for media adopted from an earlier run), each charged its whole size."""
 
     id: str
     size: int
@@ -47,26 +58,29 @@ class MediaEntry:
     path: Path
     last_used: float
     leases: int = 0
+    owners: set[bytes] = field(default_factory=set)
 
 
 class MediaStore:
     """The spool under `root` (None or "": a fresh temporary directory, removed by `close()`; a
     given directory is kept, and its media are adopted again by the next store opened on it)."""
 
-    def __init__(self, root: str | Path | None, *, max_bytes: int, ttl_s: float, max_upload_bytes: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        if max_upload_bytes > max_bytes:
-            raise ValueError(f"--max-upload-bytes ({max_upload_bytes}) must not exceed --media-dir-max-bytes "
-                             f"({max_bytes}): such an upload could never be stored")
+    def __init__(self, root: str | Path | None, *, max_bytes: int, max_bytes_per_owner: int, ttl_s: float,
+                 max_upload_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+        for limit, flag in ((max_bytes, "--media-dir-max-bytes"), (max_bytes_per_owner, "--media-max-bytes-per-client")):
+            if max_upload_bytes > limit:
+                raise ValueError(f"--max-upload-bytes ({max_upload_bytes}) must not exceed {flag} ({limit}): such "
+                                 f"an upload could never be stored")
         self._owned = not root
         self.root = Path(tempfile.mkdtemp(prefix="mmserve-media-")) if self._owned else Path(root)
         self.max_bytes = max_bytes
+        self.max_bytes_per_owner = max_bytes_per_owner
         self.ttl_s = ttl_s
         self.max_upload_bytes = max_upload_bytes
-        self._clock = clock
+        self.clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, MediaEntry] = {}
-        self._reserved = 0  # bytes of uploads still arriving
+        self._reserved: dict[bytes, int] = {}  # bytes of uploads still arriving, by owner
         self._incoming = self.root / INCOMING
         self._incoming.mkdir(parents=True, exist_ok=True)
         self._lock_file = self._claim()
@@ -88,7 +102,7 @@ class MediaStore:
         """Forget half-received uploads of an earlier run; keep its committed media."""
         for leftover in self._incoming.iterdir():
             leftover.unlink(missing_ok=True)
-        now = self._clock()
+        now = self.clock()
         for path in self.root.iterdir():
             if path.is_file() and MEDIA_ID.fullmatch(path.name):
                 self._entries[path.name] = MediaEntry(path.name, path.stat().st_size, "", path, now)
@@ -98,61 +112,114 @@ class MediaStore:
     @property
     def used_bytes(self) -> int:
         """Bytes of committed media plus uploads in progress."""
-        return sum(e.size for e in self._entries.values()) + self._reserved
+        return sum(e.size for e in self._entries.values()) + sum(self._reserved.values())
+
+    def owned_bytes(self, owner: bytes) -> int:
+        """Bytes charged to `owner`: its media (shared ones too) plus its uploads in progress."""
+        return sum(e.size for e in self._entries.values() if owner in e.owners) + self._reserved.get(owner, 0)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     # ---- uploads -------------------------------------------------------------------------------
 
-    def begin(self, *, mime_type: str = "", declared_size: int | None = None,
+    def begin(self, owner: bytes, *, mime_type: str = "", declared_size: int | None = None,
               declared_sha256: str | None = None) -> Upload:
-        """Start receiving an upload. A declared size is checked against the limit but takes no space:
-        space is reserved chunk by chunk as the bytes arrive."""
+        """Start receiving `owner`'s upload. A declared size is checked against the limit but takes no
+        space: space is reserved chunk by chunk as the bytes arrive."""
         if declared_size is not None and declared_size > self.max_upload_bytes:
             raise LimitExceededError(f"the upload declares {declared_size} bytes, more than the limit of "
                                      f"{self.max_upload_bytes}", "--max-upload-bytes")
-        return Upload(self, mime_type, declared_size, declared_sha256)
+        return Upload(self, owner, mime_type, declared_size, declared_sha256)
 
-    def _reserve(self, num_bytes: int) -> None:
-        """Make room for `num_bytes` more, evicting unleased media least recently used first."""
+    def _reserve(self, owner: bytes, num_bytes: int) -> None:
+        """Make room for `num_bytes` more of `owner`'s, in its share and then in the spool."""
         with self._lock:
             self._sweep_locked()
+            self._fit_share_locked(owner, num_bytes)
             while self.used_bytes + num_bytes > self.max_bytes:
-                idle = [e for e in self._entries.values() if e.leases == 0]
-                if not idle:
+                victim = self._eviction_locked(owner, self.owned_bytes(owner) + num_bytes)
+                if victim is None:
                     raise LimitExceededError(
-                        f"the media store is full: {self.used_bytes} of {self.max_bytes} bytes hold media in use "
-                        f"by running requests or uploads in progress", "--media-dir-max-bytes", retryable=True)
-                self._remove_locked(min(idle, key=lambda e: e.last_used), "evicted (least recently used)")
-            self._reserved += num_bytes
+                        f"the media store is full: {self.used_bytes} of {self.max_bytes} bytes hold media in use, "
+                        f"uploads in progress, or media of API keys holding no more than this one would",
+                        "--media-dir-max-bytes", retryable=True)
+                self._remove_locked(victim, "evicted (least recently used)")
+            self._reserved[owner] = self._reserved.get(owner, 0) + num_bytes
 
-    def _unreserve(self, num_bytes: int) -> None:
+    def _eviction_locked(self, owner: bytes, holding: int) -> MediaEntry | None:
+        """The unused media to evict so that `owner` (then `holding` bytes) fits the spool: media no
+        caller holds first, then its own, then those of the caller holding the most, and only of
+        callers holding more than `holding` (a fair share: a light user's media never make room
+        for a heavier one's), least recently used first within each."""
+        held: dict[bytes, int] = {}
+        for e in self._entries.values():
+            for o in e.owners:
+                held[o] = held.get(o, 0) + e.size
+        for o, n in self._reserved.items():
+            held[o] = held.get(o, 0) + n
+        ranked = []
+        for e in self._entries.values():
+            others = e.owners - {owner}
+            if e.leases or any(held[o] <= holding for o in others):
+                continue
+            rank = 0 if not e.owners else 1 if not others else 2
+            ranked.append((rank, -max((held[o] for o in others), default=0), e.last_used, e))
+        return min(ranked, key=lambda r: r[:3])[3] if ranked else None
+
+    def _fit_share_locked(self, owner: bytes, num_bytes: int) -> None:
+        """Give up `owner`'s claim on its unused media, least recently used first, until `num_bytes`
+        more fit its share; a media is deleted when no owner is left to hold it."""
+        if self.max_bytes_per_owner >= self.max_bytes:
+            return   # what one owner holds is in the spool: the spool's limit is the one that binds
+        while (held := self.owned_bytes(owner)) + num_bytes > self.max_bytes_per_owner:
+            idle = [e for e in self._entries.values() if e.leases == 0 and owner in e.owners]
+            if not idle:
+                raise LimitExceededError(
+                    f"this API key holds {held} of its {self.max_bytes_per_owner} bytes of the media store in "
+                    f"media in use by running requests or uploads in progress", "--media-max-bytes-per-client",
+                    retryable=True)
+            entry = min(idle, key=lambda e: e.last_used)
+            entry.owners.discard(owner)
+            if not entry.owners:
+                self._remove_locked(entry, "evicted (least recently used of its API key's share)")
+
+    def _unreserve(self, owner: bytes, num_bytes: int) -> None:
         with self._lock:
-            self._reserved -= num_bytes
+            if left := self._reserved.get(owner, 0) - num_bytes:
+                self._reserved[owner] = left
+            else:
+                self._reserved.pop(owner, None)
 
-    def _commit(self, temp: Path, digest: str, size: int, mime_type: str) -> tuple[MediaEntry, bool]:
-        """Store the verified file under its digest; (entry, False) when that content was already here."""
+    def _commit(self, temp: Path, digest: str, size: int, mime_type: str, owner: bytes) -> tuple[MediaEntry, bool]:
+        """Store the verified file under its digest, held by `owner` too; (entry, False) when that
+        content was already here (its bytes took `owner`'s share as they arrived)."""
         with self._lock:
             entry = self._entries.get(digest)
             if entry is not None:
-                entry.last_used = self._clock()
+                entry.last_used = self.clock()
+                entry.owners.add(owner)
                 temp.unlink(missing_ok=True)
                 return entry, False
             path = self.root / digest
             os.replace(temp, path)
-            entry = self._entries[digest] = MediaEntry(digest, size, mime_type, path, self._clock())
+            entry = self._entries[digest] = MediaEntry(digest, size, mime_type, path, self.clock(), owners={owner})
             return entry, True
 
     # ---- use -------------------------------------------------------------------------------------
 
-    def lookup(self, media_id: str) -> MediaEntry | None:
-        """The live entry for `media_id` (its TTL restarts), or None when unknown or expired."""
+    def hold(self, media_id: str, owner: bytes) -> MediaEntry | None:
+        """The live entry for `media_id`, now held by `owner` too (a declared hash of stored bytes: its
+        TTL restarts and it takes `owner`'s share as an upload of it would), or None when unknown or
+        expired."""
         with self._lock:
             self._sweep_locked()
             entry = self._entries.get(media_id)
             if entry is not None:
-                entry.last_used = self._clock()
+                if owner not in entry.owners:
+                    self._fit_share_locked(owner, entry.size)
+                    entry.owners.add(owner)
+                entry.last_used = self.clock()
             return entry
 
     def acquire(self, media_id: str) -> MediaEntry:
@@ -166,14 +233,14 @@ class MediaStore:
                     f"evicted, or was uploaded to another replica; upload it again", resource_type=RESOURCE_TYPE,
                     resource_name=media_id)
             entry.leases += 1
-            entry.last_used = self._clock()
+            entry.last_used = self.clock()
             return entry
 
     def release(self, media_id: str) -> None:
         with self._lock:
             entry = self._entries[media_id]
             entry.leases -= 1
-            entry.last_used = self._clock()
+            entry.last_used = self.clock()
 
     def sweep(self) -> int:
         """Delete expired, unleased media. Returns how many went."""
@@ -181,7 +248,7 @@ class MediaStore:
             return self._sweep_locked()
 
     def _sweep_locked(self) -> int:
-        cutoff = self._clock() - self.ttl_s
+        cutoff = self.clock() - self.ttl_s
         expired = [e for e in self._entries.values() if e.leases == 0 and e.last_used < cutoff]
         for entry in expired:
             self._remove_locked(entry, "expired")
@@ -205,9 +272,10 @@ class Upload:
     Limits are checked as bytes arrive, so an oversize upload fails at the chunk that crosses the
     limit, not after everything was received; `abort` (idempotent) leaves no file behind."""
 
-    def __init__(self, store: MediaStore, mime_type: str, declared_size: int | None,
+    def __init__(self, store: MediaStore, owner: bytes, mime_type: str, declared_size: int | None,
                  declared_sha256: str | None) -> None:
         self._store = store
+        self.owner = owner
         self.mime_type = mime_type
         self.declared_size = declared_size
         self.declared_sha256 = declared_sha256
@@ -220,7 +288,7 @@ class Upload:
         self._file = open(self.path, "xb")  # closed by commit or abort
 
     def _reserve(self, num_bytes: int) -> None:
-        self._store._reserve(num_bytes)
+        self._store._reserve(self.owner, num_bytes)
         self._reserved += num_bytes
 
     def write(self, chunk: bytes) -> None:
@@ -253,7 +321,7 @@ class Upload:
             if self.declared_sha256 and digest != self.declared_sha256:
                 raise InvalidInputError("metadata.sha256", f"the bytes received hash to {digest}, not to the "
                                         f"declared {self.declared_sha256}")
-            result = self._store._commit(self.path, digest, self.size, self.mime_type)
+            result = self._store._commit(self.path, digest, self.size, self.mime_type, self.owner)
             self._finish()
             return result
 
@@ -267,5 +335,5 @@ class Upload:
 
     def _finish(self) -> None:
         self._done = True
-        self._store._unreserve(self._reserved)
+        self._store._unreserve(self.owner, self._reserved)
         self._reserved = 0
