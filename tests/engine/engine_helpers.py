@@ -128,12 +128,12 @@ def greedy_agree(want: list[int], got: list[int], logits, bound: float = NEAR_TI
     return len(want)
 
 
-def assert_top_ids_close(top_ids, reference: torch.Tensor, bound: float = NEAR_TIE) -> None:
-    """`top_ids` (best first) are `reference`'s top k, save that entries whose reference values lie
+def assert_top_ids_close(top_ids, reference: torch.Tensor, k: int, bound: float = NEAR_TIE) -> None:
+    """`top_ids` (best first) are `reference`'s top `k`, save that entries whose reference values lie
     within `bound` of each other may come in either order (at the k-th place: either may be in)."""
     ids = list(top_ids)
-    best = torch.topk(reference, len(ids)).values
-    assert len(set(ids)) == len(ids) and ((reference[ids] - best).abs() < bound).all(), (ids, best, reference[ids])
+    best = torch.topk(reference, k).values
+    assert len(set(ids)) == len(ids) == k and ((reference[ids] - best).abs() < bound).all(), (ids, best, reference[ids])
 
 
 def assert_rank_close(rank: int, token: int, reference: torch.Tensor, bound: float = NEAR_TIE) -> None:
