@@ -142,6 +142,18 @@ def assert_rank_close(rank: int, token: int, reference: torch.Tensor, bound: flo
     assert int((reference > value + bound).sum()) < rank <= int((reference > value - bound).sum()), (rank, token)
 
 
+def assert_token_logprobs_close(ours, theirs, logits_row: torch.Tensor, bound: float = NEAR_TIE) -> None:
+    """A generated token's logprobs (TokenLogprobs) as the reference's `theirs`, whose model logits (no
+    bias or penalties) were `logits_row`: the same token and values to 1e-4, the rank and top ids
+    those of that row up to near ties (`assert_rank_close`, `assert_top_ids_close`)."""
+    reference = torch.log_softmax(logits_row.float(), dim=-1)
+    assert ours.token_id == theirs.token_id
+    torch.testing.assert_close(torch.tensor([ours.logprob, *ours.top_logprobs]),
+                               torch.tensor([theirs.logprob, *theirs.top_logprobs]), rtol=1e-4, atol=1e-4)
+    assert_rank_close(ours.rank, ours.token_id, reference, bound)
+    assert_top_ids_close(ours.top_ids, reference, len(theirs.top_ids), bound)
+
+
 def hf_logits(hf, req: EngineRequest, output_ids: list[int] = ()) -> torch.Tensor:
     """transformers' logits [L, V] at every position of the prompt followed by `output_ids`."""
     cfg = hf.config
