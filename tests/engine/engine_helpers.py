@@ -1,5 +1,5 @@
-"""Prompts (text, image, video) as EngineRequests, an engine run that records sampled logits, and an
-AsyncEngine served for one test body."""
+"""Prompts (text, image, video) as EngineRequests, an engine run that records sampled logits, greedy
+tokens and top-k ids compared across layouts up to near ties, and an AsyncEngine served for one test body."""
 
 from __future__ import annotations
 
@@ -78,6 +78,80 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
     llm.core.runner.execute = recording_execute
     completions = llm.generate(requests)
     return completions, {rid: torch.stack(rows) for rid, rows in logits.items()}
+
+
+# Two layouts of one computation (batched vs alone, chunked vs one-shot, engine vs transformers) sum
+# fp32 in other orders: on the random test checkpoint that moved a top-1/top-2 logit gap by 1.4e-6 to
+# 3e-6 on average and at most 1.5e-5 (chunked vs transformers: 5e-6 mean, 3.0e-5 at most; 9,216
+# decisions), while about 3e-4 of decisions have a gap below 1e-4. So greedy choices and top-k orders
+# are compared exactly except between entries the reference holds within NEAR_TIE (~7x the largest
+# layout noise measured, ~3x the largest engine-vs-transformers one), where either may come out on top.
+NEAR_TIE = 1e-4
+
+
+def record_decisions(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """Per request, in order, the logits row each of its tokens was chosen from: the model's logits after
+    bias, min_tokens and penalties (a grammar's mask, applied after, leaves the tokens it allows as they
+    are). Wraps the sampler's per-step plan; the dict fills as `llm` runs."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    sampler = llm.core.sampler
+    plan_step = sampler._plan
+
+    def recording_plan(requests, vocab):
+        plan = plan_step(requests, vocab)
+        apply = plan.adjust.apply
+
+        def recording_apply(logits, dev):
+            apply(logits, dev)
+            for row, chunk in enumerate(plan.rows.chunk_of_row.tolist()):
+                seen.setdefault(plan.rows.requests[chunk].request_id, []).append(logits[row].clone())
+
+        plan.adjust.apply = recording_apply
+        return plan
+
+    sampler._plan = recording_plan
+    return seen
+
+
+def greedy_agree(want: list[int], got: list[int], logits, bound: float = NEAR_TIE) -> int:
+    """`got` equals the reference's greedy tokens `want` up to their first divergence, where the
+    reference's own logits there (`logits[i]`, the row token i was chosen from) hold both tokens within
+    `bound`: a near tie layout noise may flip. What follows a divergence is conditioned on another
+    token and is not compared. Returns how many leading tokens are equal (all when none diverges)."""
+    assert len(logits) == len(want), "one logits row per reference token"
+    for i, (a, b) in enumerate(zip(want, got, strict=False)):
+        if a != b:
+            gap = (logits[i][a] - logits[i][b]).item()
+            assert gap < bound, f"token {i}: {b} where the reference chose {a}, {gap:.3g} above it (bound {bound})"
+            return i
+    assert len(got) == len(want), (got, want)
+    return len(want)
+
+
+def assert_top_ids_close(top_ids, reference: torch.Tensor, k: int, bound: float = NEAR_TIE) -> None:
+    """`top_ids` (best first) are `reference`'s top `k`, save that entries whose reference values lie
+    within `bound` of each other may come in either order (at the k-th place: either may be in)."""
+    ids = list(top_ids)
+    best = torch.topk(reference, k).values
+    assert len(set(ids)) == len(ids) == k and ((reference[ids] - best).abs() < bound).all(), (ids, best, reference[ids])
+
+
+def assert_rank_close(rank: int, token: int, reference: torch.Tensor, bound: float = NEAR_TIE) -> None:
+    """`rank` is `token`'s 1-based rank in `reference`, the entries within `bound` of it on either side."""
+    value = reference[token]
+    assert int((reference > value + bound).sum()) < rank <= int((reference > value - bound).sum()), (rank, token)
+
+
+def assert_token_logprobs_close(ours, theirs, logits_row: torch.Tensor, bound: float = NEAR_TIE) -> None:
+    """A generated token's logprobs (TokenLogprobs) as the reference's `theirs`, whose model logits (no
+    bias or penalties) were `logits_row`: the same token and values to 1e-4, the rank and top ids
+    those of that row up to near ties (`assert_rank_close`, `assert_top_ids_close`)."""
+    reference = torch.log_softmax(logits_row.float(), dim=-1)
+    assert ours.token_id == theirs.token_id
+    torch.testing.assert_close(torch.tensor([ours.logprob, *ours.top_logprobs]),
+                               torch.tensor([theirs.logprob, *theirs.top_logprobs]), rtol=1e-4, atol=1e-4)
+    assert_rank_close(ours.rank, ours.token_id, reference, bound)
+    assert_top_ids_close(ours.top_ids, reference, len(theirs.top_ids), bound)
 
 
 def hf_logits(hf, req: EngineRequest, output_ids: list[int] = ()) -> torch.Tensor:

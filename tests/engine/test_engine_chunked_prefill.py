@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, build_request, hf_logits, make_llm, run_recording_logits
+from engine_helpers import PROMPTS, build_request, greedy_agree, hf_logits, make_llm, run_recording_logits
 
 CPU_BACKENDS = [pytest.param("reference"), pytest.param("sdpa"), pytest.param("flex", marks=pytest.mark.slow)]
 
@@ -38,11 +38,13 @@ def test_chunked_prefill_equals_one_shot(backend, load_backend, engine_checkpoin
         assert rel_err(one_shot_logits[kind][0], hf_logits(hf, req)[-1]) < 1e-4, kind
         for budget in (16, 64):
             tokens, logits = results[budget]
-            assert tokens[kind] == one_shot_tokens[kind], (kind, budget)
+            # equal tokens, save a near tie where the rest is conditioned on another token: the
+            # logits compared are those up to the first divergence (the row that diverged included)
+            same = greedy_agree(one_shot_tokens[kind], tokens[kind], one_shot_logits[kind]) + 1
             # fp32 sums in another order: 31 salts x 3 backends gave at most 8.4e-6, one CI salt
             # (298783, flex, text at 16) 1.21e-5; masking out one cached key at a chunk's start
             # (a mutant of the reference backend) gave 0.91.
-            assert rel_err(logits[kind], one_shot_logits[kind]) < 5e-5, (kind, budget)
+            assert rel_err(logits[kind][:same], one_shot_logits[kind][:same]) < 5e-5, (kind, budget)
 
 
 def test_prompts_really_chunk_and_outgrow_the_window(load_backend):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, build_request, make_llm
+from engine_helpers import PROMPTS, build_request, greedy_agree, make_llm, record_decisions
 
 from mmserve.model import compiled
 from mmserve.model.mlp import gelu_gate
@@ -19,10 +19,13 @@ def test_compiled_dense_kernels_keep_tokens_and_values(load_backend):
     # Two of each prompt: the first step has > MIN_TOKENS rows, so the compiled kernels run there.
     reqs = [build_request(f"{kind}{i}", parts, 3 + i) for kind, parts in PROMPTS.items() for i in range(2)]
     assert sum(len(r.prompt_token_ids) for r in reqs) > compiled.MIN_TOKENS
-    want = [c.token_ids for c in make_llm(model_tok, max_num_batched_tokens=256).generate(reqs)]
+    eager = make_llm(model_tok, max_num_batched_tokens=256)
+    decisions = record_decisions(eager)
+    want = [c.token_ids for c in eager.generate(reqs)]
     try:
         got = [c.token_ids for c in make_llm(model_tok, max_num_batched_tokens=256, compile_dense=True).generate(reqs)]
-        assert got == want
+        for r, ours, theirs in zip(reqs, got, want, strict=True):   # up to a near tie of the eager run's own
+            greedy_agree(theirs, ours, decisions[r.request_id])
         assert rms_norm.compiled is not None and norm_rope.compiled is not None and gelu_gate.compiled is not None
         gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
         rows = compiled.MIN_TOKENS + 37   # a new row count: the dynamic graphs serve it without recompiling

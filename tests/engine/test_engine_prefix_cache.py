@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from engine_helpers import build_request, make_llm
+from engine_helpers import build_request, greedy_agree, make_llm
 from gemma4_fixtures import NUM_SPECIALS, VOCAB
 from test_engine_batching import assert_pools_full
 
@@ -76,8 +76,10 @@ def compare(model_tok, batches, **options):
         assert_pools_full(llm.core)
     (on, watch, got), (off, _, want) = results[True], results[False]
     for rid, c in want.items():
-        assert got[rid].token_ids == c.token_ids, rid
-        torch.testing.assert_close(torch.stack(on.logits[rid]), torch.stack(off.logits[rid]), rtol=1e-4, atol=1e-4)
+        # equal tokens save a near tie of the uncached run's own; logits up to the divergence (its row included)
+        same = greedy_agree(c.token_ids, got[rid].token_ids, off.logits[rid]) + 1
+        torch.testing.assert_close(torch.stack(on.logits[rid][:same]), torch.stack(off.logits[rid][:same]),
+                                   rtol=1e-4, atol=1e-4)
         assert want[rid].usage.cached_tokens == 0
     return got, watch, on
 

@@ -78,4 +78,6 @@ def test_a_preempted_question_recomputes_from_its_contexts_media():
     alone = llm(num_kv_blocks=256)
     expected = alone.generate([EngineRequest("s#q-1", question, ranges, inputs, greedy)])[0].logprobs
     assert [t.token_id for t in got["s#q-1"]] == [t.token_id for t in expected] and len(expected) == 10
-    torch.testing.assert_close([t.logprob for t in got["s#q-1"]], [t.logprob for t in expected], rtol=0, atol=1e-5)
+    # preempted and recomputed in other batches vs alone: 8 salts differed by at most 2.6e-6 (fp32 sums in
+    # another order); 5e-5 leaves room for the tail, as the sibling tests' 1e-4 does
+    torch.testing.assert_close([t.logprob for t in got["s#q-1"]], [t.logprob for t in expected], rtol=0, atol=5e-5)
