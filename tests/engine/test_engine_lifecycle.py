@@ -4,6 +4,7 @@ observer hooks, shutdown. Every admitted request ends exactly once and returns i
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ from engine_helpers import build_request, serve
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.observer import NullObserver
+from mmserve.engine.parallel_sampling import fan_out
 from mmserve.errors import (
     EngineInternalError,
     EngineUnavailableError,
@@ -19,6 +21,8 @@ from mmserve.errors import (
     RequestAbortedError,
 )
 from mmserve.request import MultiModalInput
+
+LOOPS = ["off", "on"]   # --async-scheduling: CUDA's default is on
 
 
 class Recorder(NullObserver):
@@ -206,6 +210,64 @@ def test_offline_llm_raises_after_draining_and_stays_usable(load_backend):
     assert all(p.num_free == p.num_usable for p in llm.core.kv.pools.values())
     again = llm.generate([build_request("good2", [30], seed=9, max_tokens=3)])
     assert again[0].finish_reason == "length"
+
+
+def empty_pixels(rid: str, seed: int):
+    """A request whose image the vision encoder fails on (no pixels), in the second 16-token chunk."""
+    request = build_request(rid, [15, ("image", 4), 10], seed=seed, max_tokens=4)
+    request.mm_inputs[0] = MultiModalInput(request.mm_inputs[0].pixel_values[:0], request.mm_inputs[0].position_ids[:0])
+    return request
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_chunk_whose_image_failed_is_never_cached(load_backend, loop):
+    """The async loop launches the image's chunk before the chunk ahead of it finishes: that
+    finish must not key the blocks the image's chunk (run on zero embeddings) is writing, or the
+    same request sent again would hit them and succeed on them."""
+    from engine_helpers import make_llm
+
+    llm = make_llm(load_backend("reference"), max_num_batched_tokens=16, async_scheduling=loop)
+    seed = random.randrange(10_000)
+    for rid in ("try1", "try2"):
+        with pytest.raises(EngineInternalError, match=f"request {rid}: the vision encoder failed"):
+            llm.generate([empty_pixels(rid, seed)])
+    assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in llm.core.kv.pools.values())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_sample_never_joins_a_prompt_whose_image_failed(load_backend, loop):
+    """n=2: sample 1 joins sample 0's K/V of the prompt; under the async loop the chunk holding
+    the image is still in flight when the chunk before it finishes. The encoder fails until the
+    first error comes back (sample 0's), then works: every sample that finishes equals a clean run."""
+    from engine_helpers import make_llm
+
+    model_tok = load_backend("reference")
+    parts, seed = [15, ("image", 9), 3], random.randrange(10_000)
+    want = make_llm(model_tok, max_num_batched_tokens=16, enable_prefix_caching=False).generate(
+        [build_request("clean", parts, seed=seed, max_tokens=8)])[0].token_ids
+    llm = make_llm(model_tok, max_num_batched_tokens=16, enable_prefix_caching=False, async_scheduling=loop)
+    model, failing = llm.core.model, [True]
+    encode = model.encode_vision
+
+    def flaky(*args, **kwargs):   # fault injection: fails while `failing`
+        if failing[0]:
+            raise RuntimeError("encoder failed (injected)")
+        return encode(*args, **kwargs)
+
+    model.encode_vision = flaky
+    for sample in fan_out(build_request("p", parts, seed=seed, max_tokens=8, n=2)):
+        llm.add_request(sample)
+    tokens, failed = {}, set()
+    while llm.has_work:
+        for rid, item in llm.step():
+            if isinstance(item, BaseException):
+                failed.add(rid)
+                failing[0] = False
+            else:
+                tokens.setdefault(rid, []).extend(item.new_token_ids)
+    assert "p" in failed
+    assert {rid: t for rid, t in tokens.items() if rid not in failed} == {rid: want for rid in tokens if rid not in failed}
+    assert all(p.num_free == p.num_usable and not any(p.ref_cnt) for p in llm.core.kv.pools.values())
 
 
 def test_model_info_and_load_describe_the_engine(load_backend):

@@ -455,10 +455,21 @@ class EngineCore:
                             start_perf, start_ns)
             except Exception as exc:   # one bad step must not take the engine down
                 self._fail_step(out, exc, result.outputs)
+            else:
+                self._end_media_failed(launched[1], result.outputs)
         rejected = self._finish(prev, result) if prev is not None else {}
         if launched is not None:
             self._in_flight = self._launch_sampling(*launched)
             self._in_flight.moved_back = rejected
+
+    def _end_media_failed(self, step: StepResult, outputs: list[CoreOutput]) -> None:
+        """Async loop: the requests whose media failed to encode in the step just launched end now,
+        as a failed launch's do, not when the step finishes. The scheduler counts a chunk computed
+        once it is launched: the step in flight's update, and the window's release before the next
+        step, key its blocks, and a parallel sample joins its parent's prompt, so a chunk run on
+        zero embeddings must not stay in flight under a running request."""
+        for rid, why in step.media_failed.items():
+            self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), outputs)
 
     def _launch_sampling(self, out: SchedulerOutput, step: StepResult, start_perf: float, start_ns: int) -> InFlight:
         """Queue the sampling of a launched step's rows (those of requests still running: the step

@@ -239,7 +239,8 @@ class KVCacheManager:
         """Key the full blocks the request's computed tokens now cover. Call after the step that
         computed them ran, or (async scheduling) was launched, before any step that could read them
         is planned: one device stream runs steps in order, so a key always names K/V that is there
-        when a hit reads it."""
+        when a hit reads it. (A launched chunk whose media failed to encode runs on zero embeddings:
+        its request ends at launch, before anything keys it: `EngineCore._end_media_failed`.)"""
         held = self._held.get(request.request_id)
         if not self.enable_prefix_caching or held is None:
             return
