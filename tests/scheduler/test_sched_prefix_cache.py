@@ -117,6 +117,24 @@ def test_hit_never_ends_inside_a_frame(frame, shared, expected):
     assert not s < hit.num_tokens <= e
 
 
+def test_a_preempted_request_of_whole_blocks_never_hits_its_last_token():
+    """A request preempted after every token of it was computed, its length a whole number of blocks,
+    holds keys for all of them; its own lookup on readmission took them all (a hit on every token,
+    so a first chunk of 0 tokens, at which admission stopped every step: the engine stalled with
+    free blocks, found by a randomized driver). The hit ends a block short, as for any request."""
+    kv = make_kv(num_blocks=64)
+    r = request("r", list(range(3, 35)), max_tokens=16)
+    compute(kv, r, 32)
+    for token in range(100, 108):   # decodes until its 40 tokens are all computed: 10 whole blocks keyed
+        r.output_token_ids.append(token)
+        compute(kv, r, 1)
+    assert r.num_tokens == r.num_computed_tokens == 40 and len(r.block_hashes) == 10
+    kv.free("r")   # preempted
+    r.num_computed_tokens = 0
+    hit = kv.find_cached_prefix(r)
+    assert hit.num_tokens == 36 and kv.allocate(r, r.num_tokens - hit.num_tokens, hit)
+
+
 def test_windowed_pool_needs_only_the_blocks_its_window_reaches():
     kv = make_kv(num_blocks=64)                   # window 8, block size 4
     a = request("a", list(range(3, 43)))          # 40 tokens in one chunk: all 10 sliding blocks held

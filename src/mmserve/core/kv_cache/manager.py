@@ -155,7 +155,9 @@ class KVCacheManager:
                 or request.sampling_params.needs_whole_prompt):
             return NO_HIT
         # wanted: the key of every whole block before the last token; keys: narrowed to what the unwindowed pools hold
-        keys = wanted = block_hashes(request, self.block_size, (request.num_tokens - 1) // self.block_size)
+        # (a request preempted once all of it was computed may already hold a key past the last token)
+        before_last = (request.num_tokens - 1) // self.block_size
+        keys = wanted = block_hashes(request, self.block_size, before_last)[:before_last]
         found: dict[str, list[int | None]] = {}
         for t, pool in self.pools.items():   # unwindowed pools first: they bound the hit
             if self.plans[t].window is None:
