@@ -26,11 +26,11 @@ def model_tok(load_backend):
 
 
 def spy_towers(llm, monkeypatch) -> list[dict]:
-    """Per step: the frames the step consumed ("frames"), whether one was a request's first chunk
-    ("first"), how many frames the tower encoded inside the step ("in_step") and ahead of the next
+    """Per step: the frames the step consumed ("frames"), whether one was in the first chunk a
+    request was scheduled (its "first": a prefix hit may start it past token 0), how many frames the tower encoded inside the step ("in_step") and ahead of the next
     ("ahead"), the step's per-request frame counts ("counted") and whether it reports when the tower
     ran for them ("timed")."""
-    runner, steps = llm.core.runner, []
+    runner, steps, seen = llm.core.runner, [], set()
     phase = ["ahead"]
     encode, execute, vision = runner._encode, runner.execute, runner.model.encode_vision
 
@@ -47,7 +47,8 @@ def spy_towers(llm, monkeypatch) -> list[dict]:
 
     def recording(out, prev=None):
         steps.append(Counter(frames=sum(len(s.frames) for s in out.scheduled),
-                             first=any(s.frames and s.num_computed_tokens == 0 for s in out.scheduled)))
+                             first=any(s.frames and s.request.request_id not in seen for s in out.scheduled)))
+        seen.update(s.request.request_id for s in out.scheduled)
         result = execute(out, prev)
         steps[-1]["counted"] = sum(result.frames_encoded.values())
         steps[-1]["timed"] = result.encode_perf is not None and result.encode_perf[0] < result.encode_perf[1]
