@@ -65,13 +65,15 @@ def test_fields_match_per_token_python(num_blocks):
     with image rows."""
     for seed in [0] + [random.randrange(2**31) for _ in range(3)]:
         try:
-            preempted = _check_fields(seed, num_blocks)
+            preempted, steps = _check_fields(seed, num_blocks)
         except AssertionError as e:
             raise AssertionError(f"seed {seed}: {e}") from e
-        assert preempted > 0 or num_blocks == 128 or seed != 0
+        # seed 0's run is long (and preempts in the small pool); a fresh draw may be short (eight
+        # prompts of 1-70 tokens, prefix hits in "roomy": salt 32669 drew one of 5 steps), still checked
+        assert seed != 0 or (steps > 5 and (preempted > 0 or num_blocks == 128))
 
 
-def _check_fields(seed: int, num_blocks: int) -> int:
+def _check_fields(seed: int, num_blocks: int) -> tuple[int, int]:
     sched = busy_scheduler(seed, num_blocks=num_blocks)
     # The prompts share their first tokens: with prefix caching (on in "roomy", where hits bring
     # blocks in through the updates) they would fit the small pool without any preemption.
@@ -120,8 +122,7 @@ def _check_fields(seed: int, num_blocks: int) -> int:
         assert ((rest == -1) | (rest == 9999)).all(), "a stale range row survived past this step"
         advance(sched, out)
         steps += 1
-    assert steps > 5
-    return preempted
+    return preempted, steps
 
 
 def test_mm_token_index_covers_exactly_the_frames_entering():
