@@ -116,7 +116,15 @@ class MediaStore:
 
     def owned_bytes(self, owner: bytes) -> int:
         """Bytes charged to `owner`: its media (shared ones too) plus its uploads in progress."""
-        return sum(e.size for e in self._entries.values() if owner in e.owners) + self._reserved.get(owner, 0)
+        return self._holdings().get(owner, 0)
+
+    def _holdings(self) -> dict[bytes, int]:
+        """`owned_bytes` of every owner."""
+        held = dict(self._reserved)
+        for e in self._entries.values():
+            for o in e.owners:
+                held[o] = held.get(o, 0) + e.size
+        return held
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -152,12 +160,7 @@ class MediaStore:
         caller holds first, then its own, then those of the caller holding the most, and only of
         callers holding more than `holding` (a fair share: a light user's media never make room
         for a heavier one's), least recently used first within each."""
-        held: dict[bytes, int] = {}
-        for e in self._entries.values():
-            for o in e.owners:
-                held[o] = held.get(o, 0) + e.size
-        for o, n in self._reserved.items():
-            held[o] = held.get(o, 0) + n
+        held = self._holdings()
         ranked = []
         for e in self._entries.values():
             others = e.owners - {owner}
