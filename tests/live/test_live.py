@@ -417,6 +417,26 @@ def test_blocks_are_free_after_cancel_and_a_vanished_client(server, stub):
     wait_all_free(server)
 
 
+def test_abort_by_session_id_ends_the_session_cancelled_for_its_key_only(server, stub):
+    """Abort of a live session's id ends the session (CANCELLED, its blocks freed, a question in
+    flight with it). It used to say found and end nothing: the session has no engine request of
+    its own id, and the Abort aborted that absent one."""
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    s = Session(stub, pb.LiveOpen(session_id="aborted-live"), timeout=60)
+    s.send(*(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))) for _ in range(2)))
+    s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 2)
+    s.send(question("long", max_tokens=200))
+    s.until(lambda s: "long" in s.answers)
+    other = (("authorization", "Bearer another key"),)
+    assert not stub.Abort(pb.AbortRequest(request_id="aborted-live"), metadata=other).found
+    assert stub.Abort(pb.AbortRequest(request_id="aborted-live")).found
+    with pytest.raises(grpc.RpcError) as ended:
+        s.until(lambda s: False)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED and "aborted-live" in ended.value.details()
+    wait_all_free(server)
+    assert not stub.Abort(pb.AbortRequest(request_id="aborted-live")).found
+
+
 def test_another_key_cannot_name_or_abort_a_sessions_requests(server, stub):
     """A session's contexts and questions run under ids derived from its own ("victim#context-0"),
     which no client id may hold. When they were "victim/context-0", another key's Generate of that

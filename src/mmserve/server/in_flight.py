@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -34,11 +34,13 @@ def caller_key(context: grpc.aio.ServicerContext) -> bytes:
 @dataclass
 class InFlight:
     """A request as Abort sees it: whose it is, how many samples it has in the engine, whether it was
-    aborted (what runs after the Abort reads it), and the step before the engine that an Abort cancels."""
+    aborted (what runs after the Abort reads it), the step before the engine that an Abort cancels,
+    and what else an Abort must end (a live session, whose engine requests run under derived ids)."""
 
     owner: bytes
     n: int
     aborted: bool = False
+    on_abort: Callable[[], None] | None = field(default=None, repr=False)
     before_engine: asyncio.Task | None = field(default=None, repr=False)
 
 
@@ -53,15 +55,17 @@ class InFlightRequests:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add(self, request_id: str, owner: bytes, n: int, field: str = "request_id") -> None:
-        """Register a client's id (a request's, a live session's), refusing one in flight or one
-        holding the separator of the ids the server derives from it (`types.derived_id`)."""
+    def add(self, request_id: str, owner: bytes, n: int, field: str = "request_id",
+            on_abort: Callable[[], None] | None = None) -> None:
+        """Register a client's id (a request's with `n` samples, a live session's with none and the
+        `on_abort` that ends it), refusing one in flight or one holding the separator of the ids the
+        server derives from it (`types.derived_id`)."""
         if DERIVED_ID_SEPARATOR in request_id:
             raise InvalidInputError(field, f"must not contain {DERIVED_ID_SEPARATOR!r}: it is reserved for the ids "
                                     "the server derives (parallel samples, live sessions' contexts and questions)")
         if request_id in self._requests:
             raise InvalidInputError(field, f"{request_id!r} is already in flight; ids must be unique")
-        self._requests[request_id] = InFlight(owner, n)
+        self._requests[request_id] = InFlight(owner, n, on_abort=on_abort)
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -125,4 +129,6 @@ class InFlightRequests:
             self._engine.abort(sample_id(request_id, i))
         if running.before_engine is not None:
             running.before_engine.cancel()
+        if running.on_abort is not None:
+            running.on_abort()
         return True

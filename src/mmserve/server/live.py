@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import uuid
@@ -27,7 +28,13 @@ from mmserve.api import pb
 from mmserve.config import EngineConfig
 from mmserve.engine.live_session import LiveOptions, LiveSession, LiveStats, widest_frame_texts
 from mmserve.engine.types import RequestOutput
-from mmserve.errors import EngineUnavailableError, InvalidInputError, LimitExceededError, MMServeError
+from mmserve.errors import (
+    EngineUnavailableError,
+    InvalidInputError,
+    LimitExceededError,
+    MMServeError,
+    RequestAbortedError,
+)
 from mmserve.logs import bind_request, unbind_request
 from mmserve.metrics.tracing import end_request_span, get_tracer, start_request_span
 from mmserve.server.in_flight import InFlightRequests, caller_key
@@ -115,6 +122,7 @@ class LiveService:
                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.LiveResponse]:
         idle = self._config.live_idle_timeout_s
         session_id, owner = "", caller_key(context)
+        outbox: asyncio.Queue = asyncio.Queue()
         try:
             processor = self._processor()
             if processor is None:
@@ -125,14 +133,14 @@ class LiveService:
             session_id = _request_id(first.open.session_id)
             options = self._options(first.open, processor)
             await asyncio.to_thread(widest_frame_texts, processor.tokenizer)   # once per tokenizer, off the loop
-            self._in_flight.add(session_id, owner, 1, "open.session_id")
+            self._in_flight.add(session_id, owner, 0, "open.session_id", on_abort=functools.partial(
+                outbox.put_nowait, _SessionEnded(RequestAbortedError(f"live session {session_id} was aborted"))))
         except (MMServeError, TimeoutError) as e:
             end_with(context, _idle_error(idle) if isinstance(e, TimeoutError) else e, session_id)
             return
         span, trace_context = start_request_span(context.invocation_metadata(), request_id=session_id,
                                                  model=self._engine.model_info.name)
         span.update_name(SESSION_SPAN)
-        outbox: asyncio.Queue = asyncio.Queue()
         try:
             self._admit(owner)
             try:
