@@ -14,6 +14,8 @@ processor cannot serve the demo checkpoint (it accepts only 70..1120 soft tokens
 from __future__ import annotations
 
 import base64
+import random
+import string
 
 import grpc
 import pytest
@@ -26,6 +28,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 from mmserve.clients import Client
 from mmserve.clients.messages import image_part, message, text_part, video_part
 from mmserve.config import DEMO_MODEL_DIR, ServerConfig
+from mmserve.engine.types import RequestOutput, Usage
+from mmserve.ipc.protocol import TokenLogprobs
 from mmserve.model.prompt import timestamp_text
 from mmserve.model.spec import load_spec
 from mmserve.model.tokenizer import load_tokenizer
@@ -33,7 +37,7 @@ from mmserve.multimodal.image import decode_image
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images
 from mmserve.multimodal.video import decode_video
-from mmserve.server.vllm_engine.outputs import VIDEO_FRAMES_KEY
+from mmserve.server.vllm_engine.outputs import VIDEO_FRAMES_KEY, SampleEnds
 
 NUM_FRAMES = 4   # the test server's --default-num-frames
 
@@ -153,6 +157,46 @@ def test_prompt_logprobs_and_cached_tokens_as_mmserve_v1(server, stub, model):
     again = _generate(stub, vpb.GenerateRequest(request_id="c2", tokenized=vpb.TokenizedInput(input_ids=ids),
                                                 sampling_params=repeat))
     assert again.cached_tokens == (len(ids) - 1) // 16 * 16 > 0   # whole blocks, the last token recomputed
+
+
+def test_every_sample_reports_the_requests_cache_hit_and_prompt_logprobs(server, stub, model):
+    """n=2: sample 1 forks sample 0's prompt KV, which is no cache hit of the request's (mmserve.v1 says
+    so), and computes no prompt logprobs of its own: every `complete` carries sample 0's, streamed or not."""
+    tok, _ = model
+    text = "".join(random.choices(string.ascii_lowercase + " ", k=80))   # never seen: nothing cached
+    ids = turn(tok, tok.encode("user\n" + text))
+
+    def completes(request_id: str, stream: bool, prompt_logprobs: int | None = None) -> list[vpb.GenerateComplete]:
+        responses = stub.Generate(vpb.GenerateRequest(
+            request_id=request_id, tokenized=vpb.TokenizedInput(input_ids=ids), stream=stream,
+            sampling_params=vpb.SamplingParams(temperature=1, max_tokens=3, n=2, prompt_logprobs=prompt_logprobs)),
+            timeout=120)
+        return sorted((r.complete for r in responses if r.HasField("complete")), key=lambda c: c.index)
+
+    fresh = completes("n2-fresh", stream=False)
+    assert [c.index for c in fresh] == [0, 1] and [c.cached_tokens for c in fresh] == [0, 0]
+    with Client(server.address) as c:
+        ours = c.generate(prompt=text, max_tokens=3, temperature=1, n=2)
+    assert ours.usage.cached_tokens == (len(ids) - 1) // 16 * 16 > 0   # whole blocks, the last token recomputed
+    assert [c.cached_tokens for c in completes("n2-again", stream=True)] == [ours.usage.cached_tokens] * 2
+    first, second = (c.input_logprobs for c in completes("n2-plp", stream=False, prompt_logprobs=1))
+    assert len(first.token_logprobs) == len(ids) and len(first.top_logprobs[1].token_ids) == 1
+    assert second == first
+
+
+def test_a_sample_that_ends_before_sample_0_waits_for_its_prompt_usage():
+    """Sample 0's cached tokens and prompt logprobs are known when it ends; a fork that ends first
+    (its EOS, say) sends its `complete` right after sample 0's."""
+    def end(request_id: str, cached: int, prompt_logprobs) -> RequestOutput:
+        return RequestOutput(request_id, [7], "", finished=True, finish_reason="length", prompt_logprobs=prompt_logprobs,
+                             usage=Usage(prompt_tokens=40, multimodal_tokens=0, completion_tokens=1, num_frames=0,
+                                         cached_tokens=cached))
+
+    ended = SampleEnds(list(range(3, 43)), with_top=False)
+    assert ended.finished(1, end("r#1", 39, None), [7], None) == []
+    sent = [m.complete for m in ended.finished(0, end("r", 16, [TokenLogprobs(5, -1.5, 1)] * 39), [7], None)]
+    assert [(c.index, c.cached_tokens) for c in sent] == [(1, 16), (0, 16)]
+    assert sent[0].input_logprobs == sent[1].input_logprobs and sent[0].input_logprobs.token_logprobs[1].value == -1.5
 
 
 def test_frames_sampled_per_video_come_back_as_through_mmserve_v1(server, stub, model, make_video):

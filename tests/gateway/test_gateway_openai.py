@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import random
+import string
 import time
 import uuid
 import zipfile
@@ -171,6 +172,9 @@ def test_n2_samples(client, model, direct, tokenizer):
         for choice in chunk.choices:
             streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
     assert streamed == {0: ours.text, 1: ours.text}
+    fresh = "".join(random.choices(string.ascii_lowercase + " ", k=80))   # never seen: nothing cached
+    reply = client.chat.completions.create(model=model, n=2, max_tokens=2, messages=[{"role": "user", "content": fresh}])
+    assert reply.usage.prompt_tokens > 16 and reply.usage.prompt_tokens_details.cached_tokens == 0   # SMG keeps the max
 
 
 def test_json_schema_response_format(client, model, direct):

@@ -111,7 +111,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         log_ids = bind_request(request_id, span)
         params = sampling.params
         with_top = params.top_logprobs > 0
-        ends: dict[int, RequestOutput] = {}
+        ended: outputs.SampleEnds | None = None   # once the prompt is known
         error: Exception | None = None
         try:
             if preprocessed is not None:
@@ -129,6 +129,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             engine_request.routing_prompt = _routing_prompt(
                 token_ids, engine_request, processor.spec,
                 [engine_request.ranges_per_part.get(f"{MEDIA_WHERE}[{k}]", 1) for k in range(len(media))])
+            ended = outputs.SampleEnds(prompt, with_top)
             collected: dict[int, tuple[list[int], list]] = {}
             # closed on leaving, so a cancel at a yield below stops every sample at once, not when collected
             async with contextlib.aclosing(self._in_flight.generate(request_id, engine_request)) as samples:
@@ -137,20 +138,20 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         if out.new_token_ids:
                             yield outputs.chunk(index, out, len(prompt), with_top)
                         if out.finished:
-                            ends[index] = out
-                            yield outputs.complete(index, out, out.new_token_ids, out.new_logprobs, prompt, with_top)
+                            for message in ended.finished(index, out, out.new_token_ids, out.new_logprobs):
+                                yield message
                         continue
                     ids, logprobs = collected.setdefault(index, ([], []))
                     ids.extend(out.new_token_ids)
                     logprobs.extend(out.new_logprobs or ())
                     if out.finished:
-                        ends[index] = out
-                        yield outputs.complete(index, out, ids, logprobs if params.logprobs else None, prompt,
-                                               with_top)
+                        for message in ended.finished(index, out, ids, logprobs if params.logprobs else None):
+                            yield message
         except Exception as e:  # noqa: BLE001 - every failure leaves as a mapped status
             error = e
             end_with(context, e, request_id)
         finally:
+            ends = ended.ends if ended is not None else {}
             finished = len(ends) == params.n
             if not finished and error is None:
                 logger.info("request %s ended by the client or the server stopping; aborting it", request_id)
