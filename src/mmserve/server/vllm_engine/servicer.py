@@ -176,7 +176,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             return vpb.HealthCheckResponse(healthy=False, message=LOADING)
         if self._draining():
             return vpb.HealthCheckResponse(healthy=False, message="draining: shutting down")
-        if getattr(self._engine, "dead_error", None) is not None:
+        if self._engine.dead_error is not None:
             return vpb.HealthCheckResponse(healthy=False, message=f"engine died: {self._engine.dead_error}")
         return vpb.HealthCheckResponse(healthy=True, message="serving")
 
