@@ -151,11 +151,13 @@ def test_traceparent_continues_through_smg_into_our_span(client, model, receiver
 
 def test_completions_take_the_raw_prompt(client, model, direct):
     """/v1/completions: SMG tokenizes the prompt as given (no chat template, no BOS added), so the
-    template written out by hand gives mmserve.v1's answer."""
+    template written out by hand gives mmserve.v1's answer. SMG 1.13.0 forwards `logprobs` but answers
+    none (docs/gateway.md): pinned, so an SMG that answers them shows here."""
     ours = direct.generate(prompt="Hello", max_tokens=12, temperature=0)
     reply = client.completions.create(model=model, prompt="<bos><|turn>user\nHello<turn|>\n<|turn>model\n",
-                                      max_tokens=12, temperature=0)
+                                      max_tokens=12, temperature=0, logprobs=2)
     assert reply.choices[0].text == ours.text
+    assert reply.choices[0].logprobs is None
     assert reply.usage.prompt_tokens == ours.usage.prompt_tokens
 
 
