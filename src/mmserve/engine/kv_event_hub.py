@@ -157,6 +157,12 @@ class _GatewayView:
                 h = block_id(keys[b])
             else:
                 h = block_id(hashlib.sha256(b"mmserve-route-v1" + keys[end] + repr(tokens).encode()).digest())
+            # Resting on `end` alone suffices, though the block spans engine blocks before it (an anchor's
+            # expansion): the published pool is an unwindowed one (KVCacheManager.published_pool; only a
+            # checkpoint of sliding layers alone, which no Gemma 4 is, would publish a windowed one), where
+            # whoever holds a block holds all its ancestors (hits and forks take a prefix from block 0)
+            # and a request releases its blocks tail first (KVCacheManager.free), so the LRU evicts
+            # `end` no later than any engine block before it.
             out.append((h, self._hashes[-1] if self._hashes else None, tokens, keys[end]))
             self._hashes.append(h)
             self.published += 1
