@@ -1,7 +1,8 @@
 """The VllmEngine door called directly (no gateway), on one in-process server.
 
-Prompt logprobs and cached tokens as the proto carries them, equal to mmserve.v1's; the frames each
-video sampled (trailing metadata), as mmserve.v1's Final.videos reports them. Router-preprocessed
+Prompt logprobs and cached tokens as the proto carries them (with n, every sample the request's),
+equal to mmserve.v1's; the frames each video sampled (trailing metadata), as mmserve.v1's
+Final.videos reports them. Router-preprocessed
 media: an image and a video sent as `mm_inputs`
 (expanded ids + patchified pixels, as a gateway's own Gemma 4 processor sends them) give the same
 prompt and greedy tokens as the same media sent by reference (`media_refs`); tensors that are not
