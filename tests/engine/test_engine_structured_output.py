@@ -133,6 +133,27 @@ def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend, lo
     assert not structured._matchers and not llm.core.requests
 
 
+@pytest.mark.parametrize("loop", ["off", "on"])   # async: the old request's step is in flight when its id returns
+def test_a_request_id_used_again_gets_its_own_grammar_state(load_backend, loop):
+    """A constrained request is aborted two tokens in and its id admitted again at once (a client
+    reusing ids): the new request's output is the fresh run's, a whole match. Under the async loop
+    a step that scheduled the old request is still in flight then: its token advances the old
+    request's matcher, not the new one's (which would end the new output one 'a' short)."""
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
+    request = _constrained("x", random.randrange(4, 30), ResponseFormat("regex", "a{6}"))
+    fresh = llm.generate([request])[0]
+    llm.add_request(request)
+    emitted = 0
+    while emitted < 2:
+        emitted += sum(len(item.new_token_ids) for _, item in llm.step())
+    assert llm.core.abort("x") and (loop == "off" or llm.core._in_flight is not None)
+    llm.processor.forget("x")
+    again = llm.generate([request])[0]
+    assert re.fullmatch("a{6}", fresh.text), fresh.text
+    assert (again.text, again.finish_reason) == (fresh.text, fresh.finish_reason)
+    assert not llm.core.sampler.grammar._matchers and not llm.core.requests
+
+
 def test_a_slow_compile_runs_beside_the_step_loop(load_backend):
     """A request whose schema takes a while to compile waits off the scheduler: a running request keeps
     getting tokens (its solo run's) while the compile runs, then the constrained one runs."""
