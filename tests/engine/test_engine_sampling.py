@@ -161,6 +161,26 @@ def test_streamed_text_never_shows_a_stop_string(load_backend):
     assert stop not in "".join(deltas) and "".join(deltas) == text[:text.index(stop)]
 
 
+def test_a_stop_string_inside_a_step_of_several_tokens_keeps_their_logprobs_alone():
+    """A step may bring several tokens (speculation's accepted drafts); a stop string met at the
+    second ends the request there, and the logprobs reported are those of the tokens kept."""
+    from mmserve.engine.output.request_state import RequestState
+    from mmserve.ipc.protocol import CoreOutput, TokenLogprobs
+
+    class Letters:   # a detokenizer: token t is the letter chr(ord('a') + t)
+        def push(self, ids):
+            return "".join(chr(97 + t) for t in ids)
+
+        def flush(self):
+            return ""
+
+    state = RequestState(Request("r", [1, 2], SamplingParams(max_tokens=10, stop=("b",), logprobs=True)), 0, Letters())
+    step = [TokenLogprobs(t, -0.1 * (t + 1), 1) for t in (0, 1, 2)]
+    out = state.append(CoreOutput("r", [0, 1, 2], None, step, 0))   # "abc": a step that accepted two drafts
+    assert out.finished and out.finish_reason == "stop" and out.new_text == "a"
+    assert out.new_token_ids == [0, 1] and out.new_logprobs == step[:2] and state.logprobs == step[:2]
+
+
 def test_a_request_whose_sampling_fails_ends_alone(load_backend):
     """Fault injection (no real input makes the sampler raise for one request): its draw raises
     for one request id. That request ends with an error naming only itself; its greedy step-mate
