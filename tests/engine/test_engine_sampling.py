@@ -351,7 +351,8 @@ def test_seeded_rows_follow_the_reference_distribution(monkeypatch):
 
 def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
     """Fresh random rows with zero-mass tokens (filtered out) and random uniforms, extremes included:
-    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one."""
+    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one;
+    a row of NaN (all masked) gets the last id, not one past the vocabulary."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     probs = torch.rand(64, 50, generator=gen) * (torch.rand(64, 50, generator=gen) < 0.3)
     probs[:, 49] = 0.0   # a zero-mass last token: the largest uniform must not fall through to it
@@ -364,6 +365,8 @@ def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
         mass = 0.0
         want = next(i for i, p in enumerate(row.tolist()) if (mass := mass + p) >= threshold)
         assert token == want and row[token] > 0
+    masked = torch.full((2, 50), float("nan"))   # softmax of a row with every token masked (a dead grammar's)
+    assert inverse_cdf(masked, bits[:2]).tolist() == [49, 49]   # an id the logprob gather can read, never 50
 
 
 def test_a_constrained_rows_mask_rides_the_steps_one_copy(tmp_path, monkeypatch):

@@ -110,12 +110,16 @@ def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend, lo
     ends) and one whose matcher dead-ends after one token. Fault injection for the last: grammars that
     can dead-end are refused up front, so its matcher is swapped for one compiled from such a grammar
     past the checks, as a grammar the checks missed would be. Only the two end, with errors naming
-    no one else; the bystander's tokens are those of its solo run."""
+    no one else; the bystander's tokens are those of its solo run. The dead-ending one is seeded
+    and asks for logprobs: its row, all masked, has no mass to draw from, and must still end with
+    the grammar's error, not a failed logprob gather of a token past the vocabulary."""
     llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=8, temperature=0.0)
     alone = llm.generate([bystander])[0].token_ids
     structured = llm.core.sampler.grammar
     bad = _constrained("bad", 12, ResponseFormat("regex", "a+"))
+    bad = dataclasses.replace(bad, sampling=dataclasses.replace(bad.sampling, temperature=1.0, logprobs=True,
+                                                                seed=random.randrange(2**32)))
     empty = _constrained("empty", 7, ResponseFormat("grammar", "root ::= root"))
     structured.compiler.compile(bad.sampling.response_format)   # cached: admitted at once, so it can be swapped
     for r in (bystander, bad, empty):

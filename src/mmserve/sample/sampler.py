@@ -78,10 +78,12 @@ def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor
     """probs [S, V] (each row's filtered distribution, up to its scale), uniform_bits int64 [S] (52
     random bits each) -> [S] tokens: the first token whose cumulative mass reaches u * total with
     u = (bits + 1/2) / 2^52 in (0, 1), an exact draw from each row. Float64 sums keep a token of mass
-    1e-12 its share; a zero-mass token is never the first to reach the threshold."""
+    1e-12 its share; a zero-mass token is never the first to reach the threshold. A row of NaN (the
+    softmax of a row with every token masked: a dead grammar's, whose row is void already) reaches
+    no threshold and gets V - 1: an id the logprob gather can read, never V (past the vocabulary)."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)   # read once as float32, summed in float64
     threshold = uniform_bits.double().add_(0.5).mul_(2.0 ** -_UNIFORM_BITS).mul_(cdf[:, -1])
-    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1)   # threshold <= total: a token, never V
+    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Draws:
