@@ -116,7 +116,8 @@ def test_mixed_greedy_and_seeded_rows_each_match_their_row_sampled_alone():
 
 
 def test_invalid_sampling_params_are_rejected():
-    for kw in [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
+    for kw in [dict(max_tokens=0), dict(temperature=-1), dict(temperature=float("inf")), dict(temperature=float("nan")),
+               dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
         with pytest.raises(InvalidInputError):
             SamplingParams(**kw)
 
