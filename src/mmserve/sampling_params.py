@@ -67,8 +67,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidInputError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:   # NaN too
-            raise InvalidInputError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):   # as the gRPC doors: NaN and inf too
+            raise InvalidInputError("temperature", f"must be finite and >= 0 (0 = greedy), got {self.temperature}")
         if self.temperature < GREEDY_TEMPERATURE:
             object.__setattr__(self, "temperature", 0.0)
         if not 0.0 < self.top_p <= 1.0:

@@ -116,7 +116,8 @@ def test_mixed_greedy_and_seeded_rows_each_match_their_row_sampled_alone():
 
 
 def test_invalid_sampling_params_are_rejected():
-    for kw in [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
+    for kw in [dict(max_tokens=0), dict(temperature=-1), dict(temperature=float("inf")), dict(temperature=float("nan")),
+               dict(top_p=0.0), dict(top_k=-2), dict(stop=("",))]:
         with pytest.raises(InvalidInputError):
             SamplingParams(**kw)
 
@@ -159,6 +160,26 @@ def test_streamed_text_never_shows_a_stop_string(load_backend):
     while llm.has_work:
         deltas += [o.new_text for _, o in llm.step()]
     assert stop not in "".join(deltas) and "".join(deltas) == text[:text.index(stop)]
+
+
+def test_a_stop_string_inside_a_step_of_several_tokens_keeps_their_logprobs_alone():
+    """A step may bring several tokens (speculation's accepted drafts); a stop string met at the
+    second ends the request there, and the logprobs reported are those of the tokens kept."""
+    from mmserve.engine.output.request_state import RequestState
+    from mmserve.ipc.protocol import CoreOutput, TokenLogprobs
+
+    class Letters:   # a detokenizer: token t is the letter chr(ord('a') + t)
+        def push(self, ids):
+            return "".join(chr(97 + t) for t in ids)
+
+        def flush(self):
+            return ""
+
+    state = RequestState(Request("r", [1, 2], SamplingParams(max_tokens=10, stop=("b",), logprobs=True)), 0, Letters())
+    step = [TokenLogprobs(t, -0.1 * (t + 1), 1) for t in (0, 1, 2)]
+    out = state.append(CoreOutput("r", [0, 1, 2], None, step, 0))   # "abc": a step that accepted two drafts
+    assert out.finished and out.finish_reason == "stop" and out.new_text == "a"
+    assert out.new_token_ids == [0, 1] and out.new_logprobs == step[:2] and state.logprobs == step[:2]
 
 
 def test_a_request_whose_sampling_fails_ends_alone(load_backend):
@@ -331,7 +352,8 @@ def test_seeded_rows_follow_the_reference_distribution(monkeypatch):
 
 def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
     """Fresh random rows with zero-mass tokens (filtered out) and random uniforms, extremes included:
-    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one."""
+    the token is the first whose float64 cumulative mass reaches u * total, and never a zero-mass one;
+    a row of NaN (all masked) gets the last id, not one past the vocabulary."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     probs = torch.rand(64, 50, generator=gen) * (torch.rand(64, 50, generator=gen) < 0.3)
     probs[:, 49] = 0.0   # a zero-mass last token: the largest uniform must not fall through to it
@@ -344,6 +366,8 @@ def test_inverse_cdf_picks_the_first_token_reaching_each_rows_uniform():
         mass = 0.0
         want = next(i for i, p in enumerate(row.tolist()) if (mass := mass + p) >= threshold)
         assert token == want and row[token] > 0
+    masked = torch.full((2, 50), float("nan"))   # softmax of a row with every token masked (a dead grammar's)
+    assert inverse_cdf(masked, bits[:2]).tolist() == [49, 49]   # an id the logprob gather can read, never 50
 
 
 def test_a_constrained_rows_mask_rides_the_steps_one_copy(tmp_path, monkeypatch):

@@ -110,12 +110,16 @@ def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend, lo
     ends) and one whose matcher dead-ends after one token. Fault injection for the last: grammars that
     can dead-end are refused up front, so its matcher is swapped for one compiled from such a grammar
     past the checks, as a grammar the checks missed would be. Only the two end, with errors naming
-    no one else; the bystander's tokens are those of its solo run."""
+    no one else; the bystander's tokens are those of its solo run. The dead-ending one is seeded
+    and asks for logprobs: its row, all masked, has no mass to draw from, and must still end with
+    the grammar's error, not a failed logprob gather of a token past the vocabulary."""
     llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
     bystander = build_request("bystander", [12], random.randrange(10_000), max_tokens=8, temperature=0.0)
     alone = llm.generate([bystander])[0].token_ids
     structured = llm.core.sampler.grammar
     bad = _constrained("bad", 12, ResponseFormat("regex", "a+"))
+    bad = dataclasses.replace(bad, sampling=dataclasses.replace(bad.sampling, temperature=1.0, logprobs=True,
+                                                                seed=random.randrange(2**32)))
     empty = _constrained("empty", 7, ResponseFormat("grammar", "root ::= root"))
     structured.compiler.compile(bad.sampling.response_format)   # cached: admitted at once, so it can be swapped
     for r in (bystander, bad, empty):
@@ -131,6 +135,27 @@ def test_a_grammar_that_cannot_go_on_fails_only_its_own_request(load_backend, lo
         assert "bystander" not in str(error) and error.field.startswith("sampling.response_format.")
     assert any({"bad", "bystander"} <= moved for moved in steps[1:])   # it failed in a step it shared
     assert not structured._matchers and not llm.core.requests
+
+
+@pytest.mark.parametrize("loop", ["off", "on"])   # async: the old request's step is in flight when its id returns
+def test_a_request_id_used_again_gets_its_own_grammar_state(load_backend, loop):
+    """A constrained request is aborted two tokens in and its id admitted again at once (a client
+    reusing ids): the new request's output is the fresh run's, a whole match. Under the async loop
+    a step that scheduled the old request is still in flight then: its token advances the old
+    request's matcher, not the new one's (which would end the new output one 'a' short)."""
+    llm = make_llm(load_backend("sdpa"), attention_backend="sdpa", async_scheduling=loop)
+    request = _constrained("x", random.randrange(4, 30), ResponseFormat("regex", "a{6}"))
+    fresh = llm.generate([request])[0]
+    llm.add_request(request)
+    emitted = 0
+    while emitted < 2:
+        emitted += sum(len(item.new_token_ids) for _, item in llm.step())
+    assert llm.core.abort("x") and (loop == "off" or llm.core._in_flight is not None)
+    llm.processor.forget("x")
+    again = llm.generate([request])[0]
+    assert re.fullmatch("a{6}", fresh.text), fresh.text
+    assert (again.text, again.finish_reason) == (fresh.text, fresh.finish_reason)
+    assert not llm.core.sampler.grammar._matchers and not llm.core.requests
 
 
 def test_a_slow_compile_runs_beside_the_step_loop(load_backend):

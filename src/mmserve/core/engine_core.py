@@ -584,8 +584,9 @@ class EngineCore:
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling
-        fails ends alone (with an error in its row) and its step-mates still get their tokens. Rows
-        drawn before the failure drew noise twice: a seeded request may then differ from a clean run."""
+        fails ends alone (with an error in its row) and its step-mates still get their tokens. Unseeded
+        rows may then draw otherwise than in a clean run (the failed batch moved their generator on);
+        a seeded row's uniform is a hash of (seed, output position): it draws the same token."""
         try:
             return self.sampler.sample(logits, requests)
         except Exception:

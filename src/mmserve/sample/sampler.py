@@ -50,7 +50,7 @@ from mmserve.sample.nucleus import filter_nucleus
 from mmserve.sample.penalties import Adjustments, PenaltyState
 from mmserve.sample.row_values import RowValues
 from mmserve.spec_decode.verify import StepRows
-from mmserve.structured_output.manager import StructuredOutput, apply_bitmask
+from mmserve.structured_output.manager import StepMasks, StructuredOutput, apply_bitmask
 
 _MASK64 = 2**64 - 1
 _UNIFORM_BITS = 52   # a seeded row's uniform: the top 52 of position_seed's 63 bits (exact in float64)
@@ -78,10 +78,12 @@ def inverse_cdf(probs: torch.Tensor, uniform_bits: torch.Tensor) -> torch.Tensor
     """probs [S, V] (each row's filtered distribution, up to its scale), uniform_bits int64 [S] (52
     random bits each) -> [S] tokens: the first token whose cumulative mass reaches u * total with
     u = (bits + 1/2) / 2^52 in (0, 1), an exact draw from each row. Float64 sums keep a token of mass
-    1e-12 its share; a zero-mass token is never the first to reach the threshold."""
+    1e-12 its share; a zero-mass token is never the first to reach the threshold. A row of NaN (the
+    softmax of a row with every token masked: a dead grammar's, whose row is void already) reaches
+    no threshold and gets V - 1: an id the logprob gather can read, never V (past the vocabulary)."""
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)   # read once as float32, summed in float64
     threshold = uniform_bits.double().add_(0.5).mul_(2.0 ** -_UNIFORM_BITS).mul_(cdf[:, -1])
-    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1)   # threshold <= total: a token, never V
+    return torch.searchsorted(cdf, threshold.unsqueeze(1)).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
 class Draws:
@@ -145,7 +147,7 @@ class _Plan:
     rows: StepRows
     values: RowValues
     adjust: Adjustments
-    masks: tuple | None
+    masks: StepMasks | None
     draws: Draws | None
     want_lp: list[int]   # the rows that asked for logprobs
     num_top: list[int]   # ... and the alternatives each asked for
@@ -157,7 +159,7 @@ class PendingSample:
     for that transfer's event, not for whatever the device queued after it."""
 
     def __init__(self, sampler: Sampler, requests: Sequence, tokens: torch.Tensor, table: torch.Tensor | None,
-                 want_lp: list[int], num_top: list[int], masks):
+                 want_lp: list[int], num_top: list[int], masks: StepMasks | None):
         self.sampler, self.requests, self.tokens = sampler, requests, tokens
         self._table_shape = None if table is None else table.shape
         self._want_lp, self._num_top, self._masks = want_lp, num_top, masks
@@ -176,10 +178,12 @@ class PendingSample:
         else:
             out.token_ids = host.tolist()
         if self._masks is not None:   # last: advancing the matchers is the only state a sample changes (never raises)
-            rows, _, out.errors = self._masks
-            live = [i for i in rows if i not in out.errors and not hasattr(self.requests[i], "drafts")]
-            refused = self.sampler.grammar.accept([self.requests[i] for i in live], [out.token_ids[i] for i in live])
-            out.errors.update({live[k]: error for k, error in refused.items()})
+            rows, out.errors = self._masks.rows, self._masks.dead
+            live = [k for k, i in enumerate(rows) if i not in out.errors and not hasattr(self.requests[i], "drafts")]
+            refused = self.sampler.grammar.accept([self._masks.matchers[k] for k in live],
+                                                  [self.requests[rows[k]] for k in live],
+                                                  [out.token_ids[rows[k]] for k in live])
+            out.errors.update({rows[live[j]]: error for j, error in refused.items()})
         return out
 
 
@@ -224,8 +228,8 @@ class Sampler:
         values.ids("logprob_rows", logprob_rows)
         adjust = Adjustments(values, rows, params, self.eos_token_ids, self.penalties, vocab)
         if masks is not None:
-            values.ids("mask_rows", masks[0])
-            values.words("mask_words", masks[1].numpy())
+            values.ids("mask_rows", masks.rows)
+            values.words("mask_words", masks.bitmask.numpy())
         values.ids("random_rows", random_rows)
         draws = Draws(values, [rows[i] for i in random_rows.tolist()], vocab) if len(random_rows) else None
         num_top = [params[c].num_logprobs for c in rows.chunk_of_row[logprob_rows].tolist()] if len(logprob_rows) else []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +42,15 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor)
     logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
 
 
+class StepMasks(NamedTuple):
+    """A step's grammar masks (`StructuredOutput.fill`)."""
+
+    rows: list[int]                        # the constrained rows (index into the step's rows)
+    bitmask: torch.Tensor                  # bitmask[k]: the tokens rows[k] may take (int32 words)
+    dead: dict[int, InvalidInputError]     # rows whose grammar admits no token at all -> why
+    matchers: list[xgr.GrammarMatcher]     # matchers[k]: rows[k]'s, which its sampled token advances
+
+
 class StructuredOutput:
     """One matcher per constrained request, and the step's masks; compiled grammars come from `compiler`."""
 
@@ -60,11 +70,10 @@ class StructuredOutput:
 
     # -- engine core, once per step --------------------------------------------------------------
 
-    def fill(self, requests: Sequence) -> tuple[list[int], torch.Tensor, dict[int, InvalidInputError]] | None:
-        """Host side of a step: the constrained rows, their bitmasks (bitmask[k] for rows[k]) and the
-        rows whose grammar admits no token at all (index into `requests` -> why); None if no row is
-        constrained. A verify chunk's row after drafts (a row with `drafts`) is masked in the state after
-        them and never called dead: if acceptance reaches it, `advance` refuses the token it gets."""
+    def fill(self, requests: Sequence) -> StepMasks | None:
+        """Host side of a step: its `StepMasks`; None if no row is constrained. A verify chunk's row
+        after drafts (a row with `drafts`) is masked in the state after them and never called dead: if
+        acceptance reaches it, `advance` refuses the token it gets."""
         step = StepRows.of(requests)   # row objects are made for the constrained chunks alone
         chunks = np.fromiter((r.request_id in self._matchers for r in step.requests), dtype=bool,
                              count=len(step.requests)) if self._matchers else None
@@ -82,7 +91,7 @@ class StructuredOutput:
         dead = {rows[k]: self._stuck(requests[rows[k]])
                 for k in torch.nonzero(~bitmask[:len(now)].any(dim=1)).flatten().tolist()
                 if not matchers[k].is_terminated()}
-        return rows, bitmask, dead
+        return StepMasks(rows, bitmask, dead, matchers)
 
     def _scratch_bitmask(self, n: int) -> torch.Tensor:
         """The first n rows of one host bitmask, grown on demand: a step's masks, then its draft loop's
@@ -127,20 +136,22 @@ class StructuredOutput:
             if n:
                 matcher.rollback(n)
 
-    def accept(self, requests: Sequence, tokens: Sequence[int]) -> dict[int, InvalidInputError]:
-        """Advance every constrained row's matcher past its sampled token; the rows (index into
-        `requests`) whose matcher refused it, with why."""
+    def accept(self, matchers: Sequence[xgr.GrammarMatcher], requests: Sequence, tokens: Sequence[int]
+               ) -> dict[int, InvalidInputError]:
+        """Advance each of a step's matchers (`StepMasks.matchers`) past its row's sampled token; the
+        rows (index into `requests`) whose matcher refused it, with why. The matchers, not a lookup by
+        id: a request that ended while the step was in flight (async scheduling) advances its own
+        freed matcher, never that of a new request admitted under its id; nobody reads its row."""
         refused = {}
-        for k, (r, t) in enumerate(zip(requests, tokens, strict=True)):
-            matcher = self._matchers.get(r.request_id)
-            if matcher is None or matcher.is_terminated():
+        for k, (matcher, r, t) in enumerate(zip(matchers, requests, tokens, strict=True)):
+            if matcher.is_terminated():
                 continue
             try:
                 accepted = matcher.accept_token(t)
             except Exception:
                 logger.exception("request %s: grammar matcher failed", r.request_id)
                 accepted = False
-            if not accepted:
+            if not accepted and self._matchers.get(r.request_id) is matcher:   # (an ended one's format is gone)
                 refused[k] = self._stuck(r)
         return refused
 

@@ -52,9 +52,8 @@ class RequestState:
         r = self.request
         token_ids, engine_finish = out.new_token_ids, out.finish_reason
         r.num_cached_tokens = out.num_cached_tokens   # only the core sees the prefix cache
-        if out.logprobs:
-            self.logprobs += out.logprobs
         params = r.sampling_params
+        before_step = len(r.output_token_ids)
         longest_stop = max((len(s) for s in params.stop), default=0)
         decision = None
         for token_id in token_ids:
@@ -66,6 +65,8 @@ class RequestState:
                                   max(0, before - longest_stop + 1), NO_EOS)
             if decision.finish_reason is not None:
                 break
+        if out.logprobs:   # the kept tokens': a stop string inside a step of several (accepted drafts) drops the rest
+            self.logprobs += out.logprobs[:len(r.output_token_ids) - before_step]
         reason = decision.finish_reason if decision and decision.finish_reason else engine_finish
         visible = decision.visible_len if decision else len(self.text)
         if reason is not None and reason != "stop":
