@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.ipc.records import ScheduledItem, StepRecord
+from mmserve.metrics.attention_pairs import kept_pairs
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -182,6 +184,19 @@ def test_observer_builds_the_request_span_tree(tracing):
     # is not in this chunk).
     assert step_spans[0].attributes["mmserve.attention.kept_pairs.sliding"] == 15 + 36 + 6
     assert step_spans[0].attributes["mmserve.attention.kept_pairs.full"] == 15 + 36
+
+
+def test_kv_sharing_layers_do_not_set_the_kept_pairs():
+    """E4B's KV-sharing layers (the last group) run only the sampling rows; the step span's kept pairs
+    are one ordinary layer's, not theirs (their one sampling row's: ~100x low on a prefill chunk)."""
+    spec = load_spec(Path(__file__).parents[1] / "fixtures" / "gemma4_family" / "e4b.json")
+    assert any(layer.shares_kv for layer in spec.layers)
+    window = spec.attention_specs["sliding_attention"].window
+    num_tokens = random.randint(window // 4, window)
+    context_len = num_tokens + random.randint(window, 4 * window)
+    step = PerfModel(spec).step(StepContext(requests=(RequestWork(num_tokens, context_len, True),)))
+    assert step.kept_pairs_sliding == kept_pairs(num_tokens, context_len, window)
+    assert step.kept_pairs_full == kept_pairs(num_tokens, context_len, None)
 
 
 def test_step_spans_are_sampled(tracing):
