@@ -15,6 +15,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from mmserve.errors import RequestAbortedError
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.attention_pairs import kept_pairs
 from mmserve.metrics.peaks import DevicePeaks
@@ -109,7 +110,7 @@ def test_observer_builds_the_request_span_tree(tracing):
     b.output_token_ids.append(1)
     observer.on_step(steps[2])
     a.output_token_ids.append(1)
-    observer.on_request_finished(b, "abort", None)
+    observer.on_request_finished(b, None, RequestAbortedError("b was aborted"))
     end_request_span(b_span, cancelled=True)
     observer.on_step(steps[3])
     a.output_token_ids.append(1)
@@ -247,7 +248,7 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
         samples = scrape()
         # The last request in flight ends: no step follows, yet the gauges must read idle (the HPA and the
         # dashboard would otherwise see the last step's load forever).
-        observer.on_request_finished(queued, "abort", None)
+        observer.on_request_finished(queued, None, RequestAbortedError("queued was aborted"))
         idle = scrape()
     finally:
         server.shutdown()
