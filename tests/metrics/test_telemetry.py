@@ -15,6 +15,7 @@ import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from mmserve.config import EngineConfig, ServerConfig
 from mmserve.errors import RequestAbortedError
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.attention_pairs import kept_pairs
@@ -33,6 +34,7 @@ from mmserve.metrics.tracing import (
 from mmserve.model.spec import load_spec
 from mmserve.request import MultiModalInput, Request
 from mmserve.sampling_params import SamplingParams
+from mmserve.server.observability import setup_observability
 from mmserve.worker.backend_check import BackendCheck
 
 CONFIG = dict(
@@ -273,6 +275,23 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
         otlp_receiver.cond.wait_for(lambda: "mmserve.requests.waiting" in otlp_receiver.metric_names, timeout=10)
     assert set(PROMETHEUS_NAMES) <= otlp_receiver.metric_names
     metrics.shutdown()
+
+
+def test_otlp_metrics_endpoint_alone_exports_the_metrics(otlp_receiver, monkeypatch):
+    """OTEL_EXPORTER_OTLP_METRICS_ENDPOINT alone turns the OTLP metrics on (docs/tracing.md): they were
+    exported only when tracing was configured too."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", otlp_receiver.endpoint)
+    observability = setup_observability(EngineConfig(device="cpu"), ServerConfig(port=0), spec=load_spec(CONFIG),
+                                        configure_global_tracing=False)
+    try:
+        assert observability.tracer_provider is None
+        observability.metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})
+        assert observability.metrics.provider.force_flush()
+    finally:
+        observability.close()
+    assert "mmserve.rpc.requests" in otlp_receiver.metric_names
 
 
 def test_vision_span_covers_the_encoder_call_and_bills_weights_once_per_step():
