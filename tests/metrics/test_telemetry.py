@@ -238,6 +238,9 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics.live_sessions(1)   # a live session's hooks (server/live.py, engine/live_session.py)
     for what, value in (("frames_prefilled", 3), ("frames_dropped", 1), ("rollovers", 1), ("lag_s", 0.2)):
         metrics.live_event(what, value)
+    metrics.speculates(2)   # --speculative-model's counters (from the start, at 0)
+    tensor_parallel_size = random.choice((1, 2, 4, 8))
+    metrics.set_parallel_layout(tensor_parallel_size)
 
     server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
 
@@ -269,11 +272,13 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     assert samples["mmserve_engine_step_duration_seconds_total"] > 0
     assert (samples["mmserve_live_sessions"], samples["mmserve_live_frames_prefilled_total"],
             samples["mmserve_live_lag_seconds_count"]) == (1, 3, 1)
+    assert samples["mmserve_tensor_parallel_size"] == tensor_parallel_size
 
     metrics.provider.force_flush()
     with otlp_receiver.cond:
         otlp_receiver.cond.wait_for(lambda: "mmserve.requests.waiting" in otlp_receiver.metric_names, timeout=10)
-    assert set(PROMETHEUS_NAMES) <= otlp_receiver.metric_names
+    # every instrument has its explicit Prometheus name (one missing here is served by a guessed one)
+    assert otlp_receiver.metric_names == set(PROMETHEUS_NAMES)
     metrics.shutdown()
 
 
