@@ -13,8 +13,10 @@ from engine_helpers import build_request, greedy_agree, make_llm, record_decisio
 from mmserve.attention.backend import FULL, SLIDING
 from mmserve.config import EngineConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.engine.observer import NullObserver
 from mmserve.errors import LimitExceededError
+from mmserve.metrics.perf_model import PerfModel
+from mmserve.metrics.prometheus import EngineMetrics
+from mmserve.metrics.telemetry import TelemetryObserver
 
 
 def random_requests(n: int, seed: int, max_tokens=(1, 8), penalties: bool = False):
@@ -88,13 +90,17 @@ def test_64_concurrent_requests_match_running_alone(load_backend):
     assert load.kv_usage == 0.0 and load.running == 0
 
 
-class _Preemptions(NullObserver):
-    """Counts preemptions; after each step, the penalty slots held beside the requests running."""
+class _Preemptions(TelemetryObserver):
+    """Counts preemptions; after each step, the penalty slots held beside the requests running. The
+    telemetry it is keeps the prefix-cache counters."""
 
-    def __init__(self, core):
+    def __init__(self, core, model):
+        super().__init__(PerfModel(model.spec, dtype="float32"), metrics=EngineMetrics(prometheus=True),
+                         step_trace_ratio=0)
         self.core, self.count, self.slots = core, 0, []
 
     def on_step(self, record):
+        super().on_step(record)
         self.count += record.num_preempted
         self.slots.append((len(self.core.sampler.penalties._slot), len(self.core.scheduler.running)))
 
@@ -104,15 +110,19 @@ def test_preemption_under_a_tiny_cache_keeps_outputs(load_backend, loop):
     """Preempted requests (some with penalties, whose counts and prompt bitmask are rebuilt when they
     resume) give the tokens they give alone; a preempted request holds no penalty slot, so slots
     never outnumber the running requests (the tables have --max-num-seqs rows). Async: a request
-    is preempted while a step that scheduled it is in flight."""
+    is preempted while a step that scheduled it is in flight. The prefix-cache counters count each
+    prompt's lookup once, as vLLM's do: a return from preemption (which re-finds its own blocks) is
+    not a query (they counted 229 tokens for 179 of prompts)."""
     model_tok = load_backend("reference")
     reqs = random_requests(10, seed=int(torch.randint(0, 1000, ())), max_tokens=(6, 10), penalties=True)
     expected, decisions = alone(model_tok, reqs)
     # 25 usable blocks of 4 tokens: the longest request fits alone, ten together do not.
     llm = make_llm(model_tok, num_kv_blocks=26, max_num_seqs=10, max_num_batched_tokens=32, async_scheduling=loop)
-    llm.observer = observer = _Preemptions(llm.core)
+    llm.observer = observer = _Preemptions(llm.core, model_tok[0])
     got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
     assert observer.count > 0, "the cache should have been too small to avoid preemption"
+    registry = observer.metrics.registry
+    assert registry.get_sample_value("mmserve_prefix_cache_queries_total") == sum(len(r.prompt_token_ids) for r in reqs)
     assert_same_greedy_tokens(got, expected, decisions)
     assert all(slots <= running for slots, running in observer.slots), observer.slots
     assert_pools_full(llm.core)

@@ -8,13 +8,17 @@ from __future__ import annotations
 import random
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from mmserve.config import EngineConfig, ServerConfig
+from mmserve.errors import RequestAbortedError
 from mmserve.ipc.records import ScheduledItem, StepRecord
+from mmserve.metrics.attention_pairs import kept_pairs
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.metrics.perf_model import PerfBreakdown, PerfModel, RequestWork, StepContext, VisionWork
 from mmserve.metrics.prometheus import PROMETHEUS_NAMES, EngineMetrics, start_metrics_server
@@ -30,6 +34,7 @@ from mmserve.metrics.tracing import (
 from mmserve.model.spec import load_spec
 from mmserve.request import MultiModalInput, Request
 from mmserve.sampling_params import SamplingParams
+from mmserve.server.observability import setup_observability
 from mmserve.worker.backend_check import BackendCheck
 
 CONFIG = dict(
@@ -107,7 +112,7 @@ def test_observer_builds_the_request_span_tree(tracing):
     b.output_token_ids.append(1)
     observer.on_step(steps[2])
     a.output_token_ids.append(1)
-    observer.on_request_finished(b, "abort", None)
+    observer.on_request_finished(b, None, RequestAbortedError("b was aborted"))
     end_request_span(b_span, cancelled=True)
     observer.on_step(steps[3])
     a.output_token_ids.append(1)
@@ -184,6 +189,19 @@ def test_observer_builds_the_request_span_tree(tracing):
     assert step_spans[0].attributes["mmserve.attention.kept_pairs.full"] == 15 + 36
 
 
+def test_kv_sharing_layers_do_not_set_the_kept_pairs():
+    """E4B's KV-sharing layers (the last group) run only the sampling rows; the step span's kept pairs
+    are one ordinary layer's, not theirs (their one sampling row's: ~100x low on a prefill chunk)."""
+    spec = load_spec(Path(__file__).parents[1] / "fixtures" / "gemma4_family" / "e4b.json")
+    assert any(layer.shares_kv for layer in spec.layers)
+    window = spec.attention_specs["sliding_attention"].window
+    num_tokens = random.randint(window // 4, window)
+    context_len = num_tokens + random.randint(window, 4 * window)
+    step = PerfModel(spec).step(StepContext(requests=(RequestWork(num_tokens, context_len, True),)))
+    assert step.kept_pairs_sliding == kept_pairs(num_tokens, context_len, window)
+    assert step.kept_pairs_full == kept_pairs(num_tokens, context_len, None)
+
+
 def test_step_spans_are_sampled(tracing):
     provider, receiver = tracing
     observer = TelemetryObserver(PerfModel(load_spec(CONFIG)), PEAKS, tracer=get_tracer(provider),
@@ -220,6 +238,9 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     metrics.live_sessions(1)   # a live session's hooks (server/live.py, engine/live_session.py)
     for what, value in (("frames_prefilled", 3), ("frames_dropped", 1), ("rollovers", 1), ("lag_s", 0.2)):
         metrics.live_event(what, value)
+    metrics.speculates(2)   # --speculative-model's counters (from the start, at 0)
+    tensor_parallel_size = random.choice((1, 2, 4, 8))
+    metrics.set_parallel_layout(tensor_parallel_size)
 
     server, port = start_metrics_server(0, metrics, addr="127.0.0.1")
 
@@ -232,7 +253,7 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
         samples = scrape()
         # The last request in flight ends: no step follows, yet the gauges must read idle (the HPA and the
         # dashboard would otherwise see the last step's load forever).
-        observer.on_request_finished(queued, "abort", None)
+        observer.on_request_finished(queued, None, RequestAbortedError("queued was aborted"))
         idle = scrape()
     finally:
         server.shutdown()
@@ -251,12 +272,31 @@ def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):
     assert samples["mmserve_engine_step_duration_seconds_total"] > 0
     assert (samples["mmserve_live_sessions"], samples["mmserve_live_frames_prefilled_total"],
             samples["mmserve_live_lag_seconds_count"]) == (1, 3, 1)
+    assert samples["mmserve_tensor_parallel_size"] == tensor_parallel_size
 
     metrics.provider.force_flush()
     with otlp_receiver.cond:
         otlp_receiver.cond.wait_for(lambda: "mmserve.requests.waiting" in otlp_receiver.metric_names, timeout=10)
-    assert set(PROMETHEUS_NAMES) <= otlp_receiver.metric_names
+    # every instrument has its explicit Prometheus name (one missing here is served by a guessed one)
+    assert otlp_receiver.metric_names == set(PROMETHEUS_NAMES)
     metrics.shutdown()
+
+
+def test_otlp_metrics_endpoint_alone_exports_the_metrics(otlp_receiver, monkeypatch):
+    """OTEL_EXPORTER_OTLP_METRICS_ENDPOINT alone turns the OTLP metrics on (docs/tracing.md): they were
+    exported only when tracing was configured too."""
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", otlp_receiver.endpoint)
+    observability = setup_observability(EngineConfig(device="cpu"), ServerConfig(port=0), spec=load_spec(CONFIG),
+                                        configure_global_tracing=False)
+    try:
+        assert observability.tracer_provider is None
+        observability.metrics.rpc_requests.add(1, {"rpc": "Generate", "code": "OK"})
+        assert observability.metrics.provider.force_flush()
+    finally:
+        observability.close()
+    assert "mmserve.rpc.requests" in otlp_receiver.metric_names
 
 
 def test_vision_span_covers_the_encoder_call_and_bills_weights_once_per_step():

@@ -5,6 +5,7 @@ error. The Prometheus endpoint of the same run serves the queue gauge the HPA sc
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 import uuid
@@ -95,8 +96,16 @@ def test_video_request_span_tree(traced, make_video):
     assert any((root.trace_id, root.span_id) in s.links for s in steps)
 
 
-def test_cancelled_request_span_is_an_error(traced):
-    server, receiver, _ = traced
+def _finished_by_reason(metrics) -> dict[str, float]:
+    return {s.labels["finish_reason"]: s.value for family in text_string_to_metric_families(_scrape(metrics))
+            for s in family.samples if s.name == "mmserve_requests_finished_total"}
+
+
+def test_cancelled_request_span_is_an_error_and_counted_as_an_abort(traced):
+    """A client's cancel ends its spans in error, and `mmserve_requests_finished_total` counts it as
+    "abort", not "error" (the engine failing): the dashboard's error panel showed every disconnect."""
+    server, receiver, metrics = traced
+    before = _finished_by_reason(metrics)
     request_id = f"cancel-{uuid.uuid4().hex[:8]}"
     with Client(f"127.0.0.1:{server.port}", timeout=120) as client:
         stream = client.stream(prompt="Count forever.", max_tokens=200, ignore_eos=True, request_id=request_id)
@@ -115,6 +124,10 @@ def test_cancelled_request_span_is_an_error(traced):
     assert root.is_error
     decode = ended(spans, "mmserve.decode")
     assert decode and all(s.is_error for s in decode)
+    server.call(asyncio.sleep(0))   # the loop has left the observer's hook that ended the decode span
+    after = _finished_by_reason(metrics)
+    assert after.get("abort", 0) - before.get("abort", 0) == 1
+    assert after.get("error", 0) == before.get("error", 0)
 
 
 def test_prometheus_serves_the_server_metrics(traced):

@@ -17,7 +17,7 @@ class ScheduledItem:
     context_len: int            # tokens in the KV cache after this step
     is_prefill: bool
     num_frames_encoded: int     # frames the vision tower ran on (encoder-cache hits excluded)
-    prefix_queried: int = 0     # on the step admitting the request: tokens looked up in the prefix cache
+    prefix_queried: int = 0     # on the step first admitting the request: tokens looked up in the prefix cache
     prefix_hit: int = 0         # ... and those whose K/V was found there (this chunk starts after them)
     draft_tokens: int = 0       # a verify chunk (speculative decoding): the drafts it scored
     accepted_drafts: int = 0    # ... and how many of them the target kept (a prefix of them)

@@ -340,7 +340,9 @@ class PerfModel:
                 out.attn_flops_sliding += 2 * core
             else:
                 out.attn_flops_full += 2 * core
-            if self.accounting == "exact":  # one layer's count: every layer of a kind keeps the same pairs
+            # One layer's count, every layer of a kind keeping the same pairs: a KV-sharing layer does
+            # not set it, since it runs only the sampling rows (and its group may come last).
+            if self.accounting == "exact" and not shares_kv:
                 if a.window is not None:
                     out.kept_pairs_sliding = pairs
                 else:

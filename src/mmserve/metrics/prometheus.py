@@ -6,7 +6,8 @@ registry (not prometheus_client's global one), so several engines or tests in on
 collide. The Prometheus names are listed in `PROMETHEUS_NAMES` and in docs/tracing.md; the latency
 histograms carry exemplars (the trace id of a request that landed in the bucket) when they are
 recorded with that request's trace context. To add a metric: one instrument in `__init__` and its
-Prometheus name in `PROMETHEUS_NAMES` (the tests check both exports serve every name there).
+Prometheus name in `PROMETHEUS_NAMES` (the tests check both exports serve every name there, and
+that every instrument has one).
 `watch_engine` adds the vLLM-named compatibility set (`vllm:*`, metrics/vllm_compat.py) that gateways
 and endpoint pickers read.
 """
@@ -64,6 +65,10 @@ PROMETHEUS_NAMES = {
     "mmserve.live.frames_dropped": "mmserve_live_frames_dropped_total",
     "mmserve.live.rollovers": "mmserve_live_rollovers_total",
     "mmserve.live.lag": "mmserve_live_lag_seconds",
+    "mmserve.speculative.draft_tokens": "mmserve_speculative_draft_tokens_total",
+    "mmserve.speculative.accepted_tokens": "mmserve_speculative_accepted_tokens_total",
+    "mmserve.speculative.verify_chunks": "mmserve_speculative_verify_chunks_total",
+    "mmserve.tensor_parallel_size": "mmserve_tensor_parallel_size",
 }
 
 # Label values known when the metrics are made (or, for draft positions, when speculation is set up):

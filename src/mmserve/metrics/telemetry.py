@@ -34,6 +34,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, Status, StatusCode, Tracer
 
+from mmserve.errors import RequestAbortedError
 from mmserve.metrics.peaks import DevicePeaks, utilization
 from mmserve.metrics.perf_model import (
     AudioWork,
@@ -55,7 +56,6 @@ DECODE_SPAN = "mmserve.decode"
 VISION_SPAN = "mmserve.vision.encode"
 AUDIO_SPAN = "mmserve.audio.encode"
 STEP_SPAN = "mmserve.engine.step"
-ERROR_FINISH_REASONS = frozenset({"abort", "aborted", "cancelled", "error"})
 UNKNOWN_PEAKS = DevicePeaks("unknown", 0.0, 0.0, "none")  # utilization() reports 0 against a 0 peak
 
 
@@ -283,7 +283,6 @@ class TelemetryObserver:
 
     def on_request_finished(self, request: Any, finish_reason: str | None, error: BaseException | None) -> None:
         state = self._requests.pop(request.request_id, None)
-        failed = error is not None or (finish_reason or "") in ERROR_FINISH_REASONS
         if state is not None:
             request.perf.update(state.total.summary(self.peaks))
             span = state.decode_span
@@ -294,7 +293,7 @@ class TelemetryObserver:
                     span.set_attributes({"mmserve.speculative.draft_tokens": state.draft_tokens,
                                          "mmserve.speculative.accepted_tokens": state.accepted_drafts,
                                          "mmserve.speculative.verify_chunks": state.verify_chunks})
-                _end(span, error, failed, finish_reason)
+                _end(span, error)
         if self.metrics is None:
             return
         now = time.monotonic()
@@ -303,7 +302,7 @@ class TelemetryObserver:
         self.metrics.generation_tokens.add(outputs)
         if state is not None and state.first_token_monotonic is not None and outputs > 1:
             self.metrics.tpot.record((now - state.first_token_monotonic) / (outputs - 1), context=_context(request))
-        self.metrics.finished.add(1, {"finish_reason": "error" if error is not None else (finish_reason or "unknown")})
+        self.metrics.finished.add(1, {"finish_reason": _finish_label(finish_reason, error)})
         if not self._requests:   # the engine runs no further step to report its (idle) state
             self.metrics.record_idle()
 
@@ -489,10 +488,16 @@ def _constrained(request: Any) -> bool:
     return getattr(getattr(request, "sampling_params", None), "response_format", None) is not None
 
 
-def _end(span: Span, error: BaseException | None, failed: bool, finish_reason: str | None) -> None:
+def _end(span: Span, error: BaseException | None) -> None:
     if error is not None:
         span.record_exception(error)
         span.set_status(Status(StatusCode.ERROR, str(error) or type(error).__name__))
-    elif failed:
-        span.set_status(Status(StatusCode.ERROR, finish_reason or "failed"))
     span.end()
+
+
+def _finish_label(finish_reason: str | None, error: BaseException | None) -> str:
+    """`mmserve_requests_finished_total`'s reason: the core's ("eos", "length", "stop"); "abort" when the
+    client cancelled or an Abort ended it, so a dashboard tells disconnects from "error" (the engine failed)."""
+    if isinstance(error, RequestAbortedError):
+        return "abort"
+    return "error" if error is not None else finish_reason or "unknown"

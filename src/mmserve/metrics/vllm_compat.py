@@ -10,7 +10,8 @@ for vLLM read `vllm:prefix_cache_{queries,hits}_total`. The names, types, labels
   on their way to the engine process, so a burst shows before the next step);
 - kv_cache_usage_perc: share of KV blocks in use, 0..1 despite the name; cached blocks nobody holds
   count as free, as in vLLM (our fullest pool, the one that limits admission);
-- prefix_cache_queries / hits: counters of tokens looked up in the prefix cache at admission / found;
+- prefix_cache_queries / hits: counters of tokens looked up in the prefix cache at admission / found
+  (new requests only: a preempted request's return is not counted, as vLLM keeps it apart);
 - spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens / _num_accepted_tokens_per_pos
   (with `--speculative-model` only, as vLLM has them only with a speculative config): verify chunks
   (one request's drafts scored in one step), draft tokens, accepted drafts, and accepted drafts per

@@ -42,7 +42,8 @@ def setup_observability(engine_config: EngineConfig, server_config: ServerConfig
                         configure_global_tracing: bool = True) -> Observability:
     """`spec`: the served model's (read once by the caller: the input processor takes the same)."""
     provider = configure_tracing(server_config.otlp_traces_endpoint or None, set_global=configure_global_tracing)
-    metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=provider is not None)
+    # OTLP metrics follow their own variables (OTEL_EXPORTER_OTLP_[METRICS_]ENDPOINT), with tracing on or off
+    metrics = EngineMetrics(prometheus=bool(server_config.metrics_port), otlp=True)
     drafter = read_assistant_spec(engine_config.speculative_model) if engine_config.speculative_model else None
     perf = PerfModel(spec, dtype=engine_config.dtype,
                      accounting=engine_config.perf_accounting, tp=engine_config.tensor_parallel_size, drafter=drafter)

@@ -39,8 +39,9 @@ class ScheduledRequest:
     # Positions after the drafts that fill a verify chunk to 1 + K rows, so every speculating request
     # of a step has the same rows and the step replays one graph: never sampled, always rolled back.
     num_pad_drafts: int = 0
-    # Set on the step that admits the request with prefix caching on: the tokens whose K/V came
-    # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running.
+    # Set on the step that first admits the request with prefix caching on: the tokens whose K/V came
+    # from the cache (num_computed_tokens; 0 on a miss). None for a request that was already running,
+    # and for a preempted request's return (the prefix-cache counters count new requests' lookups only).
     num_cached_tokens: int | None = None
 
     @property

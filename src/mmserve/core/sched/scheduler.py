@@ -353,7 +353,8 @@ class Scheduler:
             if n == 0 or not self.kv.allocate(request, n, hit):
                 break
             self.waiting.remove(request)
-            if request.status == RequestStatus.WAITING:   # first admission, not a preempted request's return
+            first = request.status == RequestStatus.WAITING   # not a preempted request's return
+            if first:
                 request.num_cached_tokens = min(start, request.num_prompt_tokens)
             request.num_computed_tokens = start
             request.status = RequestStatus.RUNNING
@@ -361,7 +362,7 @@ class Scheduler:
             seats += needs
             scheduled[request.request_id] = self._scheduled(request, n)
             self._took(scheduled[request.request_id], ADMISSION)
-            if self.kv.enable_prefix_caching:
+            if first and self.kv.enable_prefix_caching:   # a return's lookup is not a query (as in vLLM)
                 scheduled[request.request_id].num_cached_tokens = start
             budget -= n
 
