@@ -108,3 +108,39 @@ def animation(frames: list[np.ndarray], durations_ms: list[int], fmt: str) -> by
     images[0].save(out, format=fmt, save_all=True, append_images=images[1:], duration=durations_ms, loop=0,
                    lossless=True)
     return out.getvalue()
+
+
+def growing_gif(screen: int, sides: list[int]) -> bytes:
+    """A GIF whose header declares a `screen`-square screen and whose frames are squares of `sides`,
+    each disposed to the background (Pillow enlarges its canvas at a frame larger than the screen, and
+    allocates the frame's area for the disposal while seeking to it). The frames' pixels are encoded by
+    Pillow, one single-frame GIF each, and spliced after the screen's header."""
+    palette = [0, 0, 0, 255, 255, 255] + [0] * 762
+
+    def single(side: int) -> bytes:
+        image = Image.new("P", (side, side), 1)
+        image.putpalette(palette)
+        out = io.BytesIO()
+        image.save(out, format="GIF", optimize=False)
+        return out.getvalue()
+
+    header = single(screen)
+    screen_end = 13 + 3 * (2 << (header[10] & 7))  # screen descriptor and global colour table
+    frames = []
+    for side in sides:
+        gif = single(side)
+        assert gif[screen_end] == 0x2C and gif[10] == header[10]  # no extension before the image; same table
+        disposal_to_background = b"\x21\xf9\x04\x08\x0a\x00\x00\x00"
+        frames.append(disposal_to_background + gif[screen_end:-1])
+    return header[:screen_end] + b"".join(frames) + b";"
+
+
+def record_pillow_fills(monkeypatch) -> list[int]:
+    """The pixel counts of the areas Pillow fills from now on (a GIF frame's disposal among them):
+    the spy records and calls the real fill."""
+    from PIL import Image as PillowImage
+
+    fills, real_fill = [], PillowImage.core.fill
+    monkeypatch.setattr(PillowImage.core, "fill", lambda mode, size, *a: fills.append(size[0] * size[1])
+                        or real_fill(mode, size, *a))
+    return fills

@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+from media_clips import growing_gif, record_pillow_fills
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
 
@@ -162,3 +163,18 @@ def test_the_pixel_limit_that_refuses_an_image_is_the_flag_that_raises_it() -> N
         read_header(data, MediaLimits())
     assert e.value.flag == "--max-image-pixels"
     assert read_header(data, MediaLimits(max_image_pixels=120_000_000)).pixels == 120_000_000
+
+
+def test_a_gif_whose_first_frame_outgrows_its_screen_is_refused_before_pillow_allocates_it(monkeypatch) -> None:
+    """Pillow opens a GIF by seeking to its first frame, which enlarges the canvas to the frame's
+    area and allocates it for the disposal: a 66-byte GIF claiming a 20000x20000 frame cost 380 MiB
+    before the size check saw it. The frame's area is now read from its descriptor first."""
+    from mmserve.multimodal.image import read_header
+
+    limits = MediaLimits(max_image_pixels=32 * 32)
+    data = growing_gif(16, [64, 16])
+    fills = record_pillow_fills(monkeypatch)
+    with pytest.raises(LimitExceededError, match="64x64 = 4096 pixels, more than the limit of 1024") as e:
+        read_header(data, limits)
+    assert e.value.flag == "--max-image-pixels" and max(fills, default=0) <= limits.max_image_pixels
+    assert read_header(data, MediaLimits(max_image_pixels=64 * 64)).pixels == 64 * 64

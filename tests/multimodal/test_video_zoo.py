@@ -12,7 +12,7 @@ import io
 import av
 import numpy as np
 import pytest
-from media_clips import animation, combing, encode, sideways, woven
+from media_clips import animation, combing, encode, growing_gif, record_pillow_fills, sideways, woven
 
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.multimodal.limits import MediaLimits
@@ -205,3 +205,18 @@ def test_animation_bounds():
         decode_video(data, limits=MediaLimits(max_image_pixels=100))
     with pytest.raises(InvalidInputError, match="cannot decode the animation"):
         decode_video(data[:40], limits=LIMITS)
+
+
+def test_a_gif_frame_larger_than_its_screen_is_held_to_the_pixel_limit(monkeypatch):
+    """A GIF frame may describe an area past the screen its header declares; Pillow then enlarges the
+    canvas, allocating the frame's area while seeking to it. The canvas was checked only at open: a
+    108 KB GIF with a 16x16 screen decoded three 12000x12000 frames (2.7 GiB). Now every frame's area
+    is read from the descriptors and refused before Pillow allocates any of it."""
+    limits = MediaLimits(max_image_pixels=32 * 32)
+    data = growing_gif(16, [16, 64, 16])
+    fills = record_pillow_fills(monkeypatch)
+    with pytest.raises(LimitExceededError, match="64x64 = 4096 pixels, more than the limit of 1024") as e:
+        decode_video(data, limits=limits)
+    assert e.value.flag == "--max-image-pixels"
+    assert max(fills, default=0) <= limits.max_image_pixels
+    assert len(decode_video(data, limits=MediaLimits(max_image_pixels=64 * 64)).frames) == 3

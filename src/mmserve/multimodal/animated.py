@@ -4,7 +4,10 @@ FFmpeg reads GIF but not animated WebP (this build's webp decoder refuses ANIM c
 has a seek index, so both go through Pillow: each frame's duration gives its timestamp, frames are
 visited in order (GIF frames are deltas of the one before) and only the sampled ones are converted.
 Work is bounded like a video's: the canvas is checked before any pixel, the frame count and total
-duration while walking, and `DecodeControl` between frames.
+duration while walking, and `DecodeControl` between frames. A GIF frame may describe an area larger
+than the screen its header declares, which Pillow allocates while seeking to it: a GIF's canvas is
+therefore read from all its frame descriptors (multimodal/gif.py) before Pillow opens it, and checked
+again after every seek, before the frame is loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from PIL import Image
 
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.multimodal.decode_control import DecodeControl
+from mmserve.multimodal.gif import gif_canvas
 from mmserve.multimodal.image import to_rgb
 from mmserve.multimodal.limits import MediaLimits
 
@@ -45,6 +49,7 @@ def frame_times(image: Image.Image, limits: MediaLimits, control: DecodeControl)
             break
         if index >= limits.max_decoded_frames:
             raise LimitExceededError(f"the animation has more than {limits.max_decoded_frames} frames")
+        _check_canvas(*image.size, limits)
         image.load()  # WebP sets a frame's duration only once it is loaded
         times.append(t)
         t += (image.info.get("duration") or DEFAULT_FRAME_MS) / 1000.0
@@ -56,23 +61,33 @@ def frame_times(image: Image.Image, limits: MediaLimits, control: DecodeControl)
 
 def open_animation(data: bytes, limits: MediaLimits) -> Image.Image:
     """The opened image, refused by its canvas size before any frame is decoded."""
+    if sniff_animated(data) == "gif":
+        _check_canvas(*gif_canvas(data), limits)
     try:   # Pillow's own pixel guard is off (multimodal/image.py): the canvas check below is the limit
         image = Image.open(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - the payload's fault
         raise InvalidInputError(FIELD, f"cannot decode the animation: {type(e).__name__}: {e}") from e
-    width, height = image.size
-    if width * height > limits.max_image_pixels:
+    try:
+        _check_canvas(*image.size, limits)
+    except LimitExceededError:
         image.close()
-        raise LimitExceededError(f"animation frames are {width}x{height} = {width * height} pixels, more than the "
-                                 f"limit of {limits.max_image_pixels}", "--max-image-pixels")
+        raise
     return image
 
 
-def decode_frames(image: Image.Image, indices: list[int], control: DecodeControl) -> list[np.ndarray]:
+def _check_canvas(width: int, height: int, limits: MediaLimits) -> None:
+    if width * height > limits.max_image_pixels:
+        raise LimitExceededError(f"animation frames are {width}x{height} = {width * height} pixels, more than the "
+                                 f"limit of {limits.max_image_pixels}", "--max-image-pixels")
+
+
+def decode_frames(image: Image.Image, indices: list[int], limits: MediaLimits,
+                  control: DecodeControl) -> list[np.ndarray]:
     """RGB pixels of the frames at `indices` (ascending)."""
     frames = []
     for index in indices:
         control.check()
         image.seek(index)
+        _check_canvas(*image.size, limits)
         frames.append(np.asarray(to_rgb(image), dtype=np.uint8))
     return frames

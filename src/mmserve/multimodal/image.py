@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image
 
 from mmserve.errors import InvalidInputError, LimitExceededError
+from mmserve.multimodal.gif import gif_canvas
 from mmserve.multimodal.limits import MediaLimits
 
 FIELD = "image"
@@ -73,18 +74,24 @@ def read_header(source: bytes | Path, limits: MediaLimits) -> ImageHeader:
     else:
         start = source[:16]
     fmt = sniff_format(start)
+    if fmt == "GIF":  # Pillow allocates the first frame's area while opening: its size is checked first
+        _check_pixels(*gif_canvas(source.read_bytes() if isinstance(source, Path) else source, frames=1), limits)
 
     def probe() -> ImageHeader:
         with _open(source, fmt) as img:
             return ImageHeader(fmt, *img.size)
 
     header = _with_pillow(fmt, probe)
-    if header.pixels > limits.max_image_pixels:
-        raise LimitExceededError(f"image is {header.width}x{header.height} = {header.pixels} pixels, more than "
-                                 f"the limit of {limits.max_image_pixels}", "--max-image-pixels")
+    _check_pixels(header.width, header.height, limits)
     if header.pixels == 0:
         raise InvalidInputError(FIELD, "the image has no pixels")
     return header
+
+
+def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
+    if width * height > limits.max_image_pixels:
+        raise LimitExceededError(f"image is {width}x{height} = {width * height} pixels, more than "
+                                 f"the limit of {limits.max_image_pixels}", "--max-image-pixels")
 
 
 def decode_image(source: bytes | Path, limits: MediaLimits, *,

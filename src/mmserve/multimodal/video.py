@@ -542,7 +542,7 @@ def _sample_animation(data: bytes, request: _Request, limits: MediaLimits, contr
         duration, times = times[-1], times[:-1]
         window = request.window(duration, len(times) / duration if duration > 0 else 1.0)
         indices = _window_indices(times, window, request.count(_window_s(window, duration), limits))
-        frames = animated.decode_frames(image, indices, control)
+        frames = animated.decode_frames(image, indices, limits, control)
     return DecodedVideo(frames=frames, timestamps_s=[times[i] for i in indices], duration_s=duration,
                         method="animation", frames_decoded=indices[-1] + 1)
 
