@@ -207,6 +207,22 @@ def test_animation_bounds():
         decode_video(data[:40], limits=LIMITS)
 
 
+def test_animation_frames_are_downscaled_like_a_videos():
+    """Animation frames were kept at full size (a 1.6 KB animated WebP of 32 4096x4096 frames held
+    1.7 GiB); they are downscaled to --max-decoded-frame-pixels by the video's rule and scaler, so the
+    same frames give the same pixels whether sent as an animation or as a (lossless RGB) video."""
+    limits = MediaLimits(max_decoded_frame_pixels=256 * 256)
+    levels = [np.full((2048, 2048), 16 + 24 * k, np.uint8) for k in range(8)]  # greyscale: quick to encode
+    video = decode_video(animation(levels, [100] * 8, "GIF"), num_frames=8, limits=limits)
+    assert [f.shape for f in video.frames] == [(256, 256, 3)] * 8
+    assert [int(round(f.mean())) for f in video.frames] == [16 + 24 * k for k in range(8)]
+    frames, small = random_frames(4, 96, 64), MediaLimits(max_decoded_frame_pixels=32 * 32)
+    want = decode_video(encode(frames, fps=10), num_frames=4, limits=small).frames
+    got = decode_video(animation(frames, [100] * 4, "WEBP"), num_frames=4, limits=small).frames
+    assert [f.shape for f in got] == [(39, 26, 3)] * 4
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_a_gif_frame_larger_than_its_screen_is_held_to_the_pixel_limit(monkeypatch):
     """A GIF frame may describe an area past the screen its header declares; Pillow then enlarges the
     canvas, allocating the frame's area while seeking to it. The canvas was checked only at open: a

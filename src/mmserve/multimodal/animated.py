@@ -2,7 +2,8 @@
 
 FFmpeg reads GIF but not animated WebP (this build's webp decoder refuses ANIM chunks), and neither
 has a seek index, so both go through Pillow: each frame's duration gives its timestamp, frames are
-visited in order (GIF frames are deltas of the one before) and only the sampled ones are converted.
+visited in order (GIF frames are deltas of the one before) and only the sampled ones are converted,
+downscaled by the video's rule and scaler (`MediaLimits.decoded_frame_size`, FFmpeg's swscale).
 Work is bounded like a video's: the canvas is checked before any pixel, the frame count and total
 duration while walking, and `DecodeControl` between frames. A GIF frame may describe an area larger
 than the screen its header declares, which Pillow allocates while seeking to it: a GIF's canvas is
@@ -15,6 +16,7 @@ from __future__ import annotations
 import io
 import itertools
 
+import av
 import numpy as np
 from PIL import Image
 
@@ -83,11 +85,16 @@ def _check_canvas(width: int, height: int, limits: MediaLimits) -> None:
 
 def decode_frames(image: Image.Image, indices: list[int], limits: MediaLimits,
                   control: DecodeControl) -> list[np.ndarray]:
-    """RGB pixels of the frames at `indices` (ascending)."""
+    """RGB pixels of the frames at `indices` (ascending), downscaled as a video's frames are."""
     frames = []
     for index in indices:
         control.check()
         image.seek(index)
         _check_canvas(*image.size, limits)
-        frames.append(np.asarray(to_rgb(image), dtype=np.uint8))
+        rgb = to_rgb(image)
+        width, height = limits.decoded_frame_size(*rgb.size)
+        if (width, height) == rgb.size:
+            frames.append(np.asarray(rgb, dtype=np.uint8))
+        else:
+            frames.append(av.VideoFrame.from_image(rgb).to_ndarray(format="rgb24", width=width, height=height))
     return frames

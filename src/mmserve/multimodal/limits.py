@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
@@ -26,6 +27,14 @@ class MediaLimits:
     # Work bounds for the decoder itself: a tiny file may claim millions of empty frames.
     max_packets: int = 100_000
     max_decoded_frames: int = 100_000
+
+    def decoded_frame_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) a video or animation frame is decoded at: downscaled, keeping its aspect, to
+        at most `max_decoded_frame_pixels`; a frame within it keeps its size."""
+        if width * height <= self.max_decoded_frame_pixels:
+            return width, height
+        scale = math.sqrt(self.max_decoded_frame_pixels / (width * height))
+        return max(1, int(width * scale)), max(1, int(height * scale))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> MediaLimits:

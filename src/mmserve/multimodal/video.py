@@ -215,12 +215,8 @@ def _rgb(frame: av.VideoFrame, limits: MediaLimits) -> tuple[np.ndarray, bool]:
             frame, deinterlaced = _deinterlaced(frame), True
         except (av.FFmpegError, ValueError) as e:  # a pixel format yadif lacks: combed beats refused
             logger.warning("video: cannot deinterlace a %s frame (%s); using it as it is", frame.format.name, e)
-    if frame.width * frame.height <= limits.max_decoded_frame_pixels:
-        rgb = frame.to_ndarray(format="rgb24")
-    else:
-        scale = math.sqrt(limits.max_decoded_frame_pixels / (frame.width * frame.height))
-        width, height = max(1, int(frame.width * scale)), max(1, int(frame.height * scale))
-        rgb = frame.to_ndarray(format="rgb24", width=width, height=height)
+    width, height = limits.decoded_frame_size(frame.width, frame.height)
+    rgb = frame.to_ndarray(format="rgb24", width=width, height=height)
     return (np.ascontiguousarray(np.rot90(rgb, turns)) if turns else rgb), deinterlaced
 
 
