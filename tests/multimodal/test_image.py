@@ -178,3 +178,17 @@ def test_a_gif_whose_first_frame_outgrows_its_screen_is_refused_before_pillow_al
         read_header(data, limits)
     assert e.value.flag == "--max-image-pixels" and max(fills, default=0) <= limits.max_image_pixels
     assert read_header(data, MediaLimits(max_image_pixels=64 * 64)).pixels == 64 * 64
+
+
+@pytest.mark.parametrize("width,height", [(2**24, 1), (1, 2**24)])
+def test_an_extreme_aspect_ratio_is_refused_from_the_header(width: int, height: int) -> None:
+    """A 1x16Mi PNG (49 KB) is within the pixel limit, but Pillow's bicubic resize of it peaked at
+    811 MiB: a side over 32768 is refused from the header, before any pixel is decoded."""
+    from mmserve.multimodal.image import read_header
+
+    data = png_claiming(width, height)
+    assert width * height == LIMITS.max_image_pixels
+    with pytest.raises(LimitExceededError, match=f"image is {width}x{height}, a side longer than the limit of "
+                                                 "32768 pixels for any aspect ratio"):
+        read_header(data, LIMITS)
+    assert read_header(png_claiming(32768, 512), LIMITS).pixels == 32768 * 512

@@ -223,6 +223,17 @@ def test_animation_frames_are_downscaled_like_a_videos():
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+def test_a_frame_side_over_the_cap_is_refused_as_an_images_is():
+    """Video and animation frames reach the same bicubic resize as images: a side over
+    `max_image_side` is refused from the container's or the canvas's size."""
+    limits = MediaLimits(max_image_side=64)
+    frames = grays(2, 16, 96)
+    for data in (encode(frames), animation(frames, [100, 100], "GIF")):
+        with pytest.raises(LimitExceededError, match="96x16, a side longer than the limit of 64 pixels"):
+            decode_video(data, limits=limits)
+        assert len(decode_video(data, limits=MediaLimits(max_image_side=96)).frames) == 2
+
+
 def test_a_gif_frame_larger_than_its_screen_is_held_to_the_pixel_limit(monkeypatch):
     """A GIF frame may describe an area past the screen its header declares; Pillow then enlarges the
     canvas, allocating the frame's area while seeking to it. The canvas was checked only at open: a

@@ -78,9 +78,7 @@ def open_animation(data: bytes, limits: MediaLimits) -> Image.Image:
 
 
 def _check_canvas(width: int, height: int, limits: MediaLimits) -> None:
-    if width * height > limits.max_image_pixels:
-        raise LimitExceededError(f"animation frames are {width}x{height} = {width * height} pixels, more than the "
-                                 f"limit of {limits.max_image_pixels}", "--max-image-pixels")
+    limits.check_size(width, height, "animation frames are")
 
 
 def decode_frames(image: Image.Image, indices: list[int], limits: MediaLimits,

@@ -75,23 +75,18 @@ def read_header(source: bytes | Path, limits: MediaLimits) -> ImageHeader:
         start = source[:16]
     fmt = sniff_format(start)
     if fmt == "GIF":  # Pillow allocates the first frame's area while opening: its size is checked first
-        _check_pixels(*gif_canvas(source.read_bytes() if isinstance(source, Path) else source, frames=1), limits)
+        limits.check_size(*gif_canvas(source.read_bytes() if isinstance(source, Path) else source, frames=1),
+                          "image is")
 
     def probe() -> ImageHeader:
         with _open(source, fmt) as img:
             return ImageHeader(fmt, *img.size)
 
     header = _with_pillow(fmt, probe)
-    _check_pixels(header.width, header.height, limits)
+    limits.check_size(header.width, header.height, "image is")
     if header.pixels == 0:
         raise InvalidInputError(FIELD, "the image has no pixels")
     return header
-
-
-def _check_pixels(width: int, height: int, limits: MediaLimits) -> None:
-    if width * height > limits.max_image_pixels:
-        raise LimitExceededError(f"image is {width}x{height} = {width * height} pixels, more than "
-                                 f"the limit of {limits.max_image_pixels}", "--max-image-pixels")
 
 
 def decode_image(source: bytes | Path, limits: MediaLimits, *,

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 from mmserve.config import EngineConfig
+from mmserve.errors import LimitExceededError
 
 
 @dataclass(frozen=True)
@@ -24,9 +25,23 @@ class MediaLimits:
     # Frames larger than this are downscaled while decoding (preprocessing shrinks them anyway);
     # keeps 32 sampled 4K frames from holding gigabytes.
     max_decoded_frame_pixels: int = 1024 * 1024
+    # Longest side of an image or frame, whatever its pixel count: Pillow's bicubic resize holds
+    # weights growing with the longer side (a 1x16Mi PNG, within the pixel limit, peaked at 811 MiB;
+    # a 32768x512 one costs what a 4096x4096 one does).
+    max_image_side: int = 32768
     # Work bounds for the decoder itself: a tiny file may claim millions of empty frames.
     max_packets: int = 100_000
     max_decoded_frames: int = 100_000
+
+    def check_size(self, width: int, height: int, subject: str) -> None:
+        """Refuse an image or frame size (`subject`: "image is", "video frames are", ...) over the
+        pixel limit or the side limit, from a header, before its pixels are decoded."""
+        if width * height > self.max_image_pixels:
+            raise LimitExceededError(f"{subject} {width}x{height} = {width * height} pixels, more than the limit of "
+                                     f"{self.max_image_pixels}", "--max-image-pixels")
+        if max(width, height) > self.max_image_side:
+            raise LimitExceededError(f"{subject} {width}x{height}, a side longer than the limit of "
+                                     f"{self.max_image_side} pixels for any aspect ratio")
 
     def decoded_frame_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) a video or animation frame is decoded at: downscaled, keeping its aspect, to

@@ -158,10 +158,7 @@ def _read(path: str | os.PathLike, limits: MediaLimits) -> bytes:
 
 
 def _check_dimensions(width: int, height: int, limits: MediaLimits) -> None:
-    if width * height > limits.max_image_pixels:
-        raise LimitExceededError(
-            f"video frames are {width}x{height} = {width * height} pixels, more than the "
-            f"limit of {limits.max_image_pixels}", "--max-image-pixels")
+    limits.check_size(width, height, "video frames are")
 
 
 def _check_duration(duration_s: float, limits: MediaLimits) -> None:
