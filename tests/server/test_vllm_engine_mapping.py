@@ -45,6 +45,19 @@ def test_data_urls_decode_and_are_bounded_before_decoding():
         assert e.value.field == "media_refs.items[0].url"
 
 
+def test_padding_inside_a_data_url_is_refused_wherever_it_falls():
+    """The payload is decoded in pieces, each strict alone: padding ending the first piece passed."""
+    from mmserve.server.vllm_engine.media_refs import DECODE_CHUNK_CHARS
+
+    for payload in ("A" * (DECODE_CHUNK_CHARS - 1) + "=" + "AAAA", "AA==AAAA", "A===" + "AAAA"):
+        with pytest.raises(InvalidInputError, match="not valid base64") as e:
+            media_inputs(refs("data:video/mp4;base64," + payload), max_bytes=2**21, allowed_local_media_path="")
+        assert e.value.field == "media_refs.items[0].url"
+    (video,) = media_inputs(refs("data:video/mp4;base64," + "A" * DECODE_CHUNK_CHARS + "AA=="), max_bytes=2**21,
+                            allowed_local_media_path="")
+    assert len(video.data) == DECODE_CHUNK_CHARS * 3 // 4 + 1
+
+
 def test_audio_items_are_audio_inputs():
     """SMG sends an OpenAI `input_audio` part as `data:audio/<its format>;base64,...`."""
     data = os.urandom(64)

@@ -100,7 +100,10 @@ def _data_url(url: str, where: str, max_bytes: int, kind: str) -> tuple[str, byt
 
 def _b64decode(payload: str) -> bytes:
     """Strict base64 (no whitespace, padding only at the end), decoded piece by piece (see
-    DECODE_CHUNK_CHARS)."""
+    DECODE_CHUNK_CHARS). Each piece is checked alone, and padding may end a piece: so padding is
+    refused anywhere but the last two characters first."""
+    if payload.find("=", 0, max(0, len(payload) - 2)) >= 0:
+        raise ValueError("padding ('=') before the end")
     out = bytearray()
     for start in range(0, len(payload), DECODE_CHUNK_CHARS):
         out += binascii.a2b_base64(payload[start:start + DECODE_CHUNK_CHARS].encode("ascii"), strict_mode=True)
