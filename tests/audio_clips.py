@@ -62,6 +62,16 @@ def wav_declaring(seconds: float, real_samples: int, rate: int = RATE) -> bytes:
     return header + tones(1, real_samples / rate, rate).tobytes()
 
 
+def wav_with_layout(channels: int, rate: int, frames: int = 100) -> bytes:
+    """A 16-bit PCM WAV declaring `channels` and `rate` (the byte rate wraps at 32 bits as a writer's
+    would), holding `frames` sample frames of tones on every channel."""
+    data = np.repeat(tones(2, frames / RATE)[:, None], channels, axis=1).tobytes()
+    block = 2 * channels
+    return (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVE" + b"fmt " +
+            struct.pack("<IHHIIHH", 16, 1, channels, rate, (rate * block) % 2**32, block, 16) + b"data" +
+            struct.pack("<I", len(data)) + data)
+
+
 def wav_f32(samples: np.ndarray, rate: int = RATE) -> bytes:
     """float32 mono samples as a pcm_f32le WAV, written by hand: NaN and infinity go in as they are."""
     data = samples.astype("<f4").tobytes()

@@ -126,6 +126,13 @@ def test_bad_containers_are_invalid_input(clip20: bytes, name: str, make) -> Non
     assert e.value.field == "video"
 
 
+def test_a_codec_without_a_decoder_is_named_as_such(clip20: bytes) -> None:
+    """The stream's fourcc renamed: the message said "AttributeError: 'NoneType' object has no
+    attribute 'width'"."""
+    with pytest.raises(InvalidInputError, match="^video: unsupported video codec: no decoder for it here$"):
+        decode_video(clip20.replace(b"avc1", b"zzzz"), num_frames=4, limits=LIMITS)
+
+
 def test_fuzzed_real_clips_never_crash(clip20: bytes) -> None:
     """Bit flips and truncations of a real mp4 decode or raise our errors, nothing else."""
     rng = np.random.default_rng(3)

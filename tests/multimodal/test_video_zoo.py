@@ -203,8 +203,9 @@ def test_animation_bounds():
         decode_video(data, limits=MediaLimits(max_video_duration_s=0.3))
     with pytest.raises(LimitExceededError, match="--max-image-pixels"):
         decode_video(data, limits=MediaLimits(max_image_pixels=100))
-    with pytest.raises(InvalidInputError, match="cannot decode the animation"):
-        decode_video(data[:40], limits=LIMITS)
+    for damaged in (data[:40], data[:-30]):  # our words, not Pillow's (its text can carry reprs)
+        with pytest.raises(InvalidInputError, match="^video: cannot decode the animation: it is (truncated|corrupt)$"):
+            decode_video(damaged, limits=LIMITS)
 
 
 def test_animation_frames_are_downscaled_like_a_videos():

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from audio_clips import av_clip, encode, tones, wav, wav_declaring, wav_f32
+from audio_clips import av_clip, encode, tones, wav, wav_declaring, wav_f32, wav_with_layout
 
 from mmserve.clients import Client, ClientError
 from mmserve.clients.messages import audio_part, message, text_part, video_part
@@ -161,6 +161,10 @@ BAD = {
     "lying header (hours declared)": (wav_declaring(6 * 3600, 4000), grpc.StatusCode.INVALID_ARGUMENT,
                                       "--max-audio-duration-s"),
     "0 samples": (wav_declaring(0, 0), grpc.StatusCode.INVALID_ARGUMENT, "no samples"),
+    # refused from the header: FFmpeg said "avcodec_open2(...) returned 22", the resampler ran out of memory
+    "1024 channels": (wav_with_layout(1024, 16000), grpc.StatusCode.INVALID_ARGUMENT, "1024 channels; at most 64"),
+    "2^31 Hz": (wav_with_layout(1, 2**31 - 1, frames=4000), grpc.StatusCode.INVALID_ARGUMENT,
+                "sample rate is 2147483647 Hz; at most 768000 Hz"),
     "silence": (wav(np.zeros(16000, np.int16)), grpc.StatusCode.INVALID_ARGUMENT, "silent"),
     "not audio": (b"\x00\x01 not an audio file at all" * 8, grpc.StatusCode.INVALID_ARGUMENT, "unrecognised"),
     "truncated": (wav(tones(3, 1.0))[:30], grpc.StatusCode.INVALID_ARGUMENT, "audio"),

@@ -23,7 +23,7 @@ from PIL import Image
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.gif import gif_canvas
-from mmserve.multimodal.image import to_rgb
+from mmserve.multimodal.image import damage, to_rgb
 from mmserve.multimodal.limits import MediaLimits
 
 FIELD = "video"
@@ -68,13 +68,18 @@ def open_animation(data: bytes, limits: MediaLimits) -> Image.Image:
     try:   # Pillow's own pixel guard is off (multimodal/image.py): the canvas check below is the limit
         image = Image.open(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - the payload's fault
-        raise InvalidInputError(FIELD, f"cannot decode the animation: {type(e).__name__}: {e}") from e
+        raise undecodable(e) from e
     try:
         _check_canvas(*image.size, limits)
     except LimitExceededError:
         image.close()
         raise
     return image
+
+
+def undecodable(error: Exception) -> InvalidInputError:
+    """Our message for Pillow failing on an animation: the kind of damage, not Pillow's text."""
+    return InvalidInputError(FIELD, f"cannot decode the animation: {damage(error)}")
 
 
 def _check_canvas(width: int, height: int, limits: MediaLimits) -> None:

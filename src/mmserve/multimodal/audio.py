@@ -31,6 +31,11 @@ FIELD = "audio"
 SILENCE = 1e-4          # peak amplitude below which a clip is silent (-80 dBFS)
 SLACK_S = 1.0           # decoded audio may exceed the declared duration by this much (rounding)
 HEAD_BYTES = 256        # read for sniffing, and for a WAV's chunk headers
+# What a header may declare: FFmpeg fails on more channels with a bare errno (avcodec_open2 22), and a
+# sample rate of 2^31 Hz ran the resampler out of memory. 768 kHz is the highest PCM rate recorded;
+# 64 channels, 7th-order ambisonics.
+MAX_SAMPLE_RATE = 768_000
+MAX_CHANNELS = 64
 
 
 @dataclass
@@ -81,11 +86,19 @@ def _format(head: bytes) -> str:
 
 
 def audio_stream(container: av.container.InputContainer, limits: MediaLimits, what: str = "audio", head: bytes = b""):
-    """The first audio stream, refused by its declared duration (`head`: the file's first bytes)
-    before any decoding."""
+    """The first audio stream, refused by its codec, channel count, sample rate and declared duration
+    (`head`: the file's first bytes) before any decoding."""
     if not container.streams.audio:
         raise InvalidInputError(FIELD, f"the {what} has no audio stream")
     stream = container.streams.audio[0]
+    if stream.codec_context is None:
+        raise InvalidInputError(FIELD, f"unsupported audio codec in the {what}: no decoder for it here")
+    channels, rate = _wav_layout(head) or (stream.codec_context.channels, stream.codec_context.sample_rate)
+    if channels > MAX_CHANNELS:
+        raise InvalidInputError(FIELD, f"the {what} has {channels} channels; at most {MAX_CHANNELS} are decoded")
+    if rate > MAX_SAMPLE_RATE:
+        raise InvalidInputError(FIELD, f"the {what}'s sample rate is {rate} Hz; at most {MAX_SAMPLE_RATE} Hz is "
+                                       "decoded")
     stream.codec_context.thread_count = 1
     declared = declared_duration(container, stream, head)
     if declared is not None:
@@ -106,18 +119,37 @@ def declared_duration(container: av.container.InputContainer, stream, head: byte
     return None
 
 
+def _wav_chunks(head: bytes):
+    """(kind, body offset, size) of each RIFF/WAVE chunk whose header lies in `head`."""
+    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
+        return
+    at = 12
+    while at + 8 <= len(head):
+        size = _u32(head, at + 4)
+        yield head[at:at + 4], at + 8, size
+        at += 8 + size + (size & 1)
+
+
+def _u32(head: bytes, at: int) -> int:
+    return int.from_bytes(head[at:at + 4], "little")
+
+
 def _wav_declared_s(head: bytes) -> float | None:
     """Seconds a RIFF/WAVE header's `data` chunk declares (its size over the `fmt ` byte rate)."""
-    if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-        return None
-    at, byte_rate = 12, 0
-    while at + 8 <= len(head):
-        kind, size = head[at:at + 4], int.from_bytes(head[at + 4:at + 8], "little")
-        if kind == b"fmt " and at + 16 <= len(head):
-            byte_rate = int.from_bytes(head[at + 16:at + 20], "little")
+    byte_rate = 0
+    for kind, body, size in _wav_chunks(head):
+        if kind == b"fmt " and body + 8 <= len(head):
+            byte_rate = _u32(head, body + 8)
         if kind == b"data":
             return size / byte_rate if byte_rate and size != 0xFFFFFFFF else None   # 0xFFFFFFFF: streamed
-        at += 8 + size + (size & 1)
+    return None
+
+
+def _wav_layout(head: bytes) -> tuple[int, int] | None:
+    """(channels, sample rate) a WAV's `fmt ` chunk declares: FFmpeg reports no channels past 512."""
+    for kind, body, _ in _wav_chunks(head):
+        if kind == b"fmt " and body + 8 <= len(head):
+            return int.from_bytes(head[body + 2:body + 4], "little"), _u32(head, body + 4)
     return None
 
 

@@ -132,5 +132,9 @@ def _with_pillow(fmt: str, work: Callable[[], T]) -> T:
 
 def _undecodable(fmt: str, error: Exception) -> InvalidInputError:
     """Our message for a Pillow failure: the format and the kind of damage, no reprs or paths."""
-    reason = "it is truncated" if isinstance(error, EOFError) or "truncated" in str(error) else "it is corrupt"
-    return InvalidInputError(FIELD, f"cannot decode the {fmt} image: {reason}")
+    return InvalidInputError(FIELD, f"cannot decode the {fmt} image: {damage(error)}")
+
+
+def damage(error: Exception) -> str:
+    """The kind of damage a Pillow failure shows, in our words (its own text can carry reprs)."""
+    return "it is truncated" if isinstance(error, EOFError) or "truncated" in str(error) else "it is corrupt"

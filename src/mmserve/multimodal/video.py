@@ -173,6 +173,8 @@ def _video_stream(container: av.container.InputContainer, limits: MediaLimits):
     if not container.streams.video:
         raise InvalidInputError(FIELD, "the container has no video stream (audio-only or empty)")
     stream = container.streams.video[0]
+    if stream.codec_context is None:
+        raise InvalidInputError(FIELD, "unsupported video codec: no decoder for it here")
     _check_dimensions(stream.codec_context.width, stream.codec_context.height, limits)
     tb = float(stream.time_base) if stream.time_base else 0.0
     if stream.duration and tb:
@@ -600,7 +602,7 @@ def decode_video(source: VideoSource, *, num_frames: int | None = None, fps: flo
         except (InvalidInputError, LimitExceededError, RequestAbortedError):
             raise
         except Exception as e:  # noqa: BLE001 - a damaged animation is the payload's fault
-            raise InvalidInputError(FIELD, f"cannot decode the animation: {type(e).__name__}: {e}") from e
+            raise animated.undecodable(e) from e
     fmt = sniff_container(head)
     if fmt is None:
         raise InvalidInputError(FIELD, "unsupported or unrecognised container (send mp4/mov, webm/mkv, avi, "
