@@ -140,6 +140,17 @@ def test_animation_sent_as_a_video_is_a_video(fmt):
     assert window.timestamps_s == pytest.approx([0.5, 1.0])
 
 
+@pytest.mark.parametrize("seek", [True, False], ids=["seek", "scan"])
+def test_a_matroska_clip_starting_hours_in_lasts_what_its_frames_do(seek):
+    """Matroska declares its segment's duration from the segment's time 0: a 2 s clip whose first
+    frame is at 5 h declares 5 h, and was refused as 18000 s long (or, under the limit, reported as
+    lasting hours). Its start is taken off; timestamps count from its first frame."""
+    data = encode(grays(8), container="matroska", times_s=[18000 + k / 4 for k in range(8)])
+    video = decode_video(data, num_frames=4, limits=MediaLimits(max_video_duration_s=3600), seek=seek)
+    assert video.duration_s == pytest.approx(2.0, abs=0.26)
+    assert video.timestamps_s == pytest.approx([0.0, 0.5, 1.0, 1.5], abs=1e-3)
+
+
 def test_one_frame_clip_gives_its_one_frame():
     """Asking more frames than a clip holds gives what it holds (the Final reports how many)."""
     video = decode_video(encode(grays(1)), num_frames=20, limits=LIMITS)

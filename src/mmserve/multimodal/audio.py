@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from mmserve.errors import InvalidInputError, LimitExceededError, RequestAbortedError
-from mmserve.multimodal.container import MediaSource, open_container, read_head
+from mmserve.multimodal.container import MediaSource, declared_length_s, open_container, read_head
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.limits import MediaLimits
 
@@ -114,9 +114,7 @@ def declared_duration(container: av.container.InputContainer, stream, head: byte
         return wav
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
-    if container.duration:
-        return container.duration / av.time_base
-    return None
+    return declared_length_s(container)
 
 
 def _wav_chunks(head: bytes):

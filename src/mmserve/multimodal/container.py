@@ -27,6 +27,18 @@ def open_container(source: MediaSource, fmt: str) -> Iterator[av.container.Input
                                           buffer_size=buffer))
 
 
+def declared_length_s(container: av.container.InputContainer) -> float | None:
+    """How long the container says it lasts, or None. Matroska declares its segment's duration, which
+    is measured from the segment's time 0: a file whose first frame is at 5 h (cut from a recording,
+    or remuxed keeping its timestamps) declares 5 h more than it lasts, so its start is taken off."""
+    if not container.duration:
+        return None
+    seconds = container.duration / av.time_base
+    if "matroska" in container.format.name and container.start_time:
+        seconds -= container.start_time / av.time_base
+    return seconds if seconds > 0 else None
+
+
 def read_head(source: MediaSource, size: int) -> bytes:
     """The first `size` bytes, for sniffing the format."""
     if isinstance(source, bytes):

@@ -36,7 +36,7 @@ import numpy as np
 from mmserve.errors import InvalidInputError, LimitExceededError, RequestAbortedError
 from mmserve.multimodal import animated
 from mmserve.multimodal.audio import audio_stream, check_duration, read_track
-from mmserve.multimodal.container import MediaSource, open_container, read_head
+from mmserve.multimodal.container import MediaSource, declared_length_s, open_container, read_head
 from mmserve.multimodal.decode_control import DecodeControl
 from mmserve.multimodal.limits import MediaLimits
 
@@ -179,8 +179,8 @@ def _video_stream(container: av.container.InputContainer, limits: MediaLimits):
     tb = float(stream.time_base) if stream.time_base else 0.0
     if stream.duration and tb:
         _check_duration(stream.duration * tb, limits)
-    elif container.duration:
-        _check_duration(container.duration / av.time_base, limits)
+    elif (length := declared_length_s(container)) is not None:
+        _check_duration(length, limits)
     stream.codec_context.thread_count = 1
     return stream
 
@@ -283,8 +283,8 @@ def _metadata(container: av.container.InputContainer, stream) -> _StreamInfo | N
     fps = float(rate)
     if stream.duration:
         duration = float(stream.duration * stream.time_base)
-    elif container.duration:
-        duration = container.duration / av.time_base
+    elif (length := declared_length_s(container)) is not None:
+        duration = length
     else:
         return None
     count = stream.frames or round(duration * fps)
@@ -456,8 +456,8 @@ def _probe(source: VideoSource, fmt: str, limits: MediaLimits, control: DecodeCo
         fps = float(rate) if rate else 0.0
         if stream.duration and tb:
             duration = stream.duration * tb
-        elif container.duration:
-            duration = container.duration / av.time_base
+        elif (length := declared_length_s(container)) is not None:
+            duration = length
         elif last_pts is not None:
             duration = (last_pts - first_pts) * tb + (1.0 / fps if fps else 0.0)
         else:
