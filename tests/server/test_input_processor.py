@@ -183,6 +183,20 @@ def test_image_tokens_count_against_the_context_before_decoding(tiny_checkpoint,
     assert info.value.field == "messages" and "at least" in str(info.value)
 
 
+def test_an_image_too_elongated_for_the_position_table_is_invalid_argument(tiny_checkpoint, executor):
+    """The tiny checkpoint's vision table holds 64 positions a side while its 280-token budget reaches
+    560: a 4:1 image reached the tower's guard and ended INTERNAL. It is refused naming its part."""
+    processor = _processor(tiny_checkpoint, executor)
+    assert processor.spec.vision.position_table == 64
+    wide, _ = _png(np.random.default_rng(0), 100, 400)
+    with pytest.raises(InvalidInputError, match="needs 66 patch positions along one side at this model's "
+                                                "resolution, more than the 64 its vision encoder holds") as info:
+        _process(processor, ImageInput(wide))
+    assert info.value.field == "messages[0].parts[0].image"
+    square, _ = _png(np.random.default_rng(0), 200, 200)
+    assert len(_process(processor, ImageInput(square)).mm_inputs) == 1
+
+
 def test_given_frames_decode_one_at_a_time_to_the_same_patches(tiny_checkpoint, executor):
     """Frames decoded straight to the model's size give exactly the patches of full-size decoding."""
     rng = np.random.default_rng(np.random.randint(2**31))

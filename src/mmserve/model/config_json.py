@@ -49,8 +49,9 @@ TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 VISION_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4_vision": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=12,
-                          num_key_value_heads=12, head_dim=64, pooling_kernel_size=3, patch_size=16),
-    "gemma4_unified_vision": dict(patch_size=16, pooling_kernel_size=3, mm_embed_dim=3840),
+                          num_key_value_heads=12, head_dim=64, pooling_kernel_size=3, patch_size=16,
+                          position_embedding_size=10 * 1024),
+    "gemma4_unified_vision": dict(patch_size=16, pooling_kernel_size=3, mm_embed_dim=3840, mm_posemb_size=1120),
 }
 AUDIO_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma4_audio": dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=8,

@@ -107,6 +107,7 @@ class VisionSpec:
     pool_kernel: int          # soft tokens = patches / pool_kernel**2
     projector_out: int        # the text model's hidden size
     default_patches: int      # patches of one full-budget video frame
+    position_table: int       # patch positions the encoder's table holds along each side
 
 
 @dataclass(frozen=True)
@@ -296,13 +297,14 @@ def _vision(config: Any, text_hidden: int, video_budget: int) -> VisionSpec | No
         side = vc.patch_size * vc.pooling_kernel_size
         return VisionSpec(kind="embedder", num_layers=0, hidden=int(vc.mm_embed_dim), intermediate=0, num_heads=0,
                           num_kv_heads=0, head_dim=0, patch_dim=3 * side * side, pool_kernel=1,
-                          projector_out=text_hidden, default_patches=video_budget)
+                          projector_out=text_hidden, default_patches=video_budget,
+                          position_table=int(vc.mm_posemb_size))
     k = int(vc.pooling_kernel_size)
     return VisionSpec(kind="tower", num_layers=int(vc.num_hidden_layers), hidden=int(vc.hidden_size),
                       intermediate=int(vc.intermediate_size), num_heads=int(vc.num_attention_heads),
                       num_kv_heads=int(vc.num_key_value_heads), head_dim=int(vc.head_dim),
                       patch_dim=3 * vc.patch_size ** 2, pool_kernel=k, projector_out=text_hidden,
-                      default_patches=video_budget * k * k)
+                      default_patches=video_budget * k * k, position_table=int(vc.position_embedding_size))
 
 
 def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None:

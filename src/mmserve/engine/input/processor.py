@@ -470,8 +470,18 @@ class InputProcessor:
 
     def _patchify(self, images, max_soft_tokens: int, *, count: int | None = None,
                   resized: bool = False) -> VisionBatch:
-        return preprocess_images(images, patch_size=self.spec.patch_size, pooling_kernel_size=self.spec.pooling_kernel_size,
-                                 max_soft_tokens=max_soft_tokens, count=count, resized=resized)
+        """Patches and positions, refused (INVALID_ARGUMENT) when an elongated image needs positions past
+        the encoder's table: the tower's own guard would end the request INTERNAL. Gemma 4's table
+        (10240) outreaches any budget (3 x 1120 along a side); a small checkpoint's may not."""
+        batch = preprocess_images(images, patch_size=self.spec.patch_size, pooling_kernel_size=self.spec.pooling_kernel_size,
+                                  max_soft_tokens=max_soft_tokens, count=count, resized=resized)
+        table = self.spec.vision.position_table if self.spec.vision is not None else 0
+        reach = int(batch.position_ids.max()) + 1 if batch.position_ids.numel() else 0
+        if table and reach > table:
+            raise InvalidInputError("image", f"its aspect ratio needs {reach} patch positions along one side at this "
+                                             f"model's resolution, more than the {table} its vision encoder holds: "
+                                             "send a less elongated image or video")
+        return batch
 
     @staticmethod
     def _model_part(where: str, part: InputPart, media: dict[str, DecodedMedia]):
