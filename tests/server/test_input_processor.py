@@ -173,6 +173,18 @@ def test_image_count_and_pixels_are_checked_before_decoding(tiny_checkpoint, exe
     assert info.value.field == "messages[0].parts[0].image"
 
 
+def test_an_image_over_a_size_limit_names_its_part(tiny_checkpoint, executor):
+    """As an audio part's limit refusals do: a request with several images learns which one."""
+    processor = _processor(tiny_checkpoint, executor, max_image_pixels=100)
+    for part, field in ((ImageInput(_png_claiming(20, 20)), "messages[0].parts[1].image"),
+                        (VideoInput(frames=(_png_claiming(8, 8), _png_claiming(20, 20))),
+                         "messages[0].parts[1].video.frames[1]")):
+        with pytest.raises(LimitExceededError) as info:
+            _process(processor, ImageInput(_png_claiming(8, 8)), part)
+        assert str(info.value).startswith(f"{field}: image is 20x20 = 400 pixels, more than the limit of 100")
+        assert info.value.flag == "--max-image-pixels" and not info.value.retryable
+
+
 def test_image_tokens_count_against_the_context_before_decoding(tiny_checkpoint, executor):
     """Soft tokens follow from the header's size, so images that cannot fit are refused undecoded."""
     processor = _processor(tiny_checkpoint, executor, context_length=64)

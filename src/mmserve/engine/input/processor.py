@@ -349,6 +349,8 @@ class InputProcessor:
                 header = read_header(source, self.limits)
             except InvalidInputError as e:
                 raise InvalidInputError(field, str(e).removeprefix(f"{e.field}: ")) from e
+            except LimitExceededError as e:
+                raise _naming(field, e) from e
             pixels += header.pixels
             if pixels > self.limits.max_pixels_per_request:
                 raise LimitExceededError(f"{field}: the request's images and frames hold more than "
