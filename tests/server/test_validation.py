@@ -68,6 +68,15 @@ def test_proto_defaults_and_server_assigned_id():
     assert got.request_id and other.request_id and got.request_id != other.request_id
 
 
+def test_default_max_tokens_stays_within_the_server_limit():
+    """A --max-tokens-limit under the default (16) was ignored by it: 16 served, an explicit 16 refused."""
+    limit = random.randint(1, DEFAULT_MAX_TOKENS - 1)
+    config = EngineConfig(max_tokens_limit=limit)
+    assert validate_request(_request(), config).sampling.max_tokens == limit
+    assert validate_request(_request(max_tokens=limit), config).sampling.max_tokens == limit
+    _bad(_request(max_tokens=limit + 1), config)
+
+
 def _bad(request: pb.GenerateRequest, config: EngineConfig = CONFIG) -> InvalidInputError:
     with pytest.raises(InvalidInputError) as info:
         validate_request(request, config)

@@ -234,7 +234,7 @@ def validate_sampling(sampling: pb.SamplingParams, config: EngineConfig) -> Samp
     for i, stop in enumerate(sampling.stop):
         if not stop or len(stop) > MAX_STOP_STRING_CHARS:
             raise InvalidInputError(f"sampling.stop[{i}]", f"must be 1 to {MAX_STOP_STRING_CHARS} characters")
-    max_tokens = sampling.max_tokens or DEFAULT_MAX_TOKENS
+    max_tokens = sampling.max_tokens or min(DEFAULT_MAX_TOKENS, config.max_tokens_limit)
     _check_extras(sampling, max_tokens)
     if not 0 <= sampling.n <= config.max_n:
         raise InvalidInputError("sampling.n", f"must be in 1..{config.max_n} (0 = 1), got {sampling.n} (--max-n)")
