@@ -3,6 +3,7 @@
 import pytest
 
 from mmserve.cli import SUBCOMMANDS, build_parser
+from mmserve.config import EngineConfig, from_args
 
 
 def test_top_level_help_lists_every_subcommand(capsys):
@@ -105,3 +106,62 @@ def test_version_imports_no_torch():
            "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["mmserve", "0.1.0", "False"], out
+
+
+def _serve_usage_error(argv: list[str], capsys) -> str:
+    """`mmserve serve ...argv` parsed in this process: the usage error's text (it must exit 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        build_parser(["serve"]).parse_args(["serve", *argv])
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,env,named", [
+    # a boolean variable with any other word read False: health and reflection served without the key
+    ([], {"MMSERVE_AUTH_HEALTH": "enabled"}, "argument --auth-health/--no-auth-health: 'enabled' is not one of "
+                                             "1/true/yes/on, 0/false/no/off (from MMSERVE_AUTH_HEALTH)"),
+    # failed minutes later, once the weights had loaded
+    (["--backend-self-check", "bogus"], {}, "'bogus' is not one of auto, on, off"),
+    # 0 expired every media job at once (a retryable error: clients retried forever), failed every start,
+    # refused every response_format
+    (["--video-decode-timeout-s", "0"], {}, "below the minimum 0.001"),
+    (["--engine-ready-timeout-s", "0"], {}, "below the minimum 0.001"),
+    (["--grammar-compile-timeout-s", "0"], {}, "below the minimum 0.001"),
+    (["--tensor-parallel-timeout-s", "inf"], {}, "'inf' is not finite"),   # OverflowError in the engine process
+    ([], {"MMSERVE_MAX_STEP_SLOWDOWN": "-inf"}, "'-inf' is not finite (from MMSERVE_MAX_STEP_SLOWDOWN)"),
+    (["--seed", str(2**64)], {}, f"above the maximum {2**64 - 1}"),   # torch.manual_seed refuses it
+    (["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'LOUD'"),   # was a traceback, exit 1
+])
+def test_bad_value_is_a_usage_error(argv, env, named, capsys, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert named in _serve_usage_error(argv, capsys)
+
+
+@pytest.mark.parametrize("text,value", [("1", True), ("True ", True), ("YES", True), ("on", True),
+                                        ("0", False), (" false", False), ("No", False), ("OFF", False)])
+def test_boolean_variables_take_the_documented_words(text, value, monkeypatch):
+    monkeypatch.setenv("MMSERVE_AUTH_HEALTH", text)
+    monkeypatch.setenv("MMSERVE_ENABLE_PREFIX_CACHING", text)
+    args = build_parser(["serve"]).parse_args(["serve"])
+    assert (args.auth_health, args.enable_prefix_caching) == (value, value)
+    flagged = build_parser(["serve"]).parse_args(["serve", "--auth-health" if not value else "--no-auth-health"])
+    assert flagged.auth_health is not value   # the flag still wins over the variable
+
+
+def test_log_level_is_case_insensitive():
+    assert build_parser(["serve"]).parse_args(["serve", "--log-level", "debug"]).log_level == "DEBUG"
+
+
+def test_frame_limits_that_refuse_every_default_video_stop_the_start(caplog, tmp_path):
+    """--max-frames-per-request under the frames a video gets by default (8) was accepted: every video
+    naming no count was decoded in full, then refused. (No checkpoint at --model: were the flags let
+    through, the start would stop there instead, with another message.)"""
+    from mmserve.server.cli import run
+
+    argv = ["serve", "--model", str(tmp_path / "absent"), "--max-frames-per-request", "4"]
+    assert run(build_parser(argv).parse_args(argv)) == 2
+    assert "--max-frames-per-request 4 is below the 8 frames" in caplog.text and "--default-num-frames 8" in caplog.text
+    assert "no checkpoint" not in caplog.text
+    enough = build_parser(argv).parse_args([*argv, "--default-num-frames", "4"])
+    assert from_args(EngineConfig, enough).max_frames_per_request == 4

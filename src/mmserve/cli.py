@@ -8,7 +8,7 @@ import importlib
 import sys
 
 from mmserve import __version__
-from mmserve.logs import LOG_FORMATS, configure_logging
+from mmserve.logs import LOG_FORMATS, LOG_LEVELS, configure_logging
 
 DESCRIPTION = """\
 Serve a Gemma 4 video+text model over gRPC, and talk to it.
@@ -74,8 +74,8 @@ class Parser(argparse.ArgumentParser):
 def _add_global_flags(parser: argparse.ArgumentParser, default) -> None:
     """--log-level/--log-format: on the top level with defaults, on each subcommand without (so
     given after the subcommand they count, and absent there they leave the top level's value)."""
-    parser.add_argument("--log-level", default="INFO" if default is None else default,
-                        help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--log-level", default="INFO" if default is None else default, type=str.upper,
+                        choices=LOG_LEVELS, help="DEBUG, INFO, WARNING or ERROR, any case (default INFO)")
     parser.add_argument("--log-format", default="text" if default is None else default, choices=LOG_FORMATS,
                         help="text, or json: one JSON object per line with trace_id/span_id/request_id in requests")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable
@@ -32,6 +33,9 @@ def slowdown_valid(value: float) -> bool:
 
 
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
+BACKEND_SELF_CHECK_CHOICES = ("auto", "on", "off")   # worker/backend_check.py reads it (this module imports no torch)
+# What a boolean variable may say (any case, spaces around ignored); anything else is a usage error.
+BOOLEAN_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
 
 
@@ -82,7 +86,7 @@ class EngineConfig:
                 "(unless --kv-cache-bytes or --num-kv-blocks is given)", "min": 0.01, "max": 1.0})
     max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED", "min": 0})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": ("fcfs", "priority")})
-    seed: int = field(default=0, metadata={"help": "default sampling seed", "min": 0})
+    seed: int = field(default=0, metadata={"help": "default sampling seed", "min": 0, "max": 2**64 - 1})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content) "
                 "and the vision embeddings of frames seen before; off = nothing is reused across requests"})
@@ -110,7 +114,8 @@ class EngineConfig:
                 "persistent buffers; the forward re-run at replay): a graph path's tokens and coverage without a GPU"})
     backend_self_check: str = field(default="auto", metadata={
         "help": "at start-up, run each selected fa4/flex attention kernel (and the CUDA graphs, E-models' PLE kernel) once "
-                "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off"})
+                "against the dense reference, falling back on an error or mismatch: auto (on CUDA) | on | off",
+        "choices": BACKEND_SELF_CHECK_CHOICES})
     strict_backends: bool = field(default=False, metadata={
         "help": "a backend failing the start-up self-check fails the start instead of falling back "
                 "(CI on GPUs, bench/gpu_check.py)"})
@@ -121,7 +126,7 @@ class EngineConfig:
         "help": "torch threads of the engine; 0 = OMP_NUM_THREADS if set, else the container's cores (cgroup "
                 "quota, affinity); they wait for work passively (OMP_WAIT_POLICY=PASSIVE unless set)", "min": 0})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
-        "help": "how long the engine may take to load, warm up and report ready", "min": 0})
+        "help": "how long the engine may take to load, warm up and report ready", "min": 0.001})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks the decoder is split over (Megatron tensor parallelism, torch.distributed: gloo on CPU, "
                 "nccl on CUDA); the engine process is rank 0 and spawns the others, one per device", "min": 1})
@@ -136,7 +141,9 @@ class EngineConfig:
     max_frames_per_video: int = field(default=32, metadata={"help": "frames sampled from one video at most", "min": 1})
     max_frames_per_request: int = field(default=64, metadata={"help": "frames over all videos of a request", "min": 1})
     default_num_frames: int = field(default=8, metadata={"help": "frames sampled when the request names none", "min": 1})
-    max_video_bytes: int = field(default=48 * 2**20, metadata={"help": "largest video payload", "min": 1})
+    max_video_bytes: int = field(default=48 * 2**20, metadata={
+        "help": "largest video payload; also bounds an image part (inline or uploaded) and an inline audio part",
+        "min": 1})
     max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
     max_audio_duration_s: float = field(default=600.0, metadata={
         "help": "longest audio part, or video soundtrack window (use_audio_in_video), in seconds; refused from the "
@@ -146,7 +153,10 @@ class EngineConfig:
     max_pixels_per_request: int = field(default=128 * 2**20, metadata={
         "help": "pixels over all images and given frame images of a request, from their headers, before any is decoded",
         "min": 1})
-    video_decode_timeout_s: float = field(default=30.0, metadata={"help": "time limit for decoding one video", "min": 0})
+    video_decode_timeout_s: float = field(default=30.0, metadata={
+        "help": "time limit for each job of the media worker pool, the wait for a free worker included: decoding "
+                "a video, an image or an audio part, reading a request's media headers, a live session's frame; "
+                "one over it is refused", "min": 0.001})
     max_tokens_limit: int = field(default=4096, metadata={"help": "largest max_tokens a request may ask", "min": 1})
     max_stop_strings: int = field(default=16, metadata={"help": "most stop strings per request", "min": 0})
     max_n: int = field(default=16, metadata={"help": "most samples (sampling.n) per request", "min": 1})
@@ -180,7 +190,7 @@ class EngineConfig:
         "min": 1})
     grammar_compile_timeout_s: float = field(default=5.0, metadata={
         "help": "time limit for compiling one response_format (waiting for the compile worker included); "
-                "a format over it is refused", "min": 0})
+                "a format over it is refused", "min": 0.001})
     grammar_cache_bytes: int = field(default=256 * 2**20, metadata={
         "help": "compiled response_formats kept per process (front end and engine each), LRU by size", "min": 0})
     # Metrics.
@@ -215,6 +225,12 @@ class EngineConfig:
         if not slowdown_valid(self.max_step_slowdown):   # (NaN too; -1 is resolved above)
             raise ValueError(f"max_step_slowdown must be above 1, or 0 (off), or -1 (the device's default); "
                              f"got {self.max_step_slowdown}")
+        default_frames = min(self.default_num_frames, self.max_frames_per_video)   # a video naming no count
+        if self.max_frames_per_request < default_frames:   # would be decoded, then refused: every one
+            raise ValueError(f"--max-frames-per-request {self.max_frames_per_request} is below the {default_frames} "
+                             f"frames a video is sampled to by default (the lower of --default-num-frames "
+                             f"{self.default_num_frames} and --max-frames-per-video {self.max_frames_per_video}): "
+                             "every video that names no frame count would be decoded and then refused")
 
 
 def on_cuda(device: str) -> bool:
@@ -242,8 +258,10 @@ def _flag(name: str) -> str:
 def field_type(f: dataclasses.Field, env: str | None = None) -> Callable[[str], object]:
     """The argparse `type` of a field: converts the text (flag or env var) and checks the field's
     `choices`, `pattern`, `min` and `max` metadata, so a bad value is a usage error (exit 2) that
-    lists what is valid, never a traceback or a hang at start-up. `env`: the env var's text, if set,
-    so a refusal of that text names the variable."""
+    lists what is valid, never a traceback or a hang at start-up. Numbers must be finite (an `inf`
+    timeout overflows where it is used); a boolean is one of BOOLEAN_WORDS (only a variable's text
+    reaches it: the flags take no value). `env`: the env var's text, if set, so a refusal of that
+    text names the variable."""
     kind = type(f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
     meta = f.metadata
 
@@ -261,18 +279,28 @@ def field_type(f: dataclasses.Field, env: str | None = None) -> Callable[[str], 
         return None
 
     def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value, why = None, f"{text!r} is not a valid {kind.__name__}"
-        else:
-            why = f"{text!r} is not a number" if value != value else problem(text, value)   # NaN
+        value, why = _parsed(kind, text)
+        why = why or problem(text, value)
         if why is None:
             return value
         raise argparse.ArgumentTypeError(why + (f" (from {_env_name(f.name)})" if text == env else ""))
 
     convert.__name__ = kind.__name__  # argparse names the type in its own messages
     return convert
+
+
+def _parsed(kind: type, text: str) -> tuple[object, str | None]:
+    """`text` as a `kind`, or why it is not one."""
+    if kind is bool:
+        value = BOOLEAN_WORDS.get(text.strip().lower())
+        return value, None if value is not None else f"{text!r} is not one of 1/true/yes/on, 0/false/no/off"
+    try:
+        value = kind(text)
+    except ValueError:
+        return None, f"{text!r} is not a valid {kind.__name__}"
+    if kind is float and not math.isfinite(value):
+        return None, f"{text!r} is not a number" if value != value else f"{text!r} is not finite"
+    return value, None
 
 
 def _valid_values(meta) -> str:
@@ -290,10 +318,12 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         env = os.environ.get(_env_name(f.name))
         if type(default) is bool:
-            if env is not None:
-                default = env.lower() in ("1", "true", "yes", "on")
-            parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, default=default,
-                                help=f"{f.metadata.get('help', '')} [env {_env_name(f.name)}]")
+            action = parser.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction,
+                                         default=default if env is None else env,
+                                         help=f"{f.metadata.get('help', '')} [env {_env_name(f.name)}]")
+            # argparse converts a string default (the variable's text) with the action's type, when no
+            # --flag/--no-flag was given; set here, since BooleanOptionalAction(type=...) is gone in 3.14
+            action.type = field_type(f, env)
             continue
         parser.add_argument(_flag(f.name), type=field_type(f, env), default=default if env is None else env, dest=f.name,
                             help=f"{f.metadata.get('help', '')} ({_valid_values(f.metadata)}default {default!r}) "

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from opentelemetry import trace
 
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 _request: contextvars.ContextVar[tuple[str, trace.SpanContext | None] | None] = contextvars.ContextVar(

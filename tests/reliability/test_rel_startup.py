@@ -50,6 +50,7 @@ def test_a_log_read_once_the_process_exited_holds_all_it_wrote():
     (("--max-num-batched-tokens", "many"), None, "not a valid int"),
     (("--max-step-slowdown", "0.5"), None, "must be above 1, or 0 (off)"),
     ((), {"MMSERVE_MAX_STEP_SLOWDOWN": "1"}, "must be above 1, or 0 (off), or -1 (the device's default) (from MMSERVE_MAX_STEP_SLOWDOWN)"),
+    ((), {"MMSERVE_AUTH_HEALTH": "enabled"}, "is not one of 1/true/yes/on, 0/false/no/off (from MMSERVE_AUTH_HEALTH)"),
 ])
 def test_bad_flag_is_a_usage_error_naming_the_valid_values(args, env, named):
     """Each of these used to pass parsing and leave a server that never became ready (or a traceback)."""

@@ -26,7 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = from_args(EngineConfig, args)
+    try:
+        config = from_args(EngineConfig, args)
+    except ValueError as e:   # flags valid alone that conflict (EngineConfig.__post_init__)
+        logger.error("mmserve worker: %s", e)
+        return 2
     if not (Path(config.model) / "config.json").is_file():
         logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", config.model)
         return 2

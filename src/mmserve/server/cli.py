@@ -3,8 +3,9 @@
 Every EngineConfig and ServerConfig field is a flag and an MMSERVE_* environment variable.
 Exits 0 after a clean drain on SIGTERM/SIGINT (also when the signal came during start-up), 1 when the
 drain had to cut streams off or the server could not start (bad TLS/key files, port in use, an engine
-that failed to load or to get ready within --engine-ready-timeout-s), 2 when a flag's value is invalid
-or the checkpoint directory is missing.
+that failed to load or to get ready within --engine-ready-timeout-s), 2 when a flag's value is invalid,
+flags conflict (--max-frames-per-request below the frames a video gets by default) or the checkpoint
+directory is missing.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def _has_api_keys(config: ServerConfig) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    engine_config, server_config = from_args(EngineConfig, args), from_args(ServerConfig, args)
+    try:
+        engine_config, server_config = from_args(EngineConfig, args), from_args(ServerConfig, args)
+    except ValueError as e:   # flags valid alone that conflict (EngineConfig.__post_init__)
+        logger.error("mmserve serve: %s", e)
+        return 2
     if not (Path(engine_config.model) / "config.json").is_file():
         logger.error("%s", missing_checkpoint(engine_config.model))
         return 2

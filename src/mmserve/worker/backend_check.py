@@ -28,13 +28,13 @@ import numpy as np
 import torch
 
 from mmserve.attention import PoolConfig, create_builder, create_impl
+from mmserve.config import BACKEND_SELF_CHECK_CHOICES
 from mmserve.errors import MMServeError
 
 logger = logging.getLogger(__name__)
 
 FALLBACK = {"fa4": "flex", "flex": "sdpa"}   # checked backends and what runs when one fails
 BF16_TOLERANCE = 2e-2
-MODES = ("auto", "on", "off")
 
 
 class BackendCheckError(MMServeError):
@@ -65,8 +65,8 @@ def merge_checks(first: list[BackendCheck], later: list[BackendCheck]) -> list[B
 
 def should_check(mode: str, device: torch.device) -> bool:
     """auto: on CUDA, where the kernels differ from what CPU tests cover; on: also elsewhere."""
-    if mode not in MODES:
-        raise ValueError(f"--backend-self-check {mode!r}: choose from {', '.join(MODES)}")
+    if mode not in BACKEND_SELF_CHECK_CHOICES:
+        raise ValueError(f"--backend-self-check {mode!r}: choose from {', '.join(BACKEND_SELF_CHECK_CHOICES)}")
     return mode == "on" or (mode == "auto" and device.type == "cuda")
 
 
