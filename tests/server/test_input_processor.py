@@ -111,7 +111,7 @@ def test_prompt_longer_than_the_context(tiny_checkpoint, executor, video_bytes):
     fits = _processor(tiny_checkpoint, executor, context_length=len(request.prompt_token_ids) + 4)
     with pytest.raises(InvalidInputError) as info:
         _process(fits, TextInput("hi"), sampling=SamplingParams(max_tokens=5))
-    assert info.value.field == "sampling.max_tokens"
+    assert info.value.field == "sampling.max_tokens" and str(info.value).endswith("ask for at most 4")   # exact here
     _process(fits, TextInput("hi"), sampling=SamplingParams(max_tokens=4))
 
 
@@ -157,6 +157,8 @@ def test_text_beyond_the_context_is_refused_without_tokenizing(tiny_checkpoint, 
         _process(processor, TextInput(text[: 40 * processor.tokenizer.max_chars_per_token]),
                  sampling=SamplingParams(max_tokens=30))
     assert info.value.field == "sampling.max_tokens" and "at least 40" in str(info.value)
+    # 24 more fit the text's lower bound, not the rendered prompt (its turn markers): no promise of 24
+    assert "ask for at most 24 less the prompt's tokens not counted yet" in str(info.value)
 
 
 def test_image_count_and_pixels_are_checked_before_decoding(tiny_checkpoint, executor):

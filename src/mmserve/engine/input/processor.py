@@ -383,9 +383,11 @@ class InputProcessor:
             raise InvalidInputError("messages", f"the prompt is {size} tokens (frames included), the "
                                     f"context length is {self.max_model_len}: send fewer frames or less text")
         if prompt_tokens + sampling.max_tokens > self.max_model_len:
+            # a lower bound's room is an upper bound: the rendered prompt takes more of it
+            rest = " less the prompt's tokens not counted yet" if at_least else ""
             raise InvalidInputError("sampling.max_tokens", f"prompt {size} + max_tokens "
                                     f"{sampling.max_tokens} exceeds the context length {self.max_model_len}; "
-                                    f"ask for at most {self.max_model_len - prompt_tokens}")
+                                    f"ask for at most {self.max_model_len - prompt_tokens}{rest}")
 
     async def _decode(self, owner: object, where: str, part: MediaInput, trace_context: Any) -> DecodedMedia:
         return await self._in_pool(owner, where, functools.partial(self._decode_blocking, where, part, trace_context))
