@@ -155,6 +155,11 @@ def _one(part: pb.Part, role: str = "user") -> pb.GenerateRequest:
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")]), start_s=1.0))),
      "messages[0].parts[0].video.start_s"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames()))), "messages[0].parts[0].video.frames.frames"),
+    # were dropped silently: every given frame is used
+    (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")] * 4), num_frames=2))),
+     "messages[0].parts[0].video.num_frames"),
+    (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")] * 4), fps=1.0))),
+     "messages[0].parts[0].video.fps"),
     (_one(pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f"), pb.Image()])))),
      "messages[0].parts[0].video.frames.frames[1].data"),
     (_one(pb.Part(audio=pb.Audio())), "messages[0].parts[0].audio.data"),

@@ -182,6 +182,10 @@ def _video(video: pb.Video, where: str, config: EngineConfig) -> VideoInput:
         if video.start_s or video.end_s:
             raise InvalidInputError(f"{where}.start_s", "a window applies to a container (data or media_id), "
                                     "not to frames: send only the frames you want")
+        if video.num_frames or video.fps:   # every given frame is used: a count or rate would be ignored
+            raise InvalidInputError(f"{where}.{'num_frames' if video.num_frames else 'fps'}", "frame sampling "
+                                    "applies to a container (data or media_id), not to frames: send only the "
+                                    "frames you want (their rate goes in frames.fps)")
         frames = video.frames
         if not frames.frames:
             raise InvalidInputError(f"{where}.frames.frames", "no frames given")
