@@ -1,9 +1,9 @@
 """The audio flood (#39) against one real `mmserve serve` process serving a tiny random E-model (an
 audio tower), as the hostile-input tests do for images and frames (rel_bystander.run_beside): each
 hostile request is refused from what its headers declare, before a sample is decoded, while a
-bystander (a fresh image, a fresh 1 s clip and text) keeps its tokens and a TTFT within 2x of idle;
-the serving process's peak RSS grows by about the hostile bytes received, never by what the
-headers claim. A header that declares less than the file holds is heard as declared."""
+bystander (a fresh image, a fresh 1 s clip and text) keeps its tokens, and every refusal comes
+before its last token; the serving process's peak RSS grows by about the hostile bytes received,
+never by what the headers claim. A header that declares less than the file holds is heard as declared."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from audio_clips import encode, tones, wav, wav_declaring
 from PIL import Image
-from rel_bystander import outcome, run_beside
+from rel_bystander import BYSTANDER_TOKENS, outcome, run_beside
 from rel_process import ServeProcess
 
 from mmserve.clients import AsyncClient
@@ -54,7 +54,7 @@ def bystander() -> dict:
     picture = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(picture, format="PNG")
     return dict(prompt=" ".join(rng.choice(WORDS, 40)) + ". What do you see and hear?", image=picture.getvalue(),
-                audio=wav(tones(seed, 1.0)), max_tokens=4, temperature=0)
+                audio=wav(tones(seed, 1.0)), max_tokens=BYSTANDER_TOKENS, ignore_eos=True, temperature=0)
 
 
 def _once(server, messages) -> None:
@@ -81,13 +81,13 @@ def test_many_long_audio_parts_are_refused_from_their_headers(server):
     clips = [encode(tones(fresh(), 30.0), fmt="mp3", codec="libmp3lame") for _ in range(16)]
     hostile = [message("user", *[audio_part(c) for c in clips], text_part("Transcribe all of them."))]
     _once(server, hostile)   # the MP3 demuxer's first use allocates once per process, not per request
-    errors, growth, idle, beside = run_beside(server, bystander, hostile, copies=4)
-    for e in errors:
+    beside = run_beside(server, bystander, hostile, copies=4)
+    for e in beside.errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "at least" in e.message and f"context length is {CONTEXT}" in e.message, e.message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
+    assert beside.ended_before_last_token == 4, "a refusal came after the bystander's last token"
     sent = 4 * sum(len(c) for c in clips)
-    assert growth <= 3 * sent + REFUSED_RSS_BUDGET, f"{growth / 2**20:.0f} MiB for {sent / 2**20:.1f} MiB sent"
+    assert beside.growth <= 3 * sent + REFUSED_RSS_BUDGET, f"{beside.growth / 2**20:.0f} MiB for {sent / 2**20:.1f} MiB sent"
 
 
 @pytest.mark.parametrize("kind", ["wav", "flac"])
@@ -97,13 +97,13 @@ def test_six_hours_declared_are_refused_before_decoding(server, kind):
     nothing allocated for the hours."""
     declaring = (lambda: wav_declaring(HOURS_6, 4000)) if kind == "wav" else (lambda: flac_declaring(HOURS_6))
     hostile = [message("user", *[audio_part(declaring()) for _ in range(4)], text_part("What is this?"))]
-    errors, growth, idle, beside = run_beside(server, bystander, hostile, copies=8)
-    for e in errors:
+    beside = run_beside(server, bystander, hostile, copies=8)
+    for e in beside.errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "--max-audio-duration-s" in e.message and "21600.0 s" in e.message, e.message
         assert "messages[0].parts[0].audio" in e.message and len(e.message) < 400, e.message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth <= REFUSED_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
+    assert beside.ended_before_last_token == 8, "a refusal came after the bystander's last token"
+    assert beside.growth <= REFUSED_RSS_BUDGET, f"{beside.growth / 2**20:.0f} MiB"
 
 
 def test_a_header_declaring_less_than_it_holds_is_heard_as_declared(server):

@@ -2,8 +2,9 @@
 
 Each test sends the probe's request scaled down, beside a bystander (rel_bystander.run_beside: a
 normal stream right after it that must keep its tokens and, where the hostile request is refused,
-a TTFT within 2x of idle; the fairness test waits until the server's RSS shows the hostile decode
-running, as in the probe). Memory is the serving process's peak RSS growth per hostile request,
+get its first token only after that refusal: a refusal from headers is cheaper than a prefill; the
+fairness test waits until the server's RSS shows the hostile decode running, as in the probe, and
+the bystander's first token must come while that decode still runs). Memory is the serving process's peak RSS growth per hostile request,
 against the per-request budgets docs/security.md states. On the code before the fix every test
 here fails. The audio flood is test_rel_audio_flood.py (a model with an audio tower).
 """
@@ -20,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 from PIL import Image
-from rel_bystander import outcome, run_beside
+from rel_bystander import BYSTANDER_TOKENS, outcome, run_beside
 from rel_process import ServeProcess
 
 from mmserve.clients import AsyncClient
@@ -29,6 +30,7 @@ from mmserve.clients.messages import frames_part, image_part, message, text_part
 WORKERS = 2
 MAX_IMAGES = 16
 PIXEL_BUDGET = 256 * 2**20  # room for MAX_IMAGES images of 4096^2
+IMAGE_PIXELS = 32 * 2**20   # one image of 8192 x 4096: the fairness test's decode outlasts a bystander's prefill
 # Per-request RSS budgets (docs/security.md): text is refused before it is tokenized, so it costs
 # about its own size (1 MiB here); given frames are decoded one at a time, so a request holds one
 # full-size frame (3 bytes a pixel: 12 MiB at 2048^2) and its patches; refused images cost nothing.
@@ -41,6 +43,7 @@ IMAGES_RSS_BUDGET = 16 * 2**20
 def server():
     proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", str(WORKERS),
                         "--max-images-per-request", str(MAX_IMAGES), "--max-pixels-per-request", str(PIXEL_BUDGET),
+                        "--max-image-pixels", str(IMAGE_PIXELS),
                         "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
         proc.wait_ready(300)
@@ -56,16 +59,18 @@ def encoded(img: Image.Image, fmt: str = "PNG") -> bytes:
 
 
 @functools.cache
-def blank_png(side: int, rows_kept: float = 1.0) -> bytes:
-    """A real side x side RGB PNG of zeros: tiny on the wire, side^2 pixels once decoded.
-    `rows_kept` < 1: its pixel data stops short (chunks intact), so it fails late in decoding."""
+def blank_png(side: int, rows_kept: float = 1.0, height: int | None = None) -> bytes:
+    """A real side x side (or side x `height`) RGB PNG of zeros: tiny on the wire, every pixel once
+    decoded. `rows_kept` < 1: its pixel data stops short (chunks intact), so it fails late in decoding."""
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
-    rows = (b"\0" + bytes(3 * side)) * side
-    rows = rows[: int(len(rows) * rows_kept)]
-    ihdr = struct.pack(">IIBBBBB", side, side, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(rows, 9)) + chunk(b"IEND", b"")
+    height = height or side
+    row, packer = b"\0" + bytes(3 * side), zlib.compressobj(9)
+    rows, part = divmod(int(len(row) * height * rows_kept), len(row))   # cut mid-row, as a truncated file is
+    pixels = b"".join(packer.compress(row) for _ in range(rows)) + packer.compress(row[:part]) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", side, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
 
 
 def small_image(seed: int) -> bytes:
@@ -81,19 +86,19 @@ def bystander() -> dict:
     """A normal request: an image and a few hundred tokens of text, both new to the server."""
     seed = next(FRESH)
     words = np.random.default_rng(seed).choice(WORDS, 300)
-    return dict(prompt=" ".join(words) + ". Describe the picture.", image=small_image(seed), max_tokens=4,
-                temperature=0)
+    return dict(prompt=" ".join(words) + ". Describe the picture.", image=small_image(seed),
+                max_tokens=BYSTANDER_TOKENS, ignore_eos=True, temperature=0)
 
 
 def test_an_oversize_word_is_refused_before_tokenizing(server):
     """Finding 3, scaled from 4 MB to 1 MB: one word far beyond the 1024-token context."""
     word = "triangle" * (2**20 // 8)
-    errors, growth, idle, beside = run_beside(server, bystander, [message("user", text_part(word))])
-    for e in errors:
+    beside = run_beside(server, bystander, [message("user", text_part(word))])
+    for e in beside.errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "at least" in e.message and "context length is 1024" in e.message, e.message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth <= TEXT_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
+    assert beside.ended_before_last_token == 1, "the refusal came after the bystander's last token"
+    assert beside.growth <= TEXT_RSS_BUDGET, f"{beside.growth / 2**20:.0f} MiB"
 
 
 def test_given_frames_are_decoded_one_at_a_time(server):
@@ -101,46 +106,48 @@ def test_given_frames_are_decoded_one_at_a_time(server):
     concurrent requests holds about one decoded frame, not all eight."""
     frame = blank_png(2048)
     frames = [message("user", frames_part([frame] * 8, fps=1.0), text_part("Describe the video."))]
-    errors, growth, _, _ = run_beside(server, bystander, frames, copies=3, attempts=1, rounds=1)
-    assert errors == [None, None, None]
-    assert growth / 3 <= FRAMES_RSS_BUDGET, f"{growth / 3 / 2**20:.0f} MiB per request"
+    beside = run_beside(server, bystander, frames, copies=3)
+    assert beside.errors == [None, None, None]
+    assert beside.growth / 3 <= FRAMES_RSS_BUDGET, f"{beside.growth / 3 / 2**20:.0f} MiB per request"
 
 
 def test_frames_over_the_pixel_budget_are_refused_from_their_headers(server):
     """Finding 4: 17 frames of 4096^2 = 272 Mi pixels, over the 256 Mi budget: refused before any decode."""
     frames = [message("user", frames_part([blank_png(4096)] * 17, fps=1.0), text_part("Describe the video."))]
-    errors, growth, idle, beside = run_beside(server, bystander, frames)
-    for e in errors:
+    beside = run_beside(server, bystander, frames)
+    for e in beside.errors:
         assert e is not None and e.code == grpc.StatusCode.INVALID_ARGUMENT, e
         assert "--max-pixels-per-request" in e.message, e.message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth <= IMAGES_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
+    assert beside.ended_before_last_token == 1, "the refusal came after the bystander's last token"
+    assert beside.growth <= IMAGES_RSS_BUDGET, f"{beside.growth / 2**20:.0f} MiB"
 
 
 def test_too_many_images_are_refused_before_decoding(server):
     """Finding 5, scaled from 300 images of 4096^2 pixels to 40 of 2048^2: refused by count, nothing decoded."""
     images = [message("user", *[image_part(blank_png(2048)) for _ in range(40)], text_part("Compare them."))]
-    errors, growth, idle, beside = run_beside(server, bystander, images)
-    assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
-    assert "--max-images-per-request" in errors[0].message
-    assert beside <= 2 * idle, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
-    assert growth <= IMAGES_RSS_BUDGET, f"{growth / 2**20:.0f} MiB"
+    beside = run_beside(server, bystander, images)
+    error = beside.errors[0]
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "--max-images-per-request" in error.message
+    assert beside.ended_before_last_token == 1, "the refusal came after the bystander's last token"
+    assert beside.growth <= IMAGES_RSS_BUDGET, f"{beside.growth / 2**20:.0f} MiB"
 
 
 def test_one_request_cannot_take_every_decode_worker(server):
-    """Finding 5, fairness: 16 large images (4096^2 each, within the pixel budget; the last one's
-    pixel data cut short, so the request fails only after all are decoded and never reaches the
-    engine) hold one worker; the bystander's image gets the other at once. Its TTFT may be 2x idle plus
-    100 ms: idle is ~25 ms, so on 2 shared cores a busy neighbour alone can double it (63 vs 24 ms seen),
-    while waiting for the hostile request's worker costs the decode of 16 such images."""
-    slow = [blank_png(4096)] * (MAX_IMAGES - 1) + [blank_png(4096, rows_kept=0.97)]
-    images = [message("user", *[image_part(data) for data in slow], text_part("Compare them."))]
-    # One round: a later round's decode reuses the memory the first one's left, and its RSS need not grow.
-    errors, _, idle, beside = run_beside(server, bystander, images, decoding_from_rss=32 * 2**20,  # one image: 48 MiB
-                                         slack_s=0.1, rounds=1)
-    assert errors[0] is not None and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT, errors[0]
-    assert f"parts[{MAX_IMAGES - 1}].image" in errors[0].message, errors[0].message
-    assert beside <= 2 * idle + 0.1, f"bystander TTFT {beside:.3f}s beside, {idle:.3f}s idle"
+    """Finding 5, fairness: a request of two large images (8192 x 4096 each, within the pixel budget), both
+    cut short so that the first to fail refuses the request before it reaches the engine, holds one
+    of the two workers; the bystander's image gets the other at once, so its first token comes while
+    the hostile image is still decoding. Where one request may hold every worker (or the pool is
+    first come, first served, or has one worker), the bystander's image waits for a hostile decode
+    to end, and the first hostile decode to end fails and refuses the request: the refusal comes
+    first. The bystander is sent once the server's RSS shows the decode running (8 MiB of 96)."""
+    cut = blank_png(8192, rows_kept=0.97, height=4096)
+    images = [message("user", image_part(cut), image_part(cut), text_part("Compare them."))]
+    beside = run_beside(server, bystander, images, decoding_from_rss=8 * 2**20)
+    assert beside.ended_before_first_token == 0, "the bystander's first token waited for the hostile decode"
+    error = beside.errors[0]
+    assert error is not None and error.code == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "image: cannot decode the PNG image: it is truncated" in error.message, error.message
 
 
 @pytest.mark.parametrize("name,data", [
