@@ -6,18 +6,19 @@ cost anything, each refusal naming its flag (the compile time limit is tested on
 tests/engine/test_engine_structured_output.py, where a tight limit costs no server).
 
 Bystanders are greedy, so "their usual output" is exact: the tokens of the same request on an idle
-server, measured in the same test, as is the idle TTFT they are held to."""
+server, measured in the same test. That they were not held up is read from the engine's steps, not
+from a TTFT against idle (which on 2 shared cores measures the machine as much as the server)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from loopback_server import RecordingObserver
 from rel_engine import ServerThread, StreamResult, engine_config, read_stream
 
 from mmserve.api.mmserve.v1 import generation_pb2 as pb
@@ -27,10 +28,23 @@ from mmserve.config import ServerConfig
 COMPILE_TIMEOUT_S = 10.0   # generous: the slow-but-legal schema below must pass on a loaded machine
 
 
+class QueueClock(RecordingObserver):
+    """Also remembers when each request was queued in the engine, i.e. when the front end's checks
+    (its compile of the request's format) were done and the engine's own compile began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queued_at: dict[str, float] = {}
+
+    def on_request_queued(self, request) -> None:
+        super().on_request_queued(request)
+        self.queued_at[request.request_id] = time.perf_counter()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint) -> ServerThread:
     engine = engine_config(tiny_checkpoint, grammar_compile_timeout_s=COMPILE_TIMEOUT_S)
-    server = ServerThread(engine, ServerConfig(port=0, worker_threads=2)).start()
+    server = ServerThread(engine, ServerConfig(port=0, worker_threads=2), observer=QueueClock()).start()
     yield server
     server.stop()
 
@@ -84,10 +98,9 @@ async def bystanders(stub, tag: str, n: int = 3):
 def test_grammars_that_match_nothing_are_refused_beside_running_bystanders(server):
     """The probe: `root ::= root` while 4 bystanders stream (it used to fail their step with INTERNAL
     and its id), and a grammar with a branch that can never finish: both INVALID_ARGUMENT up front;
-    the running bystanders end with their idle output, and ones sent with the hostile requests start
-    within 2x their idle TTFT plus 250 ms: on 2 loaded cores the beside run saw 290 ms against 60 ms
-    idle (load average 6), while what this bounds, a step loop stalled by the hostile requests, would
-    hold them until those requests fail (or forever, as a failed step did)."""
+    the running bystanders and ones sent with the hostile requests end with their idle output, and
+    the engine never saw the hostile requests: refused in the front end, they cannot stall its step
+    loop or fail a step (a fact, where a TTFT against idle measured the shared machine as well)."""
     specs = ("root ::= root", 'root ::= "b" | "a" rest\nrest ::= rest')
 
     async def scenario():
@@ -110,8 +123,7 @@ def test_grammars_that_match_nothing_are_refused_beside_running_bystanders(serve
     idle_tokens = [r.token_ids for r, _ in idle]
     assert [m.code for m in mates] == [None] * 4 and [m.token_ids for m in mates] == idle_tokens
     assert [r.token_ids for r, _ in beside] == idle_tokens
-    idle_ttft, beside_ttft = statistics.median(t for _, t in idle), statistics.median(t for _, t in beside)
-    assert beside_ttft <= 2 * idle_ttft + 0.25, (beside_ttft, idle_ttft)
+    assert not {"hostile-0", "hostile-1"} & set(server.observer.queued), server.observer.queued
     server.assert_nothing_leaked()
 
 
@@ -177,14 +189,17 @@ async def _health_latencies(ch, until: asyncio.Future) -> list[float]:
 
 def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
     """The probe: a many-property schema that takes about a second to compile (on each side of the
-    engine process). While it compiles, health answers and bystanders stream their idle output with
-    their idle TTFT: 2x, plus 250 ms because on 2 cores the compile itself takes one of them (a full
-    suite run saw 150 ms against 17 ms idle). A stall, the old behaviour, costs the compile's whole
-    duration (0.75 s on main), which the bound stays below.
+    engine process). While it compiles, health answers and bystanders stream their idle output: the
+    engine runs steps of bystanders sent after the slow request both while the front end compiles
+    its format (before the engine has it) and while the engine compiles it again (before its first
+    step). A stall, the old behaviour, runs no step in the phase it stalls: the bystanders sent
+    during it wait, and then share the slow request's steps. Steps, not TTFTs against idle: a count
+    of steps in a phase is what the stall changes, and load does not (it slows a step and the
+    compile alike; the counts printed are the margin, in steps).
 
     xgrammar's compile time of this shape is not smooth in its size and varies with the machine (800
     properties took 0.47 s in all on a fresh CI-like machine, 1000 took 4-10 s at load 10): the schema
-    grows until its compile outlasts the bound, and the checks run on that one; none long enough fails."""
+    grows until both phases show a bystander's step; none that does fails."""
     async def scenario(spec: str, tag: str):   # tag: each try's request ids its own (an id ends once)
         async with grpc.aio.insecure_channel(server.address) as ch:
             stub = pb_grpc.GenerationStub(ch)
@@ -196,24 +211,34 @@ def test_a_slow_compile_leaves_health_and_other_streams_alone(server):
             during = []
             while not slow.done():
                 during += await bystanders(stub, f"{tag}during{len(during)}")
-            return idle, during, await slow, await health, time.perf_counter() - start
+            return idle, during, await slow, await health, start, time.perf_counter() - start
+
+    def bystander_steps(tag: str, start: float) -> tuple[int, int]:
+        """Steps that ran a bystander sent during the slow request's compiles: (while the front end
+        compiled, after the slow request was sent and before it was queued in the engine; while the
+        engine compiled, after it was queued and before its first step)."""
+        queued, steps = server.observer.queued_at[f"{tag}slow"], list(server.observer.steps)
+        first = min(s.start_perf for s in steps if any(i.request_id == f"{tag}slow" for i in s.items))
+        ran = [s.start_perf for s in steps if any(i.request_id.startswith(f"{tag}during") for i in s.items)]
+        return sum(start < t < queued for t in ran), sum(queued < t < first for t in ran)
 
     compiles = []
     for properties in (800, 900, 1000):   # each a new schema: the compilers' caches cannot answer it
-        idle, during, (slow, _), health, slow_s = asyncio.run(scenario(flat_schema(properties), f"p{properties}-"))
+        tag = f"p{properties}-"
+        idle, during, (slow, _), health, start, slow_s = asyncio.run(scenario(flat_schema(properties), tag))
         assert slow.code is None, slow   # accepted and served, within the compile time limit
-        idle_ttft = statistics.median(t for _, t in idle)
-        bound = 2 * idle_ttft + 0.25
-        compiles.append((properties, round(slow_s, 2), round(bound, 2)))
-        if slow_s > max(0.5, bound):
+        front, engine = bystander_steps(tag, start)
+        compiles.append((properties, round(slow_s, 2), front, engine))
+        print(f"{properties} properties: {slow_s:.2f} s; bystander steps while the front end compiled: {front}, "
+              f"while the engine did: {engine}")
+        if front and engine:
             break
     else:
-        pytest.fail(f"no schema compiled long enough to show a stall (properties, seconds, bound): {compiles}")
+        pytest.fail(f"no bystander step ran during both compiles (properties, seconds, front-end steps, "
+                    f"engine steps): {compiles}")
     idle_tokens = [r.token_ids for r, _ in idle]
     for k, (result, _) in enumerate(during):
         assert result.code is None and result.token_ids == idle_tokens[k % 3], result
-    during_ttft = statistics.median(t for _, t in during)
-    assert during_ttft <= bound, (during_ttft, idle_ttft, slow_s)
     assert len(health) >= 3 and max(health) < slow_s / 4, (health, slow_s)
     server.assert_nothing_leaked()
 
