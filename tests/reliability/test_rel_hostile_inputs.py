@@ -31,6 +31,9 @@ WORKERS = 2
 MAX_IMAGES = 16
 PIXEL_BUDGET = 256 * 2**20  # room for MAX_IMAGES images of 4096^2
 IMAGE_PIXELS = 32 * 2**20   # one image of 8192 x 4096: the fairness test's decode outlasts a bystander's prefill
+# A part's wait for a worker counts against this limit: at load 22 (busy loops beside other suites)
+# one of the three frames requests waited 24.5 s of the default 30 s and was refused, retryably.
+DECODE_TIMEOUT_S = 120
 # Per-request RSS budgets (docs/security.md): text is refused before it is tokenized, so it costs
 # about its own size (1 MiB here); given frames are decoded one at a time, so a request holds one
 # full-size frame (3 bytes a pixel: 12 MiB at 2048^2) and its patches; refused images cost nothing.
@@ -43,7 +46,7 @@ IMAGES_RSS_BUDGET = 16 * 2**20
 def server():
     proc = ServeProcess("--port", "0", "--device", "cpu", "--worker-threads", str(WORKERS),
                         "--max-images-per-request", str(MAX_IMAGES), "--max-pixels-per-request", str(PIXEL_BUDGET),
-                        "--max-image-pixels", str(IMAGE_PIXELS),
+                        "--max-image-pixels", str(IMAGE_PIXELS), "--video-decode-timeout-s", str(DECODE_TIMEOUT_S),
                         "--kv-cache-bytes", str(16 * 2**20), "--max-num-seqs", "8")
     try:
         proc.wait_ready(300)
