@@ -21,8 +21,10 @@ from mmserve.clients import AsyncClient, ClientError
 
 # A bystander streams this many tokens (EOS ignored): a refusal from headers must come before its last.
 # Beside two busy loops at load 7-23 (6 salts) the audio floods' refusals came 2.7-13x sooner than the
-# last of 32 tokens (the closest: 302 ms against 826), the other refusals 8-105x sooner; 64 doubles that.
-BYSTANDER_TOKENS = 64
+# last of 32 tokens (the closest: 302 ms against 826), the other refusals 8-105x sooner; at 64 tokens one
+# pixel-budget refusal came at 249 ms against the last token's 345 ms (1.4x), so 128. The bugs these tests
+# guard refused at 4.3-9.3 s, far past 128 tokens (~0.2-1.4 s).
+BYSTANDER_TOKENS = 128
 
 
 def rss(pid: int, field: str) -> int:
