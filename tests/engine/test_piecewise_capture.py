@@ -143,3 +143,31 @@ def test_an_exception_mid_capture_ends_the_capture(load_backend, fake_cuda_graph
     check = {c.component: c for c in runner.backend_checks}["piecewise_graphs"]
     assert check.running == "eager" and "operation not permitted" in check.reason, check
     assert [c.request_id for c in llm.generate([build_request("r", PROMPTS["text"], seed=1, max_tokens=2)])] == ["r"]
+
+
+@pytest.mark.parametrize("member", ["e2b", "e4b", "12b_unified", "26b_a4b", "31b"])
+def test_every_family_members_persistent_buffers_leave_the_graph_room_for_a_bucket(member):
+    """The pool keeps nothing per bucket (the test above), so what the piecewise graphs hold between
+    steps is their persistent buffers, built here on the meta device at the member's dimensions with
+    CUDA's default buckets (to 8192 tokens): a small part of the room the KV sizing leaves graphs on
+    an H100, 1 - utilization of ~78 GiB, the rest free for one bucket's working set. What each
+    layer's q held per bucket before did not fit: at 12B, 448 KiB per token over 53,211 bucket rows."""
+    import json
+    from pathlib import Path
+
+    from mmserve.config import EngineConfig
+    from mmserve.model.spec import load_spec
+
+    config = json.loads((Path(__file__).parents[1] / "fixtures" / "gemma4_family" / f"{member}.json").read_text())
+    spec = load_spec(config)
+    attn = [spec.attention_specs[layer.layer_type] for layer in spec.layers]
+    cuda = EngineConfig(device="cuda")
+    sizes = piecewise_sizes(cuda.max_step_tokens)
+    assert len(sizes) == 44 and sum(sizes) == 53211
+    pieces = PiecewiseGraphs(sizes, mode=CUDA, attn_width=max(a.num_heads * a.head_dim for a in attn),
+                             dtype=torch.bfloat16, device=torch.device("meta"), hidden_size=spec.hidden_size)
+    persistent = sum(t.nbytes for t in vars(pieces).values() if isinstance(t, torch.Tensor))
+    room = (1 - cuda.gpu_memory_utilization) * 78 * 2**30
+    assert persistent < room / 10, f"{member}: {persistent / 2**30:.2f} GiB of {room / 2**30:.1f}"
+    q_per_token = sum(a.num_heads * a.head_dim * 2 for a in attn)   # what capture kept before, per bucket row
+    assert q_per_token * sum(sizes) > room, f"{member}: {q_per_token * sum(sizes) / 2**30:.1f} GiB"

@@ -44,6 +44,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -140,6 +141,7 @@ class PiecewiseGraphs:
         self._capture: list | None = None  # while capturing: [pieces, calls, the open graph]
         self._pool = None
         self.replays = 0
+        self.capture_s = 0.0   # what capture_all took: warm-ups (and their compiles) and captures
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +165,7 @@ class PiecewiseGraphs:
         forward over the persistent inputs' first `size` rows (`embeds` among them). An exception
         mid-capture ends the open capture before it propagates (as `torch.cuda.graph` does), so the
         eager fallback can run on the stream."""
+        start = time.perf_counter()
         for size in reversed(self.sizes):
             forward = forward_for(size)
             if self.mode == EMULATED:
@@ -196,8 +199,10 @@ class PiecewiseGraphs:
             finally:
                 _RUNNING.reset(token)
                 self._running, self._capture = None, None
-        log.info("%s piecewise CUDA graphs for %d token buckets up to %d",
-                 "emulated" if self.mode == EMULATED else "captured", len(self.sizes), self.sizes[-1] if self.sizes else 0)
+        self.capture_s = time.perf_counter() - start
+        log.info("%s piecewise CUDA graphs for %d token buckets up to %d in %.1f s",
+                 "emulated" if self.mode == EMULATED else "captured", len(self.sizes), self.sizes[-1] if self.sizes else 0,
+                 self.capture_s)
 
     def run(self, size: int, num_tokens: int, metadata: dict) -> torch.Tensor:
         """The forward of a step of `num_tokens` real rows in bucket `size`, its inputs (ids,
