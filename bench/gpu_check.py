@@ -773,6 +773,56 @@ def kv_record(llm) -> dict:
     return {"gib": kv.num_bytes / 2**30, "max_num_seqs": kv.max_num_seqs, "sized_by": kv.sized_by}
 
 
+def engine_budgets(sizes: Sizes, device: str) -> dict[str, list[dict]]:
+    """The step budgets (EngineConfig options; those left out take the device's default) of the
+    engines each section starts with graphs, in order. Every such engine captures a piecewise graph
+    per token bucket up to its largest step (`piecewise_sizes`: 44 buckets to CUDA's default 8192,
+    each layers + 1 graphs after two warm-up forwards), so each gets the budget its steps need and no
+    more: the decode steps' sections (decode, profile) and serving chunk their prefills at the CUDA
+    default 2048 rather than 8192 (36 buckets, a quarter of the rows forwarded in capture); mixed's
+    one step is its chunk beside its decodes; capacity starts as a user would (the defaults: what it
+    checks). Sections without graphs (decode's eager engine) are not listed."""
+    chunk = 2048 if device == "cuda" else 32   # decode_beside_video: the server's CUDA budget
+    return {
+        "decode": [dict(prefill_batched_tokens=0)],
+        "profile": [dict(prefill_batched_tokens=0)],
+        "serving": [dict(max_num_batched_tokens=min(2048, sizes.serving_batch * sizes.serving_prompt),
+                         prefill_batched_tokens=0)],
+        "mixed": [dict(max_num_batched_tokens=sizes.mixed_chunk + sizes.mixed_decodes, prefill_batched_tokens=0,
+                       max_step_slowdown=0)],   # (the step the issue names: the whole chunk beside the decodes)
+        "video_prefill": [dict(max_num_batched_tokens=sizes.chunk, prefill_batched_tokens=sizes.chunk),
+                          dict(max_num_batched_tokens=chunk, prefill_batched_tokens=0, max_step_slowdown=ITL_SLOWDOWN)],
+        "capacity": [{}],
+    }
+
+
+def capture_record(llm) -> dict:
+    """What an engine of a section captured at start-up, and how long it took."""
+    runner = llm.core.runner
+    return {"max_step_tokens": llm.config.max_step_tokens, "piecewise_buckets": len(runner.piecewise.sizes),
+            "piecewise_capture_s": runner.piecewise.capture_s, "uniform_graphs": len(runner.graphs.keys),
+            "uniform_capture_s": runner.graphs.capture_s}
+
+
+def capture_plan(sections: list[str], sizes: Sizes) -> list[str]:
+    """One line per graph engine of `sections` as a CUDA run starts it (`engine_budgets`): its
+    largest step, token buckets, piecewise graphs and the rows its capture forwards (two warm-ups
+    and the capture per bucket), at the serving model's layers."""
+    from mmserve.config import EngineConfig
+    from mmserve.worker.cuda_graphs import WARMUP_RUNS
+    from mmserve.worker.piecewise_graphs import piecewise_sizes
+
+    layers = json.loads((FAMILY / f"{sizes.serving_model}.json").read_text())["text_config"]["num_hidden_layers"]
+    lines = []
+    for section in sections:
+        for i, budget in enumerate(engine_budgets(sizes, "cuda").get(section, [])):
+            buckets = piecewise_sizes(EngineConfig(device="cuda", **budget).max_step_tokens)
+            lines.append(f"{section}[{i}]: steps to {buckets[-1]} tokens, {len(buckets)} buckets, "
+                         f"{len(buckets) * (layers + 1)} piecewise graphs ({layers} layers), "
+                         f"{(WARMUP_RUNS + 1) * sum(buckets)} rows forwarded to capture them")
+    return lines
+
+
 def random_checkpoint(name: str, out_dir: Path, device: str) -> Path:
     """Random bf16 weights at a family member's published dimensions (tests/fixtures/gemma4_family)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -825,19 +875,19 @@ def hf_batch_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, d
     return seconds, tokens
 
 
-def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str
+def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, device: str, budget: dict
                      ) -> tuple[float, list, dict]:
-    """(seconds, tokens, graph use and the KV cache it ran with) of mmserve.LLM on the batch."""
+    """(seconds, tokens, graph use, the KV cache and the captures it ran with) of mmserve.LLM on the batch."""
     from mmserve.engine.llm import LLM
     from mmserve.sampling_params import SamplingParams
 
     batch, prompt = prompts.shape
-    options = dict(device=device, max_num_seqs=batch, max_num_batched_tokens=max(512, batch * prompt // 2),
-                   max_model_len=prompt + max_tokens + 16, strict_backends=True)
+    options = dict(device=device, max_num_seqs=batch, max_model_len=prompt + max_tokens + 16, strict_backends=True,
+                   **budget)
     if device == "cuda":
         options["kv_cache_bytes"] = engine_kv_cache(model_dir, 16)
     llm = LLM(model=str(model_dir), **options)
-    kv = kv_record(llm)
+    kv, captures = kv_record(llm), capture_record(llm)
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([prompts[0].tolist()], SamplingParams(max_tokens=2, ignore_eos=True))   # warm-up
     synchronize(device)
@@ -848,7 +898,7 @@ def mmserve_generate(model_dir: Path, prompts: torch.Tensor, max_tokens: int, de
     graphs = graph_use(llm)
     del llm
     release_device_memory()
-    return seconds, [c.token_ids for c in done], {**graphs, "kv_cache": kv}
+    return seconds, [c.token_ids for c in done], {**graphs, "kv_cache": kv, "captures": captures}
 
 
 def serving(sizes: Sizes, device: str) -> dict:
@@ -861,7 +911,8 @@ def serving(sizes: Sizes, device: str) -> dict:
     prompt[0] = spec.bos_token_id
     prompts = prompt.expand(sizes.serving_batch, -1).contiguous()
     hf_s, hf_tokens = hf_batch_generate(model_dir, prompts, sizes.serving_tokens, device)
-    ours_s, our_tokens, graphs = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device)
+    ours_s, our_tokens, graphs = mmserve_generate(model_dir, prompts, sizes.serving_tokens, device,
+                                                  engine_budgets(sizes, device)["serving"][0])
     total = sizes.serving_batch * sizes.serving_tokens
     agree = sum(a == b for x, y in zip(hf_tokens, our_tokens, strict=True) for a, b in zip(x, y, strict=False))
     return {"model": sizes.serving_model or "demo-sized", "batch": sizes.serving_batch,
@@ -898,8 +949,9 @@ def capacity(sizes: Sizes, device: str) -> dict:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    llm = LLM(model=str(model_dir), device=device, strict_backends=True)
+    llm = LLM(model=str(model_dir), device=device, strict_backends=True, **engine_budgets(sizes, device)["capacity"][0])
     start_s = time.perf_counter() - started
+    captures = capture_record(llm)
     kv = llm.core.kv_capacity
     preempted = []
     schedule = llm.core.scheduler.schedule
@@ -928,7 +980,8 @@ def capacity(sizes: Sizes, device: str) -> dict:
               "max_num_batched_tokens": config.max_num_batched_tokens,
               "prefill_batched_tokens": config.prefill_batched_tokens, "requests": len(done),
               "target_requests": sizes.capacity_batch, "meets_target": batch >= sizes.capacity_batch,
-              "prompt_tokens": sizes.capacity_prompt, "generate_s": seconds, "preempted": len(preempted)}
+              "prompt_tokens": sizes.capacity_prompt, "generate_s": seconds, "preempted": len(preempted),
+              "captures": captures}
     if device == "cuda":
         total = torch.cuda.get_device_properties(0).total_memory
         result.update(peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30, device_gib=total / 2**30,
@@ -955,14 +1008,16 @@ def decode(sizes: Sizes, device: str) -> dict:
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     prompt_len = 128 if device == "cuda" else 16
-    rows, weight_bytes, use, kv = [], 0, {}, {}
+    rows, weight_bytes, use, kv, captures = [], 0, {}, {}, {}
     for eager in (False, True) if device == "cuda" else (False,):   # CPU steps are eager either way
         options = dict(device=device, max_num_seqs=max(sizes.decode_batches), enforce_eager=eager,
-                       max_model_len=prompt_len + sizes.decode_steps + 16, strict_backends=True)
+                       max_model_len=prompt_len + sizes.decode_steps + 16, strict_backends=True,
+                       **engine_budgets(sizes, device)["decode"][0])
         if device == "cuda":
             options["kv_cache_bytes"] = engine_kv_cache(model_dir, 8)
         llm = LLM(model=str(model_dir), **options)
         kv["eager" if eager else "graphs"] = kv_record(llm)
+        captures["eager" if eager else "graphs"] = capture_record(llm)
         weight_bytes = sum(p.numel() * p.element_size() for p in llm.core.model.parameters())
         perf = PerfModel(llm.core.model.spec, dtype=llm.config.dtype)
         for batch in sizes.decode_batches:
@@ -980,7 +1035,7 @@ def decode(sizes: Sizes, device: str) -> dict:
     # every timed step of a graph row must have replayed one (a batch past the captured sizes runs eagerly)
     replayed = device != "cuda" or all(r["graph_replays"] >= sizes.decode_steps for r in rows if r["graphs"])
     return {"model": sizes.serving_model or "demo-sized", "weight_bytes": weight_bytes, "checkpoint_build_s": build_s,
-            "kv_cache": kv, "graph_use": use, "rows": rows, "every_batch_replayed": replayed,
+            "kv_cache": kv, "captures": captures, "graph_use": use, "rows": rows, "every_batch_replayed": replayed,
             "ok": graphs_ran(use["graphs"], device) and replayed}
 
 
@@ -1072,11 +1127,11 @@ def profile(sizes: Sizes, device: str) -> dict:
     prompt_len = 128 if device == "cuda" else 16
     batches = sorted({sizes.decode_batches[0], sizes.decode_batches[-1]})
     options = dict(device=device, max_num_seqs=batches[-1], strict_backends=True,
-                   max_model_len=prompt_len + 3 + PROFILE_STEPS + 16)
+                   max_model_len=prompt_len + 3 + PROFILE_STEPS + 16, **engine_budgets(sizes, device)["profile"][0])
     if device == "cuda":
         options["kv_cache_bytes"] = engine_kv_cache(model_dir, 8)
     llm = LLM(model=str(model_dir), **options)
-    kv = kv_record(llm)
+    kv, captures = kv_record(llm), capture_record(llm)
     layers = llm.core.model.spec.num_layers
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     rows = []
@@ -1098,7 +1153,8 @@ def profile(sizes: Sizes, device: str) -> dict:
     per_layer = max(r["kernels_per_layer"] for r in rows)
     replayed = device != "cuda" or all(r["graph_replays"] >= PROFILE_STEPS for r in rows)
     return {"model": sizes.serving_model or "demo-sized", "layers": layers, "steps": PROFILE_STEPS,
-            "checkpoint_build_s": build_s, "kv_cache": kv, "rows": rows, "max_kernels_per_layer": per_layer,
+            "checkpoint_build_s": build_s, "kv_cache": kv, "captures": captures, "rows": rows,
+            "max_kernels_per_layer": per_layer,
             "target_kernels_per_layer": MAX_KERNELS_PER_DENSE_LAYER,
             "target_met": per_layer <= MAX_KERNELS_PER_DENSE_LAYER, "graph_use": use,
             "ok": graphs_ran(use, device) and replayed}
@@ -1269,8 +1325,8 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     llm = graph_engine(model_dir, device, max_num_seqs=max(sizes.video_requests, sizes.itl_decodes + 1),
-                       max_num_batched_tokens=sizes.chunk, prefill_batched_tokens=sizes.chunk)
-    spec, kv = llm.core.model.spec, kv_record(llm)
+                       **engine_budgets(sizes, device)["video_prefill"][0])
+    spec, kv, captures = llm.core.model.spec, kv_record(llm), capture_record(llm)
     perf = PerfModel(spec, dtype=llm.config.dtype if llm.config.dtype != "auto" else
                      ("bfloat16" if device == "cuda" else "float32"))
     llm.generate([video_request(spec, "warm", 2, 1, seed=99)])   # encoder, pieces and sampler warm
@@ -1291,7 +1347,7 @@ def video_prefill(sizes: Sizes, device: str) -> dict:
                "tokens_each": len(videos[0].prompt_token_ids), "seconds": seconds, "frames_per_s": frames / seconds,
                "flops": flops, "flop_floor_s": floor_s, "of_floor": floor_s / seconds,
                "datasheet_of_floor": None if sheet_s is None else sheet_s / seconds, "kv_cache": kv,
-               "steps": ran, "graph_steps": replayed}
+               "captures": captures, "steps": ran, "graph_steps": replayed}
     del llm
     release_device_memory()
     itl = decode_beside_video(model_dir, device, sizes)
@@ -1314,10 +1370,9 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
     from mmserve.engine.types import EngineRequest
     from mmserve.sampling_params import SamplingParams
 
-    budget = 2048 if device == "cuda" else 32
-    llm = graph_engine(model_dir, device, max_num_seqs=sizes.itl_decodes + 1, max_num_batched_tokens=budget,
-                       prefill_batched_tokens=0, max_step_slowdown=ITL_SLOWDOWN)
-    spec = llm.core.model.spec
+    options = engine_budgets(sizes, device)["video_prefill"][1]
+    llm = graph_engine(model_dir, device, max_num_seqs=sizes.itl_decodes + 1, **options)
+    spec, captures = llm.core.model.spec, capture_record(llm)
     vocab = spec.vocab_size
     sampling = SamplingParams(max_tokens=100_000 if device == "cuda" else 400, ignore_eos=True)
     gen = torch.Generator().manual_seed(7)
@@ -1353,7 +1408,8 @@ def decode_beside_video(model_dir: Path, device: str, sizes: Sizes) -> dict:
                 "ratio": median / _median(alone) if beside else float("inf")}
 
     peaks = llm.core.peaks
-    result = {"decodes": sizes.itl_decodes, "budget": budget, "max_step_slowdown": ITL_SLOWDOWN,
+    result = {"decodes": sizes.itl_decodes, "budget": options["max_num_batched_tokens"], "captures": captures,
+              "max_step_slowdown": ITL_SLOWDOWN,
               "cap_peaks": {"flops": peaks.flops, "bandwidth": peaks.bandwidth, "source": peaks.source},
               "alone_ms": _median(alone), **beside_a_video("video", seed=5)}
     llm.core.scheduler.step_time = None   # the cap off, in the same engine: what it bought (another video)
@@ -1374,10 +1430,8 @@ def mixed(sizes: Sizes, device: str) -> dict:
 
     model_dir, build_s = serving_checkpoint(sizes, device)
     decode_prompt = 128 if device == "cuda" else 8
-    llm = graph_engine(model_dir, device, max_num_seqs=sizes.mixed_decodes + 1,   # (the step the issue names:
-                       max_num_batched_tokens=sizes.mixed_chunk + sizes.mixed_decodes, prefill_batched_tokens=0,
-                       max_step_slowdown=0)   # the whole chunk beside the decodes, no prefill cap)
-    spec, kv = llm.core.model.spec, kv_record(llm)
+    llm = graph_engine(model_dir, device, max_num_seqs=sizes.mixed_decodes + 1, **engine_budgets(sizes, device)["mixed"][0])
+    spec, kv, captures = llm.core.model.spec, kv_record(llm), capture_record(llm)
     perf = PerfModel(spec, dtype="bfloat16" if device == "cuda" else "float32")
     vocab = spec.vocab_size
     gen = torch.Generator().manual_seed(3)
@@ -1413,7 +1467,8 @@ def mixed(sizes: Sizes, device: str) -> dict:
     best = min(r["over_floor"] for r in rows)
     ok = device != "cuda" or (all(r["piecewise_replayed"] for r in rows) and best <= 1.4)
     return {"model": sizes.serving_model or "demo-sized", "chunk": sizes.mixed_chunk, "decodes": sizes.mixed_decodes,
-            "checkpoint_build_s": build_s, "kv_cache": kv, "best_over_floor": best, "rows": rows, "ok": ok}
+            "checkpoint_build_s": build_s, "kv_cache": kv, "captures": captures, "best_over_floor": best, "rows": rows,
+            "ok": ok}
 
 
 # --- driver ------------------------------------------------------------------------------------
@@ -1501,6 +1556,8 @@ def main(argv: list[str] | None = None) -> int:
               "so nothing was run or written. Use --smoke for the CPU plumbing check.")
         return 0
     device = "cpu" if args.smoke else "cuda"
+    for line in capture_plan(args.only or list(SECTIONS), replace(GPU, serving_model=args.serving_model)):
+        print(f"CUDA captures: {line}")   # what each graph engine captures on the device (the dry run: will)
     start = time.perf_counter()
     ceilings = measure(device)
     log.info("ceilings: %s", ceilings.record())

@@ -22,7 +22,9 @@ to CUDA as stated:
 Where the C++ and Triton backends fuse differently (C++ runs independent reductions of different
 shapes in one loop nest, Triton as separate kernels: q and k norm + RoPE; Triton may split a long
 reduction at one row), the CUDA count can be a kernel or two higher per piece; `profile` in
-bench/gpu_check.py counts the real launches on a GPU.
+bench/gpu_check.py counts the real launches on a GPU. These are decode steps (uniform graphs); a
+piecewise step (prefill chunks, mixed steps) launches one more kernel per layer, inside the piece
+before attention: q copied into the persistent buffer attention reads (worker/piecewise_graphs.py).
 
 Prints one line per layer kind per model, ending in `N kernels per layer`, then a markdown table.
 """

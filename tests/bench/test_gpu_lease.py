@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import re
 import subprocess
@@ -281,3 +282,34 @@ def test_call_2s_torch_probes_catch_an_old_torch_and_a_broken_grouped_gemm(monke
     monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: real(a, b, offs=offs.roll(1)))
     old, broken = probes("cpu")
     assert "torch 2.10.0+cu128 is outside pyproject's" in old and "MoE grouped GEMM on cpu" in broken
+
+
+# What call 3's sections schedule in one step on CUDA: its engines need no bucket past it. decode and profile
+# time decode steps (64 rows at most) and serving's throughput does not need 8192-token prefill chunks: the
+# CUDA default step, 2048; mixed's one step is its 2048-token chunk beside 63 decodes; video_prefill's chunk
+# is 2048; capacity starts as a user would, so it takes the defaults (prefill steps to 8192).
+CALL_3_STEP_TOKENS = {"decode": (64, 2048), "profile": (64, 2048), "serving": (16, 2048), "mixed": (2111, 2111),
+                      "video_prefill": (2048, 2048), "capacity": (8192, 8192)}
+
+
+def test_call_3s_engines_capture_buckets_only_up_to_their_sections_steps(kit, capsys):
+    """Every engine with graphs captures a piecewise graph per token bucket to its largest step (44
+    buckets to the CUDA default 8192, 36 to 2048): an engine's budget on CUDA must hold its section's
+    steps and stop there. The dry run prints each engine's captures."""
+    from mmserve.config import EngineConfig
+    from mmserve.worker.piecewise_graphs import piecewise_sizes
+
+    _, check = kit
+    sections = re.search(r"run_check call3 \d+ (.+)", (KIT / "3_serving.sh").read_text()).group(1).split()
+    sections = [s for s in sections if not s.startswith(("-", '"'))]
+    assert sorted(sections) == sorted(CALL_3_STEP_TOKENS)
+    budgets = check.engine_budgets(check.GPU, "cuda")
+    steps = {s: [EngineConfig(device="cuda", **b).max_step_tokens for b in budgets[s]] for s in sections}
+    for section, tokens in steps.items():
+        low, high = CALL_3_STEP_TOKENS[section]
+        assert tokens and all(low <= t <= high for t in tokens), (section, tokens)
+    buckets = sum(len(piecewise_sizes(t)) for t in itertools.chain(*steps.values()))
+    assert buckets == 5 * 36 + len(piecewise_sizes(2111)) + 44   # the 7 graph engines (decode's eager one captures none)
+    plan = check.capture_plan(sections, check.GPU)
+    assert len(plan) == 7 and "mixed[0]: steps to 2111 tokens" in "\n".join(plan)
+    assert "capacity[0]: steps to 8192 tokens, 44 buckets, 2156 piecewise graphs (48 layers)" in plan[-1]

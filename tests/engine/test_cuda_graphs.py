@@ -308,7 +308,7 @@ def test_padding_never_reaches_a_real_row_whatever_the_buffers_held(paged_target
         for t in buffers:
             t.copy_(torch.randint(-2**20, 2**20, t.shape, generator=gen))
         pieces = runner.piecewise
-        for t in (runner.graphs._static, pieces._static, pieces._attn_out, pieces.embeds):
+        for t in (runner.graphs._static, pieces._static, pieces._attn_in, pieces._attn_out, pieces.embeds):
             if t is not None:
                 t.fill_(float("nan"))
         for cache in runner.kv_caches:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -103,6 +104,7 @@ class UniformStepGraphs:
         self._pool = None
         self.replays = 0   # graph steps run so far: a check that graphs ran counts these, not tokens
         self.replays_by_query_len: dict[int, int] = {}
+        self.capture_s = 0.0   # what capture_all took: warm-ups (and their compiles) and captures
 
     @property
     def enabled(self) -> bool:
@@ -124,6 +126,7 @@ class UniformStepGraphs:
         """Capture every graph, most token rows first; `forward_for(size, query_len)` prepares the
         persistent inputs of a dummy step of that shape and returns the forward to record (it returns
         the hidden states)."""
+        start = time.perf_counter()
         for key in self.keys:
             forward = forward_for(*key)
             if self.mode == EMULATED:
@@ -137,8 +140,10 @@ class UniformStepGraphs:
                 self._outputs[key] = forward()
             self._pool = graph.pool()
             self._graphs[key] = graph
-        log.info("%s CUDA graphs for batch sizes %s", "emulated" if self.mode == EMULATED else "captured", "; ".join(
-            f"{', '.join(map(str, sizes))} at {q} row(s) per request" for q, sizes in self.by_query_len.items()))
+        self.capture_s = time.perf_counter() - start
+        log.info("%s CUDA graphs for batch sizes %s in %.1f s", "emulated" if self.mode == EMULATED else "captured", "; ".join(
+            f"{', '.join(map(str, sizes))} at {q} row(s) per request" for q, sizes in self.by_query_len.items()),
+            self.capture_s)
 
     def replay(self, size: int, query_len: int = 1) -> torch.Tensor:
         """Run the graph of (`size`, `query_len`) on whatever its persistent inputs hold now; returns
