@@ -159,6 +159,23 @@ def near_tie_in(decisions, tokens: dict[str, list[int]], bound: float = NEAR_TIE
     return bool(rows) and bool((torch.stack(rows).topk(2).values.diff(dim=-1).neg() < bound).any())
 
 
+def record_draft_gaps(engine) -> list[torch.Tensor]:
+    """Per draft step of `engine`'s assistant (an LLM's or an EngineCore's, drafting eagerly), the
+    top-two gap of each row it took the argmax of, as it runs: a draft within NEAR_TIE of another may
+    come out otherwise in another layout, and with it which drafts the target keeps."""
+    assistant, gaps = getattr(engine, "core", engine).speculator.assistant, []
+    step = assistant.step
+
+    def recording(*args, **kwargs):
+        logits, hidden = step(*args, **kwargs)
+        top = logits.topk(2, dim=-1).values
+        gaps.append(top[..., 0] - top[..., 1])
+        return logits, hidden
+
+    assistant.step = recording
+    return gaps
+
+
 def assert_top_ids_close(top_ids, reference: torch.Tensor, k: int, bound: float = NEAR_TIE) -> None:
     """`top_ids` (best first) are `reference`'s top `k`, save that entries whose reference values lie
     within `bound` of each other may come in either order (at the k-th place: either may be in)."""
