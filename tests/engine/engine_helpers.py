@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import numpy as np
 import torch
 from gemma4_fixtures import BOI, BOS, EOI, IMAGE, NUM_SPECIALS, VIDEO, VOCAB, patchify
 
@@ -89,27 +90,40 @@ def run_recording_logits(llm: LLM, requests: list[EngineRequest]):
 NEAR_TIE = 1e-4
 
 
-def record_decisions(llm: LLM) -> dict[str, list[torch.Tensor]]:
-    """Per request, in order, the logits row each of its tokens was chosen from: the model's logits after
-    bias, min_tokens and penalties (a grammar's mask, applied after, leaves the tokens it allows as they
-    are). Wraps the sampler's per-step plan; the dict fills as `llm` runs."""
+def record_decisions(engine) -> dict[str, list[torch.Tensor]]:
+    """Per request, by output position, the logits row its token there was chosen from: the model's
+    logits after bias, min_tokens and penalties (a grammar's mask, applied after, leaves the tokens
+    it allows as they are). `engine`: an LLM or an EngineCore. Wraps the sampler's per-step plan; the
+    dict fills as the engine runs. A verify chunk's row j decides the position after its j drafts;
+    a position decided again (after a rejected draft) keeps its last row, the one on verified
+    tokens. The async loop plans a step before the one in flight reaches the host: without
+    speculation that one's token comes first; with it, how many of its rows the device kept is not
+    known yet, so such an engine is refused (record a synchronous reference)."""
+    core = getattr(engine, "core", engine)
+    if core.async_scheduling and core.speculator is not None:
+        raise ValueError("the async loop's speculating rows have no known position when planned")
     seen: dict[str, list[torch.Tensor]] = {}
-    sampler = llm.core.sampler
-    plan_step = sampler._plan
+    plan_step = core.sampler._plan
 
     def recording_plan(requests, vocab):
         plan = plan_step(requests, vocab)
-        apply = plan.adjust.apply
+        apply, rows = plan.adjust.apply, plan.rows
+        # async: the rows of the step in flight before this one (the scheduler counted this one's too)
+        in_flight = np.fromiter((getattr(r, "num_output_placeholders", 0) for r in rows.requests), dtype=np.int64,
+                                count=len(rows.requests))
+        positions = (rows.output_lengths() + (in_flight - rows.counts).clip(0)[rows.chunk_of_row]).tolist()
 
         def recording_apply(logits, dev):
             apply(logits, dev)
-            for row, chunk in enumerate(plan.rows.chunk_of_row.tolist()):
-                seen.setdefault(plan.rows.requests[chunk].request_id, []).append(logits[row].clone())
+            for row, (chunk, position) in enumerate(zip(rows.chunk_of_row.tolist(), positions, strict=True)):
+                decided = seen.setdefault(rows.requests[chunk].request_id, [])
+                decided += [None] * (position + 1 - len(decided))
+                decided[position] = logits[row].clone()
 
         plan.adjust.apply = recording_apply
         return plan
 
-    sampler._plan = recording_plan
+    core.sampler._plan = recording_plan
     return seen
 
 
@@ -118,7 +132,7 @@ def greedy_agree(want: list[int], got: list[int], logits, bound: float = NEAR_TI
     reference's own logits there (`logits[i]`, the row token i was chosen from) hold both tokens within
     `bound`: a near tie layout noise may flip. What follows a divergence is conditioned on another
     token and is not compared. Returns how many leading tokens are equal (all when none diverges)."""
-    assert len(logits) == len(want), "one logits row per reference token"
+    assert len(logits) >= len(want), "a logits row per reference token (a speculating one decides some past its last)"
     for i, (a, b) in enumerate(zip(want, got, strict=False)):
         if a != b:
             gap = (logits[i][a] - logits[i][b]).item()
@@ -126,6 +140,40 @@ def greedy_agree(want: list[int], got: list[int], logits, bound: float = NEAR_TI
             return i
     assert len(got) == len(want), (got, want)
     return len(want)
+
+
+def assert_tokens_agree(want: dict[str, list[int]], got: dict[str, list[int]], decisions, cut=()) -> None:
+    """`greedy_agree` for every request: `want` a reference's tokens by request id, `decisions` its
+    `record_decisions`; a request in `cut` (aborted) may stop early, a prefix of the reference's."""
+    assert set(got) == set(want), (set(got), set(want))
+    for rid, tokens in want.items():
+        n = min(len(got[rid]), len(tokens)) if rid in cut else len(tokens)
+        greedy_agree(tokens[:n], got[rid], decisions[rid])
+
+
+def near_tie_in(decisions, tokens: dict[str, list[int]], bound: float = NEAR_TIE) -> bool:
+    """Whether a reference's greedy choice of one of `tokens` (by request id, `decisions` its
+    `record_decisions`) was within `bound` of the runner-up: where a test needs another layout's
+    tokens exactly (what they go on to change), it draws its inputs again instead."""
+    rows = [row for rid, ids in tokens.items() for row in decisions[rid][:len(ids)]]
+    return bool(rows) and bool((torch.stack(rows).topk(2).values.diff(dim=-1).neg() < bound).any())
+
+
+def record_draft_gaps(engine) -> list[torch.Tensor]:
+    """Per draft step of `engine`'s assistant (an LLM's or an EngineCore's, drafting eagerly), the
+    top-two gap of each row it took the argmax of, as it runs: a draft within NEAR_TIE of another may
+    come out otherwise in another layout, and with it which drafts the target keeps."""
+    assistant, gaps = getattr(engine, "core", engine).speculator.assistant, []
+    step = assistant.step
+
+    def recording(*args, **kwargs):
+        logits, hidden = step(*args, **kwargs)
+        top = logits.topk(2, dim=-1).values
+        gaps.append(top[..., 0] - top[..., 1])
+        return logits, hidden
+
+    assistant.step = recording
+    return gaps
 
 
 def assert_top_ids_close(top_ids, reference: torch.Tensor, k: int, bound: float = NEAR_TIE) -> None:

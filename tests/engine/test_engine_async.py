@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import PROMPTS, build_request, greedy_agree, make_llm, record_decisions, step_through
+from engine_helpers import (
+    PROMPTS,
+    assert_tokens_agree,
+    build_request,
+    greedy_agree,
+    make_llm,
+    record_decisions,
+    step_through,
+)
 from test_engine_batching import assert_pools_full, random_requests
 
 import mmserve.worker.model_runner as model_runner_module
@@ -202,15 +210,15 @@ def _cancel_and_preempt_once(model_tok, rng: random.Random) -> tuple[list[int], 
                 for i in range(9)]
     for r in requests[::2]:
         r.sampling = dataclasses.replace(r.sampling, temperature=1.0, seed=rng.randrange(100))
-    expected = {c.request_id: c.token_ids for c in make_llm(model_tok, num_kv_blocks=96).generate(requests)}
+    reference = make_llm(model_tok, num_kv_blocks=96)
+    decisions = record_decisions(reference)
+    expected = {c.request_id: c.token_ids for c in reference.generate(requests)}
     llm = make_llm(model_tok, num_kv_blocks=24, async_scheduling="on")
     preempt, preempted = llm.core.scheduler._preempt, []
     llm.core.scheduler._preempt = lambda victim: (preempted.append(victim.num_output_placeholders), preempt(victim))
     doomed = {r.request_id: rng.randrange(2, 25) for r in rng.sample(requests, 3)}
     tokens, aborted = step_through(llm, requests, aborts=doomed)
-    for r in requests:
-        got, want = tokens[r.request_id], expected[r.request_id]
-        assert (got == want[:len(got)]) if r.request_id in aborted else (got == want), r.request_id
+    assert_tokens_agree(expected, tokens, decisions, cut=aborted)
     assert_pools_full(llm.core)
     assert all(r.num_output_placeholders == 0 for r in llm.core.scheduler.running)
     return preempted, aborted
@@ -280,7 +288,9 @@ def test_the_served_loop_runs_async_steps_and_sends_outputs_from_its_thread(mode
 
     model, tok = model_tok
     requests = random_requests(6, int(torch.randint(0, 1000, ())), max_tokens=(2, 9))
-    expected = {c.request_id: c.token_ids for c in make_llm(model_tok).generate(requests)}
+    reference = make_llm(model_tok)
+    decisions = record_decisions(reference)
+    expected = {c.request_id: c.token_ids for c in reference.generate(requests)}
     engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=256, max_num_seqs=8,
                                       max_num_batched_tokens=64, async_scheduling="on"), model=model, tokenizer=tok)
 
@@ -294,6 +304,6 @@ def test_the_served_loop_runs_async_steps_and_sends_outputs_from_its_thread(mode
         finally:
             await engine.shutdown()
 
-    assert asyncio.run(main()) == expected
+    assert_tokens_agree(expected, asyncio.run(main()), decisions)
     assert engine.core.async_scheduling
     assert_pools_full(engine.core)

@@ -23,7 +23,14 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from engine_helpers import build_request, make_llm, step_core
+from engine_helpers import (
+    assert_tokens_agree,
+    build_request,
+    make_llm,
+    near_tie_in,
+    record_decisions,
+    step_core,
+)
 from gemma4_fixtures import make_assistant, tiny_config
 
 from mmserve.config import EngineConfig
@@ -171,19 +178,27 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
     Speculating in the async loop, a step broadcasts once (the drafting round's acceptance: the
     workers build the next inputs from it; before, the in-flight tokens went by a second one), and
     the workers check their drafts against rank 0's."""
-    for _ in range(DRAWS):   # a draw whose drafter keeps nothing happens (1 in ~3): draw again
+    # A draw whose drafter keeps nothing happens (1 in ~3): draw again. So is one where the reference's
+    # greedy choice is a near tie, which TP=2's other sums may flip (~1 in 30): every token and every
+    # step's acceptance after it would differ, and they are compared exactly.
+    for _ in range(DRAWS):
         seed = random.randrange(10_000)
         speculating = workload(random.Random(seed), True)
         tp1_async = run(tp1(load_backend, assistant, "async"), speculating)
-        if kept_drafts(tp1_async[1]):
+        if not kept_drafts(tp1_async[1]):
+            continue
+        plain = workload(random.Random(seed), False)
+        reference_core = tp1(load_backend, assistant, "sync")
+        decisions = record_decisions(reference_core)
+        tp1_plain = run(reference_core, plain)
+        if not near_tie_in(decisions, {r.request_id: tp1_plain[0][r.request_id] for r in plain if r.sampling.greedy}):
             break
     else:
-        pytest.fail(f"no draft kept in {DRAWS} workloads (last seed {seed}): the assistant no longer agrees")
-    plain = workload(random.Random(seed), False)
+        pytest.fail(f"no draft kept, or a near tie, in {DRAWS} workloads (last seed {seed})")
     replays = tp_core.speculator.graphs.replays
     runs = {("tp1", "async", True): tp1_async,
             ("tp1", "sync", True): run(tp1(load_backend, assistant, "sync"), speculating),
-            ("tp1", "sync", False): run(tp1(load_backend, assistant, "sync"), plain)}
+            ("tp1", "sync", False): tp1_plain}
     broadcasts = Broadcasts(tp_core, monkeypatch)
     for loop in ("async", "sync"):
         use_loop(tp_core, loop)
@@ -216,7 +231,9 @@ def test_tp2_async_cancel_and_preemption_leave_nothing_held_on_any_rank(tp_core,
     rng = random.Random(seed)
     requests = [build_request(f"r{i}", [rng.randrange(10, 30)], seed=rng.randrange(10_000), max_tokens=16,
                               temperature=0.0) for i in range(6)]
-    want, _ = run(tp1(load_backend, assistant, "sync"), requests)
+    reference = tp1(load_backend, assistant, "sync")
+    decisions = record_decisions(reference)
+    want, _ = run(reference, requests)
     preempted, preempt = [], tp_core.scheduler._preempt
     aside = {name: pool.take(pool.num_free - 16) for name, pool in tp_core.kv.pools.items()}   # 16 blocks a pool
     tp_core.scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
@@ -227,8 +244,7 @@ def test_tp2_async_cancel_and_preemption_leave_nothing_held_on_any_rank(tp_core,
         for name, blocks in aside.items():
             tp_core.kv.pools[name].release(blocks)
     assert preempted, (seed, "nothing was preempted: the KV budget is too generous for this test")
-    for rid, tokens in got.items():
-        assert tokens == (want[rid][:len(tokens)] if rid == "r1" else want[rid]), (seed, rid)
+    assert_tokens_agree(want, got, decisions, cut={"r1"})
     assert len(got["r1"]) < len(want["r1"])
     assert all(r.num_output_placeholders == 0 for r in tp_core.scheduler.running)
     assert_nothing_held(tp_core)
@@ -251,7 +267,9 @@ def test_tp2_async_video_encodes_ahead_beside_decodes(tp_core, load_backend, ass
     finally:
         del tp_core.runner.local._encode_ahead
     assert ahead, "no frame was encoded ahead"
-    assert got == run(tp1(load_backend, assistant, "sync"), requests, arrivals=arrivals)[0]
+    reference = tp1(load_backend, assistant, "sync")
+    decisions = record_decisions(reference)
+    assert_tokens_agree(run(reference, requests, arrivals=arrivals)[0], got, decisions)
     assert_nothing_held(tp_core)
 
 
@@ -329,13 +347,15 @@ def test_drafts_of_a_step_no_step_follows_are_checked_before_its_tokens(tp_core,
     rng = random.Random(seed)
     requests = [build_request("d", [rng.randrange(4, 20)], seed=rng.randrange(10_000),
                               max_tokens=rng.randrange(8, 16), temperature=0.0)]
-    want, _ = run(tp1(load_backend, assistant, "async"), requests)
+    reference = tp1(load_backend, assistant, "sync")   # (the synchronous loop's decisions have known positions)
+    decisions = record_decisions(reference)
+    want, _ = run(reference, requests)
     runner = tp_core.runner
     sent = record_steps_and_checks(monkeypatch, runner, type(runner).execute, runner.tp.send, DraftsCheck)
     monkeypatch.setattr(tp_core.scheduler, "_all_in_flight", lambda request: request.num_output_placeholders > 1)
     use_loop(tp_core, "async")
     got, _ = run(tp_core, requests)
-    assert got == want, seed
+    assert_tokens_agree(want, got, decisions)
     checks = [i for i, (kind, n) in enumerate(sent) if kind == "check" and n]
     assert checks, (seed, "no verify step was the last before a drain", sent)
     for i, (kind, took) in enumerate(sent):
