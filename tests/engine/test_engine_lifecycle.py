@@ -324,3 +324,42 @@ def test_a_scheduler_bug_ends_requests_instead_of_looping(load_backend):
         assert outs[-1].finish_reason == "length"
 
     run_engine(load_backend, body)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_request_whose_cleanup_fails_still_ends(load_backend, loop):
+    """A scheduler bug fails every request; freeing one of them raises as well (its state is what
+    is suspect): that request's stream must still end with the error, not stay open."""
+    async def body(engine):
+        schedule, finish = engine.core.scheduler.schedule, engine.core.scheduler.finish
+        armed = []
+
+        def failing_once():   # fault injection: the first schedule() once both streams run raises
+            if armed:
+                armed.clear()
+                raise RuntimeError("scheduler bug")
+            return schedule()
+
+        def finish_then_fail(rid):   # frees the request, then raises for "victim"
+            finish(rid)
+            if rid == "victim":
+                raise RuntimeError("finish bug")
+
+        engine.core.scheduler.schedule = failing_once
+        engine.core.scheduler.finish = finish_then_fail
+
+        fired = []
+
+        async def read(rid, seed):
+            async for _ in engine.generate(build_request(rid, [10], seed=seed, max_tokens=200)):
+                if not fired:   # arms the failing schedule() once, on the first delta
+                    fired.append(rid)
+                    armed.append(1)
+
+        tasks = [asyncio.create_task(read(rid, seed)) for rid, seed in (("victim", 16), ("other", 17))]
+        for task, rid in zip(tasks, ("victim", "other"), strict=True):
+            with pytest.raises(EngineInternalError, match=f"request {rid}: engine error"):
+                await asyncio.wait_for(task, 30)
+        engine.core.scheduler.finish = finish
+
+    run_engine(load_backend, body, async_scheduling=loop)

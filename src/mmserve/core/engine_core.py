@@ -702,8 +702,10 @@ class EngineCore:
     def fail_all(self, error: BaseException, outputs: list[CoreOutput]) -> None:
         """End every request in flight with `error` (engine shutdown, or a bug that makes state suspect)."""
         for rid in list(self.requests):
+            ended = CoreOutput(rid, error=type(error)(f"request {rid}: {error}"))
             try:
-                self._end(rid, CoreOutput(rid, error=type(error)(f"request {rid}: {error}")), outputs)
-            except Exception:
+                self._end(rid, ended, outputs)
+            except Exception:   # its state is suspect: still report it, or its stream stays open
                 logger.exception("could not end request %s cleanly", rid)
                 self.requests.pop(rid, None)
+                outputs.append(ended)
