@@ -10,6 +10,9 @@ client still reads a message that lands after an empty poll and before its liven
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import threading
 
 import pytest
@@ -90,3 +93,25 @@ def test_a_core_that_fails_to_start_exits_only_once_its_reason_is_read(tiny_chec
         received.close(linger=0)
         to_core.close(linger=0)
         ctx.term()
+
+
+def test_a_shutdown_that_timed_out_is_described_as_the_front_ends_kill(tiny_checkpoint):
+    """A real engine process that does not exit when asked (stopped): the client kills it after its
+    timeout, and the exit it reports says so, not "killed by SIGKILL (out of memory?)"."""
+    errors = []
+
+    async def wedge_and_shut_down():
+        client = CoreClient(EngineConfig(model=str(tiny_checkpoint), device="cpu"), on_outputs=lambda out: None,
+                            on_exit=errors.append)
+        ready = await client.start()
+        os.kill(ready.pid, signal.SIGSTOP)
+        try:
+            await client.shutdown(timeout_s=0.5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ready.pid, signal.SIGCONT)
+
+    asyncio.run(wedge_and_shut_down())
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
+    assert "killed by the front end: it did not exit within 0.5s of the shutdown request" in str(errors[0]), errors
+    assert "out of memory" not in str(errors[0])

@@ -95,6 +95,7 @@ class CoreClient:
         self._receiver: asyncio.Task | None = None
         self._shutting_down = False
         self._dead_reason: str | None = None   # what the core said before it exited, if anything
+        self._kill_reason: str | None = None   # why this side killed the engine process, if it did
         self.exited = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -136,7 +137,7 @@ class CoreClient:
             elif not self.alive and not await self._recv.poll(LAST_WORDS_MS):   # nothing it sent is unread
                 raise EngineDeadError(f"{self._describe_exit()} while starting")
             elif time.monotonic() > deadline:
-                self._kill()
+                self._kill("it did not report ready in time")
                 raise EngineDeadError(f"the engine did not report ready within {self.config.engine_ready_timeout_s:g}s "
                                       f"(--engine-ready-timeout-s)")
         self._receiver = asyncio.get_running_loop().create_task(self._receive(), name="mmserve-engine-outputs")
@@ -160,7 +161,7 @@ class CoreClient:
             return
         self._shutting_down = True
         if self._receiver is None:        # never started (or failed to): nothing to wait for
-            self._kill()
+            self._kill("shut down before it was ready")
             self._close()
             self.exited.set()             # a second shutdown() returns at once instead of waiting forever
             return
@@ -169,8 +170,8 @@ class CoreClient:
         try:
             await asyncio.wait_for(self.exited.wait(), timeout_s)
         except TimeoutError:
-            logger.error("the engine did not exit within %.0fs; killing it", timeout_s)
-            self._kill()
+            logger.error("the engine did not exit within %gs; killing it", timeout_s)
+            self._kill(f"it did not exit within {timeout_s:g}s of the shutdown request")
             await self.exited.wait()
 
     # -- requests ----------------------------------------------------------------------------------
@@ -220,7 +221,7 @@ class CoreClient:
             raise
         except Exception as exc:   # a bug here must still end every request, never hang them
             logger.exception("engine output handler failed")
-            self._kill()
+            self._kill("its output handler failed")
             error = EngineDeadError(f"the engine connection failed: {exc!r}")
         if error is not None:
             logger.error("%s", error)
@@ -260,7 +261,9 @@ class CoreClient:
             what = "the engine thread stopped"
         else:
             code = self.process.exitcode
-            if code is not None and code < 0:
+            if code == -signal.SIGKILL and self._kill_reason:
+                what = f"the engine process {self.process.pid} was killed by the front end: {self._kill_reason}"
+            elif code is not None and code < 0:
                 name = signal.Signals(-code).name
                 hint = " (out of memory?)" if -code == signal.SIGKILL else ""
                 what = f"the engine process {self.process.pid} was killed by {name}{hint}"
@@ -274,8 +277,10 @@ class CoreClient:
         elif self.thread is not None:
             await asyncio.to_thread(self.thread.join, 10)
 
-    def _kill(self) -> None:
+    def _kill(self, why: str) -> None:
+        """SIGKILL the engine process; `why` is what its exit is described by (not the OOM killer's guess)."""
         if self.process is not None and self.process.is_alive():
+            self._kill_reason = self._kill_reason or why
             self.process.kill()
 
     def _fail_calls(self, error: BaseException) -> None:
