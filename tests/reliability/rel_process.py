@@ -27,10 +27,14 @@ class ServeProcess:
     """`python -m mmserve.cli serve` (or another `command`) with its log collected on a thread (so the
     pipe never fills)."""
 
-    def __init__(self, *args: str, command: str = "serve") -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    def __init__(self, *args: str, command: str = "serve", env: dict[str, str] | None = None,
+                 own_session: bool = False) -> None:
+        """`env`: more environment variables; `own_session`: the server leads a process group of its
+        own (its engine and ranks in it), as a service manager starts it."""
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", command, *args], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=own_session)
         self.lines: list[str] = []
         self.port: int | None = None
         self.engine_pid: int | None = None

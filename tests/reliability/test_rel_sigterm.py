@@ -1,11 +1,12 @@
-"""Drain. `mmserve serve` as a real process (front end + engine process): SIGTERM mid-stream drains
-gracefully; the in-flight stream completes, readiness turns NOT_SERVING, new requests get
+"""Drain. `mmserve serve` as a real process (front end + engine process): SIGTERM mid-stream, to the
+whole process group as systemd and supervisord send it, drains gracefully; the in-flight stream completes, readiness turns NOT_SERVING, new requests get
 UNAVAILABLE, and the process exits 0 (its engine process too).
 In process: a stream outliving the grace period is cut off and still ends exactly once."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import time
@@ -27,7 +28,7 @@ MAX_TOKENS = 120
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
-                          "--drain-grace-s", "30", "--max-num-seqs", "4", "--worker-threads", "1")
+                          "--drain-grace-s", "30", "--max-num-seqs", "4", "--worker-threads", "1", own_session=True)
     try:
         port = server.wait_port(180)
 
@@ -39,7 +40,7 @@ def test_sigterm_drains_in_flight_stream_then_exits_zero(tiny_checkpoint):
                 call = stub.Generate(text_request("in-flight", MAX_TOKENS))
                 first = await call.read()
                 assert first.delta.token_ids
-                server.proc.send_signal(signal.SIGTERM)
+                os.killpg(server.proc.pid, signal.SIGTERM)   # the engine gets it too: it must not die of it
                 # Readiness drops while liveness stays up, and new work is turned away as retryable.
                 deadline = time.monotonic() + 10
                 while await health(ch, GENERATION_SERVICE) != health_pb2.HealthCheckResponse.NOT_SERVING:

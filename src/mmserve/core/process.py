@@ -52,8 +52,11 @@ DEAD_READ_WAIT_S = 60.0   # a front end that has not read the core's EngineDead 
 def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int, log_format: str = "text") -> None:
     """The spawned engine process's main. It logs to the stderr it shares with the front end, in the
     front end's format (`--log-format`), so a JSON log stream stays one JSON object per line."""
-    # Ctrl-C reaches the whole process group; the front end decides when the engine stops (after a drain).
+    # Ctrl-C, and a supervisor's SIGTERM to the whole process group (systemd's control-group kill,
+    # supervisord's killasgroup, `kill %job`), reach the engine too: the front end decides when it
+    # stops (after its drain, killing it past its shutdown timeout); orphaned, it exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if log_format == "json":
         from mmserve.logs import configure_logging
 

@@ -493,7 +493,8 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     sends (through `ring` on rank 0's node, else the group's broadcast) until it sends None (or its
     collective fails, or its parent goes: rank 0 is gone). Logs like the engine process, to the
     stderr they share."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # rank 0 decides when the group stops
+    for sig in (signal.SIGINT, signal.SIGTERM):   # sent to the process group: rank 0 decides when the group stops
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_exit_when_orphaned, args=(parent,), name="tp-parent-watch", daemon=True).start()
     if ring is not None:
         ring.attach()
