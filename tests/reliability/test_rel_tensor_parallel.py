@@ -96,6 +96,21 @@ def test_a_worker_killed_during_start_up_fails_the_start_naming_it(tiny_checkpoi
         server.stop()
 
 
+@pytest.mark.slow
+def test_rank_0_failing_after_the_group_joined_kills_the_workers_at_once(tiny_checkpoint):
+    """Rank 0 fails to build its core once every rank has joined (a KV cache of one block): rank 1
+    still waits in the start-up broadcast, never reading a stop message. It is killed at once (it
+    was waited for 10 s and logged as "did not stop; killing it"), and the log names the reason."""
+    server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
+                          "--worker-threads", "1", "--tensor-parallel-size", "2", "--num-kv-blocks", "1")
+    try:
+        assert server.proc.wait(180) == 1, server.log
+        assert re.search(r"the engine failed to start: KVCacheTooSmall", server.log), server.log
+        assert "did not stop" not in server.log, server.log
+    finally:
+        server.stop()
+
+
 def test_a_size_the_model_cannot_split_is_refused_at_start_naming_the_dimension(tiny_checkpoint):
     """The tiny checkpoint's vocabulary (320) does not split 3 ways: `serve` exits 1 before any rank
     is spawned, and the log says which dimension."""

@@ -235,6 +235,7 @@ class TensorParallelGroup:
         self.remote = list(range(ranks_per_node(config), self.size))
         self._store = None
         self._next_remote_check = 0.0
+        self.runner: TensorParallelRunner | None = None   # set once the core builds its runner (the workers' start)
         try:   # a rank that dies before it joins fails the start at once, naming it
             self.group = join_group(0, self.size, init_method, backend=_use_device(rank_device(config, 0)),
                                     timeout_s=config.tensor_parallel_timeout_s,
@@ -243,7 +244,6 @@ class TensorParallelGroup:
             self.failed = True
             self.close()
             raise
-        self.runner: TensorParallelRunner | None = None
 
     def runner_factory(self, model, plans, config, *, max_model_len: int):
         self.runner = TensorParallelRunner(self, model, plans, config, max_model_len=max_model_len)
@@ -307,23 +307,28 @@ class TensorParallelGroup:
             raise RankLostError(f"{who}: {exc}") from exc
 
     def close(self) -> None:
-        """Stop the workers (a None step) and wait for them; after a failure, or past the wait, kill them."""
+        """Stop the workers (a None step) and wait for them, JOIN_TIMEOUT_S for all; after a failure,
+        or when rank 0 failed to start before its runner did (the workers still wait in the start-up
+        broadcast, not for steps), or past the wait, kill them."""
         import torch.distributed as dist
 
-        if not self.failed and not self.dead_ranks() and dist.is_initialized():
+        stopping = (not self.failed and self.runner is not None and not self.dead_ranks()
+                    and dist.is_initialized())
+        if stopping:
             try:
                 self.send(None)
             except Exception:
-                self.failed = True
+                stopping = False
                 logger.debug("stop message not delivered", exc_info=True)
+        deadline = time.monotonic() + (JOIN_TIMEOUT_S if stopping else 0.0)
         for w in self.workers:
-            w.join(0 if self.failed else JOIN_TIMEOUT_S)
+            w.join(max(0.0, deadline - time.monotonic()))
             if w.is_alive():
-                if not self.failed:
+                if stopping:
                     logger.error("tensor-parallel %s did not stop; killing it", w.name)
                 w.kill()
                 w.join()
-        if dist.is_initialized() and not self.failed:   # a failed group may never finish tearing down
+        if dist.is_initialized() and stopping:   # a failed group may never finish tearing down
             dist.destroy_process_group()
         if self.ring is not None:
             self.ring.close()
