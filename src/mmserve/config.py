@@ -127,6 +127,9 @@ class EngineConfig:
                 "quota, affinity); they wait for work passively (OMP_WAIT_POLICY=PASSIVE unless set)", "min": 0})
     engine_ready_timeout_s: float = field(default=900.0, metadata={
         "help": "how long the engine may take to load, warm up and report ready", "min": 0.001})
+    engine_stall_timeout_s: float = field(default=120.0, metadata={
+        "help": "once serving, how long the engine may send nothing (it sends at least once a second while its "
+                "loop runs) before the server kills it as wedged, failing every request (0 = never)", "min": 0})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "ranks the decoder is split over (Megatron tensor parallelism, torch.distributed: gloo on CPU, "
                 "nccl on CUDA); the engine process is rank 0 and spawns the others, one per device", "min": 1})

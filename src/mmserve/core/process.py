@@ -7,7 +7,9 @@ run on a thread of the server process instead (`run_core`; --no-engine-process, 
 
 Each iteration drains every queued message (adds, aborts, utility calls), runs one step and hands
 one `EngineCoreOutputs` to the output thread (`OutputSender`), which pickles and sends it while the
-next step runs. Nothing here is per-request Python beyond the core itself.
+next step runs; an iteration that finds the loop silent for `HEARTBEAT_S` sends a `Heartbeat`, from
+the loop's own thread, so a wedged loop falls silent and the front end kills it
+(--engine-stall-timeout-s). Nothing here is per-request Python beyond the core itself.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mmserve.ipc.protocol import (
     EngineDeadRead,
     EngineReady,
     ExtendRequest,
+    Heartbeat,
     Shutdown,
     UtilityCall,
     UtilityResult,
@@ -47,6 +50,7 @@ IDLE_POLL_MS = 500    # how long an idle core sleeps between liveness checks of 
 BLOCKED_POLL_MS = 1   # requests in flight but nothing schedulable: do not busy-loop
 LINGER_MS = 4000      # let the last outputs (or the death message) reach the front end on exit
 DEAD_READ_WAIT_S = 60.0   # a front end that has not read the core's EngineDead by then has stopped reading
+HEARTBEAT_S = 1.0   # the longest the loop stays silent while it turns: the front end's stall watch hears it
 
 
 def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level: int, log_format: str = "text") -> None:
@@ -218,6 +222,7 @@ class CoreLoop:
         self._refused: list[CoreOutput] = []
         self._utility: list[UtilityResult] = []
         self._stopping = False
+        self._last_sent = time.monotonic()
 
     def run(self) -> None:
         core = self.core
@@ -227,6 +232,8 @@ class CoreLoop:
                 return
             if self.check_ranks is not None:
                 self.check_ranks()
+            if time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                self._send(Heartbeat())
             if not core.has_work:
                 timeout = IDLE_POLL_MS
             else:
@@ -246,6 +253,7 @@ class CoreLoop:
 
     def _send(self, message) -> None:
         self.outputs.send(message)
+        self._last_sent = time.monotonic()
 
     def _drain(self) -> None:
         """Handle every message already queued (several adds and aborts per step, in order)."""

@@ -94,6 +94,11 @@ class AsyncEngine:
                     self.ready.torch_threads, self.ready.kv_capacity.describe() if self.ready.kv_capacity
                     else self.ready.kv_pool_blocks)
 
+    def watch_stalls(self) -> None:
+        """Kill the engine as wedged once it sends nothing for --engine-stall-timeout-s (core_client.py);
+        the server calls it once warmed up."""
+        self.client.watch_stalls()
+
     @property
     def core(self):
         """The EngineCore object when it runs in this process (tests, debugging); None otherwise."""

@@ -9,7 +9,10 @@ Receiving runs on the event loop: one task reads `EngineCoreOutputs` and hands e
 `on_outputs`. When no message arrives for `LIVENESS_POLL_MS` it checks that the core is alive; once
 it is gone and its last messages are read (one more poll after the exit is seen, for outputs sent
 just before it), `on_exit` gets an EngineDeadError naming the exit code or signal (or the reason the
-core sent), or None after a requested shutdown. A core that fails sends why (`EngineDead`) and exits
+core sent), or None after a requested shutdown. A live core whose loop turns sends at least a
+`Heartbeat` a second; once `watch_stalls()` was called (the server, after its warm-up, which
+--engine-ready-timeout-s bounds), one silent for --engine-stall-timeout-s is wedged (a hung kernel
+or collective, a deadlock, a stopped process): it is killed and ends as a dead one does. A core that fails sends why (`EngineDead`) and exits
 only once this side has read it (`EngineDeadRead`): its exit cannot be seen before its reason.
 """
 
@@ -33,7 +36,7 @@ import zmq.asyncio
 
 from mmserve.config import EngineConfig
 from mmserve.engine.types import EngineRequest
-from mmserve.errors import EngineDeadError, EngineInternalError
+from mmserve.errors import EngineDeadError, EngineInternalError, EngineUnavailableError
 from mmserve.ipc import serial
 from mmserve.ipc.protocol import (
     AbortRequests,
@@ -44,6 +47,7 @@ from mmserve.ipc.protocol import (
     EngineDeadRead,
     EngineReady,
     ExtendRequest,
+    Heartbeat,
     Shutdown,
     UtilityCall,
 )
@@ -95,7 +99,9 @@ class CoreClient:
         self._receiver: asyncio.Task | None = None
         self._shutting_down = False
         self._dead_reason: str | None = None   # what the core said before it exited, if anything
-        self._kill_reason: str | None = None   # why this side killed the engine process, if it did
+        self._kill_reason: str | None = None   # why this side killed (or gave up on) the engine, if it did
+        self._stall_s = 0.0                    # watch_stalls(): how long the core may be silent (0: not watched)
+        self._last_heard = 0.0
         self.exited = asyncio.Event()
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -143,6 +149,12 @@ class CoreClient:
         self._receiver = asyncio.get_running_loop().create_task(self._receive(), name="mmserve-engine-outputs")
         return self.ready
 
+    def watch_stalls(self) -> None:
+        """From now on, a core that sends nothing for --engine-stall-timeout-s is killed as wedged (start-up
+        and warm-up, whose steps may compile for long, are --engine-ready-timeout-s's)."""
+        self._last_heard = time.monotonic()
+        self._stall_s = self.config.engine_stall_timeout_s
+
     @property
     def stopping(self) -> bool:
         """shutdown() was called, or the core is gone."""
@@ -187,13 +199,18 @@ class CoreClient:
             self._post(AbortRequests(request_ids))
 
     async def utility(self, method: str, *args):
-        """Call one of the core's utility methods (core_proc.UTILITIES) and return its result."""
+        """Call one of the core's utility methods (core_proc.UTILITIES) and return its result; once
+        stalls are watched, a call the core has not answered within --engine-stall-timeout-s (it
+        answers at its next iteration) raises EngineUnavailableError."""
         call_id = next(self._calls)
         future = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = future
         try:
             self._post(UtilityCall(call_id, method, args))
-            return await future
+            return await asyncio.wait_for(future, self._stall_s or None)
+        except TimeoutError:
+            raise EngineUnavailableError(f"the engine did not answer {method} within {self._stall_s:g}s "
+                                         f"(--engine-stall-timeout-s)") from None
         finally:
             self._pending_calls.pop(call_id, None)
 
@@ -211,9 +228,13 @@ class CoreClient:
         try:
             while True:
                 if await self._recv.poll(LIVENESS_POLL_MS):
+                    self._last_heard = time.monotonic()
                     self._dispatch(serial.decode(await self._recv.recv_multipart(copy=False)))
                 elif not self.alive and not await self._recv.poll(LIVENESS_POLL_MS):
                     break   # gone, and everything it sent has been read
+                elif self._stall_s and time.monotonic() - self._last_heard > self._stall_s:
+                    self._kill(f"it sent nothing for {self._stall_s:g}s (--engine-stall-timeout-s): wedged")
+                    break
             await self._reap()
             error = None if self._shutting_down and self._exit_was_clean() else EngineDeadError(
                 f"{self._describe_exit()}; requests in flight were lost, retry them")
@@ -243,7 +264,7 @@ class CoreClient:
         elif isinstance(message, EngineDead):
             self._dead_reason = message.reason
             self._dead_read()
-        else:
+        elif not isinstance(message, Heartbeat):
             logger.error("ignoring an unexpected %s from the engine", type(message).__name__)
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -254,11 +275,12 @@ class CoreClient:
             self._post(EngineDeadRead())
 
     def _exit_was_clean(self) -> bool:
-        return self.process is None or self.process.exitcode == 0
+        return self._kill_reason is None and (self.process is None or self.process.exitcode == 0)
 
     def _describe_exit(self) -> str:
         if self.process is None:
-            what = "the engine thread stopped"
+            what = (f"the front end gave up on the engine thread: {self._kill_reason}" if self._kill_reason
+                    else "the engine thread stopped")
         else:
             code = self.process.exitcode
             if code == -signal.SIGKILL and self._kill_reason:
@@ -278,10 +300,12 @@ class CoreClient:
             await asyncio.to_thread(self.thread.join, 10)
 
     def _kill(self, why: str) -> None:
-        """SIGKILL the engine process; `why` is what its exit is described by (not the OOM killer's guess)."""
-        if self.process is not None and self.process.is_alive():
+        """SIGKILL the engine process (a thread cannot be: it is abandoned); `why` is what its exit is
+        described by (not the OOM killer's guess)."""
+        if self.alive:
             self._kill_reason = self._kill_reason or why
-            self.process.kill()
+            if self.process is not None:
+                self.process.kill()
 
     def _fail_calls(self, error: BaseException) -> None:
         for future in self._pending_calls.values():

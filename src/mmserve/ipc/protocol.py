@@ -3,7 +3,8 @@
 Front end -> core: `AddRequest`, `ExtendRequest`, `AbortRequests`, `UtilityCall`, `Shutdown`
 (and `EngineDeadRead`, once it has read an `EngineDead`).
 Core -> front end: `EngineReady` once (or `EngineDead`), then one `EngineCoreOutputs` per engine
-iteration that changed anything (admissions, tokens, ends, a step record, utility results).
+iteration that changed anything (admissions, tokens, ends, a step record, utility results), and a
+`Heartbeat` when its loop sent nothing for a second.
 `mmserve.ipc.serial` serialises all of these generically: a field added to any of them (or to
 EngineRequest, SamplingParams, StepRecord ...) crosses with no change here.
 """
@@ -215,3 +216,9 @@ class EngineDeadRead:
     """The front end has read the core's `EngineDead`: the core may exit. Had it exited at once, the
     exit could be seen before its message arrived (on a loaded machine, by more than any fixed wait),
     and the front end would report an exit code without the reason."""
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The core loop still turns: sent when it sent nothing else for `HEARTBEAT_S` (core/process.py), so
+    the front end tells a core that is idle from one that is wedged (--engine-stall-timeout-s)."""

@@ -178,6 +178,7 @@ class MMServer:
                                                    context_length=self.engine.model_info.context_length,
                                                    workers=self.server_config.worker_threads)
         await self._warm_up(processor)
+        self.engine.watch_stalls()
         self._processor = processor
         await self.health.set_ready()
         logger.info("ready: serving %s on %s", self.engine_config.model, self.address)
