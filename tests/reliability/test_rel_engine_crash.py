@@ -67,7 +67,8 @@ WORKER_PID = re.compile(r"tensor-parallel rank 1: process (\d+) started")
 def test_a_wedged_engine_is_killed_after_the_stall_timeout(tiny_checkpoint, tmp_path):
     """Rank 0 of a TP=2 engine stopped mid-stream (SIGSTOP: alive, sending nothing, as a hung kernel or a
     deadlock leaves it): past --engine-stall-timeout-s the front end kills it; the streams end
-    UNAVAILABLE naming the stall, health turns NOT_SERVING, the server exits non-zero, rank 1 follows."""
+    UNAVAILABLE naming the stall, health turns NOT_SERVING, the server exits non-zero, rank 1 follows,
+    and nothing is left in TMPDIR (the ranks' rendezvous directory leaked whenever the engine was killed)."""
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-num-seqs", "4",
                           "--worker-threads", "1", "--tensor-parallel-size", "2", "--engine-stall-timeout-s", "3",
                           env={"TMPDIR": str(tmp_path)})
@@ -92,6 +93,7 @@ def test_a_wedged_engine_is_killed_after_the_stall_timeout(tiny_checkpoint, tmp_
         asyncio.run(scenario())
         assert server.proc.wait(60) != 0, server.log
         assert not process_exists(int(WORKER_PID.search(server.log).group(1))), "rank 1 outlived the server"
+        assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
     finally:
         if server.engine_pid is not None:   # a failed run must not leave a stopped engine behind
             with contextlib.suppress(ProcessLookupError):

@@ -100,7 +100,8 @@ def run_core(config: EngineConfig, addresses: CoreAddresses, *, model=None, torc
                     raise ValueError("a preloaded model is one device's: tensor_parallel_size must be 1")
                 from mmserve.executor.tensor_parallel import TensorParallelGroup
 
-                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel(), log_format)
+                tp = TensorParallelGroup(config, logging.getLogger().getEffectiveLevel(), log_format,
+                                         private_dir=addresses.private_dir)
             core, ready = _start(config, model, torch_threads, tp)
         except BaseException as exc:
             logger.exception("engine failed to start")

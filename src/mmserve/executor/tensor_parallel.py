@@ -209,7 +209,10 @@ def check_divisible(config: EngineConfig) -> None:
 class TensorParallelGroup:
     """Rank 0's handle on the group: starts the worker ranks, joins them, stops them."""
 
-    def __init__(self, config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text"):
+    def __init__(self, config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text",
+                 private_dir: str | None = None):
+        """`private_dir`: where the rendezvous directory goes (the server's engine: the front end's socket
+        directory, which it removes even when it had to kill the engine); else the system's temp dir."""
         import multiprocessing
 
         check_divisible(config)
@@ -217,7 +220,7 @@ class TensorParallelGroup:
             raise ValueError(f"--node-rank {config.node_rank}: `mmserve serve` is node 0; run `mmserve worker` there")
         self.config = config
         self.size = config.tensor_parallel_size
-        self._dir = tempfile.mkdtemp(prefix="mmserve-tp-")   # the rendezvous file (no port to pick)
+        self._dir = tempfile.mkdtemp(prefix="mmserve-tp-", dir=private_dir)   # the rendezvous file (no port to pick)
         init_method = rendezvous(config, self._dir)
         ctx = multiprocessing.get_context("spawn")
         # each step's message: through shared memory when every rank is on this node

@@ -11,6 +11,7 @@ EngineRequest, SamplingParams, StepRecord ...) crosses with no change here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,12 @@ class CoreAddresses:
 
     inputs: str    # front end PUSH (connects) -> core PULL (binds)
     outputs: str   # core PUSH (connects) -> front end PULL (binds)
+
+    @property
+    def private_dir(self) -> str:
+        """Their directory: the front end removes it when it stops, whatever became of the engine, so
+        the engine's own files go there too (the tensor-parallel rendezvous) and never outlive a kill."""
+        return os.path.dirname(self.inputs.removeprefix("ipc://"))
 
 
 @dataclass
