@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections import Counter
 
 import pytest
@@ -363,3 +364,34 @@ def test_a_request_whose_cleanup_fails_still_ends(load_backend, loop):
         engine.core.scheduler.finish = finish
 
     run_engine(load_backend, body, async_scheduling=loop)
+
+
+def test_shutdown_returns_while_an_in_process_step_hangs(load_backend):
+    """The core on a thread of this process (a preloaded model) wedged inside a step: shutdown() gives
+    up on it after its timeout (a thread cannot be killed) and the request in flight ends with
+    EngineDeadError saying so, instead of shutdown() waiting forever."""
+    model, tok = load_backend("reference")
+    engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8), model=model,
+                         tokenizer=tok)
+    entered, release = threading.Event(), threading.Event()
+
+    async def main():
+        await engine.start()
+        step = engine.core.step
+
+        def wedged():   # fault injection: a step that does not return (a native hang) until released
+            entered.set()
+            release.wait()
+            return step()
+
+        engine.core.step = wedged
+        reader = asyncio.create_task(_collect(engine, build_request("stuck", [10], seed=18, max_tokens=5)))
+        try:
+            assert await asyncio.to_thread(entered.wait, 60)
+            await asyncio.wait_for(engine.client.shutdown(timeout_s=0.5), 30)   # not serve(): it would wait again
+            with pytest.raises(EngineUnavailableError, match="gave up on the engine thread: it did not exit within 0.5s"):
+                await reader
+        finally:
+            release.set()   # the abandoned thread finishes its step and exits
+
+    asyncio.run(main())

@@ -184,6 +184,12 @@ class CoreClient:
         except TimeoutError:
             logger.error("the engine did not exit within %gs; killing it", timeout_s)
             self._kill(f"it did not exit within {timeout_s:g}s of the shutdown request")
+            if self.process is None:   # a thread cannot be killed: stop waiting for it, fail what it held
+                self._receiver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._receiver
+                if not self.exited.is_set():
+                    self._exit(EngineDeadError(f"{self._describe_exit()}; requests in flight were lost"))
             await self.exited.wait()
 
     # -- requests ----------------------------------------------------------------------------------
@@ -244,6 +250,10 @@ class CoreClient:
             logger.exception("engine output handler failed")
             self._kill("its output handler failed")
             error = EngineDeadError(f"the engine connection failed: {exc!r}")
+        self._exit(error)
+
+    def _exit(self, error: EngineDeadError | None) -> None:
+        """The core is gone (or given up on): fail what waits on it, close the sockets, tell on_exit."""
         if error is not None:
             logger.error("%s", error)
         self._fail_calls(error or EngineDeadError("the engine shut down"))
