@@ -30,31 +30,37 @@ async def _first_not_serving(channel, service: str) -> int:
     raise AssertionError(f"{service!r} never reported NOT_SERVING")
 
 
+def _signal_the_engine_mid_stream(server: ServeProcess, sig: int, names: str) -> None:
+    """Two streams running, `sig` to the engine process: both end UNAVAILABLE with `names` in their
+    message, liveness and readiness turn NOT_SERVING, and the server exits non-zero."""
+    port = server.wait_port(180)
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            await server.wait_serving(ch)
+            watches = [asyncio.ensure_future(_first_not_serving(ch, s)) for s in ("", GENERATION_SERVICE)]
+            stub = pb_grpc.GenerationStub(ch)
+            calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
+            for call in calls:
+                assert (await call.read()).delta.token_ids
+            assert server.engine_pid is not None, server.log
+            os.kill(server.engine_pid, sig)
+            for call in calls:
+                result = await asyncio.wait_for(read_stream(call), 60)
+                assert result.code == grpc.StatusCode.UNAVAILABLE, result
+                assert names in result.details and result.final is None, result.details
+            assert await asyncio.wait_for(asyncio.gather(*watches), 30) == [NOT_SERVING, NOT_SERVING]
+
+    asyncio.run(scenario())
+    assert server.proc.wait(60) != 0, server.log
+
+
 @pytest.mark.slow
 def test_killed_engine_fails_in_flight_requests_and_the_server_exits_nonzero(tiny_checkpoint):
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu",
                           "--max-num-seqs", "4", "--worker-threads", "1")
     try:
-        port = server.wait_port(180)
-
-        async def scenario():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await server.wait_serving(ch)
-                watches = [asyncio.ensure_future(_first_not_serving(ch, s)) for s in ("", GENERATION_SERVICE)]
-                stub = pb_grpc.GenerationStub(ch)
-                calls = [stub.Generate(text_request(f"doomed-{i}", 500)) for i in range(2)]
-                for call in calls:
-                    assert (await call.read()).delta.token_ids
-                assert server.engine_pid is not None, server.log
-                os.kill(server.engine_pid, signal.SIGKILL)
-                for call in calls:
-                    result = await read_stream(call)
-                    assert result.code == grpc.StatusCode.UNAVAILABLE, result
-                    assert "killed by SIGKILL" in result.details and result.final is None, result.details
-                assert await asyncio.wait_for(asyncio.gather(*watches), 30) == [NOT_SERVING, NOT_SERVING]
-
-        asyncio.run(scenario())
-        assert server.proc.wait(60) != 0, server.log
+        _signal_the_engine_mid_stream(server, signal.SIGKILL, "killed by SIGKILL")
         assert "engine died" in server.log
     finally:
         server.stop()
@@ -73,25 +79,7 @@ def test_a_wedged_engine_is_killed_after_the_stall_timeout(tiny_checkpoint, tmp_
                           "--worker-threads", "1", "--tensor-parallel-size", "2", "--engine-stall-timeout-s", "3",
                           env={"TMPDIR": str(tmp_path)})
     try:
-        port = server.wait_port(180)
-
-        async def scenario():
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                await server.wait_serving(ch)
-                watches = [asyncio.ensure_future(_first_not_serving(ch, s)) for s in ("", GENERATION_SERVICE)]
-                stub = pb_grpc.GenerationStub(ch)
-                calls = [stub.Generate(text_request(f"wedged-{i}", 500)) for i in range(2)]
-                for call in calls:
-                    assert (await call.read()).delta.token_ids
-                os.kill(server.engine_pid, signal.SIGSTOP)
-                for call in calls:
-                    result = await asyncio.wait_for(read_stream(call), 60)
-                    assert result.code == grpc.StatusCode.UNAVAILABLE, result
-                    assert "killed by the front end: it sent nothing for 3s" in result.details, result.details
-                assert await asyncio.wait_for(asyncio.gather(*watches), 30) == [NOT_SERVING, NOT_SERVING]
-
-        asyncio.run(scenario())
-        assert server.proc.wait(60) != 0, server.log
+        _signal_the_engine_mid_stream(server, signal.SIGSTOP, "killed by the front end: it sent nothing for 3s")
         assert not process_exists(int(WORKER_PID.search(server.log).group(1))), "rank 1 outlived the server"
         assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
     finally:
