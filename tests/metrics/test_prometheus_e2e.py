@@ -307,6 +307,7 @@ def test_vllm_gauges_follow_the_load_and_return_to_idle(run):
         held_tokens = client.model_info().context_length - 64
         streams = [client.stream(prompt=f"Count to a thousand, {i}.", max_tokens=held_tokens, ignore_eos=True)
                    for i in range(MAX_NUM_SEQS + 1)]
+
         def held_load_stored():
             values = {name: _value(p, name) for name in busy}
             return values if all(v is not None and busy[name](v) for name, v in values.items()) else None
