@@ -185,23 +185,25 @@ def test_a_gateway_prompt_is_published_in_the_gateway_tokens(load_backend):
 
 
 def test_flush_clears_and_is_refused_while_a_request_runs(load_backend):
+    """The flush is sent once the long request has streamed a token (it runs in the core) and holds
+    the whole context (~1000 steps it cannot finish first); closing its stream aborts it."""
     async def body(engine):
         await complete(engine, build_request("a", [20], seed=1, max_tokens=2))
         sub = engine.subscribe_kv_events()
         index = RouterIndex()
         index.apply(await sub.__anext__())
         assert index.blocks
-        long = asyncio.ensure_future(complete(engine, build_request("b", [12], seed=2, max_tokens=200)))
-        while engine.load().running == 0:
-            await asyncio.sleep(0.01)
-        assert await engine.flush_prefix_cache() is False
-        long.cancel()
+        held = build_request("b", [12], seed=2, max_tokens=engine.model_info.context_length - 13)   # BOS + 12
+        async with contextlib.aclosing(engine.generate(held)) as stream:
+            first = await stream.__anext__()
+            assert first.new_token_ids and not first.finished
+            assert await engine.flush_prefix_cache() is False
         assert await engine.flush_prefix_cache(timeout_s=10.0) is True   # once the abort freed it
         await drain(sub, index, lambda: not index.blocks)
         again = await complete(engine, build_request("a2", [20], seed=1, max_tokens=2))
         assert again.usage.cached_tokens == 0
 
-    run(load_backend, body)
+    run(load_backend, body, num_kv_blocks=300)   # room for the whole context
 
 
 def test_a_subscriber_that_does_not_read_is_dropped(load_backend):
