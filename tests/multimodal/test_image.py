@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+from gif_clips import EXTRA_RUN_EXTENSIONS, hidden_growing_gif, one_pixel_frame, screen
 from media_clips import growing_gif, record_pillow_fills
 from PIL import Image
 from transformers.image_transforms import convert_to_rgb
@@ -178,6 +179,36 @@ def test_a_gif_whose_first_frame_outgrows_its_screen_is_refused_before_pillow_al
         read_header(data, limits)
     assert e.value.flag == "--max-image-pixels" and max(fills, default=0) <= limits.max_image_pixels
     assert read_header(data, MediaLimits(max_image_pixels=64 * 64)).pixels == 64 * 64
+
+
+@pytest.mark.parametrize("extension", EXTRA_RUN_EXTENSIONS.values(), ids=EXTRA_RUN_EXTENSIONS.keys())
+def test_a_first_frame_hidden_behind_an_extension_pillow_reads_further_is_refused(monkeypatch, extension) -> None:
+    """Pillow reads one more run of sub-blocks after an empty extension (or an empty NETSCAPE2.0
+    loop block) than the GIF specification says. A walker that followed the specification took the
+    ';' starting that run for the trailer and passed a 101-byte GIF as 16x16, while Pillow opened its
+    20000x20000 first frame (630 MiB peak)."""
+    from mmserve.multimodal.image import read_header
+
+    limits = MediaLimits(max_image_pixels=32 * 32)
+    data = hidden_growing_gif(extension, 64, first=True)
+    fills = record_pillow_fills(monkeypatch)
+    with pytest.raises(LimitExceededError, match="64x64 = 4096 pixels, more than the limit of 1024") as e:
+        read_header(data, limits)
+    assert e.value.flag == "--max-image-pixels" and max(fills, default=0) <= limits.max_image_pixels
+    assert read_header(data, MediaLimits(max_image_pixels=64 * 64)).pixels == 64 * 64
+
+
+def test_a_gif_of_more_blocks_than_the_walk_reads_is_refused(monkeypatch) -> None:
+    """The canvas walk steps through every block in Python: a 48 MiB GIF of 3-byte extensions took
+    5 s of CPU. It stops past MAX_BLOCKS blocks (made small here), before Pillow sees the file."""
+    from mmserve.multimodal import gif
+    from mmserve.multimodal.image import read_header
+
+    monkeypatch.setattr(gif, "MAX_BLOCKS", 100)
+    storm = screen(16, 16) + b"!\xfe\x00" * 60 + one_pixel_frame(0, 0, 1, 1) + b";"
+    with pytest.raises(InvalidInputError, match="image: the GIF has more than 100 blocks"):
+        read_header(storm, LIMITS)
+    assert read_header(screen(16, 16) + b"!\xfe\x00" * 45 + one_pixel_frame(0, 0, 1, 1) + b";", LIMITS).pixels == 256
 
 
 @pytest.mark.parametrize("width,height", [(2**24, 1), (1, 2**24)])

@@ -12,6 +12,7 @@ import io
 import av
 import numpy as np
 import pytest
+from gif_clips import EXTRA_RUN_EXTENSIONS, hidden_growing_gif
 from media_clips import animation, combing, encode, growing_gif, record_pillow_fills, sideways, woven
 
 from mmserve.errors import InvalidInputError, LimitExceededError
@@ -259,3 +260,20 @@ def test_a_gif_frame_larger_than_its_screen_is_held_to_the_pixel_limit(monkeypat
     assert e.value.flag == "--max-image-pixels"
     assert max(fills, default=0) <= limits.max_image_pixels
     assert len(decode_video(data, limits=MediaLimits(max_image_pixels=64 * 64)).frames) == 3
+
+
+@pytest.mark.parametrize("extension,first", [("empty extension", True), ("empty extension", False),
+                                             ("empty NETSCAPE2.0 loop", True)])
+def test_a_frame_hidden_behind_an_extension_pillow_reads_further_is_held_to_the_pixel_limit(monkeypatch, extension,
+                                                                                            first):
+    """Pillow reads one more run of sub-blocks after an empty extension (or, before the first frame,
+    an empty NETSCAPE2.0 loop block) than the GIF specification says: a walker following the
+    specification took the ';' starting that run for the trailer, and Pillow filled the 20000x20000
+    canvas of a ~100-byte GIF it had passed as 16x16."""
+    limits = MediaLimits(max_image_pixels=32 * 32)
+    data = hidden_growing_gif(EXTRA_RUN_EXTENSIONS[extension], 64, first)
+    fills = record_pillow_fills(monkeypatch)
+    with pytest.raises(LimitExceededError, match="64x64 = 4096 pixels, more than the limit of 1024") as e:
+        decode_video(data, limits=limits)
+    assert e.value.flag == "--max-image-pixels"
+    assert max(fills, default=0) <= limits.max_image_pixels

@@ -7,8 +7,9 @@ downscaled by the video's rule and scaler (`MediaLimits.decoded_frame_size`, FFm
 Work is bounded like a video's: the canvas is checked before any pixel, the frame count and total
 duration while walking, and `DecodeControl` between frames. A GIF frame may describe an area larger
 than the screen its header declares, which Pillow allocates while seeking to it: a GIF's canvas is
-therefore read from all its frame descriptors (multimodal/gif.py) before Pillow opens it, and checked
-again after every seek, before the frame is loaded.
+therefore read from all its frame descriptors (multimodal/gif.py, which walks the blocks as Pillow's
+reader does and refuses a file of too many blocks) before Pillow opens it, and checked again after every
+seek, before the frame is loaded.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def frame_times(image: Image.Image, limits: MediaLimits, control: DecodeControl)
 def open_animation(data: bytes, limits: MediaLimits) -> Image.Image:
     """The opened image, refused by its canvas size before any frame is decoded."""
     if sniff_animated(data) == "gif":
-        _check_canvas(*gif_canvas(data), limits)
+        _check_canvas(*gif_canvas(data, field=FIELD), limits)
     try:   # Pillow's own pixel guard is off (multimodal/image.py): the canvas check below is the limit
         image = Image.open(io.BytesIO(data))
     except Exception as e:  # noqa: BLE001 - the payload's fault

@@ -61,7 +61,8 @@ def _open(source: bytes | Path, fmt: str) -> Image.Image:
 
 def read_header(source: bytes | Path, limits: MediaLimits) -> ImageHeader:
     """Format and size from the header alone (no pixel is decoded), with the per-image limits checked.
-    `source`: the encoded bytes, or the file holding them (an upload: only its start is read)."""
+    `source`: the encoded bytes, or the file holding them (an upload: only its start is read, except
+    for a GIF, read whole: its first frame's area is found by walking its blocks, multimodal/gif.py)."""
     size = source.stat().st_size if isinstance(source, Path) else len(source)
     if not size:
         raise InvalidInputError(FIELD, "the image payload is empty")
