@@ -366,13 +366,15 @@ def test_a_request_whose_cleanup_fails_still_ends(load_backend, loop):
     run_engine(load_backend, body, async_scheduling=loop)
 
 
-def test_shutdown_returns_while_an_in_process_step_hangs(load_backend):
+@pytest.mark.parametrize("given_up_by", ["shutdown timeout", "stall watch"])
+def test_shutdown_returns_while_an_in_process_step_hangs(load_backend, given_up_by):
     """The core on a thread of this process (a preloaded model) wedged inside a step: shutdown() gives
-    up on it after its timeout (a thread cannot be killed) and the request in flight ends with
-    EngineDeadError saying so, instead of shutdown() waiting forever."""
+    up on it after its timeout (a thread cannot be killed), or the stall watch already has, and the
+    request in flight ends with EngineDeadError saying so; shutdown() returns instead of waiting forever
+    or raising at the engine it gave up on."""
     model, tok = load_backend("reference")
-    engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8), model=model,
-                         tokenizer=tok)
+    engine = AsyncEngine(EngineConfig(device="cpu", block_size=4, num_kv_blocks=128, max_num_seqs=8,
+                                      engine_stall_timeout_s=2.0), model=model, tokenizer=tok)   # > HEARTBEAT_S
     entered, release = threading.Event(), threading.Event()
 
     async def main():
@@ -385,12 +387,20 @@ def test_shutdown_returns_while_an_in_process_step_hangs(load_backend):
             return step()
 
         engine.core.step = wedged
+        if given_up_by == "stall watch":
+            engine.watch_stalls()
         reader = asyncio.create_task(_collect(engine, build_request("stuck", [10], seed=18, max_tokens=5)))
         try:
             assert await asyncio.to_thread(entered.wait, 60)
-            await asyncio.wait_for(engine.client.shutdown(timeout_s=0.5), 30)   # not serve(): it would wait again
-            with pytest.raises(EngineUnavailableError, match="gave up on the engine thread: it did not exit within 0.5s"):
-                await reader
+            if given_up_by == "stall watch":
+                with pytest.raises(EngineUnavailableError, match="gave up on the engine thread: it sent nothing for 2s"):
+                    await reader
+                assert engine.client.thread.is_alive()   # still wedged: the shutdown below has nothing to ask
+                await asyncio.wait_for(engine.shutdown(), 30)
+            else:
+                await asyncio.wait_for(engine.client.shutdown(timeout_s=0.5), 30)   # not serve(): it would wait again
+                with pytest.raises(EngineUnavailableError, match="gave up on the engine thread: it did not exit within 0.5s"):
+                    await reader
         finally:
             release.set()   # the abandoned thread finishes its step and exits
 

@@ -172,6 +172,8 @@ class CoreClient:
             await self.exited.wait()
             return
         self._shutting_down = True
+        if self.exited.is_set():          # already gone (or given up on as wedged): nothing to ask
+            return
         if self._receiver is None:        # never started (or failed to): nothing to wait for
             self._kill("shut down before it was ready")
             self._close()
@@ -306,7 +308,7 @@ class CoreClient:
     async def _reap(self) -> None:
         if self.process is not None:
             await asyncio.to_thread(self.process.join, 10)
-        elif self.thread is not None:
+        elif self.thread is not None and self._kill_reason is None:   # an abandoned thread is not waited for
             await asyncio.to_thread(self.thread.join, 10)
 
     def _kill(self, why: str) -> None:
