@@ -12,6 +12,9 @@ included), then every atexit handler (logging's flush and close, multiprocessing
 and child joins, `weakref.finalize` callbacks such as temporary directories, exporters' flushes),
 then the standard streams; then `os._exit`. Only the main thread of a process entry point whose
 own resources (sockets, shared memory, child processes, spool files) are already closed may call it.
+
+`watch_parent` is the other way out: a child process whose parent is gone exits at once, from a
+thread of its own, whatever its main thread is stuck in.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import atexit
 import os
 import sys
 import threading
+import time
 from typing import NoReturn
+
+ORPHAN_POLL_S = 0.5   # how often a watched child checks that its parent is still there
 
 
 def exit_process(code: int) -> NoReturn:
@@ -32,3 +38,16 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):   # a closed pipe or stream: nothing left to flush into it
             pass
     os._exit(code)
+
+
+def watch_parent(parent: int) -> None:
+    """Exit (code 1) as soon as the process `parent` is no longer this one's parent. A process that
+    ignores SIGTERM (the engine, its tensor-parallel ranks: the front end decides when they stop)
+    may be stuck where no loop checks its parent: a wedged step, a gloo wait that outlives its peer
+    (a rank blocked in the rendezvous, or in a receive, was seen to)."""
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(ORPHAN_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_orphaned, name="parent-watch", daemon=True).start()

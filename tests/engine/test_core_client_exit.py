@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -115,3 +118,43 @@ def test_a_shutdown_that_timed_out_is_described_as_the_front_ends_kill(tiny_chec
     assert len(errors) == 1 and isinstance(errors[0], EngineDeadError), errors
     assert "killed by the front end: it did not exit within 0.5s of the shutdown request" in str(errors[0]), errors
     assert "out of memory" not in str(errors[0])
+
+
+WEDGED_ENGINE = """
+import sys, threading
+from mmserve.config import EngineConfig
+from mmserve.core import process
+
+def wedged_core(*args, **kwargs):   # fault injection: the core loop never turns again (a hung step)
+    print("wedged", flush=True)
+    threading.Event().wait()
+
+process.run_core = wedged_core
+process.run_engine_process(EngineConfig(device="cpu"), None, 30)
+"""
+
+FRONT_END_THAT_DIES = """
+import subprocess, sys
+engine = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True)   # no pipe of the test outlives this process
+assert engine.stdout.readline() == "wedged\\n"
+print(engine.pid, flush=True)   # and exit, leaving the engine orphaned in its wedged step
+"""
+
+
+def test_an_engine_process_wedged_in_a_step_exits_once_its_front_end_is_gone():
+    """The engine process ignores SIGTERM (the front end decides when it stops) and its loop checks
+    its parent once a turn: one wedged in a step outlived a dead front end until SIGKILLed. Its
+    parent watch ends it as the tensor-parallel ranks' does."""
+    front_end = subprocess.run([sys.executable, "-c", FRONT_END_THAT_DIES, WEDGED_ENGINE], capture_output=True,
+                               text=True, timeout=120, check=True)
+    pid = int(front_end.stdout)
+    with contextlib.suppress(ProcessLookupError):
+        watch = os.pidfd_open(pid)   # readable once the process has exited (reaped by init or not)
+        try:
+            exited = bool(select.select([watch], [], [], 10)[0])
+            if not exited:
+                os.kill(pid, signal.SIGKILL)   # the process this test started: do not leave it behind
+            assert exited, "the orphaned engine process is still running"
+        finally:
+            os.close(watch)

@@ -41,7 +41,7 @@ from mmserve.ipc.protocol import (
     UtilityCall,
     UtilityResult,
 )
-from mmserve.process_exit import exit_process
+from mmserve.process_exit import exit_process, watch_parent
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
     # stops (after its drain, killing it past its shutdown timeout); orphaned, it exits by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    watch_parent(parent)   # the loop checks its parent once a turn; this also ends one wedged in a step
     if log_format == "json":
         from mmserve.logs import configure_logging
 
@@ -71,7 +73,6 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
     from mmserve.worker.cpu_threads import configure_torch_threads
 
     threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores
-    parent = os.getppid()
     code = run_core(config, addresses, torch_threads=threads, parent_alive=lambda: os.getppid() == parent,
                     log_format=log_format)
     # run_core closed the sockets (after their linger), the tensor-parallel ranks and their shared

@@ -49,7 +49,6 @@ import os
 import shutil
 import signal
 import tempfile
-import threading
 import time
 
 import torch
@@ -68,7 +67,7 @@ from mmserve.executor.step_messages import (
     share_in_flight,
 )
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
-from mmserve.process_exit import exit_process
+from mmserve.process_exit import ORPHAN_POLL_S, exit_process, watch_parent
 from mmserve.spec_decode.speculator import DeviceDraftRound, DraftBatch
 
 logger = logging.getLogger(__name__)
@@ -77,7 +76,6 @@ JOIN_TIMEOUT_S = 10.0   # how long a worker may take to exit after the stop mess
 # A worker waits for rank 0's next step as long as it takes (an idle server sends none); rank 0
 # gone closes the connection, which ends the wait. Rank 0's own waits are --tensor-parallel-timeout-s.
 WORKER_WAIT_S = 365 * 24 * 3600.0
-ORPHAN_POLL_S = 0.5   # how often a worker checks that rank 0 is still its parent
 EXIT_SEEN_S = 3.0   # after a failed collective, how long to wait for a dying rank's exit (or report) to be seen
 REMOTE_CHECK_S = 1.0   # how often the idle core loop reads the store for ranks lost on other nodes
 STORE_TIMEOUT_S = 2.0   # rank 0's client of its own store: connect and reads
@@ -487,14 +485,6 @@ def runner_config(own: EngineConfig, leader: EngineConfig) -> EngineConfig:
                                engine_threads=own.engine_threads, speculative_model=own.speculative_model)
 
 
-def _exit_when_orphaned(parent: int) -> None:
-    """Exit as soon as rank 0's process is gone: a gloo wait does not always end when its peer dies
-    (a rank blocked in the rendezvous, or in a receive, was seen to outlive it)."""
-    while os.getppid() == parent:
-        time.sleep(ORPHAN_POLL_S)
-    os._exit(1)
-
-
 def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: int, log_format: str,
                 parent: int, ring: RingReader | None = None) -> None:
     """A worker rank's process: join the group, load this rank's shard, then run every step rank 0
@@ -503,7 +493,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, log_level: in
     stderr they share."""
     for sig in (signal.SIGINT, signal.SIGTERM):   # sent to the process group: rank 0 decides when the group stops
         signal.signal(sig, signal.SIG_IGN)
-    threading.Thread(target=_exit_when_orphaned, args=(parent,), name="tp-parent-watch", daemon=True).start()
+    watch_parent(parent)   # rank 0 gone: exit, whatever collective this rank waits in
     if ring is not None:
         ring.attach()
     if log_format == "json":
