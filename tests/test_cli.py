@@ -165,3 +165,20 @@ def test_frame_limits_that_refuse_every_default_video_stop_the_start(caplog, tmp
     assert "no checkpoint" not in caplog.text
     enough = build_parser(argv).parse_args([*argv, "--default-num-frames", "4"])
     assert from_args(EngineConfig, enough).max_frames_per_request == 4
+
+
+@pytest.mark.parametrize("stall,refused", [("60", True), ("30", True), ("61", False), ("0", False)])
+def test_a_stall_timeout_not_above_the_tensor_parallel_timeout_stops_the_start(stall, refused, caplog, tmp_path):
+    """With tensor-parallel ranks, a stall timeout at or under --tensor-parallel-timeout-s (60) killed
+    the engine as wedged before the hung rank could be named. 0 (never) is not refused; without ranks
+    the tensor-parallel timeout is not used, and any stall timeout is taken. (No checkpoint at --model:
+    flags let through stop the start there, with that message.)"""
+    from mmserve.server.cli import run
+
+    argv = ["serve", "--model", str(tmp_path / "absent"), "--tensor-parallel-size", "2",
+            "--engine-stall-timeout-s", stall]
+    assert run(build_parser(argv).parse_args(argv)) == 2
+    named = f"--engine-stall-timeout-s {stall} is not above --tensor-parallel-timeout-s 60"
+    assert (named in caplog.text, "no checkpoint" in caplog.text) == (refused, not refused)
+    single = ["serve", "--model", str(tmp_path / "absent"), "--engine-stall-timeout-s", stall]
+    assert from_args(EngineConfig, build_parser(single).parse_args(single)).engine_stall_timeout_s == float(stall)

@@ -228,6 +228,10 @@ class EngineConfig:
         if not slowdown_valid(self.max_step_slowdown):   # (NaN too; -1 is resolved above)
             raise ValueError(f"max_step_slowdown must be above 1, or 0 (off), or -1 (the device's default); "
                              f"got {self.max_step_slowdown}")
+        if self.tensor_parallel_size > 1 and 0 < self.engine_stall_timeout_s <= self.tensor_parallel_timeout_s:
+            raise ValueError(f"--engine-stall-timeout-s {self.engine_stall_timeout_s:g} is not above "
+                             f"--tensor-parallel-timeout-s {self.tensor_parallel_timeout_s:g}: a rank that hangs "
+                             "a collective would be reported as a wedged engine instead of by name")
         default_frames = min(self.default_num_frames, self.max_frames_per_video)   # a video naming no count
         if self.max_frames_per_request < default_frames:   # would be decoded, then refused: every one
             raise ValueError(f"--max-frames-per-request {self.max_frames_per_request} is below the {default_frames} "

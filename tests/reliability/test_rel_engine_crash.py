@@ -77,6 +77,7 @@ def test_a_wedged_engine_is_killed_after_the_stall_timeout(tiny_checkpoint, tmp_
     and nothing is left in TMPDIR (the ranks' rendezvous directory leaked whenever the engine was killed)."""
     server = ServeProcess("--port", "0", "--model", str(tiny_checkpoint), "--device", "cpu", "--max-num-seqs", "4",
                           "--worker-threads", "1", "--tensor-parallel-size", "2", "--engine-stall-timeout-s", "3",
+                          "--tensor-parallel-timeout-s", "2",
                           env={"TMPDIR": str(tmp_path)})
     try:
         _signal_the_engine_mid_stream(server, signal.SIGSTOP, "killed by the front end: it sent nothing for 3s")

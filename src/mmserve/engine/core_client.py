@@ -240,7 +240,7 @@ class CoreClient:
                     self._dispatch(serial.decode(await self._recv.recv_multipart(copy=False)))
                 elif not self.alive and not await self._recv.poll(LIVENESS_POLL_MS):
                     break   # gone, and everything it sent has been read
-                elif self._stall_s and time.monotonic() - self._last_heard > self._stall_s:
+                elif self._stall_s and not self._shutting_down and time.monotonic() - self._last_heard > self._stall_s:
                     self._kill(f"it sent nothing for {self._stall_s:g}s (--engine-stall-timeout-s): wedged")
                     break
             await self._reap()
