@@ -169,5 +169,3 @@ def test_every_family_members_persistent_buffers_leave_the_graph_room_for_a_buck
     persistent = sum(t.nbytes for t in vars(pieces).values() if isinstance(t, torch.Tensor))
     room = (1 - cuda.gpu_memory_utilization) * 78 * 2**30
     assert persistent < room / 10, f"{member}: {persistent / 2**30:.2f} GiB of {room / 2**30:.1f}"
-    q_per_token = sum(a.num_heads * a.head_dim * 2 for a in attn)   # what capture kept before, per bucket row
-    assert q_per_token * sum(sizes) > room, f"{member}: {q_per_token * sum(sizes) / 2**30:.1f} GiB"

@@ -187,7 +187,7 @@ def test_every_sample_reports_the_requests_cache_hit_and_prompt_logprobs(server,
 
 def test_a_sample_that_ends_before_sample_0_waits_for_its_prompt_usage():
     """Sample 0's cached tokens and prompt logprobs are known when it ends; a fork that ends first
-    (its EOS, say) sends its `complete` right after sample 0's."""
+    (its EOS, say) holds its `complete` until sample 0 ends, then sends it just before sample 0's."""
     def end(request_id: str, cached: int, prompt_logprobs) -> RequestOutput:
         return RequestOutput(request_id, [7], "", finished=True, finish_reason="length", prompt_logprobs=prompt_logprobs,
                              usage=Usage(prompt_tokens=40, multimodal_tokens=0, completion_tokens=1, num_frames=0,

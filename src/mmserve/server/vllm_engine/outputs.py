@@ -2,7 +2,8 @@
 
 Streaming: one chunk per delta (token ids, their logprobs, `completion_tokens` = the delta's count),
 then, as each sample ends, a `complete` repeating its last delta with the finish reason and usage
-(a sample other than 0 that ends first sends its `complete` after sample 0's: `SampleEnds`).
+(a sample other than 0 that ends first holds its `complete` until sample 0 ends, then sends it just
+before sample 0's, in the same batch: `SampleEnds`).
 Not streaming: one `complete` per sample with all its ids and logprobs. `index` names the sample.
 The gateway detokenizes the ids itself; our text is not sent. The frames each video sampled (what
 mmserve.v1 reports in `Final.videos`) have no field in the protocol: they leave as the call's trailing
