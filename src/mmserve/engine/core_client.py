@@ -12,8 +12,9 @@ just before it), `on_exit` gets an EngineDeadError naming the exit code or signa
 core sent), or None after a requested shutdown. A live core whose loop turns sends at least a
 `Heartbeat` a second; once `watch_stalls()` was called (the server, after its warm-up, which
 --engine-ready-timeout-s bounds), one silent for --engine-stall-timeout-s is wedged (a hung kernel
-or collective, a deadlock, a stopped process): it is killed and ends as a dead one does. A core that fails sends why (`EngineDead`) and exits
-only once this side has read it (`EngineDeadRead`): its exit cannot be seen before its reason.
+or collective, a deadlock, a stopped process): it is killed and ends as a dead one does. A core
+that fails sends why (`EngineDead`) and exits only once this side has read it (`EngineDeadRead`):
+its exit cannot be seen before its reason.
 """
 
 from __future__ import annotations

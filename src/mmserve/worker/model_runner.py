@@ -262,8 +262,7 @@ class ModelRunner:
                 with self._check_cache(step) as garbage:
                     eager = self._eager_rows(step)
                     garbage(True)
-                    for buffer in (self.piecewise._attn_in, self.piecewise._attn_out):   # what padding rows carry: anything
-                        buffer.fill_(float("nan"))
+                    self.piecewise.fill_attention_buffers(float("nan"))   # what padding rows carry: anything
                     inputs, hidden = self._run_pieces(step.scheduled, step.tables, step.rows)
                     empty = hidden[:0]
                     reason = graphs_mismatch(hidden[:inputs.num_tokens].clone(), eager, empty, empty)

@@ -204,6 +204,12 @@ class PiecewiseGraphs:
                  "emulated" if self.mode == EMULATED else "captured", len(self.sizes), self.sizes[-1] if self.sizes else 0,
                  self.capture_s)
 
+    def fill_attention_buffers(self, value: float) -> None:
+        """Fill the buffers between pieces (q for attention, its result for the next piece) with
+        `value`: the start-up check's garbage, so a padding row that reaches a real one shows."""
+        for buffer in (self._attn_in, self._attn_out):
+            buffer.fill_(value)
+
     def run(self, size: int, num_tokens: int, metadata: dict) -> torch.Tensor:
         """The forward of a step of `num_tokens` real rows in bucket `size`, its inputs (ids,
         positions, `embeds`) in the persistent buffers and `metadata` its attention's: replay each
