@@ -43,7 +43,7 @@ class BackendCheckError(MMServeError):
 
 @dataclass(frozen=True)
 class BackendCheck:
-    component: str    # a layer type, or "cuda_graphs"
+    component: str    # a layer type, "cuda_graphs", "piecewise_graphs", "ple_projection" or "top_p"
     selected: str     # what load time chose
     running: str      # what runs after the check
     reason: str = ""  # why it fell back; "" when the selected one passed
