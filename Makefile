@@ -74,10 +74,11 @@ METRICS_PORT    ?= 9464
 PROMETHEUS_PORT ?= 9095
 
 # Debian's prometheus + promtool: the dashboard/alert tests need them (they skip without, except under CI,
-# where `make test` must install them through this target) and `make prometheus` runs them.
+# where `make test` must install them through this target) and `make prometheus` runs them. Not root:
+# `sudo -n`, which fails instead of asking for a password, so `make test` never stops at a prompt.
 setup-prometheus:
 	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then exit 0; fi; \
-	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  sudo=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q --no-install-recommends prometheus
 
 # `make test` tries the install too; for a newcomer without root a failed install only makes those tests
