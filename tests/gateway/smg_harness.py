@@ -92,22 +92,23 @@ class _Process:
             self.proc.wait()
 
 
-def serve_args(model: str | Path, port: int, extra: tuple[str, ...]) -> list[str]:
+def serve_args(model: str | Path, port: int, extra: tuple[str, ...], host: str = "127.0.0.1") -> list[str]:
     """A replica's `mmserve serve` arguments."""
-    return ["serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port), *REPLICA_ARGS, *extra]
+    return ["serve", "--model", str(model), "--host", host, "--port", str(port), *REPLICA_ARGS, *extra]
 
 
 class Replica(_Process):
-    """`mmserve serve` on a free port (mmserve.v1 and VllmEngine on that one port)."""
+    """`mmserve serve` on a free port (mmserve.v1 and VllmEngine on that one port), bound to `host` alone."""
 
-    def __init__(self, *extra: str, model: str | Path = DEMO_MODEL_DIR, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        argv = [sys.executable, "-m", "mmserve.cli", *serve_args(model, self.port, extra)]
+    def __init__(self, *extra: str, model: str | Path = DEMO_MODEL_DIR, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port()
+        argv = [sys.executable, "-m", "mmserve.cli", *serve_args(model, self.port, extra, host)]
         super().__init__(argv, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {})))
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:

@@ -37,7 +37,7 @@ from mmserve.server.handlers import ClosingStreamsInterceptor
 from mmserve.server.health import Health, enable_reflection
 from mmserve.server.in_flight import InFlightRequests
 from mmserve.server.media import RECOMMENDED_CHUNK_BYTES, UPLOAD_FRAMING_BYTES, MediaService
-from mmserve.server.openai_gateway import OpenAIGateway
+from mmserve.server.openai_gateway import OpenAIGateway, replica_address
 from mmserve.server.rpc_metrics import RpcMetricsInterceptor
 from mmserve.server.servicer import GenerationServicer
 from mmserve.server.tls import bind, server_credentials
@@ -294,7 +294,8 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
             await server.stop()
             return True
         if server_config.openai_port:   # the OpenAI door: SMG in front of this replica (openai_gateway.py)
-            gateway = OpenAIGateway(server_config.host, server_config.openai_port, f"127.0.0.1:{server.port}")
+            gateway = OpenAIGateway(server_config.host, server_config.openai_port,
+                                    replica_address(server_config.host, server.port))
             await gateway.wait_ready()
         return await server.run_until_stopped(signals)
     except BaseException:

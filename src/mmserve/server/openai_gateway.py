@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 def smg_binary() -> str | None:
@@ -52,6 +53,12 @@ def refusal(config: ServerConfig, api_keys: bool) -> str | None:
     if smg_binary() is None:
         return "--openai-port needs the SMG gateway: pip install 'smg==1.13.0' (in the dev extra) into this environment"
     return None
+
+
+def replica_address(host: str, port: int) -> str:
+    """Where SMG reaches this replica: the host it binds (bound to one address, it listens on no
+    other, loopback included), or loopback where it binds every interface."""
+    return f"{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
 
 
 def _free_port(host: str) -> int:
