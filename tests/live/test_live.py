@@ -87,10 +87,10 @@ def question(qid: str, *, max_tokens: int = 12, join: bool = False, parts=None,
 class Session:
     """A Live call driven from the test: `send` messages, `until` a response matches."""
 
-    def __init__(self, stub, open_: pb.LiveOpen, *, timeout: float = 120.0):
+    def __init__(self, stub, open_: pb.LiveOpen, *, timeout: float = 120.0, metadata=()):
         self._out: queue.Queue = queue.Queue()
         self._out.put(pb.LiveRequest(open=open_))
-        self.call = stub.Live(iter(self._out.get, None), timeout=timeout)
+        self.call = stub.Live(iter(self._out.get, None), timeout=timeout, metadata=metadata)
         self.progress: pb.LiveProgress | None = None
         self.reports = 0   # LiveProgress messages received
         self.answers: dict[str, list[pb.LiveAnswer]] = {}
@@ -227,6 +227,41 @@ def test_a_question_sends_its_context_no_pixels(server, stub, monkeypatch):
     assert six - one <= 8 * more_tokens < pixels, (one, six, more_tokens, pixels)
     expected, _ = generate_tokens(stub, frames)
     assert s.tokens("six") == expected and expected
+    wait_all_free(server)
+
+
+def test_a_live_session_and_a_generate_of_one_key_share_one_owner(server, stub, monkeypatch):
+    """The scheduler shares seats fairly by the `owner` each request reaches the engine with
+    (core/sched/fair_share.py). A session's context and questions went with none (b""), while the
+    same key's Generate carried its caller key: one client held two shares, and callers with no key
+    were two owners, not one. Now every request of one key, through either door, has one owner."""
+    owners: dict[str, bytes] = {}
+    post = server.engine.client._post
+
+    def record(message):
+        if isinstance(message, AddRequest):
+            owners[message.request.request_id] = message.request.owner
+        post(message)
+
+    monkeypatch.setattr(server.engine.client, "_post", record)
+    rng = np.random.default_rng(int(torch.randint(0, 2**31, ())))
+    for name, metadata in (("keyed", (("authorization", "Bearer one key"),)), ("keyless", ())):
+        s = Session(stub, pb.LiveOpen(session_id=f"{name}-live"), timeout=60, metadata=metadata)
+        s.send(pb.LiveRequest(frame=pb.LiveFrame(image=png(rng))))
+        s.until(lambda s: s.progress is not None and s.progress.frames_prefilled == 1)
+        s.send(question("q", max_tokens=2))
+        s.until(lambda s: s.answered("q"))
+        s.close()
+        list(s.call)
+        assert s.call.code() == grpc.StatusCode.OK
+        list(stub.Generate(pb.GenerateRequest(request_id=f"{name}-generate", sampling=pb.SamplingParams(max_tokens=2),
+                                              messages=[pb.Message(role="user", parts=[pb.Part(text="hi")])]),
+                           timeout=60, metadata=metadata))
+    live = {name: {owners[rid] for rid in owners if rid.startswith(f"{name}-live#")} for name in ("keyed", "keyless")}
+    assert len(live["keyed"]) == len(live["keyless"]) == 1, owners   # the context and the question alike
+    assert live["keyed"] == {owners["keyed-generate"]} and live["keyless"] == {owners["keyless-generate"]}, owners
+    assert owners["keyed-generate"] != owners["keyless-generate"], owners
+    assert sum(rid.startswith("keyed-live#") for rid in owners) >= 2, owners   # a context and a question
     wait_all_free(server)
 
 

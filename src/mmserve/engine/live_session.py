@@ -201,22 +201,24 @@ class LiveSession:
     context failed, BUFFER overflowed, its stream cannot be decoded). `process_frame(owner, frame,
     max_soft_tokens)` turns an encoded image or a stream's RGB frame into the model's input
     (InputProcessor.process_frame). Frames come as images (`add_frame`) or as one encoded stream
-    (`add_stream_chunk`, decoded under `media_limits`), not both. Call `close()` however it ends: it
-    aborts everything it started. Created on the event loop it then runs on."""
+    (`add_stream_chunk`, decoded under `media_limits`), not both. `owner` is the caller's key
+    (server/in_flight.py caller_key) on every engine request the session makes, so the scheduler
+    counts a client's sessions and its Generate calls as one share. Call `close()` however it ends:
+    it aborts everything it started. Created on the event loop it then runs on."""
 
     def __init__(self, engine, tokenizer, spec, session_id: str, options: LiveOptions, *,
                  process_frame: Callable, emit: Callable[[object], None], fail: Callable[[BaseException], None],
                  max_model_len: int, max_questions: int = 4, trace_context=None, observer=None,
-                 media_limits: MediaLimits | None = None):
+                 media_limits: MediaLimits | None = None, owner: bytes = b""):
         self.engine, self.tokenizer, self.spec = engine, tokenizer, spec
-        self.session_id, self.options = session_id, options
+        self.session_id, self.options, self.owner = session_id, options, owner
         self._process_frame, self._emit, self._fail = process_frame, emit, fail
         self.max_questions = max_questions
         self.trace_context = trace_context
         self.observer = observer          # metrics hooks (EngineMetrics.live_event), optional
         self.stats = LiveStats()
         self.capacity = self._capacity(max_model_len)
-        self._owner = object()            # this session's share of the decode pool
+        self._decode_share = object()     # this session's share of the decode pool
         self._loop = asyncio.get_running_loop()
         self._media_limits = media_limits or MediaLimits()
         self._stream: StreamDecoder | None = None   # when frames come as one encoded stream
@@ -324,7 +326,7 @@ class LiveSession:
         self._note("frames_dropped", 1)
 
     async def _decode(self, data: bytes | np.ndarray, time_s: float, arrival: float, index: int) -> LiveFrame:
-        mm, n = await self._process_frame(self._owner, data, self.options.max_tokens_per_frame)
+        mm, n = await self._process_frame(self._decode_share, data, self.options.max_tokens_per_frame)
         return LiveFrame(mm, n, time_s, arrival, index)
 
     def _feed(self) -> None:
@@ -449,7 +451,7 @@ class LiveSession:
         """Submit a context (what it holds by now: extensions before this task ran are in its first
         prompt) and stream its progress: prefilled frames -> stats, lag, the next frames, roll-over's end."""
         request = EngineRequest(context.request_id, list(context.token_ids), list(context.mm_ranges),
-                                list(context.mm_inputs), sampling=SamplingParams(max_tokens=1),
+                                list(context.mm_inputs), sampling=SamplingParams(max_tokens=1), owner=self.owner,
                                 open_prompt=self.capacity, session_id=self.session_id,
                                 trace_context=self.trace_context, num_frames=len(context.frames),
                                 arrival_time=time.monotonic())
@@ -515,8 +517,8 @@ class LiveSession:
         frames = context.frames[:cut.num_frames]
         return EngineRequest(
             derived_id(self.session_id, f"q-{question_id}"), context.token_ids[:cut.num_tokens] + suffix, ranges,
-            context.mm_inputs[:len(ranges)], sampling, trace_context=trace_context, num_frames=len(frames),
-            num_mm_tokens=sum(b - a + 1 for a, b in ranges), arrival_time=asked,
+            context.mm_inputs[:len(ranges)], sampling, owner=self.owner, trace_context=trace_context,
+            num_frames=len(frames), num_mm_tokens=sum(b - a + 1 for a, b in ranges), arrival_time=asked,
             videos=[SampledVideo(LIVE_PART, tuple(f.time_s for f in frames))],
             context_request_id=context.request_id if ranges else "")
 

@@ -149,7 +149,7 @@ class LiveService:
                                       fail=lambda e: outbox.put_nowait(_SessionEnded(e)),
                                       max_model_len=processor.max_model_len,
                                       max_questions=self._config.live_max_questions, trace_context=trace_context,
-                                      observer=self._observer, media_limits=processor.limits)
+                                      observer=self._observer, media_limits=processor.limits, owner=owner)
             except BaseException:
                 self._release(owner)
                 raise
