@@ -12,8 +12,9 @@ docs/gateway.md's OpenAI example runs against a real SMG in front of the session
 events subscriber against a server publishing them over ZMQ (on ipc endpoints in a private
 directory instead of the doc's TCP ports), docs/api.md's audio examples (the blocks naming
 speech.wav or talk.mp4) against a tiny random E-model (the demo model has no audio tower). Blocks
-that need what only a deployment has (docs/security.md's certificates and keys) and diagrams
-(no line starting with a command) are not examples.
+that need what only a deployment has (docs/security.md's certificates and keys: its grpcurl command
+runs in tests/reliability/test_rel_tls.py, against that module's server over mutual TLS) and
+diagrams (no line starting with a command) are not examples here.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mmserve.multimodal.synthetic import make_clip
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ("README.md", "docs/api.md", "docs/deploy.md", "docs/operations.md", "docs/tracing.md", "docs/gateway.md",
         "docs/security.md")
-NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reliability/test_rel_tls.py, _auth.py
+NEEDS_A_DEPLOYMENT = {"docs/security.md"}   # certificates, API keys: tests/reliability/test_rel_tls.py (its grpcurl), _auth.py
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 GATEWAY_URL = "http://127.0.0.1:8000/v1"
 KV_EVENTS = ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558")   # the docs' ZMQ publisher and its replay socket

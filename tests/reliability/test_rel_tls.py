@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
+import re
 import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +26,7 @@ from mmserve.server.auth import build_auth_interceptor
 from mmserve.server.tls import TLSConfigError, server_credentials
 
 HEALTH = health_pb2.HealthCheckRequest()
+SECURITY_DOC = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +141,27 @@ def test_real_server_over_mtls_with_api_key(pki, tmp_path, monkeypatch, tiny_che
 
     try:
         asyncio.run(scenario())
+        run = _security_doc_grpcurl(pki, tmp_path, server.port)
+        answered, refused = run(key), run("not-" + key)
+        assert answered.returncode == 0 and '"final"' in answered.stdout, answered.stderr
+        assert refused.returncode != 0 and "Unauthenticated" in refused.stderr, refused
         server.assert_nothing_leaked()
     finally:
         server.stop()
+
+
+def _security_doc_grpcurl(pki: Pki, directory: Path, port: int):
+    """docs/security.md's grpcurl example as written, in a directory holding the files it names, the
+    address it dials replaced by the server's and the client certificate added, as the doc says to
+    for mutual TLS. Returns a function running it with a KEY."""
+    (command,) = re.findall(r"^grpcurl .*?mmserve\.v1\.Generation/Generate$", SECURITY_DOC.read_text(), re.M | re.S)
+    command = command.replace("grpcurl ", "grpcurl -cert client.crt -key client.key ", 1)
+    command, dialled = re.subn(r"\S+:50051", f"localhost:{port}", command)
+    assert dialled == 1, command
+    for name, pem in (("ca.crt", pki.ca.cert_pem), ("client.crt", pki.client.cert_pem),
+                      ("client.key", pki.client.key_pem)):
+        (directory / name).write_bytes(pem)
+    grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).with_name("grpcurl"))
+    script = f'grpcurl() {{ "{grpcurl}" "$@"; }}\n{command}'
+    return lambda key: subprocess.run(["bash", "-c", script], cwd=directory, capture_output=True, text=True,
+                                      timeout=120, env=dict(os.environ, KEY=key))
