@@ -21,6 +21,10 @@ Serve a Gemma 4 video+text model over gRPC, and talk to it.
   mmserve live clip.mp4 --ask 2:"What moves?"
                                       stream a video into a live session, ask as it plays
   mmserve demo-live                   a live session on a clip whose shape turns back half way
+  mmserve upload meeting.mp4          upload a large file once; requests name it by its media id
+  mmserve demo-video --out clip.mp4   write a synthetic captioned clip
+  mmserve eval-demo --server ...      the demo model's caption accuracy on held-out clips
+  mmserve perf --hf-config DIR        FLOPs and bytes of one step per GPU, from a model's config
   mmserve worker --node-rank 1 ...    a further node's ranks of a multi-node tensor-parallel group
   mmserve traces                      print each request's span tree, received over OTLP (no Jaeger)
 
