@@ -127,6 +127,12 @@ def _serve_usage_error(argv: list[str], capsys) -> str:
     (["--video-decode-timeout-s", "0"], {}, "below the minimum 0.001"),
     (["--engine-ready-timeout-s", "0"], {}, "below the minimum 0.001"),
     (["--grammar-compile-timeout-s", "0"], {}, "below the minimum 0.001"),
+    # 0 refused every video and every audio part as too long, and deleted every upload within 0.05 s
+    # of its commit (the sweeper's shortest sleep), before a request could name it
+    (["--max-video-duration-s", "0"], {}, "argument --max-video-duration-s: 0 is below the minimum 0.001"),
+    ([], {"MMSERVE_MAX_AUDIO_DURATION_S": "0"}, "argument --max-audio-duration-s: 0 is below the minimum 0.001 "
+                                                "(from MMSERVE_MAX_AUDIO_DURATION_S)"),
+    (["--media-ttl-s", "0"], {}, "argument --media-ttl-s: 0 is below the minimum 0.001"),
     (["--tensor-parallel-timeout-s", "inf"], {}, "'inf' is not finite"),   # OverflowError in the engine process
     ([], {"MMSERVE_MAX_STEP_SLOWDOWN": "-inf"}, "'-inf' is not finite (from MMSERVE_MAX_STEP_SLOWDOWN)"),
     (["--seed", str(2**64)], {}, f"above the maximum {2**64 - 1}"),   # torch.manual_seed refuses it

@@ -147,10 +147,10 @@ class EngineConfig:
     max_video_bytes: int = field(default=48 * 2**20, metadata={
         "help": "largest video payload; also bounds an image part (inline or uploaded) and an inline audio part",
         "min": 1})
-    max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0})
+    max_video_duration_s: float = field(default=4 * 3600.0, metadata={"help": "longest video accepted", "min": 0.001})
     max_audio_duration_s: float = field(default=600.0, metadata={
         "help": "longest audio part, or video soundtrack window (use_audio_in_video), in seconds; refused from the "
-                "header before decoding (30 s of audio is 750 tokens)", "min": 0})
+                "header before decoding (30 s of audio is 750 tokens)", "min": 0.001})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
     max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
     max_pixels_per_request: int = field(default=128 * 2**20, metadata={
@@ -379,7 +379,7 @@ class ServerConfig:
         "help": "uploaded media and uploads in progress of one API key at most; room is made by evicting that key's "
                 "own unused media first; 0 = a quarter of --media-dir-max-bytes (at least "
                 "--max-upload-bytes) with API keys, all of it without (all clients alike without keys)", "min": 0})
-    media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0})
+    media_ttl_s: float = field(default=3600.0, metadata={"help": "uploaded media unused this long are deleted", "min": 0.001})
     upload_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "an UploadMedia stream with no message for this long is ended and its bytes dropped", "min": 0.001})
     upload_max_duration_s: float = field(default=1800.0, metadata={
