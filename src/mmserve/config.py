@@ -34,6 +34,7 @@ def slowdown_valid(value: float) -> bool:
 
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 BACKEND_SELF_CHECK_CHOICES = ("auto", "on", "off")   # worker/backend_check.py reads it (this module imports no torch)
+SDPA_BATCHING_CHOICES = ("auto", "batched", "loop")   # attention/sdpa.py's plans, one per choice
 # What a boolean variable may say (any case, spaces around ignored); anything else is a usage error.
 BOOLEAN_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
@@ -54,7 +55,7 @@ class EngineConfig:
                 "process); on CUDA the decoder's layers are compiled (fused) at every step size regardless"})
     sdpa_batching: str = field(default="auto", metadata={
         "help": "sdpa backend: auto (one padded call per layer type unless padding costs more), batched, loop "
-                "(one call per request)", "choices": ("auto", "batched", "loop")})
+                "(one call per request)", "choices": SDPA_BATCHING_CHOICES})
     max_num_batched_tokens: int = field(default=0, metadata={
         "help": "token budget per engine step; 0 = the device's default (512 on a CPU, 2048 on CUDA)", "min": 0})
     prefill_batched_tokens: int = field(default=-1, metadata={

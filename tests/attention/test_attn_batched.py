@@ -15,6 +15,7 @@ from mmserve.attention.mask import batch_dense_mask
 from mmserve.attention.page_tables import windowed_tables
 from mmserve.attention.sdpa import SdpaMetadataBuilder
 from mmserve.attention.synthetic import pool_for, run_backend
+from mmserve.config import SDPA_BATCHING_CHOICES
 
 SPEC_IDS = [f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}" for s in SPECS]
 
@@ -107,3 +108,14 @@ def test_auto_pads_alike_requests_together_and_leaves_outliers_alone():
     assert plan([Req(3000, 1)] + [Req(5, 1) for _ in range(3)]) == [(1, 1, 188), (3, 1, 1)]
     # Equal prompt chunks share a call; a much shorter chunk does not pad them.
     assert plan([Req(0, 200), Req(0, 9), Req(0, 200), Req(0, 200)]) == [(1, 9, 1), (3, 200, 13)]
+
+
+def test_each_flag_choice_plans_and_anything_else_is_refused_naming_the_flag():
+    """--sdpa-batching's choices are the builder's (config.SDPA_BATCHING_CHOICES, one list): an engine
+    built in Python with another value (mmserve.LLM(sdpa_batching=...)) is told which flag it set."""
+    spec = SPECS[0]
+    batch = make_batch([Req(0, 20), Req(30, 1)], spec)
+    for mode in SDPA_BATCHING_CHOICES:
+        assert SdpaMetadataBuilder(pool_for(batch, spec, sdpa_batching=mode)).mode == mode
+    with pytest.raises(ValueError, match="--sdpa-batching 'padded': choose from auto, batched, loop"):
+        SdpaMetadataBuilder(pool_for(batch, spec, sdpa_batching="padded"))

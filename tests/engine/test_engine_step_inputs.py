@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mmserve.attention import PoolConfig
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.attention.sdpa import MODES, SdpaMetadataBuilder
+from mmserve.attention.sdpa import SdpaMetadataBuilder
+from mmserve.config import SDPA_BATCHING_CHOICES
 from mmserve.core.sched.output import DEVICE_DRAFT, ScheduledRequest
 from mmserve.worker.block_table import BlockTables
 from mmserve.worker.step_inputs import PrevStep, StepInputBuilder
@@ -180,8 +181,9 @@ def test_steady_state_builds_allocate_no_tensors():
     pools = {t: PoolConfig(s, num_blocks=128, block_size=4, max_num_tokens=32, max_num_reqs=sched.max_num_seqs,
                            max_blocks_per_req=sched.kv.max_blocks_per_req, device=torch.device("cpu"),
                            dtype=torch.float32) for t, s in SPECS.items()}
-    # The sdpa builder in each of its plans (flex and the reference build torch objects per step).
-    attn = {t: [SdpaMetadataBuilder(p, mode) for mode in MODES] for t, p in pools.items()}
+    # The sdpa builder in each of its plans, every --sdpa-batching choice (flex and the reference build
+    # torch objects per step).
+    attn = {t: [SdpaMetadataBuilder(p, mode) for mode in SDPA_BATCHING_CHOICES] for t, p in pools.items()}
     recorder = _StorageRecorder()
     with recorder:
         drive(sched, inputs, attn, lambda f: f())      # warm-up

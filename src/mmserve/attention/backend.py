@@ -54,7 +54,7 @@ class PoolConfig:
     max_blocks_per_req: int         # block table width: ceil(max_model_len / block_size)
     device: torch.device
     dtype: torch.dtype              # the model's activation dtype (masks are built in it)
-    sdpa_batching: str = "auto"     # sdpa: auto | batched | loop (one call per request)
+    sdpa_batching: str = "auto"     # sdpa backend: one of config.SDPA_BATCHING_CHOICES
     # decode/verify steps on the split-KV kernel (attention/split_kv.py); None: selection.split_kv_decode decides
     split_kv_decode: bool | None = None
     # how far the device may move positions back after the host planned a step (async scheduling with

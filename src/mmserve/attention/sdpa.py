@@ -32,6 +32,7 @@ from mmserve.attention.buffers import StagedWorkspace
 from mmserve.attention.mask import keep_into
 from mmserve.attention.page_tables import WindowedTables, first_kept_keys, windowed_tables
 from mmserve.attention.paged import write_kv
+from mmserve.config import SDPA_BATCHING_CHOICES
 
 # The plan's cost model, in units of work: query rows x gathered keys x heads x head_dim. One more
 # SDPA call (gathers, views, dispatch) costs about CALL_OVERHEAD units. A padded call of decode rows
@@ -41,7 +42,6 @@ from mmserve.attention.paged import write_kv
 CALL_OVERHEAD = 100_000
 DECODE_BATCH_FACTOR = 1.5
 NO_KEY = 2**62   # absolute position given to padding keys, so mask.keep drops them by its own rule
-MODES = ("auto", "batched", "loop")
 
 
 @dataclass
@@ -72,8 +72,8 @@ class SdpaMetadataBuilder:
 
     def __init__(self, pool: PoolConfig, mode: str | None = None) -> None:
         mode = mode or pool.sdpa_batching
-        if mode not in MODES:
-            raise ValueError(f"sdpa batching {mode!r}: choose from {', '.join(MODES)}")
+        if mode not in SDPA_BATCHING_CHOICES:
+            raise ValueError(f"--sdpa-batching {mode!r}: choose from {', '.join(SDPA_BATCHING_CHOICES)}")
         self.pool, self.spec, self.mode = pool, pool.spec, mode
         self.group_size = pool.spec.num_heads // pool.spec.num_kv_heads
         self.ws = StagedWorkspace(pool.device)
