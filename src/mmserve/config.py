@@ -35,6 +35,8 @@ def slowdown_valid(value: float) -> bool:
 ASYNC_SCHEDULING_CHOICES = ("auto", "on", "off")
 BACKEND_SELF_CHECK_CHOICES = ("auto", "on", "off")   # worker/backend_check.py reads it (this module imports no torch)
 SDPA_BATCHING_CHOICES = ("auto", "batched", "loop")   # attention/sdpa.py's plans, one per choice
+SCHEDULING_POLICY_CHOICES = ("fcfs", "priority")   # the scheduler's orders (core/sched/scheduler.py)
+PERF_ACCOUNTING_CHOICES = ("exact", "upper-bound")   # metrics/perf_model.py's, also `mmserve perf --accounting`
 # What a boolean variable may say (any case, spaces around ignored); anything else is a usage error.
 BOOLEAN_WORDS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 CPU_KV_CACHE_BYTES = 256 * 2**20   # a CPU's KV cache when no size is given (host memory is shared)
@@ -86,7 +88,7 @@ class EngineConfig:
                 "as vLLM's flag; the KV cache gets what a profiling step at the largest step leaves of it "
                 "(unless --kv-cache-bytes or --num-kv-blocks is given)", "min": 0.01, "max": 1.0})
     max_waiting_requests: int = field(default=256, metadata={"help": "bounded queue; beyond it RESOURCE_EXHAUSTED", "min": 0})
-    scheduling_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": ("fcfs", "priority")})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "order of the waiting queue", "choices": SCHEDULING_POLICY_CHOICES})
     seed: int = field(default=0, metadata={"help": "default sampling seed", "min": 0, "max": 2**64 - 1})
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV cache of prompt prefixes seen before (keyed by token ids and image/frame content) "
@@ -199,7 +201,7 @@ class EngineConfig:
         "help": "compiled response_formats kept per process (front end and engine each), LRU by size", "min": 0})
     # Metrics.
     perf_accounting: str = field(default="exact", metadata={"help": "attention FLOPs/bytes accounting",
-                                                                       "choices": ("exact", "upper-bound")})
+                                                                       "choices": PERF_ACCOUNTING_CHOICES})
     step_trace_ratio: float = field(default=0.01, metadata={"help": "share of engine steps traced", "min": 0, "max": 1})
     # Speculative decoding (spec_decode/speculator.py).
     speculative_model: str = field(default="", metadata={

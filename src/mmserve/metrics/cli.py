@@ -22,12 +22,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmserve.config import EngineConfig
+from mmserve.config import PERF_ACCOUNTING_CHOICES, EngineConfig
 from mmserve.core.kv_cache.planner import GiB, KVCachePlan, KVCacheTooSmall, plan_pools
 from mmserve.errors import MMServeError
 from mmserve.metrics.peaks import known_devices, lookup, utilization
 from mmserve.metrics.perf_model import (
-    ACCOUNTING_MODES,
     DraftWork,
     PerfModel,
     RequestWork,
@@ -74,7 +73,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="weights' and activations' dtype: sets the bytes moved (default bfloat16)")
-    p.add_argument("--accounting", default="exact", choices=list(ACCOUNTING_MODES),
+    p.add_argument("--accounting", default="exact", choices=list(PERF_ACCOUNTING_CHOICES),
                    help="attention core: pairs the mask keeps, or num_tokens * context_len")
     p.add_argument("--request", action="append", type=parse_request, default=[], metavar=REQUEST_FORM,
                    help="one request of the step (repeatable); DRAFT_KEYS: the keys its drafting reads "

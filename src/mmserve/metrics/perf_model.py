@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmserve.attention.backend import LayerAttentionSpec
+from mmserve.config import PERF_ACCOUNTING_CHOICES
 from mmserve.metrics.attention_pairs import kept_pairs, keys_touched
 from mmserve.model.spec import AudioSpec, ModelSpec, MoeSpec, VisionSpec
 
@@ -75,7 +76,6 @@ if TYPE_CHECKING:
     from mmserve.model.assistant_spec import AssistantSpec
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
-ACCOUNTING_MODES = ("exact", "upper-bound")
 LOGITS_BYTES = 4  # logits are produced in float32 (soft-capping and sampling need it)
 TOKEN_ID_BYTES = 8  # int64 token ids (the argmax of a draft step)
 RING_SENT = {"all_reduce": 2.0, "all_gather": 1.0, "broadcast": 1.0}   # x (tp - 1) / tp of the payload
@@ -237,8 +237,8 @@ class PerfModel:
         accounting: str = "exact",
         drafter: AssistantSpec | None = None,
     ):
-        if accounting not in ACCOUNTING_MODES:
-            raise ValueError(f"accounting must be one of {ACCOUNTING_MODES}, got {accounting!r}")
+        if accounting not in PERF_ACCOUNTING_CHOICES:
+            raise ValueError(f"accounting {accounting!r}: choose from {', '.join(PERF_ACCOUNTING_CHOICES)}")
         if tp < 1 or pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
         self.spec = spec

@@ -46,6 +46,7 @@ import bisect
 import logging
 from collections import Counter
 
+from mmserve.config import SCHEDULING_POLICY_CHOICES
 from mmserve.core.forks import HeldForks, prompt_done
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.kv_cache.planner import window_pool_blocks
@@ -75,8 +76,8 @@ class Scheduler:
         encode_ahead: bool = False,
         step_time: StepTimeModel | None = None,
     ):
-        if policy not in ("fcfs", "priority"):
-            raise ValueError(f"unknown scheduling policy {policy!r} (fcfs | priority)")
+        if policy not in SCHEDULING_POLICY_CHOICES:
+            raise ValueError(f"--scheduling-policy {policy!r}: choose from {', '.join(SCHEDULING_POLICY_CHOICES)}")
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_batched_tokens = max(prefill_batched_tokens, max_num_batched_tokens)
