@@ -211,6 +211,24 @@ def test_a_gif_of_more_blocks_than_the_walk_reads_is_refused(monkeypatch) -> Non
     assert read_header(screen(16, 16) + b"!\xfe\x00" * 45 + one_pixel_frame(0, 0, 1, 1) + b";", LIMITS).pixels == 256
 
 
+def test_a_gif_of_stray_bytes_before_its_frame_is_refused_before_pillow_reads_them(monkeypatch) -> None:
+    """Pillow steps over bytes that start no block one read at a time: 47.5 MiB of zeros before the
+    first frame held one decode_image 7.7 s (three opens), and no decode timeout stops a Pillow call. The walk counts them
+    with the blocks (MAX_BLOCKS made small here) and refuses the file before Pillow opens it."""
+    from mmserve.multimodal import gif
+    from mmserve.multimodal.image import read_header
+
+    monkeypatch.setattr(gif, "MAX_BLOCKS", 100)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("Pillow opened the GIF"))
+    with pytest.raises(InvalidInputError, match="image: the GIF has more than 100 blocks and stray bytes between "
+                                                r"them \(encoders write 255-byte sub-blocks and no stray bytes\): "
+                                                "re-encode it"):
+        read_header(screen(16, 16) + b"\x00" * 100 + one_pixel_frame(0, 0, 1, 1) + b";", LIMITS)
+    monkeypatch.undo()
+    monkeypatch.setattr(gif, "MAX_BLOCKS", 100)
+    assert read_header(screen(16, 16) + b"\x00" * 99 + one_pixel_frame(0, 0, 1, 1) + b";", LIMITS).pixels == 256
+
+
 @pytest.mark.parametrize("width,height", [(2**24, 1), (1, 2**24)])
 def test_an_extreme_aspect_ratio_is_refused_from_the_header(width: int, height: int) -> None:
     """A 1x16Mi PNG (49 KB) is within the pixel limit, but Pillow's bicubic resize of it peaked at

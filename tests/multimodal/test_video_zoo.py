@@ -12,7 +12,7 @@ import io
 import av
 import numpy as np
 import pytest
-from gif_clips import EXTRA_RUN_EXTENSIONS, hidden_growing_gif
+from gif_clips import EXTRA_RUN_EXTENSIONS, hidden_growing_gif, one_pixel_frame, screen
 from media_clips import animation, combing, encode, growing_gif, record_pillow_fills, sideways, woven
 
 from mmserve.errors import InvalidInputError, LimitExceededError
@@ -277,3 +277,44 @@ def test_a_frame_hidden_behind_an_extension_pillow_reads_further_is_held_to_the_
         decode_video(data, limits=limits)
     assert e.value.flag == "--max-image-pixels"
     assert max(fills, default=0) <= limits.max_image_pixels
+
+
+@pytest.mark.parametrize("where", ["before the first frame", "between frames", "after the last frame, no trailer"])
+def test_an_animation_of_stray_bytes_is_refused_before_pillow_reads_them(monkeypatch, where):
+    """Pillow steps over bytes that start no block one read at a time, inside a seek no decode timeout
+    can stop: 47.5 MiB of zeros between two frames held decode_video 5.5 s. The walk counts them with the
+    blocks (MAX_BLOCKS made small here: the two frames are 6 blocks) and refuses the file first."""
+    from mmserve.multimodal import gif
+
+    def animation_with(stray: int) -> bytes:
+        frame, zeros = one_pixel_frame(0, 0, 1, 1), b"\x00" * stray
+        return {"before the first frame": screen(16, 16) + zeros + frame + frame + b";",
+                "between frames": screen(16, 16) + frame + zeros + frame + b";",
+                "after the last frame, no trailer": screen(16, 16) + frame + frame + zeros}[where]
+
+    monkeypatch.setattr(gif, "MAX_BLOCKS", 100)
+    with pytest.raises(InvalidInputError, match="video: the GIF has more than 100 blocks and stray bytes"):
+        decode_video(animation_with(95), limits=LIMITS)
+    assert len(decode_video(animation_with(94), limits=LIMITS).frames) == 2
+
+
+def test_encoders_write_no_stray_bytes_so_the_count_refuses_no_real_file(monkeypatch):
+    """The walk counts stray bytes between blocks against MAX_BLOCKS on the premise that encoders write
+    none: Pillow's and FFmpeg's (PyAV) GIFs have none (gifsicle's neither, checked by hand), and their
+    image data comes in 255-byte sub-blocks."""
+    from mmserve.multimodal import gif
+
+    frames = [np.random.randint(0, 256, (48, 64, 3), dtype=np.uint8) for _ in range(3)]
+    made = {"Pillow": animation(frames, [100] * 3, "GIF"),
+            "FFmpeg": encode(frames, codec="gif", pix_fmt="rgb8", container="gif")}
+    counted, sub_blocks = [], []
+    count, sub_block = gif._Walk.count, gif._Walk.sub_block
+    monkeypatch.setattr(gif._Walk, "count", lambda walk, blocks=1: counted.append(blocks) or count(walk, blocks))
+    monkeypatch.setattr(gif._Walk, "sub_block", lambda walk: sub_blocks.append(walk.data[walk.pos]) or sub_block(walk))
+    for name, data in made.items():
+        counted.clear(), sub_blocks.clear()
+        assert gif.gif_canvas(data) == (64, 48), name
+        assert set(counted) == {0, 1}, name   # 0: no stray bytes before a block
+        shorter = [n for n in sub_blocks if n not in (0, 255)]   # a run's last, an extension's
+        assert sub_blocks.count(255) > 40 and len(shorter) <= 2 * len(frames) + 2, (name, shorter)
+        assert len(decode_video(data, limits=LIMITS).frames) == 3, name

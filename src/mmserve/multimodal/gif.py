@@ -10,7 +10,11 @@ descriptor. A walk that read the blocks as the GIF specification says would lose
 Pillow on a crafted file (see `_Walk.extension`) and check a frame other than the one Pillow sizes.
 
 The walk is Python, one step per block: it stops past `MAX_BLOCKS` blocks, so a 48 MiB file of
-3-byte extensions costs a fraction of a second, not seconds, whoever asked for it.
+3-byte extensions costs a fraction of a second, not seconds, whoever asked for it. Bytes between
+blocks that start none (a zero after a run's terminator, say) count as blocks too: Pillow steps over
+them one `read(1)` at a time, in a seek no decode timeout can cut short (47.5 MiB of zeros before or
+between frames held a decode 5-8 s), while the walk finds the next block with one search. Encoders
+write no such bytes.
 """
 
 from __future__ import annotations
@@ -22,21 +26,23 @@ from mmserve.errors import InvalidInputError
 _BLOCK_START = re.compile(rb"[!,;]")  # extension, image descriptor, trailer
 _HEADER_BYTES = 13  # signature, screen width and height, flags, background, aspect
 _COMMENT, _APPLICATION = 0xFE, 0xFF
-# Extensions, frames and data sub-blocks together. A 48 MiB GIF at the frame limit (100,000 frames
-# of an extension, a descriptor and data in 255-byte sub-blocks) has under 700,000.
+# Extensions, frames, data sub-blocks and stray bytes between blocks together. A 48 MiB GIF at the
+# frame limit (100,000 frames of an extension, a descriptor and data in 255-byte sub-blocks) has
+# under 700,000.
 MAX_BLOCKS = 2**20
 
 
 def gif_canvas(data: bytes, frames: int | None = None, field: str = "image") -> tuple[int, int]:
     """(width, height) of the largest canvas Pillow makes while reading the first `frames` frames
     (None: all of them): the screen, enlarged by every frame that reaches past it. A file of more
-    than `MAX_BLOCKS` blocks is refused (InvalidInputError on `field`)."""
+    than `MAX_BLOCKS` blocks and stray bytes is refused (InvalidInputError on `field`)."""
     walk = _Walk(data, field)
     width, height = _u16(data, 6), _u16(data, 8)
     walk.pos = _HEADER_BYTES + _color_table_bytes(data, 10)
     read = 0
     while True:
         block = _BLOCK_START.search(data, walk.pos)
+        walk.count((len(data) if block is None else block.start()) - walk.pos)   # stray bytes, read to the end
         if block is None or block.group() == b";":
             break
         walk.pos = block.end()
@@ -58,17 +64,18 @@ def gif_canvas(data: bytes, frames: int | None = None, field: str = "image") -> 
 
 
 class _Walk:
-    """A position in the file and the number of blocks read so far."""
+    """A position in the file and the number of blocks (and stray bytes) read so far."""
 
     def __init__(self, data: bytes, field: str) -> None:
         self.data, self.field = data, field
         self.pos = 0
         self.blocks = 0
 
-    def count(self) -> None:
-        self.blocks += 1
+    def count(self, blocks: int = 1) -> None:
+        self.blocks += blocks
         if self.blocks > MAX_BLOCKS:
-            raise InvalidInputError(self.field, f"the GIF has more than {MAX_BLOCKS} blocks")
+            raise InvalidInputError(self.field, f"the GIF has more than {MAX_BLOCKS} blocks and stray bytes between "
+                                                "them (encoders write 255-byte sub-blocks and no stray bytes): re-encode it")
 
     def sub_block(self) -> bool:
         """Step past one sub-block (a length byte, that many bytes); False when it was empty: the
