@@ -5,9 +5,10 @@ describes an area reaching past that screen; seeking to such a frame (opening th
 first) already allocates the frame's area for its disposal, before any pixel is decoded and before a
 caller can look at `size`. A 66-byte GIF can so cost gigabytes (GIF sizes go to 65535x65535). The
 pixel limit is therefore checked on this walk, which touches no pixel: it reads the blocks as Pillow's
-reader (GifImagePlugin._seek, as of Pillow 13) does, quirks included, and only looks at each frame's
-descriptor. A walk that read the blocks as the GIF specification says would lose step with
-Pillow on a crafted file (see `_Walk.extension`) and check a frame other than the one Pillow sizes.
+reader (GifImagePlugin._seek, alike in this from Pillow 10.0, pyproject's floor, to 13.0) does, quirks
+included, and only looks at each frame's descriptor. A walk that read the blocks as the GIF
+specification says would lose step with Pillow on a crafted file (see `_Walk.extension`) and check a
+frame other than the one Pillow sizes.
 
 The walk is Python, one step per block: it stops past `MAX_BLOCKS` blocks, so a 48 MiB file of
 3-byte extensions costs a fraction of a second, not seconds, whoever asked for it. Bytes between
