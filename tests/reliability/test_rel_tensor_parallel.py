@@ -259,3 +259,32 @@ def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
         assert re.search(r"tensor-parallel rank 1 \(pid \d+, exit code -9\) died", server.log), server.log
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_worker_node_and_its_ranks_at_once_reporting_them(tiny_checkpoint):
+    """A real `mmserve worker` (rank 1 of a two-node group) whose rank waits for rank 0 in the
+    rendezvous, held by a TCP store this test runs as node 0's (no server: a TP=2 `serve` start would
+    cost this module ~12 s more, and the report below is what node 0 reads, as in the tests above).
+    SIGTERM killed the node's process alone: its rank, which ignores SIGTERM, went on until it saw
+    itself orphaned, then exited 1 unlogged, and node 0 was told nothing. Now the node logs the stop,
+    kills its rank, reports it stopped by SIGTERM and exits 0."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    node = ServeProcess("--model", str(tiny_checkpoint), "--device", "cpu", "--tensor-parallel-size", "2",
+                        "--nnodes", "2", "--node-rank", "1", command="worker",
+                        env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "GLOO_SOCKET_IFNAME": "lo"})
+    try:
+        deadline = time.monotonic() + 120
+        while store.num_keys() == 0:   # rank 1 has joined the rendezvous and waits there for rank 0
+            assert time.monotonic() < deadline and node.proc.poll() is None, node.log
+            time.sleep(0.01)
+        rank1 = int(WORKER_PID.search(node.log).group(1))
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(60) == 0, node.log
+        assert "mmserve worker: SIGTERM: stopping ranks 1 of node 1; node 0's engine fails without them" in node.log
+        assert not process_exists(rank1), "the rank outlived its node's process"
+        assert store.get("mmserve/lost/1").decode() == f"node 1, pid {rank1}, stopped by SIGTERM"
+    finally:
+        node.stop()

@@ -67,7 +67,7 @@ from mmserve.executor.step_messages import (
     share_in_flight,
 )
 from mmserve.model.parallel import CollectiveError, ParallelGroup, collective, join_group
-from mmserve.process_exit import ORPHAN_POLL_S, exit_process, watch_parent
+from mmserve.process_exit import exit_process, watch_parent
 from mmserve.spec_decode.speculator import DeviceDraftRound, DraftBatch
 
 logger = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ EXIT_SEEN_S = 3.0   # after a failed collective, how long to wait for a dying ra
 REMOTE_CHECK_S = 1.0   # how often the idle core loop reads the store for ranks lost on other nodes
 STORE_TIMEOUT_S = 2.0   # rank 0's client of its own store: connect and reads
 REPORT_TIMEOUT_S = 30.0   # a worker node's report of a lost rank: node 0 may still be starting
+SIGNAL_POLL_S = 0.1   # how soon a worker node acts on SIGTERM or SIGINT
 LOST_KEY = "mmserve/lost/{rank}"   # a further node's report of a rank it lost: "node N, pid P, exit code C"
 
 
@@ -155,12 +156,15 @@ def store_client(timeout_s: float = STORE_TIMEOUT_S):
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def report_lost(rank: int, what: str) -> None:
-    """A worker node tells rank 0 which of its ranks died and how (best effort: rank 0 may be gone)."""
+def report_lost(lost: dict[int, str], timeout_s: float = REPORT_TIMEOUT_S) -> None:
+    """A worker node tells rank 0 which of its ranks it lost and how, `{rank: what}` (best effort:
+    rank 0 may be gone; `timeout_s` bounds the connection)."""
     try:
-        store_client(REPORT_TIMEOUT_S).set(LOST_KEY.format(rank=rank), what)
+        store = store_client(timeout_s)
+        for rank, what in lost.items():
+            store.set(LOST_KEY.format(rank=rank), what)
     except Exception:
-        logger.debug("could not report rank %d's loss to node 0", rank, exc_info=True)
+        logger.debug("could not report the loss of ranks %s to node 0", list(lost), exc_info=True)
 
 
 def _use_device(device: str) -> str:
@@ -436,9 +440,11 @@ class TensorParallelRunner:
 
 
 def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
-    """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0)
-    or one of them fails (the others are killed, 1)."""
+    """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0),
+    one of them fails (the others are killed, 1), or SIGTERM or SIGINT reaches this process (0, see
+    `_stop_ranks`). The ranks ignore both signals, as rank 0's node's do: this process decides."""
     import multiprocessing
+    from multiprocessing.connection import wait
 
     from mmserve.worker.cpu_threads import passive_openmp_waits
 
@@ -448,6 +454,9 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
     init_method = rendezvous(config, "")
     passive_openmp_waits()   # read by each rank's OpenMP runtime as it loads
     ctx = multiprocessing.get_context("spawn")
+    received: list[str] = []   # acted on between waits, so a signal never interrupts starting a rank
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: received.append(signal.Signals(signum).name))
     first = config.node_rank * ranks_per_node(config)
     ranks = {rank: ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
                                args=(rank, config, init_method, log_level, log_format, os.getpid()))
@@ -456,18 +465,36 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
         p.start()
         logger.info("tensor-parallel rank %d: process %d started", rank, p.pid)
     while ranks:
+        wait([p.sentinel for p in ranks.values()], SIGNAL_POLL_S)   # a rank's exit, or the poll for a signal
+        if received:
+            return _stop_ranks(ranks, config.node_rank, received[0])
         for rank, p in list(ranks.items()):
-            p.join(ORPHAN_POLL_S)
             if p.exitcode is None:
                 continue
             del ranks[rank]
             if p.exitcode != 0:
                 logger.error("%s exited with code %s; stopping this node's other ranks", p.name, p.exitcode)
-                report_lost(rank, f"node {config.node_rank}, pid {p.pid}, exit code {p.exitcode}")
+                report_lost({rank: f"node {config.node_rank}, pid {p.pid}, exit code {p.exitcode}"})
                 for other in ranks.values():
                     other.kill()
                     other.join()
                 return 1
+    return 0
+
+
+def _stop_ranks(ranks: dict, node_rank: int, signal_name: str) -> int:
+    """A worker node told to stop (SIGTERM, SIGINT): kill its ranks at once (they may wait in a
+    collective, where nothing else reaches them), report them to node 0 as stopped by the signal (so its
+    engine fails naming them, rather than at its next step's collective or timeout) and exit 0. The
+    group cannot go on without them: the server then exits 1, and its orchestrator restarts the group."""
+    logger.warning("mmserve worker: %s: stopping ranks %s of node %d; node 0's engine fails without them",
+                   signal_name, ", ".join(map(str, ranks)), node_rank)
+    for p in ranks.values():
+        p.kill()
+    for p in ranks.values():
+        p.join()
+    report_lost({rank: f"node {node_rank}, pid {p.pid}, stopped by {signal_name}" for rank, p in ranks.items()},
+                STORE_TIMEOUT_S)
     return 0
 
 

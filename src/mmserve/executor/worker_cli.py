@@ -3,7 +3,8 @@
 Node 0 runs `mmserve serve --tensor-parallel-size N --nnodes K` (the gRPC server, the core and rank
 0); every other node runs `mmserve worker` with the same engine flags and its `--node-rank`, and
 MASTER_ADDR/MASTER_PORT naming node 0 (docs/deploy.md#tensor-parallelism). It exits 0 when rank 0
-stops the group, 1 when one of its ranks fails.
+stops the group, 1 when one of its ranks fails, and 0 on SIGTERM or SIGINT, its ranks killed at once
+and reported to node 0 as stopped (docs/operations.md, "Stopping").
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from mmserve.config import EngineConfig, add_dataclass_args, from_args
 from mmserve.errors import MMServeError
+from mmserve.process_exit import exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     from mmserve.executor.tensor_parallel import run_worker_node
 
     try:
-        return run_worker_node(config, logging.getLogger().getEffectiveLevel(), args.log_format)
+        code = run_worker_node(config, logging.getLogger().getEffectiveLevel(), args.log_format)
     except (OSError, ValueError, MMServeError) as e:
         logger.error("mmserve worker: %s", e)
-        return 1
+        code = 1
+    # The ranks have exited and been joined: skip the interpreter's module teardown (process_exit.py).
+    exit_process(code)
