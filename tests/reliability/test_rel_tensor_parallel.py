@@ -262,13 +262,14 @@ def test_a_rank_lost_while_idle_stops_the_server_too(tiny_checkpoint):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_worker_node_and_its_ranks_at_once_reporting_them(tiny_checkpoint):
+def test_a_worker_node_serves_on_through_sigterm_and_stops_its_ranks_on_sigint(tiny_checkpoint):
     """A real `mmserve worker` (rank 1 of a two-node group) whose rank waits for rank 0 in the
     rendezvous, held by a TCP store this test runs as node 0's (no server: a TP=2 `serve` start would
     cost this module ~12 s more, and the report below is what node 0 reads, as in the tests above).
     SIGTERM killed the node's process alone: its rank, which ignores SIGTERM, went on until it saw
-    itself orphaned, then exited 1 unlogged, and node 0 was told nothing. Now the node logs the stop,
-    kills its rank, reports it stopped by SIGTERM and exits 0."""
+    itself orphaned, then exited 1 unlogged. Now SIGTERM (sent to every node of a group an orchestrator
+    deletes) is logged and waited out, so node 0's drain keeps its ranks; SIGINT kills the rank at
+    once, reports it stopped and exits 0."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -282,9 +283,17 @@ def test_sigterm_stops_a_worker_node_and_its_ranks_at_once_reporting_them(tiny_c
             time.sleep(0.01)
         rank1 = int(WORKER_PID.search(node.log).group(1))
         node.proc.send_signal(signal.SIGTERM)
+        waiting = "mmserve worker: SIGTERM: ranks 1 of node 1 serve on until node 0 stops the group"
+        deadline = time.monotonic() + 30
+        while waiting not in node.log:
+            assert time.monotonic() < deadline and node.proc.poll() is None, node.log
+            time.sleep(0.01)
+        assert node.proc.poll() is None, node.log
+        os.kill(rank1, 0)   # the rank serves on (raises ProcessLookupError if it is gone)
+        node.proc.send_signal(signal.SIGINT)
         assert node.proc.wait(60) == 0, node.log
-        assert "mmserve worker: SIGTERM: stopping ranks 1 of node 1; node 0's engine fails without them" in node.log
+        assert "mmserve worker: SIGINT: stopping ranks 1 of node 1; node 0's engine fails without them" in node.log
         assert not process_exists(rank1), "the rank outlived its node's process"
-        assert store.get("mmserve/lost/1").decode() == f"node 1, pid {rank1}, stopped by SIGTERM"
+        assert store.get("mmserve/lost/1").decode() == f"node 1, pid {rank1}, stopped by SIGINT"
     finally:
         node.stop()

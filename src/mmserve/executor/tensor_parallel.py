@@ -441,8 +441,10 @@ class TensorParallelRunner:
 
 def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_format: str = "text") -> int:
     """`mmserve worker`: node `node_rank`'s ranks of a multi-node group, until rank 0 stops them (0),
-    one of them fails (the others are killed, 1), or SIGTERM or SIGINT reaches this process (0, see
-    `_stop_ranks`). The ranks ignore both signals, as rank 0's node's do: this process decides."""
+    one of them fails (the others are killed, 1), or SIGINT reaches this process (0, see `_stop_ranks`).
+    SIGTERM is logged and waited out: an orchestrator deleting the group sends it to every node at once,
+    and node 0's drain needs these ranks until it ends the group (then they exit and so does this
+    process). The ranks ignore both signals, as rank 0's node's do: this process decides."""
     import multiprocessing
     from multiprocessing.connection import wait
 
@@ -457,6 +459,7 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
     received: list[str] = []   # acted on between waits, so a signal never interrupts starting a rank
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: received.append(signal.Signals(signum).name))
+    waiting_out = False   # SIGTERM logged: the ranks serve on until node 0 stops the group
     first = config.node_rank * ranks_per_node(config)
     ranks = {rank: ctx.Process(target=worker_main, name=f"mmserve-tp-rank{rank}",
                                args=(rank, config, init_method, log_level, log_format, os.getpid()))
@@ -466,8 +469,12 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
         logger.info("tensor-parallel rank %d: process %d started", rank, p.pid)
     while ranks:
         wait([p.sentinel for p in ranks.values()], SIGNAL_POLL_S)   # a rank's exit, or the poll for a signal
-        if received:
-            return _stop_ranks(ranks, config.node_rank, received[0])
+        if "SIGINT" in received:
+            return _stop_ranks(ranks, config.node_rank, "SIGINT")
+        if received and not waiting_out:
+            waiting_out = True
+            logger.warning("mmserve worker: SIGTERM: ranks %s of node %d serve on until node 0 stops the group "
+                           "(its drain); SIGINT stops them now", ", ".join(map(str, ranks)), config.node_rank)
         for rank, p in list(ranks.items()):
             if p.exitcode is None:
                 continue
@@ -483,7 +490,7 @@ def run_worker_node(config: EngineConfig, log_level: int = logging.INFO, log_for
 
 
 def _stop_ranks(ranks: dict, node_rank: int, signal_name: str) -> int:
-    """A worker node told to stop (SIGTERM, SIGINT): kill its ranks at once (they may wait in a
+    """A worker node told to stop now (SIGINT): kill its ranks at once (they may wait in a
     collective, where nothing else reaches them), report them to node 0 as stopped by the signal (so its
     engine fails naming them, rather than at its next step's collective or timeout) and exit 0. The
     group cannot go on without them: the server then exits 1, and its orchestrator restarts the group."""

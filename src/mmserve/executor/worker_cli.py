@@ -3,8 +3,8 @@
 Node 0 runs `mmserve serve --tensor-parallel-size N --nnodes K` (the gRPC server, the core and rank
 0); every other node runs `mmserve worker` with the same engine flags and its `--node-rank`, and
 MASTER_ADDR/MASTER_PORT naming node 0 (docs/deploy.md#tensor-parallelism). It exits 0 when rank 0
-stops the group, 1 when one of its ranks fails, and 0 on SIGTERM or SIGINT, its ranks killed at once
-and reported to node 0 as stopped (docs/operations.md, "Stopping").
+stops the group, 1 when one of its ranks fails, and 0 on SIGINT, its ranks killed at once and reported
+to node 0 as stopped; SIGTERM is logged and waited out for node 0's drain (docs/operations.md, "Stopping").
 """
 
 from __future__ import annotations
