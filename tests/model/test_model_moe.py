@@ -17,6 +17,7 @@ from mmserve.model import load_model
 from mmserve.model import moe as moe_module
 from mmserve.model.moe import Experts, MoeBlock, Router
 from mmserve.model.spec import MoeSpec
+from mmserve.model.weights import WeightLoadError
 
 MATMULS = {"mm", "addmm", "bmm", "_grouped_mm"}
 
@@ -106,29 +107,42 @@ def test_grouped_gemm_path_equals_the_per_expert_loop():
                                    moe_module.per_expert(rows, counts.tolist(), gate_up, down))
 
 
-def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
-    make_checkpoint(tmp_path / "packed", config=moe_config(), seed=4)
-    packed = load_model(tmp_path / "packed")
-    # rewrite the experts as one tensor per expert and matrix (gate / up / down)
-    split = tmp_path / "split"
-    split.mkdir()
-    for f in (tmp_path / "packed").iterdir():
+def per_expert_copy(packed_dir, dst, experts=None, keep_packed=False):
+    """`packed_dir`'s checkpoint with the experts rewritten as one tensor per expert and matrix (gate /
+    up / down): experts `experts` (default: all), each from its packed row (the last row past the end);
+    `keep_packed`: the packed tensors too."""
+    dst.mkdir()
+    for f in packed_dir.iterdir():
         if f.suffix != ".safetensors":
-            (split / f.name).write_bytes(f.read_bytes())
+            (dst / f.name).write_bytes(f.read_bytes())
     tensors = {}
-    for name, t in load_file(str(tmp_path / "packed" / "model.safetensors")).items():
+    for name, t in load_file(str(packed_dir / "model.safetensors")).items():
+        stem = name.rsplit(".", 1)[0] + "."
+        rows = range(t.shape[0]) if experts is None else experts
         if name.endswith("experts.gate_up_proj"):
             gate, up = t.chunk(2, dim=1)
-            for e in range(t.shape[0]):
-                tensors[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate[e].contiguous()
-                tensors[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up[e].contiguous()
+            for e in rows:
+                tensors[f"{stem}{e}.gate_proj.weight"] = gate[min(e, len(gate) - 1)].clone()
+                tensors[f"{stem}{e}.up_proj.weight"] = up[min(e, len(up) - 1)].clone()
         elif name.endswith("experts.down_proj"):
-            for e in range(t.shape[0]):
-                tensors[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = t[e].contiguous()
-        else:
+            for e in rows:
+                tensors[f"{stem}{e}.down_proj.weight"] = t[min(e, len(t) - 1)].clone()
+        if keep_packed or "experts." not in name:
             tensors[name] = t
-    save_file(tensors, str(split / "model.safetensors"))
-    ours = load_model(split)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("moe")
+    make_checkpoint(path, config=moe_config(), seed=4)
+    return path
+
+
+def test_per_expert_checkpoint_and_shipped_consumer_kv_load(moe_checkpoint, tmp_path):
+    packed = load_model(moe_checkpoint)
+    ours = load_model(per_expert_copy(moe_checkpoint, tmp_path / "split"))
     for (name, a), (_, b) in zip(packed.state_dict().items(), ours.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
@@ -139,6 +153,14 @@ def test_per_expert_checkpoint_and_shipped_consumer_kv_load(tmp_path):
     weights["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.zeros(16)
     save_file(weights, str(tmp_path / "e" / "model.safetensors"))
     assert load_model(tmp_path / "e").decoder.layers[4].self_attn.projects_kv is False
+
+
+def test_experts_given_both_packed_and_per_expert_are_refused(moe_checkpoint, tmp_path):
+    """Which is meant is unknown: the packed tensors won silently before."""
+    path = per_expert_copy(moe_checkpoint, tmp_path / "both", keep_packed=True)
+    with pytest.raises(WeightLoadError, match=r"layers\.0\.experts\.(gate_up|down)_proj and the per-expert "
+                                              r"model\.language_model\.layers\.0\.experts\.0\.\w+_proj\.weight both fill"):
+        load_model(path)
 
 
 def routed(block: MoeBlock, residual: torch.Tensor) -> torch.Tensor:

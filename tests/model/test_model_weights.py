@@ -1,4 +1,5 @@
-"""Checkpoint loading: sharded files with an index, legacy tensor names, strict missing/unexpected checks."""
+"""Checkpoint loading: sharded files with an index, legacy tensor names, strict missing/unexpected checks,
+and a tensor given twice refused, naming both copies."""
 
 from __future__ import annotations
 
@@ -76,3 +77,34 @@ def test_mismatched_checkpoints_fail_clearly(checkpoints, tmp_path, mutation, me
         tensors["model.language_model.norm.weight"] = torch.ones(63)
     with pytest.raises(WeightLoadError, match=message):
         load_model(copy_with_tensors(paths["per_layer"], tmp_path / mutation, tensors))
+
+
+Q_PROJ = "model.language_model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.mark.parametrize("layout,message", [
+    ("stray_copy", "weight is in both model.safetensors and model_backup.safetensors"),
+    ("unindexed_shards", "q_proj.weight is in both model-00001-of-00002.safetensors and model-00002-of-00002"),
+    ("two_spellings", f"language_model.model.layers.0.self_attn.q_proj.weight and {Q_PROJ} are the same tensor"),
+])
+def test_a_tensor_given_twice_is_refused(checkpoints, tmp_path, layout, message):
+    """Which copy is meant is unknown (transformers reads only model.safetensors; a sorted read let
+    the last file's win): a zeroed second copy of q_proj loaded silently before."""
+    paths, _ = checkpoints
+    tensors = load_file(str(paths["per_layer"] / "model.safetensors"))
+    second = {Q_PROJ: torch.zeros_like(tensors[Q_PROJ])}
+    path = copy_with_tensors(paths["per_layer"], tmp_path / layout, tensors)
+    if layout == "stray_copy":
+        save_file(tensors | second, str(path / "model_backup.safetensors"))
+    elif layout == "unindexed_shards":
+        (path / "model.safetensors").unlink()
+        names = sorted(tensors)
+        first = {k: tensors[k] for k in names[:len(names) // 2]} | {Q_PROJ: tensors[Q_PROJ]}
+        save_file(first, str(path / "model-00001-of-00002.safetensors"))
+        save_file({k: tensors[k] for k in names[len(names) // 2:]} | second,
+                  str(path / "model-00002-of-00002.safetensors"))
+    else:
+        save_file(tensors | {"language_model.model.layers.0.self_attn.q_proj.weight": second[Q_PROJ]},
+                  str(path / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=message):
+        load_model(path)

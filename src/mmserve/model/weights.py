@@ -10,7 +10,9 @@ one tensor, not the model. Names are accepted in the hub / transformers-5.x layo
 `up_proj` / `down_proj`), which are copied into their slice of one packed tensor as they stream,
 so no second copy of the experts is ever held. Merged projections (`qkv_proj`, `gate_up_proj`:
 parallel.mark_merged) are filled the same way, each checkpoint tensor (`q_proj`, `k_proj`, ...)
-copied into its rows as it streams.
+copied into its rows as it streams. A tensor given twice (in two files without an index, under two
+spellings of its name, or experts both packed and per expert) is refused naming both copies: which
+one is meant is unknown.
 Tensor parallel: a parameter marked with a `Shard` (parallel.py) is read as that slice of its
 checkpoint tensor (safetensors' `get_slice`), and per-expert matrices of other ranks' experts are
 never opened, so no rank materialises another rank's shard; `load_weights` returns the bytes read.
@@ -83,7 +85,11 @@ def checkpoint_files(path: str | Path) -> dict[str, Path]:
     names: dict[str, Path] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
-            names.update({k: f for k in handle.keys()})
+            for name in handle.keys():
+                if name in names:   # a stray copy beside the checkpoint: which one is meant is unknown
+                    raise WeightLoadError(f"{root}: {name} is in both {names[name].name} and {f.name} "
+                                          f"(without model.safetensors.index.json every *.safetensors is read)")
+                names[name] = f
     return names
 
 
@@ -180,11 +186,16 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     wanted: dict[str, str] = {}
     parts: dict[str, ExpertSlice] = {}
     unexpected: list[str] = []
+    fills: dict[object, str] = {}   # what a checkpoint tensor fills (a name, or one expert's matrix) -> it
     for ckpt_name in checkpoint_files(path):
         name = our_name(ckpt_name, tied=tied)
         if name is None or (ignore is not None and ignore.search(name)):
             continue
         part = expert_slice(name)
+        target = name if part is None else part
+        if target in fills:   # two spellings of one tensor (legacy and hub prefixes): which one is meant is unknown
+            raise WeightLoadError(f"{path}: {fills[target]} and {ckpt_name} are the same tensor ({name})")
+        fills[target] = ckpt_name
         if part is not None and part.packed in shards:   # another rank's expert: skipped, never read
             first = shards[part.packed]
             if not first.start <= part.expert < first.end:
@@ -197,6 +208,10 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
             wanted[ckpt_name] = name
         else:
             unexpected.append(ckpt_name)
+    for target, ckpt_name in fills.items():
+        if isinstance(target, ExpertSlice) and target.packed in fills:
+            raise WeightLoadError(f"{path}: {fills[target.packed]} and the per-expert {ckpt_name} both fill "
+                                  f"{target.packed}")
     merged_into = {m for m, _ in merged.values()}
     missing = sorted((expected - merged_into - set(wanted.values())) | (set(merged) - set(wanted.values())))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
