@@ -14,11 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 from gemma4_fixtures import PagedSequence, make_assistant, make_checkpoint, runner_tables, tiny_config
+from safetensors.torch import load_file, save_file
 
 from mmserve.model import load_model
 from mmserve.model.assistant import load_assistant
 from mmserve.model.assistant_spec import check_compatible, load_assistant_spec, storing_layers
 from mmserve.model.spec import UnsupportedModelError
+from mmserve.model.weights import WeightLoadError
 from mmserve.spec_decode.speculator import TargetKVReader
 
 NUM_DRAFTS = 3
@@ -102,6 +104,12 @@ def test_a_mismatched_assistant_is_refused_naming_the_mismatch(target, tmp_path)
         check_compatible(load_assistant_spec(tmp_path / "narrow"), spec)
     with pytest.raises(UnsupportedModelError, match="model_type='gemma4'"):
         load_assistant_spec(path)
+    make_assistant(tmp_path / "int8", cfg)   # quantized: a cast loaded it silently as wrong values
+    tensors = load_file(str(tmp_path / "int8" / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weight"] = tensors["model.layers.0.self_attn.q_proj.weight"].to(torch.int8)
+    save_file(tensors, str(tmp_path / "int8" / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match="model.layers.0.self_attn.q_proj.weight is torch.int8, expected"):
+        load_assistant(tmp_path / "int8", spec, dtype=torch.float32, device=torch.device("cpu"))
 
 
 def test_a_round_reads_its_requests_runner_rows_as_rows_are_reused(target, tmp_path):

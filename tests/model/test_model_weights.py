@@ -65,6 +65,9 @@ def test_legacy_names_and_ignored_tensors(checkpoints, loaded_hub, ids, tmp_path
     ("drop", "missing 1 \\['decoder.layers.3.self_attn.q_norm.weight'\\]"),
     ("extra", "unexpected 1 \\['model.language_model.layers.2.self_attn.v_proj.weight'\\]"),
     ("shape", "decoder.norm.weight has shape \\(63,\\)"),
+    ("int8_q_proj", "layers.0.self_attn.q_proj.weight is torch.int8, expected float32, bfloat16 or float16"),
+    ("fp8_o_proj", "layers.0.self_attn.o_proj.weight is torch.float8_e4m3fn, expected float32"),
+    ("int8_norm", "language_model.norm.weight is torch.int8, expected float32"),
 ])
 def test_mismatched_checkpoints_fail_clearly(checkpoints, tmp_path, mutation, message):
     paths, _ = checkpoints
@@ -73,8 +76,14 @@ def test_mismatched_checkpoints_fail_clearly(checkpoints, tmp_path, mutation, me
         del tensors["model.language_model.layers.3.self_attn.q_norm.weight"]
     elif mutation == "extra":  # layer 2 is a K=V full layer: it has no v_proj
         tensors["model.language_model.layers.2.self_attn.v_proj.weight"] = torch.zeros(32, 72)
-    else:
+    elif mutation == "shape":
         tensors["model.language_model.norm.weight"] = torch.ones(63)
+    else:   # quantized: a cast loaded the q_proj ones silently as wrong values
+        name, dtype = {"int8_q_proj": ("layers.0.self_attn.q_proj", torch.int8),
+                       "fp8_o_proj": ("layers.0.self_attn.o_proj", torch.float8_e4m3fn),
+                       "int8_norm": ("norm", torch.int8)}[mutation]
+        name = f"model.language_model.{name}.weight"
+        tensors[name] = (tensors[name] * 16).to(dtype)
     with pytest.raises(WeightLoadError, match=message):
         load_model(copy_with_tensors(paths["per_layer"], tmp_path / mutation, tensors))
 

@@ -50,7 +50,7 @@ from mmserve.model.norm import RMSNorm
 from mmserve.model.parallel import SINGLE, ParallelGroup, mark_shard, merged_of, shards_of
 from mmserve.model.rope import RotaryEmbedding, norm_rope
 from mmserve.model.spec import ModelSpec
-from mmserve.model.weights import WeightLoadError, checkpoint_files, copy_merged, iter_tensors
+from mmserve.model.weights import WeightLoadError, check_floating, checkpoint_files, copy_merged, iter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +204,7 @@ def load_assistant(path: str | Path, target: ModelSpec, *, dtype: torch.dtype, d
     with torch.device("meta"):
         model = Assistant(spec, parallel)
     shapes = {name: t.shape for name, t in model.state_dict().items()}
+    floating = {name for name, t in model.state_dict().items() if t.is_floating_point()}
     merged = merged_of(model)   # the MLP's gate_up_proj, stacked from the checkpoint's gate_proj and up_proj
     expected = (set(shapes) - {into for into, _ in merged.values()}) | set(merged)
     names = {n for n in checkpoint_files(path) if not (spec.tie_word_embeddings and n == "lm_head.weight")}
@@ -215,6 +216,8 @@ def load_assistant(path: str | Path, target: ModelSpec, *, dtype: torch.dtype, d
     state = {}
     for name, _, tensor in iter_tensors(path, {n: n for n in expected}, shards):
         model.bytes_read += tensor.numel() * tensor.element_size()
+        if (merged[name][0] if name in merged else name) in floating:
+            check_floating(path, name, tensor)
         if name in merged:
             copy_merged(state, shapes, name, *merged[name], tensor, dtype, device)
             continue

@@ -147,6 +147,15 @@ def copy_merged(state: dict[str, torch.Tensor], shapes: dict, name: str, into: s
     target.copy_(tensor)
 
 
+def check_floating(path: str | Path, ckpt_name: str, tensor: torch.Tensor) -> None:
+    """A floating parameter's checkpoint tensor must be a float of 16 bits or more: integer and
+    float8 tensors are quantized weights, whose scales are not read here, so a cast would load
+    wrong values (and an integer tensor fails inside load_state_dict, naming no file)."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        raise WeightLoadError(f"{path}: {ckpt_name} is {tensor.dtype}, expected float32, bfloat16 or float16 "
+                              f"(quantized checkpoints are not served)")
+
+
 def iter_tensors(path: str | Path, wanted: dict[str, str], shards: dict[str, Shard] | None = None
                  ) -> Iterator[tuple[str, str, torch.Tensor]]:
     """Yield (checkpoint_name, our_name, tensor) for `wanted` = {checkpoint_name: our_name}, one file
@@ -176,7 +185,8 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     """Fill every parameter and persistent buffer of `model` from the checkpoint, strictly; returns
     the checkpoint bytes read (a rank's own shards and the replicated tensors).
 
-    Floating tensors are cast to `dtype`; missing or unexpected tensors raise `WeightLoadError`
+    Floating tensors are cast to `dtype` (integer or float8 ones for floating parameters are refused:
+    quantized); missing or unexpected tensors raise `WeightLoadError`
     naming them (first few), before anything is loaded. `ignore` matches our names of tensors a
     checkpoint may carry that the model does not use (KV-sharing layers' K/V projections).
     """
@@ -215,6 +225,7 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     merged_into = {m for m, _ in merged.values()}
     missing = sorted((expected - merged_into - set(wanted.values())) | (set(merged) - set(wanted.values())))
     shapes = {k: v.shape for k, v in model.state_dict().items()}
+    floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
     for packed in {part.packed for part in parts.values()}:
         need = shapes[packed][0] * (1 if packed.endswith("down_proj") else 2)
         have = {(p.expert, p.kind) for p in parts.values() if p.packed == packed}
@@ -233,6 +244,8 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     sliced.update({name: part.shard for name, (_, part) in merged.items() if part.shard is not None})
     for ckpt_name, name, tensor in iter_tensors(path, wanted, sliced):
         read += tensor.numel() * tensor.element_size()
+        if (merged[name][0] if name in merged else name) in floating:
+            check_floating(path, ckpt_name, tensor)
         if ckpt_name in parts:
             _copy_expert(state[name], parts[ckpt_name], tensor)
             continue
