@@ -120,6 +120,23 @@ def test_the_json_spec_is_the_transformers_spec(name, tmp_path):
     _assert_same_spec(ours, load_spec(tmp_path))
 
 
+@pytest.mark.parametrize("tied", [False, True, None], ids=["untied", "tied", "default"])
+@pytest.mark.parametrize("name", ["text_only", "unified_text_only"])
+def test_a_text_only_config_is_tied_as_its_text_config_says(name, tied, tmp_path):
+    """As transformers' text config (which a text-only model ties by) says, both ways: the wrapper's
+    own default (True) gave both True for an untied one before."""
+    data = copy.deepcopy(CONFIGS[name])
+    data.pop("tie_word_embeddings", None)
+    if tied is not None:
+        data["tie_word_embeddings"] = tied
+    theirs = CLASSES[data["model_type"]](**{k: v for k, v in data.items() if k != "model_type"})
+    assert theirs.tie_word_embeddings == (tied is not False)
+    path = _write(tmp_path, data)
+    ours = read_spec(path)
+    assert isinstance(ours.hf_config, config_json.Gemma4JsonConfig), "read through transformers, not the JSON"
+    assert ours.tie_word_embeddings == load_spec(path).tie_word_embeddings == theirs.tie_word_embeddings
+
+
 def _variant(rng: random.Random, base: dict) -> dict:
     """`base` with random fields left out (their defaults then apply), layer types left to the
     default pattern, the flat or per-layer head dims, KV sharing and sub-configs varied."""

@@ -1,5 +1,6 @@
-"""Checkpoint loading: sharded files with an index, legacy tensor names, strict missing/unexpected checks,
-and a tensor given twice refused, naming both copies."""
+"""Checkpoint loading: sharded files with an index, legacy tensor names, text-only models as
+transformers saves them (against its logits), strict missing/unexpected checks, and a tensor given
+twice refused, naming both copies."""
 
 from __future__ import annotations
 
@@ -7,8 +8,18 @@ import shutil
 
 import pytest
 import torch
-from gemma4_fixtures import BOS, NUM_SPECIALS, VOCAB, PagedSequence
+from gemma4_fixtures import (
+    BOS,
+    NUM_SPECIALS,
+    VOCAB,
+    PagedSequence,
+    e_model_config,
+    randomize_,
+    tiny_config,
+    unified_config,
+)
 from safetensors.torch import load_file, save_file
+from test_model_parity import assert_close
 
 from mmserve.model import load_model
 from mmserve.model.weights import WeightLoadError, checkpoint_files
@@ -59,6 +70,35 @@ def test_legacy_names_and_ignored_tensors(checkpoints, loaded_hub, ids, tmp_path
     model, _ = loaded_hub
     ours = load_model(copy_with_tensors(paths["per_layer"], tmp_path / "legacy", tensors))
     torch.testing.assert_close(logits(ours, ids), logits(model, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type,make_config,tied", [
+    ("gemma4_text", tiny_config, False), ("gemma4_text", e_model_config, True),
+    ("gemma4_unified_text", unified_config, False)], ids=["untied", "tied-ple", "unified-untied"])
+def test_text_only_checkpoints_as_transformers_saves_them(checkpoints, ids, tmp_path, model_type, make_config, tied):
+    """Gemma4ForCausalLM's `model.layers.*` names, tied or with its own `lm_head` (the text config's
+    tie_word_embeddings: the wrapper's default True dropped an untied head before)."""
+    from transformers import (
+        Gemma4ForCausalLM,
+        Gemma4TextConfig,
+        Gemma4UnifiedForCausalLM,
+        Gemma4UnifiedTextConfig,
+    )
+
+    config_cls, model_cls = {"gemma4_text": (Gemma4TextConfig, Gemma4ForCausalLM),
+                             "gemma4_unified_text": (Gemma4UnifiedTextConfig, Gemma4UnifiedForCausalLM)}[model_type]
+    cfg = config_cls(**make_config()["text_config"], tie_word_embeddings=tied)
+    cfg._attn_implementation = "eager"
+    hf = model_cls(cfg).eval()
+    randomize_(hf, 4)
+    hf.save_pretrained(str(tmp_path))
+    for name in SMALL_FILES[1:]:
+        shutil.copy(checkpoints[0]["per_layer"] / name, tmp_path / name)
+    ours = load_model(tmp_path)
+    assert (ours.decoder.lm_head is None) == tied and ours.spec.vision is None
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert_close(logits(ours, ids), ref)
 
 
 @pytest.mark.parametrize("mutation,message", [

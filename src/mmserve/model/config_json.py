@@ -204,11 +204,14 @@ def _sub_config(key: str, data: Any, model_type: str, table: dict[str, dict[str,
 
 def resolve(data: dict[str, Any]) -> Gemma4JsonConfig:
     """The config of a parsed config.json (`model_type` included) with transformers' defaults; a
-    text-only config sits in its family's wrapper without vision or audio, as load_hf_config wraps it."""
+    text-only config sits in its family's wrapper without vision or audio, tied as the text config
+    says, as load_hf_config wraps it."""
     data = dict(data)
     model_type = data.pop("model_type", None)
     if model_type in TEXT_ONLY:
-        data = {"text_config": dict(data, model_type=model_type), "vision_config": None, "audio_config": None}
+        tied = data.get("tie_word_embeddings", TEXT_DEFAULTS[model_type]["tie_word_embeddings"])
+        data = {"text_config": dict(data, model_type=model_type), "vision_config": None, "audio_config": None,
+                "tie_word_embeddings": tied}
         model_type = TEXT_ONLY[model_type]
     if model_type not in FAMILIES:
         raise NotResolvable(f"model_type={model_type!r}")

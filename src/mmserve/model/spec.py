@@ -10,8 +10,9 @@ saves, and derive the KV-sharing roles); we read their resolved per-layer view. 
 ids and the vision preprocessing budget.
 
 Served: `gemma4` (dense 31B, E2B/E4B with per-layer embeddings and KV sharing, 26B-A4B with
-experts), `gemma4_unified` (12B, encoder-free vision) and their text-only configs. Settings we do
-not implement fail here, naming the setting.
+experts), `gemma4_unified` (12B, encoder-free vision) and their text-only models (`gemma4_text`,
+`gemma4_unified_text`, tied or untied as their text config says; weights as `Gemma4ForCausalLM`
+saves them). Settings we do not implement fail here, naming the setting.
 """
 
 from __future__ import annotations
@@ -450,11 +451,14 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
 
 
 def _wrap_text_config(model_type: str, data: dict[str, Any]):
-    """A text-only config inside its multimodal wrapper (without vision), so both read alike."""
+    """A text-only config inside its multimodal wrapper (without vision), so both read alike. The
+    wrapper's `tie_word_embeddings` is the one the model ties by: the text config's (a text-only
+    model's own), not the wrapper's default."""
     from transformers import Gemma4Config, Gemma4UnifiedConfig
 
     wrapper = Gemma4UnifiedConfig if model_type.startswith("gemma4_unified") else Gemma4Config
-    return wrapper(text_config=data, vision_config=None, audio_config=None)
+    return wrapper(text_config=data, vision_config=None, audio_config=None,
+                   tie_word_embeddings=data.get("tie_word_embeddings", True))
 
 
 def load_hf_config(source: Any):

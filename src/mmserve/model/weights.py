@@ -4,8 +4,9 @@ Tensors are read one at a time from the memory-mapped files (single file or shar
 `model.safetensors.index.json`) and converted to the target dtype/device, so peak host memory is
 one tensor, not the model. Names are accepted in the hub / transformers-5.x layout
 (`model.language_model.*`, `model.vision_tower.*`, `model.embed_vision.*`, gemma4_unified's
-`model.vision_embedder.*`) and the legacy llava/vLLM layout (`language_model.model.*`,
-`vision_tower.*`, `embed_vision.*`). Experts load packed (`experts.gate_up_proj` [E, 2I, H],
+`model.vision_embedder.*`), the legacy llava/vLLM layout (`language_model.model.*`,
+`vision_tower.*`, `embed_vision.*`) and a text-only model's (`Gemma4ForCausalLM` /
+`Gemma4UnifiedForCausalLM`: `model.layers.*`, `model.embed_tokens.*`, `lm_head.*`). Experts load packed (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I], transformers' layout) or per expert (`experts.{e}.gate_proj` /
 `up_proj` / `down_proj`), which are copied into their slice of one packed tensor as they stream,
 so no second copy of the experts is ever held. Merged projections (`qkv_proj`, `gate_up_proj`:
@@ -52,6 +53,7 @@ _PREFIXES: tuple[tuple[str, str], ...] = (
     ("audio_tower.", "audio.audio_tower."),
     ("model.embed_audio.", "audio.embed_audio."),
     ("embed_audio.", "audio.embed_audio."),
+    ("model.", "decoder."),   # a text-only model's (Gemma4ForCausalLM's `model.layers.*`): after all the above
 )
 # Our modules group a concept's tensors under one submodule (decoder.ple.*, layers.N.moe.*).
 _REGROUP: tuple[tuple[re.Pattern, str], ...] = (
