@@ -12,7 +12,7 @@ import pytest
 from gemma4_fixtures import EOS, TURN_CLOSE
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.model.spec import MoeSpec, PleSpec, UnsupportedModelError, load_spec
+from mmserve.model.spec import MoeSpec, PleSpec, UnsupportedModelError, load_spec, read_spec
 
 
 @pytest.fixture
@@ -107,14 +107,14 @@ def test_any_source_gives_the_same_spec(checkpoints):
 def test_kv_sharing_roles_and_double_wide_mlp(ckpt):
     """E2B-like: the last 3 of 6 layers reuse the last earlier layer of their type; only they are wide."""
     edit_text_config(ckpt, num_kv_shared_layers=3, use_double_wide_mlp=True, attention_k_eq_v=False,
-                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=64)
+                     hidden_size_per_layer_input=8, vocab_size_per_layer_input=512)
     spec = load_spec(ckpt)
     types = spec.layer_types       # (S, S, F) * 2: layers 3..5 share; producers 1 (sliding) and 2 (full)
     assert [layer.kv_source for layer in spec.layers] == [0, 1, 2, 1, 1, 2]
     assert [layer.mlp_width for layer in spec.layers] == [96, 96, 96, 192, 192, 192]
     assert all(types[layer.kv_source] == layer.layer_type for layer in spec.layers)
     assert spec.kv_layer_types == types[:3]
-    assert spec.ple == PleSpec(8, 64)
+    assert spec.ple == PleSpec(8, 512)   # may exceed vocab_size (320), not fall short
 
 
 def test_experts(ckpt):
@@ -127,11 +127,15 @@ def test_experts(ckpt):
     ({"enable_moe_block": True, "num_experts": 4}, "enable_moe_block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention='all'"),
     ({"hidden_activation": "silu"}, "hidden_activation"),
+    ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 200},   # ids 200.. crashed the forward
+     "vocab_size_per_layer_input=200 is smaller than vocab_size=320"),
 ])
 def test_unsupported_variants_fail_naming_the_feature(ckpt, changes, feature):
+    """In the engine (load_spec) and the front end (read_spec) alike."""
     edit_text_config(ckpt, **changes)
-    with pytest.raises(UnsupportedModelError, match=feature):
-        load_spec(ckpt)
+    for read in (load_spec, read_spec):
+        with pytest.raises(UnsupportedModelError, match=feature):
+            read(ckpt)
 
 
 def test_other_architectures_are_refused(ckpt):

@@ -238,6 +238,11 @@ def _reject_unsupported(text: Any) -> None:
     if shared >= text.num_hidden_layers:
         raise UnsupportedModelError(
             f"num_kv_shared_layers={shared} leaves no layer to produce the shared KV cache")
+    ple_vocab = getattr(text, "vocab_size_per_layer_input", 0) or 0
+    if getattr(text, "hidden_size_per_layer_input", 0) and ple_vocab < text.vocab_size:
+        raise UnsupportedModelError(
+            f"vocab_size_per_layer_input={ple_vocab} is smaller than vocab_size={text.vocab_size} (with "
+            f"hidden_size_per_layer_input set): ids from {ple_vocab} on have no per-layer embedding")
     if getattr(text, "enable_moe_block", False) and not (
             text.num_experts and text.top_k_experts and text.moe_intermediate_size):
         raise UnsupportedModelError(
