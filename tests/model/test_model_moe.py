@@ -155,6 +155,14 @@ def test_per_expert_checkpoint_and_shipped_consumer_kv_load(moe_checkpoint, tmp_
     assert load_model(tmp_path / "e").decoder.layers[4].self_attn.projects_kv is False
 
 
+def test_per_expert_ids_past_the_experts_are_unexpected(moe_checkpoint, tmp_path):
+    """Experts 0-4 and 6 of 6: the count matched, then copying expert 6 raised a bare IndexError."""
+    path = per_expert_copy(moe_checkpoint, tmp_path / "gap", experts=[0, 1, 2, 3, 4, 6])
+    with pytest.raises(WeightLoadError, match=r"missing 12 .*gate_up_proj \(2 per-expert matrices\).*"
+                                              r"unexpected 18 \['model.language_model.layers.0.experts.6.down_proj"):
+        load_model(path)
+
+
 def test_experts_given_both_packed_and_per_expert_are_refused(moe_checkpoint, tmp_path):
     """Which is meant is unknown: the packed tensors won silently before."""
     path = per_expert_copy(moe_checkpoint, tmp_path / "both", keep_packed=True)

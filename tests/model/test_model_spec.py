@@ -129,6 +129,10 @@ def test_experts(ckpt):
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 200},   # ids 200.. crashed the forward
      "vocab_size_per_layer_input=200 is smaller than vocab_size=320"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},   # the one-dict form: KeyError before
+     "rope_parameters has no 'full_attention' entry"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                             "rope_theta": 1e6}}}, "rope_parameters has no 'sliding_attention'"),
 ])
 def test_unsupported_variants_fail_naming_the_feature(ckpt, changes, feature):
     """In the engine (load_spec) and the front end (read_spec) alike."""

@@ -4,6 +4,7 @@ twice refused, naming both copies."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -155,5 +156,35 @@ def test_a_tensor_given_twice_is_refused(checkpoints, tmp_path, layout, message)
     else:
         save_file(tensors | {"language_model.model.layers.0.self_attn.q_proj.weight": second[Q_PROJ]},
                   str(path / "model.safetensors"))
+    with pytest.raises(WeightLoadError, match=message):
+        load_model(path)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("wrong_file", "s2.safetensors: holds no model.language_model.embed_tokens.weight, which model.safetensors"
+                   ".index.json places there"),
+    ("missing_file", "index.json places tensors in \\['s3.safetensors'\\], which .* does not hold"),
+    ("no_weight_map", "index.json: no weight_map of tensor name -> file name"),
+    ("truncated", "model.safetensors: not a readable safetensors file"),
+])
+def test_a_broken_index_or_file_fails_naming_it(checkpoints, tmp_path, damage, message):
+    """Each ended in a bare SafetensorError, FileNotFoundError or KeyError before."""
+    paths, _ = checkpoints
+    tensors = load_file(str(paths["per_layer"] / "model.safetensors"))
+    path = copy_with_tensors(paths["per_layer"], tmp_path / damage, tensors)
+    if damage == "truncated":
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[:len(data) // 2])
+    else:
+        (path / "model.safetensors").unlink()
+        embed = "model.language_model.embed_tokens.weight"   # in s1, placed by the index in s2 or s3
+        names = sorted(set(tensors) - {embed})
+        half = {"s1.safetensors": [embed, *names[:len(names) // 2]], "s2.safetensors": names[len(names) // 2:]}
+        for fname, part in half.items():
+            save_file({k: tensors[k] for k in part}, str(path / fname))
+        weight_map = {k: fname for fname, part in half.items() for k in part}
+        weight_map[embed] = {"wrong_file": "s2.safetensors", "missing_file": "s3.safetensors"}.get(damage, "s1.safetensors")
+        index = {"weight_map": weight_map} if damage != "no_weight_map" else {}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(WeightLoadError, match=message):
         load_model(path)

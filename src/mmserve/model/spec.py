@@ -409,6 +409,9 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
             layer_type=layer_type, num_heads=text.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
             window=text.sliding_window if sliding else None, bidirectional=bidirectional and sliding,
             clamp_bidirectional=True, scale=1.0)
+        if layer_type not in text.rope_parameters:   # e.g. the flat one-dict form of other models
+            raise UnsupportedModelError(f"rope_parameters has no {layer_type!r} entry (Gemma 4 gives each layer "
+                                        f"type its own: {{{SLIDING!r}: {{...}}, {FULL!r}: {{...}}}})")
         rope[layer_type] = _rope_spec(text.rope_parameters[layer_type], head_dim)
 
     generation = _read_json(root / "generation_config.json" if root else None)

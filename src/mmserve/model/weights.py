@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mmserve.errors import MMServeError
@@ -74,19 +74,40 @@ class WeightLoadError(MMServeError):
     """The checkpoint's tensors do not match the model its config describes."""
 
 
+def _open(f: Path):
+    """safe_open, failing as a `WeightLoadError` that names the file (truncated, not safetensors)."""
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as exc:
+        raise WeightLoadError(f"{f}: not a readable safetensors file: {exc}") from exc
+
+
+def _index_files(root: Path, index: Path) -> dict[str, Path]:
+    """The index's weight_map, each file checked to be there."""
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, AttributeError) as exc:
+        raise WeightLoadError(f"{index}: not a JSON object: {exc}") from exc
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise WeightLoadError(f"{index}: no weight_map of tensor name -> file name")
+    absent = sorted({f for f in weight_map.values() if not (root / f).is_file()})
+    if absent:
+        raise WeightLoadError(f"{index} places tensors in {absent[:4]}, which {root} does not hold")
+    return {name: root / fname for name, fname in weight_map.items()}
+
+
 def checkpoint_files(path: str | Path) -> dict[str, Path]:
     """Map every tensor name in the checkpoint to the file that holds it."""
     root = Path(path)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: root / fname for name, fname in weight_map.items()}
+        return _index_files(root, index)
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise WeightLoadError(f"{root}: no *.safetensors files")
     names: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
+        with _open(f) as handle:
             for name in handle.keys():
                 if name in names:   # a stray copy beside the checkpoint: which one is meant is unknown
                     raise WeightLoadError(f"{root}: {name} is in both {names[name].name} and {f.name} "
@@ -168,7 +189,11 @@ def iter_tensors(path: str | Path, wanted: dict[str, str], shards: dict[str, Sha
     for ckpt_name in wanted:
         by_file.setdefault(files[ckpt_name], []).append(ckpt_name)
     for f, names in by_file.items():
-        with safe_open(str(f), framework="pt") as handle:
+        with _open(f) as handle:
+            absent = sorted(set(names) - set(handle.keys()))
+            if absent:   # the index places them in this file
+                raise WeightLoadError(f"{f}: holds no {absent[0]}" + (f" (and {len(absent) - 1} more)" if
+                                      len(absent) > 1 else "") + ", which model.safetensors.index.json places there")
             for ckpt_name in names:
                 shard = shards.get(wanted[ckpt_name])
                 if shard is None:
@@ -192,7 +217,8 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
     naming them (first few), before anything is loaded. `ignore` matches our names of tensors a
     checkpoint may carry that the model does not use (KV-sharing layers' K/V projections).
     """
-    expected = set(model.state_dict().keys())
+    state_dict = model.state_dict()
+    expected = set(state_dict)
     shards = shards_of(model)
     merged = merged_of(model)   # our name of a checkpoint tensor -> (the merged parameter, its rows)
     wanted: dict[str, str] = {}
@@ -208,6 +234,11 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
         if target in fills:   # two spellings of one tensor (legacy and hub prefixes): which one is meant is unknown
             raise WeightLoadError(f"{path}: {fills[target]} and {ckpt_name} are the same tensor ({name})")
         fills[target] = ckpt_name
+        if part is not None and part.packed in expected:   # all ranks' experts (a rank's tensor holds its own)
+            num_experts = shards[part.packed].full if part.packed in shards else state_dict[part.packed].shape[0]
+            if part.expert >= num_experts:
+                unexpected.append(ckpt_name)
+                continue
         if part is not None and part.packed in shards:   # another rank's expert: skipped, never read
             first = shards[part.packed]
             if not first.start <= part.expert < first.end:
@@ -226,8 +257,8 @@ def load_weights(model: nn.Module, path: str | Path, *, dtype: torch.dtype, devi
                                   f"{target.packed}")
     merged_into = {m for m, _ in merged.values()}
     missing = sorted((expected - merged_into - set(wanted.values())) | (set(merged) - set(wanted.values())))
-    shapes = {k: v.shape for k, v in model.state_dict().items()}
-    floating = {k for k, v in model.state_dict().items() if v.is_floating_point()}
+    shapes = {k: v.shape for k, v in state_dict.items()}
+    floating = {k for k, v in state_dict.items() if v.is_floating_point()}
     for packed in {part.packed for part in parts.values()}:
         need = shapes[packed][0] * (1 if packed.endswith("down_proj") else 2)
         have = {(p.expert, p.kind) for p in parts.values() if p.packed == packed}
