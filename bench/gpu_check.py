@@ -6,6 +6,9 @@
              (bf16, max error relative to the output's largest value < 2e-2); FA4's mask_mod must
              change exactly the rows the reference says the frames change; on CUDA `auto` must
              have chosen FA4 and flex (without FA4 both would be flex, and parity vacuous for FA4).
+             Beside them the MoE router (26B-A4B's 128 experts, top 8, bf16): our top k of the scores
+             must choose transformers' experts (top k of the fp32 softmax) where ties at the k-th place
+             are forced, and on random weights, with weights within 2e-2 where they agree.
 2. tokens    the demo checkpoint end to end on video requests, greedy: FA4 and SDPA in bf16, each
              compared with an fp32 SDPA run (FA4 must agree at least as well as SDPA, within 10
              points), and CUDA graphs against --enforce-eager (identical tokens, and graphs must
@@ -135,6 +138,8 @@ class Sizes:
     mixed_decodes: int = 63
     capacity_batch: int = 64          # capacity: concurrent requests
     capacity_prompt: int = 8192       # capacity: their prompt tokens
+    moe_router: tuple[int, int, int] = (2816, 128, 8)   # parity's router rows: hidden, experts, top k (26B-A4B)
+    moe_rows: int = 4096              # parity's router rows: tokens routed
     ceilings: Ceilings | None = None  # the run's device as measured at its start (what floors divide by)
 
 
@@ -148,7 +153,8 @@ SMOKE = Sizes(sliding=LayerAttentionSpec(SLIDING, 4, 2, 32, window=24, bidirecti
               frame_tokens=10, chunk=64, frame_counts=(1, 4), token_requests=2, token_frames=2, max_tokens=4,
               serving_model=None, serving_prompt=24, serving_batch=2, serving_tokens=4,
               decode_batches=(2,), decode_steps=2, repeats=1, video_frames=2, video_requests=2, itl_decodes=2,
-              mixed_chunk=32, mixed_decodes=3, capacity_batch=4, capacity_prompt=48)
+              mixed_chunk=32, mixed_decodes=3, capacity_batch=4, capacity_prompt=48, moe_router=(64, 16, 4),
+              moe_rows=256)
 
 
 # --- shared helpers -----------------------------------------------------------------------------
@@ -293,9 +299,55 @@ def parity(sizes: Sizes, device: str) -> dict:
                     row["mask_mod_active"] = bool(moved > 1e-2) == bool(ref_moved > 1e-2)
                     row["ok"] = row["ok"] and row["mask_mod_active"]
                 rows.append(row)
+    rows += moe_routing(sizes, device)
     as_planned = backends_as_planned(chosen, device)
     return {"backends": chosen, "backends_as_planned": as_planned, "tolerance": BF16_TOL, "rows": rows,
             "ok": as_planned and all(r["ok"] for r in rows)}
+
+
+def moe_routing(sizes: Sizes, device: str) -> list[dict]:
+    """Our MoE router's expert choice against transformers' Gemma4TextRouter on the same bf16 weights
+    (26B-A4B's shape): ours takes the top k of the bf16 scores, transformers' the top k of their fp32
+    softmax. Equal scores give equal probabilities, so the two can differ only where a tie at the k-th
+    place is broken differently by topk on the two dtypes: the CPU's topk breaks them alike (the smoke
+    run), CUDA's is another kernel. `forced_ties`: every expert's router row three times, so most
+    tokens tie at the k-th place (k not a multiple of 3; `tied_at_k` counts them: 3,836 of 4,096 at
+    the GPU's shape on a CPU); `random`: random rows, whose bf16 scores tie there in a few % of tokens
+    (228 of 4,096). Where the chosen experts agree their weights must match too."""
+    from transformers import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRouter
+
+    from mmserve.model.moe import route
+
+    hidden, experts, top_k = sizes.moe_router
+    cfg = Gemma4TextConfig(hidden_size=hidden, num_experts=experts, top_k_experts=top_k, moe_intermediate_size=8,
+                           enable_moe_block=True, num_hidden_layers=1, layer_types=["full_attention"])
+    gen = torch.Generator().manual_seed(99)
+    rows = []
+    for step in ("forced_ties", "random"):
+        theirs = Gemma4TextRouter(cfg).eval()
+        with torch.no_grad():
+            proj = torch.randn(experts, hidden, generator=gen) * hidden ** -0.5
+            if step == "forced_ties":
+                proj = proj[torch.arange(experts) // 3]
+            theirs.proj.weight.copy_(proj)
+            theirs.scale.copy_(1 + 0.1 * torch.randn(hidden, generator=gen))
+            theirs.per_expert_scale.copy_(1 + 0.1 * torch.randn(experts, generator=gen))
+            theirs = theirs.to(device=device, dtype=torch.bfloat16)
+            x = torch.randn(sizes.moe_rows, hidden, generator=gen).to(device=device, dtype=torch.bfloat16)
+            probs, their_weights, their_experts = theirs(x)
+            weights, chosen = route(x, theirs.eps, theirs.scale, theirs.proj.weight, theirs.per_expert_scale, top_k)
+        edge = torch.topk(probs, top_k + 1, dim=-1).values
+        ties = edge[:, top_k - 1] == edge[:, top_k]
+        same = (chosen.sort(-1).values == their_experts.sort(-1).values).all(-1)
+        dense = [torch.zeros(x.shape[0], experts, device=device).scatter(1, i, w.float())
+                 for i, w in ((chosen, weights), (their_experts, their_weights))]
+        row = {"layer": "moe_router", "step": step, "backend": f"top{top_k}_of_{experts}",
+               "tokens": x.shape[0], "tied_at_k": int(ties.sum()), "differing": int((~same).sum()),
+               "rel_err": rel_err(dense[0][same], dense[1][same]) if bool(same.any()) else 0.0}
+        row["ok"] = row["differing"] == 0 and row["rel_err"] < BF16_TOL
+        rows.append(row)
+    return rows
 
 
 GPU_BACKENDS = {SLIDING: "fa4", FULL: "flex"}   # what a GPU run must check: FA4, and flex for head dim 512
