@@ -24,10 +24,14 @@ text, else `(content hash hex, offset)` of each image/frame overlapping the bloc
 router's own re-hash tell two videos with the same placeholder tokens apart. Only the first
 full-attention pool publishes (group 0, `full_attention`).
 
-The publisher's first batch is its snapshot of the cache (`AllBlocksCleared`, then every block);
-a subscriber that joins later asks the replay socket (ROUTER, `replay_endpoint`) for the batches
-from a sequence on: it answers `(topic, sequence, payload)` per kept batch, then `(b"", -1, b"")`,
-from the last `buffer_steps` batches. Memory is bounded: ZMQ queues at most `hwm` messages per
+The publisher's first batch is its snapshot of the cache (`AllBlocksCleared`, then every block),
+and it takes a fresh one (subscribing to the hub again) once `buffer_steps // 2` batches followed
+the last, so the last `buffer_steps` batches always hold a snapshot. A subscriber that joins later
+asks the replay socket (ROUTER, `replay_endpoint`) for the batches from a sequence on: it answers
+`(topic, sequence, payload)` per kept batch, then `(b"", -1, b"")`, from the last `buffer_steps`
+batches; replaying from their last `AllBlocksCleared` gives the whole cache, hot prefixes stored
+long ago included (a hit publishes nothing, so without the snapshot a block stored before the
+window would never be seen again). Memory is bounded: ZMQ queues at most `hwm` messages per
 subscriber and drops the rest for that subscriber alone (it sees the gap in the sequence and
 replays); the publisher's own queue holds `max_queue_size` batches, and past that it drops what it
 holds, counts the drop (`mmserve_kv_events_dropped_total`) and restarts from a fresh snapshot.
@@ -144,6 +148,7 @@ class ZmqKvEventPublisher:
         self._on_drop = on_drop
         self._queue: queue.Queue[KvBatch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._batches_per_snapshot = config.buffer_steps // 2   # after a snapshot: its window always holds one
         self._topic = config.topic.encode()
         self._context = zmq.Context()
         self._pub = self._context.socket(zmq.PUB)
@@ -176,13 +181,14 @@ class ZmqKvEventPublisher:
                     f", replay on {self.replay_endpoint}" if self.replay_endpoint else "")
 
     async def _read(self, subscribe: Callable[[], AsyncIterator[KvBatch]]) -> None:
-        """The hub's batches into the thread's queue; on overflow, drop it all and start over from a
-        fresh snapshot (its AllBlocksCleared resyncs every subscriber)."""
+        """The hub's batches into the thread's queue, subscribing again whenever a fresh snapshot is
+        due; on overflow, drop it all and start over from a fresh snapshot too (its AllBlocksCleared
+        resyncs every subscriber)."""
         while True:
             try:
                 async with contextlib.aclosing(subscribe()) as batches:
-                    async for batch in batches:
-                        self._queue.put_nowait(batch)
+                    if await self._forward(batches):
+                        continue
                 return
             except queue.Full:
                 reason = "publisher_queue_full"
@@ -196,6 +202,18 @@ class ZmqKvEventPublisher:
                 return
             if self._on_drop is not None:
                 self._on_drop(reason)
+
+    async def _forward(self, batches: AsyncIterator[KvBatch]) -> bool:
+        """Queues a subscription's snapshot and the `buffer_steps // 2` batches after it; True when one
+        more arrives: a fresh snapshot is due, and holds that batch (the hub applied it first)."""
+        after_snapshot = 0
+        async for batch in batches:
+            if not batch.snapshot:
+                if after_snapshot == self._batches_per_snapshot:
+                    return True
+                after_snapshot += 1
+            self._queue.put_nowait(batch)
+        return False
 
     def _drain(self) -> int:
         n = 0
