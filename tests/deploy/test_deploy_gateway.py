@@ -109,12 +109,30 @@ def test_the_inference_pool_selects_the_server_pods_over_h2c(rendered, llm_d):
     assert pool["spec"]["targetPorts"] == [{"number": grpc_port}]
     assert pool["spec"]["appProtocol"] == "kubernetes.io/h2c"
     assert pool["spec"]["endpointPickerRef"]["name"]
-    pods = find(llm_d, "Deployment", "mmserve")["spec"]["template"]["metadata"]["labels"]
-    assert pods["llm-d.ai/engine-type"] == "vllm"
-    metrics = find(llm_d, "ConfigMap", "mmserve-epp-metrics")["data"]["engine-metrics.yaml"]
-    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
-                 "vllm:cache_config_info"):
-        assert f'"{name}"' in metrics
+
+
+def epp_config(llm_d) -> dict:
+    return yaml.safe_load(find(llm_d, "ConfigMap", "mmserve-epp-config")["data"]["epp-config.yaml"])
+
+
+def test_the_epp_scrapes_the_pods_metrics_port_with_vllms_names(llm_d):
+    """The EPP's metrics source scrapes each pod's metrics port, not the pool's target port (gRPC,
+    where its HTTP GET finds nothing), and feeds the core metrics extractor, which picks the metric
+    names by the pods' engine-type label: vLLM's, the set mmserve exports beside its own."""
+    deployment = find(llm_d, "Deployment", "mmserve")
+    c = container(deployment, "mmserve")
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    env = config_env(llm_d, deployment, "mmserve")
+    epp = epp_config(llm_d)
+    plugins = {p.get("name", p["type"]): p for p in epp["plugins"]}
+    [source] = [s for s in epp["dataLayer"]["sources"] if plugins[s["pluginRef"]]["type"] == "metrics-data-source"]
+    assert plugins[source["pluginRef"]]["parameters"]["port"] == ports["metrics"] == int(env["MMSERVE_METRICS_PORT"])
+    assert ports["metrics"] not in [t["number"] for t in find(llm_d, "InferencePool", "mmserve")["spec"]["targetPorts"]]
+    [extractor] = [plugins[e["pluginRef"]] for e in source["extractors"]]
+    assert extractor["type"] == "core-metrics-extractor"
+    # llm-d-router's default engine label key, and its built-in engine type whose names are vLLM's
+    label = extractor.get("parameters", {}).get("engineLabelKey", "llm-d.ai/engine-type")
+    assert deployment["spec"]["template"]["metadata"]["labels"][label] == "vllm"
 
 
 def test_the_llm_d_overlay_validates_apart_from_the_crd(llm_d):
@@ -142,7 +160,7 @@ def test_the_llm_d_pods_publish_kv_events_where_the_scorer_subscribes(llm_d):
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert events.endpoint == f"tcp://*:{ports['kv-events']}" and events.replay_endpoint == f"tcp://*:{ports['kv-replay']}"
 
-    epp = yaml.safe_load(find(llm_d, "ConfigMap", "mmserve-epp-config")["data"]["epp-config.yaml"])
+    epp = epp_config(llm_d)
     assert epp["kind"] == "EndpointPickerConfig"
     scorer = next(p for p in epp["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
     kv = scorer["kvEventsConfig"]
@@ -155,4 +173,5 @@ def test_the_llm_d_pods_publish_kv_events_where_the_scorer_subscribes(llm_d):
     block_size = int(config_env(llm_d, deployment, "mmserve").get("MMSERVE_BLOCK_SIZE", EngineConfig().block_size))
     assert scorer["tokenProcessorConfig"]["blockSize"] == block_size
     profile = {p["pluginRef"] for prof in epp["schedulingProfiles"] for p in prof["plugins"]}
-    assert {p["type"] for p in epp["plugins"]} == profile | {"single-profile-handler"}
+    data_layer = {ref for s in epp["dataLayer"]["sources"] for ref in (s["pluginRef"], *(e["pluginRef"] for e in s["extractors"]))}
+    assert {p["type"] for p in epp["plugins"]} == profile | data_layer | {"single-profile-handler"}
