@@ -173,6 +173,11 @@ def test_the_llm_d_pods_publish_kv_events_where_the_scorer_subscribes(llm_d):
     assert discovery["podNamespace"] == deployment["metadata"]["namespace"]
     block_size = int(config_env(llm_d, deployment, "mmserve").get("MMSERVE_BLOCK_SIZE", EngineConfig().block_size))
     assert scorer["tokenProcessorConfig"]["blockSize"] == block_size
+    # llm-d-router v0.9.0 on: the scorer subscribes to the pods the endpoint notifications name
+    sources = {s["pluginRef"]: [e["pluginRef"] for e in s["extractors"]] for s in epp["dataLayer"]["sources"]}
+    assert "precise-prefix-cache-scorer" in sources["endpoint-notification-source"]
+    # the requests are VllmEngine/Generate over h2c (the InferencePool's protocol): the vllmgrpc parser's
+    assert [p["pluginRef"] for p in epp["requestHandler"]["parsers"]] == ["vllmgrpc-parser"]
     profile = {p["pluginRef"] for prof in epp["schedulingProfiles"] for p in prof["plugins"]}
-    data_layer = {ref for s in epp["dataLayer"]["sources"] for ref in (s["pluginRef"], *(e["pluginRef"] for e in s["extractors"]))}
-    assert {p["type"] for p in epp["plugins"]} == profile | data_layer | {"single-profile-handler"}
+    wired = {*sources, *(e for extractors in sources.values() for e in extractors), "vllmgrpc-parser"}
+    assert {p["type"] for p in epp["plugins"]} == profile | wired | {"single-profile-handler"}
