@@ -12,4 +12,4 @@ from deploy_k8s import OVERLAYS, render
 def rendered() -> dict[str, list[dict]]:
     if shutil.which("kubectl") is None:
         pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
-    return {name: render(name) for name in OVERLAYS}
+    return {name: render(name) for name in (*OVERLAYS, "multinode")}

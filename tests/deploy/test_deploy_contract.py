@@ -52,14 +52,29 @@ def test_startup_probe_allows_longer_model_loads_on_gpu(rendered):
     assert budget_s("gpu") >= 600
 
 
-@pytest.mark.parametrize("overlay", SERVER_OVERLAYS)
+def serving_and_worker_pods(docs: list[dict]) -> tuple[dict, list[dict]]:
+    """The pod template that runs `mmserve serve`, and those of its tensor-parallel workers: a
+    Deployment's (no workers), or a LeaderWorkerSet's leader and workers."""
+    sets = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+    if not sets:
+        return find(docs, "Deployment", "mmserve")["spec"]["template"], []
+    group = find(sets, "LeaderWorkerSet", "mmserve")["spec"]["leaderWorkerTemplate"]
+    return group["leaderTemplate"], [group["workerTemplate"]]
+
+
+@pytest.mark.parametrize("overlay", (*SERVER_OVERLAYS, "multinode"))
 def test_termination_grace_covers_prestop_and_drain(rendered, overlay):
-    deployment, c = server(rendered[overlay])
-    env = config_env(rendered[overlay], deployment, "mmserve")
+    """The server's pod outlives its preStop and drain; a tensor-parallel worker pod outlives the
+    server's pod (a group's pods get SIGTERM together, and the drain needs the worker's ranks)."""
+    docs = rendered[overlay]
+    serving, workers = serving_and_worker_pods(docs)
+    env = config_env(docs, {"spec": {"template": serving}}, "mmserve")
     drain_s = float(env.get("MMSERVE_DRAIN_GRACE_S", config.ServerConfig.drain_grace_s))
-    pre_stop_s = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-    grace_s = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    pre_stop_s = container({"spec": {"template": serving}}, "mmserve")["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace_s = serving["spec"]["terminationGracePeriodSeconds"]
     assert grace_s >= pre_stop_s + drain_s + DRAIN_MARGIN_S
+    for worker in workers:
+        assert worker["spec"]["terminationGracePeriodSeconds"] >= grace_s + DRAIN_MARGIN_S
 
 
 @pytest.mark.parametrize("overlay", SERVER_OVERLAYS)

@@ -3,24 +3,20 @@ offline. Every built-in object, and each pod template as a Pod, validates strict
 Kubernetes schemas (the LeaderWorkerSet is a CRD: its own fields are checked here); the leader runs
 `mmserve serve`, the workers `mmserve worker --node-rank $(LWS_WORKER_INDEX)`, and the flags and
 MMSERVE_* variables they get are real ones that fit together (group size = --nnodes, GPUs per pod
-= tensor-parallel size / nnodes, one rendezvous)."""
+= tensor-parallel size / nnodes, one rendezvous); the disruption budget takes one group at a time."""
 
 from __future__ import annotations
 
 import pytest
-from deploy_k8s import find, render, schema_errors
+from deploy_k8s import find, schema_errors
 
 from mmserve.cli import build_parser
 from mmserve.config import EngineConfig, ServerConfig, env_names
 
 
 @pytest.fixture(scope="module")
-def multinode():
-    import shutil
-
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed: cannot render the kustomize overlays")
-    return render("multinode")
+def multinode(rendered):
+    return rendered["multinode"]
 
 
 def templates(docs) -> dict:
@@ -72,6 +68,17 @@ def test_one_group_is_one_replica_the_leader_serves_and_the_workers_join(multino
     ports = {p["containerPort"] for p in leader["ports"]}
     assert int(env_of(multinode, roles["leader"])["MASTER_PORT"]) in ports   # node 0 hosts the TCP store
     assert "readinessProbe" in leader and "readinessProbe" not in worker   # the leader's readiness is the group's
+
+
+def test_evictions_take_one_group_at_a_time(multinode):
+    """The PodDisruptionBudget counts every pod of the set, leaders and workers, by the label LWS puts
+    on each (`leaderworkerset.sigs.k8s.io/name`, the set's name): evicting one pod ends its whole group,
+    whose pods stay unavailable until it is back, so a budget of one pod is one group."""
+    lws = find(multinode, "LeaderWorkerSet", "mmserve")
+    pdb = find(multinode, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"] == {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}}
+    assert pdb["spec"]["maxUnavailable"] == 1 and "minAvailable" not in pdb["spec"]
+    assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
 
 
 def test_the_service_reaches_the_leaders_only(multinode):
