@@ -353,11 +353,14 @@ class EngineCore:
         result.kv_events = self.kv.take_events()
         return result
 
-    def _drop_encoded_ahead(self, out: SchedulerOutput) -> None:
-        """A step that schedules nothing runs nothing: what the runner (every rank's, under tensor
+    def _idle(self, out: SchedulerOutput) -> None:
+        """A step that runs nothing, in either loop: what the runner (every rank's, under tensor
         parallelism) holds for the requests that ended or were preempted since, their embeddings
-        encoded ahead among it, is freed here (a step that runs frees it in the runner)."""
+        encoded ahead among it, is freed here (a step that runs frees it in the runner); while a
+        grammar compiles, wait for it briefly instead of spinning."""
         self.runner.release(out)
+        if self._compiling:
+            wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; the requests it preempted give their penalty slots back."""
@@ -370,9 +373,7 @@ class EngineCore:
         out = self._schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
-            self._drop_encoded_ahead(out)
-            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
-                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+            self._idle(out)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
         try:
@@ -440,13 +441,11 @@ class EngineCore:
         prev, self._in_flight = self._in_flight, None
         self.idle_step = out.is_empty and prev is None
         if self.idle_step:
-            self._drop_encoded_ahead(out)
-            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
-                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+            self._idle(out)
             return
         launched = None
-        if out.is_empty:
-            self._drop_encoded_ahead(out)
+        if out.is_empty:   # the runner frees what it holds for requests ended since (a step that runs does)
+            self.runner.release(out)
             self.runner.confirm_drafts()   # (tensor parallelism) no step follows prev to carry its drafts' check
         else:
             start_perf, start_ns = time.perf_counter(), time.time_ns()
