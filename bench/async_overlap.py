@@ -85,7 +85,7 @@ import torch
 from device_reads import DeviceReads
 from serving import machine
 
-import mmserve.core.engine_core as engine_core_module
+import mmserve.core.async_loop as async_loop_module
 import mmserve.sample.sampler as sampler_module
 import mmserve.worker.model_runner as model_runner_module
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
@@ -167,7 +167,7 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
             device.wait(self._end)
             return self._host
 
-    for module in (sampler_module, engine_core_module):
+    for module in (sampler_module, async_loop_module):
         module.HostCopy = SimulatedCopy
     if core.speculator is not None:
         assistant = core.speculator.assistant
@@ -433,14 +433,14 @@ PROFILED = (
     ("block table deltas", True, [("mmserve.worker.block_table:BlockTables", "apply")]),
     ("flex: row layout (numpy)", True, [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_rows")]),
     ("sampler: planning and queuing", True, [("mmserve.sample.sampler:Sampler", "launch")]),
-    ("acceptance: the device's layout (numpy)", True, [("mmserve.core.engine_core", "acceptance_layout")]),
+    ("acceptance: the device's layout (numpy)", True, [("mmserve.core.async_loop", "acceptance_layout")]),
     ("sampler: tokens to lists", True, [("mmserve.sample.sampler:PendingSample", "result")]),
     ("acceptance on the host", True, [("mmserve.sample.rejection_sampler:RejectionSampler", "accept")]),
-    ("rows to sample (verify rows)", True, [("mmserve.core.engine_core", "verify_rows")]),
+    ("rows to sample (verify rows)", True, [("mmserve.core.async_loop", "verify_rows")]),
     ("runner: the step's launch around them", True, [("mmserve.worker.model_runner:ModelRunner", "execute")]),
     ("core: launching the sampling, finishing a step", True,
-     [("mmserve.core.engine_core:EngineCore", "_launch_sampling"), ("mmserve.core.engine_core:EngineCore", "_finish"),
-      ("mmserve.core.engine_core:EngineCore", "_conclude"), ("mmserve.core.engine_core:EngineCore", "_accept_and_draft")]),
+     [("mmserve.core.async_loop:AsyncLoop", "_launch_sampling"), ("mmserve.core.async_loop:AsyncLoop", "_finish"),
+      ("mmserve.core.engine_core:EngineCore", "_conclude"), ("mmserve.core.async_loop:AsyncLoop", "_accept_and_draft")]),
     ("drafter: planning a round", True, [("mmserve.spec_decode.speculator:Speculator", "propose_on_device")]),
     ("step record", True, [("mmserve.core.engine_core:EngineCore", "_record")]),
     ("outputs", True, [("mmserve.core.engine_core:EngineCore", "_emit")]),
@@ -450,7 +450,7 @@ PROFILED = (
       ("mmserve.attention.flex:FlexMetadataBuilder", "_fill_block_mask")]),
     ("sampler: its batched ops (tensor ops)", False, [("mmserve.sample.sampler:Sampler", "_queue")]),
     ("acceptance on the device, next inputs (tensor ops)", False,
-     [("mmserve.core.engine_core", "accept_on_device"), ("mmserve.core.engine_core", "next_step_inputs"),
+     [("mmserve.core.async_loop", "accept_on_device"), ("mmserve.core.async_loop", "next_step_inputs"),
       ("mmserve.spec_decode.speculator", "next_step_inputs")]),
     ("drafter: its steps (embed, rope, draft)", False,
      [("mmserve.spec_decode.speculator:Speculator", "_loop"), ("mmserve.model.assistant:Assistant", "rope")]),
