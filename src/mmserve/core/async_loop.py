@@ -54,6 +54,13 @@ class InFlight:
     moved_back: dict[str, int] = field(default_factory=dict)
 
 
+def _rows_of(sampling: list, keep: list[int]) -> list[int]:
+    """The sampler rows of the chunks `keep` indexes in `sampling` (a chunk's rows are contiguous,
+    `num_sampled_rows` of them): a step's rows without those of requests ended since its launch."""
+    first = np.cumsum([0] + [s.num_sampled_rows for s in sampling])
+    return [r for i in keep for r in range(first[i], first[i + 1])]
+
+
 class AsyncLoop:
     """`EngineCore`'s async loop: one `step()` launches the next step and finishes the one before."""
 
@@ -103,9 +110,7 @@ class AsyncLoop:
         sampling = step.sampling if len(keep) == len(step.sampling) else [step.sampling[i] for i in keep]
         logits, index = step.logits, None
         if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
-            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
-            index = to_device(np.concatenate([np.arange(first[i], first[i + 1]) for i in keep] or [first[:0]]),
-                              logits.device)
+            index = to_device(np.asarray(_rows_of(step.sampling, keep), dtype=np.int64), logits.device)
             logits = logits.index_select(0, index)
         rows = verify_rows(sampling)
         try:
@@ -180,8 +185,7 @@ class AsyncLoop:
         for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
             s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
         if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
-            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
-            rows = [r for i in live for r in range(first[i], first[i + 1])]
+            rows = _rows_of(step.sampling, live)
             step.sampling = [step.sampling[i] for i in live]
             sampler_out = SamplerOutput([sampler_out.token_ids[r] for r in rows],
                                         [sampler_out.logprobs[r] for r in rows],
