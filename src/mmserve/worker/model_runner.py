@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,7 @@ from mmserve.worker.backend_check import (
     BackendCheck,
     CheckStep,
     check_attention,
+    check_cache,
     check_nucleus_kernel,
     check_ple_kernel,
     fallen_back,
@@ -244,7 +245,7 @@ class ModelRunner:
                                 max_model_len=self.max_model_len)
 
     def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
-        with self._check_cache(step) as garbage:
+        with check_cache(self.kv_caches, step) as garbage:
             eager = self._eager_rows(step)
             replays = []
             for again in (False, True):
@@ -270,7 +271,7 @@ class ModelRunner:
             self.piecewise.capture_all(forward_for)
             reason = None
             if self.self_check and (step := self._check_step([5, 1, 1])) is not None:
-                with self._check_cache(step) as garbage:
+                with check_cache(self.kv_caches, step) as garbage:
                     eager = self._eager_rows(step)
                     garbage(True)
                     self.piecewise.fill_attention_buffers(float("nan"))   # what padding rows carry: anything
@@ -282,33 +283,6 @@ class ModelRunner:
         if not self._capture_checked("piecewise_graphs", capture_and_check):
             self.piecewise = PiecewiseGraphs((), mode=None, attn_width=0, dtype=self.model.dtype,
                                              device=self.model.device, hidden_size=0)
-
-    @contextmanager
-    def _check_cache(self, step: CheckStep):
-        """Random context K/V in the check step's private blocks and garbage in the null block while
-        it runs; `garbage(again)` restores the context (a step rewrites its own slots) and, again,
-        puts other garbage in the null block. The cache is as the runner made it afterwards."""
-        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
-        used = torch.tensor([0, *step.blocks], device=self.model.device)
-        saved = [c[:, used].clone() for c in caches]
-        gen = torch.Generator().manual_seed(0)
-
-        def random_like(t: torch.Tensor) -> torch.Tensor:
-            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
-        try:
-            for c in caches:
-                c[:, used] = random_like(c[:, used])
-            context = [c[:, used].clone() for c in caches]
-
-            def garbage(again: bool) -> None:
-                for c, ctx in zip(caches, context, strict=True):
-                    c[:, used] = ctx
-                    if again:
-                        c[:, 0] = random_like(c[:, 0])
-            yield garbage
-        finally:
-            for c, s in zip(caches, saved, strict=True):
-                c[:, used] = s
 
     def _eager_rows(self, step: CheckStep) -> torch.Tensor:
         """The check step's rows, eagerly and unpadded (the context restored after)."""
