@@ -207,10 +207,10 @@ def stub_embedding(model) -> None:
 
 def simulated_worker_main(rank, *args) -> None:
     """A TP worker rank (spawned) whose model and drafter are stubs, as `simulate` makes rank 0's."""
-    from mmserve.executor import tensor_parallel
+    from mmserve.executor import worker_rank
     from mmserve.spec_decode.speculator import Speculator
 
-    load_rank_model, load_speculator = tensor_parallel.load_rank_model, Speculator.load
+    load_rank_model, load_speculator = worker_rank.load_rank_model, Speculator.load
 
     def stubbed_model(config, group):
         model = load_rank_model(config, group)
@@ -223,15 +223,15 @@ def simulated_worker_main(rank, *args) -> None:
             torch.zeros(hidden.shape[0], speculator.target.spec.vocab_size), torch.zeros_like(hidden))
         return speculator
 
-    tensor_parallel.load_rank_model, Speculator.load = stubbed_model, staticmethod(stubbed_speculator)
-    tensor_parallel.worker_main(rank, *args)
+    worker_rank.load_rank_model, Speculator.load = stubbed_model, staticmethod(stubbed_speculator)
+    worker_rank.worker_main(rank, *args)
 
 
 def tp_core(config: EngineConfig):
     """Rank 0's core over a TP group whose worker ranks run `simulated_worker_main`; returns (core,
     group, a list rank 0's time blocked in broadcasts accumulates into: with the forward stubbed,
     those are the protocol's own: the in-flight tokens, or the async drafting round's acceptance)."""
-    from mmserve.executor import tensor_parallel
+    from mmserve.executor import ranks, tensor_parallel
     from mmserve.model.parallel import ParallelGroup
 
     worker_main = tensor_parallel.worker_main
@@ -240,7 +240,7 @@ def tp_core(config: EngineConfig):
         tp = tensor_parallel.TensorParallelGroup(config, log_level=logging.WARNING)
     finally:
         tensor_parallel.worker_main = worker_main
-    core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
+    core = EngineCore(config, model=ranks.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
     stub_embedding(core.model)
     if core.speculator is not None:
         tp.runner.serve_drafts(core.speculator)

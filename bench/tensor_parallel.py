@@ -112,7 +112,8 @@ def run(runner, spec, plans, batch: int, prompt: int, decodes: int, *, profile: 
 
 def measure(path: Path, size: int, threads: int, batch: int, prompt: int, decodes: int, reps: int) -> dict:
     """Median prefill and decode step times (ms, unprofiled runs) and collectives' shares (profiled runs)."""
-    from mmserve.executor.tensor_parallel import TensorParallelGroup, load_rank_model
+    from mmserve.executor.ranks import load_rank_model
+    from mmserve.executor.tensor_parallel import TensorParallelGroup
     from mmserve.model.parallel import SINGLE
     from mmserve.model.spec import load_spec
 
