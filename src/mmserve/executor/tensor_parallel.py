@@ -51,6 +51,7 @@ import os
 import shutil
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -79,6 +80,12 @@ from mmserve.executor.step_messages import (
 from mmserve.executor.worker_rank import worker_main
 from mmserve.model.parallel import CollectiveError, join_group
 from mmserve.spec_decode.speculator import DeviceDraftRound
+
+if TYPE_CHECKING:
+    from mmserve.worker.backend_check import BackendCheck
+    from mmserve.worker.block_table import BlockTables
+    from mmserve.worker.cuda_graphs import UniformStepGraphs
+    from mmserve.worker.encoder_cache import EncoderCache
 
 logger = logging.getLogger(__name__)
 
@@ -238,7 +245,8 @@ class TensorParallelGroup:
 
 class TensorParallelRunner:
     """Rank 0's runner: broadcasts each step to the workers, then runs its own shard's ModelRunner.
-    Everything else (encoder cache, backend checks, ...) is the local runner's."""
+    What the core reads of its runner (the properties below) is that local runner's; a call that
+    changes a runner's state is a method here, which reaches every rank."""
 
     def __init__(self, tp: TensorParallelGroup, model, plans, config: EngineConfig, *, max_model_len: int):
         from mmserve.worker.model_runner import ModelRunner
@@ -253,10 +261,34 @@ class TensorParallelRunner:
             tp.ring.unlink()
         self.local = ModelRunner(model, plans, config, max_model_len=max_model_len)
 
-    def __getattr__(self, name: str):
-        if name == "local":   # not set yet: no recursion through __getattr__
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.local.kv_caches
+
+    @property
+    def block_tables(self) -> BlockTables:
+        return self.local.block_tables
+
+    @property
+    def graphs(self) -> UniformStepGraphs:
+        return self.local.graphs
+
+    @property
+    def verify_graph_rows(self) -> int:
+        return self.local.verify_graph_rows
+
+    @property
+    def encoder_cache(self) -> EncoderCache:
+        return self.local.encoder_cache
+
+    @property
+    def backend_checks(self) -> list[BackendCheck]:
+        return self.local.backend_checks
+
+    @backend_checks.setter
+    def backend_checks(self, checks: list[BackendCheck]) -> None:
+        """The core merges in the memory-profiling runner's checks (rank 0's record of them)."""
+        self.local.backend_checks = checks
 
     def execute(self, out: SchedulerOutput, prev=None):
         """The step on every rank; `prev` (async scheduling: the step in flight's tokens, on rank 0's
