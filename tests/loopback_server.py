@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.observer import NullObserver
 from mmserve.ipc.records import StepRecord
 
 
-class RecordingObserver:
+class RecordingObserver(NullObserver):
     """Observer hooks (run by the front end) that remember every step and every request's end."""
 
     def __init__(self) -> None:
@@ -27,17 +28,11 @@ class RecordingObserver:
         self.steps: list[StepRecord] = []
         self.finished: list[tuple[str, str | None, BaseException | None]] = []
 
-    def on_engine_started(self, peaks) -> None:
-        pass
-
     def on_request_queued(self, request) -> None:
         self.queued.append(request.request_id)
 
     def on_step(self, record: StepRecord) -> None:
         self.steps.append(record)
-
-    def on_first_token(self, request) -> None:
-        pass
 
     def on_request_finished(self, request, finish_reason, error) -> None:
         self.finished.append((request.request_id, finish_reason, error))
