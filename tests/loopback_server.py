@@ -97,14 +97,14 @@ class LoopbackServer:
 
     async def _main(self) -> None:
         from mmserve.engine.async_engine import AsyncEngine
-        from mmserve.model.spec import read_spec
+        from mmserve.model.spec import load_spec_without_transformers
         from mmserve.server.app import build_server
         from mmserve.server.observability import setup_observability
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
             observer, metrics = self.observer, self.metrics
-            spec = read_spec(self.engine_config.model)
+            spec = load_spec_without_transformers(self.engine_config.model)
             if observer is None:
                 self.observability = setup_observability(self.engine_config, self.server_config, spec=spec,
                                                          configure_global_tracing=False)

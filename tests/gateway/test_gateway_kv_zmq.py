@@ -51,7 +51,7 @@ from mmserve.clients.messages import image_part, message, text_part, video_part
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.kv_event_hub import Cleared, KvBatch, Removed, Stored
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.multimodal.synthetic import make_clip
 from mmserve.sampling_params import SamplingParams
 from mmserve.server.kv_event_publisher import KvEventsConfig, ZmqKvEventPublisher, encode_batch
@@ -443,7 +443,7 @@ def processor():
     vLLM's): a request's prompt ids, placeholder runs and their content hashes."""
     executor = ThreadPoolExecutor(2)
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", default_num_frames=4)
-    proc = InputProcessor.from_checkpoint(config, executor, spec=read_spec(DEMO_MODEL_DIR), context_length=1024,
+    proc = InputProcessor.from_checkpoint(config, executor, spec=load_spec_without_transformers(DEMO_MODEL_DIR), context_length=1024,
                                           workers=1)
 
     def process(*parts):

@@ -12,7 +12,13 @@ import pytest
 from gemma4_fixtures import EOS, TURN_CLOSE
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.model.spec import MoeSpec, PleSpec, UnsupportedModelError, load_spec, read_spec
+from mmserve.model.spec import (
+    MoeSpec,
+    PleSpec,
+    UnsupportedModelError,
+    load_spec,
+    load_spec_without_transformers,
+)
 
 
 @pytest.fixture
@@ -135,9 +141,9 @@ def test_experts(ckpt):
                                              "rope_theta": 1e6}}}, "rope_parameters has no 'sliding_attention'"),
 ])
 def test_unsupported_variants_fail_naming_the_feature(ckpt, changes, feature):
-    """In the engine (load_spec) and the front end (read_spec) alike."""
+    """In the engine (load_spec) and the front end (load_spec_without_transformers) alike."""
     edit_text_config(ckpt, **changes)
-    for read in (load_spec, read_spec):
+    for read in (load_spec, load_spec_without_transformers):
         with pytest.raises(UnsupportedModelError, match=feature):
             read(ckpt)
 

@@ -112,7 +112,7 @@ def check_divisible(config: EngineConfig) -> None:
     """Refuse a size the model cannot be split by (ShardingError naming the dimension) before any
     process is spawned."""
     from mmserve.model.parallel import local_spec
-    from mmserve.model.spec import read_spec
+    from mmserve.model.spec import load_spec_without_transformers
 
     if config.tensor_parallel_size % config.nnodes:
         raise ValueError(f"--tensor-parallel-size {config.tensor_parallel_size} is not divisible by "
@@ -120,7 +120,7 @@ def check_divisible(config: EngineConfig) -> None:
     if config.node_rank >= config.nnodes:
         raise ValueError(f"--node-rank {config.node_rank}: there are only --nnodes {config.nnodes}")
     group = ParallelGroup(0, config.tensor_parallel_size)
-    local_spec(read_spec(config.model), group)
+    local_spec(load_spec_without_transformers(config.model), group)
     if config.speculative_model:
         from mmserve.model.assistant import Assistant
         from mmserve.model.assistant_spec import read_assistant_spec

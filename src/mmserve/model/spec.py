@@ -5,8 +5,8 @@ The decoder, the KV planner, the scheduler, the input processor and the perf mod
 In the engine (`load_spec`) transformers' config classes do the parsing (they accept the hub's flat
 `global_head_dim` / `num_global_key_value_heads` keys and the `per_layer_config` form that 5.x
 saves, and derive the KV-sharing roles); we read their resolved per-layer view. The front end
-(`read_spec`) reads the same view from config.json without importing transformers
-(model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
+(`load_spec_without_transformers`) reads the same view from config.json without importing
+transformers (model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
 ids and the vision preprocessing budget.
 
 Served: `gemma4` (dense 31B, E2B/E4B with per-layer embeddings and KV sharing, 26B-A4B with
@@ -517,7 +517,7 @@ def load_spec(source: Any) -> ModelSpec:
     return spec_from_hf_config(load_hf_config(source), _root(source))
 
 
-def read_spec(source: Any) -> ModelSpec:
+def load_spec_without_transformers(source: Any) -> ModelSpec:
     """The same `ModelSpec` as `load_spec`, without importing transformers when config.json allows
     (model/config_json.py): the front end's, which builds no tower. A config that needs transformers'
     parsing, or that transformers refuses, goes to transformers (config.json as read here, not again)
