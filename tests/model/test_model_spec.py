@@ -83,17 +83,17 @@ def test_end_of_turn_is_added_to_eos_from_the_tokenizer(ckpt):
 def test_processor_settings_nested_in_processor_config(ckpt):
     (ckpt / "processor_config.json").write_text(json.dumps({
         "image_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 140},
-        "video_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 280, "num_frames": 8}}))
+        "video_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 280}}))
     spec = load_spec(ckpt)
-    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens, spec.video_num_frames) == (140, 280, 8)
+    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens) == (140, 280)
 
 
 def test_processor_settings_in_separate_files(ckpt):
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 560, "patch_size": 4,
                                                                "pooling_kernel_size": 2}))
-    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140, "num_frames": 16}))
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140}))
     spec = load_spec(ckpt)
-    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens, spec.video_num_frames) == (560, 140, 16)
+    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens) == (560, 140)
 
 
 def test_any_source_gives_the_same_spec(checkpoints):
