@@ -85,7 +85,7 @@ import torch
 from device_reads import DeviceReads
 from serving import machine
 
-import mmserve.core.engine_core as engine_core_module
+import mmserve.core.async_loop as async_loop_module
 import mmserve.sample.sampler as sampler_module
 import mmserve.worker.model_runner as model_runner_module
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig
@@ -167,7 +167,7 @@ def simulate(core: EngineCore, device: SimulatedDevice, device_s: float, draft_s
             device.wait(self._end)
             return self._host
 
-    for module in (sampler_module, engine_core_module):
+    for module in (sampler_module, async_loop_module):
         module.HostCopy = SimulatedCopy
     if core.speculator is not None:
         assistant = core.speculator.assistant
@@ -207,10 +207,10 @@ def stub_embedding(model) -> None:
 
 def simulated_worker_main(rank, *args) -> None:
     """A TP worker rank (spawned) whose model and drafter are stubs, as `simulate` makes rank 0's."""
-    from mmserve.executor import tensor_parallel
+    from mmserve.executor import worker_rank
     from mmserve.spec_decode.speculator import Speculator
 
-    load_rank_model, load_speculator = tensor_parallel.load_rank_model, Speculator.load
+    load_rank_model, load_speculator = worker_rank.load_rank_model, Speculator.load
 
     def stubbed_model(config, group):
         model = load_rank_model(config, group)
@@ -223,15 +223,15 @@ def simulated_worker_main(rank, *args) -> None:
             torch.zeros(hidden.shape[0], speculator.target.spec.vocab_size), torch.zeros_like(hidden))
         return speculator
 
-    tensor_parallel.load_rank_model, Speculator.load = stubbed_model, staticmethod(stubbed_speculator)
-    tensor_parallel.worker_main(rank, *args)
+    worker_rank.load_rank_model, Speculator.load = stubbed_model, staticmethod(stubbed_speculator)
+    worker_rank.worker_main(rank, *args)
 
 
 def tp_core(config: EngineConfig):
     """Rank 0's core over a TP group whose worker ranks run `simulated_worker_main`; returns (core,
     group, a list rank 0's time blocked in broadcasts accumulates into: with the forward stubbed,
     those are the protocol's own: the in-flight tokens, or the async drafting round's acceptance)."""
-    from mmserve.executor import tensor_parallel
+    from mmserve.executor import ranks, tensor_parallel
     from mmserve.model.parallel import ParallelGroup
 
     worker_main = tensor_parallel.worker_main
@@ -240,7 +240,7 @@ def tp_core(config: EngineConfig):
         tp = tensor_parallel.TensorParallelGroup(config, log_level=logging.WARNING)
     finally:
         tensor_parallel.worker_main = worker_main
-    core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
+    core = EngineCore(config, model=ranks.load_rank_model(config, tp.group), runner_factory=tp.runner_factory)
     stub_embedding(core.model)
     if core.speculator is not None:
         tp.runner.serve_drafts(core.speculator)
@@ -433,14 +433,14 @@ PROFILED = (
     ("block table deltas", True, [("mmserve.worker.block_table:BlockTables", "apply")]),
     ("flex: row layout (numpy)", True, [("mmserve.attention.flex:FlexMetadataBuilder", "_fill_rows")]),
     ("sampler: planning and queuing", True, [("mmserve.sample.sampler:Sampler", "launch")]),
-    ("acceptance: the device's layout (numpy)", True, [("mmserve.core.engine_core", "acceptance_layout")]),
+    ("acceptance: the device's layout (numpy)", True, [("mmserve.core.async_loop", "acceptance_layout")]),
     ("sampler: tokens to lists", True, [("mmserve.sample.sampler:PendingSample", "result")]),
     ("acceptance on the host", True, [("mmserve.sample.rejection_sampler:RejectionSampler", "accept")]),
-    ("rows to sample (verify rows)", True, [("mmserve.core.engine_core", "verify_rows")]),
+    ("rows to sample (verify rows)", True, [("mmserve.core.async_loop", "verify_rows")]),
     ("runner: the step's launch around them", True, [("mmserve.worker.model_runner:ModelRunner", "execute")]),
     ("core: launching the sampling, finishing a step", True,
-     [("mmserve.core.engine_core:EngineCore", "_launch_sampling"), ("mmserve.core.engine_core:EngineCore", "_finish"),
-      ("mmserve.core.engine_core:EngineCore", "_conclude"), ("mmserve.core.engine_core:EngineCore", "_accept_and_draft")]),
+     [("mmserve.core.async_loop:AsyncLoop", "_launch_sampling"), ("mmserve.core.async_loop:AsyncLoop", "_finish"),
+      ("mmserve.core.engine_core:EngineCore", "_conclude"), ("mmserve.core.async_loop:AsyncLoop", "_accept_and_draft")]),
     ("drafter: planning a round", True, [("mmserve.spec_decode.speculator:Speculator", "propose_on_device")]),
     ("step record", True, [("mmserve.core.engine_core:EngineCore", "_record")]),
     ("outputs", True, [("mmserve.core.engine_core:EngineCore", "_emit")]),
@@ -450,7 +450,7 @@ PROFILED = (
       ("mmserve.attention.flex:FlexMetadataBuilder", "_fill_block_mask")]),
     ("sampler: its batched ops (tensor ops)", False, [("mmserve.sample.sampler:Sampler", "_queue")]),
     ("acceptance on the device, next inputs (tensor ops)", False,
-     [("mmserve.core.engine_core", "accept_on_device"), ("mmserve.core.engine_core", "next_step_inputs"),
+     [("mmserve.core.async_loop", "accept_on_device"), ("mmserve.core.async_loop", "next_step_inputs"),
       ("mmserve.spec_decode.speculator", "next_step_inputs")]),
     ("drafter: its steps (embed, rope, draft)", False,
      [("mmserve.spec_decode.speculator:Speculator", "_loop"), ("mmserve.model.assistant:Assistant", "rope")]),

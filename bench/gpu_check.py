@@ -674,14 +674,14 @@ def video_requests(sizes: Sizes, device: str) -> list:
     """Video + text prompts for the demo checkpoint, built by the server's own input processor."""
     from mmserve.config import EngineConfig
     from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
-    from mmserve.model.spec import read_spec
+    from mmserve.model.spec import load_spec_without_transformers
     from mmserve.multimodal.synthetic import make_clip
     from mmserve.sampling_params import SamplingParams
 
     sampling = SamplingParams(max_tokens=sizes.max_tokens, ignore_eos=True)
     with ThreadPoolExecutor(2) as pool:
         config = EngineConfig(device=device)
-        processor = InputProcessor.from_checkpoint(config, pool, spec=read_spec(config.model), context_length=1024)
+        processor = InputProcessor.from_checkpoint(config, pool, spec=load_spec_without_transformers(config.model), context_length=1024)
 
         async def build():
             return [await processor.process(f"video-{i}", [InputMessage("user", (

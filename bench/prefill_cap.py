@@ -34,7 +34,7 @@ from mmserve.core.sched.scheduler import Scheduler  # noqa: E402
 from mmserve.core.sched.step_time import StepTimeModel  # noqa: E402
 from mmserve.metrics.peaks import lookup  # noqa: E402
 from mmserve.metrics.perf_model import PerfModel, RequestWork, StepContext, VisionWork  # noqa: E402
-from mmserve.model.spec import read_spec  # noqa: E402
+from mmserve.model.spec import load_spec_without_transformers  # noqa: E402
 from mmserve.request import Request  # noqa: E402
 from mmserve.sampling_params import SamplingParams  # noqa: E402
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':12} {'device':6} {'decodes':>7} {'slowdown':>8} {'steps':>5} {'tok/step':>8} "
           f"{'worst x':>7} {'host ms':>7}")
     for name in models:
-        spec = read_spec(FAMILY / f"{name}.json")
+        spec = load_spec_without_transformers(FAMILY / f"{name}.json")
         perf = PerfModel(spec)
         for device, sku in devices.items():
             peaks = lookup(sku, "bfloat16")

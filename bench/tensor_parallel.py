@@ -105,14 +105,14 @@ def run(runner, spec, plans, batch: int, prompt: int, decodes: int, *, profile: 
         # gloo's own events ("gloo:all_reduce", ...) span each collective from start to completion
         comm_ms = sum(e.cpu_time_total for e in prof.key_averages() if e.key.startswith("gloo:")) / 1e3
         values.append(min(1.0, comm_ms / ms))
-    for r in requests:
-        runner.free(r.request_id)
+    runner.release(SchedulerOutput([], finished_ids=[r.request_id for r in requests]))   # on every rank
     return values
 
 
 def measure(path: Path, size: int, threads: int, batch: int, prompt: int, decodes: int, reps: int) -> dict:
     """Median prefill and decode step times (ms, unprofiled runs) and collectives' shares (profiled runs)."""
-    from mmserve.executor.tensor_parallel import TensorParallelGroup, load_rank_model
+    from mmserve.executor.ranks import load_rank_model
+    from mmserve.executor.tensor_parallel import TensorParallelGroup
     from mmserve.model.parallel import SINGLE
     from mmserve.model.spec import load_spec
 

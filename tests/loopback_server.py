@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.observer import NullObserver
 from mmserve.ipc.records import StepRecord
 
 
-class RecordingObserver:
+class RecordingObserver(NullObserver):
     """Observer hooks (run by the front end) that remember every step and every request's end."""
 
     def __init__(self) -> None:
@@ -27,17 +28,11 @@ class RecordingObserver:
         self.steps: list[StepRecord] = []
         self.finished: list[tuple[str, str | None, BaseException | None]] = []
 
-    def on_engine_started(self, peaks) -> None:
-        pass
-
     def on_request_queued(self, request) -> None:
         self.queued.append(request.request_id)
 
     def on_step(self, record: StepRecord) -> None:
         self.steps.append(record)
-
-    def on_first_token(self, request) -> None:
-        pass
 
     def on_request_finished(self, request, finish_reason, error) -> None:
         self.finished.append((request.request_id, finish_reason, error))
@@ -102,14 +97,14 @@ class LoopbackServer:
 
     async def _main(self) -> None:
         from mmserve.engine.async_engine import AsyncEngine
-        from mmserve.model.spec import read_spec
+        from mmserve.model.spec import load_spec_without_transformers
         from mmserve.server.app import build_server
         from mmserve.server.observability import setup_observability
 
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         try:
             observer, metrics = self.observer, self.metrics
-            spec = read_spec(self.engine_config.model)
+            spec = load_spec_without_transformers(self.engine_config.model)
             if observer is None:
                 self.observability = setup_observability(self.engine_config, self.server_config, spec=spec,
                                                          configure_global_tracing=False)

@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
 from mmserve.engine.input.processor import InputProcessor
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.server.app import build_server
 from mmserve.server.observability import setup_observability
 config = EngineConfig(model=str(DEMO_MODEL_DIR), speculative_model=str(DEMO_ASSISTANT_DIR), device="cpu")
 server_config = ServerConfig(port=0)
-spec = read_spec(config.model)
+spec = load_spec_without_transformers(config.model)
 observability = setup_observability(config, server_config, spec=spec, configure_global_tracing=False)
 build_server(AsyncEngine(config, observer=observability.observer), server_config, config, spec=spec,
              metrics=observability.metrics)

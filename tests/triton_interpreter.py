@@ -1,6 +1,7 @@
-"""Our Triton kernels run by Triton's interpreter on a CPU (tests of attention/split_kv_kernels.py and
-model/ple_kernels.py). Triton reads TRITON_INTERPRET when a @triton.jit function runs (and again when
-a kernel calls a jit helper), so a kernel module is reloaded after the variable changes."""
+"""Our Triton kernels run by Triton's interpreter on a CPU (tests of attention/split_kv_kernels.py,
+sample/nucleus_kernels.py and model/ple_kernels.py). Triton reads TRITON_INTERPRET when a @triton.jit
+function runs (and again when a kernel calls a jit helper), so a kernel module is reloaded after the
+variable changes, the combine functions its reductions call (mmserve/triton_combine.py) first."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 
 
 def reload_kernels(module: str) -> ModuleType:
-    """`module` as TRITON_INTERPRET now says."""
+    """`module` as TRITON_INTERPRET now says (and the combine functions it imports)."""
+    importlib.reload(importlib.import_module("mmserve.triton_combine"))
     return importlib.reload(importlib.import_module(module))
 
 

@@ -8,12 +8,10 @@ and the request's trace in Jaeger find each other. The server marks the request 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import datetime
 import json
 import logging
-from collections.abc import Iterator
 
 from opentelemetry import trace
 
@@ -36,16 +34,6 @@ def unbind_request(token: contextvars.Token) -> None:
         _request.reset(token)
     except ValueError:  # reset from another context (an async generator's finalizer): nothing to undo
         pass
-
-
-@contextlib.contextmanager
-def request_context(request_id: str, span: trace.Span | None = None) -> Iterator[None]:
-    """`bind_request` for a block."""
-    token = bind_request(request_id, span)
-    try:
-        yield
-    finally:
-        unbind_request(token)
 
 
 def _ids() -> dict[str, str]:

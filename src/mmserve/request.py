@@ -81,7 +81,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_token_ids: list[int] = field(default_factory=list)
-    num_preemptions: int = 0
     num_cached_tokens: int = 0   # prompt tokens whose KV came from the prefix cache at first admission
     block_hashes: list[bytes] = field(default_factory=list, repr=False)   # prefix-cache key per full block
     # Speculative decoding: tokens the drafter proposes after the last one, for the next step to verify

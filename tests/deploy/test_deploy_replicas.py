@@ -10,7 +10,7 @@ from deploy_loop import LoopThread
 from mmserve.clients import Client
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.server.app import build_server
 
 REQUESTS = 20
@@ -41,7 +41,7 @@ def replicas(served_model):
     async def start(counter: CountGenerate):
         server = build_server(AsyncEngine(engine_config),
                               ServerConfig(host="127.0.0.1", port=0, worker_threads=1), engine_config,
-                              spec=read_spec(engine_config.model), interceptors=[counter])
+                              spec=load_spec_without_transformers(engine_config.model), interceptors=[counter])
         await server.start()
         return server
 

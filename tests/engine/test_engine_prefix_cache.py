@@ -26,7 +26,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.kv_cache.manager import NULL_BLOCK
 from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.engine.observer import NullObserver
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.request import Request
 from mmserve.sampling_params import SamplingParams
 
@@ -105,7 +105,7 @@ def processor(engine_checkpoint, tmp_path_factory):
         shutil.copy(path / name, root / name)
     (root / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 9}))
     with ThreadPoolExecutor(2) as pool:
-        yield InputProcessor.from_checkpoint(EngineConfig(model=str(root)), pool, spec=read_spec(root),
+        yield InputProcessor.from_checkpoint(EngineConfig(model=str(root)), pool, spec=load_spec_without_transformers(root),
                                              context_length=1024)
 
 

@@ -34,7 +34,7 @@ from engine_helpers import (
 from gemma4_fixtures import make_assistant, tiny_config
 
 from mmserve.config import EngineConfig
-from mmserve.executor import tensor_parallel
+from mmserve.executor import ranks, tensor_parallel
 
 K = 3
 OPTIONS = dict(device="cpu", dtype="float32", attention_backend="flex", block_size=4, num_kv_blocks=256,
@@ -60,10 +60,10 @@ def tp_core(engine_checkpoint, assistant):
     config = EngineConfig(model=str(engine_checkpoint[0]), speculative_model=assistant, tensor_parallel_size=2,
                           engine_threads=2, async_scheduling="on", **OPTIONS)
     threads = torch.get_num_threads()
-    torch.set_num_threads(tensor_parallel.rank_threads(config))   # rank 0's threads, as in the engine process
+    torch.set_num_threads(ranks.rank_threads(config))   # rank 0's threads, as in the engine process
     tp = tensor_parallel.TensorParallelGroup(config)
     try:
-        core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group),
+        core = EngineCore(config, model=ranks.load_rank_model(config, tp.group),
                           runner_factory=tp.runner_factory)
         tp.runner.serve_drafts(core.speculator)   # as the engine process does
         yield core

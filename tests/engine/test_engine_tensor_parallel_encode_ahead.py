@@ -22,7 +22,7 @@ import torch
 from engine_helpers import assert_tokens_agree, build_request, make_llm, record_decisions, step_core
 
 from mmserve.config import EngineConfig
-from mmserve.executor import tensor_parallel
+from mmserve.executor import ranks, tensor_parallel, worker_rank
 
 SPY_DIR = "MMSERVE_TEST_TOWER_SPY_DIR"   # where each rank's spy writes (the spawned rank inherits it)
 
@@ -76,7 +76,7 @@ def spied_worker_main(rank, *args) -> None:
     worker_main(rank, *args)
 
 
-worker_main = tensor_parallel.worker_main
+worker_main = worker_rank.worker_main
 
 
 def read_spy(rank: int) -> list[dict]:
@@ -108,7 +108,7 @@ def tp_core(engine_checkpoint, tmp_path_factory):
                           max_num_seqs=8, max_num_batched_tokens=24, prefill_batched_tokens=0,
                           enable_prefix_caching=False)   # each run encodes afresh: no encoder cache
     threads = torch.get_num_threads()
-    torch.set_num_threads(tensor_parallel.rank_threads(config))   # rank 0's threads, as in the engine process
+    torch.set_num_threads(ranks.rank_threads(config))   # rank 0's threads, as in the engine process
     tp = tensor_parallel.TensorParallelGroup(config)
     try:
         with pytest.MonkeyPatch.context() as rank0:
@@ -120,7 +120,7 @@ def tp_core(engine_checkpoint, tmp_path_factory):
                               (ModelRunner, "release")):
                 rank0.setattr(cls, name, getattr(cls, name))
             spy_on_ranks(0)
-            core = EngineCore(config, model=tensor_parallel.load_rank_model(config, tp.group),
+            core = EngineCore(config, model=ranks.load_rank_model(config, tp.group),
                               runner_factory=tp.runner_factory)
             yield core
     finally:
@@ -137,7 +137,7 @@ def run(core, requests, arrivals: dict[str, int], abort_when_held: str | None = 
         nonlocal abort_when_held
         for out in result.outputs:
             assert out.error is None or out.request_id == abort_when_held, out
-        if abort_when_held and (held := core.runner.encoded_ahead.num_bytes):
+        if abort_when_held and (held := core.runner.local.encoded_ahead.num_bytes):
             assert core.held_resources()["encoded_ahead_bytes"] == 2 * held
             assert core.abort(abort_when_held)
             abort_when_held = None

@@ -92,7 +92,7 @@ def test_the_mirror_reads_like_rank_0_step_after_step():
 
 def test_a_worker_runner_is_sized_like_rank_0_and_refuses_another_dtype():
     from mmserve.config import EngineConfig
-    from mmserve.executor.tensor_parallel import runner_config
+    from mmserve.executor.worker_rank import runner_config
 
     leader = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=256,
                           tensor_parallel_size=2, nnodes=2)

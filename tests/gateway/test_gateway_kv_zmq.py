@@ -55,7 +55,7 @@ from mmserve.engine.input.processor import InputMessage, InputProcessor, TextInp
 from mmserve.engine.kv_event_hub import Cleared, KvBatch, KvEventHub, Removed, Stored, block_id
 from mmserve.ipc.kv_cache_events import BlockRemoved as BlockRemovedEvent
 from mmserve.ipc.kv_cache_events import BlockStored as BlockStoredEvent
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.multimodal.synthetic import make_clip
 from mmserve.sampling_params import SamplingParams
 from mmserve.server.kv_event_publisher import KvEventsConfig, ZmqKvEventPublisher, encode_batch
@@ -525,7 +525,7 @@ def processor():
     vLLM's): a request's prompt ids, placeholder runs and their content hashes."""
     executor = ThreadPoolExecutor(2)
     config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", default_num_frames=4)
-    proc = InputProcessor.from_checkpoint(config, executor, spec=read_spec(DEMO_MODEL_DIR), context_length=1024,
+    proc = InputProcessor.from_checkpoint(config, executor, spec=load_spec_without_transformers(DEMO_MODEL_DIR), context_length=1024,
                                           workers=1)
 
     def process(*parts):

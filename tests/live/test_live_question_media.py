@@ -65,14 +65,21 @@ def test_a_preempted_question_recomputes_from_its_contexts_media():
                                          sampling=SamplingParams(max_tokens=24, ignore_eos=True)))
     engine.add_request(EngineRequest("s#q-1", question, ranges, inputs, greedy, context_request_id="s#context-0"))
     asked = engine.core.requests["s#q-1"]
+    preempted, schedule = [], engine.core.scheduler.schedule   # each step's preempted ids
+
+    def recording_schedule():
+        out = schedule()
+        preempted.extend(out.preempted_ids)
+        return out
+    engine.core.scheduler.schedule = recording_schedule
     assert len(asked.mm_inputs) == 4   # the context's own objects, not copies
     assert all(a is b for a, b in zip(asked.mm_inputs, engine.core.requests["s#context-0"].mm_inputs[:4], strict=True))
-    got = run(engine, lambda _: asked.num_preemptions > 0)
+    got = run(engine, lambda _: "s#q-1" in preempted)
     engine.core.abort("s#context-0")   # the context ends while its question waits to be recomputed
     engine.processor.forget("s#context-0")
     got = {rid: got.get(rid, []) + more for rid, more in
            run(engine, lambda t: "s#q-1:done" in t and all(f"filler-{i}:done" in t for i in range(3))).items()}
-    assert asked.num_preemptions > 0 and "s#q-1:done" in got
+    assert "s#q-1" in preempted and "s#q-1:done" in got
     assert all(not any(p.ref_cnt) for p in engine.core.kv.pools.values()) and not engine.core.requests
 
     alone = llm(num_kv_blocks=256)

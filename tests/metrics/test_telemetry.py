@@ -16,6 +16,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.config import EngineConfig, ServerConfig
+from mmserve.engine.observer import EngineObserver, NullObserver
 from mmserve.errors import RequestAbortedError
 from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.attention_pairs import kept_pairs
@@ -216,6 +217,15 @@ def test_step_spans_are_sampled(tracing):
     receiver.wait_for(lambda s: len(s) >= 3)
     time.sleep(0.2)
     assert sorted(s.attributes["mmserve.step.index"] for s in receiver.spans) == [0, 4, 8]
+
+
+def test_the_observers_define_every_hook_of_the_protocol():
+    """The front end calls hooks by name (OutputProcessor._notify logs a failure and goes on), so a
+    hook renamed on one side only would go quiet: the default and the telemetry observer define every
+    hook EngineObserver names, and no other."""
+    hooks = {name for name in vars(EngineObserver) if name.startswith("on_")}
+    assert {name for name in vars(NullObserver) if name.startswith("on_")} == hooks
+    assert {name for name in vars(TelemetryObserver) if name.startswith("on_")} == hooks
 
 
 def test_prometheus_endpoint_serves_the_metrics(otlp_receiver):

@@ -34,7 +34,7 @@ from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeat
 from mmserve.config import DEMO_ASSISTANT_DIR, DEMO_MODEL_DIR
 from mmserve.model import assistant_spec, config_json
 from mmserve.model.assistant_spec import load_assistant_spec, read_assistant_spec
-from mmserve.model.spec import ModelSpec, load_spec, read_spec
+from mmserve.model.spec import ModelSpec, load_spec, load_spec_without_transformers
 
 FAMILY = Path(__file__).parents[1] / "fixtures" / "gemma4_family"
 CLASSES = {"gemma4_text": Gemma4TextConfig, "gemma4_unified_text": Gemma4UnifiedTextConfig,
@@ -115,7 +115,7 @@ def test_the_json_spec_is_the_transformers_spec(name, tmp_path):
             "audio_ms_per_token": 40, "feature_extractor": {
                 "feature_extractor_type": "Gemma4AudioFeatureExtractor", "sampling_rate": 16000,
                 "frame_length_ms": 20.04, "hop_length_ms": 10.05, "feature_size": 128}}))   # 320.6, 160.8 samples: rounded
-    ours = read_spec(tmp_path)
+    ours = load_spec_without_transformers(tmp_path)
     assert isinstance(ours.hf_config, config_json.Gemma4JsonConfig), "read through transformers, not the JSON"
     _assert_same_spec(ours, load_spec(tmp_path))
 
@@ -132,7 +132,7 @@ def test_a_text_only_config_is_tied_as_its_text_config_says(name, tied, tmp_path
     theirs = CLASSES[data["model_type"]](**{k: v for k, v in data.items() if k != "model_type"})
     assert theirs.tie_word_embeddings == (tied is not False)
     path = _write(tmp_path, data)
-    ours = read_spec(path)
+    ours = load_spec_without_transformers(path)
     assert isinstance(ours.hf_config, config_json.Gemma4JsonConfig), "read through transformers, not the JSON"
     assert ours.tie_word_embeddings == load_spec(path).tie_word_embeddings == theirs.tie_word_embeddings
 
@@ -178,7 +178,7 @@ def test_random_variants_agree_with_transformers(seed):
         for _ in range(3):
             data = _variant(rng, CONFIGS[name])
             theirs, their_error = _outcome(load_spec, copy.deepcopy(data))
-            ours, our_error = _outcome(read_spec, copy.deepcopy(data))
+            ours, our_error = _outcome(load_spec_without_transformers, copy.deepcopy(data))
             assert our_error == their_error, (name, data)
             if theirs is not None:
                 _assert_same_spec(ours, theirs)
@@ -199,7 +199,7 @@ def test_what_json_cannot_resolve_fails_as_transformers_does(where, key, value, 
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(config_json.NotResolvable):
         config_json.resolve(data)
-    assert _outcome(read_spec, tmp_path)[1] == _outcome(load_spec, tmp_path)[1]
+    assert _outcome(load_spec_without_transformers, tmp_path)[1] == _outcome(load_spec, tmp_path)[1]
 
 
 def _assistant_configs() -> dict[str, dict]:
@@ -253,7 +253,7 @@ def test_a_fallback_to_transformers_reads_config_json_once(tmp_path, monkeypatch
     model["text_config"]["per_layer_config"] = {"1": {"intermediate_size": 8}}
     drafter = copy.deepcopy(ASSISTANTS["tiny/saved"])
     drafter["text_config"]["hidden_size"] = "64"
-    for read, resolve, data in ((read_spec, config_json.resolve, model),
+    for read, resolve, data in ((load_spec_without_transformers, config_json.resolve, model),
                                 (read_assistant_spec, config_json.resolve_assistant, drafter)):
         with pytest.raises(config_json.NotResolvable):
             resolve(data)
@@ -307,6 +307,6 @@ def test_a_refusal_in_a_field_the_front_end_skips_is_the_engines(tmp_path):
     data = json.loads((tmp_path / "model" / "config.json").read_text())
     data["vision_config"]["rms_norm_eps"] = "tiny"
     path = _write(tmp_path / "model", data)
-    assert isinstance(read_spec(path).hf_config, config_json.Gemma4JsonConfig)
+    assert isinstance(load_spec_without_transformers(path).hf_config, config_json.Gemma4JsonConfig)
     with pytest.raises(StrictDataclassError, match="rms_norm_eps"):
         load_model(path)

@@ -12,7 +12,13 @@ import pytest
 from gemma4_fixtures import EOS, TURN_CLOSE
 
 from mmserve.attention.backend import FULL, SLIDING
-from mmserve.model.spec import MoeSpec, PleSpec, UnsupportedModelError, load_spec, read_spec
+from mmserve.model.spec import (
+    MoeSpec,
+    PleSpec,
+    UnsupportedModelError,
+    load_spec,
+    load_spec_without_transformers,
+)
 
 
 @pytest.fixture
@@ -77,17 +83,17 @@ def test_end_of_turn_is_added_to_eos_from_the_tokenizer(ckpt):
 def test_processor_settings_nested_in_processor_config(ckpt):
     (ckpt / "processor_config.json").write_text(json.dumps({
         "image_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 140},
-        "video_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 280, "num_frames": 8}}))
+        "video_processor": {"patch_size": 4, "pooling_kernel_size": 2, "max_soft_tokens": 280}}))
     spec = load_spec(ckpt)
-    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens, spec.video_num_frames) == (140, 280, 8)
+    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens) == (140, 280)
 
 
 def test_processor_settings_in_separate_files(ckpt):
     (ckpt / "preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 560, "patch_size": 4,
                                                                "pooling_kernel_size": 2}))
-    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140, "num_frames": 16}))
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"max_soft_tokens": 140}))
     spec = load_spec(ckpt)
-    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens, spec.video_num_frames) == (560, 140, 16)
+    assert (spec.image_max_soft_tokens, spec.video_max_soft_tokens) == (560, 140)
 
 
 def test_any_source_gives_the_same_spec(checkpoints):
@@ -135,9 +141,9 @@ def test_experts(ckpt):
                                              "rope_theta": 1e6}}}, "rope_parameters has no 'sliding_attention'"),
 ])
 def test_unsupported_variants_fail_naming_the_feature(ckpt, changes, feature):
-    """In the engine (load_spec) and the front end (read_spec) alike."""
+    """In the engine (load_spec) and the front end (load_spec_without_transformers) alike."""
     edit_text_config(ckpt, **changes)
-    for read in (load_spec, read_spec):
+    for read in (load_spec, load_spec_without_transformers):
         with pytest.raises(UnsupportedModelError, match=feature):
             read(ckpt)
 

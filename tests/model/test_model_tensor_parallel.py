@@ -410,7 +410,7 @@ def test_tp2_drafts_masked_on_rank_0_reach_every_rank(drafter_cases, tp2_runs):
 def test_an_assistant_that_does_not_divide_is_refused_before_any_spawn(drafter_cases, tmp_path):
     """The target splits 4 ways; its 2-head assistant does not: refused naming the assistant's dimension."""
     from mmserve.config import EngineConfig
-    from mmserve.executor.tensor_parallel import check_divisible
+    from mmserve.executor.ranks import check_divisible
 
     _, cases = drafter_cases
     target = cases["lm_head"][0]

@@ -21,12 +21,12 @@ import mmserve.server.servicer as v1_servicer
 import mmserve.server.vllm_engine.servicer as gateway_servicer
 from mmserve.api.mmserve.v1 import generation_pb2 as pb
 from mmserve.api.mmserve.v1 import generation_pb2_grpc as pb_grpc
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.server.in_flight import InFlightRequests
 
 
 def test_bad_sampling_is_refused_before_the_gateway_doors_media_decode(rel_server, monkeypatch):
-    spec = read_spec(rel_server.engine_config.model)
+    spec = load_spec_without_transformers(rel_server.engine_config.model)
     decoded = []
     media_inputs = gateway_servicer.media_inputs
 
@@ -60,7 +60,7 @@ def test_bad_sampling_is_refused_before_the_gateway_doors_media_decode(rel_serve
 
 def test_a_logit_bias_outside_the_vocabulary_is_refused_before_input_processing(rel_server, monkeypatch,
                                                                                   make_video):
-    vocab_size = read_spec(rel_server.engine_config.model).vocab_size
+    vocab_size = load_spec_without_transformers(rel_server.engine_config.model).vocab_size
     processed = []
     preprocess = InFlightRequests.preprocess
 

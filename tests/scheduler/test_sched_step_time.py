@@ -18,7 +18,7 @@ from mmserve.config import EngineConfig
 from mmserve.core.sched.chunks import align_chunk, smallest_chunk, whole_lengths
 from mmserve.core.sched.step_time import StepTimeModel
 from mmserve.metrics.perf_model import AudioWork, PerfModel, RequestWork, StepContext, VisionWork
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.request import AudioFeatures, RequestStatus
 
 FAMILY = Path(__file__).resolve().parents[1] / "fixtures" / "gemma4_family"
@@ -27,7 +27,7 @@ FRAME = 70   # soft tokens a video frame
 
 
 def perf_model(name: str) -> PerfModel:
-    return PerfModel(read_spec(FAMILY / f"{name}.json"))
+    return PerfModel(load_spec_without_transformers(FAMILY / f"{name}.json"))
 
 
 def frames_of(perf: PerfModel, lengths) -> tuple[VisionWork, ...]:

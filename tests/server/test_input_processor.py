@@ -15,7 +15,7 @@ from mmserve.config import EngineConfig
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput, VideoInput
 from mmserve.errors import InvalidInputError, LimitExceededError
 from mmserve.model.prompt import timestamp_text
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.multimodal.limits import MediaLimits
 from mmserve.multimodal.preprocess import preprocess_images
 from mmserve.multimodal.video import decode_video
@@ -30,7 +30,7 @@ def executor():
 
 def _processor(checkpoint, executor, context_length: int = 1024, **options) -> InputProcessor:
     config = EngineConfig(model=str(checkpoint), **{"default_num_frames": 4, **options})
-    return InputProcessor.from_checkpoint(config, executor, spec=read_spec(checkpoint), context_length=context_length)
+    return InputProcessor.from_checkpoint(config, executor, spec=load_spec_without_transformers(checkpoint), context_length=context_length)
 
 
 def _process(processor, *parts, sampling: SamplingParams | None = None):

@@ -17,7 +17,7 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from mmserve.clients import Client
-from mmserve.logs import JsonFormatter, request_context
+from mmserve.logs import JsonFormatter, bind_request, unbind_request
 from mmserve.metrics.tracing import inject_trace_context
 
 
@@ -32,8 +32,11 @@ def test_json_formatter_adds_the_request_ids_only_inside_a_request():
     assert outside["message"] == "before" and outside["level"] == "WARNING" and outside["logger"] == "mmserve.test"
     assert not {"request_id", "trace_id", "span_id"} & outside.keys()
     request_id = uuid.uuid4().hex
-    with request_context(request_id, span):
+    token = bind_request(request_id, span)
+    try:
         inside = json.loads(formatter.format(_record('a "quoted"\nmessage')))
+    finally:
+        unbind_request(token)
     ctx = span.get_span_context()
     assert inside["message"] == 'a "quoted"\nmessage'
     assert (inside["request_id"], inside["trace_id"], inside["span_id"]) == (

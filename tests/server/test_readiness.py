@@ -10,7 +10,7 @@ import pytest
 from mmserve.clients import AsyncClient, ClientError
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.server.app import build_server
 from mmserve.server.health import GENERATION_SERVICE
 
@@ -22,7 +22,7 @@ def test_live_before_ready(served_model):
 
     async def run():
         server = build_server(AsyncEngine(engine_config), server_config, engine_config,
-                              spec=read_spec(engine_config.model))
+                              spec=load_spec_without_transformers(engine_config.model))
         port = await server.listen()
         try:
             async with AsyncClient(f"127.0.0.1:{port}", timeout=30) as client:

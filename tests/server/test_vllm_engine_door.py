@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
 
 from mmserve.config import DEMO_MODEL_DIR, EngineConfig, ServerConfig
 from mmserve.engine.async_engine import AsyncEngine
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 from mmserve.server.app import build_server
 
 
@@ -22,7 +22,7 @@ def _listening(server_config: ServerConfig, check) -> None:
 
     async def run():
         server = build_server(AsyncEngine(engine_config), server_config, engine_config,
-                              spec=read_spec(engine_config.model))
+                              spec=load_spec_without_transformers(engine_config.model))
         port = await server.listen()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

@@ -176,7 +176,7 @@ class SdpaMetadataBuilder:
         else:
             key_slice = slice(0, NB * bs)
         lone_decode = R == 1 and Q == 1 and (step.ranges is None or step.ranges[token_rows[0], 0] < 0)
-        mask = None if lone_decode else self._mask(name, members, Q, NB, key_slice, token_rows, padded_row, step)
+        mask = None if lone_decode else self._mask(name, members, Q, key_slice, token_rows, padded_row, step)
         if R * Q == total and bool(np.all(np.diff(starts) == q_lens[:-1])):   # rows already in padded order
             rows: slice | torch.Tensor = slice(int(starts[0]), int(starts[0]) + total)
             q_index = out_index = None
@@ -191,7 +191,7 @@ class SdpaMetadataBuilder:
             out_index = self.ws.push(f"{name}.out_index", (total,), i64)
         return SdpaGroup(R, Q, NB, rows, q_index, out_index, blocks, key_slice, mask, k_buf[:size], v_buf[:size])
 
-    def _mask(self, name: str, members: np.ndarray, Q: int, NB: int, key_slice: slice, token_rows: np.ndarray,
+    def _mask(self, name: str, members: np.ndarray, Q: int, key_slice: slice, token_rows: np.ndarray,
               padded_row: np.ndarray, step: _HostStep) -> torch.Tensor:
         """Additive mask [R, 1, g*Q (1 when Q == 1), L]: mask.keep over padded rows and gathered keys."""
         R, L, bs, i64 = len(members), key_slice.stop - key_slice.start, self.pool.block_size, torch.int64

@@ -16,10 +16,9 @@ whether or not it splits (a merge kernel would be a second). A row that kept no 
 a graph's padding request) gives zeros, as the dense reference does.
 
 No program returns early: one past its request's rows or splits gets an empty key interval and
-masked stores, which every Triton version compiles. Row reductions go through tl.reduce with
-combine functions of this module, not tl.max / tl.sum (jit functions of triton's own, interpreted
-or compiled as TRITON_INTERPRET was when triton was imported), so Triton's interpreter runs this
-kernel in any process (tests/attention/test_attn_split_kv.py).
+masked stores, which every Triton version compiles. Row reductions go through tl.reduce with the
+combine functions of mmserve/triton_combine.py, not tl.max / tl.sum, so Triton's interpreter runs
+this kernel in any process (tests/attention/test_attn_split_kv.py).
 """
 
 from __future__ import annotations
@@ -27,15 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
+from mmserve.triton_combine import add, maximum
 
 
 @triton.jit
@@ -86,11 +77,11 @@ def attend_splits(
         in_range = (keys[None, :] >= r_start[:, None]) & (keys[None, :] <= r_end[:, None]) & (in_window | (clamp == 0))
         kept = (((diff >= 0) & in_window) | in_range) & (key_ok & (block != 0))[None, :] & row_ok[:, None]
         scores = tl.where(kept, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(scores, 1, _maximum))
+        m_new = tl.maximum(m_i, tl.reduce(scores, 1, maximum))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing kept yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add)
+        l_i = l_i * alpha + tl.reduce(p, 1, add)
         v = tl.load(v_ptr + slot[:, None] + dims[None, :], mask=load_ok, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new

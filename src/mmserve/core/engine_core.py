@@ -17,9 +17,9 @@ With a speculative model (`spec_decode/`) a step may verify drafts: its sampled 
 max_tokens), the tokens are
 appended before the scheduler's update rolls the rejected positions back (so the prefix cache keys
 verified tokens only; a grammar advances over them only), and the assistant drafts the next step's
-tokens before the step ends. With async scheduling the acceptance and the drafting run on the device
-right after the step's sampling is queued (`_accept_and_draft`), the next step is built as if every
-draft were kept and moved back there, and the host accepts the same rows when the tokens land.
+tokens before the step ends. The async loop (`--async-scheduling`: step N+1 launched before step N
+finishes, speculation's acceptance and drafting on the device) is `core/async_loop.py`'s `AsyncLoop`,
+this class's base.
 
 Live sessions (engine/live_session.py) hold open prompts: contexts that grow with `extend_request`,
 never sample, and report their computed tokens after each step that advanced them. They hold their
@@ -35,17 +35,15 @@ import logging
 import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from mmserve.attention.buffers import HostCopy, to_device
 from mmserve.config import EngineConfig
+from mmserve.core.async_loop import AsyncLoop, InFlight
 from mmserve.core.kv_cache.manager import KVCacheManager
 from mmserve.core.live import LiveReservations, check_extension, context_media
-from mmserve.core.sched.output import DEVICE_DRAFT, SchedulerOutput
+from mmserve.core.sched.output import SchedulerOutput
 from mmserve.core.sched.scheduler import Scheduler
 from mmserve.core.sched.step_time import StepTimeModel
 from mmserve.errors import EngineInternalError, InvalidInputError, LimitExceededError, MMServeError
@@ -62,16 +60,16 @@ from mmserve.ipc.records import ScheduledItem, StepRecord
 from mmserve.metrics.peaks import detect as detect_peaks
 from mmserve.metrics.perf_model import PerfModel
 from mmserve.request import Request
-from mmserve.sample.rejection_sampler import Accepted, RejectionSampler, accept_on_device, acceptance_layout
-from mmserve.sample.sampler import PendingSample, Sampler, SamplerOutput
+from mmserve.sample.rejection_sampler import Accepted, RejectionSampler
+from mmserve.sample.sampler import Sampler, SamplerOutput
 from mmserve.sampling_params import check_vocab
-from mmserve.spec_decode.speculator import DraftFrom, Speculator, next_step_inputs
+from mmserve.spec_decode.speculator import DraftFrom, Speculator
 from mmserve.spec_decode.verify import speculates, verify_rows
 from mmserve.structured_output.compiler import FormatCompiler
 from mmserve.structured_output.manager import StructuredOutput
 from mmserve.worker.backend_check import merge_checks
 from mmserve.worker.memory_profile import device_baseline, size_kv_cache
-from mmserve.worker.model_runner import ModelRunner, SampledTokens, StepResult
+from mmserve.worker.model_runner import ModelRunner, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -82,30 +80,6 @@ def uses_async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """`--async-scheduling`: auto is on CUDA (where the device runs a step while the host prepares
     the next), with or without tensor parallelism."""
     return config.async_scheduling == "on" or (config.async_scheduling == "auto" and device.type == "cuda")
-
-
-@dataclass
-class InFlight:
-    """A step launched and not finished (async scheduling): what was scheduled, the runner's result
-    (logits on the device), the requests sampled and their sampler rows, the sampling on its way to
-    the host (or its result, when it ran row by row), its outcome on the device (the next step's
-    inputs) and when it began; with speculation, the drafts made after it on their way to the host
-    and, per request that drafted, (draft steps, keys read) for the step record, and per request
-    the drafts the step before rejected: scheduled before they were known, this step ran that many
-    positions lower than its scheduled chunk says (its record's context is moved back by them)."""
-
-    out: SchedulerOutput
-    step: StepResult
-    sampling: list
-    rows: list
-    logits: torch.Tensor
-    pending: PendingSample | SamplerOutput
-    tokens: SampledTokens
-    start_perf: float
-    start_ns: int
-    drafts: HostCopy | None = None
-    drafted: dict[str, tuple[int, int]] = field(default_factory=dict)
-    moved_back: dict[str, int] = field(default_factory=dict)
 
 
 def _media_error(request_id: str, why: str) -> EngineInternalError:
@@ -135,7 +109,7 @@ def load_engine_model(config: EngineConfig):
     return model, tokenizer
 
 
-class EngineCore:
+class EngineCore(AsyncLoop):
     """`tokenizer` (the checkpoint's) builds structured-output masks; without one, requests with a
     response_format are refused. `runner_factory` builds the runner (ModelRunner's signature; the
     tensor-parallel rank 0 passes its own, executor/tensor_parallel.py)."""
@@ -353,11 +327,14 @@ class EngineCore:
         result.kv_events = self.kv.take_events()
         return result
 
-    def _drop_encoded_ahead(self, out: SchedulerOutput) -> None:
-        """A step that schedules nothing runs nothing: what the runner (every rank's, under tensor
+    def _idle(self, out: SchedulerOutput) -> None:
+        """A step that runs nothing, in either loop: what the runner (every rank's, under tensor
         parallelism) holds for the requests that ended or were preempted since, their embeddings
-        encoded ahead among it, is freed here (a step that runs frees it in the runner)."""
+        encoded ahead among it, is freed here (a step that runs frees it in the runner); while a
+        grammar compiles, wait for it briefly instead of spinning."""
         self.runner.release(out)
+        if self._compiling:
+            wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's next step; the requests it preempted give their penalty slots back."""
@@ -370,9 +347,7 @@ class EngineCore:
         out = self._schedule()
         self.idle_step = out.is_empty
         if out.is_empty:
-            self._drop_encoded_ahead(out)
-            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
-                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
+            self._idle(out)
             return
         start_perf, start_ns = time.perf_counter(), time.time_ns()
         try:
@@ -430,38 +405,6 @@ class EngineCore:
         result.outputs.extend(CoreOutput(s.request.request_id, prefilled_tokens=s.seq_len)
                               for s in out.scheduled if s.request.open_prompt and self._running(s.request))
 
-    def _step_async(self, result: EngineCoreOutputs) -> None:
-        """One iteration of the async loop: schedule and launch step N+1 (its forward queued, its
-        inputs taking step N's tokens on the device), then finish step N (wait for its tokens: one
-        pinned copy; accept, update, emit: what the device would otherwise idle through), then
-        queue N+1's sampling, which needs N's tokens in the matchers and penalties. The front end
-        hears of a step's tokens one iteration after it was launched."""
-        out = self._schedule()
-        prev, self._in_flight = self._in_flight, None
-        self.idle_step = out.is_empty and prev is None
-        if self.idle_step:
-            self._drop_encoded_ahead(out)
-            if self._compiling:   # nothing runs until a grammar compiles: wait for it briefly instead of spinning
-                wait(list(self._compiling.values()), timeout=COMPILE_WAIT_S, return_when=FIRST_COMPLETED)
-            return
-        launched = None
-        if out.is_empty:
-            self._drop_encoded_ahead(out)
-            self.runner.confirm_drafts()   # (tensor parallelism) no step follows prev to carry its drafts' check
-        else:
-            start_perf, start_ns = time.perf_counter(), time.time_ns()
-            try:
-                launched = (out, self.runner.execute(out, prev.tokens if prev is not None else None),
-                            start_perf, start_ns)
-            except Exception as exc:   # one bad step must not take the engine down
-                self._fail_step(out, exc, result.outputs)
-            else:
-                self._end_media_failed(launched[1], result.outputs)
-        rejected = self._finish(prev, result) if prev is not None else {}
-        if launched is not None:
-            self._in_flight = self._launch_sampling(*launched)
-            self._in_flight.moved_back = rejected
-
     def _end_media_failed(self, step: StepResult, outputs: list[CoreOutput]) -> None:
         """Async loop: the requests whose media failed to encode in the step just launched end now,
         as a failed launch's do, not when the step finishes. The scheduler counts a chunk computed
@@ -470,117 +413,6 @@ class EngineCore:
         zero embeddings must not stay in flight under a running request."""
         for rid, why in step.media_failed.items():
             self._end(rid, CoreOutput(rid, error=_media_error(rid, why)), outputs)
-
-    def _launch_sampling(self, out: SchedulerOutput, step: StepResult, start_perf: float, start_ns: int) -> InFlight:
-        """Queue the sampling of a launched step's rows (those of requests still running: the step
-        before may have ended some; a verify chunk's drafts the device made are known here now);
-        its outcome stays on the device for the next step's inputs. With a speculative model the
-        acceptance and the next step's drafts are queued too (`_accept_and_draft`)."""
-        keep, row_of = [], {}   # one pass: the requests still running (their rows), device drafts filled in
-        for i, s in enumerate(step.sampling):
-            rid, drafts = s.request.request_id, s.draft_token_ids
-            if self._running(s.request):
-                row_of[rid] = len(keep)
-                keep.append(i)
-                if drafts and drafts[0] == DEVICE_DRAFT:
-                    drafts[:] = self._device_drafts[rid][:len(drafts)]
-        sampling = step.sampling if len(keep) == len(step.sampling) else [step.sampling[i] for i in keep]
-        logits, index = step.logits, None
-        if len(keep) < len(step.sampling):   # rows of the requests still running (1 + drafts each)
-            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
-            index = to_device(np.concatenate([np.arange(first[i], first[i + 1]) for i in keep] or [first[:0]]),
-                              logits.device)
-            logits = logits.index_select(0, index)
-        rows = verify_rows(sampling)
-        try:
-            pending = self.sampler.launch(logits, rows)
-            tokens = pending.tokens
-        except Exception:
-            logger.exception("step %d: batched sampling failed; sampling row by row", self.step_index)
-            pending = self._sample_rows(logits, rows)
-            tokens = to_device(np.asarray(pending.token_ids, dtype=np.int64), logits.device)
-        flight = InFlight(out, step, sampling, rows, logits, pending,
-                          SampledTokens(tokens[:, None], row_of),
-                          start_perf, start_ns)
-        if self.speculator is not None and sampling:
-            self._accept_and_draft(flight, index)
-        return flight
-
-    def _accept_and_draft(self, flight: InFlight, kept_rows: torch.Tensor | None) -> None:
-        """Async speculation, all queued on the device: the step's acceptance (how many drafts each
-        chunk kept, the token after them), then the next step's drafts from that token for every
-        request that speculates, started on their way to the host; the next step's inputs take
-        both there. The drafter reads the step's hidden states as the runner returned them (every
-        rank holds the same, under tensor parallelism), through `kept_rows` where the launch
-        dropped ended requests' rows. Under tensor parallelism the round broadcasts the acceptance
-        and every rank builds the next inputs from it (`Speculator.draft_on_device`), so the next
-        step sends none. A failed drafting round leaves the next step without drafts."""
-        sampling, tokens = flight.sampling, flight.tokens.tokens[:, 0]
-        accepted = accept_on_device(tokens, acceptance_layout(sampling, flight.rows))
-        k = self.speculator.num_tokens
-        items, requests = [], []
-        for i, s in enumerate(sampling):
-            if speculates(s.request.sampling_params):
-                items.append(i)
-                requests.append(s.request)
-        next_inputs = None
-        if items:
-            try:
-                rows = accepted.row if kept_rows is None else kept_rows.index_select(0, accepted.row)
-                next_inputs = self.speculator.propose_on_device(
-                    requests, items, accepted.next_token, rows, accepted.shift, self.runner.block_tables,
-                    self.runner.kv_caches, self.config.block_size, hidden=flight.step.hidden)
-            except Exception:   # drafts only save steps: without them every request decodes on
-                logger.exception("step %d: drafting failed; the next step verifies no drafts", self.step_index)
-        if next_inputs is None:   # no drafts: the next step verifies none (zeros in their places)
-            flight.tokens = SampledTokens(next_step_inputs(accepted.next_token, k), flight.tokens.rows, accepted.shift)
-            return
-        flight.tokens = SampledTokens(next_inputs, flight.tokens.rows, accepted.shift)
-        flight.drafts = HostCopy(next_inputs[:, 1:])
-        flight.drafted = {}
-        for r in requests:   # the next step verifies them; their ids are the device's until the host learns them
-            r.draft_token_ids = [DEVICE_DRAFT] * k
-            flight.drafted[r.request_id] = (k, r.num_computed_tokens)
-
-    def _finish(self, step: InFlight, result: EngineCoreOutputs) -> dict[str, int]:
-        """Step N's end, while N+1 runs: its tokens (and the drafts made after it) reach the host
-        (the one wait), then what the synchronous loop does after sampling (`_conclude`), for the
-        requests still running. Returns the drafts N rejected per request: N+1 ran that much lower."""
-        try:
-            sampler_out = step.pending if isinstance(step.pending, SamplerOutput) else step.pending.result()
-        except Exception:
-            logger.exception("step %d: sampling failed; sampling row by row", self.step_index)
-            sampler_out = self._sample_rows(step.logits, step.rows)
-        # the drafts the device made after this step, for the step that verifies them (the one launched, or later)
-        drafts = step.drafts.result().tolist() if step.drafts is not None else [[]] * len(step.sampling)
-        self._device_drafts, waiting, live = {}, [], []   # one pass over the requests sampled
-        for i, (s, made) in enumerate(zip(step.sampling, drafts, strict=True)):
-            request = s.request
-            self._device_drafts[request.request_id] = made
-            if request.draft_token_ids and request.draft_token_ids[0] == DEVICE_DRAFT:
-                waiting.append(request)   # drafts the step launched did not take: a later one will
-            if self._running(request):
-                live.append(i)
-        for s in step.step.sampling:   # each sampling chunk's placeholders: its tokens are here now
-            s.request.num_output_placeholders -= s.num_sampled_rows + s.num_pad_drafts
-        if len(live) < len(step.sampling):   # ended (aborted) since the launch: their rows are dropped
-            first = np.cumsum([0] + [s.num_sampled_rows for s in step.sampling])
-            rows = [r for i in live for r in range(first[i], first[i + 1])]
-            step.sampling = [step.sampling[i] for i in live]
-            sampler_out = SamplerOutput([sampler_out.token_ids[r] for r in rows],
-                                        [sampler_out.logprobs[r] for r in rows],
-                                        {k: sampler_out.errors[r] for k, r in enumerate(rows) if r in sampler_out.errors})
-        accepted = self.rejection.accept(step.sampling, sampler_out, self.eos_token_ids)
-        # the keys the drafts read; only the requests that rolled something back (read with .get(rid, 0)):
-        # a steady decode step's is empty
-        rejected = {a.scheduled.request.request_id: a.rejected for a in accepted if a.rejected}
-        drafted = {rid: (steps, keys - rejected.get(rid, 0)) for rid, (steps, keys) in step.drafted.items()}
-        # a copy: _conclude adds chunks whose media failed, which the device did not move the next step back by
-        self._conclude(step.out, step.step, accepted, step.start_perf, step.start_ns, result,
-                       drafted if self.speculator is not None else None, dict(rejected), step.moved_back)
-        for request in waiting:   # its tokens are all known now: as many drafts as the synchronous loop makes
-            request.draft_token_ids = self._device_drafts[request.request_id][:self.speculator.num_drafts(request)]
-        return rejected
 
     def _sample(self, logits: torch.Tensor, requests: list) -> SamplerOutput:
         """The step's tokens, batched; if the batch raises, row by row, so a request whose own sampling

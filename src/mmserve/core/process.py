@@ -69,7 +69,7 @@ def run_engine_process(config: EngineConfig, addresses: CoreAddresses, log_level
         configure_logging(logging.getLevelName(log_level), "json")
     else:
         logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine[%(process)d] %(name)s: %(message)s")
-    from mmserve.executor.tensor_parallel import rank_threads
+    from mmserve.executor.ranks import rank_threads
     from mmserve.worker.cpu_threads import configure_torch_threads
 
     threads = configure_torch_threads(rank_threads(config))   # tensor-parallel ranks share the node's cores
@@ -155,7 +155,7 @@ def _start(config: EngineConfig, model, torch_threads: int, tp=None):
     if tp is None:
         core = EngineCore(config, model=model)
     else:
-        from mmserve.executor.tensor_parallel import load_rank_model
+        from mmserve.executor.ranks import load_rank_model
         from mmserve.model.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(config.model) if (Path(config.model) / "tokenizer.json").is_file() else None

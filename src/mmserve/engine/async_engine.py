@@ -223,7 +223,8 @@ class AsyncEngine:
         return dataclasses.replace(self._load, waiting=self._load.waiting + in_transit)
 
     async def held_resources(self) -> dict:
-        """What the engine still holds, both sides: empty values when nothing is in flight (leak checks)."""
+        """Diagnostics: what the engine still holds, both sides, empty values when nothing is in flight
+        (the leak checks read it; serving never does)."""
         held = await self.client.utility("held_resources")
         held["front_end_requests"] = sorted(self.processor.states)
         held["streams"] = sorted(self._streams)

@@ -6,15 +6,20 @@ core sends with each step's outputs; the engine process itself never runs an obs
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mmserve.ipc.records import StepRecord
 from mmserve.metrics.peaks import DevicePeaks
 from mmserve.request import Request
 
+if TYPE_CHECKING:   # (the front end imports nothing of worker/: test_layout)
+    from mmserve.worker.backend_check import BackendCheck
+
 
 class EngineObserver(Protocol):
     def on_engine_started(self, peaks: DevicePeaks) -> None: ...
+
+    def on_backends_checked(self, checks: tuple[BackendCheck, ...]) -> None: ...
 
     def on_request_queued(self, request: Request) -> None: ...
 
@@ -30,6 +35,9 @@ class NullObserver:
     """The default: observes nothing."""
 
     def on_engine_started(self, peaks: DevicePeaks) -> None:
+        pass
+
+    def on_backends_checked(self, checks: tuple[BackendCheck, ...]) -> None:
         pass
 
     def on_request_queued(self, request: Request) -> None:

@@ -13,7 +13,7 @@ The segment is unlinked once every reader has attached (`unlink`): its memory li
 so nothing is left behind whichever process dies. Liveness: a reader that died or hangs shows in
 the step's collectives (rank 0 writes without waiting while a slot is free), or, when the ring is
 full, as a writer that waits past `timeout_s` or finds a rank dead (`alive` raises); a reader whose
-rank 0 died is ended by its orphan watch (executor/tensor_parallel.py). Ranks on other nodes cannot
+rank 0 died is ended by its orphan watch (executor/worker_rank.py). Ranks on other nodes cannot
 map it: a group over several nodes keeps the collective.
 """
 

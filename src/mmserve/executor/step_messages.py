@@ -184,6 +184,11 @@ class HeldQuery:
     answers in one all-reduce of its count."""
 
 
+def held_bytes(runner) -> torch.Tensor:
+    """A rank's answer to `HeldQuery`: its runner's bytes encoded ahead, for the all-reduce."""
+    return torch.tensor([runner.encoded_ahead_bytes()], dtype=torch.int64, device=runner.model.device)
+
+
 def _fields(obj, *skip: str) -> dict:
     return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in skip}
 

@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     if not (Path(config.model) / "config.json").is_file():
         logger.error("no checkpoint at %s (config.json is missing); pass --model DIR", config.model)
         return 2
-    from mmserve.executor.tensor_parallel import run_worker_node
+    from mmserve.executor.worker_rank import run_worker_node
 
     try:
         code = run_worker_node(config, logging.getLogger().getEffectiveLevel(), args.log_format)

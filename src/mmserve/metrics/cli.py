@@ -34,7 +34,7 @@ from mmserve.metrics.perf_model import (
     VisionWork,
 )
 from mmserve.model.assistant_spec import read_assistant_spec
-from mmserve.model.spec import read_spec
+from mmserve.model.spec import load_spec_without_transformers
 
 REQUEST_FORM = "NUM_TOKENS:CONTEXT_LEN:prefill|decode[:DRAFT_KEYS]"
 
@@ -135,7 +135,7 @@ def write_kv_plan(out, plan: dict, gib: float, args: argparse.Namespace) -> None
 
 def run(args: argparse.Namespace) -> int:
     try:
-        spec = read_spec(args.hf_config)
+        spec = load_spec_without_transformers(args.hf_config)
     except MMServeError as exc:
         print(f"mmserve perf: {exc}", file=sys.stderr)
         return 2

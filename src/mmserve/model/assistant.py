@@ -73,7 +73,7 @@ class DraftLayerAttention(nn.Module):
         self.group = group
         d = self.head_dim = attn.head_dim
         q0, q1 = group.shard_range(attn.num_heads, f"assistant {layer_type} attention heads")
-        group.kv_heads(attn.num_kv_heads, attn.num_heads, f"assistant {layer_type}")   # the target's split
+        group.kv_heads(attn.num_kv_heads, f"assistant {layer_type}")   # the target's split
         self.num_heads = q1 - q0
         self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=False)
         mark_shard(self.q_proj.weight, group, 0, q0 * d, q1 * d, attn.num_heads * d)

@@ -63,7 +63,7 @@ class Attention(nn.Module):
         self.impl, self.group = impl, group
         d = self.head_dim = attn.head_dim
         q0, q1 = group.shard_range(attn.num_heads, f"{layer.layer_type} attention heads")
-        k0, k1 = group.kv_heads(attn.num_kv_heads, attn.num_heads, layer.layer_type)
+        k0, k1 = group.kv_heads(attn.num_kv_heads, layer.layer_type)
         self.num_heads, self.num_kv_heads = q1 - q0, k1 - k0
         self.projects_kv, self.k_eq_v = not layer.shares_kv, layer.k_eq_v
         hidden, eps = spec.hidden_size, spec.rms_norm_eps

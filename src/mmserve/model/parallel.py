@@ -75,7 +75,7 @@ class ParallelGroup:
         part = n // self.size
         return self.rank * part, (self.rank + 1) * part
 
-    def kv_heads(self, num_kv_heads: int, num_heads: int, what: str) -> tuple[int, int]:
+    def kv_heads(self, num_kv_heads: int, what: str) -> tuple[int, int]:
         """This rank's [start, end) of the KV heads. With more ranks than KV heads each rank holds the
         one KV head its query heads read (replicated over size / num_kv_heads ranks, as vLLM does)."""
         if num_kv_heads >= self.size:
@@ -241,6 +241,6 @@ def local_spec(spec, group: ParallelGroup):
     attention = {}
     for t, a in spec.attention_specs.items():
         q0, q1 = group.shard_range(a.num_heads, f"{t} attention heads")
-        k0, k1 = group.kv_heads(a.num_kv_heads, a.num_heads, t)
+        k0, k1 = group.kv_heads(a.num_kv_heads, t)
         attention[t] = replace(a, num_heads=q1 - q0, num_kv_heads=k1 - k0)
     return replace(spec, attention_specs=attention)

@@ -5,8 +5,8 @@ The decoder, the KV planner, the scheduler, the input processor and the perf mod
 In the engine (`load_spec`) transformers' config classes do the parsing (they accept the hub's flat
 `global_head_dim` / `num_global_key_value_heads` keys and the `per_layer_config` form that 5.x
 saves, and derive the KV-sharing roles); we read their resolved per-layer view. The front end
-(`read_spec`) reads the same view from config.json without importing transformers
-(model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
+(`load_spec_without_transformers`) reads the same view from config.json without importing
+transformers (model/config_json.py). Generation, processor and tokenizer files beside `config.json` add the stop
 ids and the vision preprocessing budget.
 
 Served: `gemma4` (dense 31B, E2B/E4B with per-layer embeddings and KV sharing, 26B-A4B with
@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_IMAGE_MAX_SOFT_TOKENS = 280
 DEFAULT_VIDEO_MAX_SOFT_TOKENS = 70
-DEFAULT_VIDEO_NUM_FRAMES = 32
 DEFAULT_AUDIO_SEQ_LENGTH = 750      # the processor's cap on one audio segment's soft tokens
 DEFAULT_AUDIO_MS_PER_TOKEN = 40     # 10 ms mel frames, subsampled 4x by the tower's two stride-2 convs
 END_OF_TURN = "<turn|>"
@@ -123,7 +122,6 @@ class AudioSpec:
     num_heads: int
     conv_channels: tuple[int, int]
     conv_kernel: int          # the depthwise conv of each block
-    chunk_size: int           # local attention: queries per chunk and the keys each chunk sees
     context: int
     output_dim: int           # the tower's output, before the embedder's projection
     projector_out: int        # the text model's hidden size
@@ -182,7 +180,6 @@ class ModelSpec:
     pooling_kernel_size: int
     image_max_soft_tokens: int
     video_max_soft_tokens: int
-    video_num_frames: int
     hf_config: Any = field(repr=False, compare=False)
 
     @property
@@ -339,7 +336,7 @@ def _audio(config: Any, root: Path | None, text_hidden: int) -> AudioSpec | None
     return AudioSpec(
         num_layers=int(ac.num_hidden_layers), hidden=int(ac.hidden_size), num_heads=int(ac.num_attention_heads),
         conv_channels=(int(ac.subsampling_conv_channels[0]), int(ac.subsampling_conv_channels[1])),
-        conv_kernel=int(ac.conv_kernel_size), chunk_size=int(ac.attention_chunk_size),
+        conv_kernel=int(ac.conv_kernel_size),
         context=int(ac.attention_chunk_size + ac.attention_context_left - 1 + ac.attention_context_right),
         output_dim=int(ac.output_proj_dims), projector_out=text_hidden, sampling_rate=int(fe.sampling_rate),
         feature_size=int(fe.feature_size), frame_length=int(fe.frame_length), hop_length=int(fe.hop_length),
@@ -453,7 +450,6 @@ def spec_from_hf_config(config: Any, root: Path | None = None) -> ModelSpec:
         pooling_kernel_size=pooling,
         image_max_soft_tokens=int(image_proc.get("max_soft_tokens") or DEFAULT_IMAGE_MAX_SOFT_TOKENS),
         video_max_soft_tokens=video_budget,
-        video_num_frames=int(video_proc.get("num_frames") or DEFAULT_VIDEO_NUM_FRAMES),
         hf_config=config,
     )
 
@@ -517,7 +513,7 @@ def load_spec(source: Any) -> ModelSpec:
     return spec_from_hf_config(load_hf_config(source), _root(source))
 
 
-def read_spec(source: Any) -> ModelSpec:
+def load_spec_without_transformers(source: Any) -> ModelSpec:
     """The same `ModelSpec` as `load_spec`, without importing transformers when config.json allows
     (model/config_json.py): the front end's, which builds no tower. A config that needs transformers'
     parsing, or that transformers refuses, goes to transformers (config.json as read here, not again)

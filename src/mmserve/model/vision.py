@@ -31,13 +31,22 @@ def pad_patches(items: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[tor
     return pixels, positions
 
 
-def check_positions(position_ids: torch.Tensor, table_size: int) -> None:
-    """Refuse (ValueError) patch positions outside [0, table_size) other than padding's (-1, -1),
-    before they index the tower's position table: past it a GPU raises a device-side assert that
-    ends the whole engine, not one request. Checked on the host tensor, before the copy to the device."""
+def check_patch_inputs(pixel_values: torch.Tensor, position_ids: torch.Tensor, table_size: int,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision encoder's padded batch, checked and moved where it runs (either encoder's forward):
+    pixel_values [n, P, C] and position_ids [n, P, 2], or ValueError; positions outside [0,
+    table_size) other than padding's (-1, -1) are refused before they index the tower's position
+    table: past it a GPU raises a device-side assert that ends the whole engine, not one request
+    (checked on the host tensor, before the copy to the device). Returns the pixels in `weight`'s
+    device and dtype and the positions as long on that device."""
+    if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
+        raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
+                         f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
     if position_ids.numel() and (int(position_ids.max()) >= table_size or int(position_ids.min()) < -1):
         raise ValueError(f"patch positions must lie in [0, {table_size}) (padding (-1, -1)); got "
                          f"[{int(position_ids.min())}, {int(position_ids.max())}]")
+    return (pixel_values.to(device=weight.device, dtype=weight.dtype),
+            position_ids.to(device=weight.device, dtype=torch.long))
 
 
 class VisionEncoder(nn.Module):
@@ -59,13 +68,9 @@ class VisionEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [n, P, 3*p*p] in [0, 1]; position_ids [n, P, 2] as (x, y), padding (-1, -1)."""
-        if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
-                             f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
-        check_positions(position_ids, self.vision_tower.patch_embedder.position_embedding_size)
-        device = self.embed_vision.embedding_projection.weight.device
-        pixel_values = pixel_values.to(device=device, dtype=self.dtype)
-        position_ids = position_ids.to(device=device, dtype=torch.long)
+        pixel_values, position_ids = check_patch_inputs(pixel_values, position_ids,
+                                                        self.vision_tower.patch_embedder.position_embedding_size,
+                                                        self.embed_vision.embedding_projection.weight)
         extra = -pixel_values.shape[1] % self.k_squared   # the pooler needs P = k^2 * slots
         if extra:
             pixel_values = F.pad(pixel_values, (0, 0, 0, extra))

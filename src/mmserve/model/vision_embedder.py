@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mmserve.model.norm import RMSNorm
-from mmserve.model.vision import check_positions
+from mmserve.model.vision import check_patch_inputs
 
 
 class PatchEmbedder(nn.Module):
@@ -61,13 +61,9 @@ class UnifiedVisionEncoder(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
         """pixel_values [n, P, 3*48*48] in [0, 1]; position_ids [n, P, 2] as (x, y), padding (-1, -1)."""
-        if pixel_values.dim() != 3 or position_ids.shape != (*pixel_values.shape[:2], 2):
-            raise ValueError(f"pixel_values {tuple(pixel_values.shape)} / position_ids "
-                             f"{tuple(position_ids.shape)}: expected [n, P, C] and [n, P, 2]")
-        check_positions(position_ids, self.vision_embedder.pos_embedding.shape[0])
-        weight = self.embed_vision.embedding_projection.weight
-        pixel_values = pixel_values.to(device=weight.device, dtype=weight.dtype)
-        position_ids = position_ids.to(device=weight.device, dtype=torch.long)
+        pixel_values, position_ids = check_patch_inputs(pixel_values, position_ids,
+                                                        self.vision_embedder.pos_embedding.shape[0],
+                                                        self.embed_vision.embedding_projection.weight)
         real = (position_ids != -1).all(dim=-1)
         embeds = self.embed_vision(self.vision_embedder(pixel_values[real], position_ids[real]))
         return list(torch.split(embeds, real.sum(dim=-1).tolist()))

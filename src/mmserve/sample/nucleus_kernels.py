@@ -8,10 +8,9 @@ passes narrow 2^31 patterns to one; a last pass zeroes the row's tokens below t 
 (1 MiB at a 262k vocabulary) is read 18 times by one program, from L2 after the first; the torch
 bisection it replaces on CUDA is 31 rounds of three full-batch ops each (~240 launches a step and
 ~30 reads and writes of every nucleus row's probabilities). Reductions go through tl.reduce with
-this module's combine functions, not tl.max / tl.sum (jit functions of triton's own, interpreted or
-compiled as TRITON_INTERPRET was when triton was imported), so tests/engine/test_sampler_nucleus.py
-runs it in Triton's interpreter in any process; it also compiles it for sm_90a. (split_kv_kernels.py
-keeps its own two for the same reason: the tests reload each kernel module under the interpreter.)
+the combine functions of mmserve/triton_combine.py, not tl.max / tl.sum, so
+tests/engine/test_sampler_nucleus.py runs it in Triton's interpreter in any process; it also
+compiles it for sm_90a.
 """
 
 from __future__ import annotations
@@ -19,15 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
+from mmserve.triton_combine import add, maximum
 
 
 @triton.jit
@@ -40,7 +31,7 @@ def nucleus_filter(probs_ptr, rows_ptr, top_p_ptr, vocab, stride, BLOCK: tl.cons
     for start in range(0, vocab, BLOCK):
         p = tl.load(base + start + offsets, mask=start + offsets < vocab, other=0.0)
         top = tl.maximum(top, p.to(tl.int32, bitcast=True))
-    hi = tl.reduce(top, 0, _maximum) + 1   # mass(>= hi) = 0 < top_p
+    hi = tl.reduce(top, 0, maximum) + 1   # mass(>= hi) = 0 < top_p
     lo = hi * 0                    # mass(>= 0) = the row's mass >= top_p
     quarter = tl.arange(0, 4)
     for _ in range(PASSES):
@@ -50,9 +41,9 @@ def nucleus_filter(probs_ptr, rows_ptr, top_p_ptr, vocab, stride, BLOCK: tl.cons
         for start in range(0, vocab, BLOCK):
             p = tl.load(base + start + offsets, mask=start + offsets < vocab, other=0.0)
             bits = p.to(tl.int32, bitcast=True)
-            mass += tl.reduce(tl.where(bits[None, :] >= thresholds[:, None], p[None, :], 0.0), 1, _add)
+            mass += tl.reduce(tl.where(bits[None, :] >= thresholds[:, None], p[None, :], 0.0), 1, add)
         reached = (quarter > 0) & (thresholds < hi) & (mass >= target)
-        lo = lo + tl.reduce(reached.to(tl.int32), 0, _add) * step
+        lo = lo + tl.reduce(reached.to(tl.int32), 0, add) * step
         hi = tl.minimum(lo + step, hi)
     for start in range(0, vocab, BLOCK):
         mask = start + offsets < vocab

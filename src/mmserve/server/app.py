@@ -27,7 +27,7 @@ from mmserve.api import pb_grpc
 from mmserve.config import EngineConfig, ServerConfig
 from mmserve.engine.input.processor import ImageInput, InputMessage, InputProcessor, TextInput
 from mmserve.errors import EngineUnavailableError
-from mmserve.model.spec import ModelSpec, read_spec
+from mmserve.model.spec import ModelSpec, load_spec_without_transformers
 from mmserve.multimodal.memory import freeze_startup_objects, thaw_startup_objects
 from mmserve.sampling_params import SamplingParams
 from mmserve.server.admission import MessageAdmission, MethodLimit, transport_receive_limit
@@ -268,8 +268,8 @@ def kv_event_publisher(server_config: ServerConfig, engine_config: EngineConfig,
 def build_server(engine, server_config: ServerConfig, engine_config: EngineConfig, *, spec: ModelSpec,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                  credentials: grpc.ServerCredentials | None = None, metrics=None) -> MMServer:
-    """`spec`: the served model's (`read_spec(engine_config.model)`, which the perf model shares);
-    `metrics` (an EngineMetrics) adds the per-RPC status counter."""
+    """`spec`: the served model's (`load_spec_without_transformers(engine_config.model)`, which the
+    perf model shares); `metrics` (an EngineMetrics) adds the per-RPC status counter."""
     return MMServer(engine, server_config, engine_config, spec=spec, interceptors=interceptors,
                     credentials=credentials, metrics=metrics)
 
@@ -284,7 +284,7 @@ async def serve(engine_config: EngineConfig, server_config: ServerConfig) -> boo
     torch.set_num_threads(1)   # the front end does no torch parallel work; the engine process owns the cores
     signals = ShutdownSignals()
     signals.install()
-    spec = read_spec(engine_config.model)   # once: the perf model and the input processor share it
+    spec = load_spec_without_transformers(engine_config.model)   # once: the perf model and the input processor share it
     observability = setup_observability(engine_config, server_config, spec=spec)
     engine = AsyncEngine(engine_config, observer=observability.observer)
     server = build_server(engine, server_config, engine_config, spec=spec, metrics=observability.metrics)

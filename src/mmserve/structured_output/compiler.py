@@ -68,7 +68,7 @@ class FormatCompiler:
         self._running: set[str] = set()
         self._lock = threading.Lock()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="format-compile", initializer=_background)
-        self.compiles = 0   # compiles really run (cache misses), for tests and metrics
+        self.compiles = 0   # compiles really run (cache misses): what tests count to see the cache work
 
     def cached(self, fmt: ResponseFormat) -> xgr.CompiledGrammar | None:
         """The compiled grammar if it is cached (raises its refusal if that is), else None."""

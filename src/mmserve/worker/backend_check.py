@@ -22,6 +22,7 @@ Results go to GetModelInfo (`backend_checks`) and the `mmserve_backend_info` met
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -295,6 +296,34 @@ def graph_check_step(query_lens: list[int], *, pools: dict[str, PoolConfig], voc
     if any(len(blocks) >= p.num_blocks for p in pools.values()):
         return None
     return CheckStep(scheduled, tables, np.arange(num_reqs), blocks)
+
+
+@contextmanager
+def check_cache(kv_caches: list[torch.Tensor], step: CheckStep):
+    """Random context K/V in the check step's private blocks and garbage in the null block while
+    it runs; `garbage(again)` restores the context (a step rewrites its own slots) and, again,
+    puts other garbage in the null block. The cache is as the runner made it afterwards."""
+    caches = list({c.data_ptr(): c for c in kv_caches}.values())
+    used = torch.tensor([0, *step.blocks], device=caches[0].device)
+    saved = [c[:, used].clone() for c in caches]
+    gen = torch.Generator().manual_seed(0)
+
+    def random_like(t: torch.Tensor) -> torch.Tensor:
+        return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
+    try:
+        for c in caches:
+            c[:, used] = random_like(c[:, used])
+        context = [c[:, used].clone() for c in caches]
+
+        def garbage(again: bool) -> None:
+            for c, ctx in zip(caches, context, strict=True):
+                c[:, used] = ctx
+                if again:
+                    c[:, 0] = random_like(c[:, 0])
+        yield garbage
+    finally:
+        for c, s in zip(caches, saved, strict=True):
+            c[:, used] = s
 
 
 def graphs_mismatch(replayed: torch.Tensor, eager: torch.Tensor, padding: torch.Tensor,

@@ -32,7 +32,7 @@ import itertools
 import logging
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,6 +51,7 @@ from mmserve.worker.backend_check import (
     BackendCheck,
     CheckStep,
     check_attention,
+    check_cache,
     check_nucleus_kernel,
     check_ple_kernel,
     fallen_back,
@@ -198,22 +199,33 @@ class ModelRunner:
                                        query_len=query_len)
             metadata = self._metadata(inputs)
             return lambda: self.model.forward(inputs.input_ids, inputs.positions, metadata, self.kv_caches)
-        reason = None
-        try:
+        def capture_and_check() -> str | None:
             self.graphs.capture_all(forward_for)
-            if self.self_check:
-                reason = self._check_graphs()
-                self.graphs.replays = 0
-                self.graphs.replays_by_query_len.clear()
+            if not self.self_check:
+                return None
+            reason = self._check_graphs()
+            self.graphs.replays = 0
+            self.graphs.replays_by_query_len.clear()
+            return reason
+        if not self._capture_checked("cuda_graphs", capture_and_check):
+            self.graphs = UniformStepGraphs((), mode=None)
+
+    def _capture_checked(self, component: str, capture_and_check) -> bool:
+        """Capture one kind of graphs and, with the self-check on, check them (`capture_and_check`
+        returns why they are unfit to serve, or None); the outcome goes into `backend_checks`.
+        False when they failed (logged, or raised under --strict-backends): the caller drops them,
+        and the steps they would have run run eagerly."""
+        try:
+            reason = capture_and_check()
         except Exception as exc:   # e.g. a host sync in some layer: such a model simply runs eagerly
-            logger.debug("CUDA graph capture failed", exc_info=True)
+            logger.debug("%s capture failed", component, exc_info=True)
             reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
         if reason is not None:
-            self.graphs = UniformStepGraphs((), mode=None)
-            self.backend_checks.append(fallen_back("cuda_graphs", "cuda_graphs", "eager", reason,
-                                                   self.strict_backends))
-        elif self.self_check:
-            self.backend_checks.append(BackendCheck("cuda_graphs", "cuda_graphs", "cuda_graphs"))
+            self.backend_checks.append(fallen_back(component, component, "eager", reason, self.strict_backends))
+            return False
+        if self.self_check:
+            self.backend_checks.append(BackendCheck(component, component, component))
+        return True
 
     def _check_graphs(self) -> str | None:
         """Why the graphs are not fit to serve, or None: per query length, requests of their own
@@ -233,7 +245,7 @@ class ModelRunner:
                                 max_model_len=self.max_model_len)
 
     def _graph_check(self, step: CheckStep, size: int, query_len: int) -> str | None:
-        with self._check_cache(step) as garbage:
+        with check_cache(self.kv_caches, step) as garbage:
             eager = self._eager_rows(step)
             replays = []
             for again in (False, True):
@@ -255,11 +267,11 @@ class ModelRunner:
         for buffer in self.inputs.slot_mapping.values():   # capture's K/V writes: all to the null block
             buffer.np[:] = 0
             buffer.push(buffer.np.shape[0])
-        reason = None
-        try:
+        def capture_and_check() -> str | None:
             self.piecewise.capture_all(forward_for)
+            reason = None
             if self.self_check and (step := self._check_step([5, 1, 1])) is not None:
-                with self._check_cache(step) as garbage:
+                with check_cache(self.kv_caches, step) as garbage:
                     eager = self._eager_rows(step)
                     garbage(True)
                     self.piecewise.fill_attention_buffers(float("nan"))   # what padding rows carry: anything
@@ -267,43 +279,10 @@ class ModelRunner:
                     empty = hidden[:0]
                     reason = graphs_mismatch(hidden[:inputs.num_tokens].clone(), eager, empty, empty)
                 self.piecewise.replays = 0
-        except Exception as exc:   # e.g. a host sync in a dense layer: such a model runs those steps eagerly
-            logger.debug("piecewise CUDA graph capture failed", exc_info=True)
-            reason = f"capture failed: {type(exc).__name__}: {str(exc)[:300]}"
-        if reason is not None:
+            return reason
+        if not self._capture_checked("piecewise_graphs", capture_and_check):
             self.piecewise = PiecewiseGraphs((), mode=None, attn_width=0, dtype=self.model.dtype,
                                              device=self.model.device, hidden_size=0)
-            self.backend_checks.append(fallen_back("piecewise_graphs", "piecewise_graphs", "eager", reason,
-                                                   self.strict_backends))
-        elif self.self_check:
-            self.backend_checks.append(BackendCheck("piecewise_graphs", "piecewise_graphs", "piecewise_graphs"))
-
-    @contextmanager
-    def _check_cache(self, step: CheckStep):
-        """Random context K/V in the check step's private blocks and garbage in the null block while
-        it runs; `garbage(again)` restores the context (a step rewrites its own slots) and, again,
-        puts other garbage in the null block. The cache is as the runner made it afterwards."""
-        caches = list({c.data_ptr(): c for c in self.kv_caches}.values())
-        used = torch.tensor([0, *step.blocks], device=self.model.device)
-        saved = [c[:, used].clone() for c in caches]
-        gen = torch.Generator().manual_seed(0)
-
-        def random_like(t: torch.Tensor) -> torch.Tensor:
-            return torch.randn(t.shape, generator=gen).mul_(0.5).to(t)
-        try:
-            for c in caches:
-                c[:, used] = random_like(c[:, used])
-            context = [c[:, used].clone() for c in caches]
-
-            def garbage(again: bool) -> None:
-                for c, ctx in zip(caches, context, strict=True):
-                    c[:, used] = ctx
-                    if again:
-                        c[:, 0] = random_like(c[:, 0])
-            yield garbage
-        finally:
-            for c, s in zip(caches, saved, strict=True):
-                c[:, used] = s
 
     def _eager_rows(self, step: CheckStep) -> torch.Tensor:
         """The check step's rows, eagerly and unpadded (the context restored after)."""

@@ -292,7 +292,6 @@ class Scheduler:
         self.kv.free(victim.request_id)
         victim.num_computed_tokens = 0
         victim.draft_token_ids.clear()
-        victim.num_preemptions += 1
         victim.status = RequestStatus.PREEMPTED
         bisect.insort(self.waiting, victim, key=self._order_key)
         logger.debug("preempted %s (KV blocks exhausted: refusals by pool %s)", victim.request_id, dict(self.kv.refusals))

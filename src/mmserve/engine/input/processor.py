@@ -177,8 +177,9 @@ class InputProcessor:
     @classmethod
     def from_checkpoint(cls, config: EngineConfig, executor: Executor, *, spec: ModelSpec, context_length: int,
                         workers: int | None = None) -> InputProcessor:
-        """The served checkpoint's (`config.model`) tokenizer; `spec` its `read_spec`, which the caller
-        has read once (the front end's perf model shares it)."""
+        """The served checkpoint's (`config.model`) tokenizer; `spec` its
+        `load_spec_without_transformers`, which the caller has read once (the front end's perf model
+        shares it)."""
         return cls(config, load_tokenizer(config.model), spec, executor, max_model_len=context_length,
                    workers=workers)
 

@@ -69,9 +69,9 @@ class OutputProcessor:
 
     def engine_started(self, peaks, backend_checks: tuple = ()) -> None:
         """The core is up: hand the observer the device peaks it measured (MFU/MBU denominators) and
-        the backends' start-up self-check (an optional hook: older observers lack it)."""
+        the backends' start-up self-check (when one ran)."""
         self._notify("on_engine_started", peaks)
-        if backend_checks and hasattr(self.observer, "on_backends_checked"):
+        if backend_checks:
             self._notify("on_backends_checked", backend_checks)
 
     def forget(self, request_id: str) -> None:
