@@ -558,7 +558,9 @@ def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(mode
     scheduled while the round's step runs. The reader's tables hold garbage before every round.
     Device twins: the staged tables' device tensors apart from their host mirrors, as on CUDA,
     where the device rows are gathered on the device and a host-planned backend's (SDPA's) host
-    mirror is filled from the runner's host rows: both checked."""
+    mirror is filled from the runner's host rows: both checked. Every key a round's row reads
+    (the assistant's sliding window + 1 before its position, the async round's moved back by the
+    rows the device rejected) lies in a block those tables still hold."""
     import random
 
     from test_cuda_graphs import device_twins
@@ -587,13 +589,16 @@ def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(mode
         snapshot([i.request.request_id for i in items]), propose(items, *a, **k))[1])
     monkeypatch.setattr(spec, "propose_on_device", lambda requests, *a, **k: (
         snapshot([r.request_id for r in requests]), on_device(requests, *a, **k))[1])
-    checked = []
+    checked, lost = [], []   # (an assert in a round would end only that round's drafting: collected instead)
 
-    def checked_prepare(num_keys, tables, rows, *args, **kwargs):
+    def checked_prepare(num_keys, tables, rows, *args, shift=None, **kwargs):
         for kind in spec.attention._types.values():
             kind.table.cpu.fill_(-7)
             kind.table.dev.fill_(-7)
-        out = prepare(num_keys, tables, rows, *args, **kwargs)
+        # the keys each request's row reads: [0, num_keys), less the rows the device rejected (async)
+        ends = [n - s for n, s in zip(num_keys, shift.tolist() if shift is not None else [0] * len(num_keys),
+                                      strict=True)]
+        out = prepare(num_keys, tables, rows, *args, shift=shift, **kwargs)
         for t, want in rounds[-1].items():
             table = spec.attention._types[t].table
             assert (table.dev is not table.cpu) == twins
@@ -601,12 +606,17 @@ def test_every_round_reads_the_tables_the_kv_manager_holds_for_its_requests(mode
             for got in (table.cpu, table.dev) if twins else (table.cpu,):
                 for r, blocks in enumerate(want):
                     assert got[r].tolist() == blocks + [0] * (got.shape[1] - len(blocks)), (len(rounds), t, r)
+            window = spec.assistant.spec.attention[t].window   # a sliding layer reads its last window + 1 keys
+            for r, (blocks, end) in enumerate(zip(want, ends, strict=True)):
+                first = 0 if window is None else max(0, end - window - 1)
+                lost.extend((len(rounds), t, r, key) for key in range(first, end) if blocks[key // BS] == 0)
         checked.append(len(rows))
         return out
 
     monkeypatch.setattr(spec.attention, "prepare", checked_prepare)
     tokens, _ = step_through(llm, requests)
     assert all(tokens.values())
+    assert not lost, f"(round, layer type, request, key) read from blocks the KV manager released: {lost[:5]}"
     assert len(checked) == len(rounds) > 10 and max(checked) > 1
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert any(len(rids) > 1 for rids in holders.values()), "no row was reused"

@@ -62,6 +62,34 @@ def test_open_range_keeps_its_start_for_unclamped_layers():
     assert all(b != NULL_BLOCK for b in table[10 // 4:])
 
 
+def test_a_verify_chunk_in_flight_keeps_the_window_of_the_lowest_next_row():
+    """Async scheduling with speculation counts a verify chunk's rows computed (placeholders: its
+    token, drafts and pads) when it launches it, and releases windows for the next step before the
+    chunk's rejections are known: with no draft kept, the next row runs K positions lower. Every key
+    that row attends to stays in a held block, after the release and the next step's allocation
+    (window 8, block size 4: every prompt length over four blocks, chunks of 2 to 5 rows)."""
+    for prompt in range(1, 17):
+        for rows in range(2, 6):
+            kv = make_kv(num_blocks=64)
+            r = make_request("r", prompt, max_tokens=50)
+            assert kv.allocate(r, prompt)
+            r.num_computed_tokens = prompt
+            assert kv.allocate(r, rows)   # the verify chunk, counted as computed at launch
+            r.num_computed_tokens += rows
+            r.num_output_placeholders = rows
+            lowest = prompt + 1   # the next row if the chunk keeps only the token its first row samples
+            kv.release_out_of_window([r])
+            assert_holds(kv.block_table("r", SLIDING), lowest, (prompt, rows))
+            assert kv.allocate(r, rows)   # the next step's chunk (allocation releases too)
+            assert_holds(kv.block_table("r", SLIDING), lowest, (prompt, rows))
+
+
+def assert_holds(table: list[int], pos: int, why) -> None:
+    """Every key a query at `pos` attends to (window 8, block size 4) is in a held block."""
+    lost = [key for key in range(max(0, pos - 8 + 1), pos + 1) if table[key // 4] == NULL_BLOCK]
+    assert not lost, (why, table, lost)
+
+
 def test_a_request_the_step_leaves_out_keeps_only_its_window():
     """The planner reserves each request its window, and one step's tokens between them all: a request
     a step skips must not keep the chunk it computed before (window 8, block size 4)."""
@@ -100,7 +128,9 @@ def test_released_window_entries_equal_their_definition_at_every_step():
     """Allocation and the per-step release skip the window search until the window's first key
     crosses a block: after each call, a windowed pool's released (null) leading entries are exactly
     max(those before, the block of the first key kept, within the table), on prompts with media
-    ranges and random chunk sizes (fresh seeds); it fails if a release is skipped or comes early."""
+    ranges and random chunk sizes (fresh seeds), and random placeholders of a step in flight (async
+    scheduling: the first key kept is that of the lowest next row, all placeholders but one below
+    the count); it fails if a release is skipped or comes early."""
     for _ in range(30):
         seed = random.randrange(2**31)
         rng = random.Random(seed)
@@ -112,12 +142,13 @@ def test_released_window_entries_equal_their_definition_at_every_step():
         assert windowed
 
         while r.num_computed_tokens < n:
-            at = r.num_computed_tokens   # the position both calls plan from
+            r.num_output_placeholders = rng.choice([0, 1, rng.randint(1, min(5, r.num_computed_tokens + 1))])
+            at = r.num_computed_tokens - max(0, r.num_output_placeholders - 1)   # the position both calls plan from
             before = {t: (_released(kv, "r", t), len(kv.block_table("r", t))) for t in windowed}
             if at and rng.random() < 0.5:   # the scheduler's release before each step
                 kv.release_out_of_window([r])
             else:   # allocate releases within the table it had, then grows it
-                chunk = min(rng.randint(1, 12), n - at)
+                chunk = min(rng.randint(1, 12), n - r.num_computed_tokens)
                 assert kv.allocate(r, chunk)
                 r.num_computed_tokens += chunk
             for t, window in windowed.items():

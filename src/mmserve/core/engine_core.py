@@ -130,11 +130,6 @@ class EngineCore(AsyncLoop):
                                            max_num_seqs=config.max_num_seqs)
                            if config.speculative_model else None)
         kv_specs = self.speculator.kv_specs(spec.attention_specs) if self.speculator else spec.attention_specs
-        if self.speculator is not None and self.async_scheduling:
-            # the host schedules a step as if the one in flight kept every draft: its positions run up to K
-            # ahead of the device's, so a window keeps K more keys
-            kv_specs = {t: a if a.window is None else dataclasses.replace(a, window=a.window + config.num_speculative_tokens)
-                        for t, a in kv_specs.items()}
         # from the device's memory (a profiling step: worker/memory_profile.py) unless a size is given
         plan, sized_by, profiled_checks = size_kv_cache(model, config, kv_specs, max_model_len=self.max_model_len,
                                                         speculator=self.speculator, memory=memory, baseline=baseline)

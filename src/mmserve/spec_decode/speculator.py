@@ -165,10 +165,11 @@ class TargetKVReader:
       forward), finish X - 1 (requests that ended leave the round), queue X's sampling and the
       round after X (its gather queued after X's scatter), and only then schedule X + 1, whose
       apply and frees come after the round on the host and on the stream: the round reads X's
-      tables too. Its keys num_keys - shift <= X's host end were allocated for X; X's start on
-      the device is at most K before the host's, so a window W >= assistant window + 1 + K (the
-      engine widens the target's by both: `Speculator.kv_specs`, and K under async scheduling)
-      keeps every key the round's window reads from the releases X's scheduling made.
+      tables too. Its keys num_keys - shift <= X's host end were allocated for X. X's scheduling
+      released each window from the lowest position X's rows could run at on the device (the
+      host's start less the rows X - 1 may reject: KVCacheManager._lowest_query), at most the
+      round's position, keeping a window W >= assistant window + 1 (`Speculator.kv_specs`): every
+      key the round's window reads.
     - Tensor parallelism: every rank applies the same steps and frees (`Released`) in the same
       order, so its runner's rows match rank 0's; the round names its request ids, and each rank
       reads its own rows after its own apply of X (the worker reads the step before the round).

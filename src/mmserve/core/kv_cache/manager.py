@@ -7,6 +7,11 @@ request's table for a pool serves all of its layers, KV-sharing consumers includ
 producer's cache and hold none of their own, so they cost the pool nothing). Block 0 of every pool is the null block:
 never handed out, and the table entry of every reclaimed sliding-window block points at it.
 
+Async scheduling with speculation counts a step's drafts and pads as computed when it schedules
+the step (`Request.num_output_placeholders`), and the next step runs lower on the device by as
+many as that step rejects: a window is kept from the lowest position the next rows can take
+(`_lowest_query`), so no key they attend to is released.
+
 Prefix caching: once a step has computed a full block, the block is keyed (`block_hash`) in every
 pool that still holds it; blocks are reference-counted, and a block nobody holds stays keyed in
 its pool's free list until the pool runs out of empty blocks (`block_pool`). A new request reuses
@@ -316,6 +321,13 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _lowest_query(request: Request) -> int:
+        """The lowest position the request's next rows can run at: its computed tokens, less the rows
+        the step in flight (async scheduling) counted and may still reject: all its placeholders but
+        the token it samples (drafts and pads; the device moves the next step back by what it rejects)."""
+        return request.num_computed_tokens - max(0, request.num_output_placeholders - 1)
+
     def _first_needed(self, request: Request, pos: int, window: int | None) -> int:
         """Oldest position a query at or after `pos` can still attend to in this pool."""
         if window is None or pos == 0:
@@ -348,16 +360,18 @@ class KVCacheManager:
         needed_len = -(-(start + num_new_tokens) // self.block_size)
         if needed_len > self.max_blocks_per_req:
             raise ValueError(f"{rid}: {needed_len} blocks exceed max_model_len")
-        if held is not None and start + num_new_tokens <= held.reach and start < held.release_at:   # most decode steps
+        if held is not None and start + num_new_tokens <= held.reach and (   # most decode steps (the second
+                start < held.release_at or self._lowest_query(request) < held.release_at):   # test seldom runs)
             return True
+        lowest = start if held is None else self._lowest_query(request)   # (a new request has nothing in flight)
         reclaim_to: dict[str, int] = {}
         for t, pool in self.pools.items():
             table = tables[t]
             have = len(table.blocks)
             upto = table.num_reclaimed
             window = self.plans[t].window
-            if have and self._window_crossed(window, start, table):
-                upto = max(upto, min(self._first_needed(request, start, window) // self.block_size, have))
+            if have and self._window_crossed(window, lowest, table):
+                upto = max(upto, min(self._first_needed(request, lowest, window) // self.block_size, have))
             missing = needed_len - have
             if missing > 0:
                 available = pool.num_free + pool.num_freed_by_release(table.blocks[table.num_reclaimed:upto])
@@ -412,7 +426,8 @@ class KVCacheManager:
 
     def release_out_of_window(self, requests: Iterable[Request]) -> None:
         """Return the windowed pools' blocks that no query from each request's next position on can
-        reach. The scheduler calls it for every running request before each step, so a request the
+        reach (`_lowest_query`: under async scheduling, below its count by the rows the step in
+        flight may reject). The scheduler calls it for every running request before each step, so a request the
         step leaves out holds only its window, never the chunk it computed last (what the planner's
         windowed reservation assumes: planner.window_pool_blocks). One call for the batch: most
         steps release nothing, and the check is one comparison per request (its `_Held.release_at`),
@@ -420,8 +435,10 @@ class KVCacheManager:
         bs = self.block_size
         for request in requests:
             held = self._held.get(request.request_id)
-            pos = request.num_computed_tokens
-            if held is None or pos < held.release_at:   # no windowed table has crossed a block yet
+            if held is None or request.num_computed_tokens < held.release_at:   # no windowed table has crossed a block yet
+                continue
+            pos = self._lowest_query(request)   # (at most num_computed_tokens: checked second, off the usual path)
+            if pos < held.release_at:
                 continue
             for t, window in self._windowed:   # a full-attention pool releases nothing before the end
                 table = held.tables[t]

@@ -6,7 +6,8 @@ tensor-parallel rank), which allocates the caches they describe.
 A windowed (sliding) pool needs a bounded number of blocks whatever the context: a running request
 holds only the keys its next query can reach plus its chunk of the current step, and all requests
 together schedule at most one step budget (`window_pool_blocks`). It gets exactly that many for
-`max_num_seqs` requests, never more (a block beyond it could never be used); every other byte goes
+`max_num_seqs` requests, never more (a block beyond it could never be used; with speculation the
+synchronous loop could use K keys a request fewer than the async loop it is sized for); every other byte goes
 to the full-attention pools, which hold the long contexts (and, past them, cached prefixes). When the bytes cannot hold those windows
 and one request of the full context beside them, fewer requests run at once (`KVCachePlan.max_num_seqs`)
 so that no schedule the scheduler admits can run a windowed pool dry; when they cannot hold even one,
@@ -94,17 +95,20 @@ def window_hold_blocks(window: int, tokens: int, block_size: int) -> int:
 def window_pool_blocks(window: int, *, block_size: int, max_num_seqs: int, max_step_tokens: int,
                        num_speculative_tokens: int = 0) -> int:
     """Blocks (the null block included) that `max_num_seqs` running requests can hold at once in a
-    windowed pool. When the scheduler allocates, a running request holds the keys
-    [c - window + 1, c + max(n, K)): c its computed tokens, n its chunk this step (0 if it has none),
-    K a verify chunk's rejected drafts whose blocks it keeps (speculation); all the n together are at
-    most one step's tokens. At the worst alignment (its window starting on a block's last slot) that is
-    ceil((A + max(0, n - K)) / block_size) blocks, A = window + K + block_size - 2. So every request
-    holds its base ceil(A / block_size), and the step's tokens buy more where they buy them soonest:
-    a request's first extra block costs `first` = K + the tokens to its next block boundary, each
-    later one a block's worth; while `first` is at most a block, as many requests as can take a first
-    one, else one request takes them all."""
+    windowed pool. When the scheduler allocates, a running request holds at most as many keys as
+    [c - K - window + 1, c + max(n, K)): c its computed tokens, n its chunk this step (0 if it has
+    none), K (speculation) the rows a verify chunk counted and may reject: at the end, the blocks of
+    rejected drafts it keeps; at the start, under async scheduling, the window of a next row that
+    many positions lower (KVCacheManager._lowest_query; the synchronous loop holds K fewer, as does
+    the async one with no verify chunk in flight, whose end may then reach 2K past c); all the n
+    together are at most one step's tokens. At the worst alignment (its first key on a block's last
+    slot) that is ceil((A + max(0, n - K)) / block_size) blocks, A = window + 2K + block_size - 2.
+    So every request holds its base ceil(A / block_size), and the step's tokens buy more where they
+    buy them soonest: a request's first extra block costs `first` = K + the tokens to its next block
+    boundary, each later one a block's worth; while `first` is at most a block, as many requests as
+    can take a first one, else one request takes them all."""
     bs, k = block_size, num_speculative_tokens
-    a = window + k + bs - 2
+    a = window + 2 * k + bs - 2
     base = math.ceil(a / bs)
     first = base * bs - a + 1 + k
     takers = min(max_num_seqs if first <= bs else 1, max_step_tokens // first)
