@@ -123,14 +123,22 @@ def test_positions_moved_back_on_the_device_after_planning_keep_the_window(inter
     (StepInputBuilder.shift_on_device, TargetKVReader.prepare). The plan's first key, from the
     host's longer contexts, then starts up to K keys too late for a sliding layer: the planner
     starts `position_slack` keys earlier and the kernel's window mask (device positions) keeps
-    exactly the window, as the reference over the true contexts."""
+    exactly the window, as the reference over the true contexts. The tables are freed as tightly
+    as the KV manager can free them (its window kept from the lowest row a rejection can leave,
+    KVCacheManager._lowest_query: here each row's true position), so some keys the slack adds lie
+    in null blocks, which the kernel leaves out as it leaves out every key outside the window of a
+    row's device position."""
     rng = random.Random(random.getrandbits(64))
     K = 3
     spec = LayerAttentionSpec(SLIDING, num_heads=4, num_kv_heads=2, head_dim=32, window=40, bidirectional=False,
                               scale=0.25)
-    batch = make_batch(ragged(rng, 4, 1, 300), spec, gen=fresh(), num_blocks=128)
-    shift = torch.tensor([rng.randint(1, K) for _ in range(4)], dtype=torch.int32)
+    # the first request's window starts on a block boundary and its host position is 1 ahead: the
+    # slack reaches K - 1 keys into the freed block before it
+    first = Req(16 * rng.randint(4, 15) + spec.window - 1, 1)
+    batch = make_batch([first, *ragged(rng, 3, 1, 300)], spec, gen=fresh(), num_blocks=128, free_outside_window=True)
+    shift = torch.tensor([1] + [rng.randint(1, K) for _ in range(3)], dtype=torch.int32)
     md = batch.metadata
+    assert md.block_table[0, (first.context - spec.window) // 16] == 0   # (what the test is about)
     host = replace(md, seq_lens_cpu=md.seq_lens_cpu + shift, positions_cpu=md.positions_cpu + shift)
     want, _ = run_backend("reference", batch, spec)
     cache = batch.kv_cache.clone()

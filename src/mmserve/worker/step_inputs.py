@@ -378,9 +378,12 @@ class StepInputBuilder:
         same rows and writes the same K/V to the same slots, and attends over exactly the q keys it
         has just written: it reads nothing a real request or an earlier step left in block 0, and
         duplicate writes (index_copy_ is unordered on CUDA) all carry the same bits. What padding
-        leaves in block 0 is therefore finite and step-independent; real rows, which load block 0
-        only where a freed sliding-window entry lies in a kernel tile and weigh it by 0, never see
-        padding (tests/engine/test_cuda_graphs.py fills every buffer with NaN to check it)."""
+        leaves in block 0 is therefore finite and step-independent. Real rows load block 0 only where
+        a freed sliding-window entry lies in a kernel tile, and never see padding: the KV manager
+        frees only keys before the window of every row a request can run next (a row the async loop
+        moves back included: KVCacheManager._lowest_query), which a window mask weighs by 0 (FA4's
+        built-in local path masks by position alone; split-KV, flex and the CPU backends also leave
+        out block 0). tests/engine/test_cuda_graphs.py fills every buffer with NaN to check it."""
         if num_tokens != num_reqs * query_len:
             raise ValueError(f"only uniform steps ({query_len} token(s) per request) are padded")
         if query_len > self.block_size:
