@@ -113,6 +113,36 @@ def test_pieces_kernel_compiles_once_across_frame_counts_and_windows(fake_arch):
     assert fa4.mm_prefix_mask_mod(True).__cute_hash__ != fa4.mm_prefix_mask_mod(False).__cute_hash__
 
 
+def test_an_edit_to_the_mask_mod_or_its_helper_changes_its_compile_key(tmp_path, monkeypatch):
+    """FA4 keys its compiled kernels (in memory and on disk) by the mask_mod's hash, which our
+    __cute_hash__ replaces: an edited copy of fa4.py, loaded as another module, gives another key
+    for an edit to the wrapper's body or to the helper, and the same key unedited."""
+    import importlib.util
+    import inspect
+    import sys
+
+    from flash_attn.cute.utils import hash_callable
+
+    source = inspect.getsource(fa4)
+    call = "return _keep_ssa(batch, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp)"
+    rule = "in_window = (q_abs - k_abs) < window"
+    assert source.count(call) == 1 and source.count(rule) == 1
+
+    def key(text: str, name: str) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)   # (its dataclasses look their module up)
+        spec.loader.exec_module(module)
+        return hash_callable(module.mm_prefix_mask_mod(True))
+
+    base = hash_callable(fa4.mm_prefix_mask_mod(True))
+    assert key(source, "fa4_copy") == base
+    assert key(source.replace(call, call.replace(", clamp)", ", not clamp)")), "fa4_wrapper_edited") != base
+    assert key(source.replace(rule, rule.replace("<", "<=")), "fa4_helper_edited") != base
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
 @pytest.mark.filterwarnings("ignore:Argument aux_data")

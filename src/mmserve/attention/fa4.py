@@ -25,7 +25,7 @@ and its arguments (`PreparedCall`), and every later layer launches that kernel d
 own q, K and V in their places (`Fa4Metadata.calls`, refilled each step with the step's tensors).
 
 Compile key: FA4 hashes a mask_mod's source and closure cells, so the factory is cached, its
-closure holds only a bool, the helper's source is named in __cute_hash__, per-step data arrives
+closure holds only a bool, the factory's source and the helper's are named in __cute_hash__, per-step data arrives
 through aux tensors and the window through a CuTe-typed aux scalar: one kernel serves every window,
 frame count and batch. With a mask_mod, `causal=False` and no window: the builtin path would
 otherwise skip the mask_mod (SM90) or clip the frames' future keys (SM100).
@@ -78,9 +78,10 @@ def mm_prefix_mask_mod(clamp: bool):
     def mm_prefix_mask(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars):
         return _keep_ssa(batch, q_idx, kv_idx, seqlen_info, aux_tensors, aux_scalars, clamp)
 
-    # The default hash reads only this wrapper's source; name the helper's source too, so an edit
-    # there cannot reuse a stale kernel from FA4's disk cache.
-    source = inspect.getsource(_keep_ssa) + f"clamp={clamp}"
+    # __cute_hash__ replaces FA4's own hash of the callable (flash_attn.cute.utils.hash_callable), so it
+    # names all the kernel is compiled from: this factory's source (the wrapper's body), the helper's
+    # and the clamp. An edit to either cannot then reuse a stale kernel from FA4's disk cache.
+    source = inspect.getsource(mm_prefix_mask_mod) + inspect.getsource(_keep_ssa) + f"clamp={clamp}"
     mm_prefix_mask.__cute_hash__ = hashlib.sha256(source.encode()).hexdigest()
     # One column per call: _keep_ssa reads each row's range for lane 0 only. b36 defaults to 1; pinned
     # so a newer FA4 vectorising mask_mods by default cannot hand it packed fragments (vLLM pins it too).
