@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from mmserve.attention.backend import FULL, SLIDING, LayerAttentionSpec
@@ -37,4 +39,24 @@ def standard_batches(window: int = 8) -> dict[str, list[Req]]:
     }
 
 
-__all__ = ["Batch", "Req", "SPECS", "frames", "make_batch", "query_ranges", "rel_err", "standard_batches"]
+def random_step(rng: random.Random, window: int) -> list[Req]:
+    """Decodes, chunked prefills and whole prompts, with frames shorter and longer than the window."""
+    reqs = []
+    for _ in range(rng.randint(2, 9)):
+        ranges = frames(rng.randint(0, 6), rng.randint(0, 5), rng.choice([3, 6, window + rng.randint(1, 9)]),
+                        rng.randint(1, 4))
+        prompt = (ranges[-1][1] if ranges else 10) + rng.randint(1, 12)
+        kind = rng.random()
+        if kind < 0.4:       # decode past the prompt
+            context, query = prompt + rng.randint(0, 30), 1
+        elif kind < 0.7:     # a chunk starting between frames
+            starts = [0] + [e + 1 for _, e in ranges if e + 1 < prompt]
+            context = rng.choice(starts)
+            query = prompt - context
+        else:                # a whole prompt
+            context, query = 0, prompt
+        reqs.append(Req(context, query, ranges))
+    return reqs
+
+
+__all__ = ["Batch", "Req", "SPECS", "frames", "make_batch", "query_ranges", "random_step", "rel_err", "standard_batches"]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from attn_batches import SPECS, Req, frames, make_batch, rel_err
+from attn_batches import SPECS, Req, frames, make_batch, random_step, rel_err
 
 from mmserve.attention.mask import batch_dense_mask
 from mmserve.attention.page_tables import windowed_tables
@@ -18,26 +18,6 @@ from mmserve.attention.synthetic import pool_for, run_backend
 from mmserve.config import SDPA_BATCHING_CHOICES
 
 SPEC_IDS = [f"{s.layer_type}-bidi{s.bidirectional}-clamp{s.clamp_bidirectional}" for s in SPECS]
-
-
-def random_step(rng: random.Random, window: int) -> list[Req]:
-    """Decodes, chunked prefills and whole prompts, with frames shorter and longer than the window."""
-    reqs = []
-    for _ in range(rng.randint(2, 9)):
-        ranges = frames(rng.randint(0, 6), rng.randint(0, 5), rng.choice([3, 6, window + rng.randint(1, 9)]),
-                        rng.randint(1, 4))
-        prompt = (ranges[-1][1] if ranges else 10) + rng.randint(1, 12)
-        kind = rng.random()
-        if kind < 0.4:       # decode past the prompt
-            context, query = prompt + rng.randint(0, 30), 1
-        elif kind < 0.7:     # a chunk starting between frames
-            starts = [0] + [e + 1 for _, e in ranges if e + 1 < prompt]
-            context = rng.choice(starts)
-            query = prompt - context
-        else:                # a whole prompt
-            context, query = 0, prompt
-        reqs.append(Req(context, query, ranges))
-    return reqs
 
 
 @pytest.mark.parametrize("mode", ["auto", "batched"])
