@@ -218,10 +218,10 @@ def test_mmserve_perf_prints_the_planners_split(capsys):
 
 def _async_speculating_run(sched: Scheduler, rng: random.Random, pending: list[Request], drafts: int,
                            on_schedule) -> None:
-    """The async loop's order without a model (EngineCore._step_async): schedule step N+1, then
-    finish step N (its placeholders go, 1 + the drafts the device kept are appended, `update` rolls
-    the rest and the pads back), then give N+1's sampled requests the drafts made on the device
-    after it. `on_schedule(out, rejectable)` sees each step as scheduled, with the rows per request
+    """The async loop's order without a model (core/async_loop.AsyncLoop._step_async): schedule
+    step N+1, then finish step N (its placeholders go, 1 + the drafts the device kept are appended,
+    `update` rolls the rest and the pads back), then give N+1's sampled requests the drafts made on
+    the device after it. `on_schedule(out, rejectable)` sees each step as scheduled, with the rows per request
     that the step in flight (N) may still reject."""
     in_flight: tuple | None = None
     for _ in range(4000):
