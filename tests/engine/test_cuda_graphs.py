@@ -508,6 +508,19 @@ def test_piecewise_buckets_cover_every_step_size():
     assert piecewise_sizes(100)[-1] == 100 and piecewise_sizes(3) == (1, 2, 3)
 
 
+def test_the_buffers_piecewise_pieces_read_are_inference_tensors_as_an_eager_steps_are():
+    """The first piece's embeddings, q and attention's result between pieces, and the output are
+    inference tensors, as an eager step's activations are (the runner builds them outside inference
+    mode): a compiled layer piece fed a normal tensor where it was traced with an inference one fails
+    dynamo's guards and compiles again, per row regime."""
+    from mmserve.worker.cuda_graphs import EMULATED
+    from mmserve.worker.piecewise_graphs import PiecewiseGraphs
+
+    pieces = PiecewiseGraphs((1, 2, 4), mode=EMULATED, attn_width=8, dtype=torch.float32, device=torch.device("cpu"),
+                             hidden_size=16)
+    assert all(t.is_inference() for t in (pieces.embeds, pieces._attn_in, pieces._attn_out, pieces._static))
+
+
 def test_piecewise_steps_on_sdpa_give_the_eager_tokens(load_backend):
     """Piecewise graphs need no capturable attention (it runs eagerly between the pieces): on sdpa,
     the CPU default, text and image and video prompts chunked beside decodes replay pieces, with

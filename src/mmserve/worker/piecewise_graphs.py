@@ -128,10 +128,13 @@ class PiecewiseGraphs:
         self.mode = mode
         self.sizes = tuple(sorted(sizes)) if mode else ()
         rows = self.sizes[-1] if self.sizes else 0
-        self.embeds = torch.zeros(rows, hidden_size, dtype=dtype, device=device)   # the first piece's input
-        self._attn_in = torch.zeros(rows * attn_width, dtype=dtype, device=device)    # q, for attention
-        self._attn_out = torch.zeros(rows * attn_width, dtype=dtype, device=device)   # its result, for the next piece
-        self._static = torch.zeros(rows, hidden_size, dtype=dtype, device=device)     # the output every replay overwrites
+        # Inference tensors, as an eager step's activations are: a compiled layer piece (model/compiled.py)
+        # fed a normal tensor where it was traced with an inference one fails its guards and compiles again.
+        with torch.inference_mode():
+            self.embeds = torch.zeros(rows, hidden_size, dtype=dtype, device=device)   # the first piece's input
+            self._attn_in = torch.zeros(rows * attn_width, dtype=dtype, device=device)    # q, for attention
+            self._attn_out = torch.zeros(rows * attn_width, dtype=dtype, device=device)   # its result, for the next piece
+            self._static = torch.zeros(rows, hidden_size, dtype=dtype, device=device)     # the output every replay overwrites
         self._pieces: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._calls: dict[int, list[AttentionCall]] = {}
         self._closures: dict[int, Callable[[], torch.Tensor]] = {}   # emulated
