@@ -1,13 +1,20 @@
-"""--compile-dense: the engine's greedy tokens do not change, and the compiled RMSNorm / norm+RoPE /
-gated GELU equal the eager ones. One test, so the kernels compile once (slow)."""
+"""Compiled code in the engine. --compile-dense: the greedy tokens do not change, and the compiled
+RMSNorm / norm+RoPE / gated GELU equal the eager ones. The layer pieces (model/layer_pieces.py,
+compiled on CUDA; here by inductor for the CPU): an E-model engine's tokens are the eager engine's,
+each piece holds the graphs model/compiled.py says, and a piece past dynamo's recompile limit runs
+eagerly. Slow: each test compiles once what it checks."""
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import pytest
 import torch
 from engine_helpers import PROMPTS, build_request, greedy_agree, make_llm, record_decisions
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from mmserve.model import compiled
+from mmserve.model import compiled, layer_pieces
 from mmserve.model.mlp import gelu_gate
 from mmserve.model.norm import rms_norm
 from mmserve.model.rope import norm_rope
@@ -47,3 +54,75 @@ def test_compiled_dense_kernels_keep_tokens_and_values(load_backend):
         compiled.set_compiled(False)
     for got_values, want_values in pairs:
         torch.testing.assert_close(got_values, want_values, rtol=1e-5, atol=1e-5)
+
+
+def graphs_of(piece) -> int:
+    """The graphs dynamo holds for a layer piece (one cache entry each)."""
+    return len(_debug_get_cache_entry_list(piece.__wrapped__.__code__))
+
+
+@pytest.mark.slow
+def test_layer_pieces_hold_a_graph_per_row_regime_and_layer_kind_over_any_kv_cache(tmp_path, monkeypatch):
+    """An E-model engine (sliding / full layers, each projecting K/V or sharing them; single and
+    double-wide MLPs) with the pieces compiled, as on CUDA, and graphs emulated, so steps run as
+    piecewise graphs (their inputs the runner's persistent buffers) and eagerly (the KV-sharing
+    layers' sampled rows), at one row and more; then a second engine over a KV cache of another size,
+    as the memory profile's pools and then the serving ones. Each piece holds one graph per row
+    regime and layer kind (compiled.py), whatever the cache's size or the step's path: before, a new
+    block count (attn_in) and the piecewise buffers' tensor kind (input_norm, mlp_in) each compiled
+    again. The tokens are the eager engine's."""
+    from gemma4_fixtures import e_model_config, make_checkpoint
+
+    from mmserve.model import load_model
+    from mmserve.model.tokenizer import load_tokenizer
+    from mmserve.worker import model_runner
+
+    make_checkpoint(tmp_path, config=e_model_config(audio=False), seed=int(np.random.randint(1000)))
+    model_tok = load_model(tmp_path, dtype="float32", device="cpu"), load_tokenizer(tmp_path)
+    reqs = [build_request(f"r{i}", [3 + 5 * i], int(np.random.randint(1000)), max_tokens=5) for i in range(4)]
+    eager = make_llm(model_tok, max_num_batched_tokens=32)
+    decisions = record_decisions(eager)
+    want = {c.request_id: c.token_ids for c in eager.generate(reqs)}
+    pieces = (layer_pieces.input_norm, layer_pieces.attn_in, layer_pieces.mlp_in, layer_pieces.layer_out)
+    for piece in pieces:   # another test's model may have compiled them in this process
+        torch._dynamo.reset_code(piece.__wrapped__.__code__)
+    monkeypatch.setattr(model_runner, "set_compiled", lambda dense, layers: compiled.set_compiled(dense, layers=True))
+    try:
+        for num_kv_blocks in (48, 80):
+            llm = make_llm(model_tok, max_num_batched_tokens=32, num_kv_blocks=num_kv_blocks, emulate_cuda_graphs=True)
+            got = {c.request_id: c.token_ids for c in llm.generate(reqs)}
+            for r in reqs:
+                greedy_agree(want[r.request_id], got[r.request_id], decisions[r.request_id])
+            assert llm.core.runner.piecewise.replays > 0
+    finally:
+        compiled.set_compiled(False)
+    # row regimes (one row, more) x kinds: attn_in 4 (sliding / full x projecting / sharing), mlp_in 2
+    assert {p.__name__: graphs_of(p) for p in pieces} == {"input_norm": 2, "attn_in": 8, "mlp_in": 4, "layer_out": 2}
+    assert 2 * 8 <= compiled.PIECE_GRAPHS <= torch._dynamo.config.recompile_limit
+
+
+@pytest.mark.slow
+def test_a_piece_past_the_recompile_limit_runs_eagerly_and_says_so(monkeypatch, caplog):
+    """fullgraph=True makes dynamo raise past its recompile limit where it would otherwise run the
+    function eagerly: the step failed (FailOnRecompileLimitHit). Now the piece runs eagerly from then
+    on, with one warning. (Limit 1: a graph for one row, then three rows would need another.)"""
+    monkeypatch.setattr(compiled, "PIECE_GRAPHS", 1)
+
+    @compiled.layer_piece(token_args=1)
+    def scaled_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return rms_norm.eager(x, w, 1e-6)
+
+    w = torch.randn(8)
+    inputs = [torch.randn(rows, 8) for rows in (1, 3, 1, 5)]
+    compiled.set_compiled(False, layers=True)
+    try:
+        with (torch._dynamo.config.patch(recompile_limit=1), torch.inference_mode(),
+              caplog.at_level(logging.WARNING, logger=compiled.__name__)):
+            got = [scaled_norm(x, w) for x in inputs]
+    finally:
+        compiled.set_compiled(False)
+    for x, values in zip(inputs, got, strict=True):
+        torch.testing.assert_close(values, rms_norm.eager(x, w, 1e-6), rtol=1e-5, atol=1e-5)
+    assert scaled_norm.over_limit and graphs_of(scaled_norm) == 1
+    warned = [r.getMessage() for r in caplog.records if r.name == compiled.__name__]
+    assert len(warned) == 1 and "scaled_norm" in warned[0] and "eagerly" in warned[0], warned

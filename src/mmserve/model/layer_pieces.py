@@ -17,9 +17,9 @@ One layer, in order (its input RMSNorm comes fused in the previous layer's layer
 A piece never spans the attention call or a collective, and each boundary falls right after a GEMM,
 where a kernel ends anyway: splitting there costs no launch (bench/kernel_count.py counts them).
 
-On CUDA the pieces run compiled (`compiled.layer_piece`: one graph for one row, one for any other
-count, so every CUDA-graph size reuses them); on CPU they run eagerly with the dense kernels, which
-bench/offline.py measured faster there.
+On CUDA the pieces run compiled (`compiled.layer_piece`: per layer kind, one graph for one row and
+one for any other count, so every CUDA-graph size reuses them); on CPU they run eagerly with the
+dense kernels, which bench/offline.py measured faster there.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def input_norm(h: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tenso
     return rms_norm(h, norm_w, eps)
 
 
-@layer_piece(token_args=4)
+@layer_piece(token_args=4, cache_args=(7,))
 def attn_in(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None,
             qkv_w: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor | None,
             kv_cache: torch.Tensor | None, eps: float, split: tuple[int, ...], head_dim: int,
