@@ -64,6 +64,12 @@ def our_drafts(model, assistant, ids: torch.Tensor, first_token: int, backend: s
     tables = runner_tables(storing_layers(model.spec), {"seq": seq.blocks.tolist()}, len(seq.blocks))
     target_kv = TargetKVReader(assistant, model, max_num_seqs=4).prepare([n], tables, tables.rows_of(["seq"]),
                                                                          seq.block_size, seq.kv_caches)
+    return draft_logits(model, assistant, target_kv, hidden, n, first_token)
+
+
+def draft_logits(model, assistant, target_kv: dict, hidden: torch.Tensor, n: int, first_token: int
+                 ) -> list[torch.Tensor]:
+    """Each draft step's logits, from the target's last hidden state and its `n` keys (`target_kv`)."""
     rope = assistant.rope(torch.tensor([n]), torch.float32)
     token = torch.tensor([first_token])
     logits = []
@@ -151,3 +157,36 @@ def test_a_round_reads_its_requests_runner_rows_as_rows_are_reused(target, tmp_p
                 assert got[r].tolist() == held[rid] + [0] * (got.shape[1] - len(held[rid])), (step, rid)
             assert not got[len(ids):].any(), step
     assert any(len(ids) > 1 for ids in rows_seen.values()), "no row was reused: the test proves little"
+
+
+def test_a_reader_drafts_over_a_larger_cache_as_a_fresh_one_does(target, tmp_path):
+    """On CUDA a drafter's first round is the memory profile's, over the profiling runner's small
+    pools, and serving's rounds read the larger serving pools. Flex sizes its metadata (block mask,
+    logical blocks) by the pool: a reader that kept its first round's builders indexed the larger
+    cache's blocks out of them (IndexError). Its builders now follow the cache it reads: after a round
+    over a 16-block cache, it drafts over a 64-block one exactly as a fresh reader does. (The first
+    round only prepares its metadata, where the builder is made: one flex compile per layer type.)"""
+    cfg, path, _ = target
+    make_assistant(tmp_path / "assistant", cfg, seed=int(torch.randint(0, 1000, ())))
+    model = load_model(path)
+    assistant = load_assistant(tmp_path / "assistant", model.spec, dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.randint(16, cfg["text_config"]["vocab_size"], (19,)).tolist()
+    small, large = (PagedSequence(model, block_size=4, num_blocks=n, seed=int(torch.randint(0, 1000, ())))
+                    for n in (16, 64))
+    hidden = large.step(ids)[-1:]   # (the small cache's contents never matter: its round only prepares)
+    model.attention_backends = dict.fromkeys(model.attention_backends, "flex")
+    width = large.num_blocks - 1   # the runner's: one max_model_len for both
+    first = int(torch.randint(16, 300, ()))
+
+    def round_over(reader: TargetKVReader, seq: PagedSequence) -> dict:
+        tables = runner_tables(storing_layers(model.spec), {"seq": seq.blocks.tolist()}, width)
+        return reader.prepare([len(ids)], tables, tables.rows_of(["seq"]), seq.block_size, seq.kv_caches)
+
+    def drafts(reader: TargetKVReader) -> list[torch.Tensor]:
+        return draft_logits(model, assistant, round_over(reader, large), hidden, len(ids), first)
+
+    reused = TargetKVReader(assistant, model, max_num_seqs=4)
+    round_over(reused, small)
+    want = drafts(TargetKVReader(assistant, model, max_num_seqs=4))
+    for a, b in zip(drafts(reused), want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

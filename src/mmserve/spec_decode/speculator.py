@@ -135,6 +135,7 @@ class _DraftLayerType:
     builder: object
     table: StagedBuffer     # [max_num_seqs, the runner's table width]: the round's block tables
     device_positions: bool  # its backend reads positions, context lengths and block tables on the device
+    pool: tuple[int, int]   # (the cache's blocks, the table width) the builder was made for
 
 
 class TargetKVReader:
@@ -146,8 +147,10 @@ class TargetKVReader:
     with the assistant's window + 1 as a sliding layer's window: it sees the last window + 1 keys.
     Per layer type the assistant reads, the target's backend for that type (after the runner's
     fallbacks) gives an implementation for this rank's assistant heads and a builder over the
-    target's pool, made at the first round (the pool's size is the cache's); every round builds one
-    metadata per type from persistent buffers, which its K draft steps share.
+    target's pool, made at the first round that reads a cache of its size (on CUDA the memory
+    profile's rounds read the profiling runner's smaller pools, then serving's the serving ones;
+    flex sizes its metadata by the pool); every round builds one metadata per type from persistent
+    buffers, which its K draft steps share.
 
     The round's block tables are the runner's (worker/block_table.BlockTables), gathered by request
     row on the device into the reader's persistent tables: nothing per round grows with the context
@@ -191,7 +194,8 @@ class TargetKVReader:
         self._types: dict[str, _DraftLayerType] = {}
 
     def _layer_type(self, t: str, kv_cache: torch.Tensor, block_size: int, width: int) -> _DraftLayerType:
-        if t not in self._types:
+        pool_shape = (kv_cache.shape[1], width)
+        if t not in self._types or self._types[t].pool != pool_shape:
             attn = self.assistant.spec.attention[t]
             layer = self.assistant.model.layers[self.assistant.spec.layer_types.index(t)].self_attn
             window = None if attn.window is None else attn.window + 1
@@ -204,7 +208,7 @@ class TargetKVReader:
                               position_slack=self.position_slack)
             table = StagedBuffer((self.max_num_seqs, width), torch.int32, kv_cache.device)
             self._types[t] = _DraftLayerType(create_impl(backend, spec), create_builder(backend, pool), table,
-                                             get_backend(backend).device_positions)
+                                             get_backend(backend).device_positions, pool_shape)
         return self._types[t]
 
     def prepare(self, num_keys: Sequence[int], tables: BlockTables, rows: np.ndarray, block_size: int,
