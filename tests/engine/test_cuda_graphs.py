@@ -539,6 +539,24 @@ def test_piecewise_steps_on_sdpa_give_the_eager_tokens(load_backend):
     assert runs[False] == runs[True]
 
 
+def test_the_drafter_is_sized_for_the_requests_the_kv_plan_lets_run(speculating_target):
+    """A KV cache that holds sliding windows for fewer requests than --max-num-seqs lowers the
+    engine's count (core/kv_cache/planner.py). The drafter is loaded before that plan (the memory
+    profile drafts with it) and then sized by the plan's count: its graphs' buckets, as the target's,
+    and its reader's buffers. Before, its graphs went up to the configured count: captures no round
+    could use, and their pool's memory."""
+    from engine_helpers import make_llm
+
+    model, tok, assistant = speculating_target
+    llm = make_llm((model, tok), attention_backend="flex", emulate_cuda_graphs=True, max_num_seqs=16,
+                   num_kv_blocks=0, kv_cache_bytes=300 * 1024, max_model_len=256, speculative_model=assistant,
+                   num_speculative_tokens=3)
+    core, speculator = llm.core, llm.core.speculator
+    assert core.config.max_num_seqs < 16, "the plan left every configured request room: the test proves nothing"
+    assert speculator.graphs.graphs.sizes == core.runner.graphs.sizes
+    assert speculator.graphs.graphs.sizes[-1] == speculator.attention.max_num_seqs == core.config.max_num_seqs
+
+
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_drafter_graphs_draft_as_eager_drafting_whatever_their_buffers_held(speculating_target, monkeypatch,
                                                                             async_scheduling):

@@ -143,7 +143,7 @@ class EngineCore(AsyncLoop):
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.runner = (runner_factory or ModelRunner)(model, plans, config, max_model_len=self.max_model_len)
         if self.speculator is not None:   # the drafter's K steps as graphs where the target's steps are
-            self.speculator.use_graphs(self.runner.graphs.mode)
+            self.speculator.use_graphs(self.runner.graphs.mode, max_num_seqs=config.max_num_seqs)   # the plan's
         if profiled_checks:   # the profiling runner checked first: a fallback there is what serves
             self.runner.backend_checks = merge_checks(profiled_checks, self.runner.backend_checks)
         # MFU/MBU denominators, measured (when not in the table) where this engine's torch work runs;

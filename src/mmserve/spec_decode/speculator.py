@@ -259,7 +259,6 @@ class Speculator:
         self.target = target
         self.num_tokens = num_tokens
         self.stores = storing_layers(target.spec)
-        self.attention = TargetKVReader(assistant, target, max_num_seqs=max_num_seqs, position_slack=num_tokens)
         self.max_num_seqs = max_num_seqs
         self.use_graphs(None)
         # per draft position: drafts verified, drafts accepted (acceptance rate = accepted / verified)
@@ -269,9 +268,15 @@ class Speculator:
         # broadcasting the batch to the workers first (executor/tensor_parallel.py sets it)
         self.on_ranks: Callable[[DraftBatch | DeviceDraftRound, Callable], object] = _run_here
 
-    def use_graphs(self, mode: str | None) -> None:
+    def use_graphs(self, mode: str | None, *, max_num_seqs: int | None = None) -> None:
         """Run the K draft steps as one graph per batch-size bucket (spec_decode/draft_graphs.py):
-        `mode` is the target's graph mode (worker/cuda_graphs.py: CUDA, emulated, or None: eager)."""
+        `mode` is the target's graph mode (worker/cuda_graphs.py: CUDA, emulated, or None: eager).
+        The reader and the graphs are made anew for rounds of at most `max_num_seqs` requests (else
+        as many as before): the engine passes the KV plan's, which may be fewer than the configured
+        count the memory profile's round drafted for."""
+        self.max_num_seqs = max_num_seqs or self.max_num_seqs
+        self.attention = TargetKVReader(self.assistant, self.target, max_num_seqs=self.max_num_seqs,
+                                        position_slack=self.num_tokens)
         self.graphs = DraftGraphs(self.attention, self.assistant, self._graph_loop, mode=mode,
                                   max_num_seqs=self.max_num_seqs, hidden_size=self.target.decoder.spec.hidden_size,
                                   dtype=self.target.dtype, device=self.target.device)
