@@ -19,7 +19,10 @@ The design (vLLM v1's full graphs for uniform decode batches, speculative ones i
   forward reads is a view of a persistent buffer at a fixed offset: the step-input builder's
   device buffers (ids, positions, query_start_loc, seq_lens, slot mapping) and the attention
   metadata builders' own (page tables, block masks), refilled in place each step. Python values a
-  kernel launch bakes in are fixed per graph: max_seqlen_q = its query length, max_seqlen_k = max_model_len.
+  kernel launch bakes in are fixed per graph: max_seqlen_q = its query length (FA4 bounds the keys
+  by its page table's full width). The metadata's max_seq_len is not fixed: it is each step's
+  longest context (a drafting round's in `TargetKVReader.prepare`), which a graph would bake in as
+  its capture step's, so a capturable backend must not read it (only the dense reference's mask does).
 - Output: the hidden states [size x q, hidden] each graph wrote at capture live in the graph's
   memory pool, which every graph shares: a replay's output is valid until the next replay (of any
   graph). Logits and sampling run eagerly on the real rows.
