@@ -30,7 +30,7 @@ from mmserve.clients.messages import frames_part, image_part, message, text_part
 WORKERS = 2
 MAX_IMAGES = 16
 PIXEL_BUDGET = 256 * 2**20  # room for MAX_IMAGES images of 4096^2
-IMAGE_PIXELS = 32 * 2**20   # one image of 8192 x 4096: the fairness test's decode outlasts a bystander's prefill
+IMAGE_PIXELS = 96 * 2**20   # one image of 12288 x 8192: the fairness test's decode outlasts a bystander's prefill
 # A part's wait for a worker counts against this limit: at load 22 (busy loops beside other suites)
 # one of the three frames requests waited 24.5 s of the default 30 s and was refused, retryably.
 DECODE_TIMEOUT_S = 120
@@ -137,17 +137,21 @@ def test_too_many_images_are_refused_before_decoding(server):
 
 
 def test_one_request_cannot_take_every_decode_worker(server):
-    """Finding 5, fairness: a request of two large images (8192 x 4096 each, within the pixel budget), both
+    """Finding 5, fairness: a request of two large images (12288 x 8192 each, within the pixel budget), both
     cut short so that the first to fail refuses the request before it reaches the engine, holds one
     of the two workers; the bystander's image gets the other at once, so its first token comes while
     the hostile image is still decoding. Where one request may hold every worker (or the pool is
     first come, first served, or has one worker), the bystander's image waits for a hostile decode
     to end, and the first hostile decode to end fails and refuses the request: the refusal comes
-    first. The bystander is sent once the server's RSS shows the decode running (8 MiB of 96).
-    Both paths are wall-clock: a hostile decode took 235 ms from the bystander's send, and the
-    bystander's first token 243 ms, in one suite run on 2 busy cores. So a lost race is run again,
-    up to three times; the bug loses it every time (the bystander cannot start before a worker frees)."""
-    cut = blank_png(8192, rows_kept=0.97, height=4096)
+    first. The bystander is sent once the server's RSS shows the decode running (8 MiB of 288).
+    Both paths are wall-clock, and CPU priority makes them close on 2 busy cores: decodes run at
+    nice +10 (fair_pool.py), so the other test process takes a core from both. At 8192 x 4096 a
+    hostile decode took 212-219 ms from the bystander's send and the bystander's first token 219-229
+    ms (29 ms alone), three times in a row in cold CI (salt 227848); an image three times larger
+    (0.78 s to decode alone here, against 0.26 s) triples the hostile side and leaves the bystander's
+    alone. A lost race is still run again, up to three times; the bug loses it every time (the
+    bystander cannot start before a worker frees)."""
+    cut = blank_png(12288, rows_kept=0.97, height=8192)
     images = [message("user", image_part(cut), image_part(cut), text_part("Compare them."))]
     for _ in range(3):
         beside = run_beside(server, bystander, images, decoding_from_rss=8 * 2**20)
