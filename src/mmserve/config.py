@@ -156,6 +156,10 @@ class EngineConfig:
                 "header before decoding (30 s of audio is 750 tokens)", "min": 0.001})
     max_image_pixels: int = field(default=4096 * 4096, metadata={"help": "largest decoded frame/image, in pixels", "min": 1})
     max_images_per_request: int = field(default=16, metadata={"help": "image parts per request at most", "min": 0})
+    max_audio_per_request: int = field(default=16, metadata={
+        "help": "audio parts (clips) per request at most, counted before any is read; 0 = no audio. A video's "
+                "soundtrack (use_audio_in_video) is not one: its video counts against --max-frames-per-request",
+        "min": 0})
     max_pixels_per_request: int = field(default=128 * 2**20, metadata={
         "help": "pixels over all images and given frame images of a request, from their headers, before any is decoded",
         "min": 1})

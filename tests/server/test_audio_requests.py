@@ -32,6 +32,8 @@ from mmserve.multimodal.video import decode_video
 
 BUDGET = 40        # tokens per step: a 2 s clip's 50 audio tokens need two chunks
 MAX_TOKENS = 6
+MAX_AUDIO = 2      # --max-audio-per-request: the module's requests hear two clips at most
+NOT_AUDIO = b"\x00\x01 not an audio file at all" * 8   # refused as unrecognised once its header is read
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,8 @@ def server(model_dir):
     # The engine core on a thread of this process (the same core and IPC, no second interpreter to
     # start: this module's own start-up was mostly a spawned process importing torch again).
     server = LoopbackServer(engine_config(model_dir, max_num_batched_tokens=BUDGET, default_num_frames=2,
-                                          max_audio_duration_s=60.0, engine_process=False),
+                                          max_audio_duration_s=60.0, max_audio_per_request=MAX_AUDIO,
+                                          engine_process=False),
                             ServerConfig(host="127.0.0.1", port=0, worker_threads=2, metrics_port=metrics_port)).start()
     yield server
     server.stop()
@@ -166,7 +169,7 @@ BAD = {
     "2^31 Hz": (wav_with_layout(1, 2**31 - 1, frames=4000), grpc.StatusCode.INVALID_ARGUMENT,
                 "sample rate is 2147483647 Hz; at most 768000 Hz"),
     "silence": (wav(np.zeros(16000, np.int16)), grpc.StatusCode.INVALID_ARGUMENT, "silent"),
-    "not audio": (b"\x00\x01 not an audio file at all" * 8, grpc.StatusCode.INVALID_ARGUMENT, "unrecognised"),
+    "not audio": (NOT_AUDIO, grpc.StatusCode.INVALID_ARGUMENT, "unrecognised"),
     "truncated": (wav(tones(3, 1.0))[:30], grpc.StatusCode.INVALID_ARGUMENT, "audio"),
     # float samples a broken encoder wrote: NaN's peak passed the silence check and was answered, status OK
     "NaN samples": (wav_f32(np.where(np.arange(16000) % 97 == 0, np.nan, tones(4, 1.0) / 32768)),
@@ -186,6 +189,68 @@ def test_bad_audio_gets_a_clear_status_and_holds_nothing(server, case):
     assert len(e.value.message) < 400
     held = server.call(server.engine.held_resources())
     assert not held["requests"], held
+
+
+def test_audio_parts_over_the_count_are_refused_before_any_is_read(server):
+    """A request of many tiny clips (a few tokens each, within the context) had no bound but the
+    context, each clip opened by PyAV. One clip over --max-audio-per-request is refused by its count,
+    naming it, the limit and the flag: the clips are bytes that no header read survives, so a refusal
+    naming the count proves none was read. At the limit, with a video's soundtrack beside (not a
+    clip), the request is served; GetServerInfo advertises the same limit to a gateway."""
+    refused = f"{MAX_AUDIO + 1} audio parts, at most {MAX_AUDIO} per request (--max-audio-per-request)"
+    with pytest.raises(ClientError) as e:
+        _served(server, [audio_part(NOT_AUDIO)] * (MAX_AUDIO + 1) + [text_part("?")])
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and refused in e.value.message, e.value.message
+    held = server.call(server.engine.held_resources())
+    assert not held["requests"], held
+    with pytest.raises(ClientError) as e:   # at the limit the clips are read: the same bytes, another refusal
+        _served(server, [audio_part(NOT_AUDIO)] * MAX_AUDIO + [text_part("?")])
+    assert "unrecognised" in e.value.message and "--max-audio-per-request" not in e.value.message, e.value.message
+    seed = int(np.random.randint(1000))
+    frames = render(plan(seed, size=32, num_frames=4), size=32, num_frames=4)
+    clips = [audio_part(wav(tones(seed + k, 0.5))) for k in range(MAX_AUDIO)]
+    result = _served(server, [*clips, video_part(av_clip(frames, 4, tones(seed + 9, 1.0)), num_frames=2)],
+                     use_audio_in_video=True)
+    assert len(result.token_ids) == MAX_TOKENS and result.usage.num_frames == 2
+
+
+def test_the_gateway_door_holds_and_advertises_the_audio_count(server, model_dir):
+    """The VllmEngine door (a gateway's rendered ids, each clip a `media_refs` AUDIO item) counts the
+    items as mmserve.v1 counts parts, before any is read; GetServerInfo's mm_item_limits says so."""
+    import base64
+
+    from smg_grpc_proto.generated import common_pb2
+    from smg_grpc_proto.generated import vllm_engine_pb2 as vpb
+    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vpb_grpc
+
+    from mmserve.model.spec import load_spec_without_transformers
+    from mmserve.model.tokenizer import load_tokenizer
+
+    tok, spec = load_tokenizer(model_dir), load_spec_without_transformers(model_dir)
+    url = "data:audio/wav;base64," + base64.b64encode(NOT_AUDIO).decode()
+
+    def request(clips: int) -> vpb.GenerateRequest:
+        ids = ([spec.bos_token_id, tok.token_id("<|turn>")] + tok.encode("user\n") + [spec.audio_token_id] * clips
+               + [tok.token_id("<turn|>")] + tok.encode("\n") + [tok.token_id("<|turn>")] + tok.encode("model\n"))
+        return vpb.GenerateRequest(request_id=f"clips-{clips}", tokenized=vpb.TokenizedInput(input_ids=ids),
+                                   sampling_params=vpb.SamplingParams(max_tokens=1),
+                                   media_refs=vpb.MediaRefs(items=[vpb.MediaRef(modality=common_pb2.AUDIO, url=url)]
+                                                            * clips))
+
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vpb_grpc.VllmEngineStub(channel)
+        limits = dict(item.split("=") for item in stub.GetServerInfo(vpb.GetServerInfoRequest(),
+                                                                     timeout=30).mm_item_limits.split(","))
+        outcomes = {}
+        for clips in (MAX_AUDIO + 1, MAX_AUDIO):
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request(clips), timeout=60))
+            outcomes[clips] = e.value
+    assert limits["audio"] == str(MAX_AUDIO)
+    over = outcomes[MAX_AUDIO + 1]
+    assert over.code() == grpc.StatusCode.INVALID_ARGUMENT, over.details()
+    assert f"{MAX_AUDIO + 1} audio parts, at most {MAX_AUDIO} per request (--max-audio-per-request)" in over.details()
+    assert "media_refs.items[0].audio" in outcomes[MAX_AUDIO].details()   # within the count: read, and refused
 
 
 def _documented(present: str) -> dict[str, set[str]]:

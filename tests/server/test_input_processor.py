@@ -133,6 +133,39 @@ def test_decoded_frames_over_the_request_limit(tiny_checkpoint, executor, make_v
     assert info.value.field == "messages" and "--max-frames-per-request" in str(info.value)
 
 
+def test_container_videos_count_a_frame_each_before_decoding(tiny_checkpoint, executor):
+    """A container decodes to one frame at least (or is refused), so more containers than
+    --max-frames-per-request are refused by their count (the gateway's media_refs videos too, which
+    name no frame count): garbage containers, refused as such once decoded, prove none was."""
+    processor = _processor(tiny_checkpoint, executor, default_num_frames=2, max_frames_per_request=3)
+    garbage = VideoInput(data=b"\x00 not a video container" * 8)
+    with pytest.raises(InvalidInputError) as info:
+        _process(processor, *[garbage] * 4)
+    assert info.value.field == "messages" and str(info.value).endswith(
+        "4 video frames at least (each video's given frames, its num_frames, or one), at most 3 per request "
+        "(--max-frames-per-request)")
+    with pytest.raises(InvalidInputError) as info:   # within the count: decoded, and refused for what it is
+        _process(processor, *[garbage] * 3)
+    assert info.value.field.endswith(".video") and "unrecognised container" in str(info.value)
+
+
+def test_a_layout_laid_out_elsewhere_is_held_to_the_image_and_audio_counts(tiny_checkpoint, executor):
+    """process_layout (a gateway's own preprocessing) counts its items as process counts parts,
+    before anything else: the items here are empty, so only the counts can refuse them."""
+    from mmserve.model.prompt import MMItem, PromptLayout
+
+    processor = _processor(tiny_checkpoint, executor, max_images_per_request=1, max_audio_per_request=0)
+
+    def refusal(*kinds: str) -> str:
+        layout = PromptLayout([0] * 4, [(k, k) for k in range(len(kinds))], [MMItem(kind, None, None, 1) for kind in kinds])
+        with pytest.raises(InvalidInputError) as info:
+            asyncio.run(processor.process_layout(layout, "r1", SamplingParams(max_tokens=1), num_frames=0))
+        return str(info.value)
+
+    assert refusal("image", "image").endswith("2 images, at most 1 per request (--max-images-per-request)")
+    assert refusal("audio").endswith("1 audio parts, at most 0 per request (--max-audio-per-request)")
+
+
 def _png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height but whose pixel data is garbage: decoding it fails,
     so a refusal naming a limit proves the limit was checked from the header, before decoding."""

@@ -188,6 +188,11 @@ def test_total_frames_over_the_request_limit():
     frames = pb.Part(video=pb.Video(frames=pb.VideoFrames(frames=[pb.Image(data=b"f")] * 6)))
     assert _bad(pb.GenerateRequest(messages=[pb.Message(role="user", parts=[frames, frames])]), config).field == \
         "messages"
+    # but each container decodes to a frame at least: 11 that name no count cannot fit 10, refused undecoded
+    containers = [pb.Part(video=pb.Video(data=b"x", fps=2.0 * (k % 2))) for k in range(11)]
+    err = _bad(pb.GenerateRequest(messages=[pb.Message(role="user", parts=containers)]), config)
+    assert str(err).startswith("messages: 11 video frames at least") and "--max-frames-per-request" in str(err)
+    validate_request(pb.GenerateRequest(messages=[pb.Message(role="user", parts=containers[:10])]), config)
 
 
 @pytest.mark.parametrize("kind, spec, depth", [

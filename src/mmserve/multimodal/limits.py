@@ -21,6 +21,7 @@ class MediaLimits:
     max_audio_duration_s: float = 600.0  # an audio part, or a video's soundtrack window
     max_image_pixels: int = 4096 * 4096
     max_images_per_request: int = 16
+    max_audio_per_request: int = 16  # audio parts; a video's soundtrack is bounded with its video
     max_pixels_per_request: int = 128 * 2**20  # images and given frame images, read from their headers
     # Frames larger than this are downscaled while decoding (preprocessing shrinks them anyway);
     # keeps 32 sampled 4K frames from holding gigabytes.
@@ -62,5 +63,6 @@ class MediaLimits:
             max_audio_duration_s=config.max_audio_duration_s,
             max_image_pixels=config.max_image_pixels,
             max_images_per_request=config.max_images_per_request,
+            max_audio_per_request=config.max_audio_per_request,
             max_pixels_per_request=config.max_pixels_per_request,
         )

@@ -24,6 +24,7 @@ from mmserve.engine.input.processor import (
     InputPart,
     TextInput,
     VideoInput,
+    check_counted_frames,
 )
 from mmserve.errors import InvalidInputError
 from mmserve.sampling_params import (
@@ -85,7 +86,6 @@ def _messages(messages, config: EngineConfig, *, with_audio: bool = False) -> tu
     if not messages:
         raise InvalidInputError("messages", "at least one message is required")
     out = []
-    requested_frames = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if message.role not in ROLES:
@@ -93,16 +93,12 @@ def _messages(messages, config: EngineConfig, *, with_audio: bool = False) -> tu
         if not message.parts:
             raise InvalidInputError(f"{where}.parts", "a message needs at least one part")
         parts = tuple(_part(part, f"{where}.parts[{j}]", config, with_audio) for j, part in enumerate(message.parts))
-        # Frames known before decoding: explicit counts and given frames. Defaults and fps sampling
-        # depend on the clip, so the input processor checks the decoded total again.
-        requested_frames += sum(len(p.frames) or (0 if p.fps else p.num_frames) for p in parts
-                                if isinstance(p, VideoInput))
         out.append(InputMessage(role=message.role, parts=parts))
     if not any(_has_content(p) for m in out for p in m.parts):
         raise InvalidInputError("messages", "the prompt is empty: give some text, an image, a video or audio")
-    if requested_frames > config.max_frames_per_request:
-        raise InvalidInputError("messages", f"{requested_frames} video frames requested, at most "
-                                f"{config.max_frames_per_request} per request (--max-frames-per-request)")
+    # Frames known before decoding; defaults and fps sampling depend on the clip, so the input
+    # processor checks the decoded total again.
+    check_counted_frames((p for m in out for p in m.parts if isinstance(p, VideoInput)), config.max_frames_per_request)
     return tuple(out)
 
 

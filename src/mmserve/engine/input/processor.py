@@ -7,7 +7,8 @@ segments of log-mel features, render the prompt layout, and check the result aga
 length and the configured limits before the engine ever sees it.
 
 Work is bounded before it is done, cheapest check first: the text's length against the fewest
-tokens it can become (on the loop, no tokenizing), then counts of images and frames, then every
+tokens it can become (on the loop, no tokenizing), then counts of images, audio clips and frames
+(a container video counts one frame at least), then every
 image's header (pixels and soft tokens, no decoding) and every audio clip's (its declared duration
 and so its tokens), and only then decoding, one image at a time.
 """
@@ -19,7 +20,7 @@ import copy
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,13 @@ class VideoInput:
     end_s: float = 0.0
     with_audio: bool = False  # use_audio_in_video: also hear the window's soundtrack (a container only)
 
+    @property
+    def counted_frames(self) -> int:
+        """What this part counts against --max-frames-per-request before it is decoded: its given
+        frames, the count it asks (without fps), else one: a container decodes to a frame at least or
+        is refused, so a request cannot carry more containers than the limit into the decoder."""
+        return len(self.frames) or (0 if self.fps else self.num_frames) or 1
+
 
 @dataclass(frozen=True)
 class AudioInput:
@@ -127,6 +135,15 @@ class DecodedMedia:
         """The soft-token runs this part becomes in the prompt: one per image, frame and audio segment."""
         visual = 0 if self.batch is None else len(self.timestamps_s) if self.timestamps_s is not None else 1
         return visual + len(self.audio)
+
+
+def check_counted_frames(videos: Iterable[VideoInput], limit: int) -> None:
+    """Refuse a request whose videos' frames known before decoding (`VideoInput.counted_frames`)
+    exceed `limit` (--max-frames-per-request)."""
+    frames = sum(video.counted_frames for video in videos)
+    if frames > limit:
+        raise InvalidInputError("messages", f"{frames} video frames at least (each video's given frames, its "
+                                f"num_frames, or one), at most {limit} per request (--max-frames-per-request)")
 
 
 def _naming(field: str, e: LimitExceededError) -> LimitExceededError:
@@ -244,10 +261,9 @@ class InputProcessor:
                              trace_context: Any = None) -> EngineRequest:
         """A prompt laid out and patchified elsewhere (a gateway's own preprocessing), already
         checked to be our layout: held to the same count and length limits."""
-        images = sum(item.kind == "image" for item in layout.mm_items)
-        if images > self.limits.max_images_per_request:
-            raise InvalidInputError("messages", f"{images} images, at most {self.limits.max_images_per_request} per "
-                                    "request (--max-images-per-request)")
+        # (an audio item is a segment, so one clip at least; the door refuses preprocessed audio today)
+        self._check_item_counts(images=sum(item.kind == "image" for item in layout.mm_items),
+                                clips=sum(item.kind == "audio" for item in layout.mm_items))
         if num_frames > self.config.max_frames_per_request:
             raise InvalidInputError("messages", f"{num_frames} video frames, at most "
                                     f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
@@ -306,21 +322,27 @@ class InputProcessor:
                         for item in layout.mm_items]
 
     def _check_counts(self, jobs: list[tuple[str, MediaInput]]) -> None:
-        """What this model cannot hear, image and given-frame counts: known before anything is read."""
+        """What this model cannot hear, and the counts of image parts, audio clips and video frames (given,
+        asked, or one a container): known before anything is read."""
         for where, part in jobs:
             if self.spec.audio is None and (isinstance(part, AudioInput)
                                             or isinstance(part, VideoInput) and part.with_audio):
                 raise InvalidInputError(f"{where}.audio" if isinstance(part, AudioInput) else "use_audio_in_video",
                                         f"{self.model_name} has no audio tower: it takes "
                                         f"{', '.join(self.spec.modalities)}")
-        images = sum(isinstance(part, ImageInput) for _, part in jobs)
-        if images > self.limits.max_images_per_request:
-            raise InvalidInputError("messages", f"{images} images, at most {self.limits.max_images_per_request} per "
-                                    "request (--max-images-per-request)")
-        frames = sum(len(part.frames) for _, part in jobs if isinstance(part, VideoInput))
-        if frames > self.config.max_frames_per_request:
-            raise InvalidInputError("messages", f"{frames} video frames given, at most "
-                                    f"{self.config.max_frames_per_request} per request (--max-frames-per-request)")
+        self._check_item_counts(images=sum(isinstance(part, ImageInput) for _, part in jobs),
+                                clips=sum(isinstance(part, AudioInput) for _, part in jobs))
+        check_counted_frames((part for _, part in jobs if isinstance(part, VideoInput)),
+                             self.config.max_frames_per_request)
+
+    def _check_item_counts(self, *, images: int, clips: int) -> None:
+        """Image parts and audio clips against their per-request limits, by count alone: a request of
+        thousands of tiny clips (a few tokens each, so within the context) is refused before any is opened."""
+        for count, limit, what, flag in (
+                (images, self.limits.max_images_per_request, "images", "--max-images-per-request"),
+                (clips, self.limits.max_audio_per_request, "audio parts", "--max-audio-per-request")):
+            if count > limit:
+                raise InvalidInputError("messages", f"{count} {what}, at most {limit} per request ({flag})")
 
     @property
     def model_name(self) -> str:

@@ -39,9 +39,11 @@ def server_info(engine_config: EngineConfig, server_config: ServerConfig, info: 
                 active: int, draining: bool, started: float, last_request: float) -> vpb.GetServerInfoResponse:
     vision = spec.has_vision
     ours = vision and server_config.gateway_media == "worker"   # else the gateway preprocesses (mm_inputs)
-    # What admission refuses beyond: images by their own count, videos by the frames of the request
-    # (each video samples one frame at least).
+    # What admission refuses beyond, sorted by modality: audio clips and images by their own counts,
+    # videos by the frames of the request (each video counts one frame at least, before decoding).
     limits = f"image={engine_config.max_images_per_request},video={engine_config.max_frames_per_request}"
+    if spec.has_audio:
+        limits = f"audio={engine_config.max_audio_per_request},{limits}"
     return vpb.GetServerInfoResponse(
         active_requests=active, is_paused=draining, last_receive_timestamp=last_request,
         uptime_seconds=time.monotonic() - started, server_type=SERVER_TYPE, data_parallel_size=1,
