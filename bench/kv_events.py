@@ -10,10 +10,15 @@ SubscribeKvEvents snapshot:
 - now, on a worker thread: the serialized snapshot from per-block events serialized once (warm: every
   block seen before; cold: every block new, the first subscription after a start).
 
-And the ZMQ publisher's encoding (vLLM's msgpack layout) of a snapshot and of a step's batch
-(4 blocks stored), the work its thread does per batch.
+And the ZMQ publisher's encoding (vLLM's msgpack layout), the work its thread does per batch: of a
+step's batch (4 blocks stored), and of a snapshot, three ways: before, every event encoded again
+(`encode_batch`, what the thread ran for every snapshot until the SnapshotEncoder); now, each
+block's event encoded once while it stays cached (SnapshotEncoder): warm (every block encoded
+for an earlier snapshot), a tenth of the blocks new since the last snapshot, cold (every block new:
+the first snapshot). An unchanged cache snapshotted again (an idle pod) is the same snapshot object
+and costs a look-up.
 
-    python bench/kv_events.py [--blocks 1000 13000] [--repeat 5]
+    python bench/kv_events.py [--blocks 1000 13000 100000] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ from pathlib import Path
 
 from serving import machine
 
-from mmserve.engine.kv_event_hub import KvBatch, KvEventHub, Stored
+from mmserve.engine.kv_event_hub import Cleared, KvBatch, KvEventHub, Stored
 from mmserve.ipc.kv_cache_events import BlockStored, EventsStarted
-from mmserve.server.kv_event_publisher import encode_batch
+from mmserve.server.kv_event_publisher import SnapshotEncoder, encode_batch
 from mmserve.server.vllm_engine.kv_events import SnapshotSerializer, batch_message
 
 BLOCK = 16
@@ -62,14 +67,40 @@ def mirror(n: int, rng: random.Random) -> KvEventHub:
     return hub
 
 
-def timed(fn, repeat: int) -> float:
-    """Median milliseconds of `fn()`."""
+def timed(fn, repeat: int, setup=lambda: None) -> float:
+    """Median milliseconds of `fn(setup())`, or of `fn()` when there is no setup (not timed)."""
     times = []
     for _ in range(repeat):
+        state = setup()
         t = time.perf_counter()
-        fn()
+        fn() if state is None else fn(state)
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
+
+
+def zmq_snapshots(snapshot: KvBatch, rng: random.Random, repeat: int) -> dict:
+    """SnapshotEncoder's snapshot warm, with a tenth of its blocks new, and cold (each a fresh
+    snapshot object, as after any change of the cache), against encode_batch's."""
+    stores = snapshot.ops[1:]
+    again = KvBatch(snapshot.sequence + 1, time.time(), snapshot.ops, snapshot=True)
+    new = {rng.randrange(len(stores)) for _ in range(len(stores) // 10)}
+    tenth = KvBatch(snapshot.sequence + 1, time.time(),
+                    (Cleared(), *(Stored(rng.getrandbits(63), op.parent, op.token_ids, op.extra_keys) if i in new else op
+                                  for i, op in enumerate(stores))), snapshot=True)
+
+    def warmed() -> SnapshotEncoder:   # every block of `snapshot` encoded (untimed)
+        encoder = SnapshotEncoder(BLOCK)
+        encoder.encode(snapshot)
+        return encoder
+
+    assert warmed().encode(again) == encode_batch(again, BLOCK) and warmed().encode(tenth) == encode_batch(tenth, BLOCK)
+    return {
+        "zmq_before_ms": timed(lambda: encode_batch(snapshot, BLOCK), repeat),
+        "zmq_warm_ms": timed(lambda e: e.encode(again), repeat, warmed),
+        "zmq_tenth_new_ms": timed(lambda e: e.encode(tenth), repeat, warmed),
+        "zmq_cold_ms": timed(lambda: SnapshotEncoder(BLOCK).encode(snapshot), repeat),
+        "zmq_snapshot_bytes": len(encode_batch(snapshot, BLOCK)),
+    }
 
 
 def measure(n: int, repeat: int) -> dict:
@@ -96,26 +127,32 @@ def measure(n: int, repeat: int) -> dict:
         "now_thread_warm_ms": timed(lambda: warm._build(snapshot), repeat),
         "now_thread_cold_ms": timed(lambda: SnapshotSerializer(BLOCK)._build(snapshot), repeat),
         "snapshot_bytes": len(warm._build(snapshot)),
-        "zmq_encode_snapshot_ms": timed(lambda: encode_batch(snapshot, BLOCK), repeat),
         "zmq_encode_step_us": timed(lambda: encode_batch(step, BLOCK), repeat * 100) * 1e3,
+        **zmq_snapshots(snapshot, rng, repeat),
     }
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'blocks':>7}{'before: loop ms':>16}{'now: loop ms':>14}{'thread warm ms':>16}{'cold ms':>9}"
-            f"{'snapshot KiB':>14}{'ZMQ snapshot ms':>17}{'ZMQ step us':>13}")
-    lines = [head, "-" * len(head)]
+            f"{'snapshot KiB':>14}")
+    lines = ["SubscribeKvEvents (gRPC) snapshots", head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['blocks']:>7}{r['before_on_loop_ms']:>16.1f}{r['now_on_loop_ms']:>14.2f}"
                      f"{r['now_thread_warm_ms']:>16.1f}{r['now_thread_cold_ms']:>9.1f}"
-                     f"{r['snapshot_bytes'] / 1024:>14.0f}{r['zmq_encode_snapshot_ms']:>17.1f}"
-                     f"{r['zmq_encode_step_us']:>13.1f}")
+                     f"{r['snapshot_bytes'] / 1024:>14.0f}")
+    head = (f"{'blocks':>7}{'step us':>9}{'snapshot: before ms':>21}{'warm ms':>9}{'1/10 new ms':>13}{'cold ms':>9}"
+            f"{'payload KiB':>13}")
+    lines += ["", "ZMQ publisher (--kv-events-config), its thread's encoding", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['blocks']:>7}{r['zmq_encode_step_us']:>9.1f}{r['zmq_before_ms']:>21.1f}"
+                     f"{r['zmq_warm_ms']:>9.2f}{r['zmq_tenth_new_ms']:>13.1f}{r['zmq_cold_ms']:>9.1f}"
+                     f"{r['zmq_snapshot_bytes'] / 1024:>13.0f}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1000, 13000])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1000, 13000, 100000])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="seconds-long: 200 blocks once, nothing written")
     args = parser.parse_args()

@@ -58,7 +58,12 @@ from mmserve.ipc.kv_cache_events import BlockStored as BlockStoredEvent
 from mmserve.model.spec import load_spec_without_transformers
 from mmserve.multimodal.synthetic import make_clip
 from mmserve.sampling_params import SamplingParams
-from mmserve.server.kv_event_publisher import KvEventsConfig, ZmqKvEventPublisher, encode_batch
+from mmserve.server.kv_event_publisher import (
+    KvEventsConfig,
+    SnapshotEncoder,
+    ZmqKvEventPublisher,
+    encode_batch,
+)
 
 BLOCK = 16
 U64 = (1 << 64) - 1
@@ -132,6 +137,45 @@ def test_payloads_are_vllms_own_encoding_and_carry_llm_ds_fields():
                 assert event["type"] == "BlockRemoved" and set(event) - {"type"} <= set(LLMD_REMOVED_FIELDS)
             else:
                 assert event == {"type": "AllBlocksCleared"}
+
+
+def _random_store(parent: int | None) -> Stored:
+    extra = tuple((random.randbytes(32).hex(), random.randint(-40, 15)) for _ in range(random.randint(1, 3)))
+    return Stored(random.randint(-2**63, 2**63 - 1), parent, tuple(random.randrange(262144) for _ in range(BLOCK)),
+                  extra if random.random() < 0.3 else None)
+
+
+def test_a_snapshot_encodes_byte_for_byte_as_the_whole_batch_did():
+    """The publisher's snapshots (SnapshotEncoder: each block's event encoded once, joined) against
+    `encode_batch` (every event encoded again, the payload as one msgpack object) on a random mirror
+    that changes between snapshots: blocks stored on random parents, removed (most of them at once,
+    so the encoder drops what it kept for them), a hash back with other content (a new op), and an
+    unchanged mirror snapshotted again. The same snapshot object gives the very same payload."""
+    encoder = SnapshotEncoder(BLOCK)
+    mirror: dict[int, Stored] = {}
+    for sequence in range(1, 25):
+        kind = random.random()
+        if kind < 0.15 and mirror:   # a hash stored again with other content: a new op under it
+            h = random.choice(list(mirror))
+            mirror[h] = Stored(h, mirror[h].parent, tuple(random.randrange(262144) for _ in range(BLOCK)),
+                               mirror[h].extra_keys)
+        elif kind < 0.3:   # most blocks evicted at once
+            for h in random.sample(list(mirror), k=len(mirror) * 3 // 4):
+                del mirror[h]
+        elif kind < 0.4:
+            pass           # unchanged: a fresh snapshot object of the same blocks
+        else:
+            for _ in range(random.randint(1, 300)):
+                op = _random_store(random.choice([None, *mirror]) if mirror else None)
+                mirror[op.block_hash] = op
+            for h in random.sample(list(mirror), k=random.randint(0, len(mirror) // 5)):
+                del mirror[h]
+        snapshot = KvBatch(sequence, random.uniform(1e9, 2e9), (Cleared(), *mirror.values()), snapshot=True)
+        payload = encoder.encode(snapshot)
+        assert payload == encode_batch(snapshot, BLOCK), f"snapshot {sequence} of {len(mirror)} blocks"
+        assert encoder.encode(snapshot) is payload
+    empty = KvBatch(25, 1.0, (Cleared(),), snapshot=True)
+    assert encoder.encode(empty) == encode_batch(empty, BLOCK)
 
 
 def test_the_config_is_vllms_and_a_bad_one_is_refused_by_name():
