@@ -404,6 +404,10 @@ class ServerConfig:
                 "routing: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
                 "\"endpoint\": \"tcp://*:5557\", \"topic\": \"kv@POD@MODEL\"}' (fields endpoint, replay_endpoint, "
                 "buffer_steps, hwm, max_queue_size, topic; vLLM's defaults); empty = off"})
+    kv_events_snapshot_interval_s: float = field(default=60.0, metadata={
+        "help": "the --kv-events-config publisher sends a fresh snapshot of the prefix cache when none went out "
+                "for this long (besides one every buffer_steps // 2 batches), so a router that (re)subscribed "
+                "without replay learns an idle or quiet replica within it; 0 = by batches only", "min": 0})
     kv_events_max_subscribers: int = field(default=16, metadata={
         "help": "SubscribeKvEvents streams open at once, of all clients; beyond it RESOURCE_EXHAUSTED", "min": 1})
     kv_events_max_subscribers_per_client: int = field(default=4, metadata={

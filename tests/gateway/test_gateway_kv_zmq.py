@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -349,6 +350,62 @@ def test_a_late_subscriber_replays_the_whole_cache_however_long_ago_it_was_store
     assert block_id(hot.key) & U64 in mirror()
 
 
+def test_an_idle_pod_sends_its_snapshot_again_to_a_router_that_joined_late():
+    """An EPP (re)started while its pods are idle, its replay port off (llm-d-router v0.10.0 behind our
+    overlay): with no traffic at all, a fresh snapshot every `snapshot_interval_s` reaches it, the
+    whole cache, byte for byte the same each time (nothing changed), and nothing else. Applied again
+    and again it leaves llm-d's index as once (its AllBlocksCleared resets the pod's store counts, so
+    an eviction after three of them still evicts). The replay buffer keeps two of them, not one per
+    interval. A real hub; the interval short, the waits on the sockets."""
+    hub = KvEventHub(BLOCK, max_buffered=10_000)
+    keys = [random.randbytes(32) for _ in range(random.randint(2, 40))]
+    stores = [BlockStoredEvent(key, random.choice([None, *keys[:i]]), 0,
+                               tuple(random.randrange(262144) for _ in range(BLOCK)), "r") for i, key in enumerate(keys)]
+    leaf = next(key for key in reversed(keys) if not any(event.parent == key for event in stores))
+    with tempfile.TemporaryDirectory() as d:
+        context = zmq.Context()
+        sub = context.socket(zmq.SUB)
+
+        async def main():
+            earlier = hub.subscribe()   # the traffic before: the hub records while someone subscribes
+            await earlier.__anext__()
+            hub.apply(stores)
+            await earlier.aclose()
+            publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=_ipc(d, "pub"),
+                                                           replay_endpoint=_ipc(d, "replay"), topic="kv@pod@m"),
+                                            BLOCK, snapshot_interval_s=0.05)
+            publisher.start(hub.subscribe)
+            try:
+                sub.connect(_ipc(d, "pub"))   # after the publisher's first snapshot, or about then
+                sub.subscribe(b"")
+                received = await asyncio.to_thread(_receive, sub, 3)
+                return received, await asyncio.to_thread(_replay, context, _ipc(d, "replay"), 0)
+            finally:
+                await publisher.close()
+
+        try:
+            received, replayed = asyncio.run(main())
+        finally:
+            context.destroy(linger=0)
+    whole = encode_batch(hub.snapshot(), BLOCK)
+    assert len(hub.snapshot().ops) == len(keys) + 1
+    sequences = [int.from_bytes(seq, "big") for _, seq, _ in received]
+    assert sequences == list(range(sequences[0], sequences[0] + 3))
+    assert all(payload == whole for _, _, payload in received)
+    assert len(replayed) == 2 and all(payload == whole for _, _, payload in replayed)
+    assert int.from_bytes(replayed[-1][1], "big") >= sequences[-1]
+
+    index, once = LlmdIndex(BLOCK), LlmdIndex(BLOCK)
+    once.apply("kv@pod@m", VLLM_DECODER.decode(whole))
+    for topic, _, payload in received:
+        index.apply(topic.decode(), VLLM_DECODER.decode(payload))
+    assert index.request_key == once.request_key and index.pods == once.pods
+    evicted = block_id(leaf) & U64
+    index.apply("kv@pod@m", VLLM_DECODER.decode(encode_batch(KvBatch(9, 1.0, (Removed((block_id(leaf),)),)), BLOCK)))
+    assert ("pod", evicted) not in index.request_key and "pod" not in index.pods[once.request_key[("pod", evicted)]]
+    assert len(index.request_key) == len(keys) - 1
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -414,31 +471,39 @@ def _wait_sent(publisher: ZmqKvEventPublisher, n: int) -> None:
 
 class ZmqTap:
     """A subscriber as llm-d runs one: SUB on the pod's endpoint, the replay socket for what it missed
-    (everything from sequence 0 at the start, any gap later), batches kept by sequence."""
+    (everything from sequence 0 at the start, any gap later), batches kept by sequence. A replay that
+    starts past the sequence asked for (the publisher keeps two snapshots) is taken from its first
+    batch on, as llm-d-router does after v0.10.0: the snapshots among them make the whole cache."""
 
     def __init__(self, endpoint: str, replay_endpoint: str):
-        self.replay_endpoint = replay_endpoint
+        self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self.context = zmq.Context()
         self.sub = self.context.socket(zmq.SUB)
         self.sub.connect(endpoint)
         self.sub.subscribe(b"kv@")
         self.by_seq: dict[int, tuple[str, bytes]] = {}
+        self.first = 0   # the first sequence taken
         self._fill(0)
 
     def _fill(self, start: int) -> None:
-        for topic, seq, payload in _replay(self.context, self.replay_endpoint, start):
+        frames = _replay(self.context, self.replay_endpoint, start)
+        for topic, seq, payload in frames:
             self.by_seq[int.from_bytes(seq, "big")] = (topic.decode(), payload)
+        if frames and int.from_bytes(frames[0][1], "big") > start:
+            self.first = int.from_bytes(frames[0][1], "big")
 
     def read(self, until, timeout_s: float = 60.0) -> list[tuple[str, KVEventBatch]]:
-        """Every batch from sequence 0 in order (decoded with vLLM's classes), once `until(batches)` holds."""
+        """Every batch from the first taken in order (decoded with vLLM's classes), once `until(batches)` holds."""
         deadline = time.monotonic() + timeout_s
         while True:
             while self.sub.poll(0):
                 topic, seq, payload = self.sub.recv_multipart()
                 self.by_seq[int.from_bytes(seq, "big")] = (topic.decode(), payload)
-            if self.by_seq and len(self.by_seq) <= max(self.by_seq):   # a gap: ask for it again
-                self._fill(min(set(range(max(self.by_seq) + 1)) - set(self.by_seq)))
-            batches = [(t, VLLM_DECODER.decode(p)) for t, p in (self.by_seq[s] for s in sorted(self.by_seq))]
+            taken = sorted(s for s in self.by_seq if s >= self.first)
+            if taken and len(taken) <= taken[-1] - self.first:   # a gap: ask for it again
+                self._fill(min(set(range(self.first, taken[-1] + 1)) - set(taken)))
+                taken = sorted(s for s in self.by_seq if s >= self.first)
+            batches = [(t, VLLM_DECODER.decode(p)) for t, p in (self.by_seq[s] for s in taken)]
             if until(batches):
                 return batches
             assert time.monotonic() < deadline, "the ZMQ stream did not get there"
@@ -486,7 +551,9 @@ class LlmdIndex:
     {"Hash", "Offset"} maps (nil for text), chained from hash(fnv64a(seed), nil, model name). Stores
     are re-hashed from their tokens and extra keys (the parent's request key found by its engine
     hash); a prompt scores, per pod, the blocks from position 0 that pod holds. `use_extra_keys`
-    False re-hashes tokens only, as a router that ignores them does."""
+    False re-hashes tokens only, as a router that ignores them does. As llm-d-router's event pool
+    (pkg/kvevents/pool.go and its dedup filter) does: a store counts, a removal evicts once it
+    balanced every store of that hash, and AllBlocksCleared drops the pod and its counts."""
 
     def __init__(self, block_size: int, *, use_extra_keys: bool = True, seed: str = ""):
         self.block_size = block_size
@@ -494,6 +561,7 @@ class LlmdIndex:
         self.seed = _fnv64a(seed.encode())
         self.request_key: dict[tuple[str, int], int] = {}   # (pod, engine hash) -> request key
         self.pods: dict[int, set[str]] = {}
+        self.stores: Counter[tuple[str, int]] = Counter()   # (pod, engine hash) -> stores not yet removed
 
     def _chain(self, parent: int, tokens, extras) -> list[int]:
         keys = []
@@ -514,14 +582,20 @@ class LlmdIndex:
                 for h, key in zip(e.block_hashes, self._chain(parent, e.token_ids, extras), strict=True):
                     self.request_key[(pod, h)] = key
                     self.pods.setdefault(key, set()).add(pod)
+                    self.stores[(pod, h)] += 1
             elif isinstance(e, BlockRemoved):
                 for h in e.block_hashes:
+                    self.stores[(pod, h)] -= 1
+                    if self.stores[(pod, h)] > 0:
+                        continue   # stored more often than removed: still held
+                    del self.stores[(pod, h)]
                     key = self.request_key.pop((pod, h), None)
                     if key is not None:
                         self.pods[key].discard(pod)
             else:   # AllBlocksCleared: the pod holds nothing
                 for (p, h) in [k for k in self.request_key if k[0] == pod]:
                     self.pods[self.request_key.pop((p, h))].discard(pod)
+                    self.stores.pop((p, h), None)
 
     def score(self, tokens, mm_items, model: str) -> dict[str, int]:
         """`mm_items`: (hash, start, length) per image/frame placeholder run of `tokens`."""
@@ -544,14 +618,17 @@ MODEL = DEMO_MODEL_DIR.name
 
 @pytest.fixture(scope="module")
 def fleet():
-    """Two replicas publishing on ipc endpoints of a private directory, and a tap on each."""
+    """Two replicas publishing on ipc endpoints of a private directory, and a tap on each. pod-a
+    snapshots by batches alone (its stream is SubscribeKvEvents' batch for batch), pod-b also every
+    half second without one (a router joining it idle)."""
     with tempfile.TemporaryDirectory() as d:
         replicas, taps = [], []
         try:
-            for pod in PODS:
+            for pod, interval in zip(PODS, ("0", "0.5"), strict=True):
                 config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": _ipc(d, pod),
                           "replay_endpoint": _ipc(d, f"{pod}-replay"), "topic": f"kv@{pod}@{MODEL}"}
-                replicas.append(InProcessReplica("--num-kv-blocks", "64", "--kv-events-config", json.dumps(config)))
+                replicas.append(InProcessReplica("--num-kv-blocks", "64", "--kv-events-config", json.dumps(config),
+                                                 "--kv-events-snapshot-interval-s", interval))
             for replica in replicas:
                 replica.wait_ready(time.monotonic() + 180)
             taps = [ZmqTap(_ipc(d, pod), _ipc(d, f"{pod}-replay")) for pod in PODS]
@@ -724,3 +801,45 @@ def test_the_zmq_stream_reproduces_subscribe_kv_events_event_by_event(fleet):
         assert len(ours.events) == len(theirs.events)
         for a, b in zip(ours.events, theirs.events, strict=True):
             assert_same_event(a, b)
+
+
+def _next_snapshot(sub: zmq.Socket) -> KVEventBatch:
+    """The next batch on `sub` that is a snapshot (AllBlocksCleared first; no flush runs meanwhile)."""
+    while True:
+        assert sub.poll(10_000), "no snapshot"
+        batch = VLLM_DECODER.decode(sub.recv_multipart()[2])
+        if batch.events and isinstance(batch.events[0], AllBlocksCleared):
+            return batch
+
+
+def test_a_router_joining_an_idle_replica_without_replay_learns_its_cache(fleet, processor):
+    """An EPP (re)started with no replay port (llm-d-router v0.10.0 behind our overlay) subscribes to a
+    replica that gets no more traffic: within --kv-events-snapshot-interval-s a snapshot reaches it
+    (by batches alone none would come), and it is the whole cache: SubscribeKvEvents' snapshot block
+    for block, the prompt just served included."""
+    replicas, taps = fleet
+    replica, tap = replicas[1], taps[1]
+    words = "north south east west up down left right".split()
+    text = " ".join(random.choices(words, k=30))
+    with Client(replica.address) as c:
+        c.generate([message("user", text_part(text))], max_tokens=2, temperature=0)
+    context = zmq.Context()
+    try:
+        late = context.socket(zmq.SUB)
+        late.connect(tap.endpoint)
+        late.subscribe(b"kv@")
+        _next_snapshot(late)   # nothing else would send a batch now
+        with grpc.insecure_channel(replica.address) as channel:
+            subscription = GrpcTap(vpb_grpc.VllmEngineStub(channel))
+            (snapshot,) = subscription.wait(bool)
+            subscription.cancel()
+        zmq_snapshot = _next_snapshot(late)
+    finally:
+        context.destroy(linger=0)
+    blocks = {_fold(e.block_hashes[0]): (_fold(e.parent_block_hash), tuple(e.token_ids))
+              for e in zmq_snapshot.events[1:]}
+    assert len(blocks) == len(zmq_snapshot.events) - 1
+    assert blocks == {e.stored.blocks[0].block_hash: (e.stored.parent_block_hash if e.stored.HasField(
+        "parent_block_hash") else None, tuple(e.stored.blocks[0].token_ids)) for e in snapshot.events[1:]}
+    first = tuple(processor(TextInput(text)).prompt_token_ids[:BLOCK])
+    assert (None, first) in blocks.values()

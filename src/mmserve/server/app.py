@@ -262,6 +262,7 @@ def kv_event_publisher(server_config: ServerConfig, engine_config: EngineConfig,
     if not config.enabled:
         return None
     return ZmqKvEventPublisher(config, engine_config.block_size,
+                               snapshot_interval_s=server_config.kv_events_snapshot_interval_s,
                                on_drop=metrics.count_kv_events_dropped if metrics is not None else None)
 
 

@@ -26,15 +26,26 @@ full-attention pool publishes (group 0, `full_attention`).
 
 The publisher's first batch is its snapshot of the cache (`AllBlocksCleared`, then every block),
 and it takes a fresh one (subscribing to the hub again) once `buffer_steps // 2` batches followed
-the last, so the last `buffer_steps` batches always hold a snapshot. A subscriber that joins later
-asks the replay socket (ROUTER, `replay_endpoint`) for the batches from a sequence on: it answers
-`(topic, sequence, payload)` per kept batch, then `(b"", -1, b"")`, from the last `buffer_steps`
-batches; replaying from their last `AllBlocksCleared` gives the whole cache, hot prefixes stored
+the last, so the last `buffer_steps` batches always hold a snapshot, and once `snapshot_interval_s`
+passed without one (--kv-events-snapshot-interval-s), so that a subscriber that joined since and
+does not replay (an EPP restarted with its replay port off) learns an idle or quiet pod within that
+long, where by batches alone it would wait for traffic. A busy engine, whose batches bring a
+snapshot sooner, never runs the timer out: it costs one timer per snapshot, nothing per batch. A
+repeated snapshot is idempotent for llm-d: its `AllBlocksCleared` drops the pod from llm-d's index,
+and the counts its dedup filter keeps of each block's stores, before the blocks come again.
+
+A subscriber that joins later asks the replay socket (ROUTER, `replay_endpoint`) for the batches
+from a sequence on: it answers `(topic, sequence, payload)` per kept batch, then `(b"", -1, b"")`,
+from the last `buffer_steps` batches, of which at most two snapshots (a third drops the oldest and
+every batch up to it: a timer's snapshots would otherwise fill the buffer with copies of the
+cache); replaying from their last `AllBlocksCleared` gives the whole cache, hot prefixes stored
 long ago included (a hit publishes nothing, so without the snapshot a block stored before the
 window would never be seen again). Memory is bounded: ZMQ queues at most `hwm` messages per
 subscriber and drops the rest for that subscriber alone (it sees the gap in the sequence and
 replays); the publisher's own queue holds `max_queue_size` batches, and past that it drops what it
-holds, counts the drop (`mmserve_kv_events_dropped_total`) and restarts from a fresh snapshot.
+holds, counts the drop (`mmserve_kv_events_dropped_total`) and restarts from a fresh snapshot. An
+unchanged cache's snapshot goes out again as the same bytes, zero-copy: the replay buffer and the
+queue of a subscriber that stopped reading hold references to one payload, not copies.
 """
 
 from __future__ import annotations
@@ -178,14 +189,18 @@ def _binds(endpoint: str) -> bool:
 class ZmqKvEventPublisher:
     """`start(subscribe)` reads the hub (`subscribe()` is AsyncEngine.subscribe_kv_events) on the event
     loop, which only queues; a thread of its own encodes, sends and answers replays. The sockets are
-    opened here, so a port in use fails the server's start. `on_drop(reason)` counts what it drops."""
+    opened here, so a port in use fails the server's start. `snapshot_interval_s`: a fresh snapshot
+    when none went out for this long (0: by batches only). `on_drop(reason)` counts what it drops."""
 
-    def __init__(self, config: KvEventsConfig, block_size: int, *, on_drop: Callable[[str], None] | None = None):
+    def __init__(self, config: KvEventsConfig, block_size: int, *, snapshot_interval_s: float = 0.0,
+                 on_drop: Callable[[str], None] | None = None):
         self.config = config
         self.block_size = block_size
+        self.snapshot_interval_s = snapshot_interval_s
         self._on_drop = on_drop
         self._queue: queue.Queue[KvBatch | None] = queue.Queue(maxsize=config.max_queue_size)
         self._sent: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._snapshots_kept: deque[int] = deque()   # the sequences of the snapshots in _sent
         self._batches_per_snapshot = config.buffer_steps // 2   # after a snapshot: its window always holds one
         self._snapshots = SnapshotEncoder(block_size)   # the thread's alone
         self._topic = config.topic.encode()
@@ -243,15 +258,24 @@ class ZmqKvEventPublisher:
                 self._on_drop(reason)
 
     async def _forward(self, batches: AsyncIterator[KvBatch]) -> bool:
-        """Queues a subscription's snapshot and the `buffer_steps // 2` batches after it; True when one
-        more arrives: a fresh snapshot is due, and holds that batch (the hub applied it first)."""
+        """Queues a subscription's snapshot and the `buffer_steps // 2` batches after it; True when a
+        fresh snapshot is due: one more batch arrived (the fresh snapshot holds it, the hub applied
+        it first), or `snapshot_interval_s` passed since the snapshot (waiting for a batch is then
+        cancelled, which ends the subscription; the fresh one starts from the cache as it is)."""
         after_snapshot = 0
-        async for batch in batches:
-            if not batch.snapshot:
-                if after_snapshot == self._batches_per_snapshot:
-                    return True
-                after_snapshot += 1
-            self._queue.put_nowait(batch)
+        try:
+            async with asyncio.timeout(None) as snapshot_due:
+                async for batch in batches:
+                    if batch.snapshot:
+                        if self.snapshot_interval_s:
+                            snapshot_due.reschedule(asyncio.get_running_loop().time() + self.snapshot_interval_s)
+                    elif after_snapshot == self._batches_per_snapshot:
+                        return True
+                    else:
+                        after_snapshot += 1
+                    self._queue.put_nowait(batch)
+        except TimeoutError:
+            return True
         return False
 
     def _drain(self) -> int:
@@ -277,11 +301,26 @@ class ZmqKvEventPublisher:
                 break
             payload = self._snapshots.encode(batch) if batch.snapshot else encode_batch(batch, self.block_size)
             seq = next(sequence)
-            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-            self._sent.append((seq, payload))
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+            self._keep(seq, payload, batch.snapshot)
             self.num_sent = seq + 1
         self._context.destroy(linger=0)
         logger.info("KV event publisher stopped after %d batches", self.num_sent)
+
+    def _keep(self, seq: int, payload: bytes, snapshot: bool) -> None:
+        """Into the replay buffer: the last `buffer_steps` batches, of which at most two snapshots: a
+        third drops the oldest and every batch up to it. By batches alone no more than two fit (one
+        per `buffer_steps // 2 + 1`); a timer's snapshots would fill the buffer with copies."""
+        self._sent.append((seq, payload))
+        kept = self._snapshots_kept
+        if snapshot:
+            kept.append(seq)
+        while kept and kept[0] < self._sent[0][0]:   # fell out of the buffer
+            kept.popleft()
+        if len(kept) > 2:
+            oldest = kept.popleft()
+            while self._sent[0][0] <= oldest:
+                self._sent.popleft()
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -292,7 +331,7 @@ class ZmqKvEventPublisher:
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._sent):
             if seq >= first:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload), copy=False)
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
     async def close(self) -> None:
