@@ -11,11 +11,16 @@ from fnv(seed) and the model name; extra = the block's (mm hash, offset) pairs).
 - a subscriber that joins after any number of batches (an EPP restarted) replays the whole cache
   from what is kept, a block stored before those batches included;
 - a subscriber that never reads leaves the publisher's memory flat;
+- a snapshot's payload, built from each block's event encoded once, is the whole batch's encoding
+  byte for byte;
+- an idle pod sends its whole cache again every snapshot interval to a subscriber that joined late
+  (no replay), and llm-d's index takes the repeats as one; the replay buffer keeps two of them;
 - a real server under mixed traffic (text, image, video, evictions, a flush): the ZMQ stream,
   decoded with vLLM's classes, reproduces SubscribeKvEvents event by event;
 - two real servers, one holding a video and one another video with the same placeholder tokens:
   the router's re-hash of their streams finds the first for a question about its video, and not
-  the second (and, without the extra keys, could not tell them apart).
+  the second (and, without the extra keys, could not tell them apart);
+- a router joining an idle real server without replay gets its cache, SubscribeKvEvents' snapshot.
 """
 
 from __future__ import annotations
