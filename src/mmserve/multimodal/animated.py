@@ -3,13 +3,15 @@
 FFmpeg reads GIF but not animated WebP (this build's webp decoder refuses ANIM chunks), and neither
 has a seek index, so both go through Pillow: each frame's duration gives its timestamp, frames are
 visited in order (GIF frames are deltas of the one before) and only the sampled ones are converted,
-downscaled by the video's rule and scaler (`MediaLimits.decoded_frame_size`, FFmpeg's swscale).
+downscaled by the video's rule and scaler (`MediaLimits.decoded_frame_size`, FFmpeg's swscale). That
+takes two walks: one over every frame for the times (WebP gives a frame's duration only once it is
+decoded), then one from the first frame to the last sampled one.
 Work is bounded like a video's: the canvas is checked before any pixel, the frame count and total
-duration while walking, and `DecodeControl` between frames. A GIF frame may describe an area larger
-than the screen its header declares, which Pillow allocates while seeking to it: a GIF's canvas is
-therefore read from all its frame descriptors (multimodal/gif.py, which walks the blocks as Pillow's
-reader does and refuses a file of too many blocks) before Pillow opens it, and checked again after every
-seek, before the frame is loaded.
+duration while walking, and `DecodeControl` before every frame either walk decodes. A GIF frame may
+describe an area larger than the screen its header declares, which Pillow allocates while seeking to
+it: a GIF's canvas is therefore read from all its frame descriptors (multimodal/gif.py, which walks the
+blocks as Pillow's reader does and refuses a file of too many blocks) before Pillow opens it, and
+checked again after every seek, before the frame is loaded.
 """
 
 from __future__ import annotations
@@ -89,16 +91,30 @@ def _check_canvas(width: int, height: int, limits: MediaLimits) -> None:
 
 def decode_frames(image: Image.Image, indices: list[int], limits: MediaLimits,
                   control: DecodeControl) -> list[np.ndarray]:
-    """RGB pixels of the frames at `indices` (ascending), downscaled as a video's frames are."""
-    frames = []
-    for index in indices:
+    """RGB pixels of the frames at `indices` (ascending), downscaled as a video's frames are.
+
+    Every frame up to the last sampled one is decoded (a GIF frame is a delta of the one before, and
+    WebP's decoder composites each frame onto the last), from the image's current frame when the
+    first sample is not before it, else from the first frame. They are visited one at a time, each
+    loaded here, with `control` checked before each: a seek or load across a gap of frames is work
+    no check can stop (two samples at the end, after the frame-times walk, redecoded the whole
+    animation past the time limit)."""
+    wanted, frames = set(indices), []
+    start = image.tell() if image.tell() <= indices[0] else 0
+    for index in range(start, indices[-1] + 1):
         control.check()
         image.seek(index)
         _check_canvas(*image.size, limits)
-        rgb = to_rgb(image)
-        width, height = limits.decoded_frame_size(*rgb.size)
-        if (width, height) == rgb.size:
-            frames.append(np.asarray(rgb, dtype=np.uint8))
-        else:
-            frames.append(av.VideoFrame.from_image(rgb).to_ndarray(format="rgb24", width=width, height=height))
+        image.load()
+        if index in wanted:
+            frames.append(_pixels(image, limits))
     return frames
+
+
+def _pixels(image: Image.Image, limits: MediaLimits) -> np.ndarray:
+    """The loaded frame's RGB pixels, downscaled by the video's rule and scaler."""
+    rgb = to_rgb(image)
+    width, height = limits.decoded_frame_size(*rgb.size)
+    if (width, height) == rgb.size:
+        return np.asarray(rgb, dtype=np.uint8)
+    return av.VideoFrame.from_image(rgb).to_ndarray(format="rgb24", width=width, height=height)
