@@ -118,3 +118,51 @@ def test_samples_that_cannot_fit_the_cache_are_refused(load_backend):
     with pytest.raises(InvalidInputError) as info:
         llm.core.add_request(req)
     assert info.value.field == "sampling.n" and "--kv-cache-bytes" in str(info.value)
+
+
+def record_peak_and_preemptions(llm, pool: str) -> tuple[list[int], list[str]]:
+    """Wrap the KV manager's allocate and the scheduler's preempt: the most blocks `pool` ever has in
+    use (the returned list's one entry), and the ids preempted, in order."""
+    kv, scheduler = llm.core.kv, llm.core.scheduler
+    peak, preempted = [0], []
+    allocate, preempt = kv.allocate, scheduler._preempt
+
+    def allocating(*args):
+        ok = allocate(*args)
+        peak[0] = max(peak[0], kv.pools[pool].num_usable - kv.pools[pool].num_free)
+        return ok
+
+    kv.allocate = allocating
+    scheduler._preempt = lambda victim: (preempted.append(victim.request_id), preempt(victim))
+    return peak, preempted
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_samples_at_the_kv_bound_run_together_and_one_block_less_is_refused(load_backend, loop):
+    """A sample shares its parent's whole blocks before the prompt's last token and copies the block
+    holding the rest, its own: for a prompt of whole blocks that is the prompt's last block, which
+    the fit check used to count as shared, so it admitted n samples one block short per sample after
+    the first, and they preempted one another. At exactly the bound they run together, the pool
+    full at their peak; one block less is refused naming sampling.n."""
+    model_tok, bs, n = load_backend("sdpa"), 4, 3
+    prompt = bs * random.randrange(4, 8)   # whole blocks
+    # the last sampled token's K/V is never written, nor the last but one of the samples that join
+    # a step later than their parent: lengths ending 1 or 2 tokens into a block never fill it
+    max_tokens = random.choice([m for m in range(12, 20) if (prompt + m) % bs not in (1, 2)])
+    req = with_sampling(build_request("b", [prompt - 1], random.randrange(10_000), max_tokens=max_tokens),
+                        temperature=1.0, seed=random.randrange(2**63), n=n)
+    blocks = -(-(prompt + max_tokens) // bs)
+    bound = blocks + (n - 1) * (blocks - (prompt - 1) // bs)
+    # max_num_batched_tokens 16: the windowed pool's bound (planner.window_pool_blocks) is below the full pool's
+    opts = dict(attention_backend="sdpa", max_num_batched_tokens=16, async_scheduling=loop)
+    short = make_llm(model_tok, num_kv_blocks=bound, **opts)   # (block 0 is the null block)
+    with pytest.raises(InvalidInputError) as info:
+        short.core.add_request(req)
+    assert info.value.field == "sampling.n" and "pool full_attention" in str(info.value)
+    assert "lower n or max_tokens" in str(info.value)
+    llm = make_llm(model_tok, num_kv_blocks=bound + 1, **opts)
+    peak, preempted = record_peak_and_preemptions(llm, "full_attention")
+    got = llm.generate([req])[0]
+    assert [len(s.token_ids) for s in got.samples] == [max_tokens] * n
+    assert not preempted and peak[0] == bound
+    assert llm.core.kv.usage() == 0 and not llm.core.requests

@@ -191,7 +191,7 @@ class KVCacheManager:
         if child.request_id in self._held:
             raise ValueError(f"{child.request_id} already holds blocks")
         held = self._held.get(parent.request_id)
-        n = _outside_range(child.mm_ranges_np, child.num_tokens - 1)
+        n = self.sample_shared_tokens(child)
         if held is None or n == 0 or parent.num_computed_tokens < n:
             return NO_HIT
         if parent.token_ids_slice(0, n) != child.token_ids_slice(0, n):
@@ -207,6 +207,13 @@ class KVCacheManager:
             if partial:
                 copy_from[t] = table.blocks[k]
         return PrefixHit(n, blocks, copy_from=copy_from)
+
+    @staticmethod
+    def sample_shared_tokens(request: Request) -> int:
+        """Tokens of K/V a parallel sample of `request` (nothing computed yet) takes from its parent
+        (`share_prefix`): all but its last token, whose logits it computes itself, or up to the start
+        of the image/frame holding that token."""
+        return _outside_range(request.mm_ranges_np, request.num_tokens - 1)
 
     def _usable_prefix(self, request: Request, found: dict[str, list[int | None]]) -> PrefixHit:
         """The longest k such that blocks [0, k) can serve `request`: every unwindowed pool has all

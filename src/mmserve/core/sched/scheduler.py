@@ -139,12 +139,13 @@ class Scheduler:
 
     def _check_samples_fit(self, request: Request) -> None:
         """Refuse (it can never fit) n samples of prompt + max_tokens that need more KV blocks than a
-        pool has: in a full-attention pool the prompt's whole blocks are shared and everything after
-        them is per sample; a windowed pool holds n windows and one step's tokens between them
-        (the planner's bound, planner.window_pool_blocks)."""
+        pool has: in a full-attention pool a sample shares its parent's whole blocks before the
+        prompt's last token (a prompt of whole blocks: all but the last, which each sample copies)
+        and holds the rest itself; a windowed pool holds n windows and one step's tokens between
+        them (the planner's bound, planner.window_pool_blocks)."""
         n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
         one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
-        shared = prompt_len // self.kv.block_size
+        shared = self.kv.sample_shared_tokens(request) // self.kv.block_size
         for pool, blocks in one.items():
             window = self.kv.plans[pool].window
             if window is None:
