@@ -33,6 +33,7 @@ from test_engine_batching import assert_pools_full
 
 from mmserve.block_hash import block_hashes
 from mmserve.engine.observer import NullObserver
+from mmserve.errors import InvalidInputError
 from mmserve.model import load_model
 from mmserve.model.tokenizer import load_tokenizer
 from mmserve.request import Request
@@ -240,6 +241,53 @@ def test_preempted_speculating_requests_recompute_to_the_same_tokens(models, loo
     assert preempted, "nothing was preempted: the KV budget is too generous for this test"
     assert {rid: c.token_ids for rid, c in got.items()} == {rid: c.token_ids for rid, c in expected.items()}
     assert_pools_full(llm.core)
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_requests_at_their_kv_bound_speculate_without_preemption(models, loop):
+    """Speculation's K at the admission bound, verify chunks padded to 1 + K rows (as with verify
+    graphs). One request's bound leaves K out (KVCacheManager.max_blocks_needed says why): exactly
+    at it, near its end its pads need a block the pool lacks and are dropped, and it gives the
+    target's greedy tokens unpreempted (preempting first instead, it preempted itself up to 3
+    times). The bound of n samples counts each one's pads past its end (without them a sample's
+    pads took the free block its sibling still needed, and the sibling was preempted): at it, 2
+    samples give those tokens with nothing refused; one block less is refused naming sampling.n."""
+    for _ in range(DRAWS):   # until a pad is refused: a draw that keeps every draft near its end skips it (~1 in 12)
+        prompt = int(torch.randint(16, 29, ()))
+        max_tokens = 16 + (-(prompt + 16)) % BS   # prompt + max_tokens in whole blocks: a pad past the end needs one more
+        request = build_request("r", [prompt - 1], seed=int(torch.randint(0, 1000, ())), max_tokens=max_tokens)
+        target, expected = run(models, [request], speculate=False)
+        llm = padded_verify_engine(models, loop, usable=(prompt + max_tokens) // BS)
+        preempted = record_preemptions(llm)
+        greedy_agree(expected["r"].token_ids, llm.generate([request])[0].token_ids, target.decisions["r"])
+        assert not preempted, preempted
+        assert_pools_full(llm.core)
+        if llm.core.kv.refusals:
+            break
+    else:
+        pytest.fail(f"in {DRAWS} draws no pad was refused a block: the bound was never reached")
+
+    blocks = -(-(prompt + max_tokens + 2) // BS)   # a sample's pads reach K - 1 positions past its end
+    bound = blocks + (blocks - (prompt - 1) // BS)   # the second sample shares the blocks before the prompt's last token
+    samples = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, n=2))
+    with pytest.raises(InvalidInputError) as info:
+        padded_verify_engine(models, loop, usable=bound - 1).core.add_request(samples)
+    assert info.value.field == "sampling.n" and "pool full_attention" in str(info.value)
+    assert "+ 2 speculative pad positions" in str(info.value) and "lower n or max_tokens" in str(info.value)
+    llm = padded_verify_engine(models, loop, usable=bound)
+    preempted = record_preemptions(llm)
+    for sample in llm.generate([samples])[0].samples:
+        greedy_agree(expected["r"].token_ids, sample.token_ids, target.decisions["r"])
+    assert not preempted and not llm.core.kv.refusals, (preempted, llm.core.kv.refusals)
+    assert_pools_full(llm.core)
+
+
+def padded_verify_engine(models, loop: str, usable: int):
+    """A speculating engine whose pools have `usable` blocks each, its speculating chunks padded to
+    1 + K rows as with verify graphs."""
+    llm, _ = run(models, [], speculate=True, num_kv_blocks=usable + 1, **LOOPS[loop])   # (+ the null block)
+    llm.core.scheduler.verify_width = 4
+    return llm
 
 
 @pytest.mark.parametrize("variant", ["e_model", "moe"])

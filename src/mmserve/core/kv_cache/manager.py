@@ -144,8 +144,15 @@ class KVCacheManager:
         return max((p.num_cached_free / p.num_usable for p in self.pools.values()), default=0.0)
 
     def max_blocks_needed(self, num_tokens: int, max_chunk: int) -> dict[str, int]:
-        """Most blocks one request of `num_tokens` ever holds per pool, given steps of at most
-        `max_chunk` tokens (a windowed pool: its window and one chunk; planner.window_hold_blocks)."""
+        """Most blocks one request of `num_tokens` ever needs per pool, given steps of at most
+        `max_chunk` tokens (a windowed pool: its window and one chunk; planner.window_hold_blocks).
+        Speculation's K is left out: what a verify chunk writes past a plain decode is allocated only
+        if the pool has room, else dropped (pads, then drafts) before anyone is preempted
+        (`Scheduler._schedule_running`); its drafts stop before the request's last token
+        (Speculator.num_drafts, `Scheduler._chunk` for the async loop's), only the pads filling it
+        to 1 + K rows pass it; and the window kept for the rows the step in flight may reject
+        (`_lowest_query`) reaches back by that step's rows, which its budget bounds as it does a
+        chunk. So one request at this bound is served, verifying fewer rows near its end."""
         full = math.ceil(num_tokens / self.block_size)
         return {t: full if plan.window is None else min(full, window_hold_blocks(plan.window, max_chunk, self.block_size))
                 for t, plan in self.plans.items()}

@@ -142,9 +142,14 @@ class Scheduler:
         pool has: in a full-attention pool a sample shares its parent's whole blocks before the
         prompt's last token (a prompt of whole blocks: all but the last, which each sample copies)
         and holds the rest itself; a windowed pool holds n windows and one step's tokens between
-        them (the planner's bound, planner.window_pool_blocks)."""
+        them (the planner's bound, planner.window_pool_blocks). Speculation's K counts only for the
+        pads (`verify_width`) that fill a sample's last verify chunks up to K - 1 positions past its
+        end: one request drops them when a pool is short (`KVCacheManager.max_blocks_needed`), but
+        a sample's pads take, while it is free, a block its sibling still needs, which then preempts
+        the sibling."""
         n, prompt_len, max_tokens = request.sampling_params.n, request.num_prompt_tokens, request.sampling_params.max_tokens
-        one = self.kv.max_blocks_needed(prompt_len + max_tokens, self.prefill_batched_tokens)
+        pads_past_end = max(0, self.verify_width - 2)
+        one = self.kv.max_blocks_needed(prompt_len + max_tokens + pads_past_end, self.prefill_batched_tokens)
         shared = self.kv.sample_shared_tokens(request) // self.kv.block_size
         for pool, blocks in one.items():
             window = self.kv.plans[pool].window
@@ -155,9 +160,10 @@ class Scheduler:
                                                           max_step_tokens=self.prefill_batched_tokens) - 1)
             usable = self.kv.pools[pool].num_usable
             if need > usable:
+                pads = f" (+ {pads_past_end} speculative pad positions)" if pads_past_end else ""
                 raise InvalidInputError(
-                    "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens need {need} KV "
-                    f"blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
+                    "sampling.n", f"{n} samples of {prompt_len} prompt + {max_tokens} max_tokens tokens{pads} need {need} "
+                    f"KV blocks in pool {pool} but it has {usable}: lower n or max_tokens (or raise --kv-cache-bytes)")
 
     def enqueue(self, request: Request) -> None:
         """Queue an already admitted request (the engine checks admission on the caller's thread); a
