@@ -161,19 +161,29 @@ def near_tie_in(decisions, tokens: dict[str, list[int]], bound: float = NEAR_TIE
 
 
 def record_draft_gaps(engine) -> list[torch.Tensor]:
-    """Per draft step of `engine`'s assistant (an LLM's or an EngineCore's, drafting eagerly), the
-    top-two gap of each row it took the argmax of, as it runs: a draft within NEAR_TIE of another may
-    come out otherwise in another layout, and with it which drafts the target keeps."""
-    assistant, gaps = getattr(engine, "core", engine).speculator.assistant, []
-    step = assistant.step
+    """Per draft step of `engine`'s assistant (an LLM's or an EngineCore's, drafting eagerly or
+    replaying emulated graphs), the top-two gap of each request's row it took the argmax of, as it
+    runs (a replay's padding rows, which no request reads, left out): a draft within NEAR_TIE of
+    another may come out otherwise in another layout, and with it which drafts the target keeps."""
+    speculator = getattr(engine, "core", engine).speculator
+    assistant, graphs, gaps = speculator.assistant, speculator.graphs, []
+    step, replay = assistant.step, graphs.run
+    requests_rows: list[int | None] = [None]   # a replay's requests (the rows before its padding); None: all
 
     def recording(*args, **kwargs):
         logits, hidden = step(*args, **kwargs)
         top = logits.topk(2, dim=-1).values
-        gaps.append(top[..., 0] - top[..., 1])
+        gaps.append((top[..., 0] - top[..., 1])[:requests_rows[0]])
         return logits, hidden
 
-    assistant.step = recording
+    def replaying(tokens, *args, **kwargs):
+        requests_rows[0] = len(tokens)
+        try:
+            return replay(tokens, *args, **kwargs)
+        finally:
+            requests_rows[0] = None
+
+    assistant.step, graphs.run = recording, replaying
     return gaps
 
 

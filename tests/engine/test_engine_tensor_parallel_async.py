@@ -24,11 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from engine_helpers import (
+    NEAR_TIE,
     assert_tokens_agree,
     build_request,
     make_llm,
     near_tie_in,
     record_decisions,
+    record_draft_gaps,
     step_core,
 )
 from gemma4_fixtures import make_assistant, tiny_config
@@ -178,26 +180,36 @@ def test_tp2_async_gives_the_tokens_and_acceptance_of_sync_and_tp1(tp_core, load
     Speculating in the async loop, a step broadcasts once (the drafting round's acceptance: the
     workers build the next inputs from it; before, the in-flight tokens went by a second one), and
     the workers check their drafts against rank 0's."""
-    # A draw whose drafter keeps nothing happens (1 in ~3): draw again. So is one where the reference's
-    # greedy choice is a near tie, which TP=2's other sums may flip (~1 in 30): every token and every
-    # step's acceptance after it would differ, and they are compared exactly.
+    # A draw whose drafter keeps nothing happens (12 of 60 seeds): draw again. So is one where a greedy
+    # choice of the reference's target, or a draft of TP=1's drafter (either loop), is a near tie, which
+    # TP=2's other sums may flip (1 and 1 of those 60 seeds; the drafter's down to 1.6e-5): every token,
+    # or the drafts kept, after it would differ, and they are compared exactly.
     for _ in range(DRAWS):
         seed = random.randrange(10_000)
         speculating = workload(random.Random(seed), True)
-        tp1_async = run(tp1(load_backend, assistant, "async"), speculating)
+        drafting = tp1(load_backend, assistant, "async")
+        draft_gaps = [record_draft_gaps(drafting)]   # each fills as its engine runs
+        tp1_async = run(drafting, speculating)
         if not kept_drafts(tp1_async[1]):
             continue
+        drafting = tp1(load_backend, assistant, "sync")
+        draft_gaps.append(record_draft_gaps(drafting))
+        tp1_sync = run(drafting, speculating)
         plain = workload(random.Random(seed), False)
         reference_core = tp1(load_backend, assistant, "sync")
         decisions = record_decisions(reference_core)
         tp1_plain = run(reference_core, plain)
-        if not near_tie_in(decisions, {r.request_id: tp1_plain[0][r.request_id] for r in plain if r.sampling.greedy}):
+        greedy = {r.request_id: tp1_plain[0][r.request_id] for r in plain if r.sampling.greedy}
+        drafts = torch.cat([gap for gaps in draft_gaps for gap in gaps])
+        print(f"seed {seed}: smallest top-two gap of TP=1's {len(drafts)} drafts {drafts.min().item():.2g} "
+              f"(NEAR_TIE {NEAR_TIE})")
+        if not (near_tie_in(decisions, greedy) or bool((drafts < NEAR_TIE).any())):
             break
     else:
         pytest.fail(f"no draft kept, or a near tie, in {DRAWS} workloads (last seed {seed})")
     replays = tp_core.speculator.graphs.replays
     runs = {("tp1", "async", True): tp1_async,
-            ("tp1", "sync", True): run(tp1(load_backend, assistant, "sync"), speculating),
+            ("tp1", "sync", True): tp1_sync,
             ("tp1", "sync", False): tp1_plain}
     broadcasts = Broadcasts(tp_core, monkeypatch)
     for loop in ("async", "sync"):
