@@ -208,14 +208,6 @@ def _ipc(directory: str, name: str) -> str:
     return f"ipc://{directory}/{name}"
 
 
-def _receive(sub: zmq.Socket, n: int) -> list[list[bytes]]:
-    out = []
-    while len(out) < n:
-        assert sub.poll(10_000), "no message"
-        out.append(sub.recv_multipart())
-    return out
-
-
 def _replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]]:
     """vLLM's replay protocol: a REQ-style request (empty delimiter, 8-byte start), answers to the end marker."""
     dealer = context.socket(zmq.DEALER)
@@ -231,16 +223,25 @@ def _replay(context: zmq.Context, endpoint: str, start: int) -> list[list[bytes]
         frames.append(message)
 
 
-async def _hub(batches):
-    """A hub's subscription: these batches, then nothing more (it stays open)."""
-    for b in batches:
-        yield b
-    await asyncio.Event().wait()
+def _receive(sub: zmq.Socket, n: int, first: int = 0) -> list[list[bytes]]:
+    """The next `n` messages from sequence `first` on, those before it (warm-ups) skipped."""
+    out = []
+    while len(out) < n:
+        assert sub.poll(10_000), "no message"
+        message = sub.recv_multipart()
+        if int.from_bytes(message[1], "big") >= first:
+            out.append(message)
+    return out
+
+
+WARM_UP = KvBatch(0, 1.0, (Cleared(),))
 
 
 def test_messages_and_replays_are_those_of_vllms_publisher():
     """The same batches through vLLM's ZmqEventPublisher (fed the batches decoded with its classes)
-    and through ours: the same (topic, sequence, payload) frames live and in a replay."""
+    and through ours: the same (topic, sequence, payload) frames live and in a replay. A SUB hears
+    only what is sent once its subscription reached the publisher: both publishers send the same
+    warm-up batches, one at a time, until each subscriber has heard one (no sleep to hope it did)."""
     rng = random.Random(2)
     batches = [random_batch(rng, s) for s in range(6)]
     with tempfile.TemporaryDirectory() as d:
@@ -254,32 +255,52 @@ def test_messages_and_replays_are_those_of_vllms_publisher():
                                    topic="kv@pod@m")
 
         async def main():
+            feed: asyncio.Queue[KvBatch] = asyncio.Queue()
+
+            async def hub():
+                while True:
+                    yield await feed.get()
+
+            def publish(batch: KvBatch) -> None:
+                feed.put_nowait(batch)
+                theirs.publish(VLLM_DECODER.decode(encode_batch(batch, BLOCK)))
+
             ours = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=_ipc(d, "ours"),
                                                       replay_endpoint=_ipc(d, "ours-replay"), topic="kv@pod@m"), BLOCK)
-            await asyncio.sleep(0.3)   # a SUB hears only what is sent once its subscription reached the publisher
-            ours.start(lambda: _hub(batches))
-            for b in batches:
-                theirs.publish(VLLM_DECODER.decode(encode_batch(b, BLOCK)))
+            ours.start(hub)
             try:
-                mine = await asyncio.to_thread(_receive, subs["ours"], len(batches))
-                vllm = await asyncio.to_thread(_receive, subs["theirs"], len(batches))
-                replays = [await asyncio.to_thread(_replay, context, _ipc(d, f"{name}-replay"), 2)
-                           for name in ("ours", "theirs")]
+                first, heard = 0, set()
+                while len(heard) < len(subs):
+                    assert first < 300, f"after {first} warm-up batches only {heard} heard one"
+                    publish(WARM_UP)
+                    first += 1
+                    for name, sub in subs.items():
+                        if name not in heard and await asyncio.to_thread(sub.poll, 100):
+                            heard.add(name)
+                for b in batches:
+                    publish(b)
+                mine = await asyncio.to_thread(_receive, subs["ours"], len(batches), first)
+                vllm = await asyncio.to_thread(_receive, subs["theirs"], len(batches), first)
+                replays = [[await asyncio.to_thread(_replay, context, _ipc(d, f"{name}-replay"), start)
+                            for name in ("ours", "theirs")] for start in (first + 2, 0)]
             finally:
                 await ours.close()
-            return mine, vllm, replays
+            return first, mine, vllm, replays
 
         try:
-            mine, vllm, (replay_ours, replay_theirs) = asyncio.run(main())
+            first, mine, vllm, ((replay_ours, replay_theirs), (whole_ours, whole_theirs)) = asyncio.run(main())
         finally:
             theirs.shutdown()
             context.destroy(linger=0)
-    assert [m[1] for m in mine] == [s.to_bytes(8, "big") for s in range(len(batches))]
+    print(f"{first} warm-up batches until both subscribers heard one")
+    assert [m[1] for m in mine] == [s.to_bytes(8, "big") for s in range(first, first + len(batches))]
     def frames(messages):
         return [(topic, seq, layout(payload)) for topic, seq, payload in messages]
 
     assert frames(mine) == frames(vllm)
     assert frames(replay_ours) == frames(replay_theirs) == frames(vllm[2:])
+    assert frames(whole_ours) == frames(whole_theirs)   # the warm-ups too, numbered from 0
+    assert [w[1] for w in whole_ours] == [s.to_bytes(8, "big") for s in range(first + len(batches))]
 
 
 def _replayed_cache(frames: list[list[bytes]]) -> dict[int, tuple]:
@@ -421,7 +442,9 @@ def test_a_subscriber_that_never_reads_leaves_the_publishers_memory_flat():
     the high-water mark ZMQ drops for it, and the replay buffer keeps `buffer_steps`; the process's
     RSS stops growing once those are full (it would grow by the ~46 large batches measured, 14 MiB).
     The hub here, as the real one, starts each subscription with a snapshot (of an empty cache) and
-    goes on where the last one stopped: the publisher subscribes again every `buffer_steps // 2`."""
+    goes on where the last one stopped: the publisher subscribes again every `buffer_steps // 2`.
+    The first subscription's snapshot is sent again until the subscriber holds one (a SUB hears only
+    what is sent once its subscription reached the publisher; before it, nothing queues for it)."""
     rng = random.Random(3)
     big = KvBatch(0, 1.0, tuple(Stored(rng.getrandbits(63), None, tuple(rng.randrange(2**17) for _ in range(2048)))
                                 for _ in range(40)))
@@ -434,18 +457,23 @@ def test_a_subscriber_that_never_reads_leaves_the_publishers_memory_flat():
         stalled.setsockopt(zmq.RCVBUF, 4096)
         stalled.connect(_ipc(d, "pub"))
         stalled.subscribe(b"")
-        sent = []
+        sent, warm_ups = [], []
 
         async def main():
             publisher = ZmqKvEventPublisher(KvEventsConfig(enable_kv_cache_events=True, endpoint=_ipc(d, "pub"),
                                                            hwm=4, buffer_steps=4), 2048)
-            await asyncio.sleep(0.3)   # the subscription reaches the publisher
             measured = asyncio.Event()
-
+            joined = False
             remaining = iter(range(100))
 
             async def hub():
+                nonlocal joined
                 yield KvBatch(0, 1.0, (Cleared(),), snapshot=True)
+                while not joined:   # until the subscriber holds one: its subscription reached the publisher
+                    joined = await asyncio.to_thread(stalled.poll, 100)   # (holds it: still reads nothing)
+                    warm_ups.append(joined)
+                    if not joined:
+                        yield KvBatch(0, 1.0, (Cleared(),), snapshot=True)
                 for i in remaining:
                     if i in (30, 99):
                         await asyncio.to_thread(_wait_sent, publisher, i)
@@ -461,6 +489,7 @@ def test_a_subscriber_that_never_reads_leaves_the_publishers_memory_flat():
         asyncio.run(main())
         context.destroy(linger=0)
     grown = sent[1] - sent[0]
+    print(f"{len(warm_ups)} snapshots until the subscriber held one; RSS grew {grown / 2**20:.1f} MiB")
     assert grown < 6 * 2**20, f"RSS grew {grown / 2**20:.0f} MiB over 69 batches of {size / 2**20:.1f} MiB"
 
 
