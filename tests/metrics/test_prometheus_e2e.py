@@ -1,8 +1,8 @@
 """A real Prometheus (Debian's `prometheus`, exemplar storage on, 1 s scrapes) scraping a real
 `mmserve serve` process under a mixed load, then asked through its HTTP API:
 
-- every panel query of the shipped Grafana dashboard returns data, finite, over the last minute, and
-  the labels its `by (...)` groups on carry values;
+- every panel query of the shipped Grafana dashboard returns data, finite, over the run, and the
+  labels its `by (...)` groups on carry values;
 - the latency histograms' exemplars name the traces of the requests just sent;
 - the `vllm:*` compatibility gauges rose with the load and read idle after it;
 - the shipped alert rules (a copy with `for: 1s` and 10 s windows) evaluate without error, and
@@ -11,11 +11,18 @@
 Name matching cannot see a broken PromQL expression, a label that never carries a value or an
 exemplar Prometheus refuses; only Prometheus itself can. Skips with the install command where
 Prometheus is absent, unless CI is set (.ci/run installs it through `make setup-prometheus`).
+
+The load's short states (the batch full with some waiting, the live session open) are held until
+Prometheus has stored them, and the checks read windows that cover the whole run: the load lasts
+~2 s on a quiet machine, where one or two scrapes land in it, and on a loaded one a scrape can
+outlast its 1 s timeout and store nothing (a failed scrape stores `up` 0 and marks the target's
+series stale). Failures print the scrapes' `up` and durations, to tell the two apart.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import math
 import os
 import random
@@ -57,7 +64,15 @@ from local_prometheus import (  # noqa: E402
 LATENCY_HISTOGRAMS = ("mmserve_time_to_first_token_seconds", "mmserve_time_per_output_token_seconds",
                       "mmserve_e2e_request_latency_seconds", "mmserve_request_queue_time_seconds")
 MAX_NUM_SEQS = 2   # with more long requests than this, some wait: the waiting gauges must show it
+TEXT_REQUESTS = 5   # requests kept outstanding until a stored scrape shows the batch full
 LIVE_FRAMES = 3
+# A full batch, some waiting, KV in use: (gauge, its bound), each held until a stored scrape shows it.
+BATCH_FULL = (("vllm:num_requests_running", f">= {MAX_NUM_SEQS}"), ("vllm:num_requests_waiting", ">= 1"),
+              ("vllm:kv_cache_usage_perc", "> 0"))
+# A held state not shown by this many successful scrapes is not coming (the test's assertion says so);
+# a hold without that many within the wall-clock limit means scrapes fail (its failure prints them).
+HOLD_SCRAPES = 10
+HOLD_TIMEOUT_S = 180.0
 
 
 def _require_prometheus() -> None:
@@ -122,6 +137,7 @@ class Run:
     server: ServeProcess
     address: str
     metrics_target: str
+    started: float   # before the first scrape of the serving engine (before the load): windows reach back to it
     traced: set[str] = field(default_factory=set)   # trace ids of the requests the engine ran
     load_end: float = 0.0
 
@@ -141,15 +157,31 @@ def _png(seed: int, size: int = 48) -> bytes:
 
 
 def _mixed_load(run: Run, video: bytes, image: bytes) -> None:
-    """Long text streams (more than MAX_NUM_SEQS at once), a video asked twice (the second hits the
-    prefix cache), a stream cancelled while decoding and two refused requests, concurrently."""
+    """Long text requests (TEXT_REQUESTS, more than MAX_NUM_SEQS, each sent again as it ends until a
+    stored scrape shows the batch full and some waiting), a video asked twice (the second hits the
+    prefix cache), a stream cancelled while decoding, two refused requests and a live session (held
+    open until a stored scrape shows it), concurrently."""
+    batch_held = threading.Event()
+    began = time.time()
 
     def text(i: int) -> None:
-        client, trace_id = _traced_client(run.address)
-        with client:
-            result = client.generate(prompt=f"Count to a thousand, {i}.", max_tokens=300, ignore_eos=True, temperature=0)
-        assert len(result.token_ids) == 300
-        run.traced.add(trace_id)
+        for repeat in itertools.count():
+            client, trace_id = _traced_client(run.address)
+            with client:
+                result = client.generate(prompt=f"Count to a thousand, {i}.{repeat}", max_tokens=300,
+                                         ignore_eos=True, temperature=0)
+            assert len(result.token_ids) == 300
+            run.traced.add(trace_id)
+            if batch_held.is_set():
+                return
+
+    def hold_the_batch() -> None:
+        try:
+            _hold_until_stored(run, "the batch full and some waiting", began,
+                               lambda window: all(run.prometheus.query(f"max_over_time({gauge}{window}) {bound}")
+                                                  for gauge, bound in BATCH_FULL))
+        finally:
+            batch_held.set()
 
     def video_twice() -> None:
         for _ in range(2):
@@ -186,6 +218,7 @@ def _mixed_load(run: Run, video: bytes, image: bytes) -> None:
         """A live session of LIVE_FRAMES frames and a question: the live metrics' series."""
         client, trace_id = _traced_client(run.address)   # its question's latencies are exemplars too
         with client:
+            opened = time.time()
             call = client.live()
             for i in range(LIVE_FRAMES):
                 image = io.BytesIO()
@@ -194,31 +227,74 @@ def _mixed_load(run: Run, video: bytes, image: bytes) -> None:
             for response in call:
                 if response.WhichOneof("kind") == "progress" and response.progress.frames_prefilled == LIVE_FRAMES:
                     break
+            _hold_until_stored(run, "the live session open", opened,
+                               lambda window: run.prometheus.query(f"max_over_time(mmserve_live_sessions{window}) == 1"))
             call.ask("What moves?", max_tokens=4)
             call.close()
             assert any(r.WhichOneof("kind") == "answer" and r.answer.WhichOneof("kind") == "final" for r in call)
         run.traced.add(trace_id)
 
-    jobs = [lambda i=i: text(i) for i in range(5)] + [video_twice, cancelled, refused, refused, live_session]
+    jobs = [lambda i=i: text(i) for i in range(TEXT_REQUESTS)] + [hold_the_batch, video_twice, cancelled, refused,
+                                                                 refused, live_session]
     with ThreadPoolExecutor(len(jobs)) as pool:
         for future in [pool.submit(job) for job in jobs]:
             future.result()
 
 
-def _poll(what: str, check, timeout_s: float = 30.0, every_s: float = 0.25):
-    """check() until it returns something truthy; fails with `what` and the last value at the deadline."""
+def _poll(what: str, check, timeout_s: float = 30.0, every_s: float = 0.25, detail=lambda: ""):
+    """check() until it returns something truthy; fails with `what`, the last value and detail() at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
         if value:
             return value
-        assert time.monotonic() < deadline, f"{what}: still {value!r} after {timeout_s}s"
+        assert time.monotonic() < deadline, f"{what}: still {value!r} after {timeout_s}s{detail()}"
         time.sleep(every_s)
 
 
 def _value(prometheus: LocalPrometheus, expr: str) -> float | None:
     result = prometheus.query(expr)
     return float(result[0]["value"][1]) if result else None
+
+
+def _duration_since(start: float) -> str:
+    """From `start` (epoch seconds) to now, rounded out to whole milliseconds, as PromQL writes it."""
+    return f"{math.ceil((time.time() - start) * 1000)}ms"
+
+
+def _since(start: float) -> str:
+    """A range selector from `start` to now: a window over the run, however long a loaded machine made it."""
+    return f"[{_duration_since(start)}]"
+
+
+def _scrapes_since(prometheus: LocalPrometheus, start: float) -> int:
+    """Successful scrapes of the server that began after `start` (a failed one stores `up` 0)."""
+    window_ms = math.floor((time.time() - start) * 1000)
+    return int(_value(prometheus, f"sum_over_time(up[{window_ms}ms])") or 0) if window_ms > 0 else 0
+
+
+def _scrape_log(prometheus: LocalPrometheus, start: float) -> str:
+    """The scrapes since `start`: how many failed (a 1 s timeout on a loaded machine, say), and their durations."""
+    window = _since(start)
+    up = [(float(t), v) for s in prometheus.query(f"up{window}") for t, v in s["values"]]
+    durations = sorted(float(v) for s in prometheus.query(f"scrape_duration_seconds{window}") for _, v in s["values"])
+    failed = [round(t - start, 1) for t, v in up if v != "1"]
+    slowest = ", ".join(f"{d * 1e3:.0f}" for d in durations[-5:])
+    return (f"\n    scrapes since then: {len(up)}, failed (up 0) at {failed} s after it; slowest durations "
+            f"(ms): {slowest}")
+
+
+def _hold_until_stored(run: Run, what: str, start: float, stored) -> None:
+    """Returns once stored(window since `start`) is true: the caller holds its state until then. Also
+    once HOLD_SCRAPES successful scrapes since `start` have not shown it: a state they all missed is not
+    shown by the metrics, and the test's own assertion fails. A failed scrape does not count."""
+    p = run.prometheus
+    held = time.time()
+    _poll(f"{what}: neither stored nor {HOLD_SCRAPES} successful scrapes",
+          lambda: stored(_since(start)) or _scrapes_since(p, start) >= HOLD_SCRAPES, timeout_s=HOLD_TIMEOUT_S,
+          detail=lambda: _scrape_log(p, start))
+    print(f"{what}: {'stored' if stored(_since(start)) else 'NOT shown'} {time.time() - start:.1f} s after it "
+          f"began, held {time.time() - held:.1f} s for that{_scrape_log(p, start)}")
 
 
 @pytest.fixture(scope="module")
@@ -232,18 +308,19 @@ def run(tmp_path_factory, make_video, served_model):
     drafter = ("--speculative-model", str(DEMO_ASSISTANT_DIR)) if served_model == DEMO_MODEL_DIR else ()
     server = ServeProcess("--model", str(served_model), "--host", "127.0.0.1", "--port", "0",
                           "--metrics-port", str(metrics_port), "--otlp-traces-endpoint", receiver.endpoint, "--max-num-seqs", str(MAX_NUM_SEQS),
-                          "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1", *drafter)
+                          "--kv-cache-bytes", str(16 * 2**20), "--engine-threads", "1",
+                          "--live-idle-timeout-s", str(2 * HOLD_TIMEOUT_S), *drafter)
     prometheus = LocalPrometheus([target], rule_files=[_quick_rules(tmp_path_factory.mktemp("rules"))],
                                  interval_s=1.0)
     try:
         prometheus.start()   # while the model loads
         address = server.wait_serving()
         serving = time.time()
-        _poll("the server's target is up", lambda: prometheus.target_health() == ["up"])
         # a scrape of the serving engine's zeros before any load (series it adds at ready, e.g.
         # speculation's positions): "up" alone may be a scrape from while the model loaded
-        _poll("a scrape after the engine was ready", lambda: (_value(prometheus, "timestamp(up)") or 0) >= serving)
-        state = Run(prometheus, server, address, target)
+        _poll("a successful scrape after the engine was ready", lambda: _scrapes_since(prometheus, serving) >= 1,
+              timeout_s=HOLD_TIMEOUT_S, detail=lambda: _scrape_log(prometheus, serving))
+        state = Run(prometheus, server, address, target, started=serving)
         _mixed_load(state, make_video(seed=11, num_frames=8), _png(12))
         state.load_end = time.time()
         yield state
@@ -259,11 +336,16 @@ def _grouped_labels(expr: str) -> set[str]:
 
 
 def test_every_dashboard_query_returns_finite_data(run):
-    # Two scrapes after the load's end: a series born in its last moments (the cancelled request's
-    # finish reason) needs two samples for rate().
-    _poll("two scrapes after the load", lambda: _value(run.prometheus, "timestamp(up)") >= run.load_end + 1.0)
+    """Over the whole run (from before the load to now), not the dashboard's last minute: a minute
+    with no increase in it (a load a loaded machine stretched past it, or scrapes failed through it)
+    makes rate() 0 and the ratios and quantiles over it NaN."""
+    # Two successful scrapes after the load's end: a series born in its last moments (the cancelled
+    # request's finish reason) needs two samples for rate().
+    p = run.prometheus
+    _poll("two successful scrapes after the load", lambda: _scrapes_since(p, run.load_end) >= 2, timeout_s=60,
+          detail=lambda: _scrape_log(p, run.load_end))
     failures = []
-    queries = dashboard_queries(rate_interval="1m")
+    queries = dashboard_queries(rate_interval=_duration_since(run.started))
     assert len(queries) >= 20
     for title, expr in queries:
         try:
@@ -277,7 +359,7 @@ def test_every_dashboard_query_returns_finite_data(run):
         for label in _grouped_labels(expr):
             if not all(series["metric"].get(label) for series in result):
                 failures.append(f"{title}: a series without a value for `{label}`: {result}")
-    assert not failures, "\n".join(failures)
+    assert not failures, "\n".join(failures) + _scrape_log(p, run.started)
 
 
 def test_latency_exemplars_name_the_traces_just_sent(run):
@@ -293,10 +375,13 @@ def test_latency_exemplars_name_the_traces_just_sent(run):
 
 
 def test_vllm_gauges_follow_the_load_and_return_to_idle(run):
+    """The load held the batch full, some waiting and KV in use until a successful scrape stored it
+    (or HOLD_SCRAPES of them did not): the gauges show it over the run, and read idle after it."""
     p = run.prometheus
-    assert _value(p, "max_over_time(vllm:num_requests_running[2m])") >= MAX_NUM_SEQS
-    assert _value(p, "max_over_time(vllm:num_requests_waiting[2m])") >= 1
-    assert _value(p, "max_over_time(vllm:kv_cache_usage_perc[2m])") > 0
+    window = _since(run.started)
+    for gauge, bound in BATCH_FULL:
+        assert p.query(f"max_over_time({gauge}{window}) {bound}"), \
+            f"{gauge} never {bound}: {p.query(f'max_over_time({gauge}{window})')}{_scrape_log(p, run.started)}"
     idle = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
             "mmserve_requests_running", "mmserve_requests_waiting", "max(mmserve_kv_cache_usage)")
     _poll("idle gauges after the load", lambda: all(_value(p, name) == 0 for name in idle))
@@ -316,7 +401,8 @@ def test_counters_with_known_labels_start_at_zero_and_match_ours(run, served_mod
     0), and each carries the meaning it claims (encoder-cache misses are the frames the vision tower
     ran; vLLM's speculation counters are ours, position for position)."""
     p = run.prometheus
-    _poll("a scrape after the load", lambda: _value(p, "timestamp(up)") >= run.load_end + 1.0)
+    _poll("a successful scrape after the load", lambda: _scrapes_since(p, run.load_end) >= 1, timeout_s=60,
+          detail=lambda: _scrape_log(p, run.load_end))
     for modality in ("image", "video", "audio"):
         for name in ("queries", "hits"):
             series = f'mmserve_encoder_cache_{name}_total{{modality="{modality}"}}'
@@ -345,14 +431,17 @@ def test_counters_with_known_labels_start_at_zero_and_match_ours(run, served_mod
 
 
 def test_live_session_metrics(run):
-    """The live session of the load: Prometheus stored it open while it ran, then closed, and every
-    frame it sent prefilled, its lag observed at each progress report; each series was there at 0
-    before the session."""
+    """The live session of the load (held open until a successful scrape stored it, or HOLD_SCRAPES
+    did not): Prometheus stored it open while it ran, then closed, and every frame it sent
+    prefilled, its lag observed at each progress report; each series was there at 0 before the
+    session. The counters are read as last stored: after a failed scrape a plain read finds nothing."""
     p = run.prometheus
-    assert _value(p, "max_over_time(mmserve_live_sessions[2m])") == 1
-    _poll("the live session closed", lambda: _value(p, "mmserve_live_sessions") == 0)
-    assert _value(p, "mmserve_live_frames_prefilled_total") == LIVE_FRAMES
-    assert _value(p, "mmserve_live_lag_seconds_count") >= 1
+    window = _since(run.started)
+    assert _value(p, f"max_over_time(mmserve_live_sessions{window})") == 1, _scrape_log(p, run.started)
+    _poll("the live session closed", lambda: _value(p, "mmserve_live_sessions") == 0,
+          detail=lambda: _scrape_log(p, run.started))
+    assert _value(p, f"last_over_time(mmserve_live_frames_prefilled_total{window})") == LIVE_FRAMES
+    assert _value(p, f"last_over_time(mmserve_live_lag_seconds_count{window})") >= 1
     for name in ("mmserve_live_frames_prefilled_total", "mmserve_live_frames_dropped_total",
                  "mmserve_live_rollovers_total", "mmserve_live_sessions"):   # exported at 0 from the start
         assert _value(p, f"min_over_time({name}[10m])") == 0, name
