@@ -161,6 +161,13 @@ def test_utilization_above_one_is_reported_and_logged(caplog):
 
 _PEAKS_LINE = re.compile(r"device peaks: .*?: ([0-9.e+]+) FLOP/s, ([0-9.e+]+) B/s \(source (\w+), spread (\d+)%\)")
 _MODEL_LOADED = "mmserve.model.loader: loaded"   # the engine's line before it sizes its KV cache, then measures
+SPINNER = """import os, sys, time
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+sys.stdin.read()
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    pass
+"""
 
 
 def _server_start_peaks(busy_processes: int = 0) -> tuple[float, float, str]:
@@ -171,9 +178,10 @@ def _server_start_peaks(busy_processes: int = 0) -> tuple[float, float, str]:
     env[peaks.ENV_PEAKS_CACHE] = "off"
     proc = subprocess.Popen([sys.executable, "-m", "mmserve.cli", "serve", "--port", "0", "--device", "cpu"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    # started now, waiting on stdin: closing it sets them spinning at once
-    busy = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()\nwhile True: pass"],
-                             stdin=subprocess.PIPE) for _ in range(busy_processes)]
+    # started now, waiting on stdin: closing it sets them spinning at once, as ordinary (SCHED_OTHER)
+    # processes whatever policy this one runs under, for 60 s at most should this test die before
+    # it kills them
+    busy = [subprocess.Popen([sys.executable, "-c", SPINNER], stdin=subprocess.PIPE) for _ in range(busy_processes)]
     try:
         deadline = time.monotonic() + 120
         for line in proc.stderr:
