@@ -40,6 +40,9 @@ def test_a_reason_sent_as_the_core_exits_is_read_before_the_exit_is_reported(mon
     monkeypatch.setattr("mmserve.core.process.run_core", silent_core)
     sent = threading.Event()
     really_alive = CoreClient.alive.fget
+    # bound before the patch: a session server's client in this process reads `alive` on its own
+    # thread at any time, and an unbound `ours` killed that server's output handler (NameError)
+    ours: CoreClient | None = None
 
     def alive_then_sends(client: CoreClient) -> bool:
         if client is not ours:   # another test's client in this process (a session server) is left alone
